@@ -1,0 +1,122 @@
+"""The packed MLX affine-quantized weight, as the checkpoint loader hands it to the kernels.
+
+A `Linear(in=K -> out=N)` quantized by MLX stores, per output row n and input group g (group_size inputs):
+    words   uint32 [N, K * bits / 32]   little-endian fields along the input axis: element j of word c holds
+                                         input column c * (32 / bits) + j in bits [j*bits, (j+1)*bits)
+    scales  [N, K / group_size]          bf16, fp16 or fp32 (the source dtype)
+    biases  [N, K / group_size]
+    W[n, k] = scales[n, k // group] * q[n, k] + biases[n, k // group]
+The weight stays packed in memory; nothing here dequantizes a whole matrix except the test/reference helpers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SUPPORTED_BITS = (4, 8)
+SUPPORTED_GROUPS = (32, 64, 128)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    words: jax.Array  # uint32 [N, K * bits / 32]
+    scales: jax.Array  # [N, K / group_size]
+    biases: jax.Array  # [N, K / group_size]
+    bits: int = dataclasses.field(metadata=dict(static=True))
+    group_size: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def out_features(self) -> int:
+        return self.words.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.words.shape[1] * 32 // self.bits
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The logical [N, K] shape of the dequantized matrix."""
+        return (self.out_features, self.in_features)
+
+    def validate(self, name: str = "weight") -> None:
+        if self.bits not in SUPPORTED_BITS:
+            raise ValueError(f"{name}: {self.bits}-bit quantization is not supported (supported: {SUPPORTED_BITS})")
+        if self.group_size not in SUPPORTED_GROUPS:
+            raise ValueError(f"{name}: group size {self.group_size} is not supported (supported: {SUPPORTED_GROUPS})")
+        if self.words.dtype != jnp.uint32:
+            raise ValueError(f"{name}: packed words must be uint32, got {self.words.dtype}")
+        n, k = self.shape
+        want = (n, k // self.group_size)
+        if k % self.group_size:
+            raise ValueError(f"{name}: input size {k} is not a multiple of the group size {self.group_size}")
+        for part, arr in (("scales", self.scales), ("biases", self.biases)):
+            if tuple(arr.shape) != want:
+                raise ValueError(f"{name}: {part} shape {tuple(arr.shape)} does not match words {tuple(self.words.shape)} "
+                                 f"at {self.bits} bits, group {self.group_size} (expected {want})")
+
+
+def unpack(words: jax.Array, bits: int) -> jax.Array:
+    """uint32 [..., C] -> uint32 [..., C * 32 / bits] field values, input-axis order."""
+    per_word = 32 // bits
+    shifts = jnp.arange(per_word, dtype=jnp.uint32) * bits
+    fields = (words[..., None] >> shifts) & jnp.uint32((1 << bits) - 1)
+    return fields.reshape(*words.shape[:-1], words.shape[-1] * per_word)
+
+
+def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
+    """The whole [N, K] matrix in `dtype` (tests, references and small weights only)."""
+    q = unpack(w.words, w.bits).astype(jnp.float32)
+    n, k = w.shape
+    q = q.reshape(n, k // w.group_size, w.group_size)
+    deq = q * w.scales.astype(jnp.float32)[..., None] + w.biases.astype(jnp.float32)[..., None]
+    return deq.reshape(n, k).astype(dtype)
+
+
+def dequantize_rows(w: QuantizedWeight, rows: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """Rows `rows` (int [...]) of the dequantized matrix -> [..., K]: the quantized embedding gather."""
+    sub = QuantizedWeight(w.words[rows.reshape(-1)], w.scales[rows.reshape(-1)], w.biases[rows.reshape(-1)],
+                          w.bits, w.group_size)
+    return dequantize(sub, dtype).reshape(*rows.shape, w.in_features)
+
+
+def quantize_numpy(w: np.ndarray, bits: int, group_size: int, scale_dtype=np.float32
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A plain min/max affine quantizer in numpy (test fixtures; not MLX's exact rounding rule).
+
+    Returns (words uint32 [N, K*bits/32], scales [N, K/g], biases [N, K/g]).
+    """
+    n, k = w.shape
+    if k % group_size or k % (32 // bits):
+        raise ValueError(f"input size {k} must be a multiple of group {group_size}")
+    levels = (1 << bits) - 1
+    g = w.astype(np.float64).reshape(n, k // group_size, group_size)
+    lo, hi = g.min(-1), g.max(-1)
+    scale = np.maximum((hi - lo) / levels, 1e-7)
+    scale = scale.astype(scale_dtype).astype(np.float64)
+    bias = lo.astype(scale_dtype).astype(np.float64)
+    q = np.clip(np.rint((g - bias[..., None]) / scale[..., None]), 0, levels).astype(np.uint32).reshape(n, k)
+    per_word = 32 // bits
+    q = q.reshape(n, k // per_word, per_word)
+    words = np.zeros((n, k // per_word), np.uint32)
+    for j in range(per_word):
+        words |= q[..., j] << np.uint32(j * bits)
+    return words, scale.astype(scale_dtype), bias.astype(scale_dtype)
+
+
+def dequantize_numpy(words: np.ndarray, scales: np.ndarray, biases: np.ndarray, bits: int, group_size: int
+                     ) -> np.ndarray:
+    """float64 [N, K] from the packed form: an independent numpy oracle for the kernels' tests."""
+    per_word = 32 // bits
+    n, c = words.shape
+    q = np.empty((n, c, per_word), np.float64)
+    for j in range(per_word):
+        q[..., j] = (words >> np.uint32(j * bits)) & np.uint32((1 << bits) - 1)
+    q = q.reshape(n, c * per_word)
+    s = np.repeat(scales.astype(np.float64), group_size, axis=1)
+    b = np.repeat(biases.astype(np.float64), group_size, axis=1)
+    return q * s + b
