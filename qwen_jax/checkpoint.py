@@ -1,0 +1,313 @@
+"""Checkpoint dir -> (config, params pytree), and the tokenizer/chat template. The only module that knows file
+formats: safetensors (single or sharded), HF key layouts (`model.language_model.*`, `model.*`, `lm_head`) and MLX
+conversions (`language_model.model.*`, zero-centred norms with +1 baked in, conv1d as [C, K, 1], affine 4/8-bit
+quantization: a module is quantized iff `<path>.scales` exists).
+
+Params layout (norm weights are the effective fp32 multipliers, i.e. 1 + w for HF's zero-centred norms):
+    {"embed": W[V, H], "norm": f32[H], "lm_head": W[V, H] | None (tied), "layers": tuple of per-layer dicts}
+    GDN layer:  {"input_norm", "post_norm", "mlp": {"gate", "up", "down"},
+                 "gdn": {"qkv", "z", "b", "a", "out", "conv": f32[C, K], "dt_bias": f32[Hv], "A_log": f32[Hv],
+                         "norm": f32[dv]}}
+    attn layer: {"input_norm", "post_norm", "mlp": {...},
+                 "attn": {"q", "k", "v", "o", "q_norm": f32[D], "k_norm": f32[D]}}
+W is a dense [out, in] array in the compute dtype or a packed `QuantizedWeight` (never dequantized at load).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from pallas_kernels.qweight import QuantizedWeight
+from qwen_jax.config import LAYER_GDN, ModelConfig, load_config
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "U16": np.uint16,
+    "U32": np.uint32, "U64": np.uint64, "BOOL": np.bool_, "F8_E4M3": ml_dtypes.float8_e4m3fn,
+}
+
+
+@dataclass
+class _TensorRef:
+    file: Path
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+class SafetensorsIndex:
+    """All tensors of a checkpoint dir by name, read lazily through mmap (nothing loaded until asked)."""
+
+    def __init__(self, model_dir: Path):
+        self.refs: dict[str, _TensorRef] = {}
+        self._maps: dict[Path, mmap.mmap] = {}
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index}: unreadable index ({e})") from None
+            files = sorted({model_dir / f for f in weight_map.values()})
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise CheckpointError(f"{model_dir}: shard(s) named in the index are missing: {', '.join(missing)}")
+        else:
+            files = sorted(model_dir.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(f"{model_dir}: no *.safetensors file (and no model.safetensors.index.json)")
+        for f in files:
+            self._read_header(f)
+
+    def _read_header(self, path: Path) -> None:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: truncated safetensors file (no header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise CheckpointError(f"{path}: truncated safetensors file (header of {n} bytes, file {size})")
+            try:
+                header = json.loads(fh.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from None
+        base = 8 + n
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = meta["data_offsets"]
+            if base + end > size:
+                raise CheckpointError(f"{path}: truncated safetensors file ({name} ends at byte {base + end}, "
+                                      f"file has {size})")
+            if meta["dtype"] not in _DTYPES:
+                raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {meta['dtype']}")
+            self.refs[name] = _TensorRef(path, meta["dtype"], tuple(meta["shape"]), base + start, base + end)
+
+    def load(self, name: str) -> np.ndarray:
+        ref = self.refs[name]
+        mm = self._maps.get(ref.file)
+        if mm is None:
+            with open(ref.file, "rb") as fh:
+                mm = self._maps[ref.file] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        arr = np.frombuffer(mm, dtype=_DTYPES[ref.dtype], count=int(np.prod(ref.shape, dtype=np.int64)),
+                            offset=ref.start)
+        return arr.reshape(ref.shape)
+
+    def close(self) -> None:
+        for mm in self._maps.values():
+            mm.close()
+        self._maps.clear()
+
+
+@dataclass
+class LoadedCheckpoint:
+    config: ModelConfig
+    params: dict[str, Any]
+    source_format: str  # "hf" or "mlx"
+    # Tensors kept aside for later issues (vision tower, MTP head), by original name -> numpy view.
+    aside: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def _canonical(name: str) -> tuple[str, str] | None:
+    """Original key -> (section, canonical key) where section is text/vision/mtp, or None to ignore."""
+    if name.startswith("mtp."):
+        return "mtp", name
+    for prefix in ("model.visual.", "visual.", "vision_tower.", "model.vision_tower."):
+        if name.startswith(prefix):
+            return "vision", name
+    for prefix, out in (("model.language_model.", ""), ("language_model.model.", ""),
+                        ("language_model.lm_head.", "lm_head."), ("language_model.", ""), ("model.", "")):
+        if name.startswith(prefix):
+            return "text", out + name[len(prefix):]
+    if name.startswith("lm_head."):
+        return "text", name
+    return None
+
+
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """[out, in] of every linear module (canonical path without `.weight`)."""
+    t = cfg.text
+    shapes = {"embed_tokens": (t.vocab_size, t.hidden_size)}
+    if not t.tie_word_embeddings:
+        shapes["lm_head"] = (t.vocab_size, t.hidden_size)
+    h = t.hidden_size
+    for i, kind in enumerate(t.layer_types):
+        p = f"layers.{i}"
+        shapes[f"{p}.mlp.gate_proj"] = (t.intermediate_size, h)
+        shapes[f"{p}.mlp.up_proj"] = (t.intermediate_size, h)
+        shapes[f"{p}.mlp.down_proj"] = (h, t.intermediate_size)
+        if kind == LAYER_GDN:
+            shapes[f"{p}.linear_attn.in_proj_qkv"] = (t.conv_dim, h)
+            shapes[f"{p}.linear_attn.in_proj_z"] = (t.value_dim, h)
+            shapes[f"{p}.linear_attn.in_proj_b"] = (t.linear_num_value_heads, h)
+            shapes[f"{p}.linear_attn.in_proj_a"] = (t.linear_num_value_heads, h)
+            shapes[f"{p}.linear_attn.out_proj"] = (h, t.value_dim)
+        else:
+            shapes[f"{p}.self_attn.q_proj"] = (t.num_heads * t.head_dim * 2, h)
+            shapes[f"{p}.self_attn.k_proj"] = (t.num_kv_heads * t.head_dim, h)
+            shapes[f"{p}.self_attn.v_proj"] = (t.num_kv_heads * t.head_dim, h)
+            shapes[f"{p}.self_attn.o_proj"] = (h, t.num_heads * t.head_dim)
+    return shapes
+
+
+class _Builder:
+    def __init__(self, cfg: ModelConfig, idx: SafetensorsIndex, names: dict[str, str], fmt: str, dtype, bar):
+        self.cfg, self.idx, self.names, self.fmt, self.dtype, self.bar = cfg, idx, names, fmt, dtype, bar
+        self.shapes = _expected_shapes(cfg)
+        self.used: set[str] = set()
+
+    def _raw(self, key: str) -> np.ndarray:
+        if key not in self.names:
+            raise CheckpointError(f"checkpoint is missing tensor `{key}`")
+        self.used.add(key)
+        if self.bar is not None:
+            self.bar.update(1)
+        return self.idx.load(self.names[key])
+
+    def linear(self, module: str):
+        want = self.shapes[module]
+        if f"{module}.scales" in self.names:
+            orig = self.names[f"{module}.scales"][: -len(".scales")]
+            q = self.cfg.quant_for(orig)
+            if q is None:
+                raise CheckpointError(f"`{orig}` has scales but config.json has no quantization params for it")
+            words = self._raw(f"{module}.weight")
+            scales, biases = self._raw(f"{module}.scales"), self._raw(f"{module}.biases")
+            if words.dtype != np.uint32:
+                raise CheckpointError(f"`{orig}.weight` is {words.dtype}, expected packed uint32")
+            w = QuantizedWeight(jnp.asarray(words), jnp.asarray(scales), jnp.asarray(biases), q.bits, q.group_size)
+            if w.shape != want:
+                raise CheckpointError(f"shape mismatch: `{orig}` unpacks to {list(w.shape)} at {q.bits} bits, "
+                                      f"config.json implies {list(want)}")
+            try:
+                w.validate(orig)
+            except ValueError as e:
+                raise CheckpointError(str(e)) from None
+            return w
+        arr = self._raw(f"{module}.weight")
+        if tuple(arr.shape) != want:
+            raise CheckpointError(f"shape mismatch: `{self.names[module + '.weight']}` is {list(arr.shape)}, "
+                                  f"config.json implies {list(want)}")
+        return jnp.asarray(arr.astype(np.float32), dtype=self.dtype)
+
+    def vector(self, key: str, size: int, *, zero_centred: bool = False) -> jnp.ndarray:
+        arr = self._raw(key).astype(np.float32)
+        if arr.shape != (size,):
+            raise CheckpointError(f"shape mismatch: `{self.names[key]}` is {list(arr.shape)}, expected [{size}]")
+        # HF stores zero-centred norms as w (multiplier 1 + w); MLX conversions already added the 1.
+        if zero_centred and self.fmt == "hf":
+            arr = arr + np.float32(1.0)
+        return jnp.asarray(arr)
+
+    def conv(self, key: str) -> jnp.ndarray:
+        t = self.cfg.text
+        arr = self._raw(key).astype(np.float32)
+        c, k = t.conv_dim, t.linear_conv_kernel_dim
+        if arr.shape == (c, 1, k):
+            arr = arr[:, 0, :]
+        elif arr.shape == (c, k, 1):
+            arr = arr[:, :, 0]
+        else:
+            raise CheckpointError(f"shape mismatch: `{self.names[key]}` is {list(arr.shape)}, expected "
+                                  f"[{c}, 1, {k}] (HF) or [{c}, {k}, 1] (MLX)")
+        return jnp.asarray(arr)
+
+
+def load_checkpoint(model_dir: str | os.PathLike, *, dtype=jnp.bfloat16, progress: bool | None = None
+                    ) -> LoadedCheckpoint:
+    """Read a checkpoint dir. `dtype` is the compute dtype dense weights are cast to (bfloat16 or float32);
+    packed weights stay packed, norms and GDN scalars stay fp32."""
+    d = Path(model_dir)
+    cfg = load_config(d)
+    idx = SafetensorsIndex(d)
+    names: dict[str, str] = {}
+    aside: dict[str, np.ndarray] = {}
+    fmt = "hf"
+    for name in idx.refs:
+        c = _canonical(name)
+        if c is None:
+            continue
+        section, key = c
+        if section != "text":
+            aside[name] = idx.load(name)
+            continue
+        if name.startswith("language_model."):
+            fmt = "mlx"
+        names[key] = name
+    t = cfg.text
+    if progress is None:
+        progress = sys.stderr.isatty()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(names), desc=f"loading {d.name}", unit="tensor")
+    b = _Builder(cfg, idx, names, fmt, jnp.dtype(dtype), bar)
+    try:
+        layers = []
+        for i, kind in enumerate(t.layer_types):
+            p = f"layers.{i}"
+            layer = {
+                "input_norm": b.vector(f"{p}.input_layernorm.weight", t.hidden_size, zero_centred=True),
+                "post_norm": b.vector(f"{p}.post_attention_layernorm.weight", t.hidden_size, zero_centred=True),
+                "mlp": {"gate": b.linear(f"{p}.mlp.gate_proj"), "up": b.linear(f"{p}.mlp.up_proj"),
+                        "down": b.linear(f"{p}.mlp.down_proj")},
+            }
+            if kind == LAYER_GDN:
+                la = f"{p}.linear_attn"
+                layer["gdn"] = {
+                    "qkv": b.linear(f"{la}.in_proj_qkv"), "z": b.linear(f"{la}.in_proj_z"),
+                    "b": b.linear(f"{la}.in_proj_b"), "a": b.linear(f"{la}.in_proj_a"),
+                    "out": b.linear(f"{la}.out_proj"), "conv": b.conv(f"{la}.conv1d.weight"),
+                    "dt_bias": b.vector(f"{la}.dt_bias", t.linear_num_value_heads),
+                    "A_log": b.vector(f"{la}.A_log", t.linear_num_value_heads),
+                    "norm": b.vector(f"{la}.norm.weight", t.linear_value_head_dim),
+                }
+            else:
+                sa = f"{p}.self_attn"
+                layer["attn"] = {
+                    "q": b.linear(f"{sa}.q_proj"), "k": b.linear(f"{sa}.k_proj"), "v": b.linear(f"{sa}.v_proj"),
+                    "o": b.linear(f"{sa}.o_proj"),
+                    "q_norm": b.vector(f"{sa}.q_norm.weight", t.head_dim, zero_centred=True),
+                    "k_norm": b.vector(f"{sa}.k_norm.weight", t.head_dim, zero_centred=True),
+                }
+            layers.append(layer)
+        params = {
+            "embed": b.linear("embed_tokens"),
+            "norm": b.vector("norm.weight", t.hidden_size, zero_centred=True),
+            "lm_head": None if t.tie_word_embeddings else b.linear("lm_head"),
+            "layers": tuple(layers),
+        }
+    finally:
+        if bar is not None:
+            bar.close()
+    unused = sorted(set(names) - b.used)
+    if unused and not (t.tie_word_embeddings and all(u.startswith("lm_head.") for u in unused)):
+        raise CheckpointError(f"checkpoint has tensors the config does not explain: {', '.join(unused[:5])}"
+                              + (" ..." if len(unused) > 5 else ""))
+    return LoadedCheckpoint(cfg, params, fmt, aside)
+
+
+def load_tokenizer(model_dir: str | os.PathLike):
+    """The checkpoint's own tokenizer and chat template (local files only; nothing is fetched)."""
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as e:  # transformers raises many types for an unusable dir
+        raise CheckpointError(f"{model_dir}: cannot load the tokenizer ({type(e).__name__}: {e})") from None

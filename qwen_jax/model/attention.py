@@ -1,0 +1,63 @@
+"""Gated full attention: per-head [q | gate] split, q/k RMSNorm, partial rotate-half (M-)RoPE, GQA paged
+attention (through the ops swap points), sigmoid output gate, o_proj. Letters: s streams, t rows, h heads, d."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from qwen_jax.config import TextConfig
+from qwen_jax.model import ops
+from qwen_jax.model.layers import apply_rope, rms_norm, rope_angles
+from qwen_jax.model.ops import Backend, linear
+
+
+def project(x, p, rope_positions, cfg: TextConfig, backend: Backend, *, prompt: bool):
+    """x [S, T, H] -> q [S, T, Hq, D], gate [S, T, Hq*D], k, v [S, T, Hkv, D] (post-norm, post-RoPE)."""
+    s, t = x.shape[:2]
+    d = cfg.head_dim
+    qg = linear(x, p["q"], backend, prompt=prompt).reshape(s, t, cfg.num_heads, 2 * d)
+    q, gate = qg[..., :d], qg[..., d:].reshape(s, t, cfg.num_heads * d)
+    k = linear(x, p["k"], backend, prompt=prompt).reshape(s, t, cfg.num_kv_heads, d)
+    v = linear(x, p["v"], backend, prompt=prompt).reshape(s, t, cfg.num_kv_heads, d)
+    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    ang = rope_angles(rope_positions, cfg)  # [S, T, rd/2]
+    return apply_rope(q, ang, cfg.rotary_dim), gate, apply_rope(k, ang, cfg.rotary_dim), v
+
+
+def finish(o, gate, p, cfg: TextConfig, backend: Backend, *, prompt: bool):
+    s, t = o.shape[:2]
+    o = o.reshape(s, t, cfg.num_heads * cfg.head_dim)
+    o = (o.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(o.dtype)
+    return linear(o, p["o"], backend, prompt=prompt)
+
+
+def prompt_pass(x, p, pool, batch, cfg: TextConfig, backend: Backend):
+    q, gate, k, v = project(x, p, batch.rope_positions, cfg, backend, prompt=True)
+    t = x.shape[1]
+    rows = jnp.arange(t)[None, :]
+    positions = batch.start[:, None] + rows
+    valid = rows < batch.lengths[:, None]
+    pool = ops.kv_write(backend, pool, k, v, batch.page_table, positions, valid)
+    o = ops.attention_prompt(backend, q, pool, batch.page_table, batch.start, batch.lengths,
+                             scale=cfg.head_dim ** -0.5)
+    return finish(o, gate, p, cfg, backend, prompt=True), pool
+
+
+def window_pass(x, p, pool, window, cfg: TextConfig, backend: Backend):
+    q, gate, k, v = project(x, p, window.rope_positions, cfg, backend, prompt=False)
+    o = ops.attention_window(backend, q, k, v, window.parents, pool, window.page_table, window.cache_len,
+                             scale=cfg.head_dim ** -0.5)
+    return finish(o, gate, p, cfg, backend, prompt=False), {"k": k, "v": v}
+
+
+def commit(kept, pool, window, path, path_len, backend: Backend):
+    """Write the accepted path's K/V rows at positions cache_len, cache_len + 1, ..."""
+    r = path.shape[1]
+    idx = jnp.maximum(path, 0)
+    k = jnp.take_along_axis(kept["k"], idx[:, :, None, None], axis=1)
+    v = jnp.take_along_axis(kept["v"], idx[:, :, None, None], axis=1)
+    positions = window.cache_len[:, None] + jnp.arange(r)[None, :]
+    valid = jnp.arange(r)[None, :] < path_len[:, None]
+    return ops.kv_write(backend, pool, k, v, window.page_table, positions, valid)

@@ -1,0 +1,199 @@
+"""The functional qwen3_5 text model over explicit state.
+
+Two entry points (plus commit), each `f(params, state, batch, cfg, backend) -> (outputs, state)`:
+  prefill  — prompt rows of S streams (chunked GDN form, chunks on the grid of absolute positions); writes K/V
+             rows and advances GDN states in place.
+  verify   — a window of up to R rows per stream after its committed prefix; rows form a chain or a tree
+             (`parents`); states are read-only; returns logits for every row plus what `commit` needs.
+  commit   — writes the accepted path of each stream into its state (GDN replay, conv window, K/V rows).
+A serial decode step is verify with one row followed by commit of that row.
+
+Letters: s streams, t prompt rows, r window rows, h hidden, v vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kv_quant import FP8, KVPool, empty_pool
+from qwen_jax.config import LAYER_GDN, ModelConfig, TextConfig
+from qwen_jax.model import attention as attn_mixer
+from qwen_jax.model import gdn as gdn_mixer
+from qwen_jax.model.layers import mlp, rms_norm
+from qwen_jax.model.ops import Backend, embed, linear
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelState:
+    """Device pools. kv: one KVPool per attention layer; rec: [N, Hv, dk, dv] fp32 and conv: [N, K-1, C] per GDN
+    layer, indexed by slot."""
+    kv: tuple[KVPool, ...]
+    rec: tuple[jax.Array, ...]
+    conv: tuple[jax.Array, ...]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefillBatch:
+    tokens: jax.Array  # [S, T] int32 (rows past lengths are padding)
+    start: jax.Array  # [S] int32 absolute position of row 0
+    lengths: jax.Array  # [S] int32 real rows
+    slot: jax.Array  # [S] int32 GDN state slot
+    page_table: jax.Array  # [S, Pmax] int32
+    rope_positions: jax.Array  # [3, S, T] int32 (M-RoPE rows; equal to start + i for text)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class VerifyWindow:
+    tokens: jax.Array  # [S, R] int32
+    parents: jax.Array  # [S, R] int32: -1 = after the committed prefix, else an earlier row
+    cache_len: jax.Array  # [S] int32 committed length (row r sits at cache_len + depth(r) - 1)
+    slot: jax.Array  # [S] int32
+    page_table: jax.Array  # [S, Pmax] int32
+    rope_positions: jax.Array  # [3, S, R] int32
+
+
+def text_rope_positions(positions: jax.Array) -> jax.Array:
+    """Text-only M-RoPE: all three rows equal the absolute position."""
+    return jnp.broadcast_to(positions[None], (3,) + positions.shape)
+
+
+def window_depth(parents: jax.Array) -> jax.Array:
+    """parents [S, R] -> depth [S, R] (1 for a child of the committed prefix)."""
+    r = parents.shape[1]
+    depth = jnp.zeros(parents.shape, jnp.int32)
+    for i in range(r):
+        par = parents[:, i]
+        d_par = jnp.take_along_axis(depth, jnp.maximum(par, 0)[:, None], axis=1)[:, 0]
+        depth = depth.at[:, i].set(jnp.where(par >= 0, d_par + 1, 1))
+    return depth
+
+
+def make_prefill_batch(tokens, start, lengths, slot, page_table) -> PrefillBatch:
+    tokens = jnp.asarray(tokens, jnp.int32)
+    start = jnp.asarray(start, jnp.int32)
+    positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    return PrefillBatch(tokens, start, jnp.asarray(lengths, jnp.int32), jnp.asarray(slot, jnp.int32),
+                        jnp.asarray(page_table, jnp.int32), text_rope_positions(positions))
+
+
+def make_window(tokens, parents, cache_len, slot, page_table) -> VerifyWindow:
+    parents = jnp.asarray(parents, jnp.int32)
+    cache_len = jnp.asarray(cache_len, jnp.int32)
+    positions = cache_len[:, None] + window_depth(parents) - 1
+    return VerifyWindow(jnp.asarray(tokens, jnp.int32), parents, cache_len, jnp.asarray(slot, jnp.int32),
+                        jnp.asarray(page_table, jnp.int32), text_rope_positions(positions))
+
+
+def init_state(cfg: TextConfig, *, num_slots: int, num_pages: int, page_size: int, dtype=jnp.bfloat16,
+               kv_dtype=None) -> ModelState:
+    """Zeroed pools: GDN slots and KV pages. kv_dtype defaults to the compute dtype; FP8 for an e4m3 cache."""
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    kv = tuple(empty_pool(cfg.num_kv_heads, num_pages, page_size, cfg.head_dim, kv_dtype) for _ in cfg.attn_layers)
+    rec = tuple(jnp.zeros((num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                           cfg.linear_value_head_dim), jnp.float32) for _ in cfg.gdn_layers)
+    conv = tuple(jnp.zeros((num_slots, cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), dtype) for _ in cfg.gdn_layers)
+    return ModelState(kv, rec, conv)
+
+
+def _head(params, h: jax.Array, cfg: TextConfig, backend: Backend, *, prompt: bool) -> jax.Array:
+    """Final norm and lm_head (the embedding when tied) -> fp32 logits."""
+    h = rms_norm(h, params["norm"], cfg.rms_norm_eps)
+    w = params["embed"] if params["lm_head"] is None else params["lm_head"]
+    return linear(h, w, backend, prompt=prompt).astype(jnp.float32)
+
+
+def _layers(params, state: ModelState, x, cfg: TextConfig, run_gdn, run_attn, taps: tuple[int, ...],
+            backend: Backend, prompt: bool):
+    """The decoder stack, dispatching on the explicit layer schedule. Returns (x, new pools, kept, tap rows)."""
+    rec, conv, kv = list(state.rec), list(state.conv), list(state.kv)
+    kept, tapped = [], []
+    gi = ai = 0
+    for i, layer in enumerate(params["layers"]):
+        with jax.named_scope(f"layer{i}"):
+            h = rms_norm(x, layer["input_norm"], cfg.rms_norm_eps)
+            if cfg.layer_types[i] == LAYER_GDN:
+                y, rec[gi], conv[gi], k = run_gdn(h, layer["gdn"], rec[gi], conv[gi])
+                gi += 1
+            else:
+                y, kv[ai], k = run_attn(h, layer["attn"], kv[ai])
+                ai += 1
+            kept.append(k)
+            x = x + y
+            x = x + mlp(rms_norm(x, layer["post_norm"], cfg.rms_norm_eps), layer["mlp"], backend, prompt=prompt)
+            if i in taps:
+                tapped.append(x)
+    return x, ModelState(tuple(kv), tuple(rec), tuple(conv)), kept, tapped
+
+
+def prefill(params, state: ModelState, batch: PrefillBatch, cfg: ModelConfig, backend: Backend, *,
+            all_logits: bool = False, taps: tuple[int, ...] = ()):
+    """-> (logits, state, taps). logits: [S, T, V] if all_logits else the last real row's [S, V] fp32;
+    taps: residual stream after the listed layers, [S, T, len(taps), H] (or None)."""
+    t = cfg.text
+    dtype = state.conv[0].dtype if state.conv else state.kv[0].k.dtype
+    x = embed(params["embed"], batch.tokens, dtype, backend)
+
+    def run_gdn(h, p, rec, conv):
+        y, rec, conv = gdn_mixer.prompt_pass(h, p, rec, conv, batch, t, backend)
+        return y, rec, conv, None
+
+    def run_attn(h, p, pool):
+        y, pool = attn_mixer.prompt_pass(h, p, pool, batch, t, backend)
+        return y, pool, None
+
+    x, state, _, tapped = _layers(params, state, x, t, run_gdn, run_attn, taps, backend, True)
+    if not all_logits:
+        last = jnp.maximum(batch.lengths - 1, 0)
+        x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
+    logits = _head(params, x, t, backend, prompt=True)
+    return logits, state, (jnp.stack(tapped, axis=2) if tapped else None)
+
+
+def verify(params, state: ModelState, window: VerifyWindow, cfg: ModelConfig, backend: Backend, *,
+           taps: tuple[int, ...] = ()):
+    """-> (logits [S, R, V] fp32, kept (per-layer rows for commit), taps [S, R, n, H] or None). State unchanged."""
+    t = cfg.text
+    dtype = state.conv[0].dtype if state.conv else state.kv[0].k.dtype
+    x = embed(params["embed"], window.tokens, dtype, backend)
+
+    def run_gdn(h, p, rec, conv):
+        y, k = gdn_mixer.window_pass(h, p, rec, conv, window, t, backend)
+        return y, rec, conv, k
+
+    def run_attn(h, p, pool):
+        y, k = attn_mixer.window_pass(h, p, pool, window, t, backend)
+        return y, pool, k
+
+    x, _, kept, tapped = _layers(params, state, x, t, run_gdn, run_attn, taps, backend, False)
+    logits = _head(params, x, t, backend, prompt=False)
+    return logits, tuple(kept), (jnp.stack(tapped, axis=2) if tapped else None)
+
+
+def commit(state: ModelState, kept, window: VerifyWindow, path: jax.Array, path_len: jax.Array, cfg: ModelConfig,
+           backend: Backend) -> ModelState:
+    """Write each stream's accepted path (node indices root-first, path_len of them) into its state."""
+    t = cfg.text
+    rec, conv, kv = list(state.rec), list(state.conv), list(state.kv)
+    gi = ai = 0
+    for i, k in enumerate(kept):
+        if t.layer_types[i] == LAYER_GDN:
+            rec[gi], conv[gi] = gdn_mixer.commit(k, rec[gi], conv[gi], window, path, path_len, backend)
+            gi += 1
+        else:
+            kv[ai] = attn_mixer.commit(k, kv[ai], window, path, path_len, backend)
+            ai += 1
+    return ModelState(tuple(kv), tuple(rec), tuple(conv))
+
+
+def kv_dtype_for(name: str, dtype):
+    if name == "fp8":
+        return FP8
+    if name in ("bf16", "bfloat16", "auto"):
+        return dtype
+    raise ValueError(f"--kv-cache must be bf16 or fp8, got {name!r}")

@@ -1,0 +1,73 @@
+"""Gated DeltaNet mixer: projections, causal conv + SiLU, l2-normed q/k, beta and g, the delta rule (through
+the ops swap points), gated RMSNorm and out_proj. Letters: s streams, t rows, h heads, c conv channels."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from qwen_jax.config import TextConfig
+from qwen_jax.model import ops
+from qwen_jax.model.layers import gated_rms_norm
+from qwen_jax.model.ops import Backend, linear
+
+
+def _l2norm(x: jax.Array) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    return xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + 1e-6)
+
+
+def project(x: jax.Array, p: dict, backend: Backend, *, prompt: bool):
+    """x [S, T, H] -> (m [S, T, C] pre-conv, z, beta [S, T, Hv] fp32, g [S, T, Hv] fp32)."""
+    m = linear(x, p["qkv"], backend, prompt=prompt)
+    z = linear(x, p["z"], backend, prompt=prompt)
+    b = linear(x, p["b"], backend, prompt=prompt)
+    a = linear(x, p["a"], backend, prompt=prompt)
+    beta = jax.nn.sigmoid(b.astype(jnp.float32))
+    g = -jnp.exp(p["A_log"]) * jax.nn.softplus(a.astype(jnp.float32) + p["dt_bias"])
+    return m, z, beta, g
+
+
+def split_qkv(u: jax.Array, cfg: TextConfig):
+    """Post-conv channels [S, T, C] -> q, k [S, T, Hk, dk] (l2-normed, q scaled) and v [S, T, Hv, dv]."""
+    s, t = u.shape[:2]
+    kd, dk, dv = cfg.key_dim, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    q = u[..., :kd].reshape(s, t, cfg.linear_num_key_heads, dk)
+    k = u[..., kd:2 * kd].reshape(s, t, cfg.linear_num_key_heads, dk)
+    v = u[..., 2 * kd:].reshape(s, t, cfg.linear_num_value_heads, dv)
+    q = (_l2norm(q) * (dk ** -0.5)).astype(u.dtype)
+    k = _l2norm(k).astype(u.dtype)
+    return q, k, v
+
+
+def finish(o: jax.Array, z: jax.Array, p: dict, cfg: TextConfig, backend: Backend, *, prompt: bool) -> jax.Array:
+    s, t = o.shape[:2]
+    z = z.reshape(s, t, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
+    y = gated_rms_norm(o, z, p["norm"], cfg.rms_norm_eps)
+    return linear(y.reshape(s, t, cfg.value_dim), p["out"], backend, prompt=prompt)
+
+
+def prompt_pass(x, p, rec_pool, conv_pool, batch, cfg: TextConfig, backend: Backend):
+    """Prompt rows of S streams: x [S, T, H] -> (y [S, T, H], rec_pool, conv_pool)."""
+    m, z, beta, g = project(x, p, backend, prompt=True)
+    u, conv_pool = ops.conv_prompt(backend, m, conv_pool, batch.slot, p["conv"], batch.start, batch.lengths)
+    q, k, v = split_qkv(u, cfg)
+    o, rec_pool = ops.gdn_prompt(backend, q, k, v, g, beta, rec_pool, batch.slot, batch.start, batch.lengths)
+    return finish(o, z, p, cfg, backend, prompt=True), rec_pool, conv_pool
+
+
+def window_pass(x, p, rec_pool, conv_pool, window, cfg: TextConfig, backend: Backend):
+    """Verify-window rows (states read-only): x [S, R, H] -> (y, kept) where kept is what commit replays."""
+    m, z, beta, g = project(x, p, backend, prompt=False)
+    u = ops.conv_window(backend, m, window.parents, conv_pool, window.slot, p["conv"])
+    q, k, v = split_qkv(u, cfg)
+    o = ops.gdn_window(backend, q, k, v, g, beta, window.parents, rec_pool, window.slot)
+    kept = {"m": m, "k": k, "v": v, "g": g, "beta": beta}
+    return finish(o, z, p, cfg, backend, prompt=False), kept
+
+
+def commit(kept: dict, rec_pool, conv_pool, window, path, path_len, backend: Backend):
+    rec_pool = ops.gdn_commit(backend, kept["k"], kept["v"], kept["g"], kept["beta"], path, path_len, rec_pool,
+                              window.slot)
+    conv_pool = ops.conv_commit(backend, kept["m"], path, path_len, conv_pool, window.slot)
+    return rec_pool, conv_pool

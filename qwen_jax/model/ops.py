@@ -1,0 +1,94 @@
+"""The swap points between the model and the kernels: every matmul, GDN and attention call of the model goes
+through one function here, which runs the Pallas kernel when `Backend.kernels` is on and the plain-jnp reference
+otherwise (CPU, `--no-kernels`, verification)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import attention as attn_k
+from pallas_kernels import gdn as gdn_k
+from pallas_kernels import kv_quant
+from pallas_kernels import qmm as qmm_k
+from pallas_kernels.qweight import QuantizedWeight
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """Static under jit. kernels: use the Pallas kernels; interpret: run them in interpret mode (CPU tests)."""
+    kernels: bool = False
+    interpret: bool = False
+
+    @staticmethod
+    def default() -> "Backend":
+        return Backend(kernels=jax.default_backend() == "gpu")
+
+
+def linear(x: jax.Array, w, backend: Backend, *, prompt: bool) -> jax.Array:
+    """x [..., K] @ w[N, K]^T -> [..., N] in x.dtype with fp32 accumulation; w dense or packed."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if isinstance(w, QuantizedWeight):
+        if backend.kernels:
+            y = qmm_k.qmm(x2, w, prompt=prompt, interpret=backend.interpret)
+        else:
+            y = qmm_k.reference(x2, w)
+    else:
+        y = jnp.dot(x2, w.T.astype(x2.dtype), precision=_HI, preferred_element_type=jnp.float32).astype(x.dtype)
+    return y.reshape(*lead, y.shape[-1])
+
+
+def embed(w, ids: jax.Array, dtype, backend: Backend) -> jax.Array:
+    if isinstance(w, QuantizedWeight):
+        if backend.kernels:
+            return qmm_k.embed(w, ids, dtype, interpret=backend.interpret)
+        return qmm_k.embed_reference(w, ids, dtype)
+    return w[ids].astype(dtype)
+
+
+def _pick(backend: Backend, module, name: str):
+    if backend.kernels:
+        fn = getattr(module, name)
+        return lambda *a, **k: fn(*a, **k, interpret=backend.interpret)
+    return getattr(module, f"{name}_reference")
+
+
+def gdn_prompt(backend: Backend, *args):
+    return _pick(backend, gdn_k, "prompt")(*args)
+
+
+def gdn_window(backend: Backend, *args):
+    return _pick(backend, gdn_k, "window")(*args)
+
+
+def gdn_commit(backend: Backend, *args):
+    return _pick(backend, gdn_k, "commit")(*args)
+
+
+def conv_prompt(backend: Backend, *args):
+    return _pick(backend, gdn_k, "conv_prompt")(*args)
+
+
+def conv_window(backend: Backend, *args):
+    return _pick(backend, gdn_k, "conv_window")(*args)
+
+
+def conv_commit(backend: Backend, *args):
+    return _pick(backend, gdn_k, "conv_commit")(*args)
+
+
+def kv_write(backend: Backend, *args):
+    return _pick(backend, kv_quant, "write")(*args)
+
+
+def attention_prompt(backend: Backend, *args, scale: float):
+    return _pick(backend, attn_k, "prompt")(*args, scale=scale)
+
+
+def attention_window(backend: Backend, *args, scale: float):
+    return _pick(backend, attn_k, "window")(*args, scale=scale)

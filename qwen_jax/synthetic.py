@@ -1,0 +1,87 @@
+"""Random params for a config, built on the default device: tests, and the `--synthetic 27b` benchmarks where
+speed doesn't depend on the values. Quantized weights are random packed words with plausible scales/biases."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.qweight import QuantizedWeight
+from qwen_jax.config import LAYER_GDN, ModelConfig, QuantConfig, TextConfig
+
+# The 27B's text shape (model_spec A.2), for `--synthetic 27b`.
+QWEN35_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                  num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+                  linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+                  linear_conv_kernel_dim=4, rms_norm_eps=1e-6, full_attention_interval=4,
+                  rope_parameters={"rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                                   "mrope_interleaved": True},
+                  tie_word_embeddings=False, max_position_embeddings=262144)
+
+
+def synthetic_config(name: str) -> ModelConfig:
+    from qwen_jax.config import parse_config
+    if name != "27b":
+        raise ValueError(f"--synthetic: unknown shape {name!r} (known: 27b)")
+    raw = {"model_type": "qwen3_5_text", **QWEN35_27B, "quantization": {"bits": 4, "group_size": 64}}
+    return parse_config(raw, {"eos_token_id": [248046, 248044]})
+
+
+class _Keys:
+    def __init__(self, key):
+        self.key = key
+
+    def __call__(self):
+        self.key, sub = jax.random.split(self.key)
+        return sub
+
+
+def _dense(keys: _Keys, n: int, k: int, dtype, scale: float):
+    return (jax.random.normal(keys(), (n, k), jnp.float32) * scale).astype(dtype)
+
+
+def _quant(keys: _Keys, n: int, k: int, q: QuantConfig, scale: float) -> QuantizedWeight:
+    words = jax.random.bits(keys(), (n, k * q.bits // 32), jnp.uint32)
+    groups = k // q.group_size
+    levels = (1 << q.bits) - 1
+    s = (jax.random.uniform(keys(), (n, groups), jnp.float32, 0.5, 1.5) * (2 * scale / levels)).astype(jnp.bfloat16)
+    b = (-s.astype(jnp.float32) * levels / 2).astype(jnp.bfloat16)
+    return QuantizedWeight(words, s, b, q.bits, q.group_size)
+
+
+def random_params(cfg: TextConfig, key: jax.Array, *, dtype=jnp.bfloat16, quant: QuantConfig | None = None,
+                  norm_jitter: float = 0.1) -> dict:
+    keys = _Keys(key)
+
+    def lin(n, k):
+        scale = k ** -0.5
+        return _quant(keys, n, k, quant, scale) if quant else _dense(keys, n, k, dtype, scale)
+
+    def norm(n):
+        return 1.0 + norm_jitter * jax.random.normal(keys(), (n,), jnp.float32)
+
+    h, t = cfg.hidden_size, cfg
+    layers = []
+    for kind in t.layer_types:
+        layer = {"input_norm": norm(h), "post_norm": norm(h),
+                 "mlp": {"gate": lin(t.intermediate_size, h), "up": lin(t.intermediate_size, h),
+                         "down": lin(h, t.intermediate_size)}}
+        if kind == LAYER_GDN:
+            hv = t.linear_num_value_heads
+            layer["gdn"] = {
+                "qkv": lin(t.conv_dim, h), "z": lin(t.value_dim, h), "b": lin(hv, h), "a": lin(hv, h),
+                "out": lin(h, t.value_dim),
+                "conv": 0.5 * jax.random.normal(keys(), (t.conv_dim, t.linear_conv_kernel_dim), jnp.float32),
+                "dt_bias": jax.random.normal(keys(), (hv,), jnp.float32) * 0.5,
+                "A_log": jnp.log(jax.random.uniform(keys(), (hv,), jnp.float32, 0.5, 8.0)),
+                "norm": norm(t.linear_value_head_dim),
+            }
+        else:
+            layer["attn"] = {"q": lin(t.num_heads * t.head_dim * 2, h), "k": lin(t.num_kv_heads * t.head_dim, h),
+                             "v": lin(t.num_kv_heads * t.head_dim, h), "o": lin(h, t.num_heads * t.head_dim),
+                             "q_norm": norm(t.head_dim), "k_norm": norm(t.head_dim)}
+        layers.append(layer)
+    embed = (lambda: _quant(keys, t.vocab_size, h, quant, 1.0)) if quant else (
+        lambda: _dense(keys, t.vocab_size, h, dtype, 1.0))
+    return {"embed": embed(), "norm": norm(h), "lm_head": None if t.tie_word_embeddings else lin(t.vocab_size, h),
+            "layers": tuple(layers)}
