@@ -1,0 +1,56 @@
+"""Regenerate two captures with the peer tools and compare them with the committed npz files.
+
+  HF transformers float32 on captures/tiny, prompt "long"   vs captures/refs/hf-tiny-f32.npz
+  mlx-lm float32 on captures/tiny-mlx-4bit, prompt "short"  vs captures/refs/mlx-tiny-mlx-4bit-f32.npz
+
+Passes when every logits / gen_logits entry is within TOLERANCE, prompt_ids and gen_ids are equal. Exit 1 otherwise.
+Usage: python check.py [CAPTURES_DIR]
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import refs_hf
+import refs_mlx
+
+TOLERANCE = 1e-5
+
+
+def compare(label: str, fresh: dict, committed_path: Path, prompt: str) -> bool:
+    committed = np.load(committed_path)
+    ok = True
+    for key in ("prompt_ids", "gen_ids"):
+        name = f"{prompt}.{key}"
+        equal = np.array_equal(fresh[name], committed[name])
+        print(f"{label} {name}: {'equal' if equal else 'DIFFERENT'}")
+        ok &= equal
+    for key in ("logits", "gen_logits"):
+        name = f"{prompt}.{key}"
+        if fresh[name].shape != committed[name].shape:
+            print(f"{label} {name}: shape {fresh[name].shape} != committed {committed[name].shape}")
+            ok = False
+            continue
+        delta = float(np.max(np.abs(fresh[name] - committed[name])))
+        passed = delta <= TOLERANCE
+        print(f"{label} {name}: max |delta| = {delta:.3g} ({'ok' if passed else 'FAIL'}, tolerance {TOLERANCE:g})")
+        ok &= passed
+    return ok
+
+
+def main(captures_dir: str) -> int:
+    root = Path(captures_dir)
+    refs = root / "refs"
+    prompts = str(refs / "prompts.json")
+    hf = refs_hf.main(str(root / "tiny"), "float32", prompts, "", only=["long"])
+    ok = compare("hf-tiny-f32", hf, refs / "hf-tiny-f32.npz", "long")
+    mlx = refs_mlx.main(str(root / "tiny-mlx-4bit"), prompts, "", only=["short"])
+    ok &= compare("mlx-tiny-mlx-4bit-f32", mlx, refs / "mlx-tiny-mlx-4bit-f32.npz", "short")
+    print("captures check:", "PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    default = Path(__file__).resolve().parents[2] / "captures"
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else str(default)))
