@@ -54,12 +54,15 @@ TEXT_CONFIG = dict(
     linear_conv_kernel_dim=4,
     hidden_act="silu",
     rms_norm_eps=1e-6,
-    # rotary_dim = 64 * 0.25 = 16, so mrope_section must sum to 16 / 2 = 8 frequency slots.
+    # rotary_dim = 64 * 0.25 = 16, so mrope_section (frequency slots per T/H/W axis) must sum to 16 / 2 = 8;
+    # [3, 3, 2] is the scaled-down analogue of the real [11, 11, 10] (which sums to 64 / 2 = 32). Interleaved, HF
+    # gives frequency j to H if j % 3 == 1 and j < 3*3, to W if j % 3 == 2 and j < 3*2, else to T:
+    # T {0, 3, 6}, H {1, 4, 7}, W {2, 5}.
     rope_parameters=dict(
         rope_type="default",
         rope_theta=1e7,
         partial_rotary_factor=0.25,
-        mrope_section=[2, 1, 1],
+        mrope_section=[3, 3, 2],
         mrope_interleaved=True,
     ),
     max_position_embeddings=4096,
