@@ -14,8 +14,13 @@ State lives in pools indexed by slot: rec_pool [N, Hv, dk, dv] fp32, conv_pool [
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pt
 
 CHUNK = 64
 _HI = jax.lax.Precision.HIGHEST
@@ -252,3 +257,432 @@ def conv_commit_reference(m: jax.Array, path: jax.Array, path_len: jax.Array, co
         return jax.lax.dynamic_slice_in_dim(seq, n, km1, axis=0)
 
     return conv_pool.at[slot].set(jax.vmap(one)(m, path, path_len, conv_pool[slot]))
+
+
+# ================================================================================================================
+# Pallas kernels (Triton lowering) and the public entry points
+# ================================================================================================================
+#
+# Backend: `pl.pallas_call` with Triton compiler params. It is deprecated in jax 0.11 but runs, and it runs under
+# `interpret=True` on CPU, so the CPU suite executes the same kernel source. Every in-kernel shape is a power of
+# two (Triton's rule), so dk, dv and the tiles must be powers of two of at least 16.
+#
+# Prompt pass = two launches:
+#   1. `_solve_kernel`, grid (stream, chunk, value head), fully parallel: T = (I + A)^-1 per 64-row chunk
+#      (A = strict_lower(diag(beta) K K^T ∘ M)), the only part of the chunk form that needs no state.
+#   2. `_state_kernel`, grid (stream, value head, dv block): walks the chunks of one stream in order with the
+#      [dk, block_v] state slice in registers; W, U, the output and the state update for each chunk.
+# Verify = `_window_kernel`, commit = `_commit_kernel`, grid (stream, value head, dv block) each: the serial
+# recurrence, one `_delta_update` per row, state slice in registers. The two share `_delta_update`, which is what
+# makes a committed path and its window nodes the same arithmetic bit for bit.
+
+_F32 = jnp.float32
+_ALGORITHMS = {
+    "tf32": jax.lax.DotAlgorithmPreset.TF32_TF32_F32,
+    "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+    "ieee": jax.lax.DotAlgorithmPreset.F32_F32_F32,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptTiles:
+    """block_v: dv columns of state one program of the state pass keeps on chip (power of two, >= 16, divides dv).
+    precision: how products with an fp32 operand run on the GPU: 'tf32' (one tensor-core pass, ~1e-3 relative),
+    'tf32x3' (three passes, ~fp32), 'ieee' (CUDA-core fp32). Products of two bf16 inputs (K K^T, Q K^T) are exact
+    in every mode. Interpret mode always computes fp32 (XLA:CPU has no tf32)."""
+    block_v: int = 64
+    num_warps: int = 4
+    solve_warps: int = 4
+    precision: str = "tf32x3"
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowTiles:
+    """block_v: dv columns of state per program of the window and commit kernels. The window and the commit must
+    use the same tiles, or their reductions over dk could group differently and the bits part ways."""
+    block_v: int = 32
+    num_warps: int = 4
+
+
+def _mm(a: jax.Array, b: jax.Array, precision: str, interpret: bool) -> jax.Array:
+    """a [m, k] @ b [k, n] -> fp32. Two half-precision operands: exact products, fp32 accumulation."""
+    if a.dtype == b.dtype and a.dtype in (jnp.bfloat16, jnp.float16):
+        return jnp.dot(a, b, preferred_element_type=_F32)
+    prec = _HI if interpret else _ALGORITHMS[precision]
+    return jnp.dot(a.astype(_F32), b.astype(_F32), precision=prec, preferred_element_type=_F32)
+
+
+def _iota(n: int, axis: int = 0, ndim: int = 1) -> jax.Array:
+    shape = [1] * ndim
+    shape[axis] = n
+    return jax.lax.broadcasted_iota(jnp.int32, (n,) if ndim == 1 else tuple(shape), axis)
+
+
+def _chunk_geometry(c, shift, length):
+    """Chunk c of a stream covers array rows [c*64 - shift, c*64 - shift + 64) (absolute positions on the grid of
+    multiples of 64). It is loaded from row max(that, 0): a stream that starts off the grid gets its first, partial
+    chunk with the real rows first and identity rows (k = 0, beta = 0, g = 0) after them, which is the same
+    recurrence as identity rows before them. -> (first array row loaded, rows that are real [64], rows this chunk
+    owns [64] (real or padding inside the call's T))."""
+    lo = c * CHUNK - shift
+    first = jnp.maximum(lo, 0)
+    rows = first + _iota(CHUNK)
+    return first, rows < jnp.minimum(lo + CHUNK, length), rows < lo + CHUNK
+
+
+def _num_chunks(shift, length):
+    return (shift + length + CHUNK - 1) // CHUNK
+
+
+def _unit_lower_inverse(a: jax.Array, mm) -> jax.Array:
+    """(I + a)^-1 for strictly lower-triangular a [C, C], by recursive doubling: if D inverts the block-diagonal
+    part of I + a at block size b, then D - D A_b D inverts it at block size 2b, where A_b keeps only the lower-left
+    b x b block inside each 2b x 2b diagonal block. log2(C) - 1 levels of two C x C x C products run on the tensor
+    cores, where forward substitution would be C dependent row steps with cross-warp reductions."""
+    n = a.shape[0]
+    r, c = _iota(n, 0, 2), _iota(n, 1, 2)
+    d = jnp.where(r == c, 1.0, 0.0) - jnp.where(jax.lax.div(r, 2) == jax.lax.div(c, 2), a, 0.0)
+    b = 2
+    while b < n:
+        pair = jax.lax.div(r, 2 * b) == jax.lax.div(c, 2 * b)
+        a_b = jnp.where(pair & (jax.lax.div(r, b) != jax.lax.div(c, b)), a, 0.0)
+        d = d - mm(mm(d, a_b), d)
+        b *= 2
+    return d
+
+
+def _solve_kernel(k_ref, g_ref, beta_ref, start_ref, len_ref, t_ref, *, group, precision, interpret):
+    """k [S, T, Hk, dk]; g, beta [S, T, Hv]; start, lengths [S] -> t [S, NC, Hv, 64, 64] = (I + A)^-1 per chunk
+    (chunks past a stream's end are left unwritten: the state pass never reads them)."""
+    s, c, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    shift = start_ref[s] % CHUNK
+    length = len_ref[s]
+    mm = functools.partial(_mm, precision=precision, interpret=interpret)
+
+    @pl.when(c < _num_chunks(shift, length))
+    def _():
+        first, real, _ = _chunk_geometry(c, shift, length)
+        rows = pl.ds(first, CHUNK)
+        dk = k_ref.shape[-1]
+        k = pt.load(k_ref.at[s, rows, h // group, :], mask=jnp.broadcast_to(real[:, None], (CHUNK, dk)), other=0)
+        g = pt.load(g_ref.at[s, rows, h], mask=real, other=0.0)
+        beta = pt.load(beta_ref.at[s, rows, h], mask=real, other=0.0)
+        gam = jnp.cumsum(g)
+        strict = _iota(CHUNK, 0, 2) > _iota(CHUNK, 1, 2)
+        decay = jnp.exp(jnp.where(strict, gam[:, None] - gam[None, :], -jnp.inf))
+        a = jnp.where(strict, beta[:, None] * mm(k, k.T) * decay, 0.0)
+        t_ref[s, c, h] = _unit_lower_inverse(a, mm)
+
+
+def _state_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, t_ref, start_ref, len_ref, slot_ref, pool_ref,
+                  o_ref, pool_out_ref, *, group, block_v, max_chunks, precision, interpret):
+    """q, k [S, T, Hk, dk]; v [S, T, Hv, dv]; g, beta [S, T, Hv]; t [S, NC, Hv, 64, 64]; start, lengths, slot [S];
+    pool [N, Hv, dk, dv] (aliased to pool_out) -> o [S, T, Hv, dv], pool_out."""
+    s, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    start, length, slot = start_ref[s], len_ref[s], slot_ref[s]
+    shift = start % CHUNK
+    t_rows = q_ref.shape[1]
+    dk = q_ref.shape[-1]
+    cols = pl.ds(j * block_v, block_v)
+    mm = functools.partial(_mm, precision=precision, interpret=interpret)
+    lower = _iota(CHUNK, 0, 2) >= _iota(CHUNK, 1, 2)
+    is_last = _iota(CHUNK) == CHUNK - 1
+
+    def chunk(c, state):
+        first, real, owned = _chunk_geometry(c, shift, length)
+        rows = pl.ds(first, CHUNK)
+        mask_k = jnp.broadcast_to(real[:, None], (CHUNK, dk))
+        q = pt.load(q_ref.at[s, rows, h // group, :], mask=mask_k, other=0)
+        k = pt.load(k_ref.at[s, rows, h // group, :], mask=mask_k, other=0)
+        v = pt.load(v_ref.at[s, rows, h, cols], mask=jnp.broadcast_to(real[:, None], (CHUNK, block_v)), other=0)
+        g = pt.load(g_ref.at[s, rows, h], mask=real, other=0.0)
+        beta = pt.load(beta_ref.at[s, rows, h], mask=real, other=0.0)
+        t_inv = t_ref[s, c, h]
+        gam = jnp.cumsum(g)
+        g_last = jnp.sum(jnp.where(is_last, gam, 0.0))
+        w = mm(t_inv, k.astype(_F32) * (beta * jnp.exp(gam))[:, None])  # [64, dk]
+        u = mm(t_inv, v.astype(_F32) * beta[:, None])  # [64, block_v]
+        v_new = u - mm(w, state)
+        decay = jnp.exp(jnp.where(lower, gam[:, None] - gam[None, :], -jnp.inf))
+        qk = mm(q, k.T) * decay
+        o = mm(q, state) * jnp.exp(gam)[:, None] + mm(qk, v_new)
+        out_mask = jnp.broadcast_to((owned & (first + _iota(CHUNK) < t_rows))[:, None], (CHUNK, block_v))
+        pt.store(o_ref.at[s, rows, h, cols], o.astype(o_ref.dtype), mask=out_mask)
+        k_tail = k.astype(_F32) * jnp.exp(g_last - gam)[:, None]
+        return state * jnp.exp(g_last) + mm(k_tail.T, v_new)
+
+    state = pool_ref[slot, h, :, cols]
+    state = jnp.where(start == 0, 0.0, state)  # a fresh prompt ignores whatever its slot holds
+    n = _num_chunks(shift, length)
+    state = jax.lax.fori_loop(0, n, chunk, state)
+    pool_out_ref[slot, h, :, cols] = state
+
+    # Rows after the stream's last chunk (padding up to the call's T) read as zeros, like the reference's.
+    def fill(c, carry):
+        first, _, owned = _chunk_geometry(c, shift, length)
+        mask = jnp.broadcast_to((owned & (first + _iota(CHUNK) < t_rows))[:, None], (CHUNK, block_v))
+        pt.store(o_ref.at[s, pl.ds(first, CHUNK), h, cols], jnp.zeros((CHUNK, block_v), o_ref.dtype), mask=mask)
+        return carry
+
+    jax.lax.fori_loop(n, max_chunks, fill, 0)
+
+
+def _delta_update(state, k_ref, v_ref, g_ref, beta_ref, s, node, h, group, cols):
+    """One row of the recurrence on a [dk, block_v] state slice. Window and commit both call this and nothing else
+    touches the state, so a node's state is the same bits whichever kernel computed it.
+    decay*S^T k is computed as decay*(S^T k): one multiply per column instead of per element."""
+    k = k_ref[s, node, h // group, :].astype(_F32)
+    v = v_ref[s, node, h, cols].astype(_F32)
+    decay = jnp.exp(g_ref[s, node, h])
+    kv = jnp.sum(state * k[:, None], axis=0)
+    delta = (v - decay * kv) * beta_ref[s, node, h]
+    return decay * state + k[:, None] * delta[None, :]
+
+
+def _window_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, path_ref, depth_ref, resume_ref, slot_ref, pool_ref,
+                   o_ref, *, rows, group, block_v):
+    """q, k [S, R, Hk, dk]; v [S, R, Hv, dv]; g, beta [S, R, Hv]; path [S, R, R] root-first node list of each node;
+    depth [S, R] its length; resume [S, R] how much of it the previous node's state already covers (0 = start from
+    the committed state); slot [S]; pool [N, Hv, dk, dv] -> o [S, R, Hv, dv].
+    Nodes run in index order with the previous node's state kept: a chain steps once per node, a fan restarts from
+    the committed state per node, other trees replay only the part of a path the previous node does not cover."""
+    s, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cols = pl.ds(j * block_v, block_v)
+    committed = pool_ref[slot_ref[s], h, :, cols]
+    update = functools.partial(_delta_update, k_ref=k_ref, v_ref=v_ref, g_ref=g_ref, beta_ref=beta_ref, s=s, h=h,
+                               group=group, cols=cols)
+
+    def visit(r, prev):
+        resume, depth = resume_ref[s, r], depth_ref[s, r]
+        base = jnp.where(resume > 0, prev, committed)
+        base = jax.lax.fori_loop(resume, depth - 1, lambda i, st: update(st, node=path_ref[s, r, i]), base)
+        new = update(base, node=r)
+        q = q_ref[s, r, h // group, :].astype(_F32)
+        o_ref[s, r, h, cols] = jnp.sum(new * q[:, None], axis=0).astype(o_ref.dtype)
+        return new
+
+    jax.lax.fori_loop(0, rows, visit, committed)
+
+
+def _commit_kernel(k_ref, v_ref, g_ref, beta_ref, path_ref, len_ref, slot_ref, pool_ref, pool_out_ref, *,
+                   group, block_v):
+    """k [S, R, Hk, dk]; v [S, R, Hv, dv]; g, beta [S, R, Hv]; path [S, R]; path_len, slot [S];
+    pool [N, Hv, dk, dv] (aliased to pool_out) -> pool_out with each slot advanced along its path."""
+    s, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cols = pl.ds(j * block_v, block_v)
+    slot = slot_ref[s]
+    update = functools.partial(_delta_update, k_ref=k_ref, v_ref=v_ref, g_ref=g_ref, beta_ref=beta_ref, s=s, h=h,
+                               group=group, cols=cols)
+    state = pool_ref[slot, h, :, cols]
+    state = jax.lax.fori_loop(0, len_ref[s], lambda i, st: update(st, node=path_ref[s, i]), state)
+    pool_out_ref[slot, h, :, cols] = state
+
+
+def _tree_schedule(parents: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """parents [S, R] -> (path [S, R, R]: each node's root-first path ending at itself, padded with 0;
+    depth [S, R]: its length; resume [S, R]: how many of its entries node r-1's state already covers, 0 when r-1
+    is not an ancestor). A parent outside [0, r) means the committed state, as in `window_reference`."""
+    r = parents.shape[1]
+    idx = jnp.arange(r, dtype=jnp.int32)
+    parents = jnp.where((parents >= 0) & (parents < idx), parents, -1).astype(jnp.int32)
+    anc = [jnp.broadcast_to(idx, parents.shape)]
+    for _ in range(r - 1):
+        cur = anc[-1]
+        anc.append(jnp.where(cur >= 0, jnp.take_along_axis(parents, jnp.maximum(cur, 0), axis=1), -1))
+    anc = jnp.stack(anc, axis=-1)  # [S, R, R]: ancestor at distance d, -1 past the root
+    depth = jnp.sum(anc >= 0, axis=-1).astype(jnp.int32)
+    back = jnp.clip(depth[..., None] - 1 - idx, 0, r - 1)
+    path = jnp.where(idx < depth[..., None], jnp.take_along_axis(anc, back, axis=-1), 0)
+    if r == 1:
+        return path.astype(jnp.int32), depth, jnp.zeros_like(depth)
+    prev_hit = anc[:, :, 1:] == (idx - 1)[None, :, None]  # node r-1 at distance d = 1 + position
+    dist = jnp.argmax(prev_hit, axis=-1) + 1
+    resume = jnp.where(jnp.any(prev_hit, axis=-1) & (idx > 0), depth - dist, 0).astype(jnp.int32)
+    return path.astype(jnp.int32), depth, resume
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def _check_rows(name: str, q: jax.Array | None, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+                rec_pool: jax.Array, slot: jax.Array) -> None:
+    """Shapes and dtypes shared by the prompt pass, the window and the commit."""
+    if k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"gdn.{name}: k must be [S, T, Hk, dk] and v [S, T, Hv, dv], got {k.shape} and {v.shape}")
+    if q is not None and q.shape != k.shape:
+        raise ValueError(f"gdn.{name}: q {q.shape} and k {k.shape} must have the same shape")
+    s, t, hk, dk = k.shape
+    hv, dv = v.shape[2], v.shape[3]
+    if v.shape[:2] != (s, t):
+        raise ValueError(f"gdn.{name}: v {v.shape} must share [S, T] = {(s, t)} with k")
+    if hv % hk:
+        raise ValueError(f"gdn.{name}: value heads ({hv}) must be a multiple of key heads ({hk})")
+    for label, x in (("g", g), ("beta", beta)):
+        if x.shape != (s, t, hv) or x.dtype != _F32:
+            raise ValueError(f"gdn.{name}: {label} must be float32 [S, T, Hv] = {(s, t, hv)}, "
+                             f"got {x.dtype} {x.shape}")
+    if not (_is_pow2(dk) and _is_pow2(dv)):
+        raise ValueError(f"gdn.{name}: the kernels need dk and dv to be powers of two >= 16, got {dk}, {dv}; "
+                         f"use {name}_reference for other head sizes")
+    if rec_pool.ndim != 4 or rec_pool.shape[1:] != (hv, dk, dv) or rec_pool.dtype != _F32:
+        raise ValueError(f"gdn.{name}: rec_pool must be float32 [N, Hv, dk, dv] with (Hv, dk, dv) = "
+                         f"{(hv, dk, dv)}, got {rec_pool.dtype} {rec_pool.shape}")
+    if slot.shape != (s,) or not jnp.issubdtype(slot.dtype, jnp.integer):
+        raise ValueError(f"gdn.{name}: slot must be an integer array of shape [S] = ({s},), got {slot.dtype} "
+                         f"{slot.shape}")
+
+
+def _check_per_stream(name: str, s: int, **arrays: jax.Array) -> None:
+    for label, x in arrays.items():
+        if x.shape != (s,) or not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"gdn.{name}: {label} must be an integer array of shape [S] = ({s},), got "
+                             f"{x.dtype} {x.shape}")
+
+
+def _block_v(block_v: int, dv: int, name: str) -> int:
+    bv = min(block_v, dv)
+    if not _is_pow2(bv):
+        raise ValueError(f"gdn.{name}: tiles.block_v must be a power of two >= 16, got {block_v}")
+    return bv
+
+
+def prompt(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, rec_pool: jax.Array,
+           slot: jax.Array, start: jax.Array, lengths: jax.Array, *, interpret: bool = False,
+           tiles: PromptTiles = PromptTiles()) -> tuple[jax.Array, jax.Array]:
+    """Chunked prompt pass; same contract as `prompt_reference` (q, k [S, T, Hk, dk]; v [S, T, Hv, dv];
+    g, beta [S, T, Hv] fp32; rec_pool [N, Hv, dk, dv] fp32; slot, start, lengths [S]) -> (o [S, T, Hv, dv] in
+    v.dtype, rec_pool). Rows past a stream's length read as zeros. Pass rec_pool donated to update it in place."""
+    _check_rows("prompt", q, k, v, g, beta, rec_pool, slot)
+    s, t, hk, dk = k.shape
+    hv, dv = v.shape[2], v.shape[3]
+    _check_per_stream("prompt", s, start=start, lengths=lengths)
+    if tiles.precision not in _ALGORITHMS:
+        raise ValueError(f"gdn.prompt: tiles.precision must be one of {sorted(_ALGORITHMS)}, got "
+                         f"{tiles.precision!r}")
+    bv = _block_v(tiles.block_v, dv, "prompt")
+    start = jnp.maximum(start.astype(jnp.int32), 0)
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, t)
+    slot = slot.astype(jnp.int32)
+    max_chunks = (t + 2 * CHUNK - 2) // CHUNK  # a stream starting off the grid spans one chunk more
+    group = hv // hk
+    with jax.named_scope("gdn_prompt_solve"):
+        t_inv = pl.pallas_call(
+            functools.partial(_solve_kernel, group=group, precision=tiles.precision, interpret=interpret),
+            out_shape=jax.ShapeDtypeStruct((s, max_chunks, hv, CHUNK, CHUNK), _F32),
+            grid=(s, max_chunks, hv),
+            compiler_params=pt.CompilerParams(num_warps=tiles.solve_warps),
+            interpret=interpret,
+            name="gdn_prompt_solve",
+        )(k, g, beta, start, lengths)
+    with jax.named_scope("gdn_prompt_state"):
+        o, pool = pl.pallas_call(
+            functools.partial(_state_kernel, group=group, block_v=bv, max_chunks=max_chunks,
+                              precision=tiles.precision, interpret=interpret),
+            out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(rec_pool.shape, _F32)),
+            grid=(s, hv, dv // bv),
+            input_output_aliases={9: 1},
+            compiler_params=pt.CompilerParams(num_warps=tiles.num_warps),
+            interpret=interpret,
+            name="gdn_prompt_state",
+        )(q, k, v, g, beta, t_inv, start, lengths, slot, rec_pool)
+    return o, pool
+
+
+def window(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, parents: jax.Array,
+           rec_pool: jax.Array, slot: jax.Array, *, interpret: bool = False,
+           tiles: WindowTiles = WindowTiles()) -> jax.Array:
+    """Verify window over trees or chains; same contract as `window_reference` (q, k [S, R, Hk, dk];
+    v [S, R, Hv, dv]; g, beta [S, R, Hv] fp32; parents [S, R]; rec_pool read-only; slot [S]) -> o [S, R, Hv, dv].
+    Each node's output is bit for bit what `commit` of its ancestors followed by a one-row window gives."""
+    _check_rows("window", q, k, v, g, beta, rec_pool, slot)
+    s, r, hk, _ = k.shape
+    hv, dv = v.shape[2], v.shape[3]
+    if parents.shape != (s, r) or not jnp.issubdtype(parents.dtype, jnp.integer):
+        raise ValueError(f"gdn.window: parents must be an integer array [S, R] = {(s, r)}, got {parents.dtype} "
+                         f"{parents.shape}")
+    bv = _block_v(tiles.block_v, dv, "window")
+    path, depth, resume = _tree_schedule(parents)
+    return pl.pallas_call(
+        functools.partial(_window_kernel, rows=r, group=hv // hk, block_v=bv),
+        out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
+        grid=(s, hv, dv // bv),
+        compiler_params=pt.CompilerParams(num_warps=tiles.num_warps),
+        interpret=interpret,
+        name="gdn_window",
+    )(q, k, v, g, beta, path, depth, resume, slot.astype(jnp.int32), rec_pool)
+
+
+def commit(k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, path: jax.Array, path_len: jax.Array,
+           rec_pool: jax.Array, slot: jax.Array, *, interpret: bool = False,
+           tiles: WindowTiles = WindowTiles()) -> jax.Array:
+    """Replay each stream's accepted path into its slot; same contract as `commit_reference` (k [S, R, Hk, dk];
+    v [S, R, Hv, dv]; g, beta [S, R, Hv]; path [S, R] root-first; path_len [S], 0 = unchanged) -> rec_pool.
+    Use the same tiles as the window whose rows these are."""
+    _check_rows("commit", None, k, v, g, beta, rec_pool, slot)
+    s, r, hk, _ = k.shape
+    hv, dv = v.shape[2], v.shape[3]
+    if path.shape != (s, r) or not jnp.issubdtype(path.dtype, jnp.integer):
+        raise ValueError(f"gdn.commit: path must be an integer array [S, R] = {(s, r)}, got {path.dtype} "
+                         f"{path.shape}")
+    _check_per_stream("commit", s, path_len=path_len)
+    bv = _block_v(tiles.block_v, dv, "commit")
+    return pl.pallas_call(
+        functools.partial(_commit_kernel, group=hv // hk, block_v=bv),
+        out_shape=jax.ShapeDtypeStruct(rec_pool.shape, _F32),
+        grid=(s, hv, dv // bv),
+        input_output_aliases={7: 0},
+        compiler_params=pt.CompilerParams(num_warps=tiles.num_warps),
+        interpret=interpret,
+        name="gdn_commit",
+    )(k, v, g, beta, jnp.clip(path, 0, r - 1).astype(jnp.int32), jnp.clip(path_len, 0, r).astype(jnp.int32),
+      slot.astype(jnp.int32), rec_pool)
+
+
+# The conv in front of the recurrence stays plain jnp: XLA fuses each of these into one or two memory-bound
+# passes (see docs/kernels/gdn.md for timings at the 27B's shape), so a Pallas kernel would buy nothing.
+
+def _check_conv(name: str, m: jax.Array, conv_pool: jax.Array, slot: jax.Array) -> None:
+    if m.ndim != 3:
+        raise ValueError(f"gdn.{name}: m must be [S, T, C], got {m.shape}")
+    if conv_pool.ndim != 3 or conv_pool.shape[2] != m.shape[2]:
+        raise ValueError(f"gdn.{name}: conv_pool must be [N, K-1, C] with C = {m.shape[2]}, got {conv_pool.shape}")
+    _check_per_stream(name, m.shape[0], slot=slot)
+
+
+def _check_weight(name: str, weight: jax.Array, conv_pool: jax.Array) -> None:
+    if weight.shape != (conv_pool.shape[2], conv_pool.shape[1] + 1):
+        raise ValueError(f"gdn.{name}: weight must be [C, K] = {(conv_pool.shape[2], conv_pool.shape[1] + 1)}, "
+                         f"got {weight.shape}")
+
+
+def conv_prompt(m: jax.Array, conv_pool: jax.Array, slot: jax.Array, weight: jax.Array, start: jax.Array,
+                lengths: jax.Array, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Same contract as `conv_prompt_reference`."""
+    del interpret
+    _check_conv("conv_prompt", m, conv_pool, slot)
+    _check_weight("conv_prompt", weight, conv_pool)
+    _check_per_stream("conv_prompt", m.shape[0], start=start, lengths=lengths)
+    return conv_prompt_reference(m, conv_pool, slot, weight, start, jnp.clip(lengths, 0, m.shape[1]))
+
+
+def conv_window(m: jax.Array, parents: jax.Array, conv_pool: jax.Array, slot: jax.Array, weight: jax.Array, *,
+                interpret: bool = False) -> jax.Array:
+    """Same contract as `conv_window_reference`."""
+    del interpret
+    _check_conv("conv_window", m, conv_pool, slot)
+    _check_weight("conv_window", weight, conv_pool)
+    if parents.shape != m.shape[:2]:
+        raise ValueError(f"gdn.conv_window: parents must be [S, R] = {m.shape[:2]}, got {parents.shape}")
+    return conv_window_reference(m, parents, conv_pool, slot, weight)
+
+
+def conv_commit(m: jax.Array, path: jax.Array, path_len: jax.Array, conv_pool: jax.Array, slot: jax.Array, *,
+                interpret: bool = False) -> jax.Array:
+    """Same contract as `conv_commit_reference`."""
+    del interpret
+    _check_conv("conv_commit", m, conv_pool, slot)
+    if path.shape != m.shape[:2]:
+        raise ValueError(f"gdn.conv_commit: path must be [S, R] = {m.shape[:2]}, got {path.shape}")
+    _check_per_stream("conv_commit", m.shape[0], path_len=path_len)
+    return conv_commit_reference(m, path, jnp.clip(path_len, 0, m.shape[1]), conv_pool, slot)

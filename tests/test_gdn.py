@@ -1,0 +1,432 @@
+"""Gated DeltaNet kernels (pallas_kernels/gdn.py): the chunked prompt pass, the tree/chain verify window and the
+commit, against the plain-jnp references and a float64 numpy recurrence, plus the exactness properties the engine
+relies on (bitwise): window node == commit of its ancestors + one-row window; commit == serial one-row commits;
+a stream alone == the same stream among others; a prompt resumed at a grid point == one fresh pass.
+
+CPU tests run the kernels in interpret mode at small shapes (Hk=2, Hv=4, dk=16, dv=32). The `gpu` tests run the
+same checks on the device at the 27B's head shape (Hk=16, Hv=48, dk=dv=128)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import gdn
+
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU
+SMALL = dict(hk=2, hv=4, dk=16, dv=32)
+BIG = dict(hk=16, hv=48, dk=128, dv=128)
+
+# Relative error (‖x - ref‖ / ‖ref‖) bounds. Interpret mode computes every product in fp32; on the GPU the
+# prompt pass runs its fp32 products as tf32x3 (about fp32) and the window/commit are fp32 FMAs throughout.
+F32_TOL = 2e-5
+BF16_OUT_TOL = 4e-3  # outputs rounded to bf16 (2^-9 relative per element)
+
+
+def _jit(fn, **kw):
+    return jax.jit(functools.partial(fn, interpret=INTERPRET, **kw))
+
+
+prompt_k = _jit(gdn.prompt)
+window_k = _jit(gdn.window)
+commit_k = _jit(gdn.commit)
+prompt_ref = jax.jit(gdn.prompt_reference)
+window_ref = jax.jit(gdn.window_reference)
+commit_ref = jax.jit(gdn.commit_reference)
+
+
+def _rel(x, ref) -> float:
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    assert not np.isnan(x).any(), "NaN in kernel output"
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def _rows(rng, s, t, hk, hv, dk, dv, dtype=jnp.float32):
+    """Random q, k (l2-normed, q scaled), v, g <= 0, beta in (0, 1), as the model produces them."""
+    def l2n(x):
+        return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+    q = l2n(rng.normal(size=(s, t, hk, dk))) * dk ** -0.5
+    k = l2n(rng.normal(size=(s, t, hk, dk)))
+    v = rng.normal(size=(s, t, hv, dv))
+    g = -rng.uniform(0.005, 0.3, size=(s, t, hv))
+    beta = rng.uniform(0.05, 0.95, size=(s, t, hv))
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(g, jnp.float32),
+            jnp.asarray(beta, jnp.float32))
+
+
+def _pool(rng, n, hv, dk, dv):
+    return jnp.asarray(rng.normal(size=(n, hv, dk, dv)) * 0.5, jnp.float32)
+
+
+def _f64_steps(state, q, k, v, g, beta, order):
+    """The recurrence one row at a time in float64. state [Hv, dk, dv]; rows [R, ...] of one stream; order: row
+    indices to apply. -> (outputs [len(order), Hv, dv], final state)."""
+    q, k, v, g, beta = (np.asarray(x, np.float64) for x in (q, k, v, g, beta))
+    hv = v.shape[1]
+    rep = hv // k.shape[1]
+    q, k = np.repeat(q, rep, axis=1), np.repeat(k, rep, axis=1)
+    st = np.array(state, np.float64)
+    outs = []
+    for i in order:
+        st = st * np.exp(g[i])[:, None, None]
+        delta = beta[i][:, None] * (v[i] - np.einsum("hkv,hk->hv", st, k[i]))
+        st = st + k[i][:, :, None] * delta[:, None, :]
+        outs.append(np.einsum("hkv,hk->hv", st, q[i]))
+    return np.stack(outs) if outs else np.zeros((0,) + v.shape[1:]), st
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Prompt pass
+# ------------------------------------------------------------------------------------------------------------
+
+def _prompt_case(rng, t, shape, dtype=jnp.float32):
+    """Three streams in one call: a fresh prompt whose slot holds NaN (start 0 must ignore it), one resumed on the
+    grid with a non-zero state, one resumed off the grid and shorter than T."""
+    hk, hv, dk, dv = shape["hk"], shape["hv"], shape["dk"], shape["dv"]
+    q, k, v, g, beta = _rows(rng, 3, t, hk, hv, dk, dv, dtype)
+    pool = _pool(rng, 6, hv, dk, dv)
+    slot = jnp.array([4, 1, 3], jnp.int32)
+    pool = pool.at[4].set(jnp.nan)
+    start = jnp.array([0, 128, 37], jnp.int32)
+    lengths = jnp.array([t, t, max(t - 5, 1)], jnp.int32)
+    return (q, k, v, g, beta, pool, slot, start, lengths)
+
+
+def _check_prompt_vs_f64(args, o, pool_out, tol):
+    q, k, v, g, beta, pool, slot, start, lengths = args
+    for s in range(q.shape[0]):
+        n = int(lengths[s])
+        init = np.zeros(pool.shape[1:]) if int(start[s]) == 0 else np.asarray(pool[int(slot[s])])
+        ref_o, ref_state = _f64_steps(init, q[s], k[s], v[s], g[s], beta[s], range(n))
+        assert _rel(o[s, :n], ref_o) < tol, f"stream {s}: outputs off"
+        assert _rel(pool_out[int(slot[s])], ref_state) < F32_TOL, f"stream {s}: final state off"
+        assert np.all(np.asarray(o[s, n:], np.float32) == 0), f"stream {s}: rows past length must read as zeros"
+    untouched = sorted(set(range(pool.shape[0])) - {int(x) for x in slot})
+    assert np.array_equal(np.asarray(pool_out)[untouched], np.asarray(pool)[untouched]), "other slots changed"
+
+
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 300])
+def test_prompt_matches_float64_recurrence_and_reference(t):
+    rng = np.random.default_rng(t)
+    args = _prompt_case(rng, t, SMALL)
+    o, pool_out = prompt_k(*args)
+    _check_prompt_vs_f64(args, o, pool_out, F32_TOL)
+    ro, rpool = prompt_ref(*args)
+    assert _rel(o, ro) < F32_TOL
+    assert _rel(pool_out[args[6]], rpool[args[6]]) < F32_TOL
+
+
+def test_prompt_bf16_inputs():
+    rng = np.random.default_rng(7)
+    args = _prompt_case(rng, 130, SMALL, jnp.bfloat16)
+    o, pool_out = prompt_k(*args)
+    assert o.dtype == jnp.bfloat16
+    _check_prompt_vs_f64(args, o, pool_out, BF16_OUT_TOL)
+
+
+def _resume_check(shape, t, cuts):
+    rng = np.random.default_rng(11)
+    q, k, v, g, beta = _rows(rng, 1, t, shape["hk"], shape["hv"], shape["dk"], shape["dv"])
+    pool = _pool(rng, 2, shape["hv"], shape["dk"], shape["dv"])
+    slot = jnp.array([1], jnp.int32)
+    fresh_o, fresh_pool = prompt_k(q, k, v, g, beta, pool, slot, jnp.array([0]), jnp.array([t]))
+    pieces, cur = [], pool
+    for a, b in zip([0, *cuts], [*cuts, t]):
+        sl = slice(a, b)
+        o, cur = prompt_k(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], cur, slot, jnp.array([a]),
+                          jnp.array([b - a]))
+        pieces.append(np.asarray(o))
+    assert np.array_equal(np.concatenate(pieces, axis=1), np.asarray(fresh_o)), "resumed outputs differ"
+    assert np.array_equal(np.asarray(cur), np.asarray(fresh_pool)), "resumed state differs"
+
+
+def test_prompt_resumed_at_grid_points_is_bitwise_fresh():
+    _resume_check(SMALL, 200, [64, 128])
+
+
+def _alone_vs_batched(shape):
+    """Stream 1 of a 3-stream call padded to T=160 vs the same stream alone with T = its length."""
+    rng = np.random.default_rng(5)
+    hk, hv, dk, dv = shape["hk"], shape["hv"], shape["dk"], shape["dv"]
+    q, k, v, g, beta = _rows(rng, 3, 160, hk, hv, dk, dv)
+    pool = _pool(rng, 4, hv, dk, dv)
+    slot = jnp.array([0, 2, 3], jnp.int32)
+    start = jnp.array([0, 37, 64], jnp.int32)
+    lengths = jnp.array([160, 90, 17], jnp.int32)
+    o, pool_all = prompt_k(q, k, v, g, beta, pool, slot, start, lengths)
+    one = lambda x: x[1:2, :90]
+    o1, pool_one = prompt_k(one(q), one(k), one(v), one(g), one(beta), pool, slot[1:2], start[1:2], lengths[1:2])
+    assert np.array_equal(np.asarray(o[1:2, :90]), np.asarray(o1))
+    assert np.array_equal(np.asarray(pool_all[2]), np.asarray(pool_one[2]))
+    return o, pool_all
+
+
+def test_prompt_stream_alone_equals_stream_among_others_bitwise():
+    _alone_vs_batched(SMALL)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Verify window and commit
+# ------------------------------------------------------------------------------------------------------------
+
+TREES = {  # parents of 8 window rows; -1 = the committed state
+    "chain": [-1, 0, 1, 2, 3, 4, 5, 6],
+    "fan": [-1, -1, -1, -1, -1, -1, -1, -1],
+    "fork": [-1, 0, 1, 1, 2, 3, 0, 6],
+    "deep": [-1, 0, 1, 2, 0, 4, 5, 3],
+}
+
+
+def _path_to(parents, r):
+    path = []
+    while r >= 0:
+        path.append(r)
+        r = parents[r]
+    return path[::-1]
+
+
+def _window_case(rng, shape, dtype=jnp.float32, trees=TREES):
+    names = list(trees)
+    s, r = len(names), len(trees[names[0]])
+    rows = _rows(rng, s, r, shape["hk"], shape["hv"], shape["dk"], shape["dv"], dtype)
+    pool = _pool(rng, s + 2, shape["hv"], shape["dk"], shape["dv"])
+    slot = jnp.asarray(rng.permutation(s + 2)[:s], jnp.int32)
+    parents = jnp.asarray([trees[n] for n in names], jnp.int32)
+    return names, rows, parents, pool, slot
+
+
+def _check_window(shape):
+    rng = np.random.default_rng(3)
+    names, (q, k, v, g, beta), parents, pool, slot = _window_case(rng, shape)
+    o = np.asarray(window_k(q, k, v, g, beta, parents, pool, slot))
+    assert _rel(o, window_ref(q, k, v, g, beta, parents, pool, slot)) < F32_TOL
+    for s, name in enumerate(names):
+        par = [int(p) for p in parents[s]]
+        for r in range(par.__len__()):
+            path = _path_to(par, r)
+            ref_o, _ = _f64_steps(pool[int(slot[s])], q[s], k[s], v[s], g[s], beta[s], path)
+            assert _rel(o[s, r], ref_o[-1]) < F32_TOL, f"{name} node {r}"
+    # Every node == commit of its ancestors, then a one-row window on the committed state, bit for bit.
+    r_max = parents.shape[1]
+    for r in range(r_max):
+        paths = [_path_to([int(p) for p in parents[s]], r) for s in range(len(names))]
+        anc = jnp.asarray([p[:-1] + [0] * (r_max - len(p) + 1) for p in paths], jnp.int32)
+        anc_len = jnp.asarray([len(p) - 1 for p in paths], jnp.int32)
+        committed = commit_k(k, v, g, beta, anc, anc_len, pool, slot)
+        one = lambda x: x[:, r:r + 1]
+        o1 = window_k(one(q), one(k), one(v), one(g), one(beta), jnp.full((len(names), 1), -1, jnp.int32),
+                      committed, slot)
+        assert np.array_equal(np.asarray(o1)[:, 0], o[:, r]), f"node {r}: window != commit + one-row window"
+    return o
+
+
+def test_window_trees_match_serial_recurrence():
+    _check_window(SMALL)
+
+
+def _check_commit(shape):
+    rng = np.random.default_rng(9)
+    names, (q, k, v, g, beta), parents, pool, slot = _window_case(rng, shape)
+    s_count, r_max = parents.shape
+    # accepted paths: root-to-leaf paths of each tree, one stream accepting nothing
+    paths = [_path_to([int(p) for p in parents[s]], r_max - 1) for s in range(s_count)]
+    paths[1] = []
+    path = jnp.asarray([p + [0] * (r_max - len(p)) for p in paths], jnp.int32)
+    path_len = jnp.asarray([len(p) for p in paths], jnp.int32)
+    out = np.asarray(commit_k(k, v, g, beta, path, path_len, pool, slot))
+    assert _rel(out[slot], commit_ref(k, v, g, beta, path, path_len, pool, slot)[slot]) < F32_TOL
+    for s in range(s_count):
+        _, ref_state = _f64_steps(pool[int(slot[s])], q[s], k[s], v[s], g[s], beta[s], paths[s])
+        if paths[s]:
+            assert _rel(out[int(slot[s])], ref_state) < F32_TOL
+        else:
+            assert np.array_equal(out[int(slot[s])], np.asarray(pool[int(slot[s])]))
+    untouched = sorted(set(range(pool.shape[0])) - {int(x) for x in slot})
+    assert np.array_equal(out[untouched], np.asarray(pool)[untouched])
+    # == one-row commits in sequence, bit for bit
+    cur = pool
+    for i in range(max(len(p) for p in paths)):
+        node = jnp.asarray([p[i] if i < len(p) else 0 for p in paths], jnp.int32)
+        pick = lambda x: jnp.take_along_axis(x, node.reshape((-1, 1) + (1,) * (x.ndim - 2)), axis=1)
+        cur = commit_k(pick(k), pick(v), pick(g), pick(beta), jnp.zeros((s_count, 1), jnp.int32),
+                       jnp.asarray([int(i < len(p)) for p in paths], jnp.int32), cur, slot)
+    assert np.array_equal(np.asarray(cur), out)
+
+
+def test_commit_equals_serial_steps_over_accepted_path():
+    _check_commit(SMALL)
+
+
+def test_window_stream_alone_equals_stream_among_others_bitwise():
+    rng = np.random.default_rng(4)
+    names, (q, k, v, g, beta), parents, pool, slot = _window_case(rng, SMALL, jnp.bfloat16)
+    o = window_k(q, k, v, g, beta, parents, pool, slot)
+    for s in range(len(names)):
+        one = lambda x: x[s:s + 1]
+        o1 = window_k(one(q), one(k), one(v), one(g), one(beta), one(parents), pool, one(slot))
+        assert np.array_equal(np.asarray(o1[0]), np.asarray(o[s]))
+    assert _rel(o, window_ref(q, k, v, g, beta, parents, pool, slot)) < BF16_OUT_TOL
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Conv (plain jnp entry points)
+# ------------------------------------------------------------------------------------------------------------
+
+def test_conv_window_node_equals_commit_then_one_row_and_float64():
+    rng = np.random.default_rng(2)
+    s_count, r_max, c, kw = 4, 8, 24, 4
+    parents = jnp.asarray([TREES[n] for n in TREES], jnp.int32)
+    m = jnp.asarray(rng.normal(size=(s_count, r_max, c)), jnp.float32)
+    pool = jnp.asarray(rng.normal(size=(s_count + 1, kw - 1, c)), jnp.float32)
+    weight = jnp.asarray(rng.normal(size=(c, kw)), jnp.float32)
+    slot = jnp.asarray([3, 0, 4, 1], jnp.int32)
+    u = np.asarray(gdn.conv_window(m, parents, pool, slot, weight))
+    for r in range(r_max):
+        paths = [_path_to([int(p) for p in parents[s]], r) for s in range(s_count)]
+        for s in range(s_count):  # float64: silu(sum of taps over history + path)
+            seq = np.concatenate([np.asarray(pool[int(slot[s])], np.float64), np.asarray(m[s])[paths[s]]])
+            acc = (seq[-kw:] * np.asarray(weight, np.float64).T).sum(0)
+            np.testing.assert_allclose(u[s, r], acc / (1 + np.exp(-acc)), rtol=1e-5, atol=1e-6)
+        anc = jnp.asarray([p[:-1] + [0] * (r_max - len(p) + 1) for p in paths], jnp.int32)
+        committed = gdn.conv_commit(m, anc, jnp.asarray([len(p) - 1 for p in paths]), pool, slot)
+        u1 = gdn.conv_window(m[:, r:r + 1], jnp.full((s_count, 1), -1, jnp.int32), committed, slot, weight)
+        assert np.array_equal(np.asarray(u1)[:, 0], u[:, r])
+
+
+def test_conv_commit_equals_serial_one_row_commits():
+    rng = np.random.default_rng(6)
+    s_count, r_max, c = 3, 6, 16
+    m = jnp.asarray(rng.normal(size=(s_count, r_max, c)), jnp.float32)
+    pool = jnp.asarray(rng.normal(size=(s_count, 3, c)), jnp.float32)
+    slot = jnp.asarray([2, 0, 1], jnp.int32)
+    paths = [[0, 1, 2, 3, 4, 5], [0, 2], []]
+    path = jnp.asarray([p + [0] * (r_max - len(p)) for p in paths], jnp.int32)
+    out = gdn.conv_commit(m, path, jnp.asarray([len(p) for p in paths]), pool, slot)
+    cur = pool
+    for i in range(6):
+        node = jnp.asarray([p[i] if i < len(p) else 0 for p in paths])
+        rows = jnp.take_along_axis(m, node[:, None, None], axis=1)
+        cur = gdn.conv_commit(rows, jnp.zeros((s_count, 1), jnp.int32),
+                              jnp.asarray([int(i < len(p)) for p in paths]), cur, slot)
+    assert np.array_equal(np.asarray(cur), np.asarray(out))
+    out = np.asarray(out)
+    assert np.array_equal(out[2], np.asarray(m)[0, 3:6])  # stream 0 took 6 rows: its last 3
+    assert np.array_equal(out[0], np.stack([np.asarray(pool)[0, 2], np.asarray(m)[1, 0], np.asarray(m)[1, 2]]))
+    assert np.array_equal(out[1], np.asarray(pool)[1])  # stream 2 took none
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Validation and lowering
+# ------------------------------------------------------------------------------------------------------------
+
+def test_entry_points_reject_bad_inputs():
+    rng = np.random.default_rng(0)
+    q, k, v, g, beta = _rows(rng, 1, 8, 2, 4, 16, 32)
+    pool = _pool(rng, 2, 4, 16, 32)
+    slot, start, lengths = jnp.array([0]), jnp.array([0]), jnp.array([8])
+    with pytest.raises(ValueError, match="multiple of key heads"):
+        gdn.prompt(q, k, v[:, :, :3], g[..., :3], beta[..., :3], pool[:, :3], slot, start, lengths)
+    with pytest.raises(ValueError, match="g must be float32"):
+        gdn.prompt(q, k, v, g.astype(jnp.bfloat16), beta, pool, slot, start, lengths)
+    with pytest.raises(ValueError, match="rec_pool must be float32"):
+        gdn.prompt(q, k, v, g, beta, pool.astype(jnp.bfloat16), slot, start, lengths)
+    with pytest.raises(ValueError, match="powers of two"):
+        gdn.window(q[..., :12], k[..., :12], v, g, beta, jnp.array([[-1] * 8]), pool[:, :, :12], slot)
+    with pytest.raises(ValueError, match="parents must be"):
+        gdn.window(q, k, v, g, beta, jnp.array([-1] * 8), pool, slot)
+    with pytest.raises(ValueError, match="path_len must be"):
+        gdn.commit(k, v, g, beta, jnp.zeros((1, 8), jnp.int32), jnp.array(3), pool, slot)
+    with pytest.raises(ValueError, match="precision"):
+        gdn.prompt(q, k, v, g, beta, pool, slot, start, lengths, tiles=gdn.PromptTiles(precision="fp8"))
+
+
+def test_kernels_lower_to_triton_at_27b_heads(monkeypatch):
+    """Cross-lowers the three kernels for an H200 on this CPU machine: catches primitives the Triton lowering
+    rejects without a GPU (it stops before Triton's own compile, which only the `gpu` tests reach)."""
+    registration = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
+    gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
+    monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info",
+                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+    sds = jax.ShapeDtypeStruct
+    s, t, r, n = 2, 130, 16, 3
+    hk, hv, dk, dv = BIG["hk"], BIG["hv"], BIG["dk"], BIG["dv"]
+    bf, f, i = jnp.bfloat16, jnp.float32, jnp.int32
+    qk = lambda rows: sds((s, rows, hk, dk), bf)
+    vv = lambda rows: sds((s, rows, hv, dv), bf)
+    gb = lambda rows: sds((s, rows, hv), f)
+    pool, per_stream = sds((n, hv, dk, dv), f), sds((s,), i)
+
+    def lower(fn, *args):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    for precision in ("tf32", "tf32x3"):
+        text = lower(functools.partial(gdn.prompt, tiles=gdn.PromptTiles(precision=precision)), qk(t), qk(t),
+                     vv(t), gb(t), gb(t), pool, per_stream, per_stream, per_stream)
+        assert text.count("__gpu$xla.gpu.triton") == 2
+    text = lower(gdn.window, qk(r), qk(r), vv(r), gb(r), gb(r), sds((s, r), i), pool, per_stream)
+    assert "__gpu$xla.gpu.triton" in text
+    text = lower(gdn.commit, qk(r), vv(r), gb(r), gb(r), sds((s, r), i), per_stream, pool, per_stream)
+    assert "__gpu$xla.gpu.triton" in text
+
+
+# ------------------------------------------------------------------------------------------------------------
+# GPU: the same properties at the 27B's head shape
+# ------------------------------------------------------------------------------------------------------------
+
+def _poison_allocator(shape, dtype):
+    """Best effort on the GPU: leave a freed NaN block of the output's size for the allocator to hand out next,
+    so an element the kernel never writes is likely to read NaN."""
+    jax.block_until_ready(jnp.full(shape, jnp.nan, dtype)).delete()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [1, 63, 64, 65, 300, 1000])
+def test_gpu_prompt_27b_heads(t):
+    rng = np.random.default_rng(100 + t)
+    args = _prompt_case(rng, t, BIG)
+    _poison_allocator(args[2].shape, args[2].dtype)
+    o, pool_out = prompt_k(*args)
+    _check_prompt_vs_f64(args, o, pool_out, F32_TOL)
+    ro, rpool = prompt_ref(*args)
+    assert _rel(o, ro) < F32_TOL
+
+
+@pytest.mark.gpu
+def test_gpu_prompt_bf16_27b_heads():
+    rng = np.random.default_rng(8)
+    args = _prompt_case(rng, 700, BIG, jnp.bfloat16)
+    _poison_allocator(args[2].shape, args[2].dtype)
+    o, pool_out = prompt_k(*args)
+    _check_prompt_vs_f64(args, o, pool_out, BF16_OUT_TOL)
+
+
+@pytest.mark.gpu
+def test_gpu_prompt_exactness_27b_heads():
+    _resume_check(BIG, 300, [64, 256])
+    _alone_vs_batched(BIG)
+
+
+@pytest.mark.gpu
+def test_gpu_window_and_commit_27b_heads():
+    _check_window(BIG)
+    _check_commit(BIG)
+
+
+@pytest.mark.gpu
+def test_gpu_window_16_rows_alone_vs_among_others():
+    rng = np.random.default_rng(12)
+    trees = {"chain": list(range(-1, 15)), "fan": [-1] * 16, "fork": [-1, 0, 1, 1, 2, 3, 0, 6] * 2}
+    trees["fork"] = [p if i < 8 else (p + 8 if p >= 0 else 7) for i, p in enumerate(trees["fork"])]
+    names, (q, k, v, g, beta), parents, pool, slot = _window_case(rng, BIG, jnp.bfloat16, trees)
+    _poison_allocator(v.shape, v.dtype)
+    o = window_k(q, k, v, g, beta, parents, pool, slot)
+    for s in range(len(names)):
+        one = lambda x: x[s:s + 1]
+        o1 = window_k(one(q), one(k), one(v), one(g), one(beta), one(parents), pool, one(slot))
+        assert np.array_equal(np.asarray(o1[0]), np.asarray(o[s]))
+    assert _rel(o, window_ref(q, k, v, g, beta, parents, pool, slot)) < BF16_OUT_TOL
