@@ -6,9 +6,15 @@ Query head h reads KV head h // (Hq/Hkv). Softmax in fp32. Queries q [S, T, Hq, 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import kv_quant
 from pallas_kernels.kv_quant import KVPool, as_stored, gather_stream
 
 _HI = jax.lax.Precision.HIGHEST
@@ -76,3 +82,446 @@ def window_reference(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: 
         return _attend(q_s, keys, values, jnp.concatenate([mask_c, mask_w], axis=1), scale)
 
     return jax.vmap(one)(q, k_win, v_win, parents, page_table, cache_len).astype(q.dtype)
+
+
+# ================================================================================================================
+# Kernels (Pallas, Triton lowering). Shared conventions:
+#   * K/V are read page-wise from the pool through the stream's page table; key block b of a stream always covers
+#     absolute positions [b*block_k, (b+1)*block_k), so which keys share a block never depends on the call.
+#   * Logits and the softmax run in fp32. Dots take bf16 operands (fp8 codes are widened to bf16 exactly, their
+#     scales applied to logit columns and to P's columns) unless q or the pool is fp32, then fp32 at IEEE precision.
+#   * Masked logits are -inf; a fully masked block is an exact no-op of the online update (alpha = 1, p = 0), so
+#     visiting extra blocks never changes a row's bits.
+# ================================================================================================================
+
+@dataclasses.dataclass(frozen=True)
+class WindowTiles:
+    """Tiles of the verify/decode kernel. `chunk` and `block_k` fix a row's reduction tree; keep them constant
+    for a model. The split over the context is one program per chunk, so more pages in the table means more
+    programs, never a different tree."""
+    block_k: int = 64  # keys per online-softmax step
+    chunk: int = 512  # keys per partial (m, l, acc); partials are merged in chunk order
+    num_warps: int = 4
+    num_stages: int = 2
+    merge_block_d: int = 64  # head-dim columns per merge program
+    merge_num_warps: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptTiles:
+    """Tiles of the prompt-chunk kernel. `block_k` fixes a row's reduction order (key blocks on the absolute
+    grid); `block_q` only groups rows into programs and never changes a row's bits."""
+    block_q: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def _pad_table(page_table: jax.Array, keys: int, page_size: int) -> jax.Array:
+    """Widen the table with dummy page 0 to cover `keys` positions, so a key block never indexes past it (those
+    keys lie beyond max_keys and are masked)."""
+    pages = -(-keys // page_size)
+    page_table = page_table.astype(jnp.int32)
+    return jnp.pad(page_table, ((0, 0), (0, max(0, pages - page_table.shape[1]))))
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _compute_dtype(q_dtype, pool: KVPool):
+    return jnp.float32 if jnp.float32 in (jnp.dtype(q_dtype), jnp.dtype(pool.k.dtype)) else jnp.bfloat16
+
+
+def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a [M, K] @ b [K, N] -> fp32; fp32 operands at IEEE precision (the default would be tf32 on the GPU)."""
+    precision = _HI if a.dtype == jnp.float32 else None
+    return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _load_keys(k_ref, v_ref, ks_ref, vs_ref, pt_ref, first, block_k: int, page_size: int):
+    """Keys/values at absolute positions [first, first + block_k) of one stream and KV head.
+
+    k_ref, v_ref [P, page, D]; ks_ref, vs_ref [P, page] or None; pt_ref [Pmax]; first a multiple of block_k.
+    -> k, v [block_k, D] in pool dtype; ks, vs [block_k] fp32 or None
+    """
+    if block_k >= page_size:
+        n = block_k // page_size
+        pages = pt_ref[pl.ds(first // page_size, n)]
+        d = k_ref.shape[-1]
+        k = k_ref[pages].reshape(block_k, d)
+        v = v_ref[pages].reshape(block_k, d)
+        ks = None if ks_ref is None else ks_ref[pages].reshape(block_k)
+        vs = None if vs_ref is None else vs_ref[pages].reshape(block_k)
+    else:
+        page = pt_ref[first // page_size]
+        rows = pl.ds(first % page_size, block_k)
+        k, v = k_ref[page, rows, :], v_ref[page, rows, :]
+        ks = None if ks_ref is None else ks_ref[page, rows]
+        vs = None if vs_ref is None else vs_ref[page, rows]
+    return k, v, ks, vs
+
+
+def _online_step(carry, q, k, v, ks, vs, visible, scale: float, cdt):
+    """One online-softmax step over a key block. carry (m [M], l [M], acc [M, D]) fp32; q [M, D] cdt;
+    k, v [BK, D]; ks, vs [BK] or None; visible [M, BK] bool or None (all visible)."""
+    m, l, acc = carry
+    logits = _dot(q, k.astype(cdt).T)
+    col_scale = scale if ks is None else ks * scale
+    logits = logits * (col_scale[None, :] if ks is not None else col_scale)
+    if visible is not None:
+        logits = jnp.where(visible, logits, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.exp(logits - m_new[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    pv = p if vs is None else p * vs[None, :]
+    acc = acc * alpha[:, None] + _dot(pv.astype(cdt), v.astype(cdt))
+    return m_new, l, acc
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Verify/decode window: pass 1, one program per (stream, KV head, chunk of committed keys)
+# ----------------------------------------------------------------------------------------------------------------
+
+def _window_chunk_kernel(cache_len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, fp8: bool, scale: float, rows: int,
+                         max_keys: int, page_size: int, tiles: WindowTiles, cdt):
+    # cache_len_ref [S]; pt_ref [Pmax]; q_ref [M, D] (rows r*G + h of one KV head, zero-padded to M);
+    # k_ref, v_ref [P, page, D]; fp8: ks_ref, vs_ref [P, page]; outputs m_ref, l_ref [M], acc_ref [M, D] fp32
+    # (this chunk's partial, relative to its own max m; rows >= `rows` are left unwritten).
+    if fp8:
+        ks_ref, vs_ref, m_ref, l_ref, acc_ref = refs
+    else:
+        ks_ref = vs_ref = None
+        m_ref, l_ref, acc_ref = refs
+    s, c = pl.program_id(0), pl.program_id(2)
+    bk = tiles.block_k
+    n_keys = jnp.minimum(cache_len_ref[s], max_keys)
+    chunk_start = c * tiles.chunk
+    n_blocks = jnp.clip((n_keys - chunk_start + bk - 1) // bk, 0, tiles.chunk // bk)
+
+    @pl.when(n_blocks > 0)
+    def _():
+        q = q_ref[...].astype(cdt)
+        mrows, d = q.shape
+
+        def body(b, carry):
+            first = chunk_start + b * bk
+            k, v, ks, vs = _load_keys(k_ref, v_ref, ks_ref, vs_ref, pt_ref, first, bk, page_size)
+            visible = jnp.broadcast_to((first + jnp.arange(bk) < n_keys)[None, :], (mrows, bk))
+            return _online_step(carry, q, k, v, ks, vs, visible, scale, cdt)
+
+        init = (jnp.full((mrows,), -jnp.inf, jnp.float32), jnp.zeros((mrows,), jnp.float32),
+                jnp.zeros((mrows, d), jnp.float32))
+        m, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+        real = jnp.arange(mrows) < rows
+        plgpu.store(m_ref, m, mask=real)
+        plgpu.store(l_ref, l, mask=real)
+        plgpu.store(acc_ref, acc, mask=real[:, None])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Verify/decode window: pass 2, merge the chunk partials in chunk order, then the window's own keys
+# ----------------------------------------------------------------------------------------------------------------
+
+def _window_merge_kernel(cache_len_ref, q_ref, kw_ref, vw_ref, mask_ref, m_ref, l_ref, acc_ref, *refs, fp8: bool,
+                         scale: float, max_keys: int, chunk: int, cdt):
+    # cache_len_ref [S]; q_ref [M, D]; kw_ref [Rp, D], vw_ref [Rp, BD] the window's rows as stored (fp8 codes or
+    # pool dtype); mask_ref [M, Rp] int32 (row sees window key j); m_ref, l_ref [NC, M]; acc_ref [NC, M, BD];
+    # fp8: ksw_ref, vsw_ref [Rp]; output o_ref [M, BD].
+    if fp8:
+        ksw_ref, vsw_ref, o_ref = refs
+    else:
+        ksw_ref = vsw_ref = None
+        (o_ref,) = refs
+    s = pl.program_id(0)
+    n_chunks = (jnp.minimum(cache_len_ref[s], max_keys) + chunk - 1) // chunk
+    nc = m_ref.shape[0]
+    # Max over the written partials is exact in any order; unwritten ones are masked, never read as numbers.
+    m_all = jnp.where(jnp.arange(nc)[:, None] < n_chunks, m_ref[...], -jnp.inf)
+    m_committed = jnp.max(m_all, axis=0)
+
+    q = q_ref[...].astype(cdt)
+    ksw = None if ksw_ref is None else ksw_ref[...]
+    logits_w = _dot(q, kw_ref[...].astype(cdt).T)
+    logits_w = logits_w * (ksw[None, :] * scale if fp8 else scale)
+    logits_w = jnp.where(mask_ref[...] != 0, logits_w, -jnp.inf)
+    m_total = jnp.maximum(m_committed, jnp.max(logits_w, axis=1))
+    # Padding rows see nothing; keep their arithmetic finite.
+    m_total = jnp.where(m_total == -jnp.inf, 0.0, m_total)
+
+    def body(c, carry):
+        l, acc = carry
+        w = jnp.exp(m_ref[c, :] - m_total)
+        return l + w * l_ref[c, :], acc + w[:, None] * acc_ref[c, :, :]
+
+    mrows, bd = acc_ref.shape[1], acc_ref.shape[2]
+    l, acc = jax.lax.fori_loop(0, n_chunks, body, (jnp.zeros((mrows,), jnp.float32),
+                                                   jnp.zeros((mrows, bd), jnp.float32)))
+    p = jnp.exp(logits_w - m_total[:, None])
+    l = l + jnp.sum(p, axis=1)
+    pv = p if vsw_ref is None else p * vsw_ref[...][None, :]
+    acc = acc + _dot(pv.astype(cdt), vw_ref[...].astype(cdt))
+    o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+
+
+def _pack_rows(x: jax.Array, hkv: int, mrows: int) -> jax.Array:
+    """[S, R, Hq, D] -> [S, Hkv, mrows, D]: row r*G + h holds query head g*G + h of window row r."""
+    s, r, hq, d = x.shape
+    g = hq // hkv
+    x = jnp.moveaxis(x.reshape(s, r, hkv, g, d), 2, 1).reshape(s, hkv, r * g, d)
+    return jnp.pad(x, ((0, 0), (0, 0), (0, mrows - r * g), (0, 0)))
+
+
+def _unpack_rows(x: jax.Array, r: int, hq: int) -> jax.Array:
+    s, hkv, _, d = x.shape
+    g = hq // hkv
+    return jnp.moveaxis(x[:, :, : r * g].reshape(s, hkv, r, g, d), 1, 2).reshape(s, r, hq, d)
+
+
+def _window_keys(x: jax.Array, pool: KVPool, rp: int, interpret: bool):
+    """Window rows [S, R, Hkv, D] as the pool will store them: (values [S, Hkv, Rp, D] in pool dtype, scales
+    [S, Hkv, Rp] fp32 or None). fp8 goes through the write kernel's own quantizer, so a drafted key has the bits
+    its committed self will have."""
+    x = jnp.pad(jnp.moveaxis(x, 2, 1), ((0, 0), (0, 0), (0, rp - x.shape[1]), (0, 0)))
+    if pool.fp8:
+        return kv_quant.quantize(x, interpret=interpret)
+    return x.astype(pool.k.dtype), None
+
+
+def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array, pool: KVPool,
+           page_table: jax.Array, cache_len: jax.Array, *, scale: float, interpret: bool = False,
+           tiles: WindowTiles = WindowTiles()) -> jax.Array:
+    """Same contract as window_reference. Pass 1 streams the committed keys of each (stream, KV head) in chunks of
+    `tiles.chunk` keys, one program each, and writes per-chunk partials; pass 2 merges them in chunk order and
+    adds the window's own keys last (they sit after every committed key). A row's bits depend only on its own
+    stream's inputs and the tiles: not on other streams, nor on how many pages the table holds.
+
+    q [S, R, Hq, D]; k_win, v_win [S, R, Hkv, D]; parents [S, R]; page_table [S, Pmax]; cache_len [S]
+    -> o [S, R, Hq, D] in q.dtype
+    """
+    s, r, hq, d = q.shape
+    hkv = _check_window(q, k_win, v_win, parents, pool, page_table, cache_len, tiles)
+    g = hq // hkv
+    mrows = max(16, _pow2(r * g))
+    rp = max(16, _pow2(r))
+    ps, fp8 = pool.page_size, pool.fp8
+    cdt = _compute_dtype(q.dtype, pool)
+    max_keys = page_table.shape[1] * ps
+    n_chunks = -(-max_keys // tiles.chunk)
+    nc_pad = _pow2(n_chunks)
+    cache_len = cache_len.astype(jnp.int32)
+    page_table = _pad_table(page_table, n_chunks * tiles.chunk, ps)
+    qp = _pack_rows(q, hkv, mrows)
+
+    with jax.named_scope("attn_window_chunks"):
+        per_head = pl.BlockSpec((None, pool.num_pages, ps, d), lambda i, j, c: (j, 0, 0, 0))
+        per_head_scale = pl.BlockSpec((None, pool.num_pages, ps), lambda i, j, c: (j, 0, 0))
+        kernel = functools.partial(_window_chunk_kernel, fp8=fp8, scale=scale, rows=r * g, max_keys=max_keys,
+                                   page_size=ps, tiles=tiles, cdt=cdt)
+        m, l, acc = pl.pallas_call(
+            kernel,
+            grid=(s, hkv, n_chunks),
+            in_specs=[pl.BlockSpec((s,), lambda i, j, c: (0,)),
+                      pl.BlockSpec((None, page_table.shape[1]), lambda i, j, c: (i, 0)),
+                      pl.BlockSpec((None, None, mrows, d), lambda i, j, c: (i, j, 0, 0)),
+                      per_head, per_head] + ([per_head_scale, per_head_scale] if fp8 else []),
+            out_specs=[pl.BlockSpec((None, None, None, mrows), lambda i, j, c: (i, j, c, 0)),
+                       pl.BlockSpec((None, None, None, mrows), lambda i, j, c: (i, j, c, 0)),
+                       pl.BlockSpec((None, None, None, mrows, d), lambda i, j, c: (i, j, c, 0, 0))],
+            out_shape=[jax.ShapeDtypeStruct((s, hkv, nc_pad, mrows), jnp.float32),
+                       jax.ShapeDtypeStruct((s, hkv, nc_pad, mrows), jnp.float32),
+                       jax.ShapeDtypeStruct((s, hkv, nc_pad, mrows, d), jnp.float32)],
+            interpret=interpret,
+            compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+            name="attn_window_chunks",
+        )(cache_len, page_table, qp, pool.k, pool.v, *([pool.k_scale, pool.v_scale] if fp8 else []))
+
+    with jax.named_scope("attn_window_merge"):
+        kw, ksw = _window_keys(k_win, pool, rp, interpret)
+        vw, vsw = _window_keys(v_win, pool, rp, interpret)
+        anc = jax.vmap(ancestors)(parents.astype(jnp.int32))  # [S, R, R]
+        mask = jnp.repeat(anc, g, axis=1)  # row r*G + h sees what window row r sees
+        mask = jnp.pad(mask, ((0, 0), (0, mrows - r * g), (0, rp - r))).astype(jnp.int32)
+        bd = min(tiles.merge_block_d, d)
+        kernel = functools.partial(_window_merge_kernel, fp8=fp8, scale=scale, max_keys=max_keys,
+                                   chunk=tiles.chunk, cdt=cdt)
+        win_scale = pl.BlockSpec((None, None, rp), lambda i, j, e: (i, j, 0))
+        out = pl.pallas_call(
+            kernel,
+            grid=(s, hkv, d // bd),
+            in_specs=[pl.BlockSpec((s,), lambda i, j, e: (0,)),
+                      pl.BlockSpec((None, None, mrows, d), lambda i, j, e: (i, j, 0, 0)),
+                      pl.BlockSpec((None, None, rp, d), lambda i, j, e: (i, j, 0, 0)),
+                      pl.BlockSpec((None, None, rp, bd), lambda i, j, e: (i, j, 0, e)),
+                      pl.BlockSpec((None, mrows, rp), lambda i, j, e: (i, 0, 0)),
+                      pl.BlockSpec((None, None, nc_pad, mrows), lambda i, j, e: (i, j, 0, 0)),
+                      pl.BlockSpec((None, None, nc_pad, mrows), lambda i, j, e: (i, j, 0, 0)),
+                      pl.BlockSpec((None, None, nc_pad, mrows, bd), lambda i, j, e: (i, j, 0, 0, e))]
+                     + ([win_scale, win_scale] if fp8 else []),
+            out_specs=pl.BlockSpec((None, None, mrows, bd), lambda i, j, e: (i, j, 0, e)),
+            out_shape=jax.ShapeDtypeStruct((s, hkv, mrows, d), q.dtype),
+            interpret=interpret,
+            compiler_params=plgpu.CompilerParams(num_warps=tiles.merge_num_warps, num_stages=2),
+            name="attn_window_merge",
+        )(cache_len, qp, kw, vw, mask, m, l, acc, *([ksw, vsw] if fp8 else []))
+    return _unpack_rows(out, r, hq)
+
+
+def _check_pool(pool: KVPool, hkv_expected: int | None, d: int) -> None:
+    if pool.k.ndim != 4 or pool.k.shape != pool.v.shape:
+        raise ValueError(f"pool.k and pool.v must both be [Hkv, P, page, D]; got {pool.k.shape}, {pool.v.shape}")
+    if pool.k.shape[3] != d:
+        raise ValueError(f"queries have head dim {d} but the pool holds {pool.k.shape[3]}")
+    if hkv_expected is not None and pool.k.shape[0] != hkv_expected:
+        raise ValueError(f"expected {hkv_expected} KV heads, the pool holds {pool.k.shape[0]}")
+    ps = pool.page_size
+    if ps & (ps - 1):
+        raise ValueError(f"page size {ps} must be a power of two")
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"head dim {d} must be a power of two >= 16 for the kernels")
+    if pool.fp8 and (pool.k_scale is None or pool.v_scale is None):
+        raise ValueError("an fp8 pool needs k_scale and v_scale (build it with kv_quant.empty_pool)")
+
+
+def _check_block(block_k: int, page_size: int, what: str) -> None:
+    if block_k & (block_k - 1) or block_k < 16:
+        raise ValueError(f"{what}.block_k={block_k} must be a power of two >= 16")
+
+
+def _check_window(q, k_win, v_win, parents, pool: KVPool, page_table, cache_len, tiles: WindowTiles) -> int:
+    if q.ndim != 4:
+        raise ValueError(f"q must be [S, R, Hq, D]; got shape {q.shape}")
+    s, r, hq, d = q.shape
+    hkv = pool.k.shape[0]
+    _check_pool(pool, None, d)
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of the pool's {hkv} KV heads")
+    if not 1 <= r <= 16:
+        raise ValueError(f"a window holds 1..16 rows per stream; got R={r}")
+    if k_win.shape != (s, r, hkv, d) or v_win.shape != k_win.shape:
+        raise ValueError(f"k_win and v_win must be [S, R, Hkv, D] = {(s, r, hkv, d)}; got {k_win.shape}, "
+                         f"{v_win.shape}")
+    if parents.shape != (s, r):
+        raise ValueError(f"parents must be [S, R] = {(s, r)}; got {parents.shape}")
+    if page_table.ndim != 2 or page_table.shape[0] != s:
+        raise ValueError(f"page_table must be [S={s}, Pmax]; got {page_table.shape}")
+    if cache_len.shape != (s,):
+        raise ValueError(f"cache_len must be [S={s}]; got {cache_len.shape}")
+    _check_block(tiles.block_k, pool.page_size, "WindowTiles")
+    if tiles.chunk % tiles.block_k or tiles.chunk % pool.page_size:
+        raise ValueError(f"WindowTiles.chunk={tiles.chunk} must be a multiple of block_k={tiles.block_k} and of "
+                         f"the page size {pool.page_size}")
+    if d % min(tiles.merge_block_d, d):
+        raise ValueError(f"WindowTiles.merge_block_d={tiles.merge_block_d} must divide the head dim {d}")
+    return hkv
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Prompt chunk: causal attention of new rows over the cached prefix plus themselves
+# ----------------------------------------------------------------------------------------------------------------
+
+def _prompt_kernel(start_ref, lengths_ref, pt_ref, q_ref, k_ref, v_ref, *refs, fp8: bool, scale: float,
+                   max_keys: int, page_size: int, n_q_blocks: int, tiles: PromptTiles, cdt):
+    # start_ref, lengths_ref [S]; pt_ref [Pmax]; q_ref [BQ, D] (one query head, rows of one tile);
+    # k_ref, v_ref [P, page, D] (the head's KV head); fp8: ks_ref, vs_ref [P, page]; o_ref [BQ, D].
+    if fp8:
+        ks_ref, vs_ref, o_ref = refs
+    else:
+        ks_ref = vs_ref = None
+        (o_ref,) = refs
+    s = pl.program_id(2)
+    # Longest tiles first: the causal triangle makes late tiles the slow ones.
+    tile = n_q_blocks - 1 - pl.program_id(1)
+    bq, bk = tiles.block_q, tiles.block_k
+    start, length = start_ref[s], lengths_ref[s]
+    t0 = tile * bq
+    rows = t0 + jnp.arange(bq)
+    row_ok = rows < length
+    qpos = start + rows
+
+    @pl.when(t0 >= length)
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+    @pl.when(t0 < length)
+    def _():
+        q = q_ref[...].astype(cdt)
+        d = q.shape[1]
+        last_key = jnp.minimum(start + jnp.minimum(t0 + bq, length) - 1, max_keys - 1)
+        n_blocks = last_key // bk + 1
+        # Blocks wholly at or before the tile's first row need no mask.
+        n_open = jnp.minimum((jnp.minimum(start + t0, max_keys - 1) + 1) // bk, n_blocks)
+
+        def open_body(b, carry):
+            k, v, ks, vs = _load_keys(k_ref, v_ref, ks_ref, vs_ref, pt_ref, b * bk, bk, page_size)
+            return _online_step(carry, q, k, v, ks, vs, None, scale, cdt)
+
+        def masked_body(b, carry):
+            k, v, ks, vs = _load_keys(k_ref, v_ref, ks_ref, vs_ref, pt_ref, b * bk, bk, page_size)
+            visible = (b * bk + jnp.arange(bk))[None, :] <= qpos[:, None]
+            return _online_step(carry, q, k, v, ks, vs, visible, scale, cdt)
+
+        carry = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
+                 jnp.zeros((bq, d), jnp.float32))
+        carry = jax.lax.fori_loop(0, n_open, open_body, carry)
+        _, l, acc = jax.lax.fori_loop(n_open, n_blocks, masked_body, carry)
+        out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+        o_ref[...] = jnp.where(row_ok[:, None], out, 0.0).astype(o_ref.dtype)
+
+
+def prompt(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, lengths: jax.Array, *,
+           scale: float, interpret: bool = False, tiles: PromptTiles = PromptTiles()) -> jax.Array:
+    """Same contract as prompt_reference: one program per (query head, tile of block_q rows, stream) walks the key
+    blocks of the absolute grid from position 0 to its last row, in order, with an online softmax. A row's bits
+    depend only on its absolute position and the keys up to it, so cutting a prompt into chunks anywhere, or
+    resuming from a cache, gives the same bits as one pass.
+
+    q [S, T, Hq, D]; page_table [S, Pmax]; start [S]; lengths [S] -> o [S, T, Hq, D] (rows past lengths: zeros)
+    """
+    if q.ndim != 4:
+        raise ValueError(f"q must be [S, T, Hq, D]; got shape {q.shape}")
+    s, t, hq, d = q.shape
+    hkv = pool.k.shape[0]
+    _check_pool(pool, None, d)
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of the pool's {hkv} KV heads")
+    if page_table.ndim != 2 or page_table.shape[0] != s:
+        raise ValueError(f"page_table must be [S={s}, Pmax]; got {page_table.shape}")
+    if start.shape != (s,) or lengths.shape != (s,):
+        raise ValueError(f"start and lengths must be [S={s}]; got {start.shape}, {lengths.shape}")
+    _check_block(tiles.block_k, pool.page_size, "PromptTiles")
+    if tiles.block_q & (tiles.block_q - 1) or tiles.block_q < 16:
+        raise ValueError(f"PromptTiles.block_q={tiles.block_q} must be a power of two >= 16")
+    g = hq // hkv
+    bq = tiles.block_q
+    tp = -(-t // bq) * bq
+    if tp != t:
+        q = jnp.pad(q, ((0, 0), (0, tp - t), (0, 0), (0, 0)))
+    n_q_blocks = tp // bq
+    ps, fp8 = pool.page_size, pool.fp8
+    max_keys = page_table.shape[1] * ps
+    page_table = _pad_table(page_table, -(-max_keys // tiles.block_k) * tiles.block_k, ps)
+    kernel = functools.partial(_prompt_kernel, fp8=fp8, scale=scale, max_keys=max_keys,
+                               page_size=ps, n_q_blocks=n_q_blocks, tiles=tiles,
+                               cdt=_compute_dtype(q.dtype, pool))
+    # Grid axis 0 varies fastest at launch: the G heads sharing a KV head run side by side and share its blocks
+    # through L2.
+    kv_spec = pl.BlockSpec((None, pool.num_pages, ps, d), lambda h, i, b: (h // g, 0, 0, 0))
+    kv_scale = pl.BlockSpec((None, pool.num_pages, ps), lambda h, i, b: (h // g, 0, 0))
+    q_spec = pl.BlockSpec((None, bq, None, d), lambda h, i, b: (b, n_q_blocks - 1 - i, h, 0))
+    with jax.named_scope("attn_prompt"):
+        out = pl.pallas_call(
+            kernel,
+            grid=(hq, n_q_blocks, s),
+            in_specs=[pl.BlockSpec((s,), lambda h, i, b: (0,)), pl.BlockSpec((s,), lambda h, i, b: (0,)),
+                      pl.BlockSpec((None, page_table.shape[1]), lambda h, i, b: (b, 0)),
+                      q_spec, kv_spec, kv_spec] + ([kv_scale, kv_scale] if fp8 else []),
+            out_specs=q_spec,
+            out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+            interpret=interpret,
+            compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+            name="attn_prompt",
+        )(start.astype(jnp.int32), lengths.astype(jnp.int32), page_table.astype(jnp.int32), q, pool.k, pool.v,
+          *([pool.k_scale, pool.v_scale] if fp8 else []))
+    return out[:, :t]

@@ -4,16 +4,21 @@ Pool layout per attention layer (Hkv KV heads, P pages of `page_size` rows, head
     k, v        [Hkv, P, page_size, D]   bf16/fp32, or float8_e4m3fn
     k_scale, v_scale [Hkv, P, page_size] fp32 (fp8 pools only): one scale per (position, KV head) = amax / 448
 A stream's page table [Pmax] int32 maps its logical page i (positions i*page_size ...) to a physical page.
-Page 0 is the engine's dummy page: padding rows write there and nothing reads it as a real key.
+Page 0 is the engine's dummy page: nothing reads it as a real key. Rows marked invalid, or whose position falls
+outside the page table, are not written at all (an earlier version sent them all to page 0 row 0, a scatter with
+duplicate indices whose winner XLA leaves unspecified).
 A key's stored bits depend only on that key, never on the window, drafts or batching.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
@@ -48,14 +53,21 @@ def empty_pool(num_kv_heads: int, num_pages: int, page_size: int, head_dim: int,
     return KVPool(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
+def _ieee_div(a: jax.Array, b) -> jax.Array:
+    """a / b rounded to nearest, as numpy does. XLA rewrites a division by a constant or a broadcast into a
+    multiply by the rounded reciprocal, which is an ulp off for about half of all inputs; the barrier hides the
+    divisor from that rewrite, and a plain elementwise division is IEEE on XLA's CPU and GPU backends."""
+    return a / jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, a.dtype), a.shape))
+
+
 def quantize_reference(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [..., D] -> (e4m3 codes [..., D], fp32 scale [...]) with scale = amax / 448 (x / scale, round to
-    nearest even; an all-zero row gets scale 0 and zero codes)."""
+    """x [..., D] -> (e4m3 codes [..., D], fp32 scale [...]) with scale = amax / 448 and codes = x / scale, both
+    divisions correctly rounded, the codes rounded to nearest even; an all-zero row gets scale 0 and zero codes."""
     xf = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(xf), axis=-1)
-    scale = amax / FP8_MAX
+    scale = _ieee_div(amax, FP8_MAX)
     safe = jnp.where(scale > 0, scale, 1.0)
-    codes = jnp.where(scale[..., None] > 0, xf / safe[..., None], 0.0).astype(FP8)
+    codes = jnp.where(scale[..., None] > 0, _ieee_div(xf, safe[..., None]), 0.0).astype(FP8)
     return codes, scale
 
 
@@ -70,13 +82,15 @@ def as_stored(x: jax.Array, pool: KVPool) -> jax.Array:
     return x.astype(pool.k.dtype).astype(jnp.float32)
 
 
-def _slots(page_table: jax.Array, positions: jax.Array, valid: jax.Array, page_size: int
+def _slots(page_table: jax.Array, positions: jax.Array, valid: jax.Array, page_size: int, num_pages: int
            ) -> tuple[jax.Array, jax.Array]:
-    """(physical page, row in page) per position; invalid rows go to page 0, row 0 (the dummy page)."""
+    """(physical page, row in page) per position. Rows that are invalid or fall outside the page table get page
+    index num_pages, out of bounds, so a scatter with mode="drop" skips them."""
     logical = positions // page_size
+    inside = valid & (positions >= 0) & (logical < page_table.shape[1])
     page = jnp.take_along_axis(page_table, jnp.clip(logical, 0, page_table.shape[1] - 1), axis=1)
-    page = jnp.where(valid, page, 0)
-    row = jnp.where(valid, positions % page_size, 0)
+    page = jnp.where(inside, page, num_pages)
+    row = jnp.where(inside, positions % page_size, 0)
     return page, row
 
 
@@ -85,26 +99,153 @@ def write_reference(pool: KVPool, k_new: jax.Array, v_new: jax.Array, page_table
     """Write rows in place at their absolute positions.
 
     k_new, v_new [S, T, Hkv, D]; page_table [S, Pmax] int32; positions [S, T] int32; valid [S, T] bool
-    -> pool with those rows stored (fp8 pools: quantized, scales written beside them)
+    -> pool with those rows stored (fp8 pools: quantized, scales written beside them); invalid rows are skipped
     """
-    page, row = _slots(page_table, positions, valid, pool.page_size)
+    page, row = _slots(page_table, positions, valid, pool.page_size, pool.num_pages)
     p, r = page.reshape(-1), row.reshape(-1)
     hkv, d = k_new.shape[2], k_new.shape[3]
-    # Invalid rows all land on the dummy page's row 0; their values are irrelevant.
     kf = jnp.moveaxis(k_new.reshape(-1, hkv, d), 1, 0)  # [Hkv, S*T, D]
     vf = jnp.moveaxis(v_new.reshape(-1, hkv, d), 1, 0)
+
+    def put(dst, val):
+        return dst.at[:, p, r].set(val.astype(dst.dtype), mode="drop")
+
     if pool.fp8:
         kc, ks = quantize_reference(kf)
         vc, vs = quantize_reference(vf)
-        return KVPool(pool.k.at[:, p, r].set(kc), pool.v.at[:, p, r].set(vc),
-                      pool.k_scale.at[:, p, r].set(ks), pool.v_scale.at[:, p, r].set(vs))
-    return KVPool(pool.k.at[:, p, r].set(kf.astype(pool.k.dtype)), pool.v.at[:, p, r].set(vf.astype(pool.v.dtype)))
+        return KVPool(put(pool.k, kc), put(pool.v, vc), put(pool.k_scale, ks), put(pool.v_scale, vs))
+    return KVPool(put(pool.k, kf), put(pool.v, vf))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Quantize-on-write kernel
+# ----------------------------------------------------------------------------------------------------------------
+
+def _kernel_div(a: jax.Array, b: jax.Array, interpret: bool) -> jax.Array:
+    """Correctly rounded a / b inside a kernel (same shapes). Triton lowers `/` on f32 to div.full.f32, up to
+    two ulps off, so the compiled kernel asks for div.rn.f32; the interpreter runs XLA, where _ieee_div holds."""
+    if interpret:
+        return _ieee_div(a, b)
+    [out] = plgpu.elementwise_inline_asm("div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=r,r,r", pack=1,
+                                         result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
+    return out
+
+
+def quantize_in_kernel(x: jax.Array, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """quantize_reference's arithmetic on a value inside a kernel: x [N, D] fp32 -> (codes [N, D] e4m3,
+    scale [N] fp32). Every kernel that stores or compares fp8 keys quantizes through here."""
+    amax = jnp.max(jnp.abs(x), axis=1)
+    scale = _kernel_div(amax, jnp.full_like(amax, FP8_MAX), interpret)
+    safe = jnp.where(scale > 0, scale, 1.0)
+    codes = jnp.where(scale[:, None] > 0, _kernel_div(x, jnp.broadcast_to(safe[:, None], x.shape), interpret), 0.0)
+    return codes.astype(FP8), scale
+
+
+def _quantize_kernel(x_ref, codes_ref, scale_ref, *, interpret: bool):
+    # x_ref [BN, D]; codes_ref [BN, D] e4m3; scale_ref [BN] fp32
+    codes, scale = quantize_in_kernel(x_ref[...].astype(jnp.float32), interpret)
+    codes_ref[...] = codes
+    scale_ref[...] = scale
+
+
+def quantize(x: jax.Array, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Kernel form of quantize_reference, bit for bit: x [..., D] -> (codes [..., D] e4m3, scale [...] fp32).
+    For rows that are compared with stored keys before they are written (a verify window's own keys)."""
+    lead, d = x.shape[:-1], x.shape[-1]
+    if d & (d - 1):
+        raise ValueError(f"head dim {d} must be a power of two for the kernel")
+    rows = x.reshape(-1, d)
+    n = rows.shape[0]
+    bn = 16
+    n_pad = -(-n // bn) * bn
+    rows = jnp.pad(rows, ((0, n_pad - n), (0, 0)))
+    codes, scale = pl.pallas_call(
+        functools.partial(_quantize_kernel, interpret=interpret),
+        grid=(n_pad // bn,),
+        in_specs=[pl.BlockSpec((bn, d), lambda i: (i, 0))],
+        out_specs=[pl.BlockSpec((bn, d), lambda i: (i, 0)), pl.BlockSpec((bn,), lambda i: (i,))],
+        out_shape=[jax.ShapeDtypeStruct((n_pad, d), FP8), jax.ShapeDtypeStruct((n_pad,), jnp.float32)],
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        name="kv_quantize",
+    )(rows)
+    return codes[:n].reshape(*lead, d), scale[:n].reshape(lead)
+
+
+def _write_kernel(page_table_ref, positions_ref, valid_ref, k_new_ref, v_new_ref, *refs,
+                  page_size: int, num_pages: int, fp8: bool, interpret: bool):
+    # page_table_ref [Pmax] (this stream); positions_ref, valid_ref [T] (this stream); k_new_ref, v_new_ref [D]
+    # (this row and KV head). refs: the aliased pool inputs (unread), then the outputs, all [Hkv, P, page(, D)].
+    outs = refs[len(refs) // 2:]
+    t, g = pl.program_id(1), pl.program_id(2)
+    pos = positions_ref[t]
+    logical = pos // page_size
+    inside = (valid_ref[t] != 0) & (pos >= 0) & (logical < page_table_ref.shape[0])
+
+    @pl.when(inside)
+    def _():
+        page = page_table_ref[jnp.clip(logical, 0, page_table_ref.shape[0] - 1)]
+        row = pos % page_size
+        # A corrupt page table must not turn into a write outside the pool.
+        page = jnp.clip(page, 0, num_pages - 1)
+        for x_ref, dst, scale_dst in ((k_new_ref, outs[0], outs[2] if fp8 else None),
+                                      (v_new_ref, outs[1], outs[3] if fp8 else None)):
+            x = x_ref[...].astype(jnp.float32)
+            if fp8:
+                codes, scale = quantize_in_kernel(x[None, :], interpret)
+                dst[g, page, row, :] = codes[0]
+                scale_dst[g, page, pl.ds(row, 1)] = scale
+            else:
+                dst[g, page, row, :] = x.astype(dst.dtype)
 
 
 def write(pool: KVPool, k_new: jax.Array, v_new: jax.Array, page_table: jax.Array, positions: jax.Array,
           valid: jax.Array, *, interpret: bool = False) -> KVPool:
-    del interpret
-    return write_reference(pool, k_new, v_new, page_table, positions, valid)
+    """Same contract as write_reference, as one Pallas kernel that quantizes (fp8) and stores each row in place.
+
+    The pool arrays are aliased to the outputs: under jit with the pool donated, nothing but the written rows
+    moves. Two valid rows aimed at the same slot race; the engine never issues that.
+    """
+    s, t, hkv, d = _check_write(pool, k_new, v_new, page_table, positions, valid)
+    fp8 = pool.fp8
+    pool_arrays = [pool.k, pool.v] + ([pool.k_scale, pool.v_scale] if fp8 else [])
+    kernel = functools.partial(_write_kernel, page_size=pool.page_size, num_pages=pool.num_pages, fp8=fp8,
+                               interpret=interpret)
+    whole = [pl.BlockSpec(a.shape, lambda i, j, g, n=a.ndim: (0,) * n) for a in pool_arrays]
+    row_spec = pl.BlockSpec((None, None, None, d), lambda i, j, g: (i, j, g, 0))
+    stream_spec = lambda width: pl.BlockSpec((None, width), lambda i, j, g: (i, 0))  # noqa: E731
+    n_in = 5
+    outs = pl.pallas_call(
+        kernel,
+        grid=(s, t, hkv),
+        in_specs=[stream_spec(page_table.shape[1]), stream_spec(t), stream_spec(t), row_spec, row_spec] + whole,
+        out_specs=whole,
+        out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in pool_arrays],
+        input_output_aliases={n_in + i: i for i in range(len(pool_arrays))},
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        name="kv_write_fp8" if fp8 else "kv_write",
+    )(page_table.astype(jnp.int32), positions.astype(jnp.int32), valid.astype(jnp.int32), k_new, v_new,
+      *pool_arrays)
+    return KVPool(*outs)
+
+
+def _check_write(pool: KVPool, k_new, v_new, page_table, positions, valid) -> tuple[int, int, int, int]:
+    if k_new.ndim != 4 or k_new.shape != v_new.shape:
+        raise ValueError(f"k_new and v_new must both be [S, T, Hkv, D]; got {k_new.shape} and {v_new.shape}")
+    s, t, hkv, d = k_new.shape
+    if (hkv, d) != (pool.k.shape[0], pool.k.shape[3]):
+        raise ValueError(f"rows have Hkv={hkv}, D={d} but the pool holds Hkv={pool.k.shape[0]}, "
+                         f"D={pool.k.shape[3]}")
+    if d & (d - 1):
+        raise ValueError(f"head dim {d} must be a power of two for the kernel")
+    if page_table.ndim != 2 or page_table.shape[0] != s:
+        raise ValueError(f"page_table must be [S={s}, Pmax]; got {page_table.shape}")
+    if positions.shape != (s, t) or valid.shape != (s, t):
+        raise ValueError(f"positions and valid must be [S, T] = {(s, t)}; got {positions.shape}, {valid.shape}")
+    if pool.fp8 and (pool.k_scale is None or pool.v_scale is None):
+        raise ValueError("an fp8 pool needs k_scale and v_scale (build it with empty_pool)")
+    return s, t, hkv, d
 
 
 def gather_stream(pool: KVPool, page_table: jax.Array) -> tuple[jax.Array, jax.Array]:

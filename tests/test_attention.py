@@ -1,0 +1,336 @@
+"""Paged attention kernels (verify window, prompt chunk) against the jnp references and a float64 numpy
+attention, plus the exactness properties: a row's bits never depend on other streams, on how many pages the
+table holds (the number of chunk programs), on the merge split, or on where a prompt was cut into chunks.
+
+CPU runs the kernels in interpret mode (uninitialised outputs are NaN there, so an unwritten element fails);
+`-m gpu` runs them compiled at the 27B attention shape (24 query heads, 4 KV heads, head dim 256, page 64)."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels import attention as at
+from pallas_kernels import kv_quant as kq
+
+GPU = pytest.mark.gpu
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# float64 oracle
+# ---------------------------------------------------------------------------------------------------------------
+
+def np_stored(x: np.ndarray, dtype) -> np.ndarray:
+    """What a pool of `dtype` returns for rows x [..., D], in float64 (fp8: numpy e4m3 quantizer)."""
+    x = np.asarray(x, np.float32)
+    if jnp.dtype(dtype) == jnp.dtype(kq.FP8):
+        amax = np.max(np.abs(x), axis=-1) / np.float32(448.0)
+        safe = np.where(amax > 0, amax, np.float32(1.0))
+        codes = np.where(amax[..., None] > 0, x / safe[..., None], 0).astype(ml_dtypes.float8_e4m3fn)
+        return codes.astype(np.float64) * amax[..., None].astype(np.float64)
+    return x.astype(jnp.dtype(dtype)).astype(np.float64)
+
+
+def np_stream_keys(pool: kq.KVPool, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A stream's keys and values in logical order, float64: [Pmax * page, Hkv, D]."""
+    def one(x, scale):
+        rows = np.asarray(x.astype(jnp.float32))[:, pages].astype(np.float64)  # [Hkv, Pmax, page, D]
+        if scale is not None:
+            rows = rows * np.asarray(scale)[:, pages][..., None]
+        hkv, pm, ps, d = rows.shape
+        return np.moveaxis(rows.reshape(hkv, pm * ps, d), 0, 1)
+    return one(pool.k, pool.k_scale), one(pool.v, pool.v_scale)
+
+
+def np_attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
+    """q [T, Hq, D]; keys/values [L, Hkv, D]; mask [T, L] -> [T, Hq, D] in float64 (no visible key -> 0)."""
+    t, hq, d = q.shape
+    hkv = keys.shape[1]
+    kh = np.repeat(keys, hq // hkv, axis=1)
+    vh = np.repeat(values, hq // hkv, axis=1)
+    logits = np.einsum("thd,lhd->htl", q.astype(np.float64), kh) * scale
+    logits = np.where(mask[None], logits, -np.inf)
+    m = np.max(logits, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(logits - m)
+    denom = p.sum(-1, keepdims=True)
+    out = np.einsum("htl,lhd->thd", p / np.where(denom > 0, denom, 1.0), vh)
+    return out
+
+
+def np_ancestors(parents: np.ndarray) -> np.ndarray:
+    r = len(parents)
+    anc = np.eye(r, dtype=bool)
+    for i in range(r):
+        j = parents[i]
+        while j >= 0:
+            anc[i, j] = True
+            j = parents[j]
+    return anc
+
+
+def np_window(q, k_win, v_win, parents, pool, page_table, cache_len, scale):
+    outs = []
+    for s in range(q.shape[0]):
+        keys, values = np_stream_keys(pool, np.asarray(page_table[s]))
+        n = int(cache_len[s])
+        kw, vw = np_stored(k_win[s], pool.k.dtype), np_stored(v_win[s], pool.k.dtype)
+        anc = np_ancestors(np.asarray(parents[s]))
+        mask = np.concatenate([np.ones((q.shape[1], n), bool), anc], axis=1)
+        outs.append(np_attend(np.asarray(q[s].astype(jnp.float32)), np.concatenate([keys[:n], kw]),
+                              np.concatenate([values[:n], vw]), mask, scale))
+    return np.stack(outs)
+
+
+def np_prompt(q, pool, page_table, start, lengths, scale):
+    outs = []
+    t = q.shape[1]
+    for s in range(q.shape[0]):
+        keys, values = np_stream_keys(pool, np.asarray(page_table[s]))
+        qpos = int(start[s]) + np.arange(t)
+        mask = (np.arange(keys.shape[0])[None, :] <= qpos[:, None]) & (np.arange(t) < int(lengths[s]))[:, None]
+        outs.append(np_attend(np.asarray(q[s].astype(jnp.float32)), keys, values, mask, scale))
+    return np.stack(outs)
+
+
+def rel_err(got, want) -> float:
+    got = np.asarray(jnp.asarray(got).astype(jnp.float32), np.float64)
+    assert np.isfinite(got).all(), "non-finite output (NaN marks an element nothing wrote)"
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def bits(x) -> np.ndarray:
+    x = np.asarray(x)
+    return x.view(np.uint16 if x.dtype.itemsize == 2 else np.uint32)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# cases
+# ---------------------------------------------------------------------------------------------------------------
+
+def filled_pool(rng, hkv, num_pages, page_size, d, dtype) -> kq.KVPool:
+    """Every slot holds a random key (quantized for fp8): what a pool looks like after pages have been reused."""
+    shape = (hkv, num_pages, page_size, d)
+    k = rng.standard_normal(shape).astype(np.float32) * 2
+    v = rng.standard_normal(shape).astype(np.float32)
+    if jnp.dtype(dtype) == jnp.dtype(kq.FP8):
+        (kc, ks), (vc, vs) = kq.quantize_reference(jnp.asarray(k)), kq.quantize_reference(jnp.asarray(v))
+        return kq.KVPool(kc, vc, ks, vs)
+    return kq.KVPool(jnp.asarray(k, dtype), jnp.asarray(v, dtype))
+
+
+def scattered_tables(rng, s, pmax, num_pages) -> jax.Array:
+    """Each stream's pages drawn out of order from 1..num_pages-1 (page 0 is the dummy page)."""
+    return jnp.asarray(np.stack([rng.permutation(np.arange(1, num_pages))[:pmax] for _ in range(s)]), jnp.int32)
+
+
+TREE = [-1, 0, 0, 1, 1, 2, 3]  # branching tree, parents[r] < r
+CHAIN = list(range(-1, 6))
+
+
+def window_case(rng, *, s, r, hq, hkv, d, page_size, pmax, num_pages, dtype, cache_lens, parents):
+    """parents: one list per stream (trees and chains may ride in one call)."""
+    pool = filled_pool(rng, hkv, num_pages, page_size, d, dtype)
+    table = scattered_tables(rng, s, pmax, num_pages)
+    q = jnp.asarray(rng.standard_normal((s, r, hq, d)), jnp.bfloat16)
+    k_win = jnp.asarray(rng.standard_normal((s, r, hkv, d)) * 2, jnp.bfloat16)
+    v_win = jnp.asarray(rng.standard_normal((s, r, hkv, d)), jnp.bfloat16)
+    par = jnp.asarray(np.stack([np.asarray(p[:r]) for p in parents]), jnp.int32)
+    return q, k_win, v_win, par, pool, table, jnp.asarray(cache_lens, jnp.int32)
+
+
+SMALL = dict(hq=4, hkv=2, d=32, page_size=8)
+SMALL_TILES = at.WindowTiles(block_k=16, chunk=32, merge_block_d=16)
+# Five streams: no context yet, inside the first page, off the page grid, exactly one chunk, the whole table;
+# trees and chains side by side.
+SMALL_WINDOW = dict(s=5, pmax=9, num_pages=48, cache_lens=[0, 5, 43, 32, 72],
+                    parents=[TREE, CHAIN, TREE, CHAIN, TREE], **SMALL)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "tiles"))
+def run_window(q, k_win, v_win, parents, pool, table, cache_len, *, scale, interpret, tiles):
+    return at.window(q, k_win, v_win, parents, pool, table, cache_len, scale=scale, interpret=interpret,
+                     tiles=tiles)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "tiles"))
+def run_prompt(q, pool, table, start, lengths, *, scale, interpret, tiles):
+    return at.prompt(q, pool, table, start, lengths, scale=scale, interpret=interpret, tiles=tiles)
+
+
+window_reference = jax.jit(at.window_reference, static_argnames="scale")
+prompt_reference = jax.jit(at.prompt_reference, static_argnames="scale")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# verify window
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows", [7, 1], ids=["window", "decode"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8, jnp.float32], ids=["bf16", "fp8", "f32"])
+def test_window_matches_reference_and_float64(dtype, rows):
+    if dtype == jnp.float32 and rows == 1:
+        pytest.skip("the f32 path is covered by the window case; saves a compile")
+    rng = np.random.default_rng(10)
+    case = window_case(rng, r=rows, dtype=dtype, **SMALL_WINDOW)
+    scale = SMALL["d"] ** -0.5
+    got = run_window(*case, scale=scale, interpret=True, tiles=SMALL_TILES)
+    want = np_window(*case, scale)
+    ref = window_reference(*case, scale=scale)
+    assert got.shape == case[0].shape and got.dtype == case[0].dtype
+    assert rel_err(got, want) < 1e-2
+    assert rel_err(ref, want) < 1e-2
+    assert rel_err(got, np.asarray(ref.astype(jnp.float32), np.float64)) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
+def test_window_row_bits_ignore_other_streams_table_width_and_merge_split(dtype):
+    rng = np.random.default_rng(11)
+    q, kw, vw, par, pool, table, cache_len = window_case(rng, r=7, dtype=dtype, **SMALL_WINDOW)
+    scale = SMALL["d"] ** -0.5
+    batch = run_window(q, kw, vw, par, pool, table, cache_len, scale=scale, interpret=True, tiles=SMALL_TILES)
+    # Stream 2 alone, its page table widened by 7 pages it never reaches: 4 more chunk programs (more splits),
+    # the same reduction tree.
+    wide = jnp.concatenate([table[2:3], scattered_tables(rng, 1, 7, 48)], axis=1)
+    alone = run_window(q[2:3], kw[2:3], vw[2:3], par[2:3], pool, wide, cache_len[2:3], scale=scale,
+                       interpret=True, tiles=SMALL_TILES)
+    assert np.array_equal(bits(alone[0]), bits(batch[2]))
+    # The merge's split over head-dim columns is free too.
+    split = dataclasses.replace(SMALL_TILES, merge_block_d=32)
+    other = run_window(q, kw, vw, par, pool, table, cache_len, scale=scale, interpret=True, tiles=split)
+    assert np.array_equal(bits(other), bits(batch))
+    # Other streams' queries, windows and contexts never leak into a row.
+    moved = run_window(q.at[0].set(q[4]), kw.at[3].set(kw[0]), vw, par, pool, table, cache_len.at[4].set(9),
+                       scale=scale, interpret=True, tiles=SMALL_TILES)
+    assert np.array_equal(bits(moved[2]), bits(batch[2]))
+    assert not np.array_equal(bits(moved[0]), bits(batch[0]))
+
+
+def test_window_rejects_bad_inputs():
+    rng = np.random.default_rng(12)
+    q, kw, vw, par, pool, table, cl = window_case(rng, s=2, r=3, pmax=4, num_pages=10, dtype=jnp.bfloat16,
+                                                  cache_lens=[3, 4], parents=[TREE, TREE], **SMALL)
+    with pytest.raises(ValueError, match="1..16 rows"):
+        at.window(jnp.zeros((2, 17, 4, 32), q.dtype), kw, vw, par, pool, table, cl, scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="multiple of the pool"):
+        at.window(q[:, :, :3], kw, vw, par, pool, table, cl, scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="k_win and v_win"):
+        at.window(q, kw[:, :2], vw, par, pool, table, cl, scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="chunk"):
+        at.window(q, kw, vw, par, pool, table, cl, scale=1.0, interpret=True,
+                  tiles=at.WindowTiles(block_k=16, chunk=40))
+    with pytest.raises(ValueError, match="cache_len"):
+        at.window(q, kw, vw, par, pool, table, cl[:1], scale=1.0, interpret=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prompt chunk
+# ---------------------------------------------------------------------------------------------------------------
+
+SMALL_PROMPT = at.PromptTiles(block_q=16, block_k=16)
+
+
+def prompt_case(rng, *, s, t, hq, hkv, d, page_size, pmax, num_pages, dtype, starts, lengths):
+    pool = filled_pool(rng, hkv, num_pages, page_size, d, dtype)
+    table = scattered_tables(rng, s, pmax, num_pages)
+    q = jnp.asarray(rng.standard_normal((s, t, hq, d)), jnp.bfloat16)
+    return q, pool, table, jnp.asarray(starts, jnp.int32), jnp.asarray(lengths, jnp.int32)
+
+
+# A fresh prompt, one resumed mid-page after a cached prefix, a short one (rows past its length -> 0).
+SMALL_PROMPT_CASE = dict(s=3, t=40, pmax=10, num_pages=40, starts=[0, 37, 5], lengths=[40, 40, 9], **SMALL)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
+def test_prompt_matches_reference_and_float64(dtype):
+    rng = np.random.default_rng(20)
+    case = prompt_case(rng, dtype=dtype, **SMALL_PROMPT_CASE)
+    scale = SMALL["d"] ** -0.5
+    got = run_prompt(*case, scale=scale, interpret=True, tiles=SMALL_PROMPT)
+    want = np_prompt(*case, scale)
+    ref = prompt_reference(*case, scale=scale)
+    assert rel_err(got, want) < 1e-2
+    assert rel_err(ref, want) < 1e-2
+    assert not np.asarray(got[2, 9:].astype(jnp.float32)).any()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
+def test_prompt_row_bits_ignore_chunk_cuts_row_tiles_and_streams(dtype):
+    rng = np.random.default_rng(21)
+    q, pool, table, start, lengths = prompt_case(rng, dtype=dtype, **SMALL_PROMPT_CASE)
+    scale = SMALL["d"] ** -0.5
+    whole = run_prompt(q, pool, table, start, lengths, scale=scale, interpret=True, tiles=SMALL_PROMPT)
+    # Stream 1 (rows at 37..76) resumed in chunks cut off the tile and page grids: rows [0, 13), [13, 29),
+    # [29, 40), each a call of its own with another stream beside it and 40 padded rows.
+    pieces = []
+    for a, b in ((0, 13), (13, 29), (29, 40)):
+        qc = jnp.zeros_like(q).at[1, : b - a].set(q[1, a:b]).at[0].set(q[2])
+        out = run_prompt(qc, pool, table, start.at[1].add(a), lengths.at[1].set(b - a), scale=scale,
+                         interpret=True, tiles=SMALL_PROMPT)
+        pieces.append(out[1, : b - a])
+    assert np.array_equal(bits(jnp.concatenate(pieces)), bits(whole[1]))
+    # Rows grouped into larger tiles: same bits.
+    wide = run_prompt(q, pool, table, start, lengths, scale=scale, interpret=True,
+                      tiles=at.PromptTiles(block_q=32, block_k=16))
+    assert np.array_equal(bits(wide), bits(whole))
+
+
+def test_prompt_rejects_bad_inputs():
+    rng = np.random.default_rng(22)
+    q, pool, table, st, ln = prompt_case(rng, s=2, t=8, pmax=4, num_pages=10, dtype=jnp.bfloat16, starts=[0, 0],
+                                         lengths=[8, 8], **SMALL)
+    with pytest.raises(ValueError, match="start and lengths"):
+        at.prompt(q, pool, table, st[:1], ln, scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="power of two"):
+        at.prompt(q, pool, table, st, ln, scale=1.0, interpret=True, tiles=at.PromptTiles(block_k=48))
+    with pytest.raises(ValueError, match="head dim"):
+        at.prompt(q[..., :24], pool, table, st, ln, scale=1.0, interpret=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU, 27B attention shape
+# ---------------------------------------------------------------------------------------------------------------
+
+BIG = dict(hq=24, hkv=4, d=256, page_size=64)
+
+
+@GPU
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("r", [1, 16])
+def test_window_gpu_27b(dtype, r):
+    rng = np.random.default_rng(30)
+    tree16 = TREE + list(range(6, 15))
+    chain16 = list(range(-1, 15))
+    case = window_case(rng, s=4, r=r, pmax=40, num_pages=200, dtype=dtype, cache_lens=[0, 100, 1537, 2560],
+                       parents=[tree16, chain16, tree16, chain16], **BIG)
+    scale = 1 / 16
+    got = run_window(*case, scale=scale, interpret=False, tiles=at.WindowTiles())
+    assert rel_err(got, np_window(*case, scale)) < 1e-2
+    q, kw, vw, par, pool, table, cl = case
+    wide = jnp.concatenate([table[2:3], scattered_tables(rng, 1, 24, 200)], axis=1)
+    alone = run_window(q[2:3], kw[2:3], vw[2:3], par[2:3], pool, wide, cl[2:3], scale=scale, interpret=False,
+                       tiles=at.WindowTiles())
+    assert np.array_equal(bits(alone[0]), bits(got[2]))
+
+
+@GPU
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
+def test_prompt_gpu_27b(dtype):
+    rng = np.random.default_rng(31)
+    q, pool, table, _, _ = prompt_case(rng, s=2, t=512, pmax=24, num_pages=100, dtype=dtype, starts=[0, 0],
+                                       lengths=[512, 512], **BIG)
+    scale = 1 / 16
+    start, lengths = jnp.asarray([700, 0], jnp.int32), jnp.asarray([512, 300], jnp.int32)
+    got = run_prompt(q, pool, table, start, lengths, scale=scale, interpret=False, tiles=at.PromptTiles())
+    assert rel_err(got, np_prompt(q, pool, table, start, lengths, scale)) < 1e-2
+    # Resumed in two chunks cut at row 200 (off the tile grid): the same bits as one pass.
+    first = run_prompt(q[:1, :256], pool, table[:1], start[:1], jnp.asarray([200], jnp.int32), scale=scale,
+                       interpret=False, tiles=at.PromptTiles())
+    rest = jnp.zeros_like(q[:1]).at[0, :312].set(q[0, 200:])
+    second = run_prompt(rest, pool, table[:1], start[:1] + 200, jnp.asarray([312], jnp.int32), scale=scale,
+                        interpret=False, tiles=at.PromptTiles())
+    assert np.array_equal(bits(jnp.concatenate([first[0, :200], second[0, :312]])), bits(got[0]))
