@@ -292,6 +292,7 @@ class PromptTiles:
     in every mode. Interpret mode always computes fp32 (XLA:CPU has no tf32)."""
     block_v: int = 64
     num_warps: int = 4
+    num_stages: int = 2
     solve_warps: int = 4
     precision: str = "tf32x3"
 
@@ -582,7 +583,7 @@ def prompt(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Arr
             out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(rec_pool.shape, _F32)),
             grid=(s, hv, dv // bv),
             input_output_aliases={9: 1},
-            compiler_params=pt.CompilerParams(num_warps=tiles.num_warps),
+            compiler_params=pt.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
             interpret=interpret,
             name="gdn_prompt_state",
         )(q, k, v, g, beta, t_inv, start, lengths, slot, rec_pool)
