@@ -47,8 +47,12 @@ Cost at v = 248,320 (n up to 256): one lax.cond picks, for the whole batch, betw
 - the plain path, when no sampled row has a top-k or top-p cut: Gumbel-max over the full vocab is already exact
   for temperature and min-p (min-p is elementwise against the row max), so there is no sort; the cost is the hash,
   ~100 uint32 ops per (row, token), plus a few passes over the logits;
-- the sorted path, otherwise: a two-key sort of (order key, id) per row, an O(v) associative scan, then the same
-  hash. The logit values come back out of the order key (a bijection on non-NaN float32), so no gather.
+- the sorted path, otherwise: a stable radix-sortable sort of an int32 order key with the ids as payload per row,
+  an O(v) associative scan, then the same hash. The logit values come back out of the order key (a bijection on
+  non-NaN float32), so there is no gather.
+The cond's predicate lives on the device; on GPU XLA reads it back to pick the branch (a short sync inside the
+program). An engine that wants to avoid it can compile one variant per path and choose on the host from the
+packed params; the rows' tokens are the same either way.
 The hash is done over the full vocab on both paths so that the noise of a token does not depend on how many
 candidates the path looked at. Temporaries are a handful of n x v 32-bit arrays (about 250 MB each at n = 256).
 """
@@ -289,7 +293,9 @@ def _draw_sorted(logits: jax.Array, params: SampleParams) -> jax.Array:
     n, v = logits.shape
     with jax.named_scope("sort"):
         token_ids = lax.broadcasted_iota(jnp.int32, (n, v), 1)
-        key, sorted_ids = lax.sort((_descending_key(logits), token_ids), dimension=1, num_keys=2)
+        # Stable sort of one int32 key with the ids as payload: ties keep ascending id order, and this shape of
+        # sort (one integer key, plain less-than) is the one XLA hands to CUB's radix sort on GPU.
+        key, sorted_ids = lax.sort((_descending_key(logits), token_ids), dimension=1, num_keys=1, is_stable=True)
         sorted_logits = _value_of_key(key)
     with jax.named_scope("cuts"):
         r = (sorted_logits - sorted_logits[:, :1]) / params.temperature[:, None]
