@@ -205,7 +205,8 @@ def _check_shapes(c: TextConfig) -> None:
     if rd <= 0 or rd > c.head_dim or rd % 2:
         problems.append(f"rotary dim {rd} (head_dim {c.head_dim} x partial_rotary_factor {c.partial_rotary_factor}) "
                         "must be even and within head_dim")
-    elif sum(c.mrope_section) != rd // 2:
+    elif not c.mrope_interleaved and sum(c.mrope_section) != rd // 2:
+        # Contiguous sections split the rotary frequencies; the interleaved layout only indexes them.
         problems.append(f"mrope_section {list(c.mrope_section)} sums to {sum(c.mrope_section)}, expected rotary_dim/2 = {rd // 2}")
     if not c.attn_output_gate:
         problems.append("attn_output_gate false is not a qwen3_5 layout")

@@ -3,6 +3,7 @@ commit steps. The offline CLI's `logits`; `generate` until the engine takes over
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -19,6 +20,16 @@ def round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
+@functools.lru_cache(maxsize=None)
+def _programs(cfg: ModelConfig, backend: M.Backend):
+    """Jitted prefill / verify / commit for one (config, backend), shared by every Runner."""
+    prefill = jax.jit(lambda p, s, b, all_logits: M.prefill(p, s, b, cfg, backend, all_logits=all_logits)[:2],
+                      static_argnums=3, donate_argnums=1)
+    verify = jax.jit(lambda p, s, w: M.verify(p, s, w, cfg, backend)[:2])
+    commit = jax.jit(lambda s, k, w, path, n: M.commit(s, k, w, path, n, cfg, backend), donate_argnums=0)
+    return prefill, verify, commit
+
+
 class Runner:
     def __init__(self, params, cfg: ModelConfig, *, dtype=jnp.bfloat16, backend: M.Backend | None = None,
                  max_len: int = 4096, page_size: int = 64, kv_dtype=None):
@@ -30,11 +41,7 @@ class Runner:
         self.state = M.init_state(cfg.text, num_slots=2, num_pages=pages + 1, page_size=page_size, dtype=dtype,
                                   kv_dtype=kv_dtype)
         self.page_table = np.arange(1, pages + 1, dtype=np.int32)[None]
-        cfg_, be = cfg, self.backend
-        self._prefill = jax.jit(lambda p, s, b, all_logits: M.prefill(p, s, b, cfg_, be, all_logits=all_logits)[:2],
-                                static_argnums=3, donate_argnums=1)
-        self._verify = jax.jit(lambda p, s, w: M.verify(p, s, w, cfg_, be)[:2])
-        self._commit = jax.jit(lambda s, k, w, path, n: M.commit(s, k, w, path, n, cfg_, be), donate_argnums=0)
+        self._prefill, self._verify, self._commit = _programs(cfg, self.backend)
 
     def _check_len(self, n: int) -> None:
         if n > self.max_len:

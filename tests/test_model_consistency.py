@@ -1,0 +1,148 @@
+"""Self-consistency of the functional model on a tiny random config (fp32, reference ops):
+prompt pass + window steps ≡ one prompt pass; tree nodes ≡ serial steps along their paths; streams batched ≡ alone."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qwen_jax import model as M
+from tests.tiny_model import tiny
+
+BE = M.Backend()
+TOL = 2e-5  # fp32: chunked vs recurrent GDN and different matmul shapes differ by rounding only
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg, params = tiny()
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, cfg.text.vocab_size, size=150)
+    prefill = jax.jit(lambda p, s, b, a: M.prefill(p, s, b, cfg, BE, all_logits=a)[:2], static_argnums=3)
+    verify = jax.jit(lambda p, s, w: M.verify(p, s, w, cfg, BE)[:2])
+    commit = jax.jit(lambda s, k, w, pa, n: M.commit(s, k, w, pa, n, cfg, BE))
+    state = M.init_state(cfg.text, num_slots=4, num_pages=40, page_size=16, dtype=jnp.float32)
+    return cfg, params, toks, prefill, verify, commit, state
+
+
+def _pt(first_page):
+    return np.arange(first_page, first_page + 10, dtype=np.int32)[None]
+
+
+def test_prompt_then_window_steps_equal_one_prompt_pass(setup):
+    cfg, params, toks, prefill, verify, commit, state = setup
+    n = len(toks)
+    full, _ = prefill(params, state, M.make_prefill_batch(toks[None], [0], [n], [1], _pt(1)), True)
+    full = np.asarray(full[0])
+    split = 70
+    last, st = prefill(params, state, M.make_prefill_batch(toks[None, :split], [0], [split], [1], _pt(1)), False)
+    np.testing.assert_allclose(np.asarray(last[0]), full[split - 1], atol=TOL, rtol=0)
+    pos, widths = split, [1, 3, 16, 1, 5, 2, 16, 8]
+    for r in widths * 3:
+        if pos >= n:
+            break
+        r = min(r, n - pos)
+        w = M.make_window(toks[None, pos:pos + r], [list(range(-1, r - 1))], [pos], [1], _pt(1))
+        logits, kept = verify(params, st, w)
+        np.testing.assert_allclose(np.asarray(logits[0]), full[pos:pos + r], atol=TOL, rtol=0)
+        st = commit(st, kept, w, jnp.asarray([list(range(r))]), jnp.asarray([r]))
+        pos += r
+    assert pos == n
+
+
+def test_tree_nodes_equal_serial_steps_along_their_paths(setup):
+    cfg, params, toks, prefill, verify, commit, state = setup
+    p0 = 40
+    _, st = prefill(params, state, M.make_prefill_batch(toks[None, :p0], [0], [p0], [2], _pt(11)), False)
+    # A fork and a fan: 0 -> 1 -> 2, 0 -> 3, 3 -> 4, 3 -> 5
+    parents = [-1, 0, 1, 0, 3, 3]
+    tree_toks = toks[p0:p0 + 6]
+    w = M.make_window(tree_toks[None], [parents], [p0], [2], _pt(11))
+    logits, _ = verify(params, st, w)
+    for node in range(len(parents)):
+        path = []
+        cur = node
+        while cur >= 0:
+            path.append(cur)
+            cur = parents[cur]
+        path.reverse()
+        # Serial: one row at a time, committing each.
+        s, pos = st, p0
+        for i, nd in enumerate(path):
+            w1 = M.make_window(tree_toks[None, [nd]], [[-1]], [pos], [2], _pt(11))
+            l1, kept = verify(params, s, w1)
+            if i == len(path) - 1:
+                np.testing.assert_allclose(np.asarray(l1[0, 0]), np.asarray(logits[0, node]), atol=TOL, rtol=0)
+            s = commit(s, kept, w1, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32))
+            pos += 1
+
+
+def test_commit_of_a_tree_path_equals_serial_commits(setup):
+    cfg, params, toks, prefill, verify, commit, state = setup
+    p0 = 33
+    _, st = prefill(params, state, M.make_prefill_batch(toks[None, :p0], [0], [p0], [1], _pt(1)), False)
+    parents = [-1, 0, 0, 2, 3]
+    tree_toks = toks[p0:p0 + 5]
+    w = M.make_window(tree_toks[None], [parents], [p0], [1], _pt(1))
+    _, kept = verify(params, st, w)
+    accepted = [0, 2, 3, 4]
+    st_tree = commit(st, kept, w, jnp.asarray([accepted + [0]]), jnp.asarray([len(accepted)]))
+    s, pos = st, p0
+    for nd in accepted:
+        w1 = M.make_window(tree_toks[None, [nd]], [[-1]], [pos], [1], _pt(1))
+        _, k1 = verify(params, s, w1)
+        s = commit(s, k1, w1, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32))
+        pos += 1
+    nxt = toks[p0 + 5]
+    probe = M.make_window([[nxt]], [[-1]], [pos], [1], _pt(1))
+    a, _ = verify(params, st_tree, probe)
+    b, _ = verify(params, s, probe)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=TOL, rtol=0)
+    for x, y in zip(st_tree.rec, s.rec):
+        np.testing.assert_allclose(np.asarray(x[1]), np.asarray(y[1]), atol=TOL, rtol=0)
+    for x, y in zip(st_tree.conv, s.conv):
+        np.testing.assert_array_equal(np.asarray(x[1]), np.asarray(y[1]))
+
+
+def test_streams_batched_equal_streams_alone(setup):
+    cfg, params, toks, prefill, verify, commit, state = setup
+    lens = [50, 17, 64]
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, cfg.text.vocab_size, size=n) for n in lens]
+    t = 64
+    padded = np.zeros((3, t), np.int32)
+    for i, p in enumerate(prompts):
+        padded[i, :len(p)] = p
+    pts = np.stack([np.arange(1 + 10 * i, 11 + 10 * i) for i in range(3)]).astype(np.int32)
+    batched, st_b = prefill(params, state, M.make_prefill_batch(padded, [0, 0, 0], lens, [1, 2, 3], pts), False)
+    for i in range(3):
+        alone, _ = prefill(params, state, M.make_prefill_batch(padded[i:i + 1], [0], [lens[i]], [i + 1],
+                                                                pts[i:i + 1]), False)
+        np.testing.assert_allclose(np.asarray(batched[i]), np.asarray(alone[0]), atol=TOL, rtol=0)
+    # and one verify round for all three streams together equals each alone
+    nxt = rng.integers(0, cfg.text.vocab_size, size=(3, 2))
+    w = M.make_window(nxt, [[-1, 0]] * 3, lens, [1, 2, 3], pts)
+    lw, _ = verify(params, st_b, w)
+    for i in range(3):
+        wi = M.make_window(nxt[i:i + 1], [[-1, 0]], [lens[i]], [i + 1], pts[i:i + 1])
+        li, _ = verify(params, st_b, wi)
+        np.testing.assert_allclose(np.asarray(lw[i]), np.asarray(li[0]), atol=TOL, rtol=0)
+
+
+def test_fp8_kv_window_equals_serial_steps(setup):
+    """With an e4m3 KV cache the window's own rows are seen as they will be stored, so a chain window's rows
+    equal serial steps (each of which reads the committed, quantized rows)."""
+    cfg, params, toks, prefill, verify, commit, _ = setup
+    st = M.init_state(cfg.text, num_slots=2, num_pages=12, page_size=16, dtype=jnp.float32,
+                      kv_dtype=jnp.float8_e4m3fn)
+    p0 = 20
+    _, st = prefill(params, st, M.make_prefill_batch(toks[None, :p0], [0], [p0], [1], _pt(1)), False)
+    r = 4
+    w = M.make_window(toks[None, p0:p0 + r], [list(range(-1, r - 1))], [p0], [1], _pt(1))
+    lw, _ = verify(params, st, w)
+    s = st
+    for i in range(r):
+        w1 = M.make_window(toks[None, p0 + i:p0 + i + 1], [[-1]], [p0 + i], [1], _pt(1))
+        l1, k1 = verify(params, s, w1)
+        np.testing.assert_allclose(np.asarray(l1[0, 0]), np.asarray(lw[0, i]), atol=TOL, rtol=0)
+        s = commit(s, k1, w1, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32))
