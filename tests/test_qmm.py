@@ -1,0 +1,233 @@
+"""Group-quantized matmul (pallas_kernels/qmm.py): the Pallas kernel against `reference()` and against the float64
+numpy oracle `qweight.dequantize_numpy`, over bits {4, 8}, groups {32, 64, 128}, decode and prompt paths; outputs
+poisoned with NaN; the exactness property the engine relies on (row i of a batch call == the same row alone, bit
+for bit, on each path and for both weight forms); the load-time `prepare()` layout; the quantized embedding.
+
+CPU tests run the kernel in interpret mode at small shapes (N = 96..200, K = 96..384: odd multiples of the group
+where the group allows). The `gpu` tests run the same checks on the device, including one 27B projection shape.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import qmm
+from pallas_kernels.qweight import QuantizedWeight, dequantize_numpy, quantize_numpy
+
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU
+
+# Relative error bounds (‖y - oracle‖ / ‖oracle‖). fp32 x: fp32 weights and fp32 products (interpret mode and the
+# GPU's IEEE dot). bf16/fp16 x: the weights are rounded to x's dtype once (GPU: one bf16 FMA; interpret mode rounds
+# q*s and then +b, measured 4.7e-3) and the output to bf16 (2^-9 per element).
+F32_TOL = 1e-5
+HALF_TOL = 8e-3
+CASES = [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128)]
+
+
+def _weight(rng, n: int, k: int, bits: int, group: int, scale_dtype=jnp.bfloat16):
+    """A random quantized weight and its float64 oracle [N, K]."""
+    dense = rng.normal(size=(n, k)).astype(np.float32) * 0.05
+    words, scales, biases = quantize_numpy(dense, bits, group, np.float32)
+    scales = jnp.asarray(scales).astype(scale_dtype)
+    biases = jnp.asarray(biases).astype(scale_dtype)
+    w = QuantizedWeight(jnp.asarray(words), scales, biases, bits, group)
+    oracle = dequantize_numpy(words, np.asarray(scales.astype(jnp.float32)), np.asarray(biases.astype(jnp.float32)),
+                              bits, group)
+    return w, oracle
+
+
+def _rel(y, ref) -> float:
+    y = np.asarray(jnp.asarray(y).astype(jnp.float32), np.float64)
+    assert not np.isnan(y).any(), "NaN in kernel output (an element was never written)"
+    ref = np.asarray(ref, np.float64)
+    return float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
+
+
+def _poisoned(x, w, *, prompt, tiles=None):
+    n = w.shape[0]
+    out = jnp.full((x.shape[0], n), jnp.nan, x.dtype)
+    return qmm._qmm(x, w, prompt=prompt, interpret=INTERPRET, tiles=tiles, out=out)
+
+
+def _bits(y) -> np.ndarray:
+    y = jnp.asarray(y)
+    return np.asarray(jax.lax.bitcast_convert_type(y, jnp.uint16 if y.dtype.itemsize == 2 else jnp.uint32))
+
+
+def _check(rng, n, k, bits, group, ms, *, prompt, dtype, tiles=None, scale_dtype=jnp.bfloat16):
+    w, oracle = _weight(rng, n, k, bits, group, scale_dtype)
+    tol = F32_TOL if dtype == jnp.float32 else HALF_TOL
+    for m in ms:
+        x = jnp.asarray(rng.normal(size=(m, k)), dtype)
+        y = _poisoned(x, w, prompt=prompt, tiles=tiles)
+        assert y.shape == (m, n) and y.dtype == dtype
+        want = np.asarray(x.astype(jnp.float32), np.float64) @ oracle.T
+        err = _rel(y, want)
+        assert err < tol, f"M={m} bits={bits} group={group} prompt={prompt}: {err:.2e} vs oracle"
+        err_ref = _rel(y, qmm.reference(x, w).astype(jnp.float32))
+        assert err_ref < tol, f"M={m} bits={bits} group={group} prompt={prompt}: {err_ref:.2e} vs reference()"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CPU (interpret mode)
+
+
+# Each case covers a share of M in {1, 3, 16, 17, 128} on the decode path and {128, 600} on the prompt path (every
+# distinct M is a separate interpret-mode compile, so the CPU suite spreads them over the cases).
+DECODE_MS = {(4, 32): (1, 17), (4, 64): (1, 3, 16, 17, 128), (4, 128): (3, 16), (8, 32): (16, 128),
+             (8, 64): (1, 17), (8, 128): (3, 128)}
+PROMPT_MS = {(4, 32): (600,), (4, 64): (128, 600), (4, 128): (128,), (8, 32): (128,), (8, 64): (600,),
+             (8, 128): (128,)}
+
+
+@pytest.mark.parametrize("bits,group", CASES)
+def test_decode_matches_oracle(bits, group):
+    rng = np.random.default_rng(100 + bits * 1000 + group)
+    k = {32: 224, 64: 320, 128: 384}[group]  # 7, 5 and 3 groups: odd multiples of the group
+    _check(rng, 160, k, bits, group, DECODE_MS[bits, group], prompt=False, dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("bits,group", CASES)
+def test_prompt_matches_oracle(bits, group):
+    rng = np.random.default_rng(200 + bits * 1000 + group)
+    k = {32: 96, 64: 192, 128: 384}[group]
+    _check(rng, 200, k, bits, group, PROMPT_MS[bits, group], prompt=True, dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("bits,group,prompt", [(4, 64, False), (8, 32, True), (4, 128, False)])
+def test_fp32_verification_path(bits, group, prompt):
+    rng = np.random.default_rng(300 + bits + group)
+    _check(rng, 96, 384, bits, group, (17,) if not prompt else (70,), prompt=prompt, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("scale_dtype,x_dtype", [(jnp.float16, jnp.bfloat16), (jnp.float32, jnp.bfloat16),
+                                                 (jnp.bfloat16, jnp.float16)])
+def test_other_dtypes(scale_dtype, x_dtype):
+    rng = np.random.default_rng(400)
+    _check(rng, 112, 256, 4, 64, (5,), prompt=False, dtype=x_dtype, scale_dtype=scale_dtype)
+
+
+def test_k_padding_for_32_groups():
+    """4-bit, group 32, K an odd multiple of 32: the kernel pads K to 64 with zero weights."""
+    rng = np.random.default_rng(401)
+    _check(rng, 96, 96, 4, 32, (1, 9), prompt=False, dtype=jnp.bfloat16)
+    _check(rng, 96, 160, 4, 32, (64,), prompt=True, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("prompt,dtype,prepared", [(False, jnp.bfloat16, False), (False, jnp.float32, True),
+                                                   (True, jnp.bfloat16, True)])
+def test_row_invariance(prompt, dtype, prepared):
+    """Row i of a batch call is bit-identical to the same row computed alone or in any other batch."""
+    rng = np.random.default_rng(500 + prompt)
+    w, _ = _weight(rng, 96, 256, 4, 32)
+    w = qmm.prepare(w) if prepared else w
+    big = 600 if prompt else 128
+    x = jnp.asarray(rng.normal(size=(big, 256)), dtype)
+    full = _bits(qmm.qmm(x, w, prompt=prompt, interpret=INTERPRET))
+    for rows in ([5], [0, 1, 2], list(range(big - 17, big))):
+        part = _bits(qmm.qmm(x[jnp.asarray(rows)], w, prompt=prompt, interpret=INTERPRET))
+        np.testing.assert_array_equal(part, full[rows], err_msg=f"rows {rows[0]}..{rows[-1]} changed with M")
+    # The other rows' contents do not matter either.
+    other = x.at[1:].set(jnp.asarray(rng.normal(size=(big - 1, 256)), dtype))
+    np.testing.assert_array_equal(_bits(qmm.qmm(other, w, prompt=prompt, interpret=INTERPRET))[0], full[0])
+
+
+@pytest.mark.parametrize("bits,group,k", [(4, 64, 320), (8, 32, 288), (4, 32, 96), (4, 32, 1024)])
+def test_prepare_layout(bits, group, k):
+    """prepare() moves fields only (it round-trips exactly) and the kernel reads it right: vs the oracle."""
+    rng = np.random.default_rng(600 + k)
+    w, oracle = _weight(rng, 100, k, bits, group)
+    pw = qmm.prepare(w)
+    back = qmm.unprepare(pw)
+    for a, b in ((back.words, w.words), (back.scales, w.scales), (back.biases, w.biases)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not np.array_equal(np.asarray(pw.words[:, : w.words.shape[1]]), np.asarray(w.words)), "no repack?"
+    x = jnp.asarray(rng.normal(size=(7, k)), jnp.float32)
+    want = np.asarray(x, np.float64) @ oracle.T
+    assert _rel(_poisoned(x, pw, prompt=False), want) < F32_TOL
+    assert _rel(qmm.reference(x, pw), want) < F32_TOL
+
+
+def test_explicit_tiles_sweep():
+    """Other legal tiles (ragged n tiles, several row tiles a program, two blocks a step) stay correct."""
+    rng = np.random.default_rng(700)
+    for tiles, m in ((qmm.Tiles(8, 16, 1, 1, 2, 1), 9), (qmm.Tiles(16, 64, 2, 4, 3, 4), 40)):
+        _check(rng, 80, 512, 4, 64, (m,), prompt=False, dtype=jnp.bfloat16, tiles=tiles)
+
+
+@pytest.mark.parametrize("prepared", [False, True])
+def test_embed(prepared):
+    rng = np.random.default_rng(800 + prepared)
+    w, oracle = _weight(rng, 300, 192, 4, 64)
+    table = qmm.prepare(w) if prepared else w
+    ids = jnp.asarray(rng.integers(0, 300, size=(2, 5)), jnp.int32)
+    got = qmm.embed(table, ids, jnp.float32, interpret=INTERPRET)
+    assert got.shape == (2, 5, 192)
+    np.testing.assert_allclose(np.asarray(got), oracle[np.asarray(ids)], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(qmm.embed_reference(w, ids, jnp.float32)))
+
+
+def test_validation_errors():
+    rng = np.random.default_rng(900)
+    w, _ = _weight(rng, 64, 128, 4, 64)
+    with pytest.raises(ValueError, match="K=100"):
+        qmm.qmm(jnp.ones((2, 100), jnp.bfloat16), w)
+    with pytest.raises(ValueError, match="dtype"):
+        qmm.qmm(jnp.ones((2, 128), jnp.int32), w)
+    with pytest.raises(ValueError, match=r"\[M, K\]"):
+        qmm.qmm(jnp.ones((128,), jnp.bfloat16), w)
+    with pytest.raises(ValueError, match="block_n"):
+        qmm.qmm(jnp.ones((2, 128), jnp.bfloat16), w, tiles=qmm.Tiles(16, 24))
+    with pytest.raises(ValueError, match="QuantizedWeight"):
+        qmm.qmm(jnp.ones((2, 128), jnp.bfloat16), np.ones((64, 128)))
+    bad = QuantizedWeight(w.words, w.scales[:, :1], w.biases, 4, 64)
+    with pytest.raises(ValueError, match="scales"):
+        qmm.qmm(jnp.ones((2, 128), jnp.bfloat16), bad)
+    with pytest.raises(ValueError, match="integers"):
+        qmm.embed(w, jnp.ones((3,), jnp.float32))
+    assert qmm.qmm(jnp.ones((0, 128), jnp.bfloat16), w).shape == (0, 64)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU (the same checks on the device, larger shapes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits,group", CASES)
+def test_gpu_matches_oracle(bits, group):
+    rng = np.random.default_rng(1100 + bits * 1000 + group)
+    _check(rng, 1000, 1536 + group, bits, group, (1, 3, 16, 17, 128), prompt=False, dtype=jnp.bfloat16)
+    _check(rng, 1000, 1536 + group, bits, group, (64, 600), prompt=True, dtype=jnp.bfloat16)
+    _check(rng, 520, 768, bits, group, (5, 130), prompt=False, dtype=jnp.float32)
+
+
+@pytest.mark.gpu
+def test_gpu_27b_shape():
+    """5120 -> 17408 (the MLP gate/up projection), 4-bit group 64, both paths, against reference()."""
+    rng = np.random.default_rng(1200)
+    w, oracle = _weight(rng, 17408, 5120, 4, 64)
+    pw = qmm.prepare(w)
+    for m, prompt in ((1, False), (16, False), (256, False), (1024, True)):
+        x = jnp.asarray(rng.normal(size=(m, 5120)), jnp.bfloat16)
+        want = np.asarray(x.astype(jnp.float32), np.float64) @ oracle.T
+        for form in (pw, w):
+            err = _rel(_poisoned(x, form, prompt=prompt), want)
+            assert err < HALF_TOL, f"M={m} prompt={prompt} prepared={form is pw}: {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prompt", [False, True])
+def test_gpu_row_invariance(prompt):
+    rng = np.random.default_rng(1300 + prompt)
+    w, _ = _weight(rng, 5120, 6144, 4, 64)
+    big = 1024 if prompt else 256
+    x = jnp.asarray(rng.normal(size=(big, 6144)), jnp.bfloat16)
+    for form in (qmm.prepare(w), w):
+        full = _bits(qmm.qmm(x, form, prompt=prompt))
+        for rows in ([0], [7], [0, 1, 2], list(range(16, 33)), list(range(64, 128)), list(range(big - 5, big))):
+            part = _bits(qmm.qmm(x[jnp.asarray(rows)], form, prompt=prompt))
+            np.testing.assert_array_equal(part, full[rows], err_msg=f"rows {rows[0]}..{rows[-1]} changed with M")
