@@ -91,5 +91,5 @@ class Runner:
         if temperature <= 0:
             return int(np.argmax(logits))
         from qwen_jax import sampling
-        params = sampling.SamplingParams.from_values([dict(temperature=temperature, seed=seed, position=pos)])
+        params = sampling.pack_sample_params([sampling.RequestSampling(seed=seed, temperature=temperature)], [pos], 1)
         return int(sampling.sample(jnp.asarray(logits[None], jnp.float32), params)[0])

@@ -1,0 +1,85 @@
+"""The engine's public surface: what the server (and the offline CLI) hand in and get back.
+
+A request goes in as a `GenerationRequest` of token ids; `Engine.submit` returns a `RequestHandle` at once (or
+raises: `EngineOverloaded` when the bounded queue is full, `ContextLengthExceeded` when the prompt can never fit,
+`ValueError` for bad parameters). The handle yields `TokenEvent`s as tokens are decided (async iteration for the
+server, `events()` for synchronous callers) and ends with an event carrying `finish_reason`. `cancel()` stops the
+request at the next round (a queued request never starts) and frees its state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+class EngineOverloaded(RuntimeError):
+    """The wait queue is full; retry later (HTTP 503 with Retry-After)."""
+
+
+class ContextLengthExceeded(ValueError):
+    """The prompt (plus at least one new token) can never fit the context this engine serves."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingOptions:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None  # None: derived from the prompt (qwen_jax.sampling.derive_seed), so replies reproduce
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingOptions = SamplingOptions()
+    stop: tuple[str, ...] = ()  # stop strings, matched on the detokenized text; the match is not returned
+    stop_token_ids: tuple[int, ...] = ()  # extra stop ids besides the checkpoint's EOS ids
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: no logprobs; n >= 0: the chosen token's logprob plus the top n
+    draft: bool = True  # False: serial decoding (the reference the drafted path must equal)
+    request_id: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenEvent:
+    token_ids: tuple[int, ...]  # tokens decided since the previous event
+    text: str  # text newly safe to show (a possible stop-string prefix is held back until resolved)
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    finish_reason: str | None = None  # "stop", "length", "cancelled" or "error" on the last event
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """Counters for /metrics, /health and the leak tests (pools return to baseline after finish/cancel/error)."""
+    running: int
+    waiting: int
+    free_pages: int
+    total_pages: int
+    free_slots: int
+    total_slots: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    draft_proposed_total: int = 0
+    draft_accepted_total: int = 0
+
+
+# The Engine class (qwen_jax/engine/engine.py) implements this contract:
+#   Engine.from_checkpoint(model_dir, *, dtype="bfloat16", kv_cache="bf16", max_model_len=4096, parallel=16,
+#                          max_queued=64, backend=None, progress=True) -> Engine
+#   engine.tokenizer, engine.model_config (qwen_jax.config.ModelConfig), engine.model_name, engine.max_model_len
+#   engine.start()      compile every program bucket (progress bar), start the scheduler thread
+#   engine.shutdown()
+#   engine.submit(GenerationRequest) -> RequestHandle   (raises EngineOverloaded / ContextLengthExceeded / ValueError)
+#   engine.stats() -> EngineStats
+# RequestHandle: request_id, prompt_tokens, completion_tokens, cancel(), `async for ev in handle`, handle.events()
+#   (blocking iterator), and monotonic timestamps arrival_time / first_token_time / finish_time for metrics.
