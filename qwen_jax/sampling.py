@@ -51,10 +51,10 @@ Cost at v = 248,320 (n up to 256): one lax.cond picks, for the whole batch, betw
   an O(v) associative scan, then the same hash. The logit values come back out of the order key (a bijection on
   non-NaN float32), so there is no gather.
 The cond's predicate lives on the device; on GPU XLA reads it back to pick the branch (a short sync inside the
-program). An engine that wants to avoid it can compile one variant per path and choose on the host from the
-packed params; the rows' tokens are the same either way.
-The hash is done over the full vocab on both paths so that the noise of a token does not depend on how many
-candidates the path looked at. Temporaries are a handful of n x v 32-bit arrays (about 250 MB each at n = 256).
+program). If that shows in a profile, the path can become a static argument chosen on the host from the packed
+params (one compiled variant per path); no row's token would change. The sorted path hashes the whole vocab too:
+how many tokens survive is data-dependent and shapes are static. Temporaries are a handful of n x v 32-bit arrays
+(about 250 MB each at n = 256). None of this has been timed on a GPU yet.
 """
 
 from __future__ import annotations
