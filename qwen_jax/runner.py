@@ -92,4 +92,10 @@ class Runner:
             return int(np.argmax(logits))
         from qwen_jax import sampling
         params = sampling.pack_sample_params([sampling.RequestSampling(seed=seed, temperature=temperature)], [pos], 1)
-        return int(sampling.sample(jnp.asarray(logits[None], jnp.float32), params)[0])
+        return int(_jitted_sample()(jnp.asarray(logits[None], jnp.float32), params)[0])
+
+
+@functools.lru_cache(maxsize=1)
+def _jitted_sample():
+    from qwen_jax import sampling
+    return jax.jit(sampling.sample)
