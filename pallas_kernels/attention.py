@@ -101,9 +101,10 @@ class WindowTiles:
     programs, never a different tree."""
     block_k: int = 64  # keys per online-softmax step
     chunk: int = 512  # keys per partial (m, l, acc); partials are merged in chunk order
-    num_warps: int = 4
+    num_warps: int | None = None  # None: 4 for up to 32 packed rows, else 8
     num_stages: int = 2
-    merge_block_d: int = 64  # head-dim columns per merge program
+    merge_block_d: int | None = None  # head-dim columns per merge program (free; None: fit registers)
+    merge_group: int = 4  # chunk partials summed per merge step (fixes the merge tree, like chunk)
     merge_num_warps: int = 4
 
 
@@ -225,7 +226,7 @@ def _window_chunk_kernel(cache_len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, fp8:
 # ----------------------------------------------------------------------------------------------------------------
 
 def _window_merge_kernel(cache_len_ref, q_ref, kw_ref, vw_ref, mask_ref, m_ref, l_ref, acc_ref, *refs, fp8: bool,
-                         scale: float, max_keys: int, chunk: int, cdt):
+                         scale: float, max_keys: int, chunk: int, group: int, cdt):
     # cache_len_ref [S]; q_ref [M, D]; kw_ref [Rp, D], vw_ref [Rp, BD] the window's rows as stored (fp8 codes or
     # pool dtype); mask_ref [M, Rp] int32 (row sees window key j); m_ref, l_ref [NC, M]; acc_ref [NC, M, BD];
     # fp8: ksw_ref, vsw_ref [Rp]; output o_ref [M, BD].
@@ -236,10 +237,16 @@ def _window_merge_kernel(cache_len_ref, q_ref, kw_ref, vw_ref, mask_ref, m_ref, 
         (o_ref,) = refs
     s = pl.program_id(0)
     n_chunks = (jnp.minimum(cache_len_ref[s], max_keys) + chunk - 1) // chunk
-    nc = m_ref.shape[0]
-    # Max over the written partials is exact in any order; unwritten ones are masked, never read as numbers.
-    m_all = jnp.where(jnp.arange(nc)[:, None] < n_chunks, m_ref[...], -jnp.inf)
-    m_committed = jnp.max(m_all, axis=0)
+    n_groups = (n_chunks + group - 1) // group
+    mrows, bd = acc_ref.shape[1], acc_ref.shape[2]
+
+    # The max over written partials is exact in any order; unwritten ones are masked, never read as numbers.
+    def max_body(i, m):
+        live = (i * group + jnp.arange(group)) < n_chunks
+        m_part = jnp.where(live[:, None], m_ref[pl.ds(i * group, group), :], -jnp.inf)
+        return jnp.maximum(m, jnp.max(m_part, axis=0))
+
+    m_committed = jax.lax.fori_loop(0, n_groups, max_body, jnp.full((mrows,), -jnp.inf, jnp.float32))
 
     q = q_ref[...].astype(cdt)
     ksw = None if ksw_ref is None else ksw_ref[...]
@@ -250,14 +257,19 @@ def _window_merge_kernel(cache_len_ref, q_ref, kw_ref, vw_ref, mask_ref, m_ref, 
     # Padding rows see nothing; keep their arithmetic finite.
     m_total = jnp.where(m_total == -jnp.inf, 0.0, m_total)
 
-    def body(c, carry):
+    # Partials are summed a group of `group` chunks at a time (a fixed-shape reduction), groups in chunk order:
+    # the tree depends on chunk positions only, and chunks past the stream's context add exact zeros.
+    def body(i, carry):
         l, acc = carry
-        w = jnp.exp(m_ref[c, :] - m_total)
-        return l + w * l_ref[c, :], acc + w[:, None] * acc_ref[c, :, :]
+        rows = pl.ds(i * group, group)
+        live = (i * group + jnp.arange(group)) < n_chunks
+        w = jnp.where(live[:, None], jnp.exp(m_ref[rows, :] - m_total[None, :]), 0.0)  # [group, M]
+        l_part = jnp.where(live[:, None], w * l_ref[rows, :], 0.0)
+        acc_part = jnp.where(live[:, None, None], w[:, :, None] * acc_ref[rows, :, :], 0.0)
+        return l + jnp.sum(l_part, axis=0), acc + jnp.sum(acc_part, axis=0)
 
-    mrows, bd = acc_ref.shape[1], acc_ref.shape[2]
-    l, acc = jax.lax.fori_loop(0, n_chunks, body, (jnp.zeros((mrows,), jnp.float32),
-                                                   jnp.zeros((mrows, bd), jnp.float32)))
+    l, acc = jax.lax.fori_loop(0, n_groups, body,
+                               (jnp.zeros((mrows,), jnp.float32), jnp.zeros((mrows, bd), jnp.float32)))
     p = jnp.exp(logits_w - m_total[:, None])
     l = l + jnp.sum(p, axis=1)
     pv = p if vsw_ref is None else p * vsw_ref[...][None, :]
@@ -309,7 +321,7 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
     cdt = _compute_dtype(q.dtype, pool)
     max_keys = page_table.shape[1] * ps
     n_chunks = -(-max_keys // tiles.chunk)
-    nc_pad = _pow2(n_chunks)
+    nc_pad = max(_pow2(n_chunks), tiles.merge_group)
     cache_len = cache_len.astype(jnp.int32)
     page_table = _pad_table(page_table, n_chunks * tiles.chunk, ps)
     qp = _pack_rows(q, hkv, mrows)
@@ -333,7 +345,8 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
                        jax.ShapeDtypeStruct((s, hkv, nc_pad, mrows), jnp.float32),
                        jax.ShapeDtypeStruct((s, hkv, nc_pad, mrows, d), jnp.float32)],
             interpret=interpret,
-            compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+            compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps or (4 if mrows <= 32 else 8),
+                                                 num_stages=tiles.num_stages),
             name="attn_window_chunks",
         )(cache_len, page_table, qp, pool.k, pool.v, *([pool.k_scale, pool.v_scale] if fp8 else []))
 
@@ -343,9 +356,11 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
         anc = jax.vmap(ancestors)(parents.astype(jnp.int32))  # [S, R, R]
         mask = jnp.repeat(anc, g, axis=1)  # row r*G + h sees what window row r sees
         mask = jnp.pad(mask, ((0, 0), (0, mrows - r * g), (0, rp - r))).astype(jnp.int32)
-        bd = min(tiles.merge_block_d, d)
+        # A merge step holds [group, M, bd] fp32 in registers: keep it near 32 KiB.
+        bd = tiles.merge_block_d or max(16, min(d, 8192 // (tiles.merge_group * mrows)))
+        bd = min(bd, d)
         kernel = functools.partial(_window_merge_kernel, fp8=fp8, scale=scale, max_keys=max_keys,
-                                   chunk=tiles.chunk, cdt=cdt)
+                                   chunk=tiles.chunk, group=tiles.merge_group, cdt=cdt)
         win_scale = pl.BlockSpec((None, None, rp), lambda i, j, e: (i, j, 0))
         out = pl.pallas_call(
             kernel,
@@ -412,7 +427,9 @@ def _check_window(q, k_win, v_win, parents, pool: KVPool, page_table, cache_len,
     if tiles.chunk % tiles.block_k or tiles.chunk % pool.page_size:
         raise ValueError(f"WindowTiles.chunk={tiles.chunk} must be a multiple of block_k={tiles.block_k} and of "
                          f"the page size {pool.page_size}")
-    if d % min(tiles.merge_block_d, d):
+    if tiles.merge_group & (tiles.merge_group - 1):
+        raise ValueError(f"WindowTiles.merge_group={tiles.merge_group} must be a power of two")
+    if tiles.merge_block_d is not None and d % min(tiles.merge_block_d, d):
         raise ValueError(f"WindowTiles.merge_block_d={tiles.merge_block_d} must divide the head dim {d}")
     return hkv
 

@@ -144,7 +144,8 @@ def window_case(rng, *, s, r, hq, hkv, d, page_size, pmax, num_pages, dtype, cac
 
 
 SMALL = dict(hq=4, hkv=2, d=32, page_size=8)
-SMALL_TILES = at.WindowTiles(block_k=16, chunk=32, merge_block_d=16)
+# Two chunk partials per merge step, so the 3-chunk contexts span two steps.
+SMALL_TILES = at.WindowTiles(block_k=16, chunk=32, merge_block_d=16, merge_group=2)
 # Five streams: no context yet, inside the first page, off the page grid, exactly one chunk, the whole table;
 # trees and chains side by side.
 SMALL_WINDOW = dict(s=5, pmax=9, num_pages=48, cache_lens=[0, 5, 43, 32, 72],

@@ -1,0 +1,435 @@
+"""Attention benchmarks at the 27B shapes (24 query heads, 4 KV heads, head dim 256): the Pallas kernels next to
+the plain-XLA references and cuDNN through jax.nn.dot_product_attention (contiguous bf16 K/V, where it applies).
+
+    python -m pallas_kernels.bench attention [--sections decode,window,prompt,write,tune] [--json FILE] [--smoke]
+
+Times are per call, amortised over a jitted scan of calls that rotate page tables over distinct pages (so small
+contexts are not served from L2) and feed every output into a running sum (so no call can be skipped).
+--smoke runs every section at toy sizes in interpret mode on the CPU, to check this script, not to time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import attention as at
+from pallas_kernels import kv_quant as kq
+from pallas_kernels.bench.common import copy_bandwidth_tbs, table, time_us
+
+HQ, HKV, D = 24, 4, 256
+SCALE = D ** -0.5
+ROTATE_BYTES = 256 << 20  # distinct KV bytes touched before a page is reused: several times the 60 MB L2
+DEADLINE = math.inf  # time.time() after which remaining measurements are skipped (--budget-s)
+JSON_PATH: str | None = None
+
+
+@dataclasses.dataclass
+class Env:
+    interpret: bool
+    page_size: int
+    reps: int
+    results: list
+
+
+def kv_bytes(keys: int, fp8: bool) -> int:
+    """Bytes of K and V for `keys` positions over all KV heads (fp8: codes + fp32 scales)."""
+    per_key = HKV * (2 * D * (1 if fp8 else 2) + (2 * 4 if fp8 else 0))
+    return keys * per_key
+
+
+def make_pool(key, num_pages: int, page_size: int, fp8: bool) -> kq.KVPool:
+    shape = (HKV, num_pages, page_size, D)
+    k1, k2 = jax.random.split(key)
+
+    @jax.jit
+    def build(k1, k2):
+        k = jax.random.normal(k1, shape, jnp.float32)
+        v = jax.random.normal(k2, shape, jnp.float32)
+        if fp8:
+            (kc, ks), (vc, vs) = kq.quantize_reference(k), kq.quantize_reference(v)
+            return kq.KVPool(kc, vc, ks, vs)
+        return kq.KVPool(k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+
+    return build(k1, k2)
+
+
+def page_tables(rng, sets: int, streams: int, pages_per_stream: int) -> np.ndarray:
+    """[sets, streams, pages] drawn without repeats from pages 1.. (page 0 is the dummy page)."""
+    total = sets * streams * pages_per_stream
+    return (rng.permutation(total) + 1).reshape(sets, streams, pages_per_stream).astype(np.int32)
+
+
+def amortised_us(env: Env, step, fixed: tuple, varying: list[tuple], *, slow: bool = False) -> float:
+    """Median µs per call of step(*fixed, *varying[i]) inside one jitted scan of calls (fewer for slow ones)."""
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *varying)
+    n_sets = len(varying)
+    reps = max(1, env.reps // 5) if slow else env.reps
+
+    @jax.jit
+    def many(fixed, stacked):
+        def body(acc, i):
+            args = jax.tree.map(lambda x: x[i % n_sets], stacked)
+            out = step(*fixed, *args)
+            return acc + jnp.sum(out.astype(jnp.float32)), None
+        acc, _ = jax.lax.scan(body, jnp.float32(0), jnp.arange(reps))
+        return acc
+
+    us = time_us(many, [(fixed, stacked)], warmup=2, iters=5 if env.interpret or slow else 10)
+    return us / reps
+
+
+def record(env: Env, **row) -> None:
+    env.results.append(row)
+    if JSON_PATH:  # rewritten after every row: a run cut short still leaves what it measured
+        with open(JSON_PATH, "w") as f:
+            json.dump(env.results, f, indent=1)
+    print("  " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+          flush=True)
+
+
+def guarded(fn):
+    """One failing configuration must not cost the rest of the run."""
+    def run(*a, **k):
+        if time.time() > DEADLINE:
+            print(f"  skipped {fn.__name__} {k}: over --budget-s", flush=True)
+            return None
+        try:
+            return fn(*a, **k)
+        except Exception as e:  # noqa: BLE001 - reported, and the sweep goes on
+            print(f"  FAILED {fn.__name__}{a[1:] if len(a) > 1 else ''} {k}: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:300]}", flush=True)
+            traceback.print_exc(limit=2, file=sys.stdout)
+            return None
+    return run
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# window / decode
+# ---------------------------------------------------------------------------------------------------------------
+
+def window_inputs(env: Env, *, streams: int, rows: int, context: int, fp8: bool, page_size: int | None = None):
+    ps = page_size or env.page_size
+    pages = -(-context // ps)
+    sets = max(1, min(8, ROTATE_BYTES // max(1, kv_bytes(context * streams, fp8))))
+    rng = np.random.default_rng(context + streams + rows)
+    tables = page_tables(rng, sets, streams, pages)
+    pool = make_pool(jax.random.key(1), sets * streams * pages + 1, ps, fp8)
+    tree = np.array([-1] + [(r - 1) // 2 for r in range(1, rows)], np.int32)  # a binary tree
+
+    def one(i):
+        ks = jax.random.split(jax.random.key(100 + i), 3)
+        q = jax.random.normal(ks[0], (streams, rows, HQ, D), jnp.bfloat16)
+        kw = jax.random.normal(ks[1], (streams, rows, HKV, D), jnp.bfloat16)
+        vw = jax.random.normal(ks[2], (streams, rows, HKV, D), jnp.bfloat16)
+        par = jnp.asarray(np.broadcast_to(tree, (streams, rows)))
+        return (q, kw, vw, par, jnp.asarray(tables[i]), jnp.full((streams,), context, jnp.int32))
+
+    return pool, [one(i) for i in range(sets)]
+
+
+def _window_step(tiles):
+    def step(pool, q, kw, vw, par, table, cache_len):
+        return at.window(q, kw, vw, par, pool, table, cache_len, scale=SCALE, tiles=tiles)
+    return step
+
+
+def _window_interp_step(tiles):
+    def step(pool, q, kw, vw, par, table, cache_len):
+        return at.window(q, kw, vw, par, pool, table, cache_len, scale=SCALE, tiles=tiles, interpret=True)
+    return step
+
+
+def _window_ref_step(pool, q, kw, vw, par, table, cache_len):
+    return at.window_reference(q, kw, vw, par, pool, table, cache_len, scale=SCALE)
+
+
+@guarded
+def bench_window(env: Env, *, streams: int, rows: int, context: int, fp8: bool, impls=("kernel", "xla"),
+                 tiles: at.WindowTiles | None = None, page_size: int | None = None, tag: str = ""):
+    tiles = tiles or at.WindowTiles()
+    pool, varying = window_inputs(env, streams=streams, rows=rows, context=context, fp8=fp8, page_size=page_size)
+    nbytes = kv_bytes(context * streams, fp8)
+    out = {}
+    for impl in impls:
+        if impl == "kernel":
+            step = _window_interp_step(tiles) if env.interpret else _window_step(tiles)
+        elif impl == "xla":
+            step = _window_ref_step
+        else:
+            continue
+        us = amortised_us(env, step, (pool,), varying)
+        out[impl] = us
+        record(env, section="window" if rows > 1 else "decode", tag=tag, impl=impl, kv="fp8" if fp8 else "bf16",
+               streams=streams, rows=rows, context=context, page=page_size or env.page_size,
+               tiles=str(dataclasses.astuple(tiles)) if impl == "kernel" else "", us=us,
+               kv_gbs=nbytes / us / 1e3)
+    del pool
+    return out
+
+
+@guarded
+def bench_cudnn_decode(env: Env, *, streams: int, rows: int, context: int):
+    """cuDNN over contiguous bf16 K/V of the same context (no paging, no tree mask: a lower bound on its work)."""
+    sets = max(1, min(8, ROTATE_BYTES // kv_bytes(context * streams, False)))
+    keys = jax.random.split(jax.random.key(7), 3 * sets)
+    varying = [(jax.random.normal(keys[3 * i], (streams, rows, HQ, D), jnp.bfloat16),
+                jax.random.normal(keys[3 * i + 1], (streams, context + rows, HKV, D), jnp.bfloat16),
+                jax.random.normal(keys[3 * i + 2], (streams, context + rows, HKV, D), jnp.bfloat16))
+               for i in range(sets)]
+
+    def step(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, scale=SCALE, implementation="cudnn")
+
+    us = amortised_us(env, step, (), varying)
+    record(env, section="window" if rows > 1 else "decode", tag="", impl="cudnn", kv="bf16", streams=streams,
+           rows=rows, context=context, page=0, tiles="", us=us, kv_gbs=kv_bytes(context * streams, False) / us / 1e3)
+    return us
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prompt
+# ---------------------------------------------------------------------------------------------------------------
+
+def prompt_flops(rows: int, prefix: int) -> float:
+    return 4.0 * HQ * D * (rows * prefix + rows * (rows + 1) / 2)
+
+
+@guarded
+def bench_prompt(env: Env, *, rows: int, prefix: int, fp8: bool, impls=("kernel", "xla"),
+                 tiles: at.PromptTiles | None = None, tag: str = ""):
+    tiles = tiles or at.PromptTiles()
+    ps = env.page_size
+    pages = -(-(prefix + rows) // ps)
+    sets = 2
+    rng = np.random.default_rng(prefix + rows)
+    tables = page_tables(rng, sets, 1, pages)
+    pool = make_pool(jax.random.key(2), sets * pages + 1, ps, fp8)
+    varying = [(jax.random.normal(jax.random.key(200 + i), (1, rows, HQ, D), jnp.bfloat16), jnp.asarray(tables[i]),
+                jnp.asarray([prefix], jnp.int32), jnp.asarray([rows], jnp.int32)) for i in range(sets)]
+    flops = prompt_flops(rows, prefix)
+    for impl in impls:
+        if impl == "kernel":
+            def step(pool, q, table, start, lengths):
+                return at.prompt(q, pool, table, start, lengths, scale=SCALE, tiles=tiles, interpret=env.interpret)
+        else:
+            def step(pool, q, table, start, lengths):
+                return at.prompt_reference(q, pool, table, start, lengths, scale=SCALE)
+        us = amortised_us(env, step, (pool,), varying, slow=True)
+        record(env, section="prompt", tag=tag, impl=impl, kv="fp8" if fp8 else "bf16", rows=rows, prefix=prefix,
+               tiles=str(dataclasses.astuple(tiles)) if impl == "kernel" else "", us=us,
+               tflops=flops / us / 1e6)
+    del pool
+
+
+@guarded
+def bench_cudnn_prompt(env: Env, *, rows: int, prefix: int):
+    """cuDNN causal over contiguous bf16 K/V. With a prefix the causal mask is bottom-right aligned, which
+    jax.nn.dot_product_attention does not offer: then this times the prefix block (no mask) and the diagonal
+    block (causal) as two calls, the work a single bottom-right causal call would do, without the merge."""
+    keys = jax.random.split(jax.random.key(9), 6)
+    q = jax.random.normal(keys[0], (1, rows, HQ, D), jnp.bfloat16)
+    kc = jax.random.normal(keys[1], (1, rows, HKV, D), jnp.bfloat16)
+    vc = jax.random.normal(keys[2], (1, rows, HKV, D), jnp.bfloat16)
+    kp = jax.random.normal(keys[3], (1, max(prefix, 1), HKV, D), jnp.bfloat16)
+    vp = jax.random.normal(keys[4], (1, max(prefix, 1), HKV, D), jnp.bfloat16)
+
+    def step(q, kc, vc, kp, vp):
+        out = jax.nn.dot_product_attention(q, kc, vc, scale=SCALE, is_causal=True, implementation="cudnn")
+        if prefix:
+            out = out + jax.nn.dot_product_attention(q, kp, vp, scale=SCALE, implementation="cudnn")
+        return out
+
+    us = amortised_us(env, step, (), [(q, kc, vc, kp, vp)], slow=True)
+    record(env, section="prompt", tag="", impl="cudnn", kv="bf16", rows=rows, prefix=prefix, tiles="", us=us,
+           tflops=prompt_flops(rows, prefix) / us / 1e6)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# write
+# ---------------------------------------------------------------------------------------------------------------
+
+@guarded
+def bench_write(env: Env, *, streams: int, rows: int, fp8: bool):
+    ps = env.page_size
+    pages = -(-rows // ps) + 1
+    rng = np.random.default_rng(rows)
+    tables = page_tables(rng, 1, streams, pages)[0]
+    pool = make_pool(jax.random.key(3), streams * pages + 1, ps, fp8)
+    k = jax.random.normal(jax.random.key(4), (streams, rows, HKV, D), jnp.bfloat16)
+    v = jax.random.normal(jax.random.key(5), (streams, rows, HKV, D), jnp.bfloat16)
+    positions = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32) + 5, (streams, rows))
+    valid = jnp.ones((streams, rows), bool)
+    for impl, fn in (("kernel", lambda *a: kq.write(*a, interpret=env.interpret)), ("xla", kq.write_reference)):
+        step = jax.jit(fn, donate_argnums=0)
+        # The pool is donated and comes back: time the in-place update the engine will see.
+        state = {"pool": pool}
+
+        def call(k, v, table, positions, valid):
+            state["pool"] = step(state["pool"], k, v, table, positions, valid)
+            return state["pool"].k
+
+        us = time_us(call, [(k, v, jnp.asarray(tables), positions, valid)], warmup=2, iters=10)
+        pool = state["pool"]
+        record(env, section="write", tag="", impl=impl, kv="fp8" if fp8 else "bf16", streams=streams, rows=rows,
+               us=us)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pallas_kernels.bench attention")
+    ap.add_argument("--sections", default="decode,window,prompt,write")
+    ap.add_argument("--json", default=None, help="write every measured row here")
+    ap.add_argument("--smoke", action="store_true", help="toy sizes, interpret mode, CPU: checks the script")
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--budget-s", type=float, default=1e9, help="skip remaining sections after this many seconds")
+    args = ap.parse_args(argv)
+    global DEADLINE, JSON_PATH
+    DEADLINE = time.time() + args.budget_s
+    JSON_PATH = args.json
+    sections = args.sections.split(",")
+    if args.smoke:
+        global HQ, HKV, D, SCALE
+        HQ, HKV, D = 4, 2, 32
+        SCALE = D ** -0.5
+    env = Env(interpret=args.smoke, page_size=8 if args.smoke else args.page_size, reps=2 if args.smoke else 10,
+              results=[])
+    dev = jax.devices()[0]
+    print(f"device: {dev.device_kind}; jax {jax.__version__}; page {env.page_size}", flush=True)
+    bw = None
+    if not args.smoke:
+        bw = copy_bandwidth_tbs()
+        print(f"copy bandwidth: {bw:.2f} TB/s", flush=True)
+    contexts = (64, 200) if args.smoke else (4096, 32768, 131072)
+    gpu = not args.smoke
+    over = lambda: time.time() > DEADLINE  # noqa: E731
+
+    if "decode" in sections and not over():
+        print("== decode: 1 row, 1 stream", flush=True)
+        for fp8 in (False, True):
+            for ctx in contexts:
+                bench_window(env, streams=1, rows=1, context=ctx, fp8=fp8)
+        if gpu:
+            for ctx in contexts:
+                bench_cudnn_decode(env, streams=1, rows=1, context=ctx)
+    if "prompt" in sections and not over():
+        print("== prompt chunk: 4K rows over 0 / 32K prefix", flush=True)
+        rows, prefixes = ((32, (0, 40)) if args.smoke else (4096, (0, 32768)))
+        if gpu:
+            for prefix in prefixes:
+                bench_cudnn_prompt(env, rows=rows, prefix=prefix)
+        for fp8 in (False, True):
+            for prefix in prefixes:
+                bench_prompt(env, rows=rows, prefix=prefix, fp8=fp8)
+    if "window" in sections and not over():
+        print("== verify window: 16 rows (binary tree) x 1/16 streams; 1-row at 16 streams for the ratio", flush=True)
+        for fp8 in (False, True):
+            for ctx in contexts:
+                bench_window(env, streams=1, rows=16, context=ctx, fp8=fp8,
+                             impls=("kernel", "xla") if ctx != contexts[-1] else ("kernel",))
+            for ctx in contexts[:2]:
+                bench_window(env, streams=16, rows=16, context=ctx, fp8=fp8,
+                             impls=("kernel", "xla") if ctx == contexts[1] else ("kernel",))
+                bench_window(env, streams=16, rows=1, context=ctx, fp8=fp8, impls=("kernel",))
+        if gpu:
+            for ctx in contexts[:2]:
+                bench_cudnn_decode(env, streams=16, rows=16, context=ctx)
+    if "write" in sections and not over():
+        print("== KV write (in place, donated pool)", flush=True)
+        for fp8 in (False, True):
+            bench_write(env, streams=1, rows=32 if args.smoke else 4096, fp8=fp8)
+            bench_write(env, streams=16 if gpu else 2, rows=16, fp8=fp8)
+    if "tune" in sections:
+        tune(env, args, over, gpu)
+
+    env.results.append({"section": "meta", "tag": "meta", "device": dev.device_kind, "jax": jax.__version__,
+                        "copy_tbs": bw})
+    if JSON_PATH:
+        with open(JSON_PATH, "w") as f:
+            json.dump(env.results, f, indent=1)
+    summarize(env, bw)
+    return 0
+
+
+def tune(env: Env, args, over, gpu: bool) -> None:
+    """Tile and page-size candidates, each a full compile: the defaults in attention.py come from here."""
+    ctx = 200 if not gpu else 32768
+    print("== tune: decode/window tiles at 32K", flush=True)
+    cands = [at.WindowTiles(block_k=bk, chunk=c, num_warps=w, num_stages=st)
+             for bk, c, w, st in ((64, 512, 4, 2), (64, 512, 4, 3), (32, 512, 4, 3), (128, 512, 8, 2),
+                                  (64, 1024, 4, 3), (64, 256, 4, 3))]
+    for fp8 in (False, True):
+        for tiles in cands:
+            if over():
+                return
+            bench_window(env, streams=1, rows=1, context=ctx, fp8=fp8, impls=("kernel",), tiles=tiles, tag="tune")
+    for tiles in (at.WindowTiles(num_warps=4), at.WindowTiles(num_warps=8), at.WindowTiles(block_k=32, num_warps=8),
+                  at.WindowTiles(num_warps=8, num_stages=3)):
+        for fp8 in (False, True):
+            if over():
+                return
+            bench_window(env, streams=1, rows=16, context=ctx, fp8=fp8, impls=("kernel",), tiles=tiles, tag="tune")
+    print("== tune: page size (decode 32K, bf16)", flush=True)
+    for ps in ((8, 16) if not gpu else (16, 32, 128, 256)):
+        if over():
+            return
+        bench_window(env, streams=1, rows=1, context=ctx, fp8=False, impls=("kernel",), page_size=ps, tag="tune",
+                     tiles=at.WindowTiles(block_k=max(16, min(64, ps * 4)), chunk=512))
+    print("== tune: prompt tiles (4K rows, no prefix)", flush=True)
+    rows = 32 if not gpu else 4096
+    for bq, bk, w, st in ((64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 3), (64, 128, 8, 2),
+                          (128, 64, 8, 3), (64, 64, 4, 3)):
+        for fp8 in (False, True):
+            if over():
+                return
+            bench_prompt(env, rows=rows, prefix=0, fp8=fp8, impls=("kernel",), tag="tune",
+                         tiles=at.PromptTiles(block_q=bq, block_k=bk, num_warps=w, num_stages=st))
+
+
+def summarize(env: Env, bw: float | None) -> None:
+    rows = env.results
+    dec = [r for r in rows if r.get("section") in ("decode", "window") and r.get("tag") == ""]
+    if dec:
+        print("\n### decode / verify window (µs per call; GB/s of KV bytes)")
+        body = []
+        for r in dec:
+            frac = f"{100 * r['kv_gbs'] / (bw * 1e3):.0f}%" if bw else "-"
+            body.append([r["impl"], r["kv"], r["streams"], r["rows"], r["context"], r["us"], r["kv_gbs"], frac])
+        print(table(["impl", "kv", "streams", "rows", "context", "us", "GB/s", "of copy"], body))
+        ratios = []
+        for r in dec:
+            if r["impl"] == "kernel" and r["rows"] == 16:
+                one = [x for x in dec if x["impl"] == "kernel" and x["rows"] == 1 and x["kv"] == r["kv"]
+                       and x["streams"] == r["streams"] and x["context"] == r["context"]]
+                if one:
+                    ratios.append([r["kv"], r["streams"], r["context"], r["us"], one[0]["us"],
+                                   r["us"] / one[0]["us"]])
+        if ratios:
+            print("\n### 16-row window vs 1-row (target <= 1.3x)")
+            print(table(["kv", "streams", "context", "16-row us", "1-row us", "ratio"], ratios))
+    pr = [r for r in rows if r.get("section") == "prompt" and r.get("tag") == ""]
+    if pr:
+        print("\n### prompt chunk (TFLOP/s, causal-halved count)")
+        print(table(["impl", "kv", "rows", "prefix", "us", "TFLOP/s"],
+                    [[r["impl"], r["kv"], r["rows"], r["prefix"], r["us"], r["tflops"]] for r in pr]))
+    wr = [r for r in rows if r.get("section") == "write"]
+    if wr:
+        print("\n### KV write (µs, wall per call incl. dispatch)")
+        print(table(["impl", "kv", "streams", "rows", "us"],
+                    [[r["impl"], r["kv"], r["streams"], r["rows"], r["us"]] for r in wr]))
+    tn = [r for r in rows if r.get("tag") == "tune"]
+    if tn:
+        print("\n### tuning candidates")
+        print(table(["section", "kv", "rows", "page", "tiles", "us", "GB/s | TFLOP/s"],
+                    [[r["section"], r["kv"], r["rows"], r.get("page", ""), r["tiles"], r["us"],
+                      r.get("kv_gbs", r.get("tflops", math.nan))] for r in tn]))
