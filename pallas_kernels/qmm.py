@@ -11,11 +11,9 @@ How the kernel works (Pallas, Triton lowering; docs/kernels/qmm.md has the measu
   numbers 128 + q (the bf16 mantissa has 7 bits; no int->float conversion). Field pair j of all the block's words
   is one "chunk" of 2 * words columns, an MMA operand built in registers: w = (q' - 128) * scale + bias, one
   bf16 FMA for two weights, rounded once from the exact dequantized value.
-- Chunk column 2c + t is (word c, field j + t * per/2). A plain QuantizedWeight is used as stored, and x is
-  permuted per call into that "chunk order" (a tiny XLA transpose that fuses into x's producer). `prepare()`
-  instead moves the fields once at load so that chunk j is natural columns [j * chunk, (j + 1) * chunk) of its
-  block, and x is read as it is. The two forms sum k in different orders: each is exact in its own right (and
-  row-invariant), but their last bits differ, so a weight should stay in one form for the life of a server.
+- Chunk column 2c + t is (word c, field j + t * per/2): the weight is used exactly as the checkpoint stores it
+  (no load-time repack), and x is permuted per call into that "chunk order" (a small XLA transpose that fuses
+  into x's producer inside a jitted model, and is shared by projections that read the same x).
 - The MMA runs weight-major (w [block_n, chunk] @ x^T [chunk, block_m], Hopper wgmma when block_n >= 64), fp32
   accumulation, one chunk after another in increasing k.
 
@@ -35,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.qweight import SUPPORTED_BITS, SUPPORTED_GROUPS, QuantizedWeight, dequantize, dequantize_rows
+from pallas_kernels.qweight import QuantizedWeight, dequantize, dequantize_rows
 
 # Two bf16 128.0s: OR-ing a 4-bit field q into the low mantissa bits of one gives the bf16 number 128 + q exactly.
 _BF16_128_PAIR = 0x43004300
@@ -67,62 +65,14 @@ def _padded_k(k: int, bits: int) -> int:
 # layouts
 
 
-def _chunk_order(k: int, bits: int, block: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """(natural split shape, permutation to kernel order, kernel split shape) of a k axis of length K."""
+def _to_kernel_order(x: jax.Array, block: int, bits: int) -> jax.Array:
+    """x [M, K] in natural order -> chunk order: block b's position j * chunk + 2c + t holds natural column
+    b * block + c * per + t * per/2 + j (word c, field j + t * per/2 of the weight)."""
     per = 32 // bits
-    half = per // 2
+    m, k = x.shape
     words = block * bits // 32
-    natural = (k // block, words, 2, half)  # column = blk * block + c * per + t * half + j
-    to_kernel = (0, 3, 1, 2)  # -> (blk, j, c, t): column = blk * block + j * 2 * words + 2 * c + t
-    return natural, to_kernel, (k // block, half, words, 2)
-
-
-def _to_kernel_order(a: jax.Array, bits: int, block: int) -> jax.Array:
-    """Permute the last axis (natural k order) into the kernel's chunk order."""
-    *lead, k = a.shape
-    natural, perm, _ = _chunk_order(k, bits, block)
-    nl = len(lead)
-    a = a.reshape(*lead, *natural)
-    a = jnp.transpose(a, (*range(nl), *(nl + p for p in perm)))
-    return a.reshape(*lead, k)
-
-
-def _from_kernel_order(a: jax.Array, bits: int, block: int) -> jax.Array:
-    *lead, k = a.shape
-    _, perm, kernel_shape = _chunk_order(k, bits, block)
-    nl = len(lead)
-    inverse = [perm.index(i) for i in range(len(perm))]
-    a = a.reshape(*lead, *kernel_shape)
-    a = jnp.transpose(a, (*range(nl), *(nl + p for p in inverse)))
-    return a.reshape(*lead, k)
-
-
-def _fields(words: jax.Array, bits: int) -> jax.Array:
-    """uint32 [..., C] -> uint8 [..., C * 32/bits] field values in natural order (uint8 keeps a 27B table small)."""
-    per = 32 // bits
-    shifts = jnp.arange(per, dtype=jnp.uint32) * bits
-    f = (words[..., None] >> shifts) & jnp.uint32((1 << bits) - 1)
-    return f.astype(jnp.uint8).reshape(*words.shape[:-1], words.shape[-1] * per)
-
-
-def _pack(fields: jax.Array, bits: int) -> jax.Array:
-    per = 32 // bits
-    f = fields.reshape(*fields.shape[:-1], fields.shape[-1] // per, per).astype(jnp.uint32)
-    return functools.reduce(jnp.bitwise_or, [f[..., j] << jnp.uint32(j * bits) for j in range(per)])
-
-
-def _repack_words(words: jax.Array, bits: int, block: int) -> jax.Array:
-    """Checkpoint words -> words the kernel reads against x in natural order.
-
-    The kernel pairs (word c, field j + t * per/2) with x position j * chunk + 2c + t; for a plain weight that
-    position holds natural column c * per + t * per/2 + j (x is permuted to kernel order). Here the field at that
-    spot is made to hold natural column j * chunk + 2c + t instead, i.e. the fields are moved by the inverse map.
-    """
-    return _pack(_from_kernel_order(_fields(words, bits), bits, block), bits)
-
-
-def _unrepack_words(words: jax.Array, bits: int, block: int) -> jax.Array:
-    return _pack(_to_kernel_order(_fields(words, bits), bits, block), bits)
+    x = x.reshape(m, k // block, words, 2, per // 2)  # natural column = blk * block + c * per + t * half + j
+    return jnp.transpose(x, (0, 1, 4, 2, 3)).reshape(m, k)  # -> (blk, j, c, t)
 
 
 def _pad_weight(w: QuantizedWeight) -> QuantizedWeight:
@@ -137,71 +87,9 @@ def _pad_weight(w: QuantizedWeight) -> QuantizedWeight:
                            jnp.pad(w.biases, ((0, 0), (0, gpad))), w.bits, w.group_size)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PreparedWeight:
-    """The kernel's layout of a QuantizedWeight, built once at load by `prepare()`: same fields, same values.
-
-    Each row's fields are permuted within blocks of `block` columns into the kernel's k order, so x is read as it
-    is; scales and biases are unchanged. K is zero-padded only where `block_cols` says so.
-    """
-    words: jax.Array  # uint32 [N, Kp * bits / 32], fields in kernel order
-    scales: jax.Array  # [N, Kp / group_size]
-    biases: jax.Array  # [N, Kp / group_size]
-    bits: int = dataclasses.field(metadata=dict(static=True))
-    group_size: int = dataclasses.field(metadata=dict(static=True))
-    in_features: int = dataclasses.field(metadata=dict(static=True))  # the real K (Kp >= K)
-
-    @property
-    def out_features(self) -> int:
-        return self.words.shape[0]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.out_features, self.in_features)
-
-    @property
-    def padded_in_features(self) -> int:
-        return self.words.shape[1] * 32 // self.bits
-
-    @property
-    def block(self) -> int:
-        return block_cols(self.padded_in_features, self.bits)
-
-    def validate(self, name: str = "weight") -> None:
-        QuantizedWeight(self.words, self.scales, self.biases, self.bits, self.group_size).validate(name)
-        if self.padded_in_features != _padded_k(self.in_features, self.bits):
-            raise ValueError(f"{name}: prepared words cover K={self.padded_in_features}, expected "
-                             f"{_padded_k(self.in_features, self.bits)} for K={self.in_features}; "
-                             "build it with qmm.prepare()")
-
-
-AnyWeight = QuantizedWeight | PreparedWeight
-
-
-def prepare(w: QuantizedWeight) -> PreparedWeight:
-    """The checkpoint loader's optional one-time repack: saves the per-call permutation of x (see the module doc)."""
-    w.validate()
-    k = w.in_features
-    wp = _pad_weight(w)
-    block = block_cols(wp.in_features, w.bits)
-    return PreparedWeight(_repack_words(wp.words, w.bits, block), wp.scales, wp.biases, w.bits, w.group_size, k)
-
-
-def unprepare(w: PreparedWeight) -> QuantizedWeight:
-    words = _unrepack_words(w.words, w.bits, w.block)
-    kw = w.in_features * w.bits // 32
-    kg = w.in_features // w.group_size
-    return QuantizedWeight(words[:, :kw], w.scales[:, :kg], w.biases[:, :kg], w.bits, w.group_size)
-
-
-def _as_quantized(w: AnyWeight) -> QuantizedWeight:
-    return unprepare(w) if isinstance(w, PreparedWeight) else w
-
-
-def _validate(x: jax.Array, w: AnyWeight) -> None:
-    if not isinstance(w, (QuantizedWeight, PreparedWeight)):
-        raise ValueError(f"qmm: weight must be a QuantizedWeight or a qmm.PreparedWeight, got {type(w).__name__}")
+def _validate(x: jax.Array, w: QuantizedWeight) -> None:
+    if not isinstance(w, QuantizedWeight):
+        raise ValueError(f"qmm: weight must be a QuantizedWeight, got {type(w).__name__}")
     w.validate()
     if x.ndim != 2:
         raise ValueError(f"qmm: x must be [M, K], got shape {x.shape}")
@@ -211,10 +99,10 @@ def _validate(x: jax.Array, w: AnyWeight) -> None:
         raise ValueError(f"qmm: x dtype {x.dtype} not supported (bfloat16, float16 or float32)")
 
 
-def reference(x: jax.Array, w: AnyWeight) -> jax.Array:
+def reference(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """x [M, K] (bf16/fp16/fp32), w packed [N, K] -> y [M, N] in x.dtype, fp32 accumulation."""
     _validate(x, w)
-    deq = dequantize(_as_quantized(w), jnp.float32)
+    deq = dequantize(w, jnp.float32)
     y = jnp.dot(x.astype(jnp.float32), deq.T, precision=jax.lax.Precision.HIGHEST,
                 preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
@@ -227,7 +115,7 @@ def reference(x: jax.Array, w: AnyWeight) -> jax.Array:
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """One kernel configuration. Part of the numerics: a path must pick it from the weight's shape alone."""
-    block_m: int  # rows of x per MMA tile (power of 2, >= 16)
+    block_m: int  # rows of x per MMA tile (power of 2, >= 8)
     block_n: int  # output features per program (power of 2, >= 16)
     blocks_per_step: int = 1  # k blocks per loop step (power of 2)
     num_warps: int = 4
@@ -247,22 +135,21 @@ class Tiles:
 def decode_tiles(n: int, k: int, bits: int, group: int) -> Tiles:
     """Decode/verify (memory-bound) tiles, from the weight's shape only.
 
-    block_n is the largest of 64/32/16 that still gives two programs per SM of the H200's 132, so every SM
-    streams weights; a program carries up to 8192 accumulator elements (64 fp32 registers a thread at 4 warps).
+    64 output features a program (one warpgroup: Hopper wgmma) where that still gives two programs per SM of the
+    H200's 132, else 32 on two warps, so every SM streams weights. A program carries two 16-row tiles, so M = 32
+    reads each weight tile once from HBM (larger M re-reads it from L2 for each further 32 rows).
     """
-    block_n = 16
-    for cand in (64, 32):
-        if pl.cdiv(n, cand) >= 264:
-            block_n = cand
-            break
-    steps = 2 if _padded_k(k, bits) % (2 * block_cols(_padded_k(k, bits), bits)) == 0 else 1
-    return Tiles(block_m=16, block_n=block_n, blocks_per_step=steps, num_warps=4, num_stages=3,
-                 max_m_blocks=2)
+    kp = _padded_k(k, bits)
+    steps = 2 if kp % (2 * block_cols(kp, bits)) == 0 else 1
+    if pl.cdiv(n, 64) >= 264:
+        return Tiles(block_m=16, block_n=64, blocks_per_step=steps, num_warps=4, num_stages=3, max_m_blocks=2)
+    return Tiles(block_m=16, block_n=32, blocks_per_step=steps, num_warps=2, num_stages=4, max_m_blocks=2)
 
 
 def prompt_tiles(n: int, k: int, bits: int, group: int) -> Tiles:
-    """Prompt (compute-bound) tiles: a 128x128 output tile per program, weight tiles reused from L2."""
-    return Tiles(block_m=128, block_n=128, blocks_per_step=1, num_warps=8, num_stages=3, max_m_blocks=1)
+    """Prompt (compute-bound) tiles: a 128x128 output tile per program (two warpgroups), weight tiles reused from
+    L2 by the programs of consecutive row blocks."""
+    return Tiles(block_m=128, block_n=128, blocks_per_step=1, num_warps=8, num_stages=2, max_m_blocks=1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -289,10 +176,9 @@ def _weight_chunk(words, j: int, bits: int, s, b, w_dtype, bf16_fma: bool):
 
 
 def _qmm_kernel(x_ref, w_ref, s_ref, b_ref, *out_refs, m: int, n: int, kp: int, bits: int, group: int,
-                block: int, natural: bool, tiles: Tiles, m_blocks: int, w_dtype, bf16_fma: bool, precision):
-    # x_ref [M, Kp] in the k order the words imply (natural for prepared words, else the chunk order);
-    # w_ref uint32 [N, Kp*bits/32]; s_ref, b_ref [N, Kp/g]; o_ref [M, N] (preceded by the aliased input buffer
-    # when the caller passes one to poison).
+                block: int, tiles: Tiles, m_blocks: int, w_dtype, bf16_fma: bool, precision):
+    # x_ref [M, Kp] in chunk order; w_ref uint32 [N, Kp*bits/32]; s_ref, b_ref [N, Kp/g]; o_ref [M, N]
+    # (preceded by the aliased input buffer when the caller passes one to poison).
     o_ref = out_refs[-1]
     # Grid (row super-block, n tile): each program owns rows [pid_m * m_blocks * block_m, ...) x one n tile.
     bm, bn = tiles.block_m, tiles.block_n
@@ -300,14 +186,11 @@ def _qmm_kernel(x_ref, w_ref, s_ref, b_ref, *out_refs, m: int, n: int, kp: int, 
     half = per // 2
     words_per_block = block * bits // 32
     chunk = 2 * words_per_block  # columns per chunk
-    if natural:
-        # Chunk j is natural columns [j * chunk, (j + 1) * chunk) of its block: runs of `group` columns per group.
-        chunk_groups = max(1, chunk // group)
-    else:
-        # Chunk column 2c + t is natural column c * per + t * half + j, in group c // (group / per): every chunk
-        # meets every group of its block (or the one group holding the block) in runs of 2 * group / per.
-        chunk_groups = max(1, block // group)
-    run = chunk // chunk_groups
+    # Chunk column 2c + t is natural column c * per + t * half + j, in group c // (group / per): every chunk meets
+    # every group of its block (or the one group holding the block) in runs of 2 * group / per, so one broadcast
+    # of the block's scales serves all its chunks.
+    block_groups = max(1, block // group)
+    run = chunk // block_groups
     pid_m, pid_n = pl.program_id(0), pl.program_id(1)
     n0 = pl.multiple_of(pid_n * bn, bn)
     nsl = pl.ds(n0, bn)
@@ -328,14 +211,13 @@ def _qmm_kernel(x_ref, w_ref, s_ref, b_ref, *out_refs, m: int, n: int, kp: int, 
             kb = it * tiles.blocks_per_step + blk
             words = load_n_rows(w_ref, (nsl, pl.ds(pl.multiple_of(kb * words_per_block, words_per_block),
                                                    words_per_block)), words_per_block)
+            gsl = pl.ds((kb * block) // group, block_groups)
+            s = load_n_rows(s_ref, (nsl, gsl), block_groups)
+            b = load_n_rows(b_ref, (nsl, gsl), block_groups)
+            s = jnp.broadcast_to(s[:, :, None], (bn, block_groups, run)).reshape(bn, chunk)
+            b = jnp.broadcast_to(b[:, :, None], (bn, block_groups, run)).reshape(bn, chunk)
             for j in range(half):
                 col0 = kb * block + j * chunk
-                if natural or j == 0:  # the chunk-order scales are the same for every chunk of a block
-                    gsl = pl.ds((col0 if natural else kb * block) // group, chunk_groups)
-                    s = load_n_rows(s_ref, (nsl, gsl), chunk_groups)
-                    b = load_n_rows(b_ref, (nsl, gsl), chunk_groups)
-                    s = jnp.broadcast_to(s[:, :, None], (bn, chunk_groups, run)).reshape(bn, chunk)
-                    b = jnp.broadcast_to(b[:, :, None], (bn, chunk_groups, run)).reshape(bn, chunk)
                 wt = _weight_chunk(words, j, bits, s, b, w_dtype, bf16_fma)  # [bn, chunk]
                 xcols = pl.ds(pl.multiple_of(col0, chunk), chunk)
                 for mb in range(m_blocks):
@@ -363,8 +245,8 @@ def _arith(x_dtype, scale_dtype, bits: int):
     return x_dtype, None, bf16_fma
 
 
-def _qmm_call(xk: jax.Array, words, scales, biases, n: int, bits: int, group: int, natural: bool, out_dtype,
-              tiles: Tiles, interpret: bool, out: jax.Array | None = None) -> jax.Array:
+def _qmm_call(xk: jax.Array, words, scales, biases, n: int, bits: int, group: int, out_dtype, tiles: Tiles,
+              interpret: bool, out: jax.Array | None = None) -> jax.Array:
     m, kp = xk.shape
     block = block_cols(kp, bits)
     if kp % (block * tiles.blocks_per_step):
@@ -374,8 +256,7 @@ def _qmm_call(xk: jax.Array, words, scales, biases, n: int, bits: int, group: in
     grid = (pl.cdiv(m, m_blocks * tiles.block_m), pl.cdiv(n, tiles.block_n))
     w_dtype, precision, bf16_fma = _arith(xk.dtype, scales.dtype, bits)
     # A fresh partial per call: jax#40847 reuses a stale jaxpr when one kernel function meets several grids.
-    kernel = functools.partial(_qmm_kernel, m=m, n=n, kp=kp, bits=bits, group=group, block=block,
-                               natural=natural, tiles=tiles,
+    kernel = functools.partial(_qmm_kernel, m=m, n=n, kp=kp, bits=bits, group=group, block=block, tiles=tiles,
                                m_blocks=m_blocks, w_dtype=w_dtype, bf16_fma=bf16_fma, precision=precision)
     operands = (xk, words, scales, biases) + (() if out is None else (out,))
     return pl.pallas_call(
@@ -389,12 +270,11 @@ def _qmm_call(xk: jax.Array, words, scales, biases, n: int, bits: int, group: in
     )(*operands)
 
 
-def qmm(x: jax.Array, w: AnyWeight, *, prompt: bool = False, interpret: bool = False,
+def qmm(x: jax.Array, w: QuantizedWeight, *, prompt: bool = False, interpret: bool = False,
         tiles: Tiles | None = None) -> jax.Array:
     """x [M, K] -> y [M, N] = x @ dequantize(w)^T in x.dtype, fp32 accumulation, through the Pallas kernel.
 
-    w: a QuantizedWeight as the checkpoint stores it, or its `prepare()`d form (one XLA op fewer a call; a
-        different k order, so different last bits -- keep each weight in one form).
+    w: the packed weight [N, K] exactly as the checkpoint loader hands it (no repack needed).
     prompt: static choice of the call site -- False for decode/verify rows (memory-bound, any M), True for prompt
         chunks (compute-bound, M >= 64 typical). Within a path, a row's bits are independent of M and of the
         other rows; the two paths may differ from each other in the last bits (different tiles).
@@ -403,7 +283,7 @@ def qmm(x: jax.Array, w: AnyWeight, *, prompt: bool = False, interpret: bool = F
     return _qmm(x, w, prompt=prompt, interpret=interpret, tiles=tiles)
 
 
-def _qmm(x: jax.Array, w: AnyWeight, *, prompt: bool, interpret: bool, tiles: Tiles | None,
+def _qmm(x: jax.Array, w: QuantizedWeight, *, prompt: bool, interpret: bool, tiles: Tiles | None,
          out: jax.Array | None = None) -> jax.Array:
     """`qmm`, optionally writing into `out` [M, N] (tests pass a NaN-filled buffer to catch unwritten elements)."""
     _validate(x, w)
@@ -416,16 +296,11 @@ def _qmm(x: jax.Array, w: AnyWeight, *, prompt: bool, interpret: bool, tiles: Ti
     with jax.named_scope("qmm_prompt" if prompt else "qmm_decode"):
         kp = _padded_k(k, w.bits)
         xk = x if kp == k else jnp.pad(x, ((0, 0), (0, kp - k)))
-        if isinstance(w, PreparedWeight):
-            words, scales, biases = w.words, w.scales, w.biases
-        else:
-            wp = _pad_weight(w)
-            words, scales, biases = wp.words, wp.scales, wp.biases
-            xk = _to_kernel_order(xk, w.bits, block_cols(kp, w.bits))
+        wp = _pad_weight(w)
+        xk = _to_kernel_order(xk, block_cols(kp, w.bits), w.bits)
         if out is not None and (out.shape != (x.shape[0], n) or out.dtype != x.dtype):
             raise ValueError(f"qmm: out must be {(x.shape[0], n)} {x.dtype}, got {out.shape} {out.dtype}")
-        natural = isinstance(w, PreparedWeight)
-        return _qmm_call(xk, words, scales, biases, n, w.bits, w.group_size, natural, x.dtype, tiles, interpret,
+        return _qmm_call(xk, wp.words, wp.scales, wp.biases, n, w.bits, w.group_size, x.dtype, tiles, interpret,
                          out)
 
 
@@ -433,24 +308,21 @@ def _qmm(x: jax.Array, w: AnyWeight, *, prompt: bool, interpret: bool, tiles: Ti
 # quantized embedding
 
 
-def embed_reference(w: AnyWeight, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
+def embed_reference(w: QuantizedWeight, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
     """Quantized embedding gather: ids int [...] -> [..., K] rows of the dequantized table."""
-    return dequantize_rows(_as_quantized(w), ids, dtype)
+    return dequantize_rows(w, ids, dtype)
 
 
-def embed(w: AnyWeight, ids: jax.Array, dtype=jnp.float32, *, interpret: bool = False) -> jax.Array:
+def embed(w: QuantizedWeight, ids: jax.Array, dtype=jnp.float32, *, interpret: bool = False) -> jax.Array:
     """ids int [...] -> [..., K]: gathers only the rows asked for (T x K/2 bytes at 4 bits), then dequantizes them.
 
-    An XLA gather + elementwise fusion reads just those rows, so a Pallas kernel would not move fewer bytes.
+    An XLA gather + elementwise fusion reads just those rows once, so a Pallas kernel would not move fewer bytes;
+    `interpret` is accepted for symmetry with `qmm`.
     """
     del interpret
-    if not isinstance(w, (QuantizedWeight, PreparedWeight)):
-        raise ValueError(f"embed: table must be a QuantizedWeight or a qmm.PreparedWeight, got {type(w).__name__}")
+    if not isinstance(w, QuantizedWeight):
+        raise ValueError(f"embed: table must be a QuantizedWeight, got {type(w).__name__}")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"embed: ids must be integers, got {ids.dtype}")
     w.validate("embedding")
-    if isinstance(w, PreparedWeight):
-        flat = ids.reshape(-1)
-        rows = PreparedWeight(w.words[flat], w.scales[flat], w.biases[flat], w.bits, w.group_size, w.in_features)
-        return dequantize(unprepare(rows), dtype).reshape(*ids.shape, w.in_features)
     return embed_reference(w, ids, dtype)

@@ -1,0 +1,246 @@
+"""Benchmark of the group-quantized matmul on the 27B's projection shapes (GPU).
+
+    python -m pallas_kernels.bench qmm [--shapes 5120x17408,...] [--m 1,16,...] [--no-torch] [--json PATH]
+    python -m pallas_kernels.bench qmm --sweep [--shapes ...] [--m ...]     # tile variants, to pick the defaults
+
+Per shape (K -> N, 4-bit, group 64, random weights made on the GPU) and M: the Pallas kernel (decode path for
+M <= 256, prompt path for M >= 64; `qmm()` end to end, and the kernel alone on an x already in chunk order, as
+a jitted model sees it once XLA fuses the permutation into x's producer), the XLA dequantize + matmul (`qmm.reference`, fp32, jitted; and a bf16 variant), a bf16 matmul of the same shape,
+and torch's int4 tinygemm (`_weight_int4pack_mm`, group 64) when torch is there. Bytes moved = packed weight +
+scales + biases + x + y; weights are rotated over enough copies to defeat the 60 MB L2. The last table is compact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import qmm
+from pallas_kernels.bench.common import copy_bandwidth_tbs, table, time_us
+from pallas_kernels.qweight import QuantizedWeight, dequantize
+
+SHAPES = ((5120, 17408), (17408, 5120), (5120, 10240), (5120, 6144), (6144, 5120), (5120, 12288), (5120, 248320))
+MS = (1, 4, 16, 64, 256, 1024, 4096)
+BITS, GROUP = 4, 64
+L2_BYTES = 60 << 20
+
+
+def _parse_shapes(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in text.split(","):
+        k, n = item.lower().split("x")
+        out.append((int(k), int(n)))
+    return out
+
+
+def _weight_bytes(n: int, k: int) -> int:
+    return n * k * BITS // 8 + 2 * n * (k // GROUP) * 2
+
+
+def _random_weights(n: int, k: int, copies: int) -> list[QuantizedWeight]:
+    ws = []
+    for i in range(copies):
+        key = jax.random.key(1000 + i)
+        kw, ks, kb = jax.random.split(key, 3)
+        words = jax.random.bits(kw, (n, k * BITS // 32), jnp.uint32)
+        scales = (jax.random.uniform(ks, (n, k // GROUP), jnp.float32, 0.002, 0.02)).astype(jnp.bfloat16)
+        biases = (-8.0 * scales.astype(jnp.float32) + jax.random.normal(kb, (n, k // GROUP)) * 1e-3).astype(
+            jnp.bfloat16)
+        ws.append(QuantizedWeight(words, scales, biases, BITS, GROUP))
+    return ws
+
+
+def _copies(n: int, k: int) -> int:
+    return max(2, math.ceil(3 * L2_BYTES / _weight_bytes(n, k)))
+
+
+def _torch_int4(n: int, k: int, ms, copies: int, iters: int = 30) -> dict[int, float]:
+    """µs of torch.ops.aten._weight_int4pack_mm per M (group 64), or {} when torch or the op is missing."""
+    try:
+        import torch
+        w_u8 = [torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda") for _ in range(copies)]
+        packed = [torch.ops.aten._convert_weight_to_int4pack(w, 8) for w in w_u8]
+        sz = [torch.rand((k // GROUP, n, 2), dtype=torch.bfloat16, device="cuda") * 0.01 for _ in range(copies)]
+    except Exception as e:  # noqa: BLE001 -- report and carry on: torch is a comparison, not a dependency
+        print(f"torch int4: unavailable ({type(e).__name__}: {str(e)[:200]})", file=sys.stderr)
+        return {}
+    out = {}
+    for m in ms:
+        try:
+            xs = [torch.randn((m, k), dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+            for i in range(3):
+                torch.ops.aten._weight_int4pack_mm(xs[i % 2], packed[i % copies], GROUP, sz[i % copies])
+            torch.cuda.synchronize()
+            samples = []
+            for i in range(iters):
+                t0 = time.perf_counter()
+                torch.ops.aten._weight_int4pack_mm(xs[i % 2], packed[i % copies], GROUP, sz[i % copies])
+                torch.cuda.synchronize()
+                samples.append((time.perf_counter() - t0) * 1e6)
+            out[m] = statistics.median(samples)
+        except Exception as e:  # noqa: BLE001
+            print(f"torch int4 M={m}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+    return out
+
+
+@dataclasses.dataclass
+class Row:
+    shape: str
+    m: int
+    path: str
+    us: float
+    tbs: float
+    pct_copy: float
+    tflops: float
+    plain_us: float | None = None
+    xla_ref_us: float | None = None
+    xla_bf16_us: float | None = None
+    bf16_us: float | None = None
+    torch_us: float | None = None
+
+
+def _xla_bf16(x, w: QuantizedWeight):
+    """XLA's own dequantize-to-bf16 + bf16 matmul (what a plain-jnp engine would run)."""
+    deq = dequantize(w, jnp.bfloat16)
+    return jnp.dot(x, deq.T, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _kernel_only(tiles: qmm.Tiles):
+    """The pallas_call alone, on x already permuted into the kernel's chunk order."""
+    def run(xk, w):
+        return qmm._qmm_call(xk, w.words, w.scales, w.biases, w.out_features, w.bits, w.group_size, xk.dtype,
+                             tiles, False)
+    return jax.jit(run)
+
+
+def _chunk_xs(m: int, k: int, count: int = 2):
+    xs = [jax.random.normal(jax.random.key(50 + i), (m, k), jnp.bfloat16) for i in range(count)]
+    return xs, [qmm._to_kernel_order(x, qmm.block_cols(k, BITS), BITS) for x in xs]
+
+
+def _bench_shape(k: int, n: int, ms, copy_tbs: float, use_torch: bool, ref_max_m: int) -> list[Row]:
+    copies = _copies(n, k)
+    ws = _random_weights(n, k, copies)
+    dense = [jax.random.normal(jax.random.key(7 + i), (k, n), jnp.bfloat16)
+             for i in range(max(2, math.ceil(3 * L2_BYTES / (2 * n * k))))]
+    torch_us = _torch_int4(n, k, ms, copies) if use_torch else {}
+    rows = []
+    for m in ms:
+        xs, xks = _chunk_xs(m, k)
+        bf16_us = time_us(jax.jit(lambda x, d: jnp.dot(x, d)), [(xs[i % 2], dense[i % len(dense)])
+                                                                 for i in range(len(dense) * 2)])
+        xla_bf16 = time_us(jax.jit(_xla_bf16), [(xs[i % 2], ws[i % copies]) for i in range(2 * copies)])
+        xla_ref = None
+        if m <= ref_max_m:
+            xla_ref = time_us(jax.jit(qmm.reference), [(xs[i % 2], ws[i % copies]) for i in range(2 * copies)])
+        for prompt in (False, True):
+            if (prompt and m < 64) or (not prompt and m > 256):
+                continue
+            tiles = (qmm.prompt_tiles if prompt else qmm.decode_tiles)(n, k, BITS, GROUP)
+            us = time_us(_kernel_only(tiles), [(xks[i % 2], ws[i % copies]) for i in range(2 * copies)])
+            f = jax.jit(lambda x, w, p=prompt: qmm.qmm(x, w, prompt=p))
+            plain = time_us(f, [(xs[i % 2], ws[i % copies]) for i in range(2 * copies)])
+            moved = _weight_bytes(n, k) + 2 * m * (k + n)
+            tbs = moved / (us * 1e-6) / 1e12
+            rows.append(Row(f"{k}->{n}", m, "prompt" if prompt else "decode", us, tbs, 100 * tbs / copy_tbs,
+                            2 * m * n * k / (us * 1e-6) / 1e12, plain, xla_ref, xla_bf16, bf16_us, torch_us.get(m)))
+            print(f"  {k}->{n} M={m} {rows[-1].path}: {us:.1f} us ({tbs:.2f} TB/s, {rows[-1].pct_copy:.0f}% copy, "
+                  f"{rows[-1].tflops:.0f} TFLOP/s) qmm() {plain:.1f} | XLA ref {xla_ref} bf16-deq {xla_bf16:.1f} | "
+                  f"bf16 mm {bf16_us:.1f} | torch int4 {torch_us.get(m)}", flush=True)
+    return rows
+
+
+def _fmt(v):
+    return "-" if v is None else v
+
+
+def _report(rows: list[Row], copy_tbs: float) -> str:
+    head = ["K->N", "M", "path", "kernel us", "TB/s", "%copy", "TFLOP/s", "%bf16", "qmm() us", "XLA ref us",
+            "XLA bf16 us", "bf16 mm us", "torch int4 us"]
+    body = []
+    for r in rows:
+        pct_bf16 = 100 * r.bf16_us / r.us if r.bf16_us else None
+        body.append([r.shape, r.m, r.path, r.us, r.tbs, r.pct_copy, r.tflops, _fmt(pct_bf16), _fmt(r.plain_us),
+                     _fmt(r.xla_ref_us), _fmt(r.xla_bf16_us), _fmt(r.bf16_us), _fmt(r.torch_us)])
+    return f"copy bandwidth measured now: {copy_tbs:.2f} TB/s\n" + table(head, body)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# tile sweep
+
+
+def _sweep_variants(n: int, k: int, m: int) -> list[qmm.Tiles]:
+    T = qmm.Tiles
+    if m <= 256:
+        return [T(16, 64, 2, 4, 3, 2), T(16, 64, 2, 4, 4, 2), T(16, 64, 4, 4, 3, 2), T(16, 64, 1, 4, 5, 2),
+                T(8, 64, 2, 4, 3, 2), T(16, 128, 2, 8, 3, 2), T(16, 32, 2, 2, 4, 2), T(16, 32, 2, 2, 3, 2),
+                T(16, 32, 1, 2, 5, 2), T(8, 32, 2, 2, 4, 2), T(16, 16, 2, 1, 4, 2), T(8, 16, 4, 1, 3, 2)]
+    return [T(128, 128, 1, 8, 3, 1), T(128, 128, 1, 8, 2, 1), T(128, 64, 1, 4, 3, 1), T(128, 64, 1, 4, 4, 1),
+            T(64, 128, 1, 8, 3, 1), T(64, 64, 1, 4, 4, 1), T(128, 128, 1, 4, 2, 1)]
+
+
+def _sweep(shapes, ms) -> list[dict]:
+    results = []
+    for k, n in shapes:
+        copies = _copies(n, k)
+        ws = _random_weights(n, k, copies)
+        for m in ms:
+            _, xks = _chunk_xs(m, k)
+            best = None
+            for t in _sweep_variants(n, k, m):
+                try:
+                    us = time_us(_kernel_only(t), [(xks[i % 2], ws[i % copies]) for i in range(2 * copies)],
+                                 iters=20)
+                except Exception as e:  # noqa: BLE001 -- a variant that does not compile is a result too
+                    print(f"  {k}->{n} M={m} {t}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    results.append(dict(shape=f"{k}->{n}", m=m, tiles=dataclasses.asdict(t), us=None))
+                    continue
+                gbs = (_weight_bytes(n, k) + 2 * m * (k + n)) / (us * 1e-6) / 1e12
+                print(f"  {k}->{n} M={m} bm={t.block_m} bn={t.block_n} bps={t.blocks_per_step} w={t.num_warps} "
+                      f"st={t.num_stages} mb={t.max_m_blocks}: {us:.1f} us {gbs:.2f} TB/s", flush=True)
+                results.append(dict(shape=f"{k}->{n}", m=m, tiles=dataclasses.asdict(t), us=us))
+                if best is None or us < best[0]:
+                    best = (us, t)
+            if best:
+                print(f"BEST {k}->{n} M={m}: {best[0]:.1f} us {best[1]}", flush=True)
+    return results
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pallas_kernels.bench qmm")
+    ap.add_argument("--shapes", type=_parse_shapes, default=list(SHAPES), help="K x N list, e.g. 5120x17408")
+    ap.add_argument("--m", type=lambda s: [int(v) for v in s.split(",")], default=list(MS))
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--ref-max-m", type=int, default=256, help="largest M to time the fp32 XLA reference at")
+    ap.add_argument("--sweep", action="store_true", help="time tile variants instead of the comparison table")
+    ap.add_argument("--json", default=None, help="write all results here")
+    args = ap.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        print("qmm bench: needs a GPU (jax.default_backend() is "
+              f"{jax.default_backend()!r})", file=sys.stderr)
+        return 2
+    print(f"device: {jax.devices()[0].device_kind}", flush=True)
+    if args.sweep:
+        res = _sweep(args.shapes, args.m)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0
+    copy_tbs = copy_bandwidth_tbs()
+    print(f"copy bandwidth: {copy_tbs:.2f} TB/s", flush=True)
+    rows: list[Row] = []
+    for k, n in args.shapes:
+        rows += _bench_shape(k, n, args.m, copy_tbs, not args.no_torch, args.ref_max_m)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(copy_tbs=copy_tbs, rows=[dataclasses.asdict(r) for r in rows]), f, indent=1)
+    print(_report(rows, copy_tbs))
+    return 0
