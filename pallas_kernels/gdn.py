@@ -267,14 +267,17 @@ def conv_commit_reference(m: jax.Array, path: jax.Array, path_len: jax.Array, co
 # `interpret=True` on CPU, so the CPU suite executes the same kernel source. Every in-kernel shape is a power of
 # two (Triton's rule), so dk, dv and the tiles must be powers of two of at least 16.
 #
-# Prompt pass = two launches:
-#   1. `_solve_kernel`, grid (stream, chunk, value head), fully parallel: T = (I + A)^-1 per 64-row chunk
-#      (A = strict_lower(diag(beta) K K^T ∘ M)), the only part of the chunk form that needs no state.
-#   2. `_state_kernel`, grid (stream, value head, dv block): walks the chunks of one stream in order with the
-#      [dk, block_v] state slice in registers; W, U, the output and the state update for each chunk.
-# Verify = `_window_kernel`, commit = `_commit_kernel`, grid (stream, value head, dv block) each: the serial
-# recurrence, one `_delta_update` per row, state slice in registers. The two share `_delta_update`, which is what
-# makes a committed path and its window nodes the same arithmetic bit for bit.
+# Prompt pass = three launches (the split of flash-linear-attention's chunk kernels, written anew here):
+#   1. `_prep_kernel`, grid (stream, chunk, value head), fully parallel: everything of a 64-row chunk that needs no
+#      state: Gamma, T = (I + A)^-1, W = T diag(beta e^Gamma) K, U = T diag(beta) V.
+#   2. `_state_kernel`, grid (stream, value head, dv block): the only sequential part. It walks one stream's chunks
+#      in order with its [dk, block_v] state slice on chip: V' = U - W S, S <- e^Gamma_C S + K~^T V', and leaves
+#      each chunk's entering state and V' for the third launch.
+#   3. `_output_kernel`, grid (stream, chunk, value head), fully parallel: O = (Q e^Gamma) S_c + (Q K^T o M) V'.
+# Verify and commit = `_recurrent_kernel`, grid (stream, value head, dv block): a list of steps (rows of the serial
+# recurrence) over a state slice in registers. The window runs it over the steps of its tree, the commit over the
+# accepted path; both step with `_row_update`, which is what makes a committed path and its window nodes the same
+# arithmetic bit for bit.
 
 _F32 = jnp.float32
 _ALGORITHMS = {
@@ -286,23 +289,28 @@ _ALGORITHMS = {
 
 @dataclasses.dataclass(frozen=True)
 class PromptTiles:
-    """block_v: dv columns of state one program of the state pass keeps on chip (power of two, >= 16, divides dv).
-    precision: how products with an fp32 operand run on the GPU: 'tf32' (one tensor-core pass, ~1e-3 relative),
-    'tf32x3' (three passes, ~fp32), 'ieee' (CUDA-core fp32). Products of two bf16 inputs (K K^T, Q K^T) are exact
-    in every mode. Interpret mode always computes fp32 (XLA:CPU has no tf32)."""
+    """block_v: dv columns of state one program of the state pass keeps on chip (power of two, >= 16).
+    precision: how products with an fp32 operand run on the GPU: 'tf32' (one tensor-core pass), 'tf32x3' (three
+    passes, about fp32), 'ieee' (CUDA-core fp32). Products of two bf16 inputs (K K^T, Q K^T) are exact in every
+    mode. Interpret mode always computes fp32 (XLA:CPU has no tf32).
+    store_dtype: how the per-chunk states and V' travel from the state pass to the output pass: 'float32', or
+    'bfloat16' (half the traffic; the output then carries about one more bf16 rounding, the recurrence none)."""
     block_v: int = 64
-    num_warps: int = 4
+    num_warps: int = 8
     num_stages: int = 2
-    solve_warps: int = 4
-    precision: str = "tf32x3"
+    prep_warps: int = 4
+    output_warps: int = 4
+    precision: str = "tf32"
+    store_dtype: str = "float32"
 
 
 @dataclasses.dataclass(frozen=True)
 class WindowTiles:
     """block_v: dv columns of state per program of the window and commit kernels. The window and the commit must
-    use the same tiles, or their reductions over dk could group differently and the bits part ways."""
-    block_v: int = 32
-    num_warps: int = 4
+    use the same tiles, or their reductions over dk could group differently and the bits part ways. One warp keeps
+    the reductions over dk inside the warp (shuffles, no shared-memory round trip per row)."""
+    block_v: int = 16
+    num_warps: int = 1
 
 
 def _mm(a: jax.Array, b: jax.Array, precision: str, interpret: bool) -> jax.Array:
@@ -352,9 +360,13 @@ def _unit_lower_inverse(a: jax.Array, mm) -> jax.Array:
     return d
 
 
-def _solve_kernel(k_ref, g_ref, beta_ref, start_ref, len_ref, t_ref, *, group, precision, interpret):
-    """k [S, T, Hk, dk]; g, beta [S, T, Hv]; start, lengths [S] -> t [S, NC, Hv, 64, 64] = (I + A)^-1 per chunk
-    (chunks past a stream's end are left unwritten: the state pass never reads them)."""
+def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, start_ref, len_ref, w_ref, u_ref, gam_ref, *, group, precision,
+                 interpret):
+    """Everything of a chunk that does not need the state, one (stream, chunk, value head) per program.
+    k [S, T, Hk, dk]; v [S, T, Hv, dv]; g, beta [S, T, Hv]; start, lengths [S] ->
+    w [S, NC, Hv, 64, dk] = T diag(beta e^Gamma) K, u [S, NC, Hv, 64, dv] = T diag(beta) V with T = (I + A)^-1,
+    gam [S, NC, Hv, 64] = Gamma (chunk-local cumulative g). Chunks past a stream's end stay unwritten: the state
+    pass never reads them."""
     s, c, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     shift = start_ref[s] % CHUNK
     length = len_ref[s]
@@ -364,119 +376,143 @@ def _solve_kernel(k_ref, g_ref, beta_ref, start_ref, len_ref, t_ref, *, group, p
     def _():
         first, real, _ = _chunk_geometry(c, shift, length)
         rows = pl.ds(first, CHUNK)
-        dk = k_ref.shape[-1]
+        dk, dv = k_ref.shape[-1], v_ref.shape[-1]
         k = pt.load(k_ref.at[s, rows, h // group, :], mask=jnp.broadcast_to(real[:, None], (CHUNK, dk)), other=0)
+        v = pt.load(v_ref.at[s, rows, h, :], mask=jnp.broadcast_to(real[:, None], (CHUNK, dv)), other=0)
         g = pt.load(g_ref.at[s, rows, h], mask=real, other=0.0)
         beta = pt.load(beta_ref.at[s, rows, h], mask=real, other=0.0)
         gam = jnp.cumsum(g)
         strict = _iota(CHUNK, 0, 2) > _iota(CHUNK, 1, 2)
         decay = jnp.exp(jnp.where(strict, gam[:, None] - gam[None, :], -jnp.inf))
-        a = jnp.where(strict, beta[:, None] * mm(k, k.T) * decay, 0.0)
-        t_ref[s, c, h] = _unit_lower_inverse(a, mm)
+        t_inv = _unit_lower_inverse(jnp.where(strict, beta[:, None] * mm(k, k.T) * decay, 0.0), mm)
+        w_ref[s, c, h] = mm(t_inv, k.astype(_F32) * (beta * jnp.exp(gam))[:, None])
+        u_ref[s, c, h] = mm(t_inv, v.astype(_F32) * beta[:, None])
+        gam_ref[s, c, h] = gam
 
 
-def _state_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, t_ref, start_ref, len_ref, slot_ref, pool_ref,
-                  o_ref, pool_out_ref, *, group, block_v, max_chunks, precision, interpret):
-    """q, k [S, T, Hk, dk]; v [S, T, Hv, dv]; g, beta [S, T, Hv]; t [S, NC, Hv, 64, 64]; start, lengths, slot [S];
-    pool [N, Hv, dk, dv] (aliased to pool_out) -> o [S, T, Hv, dv], pool_out."""
+def _state_kernel(k_ref, w_ref, u_ref, gam_ref, start_ref, len_ref, slot_ref, pool_ref, h_ref, vn_ref,
+                  pool_out_ref, *, group, block_v, precision, interpret):
+    """The only sequential part: the chunks of one stream in order, its [dk, block_v] state slice on chip.
+    k [S, T, Hk, dk]; w [S, NC, Hv, 64, dk]; u [S, NC, Hv, 64, dv]; gam [S, NC, Hv, 64]; start, lengths, slot [S];
+    pool [N, Hv, dk, dv] (aliased to pool_out) -> h [S, NC, Hv, dk, dv] the state entering each chunk,
+    vn [S, NC, Hv, 64, dv] = V' = U - W S, pool_out. Per chunk: S <- e^Gamma_C S + (K e^(Gamma_C - Gamma))^T V'.
+    The outputs are left to `_output_kernel`, which runs on all chunks at once: keeping them here would put
+    three more products and two more row tiles on this kernel's critical path and registers."""
     s, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, length, slot = start_ref[s], len_ref[s], slot_ref[s]
     shift = start % CHUNK
-    t_rows = q_ref.shape[1]
-    dk = q_ref.shape[-1]
+    dk = k_ref.shape[-1]
     cols = pl.ds(j * block_v, block_v)
     mm = functools.partial(_mm, precision=precision, interpret=interpret)
-    lower = _iota(CHUNK, 0, 2) >= _iota(CHUNK, 1, 2)
     is_last = _iota(CHUNK) == CHUNK - 1
 
     def chunk(c, state):
-        first, real, owned = _chunk_geometry(c, shift, length)
-        rows = pl.ds(first, CHUNK)
-        mask_k = jnp.broadcast_to(real[:, None], (CHUNK, dk))
-        q = pt.load(q_ref.at[s, rows, h // group, :], mask=mask_k, other=0)
-        k = pt.load(k_ref.at[s, rows, h // group, :], mask=mask_k, other=0)
-        v = pt.load(v_ref.at[s, rows, h, cols], mask=jnp.broadcast_to(real[:, None], (CHUNK, block_v)), other=0)
-        g = pt.load(g_ref.at[s, rows, h], mask=real, other=0.0)
-        beta = pt.load(beta_ref.at[s, rows, h], mask=real, other=0.0)
-        t_inv = t_ref[s, c, h]
-        gam = jnp.cumsum(g)
+        first, real, _ = _chunk_geometry(c, shift, length)
+        k = pt.load(k_ref.at[s, pl.ds(first, CHUNK), h // group, :],
+                    mask=jnp.broadcast_to(real[:, None], (CHUNK, dk)), other=0)
+        gam = gam_ref[s, c, h]
         g_last = jnp.sum(jnp.where(is_last, gam, 0.0))
-        w = mm(t_inv, k.astype(_F32) * (beta * jnp.exp(gam))[:, None])  # [64, dk]
-        u = mm(t_inv, v.astype(_F32) * beta[:, None])  # [64, block_v]
-        v_new = u - mm(w, state)
-        decay = jnp.exp(jnp.where(lower, gam[:, None] - gam[None, :], -jnp.inf))
-        qk = mm(q, k.T) * decay
-        o = mm(q, state) * jnp.exp(gam)[:, None] + mm(qk, v_new)
-        out_mask = jnp.broadcast_to((owned & (first + _iota(CHUNK) < t_rows))[:, None], (CHUNK, block_v))
-        pt.store(o_ref.at[s, rows, h, cols], o.astype(o_ref.dtype), mask=out_mask)
+        h_ref[s, c, h, :, cols] = state.astype(h_ref.dtype)
+        v_new = u_ref[s, c, h, :, cols] - mm(w_ref[s, c, h], state)  # [64, block_v]
+        vn_ref[s, c, h, :, cols] = v_new.astype(vn_ref.dtype)
         k_tail = k.astype(_F32) * jnp.exp(g_last - gam)[:, None]
         return state * jnp.exp(g_last) + mm(k_tail.T, v_new)
 
     state = pool_ref[slot, h, :, cols]
     state = jnp.where(start == 0, 0.0, state)  # a fresh prompt ignores whatever its slot holds
-    n = _num_chunks(shift, length)
-    state = jax.lax.fori_loop(0, n, chunk, state)
-    pool_out_ref[slot, h, :, cols] = state
-
-    # Rows after the stream's last chunk (padding up to the call's T) read as zeros, like the reference's.
-    def fill(c, carry):
-        first, _, owned = _chunk_geometry(c, shift, length)
-        mask = jnp.broadcast_to((owned & (first + _iota(CHUNK) < t_rows))[:, None], (CHUNK, block_v))
-        pt.store(o_ref.at[s, pl.ds(first, CHUNK), h, cols], jnp.zeros((CHUNK, block_v), o_ref.dtype), mask=mask)
-        return carry
-
-    jax.lax.fori_loop(n, max_chunks, fill, 0)
+    pool_out_ref[slot, h, :, cols] = jax.lax.fori_loop(0, _num_chunks(shift, length), chunk, state)
 
 
-def _delta_update(state, k_ref, v_ref, g_ref, beta_ref, s, node, h, group, cols):
-    """One row of the recurrence on a [dk, block_v] state slice. Window and commit both call this and nothing else
-    touches the state, so a node's state is the same bits whichever kernel computed it.
-    decay*S^T k is computed as decay*(S^T k): one multiply per column instead of per element."""
-    k = k_ref[s, node, h // group, :].astype(_F32)
-    v = v_ref[s, node, h, cols].astype(_F32)
-    decay = jnp.exp(g_ref[s, node, h])
+def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, start_ref, len_ref, o_ref, *, group, precision,
+                   interpret):
+    """O = (Q e^Gamma) S_c + (Q K^T o M) V' for one (stream, chunk, value head), all chunks in parallel.
+    q, k [S, T, Hk, dk]; gam [S, NC, Hv, 64]; h [S, NC, Hv, dk, dv]; vn [S, NC, Hv, 64, dv]; start, lengths [S]
+    -> o [S, T, Hv, dv]. Rows of the call past a stream's last chunk are written as zeros, like the reference's."""
+    s, c, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    shift = start_ref[s] % CHUNK
+    length = len_ref[s]
+    t_rows, dk = q_ref.shape[1], q_ref.shape[-1]
+    dv = o_ref.shape[-1]
+    first, real, owned = _chunk_geometry(c, shift, length)
+    rows = pl.ds(first, CHUNK)
+    out_mask = jnp.broadcast_to((owned & (first + _iota(CHUNK) < t_rows))[:, None], (CHUNK, dv))
+    active = c < _num_chunks(shift, length)
+
+    @pl.when(active)
+    def _():
+        mm = functools.partial(_mm, precision=precision, interpret=interpret)
+        mask_k = jnp.broadcast_to(real[:, None], (CHUNK, dk))
+        q = pt.load(q_ref.at[s, rows, h // group, :], mask=mask_k, other=0)
+        k = pt.load(k_ref.at[s, rows, h // group, :], mask=mask_k, other=0)
+        gam = gam_ref[s, c, h]
+        state, v_new = h_ref[s, c, h], vn_ref[s, c, h]
+        decay = jnp.exp(jnp.where(_iota(CHUNK, 0, 2) >= _iota(CHUNK, 1, 2), gam[:, None] - gam[None, :], -jnp.inf))
+        # With a 16-bit store the two products run on 16-bit operands: q is already bf16, and the attention
+        # weights lose nothing the bf16 output would keep.
+        inter = mm(q.astype(state.dtype), state) * jnp.exp(gam)[:, None]
+        o = inter + mm((mm(q, k.T) * decay).astype(v_new.dtype), v_new)
+        pt.store(o_ref.at[s, rows, h, :], o.astype(o_ref.dtype), mask=out_mask)
+
+    @pl.when(jnp.logical_not(active))
+    def _():
+        pt.store(o_ref.at[s, rows, h, :], jnp.zeros((CHUNK, dv), o_ref.dtype), mask=out_mask)
+
+
+_ROW_BITS = 8  # a step code is row | emit << 8 | restart << 9
+_EMIT, _RESTART = 1 << _ROW_BITS, 2 << _ROW_BITS
+
+
+def _row_update(state, k, v, g, beta):
+    """One row of the recurrence on a [dk, block_v] fp32 state slice; k [dk], v [block_v] fp32, g, beta scalars.
+    The window and the commit both step with this and nothing else, so a node's state is the same bits whichever
+    kernel computed it. decay * S^T k is formed as decay * (S^T k): one multiply per column, not per element."""
+    decay = jnp.exp(g)
     kv = jnp.sum(state * k[:, None], axis=0)
-    delta = (v - decay * kv) * beta_ref[s, node, h]
+    delta = (v - decay * kv) * beta
     return decay * state + k[:, None] * delta[None, :]
 
 
-def _window_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, path_ref, depth_ref, resume_ref, slot_ref, pool_ref,
-                   o_ref, *, rows, group, block_v):
-    """q, k [S, R, Hk, dk]; v [S, R, Hv, dv]; g, beta [S, R, Hv]; path [S, R, R] root-first node list of each node;
-    depth [S, R] its length; resume [S, R] how much of it the previous node's state already covers (0 = start from
-    the committed state); slot [S]; pool [N, Hv, dk, dv] -> o [S, R, Hv, dv].
-    Nodes run in index order with the previous node's state kept: a chain steps once per node, a fan restarts from
-    the committed state per node, other trees replay only the part of a path the previous node does not cover."""
-    s, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    cols = pl.ds(j * block_v, block_v)
-    committed = pool_ref[slot_ref[s], h, :, cols]
-    update = functools.partial(_delta_update, k_ref=k_ref, v_ref=v_ref, g_ref=g_ref, beta_ref=beta_ref, s=s, h=h,
-                               group=group, cols=cols)
-
-    def visit(r, prev):
-        resume, depth = resume_ref[s, r], depth_ref[s, r]
-        base = jnp.where(resume > 0, prev, committed)
-        base = jax.lax.fori_loop(resume, depth - 1, lambda i, st: update(st, node=path_ref[s, r, i]), base)
-        new = update(base, node=r)
-        q = q_ref[s, r, h // group, :].astype(_F32)
-        o_ref[s, r, h, cols] = jnp.sum(new * q[:, None], axis=0).astype(o_ref.dtype)
-        return new
-
-    jax.lax.fori_loop(0, rows, visit, committed)
-
-
-def _commit_kernel(k_ref, v_ref, g_ref, beta_ref, path_ref, len_ref, slot_ref, pool_ref, pool_out_ref, *,
-                   group, block_v):
-    """k [S, R, Hk, dk]; v [S, R, Hv, dv]; g, beta [S, R, Hv]; path [S, R]; path_len, slot [S];
-    pool [N, Hv, dk, dv] (aliased to pool_out) -> pool_out with each slot advanced along its path."""
+def _recurrent_kernel(*refs, group, block_v, emit):
+    """Runs a list of steps over one [dk, block_v] state slice per (stream, value head, dv block).
+    q, k [S, R, Hk, dk]; v [S, R, Hv, dv]; g, beta [S, R, Hv]; steps [S, L] codes (row | EMIT | RESTART), padded
+    with two entries; n_steps, slot [S]; pool [N, Hv, dk, dv].
+    emit (the window): q is read, a step flagged EMIT writes row `row` of o [S, R, Hv, dv], a step flagged RESTART
+    starts again from the committed state, and the pool is only read. Otherwise (the commit): the final state goes
+    back to the pool (aliased to pool_out).
+    Each step's rows are fetched one step ahead and its code two steps ahead, so load latency hides behind the
+    previous step's arithmetic instead of adding to every step."""
+    if emit:
+        q_ref, k_ref, v_ref, g_ref, beta_ref, steps_ref, n_ref, slot_ref, pool_ref, o_ref = refs
+    else:
+        k_ref, v_ref, g_ref, beta_ref, steps_ref, n_ref, slot_ref, pool_ref, pool_out_ref = refs
     s, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(j * block_v, block_v)
     slot = slot_ref[s]
-    update = functools.partial(_delta_update, k_ref=k_ref, v_ref=v_ref, g_ref=g_ref, beta_ref=beta_ref, s=s, h=h,
-                               group=group, cols=cols)
-    state = pool_ref[slot, h, :, cols]
-    state = jax.lax.fori_loop(0, len_ref[s], lambda i, st: update(st, node=path_ref[s, i]), state)
-    pool_out_ref[slot, h, :, cols] = state
+
+    def fetch(code):
+        row = code % _EMIT
+        data = (k_ref[s, row, h // group, :].astype(_F32), v_ref[s, row, h, cols].astype(_F32),
+                g_ref[s, row, h], beta_ref[s, row, h])
+        return data + ((q_ref[s, row, h // group, :].astype(_F32),) if emit else ())
+
+    def step(i, carry):
+        state, code, data, next_code = carry
+        after_next = steps_ref[s, i + 2]
+        next_data = fetch(next_code)
+        if emit:
+            state = jax.lax.cond((code // _RESTART) % 2 == 1, lambda: pool_ref[slot, h, :, cols], lambda: state)
+        state = _row_update(state, *data[:4])
+        if emit:
+            out = jnp.sum(state * data[4][:, None], axis=0).astype(o_ref.dtype)
+            flag = jnp.broadcast_to((code // _EMIT) % 2 == 1, (block_v,))
+            pt.store(o_ref.at[s, code % _EMIT, h, cols], out, mask=flag)
+        return state, next_code, next_data, after_next
+
+    first = steps_ref[s, 0]
+    carry = (pool_ref[slot, h, :, cols], first, fetch(first), steps_ref[s, 1])
+    state = jax.lax.fori_loop(0, n_ref[s], step, carry)[0]
+    if not emit:
+        pool_out_ref[slot, h, :, cols] = state
 
 
 def _tree_schedule(parents: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -500,6 +536,26 @@ def _tree_schedule(parents: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]
     dist = jnp.argmax(prev_hit, axis=-1) + 1
     resume = jnp.where(jnp.any(prev_hit, axis=-1) & (idx > 0), depth - dist, 0).astype(jnp.int32)
     return path.astype(jnp.int32), depth, resume
+
+
+def _window_steps(parents: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """parents [S, R] -> (steps [S, R(R+1)/2 + 2] codes, n_steps [S]). Nodes run in index order and the state of
+    the previous node is kept: a chain costs one step per node, a fan restarts from the committed state at each
+    node, other trees replay only the part of a node's path that the previous node does not cover."""
+    s, r = parents.shape
+    path, depth, resume = _tree_schedule(parents)
+    count = depth - resume  # steps node r runs: its uncovered ancestors, then itself
+    offset = jnp.cumsum(count, axis=1) - count
+    j = jnp.arange(r, dtype=jnp.int32)
+    valid = j < count[..., None]  # [S, R (node), R (step)]
+    row = jnp.take_along_axis(path, jnp.clip(resume[..., None] + j, 0, r - 1), axis=-1)
+    code = (row + jnp.where(j == count[..., None] - 1, _EMIT, 0)
+            + jnp.where((j == 0) & (resume[..., None] == 0), _RESTART, 0))
+    length = r * (r + 1) // 2 + 2  # the most steps r nodes can need, and two entries of read-ahead padding
+    where = jnp.where(valid, offset[..., None] + j, length).reshape(s, -1)
+    steps = jnp.zeros((s, length), jnp.int32).at[jnp.arange(s)[:, None], where].set(
+        code.reshape(s, -1).astype(jnp.int32), mode="drop")
+    return steps, jnp.sum(count, axis=1).astype(jnp.int32)
 
 
 def _is_pow2(n: int) -> bool:
@@ -558,6 +614,8 @@ def prompt(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Arr
     s, t, hk, dk = k.shape
     hv, dv = v.shape[2], v.shape[3]
     _check_per_stream("prompt", s, start=start, lengths=lengths)
+    if tiles.store_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"gdn.prompt: tiles.store_dtype must be 'float32' or 'bfloat16', got {tiles.store_dtype!r}")
     if tiles.precision not in _ALGORITHMS:
         raise ValueError(f"gdn.prompt: tiles.precision must be one of {sorted(_ALGORITHMS)}, got "
                          f"{tiles.precision!r}")
@@ -567,26 +625,40 @@ def prompt(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Arr
     slot = slot.astype(jnp.int32)
     max_chunks = (t + 2 * CHUNK - 2) // CHUNK  # a stream starting off the grid spans one chunk more
     group = hv // hk
-    with jax.named_scope("gdn_prompt_solve"):
-        t_inv = pl.pallas_call(
-            functools.partial(_solve_kernel, group=group, precision=tiles.precision, interpret=interpret),
-            out_shape=jax.ShapeDtypeStruct((s, max_chunks, hv, CHUNK, CHUNK), _F32),
+    with jax.named_scope("gdn_prompt_prep"):
+        w, u, gam = pl.pallas_call(
+            functools.partial(_prep_kernel, group=group, precision=tiles.precision, interpret=interpret),
+            out_shape=(jax.ShapeDtypeStruct((s, max_chunks, hv, CHUNK, dk), _F32),
+                       jax.ShapeDtypeStruct((s, max_chunks, hv, CHUNK, dv), _F32),
+                       jax.ShapeDtypeStruct((s, max_chunks, hv, CHUNK), _F32)),
             grid=(s, max_chunks, hv),
-            compiler_params=pt.CompilerParams(num_warps=tiles.solve_warps),
+            compiler_params=pt.CompilerParams(num_warps=tiles.prep_warps),
             interpret=interpret,
-            name="gdn_prompt_solve",
-        )(k, g, beta, start, lengths)
+            name="gdn_prompt_prep",
+        )(k, v, g, beta, start, lengths)
     with jax.named_scope("gdn_prompt_state"):
-        o, pool = pl.pallas_call(
-            functools.partial(_state_kernel, group=group, block_v=bv, max_chunks=max_chunks,
-                              precision=tiles.precision, interpret=interpret),
-            out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(rec_pool.shape, _F32)),
+        store = jnp.dtype(tiles.store_dtype)
+        h_chunks, v_new, pool = pl.pallas_call(
+            functools.partial(_state_kernel, group=group, block_v=bv, precision=tiles.precision,
+                              interpret=interpret),
+            out_shape=(jax.ShapeDtypeStruct((s, max_chunks, hv, dk, dv), store),
+                       jax.ShapeDtypeStruct((s, max_chunks, hv, CHUNK, dv), store),
+                       jax.ShapeDtypeStruct(rec_pool.shape, _F32)),
             grid=(s, hv, dv // bv),
-            input_output_aliases={9: 1},
+            input_output_aliases={7: 2},
             compiler_params=pt.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
             interpret=interpret,
             name="gdn_prompt_state",
-        )(q, k, v, g, beta, t_inv, start, lengths, slot, rec_pool)
+        )(k, w, u, gam, start, lengths, slot, rec_pool)
+    with jax.named_scope("gdn_prompt_output"):
+        o = pl.pallas_call(
+            functools.partial(_output_kernel, group=group, precision=tiles.precision, interpret=interpret),
+            out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
+            grid=(s, max_chunks, hv),
+            compiler_params=pt.CompilerParams(num_warps=tiles.output_warps),
+            interpret=interpret,
+            name="gdn_prompt_output",
+        )(q, k, gam, h_chunks, v_new, start, lengths)
     return o, pool
 
 
@@ -602,16 +674,18 @@ def window(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Arr
     if parents.shape != (s, r) or not jnp.issubdtype(parents.dtype, jnp.integer):
         raise ValueError(f"gdn.window: parents must be an integer array [S, R] = {(s, r)}, got {parents.dtype} "
                          f"{parents.shape}")
+    if r > _EMIT:
+        raise ValueError(f"gdn.window: at most {_EMIT} rows per stream, got {r}")
     bv = _block_v(tiles.block_v, dv, "window")
-    path, depth, resume = _tree_schedule(parents)
+    steps, n_steps = _window_steps(parents)
     return pl.pallas_call(
-        functools.partial(_window_kernel, rows=r, group=hv // hk, block_v=bv),
+        functools.partial(_recurrent_kernel, group=hv // hk, block_v=bv, emit=True),
         out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
         grid=(s, hv, dv // bv),
         compiler_params=pt.CompilerParams(num_warps=tiles.num_warps),
         interpret=interpret,
         name="gdn_window",
-    )(q, k, v, g, beta, path, depth, resume, slot.astype(jnp.int32), rec_pool)
+    )(q, k, v, g, beta, steps, n_steps, slot.astype(jnp.int32), rec_pool)
 
 
 def commit(k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, path: jax.Array, path_len: jax.Array,
@@ -627,17 +701,20 @@ def commit(k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, path: jax.
         raise ValueError(f"gdn.commit: path must be an integer array [S, R] = {(s, r)}, got {path.dtype} "
                          f"{path.shape}")
     _check_per_stream("commit", s, path_len=path_len)
+    if r > _EMIT:
+        raise ValueError(f"gdn.commit: at most {_EMIT} rows per stream, got {r}")
     bv = _block_v(tiles.block_v, dv, "commit")
+    # Two entries of padding: the kernel reads each step's code two steps ahead.
+    steps = jnp.pad(jnp.clip(path, 0, r - 1).astype(jnp.int32), ((0, 0), (0, 2)))
     return pl.pallas_call(
-        functools.partial(_commit_kernel, group=hv // hk, block_v=bv),
+        functools.partial(_recurrent_kernel, group=hv // hk, block_v=bv, emit=False),
         out_shape=jax.ShapeDtypeStruct(rec_pool.shape, _F32),
         grid=(s, hv, dv // bv),
         input_output_aliases={7: 0},
         compiler_params=pt.CompilerParams(num_warps=tiles.num_warps),
         interpret=interpret,
         name="gdn_commit",
-    )(k, v, g, beta, jnp.clip(path, 0, r - 1).astype(jnp.int32), jnp.clip(path_len, 0, r).astype(jnp.int32),
-      slot.astype(jnp.int32), rec_pool)
+    )(k, v, g, beta, steps, jnp.clip(path_len, 0, r).astype(jnp.int32), slot.astype(jnp.int32), rec_pool)
 
 
 # The conv in front of the recurrence stays plain jnp: XLA fuses each of these into one or two memory-bound

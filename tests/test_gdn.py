@@ -122,12 +122,15 @@ def test_prompt_matches_float64_recurrence_and_reference(t):
     assert _rel(pool_out[args[6]], rpool[args[6]]) < F32_TOL
 
 
-def test_prompt_bf16_inputs():
+def test_prompt_bf16_inputs_and_bf16_chunk_store():
+    """bf16 q/k/v (as the model sends them), once with the default fp32 chunk states and once with them stored
+    in bf16: the output takes that rounding, the recurrence (final state) does not."""
     rng = np.random.default_rng(7)
     args = _prompt_case(rng, 130, SMALL, jnp.bfloat16)
-    o, pool_out = prompt_k(*args)
-    assert o.dtype == jnp.bfloat16
-    _check_prompt_vs_f64(args, o, pool_out, BF16_OUT_TOL)
+    for tiles in (gdn.PromptTiles(), gdn.PromptTiles(store_dtype="bfloat16")):
+        o, pool_out = jax.jit(functools.partial(gdn.prompt, interpret=INTERPRET, tiles=tiles))(*args)
+        assert o.dtype == jnp.bfloat16
+        _check_prompt_vs_f64(args, o, pool_out, BF16_OUT_TOL)
 
 
 def _resume_check(shape, t, cuts):
@@ -365,10 +368,10 @@ def test_kernels_lower_to_triton_at_27b_heads(monkeypatch):
     def lower(fn, *args):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
-    for precision in ("tf32", "tf32x3"):
-        text = lower(functools.partial(gdn.prompt, tiles=gdn.PromptTiles(precision=precision)), qk(t), qk(t),
-                     vv(t), gb(t), gb(t), pool, per_stream, per_stream, per_stream)
-        assert text.count("__gpu$xla.gpu.triton") == 2
+    for tiles in (gdn.PromptTiles(), gdn.PromptTiles(precision="tf32x3"), gdn.PromptTiles(store_dtype="bfloat16")):
+        text = lower(functools.partial(gdn.prompt, tiles=tiles), qk(t), qk(t), vv(t), gb(t), gb(t), pool,
+                     per_stream, per_stream, per_stream)
+        assert text.count("__gpu$xla.gpu.triton") == 3
     text = lower(gdn.window, qk(r), qk(r), vv(r), gb(r), gb(r), sds((s, r), i), pool, per_stream)
     assert "__gpu$xla.gpu.triton" in text
     text = lower(gdn.commit, qk(r), vv(r), gb(r), gb(r), sds((s, r), i), per_stream, pool, per_stream)
