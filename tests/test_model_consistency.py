@@ -100,8 +100,11 @@ def test_commit_of_a_tree_path_equals_serial_commits(setup):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=TOL, rtol=0)
     for x, y in zip(st_tree.rec, s.rec):
         np.testing.assert_allclose(np.asarray(x[1]), np.asarray(y[1]), atol=TOL, rtol=0)
+    # The reference path's matmuls are not row-invariant across window sizes, so the conv rows (projections of
+    # hidden states computed in a 5-row window vs 1-row windows) agree to rounding; bitwise equality is the
+    # kernels' property, tested with them.
     for x, y in zip(st_tree.conv, s.conv):
-        np.testing.assert_array_equal(np.asarray(x[1]), np.asarray(y[1]))
+        np.testing.assert_allclose(np.asarray(x[1]), np.asarray(y[1]), atol=TOL, rtol=0)
 
 
 def test_streams_batched_equal_streams_alone(setup):

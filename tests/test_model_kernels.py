@@ -1,0 +1,49 @@
+"""The model with the Pallas kernels switched on (interpret mode on CPU) against the peer captures and against the
+reference ops: the wiring of qmm, GDN and paged attention into the model's swap points."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qwen_jax import model as M
+from qwen_jax.checkpoint import load_checkpoint
+from qwen_jax.runner import Runner
+from tests.conftest import CAPTURES
+
+KERNELS = M.Backend(kernels=True, interpret=True)
+
+
+@pytest.fixture(scope="module")
+def mlx4():
+    ck = load_checkpoint(CAPTURES / "tiny-mlx-4bit", dtype=jnp.float32)
+    z = np.load(CAPTURES / "refs" / "mlx-tiny-mlx-4bit-f32.npz")
+    return ck, z
+
+
+def test_kernels_match_mlx_capture_prompt_and_steps(mlx4):
+    ck, z = mlx4
+    ids = z["repeat.prompt_ids"].tolist()[:70]
+    ref = z["repeat.logits"][:70]
+    runner = Runner(ck.params, ck.config, dtype=jnp.float32, backend=KERNELS, max_len=256)
+    split = 64
+    first = runner.prefill(ids[:split], all_logits=True)
+    assert np.abs(first - ref[:split]).max() <= 2e-3
+    for i in range(split, len(ids)):
+        row = runner.step(ids[i], i)
+        assert np.abs(row - ref[i]).max() <= 2e-3, i
+
+
+def test_kernels_tree_window_matches_reference_ops(mlx4):
+    ck, z = mlx4
+    ids = z["short.prompt_ids"].tolist()
+    cfg = ck.config
+    outs = []
+    for backend in (M.Backend(), KERNELS):
+        st = M.init_state(cfg.text, num_slots=2, num_pages=8, page_size=16, dtype=jnp.float32)
+        pt = np.arange(1, 8, dtype=np.int32)[None]
+        _, st, _ = M.prefill(ck.params, st, M.make_prefill_batch(np.array([ids[:6]]), [0], [6], [1], pt), cfg,
+                             backend)
+        w = M.make_window(np.array([ids[6:10]]), [[-1, 0, 0, 2]], [6], [1], pt)
+        logits, _, _ = M.verify(ck.params, st, w, cfg, backend)
+        outs.append(np.asarray(logits))
+    np.testing.assert_allclose(outs[1], outs[0], atol=1e-4, rtol=0)
