@@ -1,0 +1,127 @@
+"""`python -m server`: the OpenAI-compatible HTTP server (uvicorn) over the qwen-jax engine.
+
+With no --model it serves the embedded default, captures/tiny: a tiny qwen3_5 checkpoint with RANDOM weights,
+for smoke tests; it answers quickly on any machine, and its text is gibberish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+EMBEDDED_MODEL = REPO_ROOT / "captures" / "tiny"
+API_KEY_ENV = "QWEN_JAX_API_KEY"
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m server", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize, "
+               "POST /detokenize, GET /health, GET /metrics, GET /version. Sampling fields a request leaves out "
+               "take the checkpoint's generation_config.json values (else temperature 1.0, top_p 1, no top_k).")
+    m = p.add_argument_group("model")
+    m.add_argument("--model", metavar="DIR", default=None,
+                   help="local checkpoint directory (HF safetensors or MLX conversion). Default: the embedded "
+                        f"tiny random model at {EMBEDDED_MODEL.relative_to(REPO_ROOT)} (smoke tests only: its "
+                        "text is gibberish)")
+    m.add_argument("--served-model-name", metavar="NAME", default=None,
+                   help="the model id clients send and /v1/models lists (default: the engine's model name)")
+    m.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="compute dtype (float32 = verification runs)")
+    m.add_argument("--kv-cache", choices=("bf16", "fp8"), default="bf16", help="KV cache storage (fp8 = e4m3)")
+    m.add_argument("--max-model-len", type=_positive, default=4096, metavar="N",
+                   help="context length served: prompt + completion tokens per request (default 4096)")
+    m.add_argument("--no-kernels", action="store_true",
+                   help="plain-jnp reference ops instead of the Pallas kernels (the default on CPU anyway)")
+    d = m.add_mutually_exclusive_group()
+    d.add_argument("--drafter", metavar="DIR", default=None,
+                   help="speculative drafter checkpoint (not available yet: the server refuses to start with it)")
+    d.add_argument("--no-drafts", action="store_true",
+                   help="serial decoding only (today's behaviour; accepted so scripts can pin it)")
+
+    s = p.add_argument_group("scheduling")
+    s.add_argument("--parallel", type=_positive, default=16, metavar="N",
+                   help="streams decoded together in one round (default 16)")
+    s.add_argument("--max-queued", type=_positive, default=64, metavar="N",
+                   help="requests allowed to wait for admission; beyond it requests get 503 + Retry-After "
+                        "(default 64)")
+    s.add_argument("--max-tokens", type=_positive, default=None, metavar="N",
+                   help="completion budget of a chat request that sets no max_tokens (default: the rest of the "
+                        "context). /v1/completions keeps OpenAI's default of 16")
+
+    h = p.add_argument_group("http")
+    h.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 exposes it)")
+    h.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    h.add_argument("--api-key", metavar="KEY", default=None,
+                   help=f"require `Authorization: Bearer KEY` on the API routes (default: env {API_KEY_ENV}; "
+                        "unset = open). /health, /metrics and /version stay open for probes and scrapers")
+    h.add_argument("--max-request-bytes", type=_positive, default=32 * 1024 * 1024, metavar="N",
+                   help="largest request body accepted, checked before parsing (default 32 MiB); larger gets 413")
+    h.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    h.add_argument("--no-progress", action="store_true", help="no progress bars while loading and compiling")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.drafter is not None:
+        print("error: --drafter: speculative drafting is not available in this build yet; run without it "
+              "(or with --no-drafts)", file=sys.stderr)
+        return 2
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    model_dir = Path(args.model) if args.model is not None else EMBEDDED_MODEL
+    if not model_dir.is_dir():
+        print(f"error: --model {model_dir}: not a directory", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import uvicorn
+
+    from qwen_jax.engine.engine import Engine
+    from qwen_jax.model import Backend
+    from server.app import build_app
+    from server.serving import Serving, load_generation_defaults
+
+    try:
+        defaults = load_generation_defaults(model_dir)
+        engine = Engine.from_checkpoint(
+            str(model_dir), dtype=args.dtype, kv_cache=args.kv_cache, max_model_len=args.max_model_len,
+            parallel=args.parallel, max_queued=args.max_queued,
+            backend=Backend(kernels=False) if args.no_kernels else None, progress=not args.no_progress)
+    except ValueError as e:  # checkpoint and config errors are ValueErrors with a message for the user
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    engine.start()
+    serving = Serving(engine, served_model_name=args.served_model_name or engine.model_name,
+                      model_root=str(model_dir), defaults=defaults, default_max_tokens=args.max_tokens)
+    app = build_app(serving, api_key=api_key, max_body_bytes=args.max_request_bytes)
+    log = logging.getLogger("server")
+    log.info("serving %s as %r on http://%s:%d (max_model_len %d, parallel %d, api key %s)", model_dir,
+             serving.model_name, args.host, args.port, serving.max_model_len, args.parallel,
+             "required" if api_key else "off")
+    try:
+        # Streams still open at shutdown are cut after a few seconds; their requests are cancelled as they close.
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
+                    access_log=args.log_level == "debug")
+    finally:
+        serving.close()
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,340 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic).
+
+Requests are strict: unknown fields are refused (a misspelt `temprature` silently ignored is a worse bug than a
+400), JSON booleans are not numbers, numbers are finite, integers are integers. They are validated from the raw
+body with `model_validate_json`, so NaN/Infinity literals are refused by the same rules as any other bad value.
+Fields that take several shapes (`prompt`, `stop`, message `content`) are checked by hand so the error names the
+field and the accepted shapes instead of listing one failure per union branch.
+
+Sampling fields left out (None) take the checkpoint's generation_config.json defaults (see serving.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# The sampler's limits (qwen_jax.sampling.RequestSampling), checked here so the 400 names the request field.
+SEED_LIMIT = 2 ** 64
+INT32_MAX = 2 ** 31 - 1
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def _finite_json(value: Any, where: str) -> Any:
+    """Free-form JSON (chat_template_kwargs) still refuses NaN/Infinity, like every other field."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where} holds a non-finite number")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _finite_json(v, where)
+    elif isinstance(value, list):
+        for v in value:
+            _finite_json(v, where)
+    return value
+
+
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise ValueError("must be a string or a list of strings")
+    if len(items) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(items)}")
+    if any(s == "" for s in items):
+        raise ValueError("stop strings must not be empty")
+    return tuple(dict.fromkeys(items))
+
+
+Temperature = Annotated[float, Field(ge=0.0, le=1e4)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+# -1 is vLLM's spelling of "off"; 0 is the engine's.
+TopK = Annotated[int, Field(ge=-1, le=INT32_MAX)]
+MinP = Annotated[float, Field(ge=0.0, le=1.0)]
+Seed = Annotated[int, Field(ge=0, lt=SEED_LIMIT)]
+MaxTokens = Annotated[int, Field(ge=1, le=INT32_MAX)]
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by chat and completions requests."""
+    model: str | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    seed: Seed | None = None
+    stop: Any = Field(default=None, validate_default=True)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    # Not an OpenAI field: False asks for serial decoding (the exact reference that drafting must equal).
+    draft: bool = True
+    # Penalties change the distribution the keyed sampler draws from; the engine has none yet, so only their
+    # neutral values are accepted (a silently ignored penalty would be a wrong answer, not a missing feature).
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    user: str | None = None
+
+    @field_validator("stop", mode="plain")
+    @classmethod
+    def _check_stop(cls, value: Any) -> tuple[str, ...]:
+        return _stop_strings(value)
+
+    @model_validator(mode="after")
+    def _check_common(self):
+        if self.n != 1:
+            raise _FieldError("n", f"only n=1 is supported, got {self.n}")
+        if self.stream_options is not None and not self.stream:
+            raise _FieldError("stream_options", "stream_options is only allowed when stream is true")
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            if getattr(self, name) != neutral:
+                raise _FieldError(name, f"{name} is not supported by this server yet (only {neutral} is accepted)")
+        return self
+
+
+class _FieldError(ValueError):
+    """A cross-field check that should name one field as the error's `param`."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+# ---------------------------------------------------------------------------------------------------- chat
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None
+    name: str | None = None
+    # Earlier assistant turns may carry their reasoning; the chat template places it.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="plain")
+    @classmethod
+    def _check_content(cls, value: Any) -> str | list[dict[str, str]] | None:
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValueError("must be a string, a list of content parts, or null")
+        parts = []
+        for i, part in enumerate(value):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise ValueError(f"part {i} must be an object with a string `type`")
+            if part["type"] in ("image_url", "image", "input_image", "video", "video_url", "input_audio"):
+                raise ValueError(f"part {i}: {part['type']} input is not supported by this server (text only)")
+            parts.append(TextPart.model_validate(part).model_dump())
+        return parts
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _finite_kwargs(cls, value):
+        return _finite_json(value, "chat_template_kwargs")
+
+    @model_validator(mode="after")
+    def _check_chat(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _FieldError("top_logprobs", "top_logprobs needs logprobs: true")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise _FieldError("max_completion_tokens", "max_tokens and max_completion_tokens disagree; send one")
+        return self
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# ------------------------------------------------------------------------------------------------ completions
+
+class CompletionRequest(_SamplingFields):
+    prompt: Any
+    # OpenAI's completions default (and vLLM's): 16 new tokens when max_tokens is absent.
+    max_tokens: MaxTokens | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: bool = False
+    add_special_tokens: bool = True
+
+    @field_validator("prompt", mode="plain")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> str | list[int]:
+        return _single_prompt(value)
+
+    @model_validator(mode="after")
+    def _check_completion(self):
+        if self.echo:
+            raise _FieldError("echo", "echo is not supported by this server")
+        return self
+
+
+def _single_prompt(value: Any) -> str | list[int]:
+    """A string or a list of token ids; a one-element batch of either is unwrapped (some clients always send a
+    list), a longer batch is refused because one request yields one choice here."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(isinstance(x, list) or isinstance(x, str) for x in value):
+        raise ValueError(f"one prompt per request (got a batch of {len(value)})")
+    if isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        if not value:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= x <= INT32_MAX for x in value):
+            raise ValueError("token ids must be non-negative integers")
+        return value
+    raise ValueError("must be a string or a list of token ids")
+
+
+# ------------------------------------------------------------------------------------------- tokenize routes
+
+class TokenizeCompletionRequest(_Strict):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Strict):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _finite_kwargs(cls, value):
+        return _finite_json(value, "chat_template_kwargs")
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, le=INT32_MAX)]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+# ----------------------------------------------------------------------------------------------- responses
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "qwen-jax"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,483 @@
+"""Requests in, engine calls, responses out: the chat template and tokenizer, sampling defaults, the context
+check, submission, and turning `TokenEvent`s into OpenAI bodies or SSE chunks. No HTTP here (app.py) and no arrays
+(the engine).
+
+Cancellation: every path that stops listening before the engine finished (client gone, stream cancelled,
+exception) runs `_Run.close`, which calls `handle.cancel()`; the engine then stops the request at its next round or,
+if it is still queued, never starts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qwen_jax.engine.api import (ContextLengthExceeded, EngineOverloaded, GenerationRequest, SamplingOptions,
+                                 TokenEvent, TokenLogprob)
+from server import protocol as P
+from server.errors import APIError, bad_request, error_body
+from server.metrics import ServerMetrics
+
+# How long a client told "overloaded" should wait; one decode round is milliseconds, admission frees as soon as
+# any request finishes, so a short retry is right.
+RETRY_AFTER_SECONDS = 1
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """Sampling values for fields a request leaves out. Without a generation_config.json: OpenAI's defaults
+    (temperature 1, no top-p/top-k/min-p cut)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+
+def load_generation_defaults(model_dir: str | Path | None) -> GenerationDefaults:
+    """The checkpoint's recommended sampling (what vLLM applies by default). `do_sample: false` means greedy."""
+    if model_dir is None:
+        return GenerationDefaults()
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return GenerationDefaults()
+    try:
+        gen = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: unreadable ({e})") from None
+    base = GenerationDefaults()
+
+    def pick(key, kind, fallback):
+        v = gen.get(key)
+        return kind(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else fallback
+
+    temperature = pick("temperature", float, base.temperature)
+    if gen.get("do_sample") is False:
+        temperature = 0.0
+    return GenerationDefaults(temperature=temperature, top_p=pick("top_p", float, base.top_p),
+                              top_k=max(pick("top_k", int, base.top_k), 0), min_p=pick("min_p", float, base.min_p))
+
+
+# apply_chat_template's own parameters; chat_template_kwargs may only add template variables, not override these.
+_TEMPLATE_PARAMS = frozenset(inspect.signature(__import__("transformers").PreTrainedTokenizerBase
+                                               .apply_chat_template).parameters) - {"self", "kwargs"}
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class _Run:
+    """One submitted request's bookkeeping: latency metrics as events arrive, and a close that runs exactly once
+    (finish reason counted, handle cancelled if the engine had not finished it)."""
+
+    def __init__(self, handle, metrics: ServerMetrics):
+        self.handle = handle
+        self.metrics = metrics
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self._last_token_at: float | None = None
+        self._closed = False
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        async for ev in self.handle:
+            if ev.token_ids:
+                now = time.monotonic()
+                if self._last_token_at is not None:
+                    gap = (now - self._last_token_at) / len(ev.token_ids)
+                    for _ in ev.token_ids:
+                        self.metrics.itl.observe(gap)
+                self._last_token_at = now
+            if ev.finish_reason is not None:
+                self.finish_reason = ev.finish_reason
+                self.error = ev.error
+            yield ev
+            if ev.finish_reason is not None:
+                return
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.finish_reason is None:
+            self.handle.cancel()
+            self.finish_reason = "cancelled"
+        self.metrics.finished(self.finish_reason)
+        h = self.handle
+        if h.first_token_time is not None and h.arrival_time is not None:
+            self.metrics.ttft.observe(h.first_token_time - h.arrival_time)
+        if self.finish_reason in ("stop", "length") and h.finish_time is not None:
+            self.metrics.e2e.observe(h.finish_time - h.arrival_time)
+
+    def usage(self) -> dict[str, int]:
+        p, c = self.handle.prompt_tokens, self.handle.completion_tokens
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+@dataclass(frozen=True)
+class EventStream:
+    """A streamed reply: SSE strings, and `close` for the HTTP layer to call however the response ended (also
+    when the client left before the first chunk was pulled, where the generator's own finally never runs)."""
+    chunks: AsyncIterator[str]
+    close: Callable[[], None]
+
+
+class ClientDisconnected(Exception):
+    """The client went away before a non-streamed reply was ready; nothing is sent."""
+
+
+class Serving:
+    def __init__(self, engine, *, served_model_name: str, model_root: str, defaults: GenerationDefaults,
+                 default_max_tokens: int | None = None):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = served_model_name
+        self.model_root = model_root
+        self.defaults = defaults
+        self.default_max_tokens = default_max_tokens
+        self.max_model_len = int(engine.max_model_len)
+        self.vocab_size = int(engine.model_config.text.vocab_size)
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(served_model_name, engine.stats)
+        # Templating and tokenizing a long prompt takes milliseconds to seconds: off the event loop so streams
+        # keep flowing, on one thread because a HF tokenizer is not safe to call from two threads at once.
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        self._token_texts: dict[int, str] = {}  # logprob token strings, bounded by the vocabulary
+
+    def close(self) -> None:
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------------------------------ small routes
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+
+    def models(self) -> P.ModelList:
+        return P.ModelList(data=[P.ModelCard(id=self.model_name, created=self.created, root=self.model_root,
+                                             max_model_len=self.max_model_len)])
+
+    def health(self) -> dict[str, Any]:
+        s = self.engine.stats()
+        return {"status": "ok", "model": self.model_name, "max_model_len": self.max_model_len,
+                "running": s.running, "waiting": s.waiting, "free_pages": s.free_pages, "total_pages": s.total_pages,
+                "free_slots": s.free_slots, "total_slots": s.total_slots}
+
+    async def tokenize(self, req: P.TokenizeCompletionRequest | P.TokenizeChatRequest) -> P.TokenizeResponse:
+        self.check_model(req.model)
+        if isinstance(req, P.TokenizeChatRequest):
+            ids = await self._chat_prompt(req.messages, req.chat_template_kwargs, req.add_generation_prompt,
+                                          req.add_special_tokens)
+        else:
+            tok = self._need_tokenizer("prompt")
+            ids = await self._off_loop(lambda: tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return P.TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids, token_strs=strs)
+
+    async def detokenize(self, req: P.DetokenizeRequest) -> P.DetokenizeResponse:
+        self.check_model(req.model)
+        tok = self._need_tokenizer("tokens")
+        self._check_ids(req.tokens, "tokens")
+        try:
+            text = await self._off_loop(lambda: tok.decode(req.tokens))
+        except (ValueError, TypeError, OverflowError) as e:
+            raise bad_request(f"tokens: cannot decode ({e})", param="tokens") from None
+        return P.DetokenizeResponse(prompt=text)
+
+    # ------------------------------------------------------------------------------------------- generation
+
+    async def chat(self, req: P.ChatCompletionRequest, wait_disconnect: Callable[[], Awaitable[None]]):
+        """-> ChatCompletionResponse, or an async iterator of SSE strings when req.stream."""
+        self.check_model(req.model)
+        ids = await self._chat_prompt(req.messages, req.chat_template_kwargs, req.add_generation_prompt, False)
+        run, rid = self._submit(req, ids, req.output_limit, "messages", req.logprobs_count, "chatcmpl")
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self._chat_stream(run, rid, include_usage)
+        text, logprobs = await self._until_disconnect(self._collect(run), wait_disconnect)
+        self._raise_if_failed(run)
+        content = None
+        if logprobs is not None:
+            content = [self._chat_logprob(lp) for lp in logprobs]
+        return P.ChatCompletionResponse(
+            id=rid, created=int(time.time()), model=self.model_name,
+            choices=[P.ChatChoice(message=P.AssistantMessage(content=text), finish_reason=run.finish_reason,
+                                  logprobs=None if content is None else P.ChatLogprobs(content=content))],
+            usage=P.Usage(**run.usage()))
+
+    async def completion(self, req: P.CompletionRequest, wait_disconnect: Callable[[], Awaitable[None]]):
+        """-> CompletionResponse, or an async iterator of SSE strings when req.stream."""
+        self.check_model(req.model)
+        if isinstance(req.prompt, str):
+            tok = self._need_tokenizer("prompt")
+            ids = await self._off_loop(lambda: tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+            if not ids:
+                raise bad_request("prompt: the prompt is empty", param="prompt")
+        else:
+            ids = req.prompt
+            self._check_ids(ids, "prompt")
+        run, rid = self._submit(req, ids, req.max_tokens, "prompt", req.logprobs, "cmpl")
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self._completion_stream(run, rid, include_usage)
+        text, logprobs = await self._until_disconnect(self._collect(run), wait_disconnect)
+        self._raise_if_failed(run)
+        return P.CompletionResponse(
+            id=rid, created=int(time.time()), model=self.model_name,
+            choices=[P.CompletionChoice(text=text, finish_reason=run.finish_reason,
+                                        logprobs=None if logprobs is None else self._completion_logprobs(logprobs)[0])],
+            usage=P.Usage(**run.usage()))
+
+    # ------------------------------------------------------------------------------------------ prompt side
+
+    def _need_tokenizer(self, param: str):
+        if self.tokenizer is None:
+            raise bad_request(f"{param}: this server has no tokenizer (synthetic weights); send token ids to "
+                              f"/v1/completions", param=param)
+        return self.tokenizer
+
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise bad_request(f"{param}: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
+                              param=param)
+
+    async def _off_loop(self, fn):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn)
+
+    async def _chat_prompt(self, messages: list[P.ChatMessage], kwargs: dict[str, Any] | None,
+                           add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
+        tok = self._need_tokenizer("messages")
+        kwargs = dict(kwargs or {})
+        clash = sorted(k for k in kwargs if k in _TEMPLATE_PARAMS)
+        if clash:
+            raise bad_request(f"chat_template_kwargs: {', '.join(clash)} cannot be set here",
+                              param="chat_template_kwargs")
+        conversation = [_template_message(m) for m in messages]
+
+        def render() -> list[int]:
+            text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           **kwargs)
+            return tok(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+        try:
+            ids = await self._off_loop(render)
+        except Exception as e:  # noqa: BLE001 - jinja's raise_exception, TypeErrors from odd kwargs: all the client's
+            raise bad_request(f"messages: the chat template refused these messages ({type(e).__name__}: {e})",
+                              param="messages") from None
+        if not ids:
+            raise bad_request("messages: the chat template produced an empty prompt", param="messages")
+        return ids
+
+    def _submit(self, req: P.ChatCompletionRequest | P.CompletionRequest, ids: list[int], max_tokens: int | None,
+                prompt_param: str, logprobs: int | None, id_prefix: str) -> tuple[_Run, str]:
+        max_tokens = self._output_budget(len(ids), max_tokens, prompt_param)
+        d = self.defaults
+        top_k = req.top_k if req.top_k is not None else d.top_k
+        sampling = SamplingOptions(
+            temperature=req.temperature if req.temperature is not None else d.temperature,
+            top_p=req.top_p if req.top_p is not None else d.top_p,
+            top_k=max(top_k, 0),
+            min_p=req.min_p if req.min_p is not None else d.min_p,
+            seed=req.seed)
+        rid = f"{id_prefix}-{uuid.uuid4().hex}"
+        gen = GenerationRequest(prompt_ids=tuple(ids), max_tokens=max_tokens, sampling=sampling, stop=req.stop,
+                                stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                                logprobs=logprobs, draft=req.draft, request_id=rid)
+        try:
+            handle = self.engine.submit(gen)
+        except EngineOverloaded as e:
+            self.metrics.rejected("queue_full")
+            raise APIError(503, f"The server is overloaded (request queue full): {e}. Retry shortly.",
+                           type="server_error", code="overloaded",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+        except ContextLengthExceeded as e:
+            raise bad_request(str(e), param=prompt_param, code="context_length_exceeded") from None
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+        return _Run(handle, self.metrics), rid
+
+    def _output_budget(self, n_prompt: int, requested: int | None, param: str) -> int:
+        limit = self.max_model_len
+        where = "messages" if param == "messages" else "prompt"
+        if requested is None:
+            room = limit - n_prompt
+            if room < 1:
+                raise bad_request(f"This model's maximum context length is {limit} tokens. However, your {where} "
+                                  f"resulted in {n_prompt} tokens. Please reduce the length of the {where}.",
+                                  param=param, code="context_length_exceeded")
+            return min(room, self.default_max_tokens) if self.default_max_tokens else room
+        if n_prompt + requested > limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
+                              f"{n_prompt + requested} tokens ({n_prompt} in the {where}, {requested} in the "
+                              f"completion). Please reduce the length of the {where} or completion.",
+                              param=param, code="context_length_exceeded")
+        return requested
+
+    # ------------------------------------------------------------------------------------------ output side
+
+    async def _collect(self, run: _Run) -> tuple[str, list[TokenLogprob] | None]:
+        parts: list[str] = []
+        logprobs: list[TokenLogprob] | None = None
+        try:
+            async for ev in run.events():
+                parts.append(ev.text)
+                if ev.logprobs is not None:
+                    logprobs = (logprobs or []) + list(ev.logprobs)
+        finally:
+            run.close()
+        return "".join(parts), logprobs
+
+    async def _until_disconnect(self, work: Awaitable, wait_disconnect: Callable[[], Awaitable[None]]):
+        """Await `work` unless the client disconnects first; then cancel it (its finally cancels the request)."""
+        task = asyncio.ensure_future(work)
+        watcher = asyncio.ensure_future(wait_disconnect())
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            raise ClientDisconnected()
+        finally:
+            watcher.cancel()
+            if not task.done():
+                task.cancel()
+                # Let the cancellation reach _collect's finally before returning to the route.
+                await asyncio.gather(task, return_exceptions=True)
+
+    @staticmethod
+    def _raise_if_failed(run: _Run) -> None:
+        if run.finish_reason == "error":
+            raise APIError(500, f"Generation failed: {run.error or 'unknown engine error'}", type="server_error",
+                           code="generation_failed")
+        if run.finish_reason == "cancelled":
+            raise APIError(503, "The request was cancelled by the server (shutting down?).", type="server_error",
+                           code="cancelled", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+    def _chat_stream(self, run: _Run, rid: str, include_usage: bool) -> EventStream:
+        created = int(time.time())
+        usage_none = {"usage": None} if include_usage else {}
+
+        def chunk(delta: dict[str, Any], finish_reason: str | None = None, logprobs=None) -> str:
+            return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                         "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                                      "finish_reason": finish_reason}], **usage_none})
+
+        async def body():
+            yield chunk({"role": "assistant", "content": ""})
+            async for ev in run.events():
+                reason = _client_reason(ev.finish_reason)
+                if ev.finish_reason in ("error", "cancelled"):
+                    if ev.text:
+                        yield chunk({"content": ev.text})
+                    return
+                lp = None if ev.logprobs is None else {
+                    "content": [self._chat_logprob(x).model_dump() for x in ev.logprobs]}
+                if ev.text or lp is not None or reason is not None:
+                    yield chunk({"content": ev.text} if ev.text else {}, reason, lp)
+            if include_usage:
+                yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                            "model": self.model_name, "choices": [], "usage": run.usage()})
+
+        return EventStream(self._stream(run, body()), run.close)
+
+    def _completion_stream(self, run: _Run, rid: str, include_usage: bool) -> EventStream:
+        created = int(time.time())
+        usage_none = {"usage": None} if include_usage else {}
+        offset = 0
+
+        def chunk(text: str, finish_reason: str | None = None, logprobs=None) -> str:
+            return _sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                         "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+                                      "finish_reason": finish_reason}], **usage_none})
+
+        async def body():
+            nonlocal offset
+            async for ev in run.events():
+                reason = _client_reason(ev.finish_reason)
+                if ev.finish_reason in ("error", "cancelled"):
+                    if ev.text:
+                        yield chunk(ev.text)
+                    return
+                lp = None
+                if ev.logprobs is not None:
+                    lp, offset = self._completion_logprobs(list(ev.logprobs), offset)
+                    lp = lp.model_dump()
+                if ev.token_ids or ev.text or reason is not None:
+                    yield chunk(ev.text, reason, lp)
+            if include_usage:
+                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                            "choices": [], "usage": run.usage()})
+
+        return EventStream(self._stream(run, body()), run.close)
+
+    async def _stream(self, run: _Run, body: AsyncIterator[str]) -> AsyncIterator[str]:
+        """The SSE framing common to both routes: the body's chunks, an error event if generation failed after
+        the 200 went out, then [DONE]. A cancelled stream (client gone) ends here without writing more."""
+        try:
+            async for piece in body:
+                yield piece
+            if run.finish_reason == "error":
+                yield _sse(error_body(f"Generation failed: {run.error or 'unknown engine error'}",
+                                      type="server_error", code="generation_failed"))
+            elif run.finish_reason == "cancelled":
+                yield _sse(error_body("The request was cancelled by the server (shutting down?).",
+                                      type="server_error", code="cancelled"))
+        except Exception as e:  # noqa: BLE001 - the status line is gone; the error must travel as an event
+            yield _sse(error_body(f"Generation failed: {type(e).__name__}: {e}", type="server_error",
+                                  code="generation_failed"))
+        finally:
+            run.close()
+        yield SSE_DONE
+
+    # ---------------------------------------------------------------------------------------------- logprobs
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = f"<{token_id}>" if self.tokenizer is None else self.tokenizer.decode([token_id])
+            self._token_texts[token_id] = text
+        return text
+
+    def _chat_logprob(self, lp: TokenLogprob) -> P.ChatTokenLogprob:
+        text = self._token_text(lp.token_id)
+        return P.ChatTokenLogprob(
+            token=text, logprob=lp.logprob, bytes=list(text.encode()),
+            top_logprobs=[P.TopLogprob(token=(t := self._token_text(i)), logprob=v, bytes=list(t.encode()))
+                          for i, v in lp.top])
+
+    def _completion_logprobs(self, lps: list[TokenLogprob], start: int = 0) -> tuple[P.CompletionLogprobs, int]:
+        """-> the logprobs block and the text offset after its last token (streams continue from there)."""
+        tokens, offsets, pos = [], [], start
+        for lp in lps:
+            text = self._token_text(lp.token_id)
+            tokens.append(text)
+            offsets.append(pos)
+            pos += len(text)
+        return P.CompletionLogprobs(tokens=tokens, token_logprobs=[lp.logprob for lp in lps],
+                                    top_logprobs=[{self._token_text(i): v for i, v in lp.top} for lp in lps],
+                                    text_offset=offsets), pos
+
+
+def _client_reason(reason: str | None) -> str | None:
+    return reason if reason in ("stop", "length") else None
+
+
+def _template_message(m: P.ChatMessage) -> dict[str, Any]:
+    msg = m.model_dump(exclude_none=True)
+    # Qwen templates know system/user/assistant/tool; OpenAI's newer "developer" role is the system prompt.
+    if msg["role"] == "developer":
+        msg["role"] = "system"
+    if "reasoning" in msg:
+        msg.setdefault("reasoning_content", msg.pop("reasoning"))
+    return msg
