@@ -1,0 +1,482 @@
+"""The OpenAI-compatible server end to end: one real uvicorn server (`python -m server` on the embedded tiny model,
+a loopback port) for the whole module, driven by the official `openai` client and raw HTTP (httpx).
+
+Every request loop is bounded in count and time; replies of the tiny random model are gibberish, so tests compare
+replies with each other (stream vs not, concurrent vs solo, draft vs serial, seed vs seed), never with fixed text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from server.launch import ServerProcess
+
+MAX_MODEL_LEN = 512
+MAX_BODY = 1 << 20
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess(["--max-model-len", str(MAX_MODEL_LEN), "--parallel", "16", "--max-queued", "64",
+                        "--max-request-bytes", str(MAX_BODY)]) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60.0) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model(http):
+    return http.get("/v1/models").json()["data"][0]["id"]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60.0)
+
+
+def sse_events(response: httpx.Response) -> list:
+    """The `data:` payloads of an SSE response, decoded; the final [DONE] kept as the string."""
+    out = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def wait_idle(http: httpx.Client, baseline: dict, timeout: float = 20.0) -> dict:
+    """Poll /health until the engine's pools are back to `baseline` (bounded)."""
+    deadline = time.monotonic() + timeout
+    keys = ("running", "waiting", "free_pages", "free_slots")
+    while True:
+        h = http.get("/health").json()
+        if all(h[k] == baseline[k] for k in keys) or time.monotonic() > deadline:
+            return h
+        time.sleep(0.05)
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """The value of one sample in a Prometheus exposition (0 if absent)."""
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        series, _, label_text = head.partition("{")
+        if series != name:
+            continue
+        if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
+            return float(value)
+    return 0.0
+
+
+# ---------------------------------------------------------------------------------------------- basic routes
+
+def test_health_models_version(http, model, client):
+    h = http.get("/health")
+    assert h.status_code == 200
+    body = h.json()
+    assert body["status"] == "ok" and body["max_model_len"] == MAX_MODEL_LEN
+    assert body["running"] == 0 and body["waiting"] == 0
+    assert 0 < body["free_pages"] <= body["total_pages"] and 0 < body["free_slots"] <= body["total_slots"]
+    models = client.models.list().data
+    assert [m.id for m in models] == [model]
+    card = http.get("/v1/models").json()["data"][0]
+    assert card["object"] == "model" and card["max_model_len"] == MAX_MODEL_LEN
+    assert "version" in http.get("/version").json()
+
+
+def test_tokenize_detokenize(http, model):
+    text = "hello world, hello"
+    r = http.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == MAX_MODEL_LEN
+    assert len(r["token_strs"]) == r["count"]
+    assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": text}
+
+    chat = http.post("/tokenize", json={"messages": MESSAGES, "model": model}).json()
+    no_think = http.post("/tokenize", json={"messages": MESSAGES,
+                                            "chat_template_kwargs": {"enable_thinking": False}}).json()
+    bare = http.post("/tokenize", json={"messages": MESSAGES, "add_generation_prompt": False}).json()
+    assert chat["count"] == len(chat["tokens"])
+    # The template's generation prompt ("<think>\n", or an empty think block without thinking) adds tokens.
+    assert bare["count"] < chat["count"] < no_think["count"]
+    assert chat["tokens"][:bare["count"]] == bare["tokens"]
+    rendered = http.post("/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"]
+    assert "Name three colours." in rendered and rendered.endswith("<think>\n")
+
+
+# ------------------------------------------------------------------------------------------------------ chat
+
+def test_chat_nonstream_usage_and_logprobs(client, model, http):
+    r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0.0,
+                                       logprobs=True, top_logprobs=3)
+    choice = r.choices[0]
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert choice.finish_reason in ("stop", "length") and choice.message.role == "assistant"
+    prompt = http.post("/tokenize", json={"messages": MESSAGES}).json()["count"]
+    assert r.usage.prompt_tokens == prompt
+    assert 1 <= r.usage.completion_tokens <= 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    if choice.finish_reason == "length":
+        assert r.usage.completion_tokens == 12
+    content = choice.logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for tok in content:
+        assert len(tok.top_logprobs) == 3 and tok.logprob <= 0.0
+        tops = [t.logprob for t in tok.top_logprobs]
+        assert tops == sorted(tops, reverse=True)
+        # Greedy: the chosen token is the most likely one.
+        assert tok.logprob == pytest.approx(tops[0], abs=1e-5)
+
+
+def test_chat_stream_matches_nonstream(client, model, http):
+    kw = dict(model=model, messages=MESSAGES, max_tokens=10, temperature=0.0)
+    full = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == full.choices[0].message.content
+    assert finals == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+    # Raw SSE framing: every event is JSON until the final [DONE]; no usage chunk unless asked for.
+    with http.stream("POST", "/v1/chat/completions", json={**kw, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]" and all(isinstance(e, dict) for e in events[:-1])
+    assert all(e["object"] == "chat.completion.chunk" and len(e["choices"]) == 1 for e in events[:-1])
+    assert "usage" not in events[-2]
+
+
+def test_generation_config_defaults(client, model):
+    """Fields left out take generation_config.json (tiny: temperature 0.6, top_p 0.95, top_k 20)."""
+    kw = dict(model=model, messages=MESSAGES, max_tokens=16, seed=7)
+    implicit = client.chat.completions.create(**kw).choices[0].message.content
+    explicit = client.chat.completions.create(**kw, temperature=0.6, top_p=0.95,
+                                              extra_body={"top_k": 20}).choices[0].message.content
+    greedy = client.chat.completions.create(**kw, temperature=0.0).choices[0].message.content
+    other = client.chat.completions.create(**kw, temperature=1.0, top_p=1.0,
+                                           extra_body={"top_k": 0}).choices[0].message.content
+    assert implicit == explicit
+    # The defaults are really in effect: the same seed under other settings gives other text.
+    assert implicit != greedy and implicit != other
+
+
+def test_seed_reproducible(client, model):
+    kw = dict(model=model, messages=MESSAGES, max_tokens=16, temperature=1.0, extra_body={"ignore_eos": True})
+    a = client.chat.completions.create(**kw, seed=1234).choices[0].message.content
+    b = client.chat.completions.create(**kw, seed=1234).choices[0].message.content
+    c = client.chat.completions.create(**kw, seed=4321).choices[0].message.content
+    assert a == b
+    assert a != c
+    # No seed: one derived from the prompt, so the reply still reproduces.
+    d = client.chat.completions.create(**kw).choices[0].message.content
+    e = client.chat.completions.create(**kw).choices[0].message.content
+    assert d == e
+
+
+def test_draft_false_equals_default(client, model):
+    for extra in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 99}):
+        kw = dict(model=model, messages=MESSAGES, max_tokens=16, logprobs=True, **extra)
+        default = client.chat.completions.create(**kw)
+        serial = client.chat.completions.create(**kw, extra_body={"draft": False})
+        assert serial.choices[0].message.content == default.choices[0].message.content
+        assert [t.logprob for t in serial.choices[0].logprobs.content] == \
+            [t.logprob for t in default.choices[0].logprobs.content]
+        assert serial.usage == default.usage
+
+
+def test_stop_strings(client, model, http):
+    base = dict(model=model, messages=MESSAGES, max_tokens=24, temperature=0.0, extra_body={"ignore_eos": True})
+    text = client.chat.completions.create(**base).choices[0].message.content
+    # A stop string taken from the middle of the reply: the reply must end right before its first occurrence.
+    cut = next((i for i in range(len(text) // 3, len(text) - 2)
+                if text[i:i + 2].strip() == text[i:i + 2] and "\ufffd" not in text[i:i + 2]), None)
+    assert cut is not None, f"reply too short to pick a stop string from: {text!r}"
+    stop = text[cut:cut + 2]
+    expected = text[:text.find(stop)]
+    r = client.chat.completions.create(**base, stop=[stop, "\u2603never"])
+    assert r.choices[0].message.content == expected and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < 24
+    streamed = list(client.chat.completions.create(**base, stop=stop, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == expected
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    # Completions route, same rule.
+    ids = http.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    cr = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 24, "temperature": 0.0,
+                                            "ignore_eos": True, "stop": stop}).json()
+    assert cr["choices"][0]["text"] == expected and cr["choices"][0]["finish_reason"] == "stop"
+
+
+def test_max_tokens_and_max_completion_tokens(client, model):
+    r = client.chat.completions.create(model=model, messages=MESSAGES, max_completion_tokens=5,
+                                       extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+
+
+# ----------------------------------------------------------------------------------------------- completions
+
+def test_completions_string_and_token_ids(client, model, http):
+    ids = http.post("/tokenize", json={"prompt": "The sky is"}).json()["tokens"]
+    by_text = client.completions.create(model=model, prompt="The sky is", max_tokens=8, temperature=0.0)
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=8, temperature=0.0)
+    assert by_text.choices[0].text == by_ids.choices[0].text
+    assert by_text.usage.prompt_tokens == by_ids.usage.prompt_tokens == len(ids)
+    assert by_text.object == "text_completion" and by_text.id.startswith("cmpl-")
+    # OpenAI's default budget for completions is 16 tokens.
+    default = client.completions.create(model=model, prompt=ids, extra_body={"ignore_eos": True})
+    assert default.usage.completion_tokens == 16 and default.choices[0].finish_reason == "length"
+
+    chunks = list(client.completions.create(model=model, prompt=ids, max_tokens=8, temperature=0.0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == by_ids.choices[0].text
+    assert chunks[-1].usage.completion_tokens == by_ids.usage.completion_tokens
+
+    lp = client.completions.create(model=model, prompt=ids, max_tokens=6, temperature=0.0, logprobs=2,
+                                   extra_body={"ignore_eos": True}).choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert all(1 <= len(t) <= 2 for t in lp.top_logprobs) and all(v <= 0 for v in lp.token_logprobs)
+
+
+# ------------------------------------------------------------------------------------------------ concurrency
+
+def test_16_concurrent_streams_equal_solo(server, model):
+    """Each of 16 streamed requests run together gives what it gives alone (greedy and seeded sampling)."""
+    prompts = [[{"role": "user", "content": "word " * (1 + 3 * i)}] for i in range(16)]
+    settings = [{"temperature": 0.0} if i % 2 == 0 else {"temperature": 1.0, "seed": 1000 + i} for i in range(16)]
+
+    async def run(ac, i):
+        text, finish = "", None
+        stream = await ac.chat.completions.create(model=model, messages=prompts[i], max_tokens=12 + i % 5,
+                                                  stream=True, extra_body={"ignore_eos": i % 3 == 0},
+                                                  **settings[i])
+        async for c in stream:
+            if c.choices:
+                text += c.choices[0].delta.content or ""
+                finish = c.choices[0].finish_reason or finish
+        return text, finish
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                                      timeout=120.0) as ac:
+            solo = [await run(ac, i) for i in range(16)]
+            together = await asyncio.wait_for(asyncio.gather(*(run(ac, i) for i in range(16))), 240)
+        return solo, together
+
+    solo, together = asyncio.run(main())
+    assert all(f in ("stop", "length") for _, f in solo)
+    for i in range(16):
+        assert together[i] == solo[i], f"request {i} differs when run with 15 others"
+
+
+def test_client_disconnect_frees_state(server, http, model):
+    baseline = wait_idle(http, http.get("/health").json())
+    before = http.get("/metrics").text
+    body = {"model": model, "messages": MESSAGES, "max_tokens": MAX_MODEL_LEN // 2, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(base_url=server.url, timeout=60.0) as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 3:
+                    break
+        # Leaving the block closes the connection mid-stream.
+    mid = http.get("/health").json()
+    after = wait_idle(http, baseline)
+    assert {k: after[k] for k in baseline if k != "status"} == {k: baseline[k] for k in baseline if k != "status"}
+    # The request really stopped early: far fewer tokens generated than it asked for.
+    m = http.get("/metrics").text
+    generated = metric(m, "qwen_jax:generation_tokens_total") - metric(before, "qwen_jax:generation_tokens_total")
+    assert generated < MAX_MODEL_LEN // 2, (generated, mid)
+    assert metric(m, "qwen_jax:request_success_total", finished_reason="abort") \
+        == metric(before, "qwen_jax:request_success_total", finished_reason="abort") + 1
+
+    # Non-streamed: the client gives up (timeout) and the server cancels the request.
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=0.5)
+    after = wait_idle(http, baseline)
+    assert after["running"] == 0 and after["free_pages"] == baseline["free_pages"]
+    assert after["free_slots"] == baseline["free_slots"]
+    m2 = http.get("/metrics").text
+    assert metric(m2, "qwen_jax:request_success_total", finished_reason="abort") \
+        == metric(m, "qwen_jax:request_success_total", finished_reason="abort") + 1
+
+
+# --------------------------------------------------------------------------------------------------- metrics
+
+def test_metrics(http, model):
+    wait_idle(http, http.get("/health").json())
+    before = http.get("/metrics").text
+    ids = http.post("/tokenize", json={"prompt": "count these tokens please"}).json()["tokens"]
+    r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 7, "ignore_eos": True}).json()
+    assert r["usage"]["completion_tokens"] == 7
+    after = http.get("/metrics")
+    assert after.headers["content-type"].startswith("text/plain")
+    m = after.text
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        assert f"# TYPE qwen_jax:{name} histogram" in m
+        assert metric(m, f"qwen_jax:{name}_count", model_name=model) > metric(before, f"qwen_jax:{name}_count")
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert f"# TYPE qwen_jax:{name} gauge" in m and f'qwen_jax:{name}{{model_name="{model}"}}' in m
+    for name in ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total"):
+        assert f'qwen_jax:{name}{{model_name="{model}"}}' in m
+    assert metric(m, "qwen_jax:prompt_tokens_total") - metric(before, "qwen_jax:prompt_tokens_total") == len(ids)
+    assert metric(m, "qwen_jax:generation_tokens_total") - metric(before, "qwen_jax:generation_tokens_total") == 7
+    assert metric(m, "qwen_jax:request_success_total", finished_reason="length", model_name=model) \
+        == metric(before, "qwen_jax:request_success_total", finished_reason="length") + 1
+    # 7 tokens: 6 gaps between them.
+    assert metric(m, "qwen_jax:inter_token_latency_seconds_count") \
+        - metric(before, "qwen_jax:inter_token_latency_seconds_count") == 6
+
+
+# ---------------------------------------------------------------------------------------------------- errors
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+OK_CHAT = {"messages": MESSAGES, "max_tokens": 2}
+
+# (route, raw body, status, param, code)
+BAD_INPUTS = [
+    (CHAT, b"{not json", 400, None, None),
+    (CHAT, b"", 400, None, None),
+    (CHAT, b"[1, 2]", 400, None, None),
+    (CHAT, json.dumps({**OK_CHAT, "temprature": 0.5}).encode(), 400, "temprature", None),
+    (CHAT, json.dumps({"max_tokens": 2}).encode(), 400, "messages", None),
+    (CHAT, json.dumps({**OK_CHAT, "messages": []}).encode(), 400, "messages", None),
+    (CHAT, json.dumps({**OK_CHAT, "messages": [{"role": "wizard", "content": "x"}]}).encode(), 400,
+     "messages[0].role", None),
+    (CHAT, json.dumps({**OK_CHAT, "messages": [{"role": "user", "content": 5}]}).encode(), 400,
+     "messages[0].content", None),
+    (CHAT, json.dumps({**OK_CHAT, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}).encode(), 400,
+     "messages[0].content", None),
+    (CHAT, json.dumps({**OK_CHAT, "n": 2}).encode(), 400, "n", None),
+    (CHAT, json.dumps({**OK_CHAT, "temperature": True}).encode(), 400, "temperature", None),
+    (CHAT, json.dumps({**OK_CHAT, "max_tokens": True}).encode(), 400, "max_tokens", None),
+    (CHAT, json.dumps({**OK_CHAT, "max_tokens": "5"}).encode(), 400, "max_tokens", None),
+    (CHAT, json.dumps({**OK_CHAT, "max_tokens": 2.5}).encode(), 400, "max_tokens", None),
+    (CHAT, json.dumps({**OK_CHAT, "max_tokens": 0}).encode(), 400, "max_tokens", None),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, "temperature", None),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "top_p": Infinity}', 400, "top_p", None),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "min_p": 1e999}', 400, "min_p", None),
+    (CHAT, json.dumps({**OK_CHAT, "temperature": -1}).encode(), 400, "temperature", None),
+    (CHAT, json.dumps({**OK_CHAT, "top_p": 0}).encode(), 400, "top_p", None),
+    (CHAT, json.dumps({**OK_CHAT, "top_k": 1.5}).encode(), 400, "top_k", None),
+    (CHAT, json.dumps({**OK_CHAT, "seed": -3}).encode(), 400, "seed", None),
+    (CHAT, json.dumps({**OK_CHAT, "seed": 2 ** 64}).encode(), 400, "seed", None),
+    (CHAT, json.dumps({**OK_CHAT, "stop": 7}).encode(), 400, "stop", None),
+    (CHAT, json.dumps({**OK_CHAT, "stop": [""]}).encode(), 400, "stop", None),
+    (CHAT, json.dumps({**OK_CHAT, "stream": "yes"}).encode(), 400, "stream", None),
+    (CHAT, json.dumps({**OK_CHAT, "stream_options": {"include_usage": True}}).encode(), 400, "stream_options",
+     None),
+    (CHAT, json.dumps({**OK_CHAT, "top_logprobs": 3}).encode(), 400, "top_logprobs", None),
+    (CHAT, json.dumps({**OK_CHAT, "logprobs": True, "top_logprobs": 50}).encode(), 400, "top_logprobs", None),
+    (CHAT, json.dumps({**OK_CHAT, "presence_penalty": 1.5}).encode(), 400, "presence_penalty", None),
+    (CHAT, json.dumps({**OK_CHAT, "chat_template_kwargs": {"tokenize": True}}).encode(), 400,
+     "chat_template_kwargs", None),
+    (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"a": NaN}}', 400,
+     "chat_template_kwargs", None),
+    (CHAT, json.dumps({**OK_CHAT, "messages": [{"role": "user", "content": "a"},
+                                               {"role": "system", "content": "late"}]}).encode(), 400,
+     "messages", None),
+    (CHAT, json.dumps({**OK_CHAT, "max_tokens": MAX_MODEL_LEN}).encode(), 400, "messages",
+     "context_length_exceeded"),
+    (CHAT, json.dumps({"messages": [{"role": "user", "content": "word " * MAX_MODEL_LEN}]}).encode(), 400,
+     "messages", "context_length_exceeded"),
+    (COMPLETIONS, json.dumps({"prompt": [1 + i % 400 for i in range(MAX_MODEL_LEN)]}).encode(), 400, "prompt",
+     "context_length_exceeded"),
+    (COMPLETIONS, json.dumps({"prompt": [1, 2, 10 ** 6]}).encode(), 400, "prompt", None),
+    (COMPLETIONS, json.dumps({"prompt": [1, -2]}).encode(), 400, "prompt", None),
+    (COMPLETIONS, json.dumps({"prompt": [1, True]}).encode(), 400, "prompt", None),
+    (COMPLETIONS, json.dumps({"prompt": []}).encode(), 400, "prompt", None),
+    (COMPLETIONS, json.dumps({"prompt": ""}).encode(), 400, "prompt", None),
+    (COMPLETIONS, json.dumps({"prompt": ["a", "b"]}).encode(), 400, "prompt", None),
+    (COMPLETIONS, json.dumps({"prompt": {"text": "a"}}).encode(), 400, "prompt", None),
+    (COMPLETIONS, json.dumps({}).encode(), 400, "prompt", None),
+    (COMPLETIONS, json.dumps({"prompt": "a", "logprobs": True}).encode(), 400, "logprobs", None),
+    (COMPLETIONS, json.dumps({"prompt": "a", "echo": True}).encode(), 400, "echo", None),
+    (COMPLETIONS, json.dumps({"prompt": "a", "n": 3}).encode(), 400, "n", None),
+    ("/tokenize", json.dumps({"prompt": 5}).encode(), 400, "prompt", None),
+    ("/tokenize", json.dumps({"prompt": "a", "extra": 1}).encode(), 400, "extra", None),
+    ("/tokenize", json.dumps({"messages": [{"role": "user"}], "add_generation_prompt": 1}).encode(), 400,
+     "add_generation_prompt", None),
+    ("/tokenize", b"{", 400, None, None),
+    ("/detokenize", json.dumps({"tokens": [1, 10 ** 7]}).encode(), 400, "tokens", None),
+    ("/detokenize", json.dumps({"tokens": "abc"}).encode(), 400, "tokens", None),
+    (CHAT, json.dumps({**OK_CHAT, "model": "no-such-model"}).encode(), 404, "model", "model_not_found"),
+    (COMPLETIONS, json.dumps({"prompt": "a", "model": "no-such-model"}).encode(), 404, "model", "model_not_found"),
+    ("/tokenize", json.dumps({"prompt": "a", "model": "no-such-model"}).encode(), 404, "model", "model_not_found"),
+]
+
+
+@pytest.mark.parametrize("route,body,status,param,code", BAD_INPUTS,
+                         ids=[f"{i}-{r.rsplit('/', 1)[-1]}-{s}" for i, (r, _, s, _, _) in enumerate(BAD_INPUTS)])
+def test_bad_input(http, route, body, status, param, code):
+    r = http.post(route, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == param and err["code"] == code
+    if code == "context_length_exceeded":
+        assert str(MAX_MODEL_LEN) in err["message"]
+
+
+def test_bad_input_via_openai_client(client, model):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=MESSAGES, n=2)
+    assert e.value.status_code == 400 and e.value.body["param"] == "n"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="missing", messages=MESSAGES)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt=[i % 400 for i in range(MAX_MODEL_LEN + 5)], max_tokens=1)
+    assert e.value.code == "context_length_exceeded"
+
+
+def test_not_found_and_method(http):
+    for method, path in (("GET", "/v1/nothing"), ("POST", "/v2/chat/completions"), ("GET", "/")):
+        r = http.request(method, path)
+        assert r.status_code == 404
+        assert r.json()["error"]["type"] == "invalid_request_error" and path in r.json()["error"]["message"]
+    r = http.get("/v1/chat/completions")
+    assert r.status_code == 405 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_body_too_large(server, http):
+    big = b'{"prompt": "' + b"a" * (MAX_BODY + 10) + b'"}'
+    r = http.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: the limit is enforced while the body arrives
+        for i in range(0, len(big), 1 << 16):
+            yield big[i:i + (1 << 16)]
+
+    r = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert http.get("/health").status_code == 200
+
+
+def test_server_survived(http, server):
+    """After every bad request above, the same process still serves."""
+    assert server.proc.poll() is None
+    r = http.post("/v1/completions", json={"prompt": "still", "max_tokens": 3, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert "Traceback" not in server.log_text()

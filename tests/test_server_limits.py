@@ -1,0 +1,175 @@
+"""The server at its limits: API key required, one stream at a time with a one-request queue (503 + Retry-After
+when full, a queued request cancelled before it starts), and the command line. One real server for the module."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from server.launch import REPO_ROOT, ServerProcess
+
+KEY = "sk-test-0123456789"
+LONG = 400  # tokens a blocking request asks for; it is always cancelled long before
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def server():
+    # The key through the environment, as a deployment would pass it.
+    with ServerProcess(["--max-model-len", "512", "--parallel", "1", "--max-queued", "1"],
+                       env={"QWEN_JAX_API_KEY": KEY}) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60.0, headers={"Authorization": f"Bearer {KEY}"}) as c:
+        yield c
+
+
+def health(http) -> dict:
+    return http.get("/health").json()
+
+
+def wait_for(http, pred, timeout=30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        h = health(http)
+        if pred(h) or time.monotonic() > deadline:
+            return h
+        time.sleep(0.05)
+
+
+def test_api_key(server, http):
+    body = {"prompt": "hi", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                    {"Authorization": f"Basic {KEY}"}, {"Authorization": f"Bearer {KEY}x"}):
+        for method, path, kw in (("POST", "/v1/completions", {"json": body}), ("GET", "/v1/models", {}),
+                                 ("POST", "/tokenize", {"json": {"prompt": "a"}}),
+                                 ("POST", "/v1/chat/completions", {"json": {"messages": [{"role": "user"}]}})):
+            r = httpx.request(method, server.url + path, headers=headers, timeout=30.0, **kw)
+            assert r.status_code == 401, (headers, path, r.text)
+            err = r.json()["error"]
+            assert err["code"] == "invalid_api_key" and err["type"] == "invalid_request_error"
+    # Probes and scrapers stay open.
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/metrics").status_code == 200
+    assert http.post("/v1/completions", json=body).status_code == 200
+
+    good = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60.0)
+    assert good.completions.create(model=good.models.list().data[0].id, prompt="hi", max_tokens=2).usage
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0, timeout=60.0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_full_queue_503_and_queued_cancel(server, http):
+    baseline = wait_for(http, lambda h: h["running"] == 0 and h["waiting"] == 0)
+    blocking = {"prompt": [5, 6, 7], "max_tokens": LONG, "ignore_eos": True, "stream": True}
+    before = http.get("/metrics").text
+    with httpx.Client(base_url=server.url, timeout=60.0, headers={"Authorization": f"Bearer {KEY}"}) as a, \
+            httpx.Client(base_url=server.url, timeout=60.0, headers={"Authorization": f"Bearer {KEY}"}) as b:
+        with a.stream("POST", "/v1/completions", json=blocking) as ra:
+            assert ra.status_code == 200
+            lines = ra.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))  # running: its first token is out
+            with b.stream("POST", "/v1/completions", json={**blocking, "prompt": [8, 9]}) as rb:
+                assert rb.status_code == 200
+                h = wait_for(http, lambda h: h["waiting"] == 1)
+                assert h["running"] == 1 and h["waiting"] == 1
+                # Slot busy, queue full: refused at once, with a retry hint, for either route and streaming or not.
+                for route, body in (("/v1/completions", {"prompt": "x", "max_tokens": 2}),
+                                    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                              "max_tokens": 2, "stream": True})):
+                    t0 = time.monotonic()
+                    r = http.post(route, json=body)
+                    assert r.status_code == 503, r.text
+                    assert time.monotonic() - t0 < 5.0
+                    assert int(r.headers["retry-after"]) >= 1
+                    err = r.json()["error"]
+                    assert err["type"] == "server_error" and err["code"] == "overloaded"
+                # openai's client sees a retryable 503 (InternalServerError family).
+                c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=30.0)
+                with pytest.raises(openai.InternalServerError) as e:
+                    c.completions.create(model=c.models.list().data[0].id, prompt="x", max_tokens=1)
+                assert e.value.status_code == 503
+            # b disconnected while still queued: it leaves the queue and never starts.
+            h = wait_for(http, lambda h: h["waiting"] == 0)
+            assert h["waiting"] == 0 and h["running"] == 1
+    after = wait_for(http, lambda h: all(h[k] == baseline[k] for k in ("running", "waiting", "free_pages",
+                                                                           "free_slots")))
+    for k in ("running", "waiting", "free_pages", "free_slots"):
+        assert after[k] == baseline[k]
+    m = http.get("/metrics").text
+
+    def sample(text, name, **labels):
+        for line in text.splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    # Only a's 3 prompt tokens were ever processed: b (2 tokens) never started.
+    assert sample(m, "qwen_jax:prompt_tokens_total") - sample(before, "qwen_jax:prompt_tokens_total") == 3
+    assert sample(m, "qwen_jax:admission_rejections_total", reason="queue_full") \
+        - sample(before, "qwen_jax:admission_rejections_total", reason="queue_full") == 3
+    assert sample(m, "qwen_jax:request_success_total", finished_reason="abort") \
+        - sample(before, "qwen_jax:request_success_total", finished_reason="abort") == 2
+    # And the server serves again.
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_bounded_flood(server, http):
+    """Many clients at once against 1 slot + 1 queue place: every reply is a 200 or a 503, nothing else."""
+    import asyncio
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60.0,
+                                     headers={"Authorization": f"Bearer {KEY}"}) as c:
+            async def one(i):
+                r = await c.post("/v1/completions", json={"prompt": [1 + i], "max_tokens": 8, "ignore_eos": True})
+                return r.status_code, r.json()
+            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(12))), 120)
+
+    results = asyncio.run(main())
+    codes = [c for c, _ in results]
+    assert set(codes) <= {200, 503} and 200 in codes and 503 in codes, codes
+    assert all(body["usage"]["completion_tokens"] == 8 for c, body in results if c == 200)
+    h = wait_for(http, lambda h: h["running"] == 0 and h["waiting"] == 0)
+    assert h["running"] == 0 and h["waiting"] == 0
+
+
+# ------------------------------------------------------------------------------------------------ command line
+
+def _cli(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "server", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_help_documents_every_flag():
+    out = _cli("--help").stdout
+    for flag in ("--model", "--drafter", "--no-drafts", "--host", "--port", "--max-model-len", "--parallel",
+                 "--kv-cache", "--dtype", "--api-key", "--max-queued", "--served-model-name", "--max-tokens",
+                 "--max-request-bytes", "QWEN_JAX_API_KEY", "captures/tiny", "gibberish"):
+        assert flag in out, flag
+    bench = subprocess.run([sys.executable, "-m", "server.bench", "--help"], cwd=REPO_ROOT, capture_output=True,
+                           text=True, timeout=60).stdout
+    for flag in ("--url", "--engine", "--concurrency", "--prompt-tokens", "--max-tokens", "--num-prompts"):
+        assert flag in bench, flag
+
+
+def test_cli_refusals():
+    r = _cli("--drafter", "/nowhere")
+    assert r.returncode == 2 and "drafting is not available" in r.stderr
+    r = _cli("--drafter", "x", "--no-drafts")
+    assert r.returncode == 2 and "not allowed with" in r.stderr
+    r = _cli("--model", "/definitely/not/here")
+    assert r.returncode == 2 and "not a directory" in r.stderr
+    r = _cli("--parallel", "0")
+    assert r.returncode == 2 and "positive" in r.stderr
