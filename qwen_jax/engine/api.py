@@ -40,6 +40,7 @@ class GenerationRequest:
     logprobs: int | None = None  # None: no logprobs; n >= 0: the chosen token's logprob plus the top n
     draft: bool = True  # False: serial decoding (the reference the drafted path must equal)
     request_id: str = ""
+    skip_special_tokens: bool = True  # text leaves out the tokenizer's special tokens (token_ids keep them)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""The serving engine: requests in, tokens out (`engine.Engine`); the contract is in `api`."""

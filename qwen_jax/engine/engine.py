@@ -1,0 +1,411 @@
+"""The engine: a bounded request queue, admission against the state pools, and a scheduler thread that runs
+rounds of compiled programs (qwen_jax.programs). Plain Python; it packs host arrays and calls programs.
+
+A round of the scheduler (one loop iteration):
+  1. take new requests and cancellations (a queued request that is cancelled never starts);
+  2. admit queued requests in arrival order while a GDN slot and the request's KV pages are free (pages for its
+     prompt plus max_tokens, capped at the context, are reserved up front, so a running stream never runs out);
+  3. one prompt call: the next chunk of up to `prompt_lanes` prompting streams (chunks cut on the 64-grid of
+     absolute positions, at most `prefill_step` rows a lane while other streams decode, so they keep going);
+     a lane whose prompt ends there yields its first token at once;
+  4. one decode call for every decoding stream: verify + commit the pending token, sample the next.
+Every decided token becomes an event on its request's handle; a stream ends on a stop id (the checkpoint's EOS
+unless ignore_eos, plus stop_token_ids), a stop string, max_tokens or the end of the context, and its pages and
+slot go back at once. An exception while handling one stream fails that stream only; a failed program fails the
+streams in it (and, if it consumed the donated pools, every running stream, on fresh pools).
+
+Exactness: a request's tokens do not depend on what else runs (programs docstring): its prompt chunks are cut on
+the grid whatever the lane count or bucket, each row is sampled with the keyed sampler at its absolute position,
+and the seed of a request without one comes from its prompt (sampling.derive_seed), so replies reproduce.
+Drafting is not in yet: `GenerationRequest.draft` is accepted and every request decodes serially.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from qwen_jax import programs as P
+from qwen_jax import sampling
+from qwen_jax.config import ModelConfig
+from qwen_jax.engine.api import (ContextLengthExceeded, EngineOverloaded, EngineStats, GenerationRequest, TokenEvent,
+                                 TokenLogprob)
+from qwen_jax.engine.handle import RequestHandle
+from qwen_jax.engine.state import IndexPool
+from qwen_jax.engine.stream import Phase, Stream
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CACHE_DIR = os.environ.get("QWEN_JAX_CACHE_DIR", str(Path.home() / ".cache" / "qwen_jax" / "jax"))
+
+
+class Engine:
+    """See the module docstring and qwen_jax/engine/api.py for the contract.
+
+    params / config: the model (qwen_jax.checkpoint.load_checkpoint); tokenizer: for text and stop strings (None:
+    events carry ids only and stop strings are refused). max_model_len: context per request; parallel: streams
+    decoding at once (GDN slots); max_queued: requests waiting beyond those. num_pages: KV pool pages (default:
+    every stream can hold a full context). buckets: the compiled shapes (default: programs.default_buckets).
+    max_prefill_chunk: largest prompt chunk; prefill_step: rows per prompt lane while other streams decode.
+    max_logprobs: the most top logprobs a request may ask for (0: logprobs off, programs skip them).
+    seed_salt: mixed into the seeds derived for requests without one.
+    """
+
+    def __init__(self, params, config: ModelConfig, tokenizer=None, *, model_name: str = "qwen",
+                 dtype: str = "bfloat16", kv_cache: str = "bf16", max_model_len: int = 4096, parallel: int = 16,
+                 max_queued: int = 64, backend=None, page_size: int = 64, num_pages: int | None = None,
+                 buckets: P.Buckets | None = None, max_prefill_chunk: int = 4096, prefill_step: int = 1024,
+                 max_logprobs: int = 0, seed_salt: str = "", progress: bool = True):
+        from qwen_jax.model import Backend
+        for name, v, lo in (("max_model_len", max_model_len, 2), ("parallel", parallel, 1),
+                            ("max_queued", max_queued, 0), ("page_size", page_size, 1),
+                            ("max_prefill_chunk", max_prefill_chunk, P.GRID), ("prefill_step", prefill_step, P.GRID)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        if prefill_step % P.GRID or max_prefill_chunk % P.GRID:
+            raise ValueError(f"max_prefill_chunk and prefill_step must be multiples of {P.GRID}")
+        self.model_config = config
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.parallel = parallel
+        self.max_queued = max_queued
+        self.max_logprobs = max_logprobs
+        self.seed_salt = seed_salt
+        self.progress = progress
+        self.backend = backend or Backend.default()
+        pages_per_stream = P.pages_for(max_model_len, page_size)
+        if num_pages is None:
+            num_pages = parallel * pages_per_stream + 1
+        self.layout = P.Layout(page_size, pages_per_stream, num_pages, parallel + 1, dtype, kv_cache)
+        if buckets is None:
+            buckets = P.default_buckets(params, self.backend, parallel=parallel,
+                                        max_chunk=min(max_prefill_chunk, P.pages_for(max_model_len, P.GRID) * P.GRID),
+                                        logprobs=max_logprobs)
+        if buckets.logprobs < max_logprobs:
+            raise ValueError(f"buckets compute {buckets.logprobs} top logprobs; max_logprobs={max_logprobs}")
+        if buckets.decode_streams[-1] < parallel:
+            raise ValueError(f"the largest decode bucket ({buckets.decode_streams[-1]}) is below parallel={parallel}")
+        self.buckets = buckets
+        self.chunk_cap = min(buckets.prompt_rows[-1], max_prefill_chunk)
+        self.step_cap = min(self.chunk_cap, prefill_step)
+        self.programs = P.Programs(params, config, self.layout, buckets, self.backend)
+        self.stop_ids = frozenset(config.eos_token_ids)
+        self.vocab_size = config.text.vocab_size
+        self._pages = IndexPool(num_pages, "KV pages")
+        self._slots = IndexPool(parallel + 1, "GDN slots")
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._inbox: list[RequestHandle] = []
+        self._cancels: list[RequestHandle] = []
+        self._waiting: collections.deque[RequestHandle] = collections.deque()
+        self._n_waiting = 0  # inbox + waiting, for the queue bound
+        self._running: list[Stream] = []
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._counters = {"prompt": 0, "generation": 0}
+        self.compile_times: dict = {}
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: str, *, dtype: str = "bfloat16", kv_cache: str = "bf16",
+                        max_model_len: int = 4096, parallel: int = 16, max_queued: int = 64, backend=None,
+                        progress: bool = True, compile_cache: str | None = DEFAULT_CACHE_DIR, max_logprobs: int = 20,
+                        **kwargs) -> "Engine":
+        """Load a checkpoint dir (weights, tokenizer, generation_config EOS ids) into an engine. compile_cache:
+        the persistent compilation cache dir (None: off); default $QWEN_JAX_CACHE_DIR or ~/.cache/qwen_jax/jax."""
+        import jax.numpy as jnp
+
+        from qwen_jax.checkpoint import load_checkpoint, load_tokenizer
+        if dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"dtype must be bfloat16 or float32, got {dtype!r}")
+        if compile_cache:
+            P.enable_compilation_cache(compile_cache)
+        ck = load_checkpoint(model_dir, dtype=jnp.float32 if dtype == "float32" else jnp.bfloat16,
+                             progress=progress or None)
+        tokenizer = load_tokenizer(model_dir)
+        return cls(ck.params, ck.config, tokenizer, model_name=Path(model_dir).resolve().name, dtype=dtype,
+                   kv_cache=kv_cache, max_model_len=max_model_len, parallel=parallel, max_queued=max_queued,
+                   backend=backend, progress=progress, max_logprobs=max_logprobs, **kwargs)
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Compile every bucket (a progress bar when `progress`), then start the scheduler thread."""
+        if self._thread is not None:
+            return
+        self.compile_times = self.programs.compile(progress=self.progress)
+        self._thread = threading.Thread(target=self._run, name="qwen-jax-scheduler", daemon=True)
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        """Stop the scheduler; requests still queued or running end with finish_reason "error"."""
+        with self._lock:
+            self._stop = True
+            self._wake.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with self._lock:
+            left = list(self._inbox) + list(self._waiting)
+            self._inbox.clear()
+            self._waiting.clear()
+            self._n_waiting = 0
+        for h in left:
+            h._push(TokenEvent((), "", finish_reason="error", error="the engine shut down"))
+        for s in list(self._running):
+            self._end(s, TokenEvent((), "", finish_reason="error", error="the engine shut down"))
+
+    def __enter__(self) -> "Engine":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------------------------------ requests
+
+    def _sampling_rule(self, req: GenerationRequest) -> sampling.RequestSampling:
+        s = req.sampling
+        seed = s.seed if s.seed is not None else sampling.derive_seed(req.prompt_ids, self.seed_salt)
+        return sampling.RequestSampling(seed=seed, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                        min_p=s.min_p)
+
+    def _reserve(self, req: GenerationRequest) -> int:
+        """KV pages a request holds while it runs: its prompt and max_tokens, capped at the context."""
+        return P.pages_for(min(len(req.prompt_ids) + req.max_tokens, self.max_model_len), self.layout.page_size)
+
+    def validate(self, req: GenerationRequest) -> None:
+        """Raise ValueError (or ContextLengthExceeded) naming the field, for a request this engine can't take."""
+        if not isinstance(req, GenerationRequest):
+            raise ValueError(f"expected a GenerationRequest, got {type(req).__name__}")
+        ids = req.prompt_ids
+        if len(ids) == 0:
+            raise ValueError("prompt_ids: the prompt is empty")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))
+               or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_ids: {bad[:5]} are not token ids of this model (vocabulary 0..{self.vocab_size - 1})")
+        if isinstance(req.max_tokens, bool) or not isinstance(req.max_tokens, int) or req.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {req.max_tokens!r}")
+        if len(ids) + 1 > self.max_model_len:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has {len(ids)} "
+                f"tokens, which leaves no room for a reply. Shorten the prompt.")
+        if self._reserve(req) > self._pages.total:
+            raise ContextLengthExceeded(
+                f"The request needs {self._reserve(req)} KV pages (prompt {len(ids)} + max_tokens "
+                f"{req.max_tokens}) but the cache holds {self._pages.total}; lower max_tokens or shorten the prompt.")
+        if req.logprobs is not None:
+            if isinstance(req.logprobs, bool) or not isinstance(req.logprobs, int) or req.logprobs < 0:
+                raise ValueError(f"logprobs must be None or a non-negative integer, got {req.logprobs!r}")
+            if self.max_logprobs == 0:
+                raise ValueError("logprobs: this engine was started without logprobs (max_logprobs=0)")
+            if req.logprobs > self.max_logprobs:
+                raise ValueError(f"logprobs: at most {self.max_logprobs} top logprobs, got {req.logprobs}")
+        if any(not isinstance(s, str) for s in req.stop):
+            raise ValueError(f"stop must be strings, got {req.stop!r}")
+        if any(req.stop) and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer; this engine has none")
+        if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0 for t in req.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {req.stop_token_ids!r}")
+        self._sampling_rule(req)  # ValueError naming the sampling field
+
+    def submit(self, req: GenerationRequest) -> RequestHandle:
+        """Queue a request -> its handle. Raises ValueError / ContextLengthExceeded for a request that can never
+        run, EngineOverloaded when max_queued requests are already waiting."""
+        self.validate(req)
+        handle = RequestHandle(req, self._cancel)
+        with self._lock:
+            if self._stop:
+                raise RuntimeError("the engine is shut down")
+            if self._n_waiting >= self.max_queued:
+                raise EngineOverloaded(f"{self._n_waiting} requests are already waiting (max_queued={self.max_queued})")
+            self._n_waiting += 1
+            self._inbox.append(handle)
+            self._wake.notify_all()
+        return handle
+
+    def _cancel(self, handle: RequestHandle) -> None:
+        with self._lock:
+            self._cancels.append(handle)
+            self._wake.notify_all()
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            return EngineStats(running=len(self._running), waiting=self._n_waiting, free_pages=self._pages.free,
+                               total_pages=self._pages.total, free_slots=self._slots.free,
+                               total_slots=self._slots.total, prompt_tokens_total=self._counters["prompt"],
+                               generation_tokens_total=self._counters["generation"])
+
+    # ------------------------------------------------------------------------------------------ scheduler
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                self._wake.wait_for(lambda: self._stop or self._inbox or self._cancels or self._running)
+                if self._stop:
+                    return
+                self._waiting.extend(self._inbox)
+                self._inbox.clear()
+                cancels, self._cancels = self._cancels, []
+            try:
+                self._round(cancels)
+            except Exception as e:  # a bug in the scheduler itself: fail what runs, keep serving
+                log.exception("scheduler round failed")
+                for s in list(self._running):
+                    self._fail(s, e)
+
+    def _round(self, cancels: list[RequestHandle]) -> None:
+        for h in cancels:
+            self._cancel_now(h)
+        self._admit()
+        if any(s.phase is Phase.PROMPT for s in self._running):
+            self._prompt_call()
+        if any(s.phase is Phase.DECODE for s in self._running):
+            self._decode_call()
+
+    def _cancel_now(self, handle: RequestHandle) -> None:
+        with self._lock:
+            if handle in self._waiting:
+                self._waiting.remove(handle)
+                self._n_waiting -= 1
+                queued = True
+            else:
+                queued = False
+        if queued:
+            handle._push(TokenEvent((), "", finish_reason="cancelled"))
+            return
+        for s in self._running:
+            if s.handle is handle:
+                self._end(s, TokenEvent((), "", finish_reason="cancelled"))
+                return
+
+    def _admit(self) -> None:
+        while True:
+            with self._lock:
+                if not self._waiting:
+                    return
+                handle = self._waiting[0]
+            req = handle.request
+            slot = self._slots.take(1)
+            if slot is None:
+                return
+            pages = self._pages.take(self._reserve(req))
+            if pages is None:
+                self._slots.give_back(slot)
+                return
+            with self._lock:
+                self._waiting.popleft()
+                self._n_waiting -= 1
+            try:
+                stream = Stream(handle, slot=slot[0], pages=pages, pages_per_stream=self.layout.pages_per_stream,
+                                sampling_rule=self._sampling_rule(req),
+                                stop_ids=frozenset(req.stop_token_ids) | (frozenset() if req.ignore_eos
+                                                                          else self.stop_ids),
+                                max_model_len=self.max_model_len, tokenizer=self.tokenizer)
+            except Exception as e:
+                self._slots.give_back(slot)
+                self._pages.give_back(pages)
+                handle._push(TokenEvent((), "", finish_reason="error", error=f"{type(e).__name__}: {e}"))
+                continue
+            with self._lock:
+                self._running.append(stream)
+
+    def _end(self, stream: Stream, event: TokenEvent) -> None:
+        """Release a stream's slot and pages, then hand its last event over."""
+        with self._lock:
+            if stream not in self._running:
+                return
+            self._running.remove(stream)
+            self._slots.give_back([stream.slot])
+            self._pages.give_back(stream.pages)
+        stream.handle._push(event)
+
+    def _fail(self, stream: Stream, exc: BaseException) -> None:
+        log.warning("request %r failed: %s: %s", stream.request.request_id, type(exc).__name__, exc)
+        self._end(stream, TokenEvent((), "", finish_reason="error", error=f"{type(exc).__name__}: {exc}"))
+
+    def _program_failed(self, streams: list[Stream], exc: BaseException) -> None:
+        log.exception("program failed")
+        for s in streams:
+            self._fail(s, exc)
+        if self.programs.state_lost():
+            self.programs.reset_state()
+            for s in list(self._running):
+                self._fail(s, RuntimeError("the state pools were lost to another request's failure; retry"))
+
+    def _deliver(self, stream: Stream, token: int, sampled: P.Sampled, row: int) -> None:
+        """One decided token of one stream: event out, finish if it ends the reply. Errors stay with the stream."""
+        try:
+            lp = None
+            n = stream.request.logprobs
+            if n is not None and sampled.logprob is not None:
+                top = tuple((int(i), float(v)) for i, v in zip(sampled.top_ids[row, :n], sampled.top_logprobs[row, :n]))
+                lp = TokenLogprob(token, float(sampled.logprob[row]), top)
+            self.on_token(stream, token)
+            event = stream.token_event(token, lp)
+            with self._lock:
+                self._counters["generation"] += 1
+        except Exception as e:
+            self._fail(stream, e)
+            return
+        if event.finish_reason is not None:
+            self._end(stream, event)
+        else:
+            stream.handle._push(event)
+
+    def on_token(self, stream: Stream, token: int) -> None:
+        """Called for every decided token before its event is built (a subclass hook: tracing, fault injection
+        in tests). An exception here fails that stream only."""
+
+    def _prompt_call(self) -> None:
+        prompting = [s for s in self._running if s.phase is Phase.PROMPT]
+        decoding = any(s.phase is Phase.DECODE for s in self._running)
+        cap = self.step_cap if decoding else self.chunk_cap
+        max_lanes = self.buckets.prompt_lanes[-1]
+        lanes: list[tuple[Stream, int, int]] = []
+        rows = 0
+        for s in prompting:
+            start, n = s.next_chunk(cap)
+            t = self.buckets.prompt_bucket(1, n)[1]
+            # Lanes share one row bucket; a lane joins while the call stays within the row budget.
+            if lanes and (max(rows, t) * (len(lanes) + 1) > max(cap, rows) or len(lanes) >= max_lanes):
+                continue
+            lanes.append((s, start, n))
+            rows = max(rows, t)
+        n_lanes, rows = self.buckets.prompt_bucket(len(lanes), rows)
+        chunks = [P.PromptChunk(s.prompt[start:start + n], start, s.slot, s.page_table) for s, start, n in lanes]
+        sp = P.sample_params([s.sampling for s, _, _ in lanes], [start + n for _, start, n in lanes], n_lanes)
+        try:
+            out = self.programs.prompt(P.prompt_batch(self.layout, n_lanes, rows, chunks), sp)
+        except Exception as e:
+            self._program_failed([s for s, _, _ in lanes], e)
+            return
+        with self._lock:
+            self._counters["prompt"] += sum(n for _, _, n in lanes)
+        for i, (s, start, n) in enumerate(lanes):
+            s.prefilled = start + n
+            if s.prefilled == s.prompt_len:
+                s.phase = Phase.DECODE
+                s.cache_len = s.prompt_len
+                self._deliver(s, int(out.tokens[i]), out, i)
+
+    def _decode_call(self) -> None:
+        streams = [s for s in self._running if s.phase is Phase.DECODE]
+        n = self.buckets.decode_bucket(len(streams))
+        window = P.decode_window(self.layout, n, [s.pending for s in streams], [s.cache_len for s in streams],
+                                 [s.slot for s in streams], [s.page_table for s in streams])
+        sp = P.sample_params([s.sampling for s in streams], [s.cache_len + 1 for s in streams], n)
+        try:
+            out = self.programs.decode(window, sp)
+        except Exception as e:
+            self._program_failed(streams, e)
+            return
+        for i, s in enumerate(streams):
+            s.cache_len += 1
+            self._deliver(s, int(out.tokens[i]), out, i)

@@ -1,0 +1,75 @@
+"""One running request on the scheduler's side: where its prompt and cache stand, and what each decided token
+does to its reply (stop ids, stop strings, max tokens, context end)."""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+from qwen_jax import sampling
+from qwen_jax.engine.api import GenerationRequest, TokenEvent, TokenLogprob
+from qwen_jax.engine.handle import RequestHandle
+from qwen_jax.engine.text import Detokenizer, StopStrings
+
+
+class Phase(enum.Enum):
+    PROMPT = "prompt"  # prompt chunks still to run
+    DECODE = "decode"  # one pending token (sampled, not yet in the cache) per round
+
+
+class Stream:
+    def __init__(self, handle: RequestHandle, *, slot: int, pages: list[int], pages_per_stream: int,
+                 sampling_rule: sampling.RequestSampling, stop_ids: frozenset[int], max_model_len: int, tokenizer):
+        req: GenerationRequest = handle.request
+        self.handle = handle
+        self.request = req
+        self.prompt = np.asarray(req.prompt_ids, np.int32)
+        self.slot = slot
+        self.pages = pages
+        self.page_table = np.zeros(pages_per_stream, np.int32)
+        self.page_table[:len(pages)] = pages
+        self.sampling = sampling_rule
+        self.stop_ids = stop_ids
+        self.max_model_len = max_model_len
+        self.phase = Phase.PROMPT
+        self.prefilled = 0  # prompt rows in the cache
+        self.cache_len = 0  # positions in the cache (prompt + committed reply tokens)
+        self.pending: int | None = None  # the last sampled token, not yet in the cache
+        self.generated: list[int] = []
+        self.detok = Detokenizer(tokenizer, skip_special_tokens=req.skip_special_tokens) if tokenizer else None
+        self.stops = StopStrings(req.stop)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    def next_chunk(self, cap: int) -> tuple[int, int]:
+        """(start, length) of the next prompt chunk of at most `cap` rows (cap a multiple of the grid, so every
+        chunk but the last ends on the grid and the next one starts on it)."""
+        return self.prefilled, min(self.prompt_len - self.prefilled, cap)
+
+    def token_event(self, token: int, logprob: TokenLogprob | None) -> TokenEvent:
+        """Record a decided token and return its event (finish_reason set when this token ends the reply)."""
+        self.generated.append(token)
+        self.pending = token
+        finish = None
+        if token in self.stop_ids:
+            finish = "stop"  # the stop token's own text is not part of the reply; what was held back is
+            text = self._flush()
+        else:
+            text, hit = self.stops.feed(self.detok.add(token)) if self.detok is not None else ("", False)
+            if hit:
+                finish = "stop"  # the match and anything after it are dropped
+            elif (len(self.generated) >= self.request.max_tokens
+                  or self.prompt_len + len(self.generated) >= self.max_model_len):
+                finish = "length"
+                text += self._flush()
+        lps = (logprob,) if logprob is not None else None
+        return TokenEvent((token,), text, lps, finish)
+
+    def _flush(self) -> str:
+        if self.detok is None:
+            return ""
+        text, hit = self.stops.feed(self.detok.flush())
+        return text if hit else text + self.stops.flush()

@@ -1,0 +1,560 @@
+"""The engine's fixed set of jitted programs: static shapes, state pools donated and updated in place, every
+bucket compiled ahead of time (`Programs.compile`), so serving never traces or compiles.
+
+Programs (each one XLA executable per bucket):
+  prompt  [lanes x rows]  one prompt chunk for each of up to `lanes` streams; writes K/V and advances the GDN
+                          slots; samples each lane's next token from its last real row (kept only when the chunk
+                          ends the prompt).
+  decode  [streams x 1]   one serial step for every decoding stream: verify the pending token, commit it, sample
+                          the next one. The fused form of verify + commit while windows are one row.
+  verify  [streams x rows] a drafted window (chain or tree) per stream, states read-only; samples every row and
+                          returns the per-layer rows `commit` replays. Only compiled for `Buckets.window_rows`.
+  commit  [streams x rows] writes each stream's accepted path into its state.
+  score / kv_compare      teacher-forced evaluation chunks (`python -m qwen_jax eval`).
+
+Batches are the model's own pytrees (`PrefillBatch`, `VerifyWindow`) holding numpy arrays built on the host by
+`prompt_batch` / `decode_window` / `tree_window`; the engine never builds jnp graphs.
+
+Why the buckets look the way they do (exactness). A row's bits must not depend on which other rows ride in the
+same call, nor on where its prompt was cut. What holds, measured on the reference path (XLA:CPU, captures/tiny,
+fp32 and bf16; tests/test_programs.py keeps it checked):
+  * Within one program shape, a row's bits depend neither on its lane nor on what the other lanes hold.
+  * Across shapes they can differ: XLA:CPU's code for a fused reduction (e.g. the RMS norm in front of the GDN
+    output projection at [4, T, 4, 32]) and for `exp` on small arrays depends on the whole array's shape, and an
+    fp32 dot with one row (a GEMV) rounds differently from the same row inside a GEMM. With one lane, prompt
+    chunks of 64..512 rows gave bit-identical logits and states; with four lanes batched they did not.
+So on the reference path (`Packing.MAPPED`) a prompt call runs its lanes one after another through the one-lane
+forward (`lax.scan`, empty lanes skipped), which makes every lane's computation the same shape whatever the
+lane count; and decode uses one stream bucket (every round has the same shape; solo requests run in it too).
+The Pallas kernels fix their reduction order from the weight and tile shapes alone (qmm, attention, GDN), so with
+kernels on and quantized linear weights (`row_invariant`) prompt lanes are batched into one forward
+(`Packing.BATCHED`) and decode gets power-of-two stream buckets; `pytest -m gpu` checks that on the device.
+
+Letters: s lanes/streams in one call, t prompt rows, r window rows, v vocabulary, n top logprobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.qweight import QuantizedWeight
+from qwen_jax import model as M
+from qwen_jax import sampling
+from qwen_jax.config import ModelConfig
+from qwen_jax.model.forward import kv_dtype_for
+
+GRID = 64  # prompt chunks start on this grid of absolute positions (the GDN chunk; attention key blocks)
+
+
+class Packing(str, enum.Enum):
+    BATCHED = "batched"  # a prompt call's lanes share one forward ([lanes, rows] matmuls)
+    MAPPED = "mapped"  # lanes run one after another through the one-lane forward inside the program
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Static sizes shared by every program. The page-table width is the same everywhere, so attention's key
+    axis has one length in every program (the reference gathers the whole table)."""
+    page_size: int
+    pages_per_stream: int  # page-table width: ceil(max_model_len / page_size)
+    num_pages: int  # KV pages in the pool, page 0 the dummy that padding rows point at
+    num_slots: int  # GDN state slots, slot 0 the dummy
+    dtype: str = "bfloat16"  # compute dtype: bfloat16 or float32
+    kv_cache: str = "bf16"  # bf16 (the compute dtype) or fp8 (e4m3 with per-row scales)
+
+    def __post_init__(self):
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"dtype must be bfloat16 or float32, got {self.dtype!r}")
+        if self.page_size < 1 or GRID % self.page_size and self.page_size % GRID:
+            raise ValueError(f"page_size must divide or be a multiple of {GRID}, got {self.page_size}")
+        for name in ("pages_per_stream", "num_pages", "num_slots"):
+            if getattr(self, name) < (2 if name != "pages_per_stream" else 1):
+                raise ValueError(f"{name} is too small: {getattr(self, name)}")
+        kv_dtype_for(self.kv_cache, jnp.bfloat16)  # validates the name
+
+    @property
+    def max_len(self) -> int:
+        return self.pages_per_stream * self.page_size
+
+    @property
+    def jnp_dtype(self):
+        return jnp.float32 if self.dtype == "float32" else jnp.bfloat16
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """Which shapes get compiled. prompt_rows: multiples of GRID; prompt_lanes / decode_streams: lane counts;
+    window_rows: verify/commit row buckets for drafting (compiled for every decode stream bucket); logprobs: the
+    top-n every sampling program computes (0 = none). One variant per bucket: computing logprobs only in some
+    rounds would switch a stream between two programs."""
+    prompt_rows: tuple[int, ...]
+    prompt_lanes: tuple[int, ...]
+    decode_streams: tuple[int, ...]
+    window_rows: tuple[int, ...] = ()
+    packing: Packing = Packing.MAPPED
+    logprobs: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "packing", Packing(self.packing))
+        for name in ("prompt_rows", "prompt_lanes", "decode_streams", "window_rows"):
+            vals = tuple(sorted(set(int(v) for v in getattr(self, name))))
+            if name != "window_rows" and not vals:
+                raise ValueError(f"buckets: {name} is empty")
+            if any(v < 1 for v in vals):
+                raise ValueError(f"buckets: {name} must be positive, got {vals}")
+            object.__setattr__(self, name, vals)
+        bad = [t for t in self.prompt_rows if t % GRID]
+        if bad:
+            raise ValueError(f"buckets: prompt_rows must be multiples of {GRID}, got {bad}")
+        if not 0 <= self.logprobs <= 20:
+            raise ValueError(f"buckets: logprobs must be in [0, 20], got {self.logprobs}")
+
+    def prompt_bucket(self, lanes: int, rows: int) -> tuple[int, int]:
+        return _fit(self.prompt_lanes, lanes, "prompt lanes"), _fit(self.prompt_rows, rows, "prompt rows")
+
+    def decode_bucket(self, streams: int) -> int:
+        return _fit(self.decode_streams, streams, "decode streams")
+
+    def window_bucket(self, streams: int, rows: int) -> tuple[int, int]:
+        return self.decode_bucket(streams), _fit(self.window_rows, rows, "window rows")
+
+
+def _fit(options: tuple[int, ...], n: int, what: str) -> int:
+    for o in options:
+        if o >= n:
+            return o
+    raise ValueError(f"{n} {what} exceed the largest compiled bucket ({options[-1] if options else 'none'})")
+
+
+def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    out, v = [], lo
+    while v < hi:
+        out.append(v)
+        v *= 2
+    out.append(hi)
+    return tuple(sorted(set(out)))
+
+
+def linear_weights(params) -> list:
+    """Every matmul weight of the text model (the embedding only where it doubles as the lm_head)."""
+    out = [params["embed"] if params["lm_head"] is None else params["lm_head"]]
+    for layer in params["layers"]:
+        out += [layer["mlp"][k] for k in ("gate", "up", "down")]
+        if "gdn" in layer:
+            out += [layer["gdn"][k] for k in ("qkv", "z", "b", "a", "out")]
+        else:
+            out += [layer["attn"][k] for k in ("q", "k", "v", "o")]
+    return out
+
+
+def row_invariant(params, backend: M.Backend) -> bool:
+    """Whether every matmul row's bits are independent of how many rows share the call: true for the Pallas qmm
+    kernel (quantized weights, kernels on); not for XLA's dot (a GEMV rounds differently from a GEMM row on CPU;
+    cuBLAS picks algorithms by shape on GPU)."""
+    return backend.kernels and all(isinstance(w, QuantizedWeight) for w in linear_weights(params))
+
+
+def default_buckets(params, backend: M.Backend, *, parallel: int, max_chunk: int = 4096, logprobs: int = 0,
+                    window_rows: tuple[int, ...] = ()) -> Buckets:
+    """The engine's default shapes (module docstring: why the reference path gets one decode bucket and mapped
+    prompt lanes)."""
+    rows = pow2_buckets(GRID, max(GRID, max_chunk))
+    if row_invariant(params, backend):
+        return Buckets(rows, pow2_buckets(1, min(4, parallel)), pow2_buckets(1, parallel), window_rows,
+                       Packing.BATCHED, logprobs)
+    return Buckets(rows, (min(4, parallel),), (parallel,), window_rows, Packing.MAPPED, logprobs)
+
+
+# ---------------------------------------------------------------------------------------------- host batches
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptChunk:
+    tokens: Sequence[int]  # the chunk's prompt ids
+    start: int  # absolute position of its first row (on the GRID unless resuming a cache)
+    slot: int
+    page_table: np.ndarray  # [pages_per_stream] int32
+
+
+def _text_rope(positions: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(np.broadcast_to(positions[None], (3,) + positions.shape)).astype(np.int32)
+
+
+def prompt_batch(layout: Layout, lanes: int, rows: int, chunks: Sequence[PromptChunk]) -> M.PrefillBatch:
+    """Host arrays for a prompt call of `lanes` x `rows`; lanes past the chunks are empty (dummy slot and pages)."""
+    if len(chunks) > lanes:
+        raise ValueError(f"{len(chunks)} chunks do not fit {lanes} lanes")
+    tokens = np.zeros((lanes, rows), np.int32)
+    start = np.zeros(lanes, np.int32)
+    lengths = np.zeros(lanes, np.int32)
+    slot = np.zeros(lanes, np.int32)
+    table = np.zeros((lanes, layout.pages_per_stream), np.int32)
+    for i, c in enumerate(chunks):
+        n = len(c.tokens)
+        if not 0 < n <= rows:
+            raise ValueError(f"chunk {i} has {n} rows; the bucket holds 1..{rows}")
+        tokens[i, :n] = c.tokens
+        start[i], lengths[i], slot[i] = c.start, n, c.slot
+        table[i] = c.page_table
+    positions = start[:, None] + np.arange(rows, dtype=np.int32)[None, :]
+    return M.PrefillBatch(tokens, start, lengths, slot, table, _text_rope(positions))
+
+
+def window_depth_host(parents: np.ndarray) -> np.ndarray:
+    """parents [S, R] (-1 = child of the committed prefix; parents[s, r] < r) -> depth [S, R], 1 at the root."""
+    depth = np.ones(parents.shape, np.int32)
+    for r in range(parents.shape[1]):
+        par = parents[:, r]
+        has = par >= 0
+        depth[has, r] = depth[has, par[has]] + 1
+    return depth
+
+
+def tree_window(layout: Layout, streams: int, rows: int, tokens: Sequence[Sequence[int]],
+                parents: Sequence[Sequence[int]], cache_len: Sequence[int], slot: Sequence[int],
+                page_table: Sequence[np.ndarray]) -> M.VerifyWindow:
+    """Host arrays for a verify window of `streams` x `rows`; the given streams first, the rest dummies. A stream
+    with fewer rows is padded with rows hanging off its root's parent (never read: nothing accepts them)."""
+    n = len(tokens)
+    if n > streams:
+        raise ValueError(f"{n} streams do not fit a bucket of {streams}")
+    tok = np.zeros((streams, rows), np.int32)
+    par = np.full((streams, rows), -1, np.int32)
+    cl = np.zeros(streams, np.int32)
+    sl = np.zeros(streams, np.int32)
+    pt = np.zeros((streams, layout.pages_per_stream), np.int32)
+    for i in range(n):
+        k = len(tokens[i])
+        if not 0 < k <= rows or len(parents[i]) != k:
+            raise ValueError(f"stream {i}: {k} window rows (and {len(parents[i])} parents) for a bucket of {rows}")
+        tok[i, :k] = tokens[i]
+        par[i, :k] = parents[i]
+        cl[i], sl[i] = cache_len[i], slot[i]
+        pt[i] = page_table[i]
+    positions = cl[:, None] + window_depth_host(par) - 1
+    return M.VerifyWindow(tok, par, cl, sl, pt, _text_rope(positions))
+
+
+def decode_window(layout: Layout, streams: int, tokens: Sequence[int], cache_len: Sequence[int],
+                  slot: Sequence[int], page_table: Sequence[np.ndarray]) -> M.VerifyWindow:
+    """One pending token per stream at position cache_len (the decode program's window)."""
+    return tree_window(layout, streams, 1, [[t] for t in tokens], [[-1]] * len(tokens), cache_len, slot,
+                       page_table)
+
+
+def sample_params(requests: Sequence[sampling.RequestSampling], positions: Sequence[int], rows: int):
+    return sampling.pack_sample_params(list(requests), list(positions), rows)
+
+
+# ------------------------------------------------------------------------------------------- program bodies
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampled:
+    """What a sampling program hands back, on the host. tokens [N] (or [S, R] for verify); logprob [N]; top_ids,
+    top_logprobs [N, n] (None without logprobs)."""
+    tokens: np.ndarray
+    logprob: np.ndarray | None = None
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
+
+
+def _sample(logits: jax.Array, sp: sampling.SampleParams, top_n: int):
+    """logits [N, V] -> tokens [N] (+ (logprob [N], top ids [N, n], top logprobs [N, n]) when top_n > 0)."""
+    tokens = sampling.sample(logits, sp)
+    if top_n == 0:
+        return tokens, None
+    return tokens, sampling.logprobs(logits, tokens, top_n)
+
+
+def _prompt_lanes_batched(params, state, batch: M.PrefillBatch, cfg: ModelConfig, backend: M.Backend):
+    logits, state, _ = M.prefill(params, state, batch, cfg, backend)
+    return logits, state
+
+
+def _prompt_lanes_mapped(params, state, batch: M.PrefillBatch, cfg: ModelConfig, backend: M.Backend):
+    """Every lane through the one-lane forward, in order; an empty lane (length 0) is skipped."""
+    vocab = cfg.text.vocab_size
+    lanes = dataclasses.replace(batch, rope_positions=jnp.moveaxis(batch.rope_positions, 1, 0))
+
+    def lane(state, one):
+        one = jax.tree.map(lambda x: x[None], one)
+        one = dataclasses.replace(one, rope_positions=jnp.moveaxis(one.rope_positions, 0, 1))
+
+        def run(state):
+            logits, state, _ = M.prefill(params, state, one, cfg, backend)
+            return state, logits[0]
+
+        def skip(state):
+            return state, jnp.zeros((vocab,), jnp.float32)
+
+        return jax.lax.cond(one.lengths[0] > 0, run, skip, state)
+
+    state, logits = jax.lax.scan(lane, state, lanes)
+    return logits, state
+
+
+def prompt_program(cfg: ModelConfig, backend: M.Backend, packing: Packing, top_n: int) -> Callable:
+    """(params, state, batch [S x T], sample params [S]) -> (state, tokens [S], logprobs or None)."""
+    lanes_fn = _prompt_lanes_batched if packing == Packing.BATCHED else _prompt_lanes_mapped
+
+    def program(params, state, batch, sp):
+        with jax.named_scope("prompt"):
+            logits, state = lanes_fn(params, state, batch, cfg, backend)
+        tokens, lp = _sample(logits, sp, top_n)
+        return state, tokens, lp
+
+    return program
+
+
+def decode_program(cfg: ModelConfig, backend: M.Backend, top_n: int) -> Callable:
+    """(params, state, window [S x 1], sample params [S]) -> (state, tokens [S], logprobs or None).
+    Dummy streams (slot 0) commit nothing."""
+
+    def program(params, state, window, sp):
+        with jax.named_scope("verify"):
+            logits, kept, _ = M.verify(params, state, window, cfg, backend)
+        s = window.tokens.shape[0]
+        with jax.named_scope("commit"):
+            path = jnp.zeros((s, 1), jnp.int32)
+            state = M.commit(state, kept, window, path, (window.slot > 0).astype(jnp.int32), cfg, backend)
+        tokens, lp = _sample(logits[:, 0], sp, top_n)
+        return state, tokens, lp
+
+    return program
+
+
+def verify_program(cfg: ModelConfig, backend: M.Backend, top_n: int, taps: tuple[int, ...] = ()) -> Callable:
+    """(params, state, window [S x R], sample params [S*R]) -> (tokens [S, R], logprobs or None, kept, taps).
+    State is read-only; `kept` feeds `commit_program`."""
+
+    def program(params, state, window, sp):
+        with jax.named_scope("verify"):
+            logits, kept, tapped = M.verify(params, state, window, cfg, backend, taps=taps)
+        s, r = window.tokens.shape
+        tokens, lp = _sample(logits.reshape(s * r, -1), sp, top_n)
+        return tokens.reshape(s, r), lp, kept, tapped
+
+    return program
+
+
+def commit_program(cfg: ModelConfig, backend: M.Backend) -> Callable:
+    """(state, kept, window, path [S, R] root-first node indices, path_len [S]) -> state."""
+
+    def program(state, kept, window, path, path_len):
+        return M.commit(state, kept, window, path, path_len, cfg, backend)
+
+    return program
+
+
+def score_program(cfg: ModelConfig, backend: M.Backend) -> Callable:
+    """Teacher-forced chunk of one stream: (params, state, batch [1 x T], targets [T]) -> (state,
+    logprob of each target [T], argmax [T])."""
+
+    def program(params, state, batch, targets):
+        logits, state, _ = M.prefill(params, state, batch, cfg, backend, all_logits=True)
+        logits = logits[0]
+        chosen, _, _ = sampling.logprobs(logits, targets, 0)
+        return state, chosen, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    return program
+
+
+def kv_compare_program(cfg: ModelConfig, backend: M.Backend) -> Callable:
+    """The same chunk through two states that differ only in their KV pools' dtype: (params, state_ref,
+    state_test, batch, targets) -> (state_ref, state_test, kl [T] = KL(p_ref || p_test), top-1 agree [T],
+    target logprob ref [T], test [T])."""
+
+    def program(params, state_ref, state_test, batch, targets):
+        out = []
+        states = []
+        for st in (state_ref, state_test):
+            logits, st, _ = M.prefill(params, st, batch, cfg, backend, all_logits=True)
+            states.append(st)
+            out.append(jax.nn.log_softmax(logits[0], axis=-1))
+        ref, test = out
+        kl = jnp.sum(jnp.exp(ref) * (ref - test), axis=-1)
+        agree = jnp.argmax(ref, axis=-1) == jnp.argmax(test, axis=-1)
+        tgt = targets[:, None]
+        lp_ref = jnp.take_along_axis(ref, tgt, axis=1)[:, 0]
+        lp_test = jnp.take_along_axis(test, tgt, axis=1)[:, 0]
+        return states[0], states[1], kl, agree, lp_ref, lp_test
+
+    return program
+
+
+# ------------------------------------------------------------------------------------------ compiled set
+
+
+class CompileWatch:
+    """Counts jaxpr traces and XLA compilations (persistent-cache loads included) while active: the recompile
+    counter. `with CompileWatch() as w: ...; w.compiles`."""
+    _TRACE = "/jax/core/compile/jaxpr_trace_duration"
+    _COMPILE = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.traces = 0
+        self.compiles = 0
+        self.cache_hits = 0
+
+    def _on_duration(self, event: str, duration: float, **kwargs) -> None:
+        if event == self._TRACE:
+            self.traces += 1
+        elif event == self._COMPILE:
+            self.compiles += 1
+
+    def _on_event(self, event: str, **kwargs) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            self.cache_hits += 1
+
+    def __enter__(self) -> "CompileWatch":
+        jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+        jax.monitoring.register_event_listener(self._on_event)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        jax.monitoring.unregister_event_duration_listener(self._on_duration)
+        jax.monitoring.unregister_event_listener(self._on_event)
+
+
+def enable_compilation_cache(path: str | None) -> None:
+    """Persistent compilation cache in `path` (None: off). Every program is cached, however quick to compile."""
+    from jax.experimental.compilation_cache import compilation_cache as cc
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    cc.set_cache_dir(path)
+    cc.reset_cache()  # the cache is probed once per process; make the new dir take effect
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+
+
+class Programs:
+    """The compiled bucket set over one params pytree and one set of state pools (owned here, donated to every
+    program that writes it). Not thread-safe: one caller (the scheduler thread) at a time."""
+
+    def __init__(self, params, cfg: ModelConfig, layout: Layout, buckets: Buckets, backend: M.Backend | None = None):
+        self.params, self.cfg, self.layout, self.buckets = params, cfg, layout, buckets
+        self.backend = backend or M.Backend.default()
+        self.state = self.fresh_state()
+        self._exe: dict[tuple, object] = {}
+        top_n = buckets.logprobs
+        self._fns = {
+            "prompt": jax.jit(prompt_program(cfg, self.backend, buckets.packing, top_n), donate_argnums=1),
+            "decode": jax.jit(decode_program(cfg, self.backend, top_n), donate_argnums=1),
+            "verify": jax.jit(verify_program(cfg, self.backend, top_n)),
+            "commit": jax.jit(commit_program(cfg, self.backend), donate_argnums=0),
+        }
+
+    def fresh_state(self) -> M.ModelState:
+        lay = self.layout
+        dtype = lay.jnp_dtype
+        return M.init_state(self.cfg.text, num_slots=lay.num_slots, num_pages=lay.num_pages,
+                            page_size=lay.page_size, dtype=dtype, kv_dtype=kv_dtype_for(lay.kv_cache, dtype))
+
+    def state_lost(self) -> bool:
+        """True when a failed program consumed the donated pools (callers then `reset_state`)."""
+        return any(x.is_deleted() for x in jax.tree.leaves(self.state))
+
+    def reset_state(self) -> None:
+        self.state = self.fresh_state()
+
+    # Example host inputs per bucket: lowering needs only their shapes and dtypes.
+    def _example(self, kind: str, shape: tuple[int, int]):
+        lay = self.layout
+        s, t = shape
+        if kind == "prompt":
+            return (prompt_batch(lay, s, t, []), sample_params([], [], s))
+        if kind == "decode":
+            return (decode_window(lay, s, [], [], [], []), sample_params([], [], s))
+        window = tree_window(lay, s, t, [], [], [], [], [])
+        if kind == "verify":
+            return (window, sample_params([], [], s * t))
+        kept = jax.eval_shape(lambda p, st, w, sp: self._fns["verify"](p, st, w, sp)[2], self.params, self.state,
+                              window, sample_params([], [], s * t))
+        return (kept, window, np.zeros((s, t), np.int32), np.zeros(s, np.int32))
+
+    def bucket_keys(self) -> list[tuple[str, tuple[int, int]]]:
+        b = self.buckets
+        keys = [("prompt", (s, t)) for s in b.prompt_lanes for t in b.prompt_rows]
+        keys += [("decode", (s, 1)) for s in b.decode_streams]
+        for s in b.decode_streams:
+            for r in b.window_rows:
+                keys += [("verify", (s, r)), ("commit", (s, r))]
+        return keys
+
+    def compile(self, keys: Sequence[tuple[str, tuple[int, int]]] | None = None, *, progress: bool = False
+                ) -> dict[tuple, float]:
+        """Compile (or load from the persistent cache) every bucket in `keys` (default: all). -> seconds each."""
+        keys = list(self.bucket_keys() if keys is None else keys)
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(keys), desc="compiling programs", unit="program")
+        times = {}
+        try:
+            for key in keys:
+                kind, shape = key
+                if bar is not None:
+                    bar.set_postfix_str(f"{kind} {shape[0]}x{shape[1]}")
+                t0 = time.perf_counter()
+                args = self._example(kind, shape)
+                if kind == "commit":
+                    lowered = self._fns[kind].lower(self.state, *args)
+                else:
+                    lowered = self._fns[kind].lower(self.params, self.state, *_abstract(args))
+                self._exe[key] = lowered.compile()
+                times[key] = time.perf_counter() - t0
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return times
+
+    def _get(self, key):
+        try:
+            return self._exe[key]
+        except KeyError:
+            raise ValueError(f"program {key[0]} {key[1][0]}x{key[1][1]} is not compiled "
+                             f"(compiled: {sorted(self._exe)})") from None
+
+    @staticmethod
+    def _host(tokens, lp) -> Sampled:
+        if lp is None:
+            return Sampled(np.asarray(tokens))
+        chosen, top_ids, top_lp = lp
+        return Sampled(np.asarray(tokens), np.asarray(chosen), np.asarray(top_ids), np.asarray(top_lp))
+
+    def prompt(self, batch: M.PrefillBatch, sp: sampling.SampleParams) -> Sampled:
+        exe = self._get(("prompt", batch.tokens.shape))
+        self.state, tokens, lp = exe(self.params, self.state, batch, sp)
+        return self._host(tokens, lp)
+
+    def decode(self, window: M.VerifyWindow, sp: sampling.SampleParams) -> Sampled:
+        exe = self._get(("decode", window.tokens.shape))
+        self.state, tokens, lp = exe(self.params, self.state, window, sp)
+        return self._host(tokens, lp)
+
+    def verify(self, window: M.VerifyWindow, sp: sampling.SampleParams):
+        """-> (Sampled with tokens [S, R], kept (device rows for `commit`))."""
+        exe = self._get(("verify", window.tokens.shape))
+        tokens, lp, kept, _ = exe(self.params, self.state, window, sp)
+        return self._host(tokens, lp), kept
+
+    def commit(self, kept, window: M.VerifyWindow, path: np.ndarray, path_len: np.ndarray) -> None:
+        exe = self._get(("commit", window.tokens.shape))
+        self.state = exe(self.state, kept, window, np.asarray(path, np.int32), np.asarray(path_len, np.int32))
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return math.ceil(tokens / page_size)
