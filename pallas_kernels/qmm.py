@@ -135,21 +135,20 @@ class Tiles:
 def decode_tiles(n: int, k: int, bits: int, group: int) -> Tiles:
     """Decode/verify (memory-bound) tiles, from the weight's shape only.
 
-    64 output features a program (one warpgroup: Hopper wgmma) where that still gives two programs per SM of the
-    H200's 132, else 32 on two warps, so every SM streams weights. A program carries two 16-row tiles, so M = 32
-    reads each weight tile once from HBM (larger M re-reads it from L2 for each further 32 rows).
+    32 output features a program on two warps, two k blocks a loop step, 3 pipeline stages: the best or within
+    the noise of the best of the variants timed on the H200 for 5120->17408 and 17408->5120 at M = 1 and 16
+    (docs/kernels/qmm.md). A program carries two 16-row tiles, so M = 32 reads each weight tile once from HBM
+    (larger M re-reads it from L2 for each further 32 rows).
     """
     kp = _padded_k(k, bits)
     steps = 2 if kp % (2 * block_cols(kp, bits)) == 0 else 1
-    if pl.cdiv(n, 64) >= 264:
-        return Tiles(block_m=16, block_n=64, blocks_per_step=steps, num_warps=4, num_stages=3, max_m_blocks=2)
-    return Tiles(block_m=16, block_n=32, blocks_per_step=steps, num_warps=2, num_stages=4, max_m_blocks=2)
+    return Tiles(block_m=16, block_n=32, blocks_per_step=steps, num_warps=2, num_stages=3, max_m_blocks=2)
 
 
 def prompt_tiles(n: int, k: int, bits: int, group: int) -> Tiles:
-    """Prompt (compute-bound) tiles: a 128x128 output tile per program (two warpgroups), weight tiles reused from
-    L2 by the programs of consecutive row blocks."""
-    return Tiles(block_m=128, block_n=128, blocks_per_step=1, num_warps=8, num_stages=2, max_m_blocks=1)
+    """Prompt (compute-bound) tiles: a 128x128 output tile per program (two warpgroups, 3 stages: 225 KB of
+    shared memory), weight tiles reused from L2 by the programs of consecutive row blocks."""
+    return Tiles(block_m=128, block_n=128, blocks_per_step=1, num_warps=8, num_stages=3, max_m_blocks=1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
