@@ -96,13 +96,14 @@ def window_reference(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: 
 
 @dataclasses.dataclass(frozen=True)
 class WindowTiles:
-    """Tiles of the verify/decode kernel. `chunk` and `block_k` fix a row's reduction tree; keep them constant
-    for a model. The split over the context is one program per chunk, so more pages in the table means more
-    programs, never a different tree."""
+    """Tiles of the verify/decode kernel. `block_k`, `chunk` and `merge_group` fix a row's reduction tree; keep
+    them constant for a model. The split over the context is one program per chunk, so more pages in the table
+    means more programs, never a different tree. With page_size > block_k a program reads each page's index once
+    and walks the page with plain (not gathered) loads."""
     block_k: int = 64  # keys per online-softmax step
     chunk: int = 512  # keys per partial (m, l, acc); partials are merged in chunk order
     num_warps: int | None = None  # None: 4 for up to 32 packed rows, else 8
-    num_stages: int = 2
+    num_stages: int = 3
     merge_block_d: int | None = None  # head-dim columns per merge program (free; None: fit registers)
     merge_group: int = 4  # chunk partials summed per merge step (fixes the merge tree, like chunk)
     merge_num_warps: int = 4
@@ -111,11 +112,14 @@ class WindowTiles:
 @dataclasses.dataclass(frozen=True)
 class PromptTiles:
     """Tiles of the prompt-chunk kernel. `block_k` fixes a row's reduction order (key blocks on the absolute
-    grid); `block_q` only groups rows into programs and never changes a row's bits."""
+    grid); `block_q`, the launch parameters and `contiguous` never change a row's bits. contiguous: copy each
+    stream's pages into contiguous K/V first (one gather at copy speed, small next to the compute-bound kernel),
+    so the kernel's loads carry no page-table indirection."""
     block_q: int = 64
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    contiguous: bool = True
 
 
 def _pad_table(page_table: jax.Array, keys: int, page_size: int) -> jax.Array:
@@ -140,36 +144,12 @@ def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _load_keys(k_ref, v_ref, ks_ref, vs_ref, pt_ref, first, block_k: int, page_size: int):
-    """Keys/values at absolute positions [first, first + block_k) of one stream and KV head.
-
-    k_ref, v_ref [P, page, D]; ks_ref, vs_ref [P, page] or None; pt_ref [Pmax]; first a multiple of block_k.
-    -> k, v [block_k, D] in pool dtype; ks, vs [block_k] fp32 or None
-    """
-    if block_k >= page_size:
-        n = block_k // page_size
-        pages = pt_ref[pl.ds(first // page_size, n)]
-        d = k_ref.shape[-1]
-        k = k_ref[pages].reshape(block_k, d)
-        v = v_ref[pages].reshape(block_k, d)
-        ks = None if ks_ref is None else ks_ref[pages].reshape(block_k)
-        vs = None if vs_ref is None else vs_ref[pages].reshape(block_k)
-    else:
-        page = pt_ref[first // page_size]
-        rows = pl.ds(first % page_size, block_k)
-        k, v = k_ref[page, rows, :], v_ref[page, rows, :]
-        ks = None if ks_ref is None else ks_ref[page, rows]
-        vs = None if vs_ref is None else vs_ref[page, rows]
-    return k, v, ks, vs
-
-
 def _online_step(carry, q, k, v, ks, vs, visible, scale: float, cdt):
     """One online-softmax step over a key block. carry (m [M], l [M], acc [M, D]) fp32; q [M, D] cdt;
     k, v [BK, D]; ks, vs [BK] or None; visible [M, BK] bool or None (all visible)."""
     m, l, acc = carry
     logits = _dot(q, k.astype(cdt).T)
-    col_scale = scale if ks is None else ks * scale
-    logits = logits * (col_scale[None, :] if ks is not None else col_scale)
+    logits = logits * (ks[None, :] * scale if ks is not None else scale)
     if visible is not None:
         logits = jnp.where(visible, logits, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(logits, axis=1))
@@ -181,41 +161,87 @@ def _online_step(carry, q, k, v, ks, vs, visible, scale: float, cdt):
     return m_new, l, acc
 
 
+def _walk_pages(carry, step, pt_ref, k_ref, v_ref, ks_ref, vs_ref, *, first_key, n_keys, span: int,
+                block_k: int, page_size: int):
+    """Fold step(carry, first, k, v, ks, vs) over the key blocks of [first_key, first_key + span) that hold keys
+    < n_keys, in order. first_key and span are multiples of max(block_k, page_size) where page_size > block_k.
+    k_ref, v_ref [P, page, D]; ks_ref, vs_ref [P, page] or None; pt_ref [Pmax]."""
+    d = k_ref.shape[-1]
+    if block_k >= page_size:
+        n = block_k // page_size
+
+        def body(b, carry):
+            first = first_key + b * block_k
+            pages = pt_ref[pl.ds(first // page_size, n)]
+            k = k_ref[pages].reshape(block_k, d)
+            v = v_ref[pages].reshape(block_k, d)
+            ks = None if ks_ref is None else ks_ref[pages].reshape(block_k)
+            vs = None if vs_ref is None else vs_ref[pages].reshape(block_k)
+            return step(carry, first, k, v, ks, vs)
+
+        n_blocks = jnp.clip((n_keys - first_key + block_k - 1) // block_k, 0, span // block_k)
+        return jax.lax.fori_loop(0, n_blocks, body, carry)
+
+    per_page = page_size // block_k
+
+    def page_body(i, carry):
+        page_first = first_key + i * page_size
+        page = pt_ref[page_first // page_size]
+
+        def body(b, carry):
+            rows = pl.ds(b * block_k, block_k)
+            ks = None if ks_ref is None else ks_ref[page, rows]
+            vs = None if vs_ref is None else vs_ref[page, rows]
+            return step(carry, page_first + b * block_k, k_ref[page, rows, :], v_ref[page, rows, :], ks, vs)
+
+        n_blocks = jnp.clip((n_keys - page_first + block_k - 1) // block_k, 0, per_page)
+        return jax.lax.fori_loop(0, n_blocks, body, carry)
+
+    n_pages = jnp.clip((n_keys - first_key + page_size - 1) // page_size, 0, span // page_size)
+    return jax.lax.fori_loop(0, n_pages, page_body, carry)
+
+
+def _packed_rows(mrows: int, r: int, hq: int, group: int, g) -> tuple[jax.Array, jax.Array]:
+    """Row m of KV head g's block is query head g*G + h of window row r (m = r*G + h): (index into the
+    [R*Hq, D] view of q, whether m is a real row)."""
+    m = jnp.arange(mrows)
+    node = m // group
+    real = node < r
+    return jnp.where(real, node * hq + g * group + m % group, 0), real
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Verify/decode window: pass 1, one program per (stream, KV head, chunk of committed keys)
 # ----------------------------------------------------------------------------------------------------------------
 
-def _window_chunk_kernel(cache_len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, fp8: bool, scale: float, rows: int,
-                         max_keys: int, page_size: int, tiles: WindowTiles, cdt):
-    # cache_len_ref [S]; pt_ref [Pmax]; q_ref [M, D] (rows r*G + h of one KV head, zero-padded to M);
-    # k_ref, v_ref [P, page, D]; fp8: ks_ref, vs_ref [P, page]; outputs m_ref, l_ref [M], acc_ref [M, D] fp32
-    # (this chunk's partial, relative to its own max m; rows >= `rows` are left unwritten).
+def _window_chunk_kernel(cache_len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, fp8: bool, scale: float, r: int,
+                         group: int, mrows: int, max_keys: int, page_size: int, tiles: WindowTiles, cdt):
+    # cache_len_ref [S]; pt_ref [Pmax]; q_ref [R*Hq, D] (this stream); k_ref, v_ref [P, page, D] (this KV head);
+    # fp8: ks_ref, vs_ref [P, page]; outputs m_ref, l_ref [M], acc_ref [M, D] fp32: this chunk's partial relative
+    # to its own max, rows r*G + h (rows past R*G are left unwritten).
     if fp8:
         ks_ref, vs_ref, m_ref, l_ref, acc_ref = refs
     else:
         ks_ref = vs_ref = None
         m_ref, l_ref, acc_ref = refs
-    s, c = pl.program_id(0), pl.program_id(2)
-    bk = tiles.block_k
+    s, g, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     n_keys = jnp.minimum(cache_len_ref[s], max_keys)
     chunk_start = c * tiles.chunk
-    n_blocks = jnp.clip((n_keys - chunk_start + bk - 1) // bk, 0, tiles.chunk // bk)
 
-    @pl.when(n_blocks > 0)
+    @pl.when(chunk_start < n_keys)
     def _():
-        q = q_ref[...].astype(cdt)
-        mrows, d = q.shape
+        idx, real = _packed_rows(mrows, r, q_ref.shape[0] // r, group, g)
+        q = q_ref[idx].astype(cdt)
+        bk = tiles.block_k
 
-        def body(b, carry):
-            first = chunk_start + b * bk
-            k, v, ks, vs = _load_keys(k_ref, v_ref, ks_ref, vs_ref, pt_ref, first, bk, page_size)
+        def step(carry, first, k, v, ks, vs):
             visible = jnp.broadcast_to((first + jnp.arange(bk) < n_keys)[None, :], (mrows, bk))
             return _online_step(carry, q, k, v, ks, vs, visible, scale, cdt)
 
         init = (jnp.full((mrows,), -jnp.inf, jnp.float32), jnp.zeros((mrows,), jnp.float32),
-                jnp.zeros((mrows, d), jnp.float32))
-        m, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
-        real = jnp.arange(mrows) < rows
+                jnp.zeros((mrows, q.shape[1]), jnp.float32))
+        m, l, acc = _walk_pages(init, step, pt_ref, k_ref, v_ref, ks_ref, vs_ref, first_key=chunk_start,
+                                n_keys=n_keys, span=tiles.chunk, block_k=bk, page_size=page_size)
         plgpu.store(m_ref, m, mask=real)
         plgpu.store(l_ref, l, mask=real)
         plgpu.store(acc_ref, acc, mask=real[:, None])
@@ -225,44 +251,55 @@ def _window_chunk_kernel(cache_len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, fp8:
 # Verify/decode window: pass 2, merge the chunk partials in chunk order, then the window's own keys
 # ----------------------------------------------------------------------------------------------------------------
 
-def _window_merge_kernel(cache_len_ref, q_ref, kw_ref, vw_ref, mask_ref, m_ref, l_ref, acc_ref, *refs, fp8: bool,
-                         scale: float, max_keys: int, chunk: int, group: int, cdt):
-    # cache_len_ref [S]; q_ref [M, D]; kw_ref [Rp, D], vw_ref [Rp, BD] the window's rows as stored (fp8 codes or
-    # pool dtype); mask_ref [M, Rp] int32 (row sees window key j); m_ref, l_ref [NC, M]; acc_ref [NC, M, BD];
-    # fp8: ksw_ref, vsw_ref [Rp]; output o_ref [M, BD].
+def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref, acc_ref, *refs,
+                         fp8: bool, scale: float, r: int, group: int, mrows: int, rp: int, max_keys: int, chunk: int,
+                         merge_group: int, cdt):
+    # cache_len_ref [S]; parents_ref [R]; q_ref [R*Hq, D]; kw_ref [R*Hkv, D], vw_ref [R*Hkv, BD] the window's
+    # rows as stored (fp8 codes or pool dtype; row j*Hkv + g is window key j of KV head g); m_ref, l_ref [NC, M];
+    # acc_ref [NC, M, BD]; fp8: ksw_ref, vsw_ref [R*Hkv]; output o_ref [M, BD].
     if fp8:
         ksw_ref, vsw_ref, o_ref = refs
     else:
         ksw_ref = vsw_ref = None
         (o_ref,) = refs
-    s = pl.program_id(0)
+    s, g = pl.program_id(0), pl.program_id(1)
+    hkv = kw_ref.shape[0] // r
     n_chunks = (jnp.minimum(cache_len_ref[s], max_keys) + chunk - 1) // chunk
-    n_groups = (n_chunks + group - 1) // group
-    mrows, bd = acc_ref.shape[1], acc_ref.shape[2]
+    n_groups = (n_chunks + merge_group - 1) // merge_group
+    bd = acc_ref.shape[2]
 
     # The max over written partials is exact in any order; unwritten ones are masked, never read as numbers.
     def max_body(i, m):
-        live = (i * group + jnp.arange(group)) < n_chunks
-        m_part = jnp.where(live[:, None], m_ref[pl.ds(i * group, group), :], -jnp.inf)
+        live = (i * merge_group + jnp.arange(merge_group)) < n_chunks
+        m_part = jnp.where(live[:, None], m_ref[pl.ds(i * merge_group, merge_group), :], -jnp.inf)
         return jnp.maximum(m, jnp.max(m_part, axis=0))
 
     m_committed = jax.lax.fori_loop(0, n_groups, max_body, jnp.full((mrows,), -jnp.inf, jnp.float32))
 
-    q = q_ref[...].astype(cdt)
-    ksw = None if ksw_ref is None else ksw_ref[...]
-    logits_w = _dot(q, kw_ref[...].astype(cdt).T)
-    logits_w = logits_w * (ksw[None, :] * scale if fp8 else scale)
-    logits_w = jnp.where(mask_ref[...] != 0, logits_w, -jnp.inf)
+    # The window's own keys: row m (window node m // G) sees node j iff j is the node or one of its ancestors,
+    # found by climbing parent pointers (at most R steps; parents[j] < j).
+    idx, real = _packed_rows(mrows, r, q_ref.shape[0] // r, group, g)
+    q = q_ref[idx].astype(cdt)
+    j = jnp.arange(rp)
+    widx = jnp.where(j < r, j * hkv + g, 0)
+    node = jnp.where(real, jnp.arange(mrows) // group, -1)
+    visible = jnp.zeros((mrows, rp), jnp.bool_)
+    for _ in range(r):
+        visible = visible | (node[:, None] == j[None, :])
+        node = jnp.where(node >= 0, parents_ref[jnp.clip(node, 0, r - 1)], -1)
+    logits_w = _dot(q, kw_ref[widx].astype(cdt).T)
+    logits_w = logits_w * (ksw_ref[widx][None, :] * scale if fp8 else scale)
+    logits_w = jnp.where(visible, logits_w, -jnp.inf)
     m_total = jnp.maximum(m_committed, jnp.max(logits_w, axis=1))
     # Padding rows see nothing; keep their arithmetic finite.
     m_total = jnp.where(m_total == -jnp.inf, 0.0, m_total)
 
-    # Partials are summed a group of `group` chunks at a time (a fixed-shape reduction), groups in chunk order:
-    # the tree depends on chunk positions only, and chunks past the stream's context add exact zeros.
+    # Partials are summed merge_group chunks at a time (a fixed-shape reduction), groups in chunk order: the tree
+    # depends on chunk positions only, and chunks past the stream's context add exact zeros.
     def body(i, carry):
         l, acc = carry
-        rows = pl.ds(i * group, group)
-        live = (i * group + jnp.arange(group)) < n_chunks
+        rows = pl.ds(i * merge_group, merge_group)
+        live = (i * merge_group + jnp.arange(merge_group)) < n_chunks
         w = jnp.where(live[:, None], jnp.exp(m_ref[rows, :] - m_total[None, :]), 0.0)  # [group, M]
         l_part = jnp.where(live[:, None], w * l_ref[rows, :], 0.0)
         acc_part = jnp.where(live[:, None, None], w[:, :, None] * acc_ref[rows, :, :], 0.0)
@@ -272,33 +309,16 @@ def _window_merge_kernel(cache_len_ref, q_ref, kw_ref, vw_ref, mask_ref, m_ref, 
                                (jnp.zeros((mrows,), jnp.float32), jnp.zeros((mrows, bd), jnp.float32)))
     p = jnp.exp(logits_w - m_total[:, None])
     l = l + jnp.sum(p, axis=1)
-    pv = p if vsw_ref is None else p * vsw_ref[...][None, :]
-    acc = acc + _dot(pv.astype(cdt), vw_ref[...].astype(cdt))
+    pv = p if vsw_ref is None else p * vsw_ref[widx][None, :]
+    acc = acc + _dot(pv.astype(cdt), vw_ref[widx].astype(cdt))
     o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
 
 
-def _pack_rows(x: jax.Array, hkv: int, mrows: int) -> jax.Array:
-    """[S, R, Hq, D] -> [S, Hkv, mrows, D]: row r*G + h holds query head g*G + h of window row r."""
-    s, r, hq, d = x.shape
-    g = hq // hkv
-    x = jnp.moveaxis(x.reshape(s, r, hkv, g, d), 2, 1).reshape(s, hkv, r * g, d)
-    return jnp.pad(x, ((0, 0), (0, 0), (0, mrows - r * g), (0, 0)))
-
-
 def _unpack_rows(x: jax.Array, r: int, hq: int) -> jax.Array:
+    """[S, Hkv, M, D] packed rows -> [S, R, Hq, D]."""
     s, hkv, _, d = x.shape
     g = hq // hkv
     return jnp.moveaxis(x[:, :, : r * g].reshape(s, hkv, r, g, d), 1, 2).reshape(s, r, hq, d)
-
-
-def _window_keys(x: jax.Array, pool: KVPool, rp: int, interpret: bool):
-    """Window rows [S, R, Hkv, D] as the pool will store them: (values [S, Hkv, Rp, D] in pool dtype, scales
-    [S, Hkv, Rp] fp32 or None). fp8 goes through the write kernel's own quantizer, so a drafted key has the bits
-    its committed self will have."""
-    x = jnp.pad(jnp.moveaxis(x, 2, 1), ((0, 0), (0, 0), (0, rp - x.shape[1]), (0, 0)))
-    if pool.fp8:
-        return kv_quant.quantize(x, interpret=interpret)
-    return x.astype(pool.k.dtype), None
 
 
 def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array, pool: KVPool,
@@ -314,8 +334,8 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
     """
     s, r, hq, d = q.shape
     hkv = _check_window(q, k_win, v_win, parents, pool, page_table, cache_len, tiles)
-    g = hq // hkv
-    mrows = max(16, _pow2(r * g))
+    group = hq // hkv
+    mrows = max(16, _pow2(r * group))
     rp = max(16, _pow2(r))
     ps, fp8 = pool.page_size, pool.fp8
     cdt = _compute_dtype(q.dtype, pool)
@@ -324,19 +344,19 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
     nc_pad = max(_pow2(n_chunks), tiles.merge_group)
     cache_len = cache_len.astype(jnp.int32)
     page_table = _pad_table(page_table, n_chunks * tiles.chunk, ps)
-    qp = _pack_rows(q, hkv, mrows)
+    q_rows = q.reshape(s, r * hq, d)  # free: rows picked inside the kernels
 
     with jax.named_scope("attn_window_chunks"):
         per_head = pl.BlockSpec((None, pool.num_pages, ps, d), lambda i, j, c: (j, 0, 0, 0))
         per_head_scale = pl.BlockSpec((None, pool.num_pages, ps), lambda i, j, c: (j, 0, 0))
-        kernel = functools.partial(_window_chunk_kernel, fp8=fp8, scale=scale, rows=r * g, max_keys=max_keys,
-                                   page_size=ps, tiles=tiles, cdt=cdt)
+        kernel = functools.partial(_window_chunk_kernel, fp8=fp8, scale=scale, r=r, group=group, mrows=mrows,
+                                   max_keys=max_keys, page_size=ps, tiles=tiles, cdt=cdt)
         m, l, acc = pl.pallas_call(
             kernel,
             grid=(s, hkv, n_chunks),
             in_specs=[pl.BlockSpec((s,), lambda i, j, c: (0,)),
                       pl.BlockSpec((None, page_table.shape[1]), lambda i, j, c: (i, 0)),
-                      pl.BlockSpec((None, None, mrows, d), lambda i, j, c: (i, j, 0, 0)),
+                      pl.BlockSpec((None, r * hq, d), lambda i, j, c: (i, 0, 0)),
                       per_head, per_head] + ([per_head_scale, per_head_scale] if fp8 else []),
             out_specs=[pl.BlockSpec((None, None, None, mrows), lambda i, j, c: (i, j, c, 0)),
                        pl.BlockSpec((None, None, None, mrows), lambda i, j, c: (i, j, c, 0)),
@@ -348,28 +368,31 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
             compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps or (4 if mrows <= 32 else 8),
                                                  num_stages=tiles.num_stages),
             name="attn_window_chunks",
-        )(cache_len, page_table, qp, pool.k, pool.v, *([pool.k_scale, pool.v_scale] if fp8 else []))
+        )(cache_len, page_table, q_rows, pool.k, pool.v, *([pool.k_scale, pool.v_scale] if fp8 else []))
 
     with jax.named_scope("attn_window_merge"):
-        kw, ksw = _window_keys(k_win, pool, rp, interpret)
-        vw, vsw = _window_keys(v_win, pool, rp, interpret)
-        anc = jax.vmap(ancestors)(parents.astype(jnp.int32))  # [S, R, R]
-        mask = jnp.repeat(anc, g, axis=1)  # row r*G + h sees what window row r sees
-        mask = jnp.pad(mask, ((0, 0), (0, mrows - r * g), (0, rp - r))).astype(jnp.int32)
+        if fp8:
+            # The write kernel's own quantizer, so a drafted key has the bits its committed self will have.
+            (kw, ksw), (vw, vsw) = kv_quant.quantize(k_win, interpret=interpret), kv_quant.quantize(
+                v_win, interpret=interpret)
+            scales = [ksw.reshape(s, r * hkv), vsw.reshape(s, r * hkv)]
+        else:
+            kw, vw = k_win.astype(pool.k.dtype), v_win.astype(pool.k.dtype)
+            scales = []
         # A merge step holds [group, M, bd] fp32 in registers: keep it near 32 KiB.
         bd = tiles.merge_block_d or max(16, min(d, 8192 // (tiles.merge_group * mrows)))
         bd = min(bd, d)
-        kernel = functools.partial(_window_merge_kernel, fp8=fp8, scale=scale, max_keys=max_keys,
-                                   chunk=tiles.chunk, group=tiles.merge_group, cdt=cdt)
-        win_scale = pl.BlockSpec((None, None, rp), lambda i, j, e: (i, j, 0))
+        kernel = functools.partial(_window_merge_kernel, fp8=fp8, scale=scale, r=r, group=group, mrows=mrows, rp=rp,
+                                   max_keys=max_keys, chunk=tiles.chunk, merge_group=tiles.merge_group, cdt=cdt)
+        win_scale = pl.BlockSpec((None, r * hkv), lambda i, j, e: (i, 0))
         out = pl.pallas_call(
             kernel,
             grid=(s, hkv, d // bd),
             in_specs=[pl.BlockSpec((s,), lambda i, j, e: (0,)),
-                      pl.BlockSpec((None, None, mrows, d), lambda i, j, e: (i, j, 0, 0)),
-                      pl.BlockSpec((None, None, rp, d), lambda i, j, e: (i, j, 0, 0)),
-                      pl.BlockSpec((None, None, rp, bd), lambda i, j, e: (i, j, 0, e)),
-                      pl.BlockSpec((None, mrows, rp), lambda i, j, e: (i, 0, 0)),
+                      pl.BlockSpec((None, r), lambda i, j, e: (i, 0)),
+                      pl.BlockSpec((None, r * hq, d), lambda i, j, e: (i, 0, 0)),
+                      pl.BlockSpec((None, r * hkv, d), lambda i, j, e: (i, 0, 0)),
+                      pl.BlockSpec((None, r * hkv, None, bd), lambda i, j, e: (i, 0, e, 0)),
                       pl.BlockSpec((None, None, nc_pad, mrows), lambda i, j, e: (i, j, 0, 0)),
                       pl.BlockSpec((None, None, nc_pad, mrows), lambda i, j, e: (i, j, 0, 0)),
                       pl.BlockSpec((None, None, nc_pad, mrows, bd), lambda i, j, e: (i, j, 0, 0, e))]
@@ -379,17 +402,16 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
             interpret=interpret,
             compiler_params=plgpu.CompilerParams(num_warps=tiles.merge_num_warps, num_stages=2),
             name="attn_window_merge",
-        )(cache_len, qp, kw, vw, mask, m, l, acc, *([ksw, vsw] if fp8 else []))
+        )(cache_len, parents.astype(jnp.int32), q_rows, kw.reshape(s, r * hkv, d),
+          vw.reshape(s, r * hkv, d // bd, bd), m, l, acc, *scales)
     return _unpack_rows(out, r, hq)
 
 
-def _check_pool(pool: KVPool, hkv_expected: int | None, d: int) -> None:
+def _check_pool(pool: KVPool, d: int) -> None:
     if pool.k.ndim != 4 or pool.k.shape != pool.v.shape:
         raise ValueError(f"pool.k and pool.v must both be [Hkv, P, page, D]; got {pool.k.shape}, {pool.v.shape}")
     if pool.k.shape[3] != d:
         raise ValueError(f"queries have head dim {d} but the pool holds {pool.k.shape[3]}")
-    if hkv_expected is not None and pool.k.shape[0] != hkv_expected:
-        raise ValueError(f"expected {hkv_expected} KV heads, the pool holds {pool.k.shape[0]}")
     ps = pool.page_size
     if ps & (ps - 1):
         raise ValueError(f"page size {ps} must be a power of two")
@@ -399,7 +421,7 @@ def _check_pool(pool: KVPool, hkv_expected: int | None, d: int) -> None:
         raise ValueError("an fp8 pool needs k_scale and v_scale (build it with kv_quant.empty_pool)")
 
 
-def _check_block(block_k: int, page_size: int, what: str) -> None:
+def _check_block(block_k: int, what: str) -> None:
     if block_k & (block_k - 1) or block_k < 16:
         raise ValueError(f"{what}.block_k={block_k} must be a power of two >= 16")
 
@@ -409,7 +431,7 @@ def _check_window(q, k_win, v_win, parents, pool: KVPool, page_table, cache_len,
         raise ValueError(f"q must be [S, R, Hq, D]; got shape {q.shape}")
     s, r, hq, d = q.shape
     hkv = pool.k.shape[0]
-    _check_pool(pool, None, d)
+    _check_pool(pool, d)
     if hq % hkv:
         raise ValueError(f"{hq} query heads are not a multiple of the pool's {hkv} KV heads")
     if not 1 <= r <= 16:
@@ -423,14 +445,15 @@ def _check_window(q, k_win, v_win, parents, pool: KVPool, page_table, cache_len,
         raise ValueError(f"page_table must be [S={s}, Pmax]; got {page_table.shape}")
     if cache_len.shape != (s,):
         raise ValueError(f"cache_len must be [S={s}]; got {cache_len.shape}")
-    _check_block(tiles.block_k, pool.page_size, "WindowTiles")
+    _check_block(tiles.block_k, "WindowTiles")
     if tiles.chunk % tiles.block_k or tiles.chunk % pool.page_size:
         raise ValueError(f"WindowTiles.chunk={tiles.chunk} must be a multiple of block_k={tiles.block_k} and of "
                          f"the page size {pool.page_size}")
     if tiles.merge_group & (tiles.merge_group - 1):
         raise ValueError(f"WindowTiles.merge_group={tiles.merge_group} must be a power of two")
-    if tiles.merge_block_d is not None and d % min(tiles.merge_block_d, d):
-        raise ValueError(f"WindowTiles.merge_block_d={tiles.merge_block_d} must divide the head dim {d}")
+    if tiles.merge_block_d is not None and (tiles.merge_block_d & (tiles.merge_block_d - 1)
+                                            or d % min(tiles.merge_block_d, d)):
+        raise ValueError(f"WindowTiles.merge_block_d={tiles.merge_block_d} must be a power of two dividing {d}")
     return hkv
 
 
@@ -438,10 +461,11 @@ def _check_window(q, k_win, v_win, parents, pool: KVPool, page_table, cache_len,
 # Prompt chunk: causal attention of new rows over the cached prefix plus themselves
 # ----------------------------------------------------------------------------------------------------------------
 
-def _prompt_kernel(start_ref, lengths_ref, pt_ref, q_ref, k_ref, v_ref, *refs, fp8: bool, scale: float,
-                   max_keys: int, page_size: int, n_q_blocks: int, tiles: PromptTiles, cdt):
+def _prompt_kernel(start_ref, lengths_ref, pt_ref, q_ref, k_ref, v_ref, *refs, fp8: bool, contiguous: bool,
+                   scale: float, max_keys: int, page_size: int, n_q_blocks: int, tiles: PromptTiles, cdt):
     # start_ref, lengths_ref [S]; pt_ref [Pmax]; q_ref [BQ, D] (one query head, rows of one tile);
-    # k_ref, v_ref [P, page, D] (the head's KV head); fp8: ks_ref, vs_ref [P, page]; o_ref [BQ, D].
+    # k_ref, v_ref: contiguous [L, D] (this stream's keys of the head's KV head), else the pool's [P, page, D];
+    # fp8: ks_ref, vs_ref [L] or [P, page]; o_ref [BQ, D].
     if fp8:
         ks_ref, vs_ref, o_ref = refs
     else:
@@ -454,7 +478,6 @@ def _prompt_kernel(start_ref, lengths_ref, pt_ref, q_ref, k_ref, v_ref, *refs, f
     start, length = start_ref[s], lengths_ref[s]
     t0 = tile * bq
     rows = t0 + jnp.arange(bq)
-    row_ok = rows < length
     qpos = start + rows
 
     @pl.when(t0 >= length)
@@ -465,26 +488,53 @@ def _prompt_kernel(start_ref, lengths_ref, pt_ref, q_ref, k_ref, v_ref, *refs, f
     def _():
         q = q_ref[...].astype(cdt)
         d = q.shape[1]
+
+        def keys(b):
+            if contiguous:
+                blk = pl.ds(b * bk, bk)
+                return (k_ref[blk, :], v_ref[blk, :], None if ks_ref is None else ks_ref[blk],
+                        None if vs_ref is None else vs_ref[blk])
+            first = b * bk
+            if bk >= page_size:
+                pages = pt_ref[pl.ds(first // page_size, bk // page_size)]
+                return (k_ref[pages].reshape(bk, d), v_ref[pages].reshape(bk, d),
+                        None if ks_ref is None else ks_ref[pages].reshape(bk),
+                        None if vs_ref is None else vs_ref[pages].reshape(bk))
+            # (first - page*size rather than %: the Triton lowering of a signed % inside the loop fails)
+            logical = first // page_size
+            page, blk = pt_ref[logical], pl.ds(first - logical * page_size, bk)
+            return (k_ref[page, blk, :], v_ref[page, blk, :], None if ks_ref is None else ks_ref[page, blk],
+                    None if vs_ref is None else vs_ref[page, blk])
+
         last_key = jnp.minimum(start + jnp.minimum(t0 + bq, length) - 1, max_keys - 1)
         n_blocks = last_key // bk + 1
         # Blocks wholly at or before the tile's first row need no mask.
         n_open = jnp.minimum((jnp.minimum(start + t0, max_keys - 1) + 1) // bk, n_blocks)
 
         def open_body(b, carry):
-            k, v, ks, vs = _load_keys(k_ref, v_ref, ks_ref, vs_ref, pt_ref, b * bk, bk, page_size)
-            return _online_step(carry, q, k, v, ks, vs, None, scale, cdt)
+            return _online_step(carry, q, *keys(b), None, scale, cdt)
 
         def masked_body(b, carry):
-            k, v, ks, vs = _load_keys(k_ref, v_ref, ks_ref, vs_ref, pt_ref, b * bk, bk, page_size)
             visible = (b * bk + jnp.arange(bk))[None, :] <= qpos[:, None]
-            return _online_step(carry, q, k, v, ks, vs, visible, scale, cdt)
+            return _online_step(carry, q, *keys(b), visible, scale, cdt)
 
         carry = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
                  jnp.zeros((bq, d), jnp.float32))
         carry = jax.lax.fori_loop(0, n_open, open_body, carry)
         _, l, acc = jax.lax.fori_loop(n_open, n_blocks, masked_body, carry)
         out = acc / jnp.where(l > 0, l, 1.0)[:, None]
-        o_ref[...] = jnp.where(row_ok[:, None], out, 0.0).astype(o_ref.dtype)
+        o_ref[...] = jnp.where((rows < length)[:, None], out, 0.0).astype(o_ref.dtype)
+
+
+def _contiguous_keys(pool: KVPool, page_table: jax.Array) -> list[jax.Array]:
+    """Each stream's pages copied into rows: k, v [Hkv, S, L, D] (+ fp8 scales [Hkv, S, L]), L = Pmax*page."""
+    s, pmax = page_table.shape
+
+    def rows(x):
+        y = x[:, page_table]  # [Hkv, S, Pmax, page(, D)]
+        return y.reshape(x.shape[0], s, pmax * pool.page_size, *x.shape[3:])
+
+    return [rows(pool.k), rows(pool.v)] + ([rows(pool.k_scale), rows(pool.v_scale)] if pool.fp8 else [])
 
 
 def prompt(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, lengths: jax.Array, *,
@@ -500,17 +550,17 @@ def prompt(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, 
         raise ValueError(f"q must be [S, T, Hq, D]; got shape {q.shape}")
     s, t, hq, d = q.shape
     hkv = pool.k.shape[0]
-    _check_pool(pool, None, d)
+    _check_pool(pool, d)
     if hq % hkv:
         raise ValueError(f"{hq} query heads are not a multiple of the pool's {hkv} KV heads")
     if page_table.ndim != 2 or page_table.shape[0] != s:
         raise ValueError(f"page_table must be [S={s}, Pmax]; got {page_table.shape}")
     if start.shape != (s,) or lengths.shape != (s,):
         raise ValueError(f"start and lengths must be [S={s}]; got {start.shape}, {lengths.shape}")
-    _check_block(tiles.block_k, pool.page_size, "PromptTiles")
+    _check_block(tiles.block_k, "PromptTiles")
     if tiles.block_q & (tiles.block_q - 1) or tiles.block_q < 16:
         raise ValueError(f"PromptTiles.block_q={tiles.block_q} must be a power of two >= 16")
-    g = hq // hkv
+    group = hq // hkv
     bq = tiles.block_q
     tp = -(-t // bq) * bq
     if tp != t:
@@ -519,13 +569,21 @@ def prompt(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, 
     ps, fp8 = pool.page_size, pool.fp8
     max_keys = page_table.shape[1] * ps
     page_table = _pad_table(page_table, -(-max_keys // tiles.block_k) * tiles.block_k, ps)
-    kernel = functools.partial(_prompt_kernel, fp8=fp8, scale=scale, max_keys=max_keys,
-                               page_size=ps, n_q_blocks=n_q_blocks, tiles=tiles,
+    kernel = functools.partial(_prompt_kernel, fp8=fp8, contiguous=tiles.contiguous, scale=scale,
+                               max_keys=max_keys, page_size=ps, n_q_blocks=n_q_blocks, tiles=tiles,
                                cdt=_compute_dtype(q.dtype, pool))
+    if tiles.contiguous:
+        with jax.named_scope("attn_prompt_gather"):
+            kv = _contiguous_keys(pool, page_table)
+        n_keys = kv[0].shape[2]
+        kv_spec = pl.BlockSpec((None, None, n_keys, d), lambda h, i, b: (h // group, b, 0, 0))
+        kv_scale = pl.BlockSpec((None, None, n_keys), lambda h, i, b: (h // group, b, 0))
+    else:
+        kv = [pool.k, pool.v] + ([pool.k_scale, pool.v_scale] if fp8 else [])
+        kv_spec = pl.BlockSpec((None, pool.num_pages, ps, d), lambda h, i, b: (h // group, 0, 0, 0))
+        kv_scale = pl.BlockSpec((None, pool.num_pages, ps), lambda h, i, b: (h // group, 0, 0))
     # Grid axis 0 varies fastest at launch: the G heads sharing a KV head run side by side and share its blocks
     # through L2.
-    kv_spec = pl.BlockSpec((None, pool.num_pages, ps, d), lambda h, i, b: (h // g, 0, 0, 0))
-    kv_scale = pl.BlockSpec((None, pool.num_pages, ps), lambda h, i, b: (h // g, 0, 0))
     q_spec = pl.BlockSpec((None, bq, None, d), lambda h, i, b: (b, n_q_blocks - 1 - i, h, 0))
     with jax.named_scope("attn_prompt"):
         out = pl.pallas_call(
@@ -539,6 +597,5 @@ def prompt(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, 
             interpret=interpret,
             compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
             name="attn_prompt",
-        )(start.astype(jnp.int32), lengths.astype(jnp.int32), page_table.astype(jnp.int32), q, pool.k, pool.v,
-          *([pool.k_scale, pool.v_scale] if fp8 else []))
+        )(start.astype(jnp.int32), lengths.astype(jnp.int32), page_table, q, *kv)
     return out[:, :t]

@@ -124,8 +124,8 @@ def filled_pool(rng, hkv, num_pages, page_size, d, dtype) -> kq.KVPool:
 
 
 def scattered_tables(rng, s, pmax, num_pages) -> jax.Array:
-    """Each stream's pages drawn out of order from 1..num_pages-1 (page 0 is the dummy page)."""
-    return jnp.asarray(np.stack([rng.permutation(np.arange(1, num_pages))[:pmax] for _ in range(s)]), jnp.int32)
+    """Streams' pages drawn out of order from 1..num_pages-1 (page 0 is the dummy page), no page shared."""
+    return jnp.asarray(rng.permutation(np.arange(1, num_pages))[: s * pmax].reshape(s, pmax), jnp.int32)
 
 
 TREE = [-1, 0, 0, 1, 1, 2, 3]  # branching tree, parents[r] < r
@@ -293,6 +293,51 @@ def test_prompt_rejects_bad_inputs():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# page layouts: the same keys in pages of 8 (a key block gathers 2 pages), of 32 (a page holds 2 blocks, its
+# index read once), or copied contiguous (prompt) give the same bits
+# ---------------------------------------------------------------------------------------------------------------
+
+def same_keys_two_page_sizes(rng, dtype, *, s, context, hkv, d, page_sizes=(8, 32)):
+    """The same per-stream keys written into pools of two page sizes, each with scattered tables."""
+    k = jnp.asarray(rng.standard_normal((s, context, hkv, d)) * 2, jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((s, context, hkv, d)), jnp.bfloat16)
+    positions = jnp.broadcast_to(jnp.arange(context, dtype=jnp.int32), (s, context))
+    valid = jnp.ones((s, context), bool)
+    out = []
+    for page_size in page_sizes:
+        pages = context // page_size
+        pool = filled_pool(rng, hkv, s * pages + 3, page_size, d, dtype)
+        table = scattered_tables(rng, s, pages, s * pages + 3)
+        out.append((kq.write_reference(pool, k, v, table, positions, valid), table))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
+def test_page_layouts_give_the_same_bits(dtype):
+    rng = np.random.default_rng(13)
+    (pool8, table8), (pool32, table32) = same_keys_two_page_sizes(rng, dtype, s=3, context=96, hkv=2, d=32)
+    scale = 32 ** -0.5
+    q = jnp.asarray(rng.standard_normal((3, 7, 4, 32)), jnp.bfloat16)
+    kw = jnp.asarray(rng.standard_normal((3, 7, 2, 32)), jnp.bfloat16)
+    vw = jnp.asarray(rng.standard_normal((3, 7, 2, 32)), jnp.bfloat16)
+    par = jnp.asarray([TREE, CHAIN, TREE], jnp.int32)
+    cache_len = jnp.asarray([90, 33, 64], jnp.int32)
+    tiles = at.WindowTiles(block_k=16, chunk=64, merge_block_d=16, merge_group=2)
+    a = run_window(q, kw, vw, par, pool8, table8, cache_len, scale=scale, interpret=True, tiles=tiles)
+    b = run_window(q, kw, vw, par, pool32, table32, cache_len, scale=scale, interpret=True, tiles=tiles)
+    assert np.array_equal(bits(a), bits(b))
+    assert rel_err(b, np_window(q, kw, vw, par, pool32, table32, cache_len, scale)) < 1e-2
+
+    qp = jnp.asarray(rng.standard_normal((3, 20, 4, 32)), jnp.bfloat16)
+    start, lengths = jnp.asarray([70, 0, 41], jnp.int32), jnp.asarray([20, 20, 13], jnp.int32)
+    outs = [run_prompt(qp, pool, table, start, lengths, scale=scale, interpret=True,
+                       tiles=at.PromptTiles(block_q=16, block_k=16, contiguous=contiguous))
+            for pool, table, contiguous in ((pool8, table8, True), (pool8, table8, False), (pool32, table32, False))]
+    assert np.array_equal(bits(outs[0]), bits(outs[1])) and np.array_equal(bits(outs[0]), bits(outs[2]))
+    assert rel_err(outs[2], np_prompt(qp, pool32, table32, start, lengths, scale)) < 1e-2
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # GPU, 27B attention shape
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -335,3 +380,29 @@ def test_prompt_gpu_27b(dtype):
     second = run_prompt(rest, pool, table[:1], start[:1] + 200, jnp.asarray([312], jnp.int32), scale=scale,
                         interpret=False, tiles=at.PromptTiles())
     assert np.array_equal(bits(jnp.concatenate([first[0, :200], second[0, :312]])), bits(got[0]))
+
+
+@GPU
+def test_page_layouts_gpu_27b():
+    """Compiled: pages of 64 (gathered per block) and of 256 (index read once per page) give the same bits, for
+    the window and for the prompt read through the pool or copied contiguous."""
+    rng = np.random.default_rng(32)
+    (pool64, t64), (pool256, t256) = same_keys_two_page_sizes(rng, jnp.bfloat16, s=2, context=2048, hkv=4, d=256,
+                                                              page_sizes=(64, 256))
+    scale = 1 / 16
+    q = jnp.asarray(rng.standard_normal((2, 16, 24, 256)), jnp.bfloat16)
+    kw = jnp.asarray(rng.standard_normal((2, 16, 4, 256)), jnp.bfloat16)
+    vw = jnp.asarray(rng.standard_normal((2, 16, 4, 256)), jnp.bfloat16)
+    par = jnp.asarray([TREE + list(range(6, 15)), list(range(-1, 15))], jnp.int32)
+    cache_len = jnp.asarray([2000, 1100], jnp.int32)
+    tiles = at.WindowTiles()
+    a = run_window(q, kw, vw, par, pool64, t64, cache_len, scale=scale, interpret=False, tiles=tiles)
+    b = run_window(q, kw, vw, par, pool256, t256, cache_len, scale=scale, interpret=False, tiles=tiles)
+    assert np.array_equal(bits(a), bits(b))
+    qp = jnp.asarray(rng.standard_normal((2, 256, 24, 256)), jnp.bfloat16)
+    start, lengths = jnp.asarray([1700, 0], jnp.int32), jnp.asarray([256, 200], jnp.int32)
+    outs = [run_prompt(qp, pool, table, start, lengths, scale=scale, interpret=False,
+                       tiles=dataclasses.replace(at.PromptTiles(), contiguous=contiguous))
+            for pool, table, contiguous in ((pool64, t64, True), (pool64, t64, False), (pool256, t256, False))]
+    assert np.array_equal(bits(outs[0]), bits(outs[1])) and np.array_equal(bits(outs[0]), bits(outs[2]))
+    assert rel_err(outs[2], np_prompt(qp, pool256, t256, start, lengths, scale)) < 1e-2

@@ -70,21 +70,20 @@ def page_tables(rng, sets: int, streams: int, pages_per_stream: int) -> np.ndarr
 
 
 def amortised_us(env: Env, step, fixed: tuple, varying: list[tuple], *, slow: bool = False) -> float:
-    """Median µs per call of step(*fixed, *varying[i]) inside one jitted scan of calls (fewer for slow ones)."""
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *varying)
+    """Median µs per call of `step`, run as a chain of calls unrolled in one jitted program: call i takes
+    varying[i % len] with its first element (the queries) replaced by call i-1's output, so no call can be merged
+    or skipped, and no host round trip sits between calls."""
     n_sets = len(varying)
-    reps = max(1, env.reps // 5) if slow else env.reps
+    reps = max(2, env.reps // 4) if slow else env.reps
 
     @jax.jit
-    def many(fixed, stacked):
-        def body(acc, i):
-            args = jax.tree.map(lambda x: x[i % n_sets], stacked)
-            out = step(*fixed, *args)
-            return acc + jnp.sum(out.astype(jnp.float32)), None
-        acc, _ = jax.lax.scan(body, jnp.float32(0), jnp.arange(reps))
-        return acc
+    def chain(fixed, varying):
+        x = varying[0][0]
+        for i in range(reps):
+            x = step(*fixed, x, *varying[i % n_sets][1:]).astype(x.dtype)
+        return x
 
-    us = time_us(many, [(fixed, stacked)], warmup=2, iters=5 if env.interpret or slow else 10)
+    us = time_us(chain, [(fixed, varying)], warmup=2, iters=5 if env.interpret or slow else 10)
     return us / reps
 
 
@@ -217,6 +216,7 @@ def bench_prompt(env: Env, *, rows: int, prefix: int, fp8: bool, impls=("kernel"
     varying = [(jax.random.normal(jax.random.key(200 + i), (1, rows, HQ, D), jnp.bfloat16), jnp.asarray(tables[i]),
                 jnp.asarray([prefix], jnp.int32), jnp.asarray([rows], jnp.int32)) for i in range(sets)]
     flops = prompt_flops(rows, prefix)
+    out = {}
     for impl in impls:
         if impl == "kernel":
             def step(pool, q, table, start, lengths):
@@ -225,10 +225,12 @@ def bench_prompt(env: Env, *, rows: int, prefix: int, fp8: bool, impls=("kernel"
             def step(pool, q, table, start, lengths):
                 return at.prompt_reference(q, pool, table, start, lengths, scale=SCALE)
         us = amortised_us(env, step, (pool,), varying, slow=True)
+        out[impl] = us
         record(env, section="prompt", tag=tag, impl=impl, kv="fp8" if fp8 else "bf16", rows=rows, prefix=prefix,
                tiles=str(dataclasses.astuple(tiles)) if impl == "kernel" else "", us=us,
                tflops=flops / us / 1e6)
     del pool
+    return out
 
 
 @guarded
@@ -286,43 +288,61 @@ def bench_write(env: Env, *, streams: int, rows: int, fp8: bool):
 
 # ---------------------------------------------------------------------------------------------------------------
 
+DECODE_CANDIDATES = (  # (page size, block_k, chunk, num_warps, num_stages)
+    (64, 64, 512, 4, 3), (64, 64, 512, 4, 2), (64, 64, 512, 4, 4), (64, 32, 512, 4, 3), (64, 128, 512, 8, 3),
+    (64, 64, 1024, 4, 3), (64, 64, 256, 4, 3), (64, 64, 512, 8, 3), (256, 64, 256, 4, 3), (256, 64, 512, 4, 3),
+    (256, 128, 512, 8, 3), (512, 64, 512, 4, 3))
+PROMPT_CANDIDATES = (  # (block_q, block_k, num_warps, num_stages, contiguous)
+    (64, 64, 4, 2, True), (64, 64, 4, 2, False), (128, 64, 8, 2, True), (128, 64, 8, 3, True),
+    (64, 64, 4, 3, True), (128, 32, 8, 3, True), (64, 128, 8, 2, True))
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m pallas_kernels.bench attention")
-    ap.add_argument("--sections", default="decode,window,prompt,write")
+    ap.add_argument("--sections", default="decode,prompt,window,write",
+                    help="any of tune (sweep tiles/page sizes first, then use the winners), decode, prompt, "
+                         "window, write, xla (plain-XLA reference rows)")
     ap.add_argument("--json", default=None, help="write every measured row here")
     ap.add_argument("--smoke", action="store_true", help="toy sizes, interpret mode, CPU: checks the script")
     ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--budget-s", type=float, default=1e9, help="skip remaining sections after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="skip what is left after this many seconds")
     args = ap.parse_args(argv)
-    global DEADLINE, JSON_PATH
+    global DEADLINE, JSON_PATH, HQ, HKV, D, SCALE
     DEADLINE = time.time() + args.budget_s
     JSON_PATH = args.json
     sections = args.sections.split(",")
     if args.smoke:
-        global HQ, HKV, D, SCALE
         HQ, HKV, D = 4, 2, 32
         SCALE = D ** -0.5
-    env = Env(interpret=args.smoke, page_size=8 if args.smoke else args.page_size, reps=2 if args.smoke else 10,
+    env = Env(interpret=args.smoke, page_size=8 if args.smoke else args.page_size, reps=2 if args.smoke else 8,
               results=[])
     dev = jax.devices()[0]
-    print(f"device: {dev.device_kind}; jax {jax.__version__}; page {env.page_size}", flush=True)
-    bw = None
-    if not args.smoke:
-        bw = copy_bandwidth_tbs()
+    print(f"device: {dev.device_kind}; jax {jax.__version__}", flush=True)
+    bw = None if args.smoke else copy_bandwidth_tbs()
+    if bw:
         print(f"copy bandwidth: {bw:.2f} TB/s", flush=True)
-    contexts = (64, 200) if args.smoke else (4096, 32768, 131072)
     gpu = not args.smoke
-    over = lambda: time.time() > DEADLINE  # noqa: E731
+    contexts = (64, 256) if args.smoke else (4096, 32768, 131072)
+    xla = "xla" in sections
+    decode_tiles, page, prompt_tiles = at.WindowTiles(), env.page_size, at.PromptTiles()
 
-    if "decode" in sections and not over():
+    if "tune" in sections:
+        decode_tiles, page = tune_decode(env, contexts[1], args.smoke) or (decode_tiles, page)
+        prompt_tiles = tune_prompt(env, 32 if args.smoke else 4096) or prompt_tiles
+    env.page_size = page
+    print(f"using page {page}, {decode_tiles}, {prompt_tiles}", flush=True)
+    window_tiles = dataclasses.replace(decode_tiles, num_warps=None)  # 128 packed rows want 8 warps
+
+    if "decode" in sections:
         print("== decode: 1 row, 1 stream", flush=True)
         for fp8 in (False, True):
             for ctx in contexts:
-                bench_window(env, streams=1, rows=1, context=ctx, fp8=fp8)
+                bench_window(env, streams=1, rows=1, context=ctx, fp8=fp8, tiles=decode_tiles,
+                             impls=("kernel", "xla") if xla else ("kernel",))
         if gpu:
             for ctx in contexts:
                 bench_cudnn_decode(env, streams=1, rows=1, context=ctx)
-    if "prompt" in sections and not over():
+    if "prompt" in sections:
         print("== prompt chunk: 4K rows over 0 / 32K prefix", flush=True)
         rows, prefixes = ((32, (0, 40)) if args.smoke else (4096, (0, 32768)))
         if gpu:
@@ -330,30 +350,30 @@ def main(argv: list[str]) -> int:
                 bench_cudnn_prompt(env, rows=rows, prefix=prefix)
         for fp8 in (False, True):
             for prefix in prefixes:
-                bench_prompt(env, rows=rows, prefix=prefix, fp8=fp8)
-    if "window" in sections and not over():
+                bench_prompt(env, rows=rows, prefix=prefix, fp8=fp8, tiles=prompt_tiles,
+                             impls=("kernel", "xla") if xla else ("kernel",))
+    if "window" in sections:
         print("== verify window: 16 rows (binary tree) x 1/16 streams; 1-row at 16 streams for the ratio", flush=True)
         for fp8 in (False, True):
             for ctx in contexts:
-                bench_window(env, streams=1, rows=16, context=ctx, fp8=fp8,
-                             impls=("kernel", "xla") if ctx != contexts[-1] else ("kernel",))
+                bench_window(env, streams=1, rows=16, context=ctx, fp8=fp8, tiles=window_tiles,
+                             impls=("kernel", "xla") if xla and ctx != contexts[-1] else ("kernel",))
             for ctx in contexts[:2]:
-                bench_window(env, streams=16, rows=16, context=ctx, fp8=fp8,
-                             impls=("kernel", "xla") if ctx == contexts[1] else ("kernel",))
-                bench_window(env, streams=16, rows=1, context=ctx, fp8=fp8, impls=("kernel",))
+                bench_window(env, streams=16, rows=16, context=ctx, fp8=fp8, tiles=window_tiles,
+                             impls=("kernel", "xla") if xla and ctx == contexts[1] else ("kernel",))
+                bench_window(env, streams=16, rows=1, context=ctx, fp8=fp8, tiles=decode_tiles, impls=("kernel",))
         if gpu:
             for ctx in contexts[:2]:
                 bench_cudnn_decode(env, streams=16, rows=16, context=ctx)
-    if "write" in sections and not over():
+    if "write" in sections:
         print("== KV write (in place, donated pool)", flush=True)
         for fp8 in (False, True):
             bench_write(env, streams=1, rows=32 if args.smoke else 4096, fp8=fp8)
             bench_write(env, streams=16 if gpu else 2, rows=16, fp8=fp8)
-    if "tune" in sections:
-        tune(env, args, over, gpu)
 
     env.results.append({"section": "meta", "tag": "meta", "device": dev.device_kind, "jax": jax.__version__,
-                        "copy_tbs": bw})
+                        "copy_tbs": bw, "page": page, "decode_tiles": str(decode_tiles),
+                        "prompt_tiles": str(prompt_tiles)})
     if JSON_PATH:
         with open(JSON_PATH, "w") as f:
             json.dump(env.results, f, indent=1)
@@ -361,39 +381,45 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def tune(env: Env, args, over, gpu: bool) -> None:
-    """Tile and page-size candidates, each a full compile: the defaults in attention.py come from here."""
-    ctx = 200 if not gpu else 32768
-    print("== tune: decode/window tiles at 32K", flush=True)
-    cands = [at.WindowTiles(block_k=bk, chunk=c, num_warps=w, num_stages=st)
-             for bk, c, w, st in ((64, 512, 4, 2), (64, 512, 4, 3), (32, 512, 4, 3), (128, 512, 8, 2),
-                                  (64, 1024, 4, 3), (64, 256, 4, 3))]
-    for fp8 in (False, True):
-        for tiles in cands:
-            if over():
-                return
-            bench_window(env, streams=1, rows=1, context=ctx, fp8=fp8, impls=("kernel",), tiles=tiles, tag="tune")
-    for tiles in (at.WindowTiles(num_warps=4), at.WindowTiles(num_warps=8), at.WindowTiles(block_k=32, num_warps=8),
-                  at.WindowTiles(num_warps=8, num_stages=3)):
-        for fp8 in (False, True):
-            if over():
-                return
-            bench_window(env, streams=1, rows=16, context=ctx, fp8=fp8, impls=("kernel",), tiles=tiles, tag="tune")
-    print("== tune: page size (decode 32K, bf16)", flush=True)
-    for ps in ((8, 16) if not gpu else (16, 32, 128, 256)):
-        if over():
-            return
-        bench_window(env, streams=1, rows=1, context=ctx, fp8=False, impls=("kernel",), page_size=ps, tag="tune",
-                     tiles=at.WindowTiles(block_k=max(16, min(64, ps * 4)), chunk=512))
-    print("== tune: prompt tiles (4K rows, no prefix)", flush=True)
-    rows = 32 if not gpu else 4096
-    for bq, bk, w, st in ((64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 3), (64, 128, 8, 2),
-                          (128, 64, 8, 3), (64, 64, 4, 3)):
-        for fp8 in (False, True):
-            if over():
-                return
-            bench_prompt(env, rows=rows, prefix=0, fp8=fp8, impls=("kernel",), tag="tune",
-                         tiles=at.PromptTiles(block_q=bq, block_k=bk, num_warps=w, num_stages=st))
+def tune_decode(env: Env, context: int, smoke: bool):
+    """Decode tiles and page size at one context: every candidate for bf16, the best three again for fp8; the
+    winner (sum of the two times) becomes the setting for every decode and window row after it."""
+    print(f"== tune: decode tiles and page size at {context}", flush=True)
+    cands = [(8, 16, 32, 4, 3), (8, 16, 64, 4, 2), (16, 16, 32, 4, 3)] if smoke else list(DECODE_CANDIDATES)
+    times = {}
+    for ps, bk, chunk, warps, stages in cands:
+        tiles = at.WindowTiles(block_k=bk, chunk=chunk, num_warps=warps, num_stages=stages)
+        got = bench_window(env, streams=1, rows=1, context=context, fp8=False, impls=("kernel",), tiles=tiles,
+                           page_size=ps, tag="tune")
+        if got:
+            times[(ps, tiles)] = got["kernel"]
+    if not times:
+        return None
+    best = sorted(times, key=times.get)[:3]
+    total = {}
+    for ps, tiles in best:
+        got = bench_window(env, streams=1, rows=1, context=context, fp8=True, impls=("kernel",), tiles=tiles,
+                           page_size=ps, tag="tune")
+        if got:
+            total[(ps, tiles)] = times[(ps, tiles)] + got["kernel"]
+    ps, tiles = min(total or {k: times[k] for k in best}, key=(total or times).get)
+    print(f"  decode winner: page {ps}, {tiles}", flush=True)
+    return tiles, ps
+
+
+def tune_prompt(env: Env, rows: int):
+    print(f"== tune: prompt tiles at {rows} rows, no prefix, bf16", flush=True)
+    times = {}
+    for bq, bk, warps, stages, contiguous in PROMPT_CANDIDATES:
+        tiles = at.PromptTiles(block_q=bq, block_k=bk, num_warps=warps, num_stages=stages, contiguous=contiguous)
+        got = bench_prompt(env, rows=rows, prefix=0, fp8=False, impls=("kernel",), tiles=tiles, tag="tune")
+        if got:
+            times[tiles] = got["kernel"]
+    if not times:
+        return None
+    tiles = min(times, key=times.get)
+    print(f"  prompt winner: {tiles}", flush=True)
+    return tiles
 
 
 def summarize(env: Env, bw: float | None) -> None:
