@@ -1,4 +1,11 @@
-"""Offline CLI: `python -m qwen_jax {logits,generate} --model DIR ...`."""
+"""Offline CLI: `python -m qwen_jax {logits,generate,eval,bench} ...`.
+
+  logits    --model DIR --token-ids IDS --out FILE.npy     logits at every position, float32 [T, vocab]
+  generate  --model DIR (--prompt TEXT | --token-ids IDS) --max-tokens N [--json]    on the engine
+  eval ppl  --model DIR --text FILE                         teacher-forced perplexity (compiled, chunked)
+  eval kv   --model DIR [--text FILE]                       fp8 vs bf16 KV cache: top-1 agreement, mean KL
+  bench     (--model DIR | --synthetic 27b)                 prompt tok/s, decode forwards/s, compile cold/warm
+"""
 
 from __future__ import annotations
 
@@ -21,43 +28,71 @@ def _ids(text: str) -> list[int]:
     return ids
 
 
-def _load(args):
+def _jnp_dtype(name: str):
     import jax.numpy as jnp
+    return jnp.float32 if name == "float32" else jnp.bfloat16
 
-    from qwen_jax.checkpoint import CheckpointError, load_checkpoint
+
+def _backend(args):
     from qwen_jax.model import Backend
-    from qwen_jax.runner import Runner
-    dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
+    return Backend(kernels=False) if args.no_kernels else Backend.default()
+
+
+def _checkpoint(args):
+    from qwen_jax.checkpoint import CheckpointError, load_checkpoint
     try:
-        ck = load_checkpoint(args.model, dtype=dtype)
+        return load_checkpoint(args.model, dtype=_jnp_dtype(args.dtype))
     except (CheckpointError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
-    vocab = ck.config.text.vocab_size
-    backend = Backend(kernels=False) if args.no_kernels else Backend.default()
-    return ck, Runner(ck.params, ck.config, dtype=dtype, backend=backend, max_len=args.max_model_len), vocab
 
 
-def cmd_logits(args) -> int:
-    ids = _ids(args.token_ids)
-    ck, runner, vocab = _load(args)
+def _tokenizer(args, *, required: bool):
+    from qwen_jax.checkpoint import CheckpointError, load_tokenizer
+    try:
+        return load_tokenizer(args.model)
+    except CheckpointError as e:
+        if required:
+            raise SystemExit(f"error: {e}") from None
+        return None
+
+
+def _check_vocab(ids: list[int], vocab: int) -> None:
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise SystemExit(f"error: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-    logits = runner.logits(ids).astype(np.float32)
+
+
+def _cache(args) -> None:
+    from qwen_jax import programs as P
+    if args.compile_cache:
+        P.enable_compilation_cache(args.compile_cache)
+
+
+def cmd_logits(args) -> int:
+    from qwen_jax.runner import Runner
+    ids = _ids(args.token_ids)
+    ck = _checkpoint(args)
+    _check_vocab(ids, ck.config.text.vocab_size)
+    runner = Runner(ck.params, ck.config, dtype=_jnp_dtype(args.dtype), backend=_backend(args),
+                    max_len=args.max_model_len)
+    try:
+        logits = runner.logits(ids).astype(np.float32)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     np.save(args.out, logits)
     print(f"wrote {args.out}: float32 {list(logits.shape)}", file=sys.stderr)
     return 0
 
 
 def cmd_generate(args) -> int:
-    from qwen_jax.checkpoint import CheckpointError, load_tokenizer
-    ck, runner, vocab = _load(args)
+    from qwen_jax import programs as P
+    from qwen_jax.engine.api import ContextLengthExceeded, GenerationRequest, SamplingOptions
+    from qwen_jax.engine.engine import Engine
+    _cache(args)
+    ck = _checkpoint(args)
     tok = None
     if args.prompt is not None:
-        try:
-            tok = load_tokenizer(args.model)
-        except CheckpointError as e:
-            raise SystemExit(f"error: {e}") from None
+        tok = _tokenizer(args, required=True)
         if args.raw:
             ids = tok(args.prompt, add_special_tokens=False)["input_ids"]
         else:
@@ -66,19 +101,28 @@ def cmd_generate(args) -> int:
             ids = tok(text, add_special_tokens=False)["input_ids"]
     else:
         ids = _ids(args.token_ids)
-    bad = [i for i in ids if not 0 <= i < vocab]
-    if bad:
-        raise SystemExit(f"error: token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-    stop = () if args.ignore_eos else ck.config.eos_token_ids
+        tok = _tokenizer(args, required=False)
+    _check_vocab(ids, ck.config.text.vocab_size)
+    if args.max_tokens < 1:
+        raise SystemExit(f"error: --max-tokens must be at least 1, got {args.max_tokens}")
+    backend = _backend(args)
+    # One request: compile only the prompt bucket it needs and a one-stream decode.
+    chunk = min(P.pages_for(max(len(ids), 1), P.GRID) * P.GRID, 4096)
+    buckets = P.Buckets((chunk,), (1,), (1,), packing=P.default_buckets(ck.params, backend, parallel=1).packing)
     try:
-        out = runner.generate(ids, args.max_tokens, temperature=args.temperature, seed=args.seed, stop_ids=stop)
-    except ValueError as e:
+        engine = Engine(ck.params, ck.config, tok, dtype=args.dtype, max_model_len=args.max_model_len, parallel=1,
+                        max_queued=1, backend=backend, buckets=buckets, max_prefill_chunk=chunk,
+                        progress=sys.stderr.isatty())
+        req = GenerationRequest(tuple(ids), args.max_tokens,
+                                SamplingOptions(temperature=args.temperature, seed=args.seed),
+                                ignore_eos=args.ignore_eos, request_id="cli")
+        with engine:
+            done = engine.submit(req).result()
+    except (ContextLengthExceeded, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
-    if tok is None:
-        try:
-            tok = load_tokenizer(args.model)
-        except Exception:
-            tok = None
+    if done.finish_reason == "error":
+        raise SystemExit(f"error: generation failed: {done.error}")
+    out = list(done.token_ids)
     text = tok.decode(out, skip_special_tokens=False) if tok is not None else None
     if args.json:
         print(json.dumps({"prompt_token_ids": ids, "token_ids": out, "text": text}))
@@ -87,15 +131,98 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _eval_tokens(args, tok) -> list[int]:
+    from qwen_jax.engine.evaluate import DEFAULT_TEXT
+    if args.text is not None:
+        try:
+            with open(args.text, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise SystemExit(f"error: --text {args.text}: {e.strerror}") from None
+    else:
+        text = DEFAULT_TEXT
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    if args.max_tokens is not None:
+        ids = ids[:args.max_tokens]
+    return ids
+
+
+def cmd_eval(args) -> int:
+    from qwen_jax.engine import evaluate
+    if args.what == "ppl" and args.text is None:
+        raise SystemExit("error: eval ppl needs --text FILE")
+    _cache(args)
+    ck = _checkpoint(args)
+    tok = _tokenizer(args, required=True)
+    ids = _eval_tokens(args, tok)
+    context = args.context or args.max_model_len
+    try:
+        if args.what == "ppl":
+            res = evaluate.perplexity(ck.params, ck.config, ids, backend=_backend(args), dtype=args.dtype,
+                                      kv_cache=args.kv_cache, context=context, chunk=args.chunk)
+            line = (f"perplexity {res.ppl:.4f} (mean NLL {res.nll:.4f} nats) over {res.tokens} tokens, "
+                    f"{res.tokens / res.seconds:.1f} tok/s")
+        else:
+            res = evaluate.kv_agreement(ck.params, ck.config, ids, backend=_backend(args), dtype=args.dtype,
+                                        context=context, chunk=args.chunk)
+            line = (f"fp8 vs bf16 KV over {res.tokens} tokens: top-1 agreement {res.top1_agreement:.4f}, "
+                    f"mean KL {res.mean_kl:.3e} nats (max {res.max_kl:.3e}), "
+                    f"ppl bf16 {res.ppl_bf16:.4f} / fp8 {res.ppl_fp8:.4f}")
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    print(json.dumps(res.as_dict()) if args.json else line)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from qwen_jax.engine import bench
+    if (args.model is None) == (args.synthetic is None):
+        raise SystemExit("error: bench needs exactly one of --model DIR or --synthetic 27b")
+    try:
+        streams = bench._parse_sizes(args.streams, "--streams")
+        lengths = bench._parse_sizes(args.prompt_lengths, "--prompt-lengths") if args.prompt_lengths else ()
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    log = (lambda m: print(m, file=sys.stderr))
+    if args.synthetic is not None:
+        import time
+        t0 = time.perf_counter()
+        try:
+            params, cfg = bench.synthetic_params(args.synthetic, dtype=args.dtype)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+        log(f"synthetic {args.synthetic}: random weights built on the device in {time.perf_counter() - t0:.1f} s")
+    else:
+        ck = _checkpoint(args)
+        params, cfg = ck.params, ck.config
+    if not args.compile_timing and args.compile_cache:
+        _cache(args)
+    try:
+        res = bench.run(params, cfg, backend=_backend(args), dtype=args.dtype, kv_cache=args.kv_cache,
+                        streams=streams, prompt_lengths=lengths, context=args.context, rounds=args.rounds,
+                        max_chunk=args.max_chunk, compile_timing=args.compile_timing, warm=not args.no_warm,
+                        logprobs=args.logprobs, progress=sys.stderr.isatty(), log=log)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    print(json.dumps(res.as_dict()) if args.json else "\n".join(res.lines()))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m qwen_jax", description=__doc__)
+    from qwen_jax.engine.engine import DEFAULT_CACHE_DIR
+    p = argparse.ArgumentParser(prog="python -m qwen_jax", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    def common(sp):
-        sp.add_argument("--model", required=True, help="local checkpoint directory (HF safetensors or MLX)")
+    def common(sp, *, model_required=True):
+        sp.add_argument("--model", required=model_required, help="local checkpoint directory (HF safetensors or MLX)")
         sp.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="compute dtype (float32 = verification)")
         sp.add_argument("--max-model-len", type=int, default=4096, help="context capacity to allocate")
         sp.add_argument("--no-kernels", action="store_true", help="plain-jnp references instead of Pallas kernels")
+
+    def cache(sp):
+        sp.add_argument("--compile-cache", default=DEFAULT_CACHE_DIR,
+                        help="persistent compilation cache dir ('' = off; env QWEN_JAX_CACHE_DIR)")
 
     lg = sub.add_parser("logits", help="logits at every position of --token-ids, saved as float32 [T, vocab]")
     common(lg)
@@ -103,8 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     lg.add_argument("--out", required=True, help="output .npy path")
     lg.set_defaults(fn=cmd_logits)
 
-    gen = sub.add_parser("generate", help="generate a continuation")
+    gen = sub.add_parser("generate", help="generate a continuation (on the engine)")
     common(gen)
+    cache(gen)
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text (through the checkpoint's chat template unless --raw)")
     src.add_argument("--token-ids", help="comma-separated prompt token ids (no template)")
@@ -115,6 +243,37 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="print one JSON object with token_ids and text")
     gen.set_defaults(fn=cmd_generate)
+
+    ev = sub.add_parser("eval", help="teacher-forced evaluation: ppl (perplexity) or kv (fp8 vs bf16 KV cache)")
+    ev.add_argument("what", choices=("ppl", "kv"))
+    common(ev)
+    cache(ev)
+    ev.add_argument("--text", help="UTF-8 text file, tokenized as is (kv: a built-in paragraph when omitted)")
+    ev.add_argument("--context", type=int, default=0,
+                    help="tokens per window, each scored from an empty cache (default --max-model-len)")
+    ev.add_argument("--chunk", type=int, default=512, help="prompt rows per compiled call (multiple of 64)")
+    ev.add_argument("--kv-cache", choices=("bf16", "fp8"), default="bf16", help="ppl: KV cache dtype")
+    ev.add_argument("--max-tokens", type=int, help="score at most this many tokens of the text")
+    ev.add_argument("--json", action="store_true", help="print one JSON object")
+    ev.set_defaults(fn=cmd_eval)
+
+    be = sub.add_parser("bench", help="prompt tok/s, decode forwards/s at 1..16 streams, compile time cold/warm")
+    common(be, model_required=False)
+    cache(be)
+    be.add_argument("--synthetic", choices=("27b",), help="the model's shapes with random 4-bit weights built on "
+                    "the device (no checkpoint)")
+    be.add_argument("--streams", default="1,2,4,8,16", help="decode stream counts, comma-separated ('' = none)")
+    be.add_argument("--prompt-lengths", default="4096,32768", help="prompt lengths to time ('' = none)")
+    be.add_argument("--context", type=int, default=1024, help="cached tokens per stream while decoding")
+    be.add_argument("--rounds", type=int, default=64, help="timed decode rounds per stream count")
+    be.add_argument("--max-chunk", type=int, default=4096, help="prompt chunk rows")
+    be.add_argument("--kv-cache", choices=("bf16", "fp8"), default="bf16")
+    be.add_argument("--logprobs", type=int, default=0, help="top logprobs computed every round (the server's cost)")
+    be.add_argument("--no-compile-timing", dest="compile_timing", action="store_false",
+                    help="compile once with --compile-cache instead of timing cold and warm compiles")
+    be.add_argument("--no-warm", action="store_true", help="time the cold compile only")
+    be.add_argument("--json", action="store_true", help="print one JSON object")
+    be.set_defaults(fn=cmd_bench)
     return p
 
 

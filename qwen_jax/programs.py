@@ -434,6 +434,15 @@ def enable_compilation_cache(path: str | None) -> None:
     cc.reset_cache()  # the cache is probed once per process; make the new dir take effect
 
 
+def init_pools(cfg: ModelConfig, layout: Layout) -> M.ModelState:
+    """Zeroed state pools for `layout`, every leaf its own buffer: init_state may hand one zeros array to two
+    fields (an fp8 pool's k and v scales), and a program cannot take the same buffer donated twice."""
+    dtype = layout.jnp_dtype
+    state = M.init_state(cfg.text, num_slots=layout.num_slots, num_pages=layout.num_pages,
+                         page_size=layout.page_size, dtype=dtype, kv_dtype=kv_dtype_for(layout.kv_cache, dtype))
+    return jax.tree.map(jnp.copy, state)
+
+
 def _abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
 
@@ -456,10 +465,7 @@ class Programs:
         }
 
     def fresh_state(self) -> M.ModelState:
-        lay = self.layout
-        dtype = lay.jnp_dtype
-        return M.init_state(self.cfg.text, num_slots=lay.num_slots, num_pages=lay.num_pages,
-                            page_size=lay.page_size, dtype=dtype, kv_dtype=kv_dtype_for(lay.kv_cache, dtype))
+        return init_pools(self.cfg, self.layout)
 
     def state_lost(self) -> bool:
         """True when a failed program consumed the donated pools (callers then `reset_state`)."""

@@ -1,0 +1,179 @@
+"""`python -m qwen_jax bench`: device throughput of the engine's compiled programs.
+
+Prompt: one stream's prompt of L tokens as the engine runs it (chunks of up to `max_chunk` rows, one after
+another), after one untimed pass -> tokens/s. Decode: S streams at `context` cached tokens each, `rounds` decode
+calls (verify + commit + sampling, tokens read back to the host every round as the scheduler does) after a few
+untimed ones -> forwards/s (rounds/s) and tokens/s (S x forwards/s). Compile: every program of the run, first
+against an empty persistent cache (cold), then again from that cache (warm).
+
+Cached K/V and GDN states are zeros rather than a real prefix: the cost of a round depends on the context length,
+not on the values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import time
+
+import numpy as np
+
+from qwen_jax import programs as P
+from qwen_jax import sampling
+
+
+@dataclasses.dataclass
+class BenchResult:
+    prompt_tokens_per_s: dict[int, float] = dataclasses.field(default_factory=dict)
+    decode_forwards_per_s: dict[int, float] = dataclasses.field(default_factory=dict)
+    decode_tokens_per_s: dict[int, float] = dataclasses.field(default_factory=dict)
+    compile_cold_s: float | None = None
+    compile_warm_s: float | None = None
+    programs: int = 0
+    context: int = 0
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def lines(self) -> list[str]:
+        out = []
+        if self.compile_cold_s is not None:
+            warm = f"{self.compile_warm_s:.1f} s" if self.compile_warm_s is not None else "not measured"
+            out.append(f"compile ({self.programs} programs): cold {self.compile_cold_s:.1f} s, warm {warm}")
+        for n, v in self.prompt_tokens_per_s.items():
+            out.append(f"prompt {n:>6} tokens: {v:10.1f} tok/s")
+        for s, v in self.decode_forwards_per_s.items():
+            out.append(f"decode {s:>2} streams @ {self.context} ctx: {v:8.1f} forwards/s "
+                       f"{self.decode_tokens_per_s[s]:9.1f} tok/s")
+        return out
+
+
+def _parse_sizes(text: str, what: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in vals):
+        raise ValueError(f"{what} must be positive, got {text!r}")
+    return vals
+
+
+def run(params, cfg, *, backend, dtype: str = "bfloat16", kv_cache: str = "bf16", streams=(1, 16),
+        prompt_lengths=(4096,), context: int = 1024, rounds: int = 64, max_chunk: int = 4096,
+        compile_timing: bool = True, warm: bool = True, logprobs: int = 0, progress: bool = True,
+        log=print) -> BenchResult:
+    if max_chunk % P.GRID or max_chunk < P.GRID:
+        raise ValueError(f"--max-chunk must be a positive multiple of {P.GRID}, got {max_chunk}")
+    if rounds < 1 or context < 1:
+        raise ValueError("--rounds and --context must be positive")
+    page = 64
+    packing = P.Packing.BATCHED if P.row_invariant(params, backend) else P.Packing.MAPPED
+    rows = tuple(sorted({min(P.pages_for(n, P.GRID) * P.GRID, max_chunk) for n in prompt_lengths}))
+    result = BenchResult(context=context)
+    jobs = []
+    if prompt_lengths:
+        pp = P.pages_for(max(prompt_lengths), page)
+        lay = P.Layout(page, pp, pp + 1, 2, dtype, kv_cache)
+        jobs.append(("prompt", lay, P.Buckets(rows, (1,), (1,), packing=packing, logprobs=logprobs)))
+    if streams:
+        dp = P.pages_for(context + rounds + 8, page)
+        lay = P.Layout(page, dp, max(streams) * dp + 1, max(streams) + 1, dtype, kv_cache)
+        jobs.append(("decode", lay, P.Buckets((P.GRID,), (1,), tuple(streams), packing=packing, logprobs=logprobs)))
+
+    def build():
+        out = {}
+        for kind, lay, b in jobs:
+            progs = P.Programs(params, cfg, lay, b, backend)
+            keys = [k for k in progs.bucket_keys() if k[0] == kind]
+            out[kind] = (progs, keys)
+        return out
+
+    def compile_all(built) -> float:
+        t0 = time.perf_counter()
+        for progs, keys in built.values():
+            progs.compile(keys, progress=progress)
+        return time.perf_counter() - t0
+
+    if compile_timing:
+        cache = tempfile.mkdtemp(prefix="qwen_jax_bench_cache_")
+        P.enable_compilation_cache(cache)
+        built = build()
+        result.compile_cold_s = compile_all(built)
+        result.programs = sum(len(k) for _, k in built.values())
+        log(f"compile cold: {result.compile_cold_s:.1f} s ({result.programs} programs, cache {cache})")
+        if warm:
+            built = None
+            built = build()
+            result.compile_warm_s = compile_all(built)
+            log(f"compile warm: {result.compile_warm_s:.1f} s")
+    else:
+        built = build()
+        compile_all(built)
+        result.programs = sum(len(k) for _, k in built.values())
+
+    greedy = sampling.RequestSampling(seed=0, temperature=0.0)
+    rng = np.random.default_rng(0)
+    vocab = cfg.text.vocab_size
+    if "prompt" in built:
+        progs, _ = built["prompt"]
+        table = np.arange(1, progs.layout.pages_per_stream + 1, dtype=np.int32)
+        for n in prompt_lengths:
+            ids = rng.integers(0, vocab, size=n)
+
+            def one_prompt():
+                for start in range(0, n, max_chunk):
+                    k = min(max_chunk, n - start)
+                    t = min(P.pages_for(k, P.GRID) * P.GRID, max_chunk)
+                    t = next(r for r in rows if r >= t)
+                    batch = P.prompt_batch(progs.layout, 1, t, [P.PromptChunk(ids[start:start + k], start, 1, table)])
+                    out = progs.prompt(batch, P.sample_params([greedy], [start + k], 1))
+                return out
+
+            one_prompt()
+            t0 = time.perf_counter()
+            one_prompt()
+            result.prompt_tokens_per_s[n] = n / (time.perf_counter() - t0)
+            log(f"prompt {n} tokens: {result.prompt_tokens_per_s[n]:.1f} tok/s")
+        progs.state = None
+        built.pop("prompt")
+    if "decode" in built:
+        progs, _ = built["decode"]
+        dp = progs.layout.pages_per_stream
+        for s in streams:
+            tables = [np.arange(1 + i * dp, 1 + (i + 1) * dp, dtype=np.int32) for i in range(s)]
+            tokens = list(rng.integers(0, vocab, size=s))
+            cache_len = [context] * s
+
+            def rounds_of(k):
+                nonlocal tokens
+                for _ in range(k):
+                    window = P.decode_window(progs.layout, s, tokens, cache_len, list(range(1, s + 1)), tables)
+                    out = progs.decode(window, P.sample_params([greedy] * s, [c + 1 for c in cache_len], s))
+                    tokens = [int(t) for t in out.tokens[:s]]
+                    for i in range(s):
+                        cache_len[i] += 1
+
+            rounds_of(3)
+            cache_len = [context] * s
+            t0 = time.perf_counter()
+            rounds_of(rounds)
+            fps = rounds / (time.perf_counter() - t0)
+            result.decode_forwards_per_s[s] = fps
+            result.decode_tokens_per_s[s] = fps * s
+            log(f"decode {s} streams: {fps:.1f} forwards/s, {fps * s:.1f} tok/s")
+    return result
+
+
+def synthetic_params(name: str, *, dtype: str, seed: int = 0):
+    """The named shape with random weights (4-bit where the config says so), built on the default device in one
+    compiled program. -> (params, config)."""
+    import jax
+    import jax.numpy as jnp
+
+    from qwen_jax.synthetic import random_params, synthetic_config
+    cfg = synthetic_config(name)
+    jdt = jnp.float32 if dtype == "float32" else jnp.bfloat16
+    build = jax.jit(lambda key: random_params(cfg.text, key, dtype=jdt, quant=cfg.quantization))
+    params = build(jax.random.key(seed))
+    jax.block_until_ready(params)
+    return params, cfg
