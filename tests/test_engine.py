@@ -1,0 +1,267 @@
+"""The engine on captures/tiny (reference path, CPU): concurrent ≡ solo token for token (greedy and seeded, fp32
+and bf16), greedy ≡ HF transformers, reproducible sampling, streaming (sync and async), stop ids / stop strings /
+lengths, logprobs, cancellation, per-request errors, admission errors, and pools back to baseline every time."""
+
+import asyncio
+import dataclasses
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qwen_jax import programs as P
+from qwen_jax import sampling
+from qwen_jax.checkpoint import load_checkpoint, load_tokenizer
+from qwen_jax.engine.api import ContextLengthExceeded, EngineOverloaded, GenerationRequest, SamplingOptions
+from qwen_jax.engine.engine import Engine
+from qwen_jax.model import Backend
+from tests.conftest import CAPTURES
+
+MAX_LEN = 512
+TIMEOUT = 120  # seconds per event before a test gives up (the shared CI box is slow, never this slow)
+
+
+def _engine(dtype: str, **kw) -> Engine:
+    ck = load_checkpoint(CAPTURES / "tiny", dtype=jnp.float32 if dtype == "float32" else jnp.bfloat16,
+                         progress=False)
+    # Prompt chunks of up to 256 rows when the engine is idle and 128 rows a call while others decode, so a
+    # prompt that arrives during decoding is cut (and packed with others) differently from the same prompt alone.
+    buckets = P.Buckets(prompt_rows=(64, 128, 256), prompt_lanes=(4,), decode_streams=(16,), logprobs=3)
+    args = dict(dtype=dtype, max_model_len=MAX_LEN, parallel=16, max_queued=32, backend=Backend(),
+                buckets=buckets, prefill_step=128, max_logprobs=3, progress=False)
+    args.update(kw)
+    return Engine(ck.params, ck.config, load_tokenizer(CAPTURES / "tiny"), **args)
+
+
+@pytest.fixture(scope="module")
+def eng():
+    e = _engine("float32")
+    e.start()
+    yield e
+    e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def eng_bf16():
+    e = _engine("bfloat16")
+    e.start()
+    yield e
+    e.shutdown()
+
+
+def _baseline(e: Engine):
+    s = e.stats()
+    assert (s.running, s.waiting, s.free_pages, s.free_slots) == (0, 0, s.total_pages, s.total_slots), s
+
+
+def _requests(seed: int) -> list[GenerationRequest]:
+    rng = np.random.default_rng(seed)
+    lengths = [3, 300, 17, 64, 65, 129, 200, 5, 250, 90, 1, 128, 40, 180, 33, 77]
+    reqs = []
+    for i, n in enumerate(lengths):
+        greedy = i % 2 == 0
+        opts = SamplingOptions() if greedy else SamplingOptions(
+            temperature=[0.7, 1.0, 1.3][i % 3], top_k=[0, 40, 5][i % 3], top_p=[1.0, 0.9, 0.95][i % 3],
+            min_p=[0.0, 0.05, 0.0][i % 3], seed=None if i % 4 == 1 else 1000 + i)
+        reqs.append(GenerationRequest(tuple(int(t) for t in rng.integers(0, 490, size=n)),
+                                      max_tokens=int(rng.integers(4, 30)), sampling=opts, ignore_eos=i % 3 != 0,
+                                      logprobs=[None, 0, 3][i % 3], request_id=f"r{i}"))
+    return reqs
+
+
+def _solo(e: Engine, reqs):
+    out = []
+    for r in reqs:
+        out.append(e.submit(r).result(TIMEOUT))
+        _baseline(e)
+    return out
+
+
+def _concurrent(e: Engine, reqs):
+    """Half the requests at once; the rest once the first ones are decoding (their prompts are cut differently)."""
+    first = [e.submit(r) for r in reqs[:8]]
+    deadline = time.monotonic() + TIMEOUT
+    while first[1].first_token_time is None:  # request 1 (300 tokens) has its first token: the others decode
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    rest = [e.submit(r) for r in reqs[8:]]
+    out = [h.result(TIMEOUT) for h in first + rest]
+    return out
+
+
+def _check_same(solo, together):
+    for a, b in zip(solo, together):
+        assert b.finish_reason in ("stop", "length")
+        assert (a.token_ids, a.text, a.finish_reason) == (b.token_ids, b.text, b.finish_reason)
+        assert a.logprobs == b.logprobs  # float equality: the same bits
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_concurrent_equals_solo(dtype, eng, eng_bf16):
+    e = eng if dtype == "float32" else eng_bf16
+    reqs = _requests(0)
+    solo = _solo(e, reqs)
+    with P.CompileWatch() as watch:
+        together = _concurrent(e, reqs)
+    _check_same(solo, together)
+    _baseline(e)
+    assert (watch.traces, watch.compiles) == (0, 0)  # steady state: nothing traced or compiled
+    # the odd requests sampled: their replies are not the greedy ones
+    greedy = _solo(e, [dataclasses.replace(r, sampling=SamplingOptions()) for r in reqs[1:7:2]])
+    assert all(s.token_ids != g.token_ids for s, g in zip(solo[1:7:2], greedy))
+
+
+def test_greedy_matches_hf_transformers(eng):
+    z = np.load(CAPTURES / "refs" / "hf-tiny-f32.npz")
+    for name in ("long", "repeat"):
+        want = z[f"{name}.gen_ids"].tolist()
+        req = GenerationRequest(tuple(z[f"{name}.prompt_ids"].tolist()), len(want), ignore_eos=True)
+        assert eng.submit(req).result(TIMEOUT).token_ids == tuple(want)
+    _baseline(eng)
+
+
+def test_seeded_sampling_reproduces(eng):
+    prompt = tuple(range(40, 90))
+    opts = SamplingOptions(temperature=1.0, top_p=0.95, seed=123)
+    req = GenerationRequest(prompt, 20, sampling=opts, ignore_eos=True)
+    a, b = eng.submit(req).result(TIMEOUT), eng.submit(req).result(TIMEOUT)
+    assert a.token_ids == b.token_ids
+    # no seed: the one derived from the prompt (documented in qwen_jax.sampling)
+    derived = eng.submit(dataclasses.replace(req, sampling=dataclasses.replace(opts, seed=None))).result(TIMEOUT)
+    explicit = eng.submit(dataclasses.replace(req, sampling=dataclasses.replace(
+        opts, seed=sampling.derive_seed(prompt)))).result(TIMEOUT)
+    assert derived.token_ids == explicit.token_ids
+    others = [eng.submit(dataclasses.replace(req, sampling=dataclasses.replace(opts, seed=s))).result(TIMEOUT)
+              for s in (1, 2)]
+    assert any(o.token_ids != a.token_ids for o in others)
+    _baseline(eng)
+
+
+def test_async_iteration_streams_the_same_reply(eng):
+    req = GenerationRequest(tuple(range(100, 160)), 12, ignore_eos=True)
+    want = eng.submit(req).result(TIMEOUT)
+
+    async def collect():
+        events = [ev async for ev in eng.submit(req)]
+        return events
+
+    events = asyncio.run(collect())
+    assert all(len(ev.token_ids) == 1 for ev in events)  # one event per decided token
+    assert tuple(t for ev in events for t in ev.token_ids) == want.token_ids
+    assert "".join(ev.text for ev in events) == want.text
+    assert [ev.finish_reason for ev in events] == [None] * 11 + ["length"]
+    _baseline(eng)
+
+
+def test_stop_ids_lengths_and_logprobs(eng):
+    prompt = tuple(range(200, 260))
+    full = eng.submit(GenerationRequest(prompt, 20, ignore_eos=True, logprobs=3)).result(TIMEOUT)
+    assert len(full.token_ids) == 20 and full.finish_reason == "length"
+    for tok, lp in zip(full.token_ids, full.logprobs):  # greedy: the chosen token is the top one
+        assert lp.token_id == tok and lp.top[0] == (tok, lp.logprob) and len(lp.top) == 3
+        assert lp.logprob <= 0 and [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+    # a stop id ends the reply at its first occurrence; the id is reported, its text is not
+    k = 6
+    stop_tok = full.token_ids[k]
+    first = full.token_ids.index(stop_tok)
+    r = eng.submit(GenerationRequest(prompt, 20, stop_token_ids=(stop_tok,))).result(TIMEOUT)
+    assert r.token_ids == full.token_ids[:first + 1] and r.finish_reason == "stop"
+    tok = eng.tokenizer
+    assert r.text == tok.decode([t for t in full.token_ids[:first] if t < len(tok)], skip_special_tokens=True)
+    # the end of the context is a "length" finish, whatever max_tokens says
+    r = eng.submit(GenerationRequest(tuple(range(MAX_LEN - 3)), 50, ignore_eos=True)).result(TIMEOUT)
+    assert len(r.token_ids) == 3 and r.finish_reason == "length"
+    _baseline(eng)
+
+
+def test_stop_string_across_token_boundaries(eng):
+    tok = eng.tokenizer
+    prompt = tuple(tok("Licensed under the Apache License", add_special_tokens=False)["input_ids"])
+    full = eng.submit(GenerationRequest(prompt, 30, ignore_eos=True, skip_special_tokens=False)).result(TIMEOUT)
+    pieces = [tok.decode([t]) for t in full.token_ids]
+    text = full.text
+    # a stop string made of the end of one token's text and the start of the next one's
+    i = next(i for i in range(3, len(pieces) - 1) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 1
+             and "\ufffd" not in pieces[i] + pieces[i + 1])
+    stop = pieces[i][-2:] + pieces[i + 1][:1]
+    at = text.find(stop)
+    r = eng.submit(GenerationRequest(prompt, 30, ignore_eos=True, stop=("never-there", stop),
+                                     skip_special_tokens=False)).result(TIMEOUT)
+    assert r.finish_reason == "stop"
+    assert r.text == text[:at]
+    # the reply ends on the token that completes the match
+    done = next(n for n in range(1, len(full.token_ids) + 1) if stop in tok.decode(list(full.token_ids[:n])))
+    assert r.token_ids == full.token_ids[:done]
+    _baseline(eng)
+
+
+def test_cancel_mid_stream_frees_the_stream(eng):
+    h = eng.submit(GenerationRequest(tuple(range(10, 50)), 400, ignore_eos=True))
+    events = h.events(TIMEOUT)
+    got = [next(events) for _ in range(3)]
+    assert all(ev.finish_reason is None for ev in got)
+    assert eng.stats().running == 1
+    h.cancel()
+    rest = list(events)
+    assert rest[-1].finish_reason == "cancelled"
+    assert h.completion_tokens < 400
+    _baseline(eng)
+    h.cancel()  # after the end: nothing happens
+
+
+def test_cancelled_while_queued_never_starts(eng):
+    busy = [eng.submit(GenerationRequest((5, 6, 7, i), 400, ignore_eos=True)) for i in range(16)]
+    queued = eng.submit(GenerationRequest((8, 9), 10, ignore_eos=True))
+    for h in busy:  # every slot is taken once each of them has a token
+        next(h.events(TIMEOUT))
+    assert eng.stats().waiting == 1
+    queued.cancel()
+    events = list(queued.events(TIMEOUT))
+    assert [(ev.token_ids, ev.finish_reason) for ev in events] == [((), "cancelled")]
+    assert queued.first_token_time is None
+    for h in busy:
+        h.cancel()
+        assert h.result(TIMEOUT).finish_reason == "cancelled"
+    _baseline(eng)
+
+
+def test_an_error_fails_only_its_request(eng):
+    reqs = _requests(1)[:6]
+    want = _solo(eng, reqs)
+
+    def fault(stream, token):
+        if stream.request.request_id == "r2" and len(stream.generated) == 2:
+            raise RuntimeError("injected fault")
+
+    eng.on_token = fault
+    try:
+        got = [h.result(TIMEOUT) for h in [eng.submit(r) for r in reqs]]
+    finally:
+        del eng.on_token
+    assert got[2].finish_reason == "error" and "injected fault" in got[2].error
+    assert len(got[2].token_ids) == 2
+    for i in (0, 1, 3, 4, 5):
+        assert got[i].token_ids == want[i].token_ids and got[i].finish_reason == want[i].finish_reason
+    _baseline(eng)
+
+
+def test_admission_errors():
+    e = _engine("float32", max_queued=2)  # never started: nothing compiles, requests only queue
+    ok = GenerationRequest((1, 2, 3), 5)
+    with pytest.raises(ContextLengthExceeded, match="maximum context length is 512"):
+        e.submit(GenerationRequest(tuple(range(MAX_LEN)), 5))
+    for bad, field in ((GenerationRequest((), 5), "prompt_ids"), (GenerationRequest((1, 600), 5), "prompt_ids"),
+                       (GenerationRequest((1,), 0), "max_tokens"),
+                       (dataclasses.replace(ok, sampling=SamplingOptions(temperature=-1)), "temperature"),
+                       (dataclasses.replace(ok, sampling=SamplingOptions(top_p=0)), "top_p"),
+                       (dataclasses.replace(ok, logprobs=4), "logprobs"),
+                       (dataclasses.replace(ok, stop=(3,)), "stop")):
+        with pytest.raises(ValueError, match=field):
+            e.submit(bad)
+    held = [e.submit(ok), e.submit(ok)]
+    with pytest.raises(EngineOverloaded, match="max_queued=2"):
+        e.submit(ok)
+    assert e.stats().waiting == 2
+    e.shutdown()
+    assert all(h.result(1).finish_reason == "error" for h in held)
