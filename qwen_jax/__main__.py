@@ -116,8 +116,9 @@ def cmd_generate(args) -> int:
         req = GenerationRequest(tuple(ids), args.max_tokens,
                                 SamplingOptions(temperature=args.temperature, seed=args.seed),
                                 ignore_eos=args.ignore_eos, request_id="cli")
+        handle = engine.submit(req)  # validates (and queues) before anything compiles
         with engine:
-            done = engine.submit(req).result()
+            done = handle.result()
     except (ContextLengthExceeded, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     if done.finish_reason == "error":

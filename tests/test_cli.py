@@ -1,0 +1,80 @@
+"""`python -m qwen_jax` on the captures: logits, generate (on the engine), eval ppl / kv, bench; checked against
+the HF transformers references where one exists."""
+
+import json
+
+import numpy as np
+import pytest
+
+from qwen_jax.__main__ import main
+from tests.conftest import CAPTURES
+
+TINY = str(CAPTURES / "tiny")
+NO_CACHE = ["--compile-cache", ""]
+REFS = np.load(CAPTURES / "refs" / "hf-tiny-f32.npz")
+PROMPTS = json.loads((CAPTURES / "refs" / "prompts.json").read_text())
+
+
+def _ids(name):
+    return REFS[f"{name}.prompt_ids"].tolist()
+
+
+def test_logits_writes_float32_t_by_vocab(tmp_path):
+    out = tmp_path / "logits.npy"
+    ids = _ids("short")
+    assert main(["logits", "--model", TINY, "--dtype", "float32", "--token-ids", ",".join(map(str, ids)),
+                 "--out", str(out)]) == 0
+    logits = np.load(out)
+    assert logits.dtype == np.float32 and logits.shape == (len(ids), 512)
+    assert np.abs(logits - REFS["short.logits"]).max() <= 1e-4
+
+
+def test_generate_json_on_the_engine(capsys):
+    ids = _ids("repeat")
+    want = REFS["repeat.gen_ids"].tolist()
+    assert main(["generate", "--model", TINY, "--dtype", "float32", "--token-ids", ",".join(map(str, ids)),
+                 "--max-tokens", str(len(want)), "--ignore-eos", "--json", "--max-model-len", "256"] + NO_CACHE) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_token_ids"] == ids
+    assert out["token_ids"] == want  # HF transformers' greedy continuation
+    from qwen_jax.checkpoint import load_tokenizer
+    assert out["text"] == load_tokenizer(TINY).decode(want, skip_special_tokens=False)
+
+
+def test_generate_prompt_too_long_is_a_clear_error():
+    with pytest.raises(SystemExit, match="maximum context length is 64"):
+        main(["generate", "--model", TINY, "--token-ids", ",".join(["5"] * 64), "--max-tokens", "3",
+              "--max-model-len", "64"] + NO_CACHE)
+
+
+def test_eval_ppl_matches_hf_logits(tmp_path, capsys):
+    text = PROMPTS["long"]["text"]
+    path = tmp_path / "long.txt"
+    path.write_text(text, encoding="utf-8")
+    assert main(["eval", "ppl", "--model", TINY, "--dtype", "float32", "--text", str(path), "--chunk", "128",
+                 "--json", "--max-model-len", "512"] + NO_CACHE) == 0
+    res = json.loads(capsys.readouterr().out)
+    ids = _ids("long")  # the text's tokens (captures/refs/prompts.json)
+    logits = REFS["long.logits"].astype(np.float64)
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    nll = -np.mean(logp[np.arange(len(ids) - 1), ids[1:]])
+    assert res["tokens"] == len(ids) - 1
+    assert abs(res["nll"] - nll) <= 1e-4  # HF logits agree to 1e-4 (tests/test_peer_captures.py)
+
+
+def test_eval_kv_reports_agreement(capsys):
+    assert main(["eval", "kv", "--model", TINY, "--json", "--max-model-len", "256", "--chunk", "128"]
+                + NO_CACHE) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["tokens"] > 200
+    # e4m3 keeps ~2 significant digits per key/value row: the next-token distributions barely move
+    assert res["top1_agreement"] >= 0.9 and 0 <= res["mean_kl"] <= 1e-2 and res["max_kl"] >= res["mean_kl"]
+
+
+def test_bench_runs_small(capsys):
+    assert main(["bench", "--model", TINY, "--streams", "2", "--prompt-lengths", "100", "--rounds", "2",
+                 "--context", "64", "--max-chunk", "128", "--no-compile-timing", "--json"] + NO_CACHE) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["prompt_tokens_per_s"]["100"] > 0 and res["decode_forwards_per_s"]["2"] > 0
+    assert res["decode_tokens_per_s"]["2"] == pytest.approx(2 * res["decode_forwards_per_s"]["2"])
