@@ -283,18 +283,20 @@ _F32 = jnp.float32
 _ALGORITHMS = {
     "tf32": jax.lax.DotAlgorithmPreset.TF32_TF32_F32,
     "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
-    "ieee": jax.lax.DotAlgorithmPreset.F32_F32_F32,
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class PromptTiles:
     """block_v: dv columns of state one program of the state pass keeps on chip (power of two, >= 16).
-    precision: how products with an fp32 operand run on the GPU: 'tf32' (one tensor-core pass), 'tf32x3' (three
-    passes, about fp32), 'ieee' (CUDA-core fp32). Products of two bf16 inputs (K K^T, Q K^T) are exact in every
-    mode. Interpret mode always computes fp32 (XLA:CPU has no tf32).
+    precision: how products with an fp32 operand run on the GPU: 'tf32' (one tensor-core pass) or 'tf32x3' (three
+    passes, about fp32). Products of two bf16 inputs (K K^T, Q K^T) are exact in both. Interpret mode always
+    computes fp32 (XLA:CPU has no tf32).
     store_dtype: how the per-chunk states and V' travel from the state pass to the output pass: 'float32', or
-    'bfloat16' (half the traffic; the output then carries about one more bf16 rounding, the recurrence none)."""
+    'bfloat16' (half the traffic; the output then carries about one more bf16 rounding, the recurrence none).
+    Measured on the H200 at the 27B shape, T = 16K (docs/kernels/gdn.md): these defaults 4.3 ms, o error 1.2e-3,
+    state 3.5e-4 vs the fp32 reference; store_dtype='bfloat16' 3.3 ms, o 3.2e-3; precision='tf32x3' 10 ms,
+    o 4e-5, state 6e-7."""
     block_v: int = 64
     num_warps: int = 8
     num_stages: int = 2

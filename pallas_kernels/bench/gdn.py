@@ -354,6 +354,11 @@ def main(argv: list[str]) -> int:
     import jax
     from pallas_kernels.bench.common import copy_bandwidth_tbs, table
 
+    if jax.default_backend() != "gpu" and not INTERPRET:
+        # pallas_kernels/bench/__init__.py defaults JAX_PLATFORMS to cpu unless an argument says gpu
+        print("gdn bench needs the GPU: run it as `JAX_PLATFORMS=cuda python -m pallas_kernels.bench gdn`",
+              file=sys.stderr)
+        return 2
     _log(f"jax {jax.__version__} on {jax.devices()[0].device_kind}")
     fla = None if args.no_fla else _fla()
     if fla is not None:
