@@ -91,16 +91,19 @@ class Layout:
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
-    """Which shapes get compiled. prompt_rows: multiples of GRID; prompt_lanes / decode_streams: lane counts;
-    window_rows: verify/commit row buckets for drafting (compiled for every decode stream bucket); logprobs: the
-    top-n every sampling program computes (0 = none). One variant per bucket: computing logprobs only in some
-    rounds would switch a stream between two programs."""
+    """Which shapes get compiled. prompt_rows: multiples of GRID; prompt_lanes: streams per prompt call, the
+    smallest for every row bucket and the others only up to `multi_lane_rows` rows (None: all), since a call of
+    several long chunks is no cheaper than one chunk at a time and each shape costs a compile; decode_streams:
+    stream buckets of the decode (and verify) programs; window_rows: verify/commit row buckets for drafting
+    (compiled for every decode stream bucket); logprobs: the top-n every sampling program computes (0 = none).
+    One variant per bucket: computing logprobs only in some rounds would switch a stream between programs."""
     prompt_rows: tuple[int, ...]
     prompt_lanes: tuple[int, ...]
     decode_streams: tuple[int, ...]
     window_rows: tuple[int, ...] = ()
     packing: Packing = Packing.MAPPED
     logprobs: int = 0
+    multi_lane_rows: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "packing", Packing(self.packing))
@@ -117,8 +120,19 @@ class Buckets:
         if not 0 <= self.logprobs <= 20:
             raise ValueError(f"buckets: logprobs must be in [0, 20], got {self.logprobs}")
 
+    @property
+    def prompt_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(lanes, rows) of every prompt program, cheapest first."""
+        lo = self.prompt_lanes[0]
+        shapes = [(s, t) for t in self.prompt_rows for s in self.prompt_lanes
+                  if s == lo or self.multi_lane_rows is None or t <= self.multi_lane_rows]
+        return tuple(sorted(shapes, key=lambda st: (st[0] * st[1], st[1])))
+
     def prompt_bucket(self, lanes: int, rows: int) -> tuple[int, int]:
-        return _fit(self.prompt_lanes, lanes, "prompt lanes"), _fit(self.prompt_rows, rows, "prompt rows")
+        for s, t in self.prompt_shapes:
+            if s >= lanes and t >= rows:
+                return s, t
+        raise ValueError(f"no prompt bucket holds {lanes} lanes of {rows} rows (compiled: {self.prompt_shapes})")
 
     def decode_bucket(self, streams: int) -> int:
         return _fit(self.decode_streams, streams, "decode streams")
@@ -168,8 +182,8 @@ def default_buckets(params, backend: M.Backend, *, parallel: int, max_chunk: int
     prompt lanes)."""
     rows = pow2_buckets(GRID, max(GRID, max_chunk))
     if row_invariant(params, backend):
-        return Buckets(rows, pow2_buckets(1, min(4, parallel)), pow2_buckets(1, parallel), window_rows,
-                       Packing.BATCHED, logprobs)
+        return Buckets(rows, tuple(sorted({1, min(4, parallel)})), pow2_buckets(1, parallel), window_rows,
+                       Packing.BATCHED, logprobs, multi_lane_rows=256)
     return Buckets(rows, (min(4, parallel),), (parallel,), window_rows, Packing.MAPPED, logprobs)
 
 
@@ -491,7 +505,7 @@ class Programs:
 
     def bucket_keys(self) -> list[tuple[str, tuple[int, int]]]:
         b = self.buckets
-        keys = [("prompt", (s, t)) for s in b.prompt_lanes for t in b.prompt_rows]
+        keys = [("prompt", shape) for shape in b.prompt_shapes]
         keys += [("decode", (s, 1)) for s in b.decode_streams]
         for s in b.decode_streams:
             for r in b.window_rows:

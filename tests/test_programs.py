@@ -157,6 +157,10 @@ def test_host_batches_validate():
     parents = np.array([[-1, 0, 0, 2, -1], [-1, 0, 1, 2, 3]], np.int32)
     np.testing.assert_array_equal(P.window_depth_host(parents), np.asarray(M.window_depth(jnp.asarray(parents))))
     assert P.Buckets((64, 256), (1, 4), (1, 16)).prompt_bucket(3, 65) == (4, 256)
+    limited = P.Buckets((64, 128, 256), (1, 4), (1,), multi_lane_rows=128)
+    assert limited.prompt_shapes == ((1, 64), (1, 128), (4, 64), (1, 256), (4, 128))
+    with pytest.raises(ValueError, match="no prompt bucket"):
+        limited.prompt_bucket(2, 200)
 
 
 def test_persistent_compilation_cache(tmp_path):

@@ -5,7 +5,7 @@ A round of the scheduler (one loop iteration):
   1. take new requests and cancellations (a queued request that is cancelled never starts);
   2. admit queued requests in arrival order while a GDN slot and the request's KV pages are free (pages for its
      prompt plus max_tokens, capped at the context, are reserved up front, so a running stream never runs out);
-  3. one prompt call: the next chunk of up to `prompt_lanes` prompting streams (chunks cut on the 64-grid of
+  3. one prompt call: the next chunk of one or more prompting streams (chunks cut on the 64-grid of
      absolute positions, at most `prefill_step` rows a lane while other streams decode, so they keep going);
      a lane whose prompt ends there yields its first token at once;
   4. one decode call for every decoding stream: verify + commit the pending token, sample the next.
@@ -367,15 +367,17 @@ class Engine:
         prompting = [s for s in self._running if s.phase is Phase.PROMPT]
         decoding = any(s.phase is Phase.DECODE for s in self._running)
         cap = self.step_cap if decoding else self.chunk_cap
-        max_lanes = self.buckets.prompt_lanes[-1]
         lanes: list[tuple[Stream, int, int]] = []
         rows = 0
         for s in prompting:
             start, n = s.next_chunk(cap)
             t = self.buckets.prompt_bucket(1, n)[1]
-            # Lanes share one row bucket; a lane joins while the call stays within the row budget.
-            if lanes and (max(rows, t) * (len(lanes) + 1) > max(cap, rows) or len(lanes) >= max_lanes):
-                continue
+            if lanes:
+                # Lanes share one row bucket; a lane joins while a compiled shape holds the call and the padded
+                # rows stay within the row budget.
+                grown = max(rows, t)
+                if grown * (len(lanes) + 1) > max(cap, rows) or not self._prompt_fits(len(lanes) + 1, grown):
+                    continue
             lanes.append((s, start, n))
             rows = max(rows, t)
         n_lanes, rows = self.buckets.prompt_bucket(len(lanes), rows)
@@ -394,6 +396,13 @@ class Engine:
                 s.phase = Phase.DECODE
                 s.cache_len = s.prompt_len
                 self._deliver(s, int(out.tokens[i]), out, i)
+
+    def _prompt_fits(self, lanes: int, rows: int) -> bool:
+        try:
+            self.buckets.prompt_bucket(lanes, rows)
+        except ValueError:
+            return False
+        return True
 
     def _decode_call(self) -> None:
         streams = [s for s in self._running if s.phase is Phase.DECODE]
