@@ -12,8 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-EMBEDDED_MODEL = REPO_ROOT / "captures" / "tiny"
+from server.loading import EMBEDDED_MODEL, REPO_ROOT
+
 API_KEY_ENV = "QWEN_JAX_API_KEY"
 
 
@@ -34,10 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
                "POST /detokenize, GET /health, GET /metrics, GET /version. Sampling fields a request leaves out "
                "take the checkpoint's generation_config.json values (else temperature 1.0, top_p 1, no top_k).")
     m = p.add_argument_group("model")
-    m.add_argument("--model", metavar="DIR", default=None,
-                   help="local checkpoint directory (HF safetensors or MLX conversion). Default: the embedded "
-                        f"tiny random model at {EMBEDDED_MODEL.relative_to(REPO_ROOT)} (smoke tests only: its "
-                        "text is gibberish)")
+    src = m.add_mutually_exclusive_group()
+    src.add_argument("--model", metavar="DIR", default=None,
+                     help="local checkpoint directory (HF safetensors or MLX conversion). Default: the embedded "
+                          f"tiny random model at {EMBEDDED_MODEL.relative_to(REPO_ROOT)} (smoke tests only: its "
+                          "text is gibberish)")
+    src.add_argument("--synthetic", choices=("27b",), default=None,
+                     help="random 4-bit weights at a model's shapes, built on the device, for benchmarks without "
+                          "the checkpoint; no tokenizer, so only token-id prompts on /v1/completions")
     m.add_argument("--served-model-name", metavar="NAME", default=None,
                    help="the model id clients send and /v1/models lists (default: the engine's model name)")
     m.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
@@ -45,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--kv-cache", choices=("bf16", "fp8"), default="bf16", help="KV cache storage (fp8 = e4m3)")
     m.add_argument("--max-model-len", type=_positive, default=4096, metavar="N",
                    help="context length served: prompt + completion tokens per request (default 4096)")
+    m.add_argument("--max-logprobs", type=int, default=20, metavar="N",
+                   help="most top logprobs a request may ask for (default 20; 0 turns logprobs off and skips "
+                        "their computation in every round)")
     m.add_argument("--no-kernels", action="store_true",
                    help="plain-jnp reference ops instead of the Pallas kernels (the default on CPU anyway)")
     d = m.add_mutually_exclusive_group()
@@ -83,34 +90,35 @@ def main(argv: list[str] | None = None) -> int:
               "(or with --no-drafts)", file=sys.stderr)
         return 2
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    model_dir = Path(args.model) if args.model is not None else EMBEDDED_MODEL
-    if not model_dir.is_dir():
-        print(f"error: --model {model_dir}: not a directory", file=sys.stderr)
+    if not 0 <= args.max_logprobs <= 20:
+        print("error: --max-logprobs must be in [0, 20]", file=sys.stderr)
+        return 2
+    if args.model is not None and not Path(args.model).is_dir():
+        print(f"error: --model {args.model}: not a directory", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import uvicorn
 
-    from qwen_jax.engine.engine import Engine
-    from qwen_jax.model import Backend
     from server.app import build_app
-    from server.serving import Serving, load_generation_defaults
+    from server.loading import build_engine
+    from server.serving import Serving
 
     try:
-        defaults = load_generation_defaults(model_dir)
-        engine = Engine.from_checkpoint(
-            str(model_dir), dtype=args.dtype, kv_cache=args.kv_cache, max_model_len=args.max_model_len,
-            parallel=args.parallel, max_queued=args.max_queued,
-            backend=Backend(kernels=False) if args.no_kernels else None, progress=not args.no_progress)
+        loaded = build_engine(model=args.model, synthetic=args.synthetic, dtype=args.dtype, kv_cache=args.kv_cache,
+                              max_model_len=args.max_model_len, parallel=args.parallel, max_queued=args.max_queued,
+                              no_kernels=args.no_kernels, max_logprobs=args.max_logprobs,
+                              progress=not args.no_progress)
     except ValueError as e:  # checkpoint and config errors are ValueErrors with a message for the user
         print(f"error: {e}", file=sys.stderr)
         return 2
+    engine = loaded.engine
     engine.start()
     serving = Serving(engine, served_model_name=args.served_model_name or engine.model_name,
-                      model_root=str(model_dir), defaults=defaults, default_max_tokens=args.max_tokens)
+                      model_root=loaded.model_root, defaults=loaded.defaults, default_max_tokens=args.max_tokens)
     app = build_app(serving, api_key=api_key, max_body_bytes=args.max_request_bytes)
     log = logging.getLogger("server")
-    log.info("serving %s as %r on http://%s:%d (max_model_len %d, parallel %d, api key %s)", model_dir,
+    log.info("serving %s as %r on http://%s:%d (max_model_len %d, parallel %d, api key %s)", loaded.model_root,
              serving.model_name, args.host, args.port, serving.max_model_len, args.parallel,
              "required" if api_key else "off")
     try:

@@ -257,23 +257,25 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--model", default=None, help="model name to send (default: none, the server's only model)")
     h.add_argument("--api-key", default=None, help="bearer token")
     h.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
-    e = p.add_argument_group("engine target (--engine): the same flags as python -m server")
-    e.add_argument("--model-dir", default=None, help="checkpoint dir (default: the embedded tiny model)")
+    e = p.add_argument_group("engine target (--engine): pass the flags the server was started with")
+    src = e.add_mutually_exclusive_group()
+    src.add_argument("--model-dir", default=None, help="checkpoint dir (default: the embedded tiny model)")
+    src.add_argument("--synthetic", choices=("27b",), default=None, help="random weights at a named shape")
     e.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     e.add_argument("--kv-cache", choices=("bf16", "fp8"), default="bf16")
     e.add_argument("--max-model-len", type=int, default=4096)
     e.add_argument("--parallel", type=int, default=16)
     e.add_argument("--max-queued", type=int, default=256)
+    e.add_argument("--max-logprobs", type=int, default=20)
+    e.add_argument("--no-kernels", action="store_true")
     return p
 
 
 def _build_engine(args):
-    from qwen_jax.engine.engine import Engine
-    from server.__main__ import EMBEDDED_MODEL
-    model_dir = args.model_dir or str(EMBEDDED_MODEL)
-    engine = Engine.from_checkpoint(model_dir, dtype=args.dtype, kv_cache=args.kv_cache,
-                                    max_model_len=args.max_model_len, parallel=args.parallel,
-                                    max_queued=args.max_queued, backend=None, progress=True)
+    from server.loading import build_engine
+    engine = build_engine(model=args.model_dir, synthetic=args.synthetic, dtype=args.dtype, kv_cache=args.kv_cache,
+                          max_model_len=args.max_model_len, parallel=args.parallel, max_queued=args.max_queued,
+                          no_kernels=args.no_kernels, max_logprobs=args.max_logprobs, progress=True).engine
     engine.start()
     return engine
 

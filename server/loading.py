@@ -1,0 +1,42 @@
+"""Building the engine the server (and `server.bench --engine`) runs: from a checkpoint dir, or from random weights
+at a named shape (`--synthetic 27b`, for benchmarks on a GPU without the checkpoint)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+EMBEDDED_MODEL = REPO_ROOT / "captures" / "tiny"
+
+
+@dataclass
+class Loaded:
+    engine: object
+    model_root: str  # what /v1/models reports as `root`
+    defaults: object  # serving.GenerationDefaults
+
+
+def build_engine(*, model: str | None, synthetic: str | None, dtype: str, kv_cache: str, max_model_len: int,
+                 parallel: int, max_queued: int, no_kernels: bool, max_logprobs: int, progress: bool) -> Loaded:
+    """Raises ValueError with a message for the user (bad dir, bad config, bad shape name)."""
+    from qwen_jax.engine.engine import DEFAULT_CACHE_DIR, Engine
+    from qwen_jax.model import Backend
+    from server.serving import GenerationDefaults, load_generation_defaults
+    backend = Backend(kernels=False) if no_kernels else None
+    common = dict(dtype=dtype, kv_cache=kv_cache, max_model_len=max_model_len, parallel=parallel,
+                  max_queued=max_queued, backend=backend, progress=progress, max_logprobs=max_logprobs)
+    if synthetic is not None:
+        from qwen_jax import programs
+        from qwen_jax.engine.bench import synthetic_params
+        programs.enable_compilation_cache(DEFAULT_CACHE_DIR)
+        params, cfg = synthetic_params(synthetic, dtype=dtype)
+        # No tokenizer: replies carry token ids and empty text; chat and string prompts get a 400 saying so.
+        engine = Engine(params, cfg, None, model_name=f"synthetic-{synthetic}", **common)
+        return Loaded(engine, f"synthetic:{synthetic}", GenerationDefaults())
+    model_dir = Path(model) if model is not None else EMBEDDED_MODEL
+    if not model_dir.is_dir():
+        raise ValueError(f"--model {model_dir}: not a directory")
+    defaults = load_generation_defaults(model_dir)
+    engine = Engine.from_checkpoint(str(model_dir), **common)
+    return Loaded(engine, str(model_dir), defaults)
