@@ -305,6 +305,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--smoke", action="store_true", help="toy sizes, interpret mode, CPU: checks the script")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip what is left after this many seconds")
+    ap.add_argument("--quick-tune", action="store_true", help="sweep only the leading candidates")
     args = ap.parse_args(argv)
     global DEADLINE, JSON_PATH, HQ, HKV, D, SCALE
     DEADLINE = time.time() + args.budget_s
@@ -326,8 +327,8 @@ def main(argv: list[str]) -> int:
     decode_tiles, page, prompt_tiles = at.WindowTiles(), env.page_size, at.PromptTiles()
 
     if "tune" in sections:
-        decode_tiles, page = tune_decode(env, contexts[1], args.smoke) or (decode_tiles, page)
-        prompt_tiles = tune_prompt(env, 32 if args.smoke else 4096) or prompt_tiles
+        decode_tiles, page = tune_decode(env, contexts[1], args.smoke, args.quick_tune) or (decode_tiles, page)
+        prompt_tiles = tune_prompt(env, 32 if args.smoke else 4096, args.quick_tune) or prompt_tiles
     env.page_size = page
     print(f"using page {page}, {decode_tiles}, {prompt_tiles}", flush=True)
     window_tiles = dataclasses.replace(decode_tiles, num_warps=None)  # 128 packed rows want 8 warps
@@ -380,11 +381,13 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def tune_decode(env: Env, context: int, smoke: bool):
+def tune_decode(env: Env, context: int, smoke: bool, quick: bool):
     """Decode tiles and page size at one context: every candidate for bf16, the best three again for fp8; the
     winner (sum of the two times) becomes the setting for every decode and window row after it."""
     print(f"== tune: decode tiles and page size at {context}", flush=True)
     cands = [(8, 16, 32, 4, 3), (8, 16, 64, 4, 2), (16, 16, 32, 4, 3)] if smoke else list(DECODE_CANDIDATES)
+    if quick:
+        cands = [cands[i] for i in (0, 1, 3, 7)] if not smoke else cands[:2]
     times = {}
     for ps, bk, chunk, warps, stages in cands:
         tiles = at.WindowTiles(block_k=bk, chunk=chunk, num_warps=warps, num_stages=stages)
@@ -394,7 +397,7 @@ def tune_decode(env: Env, context: int, smoke: bool):
             times[(ps, tiles)] = got["kernel"]
     if not times:
         return None
-    best = sorted(times, key=times.get)[:3]
+    best = sorted(times, key=times.get)[:2 if quick else 3]
     total = {}
     for ps, tiles in best:
         got = bench_window(env, streams=1, rows=1, context=context, fp8=True, impls=("kernel",), tiles=tiles,
@@ -406,10 +409,11 @@ def tune_decode(env: Env, context: int, smoke: bool):
     return tiles, ps
 
 
-def tune_prompt(env: Env, rows: int):
+def tune_prompt(env: Env, rows: int, quick: bool):
     print(f"== tune: prompt tiles at {rows} rows, no prefix, bf16", flush=True)
     times = {}
-    for bq, bk, warps, stages, contiguous in PROMPT_CANDIDATES:
+    for bq, bk, warps, stages, contiguous in (PROMPT_CANDIDATES[:2] + PROMPT_CANDIDATES[3:4] if quick
+                                              else PROMPT_CANDIDATES):
         tiles = at.PromptTiles(block_q=bq, block_k=bk, num_warps=warps, num_stages=stages, contiguous=contiguous)
         got = bench_prompt(env, rows=rows, prefix=0, fp8=False, impls=("kernel",), tiles=tiles, tag="tune")
         if got:
