@@ -1,0 +1,122 @@
+"""The engine on the device with the Pallas kernels on (`pytest -m gpu`), on captures/tiny-mlx-4bit, whose every
+matmul goes through the qmm kernel, so the default buckets are the fast ones: prompt lanes batched into one
+forward and power-of-two decode buckets 1..16. What the CPU suite gets from fixed shapes must hold here from the
+kernels' row invariance: concurrent ≡ solo, chunk cuts bit-identical, a decode row's bits the same in every
+stream bucket."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qwen_jax import programs as P
+from qwen_jax import sampling
+from qwen_jax.checkpoint import load_checkpoint, load_tokenizer
+from qwen_jax.engine.engine import Engine
+from qwen_jax.model import Backend
+from tests.conftest import CAPTURES
+from tests.test_engine import TIMEOUT, _baseline, _check_same, _concurrent, _requests, _solo
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (run with -m gpu)")]
+
+MODEL = CAPTURES / "tiny-mlx-4bit"
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def _params(dtype):
+    return load_checkpoint(MODEL, dtype=DTYPES[dtype], progress=False)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_concurrent_equals_solo_on_gpu(dtype):
+    ck = _params(dtype)
+    backend = Backend.default()
+    assert backend.kernels and P.row_invariant(ck.params, backend)
+    buckets = P.default_buckets(ck.params, backend, parallel=16, max_chunk=256, logprobs=3)
+    assert buckets.packing is P.Packing.BATCHED and buckets.decode_streams == (1, 2, 4, 8, 16)
+    e = Engine(ck.params, ck.config, load_tokenizer(MODEL), dtype=dtype, max_model_len=512, parallel=16,
+               buckets=buckets, prefill_step=128, max_logprobs=3, progress=False)
+    e.start()
+    try:
+        reqs = _requests(0)
+        solo = _solo(e, reqs)  # one stream: prompt lane bucket 1, decode bucket 1
+        with P.CompileWatch() as watch:
+            together = _concurrent(e, reqs)  # lanes packed, decode buckets up to 16, prompts re-cut
+        _check_same(solo, together)
+        _baseline(e)
+        assert (watch.traces, watch.compiles) == (0, 0)
+    finally:
+        e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def progs():
+    ck = _params("bfloat16")
+    layout = P.Layout(64, 8, 6 * 8 + 1, 6, "bfloat16")
+    buckets = P.Buckets((64, 128, 256), (1, 4), (1, 4, 16), packing=P.Packing.BATCHED, logprobs=4)
+    pr = P.Programs(ck.params, ck.config, layout, buckets, Backend.default())
+    pr.compile()
+    return pr
+
+
+def _table(slot):
+    return np.arange(1 + 8 * (slot - 1), 1 + 8 * slot, dtype=np.int32)
+
+
+def _slot_state(pr, slot, length):
+    st = pr.state
+
+    def rows(x):
+        x = np.asarray(x[:, _table(slot)].astype(jnp.float32))
+        return x.reshape(x.shape[0], -1, x.shape[-1])[:, :length]
+
+    return ([np.asarray(r[slot]) for r in st.rec], [np.asarray(c[slot].astype(jnp.float32)) for c in st.conv],
+            [rows(kv.k) for kv in st.kv] + [rows(kv.v) for kv in st.kv])
+
+
+def _same(a, b):
+    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+RULE = sampling.RequestSampling(seed=3, temperature=0.8, top_p=0.9)
+
+
+def _prefill(pr, prompt, cuts, slot, lanes, rng):
+    pos = 0
+    for cut in cuts:
+        n = min(cut, len(prompt) - pos)
+        chunks = [P.PromptChunk(prompt[pos:pos + n], pos, slot, _table(slot))]
+        chunks += [P.PromptChunk(rng.integers(0, 490, size=int(rng.integers(1, 64))), 0, 5, _table(5))
+                   for _ in range(lanes - 1)]
+        shape = pr.buckets.prompt_bucket(lanes, n)
+        out = pr.prompt(P.prompt_batch(pr.layout, *shape, chunks),
+                        P.sample_params([RULE] * lanes, [c.start + len(c.tokens) for c in chunks], shape[0]))
+        pos += n
+    return (out.tokens[0], out.logprob[0], out.top_logprobs[0]), _slot_state(pr, slot, len(prompt))
+
+
+def test_chunk_cuts_bit_identical_on_gpu(progs):
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 490, size=300)
+    ref = _prefill(progs, prompt, [256, 256], 1, 1, rng)
+    for cuts, lanes in (([64] * 5, 4), ([128, 128, 128], 1), ([64, 256], 4)):
+        assert _same(_prefill(progs, prompt, cuts, 2, lanes, rng), ref), cuts
+
+
+def test_decode_row_same_bits_in_every_stream_bucket(progs):
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 490, size=90)
+    results = []
+    for bucket in (1, 4, 16):
+        _prefill(progs, prompt, [128], 1, 1, rng)
+        others = list(range(2, min(bucket, 5) + 1))
+        for s in others:
+            _prefill(progs, rng.integers(0, 490, size=40), [64], s, 1, rng)
+        toks = [17] + [int(t) for t in rng.integers(0, 490, size=len(others))]
+        w = P.decode_window(progs.layout, bucket, toks, [90] + [40] * len(others), [1] + others,
+                            [_table(1)] + [_table(s) for s in others])
+        out = progs.decode(w, P.sample_params([RULE] * len(toks), [91] + [41] * len(others), bucket))
+        results.append(((out.tokens[0], out.logprob[0], out.top_logprobs[0]), _slot_state(progs, 1, 91)))
+    for r in results[1:]:
+        assert _same(r, results[0])
