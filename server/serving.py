@@ -305,7 +305,7 @@ class Serving:
         except ContextLengthExceeded as e:
             raise bad_request(str(e), param=prompt_param, code="context_length_exceeded") from None
         except ValueError as e:
-            raise bad_request(str(e)) from None
+            raise bad_request(str(e), param=_engine_param(str(e), prompt_param)) from None
         return _Run(handle, self.metrics), rid
 
     def _output_budget(self, n_prompt: int, requested: int | None, param: str) -> int:
@@ -467,6 +467,19 @@ class Serving:
         return P.CompletionLogprobs(tokens=tokens, token_logprobs=[lp.logprob for lp in lps],
                                     top_logprobs=[{self._token_text(i): v for i, v in lp.top} for lp in lps],
                                     text_offset=offsets), pos
+
+
+# The engine names the GenerationRequest field first in its ValueErrors ("stop: ...", "top_k must be ...").
+_ENGINE_FIELDS = {"prompt_ids": None, "max_tokens": "max_tokens", "stop": "stop", "stop_token_ids": "stop_token_ids",
+                  "logprobs": "logprobs", "seed": "seed", "temperature": "temperature", "top_k": "top_k",
+                  "top_p": "top_p", "min_p": "min_p"}
+
+
+def _engine_param(message: str, prompt_param: str) -> str | None:
+    head = message.split(maxsplit=1)[0].rstrip(":") if message else ""
+    if head not in _ENGINE_FIELDS:
+        return None
+    return _ENGINE_FIELDS[head] or prompt_param
 
 
 def _client_reason(reason: str | None) -> str | None:

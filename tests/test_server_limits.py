@@ -156,7 +156,8 @@ def test_help_documents_every_flag():
     out = _cli("--help").stdout
     for flag in ("--model", "--drafter", "--no-drafts", "--host", "--port", "--max-model-len", "--parallel",
                  "--kv-cache", "--dtype", "--api-key", "--max-queued", "--served-model-name", "--max-tokens",
-                 "--max-request-bytes", "QWEN_JAX_API_KEY", "captures/tiny", "gibberish"):
+                 "--max-request-bytes", "--synthetic", "--max-logprobs", "--no-kernels", "QWEN_JAX_API_KEY",
+                 "captures/tiny", "gibberish"):
         assert flag in out, flag
     bench = subprocess.run([sys.executable, "-m", "server.bench", "--help"], cwd=REPO_ROOT, capture_output=True,
                            text=True, timeout=60).stdout
