@@ -3,11 +3,13 @@ way vLLM's `bench serve` measures them (streaming requests, a client-side clock,
 produces exactly --max-tokens tokens).
 
     python -m server.bench --url http://127.0.0.1:8000 --concurrency 1,4,16 --prompt-tokens 512 --max-tokens 128
-    python -m server.bench --engine --model DIR --concurrency 1,4,16 --prompt-tokens 512 --max-tokens 128
+    python -m server.bench --engine --model-dir DIR --concurrency 1,4,16 --prompt-tokens 512 --max-tokens 128
+    python -m server.bench --compare --synthetic 27b --concurrency 1,4,16 --prompt-tokens 512 --max-tokens 128
 
-The first form talks HTTP to a running `python -m server` (token-id prompts on /v1/completions, so the prompt
-length is exact and no template or tokenizer is involved). The second (--engine) drives the engine in-process with
-the same prompts and the same clock, so `--baseline engine.json` on an HTTP run prints the server's overhead.
+--url talks HTTP to a running `python -m server` (token-id prompts on /v1/completions, so the prompt length is
+exact and no template or tokenizer is involved). --engine drives the engine in-process with the same prompts and
+the same clock; `--baseline engine.json` on an HTTP run then prints the server's overhead. --compare does both in
+turn (engine alone in a child process, then a server child with the same engine flags) and prints the overhead.
 
 Definitions (per request unless said otherwise): TTFT = send -> first token arrives; ITL = gap between consecutive
 token-bearing chunks; TPOT = (latency - TTFT) / (tokens - 1); stream tok/s = 1 / TPOT; output throughput =
@@ -244,6 +246,10 @@ def build_parser() -> argparse.ArgumentParser:
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--url", help="base URL of a running server, e.g. http://127.0.0.1:8000")
     target.add_argument("--engine", action="store_true", help="drive the engine in this process (the baseline)")
+    target.add_argument("--compare", action="store_true",
+                        help="both, one after the other (one GPU holds one engine at a time): the engine alone in "
+                             "a child process, then `python -m server` with the same engine flags and the HTTP "
+                             "run against it; prints the server's overhead")
     p.add_argument("--concurrency", type=_levels, default=[1, 4, 16], help="comma-separated levels (default 1,4,16)")
     p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length in tokens (default 512)")
     p.add_argument("--max-tokens", type=int, default=128, help="generated tokens per request (default 128)")
@@ -257,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--model", default=None, help="model name to send (default: none, the server's only model)")
     h.add_argument("--api-key", default=None, help="bearer token")
     h.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
-    e = p.add_argument_group("engine target (--engine): pass the flags the server was started with")
+    e = p.add_argument_group("engine (--engine, --compare): pass the flags the server was started with")
     src = e.add_mutually_exclusive_group()
     src.add_argument("--model-dir", default=None, help="checkpoint dir (default: the embedded tiny model)")
     src.add_argument("--synthetic", choices=("27b",), default=None, help="random weights at a named shape")
@@ -308,10 +314,47 @@ async def amain(args) -> list[LevelResult]:
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.prompt_tokens < 1 or args.max_tokens < 1:
-        raise SystemExit("error: --prompt-tokens and --max-tokens must be positive")
+def _engine_flags(args) -> list[str]:
+    """The engine's flags, spelt the same for `server.bench --engine` and `python -m server`."""
+    flags = ["--dtype", args.dtype, "--kv-cache", args.kv_cache, "--max-model-len", str(args.max_model_len),
+             "--parallel", str(args.parallel), "--max-queued", str(args.max_queued),
+             "--max-logprobs", str(args.max_logprobs)]
+    if args.synthetic:
+        flags += ["--synthetic", args.synthetic]
+    if args.no_kernels:
+        flags.append("--no-kernels")
+    return flags
+
+
+def _load_flags(args) -> list[str]:
+    flags = ["--concurrency", ",".join(map(str, args.concurrency)), "--prompt-tokens", str(args.prompt_tokens),
+             "--max-tokens", str(args.max_tokens), "--warmup", str(args.warmup), "--seed", str(args.seed)]
+    if args.num_prompts:
+        flags += ["--num-prompts", str(args.num_prompts)]
+    return flags
+
+
+def compare(args) -> int:
+    import subprocess
+    import tempfile
+
+    from server.launch import ServerProcess
+    with tempfile.TemporaryDirectory() as tmp:
+        baseline = args.baseline or f"{tmp}/engine.json"
+        engine_cmd = [sys.executable, "-m", "server.bench", "--engine", *_engine_flags(args), *_load_flags(args),
+                      "--json", baseline]
+        engine_cmd += ["--model-dir", args.model_dir] if args.model_dir else []
+        print("$ " + " ".join(engine_cmd[1:]), flush=True)
+        if subprocess.run(engine_cmd).returncode != 0:
+            raise SystemExit("error: the engine-alone run failed")
+        server_flags = _engine_flags(args) + (["--model", args.model_dir] if args.model_dir else [])
+        print("$ python -m server " + " ".join(server_flags), flush=True)
+        with ServerProcess(server_flags) as srv:
+            args.url, args.compare, args.baseline = srv.url, False, baseline
+            return _run_and_report(args)
+
+
+def _run_and_report(args) -> int:
     results = asyncio.run(amain(args))
     if args.json:
         with open(args.json, "w") as f:
@@ -321,6 +364,13 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.baseline) as f:
             print_overhead(results, json.load(f)["levels"])
     return 0 if all(r.failed == 0 for r in results) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.prompt_tokens < 1 or args.max_tokens < 1:
+        raise SystemExit("error: --prompt-tokens and --max-tokens must be positive")
+    return compare(args) if args.compare else _run_and_report(args)
 
 
 if __name__ == "__main__":
