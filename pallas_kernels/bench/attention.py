@@ -331,7 +331,8 @@ def main(argv: list[str]) -> int:
         prompt_tiles = tune_prompt(env, 32 if args.smoke else 4096, args.quick_tune) or prompt_tiles
     env.page_size = page
     print(f"using page {page}, {decode_tiles}, {prompt_tiles}", flush=True)
-    window_tiles = dataclasses.replace(decode_tiles, num_warps=None)  # 128 packed rows want 8 warps
+    # 128 packed rows: 8 warps, 2 stages (shared memory); see WindowTiles
+    window_tiles = dataclasses.replace(decode_tiles, num_warps=None, num_stages=None)
 
     if "decode" in sections:
         print("== decode: 1 row, 1 stream", flush=True)
