@@ -337,6 +337,10 @@ def decode_program(cfg: ModelConfig, backend: M.Backend, top_n: int) -> Callable
         with jax.named_scope("verify"):
             logits, kept, _ = M.verify(params, state, window, cfg, backend)
         s = window.tokens.shape[0]
+        # Every read of the pools (attention over the committed keys, the GDN states) feeds the logits; passing
+        # the pools through a barrier with them orders the commit's in-place writes after those reads, so XLA
+        # updates the donated pools in place instead of copying them first.
+        logits, kept, state = jax.lax.optimization_barrier((logits, kept, state))
         with jax.named_scope("commit"):
             path = jnp.zeros((s, 1), jnp.int32)
             state = M.commit(state, kept, window, path, (window.slot > 0).astype(jnp.int32), cfg, backend)

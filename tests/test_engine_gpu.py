@@ -120,3 +120,9 @@ def test_decode_row_same_bits_in_every_stream_bucket(progs):
         results.append(((out.tokens[0], out.logprob[0], out.top_logprobs[0]), _slot_state(progs, 1, 91)))
     for r in results[1:]:
         assert _same(r, results[0])
+
+
+def test_pools_updated_in_place_on_gpu(progs):
+    from tests.test_programs import pool_copies
+    copies = pool_copies(progs)
+    assert all(n == 0 for n in copies.values()), copies

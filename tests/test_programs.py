@@ -179,3 +179,19 @@ def test_persistent_compilation_cache(tmp_path):
         assert (warm.compiles, warm.cache_hits) == (1, 1)
     finally:
         P.enable_compilation_cache(None)
+
+
+def pool_copies(pr) -> dict:
+    """Copies of a whole state pool inside each compiled program (0 = the donated pools are updated in place)."""
+    shapes = {",".join(map(str, x.shape)) for x in jax.tree.leaves(pr.state)}
+    out = {}
+    for key, exe in pr._exe.items():
+        lines = exe.as_text().splitlines()
+        out[key] = sum(1 for line in lines if " copy(" in line and any(f"[{s}]" in line for s in shapes))
+    return out
+
+
+def test_pools_are_updated_in_place(progs):
+    copies = pool_copies(progs)
+    assert set(copies) >= {("prompt", (4, 64)), ("decode", (4, 1)), ("commit", (4, 3))}
+    assert all(n == 0 for n in copies.values()), copies
