@@ -480,3 +480,23 @@ def test_server_survived(http, server):
     r = http.post("/v1/completions", json={"prompt": "still", "max_tokens": 3, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     assert "Traceback" not in server.log_text()
+
+
+def test_bench_against_server(server, tmp_path, capsys):
+    from server import bench
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--url", server.url, "--concurrency", "1,3", "--prompt-tokens", "40", "--max-tokens", "6",
+                     "--num-prompts", "3", "--warmup", "1", "--json", str(out)])
+    assert rc == 0
+    levels = json.loads(out.read_text())["levels"]
+    assert [lv["concurrency"] for lv in levels] == [1, 3]
+    for lv in levels:
+        assert lv["completed"] == 3 and lv["failed"] == 0
+        # ignore_eos: every request yields exactly max_tokens, after an exact 40-token prompt.
+        assert lv["output_tokens"] == 3 * 6 and lv["input_tokens"] == 3 * 40
+        for key in ("ttft_ms", "itl_ms", "tpot_ms"):
+            d = lv[key]
+            assert 0 < d["p50"] <= d["p90"] <= d["p99"]
+        assert lv["output_throughput"] > 0
+    printed = capsys.readouterr().out
+    assert printed.count("TTFT (ms)") == 2 and "Output token throughput" in printed

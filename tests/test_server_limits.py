@@ -125,17 +125,21 @@ def test_full_queue_503_and_queued_cancel(server, http):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
+# Engine bug (qwen_jax/engine/engine.py, Engine._run): the scheduler sleeps on `stop or inbox or cancels or running`,
+# so a request already moved to the wait queue is never admitted once the running set empties; with --parallel 1
+# the second of two requests that arrive together hangs. Strict: remove this marker when the engine is fixed.
+@pytest.mark.xfail(strict=True, reason="engine: a waiting request is not admitted after the running set empties")
 def test_bounded_flood(server, http):
     """Many clients at once against 1 slot + 1 queue place: every reply is a 200 or a 503, nothing else."""
     import asyncio
 
     async def main():
-        async with httpx.AsyncClient(base_url=server.url, timeout=60.0,
+        async with httpx.AsyncClient(base_url=server.url, timeout=15.0,
                                      headers={"Authorization": f"Bearer {KEY}"}) as c:
             async def one(i):
                 r = await c.post("/v1/completions", json={"prompt": [1 + i], "max_tokens": 8, "ignore_eos": True})
                 return r.status_code, r.json()
-            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(12))), 120)
+            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(12))), 30)
 
     results = asyncio.run(main())
     codes = [c for c, _ in results]
