@@ -1,0 +1,106 @@
+"""Server paths that need control over the engine, so the app runs in this process over a real engine on the
+embedded model: a request that fails after its stream began (error event, then [DONE]; a 500 when not streamed),
+and a server without a tokenizer (what `--synthetic` serves)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from qwen_jax.checkpoint import load_checkpoint
+from qwen_jax.engine.engine import Engine
+from server.app import build_app
+from server.loading import EMBEDDED_MODEL
+from server.serving import GenerationDefaults, Serving
+
+pytestmark = pytest.mark.timeout(300)
+
+POISON = (7, 7, 7)  # a prompt starting with these ids fails at its third generated token
+FAIL_AT = 2
+
+
+class FaultyEngine(Engine):
+    def on_token(self, stream, token):
+        if stream.request.prompt_ids[:3] == POISON and stream.handle.completion_tokens >= FAIL_AT:
+            raise RuntimeError("injected fault")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    ck = load_checkpoint(EMBEDDED_MODEL)
+    e = FaultyEngine(ck.params, ck.config, None, model_name="faulty", max_model_len=256, parallel=2, max_queued=4,
+                     max_logprobs=0, progress=False)
+    e.start()
+    yield e
+    e.shutdown()
+
+
+@pytest.fixture(scope="module")
+def app(engine):
+    serving = Serving(engine, served_model_name="faulty", model_root="in-process", defaults=GenerationDefaults())
+    yield build_app(serving)
+    serving.close()
+
+
+def call(app, method: str, path: str, **kw) -> httpx.Response:
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                     timeout=60.0) as c:
+            return await c.request(method, path, **kw)
+    return asyncio.run(go())
+
+
+def sse(text: str) -> list:
+    return [d if (d := line[6:]) == "[DONE]" else json.loads(d) for line in text.splitlines()
+            if line.startswith("data: ")]
+
+
+def test_error_after_stream_began(app, engine):
+    baseline = call(app, "GET", "/health").json()
+    r = call(app, "POST", "/v1/completions", json={"prompt": list(POISON) + [1], "max_tokens": 10, "stream": True,
+                                                   "ignore_eos": True})
+    assert r.status_code == 200
+    events = sse(r.text)
+    assert events[-1] == "[DONE]"
+    err = events[-2]["error"]
+    assert err["type"] == "server_error" and err["code"] == "generation_failed" and "injected fault" in err["message"]
+    tokens = [e for e in events[:-2] if "choices" in e]
+    assert len(tokens) == FAIL_AT and all(e["choices"][0]["finish_reason"] is None for e in tokens)
+    h = call(app, "GET", "/health").json()
+    assert {k: h[k] for k in ("running", "waiting", "free_pages", "free_slots")} == \
+        {k: baseline[k] for k in ("running", "waiting", "free_pages", "free_slots")}
+
+
+def test_error_without_stream_is_500_and_others_unaffected(app):
+    async def both():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
+                                     timeout=60.0) as c:
+            return await asyncio.gather(
+                c.post("/v1/completions", json={"prompt": list(POISON), "max_tokens": 10, "ignore_eos": True}),
+                c.post("/v1/completions", json={"prompt": [3, 4, 5], "max_tokens": 10, "ignore_eos": True}))
+    bad, good = asyncio.run(both())
+    assert bad.status_code == 500
+    assert bad.json()["error"]["code"] == "generation_failed"
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 10
+    m = call(app, "GET", "/metrics").text
+    assert 'qwen_jax:request_success_total{finished_reason="error",model_name="faulty"} 2.0' in m
+
+
+def test_without_tokenizer(app):
+    ok = call(app, "POST", "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+    streamed = sse(call(app, "POST", "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "stream": True,
+                                                            "ignore_eos": True}).text)
+    # No text without a tokenizer, but one chunk per token still goes out (benchmarks count them).
+    assert len([e for e in streamed if e != "[DONE]"]) == 4
+    for path, body, param in (("/v1/completions", {"prompt": "text"}, "prompt"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, "messages"),
+                              ("/tokenize", {"prompt": "x"}, "prompt"), ("/detokenize", {"tokens": [1]}, "tokens"),
+                              ("/v1/completions", {"prompt": [1, 2], "stop": "x"}, "stop"),
+                              ("/v1/completions", {"prompt": [1, 2], "logprobs": 1}, "logprobs")):
+        r = call(app, "POST", path, json=body)
+        assert r.status_code == 400, (path, r.text)
+        assert r.json()["error"]["param"] == param
