@@ -177,11 +177,15 @@ def row_invariant(params, backend: M.Backend) -> bool:
 
 
 def default_buckets(params, backend: M.Backend, *, parallel: int, max_chunk: int = 4096, logprobs: int = 0,
-                    window_rows: tuple[int, ...] = ()) -> Buckets:
-    """The engine's default shapes (module docstring: why the reference path gets one decode bucket and mapped
-    prompt lanes)."""
+                    window_rows: tuple[int, ...] = (), fixed_shapes: bool | None = None) -> Buckets:
+    """The engine's default shapes. fixed_shapes (default: unless `row_invariant`): prompt lanes mapped through
+    the one-lane forward and a single decode bucket of `parallel` streams, so no row's computation changes shape
+    with the load (module docstring); otherwise batched lanes and power-of-two decode buckets, which are faster
+    (a lone stream does not pay for fifteen idle ones) and exact only where every op is row-invariant."""
     rows = pow2_buckets(GRID, max(GRID, max_chunk))
-    if row_invariant(params, backend):
+    if fixed_shapes is None:
+        fixed_shapes = not row_invariant(params, backend)
+    if not fixed_shapes:
         return Buckets(rows, tuple(sorted({1, min(4, parallel)})), pow2_buckets(1, parallel), window_rows,
                        Packing.BATCHED, logprobs, multi_lane_rows=256)
     return Buckets(rows, (min(4, parallel),), (parallel,), window_rows, Packing.MAPPED, logprobs)

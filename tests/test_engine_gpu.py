@@ -28,19 +28,23 @@ def _params(dtype):
     return load_checkpoint(MODEL, dtype=DTYPES[dtype], progress=False)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_concurrent_equals_solo_on_gpu(dtype):
+@pytest.mark.parametrize("dtype,fixed", [("bfloat16", False), ("float32", False), ("bfloat16", True)])
+def test_concurrent_equals_solo_on_gpu(dtype, fixed):
+    """fixed=False: the default here (batched lanes, decode buckets 1..16); fixed=True: the fallback policy of
+    the reference path (mapped lanes, one decode bucket)."""
     ck = _params(dtype)
     backend = Backend.default()
     assert backend.kernels and P.row_invariant(ck.params, backend)
-    buckets = P.default_buckets(ck.params, backend, parallel=16, max_chunk=256, logprobs=3)
-    assert buckets.packing is P.Packing.BATCHED and buckets.decode_streams == (1, 2, 4, 8, 16)
+    buckets = P.default_buckets(ck.params, backend, parallel=16, max_chunk=256, logprobs=3,
+                                fixed_shapes=True if fixed else None)
+    if not fixed:
+        assert buckets.packing is P.Packing.BATCHED and buckets.decode_streams == (1, 2, 4, 8, 16)
     e = Engine(ck.params, ck.config, load_tokenizer(MODEL), dtype=dtype, max_model_len=512, parallel=16,
                buckets=buckets, prefill_step=128, max_logprobs=3, progress=False)
     e.start()
     try:
         reqs = _requests(0)
-        solo = _solo(e, reqs)  # one stream: prompt lane bucket 1, decode bucket 1
+        solo = _solo(e, reqs)  # one stream: the smallest lane and decode buckets
         with P.CompileWatch() as watch:
             together = _concurrent(e, reqs)  # lanes packed, decode buckets up to 16, prompts re-cut
         _check_same(solo, together)

@@ -53,14 +53,16 @@ class Engine:
     every stream can hold a full context). buckets: the compiled shapes (default: programs.default_buckets).
     max_prefill_chunk: largest prompt chunk; prefill_step: rows per prompt lane while other streams decode.
     max_logprobs: the most top logprobs a request may ask for (0: logprobs off, programs skip them).
-    seed_salt: mixed into the seeds derived for requests without one.
+    seed_salt: mixed into the seeds derived for requests without one. fixed_shapes: see
+    programs.default_buckets (None: fixed unless every matmul runs through the row-invariant qmm kernel).
     """
 
     def __init__(self, params, config: ModelConfig, tokenizer=None, *, model_name: str = "qwen",
                  dtype: str = "bfloat16", kv_cache: str = "bf16", max_model_len: int = 4096, parallel: int = 16,
                  max_queued: int = 64, backend=None, page_size: int = 64, num_pages: int | None = None,
                  buckets: P.Buckets | None = None, max_prefill_chunk: int = 4096, prefill_step: int = 1024,
-                 max_logprobs: int = 0, seed_salt: str = "", progress: bool = True):
+                 max_logprobs: int = 0, seed_salt: str = "", fixed_shapes: bool | None = None,
+                 progress: bool = True):
         from qwen_jax.model import Backend
         for name, v, lo in (("max_model_len", max_model_len, 2), ("parallel", parallel, 1),
                             ("max_queued", max_queued, 0), ("page_size", page_size, 1),
@@ -86,7 +88,7 @@ class Engine:
         if buckets is None:
             buckets = P.default_buckets(params, self.backend, parallel=parallel,
                                         max_chunk=min(max_prefill_chunk, P.pages_for(max_model_len, P.GRID) * P.GRID),
-                                        logprobs=max_logprobs)
+                                        logprobs=max_logprobs, fixed_shapes=fixed_shapes)
         if buckets.logprobs < max_logprobs:
             raise ValueError(f"buckets compute {buckets.logprobs} top logprobs; max_logprobs={max_logprobs}")
         if buckets.decode_streams[-1] < parallel:
