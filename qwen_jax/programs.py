@@ -19,10 +19,13 @@ Why the buckets look the way they do (exactness). A row's bits must not depend o
 same call, nor on where its prompt was cut. What holds, measured on the reference path (XLA:CPU, captures/tiny,
 fp32 and bf16; tests/test_programs.py keeps it checked):
   * Within one program shape, a row's bits depend neither on its lane nor on what the other lanes hold.
-  * Across shapes they can differ: XLA:CPU's code for a fused reduction (e.g. the RMS norm in front of the GDN
-    output projection at [4, T, 4, 32]) and for `exp` on small arrays depends on the whole array's shape, and an
-    fp32 dot with one row (a GEMV) rounds differently from the same row inside a GEMM. With one lane, prompt
-    chunks of 64..512 rows gave bit-identical logits and states; with four lanes batched they did not.
+  * Across shapes they can differ. XLA:CPU's dot is row-invariant in bf16 (M = 1..4096) and in fp32 for M >= 2,
+    but an fp32 row alone (M = 1, a GEMV) rounds differently once K >= 1024. Worse, the code XLA:CPU emits for a
+    fused reduction (the RMS norm in front of the GDN output projection at [4, T, 4, 32]: T = 320 vs 256) and for
+    `exp` on small arrays (5 or 7 elements) depends on the whole array's shape. Whole model, fp32: one stream's
+    decode logits at 2 vs 16 streams differ from layer 0 on; decode buckets 1..16 made 10 of 16 requests differ
+    from their solo runs (bf16: none). With one lane, prompt chunks of 64..512 rows gave bit-identical logits
+    and states; four lanes batched at T = 320 vs 256 + 64 did not.
 So on the reference path (`Packing.MAPPED`) a prompt call runs its lanes one after another through the one-lane
 forward (`lax.scan`, empty lanes skipped), which makes every lane's computation the same shape whatever the
 lane count; and decode uses one stream bucket (every round has the same shape; solo requests run in it too).

@@ -15,7 +15,7 @@ from qwen_jax.checkpoint import load_checkpoint, load_tokenizer
 from qwen_jax.engine.engine import Engine
 from qwen_jax.model import Backend
 from tests.conftest import CAPTURES
-from tests.test_engine import TIMEOUT, _baseline, _check_same, _concurrent, _requests, _solo
+from tests.test_engine import _baseline, _check_same, _concurrent, _requests, _solo
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (run with -m gpu)")]

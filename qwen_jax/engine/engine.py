@@ -191,7 +191,8 @@ class Engine:
         bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))
                or not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt_ids: {bad[:5]} are not token ids of this model (vocabulary 0..{self.vocab_size - 1})")
+            raise ValueError(f"prompt_ids: {bad[:5]} are not token ids of this model "
+                             f"(vocabulary 0..{self.vocab_size - 1})")
         if isinstance(req.max_tokens, bool) or not isinstance(req.max_tokens, int) or req.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {req.max_tokens!r}")
         if len(ids) + 1 > self.max_model_len:
