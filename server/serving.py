@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from transformers import PreTrainedTokenizerBase
+
 from qwen_jax.engine.api import (ContextLengthExceeded, EngineOverloaded, GenerationRequest, SamplingOptions,
                                  TokenEvent, TokenLogprob)
 from server import protocol as P
@@ -66,8 +68,8 @@ def load_generation_defaults(model_dir: str | Path | None) -> GenerationDefaults
 
 
 # apply_chat_template's own parameters; chat_template_kwargs may only add template variables, not override these.
-_TEMPLATE_PARAMS = frozenset(inspect.signature(__import__("transformers").PreTrainedTokenizerBase
-                                               .apply_chat_template).parameters) - {"self", "kwargs"}
+_TEMPLATE_PARAMS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) \
+    - {"self", "kwargs"}
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -198,7 +200,7 @@ class Serving:
     # ------------------------------------------------------------------------------------------- generation
 
     async def chat(self, req: P.ChatCompletionRequest, wait_disconnect: Callable[[], Awaitable[None]]):
-        """-> ChatCompletionResponse, or an async iterator of SSE strings when req.stream."""
+        """-> ChatCompletionResponse, or an EventStream when req.stream."""
         self.check_model(req.model)
         ids = await self._chat_prompt(req.messages, req.chat_template_kwargs, req.add_generation_prompt, False)
         run, rid = self._submit(req, ids, req.output_limit, "messages", req.logprobs_count, "chatcmpl")
@@ -217,7 +219,7 @@ class Serving:
             usage=P.Usage(**run.usage()))
 
     async def completion(self, req: P.CompletionRequest, wait_disconnect: Callable[[], Awaitable[None]]):
-        """-> CompletionResponse, or an async iterator of SSE strings when req.stream."""
+        """-> CompletionResponse, or an EventStream when req.stream."""
         self.check_model(req.model)
         if isinstance(req.prompt, str):
             tok = self._need_tokenizer("prompt")
