@@ -17,6 +17,7 @@ from qwen_jax.engine.api import ContextLengthExceeded, EngineOverloaded, Generat
 from qwen_jax.engine.engine import Engine
 from qwen_jax.model import Backend
 from tests.conftest import CAPTURES
+from tests.tiny_model import tiny
 
 MAX_LEN = 512
 TIMEOUT = 120  # seconds per event before a test gives up (the shared CI box is slow, never this slow)
@@ -265,3 +266,31 @@ def test_admission_errors():
     assert e.stats().waiting == 2
     e.shutdown()
     assert all(h.result(1).finish_reason == "error" for h in held)
+
+
+def test_admission_waits_for_pages():
+    """A request whose KV pages are not free waits (even with a slot free) and starts when they are; one that
+    could never get enough pages is refused. Tiny random model without a tokenizer: ids only, no stop strings."""
+    cfg, params = tiny()
+    e = Engine(params, cfg, None, dtype="float32", max_model_len=256, parallel=2, num_pages=4, backend=Backend(),
+               buckets=P.Buckets((64,), (2,), (2,)), progress=False)  # 3 usable pages of 64 positions
+    with pytest.raises(ContextLengthExceeded, match="KV pages"):
+        e.submit(GenerationRequest((1,) * 100, 150))  # 250 positions: 4 pages
+    with pytest.raises(ValueError, match="tokenizer"):
+        e.submit(GenerationRequest((1, 2), 5, stop=("x",)))
+    e.start()
+    try:
+        big = e.submit(GenerationRequest(tuple(range(60)), 100, ignore_eos=True))  # 160 positions: 3 pages
+        small = e.submit(GenerationRequest(tuple(range(10)), 60, ignore_eos=True))  # 70 positions: 2 pages
+        deadline = time.monotonic() + TIMEOUT
+        while big.first_token_time is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+        s = e.stats()
+        assert (s.running, s.waiting, s.free_pages, s.free_slots) == (1, 1, 0, 1)
+        a, b = big.result(TIMEOUT), small.result(TIMEOUT)
+        assert (len(a.token_ids), len(b.token_ids), a.text, b.text) == (100, 60, "", "")
+        assert small.first_token_time >= big.finish_time
+        _baseline(e)
+    finally:
+        e.shutdown()

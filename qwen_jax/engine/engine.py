@@ -250,7 +250,9 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._lock:
-                self._wake.wait_for(lambda: self._stop or self._inbox or self._cancels or self._running)
+                # Queued requests count as work: with nothing running, every pool is free and the head fits.
+                self._wake.wait_for(lambda: self._stop or self._inbox or self._cancels or self._running
+                                    or self._waiting)
                 if self._stop:
                     return
                 self._waiting.extend(self._inbox)
