@@ -180,6 +180,8 @@ def cmd_bench(args) -> int:
     if (args.model is None) == (args.synthetic is None):
         raise SystemExit("error: bench needs exactly one of --model DIR or --synthetic 27b")
     try:
+        if args.streams is None:
+            args.streams = "1,16" if args.synthetic else "1,2,4,8,16"
         streams = bench._parse_sizes(args.streams, "--streams")
         lengths = bench._parse_sizes(args.prompt_lengths, "--prompt-lengths") if args.prompt_lengths else ()
     except ValueError as e:
@@ -215,10 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    def common(sp, *, model_required=True):
+    def common(sp, *, model_required=True, context=True):
         sp.add_argument("--model", required=model_required, help="local checkpoint directory (HF safetensors or MLX)")
         sp.add_argument("--dtype", choices=DTYPES, default="bfloat16", help="compute dtype (float32 = verification)")
-        sp.add_argument("--max-model-len", type=int, default=4096, help="context capacity to allocate")
+        if context:
+            sp.add_argument("--max-model-len", type=int, default=4096, help="context capacity to allocate")
         sp.add_argument("--no-kernels", action="store_true", help="plain-jnp references instead of Pallas kernels")
 
     def cache(sp):
@@ -259,11 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(fn=cmd_eval)
 
     be = sub.add_parser("bench", help="prompt tok/s, decode forwards/s at 1..16 streams, compile time cold/warm")
-    common(be, model_required=False)
+    common(be, model_required=False, context=False)
     cache(be)
     be.add_argument("--synthetic", choices=("27b",), help="the model's shapes with random 4-bit weights built on "
                     "the device (no checkpoint)")
-    be.add_argument("--streams", default="1,2,4,8,16", help="decode stream counts, comma-separated ('' = none)")
+    be.add_argument("--streams", help="decode stream counts, comma-separated ('' = none; default 1,2,4,8,16, "
+                    "and 1,16 with --synthetic)")
     be.add_argument("--prompt-lengths", default="4096,32768", help="prompt lengths to time ('' = none)")
     be.add_argument("--context", type=int, default=1024, help="cached tokens per stream while decoding")
     be.add_argument("--rounds", type=int, default=64, help="timed decode rounds per stream count")
