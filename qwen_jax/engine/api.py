@@ -77,10 +77,18 @@ class EngineStats:
 # The Engine class (qwen_jax/engine/engine.py) implements this contract:
 #   Engine.from_checkpoint(model_dir, *, dtype="bfloat16", kv_cache="bf16", max_model_len=4096, parallel=16,
 #                          max_queued=64, backend=None, progress=True) -> Engine
+#     also: compile_cache (persistent compilation cache dir, default $QWEN_JAX_CACHE_DIR or ~/.cache/qwen_jax/jax;
+#     None = off), max_logprobs=20 (the most top logprobs a request may ask; 0 = logprobs refused), and the
+#     Engine(...) keywords (num_pages, buckets, max_prefill_chunk, prefill_step, seed_salt, fixed_shapes).
 #   engine.tokenizer, engine.model_config (qwen_jax.config.ModelConfig), engine.model_name, engine.max_model_len
 #   engine.start()      compile every program bucket (progress bar), start the scheduler thread
-#   engine.shutdown()
+#   engine.shutdown()   queued and running requests end with finish_reason "error"
 #   engine.submit(GenerationRequest) -> RequestHandle   (raises EngineOverloaded / ContextLengthExceeded / ValueError)
+#   engine.validate(GenerationRequest)                  the same checks as submit, without queueing
 #   engine.stats() -> EngineStats
 # RequestHandle: request_id, prompt_tokens, completion_tokens, cancel(), `async for ev in handle`, handle.events()
-#   (blocking iterator), and monotonic timestamps arrival_time / first_token_time / finish_time for metrics.
+#   (blocking iterator), handle.result() (the whole reply as a Completion), and monotonic timestamps
+#   arrival_time / first_token_time / finish_time for metrics.
+# Events: one per decided token (token_ids holds that token, stop ids included; text leaves stop ids and stop
+#   strings out); the last event carries finish_reason. A request that ends without a token (cancelled while
+#   queued, shut down, failed before its first token) gets one event with empty token_ids.
