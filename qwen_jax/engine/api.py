@@ -90,5 +90,5 @@ class EngineStats:
 #   (blocking iterator), handle.result() (the whole reply as a Completion), and monotonic timestamps
 #   arrival_time / first_token_time / finish_time for metrics.
 # Events: one per decided token (token_ids holds that token, stop ids included; text leaves stop ids and stop
-#   strings out); the last event carries finish_reason. A request that ends without a token (cancelled while
-#   queued, shut down, failed before its first token) gets one event with empty token_ids.
+#   strings out); the last event carries finish_reason. "stop"/"length" arrive on the event of the token that
+#   ended the reply; "cancelled" and "error" on an extra event with empty token_ids.
