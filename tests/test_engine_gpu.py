@@ -35,12 +35,12 @@ def test_concurrent_equals_solo_on_gpu(dtype, fixed):
     ck = _params(dtype)
     backend = Backend.default()
     assert backend.kernels and P.row_invariant(ck.params, backend)
-    buckets = P.default_buckets(ck.params, backend, parallel=16, max_chunk=256, logprobs=3,
+    buckets = P.default_buckets(ck.params, backend, parallel=16, max_chunk=128, logprobs=3,
                                 fixed_shapes=True if fixed else None)
     if not fixed:
         assert buckets.packing is P.Packing.BATCHED and buckets.decode_streams == (1, 2, 4, 8, 16)
     e = Engine(ck.params, ck.config, load_tokenizer(MODEL), dtype=dtype, max_model_len=512, parallel=16,
-               buckets=buckets, prefill_step=128, max_logprobs=3, progress=False)
+               buckets=buckets, prefill_step=64, max_logprobs=3, progress=False)
     e.start()
     try:
         reqs = _requests(0)
