@@ -48,8 +48,9 @@ class KVPool:
 def empty_pool(num_kv_heads: int, num_pages: int, page_size: int, head_dim: int, dtype) -> KVPool:
     shape = (num_kv_heads, num_pages, page_size, head_dim)
     if jnp.dtype(dtype) == jnp.dtype(FP8):
-        z = jnp.zeros(shape[:3], jnp.float32)
-        return KVPool(jnp.zeros(shape, FP8), jnp.zeros(shape, FP8), z, z)
+        # Separate buffers for every leaf: programs donate the pool, and one buffer can't be donated twice.
+        return KVPool(jnp.zeros(shape, FP8), jnp.zeros(shape, FP8), jnp.zeros(shape[:3], jnp.float32),
+                      jnp.zeros(shape[:3], jnp.float32))
     return KVPool(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 

@@ -1,6 +1,7 @@
 """The model with the Pallas kernels switched on (interpret mode on CPU) against the peer captures and against the
 reference ops: the wiring of qmm, GDN and paged attention into the model's swap points."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -41,9 +42,10 @@ def test_kernels_tree_window_matches_reference_ops(mlx4):
     for backend in (M.Backend(), KERNELS):
         st = M.init_state(cfg.text, num_slots=2, num_pages=8, page_size=16, dtype=jnp.float32)
         pt = np.arange(1, 8, dtype=np.int32)[None]
-        _, st, _ = M.prefill(ck.params, st, M.make_prefill_batch(np.array([ids[:6]]), [0], [6], [1], pt), cfg,
-                             backend)
+        prefill = jax.jit(lambda p, s, b: M.prefill(p, s, b, cfg, backend)[1])
+        verify = jax.jit(lambda p, s, w: M.verify(p, s, w, cfg, backend)[0])
+        st = prefill(ck.params, st, M.make_prefill_batch(np.array([ids[:6]]), [0], [6], [1], pt))
         w = M.make_window(np.array([ids[6:10]]), [[-1, 0, 0, 2]], [6], [1], pt)
-        logits, _, _ = M.verify(ck.params, st, w, cfg, backend)
+        logits = verify(ck.params, st, w)
         outs.append(np.asarray(logits))
     np.testing.assert_allclose(outs[1], outs[0], atol=1e-4, rtol=0)

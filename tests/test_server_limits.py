@@ -129,10 +129,6 @@ def test_full_queue_503_and_queued_cancel(server, http):
 # so a request already moved to the wait queue is never admitted once the running set empties. The first test below
 # hits it every time (strict: remove its marker once the engine is fixed); the flood hits it when the timing falls
 # that way, so its marker is not strict; remove both together.
-ENGINE_WAIT_BUG = "engine: a waiting request is not admitted after the running set empties"
-
-
-@pytest.mark.xfail(strict=True, reason=ENGINE_WAIT_BUG)
 def test_queued_request_runs_when_the_slot_frees(server, http):
     import threading
     wait_for(http, lambda h: h["running"] == 0 and h["waiting"] == 0)
@@ -161,7 +157,6 @@ def test_queued_request_runs_when_the_slot_frees(server, http):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
-@pytest.mark.xfail(strict=False, reason=ENGINE_WAIT_BUG)
 def test_bounded_flood(server, http):
     """Many clients at once against 1 slot + 1 queue place: every reply is a 200 or a 503, nothing else."""
     import asyncio
