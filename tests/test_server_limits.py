@@ -125,10 +125,8 @@ def test_full_queue_503_and_queued_cancel(server, http):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
-# Engine bug (qwen_jax/engine/engine.py, Engine._run): the scheduler sleeps on `stop or inbox or cancels or running`,
-# so a request already moved to the wait queue is never admitted once the running set empties. The first test below
-# hits it every time (strict: remove its marker once the engine is fixed); the flood hits it when the timing falls
-# that way, so its marker is not strict; remove both together.
+# Regression tests for a scheduler stall (fixed in the engine): a request already in the wait queue was never
+# admitted once the running set emptied.
 def test_queued_request_runs_when_the_slot_frees(server, http):
     import threading
     wait_for(http, lambda h: h["running"] == 0 and h["waiting"] == 0)
@@ -142,8 +140,10 @@ def test_queued_request_runs_when_the_slot_frees(server, http):
             queued["r"] = e
 
     with httpx.Client(base_url=server.url, timeout=60.0, headers={"Authorization": f"Bearer {KEY}"}) as a:
-        with a.stream("POST", "/v1/completions", json={"prompt": [5, 6], "max_tokens": 24, "ignore_eos": True,
+        with a.stream("POST", "/v1/completions", json={"prompt": [5, 6], "max_tokens": 400, "ignore_eos": True,
                                                         "stream": True}) as ra:
+            # 400 tokens keep the one slot busy long enough (seconds on the tiny model) for the second request
+            # to be seen waiting; the engine generates whether or not this client reads.
             lines = ra.iter_lines()
             next(line for line in lines if line.startswith("data: "))
             t = threading.Thread(target=send_queued)
