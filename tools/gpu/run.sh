@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One device call's worth of GPU work, by stage, from the repo root on the H200 (the `device` tool's `run`).
+# Prepare once on the CPU machine (wheels for fla, fastapi/uvicorn/pydantic/openai):
+#   grep -q '^/.whl/' .git/info/exclude || echo /.whl/ >> .git/info/exclude; ../shared/device/fetch_wheels.sh .whl
+# then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
+# Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
+set -uo pipefail
+stage=${1:?usage: tools/gpu/run.sh tests|engine|server|qmm|gdn|attention}
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore::DeprecationWarning
+case "$stage" in
+  tests)
+    timeout 540 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_qmm.py tests/test_gdn.py \
+      tests/test_attention.py tests/test_kv_quant.py tests/test_engine_gpu.py 2>&1 | tee "$out/gpu_tests.log" | tail -30 ;;
+  engine)
+    timeout 560 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths 4096,32768 --rounds 64 \
+      2>&1 | tee "$out/bench_27b.log" | tail -40 ;;
+  server)
+    timeout 560 python3 -m server.bench --compare --synthetic 27b --concurrency 1,4,16 --prompt-tokens 1024 \
+      --max-tokens 256 --max-model-len 4096 --parallel 16 --json "$out/server_bench.json" 2>&1 \
+      | tee "$out/server_bench.log" | tail -40 ;;
+  qmm)
+    timeout 560 python3 -m pallas_kernels.bench qmm --shapes 5120x17408,17408x5120,5120x10240,5120x6144,6144x5120,5120x12288,5120x248320 \
+      --m 1,4,16,64,256,1024,4096 --json "$out/qmm.json" 2>&1 | tee "$out/qmm.log" | tail -60 ;;
+  gdn)
+    JAX_PLATFORMS=cuda timeout 560 python3 -m pallas_kernels.bench gdn --iters 20 --skip prompt 2>&1 \
+      | tee "$out/gdn_verify.log" | tail -60 ;;
+  attention)
+    timeout 560 python3 -m pallas_kernels.bench attention --sections decode,prompt,window,write,xla --budget-s 420 \
+      --json "$out/attention.json" 2>&1 | tee "$out/attention.log" | tail -60 ;;
+  *) echo "unknown stage $stage" >&2; exit 2 ;;
+esac
