@@ -1,5 +1,6 @@
 """A single-stream runner over the functional model: jitted prompt pass (row buckets of 64) and 1-row verify +
-commit steps. The offline CLI's `logits`; `generate` until the engine takes over."""
+commit steps. The offline CLI's `logits` and the peer-capture tests (greedy); serving and sampled generation go
+through the engine."""
 
 from __future__ import annotations
 
@@ -70,32 +71,18 @@ class Runner:
     def logits(self, ids: list[int]) -> np.ndarray:
         return self.prefill(ids, all_logits=True)
 
-    def generate(self, ids: list[int], max_tokens: int, *, temperature: float = 0.0, seed: int = 0,
-                 stop_ids: tuple[int, ...] = ()) -> list[int]:
+    def generate(self, ids: list[int], max_tokens: int) -> list[int]:
+        """Greedy continuation (argmax, lowest id on ties), stopping only at max_tokens or the context end."""
         if not ids:
             raise ValueError("the prompt is empty")
         logits = self.prefill(ids)
         out: list[int] = []
         pos = len(ids)
         for _ in range(max_tokens):
-            tok = self._pick(logits, pos, temperature, seed)
+            tok = int(np.argmax(logits))
             out.append(tok)
-            if tok in stop_ids or pos + 1 > self.max_len - 1:
+            if pos + 1 > self.max_len - 1:
                 break
             logits = self.step(tok, pos)
             pos += 1
         return out
-
-    @staticmethod
-    def _pick(logits: np.ndarray, pos: int, temperature: float, seed: int) -> int:
-        if temperature <= 0:
-            return int(np.argmax(logits))
-        from qwen_jax import sampling
-        params = sampling.pack_sample_params([sampling.RequestSampling(seed=seed, temperature=temperature)], [pos], 1)
-        return int(_jitted_sample()(jnp.asarray(logits[None], jnp.float32), params)[0])
-
-
-@functools.lru_cache(maxsize=1)
-def _jitted_sample():
-    from qwen_jax import sampling
-    return jax.jit(sampling.sample)
