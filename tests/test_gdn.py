@@ -271,15 +271,19 @@ def test_commit_equals_serial_steps_over_accepted_path():
     _check_commit(SMALL)
 
 
-def test_window_stream_alone_equals_stream_among_others_bitwise():
-    rng = np.random.default_rng(4)
-    names, (q, k, v, g, beta), parents, pool, slot = _window_case(rng, SMALL, jnp.bfloat16)
+def _check_window_alone_vs_among_others(case) -> None:
+    """Each stream's window rows are bit-identical whether it runs alone or among the case's other streams."""
+    names, (q, k, v, g, beta), parents, pool, slot = case
     o = window_k(q, k, v, g, beta, parents, pool, slot)
     for s in range(len(names)):
         one = lambda x: x[s:s + 1]
         o1 = window_k(one(q), one(k), one(v), one(g), one(beta), one(parents), pool, one(slot))
         assert np.array_equal(np.asarray(o1[0]), np.asarray(o[s]))
     assert _rel(o, window_ref(q, k, v, g, beta, parents, pool, slot)) < BF16_OUT_TOL
+
+
+def test_window_stream_alone_equals_stream_among_others_bitwise():
+    _check_window_alone_vs_among_others(_window_case(np.random.default_rng(4), SMALL, jnp.bfloat16))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -440,11 +444,7 @@ def test_gpu_window_16_rows_alone_vs_among_others():
     rng = np.random.default_rng(12)
     trees = {"chain": list(range(-1, 15)), "fan": [-1] * 16, "fork": [-1, 0, 1, 1, 2, 3, 0, 6] * 2}
     trees["fork"] = [p if i < 8 else (p + 8 if p >= 0 else 7) for i, p in enumerate(trees["fork"])]
-    names, (q, k, v, g, beta), parents, pool, slot = _window_case(rng, BIG, jnp.bfloat16, trees)
+    case = _window_case(rng, BIG, jnp.bfloat16, trees)
+    v = case[1][2]
     _poison_allocator(v.shape, v.dtype)
-    o = window_k(q, k, v, g, beta, parents, pool, slot)
-    for s in range(len(names)):
-        one = lambda x: x[s:s + 1]
-        o1 = window_k(one(q), one(k), one(v), one(g), one(beta), one(parents), pool, one(slot))
-        assert np.array_equal(np.asarray(o1[0]), np.asarray(o[s]))
-    assert _rel(o, window_ref(q, k, v, g, beta, parents, pool, slot)) < BF16_OUT_TOL
+    _check_window_alone_vs_among_others(case)
