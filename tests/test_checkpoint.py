@@ -32,6 +32,13 @@ def _write_safetensors(path, tensors: dict[str, tuple[str, list[int], bytes]]):
     path.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(blobs))
 
 
+def _raw(ref) -> tuple[str, list[int], bytes]:
+    """A stored tensor as (dtype, shape, bytes), for writing it into another safetensors file."""
+    with open(ref.file, "rb") as fh:
+        fh.seek(ref.start)
+        return ref.dtype, list(ref.shape), fh.read(ref.end - ref.start)
+
+
 def _leaves_equal(a, b):
     la, ta = jax.tree_util.tree_flatten(a)
     lb, tb = jax.tree_util.tree_flatten(b)
@@ -82,10 +89,7 @@ def test_sharded_checkpoint_loads_the_same(tmp_path):
         fname = f"model-0000{i + 1}-of-00002.safetensors"
         tensors = {}
         for n in part:
-            ref = idx.refs[n]
-            with open(ref.file, "rb") as fh:
-                fh.seek(ref.start)
-                tensors[n] = (ref.dtype, list(ref.shape), fh.read(ref.end - ref.start))
+            tensors[n] = _raw(idx.refs[n])
             weight_map[n] = fname
         _write_safetensors(d / fname, tensors)
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
@@ -170,9 +174,7 @@ def test_missing_tensor(tmp_path):
     for n, ref in idx.refs.items():
         if n == "model.layers.1.linear_attn.A_log":
             continue
-        with open(ref.file, "rb") as fh:
-            fh.seek(ref.start)
-            keep[n] = (ref.dtype, list(ref.shape), fh.read(ref.end - ref.start))
+        keep[n] = _raw(ref)
     idx.close()
     _write_safetensors(d / "model.safetensors", keep)
     with pytest.raises(CheckpointError, match="missing tensor `layers.1.linear_attn.A_log`") as e:
