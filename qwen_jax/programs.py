@@ -38,9 +38,11 @@ Letters: s lanes/streams in one call, t prompt rows, r window rows, v vocabulary
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import enum
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -523,30 +525,46 @@ class Programs:
                 keys += [("verify", (s, r)), ("commit", (s, r))]
         return keys
 
-    def compile(self, keys: Sequence[tuple[str, tuple[int, int]]] | None = None, *, progress: bool = False
-                ) -> dict[tuple, float]:
-        """Compile (or load from the persistent cache) every bucket in `keys` (default: all). -> seconds each."""
+    def compile(self, keys: Sequence[tuple[str, tuple[int, int]]] | None = None, *, progress: bool = False,
+                workers: int | None = None) -> dict[tuple, float]:
+        """Compile (or load from the persistent cache) every bucket in `keys` (default: all). -> seconds each.
+
+        Tracing and lowering run one bucket after another (Python); XLA's compilation, which releases the GIL,
+        runs on `workers` threads (default: half the CPU cores, at most 8), so a model of many layers and many
+        buckets compiles in a fraction of the serial time."""
         keys = list(self.bucket_keys() if keys is None else keys)
+        if workers is None:
+            workers = max(1, min(8, (os.cpu_count() or 2) // 2))
         bar = None
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=len(keys), desc="compiling programs", unit="program")
         times = {}
+
+        def lower(key):
+            kind, shape = key
+            args = self._example(kind, shape)
+            if kind == "commit":
+                return self._fns[kind].lower(self.state, *args)
+            return self._fns[kind].lower(self.params, self.state, *_abstract(args))
+
+        def build(key, lowered, t0):
+            exe = lowered.compile()
+            return key, exe, time.perf_counter() - t0
+
         try:
-            for key in keys:
-                kind, shape = key
-                if bar is not None:
-                    bar.set_postfix_str(f"{kind} {shape[0]}x{shape[1]}")
-                t0 = time.perf_counter()
-                args = self._example(kind, shape)
-                if kind == "commit":
-                    lowered = self._fns[kind].lower(self.state, *args)
-                else:
-                    lowered = self._fns[kind].lower(self.params, self.state, *_abstract(args))
-                self._exe[key] = lowered.compile()
-                times[key] = time.perf_counter() - t0
-                if bar is not None:
-                    bar.update(1)
+            with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+                futures = []
+                for key in keys:
+                    t0 = time.perf_counter()
+                    futures.append(pool.submit(build, key, lower(key), t0))
+                for fut in concurrent.futures.as_completed(futures):
+                    key, exe, seconds = fut.result()
+                    self._exe[key] = exe
+                    times[key] = seconds
+                    if bar is not None:
+                        bar.set_postfix_str(f"{key[0]} {key[1][0]}x{key[1][1]}")
+                        bar.update(1)
         finally:
             if bar is not None:
                 bar.close()
