@@ -1,5 +1,5 @@
-"""Gated DeltaNet: chunked prompt pass, tree/chain verify window, commit of the accepted path, and the causal
-depthwise conv in front of it. Plain-jnp references here define the math every kernel must match.
+"""Gated DeltaNet: chunked prompt pass, tree/chain verify window, commit of the accepted path, the serial decode
+step (a one-row window and its commit in one pass), and the causal depthwise conv in front of it. Plain-jnp references here define the math every kernel must match.
 
 Letters: s streams, t rows (time), r window rows (nodes), h value heads, k key dim (dk), v value dim (dv),
 c conv channels, w conv taps (K = 4 for qwen3_5).
@@ -179,6 +179,19 @@ def commit_reference(k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, 
     return rec_pool.at[slot].set(new)
 
 
+def step_reference(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, rec_pool: jax.Array,
+                   slot: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One serial decode row per stream: the one-row window (parents [[-1]]) and the commit of that row together.
+
+    q, k [S, 1, Hk, dk]; v [S, 1, Hv, dv]; g, beta [S, 1, Hv] fp32; rec_pool [N, Hv, dk, dv] fp32; slot [S]
+    (distinct) -> (o [S, 1, Hv, dv] in v.dtype, rec_pool with each slot advanced by its row)
+    """
+    hv = v.shape[2]
+    q1, k1 = _expand_heads(q[:, 0], hv), _expand_heads(k[:, 0], hv)
+    new, out = jax.vmap(delta_step)(rec_pool[slot], q1, k1, v[:, 0], g[:, 0], beta[:, 0])
+    return out[:, None].astype(v.dtype), rec_pool.at[slot].set(new)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Causal depthwise conv (+ SiLU) in front of the recurrence
 # ----------------------------------------------------------------------------------------------------------------
@@ -259,6 +272,18 @@ def conv_commit_reference(m: jax.Array, path: jax.Array, path_len: jax.Array, co
     return conv_pool.at[slot].set(jax.vmap(one)(m, path, path_len, conv_pool[slot]))
 
 
+def conv_step_reference(m: jax.Array, conv_pool: jax.Array, slot: jax.Array, weight: jax.Array
+                        ) -> tuple[jax.Array, jax.Array]:
+    """One serial decode row per stream: `conv_window_reference` with parents [[-1]] and `conv_commit_reference`
+    of that row together, with the same casts. m [S, 1, C]; conv_pool [N, K-1, C]; slot [S] (distinct);
+    weight [C, K] -> (u [S, 1, C] in m.dtype, conv_pool holding the last K-1 inputs)"""
+    hist = conv_pool[slot]  # [S, K-1, C] oldest first
+    rows = jnp.concatenate([hist.astype(m.dtype), m], axis=1)  # [S, K, C]: the window's taps, oldest first
+    u = jax.vmap(lambda x: _conv_silu(x, weight))(rows)
+    new_hist = jnp.concatenate([hist, m.astype(hist.dtype)], axis=1)[:, 1:]  # the commit's casts
+    return u[:, None].astype(m.dtype), conv_pool.at[slot].set(new_hist)
+
+
 # ================================================================================================================
 # Pallas kernels (Triton lowering) and the public entry points
 # ================================================================================================================
@@ -277,7 +302,9 @@ def conv_commit_reference(m: jax.Array, path: jax.Array, path_len: jax.Array, co
 # Verify and commit = `_recurrent_kernel`, grid (stream, value head, dv block): a list of steps (rows of the serial
 # recurrence) over a state slice in registers. The window runs it over the steps of its tree, the commit over the
 # accepted path; both step with `_row_update`, which is what makes a committed path and its window nodes the same
-# arithmetic bit for bit.
+# arithmetic bit for bit. The serial decode step = `_step_kernel`, same grid and tiles: one row with the same
+# `_row_update` / `_row_output`, state read once and written back in place, so a serial step is the bits of a
+# one-row window plus its commit.
 
 _F32 = jnp.float32
 _ALGORITHMS = {
@@ -474,6 +501,11 @@ def _row_update(state, k, v, g, beta):
     return decay * state + k[:, None] * delta[None, :]
 
 
+def _row_output(state, q):
+    """o = S^T q for a [dk, block_v] state slice and q [dk] fp32 -> [block_v] fp32. Shared like `_row_update`."""
+    return jnp.sum(state * q[:, None], axis=0)
+
+
 def _recurrent_kernel(*refs, group, block_v, emit):
     """Runs a list of steps over one [dk, block_v] state slice per (stream, value head, dv block).
     q, k [S, R, Hk, dk]; v [S, R, Hv, dv]; g, beta [S, R, Hv]; steps [S, L] codes (row | EMIT | RESTART), padded
@@ -505,7 +537,7 @@ def _recurrent_kernel(*refs, group, block_v, emit):
             state = jax.lax.cond((code // _RESTART) % 2 == 1, lambda: pool_ref[slot, h, :, cols], lambda: state)
         state = _row_update(state, *data[:4])
         if emit:
-            out = jnp.sum(state * data[4][:, None], axis=0).astype(o_ref.dtype)
+            out = _row_output(state, data[4]).astype(o_ref.dtype)
             flag = jnp.broadcast_to((code // _EMIT) % 2 == 1, (block_v,))
             pt.store(o_ref.at[s, code % _EMIT, h, cols], out, mask=flag)
         return state, next_code, next_data, after_next
@@ -515,6 +547,21 @@ def _recurrent_kernel(*refs, group, block_v, emit):
     state = jax.lax.fori_loop(0, n_ref[s], step, carry)[0]
     if not emit:
         pool_out_ref[slot, h, :, cols] = state
+
+
+def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, slot_ref, pool_ref, o_ref, pool_out_ref, *, group,
+                 block_v):
+    """One serial decode row per stream, state slice read once and written once: per (stream, value head, dv block)
+    the arithmetic of a one-row window (`_row_update`, `_row_output`) and of a one-row commit, in one launch.
+    q, k [S, 1, Hk, dk]; v [S, 1, Hv, dv]; g, beta [S, 1, Hv]; slot [S]; pool [N, Hv, dk, dv] (aliased to pool_out)
+    -> o [S, 1, Hv, dv], pool_out. Straight-line: no step list, no loop, no restart reload of the state."""
+    s, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cols = pl.ds(j * block_v, block_v)
+    slot = slot_ref[s]
+    state = _row_update(pool_ref[slot, h, :, cols], k_ref[s, 0, h // group, :].astype(_F32),
+                        v_ref[s, 0, h, cols].astype(_F32), g_ref[s, 0, h], beta_ref[s, 0, h])
+    o_ref[s, 0, h, cols] = _row_output(state, q_ref[s, 0, h // group, :].astype(_F32)).astype(o_ref.dtype)
+    pool_out_ref[slot, h, :, cols] = state
 
 
 def _tree_schedule(parents: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -742,6 +789,33 @@ def commit(k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, path: jax.
     )(k, v, g, beta, steps, jnp.clip(path_len, 0, r).astype(jnp.int32), slot.astype(jnp.int32), rec_pool)
 
 
+def step(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, rec_pool: jax.Array,
+         slot: jax.Array, *, interpret: bool = False, tiles: WindowTiles = WindowTiles()
+         ) -> tuple[jax.Array, jax.Array]:
+    """Serial decode step, one launch; same contract as `step_reference` (q, k [S, 1, Hk, dk]; v [S, 1, Hv, dv];
+    g, beta [S, 1, Hv] fp32; rec_pool [N, Hv, dk, dv] fp32; slot [S], distinct) -> (o [S, 1, Hv, dv] in v.dtype,
+    rec_pool). Reads each state slice once and writes it back in place (pass rec_pool donated).
+    Bit for bit, o is `window(..., parents=[[-1]] * S, ...)` and the pool is `commit(...)` of the row (path [[0]],
+    path_len 1), given the same tiles: all three step with `_row_update` / `_row_output` over the same
+    [dk, block_v] slice shape and warps, so a drafted window and its commit give the bits of serial steps."""
+    _check_rows("step", q, k, v, g, beta, rec_pool, slot)
+    s, r, hk, _ = k.shape
+    hv, dv = v.shape[2], v.shape[3]
+    if r != 1:
+        raise ValueError(f"gdn.step: one row per stream (q, k [S, 1, Hk, dk]), got {r} rows; use window + commit "
+                         f"for more")
+    bv = _block_v(tiles.block_v, dv, "step")
+    return pl.pallas_call(
+        functools.partial(_step_kernel, group=hv // hk, block_v=bv),
+        out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(rec_pool.shape, _F32)),
+        grid=(s, hv, dv // bv),
+        input_output_aliases={6: 1},
+        compiler_params=pt.CompilerParams(num_warps=tiles.num_warps),
+        interpret=interpret,
+        name="gdn_step",
+    )(q, k, v, g, beta, slot.astype(jnp.int32), rec_pool)
+
+
 # The conv in front of the recurrence stays plain jnp: XLA fuses each of these into one or two memory-bound
 # passes (see docs/kernels/gdn.md for timings at the 27B's shape), so a Pallas kernel would buy nothing.
 
@@ -789,3 +863,16 @@ def conv_commit(m: jax.Array, path: jax.Array, path_len: jax.Array, conv_pool: j
         raise ValueError(f"gdn.conv_commit: path must be [S, R] = {m.shape[:2]}, got {path.shape}")
     _check_per_stream("conv_commit", m.shape[0], path_len=path_len)
     return conv_commit_reference(m, path, jnp.clip(path_len, 0, m.shape[1]), conv_pool, slot)
+
+
+def conv_step(m: jax.Array, conv_pool: jax.Array, slot: jax.Array, weight: jax.Array, *,
+              interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """Same contract as `conv_step_reference`: u bit for bit `conv_window` of the row with parents [[-1]], the
+    pool `conv_commit` of it. One XLA fusion reads the K-1 history rows once (about 60 KB per stream at the 27B's
+    conv_dim), against the window's and the commit's two reads."""
+    del interpret
+    _check_conv("conv_step", m, conv_pool, slot)
+    _check_weight("conv_step", weight, conv_pool)
+    if m.shape[1] != 1:
+        raise ValueError(f"gdn.conv_step: one row per stream (m [S, 1, C]), got {m.shape}")
+    return conv_step_reference(m, conv_pool, slot, weight)

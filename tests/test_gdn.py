@@ -1,7 +1,8 @@
-"""Gated DeltaNet kernels (pallas_kernels/gdn.py): the chunked prompt pass, the tree/chain verify window and the
-commit, against the plain-jnp references and a float64 numpy recurrence, plus the exactness properties the engine
-relies on (bitwise): window node == commit of its ancestors + one-row window; commit == serial one-row commits;
-a stream alone == the same stream among others; a prompt resumed at a grid point == one fresh pass.
+"""Gated DeltaNet kernels (pallas_kernels/gdn.py): the chunked prompt pass, the tree/chain verify window, the
+commit and the serial decode step, against the plain-jnp references and a float64 numpy recurrence, plus the
+exactness properties the engine relies on (bitwise): window node == commit of its ancestors + one-row window;
+commit == serial one-row commits; step == one-row window + its commit, so serial steps == a drafted chain window +
+its commit; a stream alone == the same stream among others; a prompt resumed at a grid point == one fresh pass.
 
 CPU tests run the kernels in interpret mode at small shapes (Hk=2, Hv=4, dk=16, dv=32). The `gpu` tests run the
 same checks on the device at the 27B's head shape (Hk=16, Hv=48, dk=dv=128)."""
@@ -41,9 +42,11 @@ def _jit(fn, **kw):
 prompt_k = _jit(gdn.prompt)
 window_k = _jit(gdn.window)
 commit_k = _jit(gdn.commit)
+step_k = _jit(gdn.step)
 prompt_ref = jax.jit(gdn.prompt_reference)
 window_ref = jax.jit(gdn.window_reference)
 commit_ref = jax.jit(gdn.commit_reference)
+step_ref = jax.jit(gdn.step_reference)
 
 
 def _rel(x, ref) -> float:
@@ -287,6 +290,89 @@ def test_window_stream_alone_equals_stream_among_others_bitwise():
 
 
 # ------------------------------------------------------------------------------------------------------------
+# Serial decode step
+# ------------------------------------------------------------------------------------------------------------
+
+def _step_case(rng, shape, streams, rows, dtype):
+    """`rows` serial rows for each of `streams` streams, pool with two spare slots, slots shuffled."""
+    q, k, v, g, beta = _rows(rng, streams, rows, shape["hk"], shape["hv"], shape["dk"], shape["dv"], dtype)
+    pool = _pool(rng, streams + 2, shape["hv"], shape["dk"], shape["dv"])
+    slot = jnp.asarray(rng.permutation(streams + 2)[:streams], jnp.int32)
+    return (q, k, v, g, beta), pool, slot
+
+
+def _check_step(shape, streams, dtype, seed=21, serial_rows=3):
+    """step == one-row window + commit of that row (bitwise, output and whole pool); `serial_rows` steps in a row
+    == a chain window over those rows + commit of the whole chain (bitwise); each stream alone == among the others
+    (bitwise); vs the float64 recurrence and the reference; slots of no stream untouched."""
+    rng = np.random.default_rng(seed + streams)
+    (q, k, v, g, beta), pool, slot = _step_case(rng, shape, streams, serial_rows, dtype)
+    tol = BF16_OUT_TOL if dtype == jnp.bfloat16 else F32_TOL
+    root = jnp.full((streams, 1), -1, jnp.int32)
+    one_path, one_len = jnp.zeros((streams, 1), jnp.int32), jnp.ones((streams,), jnp.int32)
+    cur, outs = pool, []
+    for t in range(serial_rows):
+        row = tuple(x[:, t:t + 1] for x in (q, k, v, g, beta))
+        _poison_allocator(row[2].shape, row[2].dtype)
+        o, nxt = step_k(*row, cur, slot)
+        o_window = window_k(*row, root, cur, slot)
+        pool_commit = commit_k(*row[1:], one_path, one_len, cur, slot)
+        assert np.array_equal(np.asarray(o), np.asarray(o_window)), f"row {t}: step output != one-row window"
+        assert np.array_equal(np.asarray(nxt), np.asarray(pool_commit)), f"row {t}: step state != one-row commit"
+        ref_o, ref_pool = step_ref(*row, cur, slot)
+        assert _rel(o, ref_o) < tol
+        assert _rel(nxt[slot], ref_pool[slot]) < F32_TOL
+        for s in range(streams):
+            alone = tuple(x[s:s + 1] for x in row)
+            o1, pool1 = step_k(*alone, cur, slot[s:s + 1])
+            assert np.array_equal(np.asarray(o1[0]), np.asarray(o[s])), f"row {t} stream {s}: alone != among"
+            assert np.array_equal(np.asarray(pool1[int(slot[s])]), np.asarray(nxt[int(slot[s])]))
+        outs.append(np.asarray(o))
+        cur = nxt
+    untouched = sorted(set(range(pool.shape[0])) - {int(x) for x in slot})
+    assert np.array_equal(np.asarray(cur)[untouched], np.asarray(pool)[untouched]), "other slots changed"
+    chain = jnp.broadcast_to(jnp.arange(serial_rows, dtype=jnp.int32) - 1, (streams, serial_rows))
+    o_chain = window_k(q, k, v, g, beta, chain, pool, slot)
+    assert np.array_equal(np.concatenate(outs, axis=1), np.asarray(o_chain)), "serial steps != chain window"
+    pool_chain = commit_k(k, v, g, beta, chain + 1, jnp.full((streams,), serial_rows, jnp.int32), pool, slot)
+    assert np.array_equal(np.asarray(cur), np.asarray(pool_chain)), "serial steps != commit of the chain"
+    for s in range(streams):
+        ref_o, ref_state = _f64_steps(pool[int(slot[s])], q[s], k[s], v[s], g[s], beta[s], range(serial_rows))
+        assert _rel(np.concatenate(outs, axis=1)[s], ref_o) < tol, f"stream {s}: outputs off"
+        assert _rel(np.asarray(cur)[int(slot[s])], ref_state) < F32_TOL, f"stream {s}: state off"
+
+
+@pytest.mark.parametrize("streams", [1, 3, 16])
+def test_step_equals_window_then_commit_bitwise(streams):
+    _check_step(SMALL, streams, jnp.float32)
+
+
+def test_step_bf16_rows_and_other_tiles():
+    _check_step(SMALL, 3, jnp.bfloat16)
+    tiles = gdn.WindowTiles(block_v=32, num_warps=2)
+    rng = np.random.default_rng(30)
+    (q, k, v, g, beta), pool, slot = _step_case(rng, SMALL, 2, 1, jnp.bfloat16)
+    o, new = jax.jit(functools.partial(gdn.step, interpret=INTERPRET, tiles=tiles))(q, k, v, g, beta, pool, slot)
+    o_w = jax.jit(functools.partial(gdn.window, interpret=INTERPRET, tiles=tiles))(
+        q, k, v, g, beta, jnp.full((2, 1), -1, jnp.int32), pool, slot)
+    new_c = jax.jit(functools.partial(gdn.commit, interpret=INTERPRET, tiles=tiles))(
+        k, v, g, beta, jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32), pool, slot)
+    assert np.array_equal(np.asarray(o), np.asarray(o_w))
+    assert np.array_equal(np.asarray(new), np.asarray(new_c))
+
+
+def test_step_reference_equals_window_and_commit_references_bitwise():
+    """The references are what the engine runs without kernels (CPU): the same property must hold there."""
+    rng = np.random.default_rng(31)
+    (q, k, v, g, beta), pool, slot = _step_case(rng, SMALL, 3, 1, jnp.bfloat16)
+    o, new = step_ref(q, k, v, g, beta, pool, slot)
+    o_w = window_ref(q, k, v, g, beta, jnp.full((3, 1), -1, jnp.int32), pool, slot)
+    new_c = commit_ref(k, v, g, beta, jnp.zeros((3, 1), jnp.int32), jnp.ones((3,), jnp.int32), pool, slot)
+    assert np.array_equal(np.asarray(o), np.asarray(o_w))
+    assert np.array_equal(np.asarray(new), np.asarray(new_c))
+
+
+# ------------------------------------------------------------------------------------------------------------
 # Conv (plain jnp entry points)
 # ------------------------------------------------------------------------------------------------------------
 
@@ -333,6 +419,42 @@ def test_conv_commit_equals_serial_one_row_commits():
     assert np.array_equal(out[1], np.asarray(pool)[1])  # stream 2 took none
 
 
+@pytest.mark.parametrize("pool_dtype", [jnp.bfloat16, jnp.float32])
+def test_conv_step_equals_conv_window_then_commit_bitwise(pool_dtype):
+    rng = np.random.default_rng(13)
+    s_count, c, kw, rows = 3, 24, 4, 5
+    m = jnp.asarray(rng.normal(size=(s_count, rows, c)), jnp.bfloat16)
+    pool = jnp.asarray(rng.normal(size=(s_count + 2, kw - 1, c)), pool_dtype)
+    weight = jnp.asarray(rng.normal(size=(c, kw)), jnp.bfloat16)
+    slot = jnp.asarray([4, 0, 2], jnp.int32)
+    step = jax.jit(gdn.conv_step)
+    cur, outs = pool, []
+    for t in range(rows):
+        row = m[:, t:t + 1]
+        u, nxt = step(row, cur, slot, weight)
+        u_w = gdn.conv_window(row, jnp.full((s_count, 1), -1, jnp.int32), cur, slot, weight)
+        pool_c = gdn.conv_commit(row, jnp.zeros((s_count, 1), jnp.int32), jnp.ones((s_count,), jnp.int32), cur,
+                                 slot)
+        assert np.array_equal(np.asarray(u), np.asarray(u_w)), f"row {t}: conv_step output != conv_window"
+        assert np.array_equal(np.asarray(nxt), np.asarray(pool_c)), f"row {t}: conv_step pool != conv_commit"
+        u1, _ = step(row[1:2], cur, slot[1:2], weight)
+        assert np.array_equal(np.asarray(u1[0]), np.asarray(u[1])), "alone != among others"
+        for s in range(s_count):  # float64 silu(sum of the last K inputs), history as the window reads it (m.dtype)
+            seq = np.concatenate([np.asarray(pool[int(slot[s])].astype(m.dtype), np.float64),
+                                  np.asarray(m[s, :t + 1], np.float64)])
+            acc = (seq[-kw:] * np.asarray(weight, np.float64).T).sum(0)
+            # u is bf16: rounding to nearest is within 2^-9 relative; 2^-8 leaves room for the fp32 sum
+            np.testing.assert_allclose(np.asarray(u[s, 0], np.float64), acc / (1 + np.exp(-acc)), rtol=2 ** -8,
+                                       atol=1e-6)
+        outs.append(np.asarray(u))
+        cur = nxt
+    chain = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32) - 1, (s_count, rows))
+    assert np.array_equal(np.concatenate(outs, axis=1), np.asarray(gdn.conv_window(m, chain, pool, slot, weight)))
+    assert np.array_equal(np.asarray(cur), np.asarray(
+        gdn.conv_commit(m, chain + 1, jnp.full((s_count,), rows, jnp.int32), pool, slot)))
+    assert np.array_equal(np.asarray(cur)[[1, 3]], np.asarray(pool)[[1, 3]]), "other slots changed"
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Validation and lowering
 # ------------------------------------------------------------------------------------------------------------
@@ -356,6 +478,10 @@ def test_entry_points_reject_bad_inputs():
         gdn.commit(k, v, g, beta, jnp.zeros((1, 8), jnp.int32), jnp.array(3), pool, slot)
     with pytest.raises(ValueError, match="precision"):
         gdn.prompt(q, k, v, g, beta, pool, slot, start, lengths, tiles=gdn.PromptTiles(precision="fp8"))
+    with pytest.raises(ValueError, match="one row per stream"):
+        gdn.step(q, k, v, g, beta, pool, slot)
+    with pytest.raises(ValueError, match="one row per stream"):
+        gdn.conv_step(jnp.zeros((1, 2, 8)), jnp.zeros((1, 3, 8)), slot, jnp.zeros((8, 4)))
 
 
 def test_kernels_lower_to_triton_at_27b_heads(monkeypatch):
@@ -385,6 +511,9 @@ def test_kernels_lower_to_triton_at_27b_heads(monkeypatch):
     assert "__gpu$xla.gpu.triton" in text
     text = lower(gdn.commit, qk(r), vv(r), gb(r), gb(r), sds((s, r), i), per_stream, pool, per_stream)
     assert "__gpu$xla.gpu.triton" in text
+    for tiles in (gdn.WindowTiles(), gdn.WindowTiles(block_v=64, num_warps=4)):
+        text = lower(functools.partial(gdn.step, tiles=tiles), qk(1), qk(1), vv(1), gb(1), gb(1), pool, per_stream)
+        assert "__gpu$xla.gpu.triton" in text
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -437,6 +566,31 @@ def test_gpu_prompt_exactness_27b_heads():
 def test_gpu_window_and_commit_27b_heads():
     _check_window(BIG)
     _check_commit(BIG)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("streams", [1, 3, 16])
+def test_gpu_step_27b_heads(streams):
+    _check_step(BIG, streams, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_v,num_warps", [(32, 1), (32, 2), (64, 4)])
+def test_gpu_step_other_tiles_27b_heads(block_v, num_warps):
+    """The bench's step tile variants: each is exact against the window and commit run with the same tiles."""
+    tiles = gdn.WindowTiles(block_v=block_v, num_warps=num_warps)
+    rng = np.random.default_rng(block_v + num_warps)
+    (q, k, v, g, beta), pool, slot = _step_case(rng, BIG, 4, 1, jnp.bfloat16)
+    o, new = jax.jit(functools.partial(gdn.step, tiles=tiles))(q, k, v, g, beta, pool, slot)
+    o_w = jax.jit(functools.partial(gdn.window, tiles=tiles))(q, k, v, g, beta, jnp.full((4, 1), -1, jnp.int32),
+                                                              pool, slot)
+    new_c = jax.jit(functools.partial(gdn.commit, tiles=tiles))(
+        k, v, g, beta, jnp.zeros((4, 1), jnp.int32), jnp.ones((4,), jnp.int32), pool, slot)
+    assert np.array_equal(np.asarray(o), np.asarray(o_w))
+    assert np.array_equal(np.asarray(new), np.asarray(new_c))
+    ref_o, ref_pool = step_ref(q, k, v, g, beta, pool, slot)
+    assert _rel(o, ref_o) < BF16_OUT_TOL
+    assert _rel(new[slot], ref_pool[slot]) < F32_TOL
 
 
 @pytest.mark.gpu

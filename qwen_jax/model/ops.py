@@ -70,6 +70,11 @@ def gdn_commit(backend: Backend, *args):
     return _pick(backend, gdn_k, "commit")(*args)
 
 
+def gdn_step(backend: Backend, *args):
+    """Serial decode step: (o, rec_pool) bit for bit gdn_window with parents [[-1]] + gdn_commit of the row."""
+    return _pick(backend, gdn_k, "step")(*args)
+
+
 def conv_prompt(backend: Backend, *args):
     return _pick(backend, gdn_k, "conv_prompt")(*args)
 
@@ -80,6 +85,11 @@ def conv_window(backend: Backend, *args):
 
 def conv_commit(backend: Backend, *args):
     return _pick(backend, gdn_k, "conv_commit")(*args)
+
+
+def conv_step(backend: Backend, *args):
+    """Serial decode step of the conv: (u, conv_pool) bit for bit conv_window of the row + conv_commit of it."""
+    return _pick(backend, gdn_k, "conv_step")(*args)
 
 
 def kv_write(backend: Backend, *args):
