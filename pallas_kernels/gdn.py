@@ -1,5 +1,6 @@
 """Gated DeltaNet: chunked prompt pass, tree/chain verify window, commit of the accepted path, the serial decode
-step (a one-row window and its commit in one pass), and the causal depthwise conv in front of it. Plain-jnp references here define the math every kernel must match.
+step (a one-row window and its commit in one pass), and the causal depthwise conv in front of it. Plain-jnp
+references here define the math every kernel must match.
 
 Letters: s streams, t rows (time), r window rows (nodes), h value heads, k key dim (dk), v value dim (dv),
 c conv channels, w conv taps (K = 4 for qwen3_5).

@@ -1,22 +1,30 @@
 """Gated DeltaNet benchmark at the 27B's shape (Hk = 16, Hv = 48, dk = dv = 128), one GDN layer:
-`python -m pallas_kernels.bench gdn [--t 1024,4096,16384,65536] [--no-fla] [--no-sweep]`.
+`python -m pallas_kernels.bench gdn [--t 1024,4096,16384,65536] [--no-fla] [--no-sweep] [--skip ...] [--json F]`.
+The serial decode step alone (about a minute on an H200):
+`python -m pallas_kernels.bench gdn --skip prompt,verify,conv --no-fla --json $OUT/gdn_step.json`.
 
 Prompt pass: our two-launch kernel in several tile/precision settings, the jitted reference, and
 flash-linear-attention's `chunk_gated_delta_rule` (if importable) on the same device arrays (shared through
 DLPack). Verify: window / commit kernels, the jitted references, and fla's `fused_recurrent_gated_delta_rule`
 (chain only) for 1/4/16 rows x 1/4/16 streams, in µs and GB/s of fp32 state traffic against the copy bandwidth
 measured in the same run. Conv entry points (plain jnp) are timed to show they are cheap.
+Serial decode step (section "step"): the fused `step` against what it replaces, a one-row `window` followed by a
+one-row `commit`, and each of those alone, at S = 1, 4, 16 for a few tile variants (the window and the commit run
+with the same tiles as the step, as exactness requires); every variant's bits are checked against window + commit
+in the same run. Also conv_step against conv_window + conv_commit.
 
 Timings are medians of wall time per synchronised call. Prompt passes: one call per sample (inputs rotated).
-Verify and commit: n calls on n different state sets in one jitted program (one Python loop for fla), time / n,
-so host dispatch is amortised the same way for every implementation and the state comes from HBM, not the 60 MB
-L2. Nothing is asserted; numbers go to stdout (tables last).
+Verify, commit and step: n calls on n different state sets in one jitted program (one Python loop for fla),
+time / n, so host dispatch is amortised the same way for every implementation and the state comes from HBM, not the
+60 MB L2. Nothing is asserted; numbers go to stdout (tables last) and, with --json, to a file rewritten after every
+row (a run cut short keeps what it measured).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
 import statistics
 import sys
@@ -338,6 +346,163 @@ def bench_conv(iters):
     return out
 
 
+def _step_calls(s: int, calls: int) -> int:
+    """Calls per timed program: enough slot sets for ~120 MB of state (twice the L2), at least 8, at most 32."""
+    return calls or min(32, max(8, math.ceil(120e6 / (s * STATE_BYTES))))
+
+
+def _chained(body, n):
+    """One jitted program of n calls body(rows, pool, slot) -> (out or None, pool), the i-th on slots
+    [i*S, (i+1)*S), the pool donated and threaded through, as the decode program threads it through its layers."""
+    import jax
+    import jax.numpy as jnp
+
+    def run(rows, pool):
+        s = rows[0].shape[0]
+        outs = []
+        for i in range(n):
+            out, pool = body(rows, pool, jnp.arange(s, dtype=jnp.int32) + i * s)
+            if out is not None:
+                outs.append(out)
+        return outs, pool
+    return jax.jit(run, donate_argnums=1)
+
+
+def _then(out, pool, update):
+    """(out, update(pool)) with the update ordered after `out` is computed, as in the decode program, where the
+    commit waits for the accept decision that reads the window's output: without the order XLA may copy the whole
+    pool so that the window can still read it after the in-place commit."""
+    import jax
+    out, pool = jax.lax.optimization_barrier((out, pool))
+    return out, update(pool)
+
+
+def _time_chained(fn, rows, pool, iters):
+    """Median µs of fn(rows, pool) with the donated pool of one call fed to the next."""
+    import jax
+    for _ in range(2):
+        pool = jax.block_until_ready(fn(rows, pool))[1]
+    samples = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        pool = jax.block_until_ready(fn(rows, pool))[1]
+        samples.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(samples)
+
+
+def _parse_tiles(spec: str):
+    from pallas_kernels import gdn
+    out = []
+    for item in filter(None, spec.split(",")):
+        bv, nw = item.split("x")
+        out.append(gdn.WindowTiles(block_v=int(bv), num_warps=int(nw)))
+    return out
+
+
+def _same_bits(a, b) -> bool:
+    import jax
+    import numpy as np
+    return all(np.array_equal(np.asarray(x), np.asarray(y))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def bench_step(streams, tile_set, calls, iters, record, deadline):
+    """step vs one-row window + commit (and each alone) per tiles and S, the first tiles (the default) first; then
+    conv_step vs conv_window + conv_commit. Stops starting new measurements once time.monotonic() > deadline."""
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels import gdn
+
+    out = []
+    state_bytes = {"step": 2, "window R=1": 1, "commit R=1": 2, "window+commit": 3}
+    for tiles in tile_set:
+        kw = dict(tiles=tiles, interpret=INTERPRET)
+        tag = f"bv{tiles.block_v} w{tiles.num_warps}"
+        for s in streams:
+            n = _step_calls(s, calls)
+            pool = jax.random.normal(jax.random.key(2000 + s), (n * s, HV, DK, DV), jnp.float32) * 0.1
+            rows = _rows(jax.random.key(3000 + s), s, 1, jnp.bfloat16)
+            root = jnp.full((s, 1), -1, jnp.int32)
+            one_path, one_len = jnp.zeros((s, 1), jnp.int32), jnp.ones((s,), jnp.int32)
+            ref_o, ref_pool = jax.jit(gdn.step_reference)(*rows, pool, jnp.arange(s, dtype=jnp.int32))
+            bodies = {
+                "step": lambda r, p, sl: gdn.step(*r, p, sl, **kw),
+                "window R=1": lambda r, p, sl: (gdn.window(*r, root, p, sl, **kw), p),
+                "commit R=1": lambda r, p, sl: (None, gdn.commit(*r[1:], one_path, one_len, p, sl, **kw)),
+                "window+commit": lambda r, p, sl: _then(
+                    gdn.window(*r, root, p, sl, **kw), p,
+                    lambda p2: gdn.commit(*r[1:], one_path, one_len, p2, sl, **kw)),
+            }
+            results = {}
+            for name, body in bodies.items():
+                if time.monotonic() > deadline:
+                    _log(f"step S={s} {tag} {name}: skipped, past the time budget")
+                    continue
+                try:
+                    fn = _chained(body, n)
+                    results[name] = jax.block_until_ready(fn(rows, pool + 0.0))  # fresh copy: the pool is donated
+                    us = _time_chained(fn, rows, pool + 0.0, iters) / n
+                except Exception as e:  # noqa: BLE001 - a setting that fails to compile is reported, not fatal
+                    _log(f"step S={s} {tag} {name} failed: {type(e).__name__}: {str(e)[:400]}")
+                    continue
+                row = dict(section="step", s=s, tiles=tag, impl=name, us=us, calls=n,
+                           bytes=state_bytes[name] * s * STATE_BYTES)
+                if name == "step":
+                    o, new = results[name][0][0], results[name][1]
+                    row.update(err_o=_rel(o, ref_o), err_state=_rel(new[:s], ref_pool[:s]))
+                out.append(row)
+                record(row)
+                _log(f"step S={s} {tag} {name}: {us:.2f} us")
+            if "step" in results and "window+commit" in results:
+                exact = _same_bits(results["step"], results["window+commit"])
+                alone = ("window R=1" in results and "commit R=1" in results
+                         and _same_bits(results["step"][0], results["window R=1"][0])
+                         and _same_bits(results["step"][1], results["commit R=1"][1]))
+                for row in out:
+                    if row["s"] == s and row["tiles"] == tag and row["impl"] == "step":
+                        row.update(bits_equal=exact, bits_equal_separate=alone)
+                        record(row)
+                _log(f"step S={s} {tag}: bits equal to window+commit: {exact}, to window / commit alone: {alone}")
+            del results, pool, ref_pool
+    for s in streams:
+        if time.monotonic() > deadline:
+            _log(f"conv step S={s}: skipped, past the time budget")
+            continue
+        out.extend(_bench_conv_step(s, calls, iters, record))
+    return out
+
+
+def _bench_conv_step(s, calls, iters, record):
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels import gdn
+
+    n = _step_calls(s, calls)
+    w = jax.random.normal(jax.random.key(4), (CONV_DIM, 4), jnp.bfloat16)
+    pool = jax.random.normal(jax.random.key(5), (n * s, 3, CONV_DIM), jnp.bfloat16)
+    m = (jax.random.normal(jax.random.key(6), (s, 1, CONV_DIM), jnp.bfloat16),)
+    root = jnp.full((s, 1), -1, jnp.int32)
+    one_path, one_len = jnp.zeros((s, 1), jnp.int32), jnp.ones((s,), jnp.int32)
+    bodies = {
+        "conv_step": lambda r, p, sl: gdn.conv_step(r[0], p, sl, w),
+        "conv_window+conv_commit": lambda r, p, sl: _then(
+            gdn.conv_window(r[0], root, p, sl, w), p, lambda p2: gdn.conv_commit(r[0], one_path, one_len, p2, sl)),
+    }
+    out, results = [], {}
+    for name, body in bodies.items():
+        fn = _chained(body, n)
+        results[name] = jax.block_until_ready(fn(m, pool + 0))
+        us = _time_chained(fn, m, pool + 0, iters) / n
+        row = dict(section="conv_step", s=s, tiles="-", impl=name, us=us, calls=n)
+        out.append(row)
+        _log(f"conv step S={s} {name}: {us:.2f} us")
+    exact = _same_bits(results["conv_step"], results["conv_window+conv_commit"])
+    for row in out:
+        row.update(bits_equal=exact)
+        record(row)
+    return out
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m pallas_kernels.bench gdn")
     ap.add_argument("--t", default="16384,1024,4096,65536", help="prompt lengths, comma-separated; the first "
@@ -347,8 +512,16 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-sweep", action="store_true", help="time only the default tiles")
     ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: prompt,verify,conv")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: prompt,verify,conv,step")
+    ap.add_argument("--step-streams", default="1,4,16")
+    ap.add_argument("--step-tiles", default="16x1,32x2,64x4",
+                    help="block_v x num_warps variants of step (and of the window/commit it is compared with)")
+    ap.add_argument("--calls", type=int, default=0, help="calls per timed step program; 0 = ~120 MB of state")
+    ap.add_argument("--json", default=None, help="write the step section's rows here (rewritten after every row)")
+    ap.add_argument("--step-budget-s", type=float, default=95.0, help="start no new step measurement after this "
+                    "many seconds from the start (compiles dominate: ~1 s per timed program)")
     args = ap.parse_args(argv)
+    t0 = time.monotonic()
     skip = set(filter(None, args.skip.split(",")))
 
     import jax
@@ -366,6 +539,18 @@ def main(argv: list[str]) -> int:
     bw = copy_bandwidth_tbs()
     _log(f"copy bandwidth {bw:.2f} TB/s")
     sweep = not args.no_sweep
+    recorded: list[dict] = []
+
+    def record(row):
+        if row not in recorded:
+            recorded.append(row)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(device=jax.devices()[0].device_kind, copy_tbs=bw, rows=recorded), f, indent=1)
+
+    step_rows = [] if "step" in skip else bench_step(
+        [int(x) for x in args.step_streams.split(",")], _parse_tiles(args.step_tiles), args.calls, args.iters,
+        record, t0 + args.step_budget_s)
     prompt_rows, stage_rows = ([], []) if "prompt" in skip else bench_prompt(
         [int(x) for x in args.t.split(",")], fla, sweep, args.iters)
     verify_rows = [] if "verify" in skip else bench_verify(
@@ -391,6 +576,28 @@ def main(argv: list[str]) -> int:
         _log(table(["S", "R", "impl", "µs", "GB/s", "x floor", "rel err"],
                    [[r["s"], r["r"], r["impl"], r["us"], r["bytes"] / r["us"] / 1e3,
                      r["us"] / (r["bytes"] / (bw * 1e12) * 1e6), f"{r['err']:.1e}"] for r in verify_rows]))
+    if step_rows:
+        gdn_rows = [r for r in step_rows if r["section"] == "step"]
+        _log(f"\nSerial decode step, one GDN layer: state traffic = S x 3.1 MB x (1 window, 2 commit or step, 3 "
+             f"window+commit); floor of each row at {bw:.2f} TB/s; bits = step's output and pool equal to "
+             f"window+commit's")
+        _log(table(["S", "tiles", "impl", "calls", "µs", "GB/s", "x floor", "bits", "rel err o / state"],
+                   [[r["s"], r["tiles"], r["impl"], r["calls"], r["us"], r["bytes"] / r["us"] / 1e3,
+                     r["us"] / (r["bytes"] / (bw * 1e12) * 1e6), r.get("bits_equal", "-"),
+                     f"{r['err_o']:.1e} / {r['err_state']:.1e}" if "err_o" in r else "-"] for r in gdn_rows]))
+        summary = []
+        for key in dict.fromkeys((r["s"], r["tiles"]) for r in gdn_rows):
+            by = {r["impl"]: r["us"] for r in gdn_rows if (r["s"], r["tiles"]) == key}
+            if "step" in by and "window+commit" in by:
+                floor = 2 * key[0] * STATE_BYTES / (bw * 1e12) * 1e6
+                summary.append([*key, by["step"], by["window+commit"], by["window+commit"] / by["step"],
+                                by["step"] / floor])
+        _log("\nStep vs window+commit (per layer; x 48 GDN layers per decode step of the 27B)")
+        _log(table(["S", "tiles", "step µs", "window+commit µs", "speedup", "step x floor"], summary))
+        conv = [r for r in step_rows if r["section"] == "conv_step"]
+        _log(f"\nConv step (plain jnp), conv_dim = {CONV_DIM}, bf16 history")
+        _log(table(["S", "impl", "calls", "µs", "bits"], [[r["s"], r["impl"], r["calls"], r["us"],
+                                                          r["bits_equal"]] for r in conv]))
     if conv_rows:
         _log("\nConv entry points (plain jnp through XLA), 27B conv_dim = 10240, bf16")
         _log(table(["op", "µs", "GB/s"], [[r["op"], r["us"], r["bytes"] / r["us"] / 1e3] for r in conv_rows]))
