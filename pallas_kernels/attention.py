@@ -89,42 +89,100 @@ def window_reference(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: 
 #   * K/V are read page-wise from the pool through the stream's page table; key block b of a stream always covers
 #     absolute positions [b*block_k, (b+1)*block_k), so which keys share a block never depends on the call.
 #   * Logits and the softmax run in fp32. Dots take bf16 operands (fp8 codes are widened to bf16 exactly, their
-#     scales applied to logit columns and to P's columns) unless q or the pool is fp32, then fp32 at IEEE precision.
+#     scales applied to logit columns and to P's columns; or f16 with fp8_dot="float16", see WindowTiles) unless q
+#     or the pool is fp32, then fp32 at IEEE precision.
 #   * Masked logits are -inf; a fully masked block is an exact no-op of the online update (alpha = 1, p = 0), so
 #     visiting extra blocks never changes a row's bits.
 # ================================================================================================================
 
+SMEM_BYTES = 227 * 1024  # shared memory a program may use on the H100/H200 (sm_90)
+
+
 @dataclasses.dataclass(frozen=True)
 class WindowTiles:
-    """Tiles of the verify/decode kernel. `block_k`, `chunk` and `merge_group` fix a row's reduction tree; keep
-    them constant for a model. The split over the context is one program per chunk, so more pages in the table
-    means more programs, never a different tree. With page_size > block_k a program reads each page's index once
-    and walks the page with plain (not gathered) loads."""
-    # block_k 32 on 64-key pages: each page's index is read once and its two blocks are plain loads that Triton
-    # pipelines; on the H200 that decoded 32K bf16 in 126 µs against 151 µs for 64-key blocks gathered through the
-    # table (docs/kernels/attention.md).
+    """Tiles of the verify/decode kernel. `block_k`, `chunk` and `fp8_dot` fix a row's reduction order; keep them
+    constant for a model and cache layout (window_tiles() picks them from shapes that are). Everything else is a
+    launch choice that never changes a row's bits: the number of chunk programs (more pages in the table means more
+    programs, never a different order), the page walk, warps, stages, and how the merge is split and unrolled."""
+    # block_k 32 on 64-key pages: each page's index is read once and its two blocks are plain loads; on the H200
+    # that decoded 32K bf16 in 126 µs against 151 µs for 64-key blocks gathered through the table
+    # (docs/kernels/attention.md).
     block_k: int = 32  # keys per online-softmax step
-    chunk: int = 512  # keys per partial (m, l, acc); partials are merged in chunk order
+    chunk: int = 512  # keys per partial (m, l, acc); partials are folded one at a time in chunk order
+    # "bfloat16": fp8 codes widened to bf16 (exact), P·vs rounded to bf16. "float16": codes widened to f16 (exact,
+    # and a native conversion on sm_90, where e4m3 -> bf16 is not), q rounded to f16 (exact for bf16 queries of
+    # magnitude 2^-14 .. 65504, which RMS-normed queries are), P·(vs / block max of vs) rounded to f16 (3 more
+    # mantissa bits than bf16; the block max is applied to the fp32 product). Only fp8 pools read this.
+    fp8_dot: str = "bfloat16"
+    # block_k < page: "page" walks a page's blocks in an inner loop after reading its index once; "flat" runs one
+    # loop over blocks and reads the page index per block (one loop for Triton to pipeline). Same bits.
+    walk: str = "page"
     num_warps: int | None = None  # None: 4 for up to 32 packed rows, else 8
-    # None: 3 for up to 32 packed rows, else 2. Three stages of 64-key bf16 K/V blocks beside a 128x256 query tile
-    # asked for 256 KiB of shared memory (the H200 has 227 KiB).
+    # None: 3 for up to 32 packed rows, else 2, lowered until pass_one_smem_bytes fits SMEM_BYTES. Three stages of
+    # 64-key bf16 K/V blocks beside a 128x256 query tile asked for 256 KiB (the H200 has 227 KiB).
     num_stages: int | None = None
-    merge_block_d: int | None = None  # head-dim columns per merge program (free; None: fit registers)
-    merge_group: int = 4  # chunk partials summed per merge step (fixes the merge tree, like chunk)
+    merge_block_d: int | None = None  # head-dim columns per merge program (None: enough programs to fill the GPU)
+    merge_unroll: int | None = None  # chunk partials loaded per merge loop step (None: fit registers)
     merge_num_warps: int = 4
 
 
 @dataclasses.dataclass(frozen=True)
 class PromptTiles:
-    """Tiles of the prompt-chunk kernel. `block_k` fixes a row's reduction order (key blocks on the absolute
-    grid); `block_q`, the launch parameters and `contiguous` never change a row's bits. contiguous: copy each
-    stream's pages into contiguous K/V first (one gather at copy speed, small next to the compute-bound kernel),
-    so the kernel's loads carry no page-table indirection."""
+    """Tiles of the prompt-chunk kernel. `block_k` and `fp8_dot` fix a row's reduction order (key blocks on the
+    absolute grid); `block_q`, the launch parameters and `contiguous` never change a row's bits. contiguous: copy
+    each stream's pages into contiguous K/V first (one gather at copy speed, small next to the compute-bound
+    kernel), so the kernel's loads carry no page-table indirection."""
     block_q: int = 64
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 2
     contiguous: bool = True
+    fp8_dot: str = "bfloat16"  # as WindowTiles.fp8_dot
+
+
+def window_tiles(*, page_size: int, max_keys: int, head_dim: int, fp8: bool) -> WindowTiles:
+    """The shipped verify/decode tiles: the one place they are chosen. Arguments are fixed for a model and cache
+    layout (page size, page-table width x page size, head dim, KV dtype), never the streams or rows of a call,
+    so the reduction order they set is the same in every program of the engine."""
+    del page_size, max_keys, head_dim, fp8  # one setting measured best so far (docs/kernels/attention.md)
+    return WindowTiles()
+
+
+def prompt_tiles(*, page_size: int, max_keys: int, head_dim: int, fp8: bool) -> PromptTiles:
+    """The shipped prompt-chunk tiles (as window_tiles: from the model and cache layout only)."""
+    del page_size, max_keys, head_dim, fp8
+    return PromptTiles()
+
+
+def _itemsize(dtype) -> int:
+    return jnp.dtype(dtype).itemsize
+
+
+def pass_one_smem_bytes(*, mrows: int, head_dim: int, block_k: int, num_stages: int, kv_dtype, cdt) -> int:
+    """Estimated shared memory of a window chunk program: the query tile, `num_stages` buffers of a K and a V
+    block, and for fp8 one widened K and V block staged for the dot. Matches the two overflows seen on the H200
+    (3 stages of 64-key bf16 blocks beside 128 rows: 256 KiB asked)."""
+    kv = 2 * block_k * head_dim * _itemsize(kv_dtype) + (2 * block_k * 4 if _itemsize(kv_dtype) == 1 else 0)
+    widened = 2 * block_k * head_dim * _itemsize(cdt) if _itemsize(kv_dtype) == 1 else 0
+    return mrows * head_dim * _itemsize(cdt) + num_stages * kv + widened
+
+
+def prompt_smem_bytes(tiles: PromptTiles, *, head_dim: int, kv_dtype, cdt) -> int:
+    """Estimated shared memory of a prompt program (as pass_one_smem_bytes, with block_q query rows)."""
+    return pass_one_smem_bytes(mrows=tiles.block_q, head_dim=head_dim, block_k=tiles.block_k,
+                               num_stages=tiles.num_stages, kv_dtype=kv_dtype, cdt=cdt)
+
+
+def window_launch(tiles: WindowTiles, *, mrows: int, head_dim: int, kv_dtype, cdt) -> tuple[int, int]:
+    """(num_warps, num_stages) of the chunk programs for `mrows` packed rows."""
+    warps = tiles.num_warps or (4 if mrows <= 32 else 8)
+    if tiles.num_stages:
+        return warps, tiles.num_stages
+    stages = 3 if mrows <= 32 else 2
+    while stages > 1 and pass_one_smem_bytes(mrows=mrows, head_dim=head_dim, block_k=tiles.block_k,
+                                             num_stages=stages, kv_dtype=kv_dtype, cdt=cdt) > SMEM_BYTES:
+        stages -= 1
+    return warps, stages
 
 
 def _pad_table(page_table: jax.Array, keys: int, page_size: int) -> jax.Array:
@@ -139,14 +197,33 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _compute_dtype(q_dtype, pool: KVPool):
-    return jnp.float32 if jnp.float32 in (jnp.dtype(q_dtype), jnp.dtype(pool.k.dtype)) else jnp.bfloat16
+def _pow2_floor(n: int) -> int:
+    return 1 << max(0, n.bit_length() - 1)
+
+
+def _compute_dtype(q_dtype, pool: KVPool, fp8_dot: str = "bfloat16"):
+    if jnp.float32 in (jnp.dtype(q_dtype), jnp.dtype(pool.k.dtype)):
+        return jnp.float32
+    return jnp.float16 if pool.fp8 and fp8_dot == "float16" else jnp.bfloat16
 
 
 def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
     """a [M, K] @ b [K, N] -> fp32; fp32 operands at IEEE precision (the default would be tf32 on the GPU)."""
     precision = _HI if a.dtype == jnp.float32 else None
     return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _pv(p: jax.Array, v: jax.Array, vs: jax.Array | None, cdt) -> jax.Array:
+    """sum_j p[m, j] * vs[j] * v[j, :] in fp32: p [M, BK] fp32; v [BK, D]; vs [BK] or None -> [M, D].
+    f16 operands (fp8 pools only) take vs relative to its block max, so P·vs stays in f16's normal range for every
+    p that matters; the max multiplies the fp32 product."""
+    if vs is None:
+        return _dot(p.astype(cdt), v.astype(cdt))
+    if cdt == jnp.float16:
+        top = jnp.max(vs)
+        top = jnp.where(top > 0, top, 1.0)
+        return _dot((p * (vs / top)[None, :]).astype(cdt), v.astype(cdt)) * top
+    return _dot((p * vs[None, :]).astype(cdt), v.astype(cdt))
 
 
 def _online_step(carry, q, k, v, ks, vs, visible, scale: float, cdt):
@@ -161,15 +238,15 @@ def _online_step(carry, q, k, v, ks, vs, visible, scale: float, cdt):
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(logits - m_new[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
-    pv = p if vs is None else p * vs[None, :]
-    acc = acc * alpha[:, None] + _dot(pv.astype(cdt), v.astype(cdt))
+    acc = acc * alpha[:, None] + _pv(p, v, vs, cdt)
     return m_new, l, acc
 
 
 def _walk_pages(carry, step, pt_ref, k_ref, v_ref, ks_ref, vs_ref, *, first_key, n_keys, span: int,
-                block_k: int, page_size: int):
+                block_k: int, page_size: int, walk: str = "page"):
     """Fold step(carry, first, k, v, ks, vs) over the key blocks of [first_key, first_key + span) that hold keys
-    < n_keys, in order. first_key and span are multiples of max(block_k, page_size) where page_size > block_k.
+    < n_keys, in order (the same blocks in the same order for either `walk`). first_key and span are multiples of
+    max(block_k, page_size) where page_size > block_k.
     k_ref, v_ref [P, page, D]; ks_ref, vs_ref [P, page] or None; pt_ref [Pmax]."""
     d = k_ref.shape[-1]
     if block_k >= page_size:
@@ -186,6 +263,19 @@ def _walk_pages(carry, step, pt_ref, k_ref, v_ref, ks_ref, vs_ref, *, first_key,
 
         n_blocks = jnp.clip((n_keys - first_key + block_k - 1) // block_k, 0, span // block_k)
         return jax.lax.fori_loop(0, n_blocks, body, carry)
+
+    if walk == "flat":
+        def flat_body(b, carry):
+            first = first_key + b * block_k
+            # (first - page*size rather than %: the Triton lowering of a signed % inside a loop fails)
+            logical = first // page_size
+            page, rows = pt_ref[logical], pl.ds(first - logical * page_size, block_k)
+            ks = None if ks_ref is None else ks_ref[page, rows]
+            vs = None if vs_ref is None else vs_ref[page, rows]
+            return step(carry, first, k_ref[page, rows, :], v_ref[page, rows, :], ks, vs)
+
+        n_blocks = jnp.clip((n_keys - first_key + block_k - 1) // block_k, 0, span // block_k)
+        return jax.lax.fori_loop(0, n_blocks, flat_body, carry)
 
     per_page = page_size // block_k
 
@@ -246,19 +336,19 @@ def _window_chunk_kernel(cache_len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, fp8:
         init = (jnp.full((mrows,), -jnp.inf, jnp.float32), jnp.zeros((mrows,), jnp.float32),
                 jnp.zeros((mrows, q.shape[1]), jnp.float32))
         m, l, acc = _walk_pages(init, step, pt_ref, k_ref, v_ref, ks_ref, vs_ref, first_key=chunk_start,
-                                n_keys=n_keys, span=tiles.chunk, block_k=bk, page_size=page_size)
+                                n_keys=n_keys, span=tiles.chunk, block_k=bk, page_size=page_size, walk=tiles.walk)
         plgpu.store(m_ref, m, mask=real)
         plgpu.store(l_ref, l, mask=real)
         plgpu.store(acc_ref, acc, mask=real[:, None])
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Verify/decode window: pass 2, merge the chunk partials in chunk order, then the window's own keys
+# Verify/decode window: pass 2, fold the chunk partials in chunk order, then the window's own keys
 # ----------------------------------------------------------------------------------------------------------------
 
 def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref, acc_ref, *refs,
                          fp8: bool, scale: float, r: int, group: int, mrows: int, rp: int, max_keys: int, chunk: int,
-                         merge_group: int, cdt):
+                         unroll: int, max_block: int, cdt):
     # cache_len_ref [S]; parents_ref [R]; q_ref [R*Hq, D]; kw_ref [R*Hkv, D], vw_ref [R*Hkv, BD] the window's
     # rows as stored (fp8 codes or pool dtype; row j*Hkv + g is window key j of KV head g); m_ref, l_ref [NC, M];
     # acc_ref [NC, M, BD]; fp8: ksw_ref, vsw_ref [R*Hkv]; output o_ref [M, BD].
@@ -270,20 +360,22 @@ def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_re
     s, g = pl.program_id(0), pl.program_id(1)
     hkv = kw_ref.shape[0] // r
     n_chunks = (jnp.minimum(cache_len_ref[s], max_keys) + chunk - 1) // chunk
-    n_groups = (n_chunks + merge_group - 1) // merge_group
+    idx, real = _packed_rows(mrows, r, q_ref.shape[0] // r, group, g)
     bd = acc_ref.shape[2]
 
-    # The max over written partials is exact in any order; unwritten ones are masked, never read as numbers.
+    # The max over written partials is exact in any order, so it reads max_block chunks at a time. Only the
+    # written (chunk, real row) entries are loaded: the rest were never stored.
     def max_body(i, m):
-        live = (i * merge_group + jnp.arange(merge_group)) < n_chunks
-        m_part = jnp.where(live[:, None], m_ref[pl.ds(i * merge_group, merge_group), :], -jnp.inf)
+        live = (i * max_block + jnp.arange(max_block)) < n_chunks
+        m_part = plgpu.load(m_ref.at[pl.ds(i * max_block, max_block), :], mask=live[:, None] & real[None, :],
+                            other=-jnp.inf)
         return jnp.maximum(m, jnp.max(m_part, axis=0))
 
-    m_committed = jax.lax.fori_loop(0, n_groups, max_body, jnp.full((mrows,), -jnp.inf, jnp.float32))
+    m_committed = jax.lax.fori_loop(0, (n_chunks + max_block - 1) // max_block, max_body,
+                                    jnp.full((mrows,), -jnp.inf, jnp.float32))
 
     # The window's own keys: row m (window node m // G) sees node j iff j is the node or one of its ancestors,
     # found by climbing parent pointers (at most R steps; parents[j] < j).
-    idx, real = _packed_rows(mrows, r, q_ref.shape[0] // r, group, g)
     q = q_ref[idx].astype(cdt)
     j = jnp.arange(rp)
     widx = jnp.where(j < r, j * hkv + g, 0)
@@ -299,23 +391,29 @@ def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_re
     # Padding rows see nothing; keep their arithmetic finite.
     m_total = jnp.where(m_total == -jnp.inf, 0.0, m_total)
 
-    # Partials are summed merge_group chunks at a time (a fixed-shape reduction), groups in chunk order: the tree
-    # depends on chunk positions only, and chunks past the stream's context add exact zeros.
+    # Partials are folded one chunk at a time in chunk order (elementwise, no cross-lane reduction), so the sum's
+    # order depends on chunk positions only: not on `unroll` (how many chunks one loop step loads), the head-dim
+    # split, warps or layouts. Chunks past the stream's context are never read.
     def body(i, carry):
         l, acc = carry
-        rows = pl.ds(i * merge_group, merge_group)
-        live = (i * merge_group + jnp.arange(merge_group)) < n_chunks
-        w = jnp.where(live[:, None], jnp.exp(m_ref[rows, :] - m_total[None, :]), 0.0)  # [group, M]
-        l_part = jnp.where(live[:, None], w * l_ref[rows, :], 0.0)
-        acc_part = jnp.where(live[:, None, None], w[:, :, None] * acc_ref[rows, :, :], 0.0)
-        return l + jnp.sum(l_part, axis=0), acc + jnp.sum(acc_part, axis=0)
+        for k in range(unroll):
+            c = i * unroll + k
+            live = c < n_chunks
+            ok = real & live
+            m_c = plgpu.load(m_ref.at[c], mask=ok, other=-jnp.inf)
+            l_c = plgpu.load(l_ref.at[c], mask=ok, other=0.0)
+            acc_c = plgpu.load(acc_ref.at[c], mask=ok[:, None], other=0.0)
+            w = jnp.exp(m_c - m_total)
+            # A select, not an added zero: a step past the context must not even flip the sign of a zero.
+            l = jnp.where(live, l + w * l_c, l)
+            acc = jnp.where(live, acc + w[:, None] * acc_c, acc)
+        return l, acc
 
-    l, acc = jax.lax.fori_loop(0, n_groups, body,
+    l, acc = jax.lax.fori_loop(0, (n_chunks + unroll - 1) // unroll, body,
                                (jnp.zeros((mrows,), jnp.float32), jnp.zeros((mrows, bd), jnp.float32)))
     p = jnp.exp(logits_w - m_total[:, None])
     l = l + jnp.sum(p, axis=1)
-    pv = p if vsw_ref is None else p * vsw_ref[widx][None, :]
-    acc = acc + _dot(pv.astype(cdt), vw_ref[widx].astype(cdt))
+    acc = acc + _pv(p, vw_ref[widx], None if vsw_ref is None else vsw_ref[widx], cdt)
     o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
 
 
@@ -326,27 +424,47 @@ def _unpack_rows(x: jax.Array, r: int, hq: int) -> jax.Array:
     return jnp.moveaxis(x[:, :, : r * g].reshape(s, hkv, r, g, d), 1, 2).reshape(s, r, hq, d)
 
 
+def merge_launch(tiles: WindowTiles, *, streams: int, hkv: int, mrows: int, head_dim: int) -> tuple[int, int]:
+    """(head-dim columns per merge program, chunk partials loaded per merge loop step). Neither changes a row's
+    bits, so both may follow the call's shape: at one stream the merge splits the head dim finely so that ~128
+    programs fold partials side by side, and a loop step keeps about 32 KiB of partials in flight."""
+    if tiles.merge_block_d:
+        bd = min(tiles.merge_block_d, head_dim)
+    else:
+        columns = min(max(1, head_dim // 16), _pow2(-(-128 // (streams * hkv))))
+        bd = max(16, min(head_dim // columns, _pow2_floor(8192 // mrows)))
+    unroll = tiles.merge_unroll or max(1, min(16, 8192 // (mrows * bd)))
+    return bd, unroll
+
+
 def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array, pool: KVPool,
            page_table: jax.Array, cache_len: jax.Array, *, scale: float, interpret: bool = False,
-           tiles: WindowTiles = WindowTiles()) -> jax.Array:
+           tiles: WindowTiles | None = None) -> jax.Array:
     """Same contract as window_reference. Pass 1 streams the committed keys of each (stream, KV head) in chunks of
-    `tiles.chunk` keys, one program each, and writes per-chunk partials; pass 2 merges them in chunk order and
+    `tiles.chunk` keys, one program each, and writes per-chunk partials; pass 2 folds them in chunk order and
     adds the window's own keys last (they sit after every committed key). A row's bits depend only on its own
-    stream's inputs and the tiles: not on other streams, nor on how many pages the table holds.
+    stream's inputs and the tiles' reduction fields: not on other streams, nor on how many pages the table holds,
+    nor on the launch fields. tiles=None: window_tiles() for this pool and table.
 
     q [S, R, Hq, D]; k_win, v_win [S, R, Hkv, D]; parents [S, R]; page_table [S, Pmax]; cache_len [S]
     -> o [S, R, Hq, D] in q.dtype
     """
-    s, r, hq, d = q.shape
+    if tiles is None:
+        tiles = window_tiles(page_size=pool.page_size, max_keys=page_table.shape[-1] * pool.page_size,
+                             head_dim=pool.k.shape[-1], fp8=pool.fp8)
     hkv = _check_window(q, k_win, v_win, parents, pool, page_table, cache_len, tiles)
+    s, r, hq, d = q.shape
     group = hq // hkv
     mrows = max(16, _pow2(r * group))
     rp = max(16, _pow2(r))
     ps, fp8 = pool.page_size, pool.fp8
-    cdt = _compute_dtype(q.dtype, pool)
+    cdt = _compute_dtype(q.dtype, pool, tiles.fp8_dot)
     max_keys = page_table.shape[1] * ps
     n_chunks = -(-max_keys // tiles.chunk)
-    nc_pad = max(_pow2(n_chunks), tiles.merge_group)
+    bd, unroll = merge_launch(tiles, streams=s, hkv=hkv, mrows=mrows, head_dim=d)
+    nc_pad = max(_pow2(n_chunks), unroll)
+    max_block = min(nc_pad, _pow2_floor(max(1, 4096 // mrows)))
+    warps, stages = window_launch(tiles, mrows=mrows, head_dim=d, kv_dtype=pool.k.dtype, cdt=cdt)
     cache_len = cache_len.astype(jnp.int32)
     page_table = _pad_table(page_table, n_chunks * tiles.chunk, ps)
     q_rows = q.reshape(s, r * hq, d)  # free: rows picked inside the kernels
@@ -370,8 +488,7 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
                        jax.ShapeDtypeStruct((s, hkv, nc_pad, mrows), jnp.float32),
                        jax.ShapeDtypeStruct((s, hkv, nc_pad, mrows, d), jnp.float32)],
             interpret=interpret,
-            compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps or (4 if mrows <= 32 else 8),
-                                                 num_stages=tiles.num_stages or (3 if mrows <= 32 else 2)),
+            compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
             name="attn_window_chunks",
         )(cache_len, page_table, q_rows, pool.k, pool.v, *([pool.k_scale, pool.v_scale] if fp8 else []))
 
@@ -384,11 +501,9 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
         else:
             kw, vw = k_win.astype(pool.k.dtype), v_win.astype(pool.k.dtype)
             scales = []
-        # A merge step holds [group, M, bd] fp32 in registers: keep it near 32 KiB.
-        bd = tiles.merge_block_d or max(16, min(d, 8192 // (tiles.merge_group * mrows)))
-        bd = min(bd, d)
         kernel = functools.partial(_window_merge_kernel, fp8=fp8, scale=scale, r=r, group=group, mrows=mrows, rp=rp,
-                                   max_keys=max_keys, chunk=tiles.chunk, merge_group=tiles.merge_group, cdt=cdt)
+                                   max_keys=max_keys, chunk=tiles.chunk, unroll=unroll, max_block=max_block,
+                                   cdt=cdt)
         win_scale = pl.BlockSpec((None, r * hkv), lambda i, j, e: (i, 0))
         out = pl.pallas_call(
             kernel,
@@ -454,8 +569,12 @@ def _check_window(q, k_win, v_win, parents, pool: KVPool, page_table, cache_len,
     if tiles.chunk % tiles.block_k or tiles.chunk % pool.page_size:
         raise ValueError(f"WindowTiles.chunk={tiles.chunk} must be a multiple of block_k={tiles.block_k} and of "
                          f"the page size {pool.page_size}")
-    if tiles.merge_group & (tiles.merge_group - 1):
-        raise ValueError(f"WindowTiles.merge_group={tiles.merge_group} must be a power of two")
+    if tiles.merge_unroll is not None and tiles.merge_unroll < 1:
+        raise ValueError(f"WindowTiles.merge_unroll={tiles.merge_unroll} must be >= 1")
+    if tiles.fp8_dot not in ("bfloat16", "float16"):
+        raise ValueError(f"WindowTiles.fp8_dot must be 'bfloat16' or 'float16'; got {tiles.fp8_dot!r}")
+    if tiles.walk not in ("page", "flat"):
+        raise ValueError(f"WindowTiles.walk must be 'page' or 'flat'; got {tiles.walk!r}")
     if tiles.merge_block_d is not None and (tiles.merge_block_d & (tiles.merge_block_d - 1)
                                             or d % min(tiles.merge_block_d, d)):
         raise ValueError(f"WindowTiles.merge_block_d={tiles.merge_block_d} must be a power of two dividing {d}")
@@ -543,11 +662,11 @@ def _contiguous_keys(pool: KVPool, page_table: jax.Array) -> list[jax.Array]:
 
 
 def prompt(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, lengths: jax.Array, *,
-           scale: float, interpret: bool = False, tiles: PromptTiles = PromptTiles()) -> jax.Array:
+           scale: float, interpret: bool = False, tiles: PromptTiles | None = None) -> jax.Array:
     """Same contract as prompt_reference: one program per (query head, tile of block_q rows, stream) walks the key
     blocks of the absolute grid from position 0 to its last row, in order, with an online softmax. A row's bits
     depend only on its absolute position and the keys up to it, so cutting a prompt into chunks anywhere, or
-    resuming from a cache, gives the same bits as one pass.
+    resuming from a cache, gives the same bits as one pass. tiles=None: prompt_tiles() for this pool and table.
 
     q [S, T, Hq, D]; page_table [S, Pmax]; start [S]; lengths [S] -> o [S, T, Hq, D] (rows past lengths: zeros)
     """
@@ -556,6 +675,11 @@ def prompt(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, 
     s, t, hq, d = q.shape
     hkv = pool.k.shape[0]
     _check_pool(pool, d)
+    if tiles is None:
+        tiles = prompt_tiles(page_size=pool.page_size, max_keys=page_table.shape[-1] * pool.page_size, head_dim=d,
+                             fp8=pool.fp8)
+    if tiles.fp8_dot not in ("bfloat16", "float16"):
+        raise ValueError(f"PromptTiles.fp8_dot must be 'bfloat16' or 'float16'; got {tiles.fp8_dot!r}")
     if hq % hkv:
         raise ValueError(f"{hq} query heads are not a multiple of the pool's {hkv} KV heads")
     if page_table.ndim != 2 or page_table.shape[0] != s:
@@ -576,7 +700,7 @@ def prompt(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, 
     page_table = _pad_table(page_table, -(-max_keys // tiles.block_k) * tiles.block_k, ps)
     kernel = functools.partial(_prompt_kernel, fp8=fp8, contiguous=tiles.contiguous, scale=scale,
                                max_keys=max_keys, page_size=ps, n_q_blocks=n_q_blocks, tiles=tiles,
-                               cdt=_compute_dtype(q.dtype, pool))
+                               cdt=_compute_dtype(q.dtype, pool, tiles.fp8_dot))
     if tiles.contiguous:
         with jax.named_scope("attn_prompt_gather"):
             kv = _contiguous_keys(pool, page_table)

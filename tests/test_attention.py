@@ -145,7 +145,7 @@ def window_case(rng, *, s, r, hq, hkv, d, page_size, pmax, num_pages, dtype, cac
 
 SMALL = dict(hq=4, hkv=2, d=32, page_size=8)
 # Two chunk partials per merge step, so the 3-chunk contexts span two steps.
-SMALL_TILES = at.WindowTiles(block_k=16, chunk=32, merge_block_d=16, merge_group=2)
+SMALL_TILES = at.WindowTiles(block_k=16, chunk=32, merge_block_d=16, merge_unroll=2)
 # Five streams: no context yet, inside the first page, off the page grid, exactly one chunk, the whole table;
 # trees and chains side by side.
 SMALL_WINDOW = dict(s=5, pmax=9, num_pages=48, cache_lens=[0, 5, 43, 32, 72],
@@ -171,15 +171,20 @@ prompt_reference = jax.jit(at.prompt_reference, static_argnames="scale")
 # verify window
 # ---------------------------------------------------------------------------------------------------------------
 
+# fp8 pools run their dots in bf16 (the shipped default) or f16 (codes widened natively on sm_90).
+DTYPES = [(jnp.bfloat16, "bfloat16"), (kq.FP8, "bfloat16"), (kq.FP8, "float16"), (jnp.float32, "bfloat16")]
+DTYPE_IDS = ["bf16", "fp8", "fp8-f16dot", "f32"]
+
+
 @pytest.mark.parametrize("rows", [7, 1], ids=["window", "decode"])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8, jnp.float32], ids=["bf16", "fp8", "f32"])
-def test_window_matches_reference_and_float64(dtype, rows):
+@pytest.mark.parametrize("dtype,fp8_dot", DTYPES, ids=DTYPE_IDS)
+def test_window_matches_reference_and_float64(dtype, fp8_dot, rows):
     if dtype == jnp.float32 and rows == 1:
         pytest.skip("the f32 path is covered by the window case; saves a compile")
     rng = np.random.default_rng(10)
     case = window_case(rng, r=rows, dtype=dtype, **SMALL_WINDOW)
     scale = SMALL["d"] ** -0.5
-    got = run_window(*case, scale=scale, interpret=True, tiles=SMALL_TILES)
+    got = run_window(*case, scale=scale, interpret=True, tiles=dataclasses.replace(SMALL_TILES, fp8_dot=fp8_dot))
     want = np_window(*case, scale)
     ref = window_reference(*case, scale=scale)
     assert got.shape == case[0].shape and got.dtype == case[0].dtype
@@ -200,10 +205,11 @@ def test_window_row_bits_ignore_other_streams_table_width_and_merge_split(dtype)
     alone = run_window(q[2:3], kw[2:3], vw[2:3], par[2:3], pool, wide, cache_len[2:3], scale=scale,
                        interpret=True, tiles=SMALL_TILES)
     assert np.array_equal(bits(alone[0]), bits(batch[2]))
-    # The merge's split over head-dim columns is free too.
-    split = dataclasses.replace(SMALL_TILES, merge_block_d=32)
-    other = run_window(q, kw, vw, par, pool, table, cache_len, scale=scale, interpret=True, tiles=split)
-    assert np.array_equal(bits(other), bits(batch))
+    # The merge's split over head-dim columns and the partials it loads per step are free too.
+    for merge_block_d, merge_unroll in ((32, 1), (16, 3)):
+        split = dataclasses.replace(SMALL_TILES, merge_block_d=merge_block_d, merge_unroll=merge_unroll)
+        other = run_window(q, kw, vw, par, pool, table, cache_len, scale=scale, interpret=True, tiles=split)
+        assert np.array_equal(bits(other), bits(batch))
     # Other streams' queries, windows and contexts never leak into a row.
     moved = run_window(q.at[0].set(q[4]), kw.at[3].set(kw[0]), vw, par, pool, table, cache_len.at[4].set(9),
                        scale=scale, interpret=True, tiles=SMALL_TILES)
@@ -246,12 +252,12 @@ def prompt_case(rng, *, s, t, hq, hkv, d, page_size, pmax, num_pages, dtype, sta
 SMALL_PROMPT_CASE = dict(s=3, t=40, pmax=10, num_pages=40, starts=[0, 37, 5], lengths=[40, 40, 9], **SMALL)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
-def test_prompt_matches_reference_and_float64(dtype):
+@pytest.mark.parametrize("dtype,fp8_dot", DTYPES[:3], ids=DTYPE_IDS[:3])
+def test_prompt_matches_reference_and_float64(dtype, fp8_dot):
     rng = np.random.default_rng(20)
     case = prompt_case(rng, dtype=dtype, **SMALL_PROMPT_CASE)
     scale = SMALL["d"] ** -0.5
-    got = run_prompt(*case, scale=scale, interpret=True, tiles=SMALL_PROMPT)
+    got = run_prompt(*case, scale=scale, interpret=True, tiles=dataclasses.replace(SMALL_PROMPT, fp8_dot=fp8_dot))
     want = np_prompt(*case, scale)
     ref = prompt_reference(*case, scale=scale)
     assert rel_err(got, want) < 1e-2
@@ -294,7 +300,7 @@ def test_prompt_rejects_bad_inputs():
 
 # ---------------------------------------------------------------------------------------------------------------
 # page layouts: the same keys in pages of 8 (a key block gathers 2 pages), of 32 (a page holds 2 blocks, its
-# index read once), or copied contiguous (prompt) give the same bits
+# index read once per page or per block), or copied contiguous (prompt) give the same bits
 # ---------------------------------------------------------------------------------------------------------------
 
 def same_keys_two_page_sizes(rng, dtype, *, s, context, hkv, d, page_sizes=(8, 32)):
@@ -322,10 +328,12 @@ def test_page_layouts_give_the_same_bits(dtype):
     vw = jnp.asarray(rng.standard_normal((3, 7, 2, 32)), jnp.bfloat16)
     par = jnp.asarray([TREE, CHAIN, TREE], jnp.int32)
     cache_len = jnp.asarray([90, 33, 64], jnp.int32)
-    tiles = at.WindowTiles(block_k=16, chunk=64, merge_block_d=16, merge_group=2)
+    tiles = at.WindowTiles(block_k=16, chunk=64, merge_block_d=16, merge_unroll=2)
     a = run_window(q, kw, vw, par, pool8, table8, cache_len, scale=scale, interpret=True, tiles=tiles)
     b = run_window(q, kw, vw, par, pool32, table32, cache_len, scale=scale, interpret=True, tiles=tiles)
-    assert np.array_equal(bits(a), bits(b))
+    flat = run_window(q, kw, vw, par, pool32, table32, cache_len, scale=scale, interpret=True,
+                      tiles=dataclasses.replace(tiles, walk="flat"))
+    assert np.array_equal(bits(a), bits(b)) and np.array_equal(bits(flat), bits(b))
     assert rel_err(b, np_window(q, kw, vw, par, pool32, table32, cache_len, scale)) < 1e-2
 
     qp = jnp.asarray(rng.standard_normal((3, 20, 4, 32)), jnp.bfloat16)
@@ -338,54 +346,176 @@ def test_page_layouts_give_the_same_bits(dtype):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# GPU, 27B attention shape
+# fp8 with f16 dots: values of very different sizes side by side (the f16 path takes V's scales relative to the
+# block max, so small rows next to large ones are where it could lose what bf16 keeps)
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_fp8_f16_dot_keeps_rows_of_mixed_magnitude():
+    rng = np.random.default_rng(14)
+    hkv, pages, ps, d = 2, 24, 8, 32
+    sizes = 10.0 ** rng.uniform(-3, 3, size=(hkv, pages, ps, 1))
+    (kc, ks), (vc, vs) = (kq.quantize_reference(jnp.asarray(rng.standard_normal((hkv, pages, ps, d)) * f, jnp.float32))
+                          for f in (1.0, sizes))
+    pool = kq.KVPool(kc, vc, ks, vs)
+    s, r = 2, 3
+    table = scattered_tables(rng, s, 10, pages)
+    q = jnp.asarray(rng.standard_normal((s, r, 4, d)), jnp.bfloat16)
+    kw = jnp.asarray(rng.standard_normal((s, r, hkv, d)), jnp.bfloat16)
+    vw = jnp.asarray(rng.standard_normal((s, r, hkv, d)) * 1e-3, jnp.bfloat16)
+    par = jnp.asarray([CHAIN[:r], TREE[:r]], jnp.int32)
+    cache_len = jnp.asarray([80, 37], jnp.int32)
+    scale = d ** -0.5
+    want = np_window(q, kw, vw, par, pool, table, cache_len, scale)
+    for fp8_dot in ("bfloat16", "float16"):
+        got = run_window(q, kw, vw, par, pool, table, cache_len, scale=scale, interpret=True,
+                         tiles=dataclasses.replace(SMALL_TILES, fp8_dot=fp8_dot))
+        assert rel_err(got, want) < 1e-2, fp8_dot
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU configurations, checked on the CPU: shared memory by the tile sizes, and the Triton lowering itself
 # ---------------------------------------------------------------------------------------------------------------
 
 BIG = dict(hq=24, hkv=4, d=256, page_size=64)
 
 
+def shipped_window_tiles(fp8: bool, pmax: int, page_size: int = 64) -> at.WindowTiles:
+    return at.window_tiles(page_size=page_size, max_keys=pmax * page_size, head_dim=256, fp8=fp8)
+
+
+def shipped_prompt_tiles(fp8: bool, pmax: int, page_size: int = 64) -> at.PromptTiles:
+    return at.prompt_tiles(page_size=page_size, max_keys=pmax * page_size, head_dim=256, fp8=fp8)
+
+
+def gpu_window_configs():
+    """(tiles, kv dtype, fp8_dot) of every window launch the gpu tests and the bench make at the 27B shape."""
+    from pallas_kernels.bench import attention as bench
+    out = []
+    for kv in (jnp.bfloat16, kq.FP8):
+        fp8 = kv == kq.FP8
+        for page, pmax in ((64, 40), (64, 2048), (256, 8)):
+            out.append(shipped_window_tiles(fp8, pmax, page))
+        out += [at.WindowTiles(block_k=64), dataclasses.replace(shipped_window_tiles(fp8, 40), fp8_dot="float16")]
+        out += [tiles for _, tiles in bench.DECODE_COMPARE]
+    return out
+
+
+def gpu_prompt_configs():
+    from pallas_kernels.bench import attention as bench
+    return [shipped_prompt_tiles(False, 24), shipped_prompt_tiles(True, 24)] + [t for _, t in bench.PROMPT_COMPARE]
+
+
+@pytest.mark.parametrize("kv", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
+def test_gpu_configs_fit_shared_memory(kv):
+    """Every window and prompt configuration the gpu tests and the bench launch at the 27B shape, for every window
+    size 1..16, estimated from its tile sizes against the H200's 227 KiB (the estimate reproduces the 256 KiB the
+    compiler asked for in the one overflow seen)."""
+    assert at.pass_one_smem_bytes(mrows=128, head_dim=256, block_k=64, num_stages=3, kv_dtype=jnp.bfloat16,
+                                  cdt=jnp.bfloat16) == 256 * 1024
+    for tiles in gpu_window_configs():
+        for fp8_dot in ("bfloat16", "float16"):
+            tiles = dataclasses.replace(tiles, fp8_dot=fp8_dot)
+            cdt = at._compute_dtype(jnp.bfloat16, kq.KVPool(jnp.zeros((1, 1, 1, 1), kv), None), fp8_dot)
+            for r in range(1, 17):
+                mrows = max(16, at._pow2(r * 6))
+                _, stages = at.window_launch(tiles, mrows=mrows, head_dim=256, kv_dtype=kv, cdt=cdt)
+                need = at.pass_one_smem_bytes(mrows=mrows, head_dim=256, block_k=tiles.block_k, num_stages=stages,
+                                              kv_dtype=kv, cdt=cdt)
+                assert need <= at.SMEM_BYTES, (tiles, r, need)
+    for tiles in gpu_prompt_configs():
+        cdt = at._compute_dtype(jnp.bfloat16, kq.KVPool(jnp.zeros((1, 1, 1, 1), kv), None), tiles.fp8_dot)
+        need = at.prompt_smem_bytes(tiles, head_dim=256, kv_dtype=kv, cdt=cdt)
+        assert need <= at.SMEM_BYTES, (tiles, need)
+
+
+def test_kernels_lower_to_triton_at_27b_shape():
+    """Lowers every configuration of gpu_window_configs/gpu_prompt_configs to Triton IR for an H200, on the CPU
+    (jax's own lowering, no compile): an op the Triton lowering lacks fails here rather than in a device run."""
+    try:
+        from jax._src.pallas.triton import gpu_info
+        target = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
+    except (ImportError, AttributeError) as e:  # private API: skip when a jax upgrade moves it
+        pytest.skip(f"no abstract H200 in this jax: {e}")
+    kind = jax.devices()[0].device_kind
+    gpu_info.registry[kind] = lambda: target
+    sds = jax.ShapeDtypeStruct
+    try:
+        for kv in (jnp.bfloat16, kq.FP8):
+            pool = kq.KVPool(sds((4, 300, 64, 256), kv), sds((4, 300, 64, 256), kv),
+                             *((sds((4, 300, 64), jnp.float32),) * 2 if kv == kq.FP8 else ()))
+            for tiles in [None] + gpu_window_configs()[:7]:
+                for s, r, pmax in ((1, 1, 2048), (4, 16, 40)):
+                    fn = functools.partial(at.window, scale=1 / 16, tiles=tiles)
+                    args = (sds((s, r, 24, 256), jnp.bfloat16), sds((s, r, 4, 256), jnp.bfloat16),
+                            sds((s, r, 4, 256), jnp.bfloat16), sds((s, r), jnp.int32), pool, sds((s, pmax), jnp.int32),
+                            sds((s,), jnp.int32))
+                    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+                    assert "__gpu$xla.gpu.triton" in text
+            for tiles in [None] + gpu_prompt_configs():
+                fn = functools.partial(at.prompt, scale=1 / 16, tiles=tiles)
+                args = (sds((1, 512, 24, 256), jnp.bfloat16), pool, sds((1, 24), jnp.int32), sds((1,), jnp.int32),
+                        sds((1,), jnp.int32))
+                assert "__gpu$xla.gpu.triton" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    finally:
+        del gpu_info.registry[kind]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU, 27B attention shape, shipped tiles (window_tiles / prompt_tiles)
+# ---------------------------------------------------------------------------------------------------------------
+
+GPU_DTYPES = DTYPES[:3]
+GPU_DTYPE_IDS = DTYPE_IDS[:3]
+
+
 @GPU
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("dtype,fp8_dot", GPU_DTYPES, ids=GPU_DTYPE_IDS)
 @pytest.mark.parametrize("r", [1, 16])
-def test_window_gpu_27b(dtype, r):
+def test_window_gpu_27b(dtype, fp8_dot, r):
     rng = np.random.default_rng(30)
     tree16 = TREE + list(range(6, 15))
     chain16 = list(range(-1, 15))
     case = window_case(rng, s=4, r=r, pmax=40, num_pages=200, dtype=dtype, cache_lens=[0, 100, 1537, 2560],
                        parents=[tree16, chain16, tree16, chain16], **BIG)
     scale = 1 / 16
-    got = run_window(*case, scale=scale, interpret=False, tiles=at.WindowTiles())
+    tiles = dataclasses.replace(shipped_window_tiles(dtype == kq.FP8, 40), fp8_dot=fp8_dot)
+    got = run_window(*case, scale=scale, interpret=False, tiles=tiles)
     assert rel_err(got, np_window(*case, scale)) < 1e-2
     q, kw, vw, par, pool, table, cl = case
+    # Stream 2 alone with a wider table (more chunk programs): the same bits.
     wide = jnp.concatenate([table[2:3], scattered_tables(rng, 1, 24, 200)], axis=1)
     alone = run_window(q[2:3], kw[2:3], vw[2:3], par[2:3], pool, wide, cl[2:3], scale=scale, interpret=False,
-                       tiles=at.WindowTiles())
+                       tiles=tiles)
     assert np.array_equal(bits(alone[0]), bits(got[2]))
+    # Launch choices (page walk, stages, the merge's split and unroll) leave the bits alone, compiled.
+    launch = dataclasses.replace(tiles, walk="flat", num_stages=2, merge_block_d=64, merge_unroll=3)
+    assert np.array_equal(bits(run_window(*case, scale=scale, interpret=False, tiles=launch)), bits(got))
 
 
 @GPU
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
-def test_prompt_gpu_27b(dtype):
+@pytest.mark.parametrize("dtype,fp8_dot", GPU_DTYPES, ids=GPU_DTYPE_IDS)
+def test_prompt_gpu_27b(dtype, fp8_dot):
     rng = np.random.default_rng(31)
     q, pool, table, _, _ = prompt_case(rng, s=2, t=512, pmax=24, num_pages=100, dtype=dtype, starts=[0, 0],
                                        lengths=[512, 512], **BIG)
     scale = 1 / 16
+    tiles = dataclasses.replace(shipped_prompt_tiles(dtype == kq.FP8, 24), fp8_dot=fp8_dot)
     start, lengths = jnp.asarray([700, 0], jnp.int32), jnp.asarray([512, 300], jnp.int32)
-    got = run_prompt(q, pool, table, start, lengths, scale=scale, interpret=False, tiles=at.PromptTiles())
+    got = run_prompt(q, pool, table, start, lengths, scale=scale, interpret=False, tiles=tiles)
     assert rel_err(got, np_prompt(q, pool, table, start, lengths, scale)) < 1e-2
     # Resumed in two chunks cut at row 200 (off the tile grid): the same bits as one pass.
     first = run_prompt(q[:1, :256], pool, table[:1], start[:1], jnp.asarray([200], jnp.int32), scale=scale,
-                       interpret=False, tiles=at.PromptTiles())
+                       interpret=False, tiles=tiles)
     rest = jnp.zeros_like(q[:1]).at[0, :312].set(q[0, 200:])
     second = run_prompt(rest, pool, table[:1], start[:1] + 200, jnp.asarray([312], jnp.int32), scale=scale,
-                        interpret=False, tiles=at.PromptTiles())
+                        interpret=False, tiles=tiles)
     assert np.array_equal(bits(jnp.concatenate([first[0, :200], second[0, :312]])), bits(got[0]))
 
 
 @GPU
 def test_page_layouts_gpu_27b():
-    """Compiled: pages of 64 (gathered per block) and of 256 (index read once per page) give the same bits, for
-    the window and for the prompt read through the pool or copied contiguous."""
+    """Compiled: pages of 64 (gathered per block) and of 256 (index read once per page, or per block) give the same
+    bits, for the window and for the prompt read through the pool or copied contiguous."""
     rng = np.random.default_rng(32)
     (pool64, t64), (pool256, t256) = same_keys_two_page_sizes(rng, jnp.bfloat16, s=2, context=2048, hkv=4, d=256,
                                                               page_sizes=(64, 256))
@@ -398,11 +528,14 @@ def test_page_layouts_gpu_27b():
     tiles = at.WindowTiles(block_k=64)  # page 64: a block gathered through the table; page 256: 4 plain loads
     a = run_window(q, kw, vw, par, pool64, t64, cache_len, scale=scale, interpret=False, tiles=tiles)
     b = run_window(q, kw, vw, par, pool256, t256, cache_len, scale=scale, interpret=False, tiles=tiles)
-    assert np.array_equal(bits(a), bits(b))
+    c = run_window(q, kw, vw, par, pool256, t256, cache_len, scale=scale, interpret=False,
+                   tiles=dataclasses.replace(tiles, walk="flat"))
+    assert np.array_equal(bits(a), bits(b)) and np.array_equal(bits(c), bits(b))
     qp = jnp.asarray(rng.standard_normal((2, 256, 24, 256)), jnp.bfloat16)
     start, lengths = jnp.asarray([1700, 0], jnp.int32), jnp.asarray([256, 200], jnp.int32)
+    prompt_tiles = shipped_prompt_tiles(False, 32)
     outs = [run_prompt(qp, pool, table, start, lengths, scale=scale, interpret=False,
-                       tiles=dataclasses.replace(at.PromptTiles(), contiguous=contiguous))
+                       tiles=dataclasses.replace(prompt_tiles, contiguous=contiguous))
             for pool, table, contiguous in ((pool64, t64, True), (pool64, t64, False), (pool256, t256, False))]
     assert np.array_equal(bits(outs[0]), bits(outs[1])) and np.array_equal(bits(outs[0]), bits(outs[2]))
     assert rel_err(outs[2], np_prompt(qp, pool256, t256, start, lengths, scale)) < 1e-2

@@ -287,6 +287,170 @@ def bench_write(env: Env, *, streams: int, rows: int, fp8: bool):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# compare: the shipped tiles against a few candidates, next to cuDNN and the copy bandwidth, in one short run
+# ---------------------------------------------------------------------------------------------------------------
+
+# (name, tiles). "order" candidates change a row's reduction order (chunk, fp8_dot, prompt block_k): a new default
+# from them is a one-time change of bits for every model; "launch" ones (walk, block_q, warps, stages) never do.
+DECODE_COMPARE = (
+    ("chunk256 (order)", at.WindowTiles(chunk=256)),
+    ("flat walk (launch)", at.WindowTiles(walk="flat")),
+    ("chunk256 + flat", at.WindowTiles(chunk=256, walk="flat")),
+)
+DECODE_COMPARE_FP8 = (
+    ("f16 dot (order)", at.WindowTiles(fp8_dot="float16")),
+    ("chunk256 + f16 dot", at.WindowTiles(chunk=256, fp8_dot="float16")),
+)
+PROMPT_COMPARE = (
+    ("q128 w8 (launch)", at.PromptTiles(block_q=128, num_warps=8)),
+    ("q128 k32 w8 s3 (order)", at.PromptTiles(block_q=128, block_k=32, num_warps=8, num_stages=3)),
+)
+PROMPT_COMPARE_FP8 = (
+    ("f16 dot (order)", at.PromptTiles(fp8_dot="float16")),
+)
+
+
+def _chain(step, reps: int):
+    """One jitted chain of `reps` calls (as amortised_us), built once and reused for every context of a case, so
+    a candidate compiles once: call i takes varying[i % n] with its queries replaced by call i-1's output."""
+    @jax.jit
+    def chain(fixed, varying):
+        x = varying[0][0]
+        for i in range(reps):
+            x = step(*fixed, x, *varying[i % len(varying)][1:]).astype(x.dtype)
+        return x
+    return chain
+
+
+@guarded
+def compare_decode(env: Env, *, contexts, capacity: int, fp8: bool, candidates, bw: float | None):
+    """1 row, 1 stream, at each live context, with the page table as wide as `capacity` (the engine's fixed
+    table width: one compile per candidate, and the empty chunk programs past the context are paid as in the
+    engine)."""
+    ps = env.page_size
+    pmax = capacity // ps
+    sets = 8 if not env.interpret else 2
+    rng = np.random.default_rng(5)
+    pool = make_pool(jax.random.key(11), pmax + 1, ps, fp8)
+    tables = [jnp.asarray(rng.permutation(pmax)[None, :] + 1, jnp.int32) for _ in range(sets)]
+    keys = jax.random.split(jax.random.key(12), 3 * sets)
+    qkv = [(jax.random.normal(keys[3 * i], (1, 1, HQ, D), jnp.bfloat16),
+            jax.random.normal(keys[3 * i + 1], (1, 1, HKV, D), jnp.bfloat16),
+            jax.random.normal(keys[3 * i + 2], (1, 1, HKV, D), jnp.bfloat16)) for i in range(sets)]
+    par = jnp.full((1, 1), -1, jnp.int32)
+    kv = "fp8" if fp8 else "bf16"
+    for name, tiles in candidates:
+        if time.time() > DEADLINE:
+            print(f"  skipped decode {kv} {name}: over --budget-s", flush=True)
+            continue
+        step = (_window_interp_step if env.interpret else _window_step)(tiles)
+        chain = _chain(step, env.reps)
+        for ctx in contexts:
+            varying = [(q, kw, vw, par, tables[i], jnp.full((1,), ctx, jnp.int32))
+                       for i, (q, kw, vw) in enumerate(qkv)]
+            try:
+                us = time_us(chain, [((pool,), varying)], warmup=2, iters=5 if env.interpret else 10) / env.reps
+            except Exception as e:  # noqa: BLE001 - one candidate failing must not cost the others
+                print(f"  FAILED decode {kv} {name} {ctx}: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
+                      flush=True)
+                break
+            gbs = kv_bytes(ctx, fp8) / us / 1e3
+            record(env, section="compare-decode", tag=name, impl="kernel", kv=kv, streams=1, rows=1, context=ctx,
+                   capacity=capacity, page=ps, tiles=str(tiles), us=us, kv_gbs=gbs,
+                   of_copy=gbs / (bw * 1e3) if bw else math.nan)
+    del pool
+
+
+@guarded
+def compare_prompt(env: Env, *, rows: int, prefixes, fp8: bool, candidates):
+    """One prompt chunk of `rows` rows after each prefix, the table as wide as the longest case (one compile per
+    candidate; the contiguous copy moves the whole table, as in the engine)."""
+    ps = env.page_size
+    pmax = -(-(max(prefixes) + rows) // ps)
+    rng = np.random.default_rng(6)
+    pool = make_pool(jax.random.key(13), 2 * pmax + 1, ps, fp8)
+    tables = [jnp.asarray(rng.permutation(2 * pmax)[None, :pmax] + 1, jnp.int32) for _ in range(2)]
+    qs = [jax.random.normal(jax.random.key(210 + i), (1, rows, HQ, D), jnp.bfloat16) for i in range(2)]
+    kv = "fp8" if fp8 else "bf16"
+    reps = max(2, env.reps // 4)
+    for name, tiles in candidates:
+        if time.time() > DEADLINE:
+            print(f"  skipped prompt {kv} {name}: over --budget-s", flush=True)
+            continue
+
+        def step(pool, q, table, start, lengths, tiles=tiles):
+            return at.prompt(q, pool, table, start, lengths, scale=SCALE, tiles=tiles, interpret=env.interpret)
+        chain = _chain(step, reps)
+        for prefix in prefixes:
+            varying = [(qs[i], tables[i], jnp.asarray([prefix], jnp.int32), jnp.asarray([rows], jnp.int32))
+                       for i in range(2)]
+            try:
+                us = time_us(chain, [((pool,), varying)], warmup=2, iters=5) / reps
+            except Exception as e:  # noqa: BLE001
+                print(f"  FAILED prompt {kv} {name} {prefix}: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
+                      flush=True)
+                break
+            record(env, section="compare-prompt", tag=name, impl="kernel", kv=kv, rows=rows, prefix=prefix,
+                   capacity=pmax * ps, tiles=str(tiles), us=us, tflops=prompt_flops(rows, prefix) / us / 1e6)
+    del pool
+
+
+def run_compare(env: Env, *, smoke: bool, bw: float | None) -> None:
+    """The shipped tiles (window_tiles / prompt_tiles at the engine's layout) against the candidates above, 1-row
+    1-stream decode at 4K/32K/128K (bf16 and fp8) and a 4K-row prompt chunk after 0 and 32K keys, next to cuDNN."""
+    contexts, capacity = ((64, 256), 256) if smoke else ((4096, 32768, 131072), 131072)
+    rows, prefixes = (32, (0, 40)) if smoke else (4096, (0, 32768))
+    ps = env.page_size
+    for fp8 in (False, True):
+        shipped = at.window_tiles(page_size=ps, max_keys=capacity, head_dim=D, fp8=fp8)
+        extra = DECODE_COMPARE_FP8 if fp8 else DECODE_COMPARE
+        print(f"== compare decode {'fp8' if fp8 else 'bf16'}: 1 row, 1 stream, table for {capacity} keys", flush=True)
+        compare_decode(env, contexts=contexts, capacity=capacity, fp8=fp8, candidates=(("shipped", shipped),) + extra,
+                       bw=bw)
+    if not smoke:
+        for ctx in contexts:
+            bench_cudnn_decode(env, streams=1, rows=1, context=ctx)
+        for prefix in prefixes:
+            bench_cudnn_prompt(env, rows=rows, prefix=prefix)
+    pmax_keys = -(-(max(prefixes) + rows) // ps) * ps
+    for fp8 in (False, True):
+        shipped = at.prompt_tiles(page_size=ps, max_keys=pmax_keys, head_dim=D, fp8=fp8)
+        extra = PROMPT_COMPARE_FP8 if fp8 else PROMPT_COMPARE
+        print(f"== compare prompt {'fp8' if fp8 else 'bf16'}: {rows} rows after {prefixes}", flush=True)
+        compare_prompt(env, rows=rows, prefixes=prefixes, fp8=fp8, candidates=(("shipped", shipped),) + extra)
+
+
+def summarize_compare(env: Env, bw: float | None) -> None:
+    rows = env.results
+    dec = [r for r in rows if r.get("section") == "compare-decode"]
+    cudnn = {r["context"]: r["us"] for r in rows if r.get("section") == "decode" and r.get("impl") == "cudnn"}
+    if dec:
+        contexts = sorted({r["context"] for r in dec})
+        print(f"\n### compare: 1-row decode, 1 stream (µs; % of the {bw or math.nan:.2f} TB/s copy; target 80 %)")
+        body = []
+        for kv in ("bf16", "fp8"):
+            for name in dict.fromkeys(r["tag"] for r in dec if r["kv"] == kv):
+                cells = []
+                for ctx in contexts:
+                    got = [r for r in dec if r["kv"] == kv and r["tag"] == name and r["context"] == ctx]
+                    cells.append(f"{got[0]['us']:.1f} ({100 * got[0]['of_copy']:.0f}%)" if got else "-")
+                body.append([kv, name] + cells)
+        if cudnn:
+            body.append(["bf16", "cuDNN (contiguous)"] + [
+                f"{cudnn[c]:.1f} ({100 * kv_bytes(c, False) / cudnn[c] / 1e3 / (bw * 1e3):.0f}%)" if c in cudnn and bw
+                else "-" for c in contexts])
+        print(table(["kv", "tiles", *map(str, contexts)], body))
+    pr = [r for r in rows if r.get("section") == "compare-prompt"]
+    ref = {r["prefix"]: r["us"] for r in rows if r.get("section") == "prompt" and r.get("impl") == "cudnn"}
+    if pr:
+        print("\n### compare: prompt chunk (µs, TFLOP/s, cuDNN time / ours: target >= 0.8)")
+        body = [[r["kv"], r["tag"], r["prefix"], r["us"], r["tflops"],
+                 ref[r["prefix"]] / r["us"] if r["prefix"] in ref else math.nan] for r in pr]
+        body += [["bf16", "cuDNN", p, us, prompt_flops(pr[0]["rows"], p) / us / 1e6, 1.0] for p, us in ref.items()]
+        print(table(["kv", "tiles", "prefix", "us", "TFLOP/s", "x cuDNN"], body))
+
+
+# ---------------------------------------------------------------------------------------------------------------
 
 DECODE_CANDIDATES = (  # (page size, block_k, chunk, num_warps, num_stages)
     (64, 64, 512, 4, 3), (64, 64, 512, 4, 2), (64, 64, 512, 4, 4), (64, 32, 512, 4, 3), (64, 128, 512, 8, 3),
@@ -299,8 +463,9 @@ PROMPT_CANDIDATES = (  # (block_q, block_k, num_warps, num_stages, contiguous)
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m pallas_kernels.bench attention")
     ap.add_argument("--sections", default="decode,prompt,window,write",
-                    help="any of tune (sweep tiles/page sizes first, then use the winners), decode, prompt, "
-                         "window, write, xla (plain-XLA reference rows)")
+                    help="any of compare (shipped tiles vs DECODE_COMPARE/PROMPT_COMPARE and cuDNN, ~2 min), "
+                         "tune (sweep tiles/page sizes first, then use the winners), decode, prompt, window, write, "
+                         "xla (plain-XLA reference rows)")
     ap.add_argument("--json", default=None, help="write every measured row here")
     ap.add_argument("--smoke", action="store_true", help="toy sizes, interpret mode, CPU: checks the script")
     ap.add_argument("--page-size", type=int, default=64)
@@ -324,6 +489,8 @@ def main(argv: list[str]) -> int:
     gpu = not args.smoke
     contexts = (64, 256) if args.smoke else (4096, 32768, 131072)
     xla = "xla" in sections
+    if "compare" in sections:
+        run_compare(env, smoke=args.smoke, bw=bw)
     decode_tiles, page, prompt_tiles = at.WindowTiles(), env.page_size, at.PromptTiles()
 
     if "tune" in sections:
@@ -379,6 +546,7 @@ def main(argv: list[str]) -> int:
         with open(JSON_PATH, "w") as f:
             json.dump(env.results, f, indent=1)
     summarize(env, bw)
+    summarize_compare(env, bw)
     return 0
 
 
