@@ -352,11 +352,10 @@ def test_step_bf16_rows_and_other_tiles():
     tiles = gdn.WindowTiles(block_v=32, num_warps=2)
     rng = np.random.default_rng(30)
     (q, k, v, g, beta), pool, slot = _step_case(rng, SMALL, 2, 1, jnp.bfloat16)
-    o, new = jax.jit(functools.partial(gdn.step, interpret=INTERPRET, tiles=tiles))(q, k, v, g, beta, pool, slot)
-    o_w = jax.jit(functools.partial(gdn.window, interpret=INTERPRET, tiles=tiles))(
-        q, k, v, g, beta, jnp.full((2, 1), -1, jnp.int32), pool, slot)
-    new_c = jax.jit(functools.partial(gdn.commit, interpret=INTERPRET, tiles=tiles))(
-        k, v, g, beta, jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32), pool, slot)
+    run = lambda fn: _jit(fn, tiles=tiles)
+    o, new = run(gdn.step)(q, k, v, g, beta, pool, slot)
+    o_w = run(gdn.window)(q, k, v, g, beta, jnp.full((2, 1), -1, jnp.int32), pool, slot)
+    new_c = run(gdn.commit)(k, v, g, beta, jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32), pool, slot)
     assert np.array_equal(np.asarray(o), np.asarray(o_w))
     assert np.array_equal(np.asarray(new), np.asarray(new_c))
 
@@ -581,11 +580,10 @@ def test_gpu_step_other_tiles_27b_heads(block_v, num_warps):
     tiles = gdn.WindowTiles(block_v=block_v, num_warps=num_warps)
     rng = np.random.default_rng(block_v + num_warps)
     (q, k, v, g, beta), pool, slot = _step_case(rng, BIG, 4, 1, jnp.bfloat16)
-    o, new = jax.jit(functools.partial(gdn.step, tiles=tiles))(q, k, v, g, beta, pool, slot)
-    o_w = jax.jit(functools.partial(gdn.window, tiles=tiles))(q, k, v, g, beta, jnp.full((4, 1), -1, jnp.int32),
-                                                              pool, slot)
-    new_c = jax.jit(functools.partial(gdn.commit, tiles=tiles))(
-        k, v, g, beta, jnp.zeros((4, 1), jnp.int32), jnp.ones((4,), jnp.int32), pool, slot)
+    run = lambda fn: _jit(fn, tiles=tiles)
+    o, new = run(gdn.step)(q, k, v, g, beta, pool, slot)
+    o_w = run(gdn.window)(q, k, v, g, beta, jnp.full((4, 1), -1, jnp.int32), pool, slot)
+    new_c = run(gdn.commit)(k, v, g, beta, jnp.zeros((4, 1), jnp.int32), jnp.ones((4,), jnp.int32), pool, slot)
     assert np.array_equal(np.asarray(o), np.asarray(o_w))
     assert np.array_equal(np.asarray(new), np.asarray(new_c))
     ref_o, ref_pool = step_ref(q, k, v, g, beta, pool, slot)

@@ -518,7 +518,7 @@ def main(argv: list[str]) -> int:
                     help="block_v x num_warps variants of step (and of the window/commit it is compared with)")
     ap.add_argument("--calls", type=int, default=0, help="calls per timed step program; 0 = ~120 MB of state")
     ap.add_argument("--json", default=None, help="write the step section's rows here (rewritten after every row)")
-    ap.add_argument("--step-budget-s", type=float, default=95.0, help="start no new step measurement after this "
+    ap.add_argument("--step-budget-s", type=float, default=80.0, help="start no new step measurement after this "
                     "many seconds from the start (compiles dominate: ~1 s per timed program)")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
