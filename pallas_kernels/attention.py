@@ -494,10 +494,11 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
 
     with jax.named_scope("attn_window_merge"):
         if fp8:
-            # The write kernel's own quantizer, so a drafted key has the bits its committed self will have.
-            (kw, ksw), (vw, vsw) = kv_quant.quantize(k_win, interpret=interpret), kv_quant.quantize(
-                v_win, interpret=interpret)
-            scales = [ksw.reshape(s, r * hkv), vsw.reshape(s, r * hkv)]
+            # The write kernel's own quantizer, so a drafted key has the bits its committed self will have (K and V
+            # in one launch: rows are quantized independently).
+            codes, row_scales = kv_quant.quantize(jnp.stack([k_win, v_win]), interpret=interpret)
+            kw, vw = codes[0], codes[1]
+            scales = [row_scales[0].reshape(s, r * hkv), row_scales[1].reshape(s, r * hkv)]
         else:
             kw, vw = k_win.astype(pool.k.dtype), v_win.astype(pool.k.dtype)
             scales = []

@@ -295,13 +295,17 @@ def bench_write(env: Env, *, streams: int, rows: int, fp8: bool):
 DECODE_COMPARE = (
     ("chunk256 (order)", at.WindowTiles(chunk=256)),
     ("flat walk (launch)", at.WindowTiles(walk="flat")),
-    ("chunk256 + flat", at.WindowTiles(chunk=256, walk="flat")),
+    # 16 packed rows over 4 warps share each row's max and sum across warps through shared memory every step.
+    ("2 warps (order)", at.WindowTiles(num_warps=2)),
+    ("chunk256 + flat + 2 warps", at.WindowTiles(chunk=256, walk="flat", num_warps=2)),
 )
 DECODE_COMPARE_FP8 = (
     ("f16 dot (order)", at.WindowTiles(fp8_dot="float16")),
     ("chunk256 + f16 dot", at.WindowTiles(chunk=256, fp8_dot="float16")),
 )
 PROMPT_COMPARE = (
+    # The shipped prompt copies the whole table (the capacity) into contiguous K/V on every call; this reads pages.
+    ("paged reads (launch)", at.PromptTiles(contiguous=False)),
     ("q128 w8 (launch)", at.PromptTiles(block_q=128, num_warps=8)),
     ("q128 k32 w8 s3 (order)", at.PromptTiles(block_q=128, block_k=32, num_warps=8, num_stages=3)),
 )
@@ -362,14 +366,14 @@ def compare_decode(env: Env, *, contexts, capacity: int, fp8: bool, candidates, 
 
 
 @guarded
-def compare_prompt(env: Env, *, rows: int, prefixes, fp8: bool, candidates):
-    """One prompt chunk of `rows` rows after each prefix, the table as wide as the longest case (one compile per
-    candidate; the contiguous copy moves the whole table, as in the engine)."""
+def compare_prompt(env: Env, *, rows: int, prefixes, capacity: int, fp8: bool, candidates):
+    """One prompt chunk of `rows` rows after each prefix, the page table as wide as `capacity` (the engine's fixed
+    width: one compile per candidate, and the contiguous copy moves the whole table, as it does in the engine)."""
     ps = env.page_size
-    pmax = -(-(max(prefixes) + rows) // ps)
+    pmax = capacity // ps
     rng = np.random.default_rng(6)
-    pool = make_pool(jax.random.key(13), 2 * pmax + 1, ps, fp8)
-    tables = [jnp.asarray(rng.permutation(2 * pmax)[None, :pmax] + 1, jnp.int32) for _ in range(2)]
+    pool = make_pool(jax.random.key(13), pmax + 1, ps, fp8)
+    tables = [jnp.asarray(rng.permutation(pmax)[None, :] + 1, jnp.int32) for _ in range(2)]
     qs = [jax.random.normal(jax.random.key(210 + i), (1, rows, HQ, D), jnp.bfloat16) for i in range(2)]
     kv = "fp8" if fp8 else "bf16"
     reps = max(2, env.reps // 4)
@@ -391,13 +395,14 @@ def compare_prompt(env: Env, *, rows: int, prefixes, fp8: bool, candidates):
                       flush=True)
                 break
             record(env, section="compare-prompt", tag=name, impl="kernel", kv=kv, rows=rows, prefix=prefix,
-                   capacity=pmax * ps, tiles=str(tiles), us=us, tflops=prompt_flops(rows, prefix) / us / 1e6)
+                   capacity=capacity, tiles=str(tiles), us=us, tflops=prompt_flops(rows, prefix) / us / 1e6)
     del pool
 
 
 def run_compare(env: Env, *, smoke: bool, bw: float | None) -> None:
     """The shipped tiles (window_tiles / prompt_tiles at the engine's layout) against the candidates above, 1-row
-    1-stream decode at 4K/32K/128K (bf16 and fp8) and a 4K-row prompt chunk after 0 and 32K keys, next to cuDNN."""
+    1-stream decode at 4K/32K/128K (bf16 and fp8) and a 4K-row prompt chunk after 0 and 32K keys, next to cuDNN.
+    Every case uses a page table for 128K keys (the engine's table width is its max length)."""
     contexts, capacity = ((64, 256), 256) if smoke else ((4096, 32768, 131072), 131072)
     rows, prefixes = (32, (0, 40)) if smoke else (4096, (0, 32768))
     ps = env.page_size
@@ -412,12 +417,13 @@ def run_compare(env: Env, *, smoke: bool, bw: float | None) -> None:
             bench_cudnn_decode(env, streams=1, rows=1, context=ctx)
         for prefix in prefixes:
             bench_cudnn_prompt(env, rows=rows, prefix=prefix)
-    pmax_keys = -(-(max(prefixes) + rows) // ps) * ps
     for fp8 in (False, True):
-        shipped = at.prompt_tiles(page_size=ps, max_keys=pmax_keys, head_dim=D, fp8=fp8)
+        shipped = at.prompt_tiles(page_size=ps, max_keys=capacity, head_dim=D, fp8=fp8)
         extra = PROMPT_COMPARE_FP8 if fp8 else PROMPT_COMPARE
-        print(f"== compare prompt {'fp8' if fp8 else 'bf16'}: {rows} rows after {prefixes}", flush=True)
-        compare_prompt(env, rows=rows, prefixes=prefixes, fp8=fp8, candidates=(("shipped", shipped),) + extra)
+        print(f"== compare prompt {'fp8' if fp8 else 'bf16'}: {rows} rows after {prefixes}, table for {capacity} keys",
+              flush=True)
+        compare_prompt(env, rows=rows, prefixes=prefixes, capacity=capacity, fp8=fp8,
+                       candidates=(("shipped", shipped),) + extra)
 
 
 def summarize_compare(env: Env, bw: float | None) -> None:
