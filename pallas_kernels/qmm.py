@@ -16,11 +16,15 @@ How the kernel works (Pallas, Triton lowering; docs/kernels/qmm.md has the measu
   into x's producer inside a jitted model, and is shared by projections that read the same x).
 - The MMA runs weight-major (w [block_n, chunk] @ x^T [chunk, block_m], Hopper wgmma when block_n >= 64), fp32
   accumulation, one chunk after another in increasing k.
+- Split-K (`Tiles.k_splits` = S > 1, for decode shapes with too few n tiles to fill the GPU): a third grid axis
+  cuts K into S contiguous ranges of whole loop steps; each program writes an fp32 partial [S, M, N], and the
+  wrapper adds the partials in a fixed sequence ((p0 + p1) + p2 ...) before the cast.
 
 Exactness (STYLE.md): the k order (blocks, then chunks, each one MMA of fixed shape) and every tile shape are fixed
 by the weight's shape and the path (`prompt`) alone. A row of x is always computed in a `block_m`-row MMA tile of
 one shape, whatever M is and whichever rows share the call, so row i's bits never depend on M or on the other
-rows. M is padded inside (masked loads and stores).
+rows. M is padded inside (masked loads and stores). With split-K, each element's partials and their summation
+order are fixed by the same shape-only tiles.
 """
 
 from __future__ import annotations
@@ -121,28 +125,42 @@ class Tiles:
     num_warps: int = 4
     num_stages: int = 3
     max_m_blocks: int = 1  # block_m-row tiles one program carries, so one weight chunk serves up to this many
+    k_splits: int = 1  # contiguous K ranges on a third grid axis, fp32 partials summed in a fixed order after
 
     def check(self) -> None:
         for name, least in (("block_m", 8), ("block_n", 16)):
             v = getattr(self, name)
             if v < least or v & (v - 1):
                 raise ValueError(f"qmm tiles: {name}={v} must be a power of two >= {least}")
-        for name in ("blocks_per_step", "max_m_blocks", "num_warps", "num_stages"):
+        for name in ("blocks_per_step", "max_m_blocks", "num_warps", "num_stages", "k_splits"):
             if getattr(self, name) < 1:
                 raise ValueError(f"qmm tiles: {name} must be >= 1")
 
 
-def decode_tiles(n: int, k: int, bits: int, group: int) -> Tiles:
-    """Decode/verify (memory-bound) tiles, from the weight's shape only.
+# The decode/verify tiles, in one place: `decode_tiles` fits them to a weight's K. 32 output features a program
+# on two warps, two k blocks a loop step, 3 pipeline stages, no split-K: the best, or within the noise of the
+# best, of the variants timed on the H200 for 5120->17408 and 17408->5120 at M = 1 and 16 (docs/kernels/qmm.md).
+# A program carries two 16-row tiles, so M = 32 reads each weight tile once from HBM (larger M re-reads it from
+# L2 for each further 32 rows). `python -m pallas_kernels.bench qmm --sweep` times the alternatives.
+DECODE_TILES = Tiles(block_m=16, block_n=32, blocks_per_step=2, num_warps=2, num_stages=3, max_m_blocks=2,
+                     k_splits=1)
 
-    32 output features a program on two warps, two k blocks a loop step, 3 pipeline stages: the best or within
-    the noise of the best of the variants timed on the H200 for 5120->17408 and 17408->5120 at M = 1 and 16
-    (docs/kernels/qmm.md). A program carries two 16-row tiles, so M = 32 reads each weight tile once from HBM
-    (larger M re-reads it from L2 for each further 32 rows).
-    """
-    kp = _padded_k(k, bits)
-    steps = 2 if kp % (2 * block_cols(kp, bits)) == 0 else 1
-    return Tiles(block_m=16, block_n=32, blocks_per_step=steps, num_warps=2, num_stages=3, max_m_blocks=2)
+
+def decode_tiles(n: int, k: int, bits: int, group: int) -> Tiles:
+    """Decode/verify (memory-bound) tiles, from the weight's shape only: `DECODE_TILES` fitted to K."""
+    return fit_tiles(DECODE_TILES, k, bits)
+
+
+def fit_tiles(tiles: Tiles, k: int, bits: int) -> Tiles:
+    """`tiles` with blocks_per_step halved, then k_splits lowered, until they cut K's blocks evenly (a function of
+    K and bits alone, so still a shape-only choice)."""
+    blocks = _padded_k(k, bits) // block_cols(_padded_k(k, bits), bits)
+    steps, splits = tiles.blocks_per_step, tiles.k_splits
+    while steps > 1 and blocks % steps:
+        steps //= 2
+    while splits > 1 and blocks % (steps * splits):
+        splits -= 1
+    return dataclasses.replace(tiles, blocks_per_step=steps, k_splits=splits)
 
 
 def prompt_tiles(n: int, k: int, bits: int, group: int) -> Tiles:
@@ -176,10 +194,12 @@ def _weight_chunk(words, j: int, bits: int, s, b, w_dtype, bf16_fma: bool):
 
 def _qmm_kernel(x_ref, w_ref, s_ref, b_ref, *out_refs, m: int, n: int, kp: int, bits: int, group: int,
                 block: int, tiles: Tiles, m_blocks: int, w_dtype, bf16_fma: bool, precision):
-    # x_ref [M, Kp] in chunk order; w_ref uint32 [N, Kp*bits/32]; s_ref, b_ref [N, Kp/g]; o_ref [M, N]
-    # (preceded by the aliased input buffer when the caller passes one to poison).
+    # x_ref [M, Kp] in chunk order; w_ref uint32 [N, Kp*bits/32]; s_ref, b_ref [N, Kp/g]; o_ref [M, N], or the
+    # fp32 partials [S, M, N] with split-K (preceded by the unread `after` operand and by the aliased input buffer
+    # when the caller poisons it).
     o_ref = out_refs[-1]
-    # Grid (row super-block, n tile): each program owns rows [pid_m * m_blocks * block_m, ...) x one n tile.
+    # Grid (row super-block, n tile[, k split]): each program owns rows [pid_m * m_blocks * block_m, ...) x one n
+    # tile x (with split-K) one contiguous range of K's loop steps.
     bm, bn = tiles.block_m, tiles.block_n
     per = 32 // bits
     half = per // 2
@@ -204,10 +224,13 @@ def _qmm_kernel(x_ref, w_ref, s_ref, b_ref, *out_refs, m: int, n: int, kp: int, 
             return ref[idx]
         return plt.load(ref.at[idx], mask=jnp.broadcast_to((cols < n)[:, None], (bn, width)), other=0)
 
+    steps = kp // (block * tiles.blocks_per_step * tiles.k_splits)  # loop steps a program
+    step0 = pl.program_id(2) * steps if tiles.k_splits > 1 else 0
+
     def step(it, accs):
         accs = list(accs)
         for blk in range(tiles.blocks_per_step):
-            kb = it * tiles.blocks_per_step + blk
+            kb = (step0 + it) * tiles.blocks_per_step + blk
             words = load_n_rows(w_ref, (nsl, pl.ds(pl.multiple_of(kb * words_per_block, words_per_block),
                                                    words_per_block)), words_per_block)
             gsl = pl.ds((kb * block) // group, block_groups)
@@ -229,10 +252,11 @@ def _qmm_kernel(x_ref, w_ref, s_ref, b_ref, *out_refs, m: int, n: int, kp: int, 
         return tuple(accs)
 
     zeros = tuple(jnp.zeros((bn, bm), jnp.float32) for _ in range(m_blocks))
-    accs = jax.lax.fori_loop(0, kp // (block * tiles.blocks_per_step), step, zeros)
+    accs = jax.lax.fori_loop(0, steps, step, zeros)
     for mb in range(m_blocks):
         mask = row_ok[mb][:, None] & (cols < n)[None, :]
-        plt.store(o_ref.at[row_idx[mb], nsl], accs[mb].T.astype(o_ref.dtype), mask=mask)
+        dst = o_ref.at[pl.program_id(2), row_idx[mb], nsl] if tiles.k_splits > 1 else o_ref.at[row_idx[mb], nsl]
+        plt.store(dst, accs[mb].T.astype(o_ref.dtype), mask=mask)
 
 
 def _arith(x_dtype, scale_dtype, bits: int):
@@ -245,28 +269,46 @@ def _arith(x_dtype, scale_dtype, bits: int):
 
 
 def _qmm_call(xk: jax.Array, words, scales, biases, n: int, bits: int, group: int, out_dtype, tiles: Tiles,
-              interpret: bool, out: jax.Array | None = None) -> jax.Array:
+              interpret: bool, poison: bool = False, after: jax.Array | None = None) -> jax.Array:
+    """The kernel on x already in chunk order -> y [M, N] out_dtype (split-K partials summed here). poison: the
+    kernel writes into a NaN-filled buffer, so an element it never writes shows up (tests). after: an operand the
+    kernel never reads, so the call runs after whatever produced it (the benchmark chains calls through it)."""
     m, kp = xk.shape
     block = block_cols(kp, bits)
-    if kp % (block * tiles.blocks_per_step):
-        raise ValueError(f"qmm tiles: blocks_per_step={tiles.blocks_per_step} does not divide K={kp} into "
-                         f"blocks of {block}")
+    if kp % (block * tiles.blocks_per_step * tiles.k_splits):
+        raise ValueError(f"qmm tiles: blocks_per_step={tiles.blocks_per_step} x k_splits={tiles.k_splits} does not "
+                         f"divide K={kp} into whole blocks of {block} (qmm.fit_tiles picks ones that do)")
     m_blocks = min(tiles.max_m_blocks, pl.cdiv(m, tiles.block_m))
     grid = (pl.cdiv(m, m_blocks * tiles.block_m), pl.cdiv(n, tiles.block_n))
+    split = tiles.k_splits > 1
+    if split:
+        grid += (tiles.k_splits,)
+    out_shape = jax.ShapeDtypeStruct((tiles.k_splits, m, n) if split else (m, n),
+                                     jnp.float32 if split else out_dtype)
     w_dtype, precision, bf16_fma = _arith(xk.dtype, scales.dtype, bits)
     # A fresh partial per call: jax#40847 reuses a stale jaxpr when one kernel function meets several grids.
     kernel = functools.partial(_qmm_kernel, m=m, n=n, kp=kp, bits=bits, group=group, block=block, tiles=tiles,
                                m_blocks=m_blocks, w_dtype=w_dtype, bf16_fma=bf16_fma, precision=precision)
-    operands = (xk, words, scales, biases) + (() if out is None else (out,))
-    return pl.pallas_call(
+    operands = (xk, words, scales, biases) + (() if after is None else (after,))
+    if poison:
+        operands += (jnp.full(out_shape.shape, jnp.nan, out_shape.dtype),)
+    y = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_shape=out_shape,
         grid=grid,
         compiler_params=plt.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
-        input_output_aliases={} if out is None else {4: 0},
+        input_output_aliases={len(operands) - 1: 0} if poison else {},
         interpret=interpret,
-        name=f"qmm_{bits}b_g{group}",
+        name=f"qmm_{bits}b_g{group}" + (f"_split{tiles.k_splits}" if split else ""),
     )(*operands)
+    if not split:
+        return y
+    with jax.named_scope("qmm_split_sum"):
+        # One fixed sequence of plain adds for every element (no tree reduction whose order XLA may choose).
+        total = y[0]
+        for s in range(1, tiles.k_splits):
+            total = total + y[s]
+        return total.astype(out_dtype)
 
 
 def qmm(x: jax.Array, w: QuantizedWeight, *, prompt: bool = False, interpret: bool = False,
@@ -283,8 +325,8 @@ def qmm(x: jax.Array, w: QuantizedWeight, *, prompt: bool = False, interpret: bo
 
 
 def _qmm(x: jax.Array, w: QuantizedWeight, *, prompt: bool, interpret: bool, tiles: Tiles | None,
-         out: jax.Array | None = None) -> jax.Array:
-    """`qmm`, optionally writing into `out` [M, N] (tests pass a NaN-filled buffer to catch unwritten elements)."""
+         poison: bool = False) -> jax.Array:
+    """`qmm`; poison: the kernel writes into NaN-filled memory (tests catch elements it never writes)."""
     _validate(x, w)
     n, k = w.shape
     if tiles is None:
@@ -297,10 +339,8 @@ def _qmm(x: jax.Array, w: QuantizedWeight, *, prompt: bool, interpret: bool, til
         xk = x if kp == k else jnp.pad(x, ((0, 0), (0, kp - k)))
         wp = _pad_weight(w)
         xk = _to_kernel_order(xk, block_cols(kp, w.bits), w.bits)
-        if out is not None and (out.shape != (x.shape[0], n) or out.dtype != x.dtype):
-            raise ValueError(f"qmm: out must be {(x.shape[0], n)} {x.dtype}, got {out.shape} {out.dtype}")
         return _qmm_call(xk, wp.words, wp.scales, wp.biases, n, w.bits, w.group_size, x.dtype, tiles, interpret,
-                         out)
+                         poison)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -48,9 +48,7 @@ def _rel(y, ref) -> float:
 
 
 def _poisoned(x, w, *, prompt, tiles=None):
-    n = w.shape[0]
-    out = jnp.full((x.shape[0], n), jnp.nan, x.dtype)
-    return qmm._qmm(x, w, prompt=prompt, interpret=INTERPRET, tiles=tiles, out=out)
+    return qmm._qmm(x, w, prompt=prompt, interpret=INTERPRET, tiles=tiles, poison=True)
 
 
 def _bits(y) -> np.ndarray:
@@ -156,6 +154,79 @@ def test_explicit_tiles_sweep():
         _check(rng, 80, 512, 4, 64, (m,), prompt=False, dtype=jnp.bfloat16, tiles=tiles)
 
 
+# Split-K: (tiles, N, K, bits, group, Ms). K's blocks are 256 columns here: K = 512 is 2, 768 is 3, 1024 is 4;
+# ragged n tiles (N = 80, 200) and several row tiles a program are covered too.
+SPLIT_CASES = [
+    (qmm.Tiles(16, 32, 1, 2, 3, 2, k_splits=2), 80, 512, 4, 64, (1, 17)),
+    (qmm.Tiles(16, 16, 1, 1, 3, 1, k_splits=3), 96, 768, 4, 32, (3,)),
+    (qmm.Tiles(8, 32, 1, 2, 3, 2, k_splits=3), 200, 768, 8, 128, (1, 9)),
+    (qmm.Tiles(16, 32, 2, 2, 3, 2, k_splits=2), 64, 1024, 8, 64, (16,)),
+]
+
+
+@pytest.mark.parametrize("case", range(len(SPLIT_CASES)))
+def test_split_k_matches_oracle(case):
+    """k_splits > 1: fp32 partials over contiguous K ranges, summed in a fixed order, against the float64 oracle
+    and reference(), every partial element written (NaN-poisoned)."""
+    tiles, n, k, bits, group, ms = SPLIT_CASES[case]
+    rng = np.random.default_rng(1400 + case)
+    _check(rng, n, k, bits, group, ms, prompt=False, dtype=jnp.bfloat16, tiles=tiles)
+
+
+def test_split_k_fp32_and_one_split_per_block():
+    """The fp32 verification path with split-K, and S equal to the number of k blocks (one block a program)."""
+    rng = np.random.default_rng(1450)
+    _check(rng, 96, 768, 4, 64, (5,), prompt=False, dtype=jnp.float32, tiles=qmm.Tiles(16, 32, 1, 2, 3, 2, 3))
+    _check(rng, 64, 1024, 8, 32, (2,), prompt=False, dtype=jnp.bfloat16, tiles=qmm.Tiles(16, 16, 1, 1, 3, 1, 4))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_split_k_row_invariance(dtype):
+    """With split-K, row i of a batch call is still bit-identical to the row alone or in any other batch."""
+    rng = np.random.default_rng(1500)
+    w, _ = _weight(rng, 96, 768, 4, 64)
+    tiles = qmm.Tiles(16, 32, 1, 2, 3, 2, k_splits=3)
+    big = 40
+    x = jnp.asarray(rng.normal(size=(big, 768)), dtype)
+    full = _bits(qmm.qmm(x, w, interpret=INTERPRET, tiles=tiles))
+    for rows in ([5], [0, 1, 2], list(range(big - 17, big))):
+        part = _bits(qmm.qmm(x[jnp.asarray(rows)], w, interpret=INTERPRET, tiles=tiles))
+        np.testing.assert_array_equal(part, full[rows], err_msg=f"rows {rows[0]}..{rows[-1]} changed with M")
+    other = x.at[1:].set(jnp.asarray(rng.normal(size=(big - 1, 768)), dtype))
+    np.testing.assert_array_equal(_bits(qmm.qmm(other, w, interpret=INTERPRET, tiles=tiles))[0], full[0])
+
+
+def test_fit_tiles():
+    """Tiles fitted to K are a function of K and bits alone and always cut K's blocks evenly."""
+    t = qmm.Tiles(16, 32, 4, 2, 3, 2, k_splits=5)
+    for k, bits, steps, splits in ((5120, 4, 4, 5), (17408, 4, 4, 1), (6144, 4, 4, 3), (5120, 8, 4, 5),
+                                   (96, 4, 1, 1), (768, 4, 1, 3)):
+        got = qmm.fit_tiles(t, k, bits)
+        assert (got.blocks_per_step, got.k_splits) == (steps, splits), (k, bits, got)
+    assert qmm.decode_tiles(17408, 5120, 4, 64) == qmm.fit_tiles(qmm.DECODE_TILES, 5120, 4)
+    with pytest.raises(ValueError, match="k_splits"):
+        qmm.qmm(jnp.ones((2, 512), jnp.bfloat16), _weight(np.random.default_rng(0), 64, 512, 4, 64)[0],
+                interpret=INTERPRET, tiles=qmm.Tiles(16, 32, 1, 2, 3, 2, k_splits=3))
+    with pytest.raises(ValueError, match="k_splits"):
+        qmm.Tiles(16, 32, k_splits=0).check()
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU smoke run of the GPU sweep's code path")
+def test_bench_sweep_smoke(tmp_path):
+    """`bench qmm --sweep` end to end in interpret mode at tiny shapes (split-K candidates, the prompt comparison,
+    the JSON), so the device run does not die on a Python error."""
+    import json
+
+    from pallas_kernels.bench import qmm as bench
+    path = tmp_path / "sweep.json"
+    assert bench.main(["--sweep", "--interpret", "--shapes", "512x256", "--m", "1", "--max-candidates", "3",
+                       "--prompt-ms", "64", "--prompt-shape", "512x256", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["label"] for r in rows if r["kind"] == "decode"][:2] == ["16/32/2/2/3/2/1", "16/32/1/2/3/2/2"]
+    assert len([r for r in rows if r["kind"] == "prompt"]) == 3
+    assert all(r["error"] is None or r["error"].startswith("noise") for r in rows), rows
+
+
 def test_embed():
     rng = np.random.default_rng(800)
     w, oracle = _weight(rng, 300, 192, 4, 64)
@@ -233,4 +304,21 @@ def test_gpu_row_invariance(prompt):
     full = _bits(qmm.qmm(x, w, prompt=prompt))
     for rows in ([0], [7], [0, 1, 2], list(range(16, 33)), list(range(big - 5, big))):
         part = _bits(qmm.qmm(x[jnp.asarray(rows)], w, prompt=prompt))
+        np.testing.assert_array_equal(part, full[rows], err_msg=f"rows {rows[0]}..{rows[-1]} changed with M")
+
+
+@pytest.mark.gpu
+def test_gpu_split_k():
+    """Split-K on the device: against the oracle, and bit-for-bit row invariance at a 27B shape (6144 -> 5120,
+    24 k blocks in 8 splits)."""
+    rng = np.random.default_rng(1400)
+    for tiles in (qmm.Tiles(16, 32, 1, 2, 3, 2, k_splits=4), qmm.Tiles(16, 64, 1, 4, 3, 2, k_splits=8)):
+        _check(rng, 1000, 2048, 4, 64, (1, 17), prompt=False, dtype=jnp.bfloat16, tiles=tiles)
+    _check(rng, 520, 2048, 8, 64, (5,), prompt=False, dtype=jnp.float32, tiles=qmm.Tiles(16, 32, 1, 2, 3, 2, 4))
+    w, _ = _weight(rng, 5120, 6144, 4, 64)
+    tiles = qmm.Tiles(16, 32, 1, 2, 3, 2, k_splits=8)
+    x = jnp.asarray(rng.normal(size=(64, 6144)), jnp.bfloat16)
+    full = _bits(qmm.qmm(x, w, tiles=tiles))
+    for rows in ([0], [7], [0, 1, 2], list(range(16, 33))):
+        part = _bits(qmm.qmm(x[jnp.asarray(rows)], w, tiles=tiles))
         np.testing.assert_array_equal(part, full[rows], err_msg=f"rows {rows[0]}..{rows[-1]} changed with M")

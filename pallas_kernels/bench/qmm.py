@@ -1,20 +1,31 @@
-"""Benchmark of the group-quantized matmul on the 27B's projection shapes (GPU).
+"""Benchmark of the group-quantized matmul on the 27B's projection shapes (GPU; `--interpret` runs it on CPU).
 
     python -m pallas_kernels.bench qmm [--shapes 5120x17408,...] [--m 1,16,...] [--no-torch] [--json PATH]
-    python -m pallas_kernels.bench qmm --sweep [--shapes ...] [--m ...]     # tile variants, to pick the defaults
+    python -m pallas_kernels.bench qmm --sweep [--shapes ...] [--m 1,16] [--prompt-ms 1024,4096] --json PATH
+    python -m pallas_kernels.bench qmm --sweep --interpret --shapes 512x256 --m 1,16 --prompt-ms 128   # CPU smoke
 
-Per shape (K -> N, 4-bit, group 64, random weights made on the GPU) and M: the Pallas kernel (decode path for
-M <= 256, prompt path for M >= 64; the kernel alone on an x already in chunk order, as a jitted model sees it
-once XLA fuses the permutation into x's producer, and `qmm()` end to end for M <= 16), the XLA dequantize +
-matmul (`qmm.reference`, fp32, jitted), a bf16 matmul of the same shape, and torch's int4 tinygemm
-(`_weight_int4pack_mm`, group 64) when torch is there. Times are device times with the host dispatch amortized
-(`device_us`; torch: CUDA events). Bytes moved = packed weight + scales + biases + x + y; weights are rotated over
-enough copies to defeat the 60 MB L2. The last table is compact.
+Comparison mode, per shape (K -> N, 4-bit, group 64, random weights made on the device) and M: the Pallas kernel
+(decode path for M <= 256, prompt path for M >= 64; the kernel alone on an x already in chunk order, as a jitted
+model sees it once XLA fuses the permutation into x's producer, and `qmm()` end to end for M <= 16), the XLA
+dequantize + matmul (`qmm.reference`, fp32), a bf16 matmul of the same shape, and torch's int4 tinygemm
+(`_weight_int4pack_mm`, group 64) when torch is there. Bytes moved = packed weight + scales + biases + x + y.
+
+Sweep mode: decode tile candidates (`_sweep_candidates`, or `--candidates`) for each shape and M, the default tiles
+among them, ranked per shape; optionally the prompt path against "dequantize the whole weight to bf16 in one XLA
+fusion, then jnp.dot" (a measurement only: cuBLAS picks its algorithm by M, so that path is not row-invariant).
+Programs are lowered one by one, compiled on worker threads, then timed one by one; `--budget-s` bounds the run.
+
+Timing (`device_us`): one jitted program runs the function `reps` times as a data-dependent chain (each call's
+arguments pass through an optimization barrier with the previous call's output, so XLA can neither merge nor
+overlap the calls), rotating over enough weight copies to defeat the L2. The program is timed once alone and twice
+back to back; per call = (two - one) / reps, so the host's dispatch, launch and sync cost cancel (the host
+enqueues the second program while the device runs the first). `fixed_us` reports what cancelled.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import json
 import math
@@ -26,31 +37,98 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import qmm
-from pallas_kernels.bench.common import copy_bandwidth_tbs, table
-from pallas_kernels.qweight import QuantizedWeight
+from pallas_kernels.bench.common import table
+from pallas_kernels.qweight import QuantizedWeight, dequantize
 
 SHAPES = ((5120, 17408), (17408, 5120), (5120, 10240), (5120, 6144), (6144, 5120), (5120, 12288), (5120, 248320))
+SWEEP_SHAPES = ((5120, 17408), (17408, 5120), (5120, 6144), (6144, 5120))
 MS = (1, 4, 16, 64, 256, 1024, 4096)
 BITS, GROUP = 4, 64
-L2_BYTES = 60 << 20
+L2_BYTES = 60 << 20  # H200: 50 MB (rounded up, so the copies surely spill it)
+TARGET_US, MIN_REPS, MAX_REPS = 2000.0, 3, 64  # device time a program aims at; calls a program
 
 
-def device_us(fn, make_args, est_us: float, budget_us: float = 3000.0, samples: int = 5) -> float:
-    """µs per call of fn, with the host's dispatch cost amortized: one jitted program runs fn on R distinct
-    argument sets back to back (R from an estimate of one call, so a sample takes about `budget_us`), and the
-    median of `samples` runs is divided by R. `make_args(i)` gives the i-th argument tuple; distinct x per call
-    keeps XLA from merging identical calls. (common.time_us times one dispatch + sync per call: on the device
-    machine that host cost was ~80 µs, larger than the small kernels themselves.)"""
-    reps = int(min(20, max(1, budget_us // max(est_us, 1.0))))
-    sets = [make_args(i) for i in range(reps)]
-    prog = jax.jit(lambda sets: [fn(*a) for a in sets])
-    jax.block_until_ready(prog(sets))
-    times = []
-    for _ in range(samples):
+# ---------------------------------------------------------------------------------------------------------------
+# timing
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    us: float  # device µs a call: (two programs back to back - one) / reps
+    fixed_us: float  # what cancelled: one program's time - reps * us (host dispatch, launch, sync)
+    reps: int
+    dispatch_us: float  # host time to enqueue one program; must stay well below reps * us
+
+
+def _reps(est_us: float, interpret: bool) -> int:
+    if interpret:
+        return 2  # CPU smoke runs: the path, not the number
+    return int(min(MAX_REPS, max(MIN_REPS, math.ceil(TARGET_US / max(est_us, 0.5)))))
+
+
+def lower_chain(fn, arg_sets: list[tuple], reps: int, takes_after: bool = False):
+    """The jitted program fn(*arg_sets[0]) -> fn(*arg_sets[1]) -> ... (`reps` calls), lowered. Each call is
+    ordered after the previous one: through `fn(*args, after=y)` when fn takes it (the Pallas kernel: an operand it
+    never reads, a true data dependency), else by an optimization barrier on its arguments (XLA removes the
+    barrier after scheduling; the barrier's copy of each output is returned, since XLA prunes a barrier's unused
+    results). fn is jitted once, so its kernel is lowered once and XLA compiles it once for all the calls."""
+    inner = jax.jit(fn)
+
+    def program(arg_sets):
+        if takes_after:  # the first call gets an `after` too, so every call is one kernel (one Triton compile)
+            first = jax.eval_shape(inner, *arg_sets[0])
+            y = inner(*arg_sets[0], after=jnp.zeros(first.shape, first.dtype))
+        else:
+            y = inner(*arg_sets[0])
+        kept = []
+        for i in range(1, reps):
+            args, y = jax.lax.optimization_barrier((arg_sets[i % len(arg_sets)], y))
+            kept.append(y)
+            y = inner(*args, after=y) if takes_after else inner(*args)
+        return kept + [y]
+
+    return jax.jit(program).lower(arg_sets)
+
+
+def time_chain(compiled, arg_sets: list[tuple], reps: int, samples: int = 7) -> Timing:
+    def run(times: int) -> tuple[float, float]:
         t0 = time.perf_counter()
-        jax.block_until_ready(prog(sets))
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times) / reps
+        for _ in range(times):
+            out = compiled(arg_sets)
+        t1 = time.perf_counter()
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) * 1e6, (t1 - t0) * 1e6 / times
+
+    for _ in range(2):
+        run(1)
+        run(2)
+    one, two, dispatch = [], [], []
+    for _ in range(samples):
+        t, d = run(1)
+        one.append(t)
+        dispatch.append(d)
+        two.append(run(2)[0])
+    t1, t2 = statistics.median(one), statistics.median(two)
+    us = max(t2 - t1, 0.0) / reps
+    return Timing(us, t1 - reps * us, reps, statistics.median(dispatch))
+
+
+def device_us(fn, arg_sets: list[tuple], est_us: float, interpret: bool = False, takes_after: bool = False
+              ) -> Timing:
+    reps = _reps(est_us, interpret)
+    return time_chain(lower_chain(fn, arg_sets, reps, takes_after).compile(), arg_sets, reps)
+
+
+def copy_tbs(interpret: bool = False) -> float:
+    """Device copy bandwidth now (bytes read + written, TB/s), timed like the kernels: x + 1 over 2 x 512 MB."""
+    n = (1 << 20) if interpret else (128 << 20)
+    srcs = [(jax.random.normal(jax.random.key(i), (n,), jnp.float32),) for i in range(2)]
+    t = device_us(lambda a: a + 1.0, srcs, 2 * 4 * n / 4e12 * 1e6, interpret)
+    return 2 * 4 * n / (t.us * 1e-6) / 1e12
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# inputs
 
 
 def _estimate_us(m: int, n: int, k: int) -> float:
@@ -65,8 +143,16 @@ def _parse_shapes(text: str) -> list[tuple[int, int]]:
     return out
 
 
+def _parse_ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
 def _weight_bytes(n: int, k: int) -> int:
     return n * k * BITS // 8 + 2 * n * (k // GROUP) * 2
+
+
+def _moved(m: int, n: int, k: int) -> int:
+    return _weight_bytes(n, k) + 2 * m * (k + n)
 
 
 def _random_weights(n: int, k: int, copies: int) -> list[QuantizedWeight]:
@@ -82,8 +168,38 @@ def _random_weights(n: int, k: int, copies: int) -> list[QuantizedWeight]:
     return ws
 
 
-def _copies(n: int, k: int) -> int:
-    return max(2, math.ceil(3 * L2_BYTES / _weight_bytes(n, k)))
+def _copies(nbytes: int, interpret: bool = False) -> int:
+    return 2 if interpret else max(2, math.ceil(3 * L2_BYTES / nbytes))
+
+
+def _x(m: int, k: int, seed: int = 50) -> jax.Array:
+    return jax.random.normal(jax.random.key(seed), (m, k), jnp.bfloat16)
+
+
+def _chunk_order(x: jax.Array) -> jax.Array:
+    return qmm._to_kernel_order(x, qmm.block_cols(x.shape[1], BITS), BITS)
+
+
+def _kernel_fn(tiles: qmm.Tiles, interpret: bool = False):
+    """The pallas_call alone (plus the split-K sum), on x already permuted into the kernel's chunk order (as a
+    jitted model sees it once XLA fuses the permutation into x's producer)."""
+    def run(xk, w, after=None):
+        return qmm._qmm_call(xk, w.words, w.scales, w.biases, w.out_features, w.bits, w.group_size, xk.dtype,
+                             tiles, interpret, after=after)
+    return run
+
+
+def _dequant_dot(x, w):
+    """The whole weight dequantized to bf16 (one XLA fusion), then a bf16 matmul with fp32 accumulation."""
+    return jnp.dot(x, dequantize(w, jnp.bfloat16).T, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _bf16_dot(x, dense):
+    return jnp.dot(x, dense, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# comparison table
 
 
 def _torch_int4(n: int, k: int, ms, copies: int) -> dict[int, float]:
@@ -135,50 +251,27 @@ class Row:
     torch_us: float | None = None
 
 
-def _kernel_fn(tiles: qmm.Tiles):
-    """The pallas_call alone, on x already permuted into the kernel's chunk order (as a jitted model sees it once
-    XLA fuses the permutation into x's producer)."""
-    def run(xk, w):
-        return qmm._qmm_call(xk, w.words, w.scales, w.biases, w.out_features, w.bits, w.group_size, xk.dtype,
-                             tiles, False)
-    return run
-
-
-def _chunk_xs(m: int, k: int, count: int = 2):
-    xs = [jax.random.normal(jax.random.key(50 + i), (m, k), jnp.bfloat16) for i in range(count)]
-    return xs, [qmm._to_kernel_order(x, qmm.block_cols(k, BITS), BITS) for x in xs]
-
-
-def _bench_shape(k: int, n: int, ms, copy_tbs: float, use_torch: bool, ref_max_m: int, on_row=None) -> list[Row]:
-    copies = _copies(n, k)
+def _bench_shape(k: int, n: int, ms, copy: float, use_torch: bool, ref_max_m: int, on_row=None) -> list[Row]:
+    copies = _copies(_weight_bytes(n, k))
     ws = _random_weights(n, k, copies)
-    dense = [jax.random.normal(jax.random.key(7 + i), (k, n), jnp.bfloat16)
-             for i in range(max(2, math.ceil(3 * L2_BYTES / (2 * n * k))))]
+    dense = [jax.random.normal(jax.random.key(7 + i), (k, n), jnp.bfloat16) for i in range(_copies(2 * n * k))]
     torch_us = _torch_int4(n, k, ms, copies) if use_torch else {}
     rows = []
     for m in ms:
         est = _estimate_us(m, n, k)
-        reps_max = 20
-        xs = [jax.random.normal(jax.random.key(50 + i), (m, k), jnp.bfloat16) for i in range(reps_max)]
-        xks = [qmm._to_kernel_order(x, qmm.block_cols(k, BITS), BITS) for x in xs]
-
-        def args(i, xs=xs, ws=ws):
-            return xs[i], ws[i % copies]
-
-        def kargs(i, xks=xks, ws=ws):
-            return xks[i], ws[i % copies]
-
-        bf16_us = device_us(jnp.dot, lambda i, xs=xs: (xs[i], dense[i % len(dense)]), est)
-        xla_ref = device_us(qmm.reference, args, est * 4) if m <= ref_max_m else None
+        x = _x(m, k)
+        xk = _chunk_order(x)
+        bf16_us = device_us(_bf16_dot, [(x, d) for d in dense], est).us
+        xla_ref = device_us(qmm.reference, [(x, w) for w in ws], est * 4).us if m <= ref_max_m else None
         for prompt in (False, True):
             if (prompt and m < 64) or (not prompt and m > 256):
                 continue
             tiles = (qmm.prompt_tiles if prompt else qmm.decode_tiles)(n, k, BITS, GROUP)
-            us = device_us(_kernel_fn(tiles), kargs, est)
-            e2e = device_us(lambda x, w, p=prompt: qmm.qmm(x, w, prompt=p), args, est) if m <= 16 else None
-            moved = _weight_bytes(n, k) + 2 * m * (k + n)
-            tbs = moved / (us * 1e-6) / 1e12
-            rows.append(Row(f"{k}->{n}", m, "prompt" if prompt else "decode", us, tbs, 100 * tbs / copy_tbs,
+            us = device_us(_kernel_fn(tiles), [(xk, w) for w in ws], est, takes_after=True).us
+            e2e = (device_us(lambda x, w, p=prompt: qmm.qmm(x, w, prompt=p), [(x, w) for w in ws], est).us
+                   if m <= 16 else None)
+            tbs = _moved(m, n, k) / (us * 1e-6) / 1e12
+            rows.append(Row(f"{k}->{n}", m, "prompt" if prompt else "decode", us, tbs, 100 * tbs / copy,
                             2 * m * n * k / (us * 1e-6) / 1e12, e2e, xla_ref, bf16_us, torch_us.get(m)))
             print(f"  {k}->{n} M={m} {rows[-1].path}: {us:.1f} us ({tbs:.2f} TB/s, {rows[-1].pct_copy:.0f}% copy, "
                   f"{rows[-1].tflops:.0f} TFLOP/s) qmm() {e2e} | XLA ref {xla_ref} | bf16 mm {bf16_us:.1f} | "
@@ -192,7 +285,7 @@ def _fmt(v):
     return "-" if v is None else v
 
 
-def _report(rows: list[Row], copy_tbs: float) -> str:
+def _report(rows: list[Row], copy: float) -> str:
     head = ["K->N", "M", "path", "kernel us", "TB/s", "%copy", "TFLOP/s", "%bf16", "qmm() us", "XLA ref us",
             "bf16 mm us", "torch int4 us"]
     body = []
@@ -200,90 +293,273 @@ def _report(rows: list[Row], copy_tbs: float) -> str:
         pct_bf16 = 100 * r.bf16_us / r.us if r.bf16_us else None
         body.append([r.shape, r.m, r.path, r.us, r.tbs, r.pct_copy, r.tflops, _fmt(pct_bf16), _fmt(r.plain_us),
                      _fmt(r.xla_ref_us), _fmt(r.bf16_us), _fmt(r.torch_us)])
-    return f"copy bandwidth measured now: {copy_tbs:.2f} TB/s\n" + table(head, body)
+    return f"copy bandwidth measured now: {copy:.2f} TB/s\n" + table(head, body)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # tile sweep
 
 
-def _sweep_variants(n: int, k: int, m: int) -> list[qmm.Tiles]:
+def tiles_str(t: qmm.Tiles) -> str:
+    return f"{t.block_m}/{t.block_n}/{t.blocks_per_step}/{t.num_warps}/{t.num_stages}/{t.max_m_blocks}/{t.k_splits}"
+
+
+def parse_tiles(text: str) -> qmm.Tiles:
+    """"bm/bn/blocks_per_step/warps/stages/max_m_blocks/k_splits" (trailing fields may be left out)."""
+    return qmm.Tiles(*(int(v) for v in text.split("/")))
+
+
+def _fits(t: qmm.Tiles, k: int) -> bool:
+    return qmm.fit_tiles(t, k, BITS) == t
+
+
+def _sweep_candidates(n: int, k: int) -> list[qmm.Tiles]:
+    """Decode candidates for one shape (M = 1 and 16 alike), the default first, in priority order (the budget
+    guard drops the tail). Offline SASS (docs/kernels/qmm.md, "Occupancy") says every variant gives a warp 16 output
+    features, so N/16 warps in all: 8 a SM at N = 17408, 2.4 at N = 5120, whatever the tiles. Split-K multiplies
+    that by S, so the candidates are mostly split counts x small-shared-memory tiles; S is the count that cuts this
+    K's blocks evenly nearest to the one wanted."""
+    blocks = qmm._padded_k(k, BITS) // qmm.block_cols(qmm._padded_k(k, BITS), BITS)
+
+    def split(t: qmm.Tiles, wanted: int) -> qmm.Tiles:
+        ok = [s for s in range(1, blocks // t.blocks_per_step + 1) if (blocks // t.blocks_per_step) % s == 0]
+        return dataclasses.replace(t, k_splits=min(ok, key=lambda s: (abs(s - wanted), s)))
+
     T = qmm.Tiles
-    if m <= 256:
-        # The default first; then the variants the device profile points to (docs/kernels/qmm.md, run 2): half
-        # the shared memory a program (one block a step, or two stages) so 544 programs of 5120->17408 fit one
-        # wave, and one-warp/8-row tiles for more programs on the small-N shapes.
-        return [T(16, 32, 2, 2, 3, 2), T(16, 32, 1, 2, 3, 2), T(16, 32, 1, 2, 4, 2), T(16, 32, 2, 2, 2, 2),
-                T(8, 32, 1, 2, 3, 2), T(16, 16, 1, 1, 3, 2), T(8, 16, 1, 1, 4, 2), T(16, 64, 1, 4, 3, 2),
-                T(16, 64, 1, 4, 5, 2)]
-    return [T(128, 128, 1, 8, 3, 1), T(128, 128, 1, 8, 2, 1), T(128, 64, 1, 4, 3, 1), T(64, 128, 1, 8, 3, 1)]
+    bn32, bn32_2st, bm8 = T(16, 32, 1, 2, 3, 2), T(16, 32, 1, 2, 2, 2), T(8, 32, 1, 2, 3, 2)
+    wg, bn16, dflt = T(16, 64, 1, 4, 3, 2), T(16, 16, 1, 1, 2, 2), qmm.DECODE_TILES
+    if n >= 8192:  # 8+ warps a SM already: S of 2 and 4
+        order = [bn32, split(bn32, 2), split(bn32, 4), split(bn32_2st, 4), split(bm8, 2), split(bm8, 4),
+                 split(wg, 2), split(wg, 4), split(bn16, 4), split(dflt, 2), split(T(16, 32, 1, 2, 4, 2), 2), bm8,
+                 wg]
+    else:  # 2-3 warps a SM: S of 4 to 16
+        order = [split(bn32, 4), split(bn32, 8), split(bn32, 16), split(bn32_2st, 8), split(bn32_2st, 16),
+                 split(bm8, 8), split(wg, 8), split(wg, 16), split(bn16, 8), split(dflt, 4), bn32, split(bm8, 16)]
+    out = [qmm.decode_tiles(n, k, BITS, GROUP)]
+    for t in order:
+        t = qmm.fit_tiles(t, k, BITS)
+        if t not in out:
+            out.append(t)
+    return out
 
 
-def _sweep(shapes, ms) -> list[dict]:
-    results = []
-    for k, n in shapes:
-        copies = _copies(n, k)
+@dataclasses.dataclass
+class Job:
+    kind: str  # "decode" (a tile candidate) or "prompt" (the prompt-path comparison)
+    shape: tuple[int, int]  # (K, N)
+    m: int
+    label: str
+    rank: int  # priority: lower is lowered, compiled and timed first
+    fn: object  # what one call runs
+    takes_after: bool  # fn(*args, after=y) orders the call after y (the Pallas kernel)
+    arg_sets: list
+    reps: int
+    default: bool = False
+    tiles: qmm.Tiles | None = None
+    lowered: object = None
+    compiled: object = None
+    error: str | None = None
+    timing: Timing | None = None
+
+
+def _sweep(args, t_start: float) -> dict:
+    def elapsed() -> float:
+        return time.perf_counter() - t_start
+
+    copy = copy_tbs(args.interpret)
+    print(f"[{elapsed():5.1f}s] copy bandwidth {copy:.2f} TB/s", flush=True)
+    jobs: list[Job] = []
+    for k, n in args.shapes:
+        copies = _copies(_weight_bytes(n, k), args.interpret)
         ws = _random_weights(n, k, copies)
-        for m in ms:
-            _, xks = _chunk_xs(m, k, 20)
-            best = None
-            for t in _sweep_variants(n, k, m):
+        cands = args.candidates or _sweep_candidates(n, k)
+        default = qmm.decode_tiles(n, k, BITS, GROUP)
+        if default not in cands:
+            cands = [default] + cands
+        for t in cands:
+            if not _fits(t, k):
+                print(f"  {k}->{n}: {tiles_str(t)} does not cut K's blocks evenly; left out", flush=True)
+        cands = [t for t in cands if _fits(t, k)][:args.max_candidates]
+        for m in args.m:
+            xk = _chunk_order(_x(m, k))
+            for rank, t in enumerate(cands):
+                jobs.append(Job("decode", (k, n), m, tiles_str(t), rank, _kernel_fn(t, args.interpret), True,
+                                [(xk, w) for w in ws], _reps(_estimate_us(m, n, k), args.interpret), t == default, t))
+    if args.prompt_ms:
+        k, n = args.prompt_shape
+        ws = _random_weights(n, k, _copies(_weight_bytes(n, k), args.interpret))
+        dense = [jax.random.normal(jax.random.key(7 + i), (k, n), jnp.bfloat16)
+                 for i in range(_copies(2 * n * k, args.interpret))]
+        tiles = qmm.prompt_tiles(n, k, BITS, GROUP)
+        for m in args.prompt_ms:
+            x = _x(m, k)
+            reps = _reps(_estimate_us(m, n, k), args.interpret)
+            jobs.append(Job("prompt", (k, n), m, f"pallas prompt {tiles_str(tiles)}", 2,
+                            _kernel_fn(tiles, args.interpret), True, [(_chunk_order(x), w) for w in ws], reps, True,
+                            tiles))
+            jobs.append(Job("prompt", (k, n), m, "xla dequant->bf16 + jnp.dot", 2, _dequant_dot, False,
+                            [(x, w) for w in ws], reps))
+            jobs.append(Job("prompt", (k, n), m, "bf16 jnp.dot (weight already bf16)", 3, _bf16_dot, False,
+                            [(x, d) for d in dense], reps))
+    jobs.sort(key=lambda j: j.rank)  # stable: within a rank, shapes and M in order
+    print(f"[{elapsed():5.1f}s] {len(jobs)} programs: lowering here, compiling on {args.threads} threads",
+          flush=True)
+
+    def compile_one(job: Job) -> None:
+        try:
+            job.compiled = job.lowered.compile()
+        except Exception as e:  # noqa: BLE001 -- a candidate that does not compile is a result too
+            job.error = f"compile: {type(e).__name__}: {str(e)[:300]}"
+
+    # Lowering (Python, serial) overlaps the compiles (XLA + Triton, threads) of the programs lowered before.
+    with concurrent.futures.ThreadPoolExecutor(args.threads) as pool:
+        futures = []
+        for i, job in enumerate(jobs):
+            if elapsed() > 0.6 * args.budget_s:
+                job.error = "skipped (budget)"
+                continue
+            try:
+                job.lowered = lower_chain(job.fn, job.arg_sets, job.reps, job.takes_after)
+                futures.append(pool.submit(compile_one, job))
+            except Exception as e:  # noqa: BLE001
+                job.error = f"lower: {type(e).__name__}: {str(e)[:300]}"
+            if (i + 1) % 10 == 0:
+                done = sum(f.done() for f in futures)
+                print(f"[{elapsed():5.1f}s] lowered {i + 1}/{len(jobs)}, compiled {done}", flush=True)
+        done = 0
+        for _ in concurrent.futures.as_completed(futures):
+            done += 1
+            if done % 10 == 0 or done == len(futures):
+                print(f"[{elapsed():5.1f}s] compiled {done}/{len(futures)}", flush=True)
+            if elapsed() > 0.85 * args.budget_s:
+                for f in futures:
+                    f.cancel()  # not started yet: reported as skipped
+
+    result = dict(copy_tbs=copy, device=jax.devices()[0].device_kind, rows=[])
+    for job in jobs:
+        if job.compiled is not None and job.error is None:
+            if elapsed() > args.budget_s:
+                job.error = "skipped (budget)"
+            else:
                 try:
-                    us = device_us(_kernel_fn(t), lambda i, xks=xks: (xks[i], ws[i % copies]),
-                                   _estimate_us(m, n, k))
-                except Exception as e:  # noqa: BLE001 -- a variant that does not compile is a result too
-                    print(f"  {k}->{n} M={m} {t}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-                    results.append(dict(shape=f"{k}->{n}", m=m, tiles=dataclasses.asdict(t), us=None))
-                    continue
-                gbs = (_weight_bytes(n, k) + 2 * m * (k + n)) / (us * 1e-6) / 1e12
-                print(f"  {k}->{n} M={m} bm={t.block_m} bn={t.block_n} bps={t.blocks_per_step} w={t.num_warps} "
-                      f"st={t.num_stages} mb={t.max_m_blocks}: {us:.1f} us {gbs:.2f} TB/s", flush=True)
-                results.append(dict(shape=f"{k}->{n}", m=m, tiles=dataclasses.asdict(t), us=us))
-                if best is None or us < best[0]:
-                    best = (us, t)
-            if best:
-                print(f"BEST {k}->{n} M={m}: {best[0]:.1f} us {best[1]}", flush=True)
-    return results
+                    job.timing = time_chain(job.compiled, job.arg_sets, job.reps)
+                except Exception as e:  # noqa: BLE001
+                    job.error = f"run: {type(e).__name__}: {str(e)[:300]}"
+        elif job.error is None:
+            job.error = "skipped (budget)"
+        job.compiled = job.lowered = None  # free the executables as we go
+        k, n = job.shape
+        row = dict(kind=job.kind, shape=f"{k}->{n}", m=job.m, label=job.label, default=job.default,
+                   tiles=None if job.tiles is None else dataclasses.asdict(job.tiles), error=job.error)
+        if job.timing is not None:
+            t = job.timing
+            if t.us <= 0:
+                job.error = row["error"] = "noise: two programs took no longer than one"
+            tbs = _moved(job.m, n, k) / (t.us * 1e-6) / 1e12 if t.us > 0 else None
+            # Host-bound: the host could not enqueue the second program before the device finished the first.
+            row.update(us=t.us, fixed_us=t.fixed_us, reps=t.reps, dispatch_us=t.dispatch_us, tbs=tbs,
+                       host_bound=t.dispatch_us > 0.5 * t.reps * t.us,
+                       pct_copy=None if tbs is None else 100 * tbs / copy,
+                       tflops=2 * job.m * n * k / (t.us * 1e-6) / 1e12 if t.us > 0 else None)
+            if job.tiles is not None and job.kind == "decode":
+                t_ = job.tiles
+                row["programs"] = (-(-n // t_.block_n) * t_.k_splits
+                                   * -(-job.m // (t_.block_m * t_.max_m_blocks)))
+            print(f"[{elapsed():5.1f}s] {row['shape']} M={job.m} {job.label}: {t.us:.1f} us ({tbs or 0:.2f} TB/s, "
+                  f"fixed {t.fixed_us:.0f} us/program, reps {t.reps}, dispatch {t.dispatch_us:.0f} us)", flush=True)
+        else:
+            print(f"[{elapsed():5.1f}s] {row['shape']} M={job.m} {job.label}: {job.error}", flush=True)
+        result["rows"].append(row)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+    result["elapsed_s"] = elapsed()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def _sweep_report(result: dict) -> str:
+    """One compact table per (shape, M), fastest first; then the prompt-path comparison."""
+    rows = result["rows"]
+    out = [f"copy bandwidth {result['copy_tbs']:.2f} TB/s; tiles = bm/bn/blocks_per_step/warps/stages/"
+           "max_m_blocks/k_splits; * = the shipped default"]
+    keys = []
+    for r in rows:
+        if (r["kind"], r["shape"], r["m"]) not in keys:
+            keys.append((r["kind"], r["shape"], r["m"]))
+    for kind, shape, m in keys:
+        group = [r for r in rows if (r["kind"], r["shape"], r["m"]) == (kind, shape, m)]
+        timed = sorted((r for r in group if r["error"] is None), key=lambda r: r["us"])
+        ref = next((r["us"] for r in group if r["default"] and r["error"] is None), None)
+        body = []
+        for r in timed:
+            body.append([("*" if r["default"] else "") + r["label"] + (" (host-bound!)" if r["host_bound"] else ""),
+                         r["us"], _fmt(r.get("tbs")),
+                         _fmt(r.get("pct_copy")), _fmt(r.get("tflops")) if kind == "prompt" else r.get("programs"),
+                         ref / r["us"] if ref else "-", r["fixed_us"]])
+        failed = [r for r in group if r["error"] is not None]
+        head = ["tiles" if kind == "decode" else "impl", "us", "TB/s", "%copy",
+                "TFLOP/s" if kind == "prompt" else "programs", "x default", "fixed us"]
+        out.append(f"\n{kind} {shape} M={m}" + (f" ({len(failed)} failed/skipped)" if failed else ""))
+        if body:
+            out.append(table(head, body))
+        for r in failed:
+            out.append(f"  {r['label']}: {r['error']}")
+    return "\n".join(out)
 
 
 def main(argv: list[str]) -> int:
+    t_start = time.perf_counter()
     ap = argparse.ArgumentParser(prog="python -m pallas_kernels.bench qmm")
-    ap.add_argument("--shapes", type=_parse_shapes, default=list(SHAPES), help="K x N list, e.g. 5120x17408")
-    ap.add_argument("--m", type=lambda s: [int(v) for v in s.split(",")], default=list(MS))
+    ap.add_argument("--shapes", type=_parse_shapes, default=None,
+                    help="K x N list, e.g. 5120x17408 (default: all 27B shapes; --sweep: the four decode shapes)")
+    ap.add_argument("--m", type=_parse_ints, default=None, help="rows (default: 1..4096; --sweep: 1,16)")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--ref-max-m", type=int, default=256, help="largest M to time the fp32 XLA reference at")
-    ap.add_argument("--sweep", action="store_true", help="time tile variants instead of the comparison table")
+    ap.add_argument("--sweep", action="store_true", help="time decode tile candidates instead of the comparison")
+    ap.add_argument("--candidates", type=lambda s: [parse_tiles(v) for v in s.split(",")], default=None,
+                    help="--sweep: tiles to try, bm/bn/bps/warps/stages/mb/splits,... (default: per shape)")
+    ap.add_argument("--max-candidates", type=int, default=12, help="--sweep: candidates per shape and M")
+    ap.add_argument("--prompt-ms", type=_parse_ints, default=[],
+                    help="--sweep: also compare the prompt path with XLA dequantize + jnp.dot at these M")
+    ap.add_argument("--prompt-shape", type=lambda s: _parse_shapes(s)[0], default=(5120, 17408))
+    ap.add_argument("--budget-s", type=float, default=150.0, help="--sweep: wall-clock bound of the whole run")
+    ap.add_argument("--threads", type=int, default=12, help="--sweep: compile threads")
+    ap.add_argument("--interpret", action="store_true", help="run the kernels in interpret mode (CPU smoke test)")
     ap.add_argument("--json", default=None, help="write all results here (rewritten after every row)")
     ap.add_argument("--once", action="store_true", help="run each kernel 3 times untimed (a target for ncu)")
     args = ap.parse_args(argv)
-    if jax.default_backend() != "gpu":
+    if jax.default_backend() != "gpu" and not args.interpret:
         print("qmm bench: needs a GPU (jax.default_backend() is "
-              f"{jax.default_backend()!r})", file=sys.stderr)
+              f"{jax.default_backend()!r}); --interpret runs the sweep's path on CPU", file=sys.stderr)
         return 2
     print(f"device: {jax.devices()[0].device_kind}", flush=True)
     if args.sweep:
-        res = _sweep(args.shapes, args.m)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=1)
+        args.shapes = args.shapes or list(SWEEP_SHAPES)
+        args.m = args.m or [1, 16]
+        print(_sweep_report(_sweep(args, t_start)), flush=True)
+        print(f"sweep done in {time.perf_counter() - t_start:.0f} s", flush=True)
         return 0
+    args.shapes = args.shapes or list(SHAPES)
+    args.m = args.m or list(MS)
     if args.once:
         _once(args.shapes, args.m)
         return 0
-    copy_tbs = copy_bandwidth_tbs()
-    print(f"copy bandwidth: {copy_tbs:.2f} TB/s", flush=True)
+    copy = copy_tbs()
+    print(f"copy bandwidth: {copy:.2f} TB/s", flush=True)
     rows: list[Row] = []
 
     def save(partial):
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(dict(copy_tbs=copy_tbs, rows=[dataclasses.asdict(r) for r in rows + partial]), f,
-                          indent=1)
+                json.dump(dict(copy_tbs=copy, rows=[dataclasses.asdict(r) for r in rows + partial]), f, indent=1)
 
     for k, n in args.shapes:
-        rows += _bench_shape(k, n, args.m, copy_tbs, not args.no_torch, args.ref_max_m, on_row=save)
+        rows += _bench_shape(k, n, args.m, copy, not args.no_torch, args.ref_max_m, on_row=save)
         save([])
-    print(_report(rows, copy_tbs))
+    print(_report(rows, copy))
     return 0
 
 
@@ -294,8 +570,8 @@ def _once(shapes, ms) -> None:
         for m in ms:
             prompt = m > 256
             tiles = (qmm.prompt_tiles if prompt else qmm.decode_tiles)(n, k, BITS, GROUP)
-            _, xks = _chunk_xs(m, k)
+            xk = _chunk_order(_x(m, k))
             f = jax.jit(_kernel_fn(tiles))
-            for i in range(3):
-                jax.block_until_ready(f(xks[i % 2], w))
+            for _ in range(3):
+                jax.block_until_ready(f(xk, w))
             print(f"ran {k}->{n} M={m} {tiles}", flush=True)
