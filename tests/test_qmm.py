@@ -223,7 +223,7 @@ def test_bench_sweep_smoke(tmp_path):
                        "--prompt-ms", "64", "--prompt-shape", "512x256", "--json", str(path)]) == 0
     rows = json.loads(path.read_text())["rows"]
     assert [r["label"] for r in rows if r["kind"] == "decode"][:2] == ["16/32/2/2/3/2/1", "16/32/1/2/3/2/2"]
-    assert len([r for r in rows if r["kind"] == "prompt"]) == 3
+    assert len([r for r in rows if r["kind"] == "prompt"]) == 4
     assert all(r["error"] is None or r["error"].startswith("noise") for r in rows), rows
 
 
