@@ -437,6 +437,54 @@ def merge_launch(tiles: WindowTiles, *, streams: int, hkv: int, mrows: int, head
     return bd, unroll
 
 
+def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len: jax.Array, *, scale: float,
+                    tiles: WindowTiles, interpret: bool = False, pad_chunks_to: int = 1
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Pass 1 of `window` alone (window calls it; the bench times it apart from the merge): one program per
+    (stream, KV head, chunk) writes the chunk's partial for the real packed rows; entries of chunks at or past the
+    stream's context and of padding rows are left unwritten.
+
+    q [S, R, Hq, D]; page_table [S, Pmax]; cache_len [S] -> m, l [S, Hkv, NC, M] and acc [S, Hkv, NC, M, D] fp32,
+    NC = the chunk count over the table rounded up to a power of two (and to pad_chunks_to), M packed rows
+    """
+    s, r, hq, d = q.shape
+    hkv = pool.k.shape[0]
+    group = hq // hkv
+    mrows = max(16, _pow2(r * group))
+    ps, fp8 = pool.page_size, pool.fp8
+    cdt = _compute_dtype(q.dtype, pool, tiles.fp8_dot)
+    max_keys = page_table.shape[1] * ps
+    n_chunks = -(-max_keys // tiles.chunk)
+    nc_pad = max(_pow2(n_chunks), pad_chunks_to)
+    warps, stages = window_launch(tiles, mrows=mrows, head_dim=d, kv_dtype=pool.k.dtype, cdt=cdt)
+    page_table = _pad_table(page_table, n_chunks * tiles.chunk, ps)
+    q_rows = q.reshape(s, r * hq, d)  # free: rows picked inside the kernel
+
+    with jax.named_scope("attn_window_chunks"):
+        per_head = pl.BlockSpec((None, pool.num_pages, ps, d), lambda i, j, c: (j, 0, 0, 0))
+        per_head_scale = pl.BlockSpec((None, pool.num_pages, ps), lambda i, j, c: (j, 0, 0))
+        kernel = functools.partial(_window_chunk_kernel, fp8=fp8, scale=scale, r=r, group=group, mrows=mrows,
+                                   max_keys=max_keys, page_size=ps, tiles=tiles, cdt=cdt)
+        return pl.pallas_call(
+            kernel,
+            grid=(s, hkv, n_chunks),
+            in_specs=[pl.BlockSpec((s,), lambda i, j, c: (0,)),
+                      pl.BlockSpec((None, page_table.shape[1]), lambda i, j, c: (i, 0)),
+                      pl.BlockSpec((None, r * hq, d), lambda i, j, c: (i, 0, 0)),
+                      per_head, per_head] + ([per_head_scale, per_head_scale] if fp8 else []),
+            out_specs=[pl.BlockSpec((None, None, None, mrows), lambda i, j, c: (i, j, c, 0)),
+                       pl.BlockSpec((None, None, None, mrows), lambda i, j, c: (i, j, c, 0)),
+                       pl.BlockSpec((None, None, None, mrows, d), lambda i, j, c: (i, j, c, 0, 0))],
+            out_shape=[jax.ShapeDtypeStruct((s, hkv, nc_pad, mrows), jnp.float32),
+                       jax.ShapeDtypeStruct((s, hkv, nc_pad, mrows), jnp.float32),
+                       jax.ShapeDtypeStruct((s, hkv, nc_pad, mrows, d), jnp.float32)],
+            interpret=interpret,
+            compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
+            name="attn_window_chunks",
+        )(cache_len.astype(jnp.int32), page_table, q_rows, pool.k, pool.v,
+          *([pool.k_scale, pool.v_scale] if fp8 else []))
+
+
 def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array, pool: KVPool,
            page_table: jax.Array, cache_len: jax.Array, *, scale: float, interpret: bool = False,
            tiles: WindowTiles | None = None) -> jax.Array:
@@ -457,40 +505,16 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
     group = hq // hkv
     mrows = max(16, _pow2(r * group))
     rp = max(16, _pow2(r))
-    ps, fp8 = pool.page_size, pool.fp8
+    fp8 = pool.fp8
     cdt = _compute_dtype(q.dtype, pool, tiles.fp8_dot)
-    max_keys = page_table.shape[1] * ps
-    n_chunks = -(-max_keys // tiles.chunk)
+    max_keys = page_table.shape[1] * pool.page_size
     bd, unroll = merge_launch(tiles, streams=s, hkv=hkv, mrows=mrows, head_dim=d)
-    nc_pad = max(_pow2(n_chunks), unroll)
-    max_block = min(nc_pad, _pow2_floor(max(1, 4096 // mrows)))
-    warps, stages = window_launch(tiles, mrows=mrows, head_dim=d, kv_dtype=pool.k.dtype, cdt=cdt)
     cache_len = cache_len.astype(jnp.int32)
-    page_table = _pad_table(page_table, n_chunks * tiles.chunk, ps)
+    m, l, acc = window_partials(q, pool, page_table, cache_len, scale=scale, tiles=tiles, interpret=interpret,
+                                pad_chunks_to=unroll)
+    nc_pad = m.shape[2]
+    max_block = min(nc_pad, _pow2_floor(max(1, 4096 // mrows)))
     q_rows = q.reshape(s, r * hq, d)  # free: rows picked inside the kernels
-
-    with jax.named_scope("attn_window_chunks"):
-        per_head = pl.BlockSpec((None, pool.num_pages, ps, d), lambda i, j, c: (j, 0, 0, 0))
-        per_head_scale = pl.BlockSpec((None, pool.num_pages, ps), lambda i, j, c: (j, 0, 0))
-        kernel = functools.partial(_window_chunk_kernel, fp8=fp8, scale=scale, r=r, group=group, mrows=mrows,
-                                   max_keys=max_keys, page_size=ps, tiles=tiles, cdt=cdt)
-        m, l, acc = pl.pallas_call(
-            kernel,
-            grid=(s, hkv, n_chunks),
-            in_specs=[pl.BlockSpec((s,), lambda i, j, c: (0,)),
-                      pl.BlockSpec((None, page_table.shape[1]), lambda i, j, c: (i, 0)),
-                      pl.BlockSpec((None, r * hq, d), lambda i, j, c: (i, 0, 0)),
-                      per_head, per_head] + ([per_head_scale, per_head_scale] if fp8 else []),
-            out_specs=[pl.BlockSpec((None, None, None, mrows), lambda i, j, c: (i, j, c, 0)),
-                       pl.BlockSpec((None, None, None, mrows), lambda i, j, c: (i, j, c, 0)),
-                       pl.BlockSpec((None, None, None, mrows, d), lambda i, j, c: (i, j, c, 0, 0))],
-            out_shape=[jax.ShapeDtypeStruct((s, hkv, nc_pad, mrows), jnp.float32),
-                       jax.ShapeDtypeStruct((s, hkv, nc_pad, mrows), jnp.float32),
-                       jax.ShapeDtypeStruct((s, hkv, nc_pad, mrows, d), jnp.float32)],
-            interpret=interpret,
-            compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
-            name="attn_window_chunks",
-        )(cache_len, page_table, q_rows, pool.k, pool.v, *([pool.k_scale, pool.v_scale] if fp8 else []))
 
     with jax.named_scope("attn_window_merge"):
         if fp8:
