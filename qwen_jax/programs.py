@@ -339,20 +339,13 @@ def prompt_program(cfg: ModelConfig, backend: M.Backend, packing: Packing, top_n
 
 
 def decode_program(cfg: ModelConfig, backend: M.Backend, top_n: int) -> Callable:
-    """(params, state, window [S x 1], sample params [S]) -> (state, tokens [S], logprobs or None).
-    Dummy streams (slot 0) commit nothing."""
+    """(params, state, window [S x 1], sample params [S]) -> (state, tokens [S], logprobs or None): one fused
+    serial step (`model.step`: bit for bit verify + commit of the row, GDN states read once). Dummy streams
+    (slot 0) commit nothing."""
 
     def program(params, state, window, sp):
-        with jax.named_scope("verify"):
-            logits, kept, _ = M.verify(params, state, window, cfg, backend)
-        s = window.tokens.shape[0]
-        # Every read of the pools (attention over the committed keys, the GDN states) feeds the logits; passing
-        # the pools through a barrier with them orders the commit's in-place writes after those reads, so XLA
-        # updates the donated pools in place instead of copying them first.
-        logits, kept, state = jax.lax.optimization_barrier((logits, kept, state))
-        with jax.named_scope("commit"):
-            path = jnp.zeros((s, 1), jnp.int32)
-            state = M.commit(state, kept, window, path, (window.slot > 0).astype(jnp.int32), cfg, backend)
+        with jax.named_scope("step"):
+            logits, state = M.step(params, state, window, cfg, backend)
         tokens, lp = _sample(logits[:, 0], sp, top_n)
         return state, tokens, lp
 

@@ -3,6 +3,8 @@ speed doesn't depend on the values. Quantized weights are random packed words wi
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -36,16 +38,31 @@ class _Keys:
         return sub
 
 
+# One small compiled program per tensor shape, called eagerly per tensor: tracing the whole model's random
+# weights as one program makes XLA compile for many minutes at the 27B's size (seen on CPU and on the H200).
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _dense_array(key, n: int, k: int, dtype, scale: float):
+    return (jax.random.normal(key, (n, k), jnp.float32) * scale).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))
+def _quant_arrays(kw, ks, n: int, k: int, bits: int, group_size: int, scale: float):
+    words = jax.random.bits(kw, (n, k * bits // 32), jnp.uint32)
+    levels = (1 << bits) - 1
+    s = (jax.random.uniform(ks, (n, k // group_size), jnp.float32, 0.5, 1.5) * (2 * scale / levels)
+         ).astype(jnp.bfloat16)
+    b = (-s.astype(jnp.float32) * levels / 2).astype(jnp.bfloat16)
+    return words, s, b
+
+
 def _dense(keys: _Keys, n: int, k: int, dtype, scale: float):
-    return (jax.random.normal(keys(), (n, k), jnp.float32) * scale).astype(dtype)
+    return _dense_array(keys(), n, k, dtype, float(scale))
 
 
 def _quant(keys: _Keys, n: int, k: int, q: QuantConfig, scale: float) -> QuantizedWeight:
-    words = jax.random.bits(keys(), (n, k * q.bits // 32), jnp.uint32)
-    groups = k // q.group_size
-    levels = (1 << q.bits) - 1
-    s = (jax.random.uniform(keys(), (n, groups), jnp.float32, 0.5, 1.5) * (2 * scale / levels)).astype(jnp.bfloat16)
-    b = (-s.astype(jnp.float32) * levels / 2).astype(jnp.bfloat16)
+    words, s, b = _quant_arrays(keys(), keys(), n, k, q.bits, q.group_size, float(scale))
     return QuantizedWeight(words, s, b, q.bits, q.group_size)
 
 

@@ -149,3 +149,43 @@ def test_fp8_kv_window_equals_serial_steps(setup):
         l1, k1 = verify(params, s, w1)
         np.testing.assert_allclose(np.asarray(l1[0, 0]), np.asarray(lw[0, i]), atol=TOL, rtol=0)
         s = commit(s, k1, w1, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32))
+
+
+@pytest.mark.parametrize("dtype,kernels", [(jnp.float32, False), (jnp.float32, True), (jnp.bfloat16, True)])
+def test_fused_step_equals_verify_then_commit_bitwise(setup, dtype, kernels):
+    """The decode program's fused step ≡ a one-row verify + commit of the row, bit for bit (logits and every
+    pool), for two live streams beside a dummy one (slot 0), over several steps. kernels=True runs the Pallas
+    kernels in interpret mode (the fused GDN step launch); the reference path is verify + commit itself."""
+    cfg, params, toks, _, _, _, _ = setup
+    BE = M.Backend(kernels=kernels, interpret=kernels)
+    prefill = jax.jit(lambda p, s, b: M.prefill(p, s, b, cfg, BE)[:2])
+    verify = jax.jit(lambda p, s, w: M.verify(p, s, w, cfg, BE)[:2])
+    commit = jax.jit(lambda s, k, w, pa, n: M.commit(s, k, w, pa, n, cfg, BE))
+    step = jax.jit(lambda p, s, w: M.step(p, s, w, cfg, BE))
+    p = jax.tree.map(lambda a: a.astype(dtype) if a.dtype == jnp.float32 and a.ndim == 2 else a, params)
+    state = M.init_state(cfg.text, num_slots=4, num_pages=40, page_size=16, dtype=dtype)
+    tables = np.stack([_pt(1)[0], _pt(11)[0], np.zeros(10, np.int32)])
+    lens = [30, 47]
+    for i, n in enumerate(lens):
+        batch = M.make_prefill_batch(toks[None, :n], [0], [n], [i + 1], tables[i:i + 1])
+        _, state = prefill(p, state, batch)
+    a = b = state
+    cache = np.array(lens + [0])
+    slots = [1, 2, 0]
+    cur = toks[100:103]
+    for _ in range(3):
+        w = M.make_window(cur[:, None], [[-1]] * 3, cache, slots, tables)
+        la, ka = verify(p, a, w)
+        a = commit(a, ka, w, jnp.zeros((3, 1), jnp.int32), jnp.asarray([1, 1, 0]))
+        lb, b = step(p, b, w)
+        np.testing.assert_array_equal(np.asarray(la)[:2], np.asarray(lb)[:2])
+        live = lambda t: jax.tree.map(lambda x: np.asarray(x.astype(jnp.float32) if x.dtype != jnp.float32 else x), t)
+        for xa, xb in zip(jax.tree.leaves(live(a.rec)), jax.tree.leaves(live(b.rec))):
+            np.testing.assert_array_equal(xa[1:3], xb[1:3])
+            np.testing.assert_array_equal(xb[0], 0)
+        for xa, xb in zip(jax.tree.leaves(live(a.conv)), jax.tree.leaves(live(b.conv))):
+            np.testing.assert_array_equal(xa[1:3], xb[1:3])
+        for xa, xb in zip(jax.tree.leaves(live(a.kv)), jax.tree.leaves(live(b.kv))):
+            np.testing.assert_array_equal(xa, xb)
+        cur = np.argmax(np.asarray(lb)[:, 0], axis=-1)
+        cache = cache + np.array([1, 1, 0])

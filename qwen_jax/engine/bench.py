@@ -165,15 +165,14 @@ def run(params, cfg, *, backend, dtype: str = "bfloat16", kv_cache: str = "bf16"
 
 
 def synthetic_params(name: str, *, dtype: str, seed: int = 0):
-    """The named shape with random weights (4-bit where the config says so), built on the default device in one
-    compiled program. -> (params, config)."""
+    """The named shape with random weights (4-bit where the config says so), built on the default device tensor
+    by tensor (one small compiled program per distinct shape). -> (params, config)."""
     import jax
     import jax.numpy as jnp
 
     from qwen_jax.synthetic import random_params, synthetic_config
     cfg = synthetic_config(name)
     jdt = jnp.float32 if dtype == "float32" else jnp.bfloat16
-    build = jax.jit(lambda key: random_params(cfg.text, key, dtype=jdt, quant=cfg.quantization))
-    params = build(jax.random.key(seed))
+    params = random_params(cfg.text, jax.random.key(seed), dtype=jdt, quant=cfg.quantization)
     jax.block_until_ready(params)
     return params, cfg

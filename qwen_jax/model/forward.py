@@ -175,6 +175,41 @@ def verify(params, state: ModelState, window: VerifyWindow, cfg: ModelConfig, ba
     return logits, tuple(kept), (jnp.stack(tapped, axis=2) if tapped else None)
 
 
+def step(params, state: ModelState, window: VerifyWindow, cfg: ModelConfig, backend: Backend):
+    """A serial decode step for S streams of one row each (parents [[-1]]): -> (logits [S, 1, V] fp32, state).
+    Bit for bit `verify` followed by `commit` of every live stream's row, with each GDN layer's state read once
+    and updated in place by one fused launch. Dummy streams (slot 0) write no K/V and leave GDN slot 0 as it was
+    (its conv history is scratch).
+
+    On the reference path (no kernels) it is literally verify then commit: XLA:CPU's rounding of the same math
+    can change with the program around it, and drafted ≡ serial needs the serial step to be the same program."""
+    t = cfg.text
+    s = window.tokens.shape[0]
+    path = jnp.zeros((s, 1), jnp.int32)
+    path_len = (window.slot > 0).astype(jnp.int32)
+    if not backend.kernels:
+        logits, kept, _ = verify(params, state, window, cfg, backend)
+        # Every read of the pools feeds the logits; the barrier orders the commit's in-place writes after them,
+        # so XLA updates the donated pools in place instead of copying them first.
+        logits, kept, state = jax.lax.optimization_barrier((logits, kept, state))
+        return logits, commit(state, kept, window, path, path_len, cfg, backend)
+    dtype = state.conv[0].dtype if state.conv else state.kv[0].k.dtype
+    x = embed(params["embed"], window.tokens, dtype, backend)
+
+    def run_gdn(h, p, rec, conv):
+        y, rec, conv = gdn_mixer.step_pass(h, p, rec, conv, window, t, backend)
+        return y, rec, conv, None
+
+    def run_attn(h, p, pool):
+        y, k = attn_mixer.window_pass(h, p, pool, window, t, backend)
+        # The row's attention read the committed keys; its own K/V go in after (positions >= cache_len).
+        y, k, pool = jax.lax.optimization_barrier((y, k, pool))
+        return y, attn_mixer.commit(k, pool, window, path, path_len, backend), None
+
+    x, state, _, _ = _layers(params, state, x, t, run_gdn, run_attn, (), backend, False)
+    return _head(params, x, t, backend, prompt=False), state
+
+
 def commit(state: ModelState, kept, window: VerifyWindow, path: jax.Array, path_len: jax.Array, cfg: ModelConfig,
            backend: Backend) -> ModelState:
     """Write each stream's accepted path (node indices root-first, path_len of them) into its state."""

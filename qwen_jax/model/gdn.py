@@ -66,6 +66,19 @@ def window_pass(x, p, rec_pool, conv_pool, window, cfg: TextConfig, backend: Bac
     return finish(o, z, p, cfg, backend, prompt=False), kept
 
 
+def step_pass(x, p, rec_pool, conv_pool, window, cfg: TextConfig, backend: Backend):
+    """A serial step (one row per stream, states updated in place): x [S, 1, H] -> (y, rec_pool, conv_pool),
+    bit for bit `window_pass` with parents [[-1]] followed by `commit` of the row. Dummy streams (slot 0) leave
+    the recurrent state of slot 0 unchanged (g = beta = 0 makes the update the identity)."""
+    m, z, beta, g = project(x, p, backend, prompt=False)
+    u, conv_pool = ops.conv_step(backend, m, conv_pool, window.slot, p["conv"])
+    q, k, v = split_qkv(u, cfg)
+    live = (window.slot > 0)[:, None, None]
+    beta, g = jnp.where(live, beta, 0.0), jnp.where(live, g, 0.0)
+    o, rec_pool = ops.gdn_step(backend, q, k, v, g, beta, rec_pool, window.slot)
+    return finish(o, z, p, cfg, backend, prompt=False), rec_pool, conv_pool
+
+
 def commit(kept: dict, rec_pool, conv_pool, window, path, path_len, backend: Backend):
     rec_pool = ops.gdn_commit(backend, kept["k"], kept["v"], kept["g"], kept["beta"], path, path_len, rec_pool,
                               window.slot)
