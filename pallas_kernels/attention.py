@@ -118,8 +118,9 @@ class WindowTiles:
     # loop over blocks and reads the page index per block (one loop for Triton to pipeline). Same bits.
     walk: str = "page"
     num_warps: int | None = None  # None: 4 for up to 32 packed rows, else 8
-    # None: 3 for up to 32 packed rows, else 2, lowered until pass_one_smem_bytes fits SMEM_BYTES. Three stages of
-    # 64-key bf16 K/V blocks beside a 128x256 query tile asked for 256 KiB (the H200 has 227 KiB).
+    # None: 3 for up to 32 packed rows, else 2 (2 more for the flat walk), lowered until pass_one_smem_bytes fits
+    # SMEM_BYTES. Three stages of 64-key bf16 K/V blocks beside a 128x256 query tile asked for 256 KiB (the H200
+    # has 227 KiB).
     num_stages: int | None = None
     merge_block_d: int | None = None  # head-dim columns per merge program (None: enough programs to fill the GPU)
     merge_unroll: int | None = None  # chunk partials loaded per merge loop step (None: fit registers)
@@ -178,7 +179,9 @@ def window_launch(tiles: WindowTiles, *, mrows: int, head_dim: int, kv_dtype, cd
     warps = tiles.num_warps or (4 if mrows <= 32 else 8)
     if tiles.num_stages:
         return warps, tiles.num_stages
-    stages = 3 if mrows <= 32 else 2
+    # The flat walk's page-index load takes pipeline stages of its own: Triton 3.6 keeps one K/V buffer in flight
+    # at 3 or 4 stages and two at 5 (offline compile, docs/kernels/attention.md).
+    stages = (3 if mrows <= 32 else 2) + (2 if tiles.walk == "flat" else 0)
     while stages > 1 and pass_one_smem_bytes(mrows=mrows, head_dim=head_dim, block_k=tiles.block_k,
                                              num_stages=stages, kv_dtype=kv_dtype, cdt=cdt) > SMEM_BYTES:
         stages -= 1

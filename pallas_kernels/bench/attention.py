@@ -294,14 +294,17 @@ def bench_write(env: Env, *, streams: int, rows: int, fp8: bool):
 # from them is a one-time change of bits for every model; "launch" ones (walk, block_q, warps, stages) never do.
 DECODE_COMPARE = (
     ("chunk256 (order)", at.WindowTiles(chunk=256)),
+    # One loop over the chunk's 16 blocks with two K/V buffers in flight (5 stages by default), where the page walk
+    # refills its two buffers for every 64-key page.
     ("flat walk (launch)", at.WindowTiles(walk="flat")),
     # 16 packed rows over 4 warps share each row's max and sum across warps through shared memory every step.
     ("2 warps (order)", at.WindowTiles(num_warps=2)),
-    ("chunk256 + flat + 2 warps", at.WindowTiles(chunk=256, walk="flat", num_warps=2)),
+    ("chunk256 + flat walk", at.WindowTiles(chunk=256, walk="flat")),
 )
 DECODE_COMPARE_FP8 = (
     ("f16 dot (order)", at.WindowTiles(fp8_dot="float16")),
-    ("chunk256 + f16 dot", at.WindowTiles(chunk=256, fp8_dot="float16")),
+    ("flat walk (launch)", at.WindowTiles(walk="flat")),
+    ("f16 dot + flat walk", at.WindowTiles(fp8_dot="float16", walk="flat")),
 )
 PROMPT_COMPARE = (
     # The shipped prompt copies the whole table (the capacity) into contiguous K/V on every call; this reads pages.
