@@ -377,6 +377,33 @@ def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_re
     m_committed = jax.lax.fori_loop(0, (n_chunks + max_block - 1) // max_block, max_body,
                                     jnp.full((mrows,), -jnp.inf, jnp.float32))
 
+    # Partials are folded one chunk at a time in chunk order (elementwise, no cross-lane reduction), so the sum's
+    # order depends on chunk positions only: not on `unroll` (how many chunks one loop step loads), the head-dim
+    # split, warps or layouts. Chunks past the stream's context are never read. The fold is relative to the
+    # committed max alone (the window's keys join after it), which keeps the loop free of the window dot's MMA
+    # layout: weighting the loaded partials by a max derived from that dot made Triton convert every loaded
+    # [M, BD] partial into the MMA layout through shared memory. What is left per chunk (offline compile) is the
+    # conversion of the [M] weight vector into the partial's row layout.
+    m_base = jnp.where(m_committed == -jnp.inf, 0.0, m_committed)
+
+    def body(i, carry):
+        l, acc = carry
+        for k in range(unroll):
+            c = i * unroll + k
+            live = c < n_chunks
+            ok = real & live
+            m_c = plgpu.load(m_ref.at[c], mask=ok, other=-jnp.inf)
+            l_c = plgpu.load(l_ref.at[c], mask=ok, other=0.0)
+            acc_c = plgpu.load(acc_ref.at[c], mask=ok[:, None], other=0.0)
+            w = jnp.exp(m_c - m_base)
+            # A select, not an added zero: a step past the context must not even flip the sign of a zero.
+            l = jnp.where(live, l + w * l_c, l)
+            acc = jnp.where(live, acc + w[:, None] * acc_c, acc)
+        return l, acc
+
+    l, acc = jax.lax.fori_loop(0, (n_chunks + unroll - 1) // unroll, body,
+                               (jnp.zeros((mrows,), jnp.float32), jnp.zeros((mrows, bd), jnp.float32)))
+
     # The window's own keys: row m (window node m // G) sees node j iff j is the node or one of its ancestors,
     # found by climbing parent pointers (at most R steps; parents[j] < j).
     q = q_ref[idx].astype(cdt)
@@ -393,30 +420,10 @@ def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_re
     m_total = jnp.maximum(m_committed, jnp.max(logits_w, axis=1))
     # Padding rows see nothing; keep their arithmetic finite.
     m_total = jnp.where(m_total == -jnp.inf, 0.0, m_total)
-
-    # Partials are folded one chunk at a time in chunk order (elementwise, no cross-lane reduction), so the sum's
-    # order depends on chunk positions only: not on `unroll` (how many chunks one loop step loads), the head-dim
-    # split, warps or layouts. Chunks past the stream's context are never read.
-    def body(i, carry):
-        l, acc = carry
-        for k in range(unroll):
-            c = i * unroll + k
-            live = c < n_chunks
-            ok = real & live
-            m_c = plgpu.load(m_ref.at[c], mask=ok, other=-jnp.inf)
-            l_c = plgpu.load(l_ref.at[c], mask=ok, other=0.0)
-            acc_c = plgpu.load(acc_ref.at[c], mask=ok[:, None], other=0.0)
-            w = jnp.exp(m_c - m_total)
-            # A select, not an added zero: a step past the context must not even flip the sign of a zero.
-            l = jnp.where(live, l + w * l_c, l)
-            acc = jnp.where(live, acc + w[:, None] * acc_c, acc)
-        return l, acc
-
-    l, acc = jax.lax.fori_loop(0, (n_chunks + unroll - 1) // unroll, body,
-                               (jnp.zeros((mrows,), jnp.float32), jnp.zeros((mrows, bd), jnp.float32)))
+    alpha = jnp.where(m_committed == -jnp.inf, 0.0, jnp.exp(m_base - m_total))  # no committed keys: l, acc are 0
     p = jnp.exp(logits_w - m_total[:, None])
-    l = l + jnp.sum(p, axis=1)
-    acc = acc + _pv(p, vw_ref[widx], None if vsw_ref is None else vsw_ref[widx], cdt)
+    l = l * alpha + jnp.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _pv(p, vw_ref[widx], None if vsw_ref is None else vsw_ref[widx], cdt)
     o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
 
 
