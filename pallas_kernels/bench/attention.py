@@ -321,6 +321,15 @@ PROMPT_COMPARE_FP8 = (
 )
 
 
+def _rel_diff(out, ref) -> float:
+    """|out - ref| / |ref| over a chain's final output: a sanity check that a candidate computes the same thing as
+    the shipped tiles (rounding differences stay near 1e-3; a broken kernel shows O(1) or NaN)."""
+    if ref is None:
+        return math.nan
+    a, b = np.asarray(out.astype(jnp.float32), np.float64), np.asarray(ref.astype(jnp.float32), np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
 def _chain(step, reps: int):
     """One jitted chain of `reps` calls (as amortised_us), built once and reused for every context of a case, so
     a candidate compiles once: call i takes varying[i % n] with its queries replaced by call i-1's output."""
@@ -359,10 +368,12 @@ def compare_decode(env: Env, *, contexts, capacity: int, fp8: bool, candidates, 
     def floor(pool, q, kw, vw, par, table, cache_len):
         return q + 1
 
-    steps = [(name, (_window_interp_step if env.interpret else _window_step)(tiles), tiles)
+    # (name, step, tiles, whether its output is the window's: compared with the shipped output)
+    steps = [(name, (_window_interp_step if env.interpret else _window_step)(tiles), tiles, True)
              for name, tiles in candidates]
-    steps += [("shipped, pass 1 only", pass_one, shipped), ("timing floor (q + 1)", floor, None)]
-    for name, step, tiles in steps:
+    steps += [("shipped, pass 1 only", pass_one, shipped, False), ("timing floor (q + 1)", floor, None, False)]
+    shipped_out = {}
+    for name, step, tiles, same_output in steps:
         if time.time() > DEADLINE:
             print(f"  skipped decode {kv} {name}: over --budget-s", flush=True)
             continue
@@ -372,14 +383,18 @@ def compare_decode(env: Env, *, contexts, capacity: int, fp8: bool, candidates, 
                        for i, (q, kw, vw) in enumerate(qkv)]
             try:
                 us = time_us(chain, [((pool,), varying)], warmup=2, iters=5 if env.interpret else 10) / env.reps
+                out = chain((pool,), varying)
             except Exception as e:  # noqa: BLE001 - one candidate failing must not cost the others
                 print(f"  FAILED decode {kv} {name} {ctx}: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
                       flush=True)
                 break
+            if name == "shipped":
+                shipped_out[ctx] = out
             gbs = kv_bytes(ctx, fp8) / us / 1e3
             record(env, section="compare-decode", tag=name, impl="kernel", kv=kv, streams=1, rows=1, context=ctx,
                    capacity=capacity, page=ps, tiles=str(tiles), us=us, kv_gbs=gbs,
-                   of_copy=gbs / (bw * 1e3) if bw else math.nan)
+                   of_copy=gbs / (bw * 1e3) if bw else math.nan,
+                   rel_diff_vs_shipped=_rel_diff(out, shipped_out.get(ctx)) if same_output else math.nan)
     del pool
 
 
@@ -395,6 +410,7 @@ def compare_prompt(env: Env, *, rows: int, prefixes, capacity: int, fp8: bool, c
     qs = [jax.random.normal(jax.random.key(210 + i), (1, rows, HQ, D), jnp.bfloat16) for i in range(2)]
     kv = "fp8" if fp8 else "bf16"
     reps = max(2, env.reps // 4)
+    shipped_out = {}
     for name, tiles in candidates:
         if time.time() > DEADLINE:
             print(f"  skipped prompt {kv} {name}: over --budget-s", flush=True)
@@ -408,12 +424,16 @@ def compare_prompt(env: Env, *, rows: int, prefixes, capacity: int, fp8: bool, c
                        for i in range(2)]
             try:
                 us = time_us(chain, [((pool,), varying)], warmup=2, iters=5) / reps
+                out = chain((pool,), varying)
             except Exception as e:  # noqa: BLE001
                 print(f"  FAILED prompt {kv} {name} {prefix}: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
                       flush=True)
                 break
+            if name == "shipped":
+                shipped_out[prefix] = out
             record(env, section="compare-prompt", tag=name, impl="kernel", kv=kv, rows=rows, prefix=prefix,
-                   capacity=capacity, tiles=str(tiles), us=us, tflops=prompt_flops(rows, prefix) / us / 1e6)
+                   capacity=capacity, tiles=str(tiles), us=us, tflops=prompt_flops(rows, prefix) / us / 1e6,
+                   rel_diff_vs_shipped=_rel_diff(out, shipped_out.get(prefix)))
     del pool
 
 
@@ -458,20 +478,23 @@ def summarize_compare(env: Env, bw: float | None) -> None:
                 for ctx in contexts:
                     got = [r for r in dec if r["kv"] == kv and r["tag"] == name and r["context"] == ctx]
                     cells.append(f"{got[0]['us']:.1f} ({100 * got[0]['of_copy']:.0f}%)" if got else "-")
-                body.append([kv, name] + cells)
+                diffs = [r["rel_diff_vs_shipped"] for r in dec if r["kv"] == kv and r["tag"] == name]
+                body.append([kv, name] + cells + [f"{max(diffs):.1e}" if diffs else "-"])
         if cudnn:
             body.append(["bf16", "cuDNN (contiguous)"] + [
                 f"{cudnn[c]:.1f} ({100 * kv_bytes(c, False) / cudnn[c] / 1e3 / (bw * 1e3):.0f}%)" if c in cudnn and bw
-                else "-" for c in contexts])
-        print(table(["kv", "tiles", *map(str, contexts)], body))
+                else "-" for c in contexts] + ["-"])
+        print(table(["kv", "tiles", *map(str, contexts), "rel. diff vs shipped"], body))
     pr = [r for r in rows if r.get("section") == "compare-prompt"]
     ref = {r["prefix"]: r["us"] for r in rows if r.get("section") == "prompt" and r.get("impl") == "cudnn"}
     if pr:
         print("\n### compare: prompt chunk (µs, TFLOP/s, cuDNN time / ours: target >= 0.8)")
         body = [[r["kv"], r["tag"], r["prefix"], r["us"], r["tflops"],
-                 ref[r["prefix"]] / r["us"] if r["prefix"] in ref else math.nan] for r in pr]
-        body += [["bf16", "cuDNN", p, us, prompt_flops(pr[0]["rows"], p) / us / 1e6, 1.0] for p, us in ref.items()]
-        print(table(["kv", "tiles", "prefix", "us", "TFLOP/s", "x cuDNN"], body))
+                 ref[r["prefix"]] / r["us"] if r["prefix"] in ref else math.nan, f"{r['rel_diff_vs_shipped']:.1e}"]
+                for r in pr]
+        body += [["bf16", "cuDNN", p, us, prompt_flops(pr[0]["rows"], p) / us / 1e6, 1.0, "-"]
+                 for p, us in ref.items()]
+        print(table(["kv", "tiles", "prefix", "us", "TFLOP/s", "x cuDNN", "rel. diff vs shipped"], body))
 
 
 # ---------------------------------------------------------------------------------------------------------------
