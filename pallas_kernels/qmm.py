@@ -142,13 +142,23 @@ class Tiles:
 # best, of the variants timed on the H200 for 5120->17408 and 17408->5120 at M = 1 and 16 (docs/kernels/qmm.md).
 # A program carries two 16-row tiles, so M = 32 reads each weight tile once from HBM (larger M re-reads it from
 # L2 for each further 32 rows). `python -m pallas_kernels.bench qmm --sweep` times the alternatives.
-DECODE_TILES = Tiles(block_m=16, block_n=32, blocks_per_step=2, num_warps=2, num_stages=3, max_m_blocks=2,
+DECODE_TILES = Tiles(block_m=16, block_n=64, blocks_per_step=1, num_warps=4, num_stages=3, max_m_blocks=2,
                      k_splits=1)
+# Programs a decode launch should have at least (132 SMs; the H200 sweep of docs/kernels/qmm.md run 3: the best
+# split counts gave 640-2720 programs, the unsplit default 160-544).
+DECODE_MIN_PROGRAMS = 600
 
 
 def decode_tiles(n: int, k: int, bits: int, group: int) -> Tiles:
-    """Decode/verify (memory-bound) tiles, from the weight's shape only: `DECODE_TILES` fitted to K."""
-    return fit_tiles(DECODE_TILES, k, bits)
+    """Decode/verify (memory-bound) tiles, from the weight's shape only: `DECODE_TILES` with the fewest K
+    splits (a divisor of K's block count) that give `DECODE_MIN_PROGRAMS` programs over N."""
+    tiles = fit_tiles(DECODE_TILES, k, bits)
+    kp = _padded_k(k, bits)
+    blocks = kp // (block_cols(kp, bits) * tiles.blocks_per_step)
+    n_tiles = -(-n // tiles.block_n)
+    splits = next((s for s in range(1, blocks + 1) if blocks % s == 0 and n_tiles * s >= DECODE_MIN_PROGRAMS),
+                  blocks)
+    return dataclasses.replace(tiles, k_splits=splits)
 
 
 def fit_tiles(tiles: Tiles, k: int, bits: int) -> Tiles:
