@@ -1,8 +1,8 @@
 """The engine on the device with the Pallas kernels on (`pytest -m gpu`), on captures/tiny-mlx-4bit, whose every
-matmul goes through the qmm kernel, so the default buckets are the fast ones: prompt lanes batched into one
-forward and power-of-two decode buckets 1..16. What the CPU suite gets from fixed shapes must hold here from the
-kernels' row invariance: concurrent ≡ solo, chunk cuts bit-identical, a decode row's bits the same in every
-stream bucket."""
+matmul goes through the qmm kernel. Both bucket policies: the fixed shapes (the default) and the batched one
+(prompt lanes in one forward, power-of-two decode buckets 1..16), which must hold from the kernels' row
+invariance alone: concurrent ≡ solo, chunk cuts bit-identical, a decode row's bits the same in every stream
+bucket. The batched policy failed here on 2026-11-30 (programs.BATCHED_BY_DEFAULT)."""
 
 import jax
 import jax.numpy as jnp
@@ -30,13 +30,13 @@ def _params(dtype):
 
 @pytest.mark.parametrize("dtype,fixed", [("bfloat16", False), ("float32", False), ("bfloat16", True)])
 def test_concurrent_equals_solo_on_gpu(dtype, fixed):
-    """fixed=False: the default here (batched lanes, decode buckets 1..16); fixed=True: the fallback policy of
-    the reference path (mapped lanes, one decode bucket)."""
+    """fixed=True: the default (mapped lanes, one decode bucket of 16); fixed=False: the batched policy (lanes in
+    one forward, decode buckets 1..16), which failed here on the H200 on 2026-11-30 (see
+    programs.BATCHED_BY_DEFAULT and tools/gpu/rowinv_probe.py)."""
     ck = _params(dtype)
     backend = Backend.default()
     assert backend.kernels and P.row_invariant(ck.params, backend)
-    buckets = P.default_buckets(ck.params, backend, parallel=16, max_chunk=128, logprobs=3,
-                                fixed_shapes=True if fixed else None)
+    buckets = P.default_buckets(ck.params, backend, parallel=16, max_chunk=128, logprobs=3, fixed_shapes=fixed)
     if not fixed:
         assert buckets.packing is P.Packing.BATCHED and buckets.decode_streams == (1, 2, 4, 8, 16)
     e = Engine(ck.params, ck.config, load_tokenizer(MODEL), dtype=dtype, max_model_len=512, parallel=16,

@@ -1,0 +1,132 @@
+"""Which computation makes a stream's decode bits depend on how many streams share the call?
+
+`pytest -m gpu tests/test_engine_gpu.py` found (2026-11-30, H200) that a request decoded alone (stream bucket 1)
+and among others (bucket 16) gives different logprobs from its second token on, while the same check passes on
+CPU with the kernels in interpret mode. This probe narrows it down in one device call:
+  1. whole model on captures/tiny-mlx-4bit: stream 0's logits from `step` and its per-layer residuals from
+     `verify` (taps) with S = 1 vs S = 16 live streams, bit for bit -> the first layer that differs;
+  2. each op of a layer alone, row 0 of a [1, ...] call vs row 0 of a [16, ...] call of the same jitted function.
+
+    PYTHONPATH=$PWD python3 tools/gpu/rowinv_probe.py            # on the device
+    python tools/gpu/rowinv_probe.py --interpret                # CPU smoke run (kernels in interpret mode)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qwen_jax import model as M
+from qwen_jax import sampling
+from qwen_jax.checkpoint import load_checkpoint
+from qwen_jax.model import attention as attn_mixer
+from qwen_jax.model import gdn as gdn_mixer
+from qwen_jax.model import ops
+from qwen_jax.model.layers import gated_rms_norm, mlp, rms_norm
+
+S, PAGES, PAGE = 16, 10, 16
+
+
+def _same(a, b) -> str:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    if np.array_equal(a, b, equal_nan=True):
+        return "same"
+    return f"DIFF max|d|={np.nanmax(np.abs(a - b)):.3g} at {np.argwhere(a != b)[0].tolist()}"
+
+
+def whole_model(cfg, params, backend, dtype) -> None:
+    t = cfg.text
+    prefill = jax.jit(lambda p, s, b: M.prefill(p, s, b, cfg, backend)[:2])
+    taps = tuple(range(t.num_layers))
+    verify = jax.jit(lambda p, s, w: M.verify(p, s, w, cfg, backend, taps=taps))
+    step = jax.jit(lambda p, s, w: M.step(p, s, w, cfg, backend))
+    state = M.init_state(t, num_slots=S + 1, num_pages=S * PAGES + 1, page_size=PAGE, dtype=dtype)
+    tables = np.arange(1, S * PAGES + 1, dtype=np.int32).reshape(S, PAGES)
+    lens = [20 + 5 * i for i in range(S)]
+    rng = np.random.default_rng(0)
+    for i, n in enumerate(lens):  # every prompt alone, so the states are the same whatever the decode bucket
+        toks = rng.integers(0, t.vocab_size, size=n)
+        state = prefill(params, state, M.make_prefill_batch(toks[None], [0], [n], [i + 1], tables[i:i + 1]))[1]
+    nxt = rng.integers(0, t.vocab_size, size=S)
+
+    def window(s):
+        return M.make_window(nxt[:s, None], [[-1]] * s, lens[:s], list(range(1, s + 1)), tables[:s])
+
+    l1, _, taps1 = verify(params, state, window(1))
+    l16, _, taps16 = verify(params, state, window(S))
+    print(f"verify logits, stream 0, S=1 vs S={S}: {_same(l1[0], l16[0])}")
+    first = next((i for i in range(t.num_layers) if not np.array_equal(np.asarray(taps1[0, :, i]),
+                                                                        np.asarray(taps16[0, :, i]))), None)
+    print(f"verify residual taps: first differing layer = {first}"
+          + ("" if first is None else f" ({t.layer_types[first]})"))
+    s1, _ = step(params, jax.tree.map(jnp.copy, state), window(1))
+    s16, _ = step(params, jax.tree.map(jnp.copy, state), window(S))
+    print(f"step logits, stream 0, S=1 vs S={S}: {_same(s1[0], s16[0])}")
+
+
+def ops_alone(cfg, params, backend, dtype) -> None:
+    t = cfg.text
+    rng = np.random.default_rng(1)
+    h = t.hidden_size
+    x = jnp.asarray(rng.standard_normal((S, 1, h)), dtype)
+    gi = t.layer_types.index("linear_attention") if "linear_attention" in t.layer_types else None
+    ai = t.layer_types.index("full_attention") if "full_attention" in t.layer_types else None
+    lay = params["layers"]
+    cases = {
+        "rms_norm": lambda x: rms_norm(x, lay[0]["input_norm"], t.rms_norm_eps),
+        "mlp": lambda x: mlp(x, lay[0]["mlp"], backend, prompt=False),
+        "lm_head": lambda x: ops.linear(x, params["embed"] if params["lm_head"] is None else params["lm_head"],
+                                        backend, prompt=False),
+        "log_softmax+logprobs": lambda x: sampling.logprobs(
+            ops.linear(x[:, 0], params["embed"] if params["lm_head"] is None else params["lm_head"], backend,
+                       prompt=False).astype(jnp.float32), jnp.zeros((x.shape[0],), jnp.int32), 3)[0],
+    }
+    for name, w in (lay[0]["mlp"].items()):
+        k = w.in_features if hasattr(w, "in_features") else w.shape[1]
+        cases[f"linear mlp.{name}"] = (lambda w, k: lambda x: ops.linear(
+            jnp.tile(x, (1, 1, -(-k // h)))[..., :k], w, backend, prompt=False))(w, k)
+    if gi is not None:
+        pg = lay[gi]["gdn"]
+        cases["gdn.project (m)"] = lambda x: gdn_mixer.project(x, pg, backend, prompt=False)[0]
+        cases["gdn.project (g)"] = lambda x: gdn_mixer.project(x, pg, backend, prompt=False)[3]
+        cases["gdn.split_qkv (q)"] = lambda x: gdn_mixer.split_qkv(
+            gdn_mixer.project(x, pg, backend, prompt=False)[0], t)[0]
+        zdim = t.value_dim
+        cases["gated_rms_norm"] = lambda x: gated_rms_norm(
+            jnp.tile(x, (1, 1, -(-zdim // h)))[..., :zdim].reshape(x.shape[0], 1, t.linear_num_value_heads, -1),
+            jnp.tile(x, (1, 1, -(-zdim // h)))[..., :zdim].reshape(x.shape[0], 1, t.linear_num_value_heads, -1),
+            pg["norm"], t.rms_norm_eps)
+    if ai is not None:
+        pa = lay[ai]["attn"]
+        pos = lambda x: M.forward.text_rope_positions(jnp.full((x.shape[0], 1), 37, jnp.int32))
+        cases["attn.project (q)"] = lambda x: attn_mixer.project(x, pa, pos(x), t, backend, prompt=False)[0]
+        cases["attn.project (k)"] = lambda x: attn_mixer.project(x, pa, pos(x), t, backend, prompt=False)[2]
+    for name, f in cases.items():
+        f = jax.jit(f)
+        try:
+            print(f"{name:24s} row 0, S=1 vs S={S}: {_same(f(x[:1])[0], f(x)[0])}")
+        except Exception as e:  # keep probing the rest
+            print(f"{name:24s} failed: {type(e).__name__}: {str(e)[:200]}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="captures/tiny-mlx-4bit")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--interpret", action="store_true", help="kernels in interpret mode (CPU smoke run)")
+    args = ap.parse_args(argv)
+    dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    backend = M.Backend(kernels=True, interpret=args.interpret)
+    ck = load_checkpoint(args.model, dtype=dtype, progress=False)
+    print(f"backend {jax.default_backend()}, {backend}, {args.model} {args.dtype}")
+    whole_model(ck.config, ck.params, backend, dtype)
+    ops_alone(ck.config, ck.params, backend, dtype)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
