@@ -5,12 +5,14 @@ quantization: a module is quantized iff `<path>.scales` exists).
 
 Params layout (norm weights are the effective fp32 multipliers, i.e. 1 + w for HF's zero-centred norms):
     {"embed": W[V, H], "norm": f32[H], "lm_head": W[V, H] | None (tied), "layers": tuple of per-layer dicts}
-    GDN layer:  {"input_norm", "post_norm", "mlp": {"gate", "up", "down"},
-                 "gdn": {"qkv", "z", "b", "a", "out", "conv": f32[C, K], "dt_bias": f32[Hv], "A_log": f32[Hv],
-                         "norm": f32[dv]}}
+    GDN layer:  {"input_norm", "post_norm", "mlp": {"gate_up": F(gate, up), "down"},
+                 "gdn": {"in_proj": F(qkv, z, b, a), "out", "conv": f32[C, K], "dt_bias": f32[Hv],
+                         "A_log": f32[Hv], "norm": f32[dv]}}
     attn layer: {"input_norm", "post_norm", "mlp": {...},
-                 "attn": {"q", "k", "v", "o", "q_norm": f32[D], "k_norm": f32[D]}}
+                 "attn": {"qkv": F(q, k, v), "o", "q_norm": f32[D], "k_norm": f32[D]}}
 W is a dense [out, in] array in the compute dtype or a packed `QuantizedWeight` (never dequantized at load).
+F(...) is `model.ops.fuse` of the projections that read the same input: one weight concatenated along `out`
+(one matmul), or the tuple of the parts when their formats differ.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import numpy as np
 
 from pallas_kernels.qweight import QuantizedWeight
 from qwen_jax.config import LAYER_GDN, ModelConfig, load_config
+from qwen_jax.model.ops import fuse
 
 
 class CheckpointError(ValueError):
@@ -266,14 +269,13 @@ def load_checkpoint(model_dir: str | os.PathLike, *, dtype=jnp.bfloat16, progres
             layer = {
                 "input_norm": b.vector(f"{p}.input_layernorm.weight", t.hidden_size, zero_centred=True),
                 "post_norm": b.vector(f"{p}.post_attention_layernorm.weight", t.hidden_size, zero_centred=True),
-                "mlp": {"gate": b.linear(f"{p}.mlp.gate_proj"), "up": b.linear(f"{p}.mlp.up_proj"),
+                "mlp": {"gate_up": fuse([b.linear(f"{p}.mlp.gate_proj"), b.linear(f"{p}.mlp.up_proj")]),
                         "down": b.linear(f"{p}.mlp.down_proj")},
             }
             if kind == LAYER_GDN:
                 la = f"{p}.linear_attn"
                 layer["gdn"] = {
-                    "qkv": b.linear(f"{la}.in_proj_qkv"), "z": b.linear(f"{la}.in_proj_z"),
-                    "b": b.linear(f"{la}.in_proj_b"), "a": b.linear(f"{la}.in_proj_a"),
+                    "in_proj": fuse([b.linear(f"{la}.in_proj_{n}") for n in ("qkv", "z", "b", "a")]),
                     "out": b.linear(f"{la}.out_proj"), "conv": b.conv(f"{la}.conv1d.weight"),
                     "dt_bias": b.vector(f"{la}.dt_bias", t.linear_num_value_heads),
                     "A_log": b.vector(f"{la}.A_log", t.linear_num_value_heads),
@@ -282,7 +284,7 @@ def load_checkpoint(model_dir: str | os.PathLike, *, dtype=jnp.bfloat16, progres
             else:
                 sa = f"{p}.self_attn"
                 layer["attn"] = {
-                    "q": b.linear(f"{sa}.q_proj"), "k": b.linear(f"{sa}.k_proj"), "v": b.linear(f"{sa}.v_proj"),
+                    "qkv": fuse([b.linear(f"{sa}.{n}_proj") for n in ("q", "k", "v")]),
                     "o": b.linear(f"{sa}.o_proj"),
                     "q_norm": b.vector(f"{sa}.q_norm.weight", t.head_dim, zero_centred=True),
                     "k_norm": b.vector(f"{sa}.k_norm.weight", t.head_dim, zero_centred=True),

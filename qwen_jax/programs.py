@@ -167,11 +167,11 @@ def linear_weights(params) -> list:
     """Every matmul weight of the text model (the embedding only where it doubles as the lm_head)."""
     out = [params["embed"] if params["lm_head"] is None else params["lm_head"]]
     for layer in params["layers"]:
-        out += [layer["mlp"][k] for k in ("gate", "up", "down")]
+        out += [*M.ops.parts(layer["mlp"]["gate_up"]), layer["mlp"]["down"]]
         if "gdn" in layer:
-            out += [layer["gdn"][k] for k in ("qkv", "z", "b", "a", "out")]
+            out += [*M.ops.parts(layer["gdn"]["in_proj"]), layer["gdn"]["out"]]
         else:
-            out += [layer["attn"][k] for k in ("q", "k", "v", "o")]
+            out += [*M.ops.parts(layer["attn"]["qkv"]), layer["attn"]["o"]]
     return out
 
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.qweight import QuantizedWeight
 from qwen_jax.config import LAYER_GDN, ModelConfig, QuantConfig, TextConfig
+from qwen_jax.model.ops import fuse
 
 # The 27B's text shape (model_spec A.2), for `--synthetic 27b`.
 QWEN35_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
@@ -81,12 +82,12 @@ def random_params(cfg: TextConfig, key: jax.Array, *, dtype=jnp.bfloat16, quant:
     layers = []
     for kind in t.layer_types:
         layer = {"input_norm": norm(h), "post_norm": norm(h),
-                 "mlp": {"gate": lin(t.intermediate_size, h), "up": lin(t.intermediate_size, h),
+                 "mlp": {"gate_up": fuse([lin(t.intermediate_size, h), lin(t.intermediate_size, h)]),
                          "down": lin(h, t.intermediate_size)}}
         if kind == LAYER_GDN:
             hv = t.linear_num_value_heads
             layer["gdn"] = {
-                "qkv": lin(t.conv_dim, h), "z": lin(t.value_dim, h), "b": lin(hv, h), "a": lin(hv, h),
+                "in_proj": fuse([lin(t.conv_dim, h), lin(t.value_dim, h), lin(hv, h), lin(hv, h)]),
                 "out": lin(h, t.value_dim),
                 "conv": 0.5 * jax.random.normal(keys(), (t.conv_dim, t.linear_conv_kernel_dim), jnp.float32),
                 "dt_bias": jax.random.normal(keys(), (hv,), jnp.float32) * 0.5,
@@ -94,8 +95,9 @@ def random_params(cfg: TextConfig, key: jax.Array, *, dtype=jnp.bfloat16, quant:
                 "norm": norm(t.linear_value_head_dim),
             }
         else:
-            layer["attn"] = {"q": lin(t.num_heads * t.head_dim * 2, h), "k": lin(t.num_kv_heads * t.head_dim, h),
-                             "v": lin(t.num_kv_heads * t.head_dim, h), "o": lin(h, t.num_heads * t.head_dim),
+            layer["attn"] = {"qkv": fuse([lin(t.num_heads * t.head_dim * 2, h), lin(t.num_kv_heads * t.head_dim, h),
+                                          lin(t.num_kv_heads * t.head_dim, h)]),
+                             "o": lin(h, t.num_heads * t.head_dim),
                              "q_norm": norm(t.head_dim), "k_norm": norm(t.head_dim)}
         layers.append(layer)
     embed = (lambda: _quant(keys, t.vocab_size, h, quant, 1.0)) if quant else (

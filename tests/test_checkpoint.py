@@ -14,6 +14,7 @@ import pytest
 from pallas_kernels.qweight import QuantizedWeight
 from qwen_jax.checkpoint import CheckpointError, SafetensorsIndex, load_checkpoint
 from qwen_jax.config import ConfigError
+from qwen_jax.model.ops import Fused
 from tests.conftest import CAPTURES, ROOT
 
 
@@ -64,8 +65,16 @@ def test_mlx_layout_stays_packed_and_norms_unshifted():
     assert ck.source_format == "mlx"
     emb = ck.params["embed"]
     assert isinstance(emb, QuantizedWeight) and emb.words.dtype == jnp.uint32 and emb.shape == (512, 128)
-    assert isinstance(ck.params["layers"][0]["gdn"]["a"], QuantizedWeight)
     idx = SafetensorsIndex(CAPTURES / "tiny-mlx-4bit")
+    # The projections reading the same input are fused at load: their packed rows, concatenated in order.
+    in_proj = ck.params["layers"][0]["gdn"]["in_proj"]
+    assert isinstance(in_proj, Fused) and isinstance(in_proj.weight, QuantizedWeight)
+    pre = "language_model.model.layers.0.linear_attn.in_proj_"
+    for part in ("weight", "scales", "biases"):
+        want = np.concatenate([idx.load(f"{pre}{n}.{part}") for n in ("qkv", "z", "b", "a")], axis=0)
+        got = {"weight": in_proj.weight.words, "scales": in_proj.weight.scales, "biases": in_proj.weight.biases}[part]
+        np.testing.assert_array_equal(np.asarray(got).view(want.dtype), want)
+    assert sum(in_proj.sizes) == in_proj.weight.out_features and len(in_proj.sizes) == 4
     raw = idx.load("language_model.model.norm.weight").astype(np.float32)
     np.testing.assert_array_equal(np.asarray(ck.params["norm"]), raw)  # MLX baked the +1 in already
 

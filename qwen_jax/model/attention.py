@@ -9,17 +9,18 @@ import jax.numpy as jnp
 from qwen_jax.config import TextConfig
 from qwen_jax.model import ops
 from qwen_jax.model.layers import apply_rope, rms_norm, rope_angles
-from qwen_jax.model.ops import Backend, linear
+from qwen_jax.model.ops import Backend, linear, linear_split
 
 
 def project(x, p, rope_positions, cfg: TextConfig, backend: Backend, *, prompt: bool):
     """x [S, T, H] -> q [S, T, Hq, D], gate [S, T, Hq*D], k, v [S, T, Hkv, D] (post-norm, post-RoPE)."""
     s, t = x.shape[:2]
     d = cfg.head_dim
-    qg = linear(x, p["q"], backend, prompt=prompt).reshape(s, t, cfg.num_heads, 2 * d)
+    qg, k, v = linear_split(x, p["qkv"], backend, prompt=prompt)
+    qg = qg.reshape(s, t, cfg.num_heads, 2 * d)
     q, gate = qg[..., :d], qg[..., d:].reshape(s, t, cfg.num_heads * d)
-    k = linear(x, p["k"], backend, prompt=prompt).reshape(s, t, cfg.num_kv_heads, d)
-    v = linear(x, p["v"], backend, prompt=prompt).reshape(s, t, cfg.num_kv_heads, d)
+    k = k.reshape(s, t, cfg.num_kv_heads, d)
+    v = v.reshape(s, t, cfg.num_kv_heads, d)
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     ang = rope_angles(rope_positions, cfg)  # [S, T, rd/2]

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from qwen_jax.config import TextConfig
 from qwen_jax.model import ops
 from qwen_jax.model.layers import gated_rms_norm
-from qwen_jax.model.ops import Backend, linear
+from qwen_jax.model.ops import Backend, linear, linear_split
 
 
 def _l2norm(x: jax.Array) -> jax.Array:
@@ -19,10 +19,7 @@ def _l2norm(x: jax.Array) -> jax.Array:
 
 def project(x: jax.Array, p: dict, backend: Backend, *, prompt: bool):
     """x [S, T, H] -> (m [S, T, C] pre-conv, z, beta [S, T, Hv] fp32, g [S, T, Hv] fp32)."""
-    m = linear(x, p["qkv"], backend, prompt=prompt)
-    z = linear(x, p["z"], backend, prompt=prompt)
-    b = linear(x, p["b"], backend, prompt=prompt)
-    a = linear(x, p["a"], backend, prompt=prompt)
+    m, z, b, a = linear_split(x, p["in_proj"], backend, prompt=prompt)
     beta = jax.nn.sigmoid(b.astype(jnp.float32))
     g = -jnp.exp(p["A_log"]) * jax.nn.softplus(a.astype(jnp.float32) + p["dt_bias"])
     return m, z, beta, g

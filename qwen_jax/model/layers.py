@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from qwen_jax.config import TextConfig
-from qwen_jax.model.ops import Backend, linear
+from qwen_jax.model.ops import Backend, linear, linear_split
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -27,8 +27,7 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float)
 
 
 def mlp(x: jax.Array, p: dict, backend: Backend, *, prompt: bool) -> jax.Array:
-    gate = linear(x, p["gate"], backend, prompt=prompt)
-    up = linear(x, p["up"], backend, prompt=prompt)
+    gate, up = linear_split(x, p["gate_up"], backend, prompt=prompt)
     act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
     return linear(act, p["down"], backend, prompt=prompt)
 

@@ -5,6 +5,7 @@ otherwise (CPU, `--no-kernels`, verification)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,54 @@ class Backend:
     @staticmethod
     def default() -> "Backend":
         return Backend(kernels=jax.default_backend() == "gpu")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fused:
+    """Projections that read the same input, concatenated along N once at load: one matmul (one launch, one
+    permutation of x, a larger N) instead of several. `sizes` are the parts' output widths, in order."""
+    weight: object  # QuantizedWeight or dense [sum(sizes), K]
+    sizes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+
+def fuse(ws: Sequence) -> Fused | tuple:
+    """Concatenate weights along N when they can share one matmul (all packed with the same bits, group size,
+    K and dtypes, or all dense with the same K and dtype); otherwise the tuple of parts (mixed-precision
+    checkpoints). A row's bits may differ from the unfused matmuls' (the kernel's tiles follow N), and are
+    fixed for the model."""
+    ws = tuple(ws)
+    if len(ws) == 1:
+        return ws
+    sizes = tuple(int(w.shape[0]) for w in ws)
+    if all(isinstance(w, QuantizedWeight) for w in ws):
+        w0 = ws[0]
+        same = all((w.bits, w.group_size, w.in_features, w.scales.dtype, w.biases.dtype) ==
+                   (w0.bits, w0.group_size, w0.in_features, w0.scales.dtype, w0.biases.dtype) for w in ws)
+        if same:
+            cat = lambda name: jnp.concatenate([getattr(w, name) for w in ws], axis=0)
+            return Fused(QuantizedWeight(cat("words"), cat("scales"), cat("biases"), w0.bits, w0.group_size), sizes)
+        return ws
+    if not any(isinstance(w, QuantizedWeight) for w in ws):
+        if len({(w.shape[1], jnp.dtype(w.dtype)) for w in ws}) == 1:
+            return Fused(jnp.concatenate(ws, axis=0), sizes)
+    return ws
+
+
+def parts(w) -> tuple:
+    """The separate weights of a `fuse` result (views for inspection, e.g. which layers are quantized)."""
+    return (w.weight,) if isinstance(w, Fused) else tuple(w)
+
+
+def linear_split(x: jax.Array, w, backend: Backend, *, prompt: bool) -> tuple[jax.Array, ...]:
+    """The outputs of a `fuse` result's projections, in order: one matmul split along N when fused."""
+    if isinstance(w, Fused):
+        y = linear(x, w.weight, backend, prompt=prompt)
+        cuts = [0]
+        for n in w.sizes:
+            cuts.append(cuts[-1] + n)
+        return tuple(y[..., a:b] for a, b in zip(cuts[:-1], cuts[1:]))
+    return tuple(linear(x, wi, backend, prompt=prompt) for wi in w)
 
 
 def linear(x: jax.Array, w, backend: Backend, *, prompt: bool) -> jax.Array:
