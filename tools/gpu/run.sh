@@ -5,7 +5,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh tests|engine|server|qmm|gdn|attention|rowinv}
+stage=${1:?usage: tools/gpu/run.sh tests|rowinv|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -17,8 +17,9 @@ fi
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore::DeprecationWarning
 case "$stage" in
   tests)
-    timeout 540 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_qmm.py tests/test_gdn.py \
-      tests/test_attention.py tests/test_kv_quant.py tests/test_engine_gpu.py 2>&1 | tee "$out/gpu_tests.log" | tail -30 ;;
+    timeout 540 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_qmm.py tests/test_gdn.py \
+      tests/test_rownorm.py tests/test_attention.py tests/test_kv_quant.py tests/test_engine_gpu.py 2>&1 \
+      | tee "$out/gpu_tests.log" | tail -30 ;;
   engine)
     timeout 560 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths 4096,32768 --rounds 64 \
       2>&1 | tee "$out/bench_27b.log" | tail -40 ;;
@@ -26,6 +27,12 @@ case "$stage" in
     timeout 560 python3 -m server.bench --compare --synthetic 27b --concurrency 1,4,16 --prompt-tokens 1024 \
       --max-tokens 256 --max-model-len 4096 --parallel 16 --json "$out/server_bench.json" 2>&1 \
       | tee "$out/server_bench.log" | tail -40 ;;
+  qmm-sweep)
+    timeout 200 python3 -m pallas_kernels.bench qmm --sweep --prompt-ms 1024,4096 --json "$out/qmm_sweep.json" 2>&1 \
+      | tee "$out/qmm_sweep.log" | tail -80 ;;
+  attention-compare)
+    timeout 200 python3 -m pallas_kernels.bench attention --sections compare --budget-s 140 \
+      --json "$out/attention_compare.json" 2>&1 | tee "$out/attention_compare.log" | tail -60 ;;
   qmm)
     timeout 560 python3 -m pallas_kernels.bench qmm --shapes 5120x17408,17408x5120,5120x10240,5120x6144,6144x5120,5120x12288,5120x248320 \
       --m 1,4,16,64,256,1024,4096 --json "$out/qmm.json" 2>&1 | tee "$out/qmm.log" | tail -60 ;;
