@@ -101,6 +101,12 @@ def init_state(cfg: TextConfig, *, num_slots: int, num_pages: int, page_size: in
     return ModelState(kv, rec, conv)
 
 
+def _embed(params, state: ModelState, tokens: jax.Array, backend: Backend) -> jax.Array:
+    """Token rows in the compute dtype (the pools' dtype)."""
+    dtype = state.conv[0].dtype if state.conv else state.kv[0].k.dtype
+    return embed(params["embed"], tokens, dtype, backend)
+
+
 def _head(params, h: jax.Array, cfg: TextConfig, backend: Backend, *, prompt: bool) -> jax.Array:
     """Final norm and lm_head (the embedding when tied) -> fp32 logits."""
     h = rms_norm(h, params["norm"], cfg.rms_norm_eps)
@@ -136,8 +142,7 @@ def prefill(params, state: ModelState, batch: PrefillBatch, cfg: ModelConfig, ba
     """-> (logits, state, taps). logits: [S, T, V] if all_logits else the last real row's [S, V] fp32;
     taps: residual stream after the listed layers, [S, T, len(taps), H] (or None)."""
     t = cfg.text
-    dtype = state.conv[0].dtype if state.conv else state.kv[0].k.dtype
-    x = embed(params["embed"], batch.tokens, dtype, backend)
+    x = _embed(params, state, batch.tokens, backend)
 
     def run_gdn(h, p, rec, conv):
         y, rec, conv = gdn_mixer.prompt_pass(h, p, rec, conv, batch, t, backend)
@@ -159,8 +164,7 @@ def verify(params, state: ModelState, window: VerifyWindow, cfg: ModelConfig, ba
            taps: tuple[int, ...] = ()):
     """-> (logits [S, R, V] fp32, kept (per-layer rows for commit), taps [S, R, n, H] or None). State unchanged."""
     t = cfg.text
-    dtype = state.conv[0].dtype if state.conv else state.kv[0].k.dtype
-    x = embed(params["embed"], window.tokens, dtype, backend)
+    x = _embed(params, state, window.tokens, backend)
 
     def run_gdn(h, p, rec, conv):
         y, k = gdn_mixer.window_pass(h, p, rec, conv, window, t, backend)
@@ -193,8 +197,7 @@ def step(params, state: ModelState, window: VerifyWindow, cfg: ModelConfig, back
         # so XLA updates the donated pools in place instead of copying them first.
         logits, kept, state = jax.lax.optimization_barrier((logits, kept, state))
         return logits, commit(state, kept, window, path, path_len, cfg, backend)
-    dtype = state.conv[0].dtype if state.conv else state.kv[0].k.dtype
-    x = embed(params["embed"], window.tokens, dtype, backend)
+    x = _embed(params, state, window.tokens, backend)
 
     def run_gdn(h, p, rec, conv):
         y, rec, conv = gdn_mixer.step_pass(h, p, rec, conv, window, t, backend)
