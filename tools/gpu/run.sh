@@ -5,7 +5,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh tests|rowinv|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh tests|rowinv|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -42,6 +42,10 @@ case "$stage" in
   attention)
     timeout 560 python3 -m pallas_kernels.bench attention --sections decode,prompt,window,write,xla --budget-s 420 \
       --json "$out/attention.json" 2>&1 | tee "$out/attention.log" | tail -60 ;;
+  profile)
+    timeout 400 ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
+      --log-file "$out/ncu.csv" python3 tools/gpu/decode_profile.py --synthetic 27b 2>&1 | tail -5
+    python3 tools/gpu/decode_profile.py --summarize "$out/ncu.csv" | tee "$out/decode_profile.txt" | head -45 ;;
   rowinv)
     timeout 300 python3 tools/gpu/rowinv_probe.py 2>&1 | tee "$out/rowinv.log" | tail -40
     timeout 240 python3 tools/gpu/rowinv_probe.py --dtype float32 2>&1 | tee "$out/rowinv_f32.log" | tail -30 ;;

@@ -1,0 +1,119 @@
+"""Where a decode round's time goes: wall time per round vs the sum of its kernels' device times, per kernel name.
+
+The 27B bench measured 20.7 ms a serial decode round (48.4 forwards/s) where the kernels' own timings add up to
+roughly half of that; this separates kernel time from launch gaps. Run it under Nsight Compute, which profiles
+only the rounds between the profiler start/stop calls made here:
+
+    ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \\
+        --log-file $OUT/ncu.csv python3 tools/gpu/decode_profile.py --synthetic 27b
+    python3 tools/gpu/decode_profile.py --summarize $OUT/ncu.csv     # per-kernel-name table
+
+Without ncu it prints the wall time per round only (CPU smoke run: --model captures/tiny-mlx-4bit).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import ctypes
+import sys
+import time
+
+import numpy as np
+
+
+def _profiler(call: str) -> None:
+    try:
+        getattr(ctypes.CDLL("libcuda.so.1"), call)()
+    except (OSError, AttributeError):
+        pass  # no driver (CPU smoke run)
+
+
+def run(args) -> None:
+    import jax
+
+    from qwen_jax import programs as P
+    from qwen_jax import sampling
+    from qwen_jax.model import Backend
+    if args.synthetic:
+        from qwen_jax.engine.bench import synthetic_params
+        params, cfg = synthetic_params(args.synthetic, dtype="bfloat16")
+    else:
+        from qwen_jax.checkpoint import load_checkpoint
+        import jax.numpy as jnp
+        ck = load_checkpoint(args.model, dtype=jnp.bfloat16, progress=False)
+        params, cfg = ck.params, ck.config
+    backend = Backend.default()
+    s, page = args.streams, 64
+    dp = P.pages_for(args.context + args.rounds * 2 + 8, page)
+    lay = P.Layout(page, dp, s * dp + 1, s + 1, "bfloat16", "bf16")
+    progs = P.Programs(params, cfg, lay, P.Buckets((P.GRID,), (1,), (s,)), backend)
+    progs.compile([("decode", (s, 1))])
+    tables = [np.arange(1 + i * dp, 1 + (i + 1) * dp, dtype=np.int32) for i in range(s)]
+    greedy = sampling.RequestSampling(seed=0, temperature=0.0)
+    tokens, cache = [1] * s, [args.context] * s
+
+    def rounds(n):
+        nonlocal tokens
+        for _ in range(n):
+            w = P.decode_window(lay, s, tokens, cache, list(range(1, s + 1)), tables)
+            out = progs.decode(w, P.sample_params([greedy] * s, [c + 1 for c in cache], s))
+            tokens = [int(t) for t in out.tokens[:s]]
+            for i in range(s):
+                cache[i] += 1
+
+    rounds(3)
+    t0 = time.perf_counter()
+    rounds(args.rounds)
+    ms = (time.perf_counter() - t0) * 1e3 / args.rounds
+    print(f"{jax.default_backend()}: {s} streams @ {args.context} ctx: {ms:.2f} ms a round ({1e3 / ms:.1f}/s)")
+    _profiler("cuProfilerStart")
+    rounds(args.profiled)
+    jax.block_until_ready(progs.state)
+    _profiler("cuProfilerStop")
+    print(f"profiled {args.profiled} rounds")
+
+
+def summarize(path: str, rounds: int) -> None:
+    """ncu --csv log -> total device µs a round per kernel name, largest first, and the sum."""
+    rows = []
+    with open(path, newline="") as f:
+        lines = [ln for ln in f if ln.startswith('"')]
+    for r in csv.DictReader(lines):
+        if r.get("Metric Name") == "gpu__time_duration.sum":
+            unit = r.get("Metric Unit", "ns")
+            v = float(r["Metric Value"].replace(",", ""))
+            scale = {"ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}.get(unit, 1e-3)
+            rows.append((r["Kernel Name"], v * scale))
+    by = collections.defaultdict(lambda: [0, 0.0])
+    for name, us in rows:
+        by[name][0] += 1
+        by[name][1] += us
+    total = sum(us for _, us in rows)
+    print(f"{len(rows)} kernels, {total / rounds:.1f} µs of device time a round ({len(rows) / rounds:.0f} launches)")
+    print(f"{'µs/round':>10} {'calls/round':>11}  kernel")
+    for name, (n, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:40]:
+        print(f"{us / rounds:10.1f} {n / rounds:11.1f}  {name[:110]}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--synthetic", choices=("27b",))
+    src.add_argument("--model", default="captures/tiny-mlx-4bit")
+    ap.add_argument("--streams", type=int, default=1)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=16, help="timed rounds (wall clock)")
+    ap.add_argument("--profiled", type=int, default=2, help="rounds between the profiler start and stop")
+    ap.add_argument("--summarize", metavar="NCU_CSV", help="print the per-kernel table of an ncu --csv log")
+    args = ap.parse_args(argv)
+    if args.summarize:
+        summarize(args.summarize, args.profiled)
+    else:
+        run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
