@@ -20,6 +20,12 @@ How the kernel works (Pallas, Triton lowering; docs/kernels/qmm.md has the measu
   cuts K into S contiguous ranges of whole loop steps; each program writes an fp32 partial [S, M, N], and the
   wrapper adds the partials in a fixed sequence ((p0 + p1) + p2 ...) before the cast.
 
+Prompt path, second implementation (`Tiles.impl == "dequant"`, chosen by `prompt_tiles`; `PROMPT_IMPL` is the
+default): one XLA elementwise fusion dequantizes the whole weight to the MMA dtype in memory, with the values the
+fused kernel builds (`dequantize_for_matmul`), then a plain Pallas (Triton) matmul x [bm, bk] @ w^T [bk, bn] with
+fp32 accumulation, K in increasing blocks of `block_k`, one output tile a program, a 1-D grid walked in groups of
+`group_m` row tiles (row tile fastest) so consecutive programs share the weight tile.
+
 Exactness (STYLE.md): the k order (blocks, then chunks, each one MMA of fixed shape) and every tile shape are fixed
 by the weight's shape and the path (`prompt`) alone. A row of x is always computed in a `block_m`-row MMA tile of
 one shape, whatever M is and whichever rows share the call, so row i's bits never depend on M or on the other
@@ -37,7 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.qweight import QuantizedWeight, dequantize, dequantize_rows
+from pallas_kernels.qweight import QuantizedWeight, dequantize, dequantize_rows, unpack
 
 # Two bf16 128.0s: OR-ing a 4-bit field q into the low mantissa bits of one gives the bf16 number 128 + q exactly.
 _BF16_128_PAIR = 0x43004300
@@ -126,15 +132,27 @@ class Tiles:
     num_stages: int = 3
     max_m_blocks: int = 1  # block_m-row tiles one program carries, so one weight chunk serves up to this many
     k_splits: int = 1  # contiguous K ranges on a third grid axis, fp32 partials summed in a fixed order after
+    # "fused": the kernel above, dequantizing inside the MMA loop. "dequant": the whole weight dequantized by XLA,
+    # then the plain matmul kernel (blocks_per_step, max_m_blocks and k_splits do not apply; block_k, group_m do).
+    impl: str = "fused"
+    block_k: int = 64  # "dequant": k columns a loop step (must divide K; `prompt_tiles` fits it)
+    group_m: int = 8  # "dequant": row tiles walked together, row tile fastest, before the next weight tiles
 
     def check(self) -> None:
-        for name, least in (("block_m", 8), ("block_n", 16)):
+        if self.impl not in IMPLS:
+            raise ValueError(f"qmm tiles: impl={self.impl!r} must be one of {IMPLS}")
+        for name, least in (("block_m", 8), ("block_n", 16), ("block_k", 16)):
             v = getattr(self, name)
             if v < least or v & (v - 1):
                 raise ValueError(f"qmm tiles: {name}={v} must be a power of two >= {least}")
-        for name in ("blocks_per_step", "max_m_blocks", "num_warps", "num_stages", "k_splits"):
+        for name in ("blocks_per_step", "max_m_blocks", "num_warps", "num_stages", "k_splits", "group_m"):
             if getattr(self, name) < 1:
                 raise ValueError(f"qmm tiles: {name} must be >= 1")
+        if self.impl == "dequant" and self.k_splits != 1:
+            raise ValueError("qmm tiles: the dequant implementation has no split-K (k_splits must be 1)")
+
+
+IMPLS = ("fused", "dequant")
 
 
 # The decode/verify tiles, in one place: `decode_tiles` fits them to a weight's K. 32 output features a program
@@ -173,10 +191,42 @@ def fit_tiles(tiles: Tiles, k: int, bits: int) -> Tiles:
     return dataclasses.replace(tiles, blocks_per_step=steps, k_splits=splits)
 
 
-def prompt_tiles(n: int, k: int, bits: int, group: int) -> Tiles:
-    """Prompt (compute-bound) tiles: a 128x128 output tile per program (two warpgroups, 3 stages: 225 KB of
-    shared memory), weight tiles reused from L2 by the programs of consecutive row blocks."""
-    return Tiles(block_m=128, block_n=128, blocks_per_step=1, num_warps=8, num_stages=3, max_m_blocks=1)
+# The prompt path's implementation: "fused" (dequantize inside the MMA loop; run 3: 295 TFLOP/s at 5120->17408)
+# or "dequant" (XLA dequantizes the weight to bf16 in memory, then `DEQUANT_PROMPT_TILES`' matmul). Run 3 put
+# "dequantize in memory + cuBLAS" at 1.8-2.3x the fused kernel; the next device sweep (`bench qmm --sweep
+# --prompt-only`) decides whether the fixed-tile Pallas matmul keeps that lead, and this line flips if it does.
+PROMPT_IMPL = "fused"
+FUSED_PROMPT_TILES = Tiles(block_m=128, block_n=128, blocks_per_step=1, num_warps=8, num_stages=3, max_m_blocks=1)
+# Triton's best-known Hopper bf16 GEMM tile (two warpgroups, each 64 rows x 256 columns of wgmma, 147 KB of shared
+# memory at 3 stages: one program a SM), unmeasured here; the sweep times it against 4 neighbours.
+DEQUANT_PROMPT_TILES = Tiles(block_m=128, block_n=256, num_warps=8, num_stages=3, impl="dequant", block_k=64,
+                             group_m=8)
+
+
+def prompt_tiles(n: int, k: int, bits: int, group: int, impl: str | None = None) -> Tiles:
+    """Prompt (compute-bound) tiles from the weight's shape only (never from M).
+
+    "fused": a 128x128 output tile per program (two warpgroups, 3 stages: 225 KB of shared memory), weight tiles
+    reused from L2 by the programs of consecutive row blocks. "dequant": `DEQUANT_PROMPT_TILES` fitted to the
+    shape (`fit_dequant_tiles`). impl: None for `PROMPT_IMPL`.
+    """
+    impl = PROMPT_IMPL if impl is None else impl
+    if impl == "fused":
+        return FUSED_PROMPT_TILES
+    if impl == "dequant":
+        return fit_dequant_tiles(DEQUANT_PROMPT_TILES, n, k)
+    raise ValueError(f"qmm: prompt impl {impl!r} is not one of {IMPLS}")
+
+
+def fit_dequant_tiles(tiles: Tiles, n: int, k: int) -> Tiles:
+    """`tiles` with block_k halved until it divides K (K is a multiple of the group, so 32 always does) and
+    block_n no wider than the power of two covering N (a function of N and K alone)."""
+    bk, bn = tiles.block_k, tiles.block_n
+    while bk > 16 and k % bk:
+        bk //= 2
+    while bn > 16 and bn // 2 >= n:
+        bn //= 2
+    return dataclasses.replace(tiles, block_k=bk, block_n=bn)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -321,14 +371,124 @@ def _qmm_call(xk: jax.Array, words, scales, biases, n: int, bits: int, group: in
         return total.astype(out_dtype)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# the "dequant" implementation: the whole weight dequantized by XLA, then a plain matmul kernel
+
+
+def _add_rounded_once_to_bf16(a: jax.Array, b: jax.Array) -> jax.Array:
+    """fp32 a + b (a = q * s exact) rounded once to bf16, as a fused bf16 FMA rounds it (the fused kernel's
+    HFMA2.BF16), not twice (fp32, then bf16) as a plain add + convert would.
+
+    The fp32 sum t differs from a once-rounded bf16 result only where t lands exactly on a bf16 midpoint (low 16
+    bits 0x8000) while the exact sum does not; there TwoSum's error term says which side the exact sum is on, and
+    t moves one fp32 ulp that way before the round-to-nearest-even convert. Exact for any fp32 a, b; every step is
+    exact or one IEEE rounding, so FMA contraction of a's product into the adds changes nothing when a is exact.
+    """
+    t = a + b
+    bb = t - a
+    err = (a - (t - bb)) + (b - bb)  # TwoSum (Knuth): a + b == t + err exactly
+    tbits = jax.lax.bitcast_convert_type(t, jnp.uint32)
+    on_midpoint = (tbits & jnp.uint32(0xFFFF)) == jnp.uint32(0x8000)
+    away = (err > 0) == (t > 0)  # the exact sum is larger in magnitude than t
+    nudged = jnp.where(away, tbits + jnp.uint32(1), tbits - jnp.uint32(1))
+    tbits = jnp.where(on_midpoint & (err != 0), nudged, tbits)
+    return jax.lax.bitcast_convert_type(tbits, jnp.float32).astype(jnp.bfloat16)
+
+
+def dequantize_for_matmul(w: QuantizedWeight, x_dtype) -> jax.Array:
+    """The whole weight [N, K] in the MMA operand dtype for an x of `x_dtype`: one XLA elementwise fusion on the
+    packed words, with the values the fused kernel's dequantization gives on the GPU.
+
+    - bf16 x, bf16 scales, 4 bits: q * s + b rounded once to bf16 (the fused kernel's single bf16 FMA). In interpret
+      mode the fused kernel rounds q * s to bf16 first, so there the two implementations differ in the last bit.
+    - other half-precision cases: q * s + b in fp32 (q * s exact for bf16/fp16 scales), then one convert: the
+      fused kernel's own formula, double rounding included.
+    - fp32 x: fp32 q * s + b (the verification path). With fp32 scales q * s is inexact and whether the GPU
+      contracts it into an FMA is the compiler's choice in both implementations.
+    """
+    w_dtype, _, bf16_fma = _arith(x_dtype, w.scales.dtype, w.bits)
+    n, k = w.shape
+    q = unpack(w.words, w.bits).astype(jnp.float32).reshape(n, k // w.group_size, w.group_size)
+    prod = q * w.scales.astype(jnp.float32)[..., None]
+    bias = jnp.broadcast_to(w.biases.astype(jnp.float32)[..., None], prod.shape)
+    deq = _add_rounded_once_to_bf16(prod, bias) if bf16_fma else (prod + bias).astype(w_dtype)
+    return deq.reshape(n, k)
+
+
+def _matmul_kernel(x_ref, w_ref, *out_refs, m: int, n: int, k: int, tiles: Tiles, m_tiles: int, n_tiles: int,
+                   precision):
+    # x_ref [M, K]; w_ref [N, K] (dequantized, x's dtype); o_ref [M, N] (preceded by the unread `after` operand
+    # and by the aliased input buffer when the caller poisons it).
+    o_ref = out_refs[-1]
+    bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+    # 1-D grid in groups of group_m row tiles: program p of a group takes row tile p % rows, weight tile p // rows,
+    # so the (up to) group_m programs that run side by side read one weight tile (from HBM once, then L2), and a
+    # wave of the GPU covers group_m row tiles x (programs / group_m) weight tiles. Which program computes a tile
+    # depends on M; what a tile computes does not.
+    pid = pl.program_id(0)
+    per_group = tiles.group_m * n_tiles
+    first_m = (pid // per_group) * tiles.group_m
+    rows_here = jnp.minimum(m_tiles - first_m, tiles.group_m)
+    local = pid % per_group
+    row0 = pl.multiple_of((first_m + local % rows_here) * bm, bm)
+    n0 = pl.multiple_of((local // rows_here) * bn, bn)
+    row_ok = (row0 + jnp.arange(bm, dtype=jnp.int32)) < m
+    col_ok = (n0 + jnp.arange(bn, dtype=jnp.int32)) < n
+    rows, cols = pl.ds(row0, bm), pl.ds(n0, bn)
+
+    def step(i, acc):
+        kcols = pl.ds(pl.multiple_of(i * bk, bk), bk)
+        xt = plt.load(x_ref.at[rows, kcols], mask=jnp.broadcast_to(row_ok[:, None], (bm, bk)), other=0)
+        if n % bn:
+            wt = plt.load(w_ref.at[cols, kcols], mask=jnp.broadcast_to(col_ok[:, None], (bn, bk)), other=0)
+        else:
+            wt = w_ref[cols, kcols]
+        # x [bm, bk] . w [bn, bk] over k: both operands k-major, as wgmma reads them from shared memory; dot first,
+        # so Triton folds the accumulator into the MMA.
+        return jax.lax.dot_general(xt, wt, (((1,), (1,)), ((), ())), precision=precision,
+                                   preferred_element_type=jnp.float32) + acc
+
+    acc = jax.lax.fori_loop(0, k // bk, step, jnp.zeros((bm, bn), jnp.float32))
+    plt.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _matmul_call(x: jax.Array, wd: jax.Array, out_dtype, tiles: Tiles, interpret: bool, poison: bool = False,
+                 after: jax.Array | None = None) -> jax.Array:
+    """x [M, K] @ wd [N, K]^T -> [M, N] out_dtype, fp32 accumulation (wd already dequantized, x's dtype).
+    poison / after: as in `_qmm_call`."""
+    m, k = x.shape
+    n = wd.shape[0]
+    assert wd.dtype == x.dtype and wd.shape[1] == k, (wd.shape, wd.dtype, x.shape, x.dtype)
+    if k % tiles.block_k:
+        raise ValueError(f"qmm tiles: block_k={tiles.block_k} does not divide K={k} (qmm.fit_dequant_tiles picks "
+                         "one that does)")
+    m_tiles, n_tiles = pl.cdiv(m, tiles.block_m), pl.cdiv(n, tiles.block_n)
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    kernel = functools.partial(_matmul_kernel, m=m, n=n, k=k, tiles=tiles, m_tiles=m_tiles, n_tiles=n_tiles,
+                               precision=precision)
+    operands = (x, wd) + (() if after is None else (after,))
+    if poison:
+        operands += (jnp.full((m, n), jnp.nan, out_dtype),)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(m_tiles * n_tiles,),
+        compiler_params=plt.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        input_output_aliases={len(operands) - 1: 0} if poison else {},
+        interpret=interpret,
+        name=f"qmm_dequant_mm_{tiles.block_m}x{tiles.block_n}x{tiles.block_k}",
+    )(*operands)
+
+
 def qmm(x: jax.Array, w: QuantizedWeight, *, prompt: bool = False, interpret: bool = False,
         tiles: Tiles | None = None) -> jax.Array:
     """x [M, K] -> y [M, N] = x @ dequantize(w)^T in x.dtype, fp32 accumulation, through the Pallas kernel.
 
     w: the packed weight [N, K] exactly as the checkpoint loader hands it (no repack needed).
     prompt: static choice of the call site -- False for decode/verify rows (memory-bound, any M), True for prompt
-        chunks (compute-bound, M >= 64 typical). Within a path, a row's bits are independent of M and of the
-        other rows; the two paths may differ from each other in the last bits (different tiles).
+        chunks (compute-bound, M >= 64 typical; `PROMPT_IMPL` picks the implementation). Within a path, a row's
+        bits are independent of M and of the other rows; the two paths may differ from each other in the last
+        bits (different tiles), and so may the two prompt implementations (different k order).
     tiles: override the shape-derived tiles (tests and benchmarks; a caller that overrides must keep it fixed).
     """
     return _qmm(x, w, prompt=prompt, interpret=interpret, tiles=tiles)
@@ -344,6 +504,11 @@ def _qmm(x: jax.Array, w: QuantizedWeight, *, prompt: bool, interpret: bool, til
     tiles.check()
     if x.shape[0] == 0:
         return jnp.zeros((0, n), x.dtype)
+    if tiles.impl == "dequant":
+        with jax.named_scope("qmm_prompt_dequant" if prompt else "qmm_decode_dequant"):
+            with jax.named_scope("qmm_dequantize"):
+                wd = dequantize_for_matmul(w, x.dtype)
+            return _matmul_call(x, wd, x.dtype, tiles, interpret, poison)
     with jax.named_scope("qmm_prompt" if prompt else "qmm_decode"):
         kp = _padded_k(k, w.bits)
         xk = x if kp == k else jnp.pad(x, ((0, 0), (0, kp - k)))

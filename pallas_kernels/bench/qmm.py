@@ -11,8 +11,13 @@ dequantize + matmul (`qmm.reference`, fp32), a bf16 matmul of the same shape, an
 (`_weight_int4pack_mm`, group 64) when torch is there. Bytes moved = packed weight + scales + biases + x + y.
 
 Sweep mode: decode tile candidates (`_sweep_candidates`, or `--candidates`) for each shape and M, the default tiles
-among them, ranked per shape; optionally the prompt path against "dequantize the whole weight to bf16 in one XLA
-fusion, then jnp.dot" (a measurement only: cuBLAS picks its algorithm by M, so that path is not row-invariant).
+among them, ranked per shape; with `--prompt-ms`, the prompt comparison at each `--prompt-shapes` shape: the fused
+prompt kernel, the dequant implementation end to end for each of `dequant_candidates` (XLA dequantization + the
+Pallas matmul), its matmul alone and its dequantization alone, "dequantize the whole weight to bf16 in one XLA
+fusion, then jnp.dot" (a measurement only: cuBLAS picks its algorithm by M, so that path is not row-invariant), and
+the bf16 jnp.dot on an already-bf16 weight (the "% bf16 dot" column's reference). `--prompt-only` skips the decode
+tiles:
+    python -m pallas_kernels.bench qmm --sweep --prompt-only --prompt-ms 1024,4096 --json PATH
 Programs are lowered one by one, compiled on worker threads, then timed one by one; `--budget-s` bounds the run.
 
 Timing (`device_us`): one jitted program runs the function `reps` times as a data-dependent chain (each call's
@@ -45,6 +50,7 @@ SHAPES = ((5120, 17408), (17408, 5120), (5120, 10240), (5120, 6144), (6144, 5120
 SWEEP_SHAPES = ((5120, 17408), (17408, 5120), (5120, 6144), (6144, 5120))
 MS = (1, 4, 16, 64, 256, 1024, 4096)
 BITS, GROUP = 4, 64
+BF16_DOT_LABEL = "bf16 jnp.dot (weight already bf16)"
 L2_BYTES = 60 << 20  # H200: 50 MB (rounded up, so the copies surely spill it)
 TARGET_US, MIN_REPS, MAX_REPS = 2000.0, 3, 64  # device time a program aims at; calls a program
 
@@ -190,6 +196,31 @@ def _kernel_fn(tiles: qmm.Tiles, interpret: bool = False):
     return run
 
 
+def _path_fn(tiles: qmm.Tiles, x: jax.Array, ws: list[QuantizedWeight], interpret: bool = False):
+    """(fn, takes_after, arg_sets) timing one path's tiles as a jitted model runs them: the fused kernel alone on
+    x in chunk order (`_kernel_fn`); the dequant implementation end to end (XLA dequantization of the whole weight,
+    then the matmul kernel), ordered by the barrier chain like the XLA rows, so no call's dequantization runs
+    ahead of the previous call."""
+    if tiles.impl == "dequant":
+        def run(x, w):
+            return qmm.qmm(x, w, prompt=True, interpret=interpret, tiles=tiles)
+        return run, False, [(x, w) for w in ws]
+    return _kernel_fn(tiles, interpret), True, [(_chunk_order(x), w) for w in ws]
+
+
+def _matmul_fn(tiles: qmm.Tiles, interpret: bool = False):
+    """The dequant implementation's Pallas matmul alone, on a weight already dequantized to bf16 [N, K]."""
+    def run(x, wd, after=None):
+        return qmm._matmul_call(x, wd, x.dtype, tiles, interpret, after=after)
+    return run
+
+
+def _dequantize_fn(x, w):
+    """The dequant implementation's XLA pass alone (x unused: it keeps the chain's argument shape)."""
+    del x
+    return qmm.dequantize_for_matmul(w, jnp.bfloat16)
+
+
 def _dequant_dot(x, w):
     """The whole weight dequantized to bf16 by one XLA fusion into memory (the barrier keeps XLA from fusing it
     into the matmul), then a bf16 matmul with fp32 accumulation."""
@@ -275,7 +306,9 @@ def _bench_shape(k: int, n: int, ms, copy: float, use_torch: bool, ref_max_m: in
             if (prompt and m < 64) or (not prompt and m > 256):
                 continue
             tiles = (qmm.prompt_tiles if prompt else qmm.decode_tiles)(n, k, BITS, GROUP)
-            us = device_us(_kernel_fn(tiles), [(xk, w) for w in ws], est, takes_after=True).us
+            fn, takes_after, arg_sets = _path_fn(tiles, x, ws) if prompt else (_kernel_fn(tiles), True,
+                                                                                 [(xk, w) for w in ws])
+            us = device_us(fn, arg_sets, est, takes_after=takes_after).us
             e2e = (device_us(lambda x, w, p=prompt: qmm.qmm(x, w, prompt=p), [(x, w) for w in ws], est).us
                    if m <= 16 else None)
             tbs = _moved(m, n, k) / (us * 1e-6) / 1e12
@@ -309,7 +342,30 @@ def _report(rows: list[Row], copy: float) -> str:
 
 
 def tiles_str(t: qmm.Tiles) -> str:
+    if t.impl == "dequant":
+        return f"dequant {t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages} g{t.group_m}"
     return f"{t.block_m}/{t.block_n}/{t.blocks_per_step}/{t.num_warps}/{t.num_stages}/{t.max_m_blocks}/{t.k_splits}"
+
+
+def dequant_candidates(n: int, k: int) -> list[qmm.Tiles]:
+    """The dequant implementation's matmul tiles to time, `DEQUANT_PROMPT_TILES` first, each fitted to the shape
+    (duplicates after fitting dropped). All 8 warps (two warpgroups of wgmma) and block_k 64 (128 B of each operand
+    row a load). Offline (pip triton 3.6.0, sm_90, XLA's make_ttir passes; docs/kernels/qmm.md): 128x256 147 KB of
+    shared memory at 3 stages, 196 KB at 4, 157 registers (one program a SM); 128x128 at 3 stages 98 KB and 94
+    registers, so two programs a SM (one's epilogue under the other's MMAs); 256x128 147 KB, 161 registers; none
+    spills, all keep one wgmma in flight. group_m 16 halves the weight tiles a wave reads at M = 4096 (a 132-program
+    wave: 16 row tiles x ~8 weight tiles instead of 8 x ~16)."""
+    base = qmm.DEQUANT_PROMPT_TILES
+    wanted = [base, dataclasses.replace(base, num_stages=4),
+              dataclasses.replace(base, block_n=128),
+              dataclasses.replace(base, block_m=256, block_n=128),
+              dataclasses.replace(base, group_m=16)]
+    out = []
+    for t in wanted:
+        t = qmm.fit_dequant_tiles(t, n, k)
+        if t not in out:
+            out.append(t)
+    return out
 
 
 def parse_tiles(text: str) -> qmm.Tiles:
@@ -381,7 +437,7 @@ def _sweep(args, t_start: float) -> dict:
     copy = copy_tbs(args.interpret)
     print(f"[{elapsed():5.1f}s] copy bandwidth {copy:.2f} TB/s", flush=True)
     jobs: list[Job] = []
-    for k, n in args.shapes:
+    for k, n in [] if args.prompt_only else args.shapes:
         copies = _copies(_weight_bytes(n, k), args.interpret)
         ws = _random_weights(n, k, copies)
         cands = args.candidates or _sweep_candidates(n, k)
@@ -397,24 +453,35 @@ def _sweep(args, t_start: float) -> dict:
             for rank, t in enumerate(cands):
                 jobs.append(Job("decode", (k, n), m, tiles_str(t), rank, _kernel_fn(t, args.interpret), True,
                                 [(xk, w) for w in ws], _reps(_estimate_us(m, n, k), args.interpret), t == default, t))
-    if args.prompt_ms:
-        k, n = args.prompt_shape
+    for k, n in args.prompt_shapes if args.prompt_ms else ():
         ws = _random_weights(n, k, _copies(_weight_bytes(n, k), args.interpret))
         dense = [jax.random.normal(jax.random.key(7 + i), (k, n), jnp.bfloat16)
                  for i in range(_copies(2 * n * k, args.interpret))]
-        tiles = qmm.prompt_tiles(n, k, BITS, GROUP)
+        dense_nk = [jax.random.normal(jax.random.key(17 + i), (n, k), jnp.bfloat16)
+                    for i in range(_copies(2 * n * k, args.interpret))]
+        shipped = qmm.prompt_tiles(n, k, BITS, GROUP)
+        fused = qmm.prompt_tiles(n, k, BITS, GROUP, "fused")
+        cands = dequant_candidates(n, k)[:args.dequant_candidates]
         for m in args.prompt_ms:
             x = _x(m, k)
             reps = _reps(_estimate_us(m, n, k), args.interpret)
-            jobs.append(Job("prompt", (k, n), m, f"pallas prompt {tiles_str(tiles)}", 2,
-                            _kernel_fn(tiles, args.interpret), True, [(_chunk_order(x), w) for w in ws], reps, True,
-                            tiles))
+            fn, takes_after, arg_sets = _path_fn(fused, x, ws, args.interpret)
+            jobs.append(Job("prompt", (k, n), m, f"pallas fused prompt {tiles_str(fused)}", 2, fn, takes_after,
+                            arg_sets, reps, fused == shipped, fused))
+            for i, t in enumerate(cands):  # e2e: XLA dequantization + the Pallas matmul, like qmm() in a model
+                fn, takes_after, arg_sets = _path_fn(t, x, ws, args.interpret)
+                jobs.append(Job("prompt", (k, n), m, f"pallas {tiles_str(t)} (xla dequant + pallas mm)",
+                                2 + min(i, 1) + i // 3, fn, takes_after, arg_sets, reps, t == shipped, t))
+            jobs.append(Job("prompt", (k, n), m, f"  its matmul alone, {tiles_str(cands[0])}, weight already bf16", 3,
+                            _matmul_fn(cands[0], args.interpret), True, [(x, d) for d in dense_nk], reps, False,
+                            cands[0]))
+            jobs.append(Job("prompt", (k, n), m, "  its xla dequantization alone (-> bf16 [N, K] in memory)", 3,
+                            _dequantize_fn, False, [(x, w) for w in ws], reps))
             jobs.append(Job("prompt", (k, n), m, "xla dequant->bf16 in memory, jnp.dot", 2, _dequant_dot, False,
                             [(x, w) for w in ws], reps))
             jobs.append(Job("prompt", (k, n), m, "xla dequant + jnp.dot, fused as XLA likes", 4,
                             _dequant_dot_fused, False, [(x, w) for w in ws], reps))
-            jobs.append(Job("prompt", (k, n), m, "bf16 jnp.dot (weight already bf16)", 3, _bf16_dot, False,
-                            [(x, d) for d in dense], reps))
+            jobs.append(Job("prompt", (k, n), m, BF16_DOT_LABEL, 2, _bf16_dot, False, [(x, d) for d in dense], reps))
     jobs.sort(key=lambda j: j.rank)  # stable: within a rank, shapes and M in order
     print(f"[{elapsed():5.1f}s] {len(jobs)} programs: lowering here, compiling on {args.threads} threads",
           flush=True)
@@ -507,15 +574,18 @@ def _sweep_report(result: dict) -> str:
         group = [r for r in rows if (r["kind"], r["shape"], r["m"]) == (kind, shape, m)]
         timed = sorted((r for r in group if r["error"] is None), key=lambda r: r["us"])
         ref = next((r["us"] for r in group if r["default"] and r["error"] is None), None)
+        bf16 = next((r["us"] for r in timed if r["label"] == BF16_DOT_LABEL), None)
         body = []
         for r in timed:
             body.append([("*" if r["default"] else "") + r["label"] + (" (host-bound!)" if r["host_bound"] else ""),
                          r["us"], _fmt(r.get("tbs")),
                          _fmt(r.get("pct_copy")), _fmt(r.get("tflops")) if kind == "prompt" else r.get("programs"),
-                         ref / r["us"] if ref else "-", r["fixed_us"]])
+                         ref / r["us"] if ref else "-", r["fixed_us"]]
+                        + ([100 * bf16 / r["us"] if bf16 else "-"] if kind == "prompt" else []))
         failed = [r for r in group if r["error"] is not None]
         head = ["tiles" if kind == "decode" else "impl", "us", "TB/s", "%copy",
-                "TFLOP/s" if kind == "prompt" else "programs", "x default", "fixed us"]
+                "TFLOP/s" if kind == "prompt" else "programs", "x default", "fixed us"] + (
+                    ["% bf16 dot"] if kind == "prompt" else [])
         out.append(f"\n{kind} {shape} M={m}" + (f" ({len(failed)} failed/skipped)" if failed else ""))
         if body:
             out.append(table(head, body))
@@ -538,7 +608,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-candidates", type=int, default=12, help="--sweep: candidates per shape and M")
     ap.add_argument("--prompt-ms", type=_parse_ints, default=[],
                     help="--sweep: also compare the prompt path with XLA dequantize + jnp.dot at these M")
-    ap.add_argument("--prompt-shape", type=lambda s: _parse_shapes(s)[0], default=(5120, 17408))
+    ap.add_argument("--prompt-shapes", "--prompt-shape", dest="prompt_shapes", type=_parse_shapes,
+                    default=[(5120, 17408), (17408, 5120)], help="--sweep: K x N list for the prompt comparison")
+    ap.add_argument("--dequant-candidates", type=int, default=5,
+                    help="--sweep: tiles of the dequant prompt implementation to time (`dequant_candidates`)")
+    ap.add_argument("--prompt-only", action="store_true", help="--sweep: only the prompt comparison (no decode tiles)")
     ap.add_argument("--budget-s", type=float, default=150.0, help="--sweep: wall-clock bound of the whole run")
     ap.add_argument("--threads", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)),
                     help="--sweep: compile threads")
@@ -585,8 +659,9 @@ def _once(shapes, ms) -> None:
         for m in ms:
             prompt = m > 256
             tiles = (qmm.prompt_tiles if prompt else qmm.decode_tiles)(n, k, BITS, GROUP)
-            xk = _chunk_order(_x(m, k))
-            f = jax.jit(_kernel_fn(tiles))
+            fn, _, arg_sets = _path_fn(tiles, _x(m, k), [w]) if prompt else (
+                _kernel_fn(tiles), True, [(_chunk_order(_x(m, k)), w)])
+            f = jax.jit(fn)
             for _ in range(3):
-                jax.block_until_ready(f(xk, w))
+                jax.block_until_ready(f(*arg_sets[0]))
             print(f"ran {k}->{n} M={m} {tiles}", flush=True)
