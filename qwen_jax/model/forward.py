@@ -156,7 +156,8 @@ def prefill(params, state: ModelState, batch: PrefillBatch, cfg: ModelConfig, ba
     if not all_logits:
         last = jnp.maximum(batch.lengths - 1, 0)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
-    logits = _head(params, x, t, backend, prompt=True)
+    # Only the last rows (one a stream) reach the lm_head unless all_logits: a few rows, the decode path's shape.
+    logits = _head(params, x, t, backend, prompt=all_logits)
     return logits, state, (jnp.stack(tapped, axis=2) if tapped else None)
 
 
