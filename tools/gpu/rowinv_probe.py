@@ -5,7 +5,9 @@ and among others (bucket 16) gives different logprobs from its second token on, 
 CPU with the kernels in interpret mode. This probe narrows it down in one device call:
   1. whole model on captures/tiny-mlx-4bit: stream 0's logits from `step` and its per-layer residuals from
      `verify` (taps) with S = 1 vs S = 16 live streams, bit for bit -> the first layer that differs;
-  2. each op of a layer alone, row 0 of a [1, ...] call vs row 0 of a [16, ...] call of the same jitted function.
+  2. each op of a layer alone, row 0 of a [1, ...] call vs row 0 of a [16, ...] call of the same jitted function;
+  3. the norms at the 27B's shapes, XLA's jnp forms vs the pallas_kernels.rownorm kernels, each stream alone vs
+     among 16 (does XLA's row reduction depend on the row count?).
 
     PYTHONPATH=$PWD python3 tools/gpu/rowinv_probe.py            # on the device
     python tools/gpu/rowinv_probe.py --interpret                # CPU smoke run (kernels in interpret mode)
@@ -20,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import rownorm
 from qwen_jax import model as M
 from qwen_jax import sampling
 from qwen_jax.checkpoint import load_checkpoint
@@ -69,6 +72,7 @@ def whole_model(cfg, params, backend, dtype) -> None:
 
 
 def ops_alone(cfg, params, backend, dtype) -> None:
+    norms_at_27b_widths(backend, dtype)  # first: they need nothing from the checkpoint
     t = cfg.text
     rng = np.random.default_rng(1)
     h = t.hidden_size
@@ -111,6 +115,42 @@ def ops_alone(cfg, params, backend, dtype) -> None:
             print(f"{name:24s} row 0, S=1 vs S={S}: {_same(f(x[:1])[0], f(x)[0])}")
         except Exception as e:  # keep probing the rest
             print(f"{name:24s} failed: {type(e).__name__}: {str(e)[:200]}")
+
+
+def norms_at_27b_widths(backend, dtype) -> None:
+    """The norms alone at the 27B's shapes, XLA's jnp forms (the model's functions, the suspects) beside the
+    pallas_kernels.rownorm kernels (row order fixed by the width): every stream of S=1 calls vs the same streams
+    of one S=16 call, for decode (T=1) and a verify window (T=16). An XLA line that differs where the kernel
+    line is the same convicts XLA's row reduction of the norm; fused into the model's program XLA may choose
+    otherwise, so whole_model's taps remain the final word."""
+    rng = np.random.default_rng(2)
+    eps = 1e-6
+    shapes = {  # name: (heads or None, width)
+        "hidden": (None, 5120), "attn q": (24, 256), "attn k": (4, 256), "gdn q/k": (16, 128), "gdn out": (48, 128)}
+    for t in (1, 16):
+        for where, (heads, d) in shapes.items():
+            lead = (S, t) if heads is None else (S, t, heads)
+            x = jnp.asarray(rng.standard_normal((*lead, d)) * 3.0, dtype)
+            gate = jnp.asarray(rng.standard_normal((*lead, d)), dtype)
+            weight = jnp.asarray(1.0 + 0.1 * rng.standard_normal(d), jnp.float32)
+            if where == "gdn q/k":
+                pair = {"xla l2norm": lambda x, g: gdn_mixer._l2norm(x),
+                        "kernel l2norm": lambda x, g: rownorm.l2norm(x, interpret=backend.interpret)}
+            elif where == "gdn out":
+                pair = {"xla gated_rms_norm": lambda x, g: gated_rms_norm(x, g, weight, eps),
+                        "kernel gated_rms_norm": lambda x, g: rownorm.gated_rms_norm(
+                            x, g, weight, eps, interpret=backend.interpret)}
+            else:
+                pair = {"xla rms_norm": lambda x, g: rms_norm(x, weight, eps),
+                        "kernel rms_norm": lambda x, g: rownorm.rms_norm(x, weight, eps, interpret=backend.interpret)}
+            for impl, f in pair.items():
+                f = jax.jit(f)
+                label = f"{impl} {where} {list(x.shape[2:])} T={t}"
+                try:
+                    alone = jnp.concatenate([f(x[i:i + 1], gate[i:i + 1]) for i in range(S)])
+                    print(f"{label:44s} each stream S=1 vs S={S}: {_same(alone, f(x, gate))}")
+                except Exception as e:  # keep probing the rest
+                    print(f"{label:44s} failed: {type(e).__name__}: {str(e)[:200]}")
 
 
 def main(argv=None) -> int:
