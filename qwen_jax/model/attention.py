@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from qwen_jax.config import TextConfig
 from qwen_jax.model import ops
-from qwen_jax.model.layers import apply_rope, rms_norm, rope_angles
+from qwen_jax.model.layers import apply_rope, rope_angles
 from qwen_jax.model.ops import Backend, linear, linear_split
 
 
@@ -21,8 +21,8 @@ def project(x, p, rope_positions, cfg: TextConfig, backend: Backend, *, prompt: 
     q, gate = qg[..., :d], qg[..., d:].reshape(s, t, cfg.num_heads * d)
     k = k.reshape(s, t, cfg.num_kv_heads, d)
     v = v.reshape(s, t, cfg.num_kv_heads, d)
-    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-    k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    q = ops.rms_norm(backend, q, p["q_norm"], cfg.rms_norm_eps)
+    k = ops.rms_norm(backend, k, p["k_norm"], cfg.rms_norm_eps)
     ang = rope_angles(rope_positions, cfg)  # [S, T, rd/2]
     return apply_rope(q, ang, cfg.rotary_dim), gate, apply_rope(k, ang, cfg.rotary_dim), v
 

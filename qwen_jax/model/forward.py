@@ -22,7 +22,8 @@ from pallas_kernels.kv_quant import FP8, KVPool, empty_pool
 from qwen_jax.config import LAYER_GDN, ModelConfig, TextConfig
 from qwen_jax.model import attention as attn_mixer
 from qwen_jax.model import gdn as gdn_mixer
-from qwen_jax.model.layers import mlp, rms_norm
+from qwen_jax.model import ops
+from qwen_jax.model.layers import mlp
 from qwen_jax.model.ops import Backend, embed, linear
 
 
@@ -109,7 +110,7 @@ def _embed(params, state: ModelState, tokens: jax.Array, backend: Backend) -> ja
 
 def _head(params, h: jax.Array, cfg: TextConfig, backend: Backend, *, prompt: bool) -> jax.Array:
     """Final norm and lm_head (the embedding when tied) -> fp32 logits."""
-    h = rms_norm(h, params["norm"], cfg.rms_norm_eps)
+    h = ops.rms_norm(backend, h, params["norm"], cfg.rms_norm_eps)
     w = params["embed"] if params["lm_head"] is None else params["lm_head"]
     return linear(h, w, backend, prompt=prompt).astype(jnp.float32)
 
@@ -122,7 +123,7 @@ def _layers(params, state: ModelState, x, cfg: TextConfig, run_gdn, run_attn, ta
     gi = ai = 0
     for i, layer in enumerate(params["layers"]):
         with jax.named_scope(f"layer{i}"):
-            h = rms_norm(x, layer["input_norm"], cfg.rms_norm_eps)
+            h = ops.rms_norm(backend, x, layer["input_norm"], cfg.rms_norm_eps)
             if cfg.layer_types[i] == LAYER_GDN:
                 y, rec[gi], conv[gi], k = run_gdn(h, layer["gdn"], rec[gi], conv[gi])
                 gi += 1
@@ -131,7 +132,8 @@ def _layers(params, state: ModelState, x, cfg: TextConfig, run_gdn, run_attn, ta
                 ai += 1
             kept.append(k)
             x = x + y
-            x = x + mlp(rms_norm(x, layer["post_norm"], cfg.rms_norm_eps), layer["mlp"], backend, prompt=prompt)
+            h = ops.rms_norm(backend, x, layer["post_norm"], cfg.rms_norm_eps)
+            x = x + mlp(h, layer["mlp"], backend, prompt=prompt)
             if i in taps:
                 tapped.append(x)
     return x, ModelState(tuple(kv), tuple(rec), tuple(conv)), kept, tapped

@@ -8,13 +8,7 @@ import jax.numpy as jnp
 
 from qwen_jax.config import TextConfig
 from qwen_jax.model import ops
-from qwen_jax.model.layers import gated_rms_norm
 from qwen_jax.model.ops import Backend, linear, linear_split
-
-
-def _l2norm(x: jax.Array) -> jax.Array:
-    xf = x.astype(jnp.float32)
-    return xf * jax.lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + 1e-6)
 
 
 def project(x: jax.Array, p: dict, backend: Backend, *, prompt: bool):
@@ -25,22 +19,22 @@ def project(x: jax.Array, p: dict, backend: Backend, *, prompt: bool):
     return m, z, beta, g
 
 
-def split_qkv(u: jax.Array, cfg: TextConfig):
+def split_qkv(u: jax.Array, cfg: TextConfig, backend: Backend):
     """Post-conv channels [S, T, C] -> q, k [S, T, Hk, dk] (l2-normed, q scaled) and v [S, T, Hv, dv]."""
     s, t = u.shape[:2]
     kd, dk, dv = cfg.key_dim, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     q = u[..., :kd].reshape(s, t, cfg.linear_num_key_heads, dk)
     k = u[..., kd:2 * kd].reshape(s, t, cfg.linear_num_key_heads, dk)
     v = u[..., 2 * kd:].reshape(s, t, cfg.linear_num_value_heads, dv)
-    q = (_l2norm(q) * (dk ** -0.5)).astype(u.dtype)
-    k = _l2norm(k).astype(u.dtype)
+    q = (ops.l2norm(backend, q) * (dk ** -0.5)).astype(u.dtype)
+    k = ops.l2norm(backend, k).astype(u.dtype)
     return q, k, v
 
 
 def finish(o: jax.Array, z: jax.Array, p: dict, cfg: TextConfig, backend: Backend, *, prompt: bool) -> jax.Array:
     s, t = o.shape[:2]
     z = z.reshape(s, t, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
-    y = gated_rms_norm(o, z, p["norm"], cfg.rms_norm_eps)
+    y = ops.gated_rms_norm(backend, o, z, p["norm"], cfg.rms_norm_eps)
     return linear(y.reshape(s, t, cfg.value_dim), p["out"], backend, prompt=prompt)
 
 
@@ -48,7 +42,7 @@ def prompt_pass(x, p, rec_pool, conv_pool, batch, cfg: TextConfig, backend: Back
     """Prompt rows of S streams: x [S, T, H] -> (y [S, T, H], rec_pool, conv_pool)."""
     m, z, beta, g = project(x, p, backend, prompt=True)
     u, conv_pool = ops.conv_prompt(backend, m, conv_pool, batch.slot, p["conv"], batch.start, batch.lengths)
-    q, k, v = split_qkv(u, cfg)
+    q, k, v = split_qkv(u, cfg, backend)
     o, rec_pool = ops.gdn_prompt(backend, q, k, v, g, beta, rec_pool, batch.slot, batch.start, batch.lengths)
     return finish(o, z, p, cfg, backend, prompt=True), rec_pool, conv_pool
 
@@ -57,7 +51,7 @@ def window_pass(x, p, rec_pool, conv_pool, window, cfg: TextConfig, backend: Bac
     """Verify-window rows (states read-only): x [S, R, H] -> (y, kept) where kept is what commit replays."""
     m, z, beta, g = project(x, p, backend, prompt=False)
     u = ops.conv_window(backend, m, window.parents, conv_pool, window.slot, p["conv"])
-    q, k, v = split_qkv(u, cfg)
+    q, k, v = split_qkv(u, cfg, backend)
     o = ops.gdn_window(backend, q, k, v, g, beta, window.parents, rec_pool, window.slot)
     kept = {"m": m, "k": k, "v": v, "g": g, "beta": beta}
     return finish(o, z, p, cfg, backend, prompt=False), kept
@@ -69,7 +63,7 @@ def step_pass(x, p, rec_pool, conv_pool, window, cfg: TextConfig, backend: Backe
     the recurrent state of slot 0 unchanged (g = beta = 0 makes the update the identity)."""
     m, z, beta, g = project(x, p, backend, prompt=False)
     u, conv_pool = ops.conv_step(backend, m, conv_pool, window.slot, p["conv"])
-    q, k, v = split_qkv(u, cfg)
+    q, k, v = split_qkv(u, cfg, backend)
     live = (window.slot > 0)[:, None, None]
     beta, g = jnp.where(live, beta, 0.0), jnp.where(live, g, 0.0)
     o, rec_pool = ops.gdn_step(backend, q, k, v, g, beta, rec_pool, window.slot)

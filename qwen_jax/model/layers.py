@@ -1,4 +1,5 @@
-"""Norms, SwiGLU MLP and (M-)RoPE: pure functions over params. Letters: t rows, h heads, d head dim."""
+"""SwiGLU MLP and (M-)RoPE: pure functions over params (the norms are `ops` swap points). Letters: t rows,
+h heads, d head dim."""
 
 from __future__ import annotations
 
@@ -7,23 +8,6 @@ import jax.numpy as jnp
 
 from qwen_jax.config import TextConfig
 from qwen_jax.model.ops import Backend, linear, linear_split
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """Normalise in fp32, multiply by the fp32 multiplier (1 + w for qwen3_5's zero-centred norms, folded in
-    at load), cast back: the order HF and mlx-lm use."""
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * weight).astype(x.dtype)
-
-
-def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """GDN output norm (not zero-centred): normalise in fp32, cast, scale by w, then multiply by silu(gate)."""
-    dtype = x.dtype
-    xf = x.astype(jnp.float32)
-    n = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(dtype)
-    y = weight.astype(dtype) * n
-    return (y.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(dtype)
 
 
 def mlp(x: jax.Array, p: dict, backend: Backend, *, prompt: bool) -> jax.Array:

@@ -14,6 +14,7 @@ from pallas_kernels import attention as attn_k
 from pallas_kernels import gdn as gdn_k
 from pallas_kernels import kv_quant
 from pallas_kernels import qmm as qmm_k
+from pallas_kernels import rownorm as rownorm_k
 from pallas_kernels.qweight import QuantizedWeight
 
 _HI = jax.lax.Precision.HIGHEST
@@ -63,8 +64,11 @@ def fuse(ws: Sequence) -> Fused | tuple:
 
 
 def parts(w) -> tuple:
-    """The separate weights of a `fuse` result (views for inspection, e.g. which layers are quantized)."""
-    return (w.weight,) if isinstance(w, Fused) else tuple(w)
+    """The weights behind a `fuse` result (its one concatenated weight, or the unfused parts), or a lone weight:
+    for inspection, e.g. which layers are quantized."""
+    if isinstance(w, Fused):
+        return (w.weight,)
+    return tuple(w) if isinstance(w, (tuple, list)) else (w,)
 
 
 def linear_split(x: jax.Array, w, backend: Backend, *, prompt: bool) -> tuple[jax.Array, ...]:
@@ -139,6 +143,22 @@ def conv_commit(backend: Backend, *args):
 def conv_step(backend: Backend, *args):
     """Serial decode step of the conv: (u, conv_pool) bit for bit conv_window of the row + conv_commit of it."""
     return _pick(backend, gdn_k, "conv_step")(*args)
+
+
+def rms_norm(backend: Backend, x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Normalise over the last axis in fp32, times the fp32 multiplier, cast back. With kernels, a row's bits
+    never depend on how many rows share the call (XLA's own row reductions do: pallas_kernels/rownorm.py)."""
+    return _pick(backend, rownorm_k, "rms_norm")(x, weight, eps)
+
+
+def gated_rms_norm(backend: Backend, x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """GDN's output norm (not zero-centred): normalise in fp32, cast, scale by w, times silu(gate)."""
+    return _pick(backend, rownorm_k, "gated_rms_norm")(x, gate, weight, eps)
+
+
+def l2norm(backend: Backend, x: jax.Array) -> jax.Array:
+    """x * rsqrt(sum(x^2) + 1e-6) over the last axis, fp32 out (GDN's q/k)."""
+    return _pick(backend, rownorm_k, "l2norm")(x, 1e-6)
 
 
 def kv_write(backend: Backend, *args):

@@ -29,7 +29,7 @@ from qwen_jax.checkpoint import load_checkpoint
 from qwen_jax.model import attention as attn_mixer
 from qwen_jax.model import gdn as gdn_mixer
 from qwen_jax.model import ops
-from qwen_jax.model.layers import gated_rms_norm, mlp, rms_norm
+from qwen_jax.model.layers import mlp
 
 S, PAGES, PAGE = 16, 10, 16
 
@@ -81,7 +81,7 @@ def ops_alone(cfg, params, backend, dtype) -> None:
     ai = t.layer_types.index("full_attention") if "full_attention" in t.layer_types else None
     lay = params["layers"]
     cases = {
-        "rms_norm": lambda x: rms_norm(x, lay[0]["input_norm"], t.rms_norm_eps),
+        "rms_norm (model)": lambda x: ops.rms_norm(backend, x, lay[0]["input_norm"], t.rms_norm_eps),
         "mlp": lambda x: mlp(x, lay[0]["mlp"], backend, prompt=False),
         "lm_head": lambda x: ops.linear(x, params["embed"] if params["lm_head"] is None else params["lm_head"],
                                         backend, prompt=False),
@@ -90,6 +90,7 @@ def ops_alone(cfg, params, backend, dtype) -> None:
                        prompt=False).astype(jnp.float32), jnp.zeros((x.shape[0],), jnp.int32), 3)[0],
     }
     for name, w in (lay[0]["mlp"].items()):
+        w = ops.parts(w)[0]  # a fused projection's one weight
         k = w.in_features if hasattr(w, "in_features") else w.shape[1]
         cases[f"linear mlp.{name}"] = (lambda w, k: lambda x: ops.linear(
             jnp.tile(x, (1, 1, -(-k // h)))[..., :k], w, backend, prompt=False))(w, k)
@@ -98,9 +99,9 @@ def ops_alone(cfg, params, backend, dtype) -> None:
         cases["gdn.project (m)"] = lambda x: gdn_mixer.project(x, pg, backend, prompt=False)[0]
         cases["gdn.project (g)"] = lambda x: gdn_mixer.project(x, pg, backend, prompt=False)[3]
         cases["gdn.split_qkv (q)"] = lambda x: gdn_mixer.split_qkv(
-            gdn_mixer.project(x, pg, backend, prompt=False)[0], t)[0]
+            gdn_mixer.project(x, pg, backend, prompt=False)[0], t, backend)[0]
         zdim = t.value_dim
-        cases["gated_rms_norm"] = lambda x: gated_rms_norm(
+        cases["gated_rms_norm (model)"] = lambda x: ops.gated_rms_norm(backend,
             jnp.tile(x, (1, 1, -(-zdim // h)))[..., :zdim].reshape(x.shape[0], 1, t.linear_num_value_heads, -1),
             jnp.tile(x, (1, 1, -(-zdim // h)))[..., :zdim].reshape(x.shape[0], 1, t.linear_num_value_heads, -1),
             pg["norm"], t.rms_norm_eps)
@@ -118,7 +119,7 @@ def ops_alone(cfg, params, backend, dtype) -> None:
 
 
 def norms_at_27b_widths(backend, dtype) -> None:
-    """The norms alone at the 27B's shapes, XLA's jnp forms (the model's functions, the suspects) beside the
+    """The norms alone at the 27B's shapes, XLA's jnp forms (the references, the model's reference path, the suspects) beside the
     pallas_kernels.rownorm kernels (row order fixed by the width): every stream of S=1 calls vs the same streams
     of one S=16 call, for decode (T=1) and a verify window (T=16). An XLA line that differs where the kernel
     line is the same convicts XLA's row reduction of the norm; fused into the model's program XLA may choose
@@ -134,14 +135,14 @@ def norms_at_27b_widths(backend, dtype) -> None:
             gate = jnp.asarray(rng.standard_normal((*lead, d)), dtype)
             weight = jnp.asarray(1.0 + 0.1 * rng.standard_normal(d), jnp.float32)
             if where == "gdn q/k":
-                pair = {"xla l2norm": lambda x, g: gdn_mixer._l2norm(x),
+                pair = {"xla l2norm": lambda x, g: rownorm.l2norm_reference(x),
                         "kernel l2norm": lambda x, g: rownorm.l2norm(x, interpret=backend.interpret)}
             elif where == "gdn out":
-                pair = {"xla gated_rms_norm": lambda x, g: gated_rms_norm(x, g, weight, eps),
+                pair = {"xla gated_rms_norm": lambda x, g: rownorm.gated_rms_norm_reference(x, g, weight, eps),
                         "kernel gated_rms_norm": lambda x, g: rownorm.gated_rms_norm(
                             x, g, weight, eps, interpret=backend.interpret)}
             else:
-                pair = {"xla rms_norm": lambda x, g: rms_norm(x, weight, eps),
+                pair = {"xla rms_norm": lambda x, g: rownorm.rms_norm_reference(x, weight, eps),
                         "kernel rms_norm": lambda x, g: rownorm.rms_norm(x, weight, eps, interpret=backend.interpret)}
             for impl, f in pair.items():
                 f = jax.jit(f)
