@@ -164,8 +164,8 @@ def test_row_invariance_hidden_width(op, dtype):
 
 def test_invariance_check_catches_xla_row_reductions():
     """The invariance check is not vacuous, and the kernels answer a real effect: applied to the jnp form of GDN's
-    l2norm (the model's reference-path l2norm) at head width 128, XLA:CPU (jax 0.11.2) gives some rows other bits among 64 rows
-    than among fewer or alone, because it picks its row-reduction code from the whole array's shape. Should a
+    l2norm (the model's reference path) at head width 128, XLA:CPU (jax 0.11.2) gives some rows other bits among
+    64 rows than among fewer or alone, because it picks its row-reduction code from the whole array's shape. Should a
     later XLA make this form invariant on the CPU, this test fails and should go."""
     with pytest.raises(AssertionError, match="differ"):
         _check_row_invariance("l2", 128, jnp.float32, counts=[1, 2, 3, 7, 8, 16, 17, 64], fn=_reference("l2"))

@@ -119,8 +119,8 @@ def ops_alone(cfg, params, backend, dtype) -> None:
 
 
 def norms_at_27b_widths(backend, dtype) -> None:
-    """The norms alone at the 27B's shapes, XLA's jnp forms (the references, the model's reference path, the suspects) beside the
-    pallas_kernels.rownorm kernels (row order fixed by the width): every stream of S=1 calls vs the same streams
+    """The norms alone at the 27B's shapes, XLA's jnp forms (the references: the model's reference path, the
+    suspects) beside the pallas_kernels.rownorm kernels (row order fixed by the width): every stream of S=1 calls vs the same streams
     of one S=16 call, for decode (T=1) and a verify window (T=16). An XLA line that differs where the kernel
     line is the same convicts XLA's row reduction of the norm; fused into the model's program XLA may choose
     otherwise, so whole_model's taps remain the final word."""
