@@ -433,39 +433,29 @@ def triton_calls(fn, *args) -> int:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("__gpu$xla.gpu.triton")
 
 
-def test_kernels_lower_to_triton_at_27b_shape():
+def test_kernels_lower_to_triton_at_27b_shape(h200_lowering):
     """Lowers the shipped tiles and the bench's candidates (window, prompt) and the KV write to Triton IR for an
     H200, on the CPU (jax's own lowering, no Triton compile): an op the Triton lowering lacks fails here rather
     than in a device run. Shared memory and register limits are only found by the compile (see the test above)."""
-    try:
-        from jax._src.pallas.triton import gpu_info
-        target = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
-    except (ImportError, AttributeError) as e:  # private API: skip when a jax upgrade moves it
-        pytest.skip(f"no abstract H200 in this jax: {e}")
-    kind = jax.devices()[0].device_kind
-    gpu_info.registry[kind] = lambda: target
     sds = jax.ShapeDtypeStruct
-    try:
-        for kv in (jnp.bfloat16, kq.FP8):
-            pool = kq.KVPool(sds((4, 300, 64, 256), kv), sds((4, 300, 64, 256), kv),
-                             *((sds((4, 300, 64), jnp.float32),) * 2 if kv == kq.FP8 else ()))
-            for tiles in [None] + list(dict.fromkeys(gpu_window_configs())):
-                for s, r, pmax in ((1, 1, 2048), (4, 16, 40)):
-                    fn = functools.partial(at.window, scale=1 / 16, tiles=tiles)
-                    args = (sds((s, r, 24, 256), jnp.bfloat16), sds((s, r, 4, 256), jnp.bfloat16),
-                            sds((s, r, 4, 256), jnp.bfloat16), sds((s, r), jnp.int32), pool, sds((s, pmax), jnp.int32),
-                            sds((s,), jnp.int32))
-                    assert triton_calls(fn, *args)
-            for tiles in [None] + gpu_prompt_configs():
-                fn = functools.partial(at.prompt, scale=1 / 16, tiles=tiles)
-                args = (sds((1, 512, 24, 256), jnp.bfloat16), pool, sds((1, 24), jnp.int32), sds((1,), jnp.int32),
-                        sds((1,), jnp.int32))
+    for kv in (jnp.bfloat16, kq.FP8):
+        pool = kq.KVPool(sds((4, 300, 64, 256), kv), sds((4, 300, 64, 256), kv),
+                         *((sds((4, 300, 64), jnp.float32),) * 2 if kv == kq.FP8 else ()))
+        for tiles in [None] + list(dict.fromkeys(gpu_window_configs())):
+            for s, r, pmax in ((1, 1, 2048), (4, 16, 40)):
+                fn = functools.partial(at.window, scale=1 / 16, tiles=tiles)
+                args = (sds((s, r, 24, 256), jnp.bfloat16), sds((s, r, 4, 256), jnp.bfloat16),
+                        sds((s, r, 4, 256), jnp.bfloat16), sds((s, r), jnp.int32), pool, sds((s, pmax), jnp.int32),
+                        sds((s,), jnp.int32))
                 assert triton_calls(fn, *args)
-            rows = sds((4, 37, 4, 256), jnp.bfloat16)
-            assert triton_calls(kq.write, pool, rows, rows, sds((4, 9), jnp.int32), sds((4, 37), jnp.int32),
-                                sds((4, 37), jnp.bool_))
-    finally:
-        del gpu_info.registry[kind]
+        for tiles in [None] + gpu_prompt_configs():
+            fn = functools.partial(at.prompt, scale=1 / 16, tiles=tiles)
+            args = (sds((1, 512, 24, 256), jnp.bfloat16), pool, sds((1, 24), jnp.int32), sds((1,), jnp.int32),
+                    sds((1,), jnp.int32))
+            assert triton_calls(fn, *args)
+        rows = sds((4, 37, 4, 256), jnp.bfloat16)
+        assert triton_calls(kq.write, pool, rows, rows, sds((4, 9), jnp.int32), sds((4, 37), jnp.int32),
+                            sds((4, 37), jnp.bool_))
 
 
 # ---------------------------------------------------------------------------------------------------------------
