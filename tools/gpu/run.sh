@@ -25,7 +25,7 @@ case "$stage" in
       2>&1 | tee "$out/bench_27b.log" | tail -40 ;;
   server)
     timeout 560 python3 -m server.bench --compare --synthetic 27b --concurrency 1,4,16 --prompt-tokens 1024 \
-      --max-tokens 256 --max-model-len 4096 --parallel 16 --json "$out/server_bench.json" 2>&1 \
+      --max-tokens 128 --max-model-len 4096 --parallel 16 --json "$out/server_bench.json" 2>&1 \
       | tee "$out/server_bench.log" | tail -40 ;;
   qmm-sweep)
     timeout 200 python3 -m pallas_kernels.bench qmm --sweep --prompt-ms 1024,4096 --json "$out/qmm_sweep.json" 2>&1 \
