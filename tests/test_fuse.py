@@ -39,9 +39,17 @@ def test_fused_dense_and_unfusable_mixes():
     for o, w in zip(linear_split(x, f, Backend(), prompt=False), dense):
         np.testing.assert_allclose(np.asarray(o), np.asarray(linear(x, w, Backend(), prompt=False)), rtol=1e-6,
                                    atol=1e-5)
-    # different bits (a mixed-precision checkpoint) or packed beside dense: kept as separate matmuls
+    # different bits (a mixed-precision checkpoint) or packed beside dense: separate matmuls, while consecutive
+    # parts in one format still share one
     mixed = [_q(rng, 32, 128, bits=4), _q(rng, 32, 128, bits=8)]
     assert fuse(mixed) == tuple(mixed)
-    assert isinstance(fuse([mixed[0], jnp.zeros((32, 128))]), tuple)
-    outs = linear_split(jnp.ones((2, 128)), fuse(mixed), Backend(), prompt=False)
+    runs = fuse([mixed[0], mixed[0], jnp.zeros((16, 128)), jnp.ones((8, 128))])
+    assert isinstance(runs, tuple) and len(runs) == 2 and all(isinstance(r, Fused) for r in runs)
+    assert runs[0].sizes == (32, 32) and runs[1].sizes == (16, 8) and len(parts(runs)) == 2
+    x = jnp.asarray(rng.standard_normal((2, 128)), jnp.float32)
+    outs = linear_split(x, runs, Backend(), prompt=False)
+    assert [o.shape for o in outs] == [(2, 32), (2, 32), (2, 16), (2, 8)]
+    np.testing.assert_allclose(np.asarray(outs[3]), np.asarray(jnp.broadcast_to(x.sum(-1, keepdims=True), (2, 8))),
+                               rtol=1e-6)
+    outs = linear_split(x, fuse(mixed), Backend(), prompt=False)
     assert [o.shape for o in outs] == [(2, 32), (2, 32)]

@@ -40,46 +40,60 @@ class Fused:
     sizes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
 
 
-def fuse(ws: Sequence) -> Fused | tuple:
-    """Concatenate weights along N when they can share one matmul (all packed with the same bits, group size,
-    K and dtypes, or all dense with the same K and dtype); otherwise the tuple of parts (mixed-precision
-    checkpoints). A row's bits may differ from the unfused matmuls' (the kernel's tiles follow N), and are
-    fixed for the model."""
-    ws = tuple(ws)
-    if len(ws) == 1:
-        return ws
+def _fusable(a, b) -> bool:
+    if isinstance(a, QuantizedWeight) and isinstance(b, QuantizedWeight):
+        return ((a.bits, a.group_size, a.in_features, a.scales.dtype, a.biases.dtype) ==
+                (b.bits, b.group_size, b.in_features, b.scales.dtype, b.biases.dtype))
+    if isinstance(a, QuantizedWeight) or isinstance(b, QuantizedWeight):
+        return False
+    return a.shape[1] == b.shape[1] and jnp.dtype(a.dtype) == jnp.dtype(b.dtype)
+
+
+def _concat(ws: Sequence) -> Fused:
     sizes = tuple(int(w.shape[0]) for w in ws)
-    if all(isinstance(w, QuantizedWeight) for w in ws):
-        w0 = ws[0]
-        same = all((w.bits, w.group_size, w.in_features, w.scales.dtype, w.biases.dtype) ==
-                   (w0.bits, w0.group_size, w0.in_features, w0.scales.dtype, w0.biases.dtype) for w in ws)
-        if same:
-            cat = lambda name: jnp.concatenate([getattr(w, name) for w in ws], axis=0)
-            return Fused(QuantizedWeight(cat("words"), cat("scales"), cat("biases"), w0.bits, w0.group_size), sizes)
-        return ws
-    if not any(isinstance(w, QuantizedWeight) for w in ws):
-        if len({(w.shape[1], jnp.dtype(w.dtype)) for w in ws}) == 1:
-            return Fused(jnp.concatenate(ws, axis=0), sizes)
-    return ws
+    if isinstance(ws[0], QuantizedWeight):
+        cat = lambda name: jnp.concatenate([getattr(w, name) for w in ws], axis=0)
+        return Fused(QuantizedWeight(cat("words"), cat("scales"), cat("biases"), ws[0].bits, ws[0].group_size),
+                     sizes)
+    return Fused(jnp.concatenate(ws, axis=0), sizes)
+
+
+def fuse(ws: Sequence) -> Fused | tuple:
+    """Concatenate weights along N so they share one matmul: consecutive parts in the same format (packed with
+    the same bits, group size, K and dtypes, or dense with the same K and dtype) become one `Fused`. -> the Fused
+    when all parts fit together, else a tuple of Fused runs and lone weights, in order (mixed-precision
+    checkpoints). A row's bits may differ from the unfused matmuls' (the kernel's tiles follow N), and are fixed
+    for the model."""
+    runs: list[list] = []
+    for w in ws:
+        if runs and _fusable(runs[-1][0], w):
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    groups = tuple(_concat(r) if len(r) > 1 else r[0] for r in runs)
+    return groups[0] if len(groups) == 1 and isinstance(groups[0], Fused) else groups
 
 
 def parts(w) -> tuple:
-    """The weights behind a `fuse` result (its one concatenated weight, or the unfused parts), or a lone weight:
-    for inspection, e.g. which layers are quantized."""
+    """The weights behind a `fuse` result (its concatenated weights and lone parts), or a lone weight: for
+    inspection, e.g. which layers are quantized."""
     if isinstance(w, Fused):
         return (w.weight,)
-    return tuple(w) if isinstance(w, (tuple, list)) else (w,)
+    if isinstance(w, (tuple, list)):
+        return tuple(x for g in w for x in parts(g))
+    return (w,)
 
 
 def linear_split(x: jax.Array, w, backend: Backend, *, prompt: bool) -> tuple[jax.Array, ...]:
-    """The outputs of a `fuse` result's projections, in order: one matmul split along N when fused."""
+    """The outputs of a `fuse` result's projections, in order: one matmul per fused run, split along N."""
     if isinstance(w, Fused):
         y = linear(x, w.weight, backend, prompt=prompt)
         cuts = [0]
         for n in w.sizes:
             cuts.append(cuts[-1] + n)
         return tuple(y[..., a:b] for a, b in zip(cuts[:-1], cuts[1:]))
-    return tuple(linear(x, wi, backend, prompt=prompt) for wi in w)
+    return tuple(y for g in w for y in (linear_split(x, g, backend, prompt=prompt) if isinstance(g, Fused)
+                                        else (linear(x, g, backend, prompt=prompt),)))
 
 
 def linear(x: jax.Array, w, backend: Backend, *, prompt: bool) -> jax.Array:
