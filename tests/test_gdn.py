@@ -349,15 +349,20 @@ def test_step_equals_window_then_commit_bitwise(streams):
 
 def test_step_bf16_rows_and_other_tiles():
     _check_step(SMALL, 3, jnp.bfloat16)
-    tiles = gdn.WindowTiles(block_v=32, num_warps=2)
-    rng = np.random.default_rng(30)
-    (q, k, v, g, beta), pool, slot = _step_case(rng, SMALL, 2, 1, jnp.bfloat16)
+    _step_equals_window_commit(np.random.default_rng(30), SMALL, 2, gdn.WindowTiles(block_v=32, num_warps=2))
+
+
+def _step_equals_window_commit(rng, shape, streams: int, tiles):
+    """With explicit tiles, step == one-row window + commit of the row, bit for bit. -> the inputs and outputs."""
+    (q, k, v, g, beta), pool, slot = _step_case(rng, shape, streams, 1, jnp.bfloat16)
     run = lambda fn: _jit(fn, tiles=tiles)
     o, new = run(gdn.step)(q, k, v, g, beta, pool, slot)
-    o_w = run(gdn.window)(q, k, v, g, beta, jnp.full((2, 1), -1, jnp.int32), pool, slot)
-    new_c = run(gdn.commit)(k, v, g, beta, jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32), pool, slot)
+    o_w = run(gdn.window)(q, k, v, g, beta, jnp.full((streams, 1), -1, jnp.int32), pool, slot)
+    new_c = run(gdn.commit)(k, v, g, beta, jnp.zeros((streams, 1), jnp.int32), jnp.ones((streams,), jnp.int32),
+                            pool, slot)
     assert np.array_equal(np.asarray(o), np.asarray(o_w))
     assert np.array_equal(np.asarray(new), np.asarray(new_c))
+    return (q, k, v, g, beta), pool, slot, o, new
 
 
 def test_step_reference_equals_window_and_commit_references_bitwise():
@@ -577,15 +582,9 @@ def test_gpu_step_27b_heads(streams):
 @pytest.mark.parametrize("block_v,num_warps", [(32, 1), (32, 2), (64, 4)])
 def test_gpu_step_other_tiles_27b_heads(block_v, num_warps):
     """The bench's step tile variants: each is exact against the window and commit run with the same tiles."""
-    tiles = gdn.WindowTiles(block_v=block_v, num_warps=num_warps)
     rng = np.random.default_rng(block_v + num_warps)
-    (q, k, v, g, beta), pool, slot = _step_case(rng, BIG, 4, 1, jnp.bfloat16)
-    run = lambda fn: _jit(fn, tiles=tiles)
-    o, new = run(gdn.step)(q, k, v, g, beta, pool, slot)
-    o_w = run(gdn.window)(q, k, v, g, beta, jnp.full((4, 1), -1, jnp.int32), pool, slot)
-    new_c = run(gdn.commit)(k, v, g, beta, jnp.zeros((4, 1), jnp.int32), jnp.ones((4,), jnp.int32), pool, slot)
-    assert np.array_equal(np.asarray(o), np.asarray(o_w))
-    assert np.array_equal(np.asarray(new), np.asarray(new_c))
+    (q, k, v, g, beta), pool, slot, o, new = _step_equals_window_commit(
+        rng, BIG, 4, gdn.WindowTiles(block_v=block_v, num_warps=num_warps))
     ref_o, ref_pool = step_ref(q, k, v, g, beta, pool, slot)
     assert _rel(o, ref_o) < BF16_OUT_TOL
     assert _rel(new[slot], ref_pool[slot]) < F32_TOL

@@ -123,15 +123,20 @@ def test_row_invariance(prompt, dtype):
     """Row i of a batch call is bit-identical to the same row computed alone or in any other batch."""
     rng = np.random.default_rng(500 + prompt)
     w, _ = _weight(rng, 96, 256, 4, 32)
-    big = 600 if prompt else 128
-    x = jnp.asarray(rng.normal(size=(big, 256)), dtype)
-    full = _bits(qmm.qmm(x, w, prompt=prompt, interpret=INTERPRET))
+    _check_row_invariance(rng, w, 600 if prompt else 128, dtype, prompt=prompt)
+
+
+def _check_row_invariance(rng, w, big: int, dtype, **kw):
+    """Rows alone, in small batches and at the end of a `big`-row call are bit-identical to the same rows of the
+    big call; so is row 0 when every other row's contents change."""
+    k = w.in_features
+    x = jnp.asarray(rng.normal(size=(big, k)), dtype)
+    full = _bits(qmm.qmm(x, w, interpret=INTERPRET, **kw))
     for rows in ([5], [0, 1, 2], list(range(big - 17, big))):
-        part = _bits(qmm.qmm(x[jnp.asarray(rows)], w, prompt=prompt, interpret=INTERPRET))
+        part = _bits(qmm.qmm(x[jnp.asarray(rows)], w, interpret=INTERPRET, **kw))
         np.testing.assert_array_equal(part, full[rows], err_msg=f"rows {rows[0]}..{rows[-1]} changed with M")
-    # The other rows' contents do not matter either.
-    other = x.at[1:].set(jnp.asarray(rng.normal(size=(big - 1, 256)), dtype))
-    np.testing.assert_array_equal(_bits(qmm.qmm(other, w, prompt=prompt, interpret=INTERPRET))[0], full[0])
+    other = x.at[1:].set(jnp.asarray(rng.normal(size=(big - 1, k)), dtype))
+    np.testing.assert_array_equal(_bits(qmm.qmm(other, w, interpret=INTERPRET, **kw))[0], full[0])
 
 
 def test_chunk_order_permutation():
@@ -187,15 +192,7 @@ def test_split_k_row_invariance(dtype):
     """With split-K, row i of a batch call is still bit-identical to the row alone or in any other batch."""
     rng = np.random.default_rng(1500)
     w, _ = _weight(rng, 96, 768, 4, 64)
-    tiles = qmm.Tiles(16, 32, 1, 2, 3, 2, k_splits=3)
-    big = 40
-    x = jnp.asarray(rng.normal(size=(big, 768)), dtype)
-    full = _bits(qmm.qmm(x, w, interpret=INTERPRET, tiles=tiles))
-    for rows in ([5], [0, 1, 2], list(range(big - 17, big))):
-        part = _bits(qmm.qmm(x[jnp.asarray(rows)], w, interpret=INTERPRET, tiles=tiles))
-        np.testing.assert_array_equal(part, full[rows], err_msg=f"rows {rows[0]}..{rows[-1]} changed with M")
-    other = x.at[1:].set(jnp.asarray(rng.normal(size=(big - 1, 768)), dtype))
-    np.testing.assert_array_equal(_bits(qmm.qmm(other, w, interpret=INTERPRET, tiles=tiles))[0], full[0])
+    _check_row_invariance(rng, w, 40, dtype, tiles=qmm.Tiles(16, 32, 1, 2, 3, 2, k_splits=3))
 
 
 def test_fit_tiles():
