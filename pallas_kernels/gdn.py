@@ -208,8 +208,12 @@ def conv_prompt_reference(m: jax.Array, conv_pool: jax.Array, slot: jax.Array, w
     """m [S, T, C] pre-conv inputs; conv_pool [N, K-1, C] the last K-1 committed inputs (oldest first);
     weight [C, K] (tap K-1 multiplies the current row); start/lengths [S] as in the prompt pass (start 0 = zero
     history). -> (u [S, T, C] = silu(conv) in m.dtype, conv_pool with the last K-1 real inputs of each stream)."""
+    return _conv_prompt(m, conv_pool[slot], conv_pool, slot, weight, start, lengths)
+
+
+def _conv_prompt(m, hist, conv_pool, slot, weight, start, lengths):
+    """`conv_prompt_reference` given hist = conv_pool[slot] [S, K-1, C]."""
     kw = weight.shape[1]
-    hist = conv_pool[slot]
     hist = jnp.where((start == 0)[:, None, None], jnp.zeros_like(hist), hist)
     seq = jnp.concatenate([hist.astype(m.dtype), m], axis=1)  # [S, K-1+T, C]
     t = m.shape[1]
@@ -841,7 +845,11 @@ def conv_prompt(m: jax.Array, conv_pool: jax.Array, slot: jax.Array, weight: jax
     _check_conv("conv_prompt", m, conv_pool, slot)
     _check_weight("conv_prompt", weight, conv_pool)
     _check_per_stream("conv_prompt", m.shape[0], start=start, lengths=lengths)
-    return conv_prompt_reference(m, conv_pool, slot, weight, start, jnp.clip(lengths, 0, m.shape[1]))
+    # The history rows are read into their own small array before the pool is updated: left to itself, XLA on the
+    # GPU fused the gather into several consumers that read the whole pool and then copied the pool (twice) to
+    # update it in place (tools/gpu/copies_probe.py, 2026-11-30). The barrier changes no value.
+    hist = jax.lax.optimization_barrier(conv_pool[slot])
+    return _conv_prompt(m, hist, conv_pool, slot, weight, start, jnp.clip(lengths, 0, m.shape[1]))
 
 
 def conv_window(m: jax.Array, parents: jax.Array, conv_pool: jax.Array, slot: jax.Array, weight: jax.Array, *,

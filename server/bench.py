@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -259,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="prompt RNG seed")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.add_argument("--baseline", metavar="FILE", help="an --engine run's --json: print the server's overhead")
+    p.add_argument("--reuse-baseline", action="store_true",
+                   help="with --compare: skip the engine-alone run when --baseline already exists (same flags, same "
+                        "machine), e.g. to re-run only the server half")
     h = p.add_argument_group("HTTP target")
     h.add_argument("--model", default=None, help="model name to send (default: none, the server's only model)")
     h.add_argument("--api-key", default=None, help="bearer token")
@@ -344,9 +348,12 @@ def compare(args) -> int:
         engine_cmd = [sys.executable, "-m", "server.bench", "--engine", *_engine_flags(args), *_load_flags(args),
                       "--json", baseline]
         engine_cmd += ["--model-dir", args.model_dir] if args.model_dir else []
-        print("$ " + " ".join(engine_cmd[1:]), flush=True)
-        if subprocess.run(engine_cmd).returncode != 0:
-            raise SystemExit("error: the engine-alone run failed")
+        if args.reuse_baseline and os.path.exists(baseline):
+            print(f"engine alone: reusing {baseline}", flush=True)
+        else:
+            print("$ " + " ".join(engine_cmd[1:]), flush=True)
+            if subprocess.run(engine_cmd).returncode != 0:
+                raise SystemExit("error: the engine-alone run failed")
         server_flags = _engine_flags(args) + (["--model", args.model_dir] if args.model_dir else [])
         print("$ python -m server " + " ".join(server_flags), flush=True)
         with ServerProcess(server_flags) as srv:

@@ -8,7 +8,12 @@ only the rounds between the profiler start/stop calls made here:
         --log-file $OUT/ncu.csv python3 tools/gpu/decode_profile.py --synthetic 27b
     python3 tools/gpu/decode_profile.py --summarize $OUT/ncu.csv     # per-kernel-name table
 
-Without ncu it prints the wall time per round only (CPU smoke run: --model captures/tiny-mlx-4bit).
+Without ncu it still prints the wall time of a host-synchronous round (tokens back to the host every round, as the
+engine runs) beside a device-bound round (the same program dispatched back to back on device-resident inputs,
+one sync at the end): their difference is the host's share. `--trace DIR` also records two rounds with JAX's
+profiler and prints, from its perfetto trace, the device's busy time per round, launches, and the top kernels
+(when the runtime's CUPTI works; otherwise it says the trace has no device events).
+CPU smoke run: --model captures/tiny-mlx-4bit.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ import argparse
 import collections
 import csv
 import ctypes
+import glob
+import gzip
+import json
 import sys
 import time
 
@@ -67,7 +75,24 @@ def run(args) -> None:
     t0 = time.perf_counter()
     rounds(args.rounds)
     ms = (time.perf_counter() - t0) * 1e3 / args.rounds
-    print(f"{jax.default_backend()}: {s} streams @ {args.context} ctx: {ms:.2f} ms a round ({1e3 / ms:.1f}/s)")
+    print(f"{jax.default_backend()}: {s} streams @ {args.context} ctx: {ms:.2f} ms a host-synchronous round "
+          f"({1e3 / ms:.1f}/s)")
+    exe = progs._get(("decode", (s, 1)))
+    w = jax.device_put(P.decode_window(lay, s, tokens, cache, list(range(1, s + 1)), tables))
+    sp = jax.device_put(P.sample_params([greedy] * s, [c + 1 for c in cache], s))
+    progs.state, tok, _ = exe(progs.params, progs.state, w, sp)
+    jax.block_until_ready(tok)
+    t0 = time.perf_counter()
+    for _ in range(args.rounds):
+        progs.state, tok, _ = exe(progs.params, progs.state, w, sp)
+    jax.block_until_ready((progs.state, tok))
+    dev = (time.perf_counter() - t0) * 1e3 / args.rounds
+    print(f"device-bound round (same inputs, back to back, one sync): {dev:.2f} ms; host share {ms - dev:.2f} ms")
+    if args.trace:
+        with jax.profiler.trace(args.trace, create_perfetto_trace=True):
+            rounds(2)
+            jax.block_until_ready(progs.state)
+        summarize_trace(args.trace, 2)
     _profiler("cuProfilerStart")
     rounds(args.profiled)
     jax.block_until_ready(progs.state)
@@ -97,6 +122,41 @@ def summarize(path: str, rounds: int) -> None:
         print(f"{us / rounds:10.1f} {n / rounds:11.1f}  {name[:110]}")
 
 
+def summarize_trace(trace_dir: str, rounds: int) -> None:
+    """A perfetto trace from jax.profiler -> device busy µs a round (union of kernel intervals), launches, top
+    kernels by total time. Device events are the complete ("X") events on processes named like a GPU."""
+    files = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))
+    if not files:
+        print(f"no perfetto trace under {trace_dir}")
+        return
+    with gzip.open(files[-1], "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {e["pid"]: e["args"].get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device_pids = {pid for pid, n in names.items() if "GPU" in n or "gpu" in n or "/device:" in n}
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e]
+    if not kernels:
+        print(f"trace has no device events (processes: {sorted(set(names.values()))[:8]})")
+        return
+    spans = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in kernels)
+    busy, end = 0.0, -1.0
+    for a, b in spans:
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    wall = spans[-1][1] - spans[0][0]
+    print(f"trace: {len(kernels) / rounds:.0f} device events a round, busy {busy / rounds:.1f} µs a round of "
+          f"{wall / rounds:.1f} µs first-to-last ({busy / wall:.0%})")
+    by = collections.defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        by[e["name"]][0] += 1
+        by[e["name"]][1] += float(e["dur"])
+    print(f"{'µs/round':>10} {'calls/round':>11}  event")
+    for name, (n, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:40]:
+        print(f"{us / rounds:10.1f} {n / rounds:11.1f}  {name[:110]}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group()
@@ -106,6 +166,7 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=16, help="timed rounds (wall clock)")
     ap.add_argument("--profiled", type=int, default=2, help="rounds between the profiler start and stop")
+    ap.add_argument("--trace", metavar="DIR", help="also record two rounds with jax.profiler into DIR and summarize")
     ap.add_argument("--summarize", metavar="NCU_CSV", help="print the per-kernel table of an ncu --csv log")
     args = ap.parse_args(argv)
     if args.summarize:

@@ -1,0 +1,39 @@
+"""Which whole-pool copies XLA put into each compiled program (run on the device): for every `copy(` of an array
+with a state pool's shape, the copy line and the instruction that consumes it, so an in-place update that failed
+can be traced to the op that forced it (`test_pools_updated_in_place_on_gpu`)."""
+
+import re
+import sys
+
+import jax
+
+from qwen_jax import programs as P
+from qwen_jax.checkpoint import load_checkpoint
+from qwen_jax.model import Backend
+from tests.conftest import CAPTURES
+
+
+def main() -> None:
+    ck = load_checkpoint(CAPTURES / "tiny-mlx-4bit", dtype=jax.numpy.bfloat16, progress=False)
+    layout = P.Layout(64, 8, 6 * 8 + 1, 6, "bfloat16")
+    buckets = P.Buckets((64,), (1,), (1,), packing=P.Packing.BATCHED, logprobs=4)
+    pr = P.Programs(ck.params, ck.config, layout, buckets, Backend.default())
+    pr.compile()
+    shapes = {",".join(map(str, x.shape)) for x in jax.tree.leaves(pr.state)}
+    for key, exe in pr._exe.items():
+        text = exe.as_text()
+        lines = text.splitlines()
+        hits = [ln.strip() for ln in lines if " copy(" in ln and any(f"[{s}]" in ln for s in shapes)]
+        print(f"== {key}: {len(hits)} pool copies")
+        for h in hits[:12]:
+            name = h.split(" = ")[0].split()[-1]
+            users = [ln.strip()[:300] for ln in lines if re.search(rf"[(, ]{re.escape(name)}[,)]", ln)
+                     and not ln.strip().startswith(name)]
+            print("  COPY", h[:300])
+            for u in users[:3]:
+                print("    USED BY", u)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
