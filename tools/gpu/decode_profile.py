@@ -78,6 +78,9 @@ def run(args) -> None:
     print(f"{jax.default_backend()}: {s} streams @ {args.context} ctx: {ms:.2f} ms a host-synchronous round "
           f"({1e3 / ms:.1f}/s)")
     exe = progs._get(("decode", (s, 1)))
+    hlo = exe.as_text()
+    print(f"compiled decode program: {hlo.count('custom_call_target=')} custom calls, "
+          f"{hlo.count(' fusion(')} fusions, {hlo.count('command_buffer')} command-buffer mentions")
     w = jax.device_put(P.decode_window(lay, s, tokens, cache, list(range(1, s + 1)), tables))
     sp = jax.device_put(P.sample_params([greedy] * s, [c + 1 for c in cache], s))
     progs.state, tok, _ = exe(progs.params, progs.state, w, sp)

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU work, by stage, from the repo root on the H200 (the `device` tool's `run`).
 # Prepare once on the CPU machine (wheels for fla, fastapi/uvicorn/pydantic/openai):
-#   grep -q '^/.whl/' .git/info/exclude || echo /.whl/ >> .git/info/exclude; ../shared/device/fetch_wheels.sh .whl
+#   grep -q '^/.whl/' .git/info/exclude || echo /.whl/ >> .git/info/exclude; ../shared/device/fetch_wheels.sh .whl opentelemetry-api
+#   (fastapi 0.165 imports opentelemetry at start-up: without that wheel the server stage cannot start)
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh tests|rowinv|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh tests|rowinv|launch|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -17,9 +18,13 @@ fi
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore::DeprecationWarning
 case "$stage" in
   tests)
-    timeout 540 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_qmm.py tests/test_gdn.py \
-      tests/test_rownorm.py tests/test_attention.py tests/test_kv_quant.py tests/test_engine_gpu.py 2>&1 \
-      | tee "$out/gpu_tests.log" | tail -30 ;;
+    # SIGINT, not TERM, at the limit: pytest then still prints which tests passed and failed. Results go straight to
+    # files (a piped -q run lost its summary to the timeout on 2026-11-30).
+    timeout -s INT 270 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short -rfE tests/test_engine_gpu.py \
+      tests/test_rownorm.py > "$out/gpu_tests_engine.log" 2>&1
+    timeout -s INT 270 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short -rfE tests/test_qmm.py \
+      tests/test_gdn.py tests/test_attention.py tests/test_kv_quant.py > "$out/gpu_tests_kernels.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_*.log | cut -c1-160 | tail -60 ;;
   engine)
     timeout 560 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths 4096,32768 --rounds 64 \
       2>&1 | tee "$out/bench_27b.log" | tail -40 ;;
@@ -42,8 +47,12 @@ case "$stage" in
   attention)
     timeout 560 python3 -m pallas_kernels.bench attention --sections decode,prompt,window,write,xla --budget-s 420 \
       --json "$out/attention.json" 2>&1 | tee "$out/attention.log" | tail -60 ;;
+  launch)
+    timeout 400 python3 tools/gpu/launch_probe.py --synthetic 27b 2>&1 | tee "$out/launch_probe.log" | tail -30 ;;
   profile)
-    timeout 400 ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
+    timeout 200 python3 tools/gpu/decode_profile.py --synthetic 27b --trace "$out/trace" --profiled 0 2>&1 \
+      | tee "$out/decode_trace.txt" | tail -50
+    timeout 300 ncu --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
       --log-file "$out/ncu.csv" python3 tools/gpu/decode_profile.py --synthetic 27b 2>&1 | tail -5
     python3 tools/gpu/decode_profile.py --summarize "$out/ncu.csv" | tee "$out/decode_profile.txt" | head -45 ;;
   rowinv)

@@ -1,0 +1,53 @@
+"""Is the 27B decode round launch-bound? The same decode program compiled under several XLA command-buffer
+settings, each in its own process (XLA reads XLA_FLAGS once), through tools/gpu/decode_profile.py: a round's wall
+time (host-synchronous and device-bound) and how much of the compiled program XLA wrapped in command buffers
+(CUDA graphs). If disabling command buffers changes nothing, the program runs as single launches; if the
+"min graph size 1" or custom-call variants are faster, the Pallas calls were splitting the graphs.
+
+    python3 tools/gpu/launch_probe.py --synthetic 27b          # on the device; about 40 s a variant
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+VARIANTS = {
+    "default": "",
+    "no-command-buffers": "--xla_gpu_enable_command_buffer=",
+    "min-graph-1": "--xla_gpu_graph_min_graph_size=1",
+    "custom-calls-too": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN "
+                        "--xla_gpu_graph_min_graph_size=1",
+}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--synthetic", choices=("27b",), default=None)
+    ap.add_argument("--model", default="captures/tiny-mlx-4bit")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    ap.add_argument("--timeout", type=float, default=150.0, help="seconds a variant")
+    args = ap.parse_args(argv)
+    here = os.path.dirname(os.path.abspath(__file__))
+    src = ["--synthetic", args.synthetic] if args.synthetic else ["--model", args.model]
+    for name in args.variants.split(","):
+        env = dict(os.environ)
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + VARIANTS[name]).strip()
+        cmd = [sys.executable, os.path.join(here, "decode_profile.py"), *src, "--rounds", "16", "--profiled", "0"]
+        try:
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+            lines = [ln for ln in (r.stdout + r.stderr).splitlines()
+                     if ln.startswith(("compiled", "device-bound", "cpu:", "gpu:", "cuda:")) or "Error" in ln]
+        except subprocess.TimeoutExpired:
+            lines = [f"timed out after {args.timeout:.0f} s"]
+        print(f"== {name} (XLA_FLAGS={env['XLA_FLAGS']!r})")
+        for ln in lines[-6:]:
+            print("   " + ln)
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
