@@ -22,11 +22,17 @@ QWEN35_27B = dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, 
                   tie_word_embeddings=False, max_position_embeddings=262144)
 
 
-def synthetic_config(name: str) -> ModelConfig:
+def synthetic_config(name: str, layers: int | None = None) -> ModelConfig:
+    """The named shape's config; layers: keep only the first `layers` (same GDN/attention pattern), for
+    measurements that scale with depth (per-layer time and compile cost)."""
     from qwen_jax.config import parse_config
     if name != "27b":
         raise ValueError(f"--synthetic: unknown shape {name!r} (known: 27b)")
     raw = {"model_type": "qwen3_5_text", **QWEN35_27B, "quantization": {"bits": 4, "group_size": 64}}
+    if layers is not None:
+        if not 1 <= layers <= raw["num_hidden_layers"]:
+            raise ValueError(f"--layers must be in 1..{raw['num_hidden_layers']}, got {layers}")
+        raw["num_hidden_layers"] = layers
     return parse_config(raw, {"eos_token_id": [248046, 248044]})
 
 

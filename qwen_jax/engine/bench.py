@@ -164,14 +164,14 @@ def run(params, cfg, *, backend, dtype: str = "bfloat16", kv_cache: str = "bf16"
     return result
 
 
-def synthetic_params(name: str, *, dtype: str, seed: int = 0):
+def synthetic_params(name: str, *, dtype: str, seed: int = 0, layers: int | None = None):
     """The named shape with random weights (4-bit where the config says so), built on the default device tensor
     by tensor (one small compiled program per distinct shape). -> (params, config)."""
     import jax
     import jax.numpy as jnp
 
     from qwen_jax.synthetic import random_params, synthetic_config
-    cfg = synthetic_config(name)
+    cfg = synthetic_config(name, layers)
     jdt = jnp.float32 if dtype == "float32" else jnp.bfloat16
     params = random_params(cfg.text, jax.random.key(seed), dtype=jdt, quant=cfg.quantization)
     jax.block_until_ready(params)

@@ -46,7 +46,7 @@ def run(args) -> None:
     from qwen_jax.model import Backend
     if args.synthetic:
         from qwen_jax.engine.bench import synthetic_params
-        params, cfg = synthetic_params(args.synthetic, dtype="bfloat16")
+        params, cfg = synthetic_params(args.synthetic, dtype="bfloat16", layers=args.layers)
     else:
         from qwen_jax.checkpoint import load_checkpoint
         import jax.numpy as jnp
@@ -57,7 +57,9 @@ def run(args) -> None:
     dp = P.pages_for(args.context + args.rounds * 2 + 8, page)
     lay = P.Layout(page, dp, s * dp + 1, s + 1, "bfloat16", "bf16")
     progs = P.Programs(params, cfg, lay, P.Buckets((P.GRID,), (1,), (s,)), backend)
+    t0 = time.perf_counter()
     progs.compile([("decode", (s, 1))])
+    print(f"{cfg.text.num_layers} layers: decode program compiled in {time.perf_counter() - t0:.1f} s")
     tables = [np.arange(1 + i * dp, 1 + (i + 1) * dp, dtype=np.int32) for i in range(s)]
     greedy = sampling.RequestSampling(seed=0, temperature=0.0)
     tokens, cache = [1] * s, [args.context] * s
@@ -165,6 +167,7 @@ def main(argv=None) -> int:
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--synthetic", choices=("27b",))
     src.add_argument("--model", default="captures/tiny-mlx-4bit")
+    ap.add_argument("--layers", type=int, default=None, help="with --synthetic: only the first N layers")
     ap.add_argument("--streams", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=16, help="timed rounds (wall clock)")

@@ -28,21 +28,28 @@ def main(argv=None) -> int:
     ap.add_argument("--synthetic", choices=("27b",), default=None)
     ap.add_argument("--model", default="captures/tiny-mlx-4bit")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
+    ap.add_argument("--layers", default="", help="comma-separated depths to run the default variant at as well "
+                    "(e.g. 8,16: per-layer round time and compile time)")
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds a variant")
     args = ap.parse_args(argv)
     here = os.path.dirname(os.path.abspath(__file__))
     src = ["--synthetic", args.synthetic] if args.synthetic else ["--model", args.model]
-    for name in args.variants.split(","):
+    runs = [(name, None) for name in args.variants.split(",")]
+    runs += [("default", int(n)) for n in args.layers.split(",") if n]
+    for name, layers in runs:
         env = dict(os.environ)
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + VARIANTS[name]).strip()
         cmd = [sys.executable, os.path.join(here, "decode_profile.py"), *src, "--rounds", "16", "--profiled", "0"]
+        if layers:
+            cmd += ["--layers", str(layers)]
         try:
             r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
             lines = [ln for ln in (r.stdout + r.stderr).splitlines()
-                     if ln.startswith(("compiled", "device-bound", "cpu:", "gpu:", "cuda:")) or "Error" in ln]
+                     if ln.startswith(("compiled", "device-bound", "cpu:", "gpu:", "cuda:")) or " layers: " in ln
+                     or "Error" in ln]
         except subprocess.TimeoutExpired:
             lines = [f"timed out after {args.timeout:.0f} s"]
-        print(f"== {name} (XLA_FLAGS={env['XLA_FLAGS']!r})")
+        print(f"== {name}{f' ({layers} layers)' if layers else ''} (XLA_FLAGS={env['XLA_FLAGS']!r})")
         for ln in lines[-6:]:
             print("   " + ln)
         sys.stdout.flush()
