@@ -592,9 +592,21 @@ class Programs:
         return self._host(tokens, lp)
 
     def decode(self, window: M.VerifyWindow, sp: sampling.SampleParams) -> Sampled:
+        return self.fetch(self.decode_async(window, sp))
+
+    def decode_async(self, window: M.VerifyWindow, sp: sampling.SampleParams):
+        """Dispatch a decode round and return at once: -> an opaque handle for `fetch`, which waits for the round.
+        The state advances now (the next call is ordered after this one on the device), so the caller can do host
+        work while the round runs."""
         exe = self._get(("decode", window.tokens.shape))
         self.state, tokens, lp = exe(self.params, self.state, window, sp)
-        return self._host(tokens, lp)
+        for a in jax.tree.leaves((tokens, lp)):
+            a.copy_to_host_async()
+        return tokens, lp
+
+    def fetch(self, pending) -> Sampled:
+        """Wait for a round dispatched by `decode_async` and bring its results to the host."""
+        return self._host(*pending)
 
     def verify(self, window: M.VerifyWindow, sp: sampling.SampleParams):
         """-> (Sampled with tokens [S, R], kept (device rows for `commit`))."""

@@ -227,6 +227,52 @@ def test_cancelled_while_queued_never_starts(eng):
     _baseline(eng)
 
 
+def test_stop_strings_mid_reply_among_other_streams(eng):
+    """Streams that a stop string ends mid-reply, decoding among others: the decode call that was already running
+    when the stop string showed computed one more row for each of them, which must be dropped without touching
+    anyone's reply (or leaking its pages), the same as when each runs alone."""
+    base = _requests(3)[:8]
+    plain = _solo(eng, base)
+    reqs = []
+    for i, (r, c) in enumerate(zip(base, plain)):
+        text = c.text
+        if i % 2 == 0 and len(text) > 6:  # a piece of the reply's middle: a stop string that fires mid-reply
+            mid = len(text) // 2
+            r = dataclasses.replace(r, stop=(text[mid:mid + 3],))
+        reqs.append(r)
+    assert sum(bool(r.stop) for r in reqs) >= 2
+    solo = _solo(eng, reqs)
+    assert any(c.finish_reason == "stop" and len(c.token_ids) < len(p.token_ids) for c, p in zip(solo, plain))
+    together = [h.result(TIMEOUT) for h in [eng.submit(r) for r in reqs]]
+    _check_same(solo, together)
+    _baseline(eng)
+
+
+def test_tokens_are_delivered_while_the_next_decode_call_runs(eng):
+    """The host hands out a decode call's tokens after dispatching the next call (events, text and stop strings
+    overlap the device's work): token i of a lone stream is delivered after decode call i + 1 was dispatched."""
+    log = []
+    progs = eng.programs
+    dispatch = progs.decode_async
+
+    def traced(window, sp):
+        log.append("dispatch")
+        return dispatch(window, sp)
+
+    progs.decode_async = traced
+    eng.on_token = lambda stream, token: log.append("token")
+    try:
+        r = GenerationRequest(tuple(range(20, 60)), max_tokens=6, ignore_eos=True, request_id="overlap")
+        got = eng.submit(r).result(TIMEOUT)
+    finally:
+        del progs.decode_async, eng.on_token
+    assert len(got.token_ids) == 6
+    # The first token comes from the prompt call; then every decode token follows the next call's dispatch,
+    # except the last one (max_tokens is known from the count: that stream sits out the next call).
+    assert log == ["token"] + ["dispatch", "dispatch", "token"] + ["dispatch", "token"] * 3 + ["token"], log
+    _baseline(eng)
+
+
 def test_an_error_fails_only_its_request(eng):
     reqs = _requests(1)[:6]
     want = _solo(eng, reqs)

@@ -8,7 +8,12 @@ A round of the scheduler (one loop iteration):
   3. one prompt call: the next chunk of one or more prompting streams (chunks cut on the 64-grid of
      absolute positions, at most `prefill_step` rows a lane while other streams decode, so they keep going);
      a lane whose prompt ends there yields its first token at once;
-  4. one decode call for every decoding stream: verify + commit the pending token, sample the next.
+  4. one decode call for every decoding stream: verify + commit the pending token, sample the next. The call is
+     dispatched first; while it runs on the device the host delivers the previous decode call's tokens (events,
+     detokenization, stop strings), then takes this call's tokens, which become the next round's input. A stream
+     whose token surely ends it (stop id, max_tokens, context end) sits out the next call; one that a stop string
+     ends had one more row computed in the call already running, whose token is dropped (its state is released;
+     rows never depend on each other). A round that runs a prompt call delivers first, so tokens never wait on it.
 Every decided token becomes an event on its request's handle; a stream ends on a stop id (the checkpoint's EOS
 unless ignore_eos, plus stop_token_ids), a stop string, max_tokens or the end of the context, and its pages and
 slot go back at once. An exception while handling one stream fails that stream only; a failed program fails the
@@ -108,6 +113,7 @@ class Engine:
         self._waiting: collections.deque[RequestHandle] = collections.deque()
         self._n_waiting = 0  # inbox + waiting, for the queue bound
         self._running: list[Stream] = []
+        self._undelivered: list[tuple[Stream, int, P.Sampled, int]] = []  # the last decode call's tokens
         self._stop = False
         self._thread: threading.Thread | None = None
         self._counters = {"prompt": 0, "generation": 0}
@@ -152,6 +158,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._deliver_decided()
         with self._lock:
             left = list(self._inbox) + list(self._waiting)
             self._inbox.clear()
@@ -270,9 +277,12 @@ class Engine:
             self._cancel_now(h)
         self._admit()
         if any(s.phase is Phase.PROMPT for s in self._running):
+            self._deliver_decided()
             self._prompt_call()
         if any(s.phase is Phase.DECODE for s in self._running):
             self._decode_call()
+        else:
+            self._deliver_decided()
 
     def _cancel_now(self, handle: RequestHandle) -> None:
         with self._lock:
@@ -400,7 +410,8 @@ class Engine:
             if s.prefilled == s.prompt_len:
                 s.phase = Phase.DECODE
                 s.cache_len = s.prompt_len
-                self._deliver(s, int(out.tokens[i]), out, i)
+                s.pending = int(out.tokens[i])
+                self._deliver(s, s.pending, out, i)
 
     def _prompt_fits(self, lanes: int, rows: int) -> bool:
         try:
@@ -410,16 +421,39 @@ class Engine:
         return True
 
     def _decode_call(self) -> None:
-        streams = [s for s in self._running if s.phase is Phase.DECODE]
-        n = self.buckets.decode_bucket(len(streams))
-        window = P.decode_window(self.layout, n, [s.pending for s in streams], [s.cache_len for s in streams],
-                                 [s.slot for s in streams], [s.page_table for s in streams])
-        sp = P.sample_params([s.sampling for s in streams], [s.cache_len + 1 for s in streams], n)
+        streams = [s for s in self._running if s.phase is Phase.DECODE and not s.finishing]
+        pending = None
+        if streams:
+            n = self.buckets.decode_bucket(len(streams))
+            window = P.decode_window(self.layout, n, [s.pending for s in streams], [s.cache_len for s in streams],
+                                     [s.slot for s in streams], [s.page_table for s in streams])
+            sp = P.sample_params([s.sampling for s in streams], [s.cache_len + 1 for s in streams], n)
+            try:
+                pending = self.programs.decode_async(window, sp)
+            except Exception as e:
+                self._deliver_decided()
+                self._program_failed(streams, e)
+                return
+        self._deliver_decided()  # the previous call's tokens, while this one runs
+        if pending is None:
+            return
         try:
-            out = self.programs.decode(window, sp)
+            out = self.programs.fetch(pending)
         except Exception as e:
             self._program_failed(streams, e)
             return
         for i, s in enumerate(streams):
+            if s not in self._running:
+                continue  # ended while the call ran (a stop string, an error): its row is dropped
+            token = int(out.tokens[i])
             s.cache_len += 1
-            self._deliver(s, int(out.tokens[i]), out, i)
+            s.pending = token
+            s.finishing = s.ends_with(token)
+            self._undelivered.append((s, token, out, i))
+
+    def _deliver_decided(self) -> None:
+        """Hand out the tokens the last decode call decided (events, text, stop strings, finishes)."""
+        decided, self._undelivered = self._undelivered, []
+        for s, token, out, i in decided:
+            if s in self._running:  # not cancelled meanwhile
+                self._deliver(s, token, out, i)
