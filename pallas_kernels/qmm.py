@@ -12,8 +12,11 @@ How the kernel works (Pallas, Triton lowering; docs/kernels/qmm.md has the measu
   is one "chunk" of 2 * words columns, an MMA operand built in registers: w = (q' - 128) * scale + bias, one
   bf16 FMA for two weights, rounded once from the exact dequantized value.
 - Chunk column 2c + t is (word c, field j + t * per/2): the weight is used exactly as the checkpoint stores it
-  (no load-time repack), and x is permuted per call into that "chunk order" (a small XLA transpose that fuses
-  into x's producer inside a jitted model, and is shared by projections that read the same x).
+  (no load-time repack). x must meet it in that "chunk order": the prompt path permutes x per call (an XLA
+  transpose that fuses into x's producer when that is an XLA fusion); the decode path (`Tiles.x_natural`) reads
+  x in its natural order with two strided loads a chunk (columns j and j + per/2 of every word's span, stride
+  per) joined in registers, so no transpose runs between a Pallas producer (a norm) and the matmul. x is tiny
+  there (one to a few rows), so the strided loads cost nothing next to the weight.
 - The MMA runs weight-major (w [block_n, chunk] @ x^T [chunk, block_m], Hopper wgmma when block_n >= 64), fp32
   accumulation, one chunk after another in increasing k.
 - Split-K (`Tiles.k_splits` = S > 1, for decode shapes with too few n tiles to fill the GPU): a third grid axis
@@ -137,6 +140,9 @@ class Tiles:
     impl: str = "fused"
     block_k: int = 64  # "dequant": k columns a loop step (must divide K; `prompt_tiles` fits it)
     group_m: int = 8  # "dequant": row tiles walked together, row tile fastest, before the next weight tiles
+    # "fused": read x in natural order with strided loads (True) or from an XLA-permuted copy (False); the same
+    # values meet the same MMA either way, so the bits do not change.
+    x_natural: bool = False
 
     def check(self) -> None:
         if self.impl not in IMPLS:
@@ -161,7 +167,7 @@ IMPLS = ("fused", "dequant")
 # A program carries two 16-row tiles, so M = 32 reads each weight tile once from HBM (larger M re-reads it from
 # L2 for each further 32 rows). `python -m pallas_kernels.bench qmm --sweep` times the alternatives.
 DECODE_TILES = Tiles(block_m=16, block_n=64, blocks_per_step=1, num_warps=4, num_stages=3, max_m_blocks=2,
-                     k_splits=1)
+                     k_splits=1, x_natural=True)
 # Programs a decode launch should have at least (132 SMs; the H200 sweep of docs/kernels/qmm.md run 3: the best
 # split counts gave 640-2720 programs, the unsplit default 160-544).
 DECODE_MIN_PROGRAMS = 600
@@ -253,8 +259,8 @@ def _weight_chunk(words, j: int, bits: int, s, b, w_dtype, bf16_fma: bool):
 
 
 def _qmm_kernel(x_ref, w_ref, s_ref, b_ref, *out_refs, m: int, n: int, kp: int, bits: int, group: int,
-                block: int, tiles: Tiles, m_blocks: int, w_dtype, bf16_fma: bool, precision):
-    # x_ref [M, Kp] in chunk order; w_ref uint32 [N, Kp*bits/32]; s_ref, b_ref [N, Kp/g]; o_ref [M, N], or the
+                block: int, tiles: Tiles, m_blocks: int, w_dtype, bf16_fma: bool, precision, interpret: bool):
+    # x_ref [M, Kp] in chunk order (natural order with tiles.x_natural); w_ref uint32 [N, Kp*bits/32]; s_ref, b_ref [N, Kp/g]; o_ref [M, N], or the
     # fp32 partials [S, M, N] with split-K (preceded by the unread `after` operand and by the aliased input buffer
     # when the caller poisons it).
     o_ref = out_refs[-1]
@@ -303,6 +309,13 @@ def _qmm_kernel(x_ref, w_ref, s_ref, b_ref, *out_refs, m: int, n: int, kp: int, 
                 wt = _weight_chunk(words, j, bits, s, b, w_dtype, bf16_fma)  # [bn, chunk]
                 xcols = pl.ds(pl.multiple_of(col0, chunk), chunk)
                 for mb in range(m_blocks):
+                    if tiles.x_natural:
+                        xc = _natural_x_chunk(x_ref, row_idx[mb], row_ok[mb], kb * block, j, words_per_block,
+                                              per, interpret).astype(w_dtype)
+                        accs[mb] = jax.lax.dot_general(
+                            wt, xc, (((1,), (1,)), ((), ())), precision=precision,
+                            preferred_element_type=jnp.float32) + accs[mb]
+                        continue
                     xmask = jnp.broadcast_to(row_ok[mb][:, None], (bm, chunk))
                     xc = plt.load(x_ref.at[row_idx[mb], xcols], mask=xmask, other=0).astype(w_dtype)
                     # dot first: Triton folds `dot + acc` (not `acc + dot`) into the MMA's accumulator.
@@ -319,6 +332,24 @@ def _qmm_kernel(x_ref, w_ref, s_ref, b_ref, *out_refs, m: int, n: int, kp: int, 
         plt.store(dst, accs[mb].T.astype(o_ref.dtype), mask=mask)
 
 
+def _natural_x_chunk(x_ref, rows, row_ok, col0, j: int, words: int, per: int, interpret: bool):
+    """Chunk j of the k block starting at natural column col0, from x in natural order: chunk column 2c + t is
+    natural column col0 + t * per/2 + j + c * per. Two strided loads (t = 0, 1), joined so both stay in one
+    thread as `_weight_chunk` joins the weight's field pairs. Interpret mode has no strided loads: it reads the
+    block's span and takes the same columns by index. -> [bm, 2 * words]"""
+    bm = row_ok.shape[0]
+    starts = [t * (per // 2) + j for t in (0, 1)]
+    if interpret:
+        span = plt.load(x_ref.at[rows, pl.ds(col0, words * per)],
+                        mask=jnp.broadcast_to(row_ok[:, None], (bm, words * per)), other=0)
+        halves = [jnp.take(span, st + per * jnp.arange(words), axis=1) for st in starts]
+    else:
+        mask = jnp.broadcast_to(row_ok[:, None], (bm, words))
+        halves = [plt.load(x_ref.at[rows, pl.ds(col0 + st, words, stride=per)], mask=mask, other=0)
+                  for st in starts]
+    return jnp.stack(halves, axis=-1).reshape(bm, 2 * words)
+
+
 def _arith(x_dtype, scale_dtype, bits: int):
     """(MMA operand dtype, dot precision, whether the bf16 bit trick + bf16 FMA builds the weights)."""
     if x_dtype == jnp.float32:
@@ -330,7 +361,7 @@ def _arith(x_dtype, scale_dtype, bits: int):
 
 def _qmm_call(xk: jax.Array, words, scales, biases, n: int, bits: int, group: int, out_dtype, tiles: Tiles,
               interpret: bool, poison: bool = False, after: jax.Array | None = None) -> jax.Array:
-    """The kernel on x already in chunk order -> y [M, N] out_dtype (split-K partials summed here). poison: the
+    """The kernel on x (in chunk order unless tiles.x_natural) -> y [M, N] out_dtype (split-K partials summed here). poison: the
     kernel writes into a NaN-filled buffer, so an element it never writes shows up (tests). after: an operand the
     kernel never reads, so the call runs after whatever produced it (the benchmark chains calls through it)."""
     m, kp = xk.shape
@@ -348,7 +379,8 @@ def _qmm_call(xk: jax.Array, words, scales, biases, n: int, bits: int, group: in
     w_dtype, precision, bf16_fma = _arith(xk.dtype, scales.dtype, bits)
     # A fresh partial per call: jax#40847 reuses a stale jaxpr when one kernel function meets several grids.
     kernel = functools.partial(_qmm_kernel, m=m, n=n, kp=kp, bits=bits, group=group, block=block, tiles=tiles,
-                               m_blocks=m_blocks, w_dtype=w_dtype, bf16_fma=bf16_fma, precision=precision)
+                               m_blocks=m_blocks, w_dtype=w_dtype, bf16_fma=bf16_fma, precision=precision,
+                               interpret=bool(interpret))
     operands = (xk, words, scales, biases) + (() if after is None else (after,))
     if poison:
         operands += (jnp.full(out_shape.shape, jnp.nan, out_shape.dtype),)
@@ -513,7 +545,8 @@ def _qmm(x: jax.Array, w: QuantizedWeight, *, prompt: bool, interpret: bool, til
         kp = _padded_k(k, w.bits)
         xk = x if kp == k else jnp.pad(x, ((0, 0), (0, kp - k)))
         wp = _pad_weight(w)
-        xk = _to_kernel_order(xk, block_cols(kp, w.bits), w.bits)
+        if not tiles.x_natural:
+            xk = _to_kernel_order(xk, block_cols(kp, w.bits), w.bits)
         return _qmm_call(xk, wp.words, wp.scales, wp.biases, n, w.bits, w.group_size, x.dtype, tiles, interpret,
                          poison)
 
