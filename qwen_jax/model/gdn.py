@@ -23,11 +23,12 @@ def split_qkv(u: jax.Array, cfg: TextConfig, backend: Backend):
     """Post-conv channels [S, T, C] -> q, k [S, T, Hk, dk] (l2-normed, q scaled) and v [S, T, Hv, dv]."""
     s, t = u.shape[:2]
     kd, dk, dv = cfg.key_dim, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    q = u[..., :kd].reshape(s, t, cfg.linear_num_key_heads, dk)
-    k = u[..., kd:2 * kd].reshape(s, t, cfg.linear_num_key_heads, dk)
+    hk = cfg.linear_num_key_heads
+    # q and k normalised by one call (a row's result depends on that row alone): one launch, not two.
+    qk = ops.l2norm(backend, u[..., :2 * kd].reshape(s, t, 2 * hk, dk))
     v = u[..., 2 * kd:].reshape(s, t, cfg.linear_num_value_heads, dv)
-    q = (ops.l2norm(backend, q) * (dk ** -0.5)).astype(u.dtype)
-    k = ops.l2norm(backend, k).astype(u.dtype)
+    q = (qk[:, :, :hk] * (dk ** -0.5)).astype(u.dtype)
+    k = qk[:, :, hk:].astype(u.dtype)
     return q, k, v
 
 
