@@ -275,9 +275,15 @@ def tree_window(layout: Layout, streams: int, rows: int, tokens: Sequence[Sequen
     return M.VerifyWindow(tok, par, cl, sl, pt, _text_rope(positions))
 
 
-def decode_window(layout: Layout, streams: int, tokens: Sequence[int], cache_len: Sequence[int],
+FROM_LAST = -1  # a decode window token that says: the token this slot's previous decode call sampled
+
+
+def decode_window(layout: Layout, streams: int, tokens: Sequence[int | None], cache_len: Sequence[int],
                   slot: Sequence[int], page_table: Sequence[np.ndarray]) -> M.VerifyWindow:
-    """One pending token per stream at position cache_len (the decode program's window)."""
+    """One pending token per stream at position cache_len (the decode program's window). A token of None (or
+    `FROM_LAST`) is read on the device from what the slot's previous decode call sampled, so a call can be
+    dispatched before the previous one's tokens reach the host."""
+    tokens = [FROM_LAST if t is None else t for t in tokens]
     return tree_window(layout, streams, 1, [[t] for t in tokens], [[-1]] * len(tokens), cache_len, slot,
                        page_table)
 
@@ -348,15 +354,17 @@ def prompt_program(cfg: ModelConfig, backend: M.Backend, packing: Packing, top_n
 
 
 def decode_program(cfg: ModelConfig, backend: M.Backend, top_n: int) -> Callable:
-    """(params, state, window [S x 1], sample params [S]) -> (state, tokens [S], logprobs or None): one fused
-    serial step (`model.step`: bit for bit verify + commit of the row, GDN states read once). Dummy streams
-    (slot 0) commit nothing."""
+    """(params, state, last [slots], window [S x 1], sample params [S]) -> (state, last, tokens [S], logprobs or
+    None): one fused serial step (`model.step`: bit for bit verify + commit of the row, GDN states read once).
+    Dummy streams (slot 0) commit nothing. `last` holds each slot's most recently sampled token: a window token
+    of `FROM_LAST` reads it, and every row writes its sampled token back (dummies into slot 0, never read)."""
 
-    def program(params, state, window, sp):
+    def program(params, state, last, window, sp):
+        fed = jnp.where(window.tokens < 0, last[window.slot][:, None], window.tokens)
         with jax.named_scope("step"):
-            logits, state = M.step(params, state, window, cfg, backend)
+            logits, state = M.step(params, state, dataclasses.replace(window, tokens=fed), cfg, backend)
         tokens, lp = _sample(logits[:, 0], sp, top_n)
-        return state, tokens, lp
+        return state, last.at[window.slot].set(tokens), tokens, lp
 
     return program
 
@@ -484,11 +492,12 @@ class Programs:
         self.params, self.cfg, self.layout, self.buckets = params, cfg, layout, buckets
         self.backend = backend or M.Backend.default()
         self.state = self.fresh_state()
+        self.last = self._fresh_last()  # [slots] int32: each slot's last sampled token (decode_program)
         self._exe: dict[tuple, object] = {}
         top_n = buckets.logprobs
         self._fns = {
             "prompt": jax.jit(prompt_program(cfg, self.backend, buckets.packing, top_n), donate_argnums=1),
-            "decode": jax.jit(decode_program(cfg, self.backend, top_n), donate_argnums=1),
+            "decode": jax.jit(decode_program(cfg, self.backend, top_n), donate_argnums=(1, 2)),
             "verify": jax.jit(verify_program(cfg, self.backend, top_n)),
             "commit": jax.jit(commit_program(cfg, self.backend), donate_argnums=0),
         }
@@ -496,12 +505,16 @@ class Programs:
     def fresh_state(self) -> M.ModelState:
         return init_pools(self.cfg, self.layout)
 
+    def _fresh_last(self) -> jax.Array:
+        return jnp.zeros((self.layout.num_slots,), jnp.int32)
+
     def state_lost(self) -> bool:
         """True when a failed program consumed the donated pools (callers then `reset_state`)."""
-        return any(x.is_deleted() for x in jax.tree.leaves(self.state))
+        return any(x.is_deleted() for x in jax.tree.leaves((self.state, self.last)))
 
     def reset_state(self) -> None:
         self.state = self.fresh_state()
+        self.last = self._fresh_last()
 
     # Example host inputs per bucket: lowering needs only their shapes and dtypes.
     def _example(self, kind: str, shape: tuple[int, int]):
@@ -548,6 +561,8 @@ class Programs:
             args = self._example(kind, shape)
             if kind == "commit":
                 return self._fns[kind].lower(self.state, *args)
+            if kind == "decode":
+                return self._fns[kind].lower(self.params, self.state, self.last, *_abstract(args))
             return self._fns[kind].lower(self.params, self.state, *_abstract(args))
 
         def build(key, lowered, t0):
@@ -599,7 +614,7 @@ class Programs:
         The state advances now (the next call is ordered after this one on the device), so the caller can do host
         work while the round runs."""
         exe = self._get(("decode", window.tokens.shape))
-        self.state, tokens, lp = exe(self.params, self.state, window, sp)
+        self.state, self.last, tokens, lp = exe(self.params, self.state, self.last, window, sp)
         for a in jax.tree.leaves((tokens, lp)):
             a.copy_to_host_async()
         return tokens, lp

@@ -248,28 +248,32 @@ def test_stop_strings_mid_reply_among_other_streams(eng):
     _baseline(eng)
 
 
-def test_tokens_are_delivered_while_the_next_decode_call_runs(eng):
-    """The host hands out a decode call's tokens after dispatching the next call (events, text and stop strings
-    overlap the device's work): token i of a lone stream is delivered after decode call i + 1 was dispatched."""
+def test_decode_calls_are_pipelined(eng):
+    """Decode call i + 1 is dispatched before call i is fetched (its input token comes from the device), and call
+    i's tokens are delivered after that: the device never waits for the host's events, text and stop strings. A
+    stream whose last token is known from the count (max_tokens) sits out the calls after it."""
     log = []
     progs = eng.programs
-    dispatch = progs.decode_async
+    dispatch, fetch = progs.decode_async, progs.fetch
 
-    def traced(window, sp):
+    def traced_dispatch(window, sp):
         log.append("dispatch")
         return dispatch(window, sp)
 
-    progs.decode_async = traced
+    def traced_fetch(pending):
+        log.append("fetch")
+        return fetch(pending)
+
+    progs.decode_async, progs.fetch = traced_dispatch, traced_fetch
     eng.on_token = lambda stream, token: log.append("token")
     try:
-        r = GenerationRequest(tuple(range(20, 60)), max_tokens=6, ignore_eos=True, request_id="overlap")
+        r = GenerationRequest(tuple(range(20, 60)), max_tokens=6, ignore_eos=True, request_id="pipelined")
         got = eng.submit(r).result(TIMEOUT)
     finally:
-        del progs.decode_async, eng.on_token
+        del progs.decode_async, progs.fetch, eng.on_token
     assert len(got.token_ids) == 6
-    # The first token comes from the prompt call; then every decode token follows the next call's dispatch,
-    # except the last one (max_tokens is known from the count: that stream sits out the next call).
-    assert log == ["token"] + ["dispatch", "dispatch", "token"] + ["dispatch", "token"] * 3 + ["token"], log
+    # token 1 from the prompt call; calls 1..5 give tokens 2..6, each fetched after the next one's dispatch
+    assert log == (["token", "dispatch"] + ["dispatch", "fetch", "token"] * 4 + ["fetch", "token"]), log
     _baseline(eng)
 
 

@@ -8,12 +8,15 @@ A round of the scheduler (one loop iteration):
   3. one prompt call: the next chunk of one or more prompting streams (chunks cut on the 64-grid of
      absolute positions, at most `prefill_step` rows a lane while other streams decode, so they keep going);
      a lane whose prompt ends there yields its first token at once;
-  4. one decode call for every decoding stream: verify + commit the pending token, sample the next. The call is
-     dispatched first; while it runs on the device the host delivers the previous decode call's tokens (events,
-     detokenization, stop strings), then takes this call's tokens, which become the next round's input. A stream
-     whose token surely ends it (stop id, max_tokens, context end) sits out the next call; one that a stop string
-     ends had one more row computed in the call already running, whose token is dropped (its state is released;
-     rows never depend on each other). A round that runs a prompt call delivers first, so tokens never wait on it.
+  4. one decode call for every decoding stream: verify + commit the pending token, sample the next. Decode calls
+     are pipelined: a call is dispatched before the previous call's tokens reach the host (each row reads its
+     input token on the device, where the slot's previous call left it: programs.FROM_LAST), and only then is
+     the previous call fetched and its tokens delivered (events, detokenization, stop strings), so the device
+     never waits for the host between calls. A stream that max_tokens or the context end stops (known from the
+     count) sits out the calls after its last token; one that a stop id or stop string ends had one more row
+     computed in the call already running, whose token is dropped (rows never depend on each other, and its slot
+     and pages are reused only by calls dispatched later). A round that runs a prompt call first fetches and
+     delivers every call in flight (the prompt call syncs anyway), so no token waits on a prompt.
 Every decided token becomes an event on its request's handle; a stream ends on a stop id (the checkpoint's EOS
 unless ignore_eos, plus stop_token_ids), a stop string, max_tokens or the end of the context, and its pages and
 slot go back at once. An exception while handling one stream fails that stream only; a failed program fails the
@@ -113,7 +116,7 @@ class Engine:
         self._waiting: collections.deque[RequestHandle] = collections.deque()
         self._n_waiting = 0  # inbox + waiting, for the queue bound
         self._running: list[Stream] = []
-        self._undelivered: list[tuple[Stream, int, P.Sampled, int]] = []  # the last decode call's tokens
+        self._inflight: collections.deque[tuple[list[Stream], object]] = collections.deque()  # decode calls
         self._stop = False
         self._thread: threading.Thread | None = None
         self._counters = {"prompt": 0, "generation": 0}
@@ -158,7 +161,7 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self._deliver_decided()
+        self._land(keep=0)
         with self._lock:
             left = list(self._inbox) + list(self._waiting)
             self._inbox.clear()
@@ -259,7 +262,7 @@ class Engine:
             with self._lock:
                 # Queued requests count as work: with nothing running, every pool is free and the head fits.
                 self._wake.wait_for(lambda: self._stop or self._inbox or self._cancels or self._running
-                                    or self._waiting)
+                                    or self._waiting or self._inflight)
                 if self._stop:
                     return
                 self._waiting.extend(self._inbox)
@@ -277,12 +280,10 @@ class Engine:
             self._cancel_now(h)
         self._admit()
         if any(s.phase is Phase.PROMPT for s in self._running):
-            self._deliver_decided()
+            self._land(keep=0)
             self._prompt_call()
-        if any(s.phase is Phase.DECODE for s in self._running):
-            self._decode_call()
-        else:
-            self._deliver_decided()
+        dispatched = self._decode_call()
+        self._land(keep=1 if dispatched else 0)  # one call stays in flight while there is more to do
 
     def _cancel_now(self, handle: RequestHandle) -> None:
         with self._lock:
@@ -351,6 +352,7 @@ class Engine:
             self._fail(s, exc)
         if self.programs.state_lost():
             self.programs.reset_state()
+            self._inflight.clear()  # computed on the lost pools
             for s in list(self._running):
                 self._fail(s, RuntimeError("the state pools were lost to another request's failure; retry"))
 
@@ -410,7 +412,8 @@ class Engine:
             if s.prefilled == s.prompt_len:
                 s.phase = Phase.DECODE
                 s.cache_len = s.prompt_len
-                s.pending = int(out.tokens[i])
+                s.pending = s.next_input = int(out.tokens[i])
+                s.sampled = 1
                 self._deliver(s, s.pending, out, i)
 
     def _prompt_fits(self, lanes: int, rows: int) -> bool:
@@ -420,40 +423,39 @@ class Engine:
             return False
         return True
 
-    def _decode_call(self) -> None:
+    def _decode_call(self) -> bool:
+        """Dispatch one decode call for every decoding stream not yet at its last token. -> whether it did."""
         streams = [s for s in self._running if s.phase is Phase.DECODE and not s.finishing]
-        pending = None
-        if streams:
-            n = self.buckets.decode_bucket(len(streams))
-            window = P.decode_window(self.layout, n, [s.pending for s in streams], [s.cache_len for s in streams],
-                                     [s.slot for s in streams], [s.page_table for s in streams])
-            sp = P.sample_params([s.sampling for s in streams], [s.cache_len + 1 for s in streams], n)
-            try:
-                pending = self.programs.decode_async(window, sp)
-            except Exception as e:
-                self._deliver_decided()
-                self._program_failed(streams, e)
-                return
-        self._deliver_decided()  # the previous call's tokens, while this one runs
-        if pending is None:
-            return
+        if not streams:
+            return False
+        n = self.buckets.decode_bucket(len(streams))
+        window = P.decode_window(self.layout, n, [s.next_input for s in streams], [s.cache_len for s in streams],
+                                 [s.slot for s in streams], [s.page_table for s in streams])
+        sp = P.sample_params([s.sampling for s in streams], [s.cache_len + 1 for s in streams], n)
         try:
-            out = self.programs.fetch(pending)
+            pending = self.programs.decode_async(window, sp)
         except Exception as e:
+            self._land(keep=0)
             self._program_failed(streams, e)
-            return
-        for i, s in enumerate(streams):
-            if s not in self._running:
-                continue  # ended while the call ran (a stop string, an error): its row is dropped
-            token = int(out.tokens[i])
+            return False
+        for s in streams:
+            s.next_input = None  # from now on the device feeds the slot's last sampled token
             s.cache_len += 1
-            s.pending = token
-            s.finishing = s.ends_with(token)
-            self._undelivered.append((s, token, out, i))
+            s.sampled += 1
+            s.finishing = (s.sampled >= s.request.max_tokens or s.prompt_len + s.sampled >= self.max_model_len)
+        self._inflight.append((streams, pending))
+        return True
 
-    def _deliver_decided(self) -> None:
-        """Hand out the tokens the last decode call decided (events, text, stop strings, finishes)."""
-        decided, self._undelivered = self._undelivered, []
-        for s, token, out, i in decided:
-            if s in self._running:  # not cancelled meanwhile
-                self._deliver(s, token, out, i)
+    def _land(self, keep: int) -> None:
+        """Fetch the oldest decode calls in flight, leaving `keep`, and deliver their tokens in order."""
+        while len(self._inflight) > keep:
+            streams, pending = self._inflight.popleft()
+            try:
+                out = self.programs.fetch(pending)
+            except Exception as e:
+                self._program_failed([s for s in streams if s in self._running], e)
+                continue
+            for i, s in enumerate(streams):
+                if s in self._running:  # not ended meanwhile (cancel, stop id or string, error): else dropped
+                    s.pending = int(out.tokens[i])
+                    self._deliver(s, s.pending, out, i)

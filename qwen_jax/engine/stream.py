@@ -35,8 +35,10 @@ class Stream:
         self.phase = Phase.PROMPT
         self.prefilled = 0  # prompt rows in the cache
         self.cache_len = 0  # positions in the cache (prompt + committed reply tokens)
-        self.pending: int | None = None  # the last sampled token, not yet in the cache
-        self.finishing = False  # its last sampled token ends it (the event may not be out yet): no more rounds
+        self.pending: int | None = None  # the last sampled token that reached the host
+        self.next_input: int | None = None  # the next decode call's input when the host has it (after a prompt)
+        self.sampled = 0  # tokens sampled so far, including decode calls still in flight
+        self.finishing = False  # max_tokens or the context end comes with its last sampled token: no more calls
         self.generated: list[int] = []
         self.detok = Detokenizer(tokenizer, skip_special_tokens=req.skip_special_tokens) if tokenizer else None
         self.stops = StopStrings(req.stop)
@@ -67,13 +69,6 @@ class Stream:
                 text += self._flush()
         lps = (logprob,) if logprob is not None else None
         return TokenEvent((token,), text, lps, finish)
-
-    def ends_with(self, token: int) -> bool:
-        """Whether `token`, the next one after `generated`, surely ends the reply without looking at text: a stop
-        id, max_tokens or the end of the context (stop strings need the text; `token_event` decides those)."""
-        n = len(self.generated) + 1
-        return (token in self.stop_ids or n >= self.request.max_tokens
-                or self.prompt_len + n >= self.max_model_len)
 
     def _flush(self) -> str:
         if self.detok is None:

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
         try:
             r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
             lines = [ln for ln in (r.stdout + r.stderr).splitlines()
-                     if ln.startswith(("compiled", "device-bound", "cpu:", "gpu:", "cuda:")) or " layers: " in ln
+                     if ln.startswith(("compiled", "device-bound", "pipelined", "cpu:", "gpu:", "cuda:")) or " layers: " in ln
                      or "Error" in ln]
         except subprocess.TimeoutExpired:
             lines = [f"timed out after {args.timeout:.0f} s"]
