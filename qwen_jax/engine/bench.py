@@ -2,9 +2,10 @@
 
 Prompt: one stream's prompt of L tokens as the engine runs it (chunks of up to `max_chunk` rows, one after
 another), after one untimed pass -> tokens/s. Decode: S streams at `context` cached tokens each, `rounds` decode
-calls (verify + commit + sampling, tokens read back to the host every round as the scheduler does) after a few
-untimed ones -> forwards/s (rounds/s) and tokens/s (S x forwards/s). Compile: every program of the run, first
-against an empty persistent cache (cold), then again from that cache (warm).
+calls (verify + commit + sampling, every call's tokens read back to the host, pipelined as the scheduler runs
+them: each call dispatched before the previous one is fetched) after a few untimed ones -> forwards/s (rounds/s)
+and tokens/s (S x forwards/s). Compile: every program of the run, first against an empty persistent cache
+(cold), then again from that cache (warm).
 
 Cached K/V and GDN states are zeros rather than a real prefix: the cost of a round depends on the context length,
 not on the values.
@@ -145,13 +146,19 @@ def run(params, cfg, *, backend, dtype: str = "bfloat16", kv_cache: str = "bf16"
             cache_len = [context] * s
 
             def rounds_of(k):
-                nonlocal tokens
-                for _ in range(k):
-                    window = P.decode_window(progs.layout, s, tokens, cache_len, list(range(1, s + 1)), tables)
-                    out = progs.decode(window, P.sample_params([greedy] * s, [c + 1 for c in cache_len], s))
-                    tokens = [int(t) for t in out.tokens[:s]]
+                # As the engine runs them: each call dispatched before the previous one is fetched, its input
+                # tokens read on the device from the previous call's (programs.FROM_LAST).
+                prev = None
+                for r in range(k):
+                    window = P.decode_window(progs.layout, s, tokens if r == 0 else [None] * s, cache_len,
+                                             list(range(1, s + 1)), tables)
+                    cur = progs.decode_async(window, P.sample_params([greedy] * s, [c + 1 for c in cache_len], s))
+                    if prev is not None:
+                        progs.fetch(prev)
+                    prev = cur
                     for i in range(s):
                         cache_len[i] += 1
+                progs.fetch(prev)
 
             rounds_of(3)
             cache_len = [context] * s
