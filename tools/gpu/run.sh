@@ -61,3 +61,5 @@ case "$stage" in
     timeout 240 python3 tools/gpu/rowinv_probe.py --dtype float32 2>&1 | tee "$out/rowinv_f32.log" | tail -30 ;;
   *) echo "unknown stage $stage" >&2; exit 2 ;;
 esac
+# How big the persistent compilation cache grew (could it travel between calls within the 64 MiB carry limit?)
+du -sh "${QWEN_JAX_CACHE_DIR:-$HOME/.cache/qwen_jax/jax}" 2>/dev/null | sed 's/^/compilation cache: /'
