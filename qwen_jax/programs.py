@@ -305,9 +305,9 @@ class Sampled:
     top_logprobs: np.ndarray | None = None
 
 
-def _sample(logits: jax.Array, sp: sampling.SampleParams, top_n: int):
+def _sample(logits: jax.Array, sp: sampling.SampleParams, top_n: int, path: str | None = None):
     """logits [N, V] -> tokens [N] (+ (logprob [N], top ids [N, n], top logprobs [N, n]) when top_n > 0)."""
-    tokens = sampling.sample(logits, sp)
+    tokens = sampling.sample(logits, sp, path)
     if top_n == 0:
         return tokens, None
     return tokens, sampling.logprobs(logits, tokens, top_n)
@@ -353,17 +353,19 @@ def prompt_program(cfg: ModelConfig, backend: M.Backend, packing: Packing, top_n
     return program
 
 
-def decode_program(cfg: ModelConfig, backend: M.Backend, top_n: int) -> Callable:
+def decode_program(cfg: ModelConfig, backend: M.Backend, top_n: int, path: str) -> Callable:
     """(params, state, last [slots], window [S x 1], sample params [S]) -> (state, last, tokens [S], logprobs or
     None): one fused serial step (`model.step`: bit for bit verify + commit of the row, GDN states read once).
     Dummy streams (slot 0) commit nothing. `last` holds each slot's most recently sampled token: a window token
-    of `FROM_LAST` reads it, and every row writes its sampled token back (dummies into slot 0, never read)."""
+    of `FROM_LAST` reads it, and every row writes its sampled token back (dummies into slot 0, never read).
+    path: the sampling path, fixed per variant ("decode" plain, "decode_sorted" sorted; the host picks per call),
+    so the program has no device-side branch whose predicate the host would have to wait for."""
 
     def program(params, state, last, window, sp):
         fed = jnp.where(window.tokens < 0, last[window.slot][:, None], window.tokens)
         with jax.named_scope("step"):
             logits, state = M.step(params, state, dataclasses.replace(window, tokens=fed), cfg, backend)
-        tokens, lp = _sample(logits[:, 0], sp, top_n)
+        tokens, lp = _sample(logits[:, 0], sp, top_n, path)
         return state, last.at[window.slot].set(tokens), tokens, lp
 
     return program
@@ -497,7 +499,8 @@ class Programs:
         top_n = buckets.logprobs
         self._fns = {
             "prompt": jax.jit(prompt_program(cfg, self.backend, buckets.packing, top_n), donate_argnums=1),
-            "decode": jax.jit(decode_program(cfg, self.backend, top_n), donate_argnums=(1, 2)),
+            "decode": jax.jit(decode_program(cfg, self.backend, top_n, "plain"), donate_argnums=(1, 2)),
+            "decode_sorted": jax.jit(decode_program(cfg, self.backend, top_n, "sorted"), donate_argnums=(1, 2)),
             "verify": jax.jit(verify_program(cfg, self.backend, top_n)),
             "commit": jax.jit(commit_program(cfg, self.backend), donate_argnums=0),
         }
@@ -522,7 +525,7 @@ class Programs:
         s, t = shape
         if kind == "prompt":
             return (prompt_batch(lay, s, t, []), sample_params([], [], s))
-        if kind == "decode":
+        if kind in ("decode", "decode_sorted"):
             return (decode_window(lay, s, [], [], [], []), sample_params([], [], s))
         window = tree_window(lay, s, t, [], [], [], [], [])
         if kind == "verify":
@@ -534,7 +537,7 @@ class Programs:
     def bucket_keys(self) -> list[tuple[str, tuple[int, int]]]:
         b = self.buckets
         keys = [("prompt", shape) for shape in b.prompt_shapes]
-        keys += [("decode", (s, 1)) for s in b.decode_streams]
+        keys += [(kind, (s, 1)) for kind in ("decode", "decode_sorted") for s in b.decode_streams]
         for s in b.decode_streams:
             for r in b.window_rows:
                 keys += [("verify", (s, r)), ("commit", (s, r))]
@@ -561,7 +564,7 @@ class Programs:
             args = self._example(kind, shape)
             if kind == "commit":
                 return self._fns[kind].lower(self.state, *args)
-            if kind == "decode":
+            if kind in ("decode", "decode_sorted"):
                 return self._fns[kind].lower(self.params, self.state, self.last, *_abstract(args))
             return self._fns[kind].lower(self.params, self.state, *_abstract(args))
 
@@ -613,7 +616,8 @@ class Programs:
         """Dispatch a decode round and return at once: -> an opaque handle for `fetch`, which waits for the round.
         The state advances now (the next call is ordered after this one on the device), so the caller can do host
         work while the round runs."""
-        exe = self._get(("decode", window.tokens.shape))
+        kind = "decode_sorted" if sampling.sorted_path_needed(sp, self.cfg.text.vocab_size) else "decode"
+        exe = self._get((kind, window.tokens.shape))
         self.state, self.last, tokens, lp = exe(self.params, self.state, self.last, window, sp)
         for a in jax.tree.leaves((tokens, lp)):
             a.copy_to_host_async()

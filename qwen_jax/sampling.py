@@ -50,9 +50,10 @@ Cost at v = 248,320 (n up to 256): one lax.cond picks, for the whole batch, betw
 - the sorted path, otherwise: a stable radix-sortable sort of an int32 order key with the ids as payload per row,
   an O(v) associative scan, then the same hash. The logit values come back out of the order key (a bijection on
   non-NaN float32), so there is no gather.
-The cond's predicate lives on the device; on GPU XLA reads it back to pick the branch (a short sync inside the
-program). If that shows in a profile, the path can become a static argument chosen on the host from the packed
-params (one compiled variant per path); no row's token would change. The sorted path hashes the whole vocab too:
+The cond's predicate lives on the device; on GPU XLA reads it back to pick the branch (a sync inside the program,
+which would stall a caller that dispatches the next program before fetching this one). So `path` can instead be
+fixed when tracing, chosen on the host from the packed params (`sorted_path_needed`), one compiled variant per
+path: the decode programs do that; no row's token changes. The sorted path hashes the whole vocab too:
 how many tokens survive is data-dependent and shapes are static. Temporaries are a handful of n x v 32-bit arrays
 (about 250 MB each at n = 256). None of this has been timed on a GPU yet.
 """
@@ -341,12 +342,27 @@ def _as_device_params(params: SampleParams) -> SampleParams:
     )
 
 
-def sample(logits: jax.Array, params: SampleParams) -> jax.Array:
+PATHS = ("plain", "sorted")
+
+
+def sorted_path_needed(params: SampleParams, vocab: int) -> bool:
+    """Host side: whether any sampled row of these (numpy) params has a top-k or top-p cut, i.e. needs the sorted
+    path; otherwise the plain path decides every row exactly."""
+    sampled = np.asarray(params.temperature) > 0
+    top_k = np.asarray(params.top_k)
+    cut = ((top_k > 0) & (top_k < vocab)) | (np.asarray(params.top_p) < 1)
+    return bool(np.any(sampled & cut))
+
+
+def sample(logits: jax.Array, params: SampleParams, path: str | None = None) -> jax.Array:
     """One token per row by the module's rule; jittable, no dependence between rows.
 
     logits [n, v] f32 (finite or -inf, at least one finite per row); params: SampleParams with [n] fields
-    -> ids [n] i32
+    -> ids [n] i32. path: None chooses the plain or sorted path on the device for the whole batch; "plain" or
+    "sorted" fixes it when tracing ("plain" only for params where `sorted_path_needed` is False).
     """
+    if path is not None and path not in PATHS:
+        raise ValueError(f"sample: path must be None or one of {PATHS}, got {path!r}")
     n, v = _check_rows(logits, params)
     params = _as_device_params(params)
     logits = logits.astype(jnp.float32)
@@ -355,9 +371,12 @@ def sample(logits: jax.Array, params: SampleParams) -> jax.Array:
         sampled = params.temperature > 0
         # Greedy rows would divide by 0; their draw is discarded, any positive temperature keeps it NaN-free.
         params = dataclasses.replace(params, temperature=jnp.where(sampled, params.temperature, 1.0))
-        has_top_k = (params.top_k > 0) & (params.top_k < v)
-        needs_sort = jnp.any(sampled & (has_top_k | (params.top_p < 1)))
-        drawn = lax.cond(needs_sort, _draw_sorted, _draw_plain, logits, params)
+        if path is None:
+            has_top_k = (params.top_k > 0) & (params.top_k < v)
+            needs_sort = jnp.any(sampled & (has_top_k | (params.top_p < 1)))
+            drawn = lax.cond(needs_sort, _draw_sorted, _draw_plain, logits, params)
+        else:
+            drawn = (_draw_sorted if path == "sorted" else _draw_plain)(logits, params)
         return jnp.where(sampled & (drawn < v), drawn, greedy)
 
 

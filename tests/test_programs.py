@@ -191,6 +191,17 @@ def pool_copies(pr) -> dict:
     return out
 
 
+def test_decode_programs_have_no_device_branch(progs):
+    """The decode variants fix their sampling path when tracing ("decode" plain, "decode_sorted" sorted), so
+    neither holds a conditional, whose predicate the GPU host would have to read back mid-program (that would
+    stall the engine, which dispatches the next call before fetching this one)."""
+    kinds = {k[0] for k in progs._exe}
+    assert {"decode", "decode_sorted"} <= kinds
+    for key, exe in progs._exe.items():
+        if key[0] in ("decode", "decode_sorted"):
+            assert " conditional(" not in exe.as_text(), key
+
+
 def test_pools_are_updated_in_place(progs):
     copies = pool_copies(progs)
     assert set(copies) >= {("prompt", (4, 64)), ("decode", (4, 1)), ("commit", (4, 3))}

@@ -19,6 +19,7 @@ from qwen_jax.sampling import (
     pack_sample_params,
     sample,
     sample_reference,
+    sorted_path_needed,
 )
 
 # Every statistical test runs on fixed seeds, so it is deterministic; the threshold is the p-value below which a
@@ -159,6 +160,30 @@ def test_plain_path_matches_float64_reference():
     logits = random_logits(rng, n, v)
     params = params_of(random_requests(rng, n, cuts=False), rng.integers(0, 2**31, n))
     np.testing.assert_array_equal(np.asarray(sample_jit(logits, params)), sample_reference(logits, params))
+
+
+def test_static_paths_match_the_device_choice():
+    """The decode programs fix the path when tracing, picked on the host by `sorted_path_needed`: a batch with cuts
+    on the sorted path, and one without on either path, gives the same tokens as the device-side choice (and the
+    float64 rule), so picking per call cannot change a token."""
+    rng = np.random.default_rng(31)
+    n, v = SMALL_BATCH, VOCAB
+    logits = random_logits(rng, n, v)
+    plain = jax.jit(lambda l, p: sample(l, p, "plain"))
+    sorted_ = jax.jit(lambda l, p: sample(l, p, "sorted"))
+    with_cuts = params_of(random_requests(rng, n), rng.integers(0, 2**31, n))
+    without = params_of(random_requests(rng, n, cuts=False), rng.integers(0, 2**31, n))
+    assert sorted_path_needed(with_cuts, v) and not sorted_path_needed(without, v)
+    np.testing.assert_array_equal(np.asarray(sorted_(logits, with_cuts)), sample_reference(logits, with_cuts))
+    want = sample_reference(logits, without)
+    for fn in (plain, sorted_, sample_jit):
+        np.testing.assert_array_equal(np.asarray(fn(logits, without)), want)
+    # Greedy rows with cuts, and cuts that keep everything (top_k >= v, top_p = 1), need no sort.
+    keep_all = params_of([RequestSampling(seed=0, temperature=0.0, top_k=5, top_p=0.5),
+                          RequestSampling(seed=1, temperature=0.9, top_k=v, top_p=1.0)], [3, 4])
+    assert not sorted_path_needed(keep_all, v)
+    with pytest.raises(ValueError, match="path"):
+        sample(logits, without, "fast")
 
 
 @pytest.mark.parametrize("cuts", [True, False])
