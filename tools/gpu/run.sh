@@ -20,10 +20,13 @@ case "$stage" in
   tests)
     # SIGINT, not TERM, at the limit: pytest then still prints which tests passed and failed. Results go straight to
     # files (a piped -q run lost its summary to the timeout on 2026-11-30).
-    timeout -s INT 270 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short -rfE tests/test_engine_gpu.py \
-      tests/test_rownorm.py > "$out/gpu_tests_engine.log" 2>&1
-    timeout -s INT 270 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short -rfE tests/test_qmm.py \
-      tests/test_gdn.py tests/test_attention.py tests/test_kv_quant.py > "$out/gpu_tests_kernels.log" 2>&1
+    # The first half holds what changed last (qmm's natural-order x, the pipelined engine); rownorm and attention
+    # passed at 9659462. Both halves took ~270 s there.
+    timeout -s INT 270 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short -rfE --durations=15 \
+      tests/test_qmm.py tests/test_engine_gpu.py > "$out/gpu_tests_1.log" 2>&1
+    timeout -s INT 270 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short -rfE --durations=15 \
+      tests/test_gdn.py tests/test_rownorm.py tests/test_attention.py tests/test_kv_quant.py \
+      > "$out/gpu_tests_2.log" 2>&1
     grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_*.log | cut -c1-160 | tail -60 ;;
   engine)
     timeout 560 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths 4096,32768 --rounds 64 \
