@@ -49,3 +49,28 @@ def test_kernels_tree_window_matches_reference_ops(mlx4):
         logits = verify(ck.params, st, w)
         outs.append(np.asarray(logits))
     np.testing.assert_allclose(outs[1], outs[0], atol=1e-4, rtol=0)
+
+
+def test_27b_decode_program_launch_budget(h200_lowering):
+    """The 27B decode program (first 4 layers: 3 GDN + 1 attention) lowered for an H200 on this CPU: every Pallas
+    call counted, so a change that adds launches to a decode round shows here. A layer: 4 quantized projections
+    (the GDN's in/out, the MLP's gate+up and down; attention's qkv and o) and 2 RMS norms, plus the mixer's own:
+    GDN gated norm, one q/k l2norm and the fused step; attention q-norm, k-norm, the KV write and its two kernels.
+    Then the final norm and the lm_head. No transpose of x precedes a projection (the decode path reads x in
+    natural order)."""
+    from qwen_jax import programs as P
+    from qwen_jax.synthetic import random_params, synthetic_config
+    cfg = synthetic_config("27b", 4)
+    params = jax.eval_shape(lambda k: random_params(cfg.text, k, dtype=jnp.bfloat16, quant=cfg.quantization),
+                            jax.random.key(0))
+    lay = P.Layout(64, 4, 5, 2, "bfloat16", "bf16")
+    pr = P.Programs(params, cfg, lay, P.Buckets((P.GRID,), (1,), (1,)), M.Backend(kernels=True))
+    args = P._abstract(pr._example("decode", (1, 1)))
+    lowered = pr._fns["decode"].trace(params, jax.eval_shape(lambda: pr.state), pr.last, *args).lower(
+        lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    kinds = [n.split('"')[0].split("_")[0] for n in text.split('name = "')[1:]]
+    gdn_layer, attn_layer = 4 + 2 + 3, 4 + 2 + 5
+    assert text.count("__gpu$xla.gpu.triton") == 3 * gdn_layer + attn_layer + 2
+    assert (kinds.count("qmm"), kinds.count("rownorm")) == (4 * 4 + 1, 3 * 4 + 4 + 1)
+    assert "qmm_decode/transpose" not in lowered.as_text(debug_info=True)
