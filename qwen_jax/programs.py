@@ -6,7 +6,11 @@ Programs (each one XLA executable per bucket):
                           slots; samples each lane's next token from its last real row (kept only when the chunk
                           ends the prompt).
   decode  [streams x 1]   one serial step for every decoding stream: verify the pending token, commit it, sample
-                          the next one. The fused form of verify + commit while windows are one row.
+                          the next one. The fused form of verify + commit while windows are one row. A row's
+                          input token may come from the host or (`FROM_LAST`) from the token the slot's previous
+                          decode call sampled, kept on the device, so the engine dispatches a call before the
+                          previous one is fetched. Two variants, `decode` and `decode_sorted`, fix the sampling
+                          path; the host picks one per call (no device-side branch to wait for).
   verify  [streams x rows] a drafted window (chain or tree) per stream, states read-only; samples every row and
                           returns the per-layer rows `commit` replays. Only compiled for `Buckets.window_rows`.
   commit  [streams x rows] writes each stream's accepted path into its state.
@@ -32,7 +36,8 @@ lane count; and decode uses one stream bucket (every round has the same shape; s
 The Pallas kernels fix their reduction order from the weight and tile shapes alone (qmm, attention, GDN), so with
 kernels on and quantized linear weights (`row_invariant`) prompt lanes can be batched into one forward
 (`Packing.BATCHED`) with power-of-two decode stream buckets; `pytest -m gpu` checks that on the device, where it
-does not hold yet (`BATCHED_BY_DEFAULT`), so the fixed shapes are the default there too.
+failed in session 2 and holds since the row norms became kernels (session 3); the fixed shapes stay the default
+(`BATCHED_BY_DEFAULT`) because they compile fewer programs for about the same decode time.
 
 Letters: s lanes/streams in one call, t prompt rows, r window rows, v vocabulary, n top logprobs.
 """
@@ -183,9 +188,10 @@ def row_invariant(params, backend: M.Backend) -> bool:
 
 
 # Whether the batched policy (prompt lanes in one forward, decode buckets 1, 2, 4, ...) is the default when
-# `row_invariant` holds. Off: on the H200 (2026-11-30) tests/test_engine_gpu.py found a stream's decode logprobs
-# differing between bucket 1 and bucket 16 (same tokens, last bits), while every kernel and op passes the same
-# check on CPU in interpret mode; tools/gpu/rowinv_probe.py is the device-side bisection. Turn on once it passes.
+# `row_invariant` holds. On the H200, tests/test_engine_gpu.py failed it in session 2 (a decode logprob's last
+# bits differed between buckets 1 and 16: XLA's own norms) and passed it in session 3 (norms as row-invariant
+# kernels). Still off: the fixed shapes compile 9 programs instead of 15 for `--parallel 16`, and a lone stream
+# decoded in the 16-stream program at 21.8 ms a token against 20.7 ms in a 1-stream one (BENCHMARKS.md).
 BATCHED_BY_DEFAULT = False
 
 
