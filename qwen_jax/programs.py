@@ -190,7 +190,7 @@ def row_invariant(params, backend: M.Backend) -> bool:
 # Whether the batched policy (prompt lanes in one forward, decode buckets 1, 2, 4, ...) is the default when
 # `row_invariant` holds. On the H200, tests/test_engine_gpu.py failed it in session 2 (a decode logprob's last
 # bits differed between buckets 1 and 16: XLA's own norms) and passed it in session 3 (norms as row-invariant
-# kernels). Still off: the fixed shapes compile 9 programs instead of 15 for `--parallel 16`, and a lone stream
+# kernels). Still off: the fixed shapes compile 9 programs instead of 20 for `--parallel 16`, and a lone stream
 # decoded in the 16-stream program at 21.8 ms a token against 20.7 ms in a 1-stream one (BENCHMARKS.md).
 BATCHED_BY_DEFAULT = False
 
