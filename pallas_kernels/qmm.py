@@ -13,8 +13,8 @@ How the kernel works (Pallas, Triton lowering; docs/kernels/qmm.md has the measu
   bf16 FMA for two weights, rounded once from the exact dequantized value.
 - Chunk column 2c + t is (word c, field j + t * per/2): the weight is used exactly as the checkpoint stores it
   (no load-time repack). x must meet it in that "chunk order": the prompt path permutes x per call (an XLA
-  transpose that fuses into x's producer when that is an XLA fusion); the decode path (`Tiles.x_natural`) reads
-  x in its natural order with two strided loads a chunk (columns j and j + per/2 of every word's span, stride
+  transpose that fuses into x's producer when that is an XLA fusion); the decode path can instead (`Tiles.x_natural`,
+  off by default until measured) read x in its natural order with two strided loads a chunk (columns j and j + per/2 of every word's span, stride
   per) joined in registers, so no transpose runs between a Pallas producer (a norm) and the matmul. x is tiny
   there (one to a few rows), so the strided loads cost nothing next to the weight.
 - The MMA runs weight-major (w [block_n, chunk] @ x^T [chunk, block_m], Hopper wgmma when block_n >= 64), fp32
@@ -166,8 +166,10 @@ IMPLS = ("fused", "dequant")
 # best, of the variants timed on the H200 for 5120->17408 and 17408->5120 at M = 1 and 16 (docs/kernels/qmm.md).
 # A program carries two 16-row tiles, so M = 32 reads each weight tile once from HBM (larger M re-reads it from
 # L2 for each further 32 rows). `python -m pallas_kernels.bench qmm --sweep` times the alternatives.
+# x_natural stays off until measured: the strided 2-byte x loads cannot use cp.async (4-byte minimum), so they may
+# stall the pipelined K loop by more than the transpose launches they save (the sweep times both).
 DECODE_TILES = Tiles(block_m=16, block_n=64, blocks_per_step=1, num_warps=4, num_stages=3, max_m_blocks=2,
-                     k_splits=1, x_natural=True)
+                     k_splits=1, x_natural=False)
 # Programs a decode launch should have at least (132 SMs; the H200 sweep of docs/kernels/qmm.md run 3: the best
 # split counts gave 640-2720 programs, the unsplit default 160-544).
 DECODE_MIN_PROGRAMS = 600

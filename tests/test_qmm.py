@@ -392,16 +392,15 @@ def test_prompt_kernels_lower_for_cuda(h200_lowering):
 
 
 def test_decode_kernels_lower_for_cuda(h200_lowering):
-    """The decode path (x read in natural order by strided loads, split-K where the shape asks for it) at the 27B's
-    projection shapes lowers to one Triton kernel for an H200 on this CPU, with no transpose of x before it."""
+    """The decode tiles with x read in natural order by strided loads (split-K where the shape asks for it) at the
+    27B's projection shapes lower to one Triton kernel for an H200 on this CPU, with no transpose of x before it."""
     sds = jax.ShapeDtypeStruct
     for k, n in ((5120, 17408), (17408, 5120), (6144, 5120), (5120, 248320)):
         w = QuantizedWeight(sds((n, k // 8), jnp.uint32), sds((n, k // 64), jnp.bfloat16),
                             sds((n, k // 64), jnp.bfloat16), 4, 64)
-        tiles = qmm.decode_tiles(n, k, 4, 64)
-        assert tiles.x_natural
+        tiles = dataclasses.replace(qmm.decode_tiles(n, k, 4, 64), x_natural=True)
         for m in (1, 16):
-            lowered = jax.jit(lambda x, w: qmm.qmm(x, w)).trace(sds((m, k), jnp.bfloat16), w).lower(
+            lowered = jax.jit(lambda x, w, t=tiles: qmm.qmm(x, w, tiles=t)).trace(sds((m, k), jnp.bfloat16), w).lower(
                 lowering_platforms=("cuda",)).as_text()
             assert lowered.count("__gpu$xla.gpu.triton") == 1, (k, n, m)
             assert "stablehlo.transpose" not in lowered, (k, n, m)
