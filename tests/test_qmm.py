@@ -518,6 +518,21 @@ def test_gpu_split_k():
         np.testing.assert_array_equal(part, full[rows], err_msg=f"rows {rows[0]}..{rows[-1]} changed with M")
 
 
+@pytest.mark.gpu
+def test_gpu_natural_x_same_bits_as_permuted():
+    """On the device, at the 27B's MLP shapes: the decode tiles reading x in natural order (strided loads) give the
+    same bits as reading the XLA-permuted copy, M = 1 and 16 (the strided loads are only lowered, not run, on CPU)."""
+    rng = np.random.default_rng(1600)
+    for k, n in ((5120, 17408), (17408, 5120)):
+        w, _ = _device_weight(rng, n, k)
+        tiles = qmm.decode_tiles(n, k, 4, 64)
+        for m in (1, 16):
+            x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+            a = qmm.qmm(x, w, tiles=dataclasses.replace(tiles, x_natural=True))
+            b = qmm.qmm(x, w, tiles=dataclasses.replace(tiles, x_natural=False))
+            np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{k}->{n} M={m}")
+
+
 def _device_weight(rng, n: int, k: int):
     """A random 4-bit group-64 weight made like the 27B's (full-range words, bf16 scales and biases around -8 s)."""
     words = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
