@@ -44,6 +44,11 @@ def run(args) -> None:
     from qwen_jax import programs as P
     from qwen_jax import sampling
     from qwen_jax.model import Backend
+    if args.x_natural:  # the decode tiles read x in natural order (no transpose before a projection)
+        import dataclasses
+
+        from pallas_kernels import qmm
+        qmm.DECODE_TILES = dataclasses.replace(qmm.DECODE_TILES, x_natural=True)
     if args.synthetic:
         from qwen_jax.engine.bench import synthetic_params
         params, cfg = synthetic_params(args.synthetic, dtype="bfloat16", layers=args.layers)
@@ -182,6 +187,7 @@ def main(argv=None) -> int:
     src.add_argument("--synthetic", choices=("27b",))
     src.add_argument("--model", default="captures/tiny-mlx-4bit")
     ap.add_argument("--layers", type=int, default=None, help="with --synthetic: only the first N layers")
+    ap.add_argument("--x-natural", action="store_true", help="qmm decode tiles with x_natural on (A/B)")
     ap.add_argument("--streams", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=16, help="timed rounds (wall clock)")

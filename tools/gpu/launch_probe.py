@@ -20,7 +20,9 @@ VARIANTS = {
     "min-graph-1": "--xla_gpu_graph_min_graph_size=1",
     "custom-calls-too": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN "
                         "--xla_gpu_graph_min_graph_size=1",
+    "x-natural": "",  # default flags, qmm decode tiles reading x in natural order (no transposes)
 }
+EXTRA_ARGS = {"x-natural": ["--x-natural"]}
 
 
 def main(argv=None) -> int:
@@ -42,6 +44,7 @@ def main(argv=None) -> int:
         cmd = [sys.executable, os.path.join(here, "decode_profile.py"), *src, "--rounds", "16", "--profiled", "0"]
         if layers:
             cmd += ["--layers", str(layers)]
+        cmd += EXTRA_ARGS.get(name, [])
         try:
             r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
             lines = [ln for ln in (r.stdout + r.stderr).splitlines()

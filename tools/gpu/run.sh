@@ -51,8 +51,8 @@ case "$stage" in
     timeout 560 python3 -m pallas_kernels.bench attention --sections decode,prompt,window,write,xla --budget-s 420 \
       --json "$out/attention.json" 2>&1 | tee "$out/attention.log" | tail -60 ;;
   launch)
-    timeout 560 python3 tools/gpu/launch_probe.py --synthetic 27b --variants default,no-command-buffers,custom-calls-too \
-      --layers 16 2>&1 | tee "$out/launch_probe.log" | tail -30 ;;
+    timeout 560 python3 tools/gpu/launch_probe.py --synthetic 27b \
+      --variants default,no-command-buffers,custom-calls-too,x-natural --layers 16 2>&1 | tee "$out/launch_probe.log" | tail -30 ;;
   profile)
     timeout 200 python3 tools/gpu/decode_profile.py --synthetic 27b --trace "$out/trace" --profiled 0 2>&1 \
       | tee "$out/decode_trace.txt" | tail -50
