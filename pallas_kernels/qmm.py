@@ -12,11 +12,11 @@ How the kernel works (Pallas, Triton lowering; docs/kernels/qmm.md has the measu
   is one "chunk" of 2 * words columns, an MMA operand built in registers: w = (q' - 128) * scale + bias, one
   bf16 FMA for two weights, rounded once from the exact dequantized value.
 - Chunk column 2c + t is (word c, field j + t * per/2): the weight is used exactly as the checkpoint stores it
-  (no load-time repack). x must meet it in that "chunk order": the prompt path permutes x per call (an XLA
-  transpose that fuses into x's producer when that is an XLA fusion); the decode path can instead (`Tiles.x_natural`,
-  off by default until measured) read x in its natural order with two strided loads a chunk (columns j and j + per/2 of every word's span, stride
-  per) joined in registers, so no transpose runs between a Pallas producer (a norm) and the matmul. x is tiny
-  there (one to a few rows), so the strided loads cost nothing next to the weight.
+  (no load-time repack). x must meet it in that "chunk order": it is permuted per call (an XLA transpose that
+  fuses into x's producer when that is an XLA fusion). Decode tiles can instead (`Tiles.x_natural`, off by
+  default until measured) read x in its natural order with two strided loads a chunk (columns j and j + per/2
+  of every word's span, stride per) joined in registers, so no transpose runs between a Pallas producer (a norm)
+  and the matmul; whether the strided 2-byte loads cost less than the transpose is for the device to say.
 - The MMA runs weight-major (w [block_n, chunk] @ x^T [chunk, block_m], Hopper wgmma when block_n >= 64), fp32
   accumulation, one chunk after another in increasing k.
 - Split-K (`Tiles.k_splits` = S > 1, for decode shapes with too few n tiles to fill the GPU): a third grid axis
@@ -262,9 +262,9 @@ def _weight_chunk(words, j: int, bits: int, s, b, w_dtype, bf16_fma: bool):
 
 def _qmm_kernel(x_ref, w_ref, s_ref, b_ref, *out_refs, m: int, n: int, kp: int, bits: int, group: int,
                 block: int, tiles: Tiles, m_blocks: int, w_dtype, bf16_fma: bool, precision, interpret: bool):
-    # x_ref [M, Kp] in chunk order (natural order with tiles.x_natural); w_ref uint32 [N, Kp*bits/32]; s_ref, b_ref [N, Kp/g]; o_ref [M, N], or the
-    # fp32 partials [S, M, N] with split-K (preceded by the unread `after` operand and by the aliased input buffer
-    # when the caller poisons it).
+    # x_ref [M, Kp] in chunk order (natural order with tiles.x_natural); w_ref uint32 [N, Kp*bits/32]; s_ref,
+    # b_ref [N, Kp/g]; o_ref [M, N], or the fp32 partials [S, M, N] with split-K (preceded by the unread `after`
+    # operand and by the aliased input buffer when the caller poisons it).
     o_ref = out_refs[-1]
     # Grid (row super-block, n tile[, k split]): each program owns rows [pid_m * m_blocks * block_m, ...) x one n
     # tile x (with split-K) one contiguous range of K's loop steps.
@@ -313,13 +313,11 @@ def _qmm_kernel(x_ref, w_ref, s_ref, b_ref, *out_refs, m: int, n: int, kp: int, 
                 for mb in range(m_blocks):
                     if tiles.x_natural:
                         xc = _natural_x_chunk(x_ref, row_idx[mb], row_ok[mb], kb * block, j, words_per_block,
-                                              per, interpret).astype(w_dtype)
-                        accs[mb] = jax.lax.dot_general(
-                            wt, xc, (((1,), (1,)), ((), ())), precision=precision,
-                            preferred_element_type=jnp.float32) + accs[mb]
-                        continue
-                    xmask = jnp.broadcast_to(row_ok[mb][:, None], (bm, chunk))
-                    xc = plt.load(x_ref.at[row_idx[mb], xcols], mask=xmask, other=0).astype(w_dtype)
+                                              per, interpret)
+                    else:
+                        xmask = jnp.broadcast_to(row_ok[mb][:, None], (bm, chunk))
+                        xc = plt.load(x_ref.at[row_idx[mb], xcols], mask=xmask, other=0)
+                    xc = xc.astype(w_dtype)
                     # dot first: Triton folds `dot + acc` (not `acc + dot`) into the MMA's accumulator.
                     accs[mb] = jax.lax.dot_general(
                         wt, xc, (((1,), (1,)), ((), ())), precision=precision,
@@ -363,9 +361,10 @@ def _arith(x_dtype, scale_dtype, bits: int):
 
 def _qmm_call(xk: jax.Array, words, scales, biases, n: int, bits: int, group: int, out_dtype, tiles: Tiles,
               interpret: bool, poison: bool = False, after: jax.Array | None = None) -> jax.Array:
-    """The kernel on x (in chunk order unless tiles.x_natural) -> y [M, N] out_dtype (split-K partials summed here). poison: the
-    kernel writes into a NaN-filled buffer, so an element it never writes shows up (tests). after: an operand the
-    kernel never reads, so the call runs after whatever produced it (the benchmark chains calls through it)."""
+    """The kernel on x (in chunk order unless tiles.x_natural) -> y [M, N] out_dtype (split-K partials summed
+    here). poison: the kernel writes into a NaN-filled buffer, so an element it never writes shows up (tests).
+    after: an operand the kernel never reads, so the call runs after whatever produced it (the benchmark chains
+    calls through it)."""
     m, kp = xk.shape
     block = block_cols(kp, bits)
     if kp % (block * tiles.blocks_per_step * tiles.k_splits):
