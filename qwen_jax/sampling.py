@@ -345,13 +345,16 @@ def _as_device_params(params: SampleParams) -> SampleParams:
 PATHS = ("plain", "sorted")
 
 
+def _needs_sort(xp, sampled, top_k, top_p, vocab: int):
+    """Whether any sampled row has a top-k or top-p cut (the sorted path's business), in numpy or jnp (xp)."""
+    return xp.any(sampled & (((top_k > 0) & (top_k < vocab)) | (top_p < 1)))
+
+
 def sorted_path_needed(params: SampleParams, vocab: int) -> bool:
-    """Host side: whether any sampled row of these (numpy) params has a top-k or top-p cut, i.e. needs the sorted
-    path; otherwise the plain path decides every row exactly."""
-    sampled = np.asarray(params.temperature) > 0
-    top_k = np.asarray(params.top_k)
-    cut = ((top_k > 0) & (top_k < vocab)) | (np.asarray(params.top_p) < 1)
-    return bool(np.any(sampled & cut))
+    """Host side: whether these (numpy) params need the sorted path; otherwise the plain path decides every row
+    exactly."""
+    return bool(_needs_sort(np, np.asarray(params.temperature) > 0, np.asarray(params.top_k),
+                            np.asarray(params.top_p), vocab))
 
 
 def sample(logits: jax.Array, params: SampleParams, path: str | None = None) -> jax.Array:
@@ -372,8 +375,7 @@ def sample(logits: jax.Array, params: SampleParams, path: str | None = None) -> 
         # Greedy rows would divide by 0; their draw is discarded, any positive temperature keeps it NaN-free.
         params = dataclasses.replace(params, temperature=jnp.where(sampled, params.temperature, 1.0))
         if path is None:
-            has_top_k = (params.top_k > 0) & (params.top_k < v)
-            needs_sort = jnp.any(sampled & (has_top_k | (params.top_p < 1)))
+            needs_sort = _needs_sort(jnp, sampled, params.top_k, params.top_p, v)
             drawn = lax.cond(needs_sort, _draw_sorted, _draw_plain, logits, params)
         else:
             drawn = (_draw_sorted if path == "sorted" else _draw_plain)(logits, params)

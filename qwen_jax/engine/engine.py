@@ -412,9 +412,9 @@ class Engine:
             if s.prefilled == s.prompt_len:
                 s.phase = Phase.DECODE
                 s.cache_len = s.prompt_len
-                s.pending = s.next_input = int(out.tokens[i])
+                s.next_input = int(out.tokens[i])
                 s.sampled = 1
-                self._deliver(s, s.pending, out, i)
+                self._deliver(s, s.next_input, out, i)
 
     def _prompt_fits(self, lanes: int, rows: int) -> bool:
         try:
@@ -457,5 +457,4 @@ class Engine:
                 continue
             for i, s in enumerate(streams):
                 if s in self._running:  # not ended meanwhile (cancel, stop id or string, error): else dropped
-                    s.pending = int(out.tokens[i])
-                    self._deliver(s, s.pending, out, i)
+                    self._deliver(s, int(out.tokens[i]), out, i)

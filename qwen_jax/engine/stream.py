@@ -35,7 +35,6 @@ class Stream:
         self.phase = Phase.PROMPT
         self.prefilled = 0  # prompt rows in the cache
         self.cache_len = 0  # positions in the cache (prompt + committed reply tokens)
-        self.pending: int | None = None  # the last sampled token that reached the host
         self.next_input: int | None = None  # the next decode call's input when the host has it (after a prompt)
         self.sampled = 0  # tokens sampled so far, including decode calls still in flight
         self.finishing = False  # max_tokens or the context end comes with its last sampled token: no more calls
