@@ -281,6 +281,9 @@ def tree_window(layout: Layout, streams: int, rows: int, tokens: Sequence[Sequen
     return M.VerifyWindow(tok, par, cl, sl, pt, _text_rope(positions))
 
 
+# The decode program's variants, by sampling path (`decode_program`): the host picks one per call.
+DECODE_KINDS = {"decode": "plain", "decode_sorted": "sorted"}
+
 FROM_LAST = -1  # a decode window token that says: the token this slot's previous decode call sampled
 
 
@@ -505,8 +508,8 @@ class Programs:
         top_n = buckets.logprobs
         self._fns = {
             "prompt": jax.jit(prompt_program(cfg, self.backend, buckets.packing, top_n), donate_argnums=1),
-            "decode": jax.jit(decode_program(cfg, self.backend, top_n, "plain"), donate_argnums=(1, 2)),
-            "decode_sorted": jax.jit(decode_program(cfg, self.backend, top_n, "sorted"), donate_argnums=(1, 2)),
+            **{kind: jax.jit(decode_program(cfg, self.backend, top_n, path), donate_argnums=(1, 2))
+               for kind, path in DECODE_KINDS.items()},
             "verify": jax.jit(verify_program(cfg, self.backend, top_n)),
             "commit": jax.jit(commit_program(cfg, self.backend), donate_argnums=0),
         }
@@ -531,7 +534,7 @@ class Programs:
         s, t = shape
         if kind == "prompt":
             return (prompt_batch(lay, s, t, []), sample_params([], [], s))
-        if kind in ("decode", "decode_sorted"):
+        if kind in DECODE_KINDS:
             return (decode_window(lay, s, [], [], [], []), sample_params([], [], s))
         window = tree_window(lay, s, t, [], [], [], [], [])
         if kind == "verify":
@@ -543,7 +546,7 @@ class Programs:
     def bucket_keys(self) -> list[tuple[str, tuple[int, int]]]:
         b = self.buckets
         keys = [("prompt", shape) for shape in b.prompt_shapes]
-        keys += [(kind, (s, 1)) for kind in ("decode", "decode_sorted") for s in b.decode_streams]
+        keys += [(kind, (s, 1)) for kind in DECODE_KINDS for s in b.decode_streams]
         for s in b.decode_streams:
             for r in b.window_rows:
                 keys += [("verify", (s, r)), ("commit", (s, r))]
@@ -570,7 +573,7 @@ class Programs:
             args = self._example(kind, shape)
             if kind == "commit":
                 return self._fns[kind].lower(self.state, *args)
-            if kind in ("decode", "decode_sorted"):
+            if kind in DECODE_KINDS:
                 return self._fns[kind].lower(self.params, self.state, self.last, *_abstract(args))
             return self._fns[kind].lower(self.params, self.state, *_abstract(args))
 

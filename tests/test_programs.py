@@ -195,10 +195,9 @@ def test_decode_programs_have_no_device_branch(progs):
     """The decode variants fix their sampling path when tracing ("decode" plain, "decode_sorted" sorted), so
     neither holds a conditional, whose predicate the GPU host would have to read back mid-program (that would
     stall the engine, which dispatches the next call before fetching this one)."""
-    kinds = {k[0] for k in progs._exe}
-    assert {"decode", "decode_sorted"} <= kinds
+    assert set(P.DECODE_KINDS) == {"decode", "decode_sorted"} and set(P.DECODE_KINDS) <= {k[0] for k in progs._exe}
     for key, exe in progs._exe.items():
-        if key[0] in ("decode", "decode_sorted"):
+        if key[0] in P.DECODE_KINDS:
             assert " conditional(" not in exe.as_text(), key
 
 

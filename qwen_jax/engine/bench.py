@@ -145,30 +145,35 @@ def run(params, cfg, *, backend, dtype: str = "bfloat16", kv_cache: str = "bf16"
             tokens = list(rng.integers(0, vocab, size=s))
             cache_len = [context] * s
 
-            def rounds_of(k):
-                # As the engine runs them: each call dispatched before the previous one is fetched, its input
-                # tokens read on the device from the previous call's (programs.FROM_LAST).
-                prev = None
-                for r in range(k):
-                    window = P.decode_window(progs.layout, s, tokens if r == 0 else [None] * s, cache_len,
-                                             list(range(1, s + 1)), tables)
-                    cur = progs.decode_async(window, P.sample_params([greedy] * s, [c + 1 for c in cache_len], s))
-                    if prev is not None:
-                        progs.fetch(prev)
-                    prev = cur
-                    for i in range(s):
-                        cache_len[i] += 1
-                progs.fetch(prev)
-
-            rounds_of(3)
+            pipelined_decode(progs, tables, cache_len, greedy, 3, first_tokens=tokens)
             cache_len = [context] * s
             t0 = time.perf_counter()
-            rounds_of(rounds)
+            pipelined_decode(progs, tables, cache_len, greedy, rounds, first_tokens=tokens)
             fps = rounds / (time.perf_counter() - t0)
             result.decode_forwards_per_s[s] = fps
             result.decode_tokens_per_s[s] = fps * s
             log(f"decode {s} streams: {fps:.1f} forwards/s, {fps * s:.1f} tok/s")
     return result
+
+
+def pipelined_decode(progs, tables, cache_len: list[int], rule, rounds: int, first_tokens=None) -> None:
+    """`rounds` decode calls for streams in slots 1..S (page `tables`, one per stream) as the engine runs them:
+    each call dispatched before the previous one is fetched, its input tokens read on the device from the
+    previous call's (programs.FROM_LAST; `first_tokens` feeds the first call from the host). Every stream samples
+    with `rule`; cache_len advances in place."""
+    s = len(tables)
+    prev = None
+    for r in range(rounds):
+        tokens = first_tokens if r == 0 and first_tokens is not None else [None] * s
+        window = P.decode_window(progs.layout, s, tokens, cache_len, list(range(1, s + 1)), tables)
+        cur = progs.decode_async(window, P.sample_params([rule] * s, [c + 1 for c in cache_len], s))
+        if prev is not None:
+            progs.fetch(prev)
+        prev = cur
+        for i in range(s):
+            cache_len[i] += 1
+    if prev is not None:
+        progs.fetch(prev)
 
 
 def synthetic_params(name: str, *, dtype: str, seed: int = 0, layers: int | None = None):

@@ -98,18 +98,10 @@ def run(args) -> None:
     jax.block_until_ready((progs.state, tok))
     dev = (time.perf_counter() - t0) * 1e3 / args.rounds
     print(f"device-bound round (same inputs, back to back, one sync): {dev:.2f} ms; host share {ms - dev:.2f} ms")
-    # The engine's way: each call dispatched before the previous call's tokens come back (its tokens are read on
-    # the device from the slot's last sampled one), then the previous call fetched.
-    prev = None
+    # The engine's way: each call dispatched before the previous call's tokens come back.
+    from qwen_jax.engine.bench import pipelined_decode
     t0 = time.perf_counter()
-    for _ in range(args.rounds):
-        w = P.decode_window(lay, s, [None] * s, cache, list(range(1, s + 1)), tables)
-        cur = progs.decode_async(w, P.sample_params([greedy] * s, [c + 1 for c in cache], s))
-        if prev is not None:
-            progs.fetch(prev)
-        prev = cur
-        cache = [c + 1 for c in cache]
-    progs.fetch(prev)
+    pipelined_decode(progs, tables, cache, greedy, args.rounds)
     piped = (time.perf_counter() - t0) * 1e3 / args.rounds
     print(f"pipelined round (dispatch the next call, then fetch the previous one): {piped:.2f} ms")
     if args.trace:
