@@ -203,8 +203,8 @@ def _kernel_fn(tiles: qmm.Tiles, interpret: bool = False):
 
 
 def _path_fn(tiles: qmm.Tiles, x: jax.Array, ws: list[QuantizedWeight], interpret: bool = False):
-    """(fn, takes_after, arg_sets) timing one path's tiles as a jitted model runs them: the fused kernel alone on
-    x in chunk order (`_kernel_fn`); the dequant implementation end to end (XLA dequantization of the whole weight,
+    """(fn, takes_after, arg_sets) timing one path's tiles (decode or prompt) as a jitted model runs them: the
+    fused kernel alone on x as the tiles read it (`_kernel_fn`, `_kernel_x`); the dequant implementation end to end (XLA dequantization of the whole weight,
     then the matmul kernel), ordered by the barrier chain like the XLA rows, so no call's dequantization runs
     ahead of the previous call."""
     if tiles.impl == "dequant":
@@ -311,8 +311,7 @@ def _bench_shape(k: int, n: int, ms, copy: float, use_torch: bool, ref_max_m: in
             if (prompt and m < 64) or (not prompt and m > 256):
                 continue
             tiles = (qmm.prompt_tiles if prompt else qmm.decode_tiles)(n, k, BITS, GROUP)
-            fn, takes_after, arg_sets = _path_fn(tiles, x, ws) if prompt else (
-                _kernel_fn(tiles), True, [(_kernel_x(x, tiles), w) for w in ws])
+            fn, takes_after, arg_sets = _path_fn(tiles, x, ws)
             us = device_us(fn, arg_sets, est, takes_after=takes_after).us
             e2e = (device_us(lambda x, w, p=prompt: qmm.qmm(x, w, prompt=p), [(x, w) for w in ws], est).us
                    if m <= 16 else None)
@@ -460,9 +459,8 @@ def _sweep(args, t_start: float) -> dict:
         for m in args.m:
             x = _x(m, k)
             for rank, t in enumerate(cands):
-                jobs.append(Job("decode", (k, n), m, tiles_str(t), rank, _kernel_fn(t, args.interpret), True,
-                                [(_kernel_x(x, t), w) for w in ws], _reps(_estimate_us(m, n, k), args.interpret),
-                                t == default, t))
+                jobs.append(Job("decode", (k, n), m, tiles_str(t), rank, *_path_fn(t, x, ws, args.interpret),
+                                _reps(_estimate_us(m, n, k), args.interpret), t == default, t))
     for k, n in args.prompt_shapes if args.prompt_ms else ():
         ws = _random_weights(n, k, _copies(_weight_bytes(n, k), args.interpret))
         dense = [jax.random.normal(jax.random.key(7 + i), (k, n), jnp.bfloat16)
@@ -669,8 +667,7 @@ def _once(shapes, ms) -> None:
         for m in ms:
             prompt = m > 256
             tiles = (qmm.prompt_tiles if prompt else qmm.decode_tiles)(n, k, BITS, GROUP)
-            fn, _, arg_sets = _path_fn(tiles, _x(m, k), [w]) if prompt else (
-                _kernel_fn(tiles), True, [(_kernel_x(_x(m, k), tiles), w)])
+            fn, _, arg_sets = _path_fn(tiles, _x(m, k), [w])
             f = jax.jit(fn)
             for _ in range(3):
                 jax.block_until_ready(f(*arg_sets[0]))
