@@ -599,6 +599,14 @@ class Programs:
                 bar.close()
         return times
 
+    def pool_copies(self) -> dict[tuple, list[str]]:
+        """Per compiled program, the HLO lines that copy a whole state pool (none: the donated pools are updated
+        in place). For tests and tools/gpu/copies_probe.py."""
+        shapes = {",".join(map(str, x.shape)) for x in jax.tree.leaves(self.state)}
+        return {key: [ln.strip() for ln in exe.as_text().splitlines()
+                      if " copy(" in ln and any(f"[{s}]" in ln for s in shapes)]
+                for key, exe in self._exe.items()}
+
     def _get(self, key):
         try:
             return self._exe[key]

@@ -19,11 +19,8 @@ def main() -> None:
     buckets = P.Buckets((64,), (1,), (1,), packing=P.Packing.BATCHED, logprobs=4)
     pr = P.Programs(ck.params, ck.config, layout, buckets, Backend.default())
     pr.compile()
-    shapes = {",".join(map(str, x.shape)) for x in jax.tree.leaves(pr.state)}
-    for key, exe in pr._exe.items():
-        text = exe.as_text()
-        lines = text.splitlines()
-        hits = [ln.strip() for ln in lines if " copy(" in ln and any(f"[{s}]" in ln for s in shapes)]
+    for key, hits in pr.pool_copies().items():
+        lines = pr._exe[key].as_text().splitlines()
         print(f"== {key}: {len(hits)} pool copies")
         for h in hits[:12]:
             name = h.split(" = ")[0].split()[-1]

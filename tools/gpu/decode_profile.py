@@ -127,14 +127,19 @@ def summarize(path: str, rounds: int) -> None:
             v = float(r["Metric Value"].replace(",", ""))
             scale = {"ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}.get(unit, 1e-3)
             rows.append((r["Kernel Name"], v * scale))
+    total = sum(us for _, us in rows)
+    print(f"{len(rows)} kernels, {total / rounds:.1f} µs of device time a round ({len(rows) / rounds:.0f} launches)")
+    _print_top(rows, rounds, "kernel")
+
+
+def _print_top(rows, rounds: int, what: str, top: int = 40) -> None:
+    """(name, µs) pairs -> µs and calls a round per name, largest total first."""
     by = collections.defaultdict(lambda: [0, 0.0])
     for name, us in rows:
         by[name][0] += 1
         by[name][1] += us
-    total = sum(us for _, us in rows)
-    print(f"{len(rows)} kernels, {total / rounds:.1f} µs of device time a round ({len(rows) / rounds:.0f} launches)")
-    print(f"{'µs/round':>10} {'calls/round':>11}  kernel")
-    for name, (n, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:40]:
+    print(f"{'µs/round':>10} {'calls/round':>11}  {what}")
+    for name, (n, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]:
         print(f"{us / rounds:10.1f} {n / rounds:11.1f}  {name[:110]}")
 
 
@@ -164,13 +169,7 @@ def summarize_trace(trace_dir: str, rounds: int) -> None:
     wall = spans[-1][1] - spans[0][0]
     print(f"trace: {len(kernels) / rounds:.0f} device events a round, busy {busy / rounds:.1f} µs a round of "
           f"{wall / rounds:.1f} µs first-to-last ({busy / wall:.0%})")
-    by = collections.defaultdict(lambda: [0, 0.0])
-    for e in kernels:
-        by[e["name"]][0] += 1
-        by[e["name"]][1] += float(e["dur"])
-    print(f"{'µs/round':>10} {'calls/round':>11}  event")
-    for name, (n, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:40]:
-        print(f"{us / rounds:10.1f} {n / rounds:11.1f}  {name[:110]}")
+    _print_top([(e["name"], float(e["dur"])) for e in kernels], rounds, "event")
 
 
 def main(argv=None) -> int:
