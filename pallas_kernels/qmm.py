@@ -143,6 +143,11 @@ class Tiles:
     # "fused": read x in natural order with strided loads (True) or from an XLA-permuted copy (False); the same
     # values meet the same MMA either way, so the bits do not change.
     x_natural: bool = False
+    # "fused": load the next loop step's scales and biases during this one (carried in registers) instead of at
+    # the start of the step that uses them. Same values, same arithmetic: the bits do not change.
+    prefetch: bool = False
+    # "fused", compiled (not interpret mode): mask and OR of a field pair in one inline-PTX lop3 (same bits).
+    lop3: bool = False
 
     def check(self) -> None:
         if self.impl not in IMPLS:
@@ -159,6 +164,26 @@ class Tiles:
 
 
 IMPLS = ("fused", "dequant")
+
+
+def replace_tiles(tiles: Tiles, spec: str) -> Tiles:
+    """`tiles` with the fields named in spec "field=value,..." replaced (benchmarks' A/B switches; booleans as 0/1,
+    impl by name). Unknown fields and values that do not parse are a ValueError naming them."""
+    fields = {f.name: f.type for f in dataclasses.fields(Tiles)}
+    changes = {}
+    for item in filter(None, spec.split(",")):
+        name, _, value = item.partition("=")
+        name = name.strip()
+        if name not in fields or not value:
+            raise ValueError(f"qmm tiles: {item!r} is not field=value with a field of {sorted(fields)}")
+        kind = fields[name]
+        try:
+            changes[name] = value if kind == "str" else (bool(int(value)) if kind == "bool" else int(value))
+        except ValueError:
+            raise ValueError(f"qmm tiles: {name}={value!r} is not a {kind}") from None
+    out = dataclasses.replace(tiles, **changes)
+    out.check()
+    return out
 
 
 # The decode/verify tiles, in one place: `decode_tiles` fits them to a weight's K. 32 output features a program
@@ -241,16 +266,26 @@ def fit_dequant_tiles(tiles: Tiles, n: int, k: int) -> Tiles:
 # kernel
 
 
-def _weight_chunk(words, j: int, bits: int, s, b, w_dtype, bf16_fma: bool):
-    """words uint32 [bn, c] -> the chunk's dequantized weights [bn, 2c]: fields j and j + per/2 of each word."""
+def _weight_chunk(words, j: int, bits: int, s, b, w_dtype, bf16_fma: bool, lop3: bool = False):
+    """words uint32 [bn, c] -> the chunk's dequantized weights [bn, 2c]: fields j and j + per/2 of each word.
+    lop3: build the bf16 pair with one inline PTX lop3 (compiled kernels only; the same bits as the jnp ops)."""
     bn, c = words.shape
     shifted = words >> jnp.uint32(j * bits) if j else words
     # Fields j and j + half sit 16 bits apart: one AND (and for bf16 one OR of the 128.0 pattern) builds both
     # halves of the MMA operand's 32-bit register.
     field = (1 << bits) - 1
-    pair = shifted & jnp.uint32(field | field << 16)
-    if bf16_fma:
-        pair = pair | jnp.uint32(_BF16_128_PAIR)
+    if bf16_fma and lop3:
+        # (w & 0x000F000F) | 0x43004300 as one instruction (lookup table 0xEA = (a & b) | c); the compiler emits
+        # the AND and the OR separately when both masks are constants.
+        pair, = plt.elementwise_inline_asm(
+            f"lop3.b32 $0, $1, {field | field << 16:#010x}, {_BF16_128_PAIR:#010x}, 0xEA;",
+            args=[jax.lax.bitcast_convert_type(shifted, jnp.int32)], constraints="=r,r", pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(shifted.shape, jnp.int32)])
+        pair = jax.lax.bitcast_convert_type(pair, jnp.uint32)
+    else:
+        pair = shifted & jnp.uint32(field | field << 16)
+        if bf16_fma:
+            pair = pair | jnp.uint32(_BF16_128_PAIR)
     halves = [(pair & jnp.uint32(0xFFFF)).astype(jnp.uint16), (pair >> jnp.uint32(16)).astype(jnp.uint16)]
     fields = jnp.stack(halves, axis=-1).reshape(bn, 2 * c)  # Triton `join`: both halves stay in one thread
     if bf16_fma:
@@ -295,20 +330,34 @@ def _qmm_kernel(x_ref, w_ref, s_ref, b_ref, *out_refs, m: int, n: int, kp: int, 
     steps = kp // (block * tiles.blocks_per_step * tiles.k_splits)  # loop steps a program
     step0 = pl.program_id(2) * steps if tiles.k_splits > 1 else 0
 
-    def step(it, accs):
-        accs = list(accs)
+    def load_scales(it):
+        """The scales and biases of loop step `it`'s blocks: [(s, b)] each [bn, block_groups]."""
+        out = []
+        for blk in range(tiles.blocks_per_step):
+            gsl = pl.ds(((step0 + it) * tiles.blocks_per_step + blk) * block // group, block_groups)
+            out.append((load_n_rows(s_ref, (nsl, gsl), block_groups), load_n_rows(b_ref, (nsl, gsl), block_groups)))
+        return out
+
+    def step(it, carry):
+        accs, scales = list(carry[0]), carry[1]
+        if tiles.prefetch:
+            # Next step's scales now (the last step re-reads its own): the loads' latency overlaps this step's
+            # dequantization and MMAs instead of stalling its start (they are 2-byte loads, too narrow for the
+            # cp.async pipeline that carries the words and x).
+            nxt = load_scales(jnp.minimum(it + 1, steps - 1))
+        else:
+            scales = load_scales(it)
         for blk in range(tiles.blocks_per_step):
             kb = (step0 + it) * tiles.blocks_per_step + blk
             words = load_n_rows(w_ref, (nsl, pl.ds(pl.multiple_of(kb * words_per_block, words_per_block),
                                                    words_per_block)), words_per_block)
-            gsl = pl.ds((kb * block) // group, block_groups)
-            s = load_n_rows(s_ref, (nsl, gsl), block_groups)
-            b = load_n_rows(b_ref, (nsl, gsl), block_groups)
+            s, b = scales[blk]
             s = jnp.broadcast_to(s[:, :, None], (bn, block_groups, run)).reshape(bn, chunk)
             b = jnp.broadcast_to(b[:, :, None], (bn, block_groups, run)).reshape(bn, chunk)
             for j in range(half):
                 col0 = kb * block + j * chunk
-                wt = _weight_chunk(words, j, bits, s, b, w_dtype, bf16_fma)  # [bn, chunk]
+                wt = _weight_chunk(words, j, bits, s, b, w_dtype, bf16_fma,
+                                   lop3=tiles.lop3 and not interpret)  # [bn, chunk]
                 xcols = pl.ds(pl.multiple_of(col0, chunk), chunk)
                 for mb in range(m_blocks):
                     if tiles.x_natural:
@@ -322,10 +371,10 @@ def _qmm_kernel(x_ref, w_ref, s_ref, b_ref, *out_refs, m: int, n: int, kp: int, 
                     accs[mb] = jax.lax.dot_general(
                         wt, xc, (((1,), (1,)), ((), ())), precision=precision,
                         preferred_element_type=jnp.float32) + accs[mb]
-        return tuple(accs)
+        return tuple(accs), (nxt if tiles.prefetch else ())
 
     zeros = tuple(jnp.zeros((bn, bm), jnp.float32) for _ in range(m_blocks))
-    accs = jax.lax.fori_loop(0, steps, step, zeros)
+    accs, _ = jax.lax.fori_loop(0, steps, step, (zeros, load_scales(0) if tiles.prefetch else ()))
     for mb in range(m_blocks):
         mask = row_ok[mb][:, None] & (cols < n)[None, :]
         dst = o_ref.at[pl.program_id(2), row_idx[mb], nsl] if tiles.k_splits > 1 else o_ref.at[row_idx[mb], nsl]

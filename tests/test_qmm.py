@@ -391,14 +391,21 @@ def test_prompt_kernels_lower_for_cuda(h200_lowering):
                 assert lowered.count("__gpu$xla.gpu.triton") == 1, (k, n, tiles, m)
 
 
+# Tile switches that change how the kernel reads or builds its operands but not the values or the MMAs: each must
+# give the same bits with it on and off. x_natural: strided natural-order x loads instead of the permuted copy;
+# prefetch: the next step's scales loaded a step early; lop3: one inline-PTX lop3 per field pair (compiled only).
+BIT_NEUTRAL_SWITCHES = ("x_natural", "prefetch", "lop3")
+
+
 def test_decode_kernels_lower_for_cuda(h200_lowering):
-    """The decode tiles with x read in natural order by strided loads (split-K where the shape asks for it) at the
-    27B's projection shapes lower to one Triton kernel for an H200 on this CPU, with no transpose of x before it."""
+    """The decode tiles with every bit-neutral switch on (split-K where the shape asks for it) at the 27B's
+    projection shapes lower to one Triton kernel for an H200 on this CPU: no transpose of x before it (x_natural)
+    and the lop3 as inline PTX."""
     sds = jax.ShapeDtypeStruct
     for k, n in ((5120, 17408), (17408, 5120), (6144, 5120), (5120, 248320)):
         w = QuantizedWeight(sds((n, k // 8), jnp.uint32), sds((n, k // 64), jnp.bfloat16),
                             sds((n, k // 64), jnp.bfloat16), 4, 64)
-        tiles = dataclasses.replace(qmm.decode_tiles(n, k, 4, 64), x_natural=True)
+        tiles = dataclasses.replace(qmm.decode_tiles(n, k, 4, 64), **{f: True for f in BIT_NEUTRAL_SWITCHES})
         for m in (1, 16):
             lowered = jax.jit(lambda x, w, t=tiles: qmm.qmm(x, w, tiles=t)).trace(sds((m, k), jnp.bfloat16), w).lower(
                 lowering_platforms=("cuda",)).as_text()
@@ -406,9 +413,43 @@ def test_decode_kernels_lower_for_cuda(h200_lowering):
             assert "stablehlo.transpose" not in lowered, (k, n, m)
 
 
-def test_natural_x_order_same_bits_as_permuted():
-    """Reading x in natural order (strided loads) or from the XLA-permuted copy feeds the same values to the same
-    MMAs: the outputs are equal bit for bit, bf16 and fp32, with and without split-K."""
+def _triton_ir(fn, *args) -> str:
+    """The Triton IR Pallas hands XLA for the single kernel in fn(*args), lowered for an H200 on this CPU."""
+    from jax._src.pallas.triton import lowering as triton_lowering
+    seen = []
+    orig = triton_lowering.lower_jaxpr_to_triton_module
+
+    def capture(*a, **kw):
+        out = orig(*a, **kw)
+        seen.append(out.module.operation.get_asm(enable_debug_info=False))
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(triton_lowering, "lower_jaxpr_to_triton_module", capture)
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    assert len(seen) == 1
+    return seen[0]
+
+
+def test_lop3_switch_emits_one_lop3_per_field_pair(h200_lowering):
+    """lop3=True builds each field pair with the inline lop3 (4 a loop step at 4 bits: one per field pair of the
+    block) and no separate AND/OR of the masks; off, no inline assembly at all."""
+    sds = jax.ShapeDtypeStruct
+    k, n = 5120, 17408
+    w = QuantizedWeight(sds((n, k // 8), jnp.uint32), sds((n, k // 64), jnp.bfloat16),
+                        sds((n, k // 64), jnp.bfloat16), 4, 64)
+    base = qmm.decode_tiles(n, k, 4, 64)
+    on, off = (_triton_ir(lambda x, w, t=dataclasses.replace(base, lop3=flag): qmm.qmm(x, w, tiles=t),
+                          sds((1, k), jnp.bfloat16), w) for flag in (True, False))
+    assert on.count("lop3.b32") == 4 and "0x43004300" in on
+    assert "elementwise_inline_asm" not in off
+
+
+@pytest.mark.parametrize("switch", BIT_NEUTRAL_SWITCHES)
+def test_bit_neutral_switches_same_bits(switch):
+    """Each bit-neutral tile switch on or off gives equal outputs bit for bit, bf16 and fp32, with and without
+    split-K (interpret mode; lop3 only changes compiled kernels, so here it checks the switch is inert; the gpu
+    test below runs all three compiled)."""
     rng = np.random.default_rng(1500)
     for bits, group, k, n in ((4, 64, 512, 96), (8, 32, 256, 80), (4, 32, 160, 64)):
         w, _ = _weight(rng, n, k, bits, group)
@@ -416,8 +457,8 @@ def test_natural_x_order_same_bits_as_permuted():
             x = jnp.asarray(rng.normal(size=(5, k)), dtype)
             for splits in (1, 2):
                 base = qmm.fit_tiles(qmm.Tiles(16, 32, 1, 2, 3, 2, k_splits=splits), k, bits)
-                a = qmm.qmm(x, w, interpret=INTERPRET, tiles=dataclasses.replace(base, x_natural=True))
-                b = qmm.qmm(x, w, interpret=INTERPRET, tiles=dataclasses.replace(base, x_natural=False))
+                a = qmm.qmm(x, w, interpret=INTERPRET, tiles=dataclasses.replace(base, **{switch: True}))
+                b = qmm.qmm(x, w, interpret=INTERPRET, tiles=dataclasses.replace(base, **{switch: False}))
                 np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{bits}b g{group} {dtype} s{splits}")
 
 
@@ -519,17 +560,18 @@ def test_gpu_split_k():
 
 
 @pytest.mark.gpu
-def test_gpu_natural_x_same_bits_as_permuted():
-    """On the device, at the 27B's MLP shapes: the decode tiles reading x in natural order (strided loads) give the
-    same bits as reading the XLA-permuted copy, M = 1 and 16 (the strided loads are only lowered, not run, on CPU)."""
+@pytest.mark.parametrize("switch", BIT_NEUTRAL_SWITCHES)
+def test_gpu_bit_neutral_switches_same_bits(switch):
+    """On the device, at the 27B's MLP shapes, M = 1 and 16: each bit-neutral switch (compiled: strided x loads,
+    scale prefetch, inline lop3) on gives the bits it gives off, with the other switches at their defaults."""
     rng = np.random.default_rng(1600)
     for k, n in ((5120, 17408), (17408, 5120)):
         w, _ = _device_weight(rng, n, k)
         tiles = qmm.decode_tiles(n, k, 4, 64)
         for m in (1, 16):
             x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
-            a = qmm.qmm(x, w, tiles=dataclasses.replace(tiles, x_natural=True))
-            b = qmm.qmm(x, w, tiles=dataclasses.replace(tiles, x_natural=False))
+            a = qmm.qmm(x, w, tiles=dataclasses.replace(tiles, **{switch: True}))
+            b = qmm.qmm(x, w, tiles=dataclasses.replace(tiles, **{switch: False}))
             np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=f"{k}->{n} M={m}")
 
 

@@ -349,7 +349,7 @@ def tiles_str(t: qmm.Tiles) -> str:
     if t.impl == "dequant":
         return f"dequant {t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages} g{t.group_m}"
     return (f"{t.block_m}/{t.block_n}/{t.blocks_per_step}/{t.num_warps}/{t.num_stages}/{t.max_m_blocks}/{t.k_splits}"
-            + (" nx" if t.x_natural else ""))
+            + (" nx" if t.x_natural else "") + (" pf" if t.prefetch else "") + (" lop3" if t.lop3 else ""))
 
 
 def dequant_candidates(n: int, k: int) -> list[qmm.Tiles]:
@@ -448,8 +448,9 @@ def _sweep(args, t_start: float) -> dict:
     for k, n in [] if args.prompt_only else args.shapes:
         copies = _copies(_weight_bytes(n, k), args.interpret)
         ws = _random_weights(n, k, copies)
-        cands = args.candidates or _sweep_candidates(n, k)
         default = qmm.decode_tiles(n, k, BITS, GROUP)
+        cands = args.candidates or ([qmm.replace_tiles(default, v) for v in args.variants] if args.variants
+                                    else _sweep_candidates(n, k))
         if default not in cands:
             cands = [default] + cands
         for t in cands:
@@ -613,6 +614,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--sweep", action="store_true", help="time decode tile candidates instead of the comparison")
     ap.add_argument("--candidates", type=lambda s: [parse_tiles(v) for v in s.split(",")], default=None,
                     help="--sweep: tiles to try, bm/bn/bps/warps/stages/mb/splits,... (default: per shape)")
+    ap.add_argument("--variants", type=lambda s: [v for v in s.split(";") if v], default=None,
+                    help="--sweep: instead of the candidates, the shipped tiles with each of these overrides "
+                         "(';'-separated FIELD=V,... as qmm.replace_tiles takes), e.g. 'prefetch=1;lop3=1'")
     ap.add_argument("--max-candidates", type=int, default=12, help="--sweep: candidates per shape and M")
     ap.add_argument("--prompt-ms", type=_parse_ints, default=[],
                     help="--sweep: also compare the prompt path with XLA dequantize + jnp.dot at these M")

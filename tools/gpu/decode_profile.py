@@ -44,11 +44,10 @@ def run(args) -> None:
     from qwen_jax import programs as P
     from qwen_jax import sampling
     from qwen_jax.model import Backend
-    if args.x_natural:  # the decode tiles read x in natural order (no transpose before a projection)
-        import dataclasses
-
+    if args.decode_tiles:  # A/B of qmm's decode tiles in the whole program (e.g. prefetch=1,lop3=1)
         from pallas_kernels import qmm
-        qmm.DECODE_TILES = dataclasses.replace(qmm.DECODE_TILES, x_natural=True)
+        qmm.DECODE_TILES = qmm.replace_tiles(qmm.DECODE_TILES, args.decode_tiles)
+        print(f"decode tiles: {qmm.DECODE_TILES}")
     if args.synthetic:
         from qwen_jax.engine.bench import synthetic_params
         params, cfg = synthetic_params(args.synthetic, dtype="bfloat16", layers=args.layers)
@@ -178,7 +177,8 @@ def main(argv=None) -> int:
     src.add_argument("--synthetic", choices=("27b",))
     src.add_argument("--model", default="captures/tiny-mlx-4bit")
     ap.add_argument("--layers", type=int, default=None, help="with --synthetic: only the first N layers")
-    ap.add_argument("--x-natural", action="store_true", help="qmm decode tiles with x_natural on (A/B)")
+    ap.add_argument("--decode-tiles", default="", metavar="FIELD=V,...",
+                    help="override fields of qmm.DECODE_TILES (A/B), e.g. x_natural=1 or prefetch=1,lop3=1")
     ap.add_argument("--streams", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=16, help="timed rounds (wall clock)")

@@ -20,9 +20,7 @@ VARIANTS = {
     "min-graph-1": "--xla_gpu_graph_min_graph_size=1",
     "custom-calls-too": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN "
                         "--xla_gpu_graph_min_graph_size=1",
-    "x-natural": "",  # default flags, qmm decode tiles reading x in natural order (no transposes)
 }
-EXTRA_ARGS = {"x-natural": ["--x-natural"]}
 
 
 def main(argv=None) -> int:
@@ -32,19 +30,24 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of " + ",".join(VARIANTS))
     ap.add_argument("--layers", default="", help="comma-separated depths to run the default variant at as well "
                     "(e.g. 8,16: per-layer round time and compile time)")
+    ap.add_argument("--tiles", default="", metavar="A;B",
+                    help="';'-separated qmm decode-tile overrides to run under the default flags as well, each "
+                         "FIELD=V,... (decode_profile.py --decode-tiles), e.g. 'prefetch=1;prefetch=1,lop3=1'")
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds a variant")
     args = ap.parse_args(argv)
     here = os.path.dirname(os.path.abspath(__file__))
     src = ["--synthetic", args.synthetic] if args.synthetic else ["--model", args.model]
-    runs = [(name, None) for name in args.variants.split(",")]
-    runs += [("default", int(n)) for n in args.layers.split(",") if n]
-    for name, layers in runs:
+    runs = [(name, None, "") for name in args.variants.split(",") if name]
+    runs += [("default", None, t) for t in args.tiles.split(";") if t]
+    runs += [("default", int(n), "") for n in args.layers.split(",") if n]
+    for name, layers, tiles in runs:
         env = dict(os.environ)
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + VARIANTS[name]).strip()
         cmd = [sys.executable, os.path.join(here, "decode_profile.py"), *src, "--rounds", "16", "--profiled", "0"]
         if layers:
             cmd += ["--layers", str(layers)]
-        cmd += EXTRA_ARGS.get(name, [])
+        if tiles:
+            cmd += ["--decode-tiles", tiles]
         try:
             r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
             lines = [ln for ln in (r.stdout + r.stderr).splitlines()
@@ -52,7 +55,8 @@ def main(argv=None) -> int:
                      or "Error" in ln]
         except subprocess.TimeoutExpired:
             lines = [f"timed out after {args.timeout:.0f} s"]
-        print(f"== {name}{f' ({layers} layers)' if layers else ''} (XLA_FLAGS={env['XLA_FLAGS']!r})")
+        print(f"== {name}{f' ({layers} layers)' if layers else ''}{f' tiles {tiles}' if tiles else ''} "
+              f"(XLA_FLAGS={env['XLA_FLAGS']!r})")
         for ln in lines[-6:]:
             print("   " + ln)
         sys.stdout.flush()

@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh tests|rowinv|launch|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh tests|rowinv|launch|qmm-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -52,7 +52,14 @@ case "$stage" in
       --json "$out/attention.json" 2>&1 | tee "$out/attention.log" | tail -60 ;;
   launch)
     timeout 560 python3 tools/gpu/launch_probe.py --synthetic 27b \
-      --variants default,no-command-buffers,custom-calls-too,x-natural --layers 16 2>&1 | tee "$out/launch_probe.log" | tail -30 ;;
+      --variants default,no-command-buffers,custom-calls-too --tiles x_natural=1 --layers 16 2>&1 | tee "$out/launch_probe.log" | tail -30 ;;
+  qmm-ab)
+    # The qmm decode switches A/B: isolated kernels at the 27B's decode shapes, then the whole decode round.
+    ab="prefetch=1;prefetch=1,lop3=1;prefetch=1,lop3=1,num_stages=4"
+    timeout 150 python3 -m pallas_kernels.bench qmm --sweep --shapes 5120x34816,17408x5120,5120x6144,6144x5120 \
+      --m 1,16 --variants "$ab" --budget-s 120 --json "$out/qmm_ab.json" 2>&1 | tee "$out/qmm_ab.log" | tail -45
+    timeout 280 python3 tools/gpu/launch_probe.py --synthetic 27b --variants default --tiles "$ab" 2>&1 \
+      | tee "$out/launch_ab.log" | tail -30 ;;
   profile)
     timeout 200 python3 tools/gpu/decode_profile.py --synthetic 27b --trace "$out/trace" --profiled 0 2>&1 \
       | tee "$out/decode_trace.txt" | tail -50
