@@ -13,10 +13,13 @@ How the kernel works (Pallas, Triton lowering; docs/kernels/qmm.md has the measu
   bf16 FMA for two weights, rounded once from the exact dequantized value.
 - Chunk column 2c + t is (word c, field j + t * per/2): the weight is used exactly as the checkpoint stores it
   (no load-time repack). x must meet it in that "chunk order": it is permuted per call (an XLA transpose that
-  fuses into x's producer when that is an XLA fusion). Decode tiles can instead (`Tiles.x_natural`, off by
-  default until measured) read x in its natural order with two strided loads a chunk (columns j and j + per/2
-  of every word's span, stride per) joined in registers, so no transpose runs between a Pallas producer (a norm)
-  and the matmul; whether the strided 2-byte loads cost less than the transpose is for the device to say.
+  fuses into x's producer when that is an XLA fusion). Decode tiles can instead (`Tiles.x_natural`) read x in
+  its natural order with two strided loads a chunk (columns j and j + per/2 of every word's span, stride per)
+  joined in registers, so no transpose runs between a Pallas producer (a norm) and the matmul; measured slower
+  on the H200 (the strided loads cost more than the transposes), so off by default.
+- The decode tiles load the next loop step's scales and biases during the current one (`Tiles.prefetch`: they
+  are 2-byte loads the cp.async pipeline does not carry, and otherwise stall each step's start) and build each
+  field pair's mask-and-OR with one inline-PTX lop3 (`Tiles.lop3`; the compiler emits two instructions).
 - The MMA runs weight-major (w [block_n, chunk] @ x^T [chunk, block_m], Hopper wgmma when block_n >= 64), fp32
   accumulation, one chunk after another in increasing k.
 - Split-K (`Tiles.k_splits` = S > 1, for decode shapes with too few n tiles to fill the GPU): a third grid axis
@@ -186,15 +189,16 @@ def replace_tiles(tiles: Tiles, spec: str) -> Tiles:
     return out
 
 
-# The decode/verify tiles, in one place: `decode_tiles` fits them to a weight's K. 32 output features a program
-# on two warps, two k blocks a loop step, 3 pipeline stages, no split-K: the best, or within the noise of the
-# best, of the variants timed on the H200 for 5120->17408 and 17408->5120 at M = 1 and 16 (docs/kernels/qmm.md).
-# A program carries two 16-row tiles, so M = 32 reads each weight tile once from HBM (larger M re-reads it from
-# L2 for each further 32 rows). `python -m pallas_kernels.bench qmm --sweep` times the alternatives.
-# x_natural stays off until measured: the strided 2-byte x loads cannot use cp.async (4-byte minimum), so they may
-# stall the pipelined K loop by more than the transpose launches they save (the sweep times both).
+# The decode/verify tiles, in one place: `decode_tiles` fits them to a weight's K and picks the K splits. 64 output
+# features a program on one warpgroup (wgmma, weights as the register operand), one k block a loop step, 3 pipeline
+# stages; a program carries two 16-row tiles, so M = 32 reads each weight tile once from HBM. Measured on the H200
+# (docs/kernels/qmm.md, BENCHMARKS.md): the split-K sweep of session 2 chose the shape; on 2026-11-30 (session 4)
+# the whole 27B decode round ran 13.81 ms with the switches off, 13.39 with `prefetch`, 13.34 with `prefetch` and
+# `lop3`, 14.26 with those and 4 stages (one run, same machine; runs on other days differed by ~5 %), so both
+# switches are on. `x_natural` stays off: the same probe put the round at 14.24 ms with it against 13.14 without
+# (the strided 2-byte x loads cannot use cp.async and cost more inside the kernel than the transposes they save).
 DECODE_TILES = Tiles(block_m=16, block_n=64, blocks_per_step=1, num_warps=4, num_stages=3, max_m_blocks=2,
-                     k_splits=1, x_natural=False)
+                     k_splits=1, x_natural=False, prefetch=True, lop3=True)
 # Programs a decode launch should have at least (132 SMs; the H200 sweep of docs/kernels/qmm.md run 3: the best
 # split counts gave 640-2720 programs, the unsplit default 160-544).
 DECODE_MIN_PROGRAMS = 600
