@@ -10,7 +10,10 @@ How the kernel works (Pallas, Triton lowering; docs/kernels/qmm.md has the measu
   sit 16 bits apart, so one shift, one AND with 0x000F000F and one OR with 0x43004300 turn them into two bf16
   numbers 128 + q (the bf16 mantissa has 7 bits; no int->float conversion). Field pair j of all the block's words
   is one "chunk" of 2 * words columns, an MMA operand built in registers: w = (q' - 128) * scale + bias, one
-  bf16 FMA for two weights, rounded once from the exact dequantized value.
+  bf16 FMA for two weights, rounded once from the exact dequantized value -- as designed, and as pip Triton
+  compiles it; on the H200, compiled by XLA, 38 % of the weights came out 1-2 ulp off that value (q * scale
+  rounded before the bias, 2026-11-30). `Tiles.fma_ptx` writes the two steps as PTX bf16x2 FMAs so no compiler
+  can split them; off until the device shows it gives the single rounding (tests/test_qmm.py's gpu tests).
 - Chunk column 2c + t is (word c, field j + t * per/2): the weight is used exactly as the checkpoint stores it
   (no load-time repack). x must meet it in that "chunk order": it is permuted per call (an XLA transpose that
   fuses into x's producer when that is an XLA fusion). Decode tiles can instead (`Tiles.x_natural`) read x in
@@ -151,6 +154,9 @@ class Tiles:
     prefetch: bool = False
     # "fused", compiled (not interpret mode): mask and OR of a field pair in one inline-PTX lop3 (same bits).
     lop3: bool = False
+    # "fused", compiled, 4-bit bf16: the dequantizing subtract and FMA as inline-PTX bf16x2 FMAs (one rounding
+    # guaranteed; see `_weight_chunk`). Off until the device shows what it changes.
+    fma_ptx: bool = False
 
     def check(self) -> None:
         if self.impl not in IMPLS:
@@ -243,13 +249,15 @@ DEQUANT_PROMPT_TILES = Tiles(block_m=128, block_n=256, num_warps=8, num_stages=3
 def prompt_tiles(n: int, k: int, bits: int, group: int, impl: str | None = None) -> Tiles:
     """Prompt (compute-bound) tiles from the weight's shape only (never from M).
 
-    "fused": a 128x128 output tile per program (two warpgroups, 3 stages: 225 KB of shared memory), weight tiles
-    reused from L2 by the programs of consecutive row blocks. "dequant": `DEQUANT_PROMPT_TILES` fitted to the
-    shape (`fit_dequant_tiles`). impl: None for `PROMPT_IMPL`.
+    "fused": a 128x128 output tile per program (two warpgroups), weight tiles reused from L2 by the programs of
+    consecutive row blocks; 3 stages at 4 bits (225-226 KB of shared memory), 2 at 8 bits, whose 256-column block
+    has twice the words: 3 stages asked 263 KB and failed to launch on the H200 (227 KB a block), 2 take 161-162
+    KB (offline compile for sm_90). "dequant": `DEQUANT_PROMPT_TILES` fitted to the shape (`fit_dequant_tiles`).
+    impl: None for `PROMPT_IMPL`.
     """
     impl = PROMPT_IMPL if impl is None else impl
     if impl == "fused":
-        return FUSED_PROMPT_TILES
+        return FUSED_PROMPT_TILES if bits == 4 else dataclasses.replace(FUSED_PROMPT_TILES, num_stages=2)
     if impl == "dequant":
         return fit_dequant_tiles(DEQUANT_PROMPT_TILES, n, k)
     raise ValueError(f"qmm: prompt impl {impl!r} is not one of {IMPLS}")
@@ -270,7 +278,8 @@ def fit_dequant_tiles(tiles: Tiles, n: int, k: int) -> Tiles:
 # kernel
 
 
-def _weight_chunk(words, j: int, bits: int, s, b, w_dtype, bf16_fma: bool, lop3: bool = False):
+def _weight_chunk(words, j: int, bits: int, s, b, w_dtype, bf16_fma: bool, lop3: bool = False,
+                  fma_ptx: bool = False):
     """words uint32 [bn, c] -> the chunk's dequantized weights [bn, 2c]: fields j and j + per/2 of each word.
     lop3: build the bf16 pair with one inline PTX lop3 (compiled kernels only; the same bits as the jnp ops)."""
     bn, c = words.shape
@@ -294,6 +303,15 @@ def _weight_chunk(words, j: int, bits: int, s, b, w_dtype, bf16_fma: bool, lop3:
     fields = jnp.stack(halves, axis=-1).reshape(bn, 2 * c)  # Triton `join`: both halves stay in one thread
     if bf16_fma:
         q = jax.lax.bitcast_convert_type(fields, jnp.bfloat16)  # 128 + q, exact
+        if fma_ptx:
+            # The same two steps as PTX bf16x2 FMAs, so no compiler can round q * s before adding b: 1 * q' - 128
+            # (exact), then q * s + b rounded once.
+            w, = plt.elementwise_inline_asm(
+                "{ .reg .b32 t, one, m128; mov.b32 one, 0x3F803F80; mov.b32 m128, 0xC300C300;"
+                " fma.rn.bf16x2 t, $1, one, m128; fma.rn.bf16x2 $0, t, $2, $3; }",
+                args=[q, s, b], constraints="=r,r,r,r", pack=2,
+                result_shape_dtypes=[jax.ShapeDtypeStruct(q.shape, jnp.bfloat16)])
+            return w
         return (q - jnp.bfloat16(128)) * s + b  # exact q, one bf16 FMA: the dequantized value rounded once
     q = fields.astype(jnp.int32).astype(jnp.float32)
     return (q * s.astype(jnp.float32) + b.astype(jnp.float32)).astype(w_dtype)
@@ -361,7 +379,8 @@ def _qmm_kernel(x_ref, w_ref, s_ref, b_ref, *out_refs, m: int, n: int, kp: int, 
             for j in range(half):
                 col0 = kb * block + j * chunk
                 wt = _weight_chunk(words, j, bits, s, b, w_dtype, bf16_fma,
-                                   lop3=tiles.lop3 and not interpret)  # [bn, chunk]
+                                   lop3=tiles.lop3 and not interpret,
+                                   fma_ptx=tiles.fma_ptx and not interpret)  # [bn, chunk]
                 xcols = pl.ds(pl.multiple_of(col0, chunk), chunk)
                 for mb in range(m_blocks):
                     if tiles.x_natural:
