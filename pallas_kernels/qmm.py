@@ -281,7 +281,8 @@ def fit_dequant_tiles(tiles: Tiles, n: int, k: int) -> Tiles:
 def _weight_chunk(words, j: int, bits: int, s, b, w_dtype, bf16_fma: bool, lop3: bool = False,
                   fma_ptx: bool = False):
     """words uint32 [bn, c] -> the chunk's dequantized weights [bn, 2c]: fields j and j + per/2 of each word.
-    lop3: build the bf16 pair with one inline PTX lop3 (compiled kernels only; the same bits as the jnp ops)."""
+    lop3: build the bf16 pair with one inline PTX lop3 (compiled kernels only; the same bits as the jnp ops).
+    fma_ptx: the dequantizing subtract and FMA as inline PTX (compiled only; see `Tiles.fma_ptx`)."""
     bn, c = words.shape
     shifted = words >> jnp.uint32(j * bits) if j else words
     # Fields j and j + half sit 16 bits apart: one AND (and for bf16 one OR of the 128.0 pattern) builds both

@@ -20,13 +20,16 @@ case "$stage" in
   tests)
     # SIGINT, not TERM, at the limit: pytest then still prints which tests passed and failed. Results go straight to
     # files (a piped -q run lost its summary to the timeout on 2026-11-30).
-    # The first half holds what changed last (qmm's natural-order x, the pipelined engine); rownorm and attention
-    # passed at 9659462. Both halves took ~270 s there.
+    # First half: what is unproven on the device -- the qmm rounding (fma_ptx) and 8-bit prompt tiles (both added
+    # in session 4 after the device run), then the GDN tests (cut short in sessions 2 and 3). Second half: the rest
+    # (engine, rownorm, attention, kv: all passed at 51ec6b5 / 9659462).
     timeout -s INT 270 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short -rfE --durations=15 \
-      tests/test_qmm.py tests/test_engine_gpu.py > "$out/gpu_tests_1.log" 2>&1
+      "tests/test_qmm.py::test_gpu_dequant_same_weights_as_fused" "tests/test_qmm.py::test_gpu_matches_oracle" \
+      tests/test_gdn.py > "$out/gpu_tests_1.log" 2>&1
     timeout -s INT 270 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short -rfE --durations=15 \
-      tests/test_gdn.py tests/test_rownorm.py tests/test_attention.py tests/test_kv_quant.py \
-      > "$out/gpu_tests_2.log" 2>&1
+      tests/test_qmm.py tests/test_engine_gpu.py tests/test_rownorm.py tests/test_attention.py \
+      tests/test_kv_quant.py --deselect tests/test_qmm.py::test_gpu_dequant_same_weights_as_fused \
+      --deselect tests/test_qmm.py::test_gpu_matches_oracle > "$out/gpu_tests_2.log" 2>&1
     grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_*.log | cut -c1-160 | tail -60 ;;
   engine)
     timeout 560 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths 4096,32768 --rounds 64 \
