@@ -200,6 +200,10 @@ def cmd_bench(args) -> int:
         params, cfg = ck.params, ck.config
     if not args.compile_timing and args.compile_cache:
         _cache(args)
+    from pallas_kernels import qmm
+    shipped_impl = qmm.PROMPT_IMPL
+    qmm.PROMPT_IMPL = args.qmm_prompt_impl or shipped_impl  # read when the prompt programs are traced
+    log(f"qmm prompt implementation: {qmm.PROMPT_IMPL}")
     try:
         res = bench.run(params, cfg, backend=_backend(args), dtype=args.dtype, kv_cache=args.kv_cache,
                         streams=streams, prompt_lengths=lengths, context=args.context, rounds=args.rounds,
@@ -207,7 +211,9 @@ def cmd_bench(args) -> int:
                         logprobs=args.logprobs, progress=sys.stderr.isatty(), log=log)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
-    print(json.dumps(res.as_dict()) if args.json else "\n".join(res.lines()))
+    finally:
+        used, qmm.PROMPT_IMPL = qmm.PROMPT_IMPL, shipped_impl
+    print(json.dumps(dict(res.as_dict(), qmm_prompt_impl=used)) if args.json else "\n".join(res.lines()))
     return 0
 
 
@@ -277,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--no-compile-timing", dest="compile_timing", action="store_false",
                     help="compile once with --compile-cache instead of timing cold and warm compiles")
     be.add_argument("--no-warm", action="store_true", help="time the cold compile only")
+    be.add_argument("--qmm-prompt-impl", choices=("fused", "dequant"), default=None,
+                    help="the quantized matmul's prompt implementation to time (default: the shipped one; "
+                         "pallas_kernels/qmm.py PROMPT_IMPL). The two differ in the last bits of prompt rows")
     be.add_argument("--json", action="store_true", help="print one JSON object")
     be.set_defaults(fn=cmd_bench)
     return p

@@ -6,6 +6,8 @@ import json
 import numpy as np
 import pytest
 
+from pallas_kernels import qmm
+
 from qwen_jax.__main__ import main
 from tests.conftest import CAPTURES
 
@@ -78,3 +80,14 @@ def test_bench_runs_small(capsys):
     res = json.loads(capsys.readouterr().out)
     assert res["prompt_tokens_per_s"]["100"] > 0 and res["decode_forwards_per_s"]["2"] > 0
     assert res["decode_tokens_per_s"]["2"] == pytest.approx(2 * res["decode_forwards_per_s"]["2"])
+    assert res["qmm_prompt_impl"] == qmm.PROMPT_IMPL
+
+
+def test_bench_qmm_prompt_impl_is_scoped(capsys):
+    """--qmm-prompt-impl reaches the run (recorded in the result) and the shipped choice is back afterwards."""
+    shipped = qmm.PROMPT_IMPL
+    other = "dequant" if shipped == "fused" else "fused"
+    assert main(["bench", "--model", TINY, "--streams", "", "--prompt-lengths", "64", "--max-chunk", "64",
+                 "--no-compile-timing", "--json", "--qmm-prompt-impl", other] + NO_CACHE) == 0
+    assert json.loads(capsys.readouterr().out)["qmm_prompt_impl"] == other
+    assert qmm.PROMPT_IMPL == shipped

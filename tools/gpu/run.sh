@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh tests|rowinv|launch|qmm-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -56,6 +56,15 @@ case "$stage" in
   launch)
     timeout 560 python3 tools/gpu/launch_probe.py --synthetic 27b \
       --variants default,no-command-buffers,custom-calls-too --tiles x_natural=1 --layers 16 2>&1 | tee "$out/launch_probe.log" | tail -30 ;;
+  prompt-ab)
+    # The qmm prompt implementations end to end: 27B prompt tok/s with the fused kernel and with dequantize +
+    # Pallas matmul (the prefill goal is 9.4K tok/s at 4K), then the kernels alone.
+    for impl in fused dequant; do
+      timeout 200 python3 -m qwen_jax bench --synthetic 27b --streams "" --prompt-lengths 4096 \
+        --no-compile-timing --compile-cache "" --qmm-prompt-impl $impl 2>&1 | tee "$out/prompt_$impl.log" | tail -4
+    done
+    timeout 150 python3 -m pallas_kernels.bench qmm --sweep --prompt-only --prompt-ms 1024,4096 --budget-s 120 \
+      --json "$out/qmm_prompt.json" 2>&1 | tee "$out/qmm_prompt.log" | tail -30 ;;
   qmm-ab)
     # The qmm decode switches A/B: isolated kernels at the 27B's decode shapes, then the whole decode round.
     ab="prefetch=1;prefetch=1,lop3=1;prefetch=1,lop3=1,num_stages=4"
