@@ -67,7 +67,8 @@ case "$stage" in
       --json "$out/qmm_prompt.json" 2>&1 | tee "$out/qmm_prompt.log" | tail -30 ;;
   qmm-ab)
     # The qmm decode switches A/B: isolated kernels at the 27B's decode shapes, then the whole decode round.
-    ab="prefetch=1;prefetch=1,lop3=1;prefetch=1,lop3=1,num_stages=4"
+    # (prefetch and lop3 are the defaults since 51ec6b5: the first variant turns them off again, for reference)
+    ab="prefetch=0,lop3=0;fma_ptx=1;fma_ptx=1,block_m=8"
     timeout 150 python3 -m pallas_kernels.bench qmm --sweep --shapes 5120x34816,17408x5120,5120x6144,6144x5120 \
       --m 1,16 --variants "$ab" --budget-s 120 --json "$out/qmm_ab.json" 2>&1 | tee "$out/qmm_ab.log" | tail -45
     timeout 280 python3 tools/gpu/launch_probe.py --synthetic 27b --variants default --tiles "$ab" 2>&1 \
