@@ -131,12 +131,29 @@ def summarize(path: str, rounds: int) -> None:
     _print_top(rows, rounds, "kernel")
 
 
+# Kernel families by name prefix (our Pallas kernels are named at their pallas_call); the rest is XLA's own.
+FAMILIES = (("qmm", "qmm_"), ("norms", "rownorm_"), ("attention", "attn_"), ("kv write", "kv_"), ("gdn", "gdn_"))
+
+
+def family(name: str) -> str:
+    for fam, prefix in FAMILIES:
+        if name.startswith(prefix):
+            return fam
+    return "xla (glue: transposes, slices, sums, elementwise)"
+
+
 def _print_top(rows, rounds: int, what: str, top: int = 40) -> None:
-    """(name, µs) pairs -> µs and calls a round per name, largest total first."""
+    """(name, µs) pairs -> µs and calls a round per kernel family, then per name, largest total first."""
     by = collections.defaultdict(lambda: [0, 0.0])
+    fams = collections.defaultdict(lambda: [0, 0.0])
     for name, us in rows:
         by[name][0] += 1
         by[name][1] += us
+        fams[family(name)][0] += 1
+        fams[family(name)][1] += us
+    print(f"{'µs/round':>10} {'calls/round':>11}  family")
+    for name, (n, us) in sorted(fams.items(), key=lambda kv: -kv[1][1]):
+        print(f"{us / rounds:10.1f} {n / rounds:11.1f}  {name}")
     print(f"{'µs/round':>10} {'calls/round':>11}  {what}")
     for name, (n, us) in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]:
         print(f"{us / rounds:10.1f} {n / rounds:11.1f}  {name[:110]}")
