@@ -413,6 +413,19 @@ def test_decode_kernels_lower_for_cuda(h200_lowering):
             assert "stablehlo.transpose" not in lowered, (k, n, m)
 
 
+def test_replace_tiles_by_name():
+    """The benchmarks' A/B syntax: fields by name, booleans as 0/1; unknown fields, bad values and tiles that fail
+    `Tiles.check` are ValueErrors naming the problem."""
+    t = qmm.replace_tiles(qmm.DECODE_TILES, "prefetch=0,num_stages=4,impl=fused")
+    assert (t.prefetch, t.num_stages, t.impl) == (False, 4, "fused")
+    assert dataclasses.replace(t, prefetch=True, num_stages=3) == qmm.DECODE_TILES
+    assert qmm.replace_tiles(qmm.DECODE_TILES, "") == qmm.DECODE_TILES
+    for bad, match in (("nope=1", "not field=value"), ("prefetch", "not field=value"), ("lop3=yes", "not a bool"),
+                       ("block_n=48", "power of two"), ("impl=cublas", "impl=")):
+        with pytest.raises(ValueError, match=match):
+            qmm.replace_tiles(qmm.DECODE_TILES, bad)
+
+
 def _triton_ir(fn, *args) -> str:
     """The Triton IR Pallas hands XLA for the single kernel in fn(*args), lowered for an H200 on this CPU."""
     from jax._src.pallas.triton import lowering as triton_lowering
