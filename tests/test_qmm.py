@@ -426,6 +426,16 @@ def test_replace_tiles_by_name():
             qmm.replace_tiles(qmm.DECODE_TILES, bad)
 
 
+def test_sweep_labels_name_every_switch():
+    """The bench's tile label differs for tiles that differ only in one switch (the sweep reports rows by label)."""
+    from pallas_kernels.bench import qmm as bench
+    base = dataclasses.replace(qmm.decode_tiles(17408, 5120, 4, 64), x_natural=False, prefetch=False, lop3=False,
+                               fma_ptx=False)
+    labels = {bench.tiles_str(base)} | {bench.tiles_str(dataclasses.replace(base, **{f: True}))
+                                        for f in BIT_NEUTRAL_SWITCHES + ("fma_ptx",)}
+    assert len(labels) == 1 + len(BIT_NEUTRAL_SWITCHES) + 1
+
+
 def _triton_ir(fn, *args) -> str:
     """The Triton IR Pallas hands XLA for the single kernel in fn(*args), lowered for an H200 on this CPU."""
     from jax._src.pallas.triton import lowering as triton_lowering

@@ -348,8 +348,10 @@ def _report(rows: list[Row], copy: float) -> str:
 def tiles_str(t: qmm.Tiles) -> str:
     if t.impl == "dequant":
         return f"dequant {t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages} g{t.group_m}"
-    return (f"{t.block_m}/{t.block_n}/{t.blocks_per_step}/{t.num_warps}/{t.num_stages}/{t.max_m_blocks}/{t.k_splits}"
-            + (" nx" if t.x_natural else "") + (" pf" if t.prefetch else "") + (" lop3" if t.lop3 else ""))
+    # Every switch that is on, by its field name: a variant that differs only in a switch gets its own label.
+    switches = [f.name for f in dataclasses.fields(t) if f.type == "bool" and getattr(t, f.name)]
+    return " ".join([f"{t.block_m}/{t.block_n}/{t.blocks_per_step}/{t.num_warps}/{t.num_stages}/{t.max_m_blocks}/"
+                     f"{t.k_splits}"] + switches)
 
 
 def dequant_candidates(n: int, k: int) -> list[qmm.Tiles]:
