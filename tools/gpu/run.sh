@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh first|second|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -17,6 +17,26 @@ else
 fi
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore::DeprecationWarning
 case "$stage" in
+  first)
+    # Session 5, call 1: what is unproven on the device (fma_ptx's single rounding, 8-bit prompt tiles, GDN), then
+    # the decode switches on isolated kernels and the prompt implementations on isolated kernels.
+    timeout -s INT 250 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short -rfE --durations=15 \
+      "tests/test_qmm.py::test_gpu_dequant_same_weights_as_fused" "tests/test_qmm.py::test_gpu_matches_oracle" \
+      tests/test_gdn.py > "$out/gpu_tests_1.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_1.log | cut -c1-160 | tail -40
+    timeout 140 python3 -m pallas_kernels.bench qmm --sweep --shapes 5120x34816,17408x5120,5120x6144,6144x5120 \
+      --m 1,16 --variants "prefetch=0,lop3=0;fma_ptx=1;fma_ptx=1,block_m=8" --budget-s 110 \
+      --json "$out/qmm_ab.json" 2>&1 | tee "$out/qmm_ab.log" | tail -45
+    timeout 150 python3 -m pallas_kernels.bench qmm --sweep --prompt-only --prompt-ms 1024,4096 --budget-s 120 \
+      --json "$out/qmm_prompt.json" 2>&1 | tee "$out/qmm_prompt.log" | tail -40 ;;
+  second)
+    # Session 5, call 2: the prompt implementations end to end, and fma_ptx in the whole decode round.
+    for impl in fused dequant; do
+      timeout 170 python3 -m qwen_jax bench --synthetic 27b --streams "" --prompt-lengths 4096 \
+        --no-compile-timing --compile-cache "" --qmm-prompt-impl $impl 2>&1 | tee "$out/prompt_$impl.log" | tail -4
+    done
+    timeout 230 python3 tools/gpu/launch_probe.py --synthetic 27b --variants default --tiles "fma_ptx=1" 2>&1 \
+      | tee "$out/launch_ab.log" | tail -30 ;;
   tests)
     # SIGINT, not TERM, at the limit: pytest then still prints which tests passed and failed. Results go straight to
     # files (a piped -q run lost its summary to the timeout on 2026-11-30).
