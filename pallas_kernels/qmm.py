@@ -13,7 +13,8 @@ How the kernel works (Pallas, Triton lowering; docs/kernels/qmm.md has the measu
   bf16 FMA for two weights, rounded once from the exact dequantized value -- as designed, and as pip Triton
   compiles it; on the H200, compiled by XLA, 38 % of the weights came out 1-2 ulp off that value (q * scale
   rounded before the bias, 2026-11-30). `Tiles.fma_ptx` writes the two steps as PTX bf16x2 FMAs so no compiler
-  can split them; off until the device shows it gives the single rounding (tests/test_qmm.py's gpu tests).
+  can split them: on the H200 it gives the single rounding (gpu tests, session 5) and a 5.9 % faster decode
+  round, so it is on in the shipped tiles.
 - Chunk column 2c + t is (word c, field j + t * per/2): the weight is used exactly as the checkpoint stores it
   (no load-time repack). x must meet it in that "chunk order": it is permuted per call (an XLA transpose that
   fuses into x's producer when that is an XLA fusion). Decode tiles can instead (`Tiles.x_natural`) read x in
@@ -155,7 +156,7 @@ class Tiles:
     # "fused", compiled (not interpret mode): mask and OR of a field pair in one inline-PTX lop3 (same bits).
     lop3: bool = False
     # "fused", compiled, 4-bit bf16: the dequantizing subtract and FMA as inline-PTX bf16x2 FMAs (one rounding
-    # guaranteed; see `_weight_chunk`). Off until the device shows what it changes.
+    # guaranteed; see `_weight_chunk`). On in the shipped tiles since session 5 (see `DECODE_TILES`).
     fma_ptx: bool = False
 
     def check(self) -> None:
@@ -203,8 +204,10 @@ def replace_tiles(tiles: Tiles, spec: str) -> Tiles:
 # `lop3`, 14.26 with those and 4 stages (one run, same machine; runs on other days differed by ~5 %), so both
 # switches are on. `x_natural` stays off: the same probe put the round at 14.24 ms with it against 13.14 without
 # (the strided 2-byte x loads cannot use cp.async and cost more inside the kernel than the transposes they save).
+# `fma_ptx` (session 5, one device run): the round 13.43 -> 12.64 ms, isolated decode kernels 1.05-1.24x, and the
+# weights now get the single rounding the design specifies (without it XLA's build rounded q * s first).
 DECODE_TILES = Tiles(block_m=16, block_n=64, blocks_per_step=1, num_warps=4, num_stages=3, max_m_blocks=2,
-                     k_splits=1, x_natural=False, prefetch=True, lop3=True)
+                     k_splits=1, x_natural=False, prefetch=True, lop3=True, fma_ptx=True)
 # Programs a decode launch should have at least (132 SMs; the H200 sweep of docs/kernels/qmm.md run 3: the best
 # split counts gave 640-2720 programs, the unsplit default 160-544).
 DECODE_MIN_PROGRAMS = 600
@@ -234,14 +237,18 @@ def fit_tiles(tiles: Tiles, k: int, bits: int) -> Tiles:
     return dataclasses.replace(tiles, blocks_per_step=steps, k_splits=splits)
 
 
-# The prompt path's implementation: "fused" (dequantize inside the MMA loop; run 3: 295 TFLOP/s at 5120->17408)
-# or "dequant" (XLA dequantizes the weight to bf16 in memory, then `DEQUANT_PROMPT_TILES`' matmul). Run 3 put
-# "dequantize in memory + cuBLAS" at 1.8-2.3x the fused kernel; the next device sweep (`bench qmm --sweep
-# --prompt-only`) decides whether the fixed-tile Pallas matmul keeps that lead, and this line flips if it does.
-PROMPT_IMPL = "fused"
-FUSED_PROMPT_TILES = Tiles(block_m=128, block_n=128, blocks_per_step=1, num_warps=8, num_stages=3, max_m_blocks=1)
-# Triton's best-known Hopper bf16 GEMM tile (two warpgroups, each 64 rows x 256 columns of wgmma, 147 KB of shared
-# memory at 3 stages: one program a SM), unmeasured here; the sweep times it against 4 neighbours.
+# The prompt path's implementation: "fused" (dequantize inside the MMA loop) or "dequant" (XLA dequantizes the
+# weight to bf16 in memory, then `DEQUANT_PROMPT_TILES`' matmul). H200, session 5 (`bench qmm --sweep
+# --prompt-only`): dequant 403 / 1199 us at 5120->17408, M = 1024 / 4096, against the fused kernel's 683 / 2795
+# (1.7x / 2.3x), 502 / 1212 against 756 / 2697 at 17408->5120; the 27B's 4096-token prompt pass 9143 tok/s against
+# 4692 (`bench --qmm-prompt-impl`). So "dequant" is the default.
+PROMPT_IMPL = "dequant"
+FUSED_PROMPT_TILES = Tiles(block_m=128, block_n=128, blocks_per_step=1, num_warps=8, num_stages=3, max_m_blocks=1,
+                           fma_ptx=True)
+# Triton's usual Hopper bf16 GEMM tile (two warpgroups, each 64 rows x 256 columns of wgmma, 147 KB of shared
+# memory at 3 stages: one program a SM). The session 5 sweep timed it against 4 neighbours: the fastest or within
+# 4 % of the fastest at both MLP shapes and M = 1024 / 4096 (128x128 tiles: 9 % faster at 17408->5120, M = 1024,
+# 20 % slower at M = 4096).
 DEQUANT_PROMPT_TILES = Tiles(block_m=128, block_n=256, num_warps=8, num_stages=3, impl="dequant", block_k=64,
                              group_m=8)
 

@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh first|second|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh first|second|third|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -37,6 +37,15 @@ case "$stage" in
     done
     timeout 230 python3 tools/gpu/launch_probe.py --synthetic 27b --variants default --tiles "fma_ptx=1" 2>&1 \
       | tee "$out/launch_ab.log" | tail -30 ;;
+  third)
+    # Session 5, call 3: with fma_ptx and the dequant prompt path shipped, the exactness gates that cover them
+    # (qmm row invariance / split-K / 27B shapes; engine concurrent == solo), then the engine bench in full.
+    timeout -s INT 250 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short -rfE --durations=10 \
+      tests/test_qmm.py tests/test_engine_gpu.py --deselect tests/test_qmm.py::test_gpu_matches_oracle \
+      > "$out/gpu_tests_3.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_3.log | cut -c1-160 | tail -40
+    timeout 330 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths 4096,32768 --rounds 64 \
+      2>&1 | tee "$out/bench_27b.log" | tail -25 ;;
   tests)
     # SIGINT, not TERM, at the limit: pytest then still prints which tests passed and failed. Results go straight to
     # files (a piped -q run lost its summary to the timeout on 2026-11-30).
