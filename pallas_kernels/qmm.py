@@ -31,8 +31,9 @@ How the kernel works (Pallas, Triton lowering; docs/kernels/qmm.md has the measu
   wrapper adds the partials in a fixed sequence ((p0 + p1) + p2 ...) before the cast.
 
 Prompt path, second implementation (`Tiles.impl == "dequant"`, chosen by `prompt_tiles`; `PROMPT_IMPL` is the
-default): one XLA elementwise fusion dequantizes the whole weight to the MMA dtype in memory, with the values the
-fused kernel builds (`dequantize_for_matmul`), then a plain Pallas (Triton) matmul x [bm, bk] @ w^T [bk, bn] with
+default): the whole weight is dequantized to the MMA dtype in memory, with the values the fused kernel builds
+(4-bit with bf16 x and scales: the Pallas pass `dequant_pass`; otherwise one XLA fusion, `dequantize_for_matmul`;
+the two give the same bits), then a plain Pallas (Triton) matmul x [bm, bk] @ w^T [bk, bn] with
 fp32 accumulation, K in increasing blocks of `block_k`, one output tile a program, a 1-D grid walked in groups of
 `group_m` row tiles (row tile fastest) so consecutive programs share the weight tile.
 
@@ -528,6 +529,111 @@ def dequantize_for_matmul(w: QuantizedWeight, x_dtype) -> jax.Array:
     return deq.reshape(n, k)
 
 
+# The dequantization pass as a Pallas kernel (4-bit weights, bf16 scales and x: the 27B's case). XLA's fusion of
+# `dequantize_for_matmul` ran at 1.7-2.1 TB/s on the H200 (session 5: 106-135 us for a 50 MB weight whose pass moves
+# 228 MB, floor 53 us), and the prompt path runs it once per weight per chunk. The kernel reads 16-byte words,
+# builds eight bf16 weights a word in registers with the fused kernel's arithmetic (field pairs by lop3, natural
+# order by prmt, then the two bf16x2 FMAs: rounded once, so the same bits as `dequantize_for_matmul`), and stores
+# them as uint32 pairs [N, K/2], which the caller bitcasts to bf16 [N, K] (free).
+DEQUANT_PASS_ROWS = 32  # weight rows a program
+DEQUANT_PASS_WORDS = 128  # packed words (1024 columns) a program, halved until it divides K/8
+
+
+def _dequant_pass_words(c: int) -> int:
+    bc = DEQUANT_PASS_WORDS
+    while c % bc:
+        bc //= 2
+    return bc
+
+
+def _bf16_pair(v: jax.Array) -> jax.Array:
+    """bf16 [...] -> uint32 [...] holding the value twice (both halves of a bf16x2 operand)."""
+    u = jax.lax.bitcast_convert_type(v, jnp.uint16).astype(jnp.uint32)
+    return u | (u << jnp.uint32(16))
+
+
+def _dequant_pass_kernel(w_ref, s_ref, b_ref, o_ref, *, n: int, bn: int, bc: int, words_per_group: int,
+                         interpret: bool):
+    # w_ref uint32 [N, C] (eight 4-bit fields a word); s_ref, b_ref bf16 [N, G]; o_ref uint32 [N, 4C]: word c's
+    # weights 2i and 2i + 1 in o[:, 4c + i] (low half first).
+    rows = pl.ds(pl.program_id(0) * bn, bn)
+    row_ok = (pl.program_id(0) * bn + jnp.arange(bn, dtype=jnp.int32)) < n
+    words = plt.load(w_ref.at[rows, pl.ds(pl.program_id(1) * bc, bc)],
+                     mask=jnp.broadcast_to(row_ok[:, None], (bn, bc)), other=0)
+    gb = bc // words_per_group
+    gcols = pl.ds(pl.program_id(1) * gb, gb)
+
+    def per_word(ref):  # [bn, gb] -> [bn, bc]: each group's value for each of its words
+        v = plt.load(ref.at[rows, gcols], mask=jnp.broadcast_to(row_ok[:, None], (bn, gb)), other=0)
+        return jnp.broadcast_to(v[:, :, None], (bn, gb, words_per_group)).reshape(bn, bc)
+
+    s, b = per_word(s_ref), per_word(b_ref)
+    if interpret:
+        # Same values by jnp (no inline PTX on the CPU): q * s exact in fp32, + b rounded once to bf16.
+        def weight(f):
+            q = ((words >> jnp.uint32(4 * f)) & jnp.uint32(15)).astype(jnp.int32).astype(jnp.float32)
+            w = _add_rounded_once_to_bf16(q * s.astype(jnp.float32), b.astype(jnp.float32))
+            return jax.lax.bitcast_convert_type(w, jnp.uint16).astype(jnp.uint32)
+
+        ws = [weight(f) for f in range(8)]
+        outs = [ws[2 * i] | (ws[2 * i + 1] << jnp.uint32(16)) for i in range(4)]
+    else:
+        # Output i = weights (2i, 2i + 1) of each word: p = fields (j, j + 4) and p' = fields (j + 1, j + 5) as
+        # bf16 128 + q (lop3, j = 2i mod 4), prmt takes both low halves (i < 2) or both high halves (i >= 2), then
+        # 1 * w' - 128 (exact) and w * s + b (rounded once) as bf16x2 FMAs. One asm call an output (the Pallas
+        # Triton lowering takes one result an asm); ptxas merges the field pairs the calls share.
+        as_i32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
+        args = [as_i32(words), as_i32(_bf16_pair(s)), as_i32(_bf16_pair(b))]
+        lop = f"0x000F000F, {_BF16_128_PAIR:#010x}, 0xEA;"
+        outs = []
+        for i in range(4):
+            j = 2 * i % 4
+            asm = ["{ .reg .b32 p, q, t, one, m128;", "mov.b32 one, 0x3F803F80;", "mov.b32 m128, 0xC300C300;",
+                   *([f"shr.u32 t, $1, {4 * j};", f"lop3.b32 p, t, {lop}"] if j else [f"lop3.b32 p, $1, {lop}"]),
+                   f"shr.u32 t, $1, {4 * j + 4};", f"lop3.b32 q, t, {lop}",
+                   f"prmt.b32 $0, p, q, {0x5410 if i < 2 else 0x7632:#06x};",
+                   "fma.rn.bf16x2 $0, $0, one, m128;", "fma.rn.bf16x2 $0, $0, $2, $3; }"]
+            out, = plt.elementwise_inline_asm(" ".join(asm), args=args, constraints="=r,r,r,r", pack=1,
+                                              result_shape_dtypes=[jax.ShapeDtypeStruct((bn, bc), jnp.int32)])
+            outs.append(jax.lax.bitcast_convert_type(out, jnp.uint32))
+    # Interleave to natural order: [bn, bc, 2, 2] with element (c, i, o) = outs[2i + o], i.e. outs 0..3 in a row.
+    pairs = jnp.stack([jnp.stack([outs[0], outs[2]], axis=-1), jnp.stack([outs[1], outs[3]], axis=-1)], axis=-1)
+    plt.store(o_ref.at[rows, pl.ds(pl.program_id(1) * 4 * bc, 4 * bc)], pairs.reshape(bn, 4 * bc),
+              mask=jnp.broadcast_to(row_ok[:, None], (bn, 4 * bc)))
+
+
+def dequant_pass(w: QuantizedWeight, *, interpret: bool = False) -> jax.Array:
+    """The whole weight [N, K] in bf16 for bf16 x, by the Pallas dequantization kernel: the same bits as
+    `dequantize_for_matmul(w, jnp.bfloat16)` (each weight q * s + b rounded once). 4-bit weights with bf16 scales
+    and biases only; ValueError otherwise."""
+    if w.bits != 4 or w.scales.dtype != jnp.bfloat16 or w.biases.dtype != jnp.bfloat16:
+        raise ValueError(f"qmm dequant pass: needs 4-bit weights with bf16 scales and biases, got bits={w.bits}, "
+                         f"scales {w.scales.dtype}, biases {w.biases.dtype}")
+    n, k = w.shape
+    c = w.words.shape[1]
+    bc = _dequant_pass_words(c)
+    bn = DEQUANT_PASS_ROWS
+    kernel = functools.partial(_dequant_pass_kernel, n=n, bn=bn, bc=bc, words_per_group=w.group_size // 8,
+                               interpret=bool(interpret))
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((n, 4 * c), jnp.uint32),
+        grid=(pl.cdiv(n, bn), c // bc),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name=f"qmm_dequant_pass_g{w.group_size}",
+    )(w.words, w.scales, w.biases)
+    return jax.lax.bitcast_convert_type(out, jnp.bfloat16).reshape(n, k)
+
+
+def _dequantize_weight(w: QuantizedWeight, x_dtype, interpret: bool) -> jax.Array:
+    """The dequant implementation's weight: the Pallas pass where it applies (4-bit, bf16 x and scales), else
+    XLA's `dequantize_for_matmul`. Same values either way."""
+    if _arith(x_dtype, w.scales.dtype, w.bits)[2] and w.biases.dtype == jnp.bfloat16:
+        return dequant_pass(w, interpret=interpret)
+    return dequantize_for_matmul(w, x_dtype)
+
+
 def _matmul_kernel(x_ref, w_ref, *out_refs, m: int, n: int, k: int, tiles: Tiles, m_tiles: int, n_tiles: int,
                    precision):
     # x_ref [M, K]; w_ref [N, K] (dequantized, x's dtype); o_ref [M, N] (preceded by the unread `after` operand
@@ -620,7 +726,7 @@ def _qmm(x: jax.Array, w: QuantizedWeight, *, prompt: bool, interpret: bool, til
     if tiles.impl == "dequant":
         with jax.named_scope("qmm_prompt_dequant" if prompt else "qmm_decode_dequant"):
             with jax.named_scope("qmm_dequantize"):
-                wd = dequantize_for_matmul(w, x.dtype)
+                wd = _dequantize_weight(w, x.dtype, interpret)
             return _matmul_call(x, wd, x.dtype, tiles, interpret, poison)
     with jax.named_scope("qmm_prompt" if prompt else "qmm_decode"):
         kp = _padded_k(k, w.bits)

@@ -229,15 +229,16 @@ def test_bench_sweep_smoke(tmp_path):
     labels = [r["label"] for r in rows if r["kind"] == "decode"]
     assert labels[:2] == [bench.tiles_str(t), bench.tiles_str(dataclasses.replace(t, x_natural=not t.x_natural))]
     prompt = [r for r in rows if r["kind"] == "prompt"]
-    # fused kernel, the dequant candidates end to end, its matmul alone, its dequantization alone, 3 XLA rows
-    assert len(prompt) == 4 + len(bench.dequant_candidates(256, 512)) + 2
+    # fused kernel, the dequant candidates end to end, its matmul alone, its dequantization pass alone (Pallas and
+    # XLA), 3 XLA rows
+    assert len(prompt) == 5 + len(bench.dequant_candidates(256, 512)) + 2
     shipped = [r["label"] for r in prompt if r["default"]]
     assert len(shipped) == 1 and bench.tiles_str(qmm.prompt_tiles(256, 512, 4, 64)) in shipped[0], shipped
     assert all(r["error"] is None or r["error"].startswith("noise") for r in rows), rows
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the prompt path's "dequant" implementation (XLA dequantizes the weight, then the plain Pallas matmul)
+# the prompt path's "dequant" implementation (a dequantization pass over the weight, then the plain Pallas matmul)
 
 
 def _dequant_tiles(n: int, k: int) -> qmm.Tiles:
@@ -337,6 +338,29 @@ def test_dequant_values(bits, group):
         np.testing.assert_array_equal(_bits(got), _bits(jnp.asarray(fp32).astype(x_dtype)))
 
 
+@pytest.mark.parametrize("n,k,group", [(67, 128, 64), (45, 1152, 32), (33, 2048, 128), (32, 2176, 64)])
+def test_dequant_pass_same_bits_as_xla(n, k, group):
+    """The Pallas dequantization pass (interpret mode: its jnp twin of the PTX arithmetic, and the kernel's own
+    blocking, masking and natural-order interleave) equals `dequantize_for_matmul` bit for bit: rows not a
+    multiple of its 32-row block, K whose word count is not a multiple of its 128-word block (1152 / 8 = 144 and
+    2176 / 8 = 272, as the 27B's 17408 is), every group size, midpoint rows included."""
+    rng = np.random.default_rng(2100 + n + k + group)
+    w, *_ = _trap_weight(rng, n, k, 4, group)
+    got = qmm.dequant_pass(w, interpret=INTERPRET)
+    assert got.shape == (n, k) and got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(_bits(got), _bits(qmm.dequantize_for_matmul(w, jnp.bfloat16)))
+
+
+def test_dequant_pass_rejects_what_it_cannot_build():
+    """8-bit weights and non-bf16 scales are a ValueError naming what it needs (the qmm prompt path sends those
+    to XLA's dequantization instead, tested in test_dequant_values)."""
+    rng = np.random.default_rng(2200)
+    for bits, scale_dtype in ((8, jnp.bfloat16), (4, jnp.float16)):
+        w, *_ = _trap_weight(rng, 32, 128, bits, 64, scale_dtype)
+        with pytest.raises(ValueError, match="4-bit weights with bf16 scales"):
+            qmm.dequant_pass(w, interpret=INTERPRET)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_dequant_row_invariance(dtype):
     """The dequant implementation: row i of a 600-row call is bit-identical to the row alone or in other batches."""
@@ -388,7 +412,9 @@ def test_prompt_kernels_lower_for_cuda(h200_lowering):
             for m in (600, 4096):
                 lowered = jax.jit(lambda x, w, t=tiles: qmm.qmm(x, w, prompt=True, tiles=t)).trace(
                     sds((m, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
-                assert lowered.count("__gpu$xla.gpu.triton") == 1, (k, n, tiles, m)
+                # dequant: the Pallas dequantization pass, then the matmul
+                want = 2 if tiles.impl == "dequant" else 1
+                assert lowered.count("__gpu$xla.gpu.triton") == want, (k, n, tiles, m)
 
 
 # Tile switches that change how the kernel reads or builds its operands but not the values or the MMAs: each must
@@ -656,5 +682,7 @@ def test_gpu_dequant_same_weights_as_fused(bits, group):
     if bits == 4:
         once = _round_to_bf16(dequantize_numpy(words, s64, b64, bits, group)).T
         np.testing.assert_array_equal(_bits(jnp.asarray(once, jnp.float32).astype(jnp.bfloat16)), deq,
-                                      err_msg="dequantize_for_matmul is not q*s + b rounded once")
+                                      err_msg="the dequant pass (Pallas) is not q*s + b rounded once")
+        np.testing.assert_array_equal(_bits(qmm.dequantize_for_matmul(w, jnp.bfloat16)).T, deq,
+                                      err_msg="XLA's dequantize_for_matmul differs from the Pallas pass")
     np.testing.assert_array_equal(deq, fused, err_msg="the fused kernel's weights differ from the dequant pass's")

@@ -222,9 +222,17 @@ def _matmul_fn(tiles: qmm.Tiles, interpret: bool = False):
 
 
 def _dequantize_fn(x, w):
-    """The dequant implementation's XLA pass alone (x unused: it keeps the chain's argument shape)."""
+    """XLA's dequantization pass alone (x unused: it keeps the chain's argument shape)."""
     del x
     return qmm.dequantize_for_matmul(w, jnp.bfloat16)
+
+
+def _dequant_pass_fn(interpret: bool = False):
+    """The dequant implementation's Pallas dequantization pass alone (same bits as `_dequantize_fn`)."""
+    def run(x, w):
+        del x
+        return qmm.dequant_pass(w, interpret=interpret)
+    return run
 
 
 def _dequant_dot(x, w):
@@ -481,12 +489,14 @@ def _sweep(args, t_start: float) -> dict:
                             arg_sets, reps, fused == shipped, fused))
             for i, t in enumerate(cands):  # e2e: XLA dequantization + the Pallas matmul, like qmm() in a model
                 fn, takes_after, arg_sets = _path_fn(t, x, ws, args.interpret)
-                jobs.append(Job("prompt", (k, n), m, f"pallas {tiles_str(t)} (xla dequant + pallas mm)",
+                jobs.append(Job("prompt", (k, n), m, f"pallas {tiles_str(t)} (dequant pass + pallas mm)",
                                 2 + min(i, 1) + i // 3, fn, takes_after, arg_sets, reps, t == shipped, t))
             jobs.append(Job("prompt", (k, n), m, f"  its matmul alone, {tiles_str(cands[0])}, weight already bf16", 3,
                             _matmul_fn(cands[0], args.interpret), True, [(x, d) for d in dense_nk], reps, False,
                             cands[0]))
-            jobs.append(Job("prompt", (k, n), m, "  its xla dequantization alone (-> bf16 [N, K] in memory)", 3,
+            jobs.append(Job("prompt", (k, n), m, "  its dequantization pass alone (pallas, -> bf16 [N, K])", 3,
+                            _dequant_pass_fn(args.interpret), False, [(x, w) for w in ws], reps))
+            jobs.append(Job("prompt", (k, n), m, "  the same by xla (dequantize_for_matmul, same bits)", 3,
                             _dequantize_fn, False, [(x, w) for w in ws], reps))
             jobs.append(Job("prompt", (k, n), m, "xla dequant->bf16 in memory, jnp.dot", 2, _dequant_dot, False,
                             [(x, w) for w in ws], reps))
