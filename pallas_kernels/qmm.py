@@ -539,8 +539,8 @@ DEQUANT_PASS_ROWS = 32  # weight rows a program
 DEQUANT_PASS_WORDS = 128  # packed words (1024 columns) a program, halved until it divides K/8
 
 
-def _dequant_pass_words(c: int) -> int:
-    bc = DEQUANT_PASS_WORDS
+def _dequant_pass_words(c: int, words: int) -> int:
+    bc = words
     while c % bc:
         bc //= 2
     return bc
@@ -602,24 +602,26 @@ def _dequant_pass_kernel(w_ref, s_ref, b_ref, o_ref, *, n: int, bn: int, bc: int
               mask=jnp.broadcast_to(row_ok[:, None], (bn, 4 * bc)))
 
 
-def dequant_pass(w: QuantizedWeight, *, interpret: bool = False) -> jax.Array:
+def dequant_pass(w: QuantizedWeight, *, interpret: bool = False, rows: int = DEQUANT_PASS_ROWS,
+                 words: int = DEQUANT_PASS_WORDS, num_warps: int = 4) -> jax.Array:
     """The whole weight [N, K] in bf16 for bf16 x, by the Pallas dequantization kernel: the same bits as
     `dequantize_for_matmul(w, jnp.bfloat16)` (each weight q * s + b rounded once). 4-bit weights with bf16 scales
-    and biases only; ValueError otherwise."""
+    and biases only; ValueError otherwise. rows / words / num_warps: a program's block (benchmarks; elementwise,
+    so they cannot change a bit)."""
     if w.bits != 4 or w.scales.dtype != jnp.bfloat16 or w.biases.dtype != jnp.bfloat16:
         raise ValueError(f"qmm dequant pass: needs 4-bit weights with bf16 scales and biases, got bits={w.bits}, "
                          f"scales {w.scales.dtype}, biases {w.biases.dtype}")
     n, k = w.shape
     c = w.words.shape[1]
-    bc = _dequant_pass_words(c)
-    bn = DEQUANT_PASS_ROWS
+    bc = _dequant_pass_words(c, words)
+    bn = rows
     kernel = functools.partial(_dequant_pass_kernel, n=n, bn=bn, bc=bc, words_per_group=w.group_size // 8,
                                interpret=bool(interpret))
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((n, 4 * c), jnp.uint32),
         grid=(pl.cdiv(n, bn), c // bc),
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name=f"qmm_dequant_pass_g{w.group_size}",
     )(w.words, w.scales, w.biases)

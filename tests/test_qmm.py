@@ -229,9 +229,9 @@ def test_bench_sweep_smoke(tmp_path):
     labels = [r["label"] for r in rows if r["kind"] == "decode"]
     assert labels[:2] == [bench.tiles_str(t), bench.tiles_str(dataclasses.replace(t, x_natural=not t.x_natural))]
     prompt = [r for r in rows if r["kind"] == "prompt"]
-    # fused kernel, the dequant candidates end to end, its matmul alone, its dequantization pass alone (Pallas and
-    # XLA), 3 XLA rows
-    assert len(prompt) == 5 + len(bench.dequant_candidates(256, 512)) + 2
+    # fused kernel, the dequant candidates end to end, its matmul alone, its dequantization pass alone (Pallas
+    # blocks, and XLA), 3 XLA rows
+    assert len(prompt) == 6 + len(bench.dequant_candidates(256, 512)) + len(bench.DEQUANT_PASS_VARIANTS)
     shipped = [r["label"] for r in prompt if r["default"]]
     assert len(shipped) == 1 and bench.tiles_str(qmm.prompt_tiles(256, 512, 4, 64)) in shipped[0], shipped
     assert all(r["error"] is None or r["error"].startswith("noise") for r in rows), rows

@@ -227,11 +227,17 @@ def _dequantize_fn(x, w):
     return qmm.dequantize_for_matmul(w, jnp.bfloat16)
 
 
-def _dequant_pass_fn(interpret: bool = False):
+# The Pallas dequantization pass's blocks timed besides the shipped one: (rows, words, warps).
+DEQUANT_PASS_VARIANTS = ((qmm.DEQUANT_PASS_ROWS, qmm.DEQUANT_PASS_WORDS, 4), (16, 128, 4), (32, 64, 4),
+                         (64, 64, 8), (8, 256, 4))
+
+
+def _dequant_pass_fn(interpret: bool = False, rows: int = qmm.DEQUANT_PASS_ROWS, words: int = qmm.DEQUANT_PASS_WORDS,
+                     warps: int = 4):
     """The dequant implementation's Pallas dequantization pass alone (same bits as `_dequantize_fn`)."""
     def run(x, w):
         del x
-        return qmm.dequant_pass(w, interpret=interpret)
+        return qmm.dequant_pass(w, interpret=interpret, rows=rows, words=words, num_warps=warps)
     return run
 
 
@@ -494,8 +500,11 @@ def _sweep(args, t_start: float) -> dict:
             jobs.append(Job("prompt", (k, n), m, f"  its matmul alone, {tiles_str(cands[0])}, weight already bf16", 3,
                             _matmul_fn(cands[0], args.interpret), True, [(x, d) for d in dense_nk], reps, False,
                             cands[0]))
-            jobs.append(Job("prompt", (k, n), m, "  its dequantization pass alone (pallas, -> bf16 [N, K])", 3,
-                            _dequant_pass_fn(args.interpret), False, [(x, w) for w in ws], reps))
+            for i, (r, c, nw) in enumerate(DEQUANT_PASS_VARIANTS if m == args.prompt_ms[0] else
+                                           DEQUANT_PASS_VARIANTS[:1]):  # x is not read: one M is enough
+                jobs.append(Job("prompt", (k, n), m, f"  its dequantization pass alone (pallas {r}x{c} words, "
+                                f"{nw} warps{', shipped' if i == 0 else ''})", 3 + min(i, 1),
+                                _dequant_pass_fn(args.interpret, r, c, nw), False, [(x, w) for w in ws], reps))
             jobs.append(Job("prompt", (k, n), m, "  the same by xla (dequantize_for_matmul, same bits)", 3,
                             _dequantize_fn, False, [(x, w) for w in ws], reps))
             jobs.append(Job("prompt", (k, n), m, "xla dequant->bf16 in memory, jnp.dot", 2, _dequant_dot, False,

@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh first|second|third|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh first|second|third|fourth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -46,6 +46,16 @@ case "$stage" in
     grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_3.log | cut -c1-160 | tail -40
     timeout 330 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths 4096,32768 --rounds 64 \
       2>&1 | tee "$out/bench_27b.log" | tail -25 ;;
+  fourth)
+    # Session 5, call 4: the Pallas dequantization pass (prompt path): same bits on the device, the kernels, the
+    # 27B prompt pass end to end.
+    timeout -s INT 150 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short -rfE \
+      tests/test_qmm.py -k "dequant_same_weights or dequant_27b" > "$out/gpu_tests_4.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_4.log | cut -c1-160 | tail -20
+    timeout 200 python3 -m qwen_jax bench --synthetic 27b --streams "" --prompt-lengths 4096,32768 \
+      --no-compile-timing --compile-cache "" 2>&1 | tee "$out/prompt_pass.log" | tail -5
+    timeout 150 python3 -m pallas_kernels.bench qmm --sweep --prompt-only --prompt-ms 1024,4096 --budget-s 120 \
+      --json "$out/qmm_prompt.json" 2>&1 | tee "$out/qmm_prompt.log" | grep -v "^\[" | tail -60 ;;
   tests)
     # SIGINT, not TERM, at the limit: pytest then still prints which tests passed and failed. Results go straight to
     # files (a piped -q run lost its summary to the timeout on 2026-11-30).
