@@ -534,8 +534,10 @@ def dequantize_for_matmul(w: QuantizedWeight, x_dtype) -> jax.Array:
 # 228 MB, floor 53 us), and the prompt path runs it once per weight per chunk. The kernel reads 16-byte words,
 # builds eight bf16 weights a word in registers with the fused kernel's arithmetic (field pairs by lop3, natural
 # order by prmt, then the two bf16x2 FMAs: rounded once, so the same bits as `dequantize_for_matmul`), and stores
-# them as uint32 pairs [N, K/2], which the caller bitcasts to bf16 [N, K] (free).
-DEQUANT_PASS_ROWS = 32  # weight rows a program
+# them as uint32 pairs [N, K/2], which the caller bitcasts to bf16 [N, K] (free). Blocks (H200, session 5, the pass
+# alone, 64 chained calls): 32 rows x 128 words 62-85 us at 5120->17408 and 74 us at 17408->5120 (XLA: 116-182 and
+# 116-119); 8 x 128 (asked as 8 x 256, which both K halve to 128) 58 and 55 us, the fastest of five, so shipped.
+DEQUANT_PASS_ROWS = 8  # weight rows a program
 DEQUANT_PASS_WORDS = 128  # packed words (1024 columns) a program, halved until it divides K/8
 
 

@@ -228,8 +228,8 @@ def _dequantize_fn(x, w):
 
 
 # The Pallas dequantization pass's blocks timed besides the shipped one: (rows, words, warps).
-DEQUANT_PASS_VARIANTS = ((qmm.DEQUANT_PASS_ROWS, qmm.DEQUANT_PASS_WORDS, 4), (16, 128, 4), (32, 64, 4),
-                         (64, 64, 8), (8, 256, 4))
+DEQUANT_PASS_VARIANTS = ((qmm.DEQUANT_PASS_ROWS, qmm.DEQUANT_PASS_WORDS, 4), (32, 128, 4), (16, 128, 4),
+                         (32, 64, 4), (8, 128, 2))
 
 
 def _dequant_pass_fn(interpret: bool = False, rows: int = qmm.DEQUANT_PASS_ROWS, words: int = qmm.DEQUANT_PASS_WORDS,

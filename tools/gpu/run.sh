@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh first|second|third|fourth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh first|second|third|fourth|fifth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -56,6 +56,13 @@ case "$stage" in
       --no-compile-timing --compile-cache "" 2>&1 | tee "$out/prompt_pass.log" | tail -5
     timeout 150 python3 -m pallas_kernels.bench qmm --sweep --prompt-only --prompt-ms 1024,4096 --budget-s 120 \
       --json "$out/qmm_prompt.json" 2>&1 | tee "$out/qmm_prompt.log" | grep -v "^\[" | tail -60 ;;
+  fifth)
+    # Session 5, call 5: the 27B prompt pass with the 8-row dequantization pass; the decode round's anatomy with
+    # fma_ptx (kernel families from a trace).
+    timeout 150 python3 -m qwen_jax bench --synthetic 27b --streams "" --prompt-lengths 4096 \
+      --no-compile-timing --compile-cache "" 2>&1 | tee "$out/prompt_pass.log" | tail -3
+    timeout 200 python3 tools/gpu/decode_profile.py --synthetic 27b --trace "$out/trace" --profiled 0 2>&1 \
+      | tee "$out/decode_trace.txt" | tail -45 ;;
   tests)
     # SIGINT, not TERM, at the limit: pytest then still prints which tests passed and failed. Results go straight to
     # files (a piped -q run lost its summary to the timeout on 2026-11-30).
