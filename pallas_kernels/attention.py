@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.calls import pallas_call
 from pallas_kernels import kv_quant
 from pallas_kernels.kv_quant import KVPool, as_stored, gather_stream
 
@@ -475,7 +476,7 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
         per_head_scale = pl.BlockSpec((None, pool.num_pages, ps), lambda i, j, c: (j, 0, 0))
         kernel = functools.partial(_window_chunk_kernel, fp8=fp8, scale=scale, r=r, group=group, mrows=mrows,
                                    max_keys=max_keys, page_size=ps, tiles=tiles, cdt=cdt)
-        return pl.pallas_call(
+        return pallas_call(
             kernel,
             grid=(s, hkv, n_chunks),
             in_specs=[pl.BlockSpec((s,), lambda i, j, c: (0,)),
@@ -540,7 +541,7 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
                                    max_keys=max_keys, chunk=tiles.chunk, unroll=unroll, max_block=max_block,
                                    cdt=cdt)
         win_scale = pl.BlockSpec((None, r * hkv), lambda i, j, e: (i, 0))
-        out = pl.pallas_call(
+        out = pallas_call(
             kernel,
             grid=(s, hkv, d // bd),
             in_specs=[pl.BlockSpec((s,), lambda i, j, e: (0,)),
@@ -750,7 +751,7 @@ def prompt(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, 
     # through L2.
     q_spec = pl.BlockSpec((None, bq, None, d), lambda h, i, b: (b, n_q_blocks - 1 - i, h, 0))
     with jax.named_scope("attn_prompt"):
-        out = pl.pallas_call(
+        out = pallas_call(
             kernel,
             grid=(hq, n_q_blocks, s),
             in_specs=[pl.BlockSpec((s,), lambda h, i, b: (0,)), pl.BlockSpec((s,), lambda h, i, b: (0,)),

@@ -23,6 +23,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pt
 
+from pallas_kernels.calls import pallas_call
+
 CHUNK = 64
 _HI = jax.lax.Precision.HIGHEST
 
@@ -693,7 +695,7 @@ def prompt_prep(k, v, g, beta, start, lengths, *, tiles: PromptTiles, interpret:
     s, t, hk, dk = k.shape
     hv, dv = v.shape[2], v.shape[3]
     nc = _max_chunks(t)
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(_prep_kernel, group=hv // hk, precision=tiles.precision, interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((s, nc, hv, CHUNK, dk), _F32),
                    jax.ShapeDtypeStruct((s, nc, hv, CHUNK, dv), _F32),
@@ -711,7 +713,7 @@ def prompt_state(k, w, u, gam, start, lengths, slot, rec_pool, *, tiles: PromptT
     _, nc, hv, _, dv = u.shape
     bv = _block_v(tiles.block_v, dv, "prompt")
     store = jnp.dtype(tiles.store_dtype)
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(_state_kernel, group=hv // hk, block_v=bv, precision=tiles.precision,
                           interpret=interpret),
         out_shape=(jax.ShapeDtypeStruct((s, nc, hv, dk, dv), store),
@@ -729,7 +731,7 @@ def prompt_output(q, k, gam, h_chunks, v_new, start, lengths, out_dtype, *, tile
     """-> o [S, T, Hv, dv] in out_dtype."""
     s, t, hk, _ = q.shape
     _, nc, hv, _, dv = h_chunks.shape
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(_output_kernel, group=hv // hk, precision=tiles.precision, interpret=interpret),
         out_shape=jax.ShapeDtypeStruct((s, t, hv, dv), out_dtype),
         grid=(s, nc, hv),
@@ -755,7 +757,7 @@ def window(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Arr
         raise ValueError(f"gdn.window: at most {_EMIT} rows per stream, got {r}")
     bv = _block_v(tiles.block_v, dv, "window")
     steps, n_steps = _window_steps(parents)
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(_recurrent_kernel, group=hv // hk, block_v=bv, emit=True),
         out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
         grid=(s, hv, dv // bv),
@@ -783,7 +785,7 @@ def commit(k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, path: jax.
     bv = _block_v(tiles.block_v, dv, "commit")
     # Two entries of padding: the kernel reads each step's code two steps ahead.
     steps = jnp.pad(jnp.clip(path, 0, r - 1).astype(jnp.int32), ((0, 0), (0, 2)))
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(_recurrent_kernel, group=hv // hk, block_v=bv, emit=False),
         out_shape=jax.ShapeDtypeStruct(rec_pool.shape, _F32),
         grid=(s, hv, dv // bv),
@@ -810,7 +812,7 @@ def step(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array
         raise ValueError(f"gdn.step: one row per stream (q, k [S, 1, Hk, dk]), got {r} rows; use window + commit "
                          f"for more")
     bv = _block_v(tiles.block_v, dv, "step")
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(_step_kernel, group=hv // hk, block_v=bv),
         out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(rec_pool.shape, _F32)),
         grid=(s, hv, dv // bv),

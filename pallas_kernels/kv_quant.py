@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.calls import pallas_call
+
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
 
@@ -160,7 +162,7 @@ def quantize(x: jax.Array, *, interpret: bool = False) -> tuple[jax.Array, jax.A
     bn = 16
     n_pad = -(-n // bn) * bn
     rows = jnp.pad(rows, ((0, n_pad - n), (0, 0)))
-    codes, scale = pl.pallas_call(
+    codes, scale = pallas_call(
         functools.partial(_quantize_kernel, interpret=interpret),
         grid=(n_pad // bn,),
         in_specs=[pl.BlockSpec((bn, d), lambda i: (i, 0))],
@@ -216,7 +218,7 @@ def write(pool: KVPool, k_new: jax.Array, v_new: jax.Array, page_table: jax.Arra
     row_spec = pl.BlockSpec((None, None, None, d), lambda i, j, g: (i, j, g, 0))
     stream_spec = lambda width: pl.BlockSpec((None, width), lambda i, j, g: (i, 0))  # noqa: E731
     n_in = 5
-    outs = pl.pallas_call(
+    outs = pallas_call(
         kernel,
         grid=(s, t, hkv),
         in_specs=[stream_spec(page_table.shape[1]), stream_spec(t), stream_spec(t), row_spec, row_spec] + whole,

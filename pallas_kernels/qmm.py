@@ -54,6 +54,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.calls import pallas_call
 from pallas_kernels.qweight import QuantizedWeight, dequantize, dequantize_rows, unpack
 
 # Two bf16 128.0s: OR-ing a 4-bit field q into the low mantissa bits of one gives the bf16 number 128 + q exactly.
@@ -466,7 +467,7 @@ def _qmm_call(xk: jax.Array, words, scales, biases, n: int, bits: int, group: in
     operands = (xk, words, scales, biases) + (() if after is None else (after,))
     if poison:
         operands += (jnp.full(out_shape.shape, jnp.nan, out_shape.dtype),)
-    y = pl.pallas_call(
+    y = pallas_call(
         kernel,
         out_shape=out_shape,
         grid=grid,
@@ -619,7 +620,7 @@ def dequant_pass(w: QuantizedWeight, *, interpret: bool = False, rows: int = DEQ
     bn = rows
     kernel = functools.partial(_dequant_pass_kernel, n=n, bn=bn, bc=bc, words_per_group=w.group_size // 8,
                                interpret=bool(interpret))
-    out = pl.pallas_call(
+    out = pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((n, 4 * c), jnp.uint32),
         grid=(pl.cdiv(n, bn), c // bc),
@@ -692,7 +693,7 @@ def _matmul_call(x: jax.Array, wd: jax.Array, out_dtype, tiles: Tiles, interpret
     operands = (x, wd) + (() if after is None else (after,))
     if poison:
         operands += (jnp.full((m, n), jnp.nan, out_dtype),)
-    return pl.pallas_call(
+    return pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid=(m_tiles * n_tiles,),

@@ -31,6 +31,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.calls import pallas_call
+
 _F32 = jnp.float32
 _MAX_CHUNK = 1024  # columns per load: one 5120-wide hidden row is five 1024-column chunks
 _BLOCK_ELEMENTS = 4096  # rows per program are chosen so a block holds about this many elements
@@ -159,7 +161,7 @@ def _call(kind: str, x: jax.Array, gate: jax.Array | None, weight: jax.Array | N
     # A fresh partial per call: jax#40847 reuses a stale jaxpr when one kernel function meets several grids.
     kernel = functools.partial(_norm_kernel, kind=kind, d=d, eps=float(eps), tiles=tiles, io_dtype=x.dtype)
     with jax.named_scope(f"rownorm_{kind}"):
-        out = pl.pallas_call(
+        out = pallas_call(
             kernel,
             # At least two programs: the Triton lowering turns the program id of a one-program grid into the
             # constant 0, which would make a single block's kernel a different program from the others'.

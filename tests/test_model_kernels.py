@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import calls
 from qwen_jax import model as M
 from qwen_jax.checkpoint import load_checkpoint
 from qwen_jax.runner import Runner
@@ -65,8 +66,9 @@ def test_27b_decode_program_launch_budget(h200_lowering):
     lay = P.Layout(64, 4, 5, 2, "bfloat16", "bf16")
     pr = P.Programs(params, cfg, lay, P.Buckets((P.GRID,), (1,), (1,)), M.Backend(kernels=True))
     args = P._abstract(pr._example("decode", (1, 1)))
-    lowered = pr._fns["decode"].trace(params, jax.eval_shape(lambda: pr.state), pr.last, *args).lower(
-        lowering_platforms=("cuda",))
+    with calls.sharing(False):  # one Triton custom call a launch in the text (XLA inlines the shared ones)
+        lowered = pr._fns["decode"].trace(params, jax.eval_shape(lambda: pr.state), pr.last, *args).lower(
+            lowering_platforms=("cuda",))
     text = lowered.as_text()
     kinds = [n.split('"')[0].split("_")[0] for n in text.split('name = "')[1:]]
     gdn_layer, attn_layer = 4 + 2 + 3, 4 + 2 + 5
@@ -75,3 +77,45 @@ def test_27b_decode_program_launch_budget(h200_lowering):
     from pallas_kernels import qmm
     if qmm.DECODE_TILES.x_natural:
         assert "qmm_decode/transpose" not in lowered.as_text(debug_info=True)
+
+
+def _decode_program_text(layers: int) -> str:
+    from qwen_jax import programs as P
+    from qwen_jax.synthetic import random_params, synthetic_config
+    cfg = synthetic_config("27b", layers)
+    params = jax.eval_shape(lambda k: random_params(cfg.text, k, dtype=jnp.bfloat16, quant=cfg.quantization),
+                            jax.random.key(0))
+    pr = P.Programs(params, cfg, P.Layout(64, 4, 5, 2, "bfloat16", "bf16"), P.Buckets((P.GRID,), (1,), (1,)),
+                    M.Backend(kernels=True))
+    args = P._abstract(pr._example("decode", (1, 1)))
+    return pr._fns["decode"].trace(params, jax.eval_shape(lambda: pr.state), pr.last, *args).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+
+def test_kernel_calls_lowered_once_per_program(h200_lowering):
+    """`pallas_kernels.calls`: the 27B decode program at 8 layers lowers each distinct kernel once (a shared
+    function the call sites call), not once a call site: the same kernels, far fewer Triton modules, and the
+    count does not grow with depth (8 and 12 layers: the same 15 modules)."""
+    import re
+    names = lambda text: re.findall(r'name = "([a-z0-9_]+?)(?:__\d+)?"', text)
+    with calls.sharing(False):
+        plain = _decode_program_text(8)
+    shared = _decode_program_text(8)
+    assert plain.count("__gpu$xla.gpu.triton") == 6 * (4 + 2 + 3) + 2 * (4 + 2 + 5) + 2  # one a launch
+    assert set(names(shared)) == set(names(plain))
+    # one module a distinct (kernel, shapes): 12 names, the RMS norm at three widths, the split-4 qmm at two N
+    assert shared.count("__gpu$xla.gpu.triton") == len(set(names(plain))) + 2 + 1
+    assert _decode_program_text(12).count("__gpu$xla.gpu.triton") == shared.count("__gpu$xla.gpu.triton")
+
+
+def test_kernel_calls_shared_same_bits(mlx4):
+    """Sharing the kernels' lowering changes nothing computed: the tiny model's prompt logits with kernels on
+    (interpret mode) are bit-identical with sharing on and off."""
+    ck, z = mlx4
+    ids = z["repeat.prompt_ids"].tolist()[:40]
+    outs = []
+    for enabled in (True, False):
+        with calls.sharing(enabled):
+            runner = Runner(ck.params, ck.config, dtype=jnp.float32, backend=KERNELS, max_len=128)
+            outs.append(np.asarray(runner.prefill(ids, all_logits=True)))
+    np.testing.assert_array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))

@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh first|second|third|fourth|fifth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -63,6 +63,14 @@ case "$stage" in
       --no-compile-timing --compile-cache "" 2>&1 | tee "$out/prompt_pass.log" | tail -3
     timeout 200 python3 tools/gpu/decode_profile.py --synthetic 27b --trace "$out/trace" --profiled 0 2>&1 \
       | tee "$out/decode_trace.txt" | tail -45 ;;
+  sixth)
+    # Session 5, call 6: kernel calls shared in lowering (pallas_kernels/calls.py): the engine's gpu tests (pools
+    # updated in place, concurrent == solo), then the bench with cold and warm compile.
+    timeout -s INT 170 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short -rfE tests/test_engine_gpu.py \
+      > "$out/gpu_tests_6.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_6.log | cut -c1-160 | tail -20
+    timeout 200 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths 4096 --rounds 32 \
+      2>&1 | tee "$out/bench_27b.log" | tail -12 ;;
   tests)
     # SIGINT, not TERM, at the limit: pytest then still prints which tests passed and failed. Results go straight to
     # files (a piped -q run lost its summary to the timeout on 2026-11-30).
