@@ -239,11 +239,11 @@ def fit_tiles(tiles: Tiles, k: int, bits: int) -> Tiles:
     return dataclasses.replace(tiles, blocks_per_step=steps, k_splits=splits)
 
 
-# The prompt path's implementation: "fused" (dequantize inside the MMA loop) or "dequant" (XLA dequantizes the
+# The prompt path's implementation: "fused" (dequantize inside the MMA loop) or "dequant" (a pass dequantizes the
 # weight to bf16 in memory, then `DEQUANT_PROMPT_TILES`' matmul). H200, session 5 (`bench qmm --sweep
-# --prompt-only`): dequant 403 / 1199 us at 5120->17408, M = 1024 / 4096, against the fused kernel's 683 / 2795
+# --prompt-only`, XLA's pass then): dequant 403 / 1199 us at 5120->17408, M = 1024 / 4096, against the fused kernel's 683 / 2795
 # (1.7x / 2.3x), 502 / 1212 against 756 / 2697 at 17408->5120; the 27B's 4096-token prompt pass 9143 tok/s against
-# 4692 (`bench --qmm-prompt-impl`). So "dequant" is the default.
+# 4692 (`bench --qmm-prompt-impl`), 9707 with the Pallas pass. So "dequant" is the default.
 PROMPT_IMPL = "dequant"
 FUSED_PROMPT_TILES = Tiles(block_m=128, block_n=128, blocks_per_step=1, num_warps=8, num_stages=3, max_m_blocks=1,
                            fma_ptx=True)
