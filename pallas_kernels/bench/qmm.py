@@ -42,7 +42,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import qmm
+from pallas_kernels import qmm, qmm_mgpu
 from pallas_kernels.bench.common import table
 from pallas_kernels.qweight import QuantizedWeight, dequantize
 
@@ -478,6 +478,10 @@ def _sweep(args, t_start: float) -> dict:
             for rank, t in enumerate(cands):
                 jobs.append(Job("decode", (k, n), m, tiles_str(t), rank, *_path_fn(t, x, ws, args.interpret),
                                 _reps(_estimate_us(m, n, k), args.interpret), t == default, t))
+            if args.mgpu and not args.interpret:  # the experimental Mosaic GPU kernel, ordered by the barrier chain
+                label = f"mosaic gpu, per-group epilogue, {qmm_mgpu.k_splits_for(n, k)} splits"
+                jobs.append(Job("decode", (k, n), m, label, 1, qmm_mgpu.qmm_decode, False, [(x, w) for w in ws],
+                                _reps(_estimate_us(m, n, k), args.interpret)))
     for k, n in args.prompt_shapes if args.prompt_ms else ():
         ws = _random_weights(n, k, _copies(_weight_bytes(n, k), args.interpret))
         dense = [jax.random.normal(jax.random.key(7 + i), (k, n), jnp.bfloat16)
@@ -646,6 +650,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dequant-candidates", type=int, default=5,
                     help="--sweep: tiles of the dequant prompt implementation to time (`dequant_candidates`)")
     ap.add_argument("--prompt-only", action="store_true", help="--sweep: only the prompt comparison (no decode tiles)")
+    ap.add_argument("--mgpu", action="store_true",
+                    help="--sweep: also time the experimental Mosaic GPU decode kernel (pallas_kernels/qmm_mgpu.py; "
+                         "compiled kernels only, no interpret mode)")
     ap.add_argument("--budget-s", type=float, default=150.0, help="--sweep: wall-clock bound of the whole run")
     ap.add_argument("--threads", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)),
                     help="--sweep: compile threads")

@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh mgpu|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -71,6 +71,15 @@ case "$stage" in
     grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_6.log | cut -c1-160 | tail -20
     timeout 200 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths 4096 --rounds 32 \
       2>&1 | tee "$out/bench_27b.log" | tail -12 ;;
+  mgpu)
+    # The experimental Mosaic GPU decode qmm (pallas_kernels/qmm_mgpu.py): numbers and row invariance, then its
+    # speed beside the shipped Triton tiles at the 27B's decode shapes.
+    timeout -s INT 200 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short -rfE tests/test_qmm_mgpu.py \
+      > "$out/gpu_tests_mgpu.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_mgpu.log | cut -c1-200 | tail -20
+    timeout 200 python3 -m pallas_kernels.bench qmm --sweep --shapes 5120x34816,17408x5120,5120x6144,6144x5120 \
+      --m 1,16 --max-candidates 1 --mgpu --budget-s 170 --json "$out/qmm_mgpu.json" 2>&1 | tee "$out/qmm_mgpu.log" \
+      | grep -v "^\[" | tail -40 ;;
   tests)
     # SIGINT, not TERM, at the limit: pytest then still prints which tests passed and failed. Results go straight to
     # files (a piped -q run lost its summary to the timeout on 2026-11-30).

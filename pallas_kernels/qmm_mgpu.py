@@ -1,0 +1,154 @@
+"""Decode qmm on Mosaic GPU (experimental; not wired into the model): y [M, N] = x [M, K] @ dequantize(w)^T for
+M <= 16 decode/verify rows, 4-bit MLX weights with bf16 scales and biases, group 64, bf16 x.
+
+Why a second kernel: the Triton decode kernel (`qmm.py`) runs at 35-44 % of copy on the H200 because its loads and
+its dequantize-and-MMA chain share one instruction stream and each chunk's wgmma is waited before the next chunk
+is built (docs/kernels/qmm.md, runs 4-5). Here the structure is Mosaic GPU's warp-specialised pipeline: a memory
+warpgroup keeps `stages` TMA copies in flight (x, weight words, scales, biases of one group of K each), and
+`wgs` compute warpgroups each own 64 output features.
+
+Arithmetic (a per-group epilogue; the issue's `bias x sum(x)` form): for group g of K,
+    y[n, m] += s[n, g] * sum_k q[n, k] x[m, k]  +  b[n, g] * sum_k x[m, k]
+with q the 4-bit field (0..15, exact in bf16). The weight words are viewed as uint4 [N, K] without moving a byte
+(`lax.bitcast_convert_type` gives element j = bits 4j..4j+3, MLX's field j), the compute warpgroup converts its
+[64, 64] tile to bf16 in registers (the wgmma A operand), one wgmma gives the q . x sums, a second against a
+constant all-ones A gives the group's sum of x for every column (a fixed tensor-core order, so no reduction whose
+order could depend on M), and the fp32 epilogue folds both into the running total. x is the B operand: x^T
+[K, 16] (rows padded to 16), in shared memory.
+
+Exactness: every row is one column of the MMAs, the padding is fixed at 16 rows, the K splits (`k_splits`, fp32
+partials added in one fixed sequence) and every tile come from the weight's shape alone, so a row's bits do not
+depend on M or on the other rows. The bits differ from the Triton kernel's (another formula); a model would use
+one kernel for all its decode and verify programs.
+
+Status (session 5): lowers for the H200 on the CPU (`tests/test_qmm_mgpu.py`); numerics and speed are device-only
+(the Mosaic GPU interpreter cannot run a wgmma with its A operand in registers): `pytest -m gpu
+tests/test_qmm_mgpu.py` and `python -m pallas_kernels.bench qmm --sweep --mgpu`.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.qweight import QuantizedWeight
+
+ROWS = 16  # x rows a call carries (the MMA's N); M <= ROWS
+GROUP = 64
+TILE_N = 64  # output features a compute warpgroup
+COMPUTE_WGS = 2
+STAGES = 4
+MIN_CTAS = 528  # ~4 resident CTAs (3 warpgroups each) on each of 132 SMs
+
+
+def k_splits_for(n: int, k: int) -> int:
+    """The fewest K splits (a divisor of K's group count) giving `MIN_CTAS` CTAs over N: a function of the shape."""
+    groups = k // GROUP
+    ctas = n // (TILE_N * COMPUTE_WGS)
+    return next((s for s in range(1, groups + 1) if groups % s == 0 and ctas * s >= MIN_CTAS), groups)
+
+
+def _check(x: jax.Array, w: QuantizedWeight) -> None:
+    n, k = w.shape
+    if w.bits != 4 or w.group_size != GROUP or w.scales.dtype != jnp.bfloat16 or w.biases.dtype != jnp.bfloat16:
+        raise ValueError(f"qmm_mgpu: needs 4-bit weights, group {GROUP}, bf16 scales and biases; got bits={w.bits}, "
+                         f"group={w.group_size}, scales {w.scales.dtype}, biases {w.biases.dtype}")
+    if x.ndim != 2 or x.dtype != jnp.bfloat16 or x.shape[1] != k or not 1 <= x.shape[0] <= ROWS:
+        raise ValueError(f"qmm_mgpu: x must be bf16 [M <= {ROWS}, {k}], got {x.dtype} {tuple(x.shape)}")
+    if n % (TILE_N * COMPUTE_WGS):
+        raise ValueError(f"qmm_mgpu: N={n} must be a multiple of {TILE_N * COMPUTE_WGS}")
+
+
+def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, k_splits: int, stages: int
+              ) -> jax.Array:
+    """xt [K, ROWS] bf16; q4 [N, K] uint4; st, bt [G, N] bf16 -> fp32 partials [k_splits, N, ROWS]."""
+    k, rows = xt.shape
+    n = q4.shape[0]
+    cta_n = TILE_N * COMPUTE_WGS
+    steps = k // GROUP // k_splits
+    q_swizzle = plgpu.find_swizzle(GROUP * 4, "lhs")
+    x_swizzle = plgpu.find_swizzle(rows * 16, "rhs")
+    q_transforms = (plgpu.TilingTransform((8, q_swizzle * 8 // 4)), plgpu.SwizzleTransform(q_swizzle))
+    x_transforms = (plgpu.TilingTransform((8, x_swizzle * 8 // 16)), plgpu.SwizzleTransform(x_swizzle))
+
+    def kernel(x_gmem, q_gmem, s_gmem, b_gmem, out_gmem, out_smem):
+        def pipeline(body, context):
+            return plgpu.emit_pipeline_warp_specialized(
+                body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=COMPUTE_WGS,
+                max_concurrent_steps=stages, compute_context=context,
+                in_specs=[plgpu.BlockSpec((GROUP, rows), lambda g: (g, 0), transforms=x_transforms,
+                                          memory_space=plgpu.SMEM),
+                          plgpu.BlockSpec((cta_n, GROUP), lambda g: (0, g), transforms=q_transforms,
+                                          memory_space=plgpu.SMEM),
+                          plgpu.BlockSpec((1, cta_n), lambda g: (g, 0), memory_space=plgpu.SMEM),
+                          plgpu.BlockSpec((1, cta_n), lambda g: (g, 0), memory_space=plgpu.SMEM)])
+
+        split = lax.axis_index("split")
+        n_slice = pl.ds(lax.axis_index("cta") * cta_n, cta_n)
+        g0 = split * steps
+        operands = (x_gmem.at[pl.ds(g0 * GROUP, steps * GROUP)],
+                    q_gmem.at[n_slice, pl.ds(g0 * GROUP, steps * GROUP)],
+                    s_gmem.at[pl.ds(g0, steps), n_slice], b_gmem.at[pl.ds(g0, steps), n_slice])
+        ignore = lambda *_, **__: None
+
+        @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*operands),
+                           collective_axes="wg")
+        def _scope(allocs):
+            wg = lax.axis_index("wg")
+            wg_slice = pl.ds(wg * TILE_N, TILE_N)
+            accs = {}
+
+            def context(run):
+                @functools.partial(pl.run_scoped, qx=plgpu.ACC((TILE_N, rows), jnp.float32),
+                                   sx=plgpu.ACC((TILE_N, rows), jnp.float32))
+                def _accs(qx, sx):
+                    accs.update(qx=qx, sx=sx)
+                    total = run(jnp.zeros((TILE_N, rows), jnp.float32))
+                    out_smem[wg] = total
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[split, n_slice].at[wg_slice])
+                    plgpu.wait_smem_to_gmem(0)
+
+            def body(_, x_smem, q_smem, s_smem, b_smem, total):
+                qx, sx = accs["qx"], accs["sx"]
+                qx[...] = jnp.zeros((TILE_N, rows), jnp.float32)
+                plgpu.wgmma(qx, q_smem[wg_slice].astype(jnp.bfloat16), x_smem)  # sum_k q x, q exact in bf16
+                sx[...] = jnp.zeros((TILE_N, rows), jnp.float32)
+                plgpu.wgmma(sx, jnp.ones((TILE_N, GROUP), jnp.bfloat16), x_smem)  # sum_k x, every row
+                plgpu.wgmma_wait(0)
+                s = s_smem[0, wg_slice].astype(jnp.float32)
+                b = b_smem[0, wg_slice].astype(jnp.float32)
+                return total + s[:, None] * qx[...] + b[:, None] * sx[...]
+
+            pipeline(body, context)(*operands, allocations=allocs)
+
+    call = plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((k_splits, n, rows), jnp.float32),
+        grid=(n // cta_n, k_splits), grid_names=("cta", "split"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        scratch_types=dict(out_smem=plgpu.SMEM((COMPUTE_WGS, TILE_N, rows), jnp.float32)))
+    return call(xt, q4, st, bt)
+
+
+def qmm_decode(x: jax.Array, w: QuantizedWeight, *, k_splits: int | None = None, stages: int = STAGES
+               ) -> jax.Array:
+    """x bf16 [M <= 16, K] -> y bf16 [M, N] (see the module docstring). k_splits: None for `k_splits_for`'s
+    shape-derived count (a caller that overrides must keep it fixed per weight shape)."""
+    w.validate("qmm_mgpu weight")
+    _check(x, w)
+    m, k = x.shape
+    n = w.out_features
+    splits = k_splits_for(n, k) if k_splits is None else k_splits
+    if (k // GROUP) % splits:
+        raise ValueError(f"qmm_mgpu: k_splits={splits} must divide K's {k // GROUP} groups")
+    xt = jnp.pad(x, ((0, ROWS - m), (0, 0))).T
+    q4 = lax.bitcast_convert_type(w.words, jnp.uint4).reshape(n, k)
+    parts = _partials(xt, q4, w.scales.T, w.biases.T, k_splits=splits, stages=stages)
+    total = parts[0]
+    for i in range(1, splits):  # one fixed sequence of adds for every element
+        total = total + parts[i]
+    return total[:, :m].T.astype(x.dtype)

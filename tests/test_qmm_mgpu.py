@@ -1,0 +1,80 @@
+"""The experimental Mosaic GPU decode qmm (`pallas_kernels/qmm_mgpu.py`): it lowers for an H200 on the CPU at the
+27B's decode shapes; its numbers and row invariance are checked on the device (`-m gpu`)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import qmm_mgpu
+from pallas_kernels.qweight import QuantizedWeight, dequantize_numpy
+from tests.test_qmm import HALF_TOL
+
+SHAPES_27B = ((5120, 34816), (17408, 5120), (5120, 6144), (6144, 5120))
+
+
+def _abstract_weight(n: int, k: int, bits: int = 4, group: int = 64, scale_dtype=jnp.bfloat16):
+    sds = jax.ShapeDtypeStruct
+    return QuantizedWeight(sds((n, k * bits // 32), jnp.uint32), sds((n, k // group), scale_dtype),
+                           sds((n, k // group), scale_dtype), bits, group)
+
+
+def test_lowers_for_the_h200_at_27b_shapes():
+    """Mosaic GPU's layout inference and dialect lowering run in Python at lowering time, so a layout the
+    uint4 -> bf16 register conversion, the register-A wgmma or the epilogue's broadcasts cannot take fails here."""
+    sds = jax.ShapeDtypeStruct
+    for k, n in SHAPES_27B:
+        for m in (1, 16):
+            text = jax.jit(qmm_mgpu.qmm_decode).trace(sds((m, k), jnp.bfloat16), _abstract_weight(n, k)).lower(
+                lowering_platforms=("cuda",)).as_text()
+            assert "mosaic_gpu" in text, (k, n, m)
+
+
+def test_k_splits_from_the_shape():
+    """The fewest splits dividing K's groups that give MIN_CTAS CTAs; the same whatever M is."""
+    for k, n in SHAPES_27B:
+        s = qmm_mgpu.k_splits_for(n, k)
+        assert (k // 64) % s == 0 and n // 128 * s >= qmm_mgpu.MIN_CTAS, (k, n, s)
+        assert all((k // 64) % t or n // 128 * t < qmm_mgpu.MIN_CTAS for t in range(1, s)), (k, n, s)
+
+
+def test_bad_inputs_are_value_errors():
+    sds = jax.ShapeDtypeStruct
+    cases = [(sds((1, 512), jnp.bfloat16), _abstract_weight(256, 512, bits=8), "4-bit"),
+             (sds((1, 512), jnp.bfloat16), _abstract_weight(256, 512, group=32), "group 64"),
+             (sds((1, 512), jnp.bfloat16), _abstract_weight(256, 512, scale_dtype=jnp.float16), "bf16 scales"),
+             (sds((17, 512), jnp.bfloat16), _abstract_weight(256, 512), "M <= 16"),
+             (sds((1, 512), jnp.float32), _abstract_weight(256, 512), "bf16"),
+             (sds((1, 512), jnp.bfloat16), _abstract_weight(192, 512), "multiple of 128")]
+    for x, w, match in cases:
+        with pytest.raises(ValueError, match=match):
+            jax.eval_shape(qmm_mgpu.qmm_decode, x, w)
+    with pytest.raises(ValueError, match="k_splits"):
+        jax.eval_shape(lambda x, w: qmm_mgpu.qmm_decode(x, w, k_splits=3), sds((1, 512), jnp.bfloat16),
+                       _abstract_weight(256, 512))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", [(5120, 6144), (17408, 5120)])
+def test_gpu_matches_oracle_and_rows_are_invariant(k, n):
+    """Against the float64 oracle (relative error of bf16 output size), and row i alone == row i among 16, bit
+    for bit, and == with the 15 other rows changed."""
+    rng = np.random.default_rng(3100 + n)
+    words = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
+    scales = jnp.asarray(rng.uniform(0.002, 0.02, size=(n, k // 64)), jnp.bfloat16)
+    biases = (-8.0 * scales.astype(jnp.float32)
+              + jnp.asarray(rng.normal(size=(n, k // 64)) * 1e-3)).astype(jnp.bfloat16)
+    w = QuantizedWeight(jnp.asarray(words), scales, biases, 4, 64)
+    oracle = dequantize_numpy(words, np.asarray(scales.astype(jnp.float32), np.float64),
+                              np.asarray(biases.astype(jnp.float32), np.float64), 4, 64)
+    x = jnp.asarray(rng.normal(size=(16, k)), jnp.bfloat16)
+    y = jax.jit(qmm_mgpu.qmm_decode)(x, w)
+    want = np.asarray(x.astype(jnp.float32), np.float64) @ oracle.T
+    got = np.asarray(y.astype(jnp.float32), np.float64)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err < HALF_TOL, err
+    bits = np.asarray(y).view(np.uint16)
+    for i in (0, 5, 15):
+        alone = np.asarray(jax.jit(qmm_mgpu.qmm_decode)(x[i:i + 1], w)).view(np.uint16)
+        np.testing.assert_array_equal(alone[0], bits[i], err_msg=f"row {i} alone")
+    other = x.at[1:].set(jnp.asarray(rng.normal(size=(15, k)), jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(jax.jit(qmm_mgpu.qmm_decode)(other, w)).view(np.uint16)[0], bits[0])
