@@ -21,9 +21,10 @@ partials added in one fixed sequence) and every tile come from the weight's shap
 depend on M or on the other rows. The bits differ from the Triton kernel's (another formula); a model would use
 one kernel for all its decode and verify programs.
 
-Status (session 5): lowers for the H200 on the CPU (`tests/test_qmm_mgpu.py`); numerics and speed are device-only
-(the Mosaic GPU interpreter cannot run a wgmma with its A operand in registers): `pytest -m gpu
-tests/test_qmm_mgpu.py` and `python -m pallas_kernels.bench qmm --sweep --mgpu`.
+Status (session 5): lowers for the H200 on the CPU, and runs in Mosaic GPU's interpreter (`interpret=True`, which
+routes the two A tiles through shared memory, the only place its wgmma reads A from) against the float64 oracle
+with row invariance (`tests/test_qmm_mgpu.py`). The compiled kernel's numbers and speed are device-only: `pytest
+-m gpu tests/test_qmm_mgpu.py` and `python -m pallas_kernels.bench qmm --sweep --mgpu` (`tools/gpu/run.sh mgpu`).
 """
 from __future__ import annotations
 
@@ -63,9 +64,12 @@ def _check(x: jax.Array, w: QuantizedWeight) -> None:
         raise ValueError(f"qmm_mgpu: N={n} must be a multiple of {TILE_N * COMPUTE_WGS}")
 
 
-def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, k_splits: int, stages: int
-              ) -> jax.Array:
-    """xt [K, ROWS] bf16; q4 [N, K] uint4; st, bt [G, N] bf16 -> fp32 partials [k_splits, N, ROWS]."""
+def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, k_splits: int, stages: int,
+              interpret: bool) -> jax.Array:
+    """xt [K, ROWS] bf16; q4 [N, K] uint4; st, bt [G, N] bf16 -> fp32 partials [k_splits, N, ROWS].
+    interpret: run in Mosaic GPU's interpreter (CPU), whose wgmma takes its A operand only from shared memory, so
+    the converted tile and the all-ones tile go through shared memory there (the same values into the same
+    MMAs); compiled, both stay in registers."""
     k, rows = xt.shape
     n = q4.shape[0]
     cta_n = TILE_N * COMPUTE_WGS
@@ -75,7 +79,10 @@ def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, k_s
     q_transforms = (plgpu.TilingTransform((8, q_swizzle * 8 // 4)), plgpu.SwizzleTransform(q_swizzle))
     x_transforms = (plgpu.TilingTransform((8, x_swizzle * 8 // 16)), plgpu.SwizzleTransform(x_swizzle))
 
-    def kernel(x_gmem, q_gmem, s_gmem, b_gmem, out_gmem, out_smem):
+    a_swizzle = plgpu.find_swizzle(GROUP * 16, "lhs")
+    a_transforms = (plgpu.TilingTransform((8, a_swizzle * 8 // 16)), plgpu.SwizzleTransform(a_swizzle))
+
+    def kernel(x_gmem, q_gmem, s_gmem, b_gmem, out_gmem, out_smem, *a_smem):
         def pipeline(body, context):
             return plgpu.emit_pipeline_warp_specialized(
                 body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=COMPUTE_WGS,
@@ -100,29 +107,34 @@ def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, k_s
         def _scope(allocs):
             wg = lax.axis_index("wg")
             wg_slice = pl.ds(wg * TILE_N, TILE_N)
-            accs = {}
-
             def context(run):
-                @functools.partial(pl.run_scoped, qx=plgpu.ACC((TILE_N, rows), jnp.float32),
-                                   sx=plgpu.ACC((TILE_N, rows), jnp.float32))
-                def _accs(qx, sx):
-                    accs.update(qx=qx, sx=sx)
-                    total = run(jnp.zeros((TILE_N, rows), jnp.float32))
-                    out_smem[wg] = total
+                if interpret:
+                    a_smem[0][wg, 1] = jnp.ones((TILE_N, GROUP), jnp.bfloat16)
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[split, n_slice].at[wg_slice])
-                    plgpu.wait_smem_to_gmem(0)
+                total = run(jnp.zeros((TILE_N, rows), jnp.float32))
+                out_smem[wg] = total
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[split, n_slice].at[wg_slice])
+                plgpu.wait_smem_to_gmem(0)
 
             def body(_, x_smem, q_smem, s_smem, b_smem, total):
-                qx, sx = accs["qx"], accs["sx"]
-                qx[...] = jnp.zeros((TILE_N, rows), jnp.float32)
-                plgpu.wgmma(qx, q_smem[wg_slice].astype(jnp.bfloat16), x_smem)  # sum_k q x, q exact in bf16
-                sx[...] = jnp.zeros((TILE_N, rows), jnp.float32)
-                plgpu.wgmma(sx, jnp.ones((TILE_N, GROUP), jnp.bfloat16), x_smem)  # sum_k x, every row
-                plgpu.wgmma_wait(0)
+                q = q_smem[wg_slice].astype(jnp.bfloat16)  # the fields 0..15, exact in bf16
+                ones = jnp.ones((TILE_N, GROUP), jnp.bfloat16)
+                if interpret:
+                    a_smem[0][wg, 0] = q
+                    plgpu.commit_smem()
+                    q, ones = a_smem[0].at[wg, 0], a_smem[0].at[wg, 1]
+
+                def mmas(qx, sx):  # fresh accumulators: this group's sums alone
+                    plgpu.wgmma(qx, q, x_smem)  # sum_k q x
+                    plgpu.wgmma(sx, ones, x_smem)  # sum_k x, on every row
+                    return qx[...], sx[...]  # (waits for both)
+
+                qx, sx = pl.run_scoped(mmas, plgpu.ACC((TILE_N, rows), jnp.float32),
+                                       plgpu.ACC((TILE_N, rows), jnp.float32))
                 s = s_smem[0, wg_slice].astype(jnp.float32)
                 b = b_smem[0, wg_slice].astype(jnp.float32)
-                return total + s[:, None] * qx[...] + b[:, None] * sx[...]
+                return total + s[:, None] * qx + b[:, None] * sx
 
             pipeline(body, context)(*operands, allocations=allocs)
 
@@ -130,14 +142,17 @@ def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, k_s
         kernel, out_type=jax.ShapeDtypeStruct((k_splits, n, rows), jnp.float32),
         grid=(n // cta_n, k_splits), grid_names=("cta", "split"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        scratch_types=dict(out_smem=plgpu.SMEM((COMPUTE_WGS, TILE_N, rows), jnp.float32)))
+        scratch_types=[plgpu.SMEM((COMPUTE_WGS, TILE_N, rows), jnp.float32)]
+        + ([plgpu.SMEM((COMPUTE_WGS, 2, TILE_N, GROUP), jnp.bfloat16, transforms=a_transforms)] if interpret else []),
+        interpret=plgpu.InterpretGPUParams() if interpret else None)
     return call(xt, q4, st, bt)
 
 
-def qmm_decode(x: jax.Array, w: QuantizedWeight, *, k_splits: int | None = None, stages: int = STAGES
-               ) -> jax.Array:
+def qmm_decode(x: jax.Array, w: QuantizedWeight, *, k_splits: int | None = None, stages: int = STAGES,
+               interpret: bool = False) -> jax.Array:
     """x bf16 [M <= 16, K] -> y bf16 [M, N] (see the module docstring). k_splits: None for `k_splits_for`'s
-    shape-derived count (a caller that overrides must keep it fixed per weight shape)."""
+    shape-derived count (a caller that overrides must keep it fixed per weight shape). interpret: Mosaic GPU's
+    interpreter on the CPU (`_partials`)."""
     w.validate("qmm_mgpu weight")
     _check(x, w)
     m, k = x.shape
@@ -147,7 +162,7 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, k_splits: int | None = None,
         raise ValueError(f"qmm_mgpu: k_splits={splits} must divide K's {k // GROUP} groups")
     xt = jnp.pad(x, ((0, ROWS - m), (0, 0))).T
     q4 = lax.bitcast_convert_type(w.words, jnp.uint4).reshape(n, k)
-    parts = _partials(xt, q4, w.scales.T, w.biases.T, k_splits=splits, stages=stages)
+    parts = _partials(xt, q4, w.scales.T, w.biases.T, k_splits=splits, stages=stages, interpret=interpret)
     total = parts[0]
     for i in range(1, splits):  # one fixed sequence of adds for every element
         total = total + parts[i]

@@ -1,5 +1,6 @@
 """The experimental Mosaic GPU decode qmm (`pallas_kernels/qmm_mgpu.py`): it lowers for an H200 on the CPU at the
-27B's decode shapes; its numbers and row invariance are checked on the device (`-m gpu`)."""
+27B's decode shapes and runs in Mosaic GPU's interpreter at small ones; the compiled kernel's numbers and row
+invariance are checked on the device (`-m gpu`)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,12 +54,10 @@ def test_bad_inputs_are_value_errors():
                        _abstract_weight(256, 512))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("k,n", [(5120, 6144), (17408, 5120)])
-def test_gpu_matches_oracle_and_rows_are_invariant(k, n):
+def _check_oracle_and_rows(n: int, k: int, *, interpret: bool, k_splits=None, rows=(0, 5, 15)):
     """Against the float64 oracle (relative error of bf16 output size), and row i alone == row i among 16, bit
-    for bit, and == with the 15 other rows changed."""
-    rng = np.random.default_rng(3100 + n)
+    for bit, and == with the other rows changed."""
+    rng = np.random.default_rng(3100 + n + k)
     words = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
     scales = jnp.asarray(rng.uniform(0.002, 0.02, size=(n, k // 64)), jnp.bfloat16)
     biases = (-8.0 * scales.astype(jnp.float32)
@@ -66,15 +65,29 @@ def test_gpu_matches_oracle_and_rows_are_invariant(k, n):
     w = QuantizedWeight(jnp.asarray(words), scales, biases, 4, 64)
     oracle = dequantize_numpy(words, np.asarray(scales.astype(jnp.float32), np.float64),
                               np.asarray(biases.astype(jnp.float32), np.float64), 4, 64)
+    run = jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, k_splits=k_splits, interpret=interpret))
     x = jnp.asarray(rng.normal(size=(16, k)), jnp.bfloat16)
-    y = jax.jit(qmm_mgpu.qmm_decode)(x, w)
+    y = run(x, w)
     want = np.asarray(x.astype(jnp.float32), np.float64) @ oracle.T
     got = np.asarray(y.astype(jnp.float32), np.float64)
     err = np.abs(got - want).max() / np.abs(want).max()
     assert err < HALF_TOL, err
     bits = np.asarray(y).view(np.uint16)
-    for i in (0, 5, 15):
-        alone = np.asarray(jax.jit(qmm_mgpu.qmm_decode)(x[i:i + 1], w)).view(np.uint16)
-        np.testing.assert_array_equal(alone[0], bits[i], err_msg=f"row {i} alone")
+    for i in rows:
+        np.testing.assert_array_equal(np.asarray(run(x[i:i + 1], w)).view(np.uint16)[0], bits[i],
+                                      err_msg=f"row {i} alone")
     other = x.at[1:].set(jnp.asarray(rng.normal(size=(15, k)), jnp.bfloat16))
-    np.testing.assert_array_equal(np.asarray(jax.jit(qmm_mgpu.qmm_decode)(other, w)).view(np.uint16)[0], bits[0])
+    np.testing.assert_array_equal(np.asarray(run(other, w)).view(np.uint16)[0], bits[0], err_msg="other rows")
+
+
+@pytest.mark.parametrize("k_splits", [1, 2])
+def test_interpreter_matches_oracle_and_rows_are_invariant(k_splits):
+    """Mosaic GPU's interpreter on the CPU runs the whole kernel -- pipeline, K splits, scale and bias rows, the
+    epilogue -- with the converted and all-ones tiles in shared memory (its wgmma reads A only from there)."""
+    _check_oracle_and_rows(256, 512, interpret=True, k_splits=k_splits, rows=(0, 15))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", [(5120, 6144), (17408, 5120)])
+def test_gpu_matches_oracle_and_rows_are_invariant(k, n):
+    _check_oracle_and_rows(n, k, interpret=False)
