@@ -8,10 +8,12 @@ warpgroup keeps `stages` TMA copies in flight (x, weight words, scales, biases o
 `wgs` compute warpgroups each own 64 output features.
 
 Arithmetic (a per-group epilogue; the issue's `bias x sum(x)` form): for group g of K,
-    y[n, m] += s[n, g] * sum_k q[n, k] x[m, k]  +  b[n, g] * sum_k x[m, k]
-with q the 4-bit field (0..15, exact in bf16). The weight words are viewed as uint4 [N, K] without moving a byte
-(`lax.bitcast_convert_type` gives element j = bits 4j..4j+3, MLX's field j), the compute warpgroup converts its
-[64, 64] tile to bf16 in registers (the wgmma A operand), one wgmma gives the q . x sums, a second against a
+    y[n, m] += s[n, g] * sum_k (q[n, k] - 8) x[m, k]  +  (b[n, g] + 8 s[n, g]) * sum_k x[m, k]
+with q the 4-bit field. The weight words are viewed as uint4 [N, K] without moving a byte
+(`lax.bitcast_convert_type` gives element j = bits 4j..4j+3, MLX's field j). The compute warpgroup flips bit 3 of
+each field and reads it as signed int4, which is q - 8 exactly, so Mosaic GPU's fast int4 -> bf16 conversion
+applies (unsigned takes a per-element path), and the bias term becomes (b + 8 s) sum x. The [64, 64] tile of
+q - 8 in bf16 (exact) is the wgmma A operand in registers; one wgmma gives the (q - 8) . x sums, a second against a
 constant all-ones A gives the group's sum of x for every column (a fixed tensor-core order, so no reduction whose
 order could depend on M), and the fp32 epilogue folds both into the running total. x is the B operand: x^T
 [K, 16] (rows padded to 16), in shared memory.
@@ -118,7 +120,9 @@ def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, k_s
                 plgpu.wait_smem_to_gmem(0)
 
             def body(_, x_smem, q_smem, s_smem, b_smem, total):
-                q = q_smem[wg_slice].astype(jnp.bfloat16)  # the fields 0..15, exact in bf16
+                # q XOR 8 read as signed int4 is q - 8 exactly; signed int4 -> bf16 is Mosaic GPU's fast
+                # conversion (prmt, lop3, sub a pair), where uint4 takes a per-element one.
+                q = lax.bitcast_convert_type(q_smem[wg_slice] ^ jnp.uint4(8), jnp.int4).astype(jnp.bfloat16)
                 ones = jnp.ones((TILE_N, GROUP), jnp.bfloat16)
                 if interpret:
                     a_smem[0][wg, 0] = q
@@ -133,7 +137,7 @@ def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, k_s
                 qx, sx = pl.run_scoped(mmas, plgpu.ACC((TILE_N, rows), jnp.float32),
                                        plgpu.ACC((TILE_N, rows), jnp.float32))
                 s = s_smem[0, wg_slice].astype(jnp.float32)
-                b = b_smem[0, wg_slice].astype(jnp.float32)
+                b = b_smem[0, wg_slice].astype(jnp.float32) + 8.0 * s  # q = (q - 8) + 8: exact 8s, one rounding
                 return total + s[:, None] * qx + b[:, None] * sx
 
             pipeline(body, context)(*operands, allocations=allocs)
