@@ -45,14 +45,17 @@ GROUP = 64
 TILE_N = 64  # output features a compute warpgroup
 COMPUTE_WGS = 2
 STAGES = 4
-MIN_CTAS = 528  # ~4 resident CTAs (3 warpgroups each) on each of 132 SMs
+# CTAs a launch should have at least (K splits are added until it does). The warp-specialised pipeline gives the
+# compute warpgroups most of the register file (setmaxnreg 232 in the lowered module), so likely one CTA a SM:
+# 528 = 4 waves of 132; fewer, longer CTAs (132, 264) are the bench's alternatives (`bench qmm --sweep --mgpu`).
+MIN_CTAS = 528
 
 
-def k_splits_for(n: int, k: int) -> int:
-    """The fewest K splits (a divisor of K's group count) giving `MIN_CTAS` CTAs over N: a function of the shape."""
+def k_splits_for(n: int, k: int, min_ctas: int = MIN_CTAS) -> int:
+    """The fewest K splits (a divisor of K's group count) giving `min_ctas` CTAs over N: a function of the shape."""
     groups = k // GROUP
     ctas = n // (TILE_N * COMPUTE_WGS)
-    return next((s for s in range(1, groups + 1) if groups % s == 0 and ctas * s >= MIN_CTAS), groups)
+    return next((s for s in range(1, groups + 1) if groups % s == 0 and ctas * s >= min_ctas), groups)
 
 
 def _check(x: jax.Array, w: QuantizedWeight) -> None:
