@@ -54,6 +54,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels import qmm_mgpu
 from pallas_kernels.calls import pallas_call
 from pallas_kernels.qweight import QuantizedWeight, dequantize, dequantize_rows, unpack
 
@@ -238,6 +239,12 @@ def fit_tiles(tiles: Tiles, k: int, bits: int) -> Tiles:
         splits -= 1
     return dataclasses.replace(tiles, blocks_per_step=steps, k_splits=splits)
 
+
+# The decode path's implementation: "triton" (the fused kernel above, `DECODE_TILES`) or "mgpu" (the experimental
+# Mosaic GPU kernel of `qmm_mgpu.py`, for the calls it supports; the others stay on Triton). Read when a program
+# is traced; `bench --qmm-decode-impl` switches it for a whole engine run. The two differ in the last bits.
+DECODE_IMPL = "triton"
+DECODE_IMPLS = ("triton", "mgpu")
 
 # The prompt path's implementation: "fused" (dequantize inside the MMA loop) or "dequant" (a pass dequantizes the
 # weight to bf16 in memory, then `DEQUANT_PROMPT_TILES`' matmul). H200, session 5 (`bench qmm --sweep
@@ -723,6 +730,12 @@ def _qmm(x: jax.Array, w: QuantizedWeight, *, prompt: bool, interpret: bool, til
     """`qmm`; poison: the kernel writes into NaN-filled memory (tests catch elements it never writes)."""
     _validate(x, w)
     n, k = w.shape
+    if not prompt and tiles is None and not poison and DECODE_IMPL != "triton":
+        if DECODE_IMPL not in DECODE_IMPLS:
+            raise ValueError(f"qmm: decode impl {DECODE_IMPL!r} is not one of {DECODE_IMPLS}")
+        if qmm_mgpu.supports(x, w):
+            with jax.named_scope("qmm_decode_mgpu"):
+                return qmm_mgpu.qmm_rows(x, w, interpret=interpret)
     if tiles is None:
         tiles = (prompt_tiles if prompt else decode_tiles)(n, k, w.bits, w.group_size)
     tiles.check()

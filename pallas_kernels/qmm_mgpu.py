@@ -1,4 +1,5 @@
-"""Decode qmm on Mosaic GPU (experimental; not wired into the model): y [M, N] = x [M, K] @ dequantize(w)^T for
+"""Decode qmm on Mosaic GPU (experimental; off by default: `qmm.DECODE_IMPL = "mgpu"` or `bench --qmm-decode-impl
+mgpu` route the decode calls it supports here): y [M, N] = x [M, K] @ dequantize(w)^T for
 M <= 16 decode/verify rows, 4-bit MLX weights with bf16 scales and biases, group 64, bf16 x.
 
 Why a second kernel: the Triton decode kernel (`qmm.py`) runs at 35-44 % of copy on the H200 because its loads and
@@ -58,6 +59,30 @@ def k_splits_for(n: int, k: int, min_ctas: int = MIN_CTAS) -> int:
     return next((s for s in range(1, groups + 1) if groups % s == 0 and ctas * s >= min_ctas), groups)
 
 
+def supports(x: jax.Array, w: QuantizedWeight) -> bool:
+    """Whether `qmm_rows` takes this call (any M): 4-bit group-64 weights with bf16 scales and biases, bf16 x, N a
+    multiple of 128. Everything else stays on the Triton kernels."""
+    return (w.bits == 4 and w.group_size == GROUP and w.scales.dtype == jnp.bfloat16
+            and w.biases.dtype == jnp.bfloat16 and x.ndim == 2 and x.dtype == jnp.bfloat16
+            and w.out_features % (TILE_N * COMPUTE_WGS) == 0 and x.shape[1] == w.in_features)
+
+
+def qmm_rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool = False) -> jax.Array:
+    """`qmm_decode` for any M: 16-row pieces, each padded to 16 like a lone row (so a row's bits never depend on
+    which piece it rides in), outputs concatenated. Every piece re-reads the weight: a verify program with many
+    rows pays for it (the Triton decode path re-reads it every 32 rows)."""
+    if x.shape[0] == 0:
+        return jnp.zeros((0, w.out_features), x.dtype)
+    return _rows(x, w, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def _rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool) -> jax.Array:
+    # One program (see `qmm_decode` on eager calls).
+    return jnp.concatenate([qmm_decode(x[i:i + ROWS], w, interpret=interpret) for i in range(0, x.shape[0], ROWS)],
+                           axis=0)
+
+
 def _check(x: jax.Array, w: QuantizedWeight) -> None:
     n, k = w.shape
     if w.bits != 4 or w.group_size != GROUP or w.scales.dtype != jnp.bfloat16 or w.biases.dtype != jnp.bfloat16:
@@ -69,12 +94,14 @@ def _check(x: jax.Array, w: QuantizedWeight) -> None:
         raise ValueError(f"qmm_mgpu: N={n} must be a multiple of {TILE_N * COMPUTE_WGS}")
 
 
+@functools.partial(jax.jit, static_argnames=("k_splits", "stages", "interpret"))
 def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, k_splits: int, stages: int,
               interpret: bool) -> jax.Array:
     """xt [K, ROWS] bf16; q4 [N, K] uint4; st, bt [G, N] bf16 -> fp32 partials [k_splits, N, ROWS].
     interpret: run in Mosaic GPU's interpreter (CPU), whose wgmma takes its A operand only from shared memory, so
     the converted tile and the all-ones tile go through shared memory there (the same values into the same
-    MMAs); compiled, both stay in registers."""
+    MMAs); compiled, both stay in registers. Jitted, so a program lowers each distinct kernel once (as
+    `pallas_kernels/calls.py` does for the Pallas Triton kernels)."""
     k, rows = xt.shape
     n = q4.shape[0]
     cta_n = TILE_N * COMPUTE_WGS
@@ -162,15 +189,23 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, k_splits: int | None = None,
     interpreter on the CPU (`_partials`)."""
     w.validate("qmm_mgpu weight")
     _check(x, w)
-    m, k = x.shape
-    n = w.out_features
+    n, k = w.shape
     splits = k_splits_for(n, k) if k_splits is None else k_splits
     if (k // GROUP) % splits:
         raise ValueError(f"qmm_mgpu: k_splits={splits} must divide K's {k // GROUP} groups")
+    return _decode(x, w, k_splits=splits, stages=stages, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("k_splits", "stages", "interpret"))
+def _decode(x: jax.Array, w: QuantizedWeight, *, k_splits: int, stages: int, interpret: bool) -> jax.Array:
+    # One program around the kernel: called eagerly, separate dispatches of the small ops around an interpreted
+    # kernel deadlocked the CPU client now and then (the interpreter's callbacks dispatch jax ops themselves).
+    m, k = x.shape
+    n = w.out_features
     xt = jnp.pad(x, ((0, ROWS - m), (0, 0))).T
     q4 = lax.bitcast_convert_type(w.words, jnp.uint4).reshape(n, k)
-    parts = _partials(xt, q4, w.scales.T, w.biases.T, k_splits=splits, stages=stages, interpret=interpret)
+    parts = _partials(xt, q4, w.scales.T, w.biases.T, k_splits=k_splits, stages=stages, interpret=interpret)
     total = parts[0]
-    for i in range(1, splits):  # one fixed sequence of adds for every element
+    for i in range(1, k_splits):  # one fixed sequence of adds for every element
         total = total + parts[i]
     return total[:, :m].T.astype(x.dtype)

@@ -83,6 +83,16 @@ def test_bench_runs_small(capsys):
     assert res["qmm_prompt_impl"] == qmm.PROMPT_IMPL
 
 
+def test_bench_qmm_decode_impl_is_scoped(capsys):
+    """--qmm-decode-impl reaches the run (recorded in the result) and the shipped choice is back afterwards."""
+    shipped = qmm.DECODE_IMPL
+    other = "mgpu" if shipped == "triton" else "triton"
+    assert main(["bench", "--model", TINY, "--streams", "", "--prompt-lengths", "64", "--max-chunk", "64",
+                 "--no-compile-timing", "--json", "--qmm-decode-impl", other] + NO_CACHE) == 0
+    assert json.loads(capsys.readouterr().out)["qmm_decode_impl"] == other
+    assert qmm.DECODE_IMPL == shipped
+
+
 def test_bench_qmm_prompt_impl_is_scoped(capsys):
     """--qmm-prompt-impl reaches the run (recorded in the result) and the shipped choice is back afterwards."""
     shipped = qmm.PROMPT_IMPL

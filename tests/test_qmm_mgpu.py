@@ -91,3 +91,53 @@ def test_interpreter_matches_oracle_and_rows_are_invariant(k_splits):
 @pytest.mark.parametrize("k,n", [(5120, 6144), (17408, 5120)])
 def test_gpu_matches_oracle_and_rows_are_invariant(k, n):
     _check_oracle_and_rows(n, k, interpret=False)
+
+
+def _small_weight(rng, n: int, k: int, bits: int = 4):
+    words = rng.integers(0, 2**32, size=(n, k * bits // 32), dtype=np.uint32)
+    scales = jnp.asarray(rng.uniform(0.002, 0.02, size=(n, k // 64)), jnp.bfloat16)
+    biases = jnp.asarray(rng.normal(size=(n, k // 64)) * 0.01, jnp.bfloat16)
+    return QuantizedWeight(jnp.asarray(words), scales, biases, bits, 64)
+
+
+def test_qmm_decode_impl_switch(monkeypatch):
+    """qmm.DECODE_IMPL = "mgpu" sends supported decode calls to the Mosaic GPU kernel (16-row pieces: a row's bits
+    are the same alone and in a 20-row call), leaves the prompt path and unsupported weights (8 bits) on the
+    Triton kernels, and an unknown name is a ValueError."""
+    from pallas_kernels import qmm
+    rng = np.random.default_rng(3300)
+    w = _small_weight(rng, 256, 512)
+    x = jnp.asarray(rng.normal(size=(20, 512)), jnp.bfloat16)
+    triton = qmm.qmm(x, w, interpret=True)
+    monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
+    got = qmm.qmm(x, w, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
+                                  np.asarray(qmm_mgpu.qmm_rows(x, w, interpret=True)).view(np.uint16))
+    assert not np.array_equal(np.asarray(got).view(np.uint16), np.asarray(triton).view(np.uint16))
+    np.testing.assert_array_equal(np.asarray(qmm.qmm(x[17:18], w, interpret=True)).view(np.uint16),
+                                  np.asarray(got[17:18]).view(np.uint16))
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(triton, np.float32), rtol=0.05, atol=0.05)
+    prompt = qmm.qmm(x, w, prompt=True, interpret=True)
+    monkeypatch.setattr(qmm, "DECODE_IMPL", "triton")
+    np.testing.assert_array_equal(np.asarray(prompt).view(np.uint16),
+                                  np.asarray(qmm.qmm(x, w, prompt=True, interpret=True)).view(np.uint16))
+    w8 = _small_weight(rng, 256, 512, bits=8)
+    want8 = qmm.qmm(x, w8, interpret=True)
+    monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
+    np.testing.assert_array_equal(np.asarray(qmm.qmm(x, w8, interpret=True)).view(np.uint16),
+                                  np.asarray(want8).view(np.uint16))
+    monkeypatch.setattr(qmm, "DECODE_IMPL", "cutlass")
+    with pytest.raises(ValueError, match="decode impl"):
+        qmm.qmm(x, w, interpret=True)
+
+
+def test_27b_decode_program_lowers_with_it(h200_lowering, monkeypatch):
+    """The 27B decode program (4 layers) with DECODE_IMPL = "mgpu" lowers for an H200 on the CPU: Mosaic GPU
+    kernels for the projections it supports (MLP, attention q/k/v, output projections, lm_head), Triton for the
+    GDN input projection (N = 16480 is not a multiple of 128)."""
+    from pallas_kernels import qmm
+    from tests.test_model_kernels import _decode_program_text
+    monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
+    text = _decode_program_text(4)
+    assert text.count("mosaic_gpu") >= 5
+    assert "qmm_4b_g64" in text  # the GDN input projection, still on the Triton kernel
