@@ -79,7 +79,10 @@ case "$stage" in
     grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_mgpu.log | cut -c1-200 | tail -20
     timeout 200 python3 -m pallas_kernels.bench qmm --sweep --shapes 5120x34816,17408x5120,5120x6144,6144x5120 \
       --m 1,16 --max-candidates 1 --mgpu --budget-s 170 --json "$out/qmm_mgpu.json" 2>&1 | tee "$out/qmm_mgpu.log" \
-      | grep -v "^\[" | tail -40 ;;
+      | grep -v "^\[" | tail -40
+    # the whole decode round with it (the shipped Triton round: 12.6-12.8 ms, 80 forwards/s in session 5)
+    timeout 150 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths "" --rounds 32 \
+      --no-compile-timing --compile-cache "" --qmm-decode-impl mgpu 2>&1 | tee "$out/bench_mgpu.log" | tail -4 ;;
   tests)
     # SIGINT, not TERM, at the limit: pytest then still prints which tests passed and failed. Results go straight to
     # files (a piped -q run lost its summary to the timeout on 2026-11-30).
