@@ -83,21 +83,14 @@ def test_bench_runs_small(capsys):
     assert res["qmm_prompt_impl"] == qmm.PROMPT_IMPL
 
 
-def test_bench_qmm_decode_impl_is_scoped(capsys):
-    """--qmm-decode-impl reaches the run (recorded in the result) and the shipped choice is back afterwards."""
-    shipped = qmm.DECODE_IMPL
-    other = "mgpu" if shipped == "triton" else "triton"
+@pytest.mark.parametrize("flag,attr,choices", [("--qmm-prompt-impl", "PROMPT_IMPL", ("fused", "dequant")),
+                                                 ("--qmm-decode-impl", "DECODE_IMPL", ("triton", "mgpu"))])
+def test_bench_qmm_impl_flags_are_scoped(capsys, flag, attr, choices):
+    """--qmm-prompt-impl / --qmm-decode-impl reach the run (recorded in the result) and the shipped choice is back
+    afterwards."""
+    shipped = getattr(qmm, attr)
+    other = choices[1] if shipped == choices[0] else choices[0]
     assert main(["bench", "--model", TINY, "--streams", "", "--prompt-lengths", "64", "--max-chunk", "64",
-                 "--no-compile-timing", "--json", "--qmm-decode-impl", other] + NO_CACHE) == 0
-    assert json.loads(capsys.readouterr().out)["qmm_decode_impl"] == other
-    assert qmm.DECODE_IMPL == shipped
-
-
-def test_bench_qmm_prompt_impl_is_scoped(capsys):
-    """--qmm-prompt-impl reaches the run (recorded in the result) and the shipped choice is back afterwards."""
-    shipped = qmm.PROMPT_IMPL
-    other = "dequant" if shipped == "fused" else "fused"
-    assert main(["bench", "--model", TINY, "--streams", "", "--prompt-lengths", "64", "--max-chunk", "64",
-                 "--no-compile-timing", "--json", "--qmm-prompt-impl", other] + NO_CACHE) == 0
-    assert json.loads(capsys.readouterr().out)["qmm_prompt_impl"] == other
-    assert qmm.PROMPT_IMPL == shipped
+                 "--no-compile-timing", "--json", flag, other] + NO_CACHE) == 0
+    assert json.loads(capsys.readouterr().out)[f"qmm_{attr.split('_')[0].lower()}_impl"] == other
+    assert getattr(qmm, attr) == shipped
