@@ -10,7 +10,7 @@ from pallas_kernels import qmm_mgpu
 from pallas_kernels.qweight import QuantizedWeight, dequantize_numpy
 from tests.test_qmm import HALF_TOL
 
-SHAPES_27B = ((5120, 34816), (17408, 5120), (5120, 6144), (6144, 5120))
+SHAPES_27B = ((5120, 34816), (17408, 5120), (5120, 6144), (6144, 5120), (5120, 16480), (5120, 248320))
 
 
 def _abstract_weight(n: int, k: int, bits: int = 4, group: int = 64, scale_dtype=jnp.bfloat16):
@@ -34,8 +34,9 @@ def test_k_splits_from_the_shape():
     """The fewest splits dividing K's groups that give MIN_CTAS CTAs; the same whatever M is."""
     for k, n in SHAPES_27B:
         s = qmm_mgpu.k_splits_for(n, k)
-        assert (k // 64) % s == 0 and n // 128 * s >= qmm_mgpu.MIN_CTAS, (k, n, s)
-        assert all((k // 64) % t or n // 128 * t < qmm_mgpu.MIN_CTAS for t in range(1, s)), (k, n, s)
+        ctas = -(-n // 128)
+        assert (k // 64) % s == 0 and (ctas * s >= qmm_mgpu.MIN_CTAS or s == k // 64), (k, n, s)
+        assert all((k // 64) % t or ctas * t < qmm_mgpu.MIN_CTAS for t in range(1, s)), (k, n, s)
 
 
 def test_bad_inputs_are_value_errors():
@@ -45,7 +46,7 @@ def test_bad_inputs_are_value_errors():
              (sds((1, 512), jnp.bfloat16), _abstract_weight(256, 512, scale_dtype=jnp.float16), "bf16 scales"),
              (sds((17, 512), jnp.bfloat16), _abstract_weight(256, 512), "M <= 16"),
              (sds((1, 512), jnp.float32), _abstract_weight(256, 512), "bf16"),
-             (sds((1, 512), jnp.bfloat16), _abstract_weight(192, 512), "multiple of 128")]
+             (sds((1, 512), jnp.bfloat16), _abstract_weight(196, 512), "multiple of 8")]
     for x, w, match in cases:
         with pytest.raises(ValueError, match=match):
             jax.eval_shape(qmm_mgpu.qmm_decode, x, w)
@@ -80,15 +81,16 @@ def _check_oracle_and_rows(n: int, k: int, *, interpret: bool, k_splits=None, ro
     np.testing.assert_array_equal(np.asarray(run(other, w)).view(np.uint16)[0], bits[0], err_msg="other rows")
 
 
-@pytest.mark.parametrize("k_splits", [1, 2])
-def test_interpreter_matches_oracle_and_rows_are_invariant(k_splits):
+@pytest.mark.parametrize("n,k_splits", [(256, 1), (256, 2), (200, 1)])
+def test_interpreter_matches_oracle_and_rows_are_invariant(n, k_splits):
     """Mosaic GPU's interpreter on the CPU runs the whole kernel -- pipeline, K splits, scale and bias rows, the
-    epilogue -- with the converted and all-ones tiles in shared memory (its wgmma reads A only from there)."""
-    _check_oracle_and_rows(256, 512, interpret=True, k_splits=k_splits, rows=(0, 15))
+    epilogue, a last CTA past N (200 = 1.56 CTAs) -- with the converted and all-ones tiles in shared memory (its
+    wgmma reads A only from there)."""
+    _check_oracle_and_rows(n, 512, interpret=True, k_splits=k_splits, rows=(0, 15))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k,n", [(5120, 6144), (17408, 5120)])
+@pytest.mark.parametrize("k,n", [(5120, 6144), (17408, 5120), (5120, 16480)])
 def test_gpu_matches_oracle_and_rows_are_invariant(k, n):
     _check_oracle_and_rows(n, k, interpret=False)
 
@@ -132,12 +134,11 @@ def test_qmm_decode_impl_switch(monkeypatch):
 
 
 def test_27b_decode_program_lowers_with_it(h200_lowering, monkeypatch):
-    """The 27B decode program (4 layers) with DECODE_IMPL = "mgpu" lowers for an H200 on the CPU: Mosaic GPU
-    kernels for the projections it supports (MLP, attention q/k/v, output projections, lm_head), Triton for the
-    GDN input projection (N = 16480 is not a multiple of 128)."""
+    """The 27B decode program (4 layers) with DECODE_IMPL = "mgpu" lowers for an H200 on the CPU, every quantized
+    projection on the Mosaic GPU kernel (none left on the Triton one)."""
     from pallas_kernels import qmm
     from tests.test_model_kernels import _decode_program_text
     monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
     text = _decode_program_text(4)
     assert text.count("mosaic_gpu") >= 5
-    assert "qmm_4b_g64" in text  # the GDN input projection, still on the Triton kernel
+    assert "qmm_4b_g64" not in text
