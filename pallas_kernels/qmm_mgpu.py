@@ -6,7 +6,8 @@ Why a second kernel: the Triton decode kernel (`qmm.py`) runs at 35-44 % of copy
 its dequantize-and-MMA chain share one instruction stream and each chunk's wgmma is waited before the next chunk
 is built (docs/kernels/qmm.md, runs 4-5). Here the structure is Mosaic GPU's warp-specialised pipeline: a memory
 warpgroup keeps `stages` TMA copies in flight (x, weight words, scales, biases of one group of K each), and
-`wgs` compute warpgroups each own 64 output features.
+`COMPUTE_WGS` compute warpgroups each own `TILE_N` = 64 output features (N need not be a multiple of their
+128: a last CTA past N reads zeros and its stores are clipped, TMA's bounds handling).
 
 Arithmetic (a per-group epilogue; the issue's `bias x sum(x)` form): for group g of K,
     y[n, m] += s[n, g] * sum_k (q[n, k] - 8) x[m, k]  +  (b[n, g] + 8 s[n, g]) * sum_k x[m, k]
