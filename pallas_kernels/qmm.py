@@ -248,9 +248,9 @@ DECODE_IMPLS = ("triton", "mgpu")
 
 # The prompt path's implementation: "fused" (dequantize inside the MMA loop) or "dequant" (a pass dequantizes the
 # weight to bf16 in memory, then `DEQUANT_PROMPT_TILES`' matmul). H200, session 5 (`bench qmm --sweep
-# --prompt-only`, XLA's pass then): dequant 403 / 1199 us at 5120->17408, M = 1024 / 4096, against the fused kernel's 683 / 2795
-# (1.7x / 2.3x), 502 / 1212 against 756 / 2697 at 17408->5120; the 27B's 4096-token prompt pass 9143 tok/s against
-# 4692 (`bench --qmm-prompt-impl`), 9707 with the Pallas pass. So "dequant" is the default.
+# --prompt-only`, XLA's pass then): dequant 403 / 1199 us at 5120->17408, M = 1024 / 4096, against the fused
+# kernel's 683 / 2795 (1.7x / 2.3x), 502 / 1212 against 756 / 2697 at 17408->5120; the 27B's 4096-token prompt
+# pass 9143 tok/s against 4692 (`bench --qmm-prompt-impl`), 9707 with the Pallas pass. So "dequant" is the default.
 PROMPT_IMPL = "dequant"
 FUSED_PROMPT_TILES = Tiles(block_m=128, block_n=128, blocks_per_step=1, num_warps=8, num_stages=3, max_m_blocks=1,
                            fma_ptx=True)
@@ -612,13 +612,17 @@ def _dequant_pass_kernel(w_ref, s_ref, b_ref, o_ref, *, n: int, bn: int, bc: int
               mask=jnp.broadcast_to(row_ok[:, None], (bn, 4 * bc)))
 
 
+def _pass_takes(w: QuantizedWeight) -> bool:
+    return w.bits == 4 and w.scales.dtype == jnp.bfloat16 and w.biases.dtype == jnp.bfloat16
+
+
 def dequant_pass(w: QuantizedWeight, *, interpret: bool = False, rows: int = DEQUANT_PASS_ROWS,
                  words: int = DEQUANT_PASS_WORDS, num_warps: int = 4) -> jax.Array:
     """The whole weight [N, K] in bf16 for bf16 x, by the Pallas dequantization kernel: the same bits as
     `dequantize_for_matmul(w, jnp.bfloat16)` (each weight q * s + b rounded once). 4-bit weights with bf16 scales
     and biases only; ValueError otherwise. rows / words / num_warps: a program's block (benchmarks; elementwise,
     so they cannot change a bit)."""
-    if w.bits != 4 or w.scales.dtype != jnp.bfloat16 or w.biases.dtype != jnp.bfloat16:
+    if not _pass_takes(w):
         raise ValueError(f"qmm dequant pass: needs 4-bit weights with bf16 scales and biases, got bits={w.bits}, "
                          f"scales {w.scales.dtype}, biases {w.biases.dtype}")
     n, k = w.shape
@@ -641,7 +645,7 @@ def dequant_pass(w: QuantizedWeight, *, interpret: bool = False, rows: int = DEQ
 def _dequantize_weight(w: QuantizedWeight, x_dtype, interpret: bool) -> jax.Array:
     """The dequant implementation's weight: the Pallas pass where it applies (4-bit, bf16 x and scales), else
     XLA's `dequantize_for_matmul`. Same values either way."""
-    if _arith(x_dtype, w.scales.dtype, w.bits)[2] and w.biases.dtype == jnp.bfloat16:
+    if x_dtype == jnp.bfloat16 and _pass_takes(w):
         return dequant_pass(w, interpret=interpret)
     return dequantize_for_matmul(w, x_dtype)
 

@@ -60,13 +60,24 @@ def k_splits_for(n: int, k: int, min_ctas: int = MIN_CTAS) -> int:
     return next((s for s in range(1, groups + 1) if groups % s == 0 and ctas * s >= min_ctas), groups)
 
 
+def _unsupported(x: jax.Array, w: QuantizedWeight) -> str | None:
+    """What keeps this call (any M) off the kernel, or None: it takes 4-bit group-64 weights with bf16 scales and
+    biases, bf16 x [M, K], N a multiple of 8 (a last CTA past N reads zeros and its stores are clipped: TMA's
+    bounds handling)."""
+    n, k = w.shape
+    if w.bits != 4 or w.group_size != GROUP or w.scales.dtype != jnp.bfloat16 or w.biases.dtype != jnp.bfloat16:
+        return (f"needs 4-bit weights, group {GROUP}, bf16 scales and biases; got bits={w.bits}, "
+                f"group={w.group_size}, scales {w.scales.dtype}, biases {w.biases.dtype}")
+    if x.ndim != 2 or x.dtype != jnp.bfloat16 or x.shape[1] != k:
+        return f"x must be bf16 [M, {k}], got {x.dtype} {tuple(x.shape)}"
+    if n % 8:
+        return f"N={n} must be a multiple of 8"
+    return None
+
+
 def supports(x: jax.Array, w: QuantizedWeight) -> bool:
-    """Whether `qmm_rows` takes this call (any M): 4-bit group-64 weights with bf16 scales and biases, bf16 x, N a
-    multiple of 8 (a last CTA past N reads zeros and its stores are clipped: TMA's bounds handling). Everything
-    else stays on the Triton kernels."""
-    return (w.bits == 4 and w.group_size == GROUP and w.scales.dtype == jnp.bfloat16
-            and w.biases.dtype == jnp.bfloat16 and x.ndim == 2 and x.dtype == jnp.bfloat16
-            and w.out_features % 8 == 0 and x.shape[1] == w.in_features)
+    """Whether `qmm_rows` takes this call (`_unsupported`); everything else stays on the Triton kernels."""
+    return _unsupported(x, w) is None
 
 
 def qmm_rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool = False) -> jax.Array:
@@ -86,14 +97,17 @@ def _rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool) -> jax.Array:
 
 
 def _check(x: jax.Array, w: QuantizedWeight) -> None:
-    n, k = w.shape
-    if w.bits != 4 or w.group_size != GROUP or w.scales.dtype != jnp.bfloat16 or w.biases.dtype != jnp.bfloat16:
-        raise ValueError(f"qmm_mgpu: needs 4-bit weights, group {GROUP}, bf16 scales and biases; got bits={w.bits}, "
-                         f"group={w.group_size}, scales {w.scales.dtype}, biases {w.biases.dtype}")
-    if x.ndim != 2 or x.dtype != jnp.bfloat16 or x.shape[1] != k or not 1 <= x.shape[0] <= ROWS:
-        raise ValueError(f"qmm_mgpu: x must be bf16 [M <= {ROWS}, {k}], got {x.dtype} {tuple(x.shape)}")
-    if n % 8:
-        raise ValueError(f"qmm_mgpu: N={n} must be a multiple of 8")
+    why = _unsupported(x, w)
+    if why is None and not 1 <= x.shape[0] <= ROWS:
+        why = f"x must be bf16 [M <= {ROWS}, {w.in_features}], got {x.dtype} {tuple(x.shape)}"
+    if why is not None:
+        raise ValueError(f"qmm_mgpu: {why}")
+
+
+def _smem_transforms(cols: int, bits: int, operand: str) -> tuple:
+    """Tiling and swizzle of a shared-memory tile with rows of `cols` elements of `bits` bits (a wgmma operand)."""
+    swizzle = plgpu.find_swizzle(cols * bits, operand)
+    return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
 @functools.partial(jax.jit, static_argnames=("k_splits", "stages", "interpret"))
@@ -108,13 +122,9 @@ def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, k_s
     n = q4.shape[0]
     cta_n = TILE_N * COMPUTE_WGS
     steps = k // GROUP // k_splits
-    q_swizzle = plgpu.find_swizzle(GROUP * 4, "lhs")
-    x_swizzle = plgpu.find_swizzle(rows * 16, "rhs")
-    q_transforms = (plgpu.TilingTransform((8, q_swizzle * 8 // 4)), plgpu.SwizzleTransform(q_swizzle))
-    x_transforms = (plgpu.TilingTransform((8, x_swizzle * 8 // 16)), plgpu.SwizzleTransform(x_swizzle))
-
-    a_swizzle = plgpu.find_swizzle(GROUP * 16, "lhs")
-    a_transforms = (plgpu.TilingTransform((8, a_swizzle * 8 // 16)), plgpu.SwizzleTransform(a_swizzle))
+    q_transforms = _smem_transforms(GROUP, 4, "lhs")
+    x_transforms = _smem_transforms(rows, 16, "rhs")
+    a_transforms = _smem_transforms(GROUP, 16, "lhs")  # interpret mode's A tiles
 
     def kernel(x_gmem, q_gmem, s_gmem, b_gmem, out_gmem, out_smem, *a_smem):
         def pipeline(body, context):
@@ -141,6 +151,7 @@ def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, k_s
         def _scope(allocs):
             wg = lax.axis_index("wg")
             wg_slice = pl.ds(wg * TILE_N, TILE_N)
+
             def context(run):
                 if interpret:
                     a_smem[0][wg, 1] = jnp.ones((TILE_N, GROUP), jnp.bfloat16)
@@ -162,7 +173,7 @@ def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, k_s
                     q, ones = a_smem[0].at[wg, 0], a_smem[0].at[wg, 1]
 
                 def mmas(qx, sx):  # fresh accumulators: this group's sums alone
-                    plgpu.wgmma(qx, q, x_smem)  # sum_k q x
+                    plgpu.wgmma(qx, q, x_smem)  # sum_k (q - 8) x
                     plgpu.wgmma(sx, ones, x_smem)  # sum_k x, on every row
                     return qx[...], sx[...]  # (waits for both)
 
@@ -176,7 +187,8 @@ def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, k_s
 
     call = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((k_splits, n, rows), jnp.float32),
-        grid=(pl.cdiv(n, cta_n), k_splits), grid_names=("cta", "split"), num_threads=COMPUTE_WGS + 1, thread_name="wg",
+        grid=(pl.cdiv(n, cta_n), k_splits), grid_names=("cta", "split"), num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types=[plgpu.SMEM((COMPUTE_WGS, TILE_N, rows), jnp.float32)]
         + ([plgpu.SMEM((COMPUTE_WGS, 2, TILE_N, GROUP), jnp.bfloat16, transforms=a_transforms)] if interpret else []),
