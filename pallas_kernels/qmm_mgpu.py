@@ -46,18 +46,23 @@ ROWS = 16  # x rows a call carries (the MMA's N); M <= ROWS
 GROUP = 64
 TILE_N = 64  # output features a compute warpgroup
 COMPUTE_WGS = 2
+CTA_N = TILE_N * COMPUTE_WGS
 STAGES = 4
-# CTAs a launch should have at least (K splits are added until it does). The warp-specialised pipeline gives the
-# compute warpgroups most of the register file (setmaxnreg 232 in the lowered module), so likely one CTA a SM:
-# 528 = 4 waves of 132; fewer, longer CTAs (132, 264) are the bench's alternatives (`bench qmm --sweep --mgpu`).
-MIN_CTAS = 528
+BLOCK_GROUPS = 4  # groups of K a pipeline step carries (a 128-byte row of weight words, 16 KB a CTA)
+SMS = 132  # the H200's; work items are spread over this many persistent CTAs (a constant: never a device query)
+# What a work item costs besides its steps, in steps (pipeline fill and drain, the output store): the K-split
+# choice weighs the last partial wave of items against it.
+ITEM_OVERHEAD_STEPS = 4
 
 
-def k_splits_for(n: int, k: int, min_ctas: int = MIN_CTAS) -> int:
-    """The fewest K splits (a divisor of K's group count) giving `min_ctas` CTAs over N: a function of the shape."""
-    groups = k // GROUP
-    ctas = -(-n // (TILE_N * COMPUTE_WGS))
-    return next((s for s in range(1, groups + 1) if groups % s == 0 and ctas * s >= min_ctas), groups)
+def k_splits_for(n: int, k: int, block_groups: int = BLOCK_GROUPS) -> int:
+    """K splits for a weight shape: the divisor of K's step count that minimises the estimated time, waves of work
+    items over SMS CTAs times (steps an item + ITEM_OVERHEAD_STEPS). A function of the shape alone."""
+    steps = k // GROUP // block_groups
+    tiles = -(-n // CTA_N)
+    splits = [s for s in range(1, steps + 1) if steps % s == 0]
+    filled = [s for s in splits if tiles * s >= SMS] or splits[-1:]  # every CTA gets work where it can
+    return min(filled, key=lambda s: (-(-tiles * s // SMS)) * (steps // s + ITEM_OVERHEAD_STEPS))
 
 
 def _unsupported(x: jax.Array, w: QuantizedWeight) -> str | None:
@@ -110,115 +115,146 @@ def _smem_transforms(cols: int, bits: int, operand: str) -> tuple:
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
-@functools.partial(jax.jit, static_argnames=("k_splits", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("k_splits", "stages", "block_groups", "interpret"))
 def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, k_splits: int, stages: int,
-              interpret: bool) -> jax.Array:
+              block_groups: int, interpret: bool) -> jax.Array:
     """xt [K, ROWS] bf16; q4 [N, K] uint4; st, bt [G, N] bf16 -> fp32 partials [k_splits, N, ROWS].
-    interpret: run in Mosaic GPU's interpreter (CPU), whose wgmma takes its A operand only from shared memory, so
-    the converted tile and the all-ones tile go through shared memory there (the same values into the same
-    MMAs); compiled, both stay in registers. Jitted, so a program lowers each distinct kernel once (as
-    `pallas_kernels/calls.py` does for the Pallas Triton kernels)."""
+
+    Work items (a CTA_N tile of features x one K split) are spread over SMS persistent CTAs; each item runs the
+    warp-specialised pipeline over its `block_groups`-group steps into one fp32 accumulator. interpret: Mosaic GPU's
+    interpreter on the CPU, whose wgmma takes its A operand only from shared memory, so the dequantized tile goes
+    through shared memory there (the same values into the same MMAs); compiled, it stays in registers. Jitted, so
+    a program lowers each distinct kernel once (as `pallas_kernels/calls.py` does for the Pallas Triton kernels)."""
     k, rows = xt.shape
     n = q4.shape[0]
-    cta_n = TILE_N * COMPUTE_WGS
-    steps = k // GROUP // k_splits
-    q_transforms = _smem_transforms(GROUP, 4, "lhs")
+    block_k = GROUP * block_groups
+    steps = k // block_k // k_splits
+    items = pl.cdiv(n, CTA_N) * k_splits
+    # One 64-element (32-byte) column of tiles a group, so a group's [64, 64] slice is whole tiles.
+    q_transforms = (plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(GROUP * 4 // 8))
     x_transforms = _smem_transforms(rows, 16, "rhs")
-    a_transforms = _smem_transforms(GROUP, 16, "lhs")  # interpret mode's A tiles
+    a_transforms = _smem_transforms(GROUP, 16, "lhs")  # interpret mode's A tile
 
     def kernel(x_gmem, q_gmem, s_gmem, b_gmem, out_gmem, out_smem, *a_smem):
         def pipeline(body, context):
             return plgpu.emit_pipeline_warp_specialized(
                 body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=COMPUTE_WGS,
                 max_concurrent_steps=stages, compute_context=context,
-                in_specs=[plgpu.BlockSpec((GROUP, rows), lambda g: (g, 0), transforms=x_transforms,
+                in_specs=[plgpu.BlockSpec((block_k, rows), lambda g: (g, 0), transforms=x_transforms,
                                           memory_space=plgpu.SMEM),
-                          plgpu.BlockSpec((cta_n, GROUP), lambda g: (0, g), transforms=q_transforms,
+                          plgpu.BlockSpec((CTA_N, block_k), lambda g: (0, g), transforms=q_transforms,
                                           memory_space=plgpu.SMEM),
-                          plgpu.BlockSpec((1, cta_n), lambda g: (g, 0), memory_space=plgpu.SMEM),
-                          plgpu.BlockSpec((1, cta_n), lambda g: (g, 0), memory_space=plgpu.SMEM)])
+                          plgpu.BlockSpec((block_groups, CTA_N), lambda g: (g, 0), memory_space=plgpu.SMEM),
+                          plgpu.BlockSpec((block_groups, CTA_N), lambda g: (g, 0), memory_space=plgpu.SMEM)])
 
-        split = lax.axis_index("split")
-        n_slice = pl.ds(lax.axis_index("cta") * cta_n, cta_n)
-        g0 = split * steps
-        operands = (x_gmem.at[pl.ds(g0 * GROUP, steps * GROUP)],
-                    q_gmem.at[n_slice, pl.ds(g0 * GROUP, steps * GROUP)],
-                    s_gmem.at[pl.ds(g0, steps), n_slice], b_gmem.at[pl.ds(g0, steps), n_slice])
+        def operands(tile, split):
+            n_slice = pl.ds(tile * CTA_N, CTA_N)
+            g0 = split * steps * block_groups
+            return (x_gmem.at[pl.ds(g0 * GROUP, steps * block_k)],
+                    q_gmem.at[n_slice, pl.ds(g0 * GROUP, steps * block_k)],
+                    s_gmem.at[pl.ds(g0, steps * block_groups), n_slice],
+                    b_gmem.at[pl.ds(g0, steps * block_groups), n_slice])
+
         ignore = lambda *_, **__: None
 
-        @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*operands),
+        @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*operands(0, 0)),
                            collective_axes="wg")
         def _scope(allocs):
             wg = lax.axis_index("wg")
             wg_slice = pl.ds(wg * TILE_N, TILE_N)
 
-            def context(run):
-                if interpret:
-                    a_smem[0][wg, 1] = jnp.ones((TILE_N, GROUP), jnp.bfloat16)
-                    plgpu.commit_smem()
-                total = run(jnp.zeros((TILE_N, rows), jnp.float32))
-                out_smem[wg] = total
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[split, n_slice].at[wg_slice])
-                plgpu.wait_smem_to_gmem(0)
+            @plgpu.nd_loop((items,), collective_axes="cta")
+            def _item(info):
+                (item,) = info.index
+                tile, split = item // k_splits, item % k_splits
 
-            def body(_, x_smem, q_smem, s_smem, b_smem, total):
-                # q XOR 8 read as signed int4 is q - 8 exactly; signed int4 -> bf16 is Mosaic GPU's fast
-                # conversion (prmt, lop3, sub a pair), where uint4 takes a per-element one.
-                q = lax.bitcast_convert_type(q_smem[wg_slice] ^ jnp.uint4(8), jnp.int4).astype(jnp.bfloat16)
-                ones = jnp.ones((TILE_N, GROUP), jnp.bfloat16)
-                if interpret:
-                    a_smem[0][wg, 0] = q
-                    plgpu.commit_smem()
-                    q, ones = a_smem[0].at[wg, 0], a_smem[0].at[wg, 1]
+                def context(run):
+                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE_N, rows), jnp.float32))
+                    def _acc(acc):
+                        run(acc)
+                        total = acc[...]
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's store has read out_smem
+                        out_smem[wg] = total
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg],
+                                                out_gmem.at[split, pl.ds(tile * CTA_N, CTA_N)].at[wg_slice])
 
-                def mmas(qx, sx):  # fresh accumulators: this group's sums alone
-                    plgpu.wgmma(qx, q, x_smem)  # sum_k (q - 8) x
-                    plgpu.wgmma(sx, ones, x_smem)  # sum_k x, on every row
-                    return qx[...], sx[...]  # (waits for both)
+                def body(_, x_smem, q_smem, s_smem, b_smem, acc):
+                    for j in range(block_groups):
+                        cols = pl.ds(j * GROUP, GROUP)
+                        # q XOR 8 read as signed int4 is q - 8 (Mosaic GPU's fast int4 -> bf16 conversion; uint4
+                        # takes a per-element one); + 8 in bf16 is exact, and s q + b is the MLX dequantization.
+                        q = lax.bitcast_convert_type(q_smem[wg_slice, cols] ^ jnp.uint4(8), jnp.int4)
+                        q = q.astype(jnp.bfloat16) + jnp.bfloat16(8)
+                        a = q * s_smem[j, wg_slice][:, None] + b_smem[j, wg_slice][:, None]
+                        if interpret:
+                            a_smem[0][wg] = a
+                            plgpu.commit_smem()
+                            a = a_smem[0].at[wg]
+                        plgpu.wgmma(acc, a, x_smem.at[cols])
+                        if interpret:
+                            plgpu.wgmma_wait(0)
+                    plgpu.wgmma_wait(0)  # before the stage's buffers are handed back
+                    return acc
 
-                qx, sx = pl.run_scoped(mmas, plgpu.ACC((TILE_N, rows), jnp.float32),
-                                       plgpu.ACC((TILE_N, rows), jnp.float32))
-                s = s_smem[0, wg_slice].astype(jnp.float32)
-                b = b_smem[0, wg_slice].astype(jnp.float32) + 8.0 * s  # q = (q - 8) + 8: exact 8s, one rounding
-                return total + s[:, None] * qx + b[:, None] * sx
+                pipeline(body, context)(*operands(tile, split), allocations=allocs)
 
-            pipeline(body, context)(*operands, allocations=allocs)
+        plgpu.wait_smem_to_gmem(0)
 
     call = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((k_splits, n, rows), jnp.float32),
-        grid=(pl.cdiv(n, cta_n), k_splits), grid_names=("cta", "split"), num_threads=COMPUTE_WGS + 1,
-        thread_name="wg",
+        grid=(min(SMS, items),), grid_names=("cta",), num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         scratch_types=[plgpu.SMEM((COMPUTE_WGS, TILE_N, rows), jnp.float32)]
-        + ([plgpu.SMEM((COMPUTE_WGS, 2, TILE_N, GROUP), jnp.bfloat16, transforms=a_transforms)] if interpret else []),
+        + ([plgpu.SMEM((COMPUTE_WGS, TILE_N, GROUP), jnp.bfloat16, transforms=a_transforms)] if interpret else []),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
     return call(xt, q4, st, bt)
 
 
+def block_groups_for(k: int) -> int:
+    """Groups a pipeline step carries: BLOCK_GROUPS, or the largest power of two below it dividing K's groups."""
+    bg = BLOCK_GROUPS
+    while (k // GROUP) % bg:
+        bg //= 2
+    return bg
+
+
 def qmm_decode(x: jax.Array, w: QuantizedWeight, *, k_splits: int | None = None, stages: int = STAGES,
+               block_groups: int | None = None, transposed: tuple[jax.Array, jax.Array] | None = None,
                interpret: bool = False) -> jax.Array:
-    """x bf16 [M <= 16, K] -> y bf16 [M, N] (see the module docstring). k_splits: None for `k_splits_for`'s
-    shape-derived count (a caller that overrides must keep it fixed per weight shape). interpret: Mosaic GPU's
-    interpreter on the CPU (`_partials`)."""
+    """x bf16 [M <= 16, K] -> y bf16 [M, N] (see the module docstring). k_splits, block_groups: None for the
+    shape-derived `k_splits_for` / `block_groups_for` (a caller that overrides must keep them fixed per weight
+    shape). transposed: the scales and biases as [G, N], made once beforehand (else each call transposes them:
+    for 5120 -> 34816 that is 22 MB of extra traffic beside the weight's 89 MB). interpret: Mosaic GPU's interpreter
+    on the CPU (`_partials`)."""
     w.validate("qmm_mgpu weight")
     _check(x, w)
     n, k = w.shape
-    splits = k_splits_for(n, k) if k_splits is None else k_splits
-    if (k // GROUP) % splits:
-        raise ValueError(f"qmm_mgpu: k_splits={splits} must divide K's {k // GROUP} groups")
-    return _decode(x, w, k_splits=splits, stages=stages, interpret=interpret)
+    bg = block_groups_for(k) if block_groups is None else block_groups
+    if bg < 1 or (k // GROUP) % bg:
+        raise ValueError(f"qmm_mgpu: block_groups={bg} must divide K's {k // GROUP} groups")
+    splits = k_splits_for(n, k, bg) if k_splits is None else k_splits
+    if splits < 1 or (k // GROUP // bg) % splits:
+        raise ValueError(f"qmm_mgpu: k_splits={splits} must divide K's {k // GROUP // bg} steps of {bg} groups")
+    if transposed is None:
+        transposed = (w.scales.T, w.biases.T)
+    elif tuple(t.shape for t in transposed) != 2 * ((k // GROUP, n),):
+        raise ValueError(f"qmm_mgpu: transposed scales and biases must be [{k // GROUP}, {n}], got "
+                         f"{[tuple(t.shape) for t in transposed]}")
+    return _decode(x, w.words, *transposed, k_splits=splits, stages=stages, block_groups=bg, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("k_splits", "stages", "interpret"))
-def _decode(x: jax.Array, w: QuantizedWeight, *, k_splits: int, stages: int, interpret: bool) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("k_splits", "stages", "block_groups", "interpret"))
+def _decode(x: jax.Array, words: jax.Array, st: jax.Array, bt: jax.Array, *, k_splits: int, stages: int,
+            block_groups: int, interpret: bool) -> jax.Array:
     # One program around the kernel: called eagerly, separate dispatches of the small ops around an interpreted
     # kernel deadlocked the CPU client now and then (the interpreter's callbacks dispatch jax ops themselves).
     m, k = x.shape
-    n = w.out_features
+    n = words.shape[0]
     xt = jnp.pad(x, ((0, ROWS - m), (0, 0))).T
-    q4 = lax.bitcast_convert_type(w.words, jnp.uint4).reshape(n, k)
-    parts = _partials(xt, q4, w.scales.T, w.biases.T, k_splits=k_splits, stages=stages, interpret=interpret)
+    q4 = lax.bitcast_convert_type(words, jnp.uint4).reshape(n, k)
+    parts = _partials(xt, q4, st, bt, k_splits=k_splits, stages=stages, block_groups=block_groups,
+                      interpret=interpret)
     total = parts[0]
     for i in range(1, k_splits):  # one fixed sequence of adds for every element
         total = total + parts[i]

@@ -31,12 +31,18 @@ def test_lowers_for_the_h200_at_27b_shapes():
 
 
 def test_k_splits_from_the_shape():
-    """The fewest splits dividing K's groups that give MIN_CTAS CTAs; the same whatever M is."""
+    """A divisor of K's step count, enough work items to give every one of SMS CTAs one where the shape allows,
+    the estimate (waves x (steps an item + overhead)) minimal among those; a function of the shape alone."""
     for k, n in SHAPES_27B:
-        s = qmm_mgpu.k_splits_for(n, k)
-        ctas = -(-n // 128)
-        assert (k // 64) % s == 0 and (ctas * s >= qmm_mgpu.MIN_CTAS or s == k // 64), (k, n, s)
-        assert all((k // 64) % t or ctas * t < qmm_mgpu.MIN_CTAS for t in range(1, s)), (k, n, s)
+        bg = qmm_mgpu.block_groups_for(k)
+        steps = k // 64 // bg
+        s = qmm_mgpu.k_splits_for(n, k, bg)
+        tiles = -(-n // qmm_mgpu.CTA_N)
+        assert steps % s == 0 and tiles * s >= qmm_mgpu.SMS, (k, n, s)
+        cost = lambda t: -(-tiles * t // qmm_mgpu.SMS) * (steps // t + qmm_mgpu.ITEM_OVERHEAD_STEPS)
+        assert all(cost(s) <= cost(t) for t in range(1, steps + 1) if steps % t == 0 and tiles * t >= qmm_mgpu.SMS)
+    assert qmm_mgpu.block_groups_for(5120) == 4 and qmm_mgpu.block_groups_for(64 * 6) == 2
+    assert qmm_mgpu.block_groups_for(64 * 5) == 1
 
 
 def test_bad_inputs_are_value_errors():
@@ -52,6 +58,9 @@ def test_bad_inputs_are_value_errors():
             jax.eval_shape(qmm_mgpu.qmm_decode, x, w)
     with pytest.raises(ValueError, match="k_splits"):
         jax.eval_shape(lambda x, w: qmm_mgpu.qmm_decode(x, w, k_splits=3), sds((1, 512), jnp.bfloat16),
+                       _abstract_weight(256, 512))
+    with pytest.raises(ValueError, match="block_groups"):
+        jax.eval_shape(lambda x, w: qmm_mgpu.qmm_decode(x, w, block_groups=3), sds((1, 512), jnp.bfloat16),
                        _abstract_weight(256, 512))
 
 
@@ -81,11 +90,13 @@ def _check_oracle_and_rows(n: int, k: int, *, interpret: bool, k_splits=None, ro
     np.testing.assert_array_equal(np.asarray(run(other, w)).view(np.uint16)[0], bits[0], err_msg="other rows")
 
 
-@pytest.mark.parametrize("n,k_splits", [(256, 1), (256, 2), (200, 1)])
-def test_interpreter_matches_oracle_and_rows_are_invariant(n, k_splits):
+@pytest.mark.parametrize("n,k_splits,sms", [(256, 1, None), (256, 2, None), (200, 1, None), (384, 2, 4)])
+def test_interpreter_matches_oracle_and_rows_are_invariant(n, k_splits, sms, monkeypatch):
     """Mosaic GPU's interpreter on the CPU runs the whole kernel -- pipeline, K splits, scale and bias rows, the
-    epilogue, a last CTA past N (200 = 1.56 CTAs) -- with the converted and all-ones tiles in shared memory (its
-    wgmma reads A only from there)."""
+    store, a last tile past N (200 = 1.56 tiles), persistent CTAs taking several work items (6 items over 4
+    CTAs) -- with the dequantized tiles in shared memory (its wgmma reads A only from there)."""
+    if sms is not None:
+        monkeypatch.setattr(qmm_mgpu, "SMS", sms)
     _check_oracle_and_rows(n, 512, interpret=True, k_splits=k_splits, rows=(0, 15))
 
 
@@ -112,10 +123,13 @@ def test_qmm_decode_impl_switch(monkeypatch):
     x = jnp.asarray(rng.normal(size=(20, 512)), jnp.bfloat16)
     triton = qmm.qmm(x, w, interpret=True)
     monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
+    routed = []
+    rows = qmm_mgpu.qmm_rows
+    monkeypatch.setattr(qmm_mgpu, "qmm_rows", lambda x, w, **kw: routed.append(x.shape) or rows(x, w, **kw))
     got = qmm.qmm(x, w, interpret=True)
+    assert routed == [(20, 512)]
     np.testing.assert_array_equal(np.asarray(got).view(np.uint16),
-                                  np.asarray(qmm_mgpu.qmm_rows(x, w, interpret=True)).view(np.uint16))
-    assert not np.array_equal(np.asarray(got).view(np.uint16), np.asarray(triton).view(np.uint16))
+                                  np.asarray(rows(x, w, interpret=True)).view(np.uint16))
     np.testing.assert_array_equal(np.asarray(qmm.qmm(x[17:18], w, interpret=True)).view(np.uint16),
                                   np.asarray(got[17:18]).view(np.uint16))
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(triton, np.float32), rtol=0.05, atol=0.05)
