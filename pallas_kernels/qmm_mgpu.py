@@ -115,9 +115,9 @@ def _smem_transforms(cols: int, bits: int, operand: str) -> tuple:
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
-@functools.partial(jax.jit, static_argnames=("k_splits", "stages", "block_groups", "interpret"))
+@functools.partial(jax.jit, static_argnames=("k_splits", "stages", "block_groups", "interpret", "probe"))
 def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, k_splits: int, stages: int,
-              block_groups: int, interpret: bool) -> jax.Array:
+              block_groups: int, interpret: bool, probe: str | None = None) -> jax.Array:
     """xt [K, ROWS] bf16; q4 [N, K] uint4; st, bt [G, N] bf16 -> fp32 partials [k_splits, N, ROWS].
 
     Work items (a CTA_N tile of features x one K split) are spread over SMS persistent CTAs; each item runs the
@@ -134,6 +134,9 @@ def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, k_s
     q_transforms = (plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(GROUP * 4 // 8))
     x_transforms = _smem_transforms(rows, 16, "rhs")
     a_transforms = _smem_transforms(GROUP, 16, "lhs")  # interpret mode's A tile
+    # probe (timing only, wrong numbers): leave a part of the step out -- "no_xor", "no_affine" (the scale FMA),
+    # "no_load" (a constant A tile: no shared-memory read or conversion), "no_compute" (no MMA either)
+    assert probe in (None, "no_xor", "no_affine", "no_load", "no_compute"), probe
 
     def kernel(x_gmem, q_gmem, s_gmem, b_gmem, out_gmem, out_smem, *a_smem):
         def pipeline(body, context):
@@ -180,13 +183,20 @@ def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, k_s
                                                 out_gmem.at[split, pl.ds(tile * CTA_N, CTA_N)].at[wg_slice])
 
                 def body(_, x_smem, q_smem, s_smem, b_smem, acc):
+                    if probe == "no_compute":
+                        return acc
                     for j in range(block_groups):
                         cols = pl.ds(j * GROUP, GROUP)
                         # q XOR 8 read as signed int4 is q - 8 (Mosaic GPU's fast int4 -> bf16 conversion; uint4
                         # takes a per-element one); + 8 in bf16 is exact, and s q + b is the MLX dequantization.
-                        q = lax.bitcast_convert_type(q_smem[wg_slice, cols] ^ jnp.uint4(8), jnp.int4)
-                        q = q.astype(jnp.bfloat16) + jnp.bfloat16(8)
-                        a = q * s_smem[j, wg_slice][:, None] + b_smem[j, wg_slice][:, None]
+                        if probe == "no_load":
+                            a = jnp.ones((TILE_N, GROUP), jnp.bfloat16)
+                        else:
+                            q = q_smem[wg_slice, cols]
+                            q = lax.bitcast_convert_type(q if probe == "no_xor" else q ^ jnp.uint4(8), jnp.int4)
+                            a = q.astype(jnp.bfloat16) + jnp.bfloat16(8)
+                            if probe != "no_affine":
+                                a = a * s_smem[j, wg_slice][:, None] + b_smem[j, wg_slice][:, None]
                         if interpret:
                             a_smem[0][wg] = a
                             plgpu.commit_smem()

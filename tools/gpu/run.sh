@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh mgpu|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh mgpu|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -83,6 +83,14 @@ case "$stage" in
     # the whole decode round with it (the shipped Triton round: 12.6-12.8 ms, 80 forwards/s in session 5)
     timeout 150 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths "" --rounds 32 \
       --no-compile-timing --compile-cache "" --qmm-decode-impl mgpu 2>&1 | tee "$out/bench_mgpu.log" | tail -4 ;;
+  mgpu-probe)
+    # Where the Mosaic GPU decode qmm's time goes: parts of its step left out, then its SASS (one shape).
+    timeout 200 python3 tools/gpu/mgpu_probe.py 2>&1 | tee "$out/mgpu_probe.log" | grep -v "^\[" | tail -30
+    timeout 100 python3 tools/gpu/mgpu_probe.py --probes no_compute,no_load --stages 8 --block-groups 4 2>&1 \
+      | tee -a "$out/mgpu_probe.log" | grep -v "^\[" | tail -10
+    MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$out/dump" timeout 100 \
+      python3 tools/gpu/mgpu_probe.py --shapes 5120x34816 --probes full --reps 2 > "$out/dump.log" 2>&1
+    ls -la "$out/dump" | head ;;
   tests)
     # SIGINT, not TERM, at the limit: pytest then still prints which tests passed and failed. Results go straight to
     # files (a piped -q run lost its summary to the timeout on 2026-11-30).

@@ -1,0 +1,71 @@
+"""Where the Mosaic GPU decode qmm's time goes (pallas_kernels/qmm_mgpu.py): times the kernel with parts of its
+pipeline step left out (`_partials`'s `probe`: wrong numbers, timing only) at the 27B's decode shapes, scales and
+biases transposed beforehand. With MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=DIR in the environment Mosaic GPU
+writes each compiled kernel's PTX/SASS there.
+
+    python3 tools/gpu/mgpu_probe.py [--shapes 5120x34816,17408x5120] [--probes full,no_xor,...]
+"""
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import qmm_mgpu
+
+L2_BYTES = 60 << 20
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="5120x34816,17408x5120,5120x6144")
+    ap.add_argument("--probes", default="full,no_xor,no_affine,no_load,no_compute")
+    ap.add_argument("--stages", type=int, default=qmm_mgpu.STAGES)
+    ap.add_argument("--block-groups", type=int, default=qmm_mgpu.BLOCK_GROUPS)
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    print(f"device: {jax.devices()[0].device_kind}; stages {args.stages}, {args.block_groups} groups a step")
+    print(f"{'shape':>12} | {'probe':>10} | {'splits':>6} | {'us':>8} | {'TB/s':>5}")
+    for shape in args.shapes.split(","):
+        k, n = map(int, shape.split("x"))
+        g = k // 64
+        nbytes = n * k // 2 + 4 * n * g
+        copies = max(1, -(-2 * L2_BYTES // nbytes))
+        keys = jax.random.split(jax.random.key(0), copies)
+        q4s = [lax.bitcast_convert_type(jax.random.bits(kk, (n, k // 8), jnp.uint32), jnp.uint4).reshape(n, k)
+               for kk in keys]
+        st = jnp.full((g, n), 0.01, jnp.bfloat16)
+        bt = jnp.full((g, n), -0.08, jnp.bfloat16)
+        sts = [st + i for i in range(copies)]
+        bts = [bt + i for i in range(copies)]
+        xt = jax.random.normal(jax.random.key(1), (k, qmm_mgpu.ROWS), jnp.bfloat16)
+        splits = qmm_mgpu.k_splits_for(n, k, args.block_groups)
+        for probe in args.probes.split(","):
+            p = None if probe == "full" else probe
+
+            @jax.jit
+            def chain(xt, q4s, sts, bts):
+                total = jnp.zeros((), jnp.float32)
+                for r in range(args.reps):
+                    i = r % copies
+                    out = qmm_mgpu._partials(xt, q4s[i], sts[i], bts[i], k_splits=splits, stages=args.stages,
+                                             block_groups=args.block_groups, interpret=False, probe=p)
+                    total = total + out[0, 0, 0]
+                    xt = xt.at[0, 0].set(total.astype(xt.dtype))  # orders the calls
+                return total
+
+            try:
+                chain(xt, q4s, sts, bts).block_until_ready()
+                best = float("inf")
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    chain(xt, q4s, sts, bts).block_until_ready()
+                    best = min(best, (time.perf_counter() - t0) / args.reps * 1e6)
+                print(f"{shape:>12} | {probe:>10} | {splits:>6} | {best:8.2f} | {nbytes / best / 1e6:5.2f}", flush=True)
+            except Exception as e:  # noqa: BLE001 -- report and go on to the next probe
+                print(f"{shape:>12} | {probe:>10} | failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
