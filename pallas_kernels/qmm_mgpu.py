@@ -125,14 +125,14 @@ def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, k_s
     interpreter on the CPU, whose wgmma takes its A operand only from shared memory, so the dequantized tile goes
     through shared memory there (the same values into the same MMAs); compiled, it stays in registers. Jitted, so
     a program lowers each distinct kernel once (as `pallas_kernels/calls.py` does for the Pallas Triton kernels)."""
-    k, rows = xt.shape
+    rows, k = xt.shape
     n = q4.shape[0]
     block_k = GROUP * block_groups
     steps = k // block_k // k_splits
     items = pl.cdiv(n, CTA_N) * k_splits
-    # One 64-element (32-byte) column of tiles a group, so a group's [64, 64] slice is whole tiles.
-    q_transforms = (plgpu.TilingTransform((8, GROUP)), plgpu.SwizzleTransform(GROUP * 4 // 8))
-    x_transforms = _smem_transforms(rows, 16, "rhs")
+    # 128-byte rows of tiles where the step allows (TMA moves whole 128-byte lines); a group of x is one tile column
+    q_transforms = _smem_transforms(block_k, 4, "lhs")
+    x_transforms = _smem_transforms(GROUP, 16, "rhs")
     a_transforms = _smem_transforms(GROUP, 16, "lhs")  # interpret mode's A tile
     # probe (timing only, wrong numbers): leave a part of the step out -- "no_xor", "no_affine" (the scale FMA),
     # "no_load" (a constant A tile: no shared-memory read or conversion), "no_compute" (no MMA either)
@@ -143,7 +143,7 @@ def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, k_s
             return plgpu.emit_pipeline_warp_specialized(
                 body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=COMPUTE_WGS,
                 max_concurrent_steps=stages, compute_context=context,
-                in_specs=[plgpu.BlockSpec((block_k, rows), lambda g: (g, 0), transforms=x_transforms,
+                in_specs=[plgpu.BlockSpec((rows, block_k), lambda g: (0, g), transforms=x_transforms,
                                           memory_space=plgpu.SMEM),
                           plgpu.BlockSpec((CTA_N, block_k), lambda g: (0, g), transforms=q_transforms,
                                           memory_space=plgpu.SMEM),
@@ -153,7 +153,7 @@ def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, k_s
         def operands(tile, split):
             n_slice = pl.ds(tile * CTA_N, CTA_N)
             g0 = split * steps * block_groups
-            return (x_gmem.at[pl.ds(g0 * GROUP, steps * block_k)],
+            return (x_gmem.at[:, pl.ds(g0 * GROUP, steps * block_k)],
                     q_gmem.at[n_slice, pl.ds(g0 * GROUP, steps * block_k)],
                     s_gmem.at[pl.ds(g0, steps * block_groups), n_slice],
                     b_gmem.at[pl.ds(g0, steps * block_groups), n_slice])
@@ -185,23 +185,25 @@ def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, k_s
                 def body(_, x_smem, q_smem, s_smem, b_smem, acc):
                     if probe == "no_compute":
                         return acc
+                    # q XOR 8 read as signed int4 is q - 8 (Mosaic GPU's fast int4 -> bf16 conversion; uint4
+                    # takes a per-element one); + 8 in bf16 is exact, and s q + b is the MLX dequantization.
+                    if probe != "no_load":
+                        q = q_smem[wg_slice]
+                        q = lax.bitcast_convert_type(q if probe == "no_xor" else q ^ jnp.uint4(8), jnp.int4)
+                        q = q.astype(jnp.bfloat16) + jnp.bfloat16(8)
                     for j in range(block_groups):
-                        cols = pl.ds(j * GROUP, GROUP)
-                        # q XOR 8 read as signed int4 is q - 8 (Mosaic GPU's fast int4 -> bf16 conversion; uint4
-                        # takes a per-element one); + 8 in bf16 is exact, and s q + b is the MLX dequantization.
+                        cols = slice(j * GROUP, (j + 1) * GROUP)
                         if probe == "no_load":
                             a = jnp.ones((TILE_N, GROUP), jnp.bfloat16)
                         else:
-                            q = q_smem[wg_slice, cols]
-                            q = lax.bitcast_convert_type(q if probe == "no_xor" else q ^ jnp.uint4(8), jnp.int4)
-                            a = q.astype(jnp.bfloat16) + jnp.bfloat16(8)
+                            a = q[:, cols]
                             if probe != "no_affine":
                                 a = a * s_smem[j, wg_slice][:, None] + b_smem[j, wg_slice][:, None]
                         if interpret:
                             a_smem[0][wg] = a
                             plgpu.commit_smem()
                             a = a_smem[0].at[wg]
-                        plgpu.wgmma(acc, a, x_smem.at[cols])
+                        plgpu.wgmma(acc, a, x_smem.at[:, pl.ds(j * GROUP, GROUP)].transpose((1, 0)))
                         if interpret:
                             plgpu.wgmma_wait(0)
                     plgpu.wgmma_wait(0)  # before the stage's buffers are handed back
@@ -261,7 +263,7 @@ def _decode(x: jax.Array, words: jax.Array, st: jax.Array, bt: jax.Array, *, k_s
     # kernel deadlocked the CPU client now and then (the interpreter's callbacks dispatch jax ops themselves).
     m, k = x.shape
     n = words.shape[0]
-    xt = jnp.pad(x, ((0, ROWS - m), (0, 0))).T
+    xt = jnp.pad(x, ((0, ROWS - m), (0, 0)))
     q4 = lax.bitcast_convert_type(words, jnp.uint4).reshape(n, k)
     parts = _partials(xt, q4, st, bt, k_splits=k_splits, stages=stages, block_groups=block_groups,
                       interpret=interpret)

@@ -39,7 +39,7 @@ def main() -> None:
         bt = jnp.full((g, n), -0.08, jnp.bfloat16)
         sts = [st + i for i in range(copies)]
         bts = [bt + i for i in range(copies)]
-        xt = jax.random.normal(jax.random.key(1), (k, qmm_mgpu.ROWS), jnp.bfloat16)
+        xt = jax.random.normal(jax.random.key(1), (qmm_mgpu.ROWS, k), jnp.bfloat16)
         splits = qmm_mgpu.k_splits_for(n, k, args.block_groups)
         for probe in args.probes.split(","):
             p = None if probe == "full" else probe
