@@ -36,6 +36,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -53,6 +54,8 @@ SMS = 132  # the H200's; work items are spread over this many persistent CTAs (a
 # What a work item costs besides its steps, in steps (pipeline fill and drain, the output store): the K-split
 # choice weighs the last partial wave of items against it.
 ITEM_OVERHEAD_STEPS = 4
+SCHEDULE = "items"  # "items" (`_partials`) or "flat" (`_partials_flat`): `qmm_decode`'s default
+UNSIGNED = False  # convert the 4-bit fields as unsigned (True) or as signed after XOR 8 (False)
 
 
 def k_splits_for(n: int, k: int, block_groups: int = BLOCK_GROUPS) -> int:
@@ -135,8 +138,9 @@ def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, k_s
     x_transforms = _smem_transforms(GROUP, 16, "rhs")
     a_transforms = _smem_transforms(GROUP, 16, "lhs")  # interpret mode's A tile
     # probe (timing only, wrong numbers): leave a part of the step out -- "no_xor", "no_affine" (the scale FMA),
-    # "no_load" (a constant A tile: no shared-memory read or conversion), "no_compute" (no MMA either)
-    assert probe in (None, "no_xor", "no_affine", "no_load", "no_compute"), probe
+    # "no_load" (a constant A tile: no shared-memory read or conversion), "no_compute" (no MMA either); "unsigned"
+    # is not a probe but the other conversion (right numbers): the fields converted as unsigned 4-bit integers
+    assert probe in (None, "no_xor", "no_affine", "no_load", "no_compute", "unsigned"), probe
 
     def kernel(x_gmem, q_gmem, s_gmem, b_gmem, out_gmem, out_smem, *a_smem):
         def pipeline(body, context):
@@ -187,7 +191,9 @@ def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, k_s
                         return acc
                     # q XOR 8 read as signed int4 is q - 8 (Mosaic GPU's fast int4 -> bf16 conversion; uint4
                     # takes a per-element one); + 8 in bf16 is exact, and s q + b is the MLX dequantization.
-                    if probe != "no_load":
+                    if probe == "unsigned":
+                        q = q_smem[wg_slice].astype(jnp.bfloat16)
+                    elif probe != "no_load":
                         q = q_smem[wg_slice]
                         q = lax.bitcast_convert_type(q if probe == "no_xor" else q ^ jnp.uint4(8), jnp.int4)
                         q = q.astype(jnp.bfloat16) + jnp.bfloat16(8)
@@ -223,6 +229,142 @@ def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, k_s
     return call(xt, q4, st, bt)
 
 
+def flat_schedule(n: int, k: int, block_groups: int) -> tuple[int, int, int, int]:
+    """The flat schedule's shape-derived numbers: (steps a tile's K takes L, steps a CTA S, CTAs, pieces P).
+
+    The tiles' steps, tile-major, are one sequence of tiles x L steps cut into chunks of S consecutive steps, one a
+    CTA (the last chunk may be shorter); S is the least that needs at most SMS CTAs. A tile's K is summed in pieces,
+    one for each chunk that touches it (at most P), and the pieces are added in one fixed order afterwards."""
+    tiles = -(-n // CTA_N)
+    length = k // GROUP // block_groups
+    total = tiles * length
+    per_cta = -(-total // SMS)
+    ctas = -(-total // per_cta)
+    pieces = max((((t + 1) * length - 1) // per_cta) - (t * length) // per_cta + 1 for t in range(tiles))
+    return length, per_cta, ctas, pieces
+
+
+def _flat_pieces_valid(n: int, k: int, block_groups: int):
+    """[P, tiles] bool (numpy): whether piece p of tile t was written."""
+    length, per_cta, _, pieces = flat_schedule(n, k, block_groups)
+    tiles = -(-n // CTA_N)
+    counts = np.array([((t + 1) * length - 1) // per_cta - (t * length) // per_cta + 1 for t in range(tiles)])
+    return np.arange(pieces)[:, None] < counts[None, :]
+
+
+@functools.partial(jax.jit, static_argnames=("stages", "block_groups", "interpret", "probe"))
+def _partials_flat(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, stages: int, block_groups: int,
+                   interpret: bool, probe: str | None = None) -> jax.Array:
+    """The flat schedule (`flat_schedule`): xt [ROWS, K] bf16; q4 [N, K] uint4; st, bt [G, N] bf16 -> fp32 pieces
+    [P, N, ROWS] (only those `_flat_pieces_valid` marks are written). Each CTA runs one pipeline over its S steps,
+    so the memory warpgroup never waits at a tile's edge; a step's MMAs go into a fresh accumulator whose value the
+    compute warpgroup adds to its running fp32 sum (restarted where a tile starts), and the sum is stored where the
+    tile or the chunk ends."""
+    rows, k = xt.shape
+    n = q4.shape[0]
+    block_k = GROUP * block_groups
+    length, per_cta, ctas, pieces = flat_schedule(n, k, block_groups)
+    total = -(-n // CTA_N) * length
+    q_transforms = _smem_transforms(block_k, 4, "lhs")
+    x_transforms = _smem_transforms(GROUP, 16, "rhs")
+    a_transforms = _smem_transforms(GROUP, 16, "lhs")  # interpret mode's A tile
+    assert probe in (None, "no_xor", "no_affine", "no_load", "no_compute", "unsigned"), probe
+
+    def kernel(x_gmem, q_gmem, s_gmem, b_gmem, out_gmem, out_smem, *a_smem):
+        cta = lax.axis_index("cta")
+
+        def where(i):  # step i of this CTA -> (tile, step within the tile's K); past the end: the last step again
+            f = jnp.minimum(cta * per_cta + i, total - 1)
+            return f // length, f % length
+
+        def pipeline(body, context):
+            return plgpu.emit_pipeline_warp_specialized(
+                body, grid=(per_cta,), memory_registers=40, wg_axis="wg", num_compute_wgs=COMPUTE_WGS,
+                max_concurrent_steps=stages, compute_context=context,
+                in_specs=[plgpu.BlockSpec((rows, block_k), lambda i: (0, where(i)[1]), transforms=x_transforms,
+                                          memory_space=plgpu.SMEM),
+                          plgpu.BlockSpec((CTA_N, block_k), lambda i: where(i), transforms=q_transforms,
+                                          memory_space=plgpu.SMEM),
+                          plgpu.BlockSpec((block_groups, CTA_N), lambda i: where(i)[::-1], memory_space=plgpu.SMEM),
+                          plgpu.BlockSpec((block_groups, CTA_N), lambda i: where(i)[::-1], memory_space=plgpu.SMEM)])
+
+        ignore = lambda *_, **__: None
+        operands = (x_gmem, q_gmem, s_gmem, b_gmem)
+
+        @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*operands),
+                           collective_axes="wg")
+        def _scope(allocs):
+            wg = lax.axis_index("wg")
+            wg_slice = pl.ds(wg * TILE_N, TILE_N)
+
+            def context(run):
+                run(jnp.zeros((TILE_N, rows), jnp.float32))
+
+            def body(idx, x_smem, q_smem, s_smem, b_smem, carry):
+                (i,) = idx
+                f = cta * per_cta + i
+                tile, ks = where(i)
+                if probe == "no_compute":
+                    step = carry
+                else:
+                    # q XOR 8 read as signed int4 is q - 8 (Mosaic GPU's fast int4 -> bf16 conversion); + 8 in bf16
+                    # is exact, and s q + b is the MLX dequantization.
+                    if probe == "unsigned":
+                        q = q_smem[wg_slice].astype(jnp.bfloat16)
+                    elif probe != "no_load":
+                        q = q_smem[wg_slice]
+                        q = lax.bitcast_convert_type(q if probe == "no_xor" else q ^ jnp.uint4(8), jnp.int4)
+                        q = q.astype(jnp.bfloat16) + jnp.bfloat16(8)
+
+                    def mmas(acc):
+                        for j in range(block_groups):
+                            if probe == "no_load":
+                                a = jnp.ones((TILE_N, GROUP), jnp.bfloat16)
+                            else:
+                                a = q[:, j * GROUP:(j + 1) * GROUP]
+                                if probe != "no_affine":
+                                    a = a * s_smem[j, wg_slice][:, None] + b_smem[j, wg_slice][:, None]
+                            if interpret:
+                                a_smem[0][wg] = a
+                                plgpu.commit_smem()
+                                a = a_smem[0].at[wg]
+                            plgpu.wgmma(acc, a, x_smem.at[:, pl.ds(j * GROUP, GROUP)].transpose((1, 0)))
+                            if interpret:
+                                plgpu.wgmma_wait(0)
+                        return acc[...]  # waits for the MMAs: the stage's buffers are handed back after the body
+
+                    step = pl.run_scoped(mmas, plgpu.ACC((TILE_N, rows), jnp.float32))
+                # restart where a tile starts: carry x 0 (no select: Mosaic GPU's warpgroup lowering broadcasts no
+                # scalar predicate). A non-finite carry could only come from non-finite x in the same rows, whose
+                # outputs are non-finite anyway, so no row's bits depend on another's.
+                keep = jnp.where((ks == 0) | (i == 0), 0.0, 1.0).astype(jnp.float32)
+                carry = carry * lax.broadcast(keep, (TILE_N, rows)) + step
+
+                @pl.when((f < total) & ((ks == length - 1) | (i == per_cta - 1)))
+                def _store():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store has read out_smem
+                    out_smem[wg] = carry
+                    plgpu.commit_smem()
+                    piece = cta - (tile * length) // per_cta
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg],
+                                            out_gmem.at[piece, pl.ds(tile * CTA_N, CTA_N)].at[wg_slice])
+
+                return carry
+
+            pipeline(body, context)(*operands, allocations=allocs)
+
+        plgpu.wait_smem_to_gmem(0)
+
+    call = plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((pieces, n, rows), jnp.float32),
+        grid=(ctas,), grid_names=("cta",), num_threads=COMPUTE_WGS + 1, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        scratch_types=[plgpu.SMEM((COMPUTE_WGS, TILE_N, rows), jnp.float32)]
+        + ([plgpu.SMEM((COMPUTE_WGS, TILE_N, GROUP), jnp.bfloat16, transforms=a_transforms)] if interpret else []),
+        interpret=plgpu.InterpretGPUParams() if interpret else None)
+    return call(xt, q4, st, bt)
+
+
 def block_groups_for(k: int) -> int:
     """Groups a pipeline step carries: BLOCK_GROUPS, or the largest power of two below it dividing K's groups."""
     bg = BLOCK_GROUPS
@@ -233,12 +375,14 @@ def block_groups_for(k: int) -> int:
 
 def qmm_decode(x: jax.Array, w: QuantizedWeight, *, k_splits: int | None = None, stages: int = STAGES,
                block_groups: int | None = None, transposed: tuple[jax.Array, jax.Array] | None = None,
-               interpret: bool = False) -> jax.Array:
+               schedule: str | None = None, unsigned: bool | None = None, interpret: bool = False) -> jax.Array:
     """x bf16 [M <= 16, K] -> y bf16 [M, N] (see the module docstring). k_splits, block_groups: None for the
     shape-derived `k_splits_for` / `block_groups_for` (a caller that overrides must keep them fixed per weight
     shape). transposed: the scales and biases as [G, N], made once beforehand (else each call transposes them:
-    for 5120 -> 34816 that is 22 MB of extra traffic beside the weight's 89 MB). interpret: Mosaic GPU's interpreter
-    on the CPU (`_partials`)."""
+    for 5120 -> 34816 that is 22 MB of extra traffic beside the weight's 89 MB). schedule: "items" (work items of
+    (tile, K split), `_partials`) or "flat" (`_partials_flat`; k_splits unused); None for SCHEDULE. unsigned: convert
+    the 4-bit fields as unsigned (else XOR 8 as signed, + 8); None for UNSIGNED. interpret: Mosaic GPU's interpreter
+    on the CPU."""
     w.validate("qmm_mgpu weight")
     _check(x, w)
     n, k = w.shape
@@ -253,21 +397,35 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, k_splits: int | None = None,
     elif tuple(t.shape for t in transposed) != 2 * ((k // GROUP, n),):
         raise ValueError(f"qmm_mgpu: transposed scales and biases must be [{k // GROUP}, {n}], got "
                          f"{[tuple(t.shape) for t in transposed]}")
-    return _decode(x, w.words, *transposed, k_splits=splits, stages=stages, block_groups=bg, interpret=interpret)
+    schedule = SCHEDULE if schedule is None else schedule
+    if schedule not in ("items", "flat"):
+        raise ValueError(f"qmm_mgpu: schedule must be 'items' or 'flat', got {schedule!r}")
+    unsigned = UNSIGNED if unsigned is None else unsigned
+    return _decode(x, w.words, *transposed, k_splits=splits, stages=stages, block_groups=bg, schedule=schedule,
+                   unsigned=unsigned, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("k_splits", "stages", "block_groups", "interpret"))
+@functools.partial(jax.jit, static_argnames=("k_splits", "stages", "block_groups", "schedule", "unsigned",
+                                             "interpret"))
 def _decode(x: jax.Array, words: jax.Array, st: jax.Array, bt: jax.Array, *, k_splits: int, stages: int,
-            block_groups: int, interpret: bool) -> jax.Array:
+            block_groups: int, schedule: str, unsigned: bool, interpret: bool) -> jax.Array:
     # One program around the kernel: called eagerly, separate dispatches of the small ops around an interpreted
     # kernel deadlocked the CPU client now and then (the interpreter's callbacks dispatch jax ops themselves).
     m, k = x.shape
     n = words.shape[0]
     xt = jnp.pad(x, ((0, ROWS - m), (0, 0)))
     q4 = lax.bitcast_convert_type(words, jnp.uint4).reshape(n, k)
-    parts = _partials(xt, q4, st, bt, k_splits=k_splits, stages=stages, block_groups=block_groups,
-                      interpret=interpret)
+    probe = "unsigned" if unsigned else None
+    if schedule == "flat":
+        parts = _partials_flat(xt, q4, st, bt, stages=stages, block_groups=block_groups, interpret=interpret,
+                               probe=probe)
+        # pieces a tile did not have were never written: select zeros there (a select, so garbage cannot leak)
+        valid = np.repeat(_flat_pieces_valid(n, k, block_groups), CTA_N, axis=1)[:, :n]
+        parts = jnp.where(jnp.asarray(valid)[:, :, None], parts, 0.0)
+    else:
+        parts = _partials(xt, q4, st, bt, k_splits=k_splits, stages=stages, block_groups=block_groups,
+                          interpret=interpret, probe=probe)
     total = parts[0]
-    for i in range(1, k_splits):  # one fixed sequence of adds for every element
+    for i in range(1, parts.shape[0]):  # one fixed sequence of adds for every element
         total = total + parts[i]
     return total[:, :m].T.astype(x.dtype)

@@ -64,7 +64,7 @@ def test_bad_inputs_are_value_errors():
                        _abstract_weight(256, 512))
 
 
-def _check_oracle_and_rows(n: int, k: int, *, interpret: bool, k_splits=None, rows=(0, 5, 15)):
+def _check_oracle_and_rows(n: int, k: int, *, interpret: bool, k_splits=None, rows=(0, 5, 15), **kw):
     """Against the float64 oracle (relative error of bf16 output size), and row i alone == row i among 16, bit
     for bit, and == with the other rows changed."""
     rng = np.random.default_rng(3100 + n + k)
@@ -75,7 +75,7 @@ def _check_oracle_and_rows(n: int, k: int, *, interpret: bool, k_splits=None, ro
     w = QuantizedWeight(jnp.asarray(words), scales, biases, 4, 64)
     oracle = dequantize_numpy(words, np.asarray(scales.astype(jnp.float32), np.float64),
                               np.asarray(biases.astype(jnp.float32), np.float64), 4, 64)
-    run = jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, k_splits=k_splits, interpret=interpret))
+    run = jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, k_splits=k_splits, interpret=interpret, **kw))
     x = jnp.asarray(rng.normal(size=(16, k)), jnp.bfloat16)
     y = run(x, w)
     want = np.asarray(x.astype(jnp.float32), np.float64) @ oracle.T
@@ -100,10 +100,21 @@ def test_interpreter_matches_oracle_and_rows_are_invariant(n, k_splits, sms, mon
     _check_oracle_and_rows(n, 512, interpret=True, k_splits=k_splits, rows=(0, 15))
 
 
+@pytest.mark.parametrize("n,k,sms,unsigned", [(256, 512, None, False), (200, 1024, 3, True), (384, 512, 2, False)])
+def test_interpreter_flat_schedule(n, k, sms, unsigned, monkeypatch):
+    """The flat schedule in the interpreter: chunks of steps crossing tile edges (a tile's K summed in pieces by
+    two or three CTAs, pieces a tile lacks selected away), a last chunk shorter than the others, the unsigned
+    conversion."""
+    if sms is not None:
+        monkeypatch.setattr(qmm_mgpu, "SMS", sms)
+    _check_oracle_and_rows(n, k, interpret=True, rows=(0, 15), schedule="flat", unsigned=unsigned)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("schedule,unsigned", [("items", False), ("flat", False), ("flat", True)])
 @pytest.mark.parametrize("k,n", [(5120, 6144), (17408, 5120), (5120, 16480)])
-def test_gpu_matches_oracle_and_rows_are_invariant(k, n):
-    _check_oracle_and_rows(n, k, interpret=False)
+def test_gpu_matches_oracle_and_rows_are_invariant(k, n, schedule, unsigned):
+    _check_oracle_and_rows(n, k, interpret=False, schedule=schedule, unsigned=unsigned)
 
 
 def _small_weight(rng, n: int, k: int, bits: int = 4):

@@ -48,10 +48,15 @@ from pallas_kernels.bench.common import table
 from pallas_kernels.qweight import QuantizedWeight, dequantize
 
 SHAPES = ((5120, 17408), (17408, 5120), (5120, 10240), (5120, 6144), (6144, 5120), (5120, 12288), (5120, 248320))
-# The Mosaic GPU decode kernel's variants `--mgpu` times: (pipeline stages, groups a step, K splits as a multiple
-# of the shape's `k_splits_for`, scales and biases transposed once beforehand rather than in every call).
-MGPU_VARIANTS = ((qmm_mgpu.STAGES, qmm_mgpu.BLOCK_GROUPS, 1, False), (qmm_mgpu.STAGES, qmm_mgpu.BLOCK_GROUPS, 1, True),
-                 (8, 4, 1, True), (4, 8, 1, True), (3, 8, 1, True), (4, 4, 2, True), (8, 2, 1, True))
+# The Mosaic GPU decode kernel's variants `--mgpu` times: `qmm_mgpu.qmm_decode` keywords, and whether the scales
+# and biases come transposed beforehand (else every call transposes them).
+MGPU_VARIANTS = (dict(schedule="items", stages=4, block_groups=4, pre=True),
+                 dict(schedule="flat", stages=4, block_groups=4, pre=True),
+                 dict(schedule="flat", stages=4, block_groups=4, pre=False),
+                 dict(schedule="flat", stages=6, block_groups=4, pre=True),
+                 dict(schedule="flat", stages=4, block_groups=4, pre=True, unsigned=True),
+                 dict(schedule="flat", stages=3, block_groups=8, pre=True),
+                 dict(schedule="flat", stages=8, block_groups=2, pre=True))
 SWEEP_SHAPES = ((5120, 17408), (17408, 5120), (5120, 6144), (6144, 5120))
 MS = (1, 4, 16, 64, 256, 1024, 4096)
 BITS, GROUP = 4, 64
@@ -483,19 +488,19 @@ def _sweep(args, t_start: float) -> dict:
             for rank, t in enumerate(cands):
                 jobs.append(Job("decode", (k, n), m, tiles_str(t), rank, *_path_fn(t, x, ws, args.interpret),
                                 _reps(_estimate_us(m, n, k), args.interpret), t == default, t))
-            for stages, bg, mult, pre in MGPU_VARIANTS if args.mgpu and not args.interpret else ():
+            for variant in MGPU_VARIANTS if args.mgpu and not args.interpret else ():
                 # the experimental Mosaic GPU kernel, ordered by the barrier chain like the XLA rows
-                steps = k // GROUP // bg
-                splits = qmm_mgpu.k_splits_for(n, k, bg) * mult
-                if (k // GROUP) % bg or steps % splits:
+                kw = dict(variant)
+                pre = kw.pop("pre")
+                if (k // GROUP) % kw["block_groups"]:
                     continue
-                fn = functools.partial(qmm_mgpu.qmm_decode, k_splits=splits, stages=stages, block_groups=bg)
+                fn = functools.partial(qmm_mgpu.qmm_decode, **kw)
                 arg_sets = [(x, w) for w in ws]
                 if pre:
                     fn = lambda x, w, st, bt, fn=fn: fn(x, w, transposed=(st, bt))
                     arg_sets = [(x, w, w.scales.T, w.biases.T) for w in ws]
-                jobs.append(Job("decode", (k, n), m, f"mosaic gpu, {splits} splits, {bg} groups/step, {stages} stages"
-                                + (", scales pre-transposed" if pre else ""), 1, fn, False, arg_sets,
+                label = "mosaic gpu " + ",".join(f"{key}={val}" for key, val in variant.items())
+                jobs.append(Job("decode", (k, n), m, label, 1, fn, False, arg_sets,
                                 _reps(_estimate_us(m, n, k), args.interpret)))
     for k, n in args.prompt_shapes if args.prompt_ms else ():
         ws = _random_weights(n, k, _copies(_weight_bytes(n, k), args.interpret))

@@ -24,8 +24,10 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=qmm_mgpu.STAGES)
     ap.add_argument("--block-groups", type=int, default=qmm_mgpu.BLOCK_GROUPS)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--schedule", choices=("items", "flat"), default="flat")
     args = ap.parse_args()
-    print(f"device: {jax.devices()[0].device_kind}; stages {args.stages}, {args.block_groups} groups a step")
+    print(f"device: {jax.devices()[0].device_kind}; {args.schedule} schedule, stages {args.stages}, "
+          f"{args.block_groups} groups a step")
     print(f"{'shape':>12} | {'probe':>10} | {'splits':>6} | {'us':>8} | {'TB/s':>5}")
     for shape in args.shapes.split(","):
         k, n = map(int, shape.split("x"))
@@ -49,8 +51,12 @@ def main() -> None:
                 total = jnp.zeros((), jnp.float32)
                 for r in range(args.reps):
                     i = r % copies
-                    out = qmm_mgpu._partials(xt, q4s[i], sts[i], bts[i], k_splits=splits, stages=args.stages,
-                                             block_groups=args.block_groups, interpret=False, probe=p)
+                    if args.schedule == "flat":
+                        out = qmm_mgpu._partials_flat(xt, q4s[i], sts[i], bts[i], stages=args.stages,
+                                                      block_groups=args.block_groups, interpret=False, probe=p)
+                    else:
+                        out = qmm_mgpu._partials(xt, q4s[i], sts[i], bts[i], k_splits=splits, stages=args.stages,
+                                                 block_groups=args.block_groups, interpret=False, probe=p)
                     total = total + out[0, 0, 0]
                     xt = xt.at[0, 0].set(total.astype(xt.dtype))  # orders the calls
                 return total

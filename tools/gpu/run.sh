@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh mgpu|mgpu2|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh mgpu|mgpu2|mgpu3|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -95,6 +95,21 @@ case "$stage" in
     grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_mgpu.log | cut -c1-200 | tail -8
     timeout 150 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths "" --rounds 32 \
       --no-compile-timing --compile-cache "" --qmm-decode-impl mgpu 2>&1 | tee "$out/bench_mgpu.log" | tail -2 ;;
+  mgpu3)
+    # The Mosaic GPU decode qmm's flat schedule (one pipeline a CTA over chunks of the tiles' steps): probes, the
+    # sweep, gpu tests, the decode round with it.
+    timeout 90 python3 tools/gpu/mgpu_probe.py --probes full,unsigned,no_xor,no_affine,no_load,no_compute 2>&1 \
+      | tee "$out/mgpu_probe.log" | grep -v "^\[" | tail -20
+    timeout 200 python3 -m pallas_kernels.bench qmm --sweep --shapes 5120x34816,17408x5120,5120x6144,6144x5120 \
+      --m 1,16 --max-candidates 1 --mgpu --budget-s 170 --json "$out/qmm_mgpu.json" 2>&1 | tee "$out/qmm_mgpu.log" \
+      | grep -v "^\[" | grep -E "^decode|^\*|mosaic" | cut -c1-125 | tail -70
+    timeout -s INT 100 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short -rfE tests/test_qmm_mgpu.py \
+      > "$out/gpu_tests_mgpu.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_mgpu.log | cut -c1-200 | tail -12
+    timeout 120 python3 -c "import sys; from pallas_kernels import qmm_mgpu; qmm_mgpu.SCHEDULE = 'flat'; \
+      from qwen_jax.__main__ import main; sys.exit(main(sys.argv[1:]))" bench --synthetic 27b --streams 1,16 \
+      --prompt-lengths "" --rounds 32 --no-compile-timing --compile-cache "" --qmm-decode-impl mgpu 2>&1 \
+      | tee "$out/bench_mgpu.log" | tail -2 ;;
   mgpu-probe)
     # Where the Mosaic GPU decode qmm's time goes: parts of its step left out, then its SASS (one shape).
     timeout 200 python3 tools/gpu/mgpu_probe.py 2>&1 | tee "$out/mgpu_probe.log" | grep -v "^\[" | tail -30
