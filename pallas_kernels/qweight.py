@@ -29,6 +29,10 @@ class QuantizedWeight:
     biases: jax.Array  # [N, K / group_size]
     bits: int = dataclasses.field(metadata=dict(static=True))
     group_size: int = dataclasses.field(metadata=dict(static=True))
+    # Optional copies of scales and biases as [K / group_size, N], made once for the Mosaic GPU decode kernel
+    # (`pallas_kernels.qmm.decode_layout`), which reads a step's scales as rows; None: it transposes them per call.
+    scales_t: jax.Array | None = None
+    biases_t: jax.Array | None = None
 
     @property
     def out_features(self) -> int:
@@ -58,6 +62,9 @@ class QuantizedWeight:
             if tuple(arr.shape) != want:
                 raise ValueError(f"{name}: {part} shape {tuple(arr.shape)} does not match words {tuple(self.words.shape)} "
                                  f"at {self.bits} bits, group {self.group_size} (expected {want})")
+        for part, arr in (("scales_t", self.scales_t), ("biases_t", self.biases_t)):
+            if arr is not None and tuple(arr.shape) != want[::-1]:
+                raise ValueError(f"{name}: {part} shape {tuple(arr.shape)} is not the transpose of {want}")
 
 
 def unpack(words: jax.Array, bits: int) -> jax.Array:

@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import qmm
 from pallas_kernels.qweight import QuantizedWeight
 from qwen_jax import model as M
 from qwen_jax import sampling
@@ -500,8 +501,10 @@ class Programs:
     program that writes it). Not thread-safe: one caller (the scheduler thread) at a time."""
 
     def __init__(self, params, cfg: ModelConfig, layout: Layout, buckets: Buckets, backend: M.Backend | None = None):
-        self.params, self.cfg, self.layout, self.buckets = params, cfg, layout, buckets
         self.backend = backend or M.Backend.default()
+        if self.backend.kernels:  # the Mosaic GPU decode kernel's scale layout, where it is on (same bits)
+            params = qmm.decode_layout(params)
+        self.params, self.cfg, self.layout, self.buckets = params, cfg, layout, buckets
         self.state = self.fresh_state()
         self.last = self._fresh_last()  # [slots] int32: each slot's last sampled token (decode_program)
         self._exe: dict[tuple, object] = {}

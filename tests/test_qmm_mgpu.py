@@ -97,7 +97,7 @@ def test_interpreter_matches_oracle_and_rows_are_invariant(n, k_splits, sms, mon
     CTAs) -- with the dequantized tiles in shared memory (its wgmma reads A only from there)."""
     if sms is not None:
         monkeypatch.setattr(qmm_mgpu, "SMS", sms)
-    _check_oracle_and_rows(n, 512, interpret=True, k_splits=k_splits, rows=(0, 15))
+    _check_oracle_and_rows(n, 512, interpret=True, k_splits=k_splits, rows=(0, 15), schedule="items")
 
 
 @pytest.mark.parametrize("n,k,sms,unsigned", [(256, 512, None, False), (200, 1024, 3, True), (384, 512, 2, False)])
@@ -167,3 +167,25 @@ def test_27b_decode_program_lowers_with_it(h200_lowering, monkeypatch):
     text = _decode_program_text(4)
     assert text.count("mosaic_gpu") >= 5
     assert "qmm_4b_g64" not in text
+
+
+def test_decode_layout_transposes_once_same_bits(monkeypatch):
+    """qmm.decode_layout gives the weights the Mosaic GPU kernel takes their transposed scales and biases (only
+    when DECODE_IMPL is "mgpu"; 8-bit weights and dense arrays are left alone); the kernel then reads them instead
+    of transposing per call, with the same bits; a wrong shape is a ValueError."""
+    from pallas_kernels import qmm
+    rng = np.random.default_rng(3400)
+    params = {"a": _small_weight(rng, 256, 512), "b": [_small_weight(rng, 128, 512, bits=8), jnp.ones((4, 4))]}
+    assert qmm.decode_layout(params) is params
+    monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
+    laid = qmm.decode_layout(params)
+    w = laid["a"]
+    np.testing.assert_array_equal(np.asarray(w.scales_t), np.asarray(params["a"].scales).T)
+    np.testing.assert_array_equal(np.asarray(w.biases_t), np.asarray(params["a"].biases).T)
+    assert laid["b"][0].scales_t is None and laid["b"][1] is params["b"][1]
+    x = jnp.asarray(rng.normal(size=(3, 512)), jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(qmm_mgpu.qmm_rows(x, w, interpret=True)).view(np.uint16),
+                                  np.asarray(qmm_mgpu.qmm_rows(x, params["a"], interpret=True)).view(np.uint16))
+    import dataclasses
+    with pytest.raises(ValueError, match="transpose"):
+        dataclasses.replace(w, scales_t=w.scales).validate()

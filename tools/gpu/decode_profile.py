@@ -48,6 +48,10 @@ def run(args) -> None:
         from pallas_kernels import qmm
         qmm.DECODE_TILES = qmm.replace_tiles(qmm.DECODE_TILES, args.decode_tiles)
         print(f"decode tiles: {qmm.DECODE_TILES}")
+    if args.qmm_decode_impl:
+        from pallas_kernels import qmm
+        qmm.DECODE_IMPL = args.qmm_decode_impl
+        print(f"qmm decode implementation: {qmm.DECODE_IMPL}")
     if args.synthetic:
         from qwen_jax.engine.bench import synthetic_params
         params, cfg = synthetic_params(args.synthetic, dtype="bfloat16", layers=args.layers)
@@ -196,6 +200,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None, help="with --synthetic: only the first N layers")
     ap.add_argument("--decode-tiles", default="", metavar="FIELD=V,...",
                     help="override fields of qmm.DECODE_TILES (A/B), e.g. x_natural=1 or prefetch=1,lop3=1")
+    ap.add_argument("--qmm-decode-impl", choices=("triton", "mgpu"), default=None)
     ap.add_argument("--streams", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=16, help="timed rounds (wall clock)")

@@ -53,6 +53,7 @@ def main() -> None:
                     i = r % copies
                     if args.schedule == "flat":
                         out = qmm_mgpu._partials_flat(xt, q4s[i], sts[i], bts[i], stages=args.stages,
+                                                      sms=qmm_mgpu.SMS,
                                                       block_groups=args.block_groups, interpret=False, probe=p)
                     else:
                         out = qmm_mgpu._partials(xt, q4s[i], sts[i], bts[i], k_splits=splits, stages=args.stages,

@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh mgpu|mgpu2|mgpu3|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh mgpu|mgpu2|mgpu3|mgpu4|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -110,6 +110,17 @@ case "$stage" in
       from qwen_jax.__main__ import main; sys.exit(main(sys.argv[1:]))" bench --synthetic 27b --streams 1,16 \
       --prompt-lengths "" --rounds 32 --no-compile-timing --compile-cache "" --qmm-decode-impl mgpu 2>&1 \
       | tee "$out/bench_mgpu.log" | tail -2 ;;
+  mgpu4)
+    # The Mosaic GPU decode qmm (flat schedule, scales transposed at load) in the engine: the decode round, then the
+    # engine's exactness gates with it (concurrent == solo, chunk cuts, stream buckets).
+    timeout 150 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths "" --rounds 32 \
+      --no-compile-timing --compile-cache "" --qmm-decode-impl mgpu 2>&1 | tee "$out/bench_mgpu.log" | tail -2
+    timeout -s INT 200 python3 -c "import sys, pytest; from pallas_kernels import qmm; qmm.DECODE_IMPL = 'mgpu'; \
+      sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=short -rfE tests/test_engine_gpu.py \
+      > "$out/gpu_tests_engine_mgpu.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_engine_mgpu.log | cut -c1-200 | tail -12
+    timeout 150 python3 tools/gpu/decode_profile.py --synthetic 27b --qmm-decode-impl mgpu --trace "$out/trace" \
+      --profiled 0 2>&1 | tee "$out/decode_trace.txt" | tail -30 ;;
   mgpu-probe)
     # Where the Mosaic GPU decode qmm's time goes: parts of its step left out, then its SASS (one shape).
     timeout 200 python3 tools/gpu/mgpu_probe.py 2>&1 | tee "$out/mgpu_probe.log" | grep -v "^\[" | tail -30
