@@ -34,6 +34,8 @@ def main(argv=None) -> int:
                     help="';'-separated qmm decode-tile overrides to run under the default flags as well, each "
                          "FIELD=V,... (decode_profile.py --decode-tiles), e.g. 'prefetch=1;prefetch=1,lop3=1'")
     ap.add_argument("--timeout", type=float, default=150.0, help="seconds a variant")
+    ap.add_argument("--qmm-decode-impl", choices=("triton", "mgpu"), default=None,
+                    help="decode_profile.py --qmm-decode-impl for every variant")
     args = ap.parse_args(argv)
     here = os.path.dirname(os.path.abspath(__file__))
     src = ["--synthetic", args.synthetic] if args.synthetic else ["--model", args.model]
@@ -48,6 +50,8 @@ def main(argv=None) -> int:
             cmd += ["--layers", str(layers)]
         if tiles:
             cmd += ["--decode-tiles", tiles]
+        if args.qmm_decode_impl:
+            cmd += ["--qmm-decode-impl", args.qmm_decode_impl]
         try:
             r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
             lines = [ln for ln in (r.stdout + r.stderr).splitlines()

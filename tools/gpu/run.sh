@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh mgpu|mgpu2|mgpu3|mgpu4|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh mgpu|mgpu2|mgpu3|mgpu4|mgpu5|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -121,6 +121,18 @@ case "$stage" in
     grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_engine_mgpu.log | cut -c1-200 | tail -12
     timeout 150 python3 tools/gpu/decode_profile.py --synthetic 27b --qmm-decode-impl mgpu --trace "$out/trace" \
       --profiled 0 2>&1 | tee "$out/decode_trace.txt" | tail -30 ;;
+  mgpu5)
+    # Is the engine's decode round with the Mosaic GPU qmm host-bound, and do command buffers take its calls?
+    # Then the kernel's gpu tests incl. the tiny checkpoint's shapes, and the engine's stream-bucket gate again.
+    timeout 200 python3 tools/gpu/launch_probe.py --synthetic 27b --variants default,custom-calls-too \
+      --qmm-decode-impl mgpu --timeout 95 2>&1 | tee "$out/launch_mgpu.log" | tail -16
+    timeout -s INT 110 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short -rfE tests/test_qmm_mgpu.py \
+      -k "flat-False" > "$out/gpu_tests_mgpu.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E .{0,150}|passed|failed" "$out"/gpu_tests_mgpu.log | cut -c1-160 | tail -12
+    timeout -s INT 90 python3 -c "import sys, pytest; from pallas_kernels import qmm; qmm.DECODE_IMPL = 'mgpu'; \
+      sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=line -rfE tests/test_engine_gpu.py \
+      -k "stream_bucket" > "$out/gpu_tests_bucket.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|passed|failed" "$out"/gpu_tests_bucket.log | cut -c1-160 | tail -4 ;;
   mgpu-probe)
     # Where the Mosaic GPU decode qmm's time goes: parts of its step left out, then its SASS (one shape).
     timeout 200 python3 tools/gpu/mgpu_probe.py 2>&1 | tee "$out/mgpu_probe.log" | grep -v "^\[" | tail -30
