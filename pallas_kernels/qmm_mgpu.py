@@ -5,30 +5,33 @@ M <= 16 decode/verify rows, 4-bit MLX weights with bf16 scales and biases, group
 Why a second kernel: the Triton decode kernel (`qmm.py`) runs at 35-44 % of copy on the H200 because its loads and
 its dequantize-and-MMA chain share one instruction stream and each chunk's wgmma is waited before the next chunk
 is built (docs/kernels/qmm.md, runs 4-5). Here the structure is Mosaic GPU's warp-specialised pipeline: a memory
-warpgroup keeps `stages` TMA copies in flight (x, weight words, scales, biases of one group of K each), and
-`COMPUTE_WGS` compute warpgroups each own `TILE_N` = 64 output features (N need not be a multiple of their
-128: a last CTA past N reads zeros and its stores are clipped, TMA's bounds handling).
+warpgroup keeps `stages` TMA copies in flight, two compute warpgroups each own `TILE_N` = 64 output features of
+a CTA's `CTA_N` = 128 (N need not be a multiple: past N, TMA reads zeros and clips the stores).
 
-Arithmetic (a per-group epilogue; the issue's `bias x sum(x)` form): for group g of K,
-    y[n, m] += s[n, g] * sum_k (q[n, k] - 8) x[m, k]  +  (b[n, g] + 8 s[n, g]) * sum_k x[m, k]
-with q the 4-bit field. The weight words are viewed as uint4 [N, K] without moving a byte
-(`lax.bitcast_convert_type` gives element j = bits 4j..4j+3, MLX's field j). The compute warpgroup flips bit 3 of
-each field and reads it as signed int4, which is q - 8 exactly, so Mosaic GPU's fast int4 -> bf16 conversion
-applies (unsigned takes a per-element path), and the bias term becomes (b + 8 s) sum x. The [64, 64] tile of
-q - 8 in bf16 (exact) is the wgmma A operand in registers; one wgmma gives the (q - 8) . x sums, a second against a
-constant all-ones A gives the group's sum of x for every column (a fixed tensor-core order, so no reduction whose
-order could depend on M), and the fp32 epilogue folds both into the running total. x is the B operand: x^T
-[K, 16] (rows padded to 16), in shared memory.
+Schedule (`flat_schedule`): the weight is `CTA_N`-row tiles, each tile's K is L steps of `BLOCK_GROUPS` groups
+(a step moves [128, 256] 4-bit weights = 128-byte rows, x [16, 256] and the step's scale and bias rows). All
+tiles' steps, tile-major, form one sequence cut into equal chunks of S consecutive steps, one chunk a persistent
+CTA (at most `SMS`), and each CTA runs one pipeline over its chunk, so no CTA waits at a tile's edge and no wave is
+left part-empty. A tile's K is summed in pieces, one for each chunk that touches it; the pieces are added in one
+fixed order afterwards (pieces a tile lacks are selected away).
 
-Exactness: every row is one column of the MMAs, the padding is fixed at 16 rows, the K splits (`k_splits`, fp32
-partials added in one fixed sequence) and every tile come from the weight's shape alone, so a row's bits do not
-depend on M or on the other rows. The bits differ from the Triton kernel's (another formula); a model would use
-one kernel for all its decode and verify programs.
+Arithmetic: the words are viewed as uint4 [N, K] without moving a byte (`lax.bitcast_convert_type`: element j =
+bits 4j..4j+3, MLX's field j). A compute warpgroup loads its [64, 256] tile, flips bit 3 of each field and reads it
+as signed int4 (q - 8 exactly, so Mosaic GPU's fast int4 -> bf16 conversion applies), adds 8 back in bf16 (exact),
+and per group forms s q + b (MLX's dequantization) as the wgmma A operand in registers; x [16, K] (rows padded to
+16) is the B operand, read transposed from shared memory. A step's MMAs go into a fresh fp32 accumulator whose
+value is added to the warpgroup's running fp32 sum (restarted where a tile starts); the sum is stored where the tile
+or the chunk ends. (`unsigned=True` converts the fields as unsigned instead: slower on the H200.)
 
-Status (session 5): lowers for the H200 on the CPU, and runs in Mosaic GPU's interpreter (`interpret=True`, which
-routes the two A tiles through shared memory, the only place its wgmma reads A from) against the float64 oracle
-with row invariance (`tests/test_qmm_mgpu.py`). The compiled kernel's numbers and speed are device-only: `pytest
--m gpu tests/test_qmm_mgpu.py` and `python -m pallas_kernels.bench qmm --sweep --mgpu` (`tools/gpu/run.sh mgpu`).
+Exactness: every row is one column of the MMAs, the padding is fixed at 16 rows, and the schedule, the pieces and
+their order come from the weight's shape alone, so a row's bits do not depend on M or on the other rows. The bits
+differ from the Triton kernel's (another accumulation order); a model would use one kernel for all its decode and
+verify programs.
+
+Status (session 6, docs/kernels/qmm.md run 6): right on the H200 (oracle and row invariance at the 27B's shapes and
+the tiny checkpoint's) and 1.3-1.7x the Triton tiles on isolated calls, but not the default: in the 27B decode
+program its calls leave XLA's command buffers unused, so the round becomes host-bound (host share 4.6 ms), and the
+engine's stream-bucket gate fails with it on the device (not on the CPU interpreter); both are open.
 """
 from __future__ import annotations
 
@@ -50,22 +53,8 @@ COMPUTE_WGS = 2
 CTA_N = TILE_N * COMPUTE_WGS
 STAGES = 4
 BLOCK_GROUPS = 4  # groups of K a pipeline step carries (a 128-byte row of weight words, 16 KB a CTA)
-SMS = 132  # the H200's; work items are spread over this many persistent CTAs (a constant: never a device query)
-# What a work item costs besides its steps, in steps (pipeline fill and drain, the output store): the K-split
-# choice weighs the last partial wave of items against it.
-ITEM_OVERHEAD_STEPS = 4
-SCHEDULE = "flat"  # "items" (`_partials`) or "flat" (`_partials_flat`): `qmm_decode`'s default
+SMS = 132  # the H200's; chunks of work are spread over this many persistent CTAs (a constant: never a device query)
 UNSIGNED = False  # convert the 4-bit fields as unsigned (True) or as signed after XOR 8 (False)
-
-
-def k_splits_for(n: int, k: int, block_groups: int = BLOCK_GROUPS) -> int:
-    """K splits for a weight shape: the divisor of K's step count that minimises the estimated time, waves of work
-    items over SMS CTAs times (steps an item + ITEM_OVERHEAD_STEPS). A function of the shape alone."""
-    steps = k // GROUP // block_groups
-    tiles = -(-n // CTA_N)
-    splits = [s for s in range(1, steps + 1) if steps % s == 0]
-    filled = [s for s in splits if tiles * s >= SMS] or splits[-1:]  # every CTA gets work where it can
-    return min(filled, key=lambda s: (-(-tiles * s // SMS)) * (steps // s + ITEM_OVERHEAD_STEPS))
 
 
 def _unsupported(x: jax.Array, w: QuantizedWeight) -> str | None:
@@ -118,158 +107,47 @@ def _smem_transforms(cols: int, bits: int, operand: str) -> tuple:
     return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
-@functools.partial(jax.jit, static_argnames=("k_splits", "stages", "block_groups", "sms", "interpret", "probe"))
-def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, k_splits: int, stages: int,
-              block_groups: int, sms: int = SMS, interpret: bool, probe: str | None = None) -> jax.Array:
-    """xt [K, ROWS] bf16; q4 [N, K] uint4; st, bt [G, N] bf16 -> fp32 partials [k_splits, N, ROWS].
-
-    Work items (a CTA_N tile of features x one K split) are spread over SMS persistent CTAs; each item runs the
-    warp-specialised pipeline over its `block_groups`-group steps into one fp32 accumulator. interpret: Mosaic GPU's
-    interpreter on the CPU, whose wgmma takes its A operand only from shared memory, so the dequantized tile goes
-    through shared memory there (the same values into the same MMAs); compiled, it stays in registers. Jitted, so
-    a program lowers each distinct kernel once (as `pallas_kernels/calls.py` does for the Pallas Triton kernels)."""
-    rows, k = xt.shape
-    n = q4.shape[0]
-    block_k = GROUP * block_groups
-    steps = k // block_k // k_splits
-    items = pl.cdiv(n, CTA_N) * k_splits
-    # 128-byte rows of tiles where the step allows (TMA moves whole 128-byte lines); a group of x is one tile column
-    q_transforms = _smem_transforms(block_k, 4, "lhs")
-    x_transforms = _smem_transforms(GROUP, 16, "rhs")
-    a_transforms = _smem_transforms(GROUP, 16, "lhs")  # interpret mode's A tile
-    # probe (timing only, wrong numbers): leave a part of the step out -- "no_xor", "no_affine" (the scale FMA),
-    # "no_load" (a constant A tile: no shared-memory read or conversion), "no_compute" (no MMA either); "unsigned"
-    # is not a probe but the other conversion (right numbers): the fields converted as unsigned 4-bit integers
-    assert probe in (None, "no_xor", "no_affine", "no_load", "no_compute", "unsigned"), probe
-
-    def kernel(x_gmem, q_gmem, s_gmem, b_gmem, out_gmem, out_smem, *a_smem):
-        def pipeline(body, context):
-            return plgpu.emit_pipeline_warp_specialized(
-                body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=COMPUTE_WGS,
-                max_concurrent_steps=stages, compute_context=context,
-                in_specs=[plgpu.BlockSpec((rows, block_k), lambda g: (0, g), transforms=x_transforms,
-                                          memory_space=plgpu.SMEM),
-                          plgpu.BlockSpec((CTA_N, block_k), lambda g: (0, g), transforms=q_transforms,
-                                          memory_space=plgpu.SMEM),
-                          plgpu.BlockSpec((block_groups, CTA_N), lambda g: (g, 0), memory_space=plgpu.SMEM),
-                          plgpu.BlockSpec((block_groups, CTA_N), lambda g: (g, 0), memory_space=plgpu.SMEM)])
-
-        def operands(tile, split):
-            n_slice = pl.ds(tile * CTA_N, CTA_N)
-            g0 = split * steps * block_groups
-            return (x_gmem.at[:, pl.ds(g0 * GROUP, steps * block_k)],
-                    q_gmem.at[n_slice, pl.ds(g0 * GROUP, steps * block_k)],
-                    s_gmem.at[pl.ds(g0, steps * block_groups), n_slice],
-                    b_gmem.at[pl.ds(g0, steps * block_groups), n_slice])
-
-        ignore = lambda *_, **__: None
-
-        @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*operands(0, 0)),
-                           collective_axes="wg")
-        def _scope(allocs):
-            wg = lax.axis_index("wg")
-            wg_slice = pl.ds(wg * TILE_N, TILE_N)
-
-            @plgpu.nd_loop((items,), collective_axes="cta")
-            def _item(info):
-                (item,) = info.index
-                tile, split = item // k_splits, item % k_splits
-
-                def context(run):
-                    @functools.partial(pl.run_scoped, acc=plgpu.ACC((TILE_N, rows), jnp.float32))
-                    def _acc(acc):
-                        run(acc)
-                        total = acc[...]
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last item's store has read out_smem
-                        out_smem[wg] = total
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(out_smem.at[wg],
-                                                out_gmem.at[split, pl.ds(tile * CTA_N, CTA_N)].at[wg_slice])
-
-                def body(_, x_smem, q_smem, s_smem, b_smem, acc):
-                    if probe == "no_compute":
-                        return acc
-                    # q XOR 8 read as signed int4 is q - 8 (Mosaic GPU's fast int4 -> bf16 conversion; uint4
-                    # takes a per-element one); + 8 in bf16 is exact, and s q + b is the MLX dequantization.
-                    if probe == "unsigned":
-                        q = q_smem[wg_slice].astype(jnp.bfloat16)
-                    elif probe != "no_load":
-                        q = q_smem[wg_slice]
-                        q = lax.bitcast_convert_type(q if probe == "no_xor" else q ^ jnp.uint4(8), jnp.int4)
-                        q = q.astype(jnp.bfloat16) + jnp.bfloat16(8)
-                    for j in range(block_groups):
-                        cols = slice(j * GROUP, (j + 1) * GROUP)
-                        if probe == "no_load":
-                            a = jnp.ones((TILE_N, GROUP), jnp.bfloat16)
-                        else:
-                            a = q[:, cols]
-                            if probe != "no_affine":
-                                a = a * s_smem[j, wg_slice][:, None] + b_smem[j, wg_slice][:, None]
-                        if interpret:
-                            a_smem[0][wg] = a
-                            plgpu.commit_smem()
-                            a = a_smem[0].at[wg]
-                        plgpu.wgmma(acc, a, x_smem.at[:, pl.ds(j * GROUP, GROUP)].transpose((1, 0)))
-                        if interpret:
-                            plgpu.wgmma_wait(0)
-                    plgpu.wgmma_wait(0)  # before the stage's buffers are handed back
-                    return acc
-
-                pipeline(body, context)(*operands(tile, split), allocations=allocs)
-
-        plgpu.wait_smem_to_gmem(0)
-
-    call = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((k_splits, n, rows), jnp.float32),
-        grid=(min(sms, items),), grid_names=("cta",), num_threads=COMPUTE_WGS + 1, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        scratch_types=[plgpu.SMEM((COMPUTE_WGS, TILE_N, rows), jnp.float32)]
-        + ([plgpu.SMEM((COMPUTE_WGS, TILE_N, GROUP), jnp.bfloat16, transforms=a_transforms)] if interpret else []),
-        interpret=plgpu.InterpretGPUParams() if interpret else None)
-    return call(xt, q4, st, bt)
-
-
-def flat_schedule(n: int, k: int, block_groups: int, sms: int | None = None) -> tuple[int, int, int, int]:
-    """The flat schedule's shape-derived numbers: (steps a tile's K takes L, steps a CTA S, CTAs, pieces P).
+def flat_schedule(n: int, k: int, block_groups: int, sms: int | None = None) -> tuple[int, int, int, np.ndarray]:
+    """The schedule's shape-derived numbers: (steps a tile's K takes L, steps a CTA S, CTAs, pieces of each tile).
 
     The tiles' steps, tile-major, are one sequence of tiles x L steps cut into chunks of S consecutive steps, one a
-    CTA (the last chunk may be shorter); S is the least that needs at most SMS CTAs. A tile's K is summed in pieces,
-    one for each chunk that touches it (at most P), and the pieces are added in one fixed order afterwards. sms:
-    the CTAs at most (None: SMS)."""
+    CTA (the last chunk may be shorter); S is the least that needs at most `sms` CTAs (None: SMS). A tile's K is
+    summed in pieces, one for each chunk that touches it, added in one fixed order afterwards."""
     sms = SMS if sms is None else sms
     tiles = -(-n // CTA_N)
     length = k // GROUP // block_groups
-    total = tiles * length
-    per_cta = -(-total // sms)
-    ctas = -(-total // per_cta)
-    pieces = max((((t + 1) * length - 1) // per_cta) - (t * length) // per_cta + 1 for t in range(tiles))
-    return length, per_cta, ctas, pieces
+    per_cta = -(-tiles * length // sms)
+    ctas = -(-tiles * length // per_cta)
+    t = np.arange(tiles)
+    return length, per_cta, ctas, ((t + 1) * length - 1) // per_cta - (t * length) // per_cta + 1
 
 
-def _flat_pieces_valid(n: int, k: int, block_groups: int, sms: int):
-    """[P, tiles] bool (numpy): whether piece p of tile t was written."""
-    length, per_cta, _, pieces = flat_schedule(n, k, block_groups, sms)
-    tiles = -(-n // CTA_N)
-    counts = np.array([((t + 1) * length - 1) // per_cta - (t * length) // per_cta + 1 for t in range(tiles)])
-    return np.arange(pieces)[:, None] < counts[None, :]
+def _pieces_written(n: int, k: int, block_groups: int, sms: int) -> np.ndarray:
+    """[P, tiles] bool: whether piece p of tile t was written."""
+    counts = flat_schedule(n, k, block_groups, sms)[3]
+    return np.arange(counts.max())[:, None] < counts[None, :]
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "sms", "interpret", "probe"))
-def _partials_flat(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, stages: int, block_groups: int,
-                   sms: int, interpret: bool, probe: str | None = None) -> jax.Array:
-    """The flat schedule (`flat_schedule`): xt [ROWS, K] bf16; q4 [N, K] uint4; st, bt [G, N] bf16 -> fp32 pieces
-    [P, N, ROWS] (only those `_flat_pieces_valid` marks are written). Each CTA runs one pipeline over its S steps,
+def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, stages: int, block_groups: int,
+              sms: int, interpret: bool, probe: str | None = None) -> jax.Array:
+    """The kernel (`flat_schedule`): xt [ROWS, K] bf16; q4 [N, K] uint4; st, bt [G, N] bf16 -> fp32 pieces
+    [P, N, ROWS] (only those `_pieces_written` marks are written). Each CTA runs one pipeline over its S steps,
     so the memory warpgroup never waits at a tile's edge; a step's MMAs go into a fresh accumulator whose value the
     compute warpgroup adds to its running fp32 sum (restarted where a tile starts), and the sum is stored where the
     tile or the chunk ends."""
     rows, k = xt.shape
     n = q4.shape[0]
     block_k = GROUP * block_groups
-    length, per_cta, ctas, pieces = flat_schedule(n, k, block_groups, sms)
+    length, per_cta, ctas, counts = flat_schedule(n, k, block_groups, sms)
+    pieces = int(counts.max())
     total = -(-n // CTA_N) * length
     q_transforms = _smem_transforms(block_k, 4, "lhs")
     x_transforms = _smem_transforms(GROUP, 16, "rhs")
     a_transforms = _smem_transforms(GROUP, 16, "lhs")  # interpret mode's A tile
+    # probe (timing only, wrong numbers; tools/gpu/mgpu_probe.py): leave a part of the step out -- "no_xor",
+    # "no_affine" (the scale FMA), "no_load" (a constant A tile: no shared-memory read or conversion), "no_compute"
+    # (no MMA either). "unsigned" is not a probe but the other conversion (right numbers).
     assert probe in (None, "no_xor", "no_affine", "no_load", "no_compute", "unsigned"), probe
 
     def kernel(x_gmem, q_gmem, s_gmem, b_gmem, out_gmem, out_smem, *a_smem):
@@ -375,26 +253,21 @@ def block_groups_for(k: int) -> int:
     return bg
 
 
-def qmm_decode(x: jax.Array, w: QuantizedWeight, *, k_splits: int | None = None, stages: int = STAGES,
-               block_groups: int | None = None, transposed: tuple[jax.Array, jax.Array] | None = None,
-               schedule: str | None = None, unsigned: bool | None = None, interpret: bool = False) -> jax.Array:
-    """x bf16 [M <= 16, K] -> y bf16 [M, N] (see the module docstring). k_splits, block_groups: None for the
-    shape-derived `k_splits_for` / `block_groups_for` (a caller that overrides must keep them fixed per weight
-    shape). transposed: the scales and biases as [G, N], made once beforehand (default: the weight's `scales_t`,
-    `biases_t` where it has them; else each call transposes them: for 5120 -> 34816 that is 22 MB of extra
-    traffic beside the weight's 89 MB, 0.85 ms a 27B forward). schedule: "items" (work items of
-    (tile, K split), `_partials`) or "flat" (`_partials_flat`; k_splits unused); None for SCHEDULE. unsigned: convert
-    the 4-bit fields as unsigned (else XOR 8 as signed, + 8); None for UNSIGNED. interpret: Mosaic GPU's interpreter
-    on the CPU."""
+def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_groups: int | None = None,
+               transposed: tuple[jax.Array, jax.Array] | None = None, unsigned: bool | None = None,
+               interpret: bool = False) -> jax.Array:
+    """x bf16 [M <= 16, K] -> y bf16 [M, N] (see the module docstring). block_groups: None for the shape-derived
+    `block_groups_for` (a caller that overrides must keep it fixed per weight shape). transposed: the scales and
+    biases as [G, N], made once beforehand (default: the weight's `scales_t`, `biases_t` where it has them; else
+    each call transposes them: for 5120 -> 34816 that is 22 MB of extra traffic beside the weight's 89 MB, 0.85 ms a
+    27B forward). unsigned: convert the 4-bit fields as unsigned (else XOR 8 as signed, + 8); None for UNSIGNED.
+    interpret: Mosaic GPU's interpreter on the CPU."""
     w.validate("qmm_mgpu weight")
     _check(x, w)
     n, k = w.shape
     bg = block_groups_for(k) if block_groups is None else block_groups
     if bg < 1 or (k // GROUP) % bg:
         raise ValueError(f"qmm_mgpu: block_groups={bg} must divide K's {k // GROUP} groups")
-    splits = k_splits_for(n, k, bg) if k_splits is None else k_splits
-    if splits < 1 or (k // GROUP // bg) % splits:
-        raise ValueError(f"qmm_mgpu: k_splits={splits} must divide K's {k // GROUP // bg} steps of {bg} groups")
     if transposed is None and w.scales_t is not None and w.biases_t is not None:
         transposed = (w.scales_t, w.biases_t)
     if transposed is None:
@@ -402,34 +275,25 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, k_splits: int | None = None,
     elif tuple(t.shape for t in transposed) != 2 * ((k // GROUP, n),):
         raise ValueError(f"qmm_mgpu: transposed scales and biases must be [{k // GROUP}, {n}], got "
                          f"{[tuple(t.shape) for t in transposed]}")
-    schedule = SCHEDULE if schedule is None else schedule
-    if schedule not in ("items", "flat"):
-        raise ValueError(f"qmm_mgpu: schedule must be 'items' or 'flat', got {schedule!r}")
     unsigned = UNSIGNED if unsigned is None else unsigned
-    return _decode(x, w.words, *transposed, k_splits=splits, stages=stages, block_groups=bg, schedule=schedule,
-                   unsigned=unsigned, sms=SMS, interpret=interpret)
+    return _decode(x, w.words, *transposed, stages=stages, block_groups=bg, unsigned=unsigned, sms=SMS,
+                   interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("k_splits", "stages", "block_groups", "schedule", "unsigned", "sms",
-                                             "interpret"))
-def _decode(x: jax.Array, words: jax.Array, st: jax.Array, bt: jax.Array, *, k_splits: int, stages: int,
-            block_groups: int, schedule: str, unsigned: bool, sms: int, interpret: bool) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("stages", "block_groups", "unsigned", "sms", "interpret"))
+def _decode(x: jax.Array, words: jax.Array, st: jax.Array, bt: jax.Array, *, stages: int, block_groups: int,
+            unsigned: bool, sms: int, interpret: bool) -> jax.Array:
     # One program around the kernel: called eagerly, separate dispatches of the small ops around an interpreted
     # kernel deadlocked the CPU client now and then (the interpreter's callbacks dispatch jax ops themselves).
     m, k = x.shape
     n = words.shape[0]
     xt = jnp.pad(x, ((0, ROWS - m), (0, 0)))
     q4 = lax.bitcast_convert_type(words, jnp.uint4).reshape(n, k)
-    probe = "unsigned" if unsigned else None
-    if schedule == "flat":
-        parts = _partials_flat(xt, q4, st, bt, stages=stages, block_groups=block_groups, sms=sms,
-                               interpret=interpret, probe=probe)
-        # pieces a tile did not have were never written: select zeros there (a select, so garbage cannot leak)
-        valid = np.repeat(_flat_pieces_valid(n, k, block_groups, sms), CTA_N, axis=1)[:, :n]
-        parts = jnp.where(jnp.asarray(valid)[:, :, None], parts, 0.0)
-    else:
-        parts = _partials(xt, q4, st, bt, k_splits=k_splits, stages=stages, block_groups=block_groups, sms=sms,
-                          interpret=interpret, probe=probe)
+    parts = _partials(xt, q4, st, bt, stages=stages, block_groups=block_groups, sms=sms, interpret=interpret,
+                      probe="unsigned" if unsigned else None)
+    # pieces a tile did not have were never written: select zeros there (a select, so garbage cannot leak)
+    valid = np.repeat(_pieces_written(n, k, block_groups, sms), CTA_N, axis=1)[:, :n]
+    parts = jnp.where(jnp.asarray(valid)[:, :, None], parts, 0.0)
     total = parts[0]
     for i in range(1, parts.shape[0]):  # one fixed sequence of adds for every element
         total = total + parts[i]

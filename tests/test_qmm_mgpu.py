@@ -30,17 +30,19 @@ def test_lowers_for_the_h200_at_27b_shapes():
             assert "mosaic_gpu" in text, (k, n, m)
 
 
-def test_k_splits_from_the_shape():
-    """A divisor of K's step count, enough work items to give every one of SMS CTAs one where the shape allows,
-    the estimate (waves x (steps an item + overhead)) minimal among those; a function of the shape alone."""
-    for k, n in SHAPES_27B:
-        bg = qmm_mgpu.block_groups_for(k)
-        steps = k // 64 // bg
-        s = qmm_mgpu.k_splits_for(n, k, bg)
-        tiles = -(-n // qmm_mgpu.CTA_N)
-        assert steps % s == 0 and tiles * s >= qmm_mgpu.SMS, (k, n, s)
-        cost = lambda t: -(-tiles * t // qmm_mgpu.SMS) * (steps // t + qmm_mgpu.ITEM_OVERHEAD_STEPS)
-        assert all(cost(s) <= cost(t) for t in range(1, steps + 1) if steps % t == 0 and tiles * t >= qmm_mgpu.SMS)
+def test_schedule_from_the_shape():
+    """The chunks cover every step of every tile once, need at most SMS CTAs, are as short as that allows, and
+    each tile's pieces are the chunks that touch it; block_groups_for halves to a divisor of K's groups."""
+    for k, n in SHAPES_27B + ((512, 200), (1024, 392)):
+        for sms in (qmm_mgpu.SMS, 3):
+            bg = qmm_mgpu.block_groups_for(k)
+            length, per_cta, ctas, counts = qmm_mgpu.flat_schedule(n, k, bg, sms)
+            tiles = -(-n // qmm_mgpu.CTA_N)
+            total = tiles * length
+            assert length == k // 64 // bg and ctas <= sms and per_cta * ctas >= total > per_cta * (ctas - 1)
+            assert per_cta == -(-total // sms)
+            touching = [len({f // per_cta for f in range(t * length, (t + 1) * length)}) for t in range(tiles)]
+            np.testing.assert_array_equal(counts, touching)
     assert qmm_mgpu.block_groups_for(5120) == 4 and qmm_mgpu.block_groups_for(64 * 6) == 2
     assert qmm_mgpu.block_groups_for(64 * 5) == 1
 
@@ -56,15 +58,12 @@ def test_bad_inputs_are_value_errors():
     for x, w, match in cases:
         with pytest.raises(ValueError, match=match):
             jax.eval_shape(qmm_mgpu.qmm_decode, x, w)
-    with pytest.raises(ValueError, match="k_splits"):
-        jax.eval_shape(lambda x, w: qmm_mgpu.qmm_decode(x, w, k_splits=3), sds((1, 512), jnp.bfloat16),
-                       _abstract_weight(256, 512))
     with pytest.raises(ValueError, match="block_groups"):
         jax.eval_shape(lambda x, w: qmm_mgpu.qmm_decode(x, w, block_groups=3), sds((1, 512), jnp.bfloat16),
                        _abstract_weight(256, 512))
 
 
-def _check_oracle_and_rows(n: int, k: int, *, interpret: bool, k_splits=None, rows=(0, 5, 15), **kw):
+def _check_oracle_and_rows(n: int, k: int, *, interpret: bool, rows=(0, 5, 15), **kw):
     """Against the float64 oracle (relative error of bf16 output size), and row i alone == row i among 16, bit
     for bit, and == with the other rows changed."""
     rng = np.random.default_rng(3100 + n + k)
@@ -75,7 +74,7 @@ def _check_oracle_and_rows(n: int, k: int, *, interpret: bool, k_splits=None, ro
     w = QuantizedWeight(jnp.asarray(words), scales, biases, 4, 64)
     oracle = dequantize_numpy(words, np.asarray(scales.astype(jnp.float32), np.float64),
                               np.asarray(biases.astype(jnp.float32), np.float64), 4, 64)
-    run = jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, k_splits=k_splits, interpret=interpret, **kw))
+    run = jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, interpret=interpret, **kw))
     x = jnp.asarray(rng.normal(size=(16, k)), jnp.bfloat16)
     y = run(x, w)
     want = np.asarray(x.astype(jnp.float32), np.float64) @ oracle.T
@@ -90,32 +89,24 @@ def _check_oracle_and_rows(n: int, k: int, *, interpret: bool, k_splits=None, ro
     np.testing.assert_array_equal(np.asarray(run(other, w)).view(np.uint16)[0], bits[0], err_msg="other rows")
 
 
-@pytest.mark.parametrize("n,k_splits,sms", [(256, 1, None), (256, 2, None), (200, 1, None), (384, 2, 4)])
-def test_interpreter_matches_oracle_and_rows_are_invariant(n, k_splits, sms, monkeypatch):
-    """Mosaic GPU's interpreter on the CPU runs the whole kernel -- pipeline, K splits, scale and bias rows, the
-    store, a last tile past N (200 = 1.56 tiles), persistent CTAs taking several work items (6 items over 4
-    CTAs) -- with the dequantized tiles in shared memory (its wgmma reads A only from there)."""
+@pytest.mark.parametrize("n,k,sms,unsigned", [(256, 512, None, False), (200, 512, None, False),
+                                             (200, 1024, 3, True), (384, 512, 2, False), (384, 512, 4, False)])
+def test_interpreter_matches_oracle_and_rows_are_invariant(n, k, sms, unsigned, monkeypatch):
+    """Mosaic GPU's interpreter on the CPU runs the whole kernel -- pipeline, scale and bias rows, the stores, a
+    last tile past N (200 = 1.56 tiles), chunks of steps crossing tile edges (a tile's K summed in pieces by two or
+    three CTAs, pieces a tile lacks selected away), a last chunk shorter than the others, the unsigned conversion --
+    with the dequantized tiles in shared memory (its wgmma reads A only from there)."""
     if sms is not None:
         monkeypatch.setattr(qmm_mgpu, "SMS", sms)
-    _check_oracle_and_rows(n, 512, interpret=True, k_splits=k_splits, rows=(0, 15), schedule="items")
-
-
-@pytest.mark.parametrize("n,k,sms,unsigned", [(256, 512, None, False), (200, 1024, 3, True), (384, 512, 2, False)])
-def test_interpreter_flat_schedule(n, k, sms, unsigned, monkeypatch):
-    """The flat schedule in the interpreter: chunks of steps crossing tile edges (a tile's K summed in pieces by
-    two or three CTAs, pieces a tile lacks selected away), a last chunk shorter than the others, the unsigned
-    conversion."""
-    if sms is not None:
-        monkeypatch.setattr(qmm_mgpu, "SMS", sms)
-    _check_oracle_and_rows(n, k, interpret=True, rows=(0, 15), schedule="flat", unsigned=unsigned)
+    _check_oracle_and_rows(n, k, interpret=True, rows=(0, 15), unsigned=unsigned)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule,unsigned", [("items", False), ("flat", False), ("flat", True)])
+@pytest.mark.parametrize("unsigned", [False, True])
 @pytest.mark.parametrize("k,n", [(5120, 6144), (17408, 5120), (5120, 16480), (128, 512), (128, 392), (256, 128)])
-def test_gpu_matches_oracle_and_rows_are_invariant(k, n, schedule, unsigned):
+def test_gpu_matches_oracle_and_rows_are_invariant(k, n, unsigned):
     # the last three: the tiny captures checkpoint's projections (one step a tile, a ragged last tile)
-    _check_oracle_and_rows(n, k, interpret=False, schedule=schedule, unsigned=unsigned)
+    _check_oracle_and_rows(n, k, interpret=False, unsigned=unsigned)
 
 
 def _small_weight(rng, n: int, k: int, bits: int = 4):

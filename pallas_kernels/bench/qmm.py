@@ -50,13 +50,9 @@ from pallas_kernels.qweight import QuantizedWeight, dequantize
 SHAPES = ((5120, 17408), (17408, 5120), (5120, 10240), (5120, 6144), (6144, 5120), (5120, 12288), (5120, 248320))
 # The Mosaic GPU decode kernel's variants `--mgpu` times: `qmm_mgpu.qmm_decode` keywords, and whether the scales
 # and biases come transposed beforehand (else every call transposes them).
-MGPU_VARIANTS = (dict(schedule="items", stages=4, block_groups=4, pre=True),
-                 dict(schedule="flat", stages=4, block_groups=4, pre=True),
-                 dict(schedule="flat", stages=4, block_groups=4, pre=False),
-                 dict(schedule="flat", stages=6, block_groups=4, pre=True),
-                 dict(schedule="flat", stages=4, block_groups=4, pre=True, unsigned=True),
-                 dict(schedule="flat", stages=3, block_groups=8, pre=True),
-                 dict(schedule="flat", stages=8, block_groups=2, pre=True))
+MGPU_VARIANTS = (dict(stages=4, block_groups=4, pre=True), dict(stages=4, block_groups=4, pre=False),
+                 dict(stages=6, block_groups=4, pre=True), dict(stages=4, block_groups=4, pre=True, unsigned=True),
+                 dict(stages=3, block_groups=8, pre=True), dict(stages=8, block_groups=2, pre=True))
 SWEEP_SHAPES = ((5120, 17408), (17408, 5120), (5120, 6144), (6144, 5120))
 MS = (1, 4, 16, 64, 256, 1024, 4096)
 BITS, GROUP = 4, 64

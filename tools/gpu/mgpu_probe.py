@@ -24,11 +24,9 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=qmm_mgpu.STAGES)
     ap.add_argument("--block-groups", type=int, default=qmm_mgpu.BLOCK_GROUPS)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--schedule", choices=("items", "flat"), default="flat")
     args = ap.parse_args()
-    print(f"device: {jax.devices()[0].device_kind}; {args.schedule} schedule, stages {args.stages}, "
-          f"{args.block_groups} groups a step")
-    print(f"{'shape':>12} | {'probe':>10} | {'splits':>6} | {'us':>8} | {'TB/s':>5}")
+    print(f"device: {jax.devices()[0].device_kind}; stages {args.stages}, {args.block_groups} groups a step")
+    print(f"{'shape':>12} | {'probe':>10} | {'CTAs':>6} | {'us':>8} | {'TB/s':>5}")
     for shape in args.shapes.split(","):
         k, n = map(int, shape.split("x"))
         g = k // 64
@@ -42,7 +40,6 @@ def main() -> None:
         sts = [st + i for i in range(copies)]
         bts = [bt + i for i in range(copies)]
         xt = jax.random.normal(jax.random.key(1), (qmm_mgpu.ROWS, k), jnp.bfloat16)
-        splits = qmm_mgpu.k_splits_for(n, k, args.block_groups)
         for probe in args.probes.split(","):
             p = None if probe == "full" else probe
 
@@ -51,13 +48,8 @@ def main() -> None:
                 total = jnp.zeros((), jnp.float32)
                 for r in range(args.reps):
                     i = r % copies
-                    if args.schedule == "flat":
-                        out = qmm_mgpu._partials_flat(xt, q4s[i], sts[i], bts[i], stages=args.stages,
-                                                      sms=qmm_mgpu.SMS,
-                                                      block_groups=args.block_groups, interpret=False, probe=p)
-                    else:
-                        out = qmm_mgpu._partials(xt, q4s[i], sts[i], bts[i], k_splits=splits, stages=args.stages,
-                                                 block_groups=args.block_groups, interpret=False, probe=p)
+                    out = qmm_mgpu._partials(xt, q4s[i], sts[i], bts[i], stages=args.stages, sms=qmm_mgpu.SMS,
+                                             block_groups=args.block_groups, interpret=False, probe=p)
                     total = total + out[0, 0, 0]
                     xt = xt.at[0, 0].set(total.astype(xt.dtype))  # orders the calls
                 return total
@@ -69,7 +61,8 @@ def main() -> None:
                     t0 = time.perf_counter()
                     chain(xt, q4s, sts, bts).block_until_ready()
                     best = min(best, (time.perf_counter() - t0) / args.reps * 1e6)
-                print(f"{shape:>12} | {probe:>10} | {splits:>6} | {best:8.2f} | {nbytes / best / 1e6:5.2f}", flush=True)
+                ctas = qmm_mgpu.flat_schedule(n, k, args.block_groups)[2]
+                print(f"{shape:>12} | {probe:>10} | {ctas:>6} | {best:8.2f} | {nbytes / best / 1e6:5.2f}", flush=True)
             except Exception as e:  # noqa: BLE001 -- report and go on to the next probe
                 print(f"{shape:>12} | {probe:>10} | failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
 

@@ -127,7 +127,7 @@ case "$stage" in
     timeout 200 python3 tools/gpu/launch_probe.py --synthetic 27b --variants default,custom-calls-too \
       --qmm-decode-impl mgpu --timeout 95 2>&1 | tee "$out/launch_mgpu.log" | tail -16
     timeout -s INT 110 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short -rfE tests/test_qmm_mgpu.py \
-      -k "flat-False" > "$out/gpu_tests_mgpu.log" 2>&1
+      > "$out/gpu_tests_mgpu.log" 2>&1
     grep -hE "(PASSED|FAILED|ERROR)( |$)|^E .{0,150}|passed|failed" "$out"/gpu_tests_mgpu.log | cut -c1-160 | tail -12
     timeout -s INT 90 python3 -c "import sys, pytest; from pallas_kernels import qmm; qmm.DECODE_IMPL = 'mgpu'; \
       sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=line -rfE tests/test_engine_gpu.py \
