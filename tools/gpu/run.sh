@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh mgpu|mgpu2|mgpu3|mgpu4|mgpu5|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh mgpu|mgpu2|mgpu3|mgpu4|mgpu5|mgpu-bisect|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -133,6 +133,17 @@ case "$stage" in
       sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=line -rfE tests/test_engine_gpu.py \
       -k "stream_bucket" > "$out/gpu_tests_bucket.log" 2>&1
     grep -hE "(PASSED|FAILED|ERROR)( |$)|passed|failed" "$out"/gpu_tests_bucket.log | cut -c1-160 | tail -4 ;;
+  mgpu-bisect)
+    # Which Mosaic GPU qmm calls break the engine's stream-bucket gate: the gate with DECODE_IMPL = mgpu and the
+    # kernel taking no call (scale layout only), only K = 256 weights, only K = 128 weights (tiny checkpoint).
+    for only in none 256 128; do
+      timeout -s INT 80 python3 -c "import sys, pytest; from pallas_kernels import qmm, qmm_mgpu; \
+        qmm.DECODE_IMPL = 'mgpu'; ok = qmm_mgpu.supports; only = sys.argv[1]; \
+        qmm_mgpu.supports = lambda x, w: only != 'none' and w.in_features == int(only) and ok(x, w); \
+        sys.exit(pytest.main(sys.argv[2:]))" $only -m gpu -q -p no:cacheprovider --tb=no tests/test_engine_gpu.py \
+        -k stream_bucket > "$out/bisect_$only.log" 2>&1
+      echo "mgpu only for K=$only: $(grep -hE 'passed|failed' "$out/bisect_$only.log" | tail -1)"
+    done ;;
   mgpu-probe)
     # Where the Mosaic GPU decode qmm's time goes: parts of its step left out, then its SASS (one shape).
     timeout 200 python3 tools/gpu/mgpu_probe.py 2>&1 | tee "$out/mgpu_probe.log" | grep -v "^\[" | tail -30
