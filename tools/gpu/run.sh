@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh mgpu|mgpu2|mgpu3|mgpu4|mgpu5|mgpu-bisect|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -72,32 +72,8 @@ case "$stage" in
     timeout 200 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths 4096 --rounds 32 \
       2>&1 | tee "$out/bench_27b.log" | tail -12 ;;
   mgpu)
-    # The experimental Mosaic GPU decode qmm (pallas_kernels/qmm_mgpu.py): numbers and row invariance, then its
-    # speed beside the shipped Triton tiles at the 27B's decode shapes.
-    timeout -s INT 200 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short -rfE tests/test_qmm_mgpu.py \
-      > "$out/gpu_tests_mgpu.log" 2>&1
-    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_mgpu.log | cut -c1-200 | tail -20
-    timeout 200 python3 -m pallas_kernels.bench qmm --sweep --shapes 5120x34816,17408x5120,5120x6144,6144x5120 \
-      --m 1,16 --max-candidates 1 --mgpu --budget-s 170 --json "$out/qmm_mgpu.json" 2>&1 | tee "$out/qmm_mgpu.log" \
-      | grep -v "^\[" | tail -40
-    # the whole decode round with it (the shipped Triton round: 12.6-12.8 ms, 80 forwards/s in session 5)
-    timeout 150 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths "" --rounds 32 \
-      --no-compile-timing --compile-cache "" --qmm-decode-impl mgpu 2>&1 | tee "$out/bench_mgpu.log" | tail -4 ;;
-  mgpu2)
-    # The Mosaic GPU decode qmm, second layout (128-byte TMA rows): probes, the sweep, gpu tests, the decode round.
-    timeout 100 python3 tools/gpu/mgpu_probe.py --probes full,no_load,no_compute 2>&1 | tee "$out/mgpu_probe.log" \
-      | grep -v "^\[" | tail -12
-    timeout 170 python3 -m pallas_kernels.bench qmm --sweep --shapes 5120x34816,17408x5120,5120x6144,6144x5120 \
-      --m 1,16 --max-candidates 1 --mgpu --budget-s 140 --json "$out/qmm_mgpu.json" 2>&1 | tee "$out/qmm_mgpu.log" \
-      | grep -v "^\[" | grep -E "^decode|^\*|mosaic" | cut -c1-120 | tail -60
-    timeout -s INT 100 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short -rfE tests/test_qmm_mgpu.py \
-      > "$out/gpu_tests_mgpu.log" 2>&1
-    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_mgpu.log | cut -c1-200 | tail -8
-    timeout 150 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths "" --rounds 32 \
-      --no-compile-timing --compile-cache "" --qmm-decode-impl mgpu 2>&1 | tee "$out/bench_mgpu.log" | tail -2 ;;
-  mgpu3)
-    # The Mosaic GPU decode qmm's flat schedule (one pipeline a CTA over chunks of the tiles' steps): probes, the
-    # sweep, gpu tests, the decode round with it.
+    # The experimental Mosaic GPU decode qmm (pallas_kernels/qmm_mgpu.py): probes, the sweep beside the shipped
+    # Triton tiles, its gpu tests, the 27B decode round with it.
     timeout 90 python3 tools/gpu/mgpu_probe.py --probes full,unsigned,no_xor,no_affine,no_load,no_compute 2>&1 \
       | tee "$out/mgpu_probe.log" | grep -v "^\[" | tail -20
     timeout 200 python3 -m pallas_kernels.bench qmm --sweep --shapes 5120x34816,17408x5120,5120x6144,6144x5120 \
@@ -106,10 +82,8 @@ case "$stage" in
     timeout -s INT 100 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short -rfE tests/test_qmm_mgpu.py \
       > "$out/gpu_tests_mgpu.log" 2>&1
     grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_mgpu.log | cut -c1-200 | tail -12
-    timeout 120 python3 -c "import sys; from pallas_kernels import qmm_mgpu; qmm_mgpu.SCHEDULE = 'flat'; \
-      from qwen_jax.__main__ import main; sys.exit(main(sys.argv[1:]))" bench --synthetic 27b --streams 1,16 \
-      --prompt-lengths "" --rounds 32 --no-compile-timing --compile-cache "" --qmm-decode-impl mgpu 2>&1 \
-      | tee "$out/bench_mgpu.log" | tail -2 ;;
+    timeout 120 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths "" --rounds 32 \
+      --no-compile-timing --compile-cache "" --qmm-decode-impl mgpu 2>&1 | tee "$out/bench_mgpu.log" | tail -2 ;;
   mgpu4)
     # The Mosaic GPU decode qmm (flat schedule, scales transposed at load) in the engine: the decode round, then the
     # engine's exactness gates with it (concurrent == solo, chunk cuts, stream buckets).
