@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -117,6 +117,17 @@ case "$stage" in
         sys.exit(pytest.main(sys.argv[2:]))" $only -m gpu -q -p no:cacheprovider --tb=no tests/test_engine_gpu.py \
         -k stream_bucket > "$out/bisect_$only.log" 2>&1
       echo "mgpu only for K=$only: $(grep -hE 'passed|failed' "$out/bisect_$only.log" | tail -1)"
+    done ;;
+  mgpu-bisect-n)
+    # The same gate with the kernel only on the K = 128 weights of one output size N (tiny checkpoint: 768 attention
+    # q/k/v, 392 GDN input projection, 512 MLP gate+up and lm_head, 128 GDN output projection).
+    for n in 768 392 512 128; do
+      timeout -s INT 60 python3 -c "import sys, pytest; from pallas_kernels import qmm, qmm_mgpu; \
+        qmm.DECODE_IMPL = 'mgpu'; ok = qmm_mgpu.supports; n = int(sys.argv[1]); \
+        qmm_mgpu.supports = lambda x, w: w.in_features == 128 and w.out_features == n and ok(x, w); \
+        sys.exit(pytest.main(sys.argv[2:]))" $n -m gpu -q -p no:cacheprovider --tb=no tests/test_engine_gpu.py \
+        -k stream_bucket > "$out/bisect_n$n.log" 2>&1
+      echo "mgpu only for K=128, N=$n: $(grep -hE 'passed|failed' "$out/bisect_n$n.log" | tail -1)"
     done ;;
   mgpu-probe)
     # Where the Mosaic GPU decode qmm's time goes: parts of its step left out, then its SASS (one shape).
