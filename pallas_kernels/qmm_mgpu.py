@@ -129,14 +129,14 @@ def _pieces_written(n: int, k: int, block_groups: int, sms: int) -> np.ndarray:
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "sms", "interpret", "probe"))
-def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, stages: int, block_groups: int,
+def _partials(xp: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, stages: int, block_groups: int,
               sms: int, interpret: bool, probe: str | None = None) -> jax.Array:
-    """The kernel (`flat_schedule`): xt [ROWS, K] bf16; q4 [N, K] uint4; st, bt [G, N] bf16 -> fp32 pieces
-    [P, N, ROWS] (only those `_pieces_written` marks are written). Each CTA runs one pipeline over its S steps,
+    """The kernel (`flat_schedule`): xp [ROWS, K] bf16 (x padded to ROWS rows); q4 [N, K] uint4; st, bt [G, N]
+    bf16 -> fp32 pieces [P, N, ROWS] (only those `_pieces_written` marks are written). Each CTA runs one pipeline over its S steps,
     so the memory warpgroup never waits at a tile's edge; a step's MMAs go into a fresh accumulator whose value the
     compute warpgroup adds to its running fp32 sum (restarted where a tile starts), and the sum is stored where the
     tile or the chunk ends."""
-    rows, k = xt.shape
+    rows, k = xp.shape
     n = q4.shape[0]
     block_k = GROUP * block_groups
     length, per_cta, ctas, counts = flat_schedule(n, k, block_groups, sms)
@@ -153,7 +153,7 @@ def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, sta
     def kernel(x_gmem, q_gmem, s_gmem, b_gmem, out_gmem, out_smem, *a_smem):
         cta = lax.axis_index("cta")
 
-        def where(i):  # step i of this CTA -> (tile, step within the tile's K); past the end: the last step again
+        def locate(i):  # step i of this CTA -> (tile, step within the tile's K); past the end: the last step again
             f = jnp.minimum(cta * per_cta + i, total - 1)
             return f // length, f % length
 
@@ -161,12 +161,12 @@ def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, sta
             return plgpu.emit_pipeline_warp_specialized(
                 body, grid=(per_cta,), memory_registers=40, wg_axis="wg", num_compute_wgs=COMPUTE_WGS,
                 max_concurrent_steps=stages, compute_context=context,
-                in_specs=[plgpu.BlockSpec((rows, block_k), lambda i: (0, where(i)[1]), transforms=x_transforms,
+                in_specs=[plgpu.BlockSpec((rows, block_k), lambda i: (0, locate(i)[1]), transforms=x_transforms,
                                           memory_space=plgpu.SMEM),
-                          plgpu.BlockSpec((CTA_N, block_k), lambda i: where(i), transforms=q_transforms,
+                          plgpu.BlockSpec((CTA_N, block_k), lambda i: locate(i), transforms=q_transforms,
                                           memory_space=plgpu.SMEM),
-                          plgpu.BlockSpec((block_groups, CTA_N), lambda i: where(i)[::-1], memory_space=plgpu.SMEM),
-                          plgpu.BlockSpec((block_groups, CTA_N), lambda i: where(i)[::-1], memory_space=plgpu.SMEM)])
+                          plgpu.BlockSpec((block_groups, CTA_N), lambda i: locate(i)[::-1], memory_space=plgpu.SMEM),
+                          plgpu.BlockSpec((block_groups, CTA_N), lambda i: locate(i)[::-1], memory_space=plgpu.SMEM)])
 
         ignore = lambda *_, **__: None
         operands = (x_gmem, q_gmem, s_gmem, b_gmem)
@@ -183,7 +183,7 @@ def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, sta
             def body(idx, x_smem, q_smem, s_smem, b_smem, carry):
                 (i,) = idx
                 f = cta * per_cta + i
-                tile, ks = where(i)
+                tile, ks = locate(i)
                 if probe == "no_compute":
                     step = carry
                 else:
@@ -242,7 +242,7 @@ def _partials(xt: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, sta
         scratch_types=[plgpu.SMEM((COMPUTE_WGS, TILE_N, rows), jnp.float32)]
         + ([plgpu.SMEM((COMPUTE_WGS, TILE_N, GROUP), jnp.bfloat16, transforms=a_transforms)] if interpret else []),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
-    return call(xt, q4, st, bt)
+    return call(xp, q4, st, bt)
 
 
 def block_groups_for(k: int) -> int:
@@ -287,9 +287,9 @@ def _decode(x: jax.Array, words: jax.Array, st: jax.Array, bt: jax.Array, *, sta
     # kernel deadlocked the CPU client now and then (the interpreter's callbacks dispatch jax ops themselves).
     m, k = x.shape
     n = words.shape[0]
-    xt = jnp.pad(x, ((0, ROWS - m), (0, 0)))
+    xp = jnp.pad(x, ((0, ROWS - m), (0, 0)))
     q4 = lax.bitcast_convert_type(words, jnp.uint4).reshape(n, k)
-    parts = _partials(xt, q4, st, bt, stages=stages, block_groups=block_groups, sms=sms, interpret=interpret,
+    parts = _partials(xp, q4, st, bt, stages=stages, block_groups=block_groups, sms=sms, interpret=interpret,
                       probe="unsigned" if unsigned else None)
     # pieces a tile did not have were never written: select zeros there (a select, so garbage cannot leak)
     valid = np.repeat(_pieces_written(n, k, block_groups, sms), CTA_N, axis=1)[:, :n]

@@ -44,12 +44,11 @@ def run(args) -> None:
     from qwen_jax import programs as P
     from qwen_jax import sampling
     from qwen_jax.model import Backend
+    from pallas_kernels import qmm
     if args.decode_tiles:  # A/B of qmm's decode tiles in the whole program (e.g. prefetch=1,lop3=1)
-        from pallas_kernels import qmm
         qmm.DECODE_TILES = qmm.replace_tiles(qmm.DECODE_TILES, args.decode_tiles)
         print(f"decode tiles: {qmm.DECODE_TILES}")
     if args.qmm_decode_impl:
-        from pallas_kernels import qmm
         qmm.DECODE_IMPL = args.qmm_decode_impl
         print(f"qmm decode implementation: {qmm.DECODE_IMPL}")
     if args.synthetic:

@@ -39,27 +39,27 @@ def main() -> None:
         bt = jnp.full((g, n), -0.08, jnp.bfloat16)
         sts = [st + i for i in range(copies)]
         bts = [bt + i for i in range(copies)]
-        xt = jax.random.normal(jax.random.key(1), (qmm_mgpu.ROWS, k), jnp.bfloat16)
+        xp = jax.random.normal(jax.random.key(1), (qmm_mgpu.ROWS, k), jnp.bfloat16)
         for probe in args.probes.split(","):
             p = None if probe == "full" else probe
 
             @jax.jit
-            def chain(xt, q4s, sts, bts):
+            def chain(xp, q4s, sts, bts):
                 total = jnp.zeros((), jnp.float32)
                 for r in range(args.reps):
                     i = r % copies
-                    out = qmm_mgpu._partials(xt, q4s[i], sts[i], bts[i], stages=args.stages, sms=qmm_mgpu.SMS,
+                    out = qmm_mgpu._partials(xp, q4s[i], sts[i], bts[i], stages=args.stages, sms=qmm_mgpu.SMS,
                                              block_groups=args.block_groups, interpret=False, probe=p)
                     total = total + out[0, 0, 0]
-                    xt = xt.at[0, 0].set(total.astype(xt.dtype))  # orders the calls
+                    xp = xp.at[0, 0].set(total.astype(xp.dtype))  # orders the calls
                 return total
 
             try:
-                chain(xt, q4s, sts, bts).block_until_ready()
+                chain(xp, q4s, sts, bts).block_until_ready()
                 best = float("inf")
                 for _ in range(5):
                     t0 = time.perf_counter()
-                    chain(xt, q4s, sts, bts).block_until_ready()
+                    chain(xp, q4s, sts, bts).block_until_ready()
                     best = min(best, (time.perf_counter() - t0) / args.reps * 1e6)
                 ctas = qmm_mgpu.flat_schedule(n, k, args.block_groups)[2]
                 print(f"{shape:>12} | {probe:>10} | {ctas:>6} | {best:8.2f} | {nbytes / best / 1e6:5.2f}", flush=True)
