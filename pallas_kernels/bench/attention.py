@@ -300,6 +300,9 @@ DECODE_COMPARE = (
     # 16 packed rows over 4 warps share each row's max and sum across warps through shared memory every step.
     ("2 warps (order)", at.WindowTiles(num_warps=2)),
     ("chunk256 + flat walk", at.WindowTiles(chunk=256, walk="flat")),
+    # Four times the chunk programs of the shipped 512 at one stream (1024 at 32K: ~8 an SM instead of ~2).
+    ("chunk128 (order)", at.WindowTiles(chunk=128)),
+    ("chunk128 + flat walk", at.WindowTiles(chunk=128, walk="flat")),
 )
 DECODE_COMPARE_FP8 = (
     ("f16 dot (order)", at.WindowTiles(fp8_dot="float16")),

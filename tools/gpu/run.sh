@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh seventh|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -129,6 +129,14 @@ case "$stage" in
         -k stream_bucket > "$out/bisect_n$n.log" 2>&1
       echo "mgpu only for K=128, N=$n: $(grep -hE 'passed|failed' "$out/bisect_n$n.log" | tail -1)"
     done ;;
+  seventh)
+    # Session 7, call 1: why the Mosaic GPU qmm's K = 128, N = 512 calls break the stream-bucket gate (each op
+    # alone at S = 1 vs 16, repeated, with non-finite other rows; the model's taps), then the attention candidates.
+    timeout -s INT 150 python3 tools/gpu/rowinv_probe.py --qmm-decode-impl mgpu --only 128x512 \
+      > "$out/rowinv_mgpu_512.log" 2>&1
+    grep -vE "^(xla|kernel) " "$out/rowinv_mgpu_512.log" | grep -v Warning | grep -v "res = acc" | tail -22
+    timeout 300 python3 -m pallas_kernels.bench attention --sections compare --budget-s 240 \
+      --json "$out/attention_compare.json" 2>&1 | tee "$out/attention_compare.log" | tail -60 ;;
   mgpu-probe)
     # Where the Mosaic GPU decode qmm's time goes: parts of its step left out, then its SASS (one shape).
     timeout 200 python3 tools/gpu/mgpu_probe.py 2>&1 | tee "$out/mgpu_probe.log" | grep -v "^\[" | tail -30
