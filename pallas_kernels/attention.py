@@ -123,6 +123,14 @@ class WindowTiles:
     # SMEM_BYTES. Three stages of 64-key bf16 K/V blocks beside a 128x256 query tile asked for 256 KiB (the H200
     # has 227 KiB).
     num_stages: int | None = None
+    # Chunk partials folded into one group partial (order). A table of more than `fold` chunks gets a fold pass
+    # between the two: every run of `fold` chunks, on the absolute chunk grid, is folded in chunk order by its own
+    # programs, and the merge adds the group partials in group order. A table of at most `fold` chunks skips the
+    # pass; a stream's bits are the same either way (its one group's partial, added to zeros, is itself), so they
+    # never depend on the table width. On the H200 the single merge cost ~0.4 µs a chunk in sequence: 100 µs of
+    # the 287 µs 1-row decode at 128K (bench attention --sections compare, session 7).
+    fold: int = 16
+    fold_block_d: int | None = None  # head-dim columns per fold program (None: enough programs to fill the GPU)
     merge_block_d: int | None = None  # head-dim columns per merge program (None: enough programs to fill the GPU)
     merge_unroll: int | None = None  # chunk partials loaded per merge loop step (None: fit registers)
     merge_num_warps: int = 4
@@ -350,12 +358,79 @@ def _window_chunk_kernel(cache_len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, fp8:
 # Verify/decode window: pass 2, fold the chunk partials in chunk order, then the window's own keys
 # ----------------------------------------------------------------------------------------------------------------
 
+def _committed_max(m_ref, n_chunks, real, max_block: int, mrows: int):
+    """Max over the written chunk maxima [NC, M] (exact in any order, so read `max_block` chunks at a time). Only
+    the written (chunk, real row) entries are loaded: the rest were never stored."""
+    def max_body(i, m):
+        live = (i * max_block + jnp.arange(max_block)) < n_chunks
+        m_part = plgpu.load(m_ref.at[pl.ds(i * max_block, max_block), :], mask=live[:, None] & real[None, :],
+                            other=-jnp.inf)
+        return jnp.maximum(m, jnp.max(m_part, axis=0))
+
+    return jax.lax.fori_loop(0, (n_chunks + max_block - 1) // max_block, max_body,
+                             jnp.full((mrows,), -jnp.inf, jnp.float32))
+
+
+def _fold_in_order(l_ref, acc_ref, m_ref, *, first, count: int, n_live, real, m_base, unroll: int, mrows: int,
+                   bd: int):
+    """Sum of entries first .. first + count - 1 (those below n_live) of l_ref [N, M] and acc_ref [N, M, BD], one
+    entry at a time in index order (elementwise, no cross-lane reduction, so the order depends on entry positions
+    only: not on `unroll` (entries loaded per loop step), the head-dim split, warps or layouts). m_ref: chunk
+    maxima [N, M], each entry weighted by exp(m - m_base); None: the entries are already relative to m_base.
+    Entries past n_live are never read, and only real rows are loaded."""
+    def body(i, carry):
+        l, acc = carry
+        for k in range(unroll):
+            c = first + i * unroll + k
+            live = c < n_live
+            ok = real & live
+            l_c = plgpu.load(l_ref.at[c], mask=ok, other=0.0)
+            acc_c = plgpu.load(acc_ref.at[c], mask=ok[:, None], other=0.0)
+            if m_ref is not None:
+                w = jnp.exp(plgpu.load(m_ref.at[c], mask=ok, other=-jnp.inf) - m_base)
+                l_c, acc_c = w * l_c, w[:, None] * acc_c
+            # A select, not an added zero: a step past the context must not even flip the sign of a zero.
+            l = jnp.where(live, l + l_c, l)
+            acc = jnp.where(live, acc + acc_c, acc)
+        return l, acc
+
+    steps = (jnp.clip(n_live - first, 0, count) + unroll - 1) // unroll
+    return jax.lax.fori_loop(0, steps, body, (jnp.zeros((mrows,), jnp.float32), jnp.zeros((mrows, bd), jnp.float32)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Verify/decode window: between the passes on long tables, fold each run of `fold` chunk partials in parallel
+# ----------------------------------------------------------------------------------------------------------------
+
+def _window_fold_kernel(cache_len_ref, m_ref, l_ref, acc_ref, lg_ref, accg_ref, *, r: int, hq: int, group: int,
+                        mrows: int, max_keys: int, chunk: int, fold: int, unroll: int, max_block: int):
+    # m_ref, l_ref [NC, M], acc_ref [NC, M, BD]: this (stream, KV head)'s chunk partials; outputs lg_ref [M],
+    # accg_ref [M, BD]: group j's partial relative to the committed max (written for live groups and real rows).
+    s, g, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    n_chunks = (jnp.minimum(cache_len_ref[s], max_keys) + chunk - 1) // chunk
+
+    @pl.when(j * fold < n_chunks)
+    def _():
+        _, real = _packed_rows(mrows, r, hq, group, g)
+        m_committed = _committed_max(m_ref, n_chunks, real, max_block, mrows)
+        m_base = jnp.where(m_committed == -jnp.inf, 0.0, m_committed)
+        l, acc = _fold_in_order(l_ref, acc_ref, m_ref, first=j * fold, count=fold, n_live=n_chunks, real=real,
+                                m_base=m_base, unroll=unroll, mrows=mrows, bd=accg_ref.shape[1])
+        plgpu.store(lg_ref, l, mask=real)
+        plgpu.store(accg_ref, acc, mask=real[:, None])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Verify/decode window: pass 2, fold the chunk (or group) partials in order, then the window's own keys
+# ----------------------------------------------------------------------------------------------------------------
+
 def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref, acc_ref, *refs,
                          fp8: bool, scale: float, r: int, group: int, mrows: int, rp: int, max_keys: int, chunk: int,
-                         unroll: int, max_block: int, cdt):
+                         fold: int | None, unroll: int, max_block: int, cdt):
     # cache_len_ref [S]; parents_ref [R]; q_ref [R*Hq, D]; kw_ref [R*Hkv, D], vw_ref [R*Hkv, BD] the window's
-    # rows as stored (fp8 codes or pool dtype; row j*Hkv + g is window key j of KV head g); m_ref, l_ref [NC, M];
-    # acc_ref [NC, M, BD]; fp8: ksw_ref, vsw_ref [R*Hkv]; output o_ref [M, BD].
+    # rows as stored (fp8 codes or pool dtype; row j*Hkv + g is window key j of KV head g); m_ref [NC, M] the chunk
+    # maxima; l_ref, acc_ref [N, M], [N, M, BD]: the chunk partials (fold None) or the fold pass's group partials;
+    # fp8: ksw_ref, vsw_ref [R*Hkv]; output o_ref [M, BD].
     if fp8:
         ksw_ref, vsw_ref, o_ref = refs
     else:
@@ -366,44 +441,19 @@ def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_re
     n_chunks = (jnp.minimum(cache_len_ref[s], max_keys) + chunk - 1) // chunk
     idx, real = _packed_rows(mrows, r, q_ref.shape[0] // r, group, g)
     bd = acc_ref.shape[2]
+    m_committed = _committed_max(m_ref, n_chunks, real, max_block, mrows)
 
-    # The max over written partials is exact in any order, so it reads max_block chunks at a time. Only the
-    # written (chunk, real row) entries are loaded: the rest were never stored.
-    def max_body(i, m):
-        live = (i * max_block + jnp.arange(max_block)) < n_chunks
-        m_part = plgpu.load(m_ref.at[pl.ds(i * max_block, max_block), :], mask=live[:, None] & real[None, :],
-                            other=-jnp.inf)
-        return jnp.maximum(m, jnp.max(m_part, axis=0))
-
-    m_committed = jax.lax.fori_loop(0, (n_chunks + max_block - 1) // max_block, max_body,
-                                    jnp.full((mrows,), -jnp.inf, jnp.float32))
-
-    # Partials are folded one chunk at a time in chunk order (elementwise, no cross-lane reduction), so the sum's
-    # order depends on chunk positions only: not on `unroll` (how many chunks one loop step loads), the head-dim
-    # split, warps or layouts. Chunks past the stream's context are never read. The fold is relative to the
-    # committed max alone (the window's keys join after it), which keeps the loop free of the window dot's MMA
-    # layout: weighting the loaded partials by a max derived from that dot made Triton convert every loaded
-    # [M, BD] partial into the MMA layout through shared memory. What is left per chunk (offline compile) is the
-    # conversion of the [M] weight vector into the partial's row layout.
+    # The fold is relative to the committed max alone (the window's keys join after it), which keeps the loop free
+    # of the window dot's MMA layout: weighting the loaded partials by a max derived from that dot made Triton
+    # convert every loaded [M, BD] partial into the MMA layout through shared memory.
     m_base = jnp.where(m_committed == -jnp.inf, 0.0, m_committed)
-
-    def body(i, carry):
-        l, acc = carry
-        for k in range(unroll):
-            c = i * unroll + k
-            live = c < n_chunks
-            ok = real & live
-            m_c = plgpu.load(m_ref.at[c], mask=ok, other=-jnp.inf)
-            l_c = plgpu.load(l_ref.at[c], mask=ok, other=0.0)
-            acc_c = plgpu.load(acc_ref.at[c], mask=ok[:, None], other=0.0)
-            w = jnp.exp(m_c - m_base)
-            # A select, not an added zero: a step past the context must not even flip the sign of a zero.
-            l = jnp.where(live, l + w * l_c, l)
-            acc = jnp.where(live, acc + w[:, None] * acc_c, acc)
-        return l, acc
-
-    l, acc = jax.lax.fori_loop(0, (n_chunks + unroll - 1) // unroll, body,
-                               (jnp.zeros((mrows,), jnp.float32), jnp.zeros((mrows, bd), jnp.float32)))
+    if fold is None:
+        l, acc = _fold_in_order(l_ref, acc_ref, m_ref, first=0, count=l_ref.shape[0], n_live=n_chunks, real=real,
+                                m_base=m_base, unroll=unroll, mrows=mrows, bd=bd)
+    else:
+        l, acc = _fold_in_order(l_ref, acc_ref, None, first=0, count=l_ref.shape[0],
+                                n_live=(n_chunks + fold - 1) // fold, real=real, m_base=m_base, unroll=unroll,
+                                mrows=mrows, bd=bd)
 
     # The window's own keys: row m (window node m // G) sees node j iff j is the node or one of its ancestors,
     # found by climbing parent pointers (at most R steps; parents[j] < j).
@@ -435,17 +485,23 @@ def _unpack_rows(x: jax.Array, r: int, hq: int) -> jax.Array:
     return jnp.moveaxis(x[:, :, : r * g].reshape(s, hkv, r, g, d), 1, 2).reshape(s, r, hq, d)
 
 
-def merge_launch(tiles: WindowTiles, *, streams: int, hkv: int, mrows: int, head_dim: int) -> tuple[int, int]:
-    """(head-dim columns per merge program, chunk partials loaded per merge loop step). Neither changes a row's
-    bits, so both may follow the call's shape: at one stream the merge splits the head dim finely so that ~128
-    programs fold partials side by side, and a loop step keeps about 32 KiB of partials in flight."""
-    if tiles.merge_block_d:
-        bd = min(tiles.merge_block_d, head_dim)
+def merge_launch(tiles: WindowTiles, *, streams: int, hkv: int, mrows: int, head_dim: int,
+                 groups: int | None = None) -> tuple[int, int]:
+    """(head-dim columns per program, partials loaded per loop step) of the merge (groups None) or of the fold pass
+    over `groups` chunk groups. Neither changes a row's bits, so both may follow the call's shape: at one stream
+    the head dim is split finely so that ~128 merge (~256 fold) programs work side by side, and a loop step keeps
+    about 32 KiB of partials in flight (at most `fold` in the fold pass)."""
+    fixed = tiles.merge_block_d if groups is None else tiles.fold_block_d
+    if fixed:
+        bd = min(fixed, head_dim)
     else:
-        columns = min(max(1, head_dim // 16), _pow2(-(-128 // (streams * hkv))))
+        programs = streams * hkv * (groups or 1)
+        columns = min(max(1, head_dim // 16), _pow2(-(-(128 if groups is None else 256) // programs)))
         bd = max(16, min(head_dim // columns, _pow2_floor(8192 // mrows)))
-    unroll = tiles.merge_unroll or max(1, min(16, 8192 // (mrows * bd)))
-    return bd, unroll
+    unroll = max(1, min(16, 8192 // (mrows * bd)))
+    if groups is None:
+        return bd, tiles.merge_unroll or unroll
+    return bd, min(unroll, tiles.fold)
 
 
 def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len: jax.Array, *, scale: float,
@@ -501,7 +557,9 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
            tiles: WindowTiles | None = None) -> jax.Array:
     """Same contract as window_reference. Pass 1 streams the committed keys of each (stream, KV head) in chunks of
     `tiles.chunk` keys, one program each, and writes per-chunk partials; pass 2 folds them in chunk order and
-    adds the window's own keys last (they sit after every committed key). A row's bits depend only on its own
+    adds the window's own keys last (they sit after every committed key). On a table of more than `tiles.fold`
+    chunks, a fold pass in between folds each run of `fold` chunks in its own programs and pass 2 adds those group
+    partials in order (the same bits as one pass wherever a stream's context fits one group). A row's bits depend only on its own
     stream's inputs and the tiles' reduction fields: not on other streams, nor on how many pages the table holds,
     nor on the launch fields. tiles=None: window_tiles() for this pool and table.
 
@@ -521,11 +579,34 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
     max_keys = page_table.shape[1] * pool.page_size
     bd, unroll = merge_launch(tiles, streams=s, hkv=hkv, mrows=mrows, head_dim=d)
     cache_len = cache_len.astype(jnp.int32)
+    grouped = -(-max_keys // tiles.chunk) > tiles.fold  # the table's chunk count: fixed for a model and layout
     m, l, acc = window_partials(q, pool, page_table, cache_len, scale=scale, tiles=tiles, interpret=interpret,
-                                pad_chunks_to=unroll)
+                                pad_chunks_to=tiles.fold if grouped else unroll)
     nc_pad = m.shape[2]
     max_block = min(nc_pad, _pow2_floor(max(1, 4096 // mrows)))
     q_rows = q.reshape(s, r * hq, d)  # free: rows picked inside the kernels
+    if grouped:
+        groups = nc_pad // tiles.fold
+        with jax.named_scope("attn_window_fold"):
+            bdf, unroll_f = merge_launch(tiles, streams=s, hkv=hkv, mrows=mrows, head_dim=d, groups=groups)
+            kernel = functools.partial(_window_fold_kernel, r=r, hq=hq, group=group, mrows=mrows, max_keys=max_keys,
+                                       chunk=tiles.chunk, fold=tiles.fold, unroll=unroll_f, max_block=max_block)
+            maxima = pl.BlockSpec((None, None, nc_pad, mrows), lambda i, j, c, e: (i, j, 0, 0))
+            l, acc = pallas_call(
+                kernel,
+                grid=(s, hkv, groups, d // bdf),
+                in_specs=[pl.BlockSpec((s,), lambda i, j, c, e: (0,)), maxima, maxima,
+                          pl.BlockSpec((None, None, nc_pad, mrows, bdf), lambda i, j, c, e: (i, j, 0, 0, e))],
+                out_specs=[pl.BlockSpec((None, None, None, mrows), lambda i, j, c, e: (i, j, c, 0)),
+                           pl.BlockSpec((None, None, None, mrows, bdf), lambda i, j, c, e: (i, j, c, 0, e))],
+                out_shape=[jax.ShapeDtypeStruct((s, hkv, groups, mrows), jnp.float32),
+                           jax.ShapeDtypeStruct((s, hkv, groups, mrows, d), jnp.float32)],
+                interpret=interpret,
+                compiler_params=plgpu.CompilerParams(num_warps=tiles.merge_num_warps, num_stages=2),
+                name="attn_window_fold",
+            )(cache_len, m, l, acc)
+        unroll = min(unroll, groups)
+    n_parts = l.shape[2]
 
     with jax.named_scope("attn_window_merge"):
         if fp8:
@@ -538,8 +619,8 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
             kw, vw = k_win.astype(pool.k.dtype), v_win.astype(pool.k.dtype)
             scales = []
         kernel = functools.partial(_window_merge_kernel, fp8=fp8, scale=scale, r=r, group=group, mrows=mrows, rp=rp,
-                                   max_keys=max_keys, chunk=tiles.chunk, unroll=unroll, max_block=max_block,
-                                   cdt=cdt)
+                                   max_keys=max_keys, chunk=tiles.chunk, fold=tiles.fold if grouped else None,
+                                   unroll=unroll, max_block=max_block, cdt=cdt)
         win_scale = pl.BlockSpec((None, r * hkv), lambda i, j, e: (i, 0))
         out = pallas_call(
             kernel,
@@ -550,8 +631,8 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
                       pl.BlockSpec((None, r * hkv, d), lambda i, j, e: (i, 0, 0)),
                       pl.BlockSpec((None, r * hkv, None, bd), lambda i, j, e: (i, 0, e, 0)),
                       pl.BlockSpec((None, None, nc_pad, mrows), lambda i, j, e: (i, j, 0, 0)),
-                      pl.BlockSpec((None, None, nc_pad, mrows), lambda i, j, e: (i, j, 0, 0)),
-                      pl.BlockSpec((None, None, nc_pad, mrows, bd), lambda i, j, e: (i, j, 0, 0, e))]
+                      pl.BlockSpec((None, None, n_parts, mrows), lambda i, j, e: (i, j, 0, 0)),
+                      pl.BlockSpec((None, None, n_parts, mrows, bd), lambda i, j, e: (i, j, 0, 0, e))]
                      + ([win_scale, win_scale] if fp8 else []),
             out_specs=pl.BlockSpec((None, None, mrows, bd), lambda i, j, e: (i, j, 0, e)),
             out_shape=jax.ShapeDtypeStruct((s, hkv, mrows, d), q.dtype),
@@ -605,6 +686,11 @@ def _check_window(q, k_win, v_win, parents, pool: KVPool, page_table, cache_len,
     if tiles.chunk % tiles.block_k or tiles.chunk % pool.page_size:
         raise ValueError(f"WindowTiles.chunk={tiles.chunk} must be a multiple of block_k={tiles.block_k} and of "
                          f"the page size {pool.page_size}")
+    if tiles.fold < 1 or tiles.fold & (tiles.fold - 1):
+        raise ValueError(f"WindowTiles.fold={tiles.fold} must be a power of two >= 1")
+    if tiles.fold_block_d is not None and (tiles.fold_block_d & (tiles.fold_block_d - 1)
+                                           or d % min(tiles.fold_block_d, d)):
+        raise ValueError(f"WindowTiles.fold_block_d={tiles.fold_block_d} must be a power of two dividing {d}")
     if tiles.merge_unroll is not None and tiles.merge_unroll < 1:
         raise ValueError(f"WindowTiles.merge_unroll={tiles.merge_unroll} must be >= 1")
     if tiles.fp8_dot not in ("bfloat16", "float16"):

@@ -297,4 +297,8 @@ def _decode(x: jax.Array, words: jax.Array, st: jax.Array, bt: jax.Array, *, sta
     total = parts[0]
     for i in range(1, parts.shape[0]):  # one fixed sequence of adds for every element
         total = total + parts[i]
-    return total[:, :m].T.astype(x.dtype)
+    # The rounding to x.dtype must happen in every program: under XLA's default excess precision a consumer that
+    # widens the result again (log-softmax, the MLP's activation) may be fused with this conversion and skip it,
+    # in some programs and not others (on the H200 the stream-bucket gate failed so: row 0 of lm_head + log-softmax
+    # differed between S = 1 and S = 16 while lm_head alone did not). The barrier keeps the conversion apart.
+    return lax.optimization_barrier(total[:, :m].T.astype(x.dtype))

@@ -217,6 +217,35 @@ def test_window_row_bits_ignore_other_streams_table_width_and_merge_split(dtype)
     assert not np.array_equal(bits(moved[0]), bits(batch[0]))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
+def test_window_fold_pass_bits(dtype):
+    """The fold pass (tables of more than `fold` chunks): right against float64, each row's bits free of other
+    streams, the table width and the fold pass's launch split; and a stream whose context fits one group gets the
+    bits of the one-pass merge (a table of at most `fold` chunks skips the pass)."""
+    rng = np.random.default_rng(13)
+    case = window_case(rng, r=7, dtype=dtype, **SMALL_WINDOW)  # 9 pages of 8: 3 chunks of 32 -> 2 groups of 2
+    q, kw, vw, par, pool, table, cache_len = case
+    scale = SMALL["d"] ** -0.5
+    tiles = dataclasses.replace(SMALL_TILES, fold=2)
+    batch = run_window(*case, scale=scale, interpret=True, tiles=tiles)
+    assert rel_err(batch, np_window(*case, scale)) < 1e-2
+    wide = jnp.concatenate([table[4:5], scattered_tables(rng, 1, 9, 48)], axis=1)  # 18 pages: 5 chunks, 3 groups
+    alone = run_window(q[4:5], kw[4:5], vw[4:5], par[4:5], pool, wide, cache_len[4:5], scale=scale,
+                       interpret=True, tiles=tiles)
+    assert np.array_equal(bits(alone[0]), bits(batch[4]))  # 72 keys: 3 chunks in 2 groups either way
+    split = dataclasses.replace(tiles, fold_block_d=32, merge_block_d=32, merge_unroll=1)
+    assert np.array_equal(bits(run_window(*case, scale=scale, interpret=True, tiles=split)), bits(batch))
+    # Streams 1 and 3 (5 and 32 keys: one chunk, one group) through the fold pass equal the one-pass merge on a
+    # table of 2 chunks (4 pages: no fold pass).
+    short = table[:, :4]
+    one_pass = run_window(q, kw, vw, par, pool, short, cache_len, scale=scale, interpret=True, tiles=tiles)
+    for i in (1, 3):
+        assert np.array_equal(bits(one_pass[i]), bits(batch[i]))
+    moved = run_window(q.at[0].set(q[4]), kw.at[3].set(kw[0]), vw, par, pool, table, cache_len.at[4].set(9),
+                       scale=scale, interpret=True, tiles=tiles)
+    assert np.array_equal(bits(moved[2]), bits(batch[2]))
+
+
 def test_window_rejects_bad_inputs():
     rng = np.random.default_rng(12)
     q, kw, vw, par, pool, table, cl = window_case(rng, s=2, r=3, pmax=4, num_pages=10, dtype=jnp.bfloat16,
@@ -488,6 +517,27 @@ def test_window_gpu_27b(dtype, fp8_dot, r):
     # Launch choices (page walk, stages, the merge's split and unroll) leave the bits alone, compiled.
     launch = dataclasses.replace(tiles, walk="flat", num_stages=2, merge_block_d=64, merge_unroll=3)
     assert np.array_equal(bits(run_window(*case, scale=scale, interpret=False, tiles=launch)), bits(got))
+
+
+@GPU
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
+def test_window_fold_pass_gpu_27b(dtype):
+    """The fold pass compiled (fold=2 on a 5-chunk table: 3 groups): right, a row's bits free of other streams and
+    the table width, and a one-group stream equal to the one-pass merge."""
+    rng = np.random.default_rng(32)
+    case = window_case(rng, s=4, r=1, pmax=40, num_pages=200, dtype=dtype, cache_lens=[0, 100, 1537, 2560],
+                       parents=[[-1]] * 4, **BIG)
+    scale = 1 / 16
+    tiles = dataclasses.replace(shipped_window_tiles(dtype == kq.FP8, 40), fold=2)
+    got = run_window(*case, scale=scale, interpret=False, tiles=tiles)
+    assert rel_err(got, np_window(*case, scale)) < 1e-2
+    q, kw, vw, par, pool, table, cl = case
+    wide = jnp.concatenate([table[2:3], scattered_tables(rng, 1, 24, 200)], axis=1)
+    alone = run_window(q[2:3], kw[2:3], vw[2:3], par[2:3], pool, wide, cl[2:3], scale=scale, interpret=False,
+                       tiles=tiles)
+    assert np.array_equal(bits(alone[0]), bits(got[2]))
+    one_pass = run_window(q, kw, vw, par, pool, table[:, :8], cl, scale=scale, interpret=False, tiles=tiles)
+    assert np.array_equal(bits(one_pass[1]), bits(got[1]))
 
 
 @GPU

@@ -293,20 +293,17 @@ def bench_write(env: Env, *, streams: int, rows: int, fp8: bool):
 # (name, tiles). "order" candidates change a row's reduction order (chunk, fp8_dot, prompt block_k): a new default
 # from them is a one-time change of bits for every model; "launch" ones (walk, block_q, warps, stages) never do.
 DECODE_COMPARE = (
+    # The merge as shipped until session 7: one pass folding every chunk in sequence (no table here has 1024).
+    ("one-pass merge (fold 1024)", at.WindowTiles(fold=1024)),
+    ("fold 8 (order)", at.WindowTiles(fold=8)),
+    ("fold 32 (order)", at.WindowTiles(fold=32)),
+    # Twice the chunk programs at one stream; the fold pass takes the longer chunk list.
     ("chunk256 (order)", at.WindowTiles(chunk=256)),
-    # One loop over the chunk's 16 blocks with two K/V buffers in flight (5 stages by default), where the page walk
-    # refills its two buffers for every 64-key page.
     ("flat walk (launch)", at.WindowTiles(walk="flat")),
-    # 16 packed rows over 4 warps share each row's max and sum across warps through shared memory every step.
-    ("2 warps (order)", at.WindowTiles(num_warps=2)),
-    ("chunk256 + flat walk", at.WindowTiles(chunk=256, walk="flat")),
-    # Four times the chunk programs of the shipped 512 at one stream (1024 at 32K: ~8 an SM instead of ~2).
-    ("chunk128 (order)", at.WindowTiles(chunk=128)),
-    ("chunk128 + flat walk", at.WindowTiles(chunk=128, walk="flat")),
 )
 DECODE_COMPARE_FP8 = (
+    ("one-pass merge (fold 1024)", at.WindowTiles(fold=1024)),
     ("f16 dot (order)", at.WindowTiles(fp8_dot="float16")),
-    ("flat walk (launch)", at.WindowTiles(walk="flat")),
     ("f16 dot + flat walk", at.WindowTiles(fp8_dot="float16", walk="flat")),
 )
 PROMPT_COMPARE = (

@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh seventh|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh seventh|eighth|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -137,6 +137,20 @@ case "$stage" in
     grep -vE "^(xla|kernel) " "$out/rowinv_mgpu_512.log" | grep -v Warning | grep -v "res = acc" | tail -22
     timeout 300 python3 -m pallas_kernels.bench attention --sections compare --budget-s 240 \
       --json "$out/attention_compare.json" 2>&1 | tee "$out/attention_compare.log" | tail -60 ;;
+  eighth)
+    # Session 7, call 2: the Mosaic GPU qmm's stream-bucket gate with its output rounding kept apart
+    # (optimization_barrier), the attention fold pass compiled, then the decode candidates again.
+    timeout -s INT 150 python3 tools/gpu/rowinv_probe.py --qmm-decode-impl mgpu > "$out/rowinv_mgpu.log" 2>&1
+    grep -vE "^(xla|kernel) " "$out/rowinv_mgpu.log" | grep -v Warning | grep -v "res = acc" | tail -22
+    timeout -s INT 120 python3 -c "import sys, pytest; from pallas_kernels import qmm; qmm.DECODE_IMPL = 'mgpu'; \
+      sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
+      > "$out/engine_gpu_mgpu.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/engine_gpu_mgpu.log" | cut -c1-160 | tail -12
+    timeout -s INT 150 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_attention.py \
+      -k "window_gpu or fold" > "$out/attention_gpu.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/attention_gpu.log" | cut -c1-160 | tail -12
+    timeout 200 python3 -m pallas_kernels.bench attention --sections compare --budget-s 170 \
+      --json "$out/attention_compare.json" 2>&1 | tee "$out/attention_compare.log" | grep -A40 "### compare" ;;
   mgpu-probe)
     # Where the Mosaic GPU decode qmm's time goes: parts of its step left out, then its SASS (one shape).
     timeout 200 python3 tools/gpu/mgpu_probe.py 2>&1 | tee "$out/mgpu_probe.log" | grep -v "^\[" | tail -30
