@@ -117,7 +117,7 @@ class WindowTiles:
     fp8_dot: str = "bfloat16"
     # block_k < page: "page" walks a page's blocks in an inner loop after reading its index once; "flat" runs one
     # loop over blocks and reads the page index per block (one loop for Triton to pipeline). Same bits.
-    walk: str = "page"
+    walk: str = "flat"  # flat since session 7: 1-row decode 48.9 / 81.6 / 193.5 µs at 4K / 32K / 128K vs 57.5 / 80.6 / 201.2
     num_warps: int | None = None  # None: 4 for up to 32 packed rows, else 8
     # None: 3 for up to 32 packed rows, else 2 (2 more for the flat walk), lowered until pass_one_smem_bytes fits
     # SMEM_BYTES. Three stages of 64-key bf16 K/V blocks beside a 128x256 query tile asked for 256 KiB (the H200
@@ -129,7 +129,7 @@ class WindowTiles:
     # pass; a stream's bits are the same either way (its one group's partial, added to zeros, is itself), so they
     # never depend on the table width. On the H200 the single merge cost ~0.4 µs a chunk in sequence: 100 µs of
     # the 287 µs 1-row decode at 128K (bench attention --sections compare, session 7).
-    fold: int = 16
+    fold: int = 8  # 8: 183.8 µs at 128K against 201.2 for 16 and 298.7 for one pass; level at 32K
     fold_block_d: int | None = None  # head-dim columns per fold program (None: enough programs to fill the GPU)
     merge_block_d: int | None = None  # head-dim columns per merge program (None: enough programs to fill the GPU)
     merge_unroll: int | None = None  # chunk partials loaded per merge loop step (None: fit registers)
@@ -154,8 +154,10 @@ def window_tiles(*, page_size: int, max_keys: int, head_dim: int, fp8: bool) -> 
     """The shipped verify/decode tiles: the one place they are chosen. Arguments are fixed for a model and cache
     layout (page size, page-table width x page size, head dim, KV dtype), never the streams or rows of a call,
     so the reduction order they set is the same in every program of the engine."""
-    del page_size, max_keys, head_dim, fp8  # one setting measured best so far (docs/kernels/attention.md)
-    return WindowTiles()
+    del page_size, max_keys, head_dim  # measured best so far (docs/kernels/attention.md, session 7)
+    # fp8: f16 dots (codes widened natively) with the flat walk: 1-row decode 62.9 / 92.0 / 168.6 µs at 4K / 32K /
+    # 128K against 80.5 / 115.5 / 213.2 with bf16 dots and the page walk.
+    return WindowTiles(fp8_dot="float16") if fp8 else WindowTiles()
 
 
 def prompt_tiles(*, page_size: int, max_keys: int, head_dim: int, fp8: bool) -> PromptTiles:

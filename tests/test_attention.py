@@ -360,9 +360,9 @@ def test_page_layouts_give_the_same_bits(dtype):
     tiles = at.WindowTiles(block_k=16, chunk=64, merge_block_d=16, merge_unroll=2)
     a = run_window(q, kw, vw, par, pool8, table8, cache_len, scale=scale, interpret=True, tiles=tiles)
     b = run_window(q, kw, vw, par, pool32, table32, cache_len, scale=scale, interpret=True, tiles=tiles)
-    flat = run_window(q, kw, vw, par, pool32, table32, cache_len, scale=scale, interpret=True,
-                      tiles=dataclasses.replace(tiles, walk="flat"))
-    assert np.array_equal(bits(a), bits(b)) and np.array_equal(bits(flat), bits(b))
+    paged = run_window(q, kw, vw, par, pool32, table32, cache_len, scale=scale, interpret=True,
+                      tiles=dataclasses.replace(tiles, walk="page"))
+    assert np.array_equal(bits(a), bits(b)) and np.array_equal(bits(paged), bits(b))
     assert rel_err(b, np_window(q, kw, vw, par, pool32, table32, cache_len, scale)) < 1e-2
 
     qp = jnp.asarray(rng.standard_normal((3, 20, 4, 32)), jnp.bfloat16)
@@ -515,7 +515,7 @@ def test_window_gpu_27b(dtype, fp8_dot, r):
                        tiles=tiles)
     assert np.array_equal(bits(alone[0]), bits(got[2]))
     # Launch choices (page walk, stages, the merge's split and unroll) leave the bits alone, compiled.
-    launch = dataclasses.replace(tiles, walk="flat", num_stages=2, merge_block_d=64, merge_unroll=3)
+    launch = dataclasses.replace(tiles, walk="page", num_stages=2, merge_block_d=64, merge_unroll=3)
     assert np.array_equal(bits(run_window(*case, scale=scale, interpret=False, tiles=launch)), bits(got))
 
 
@@ -577,7 +577,7 @@ def test_page_layouts_gpu_27b():
     a = run_window(q, kw, vw, par, pool64, t64, cache_len, scale=scale, interpret=False, tiles=tiles)
     b = run_window(q, kw, vw, par, pool256, t256, cache_len, scale=scale, interpret=False, tiles=tiles)
     c = run_window(q, kw, vw, par, pool256, t256, cache_len, scale=scale, interpret=False,
-                   tiles=dataclasses.replace(tiles, walk="flat"))
+                   tiles=dataclasses.replace(tiles, walk="page"))
     assert np.array_equal(bits(a), bits(b)) and np.array_equal(bits(c), bits(b))
     qp = jnp.asarray(rng.standard_normal((2, 256, 24, 256)), jnp.bfloat16)
     start, lengths = jnp.asarray([1700, 0], jnp.int32), jnp.asarray([256, 200], jnp.int32)

@@ -295,16 +295,14 @@ def bench_write(env: Env, *, streams: int, rows: int, fp8: bool):
 DECODE_COMPARE = (
     # The merge as shipped until session 7: one pass folding every chunk in sequence (no table here has 1024).
     ("one-pass merge (fold 1024)", at.WindowTiles(fold=1024)),
-    ("fold 8 (order)", at.WindowTiles(fold=8)),
-    ("fold 32 (order)", at.WindowTiles(fold=32)),
+    ("fold 16 (order)", at.WindowTiles(fold=16)),
+    ("page walk (launch)", at.WindowTiles(walk="page")),
     # Twice the chunk programs at one stream; the fold pass takes the longer chunk list.
     ("chunk256 (order)", at.WindowTiles(chunk=256)),
-    ("flat walk (launch)", at.WindowTiles(walk="flat")),
 )
 DECODE_COMPARE_FP8 = (
-    ("one-pass merge (fold 1024)", at.WindowTiles(fold=1024)),
-    ("f16 dot (order)", at.WindowTiles(fp8_dot="float16")),
-    ("f16 dot + flat walk", at.WindowTiles(fp8_dot="float16", walk="flat")),
+    ("bf16 dot (order)", at.WindowTiles(fp8_dot="bfloat16")),
+    ("bf16 dot, page walk, one pass (session 6)", at.WindowTiles(fp8_dot="bfloat16", walk="page", fold=1024)),
 )
 PROMPT_COMPARE = (
     # The shipped prompt copies the whole table (the capacity) into contiguous K/V on every call; this reads pages.

@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh seventh|eighth|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh seventh|eighth|ninth|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -151,6 +151,18 @@ case "$stage" in
     grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/attention_gpu.log" | cut -c1-160 | tail -12
     timeout 200 python3 -m pallas_kernels.bench attention --sections compare --budget-s 170 \
       --json "$out/attention_compare.json" 2>&1 | tee "$out/attention_compare.log" | grep -A40 "### compare" ;;
+  ninth)
+    # Session 7, call 3: the new window defaults (flat walk, fold 8, f16 dots for fp8) on the device: gpu tests,
+    # then decode at 1/16 streams and 16-row windows; then the stream-bucket gate with the Mosaic GPU qmm.
+    timeout -s INT 100 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_attention.py \
+      -k "window_gpu or fold or page_layouts" > "$out/attention_gpu.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/attention_gpu.log" | cut -c1-160 | tail -12
+    timeout 230 python3 -m pallas_kernels.bench attention --sections decode,window --budget-s 200 \
+      --json "$out/attention.json" 2>&1 | tee "$out/attention.log" | grep -A30 "^### decode"
+    timeout -s INT 170 python3 -c "import sys, pytest; from pallas_kernels import qmm; qmm.DECODE_IMPL = 'mgpu'; \
+      sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
+      -k "stream_bucket or chunk_cuts" > "$out/engine_gpu_mgpu.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/engine_gpu_mgpu.log" | cut -c1-160 | tail -12 ;;
   mgpu-probe)
     # Where the Mosaic GPU decode qmm's time goes: parts of its step left out, then its SASS (one shape).
     timeout 200 python3 tools/gpu/mgpu_probe.py 2>&1 | tee "$out/mgpu_probe.log" | grep -v "^\[" | tail -30
