@@ -509,7 +509,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m pallas_kernels.bench attention")
     ap.add_argument("--sections", default="decode,prompt,window,write",
                     help="any of compare (shipped tiles vs DECODE_COMPARE/PROMPT_COMPARE and cuDNN, ~2 min), "
-                         "tune (sweep tiles/page sizes first, then use the winners), decode, prompt, window, write, "
+                         "tune (sweep tiles/page sizes first, then use the winners), decode, prompt, window, walks, write, "
                          "xla (plain-XLA reference rows)")
     ap.add_argument("--json", default=None, help="write every measured row here")
     ap.add_argument("--smoke", action="store_true", help="toy sizes, interpret mode, CPU: checks the script")
@@ -543,14 +543,19 @@ def main(argv: list[str]) -> int:
         prompt_tiles = tune_prompt(env, 32 if args.smoke else 4096, args.quick_tune) or prompt_tiles
     env.page_size = page
     print(f"using page {page}, {decode_tiles}, {prompt_tiles}", flush=True)
-    # 128 packed rows: 8 warps, 2 stages (shared memory); see WindowTiles
-    window_tiles = dataclasses.replace(decode_tiles, num_warps=None, num_stages=None)
+    tuned = "tune" in sections
+
+    def decode_for(fp8: bool) -> at.WindowTiles:  # the shipped tiles of each KV dtype, unless a sweep chose
+        return decode_tiles if tuned else at.window_tiles(page_size=page, max_keys=contexts[-1], head_dim=D, fp8=fp8)
+
+    def window_for(fp8: bool) -> at.WindowTiles:  # 128 packed rows: 8 warps, 2 stages (shared memory)
+        return dataclasses.replace(decode_for(fp8), num_warps=None, num_stages=None)
 
     if "decode" in sections:
         print("== decode: 1 row, 1 stream", flush=True)
         for fp8 in (False, True):
             for ctx in contexts:
-                bench_window(env, streams=1, rows=1, context=ctx, fp8=fp8, tiles=decode_tiles,
+                bench_window(env, streams=1, rows=1, context=ctx, fp8=fp8, tiles=decode_for(fp8),
                              impls=("kernel", "xla") if xla else ("kernel",))
         if gpu:
             for ctx in contexts:
@@ -569,15 +574,25 @@ def main(argv: list[str]) -> int:
         print("== verify window: 16 rows (binary tree) x 1/16 streams; 1-row at 16 streams for the ratio", flush=True)
         for fp8 in (False, True):
             for ctx in contexts:
-                bench_window(env, streams=1, rows=16, context=ctx, fp8=fp8, tiles=window_tiles,
+                bench_window(env, streams=1, rows=16, context=ctx, fp8=fp8, tiles=window_for(fp8),
                              impls=("kernel", "xla") if xla and ctx != contexts[-1] else ("kernel",))
             for ctx in contexts[:2]:
-                bench_window(env, streams=16, rows=16, context=ctx, fp8=fp8, tiles=window_tiles,
+                bench_window(env, streams=16, rows=16, context=ctx, fp8=fp8, tiles=window_for(fp8),
                              impls=("kernel", "xla") if xla and ctx == contexts[1] else ("kernel",))
-                bench_window(env, streams=16, rows=1, context=ctx, fp8=fp8, tiles=decode_tiles, impls=("kernel",))
+                bench_window(env, streams=16, rows=1, context=ctx, fp8=fp8, tiles=decode_for(fp8), impls=("kernel",))
         if gpu:
             for ctx in contexts[:2]:
                 bench_cudnn_decode(env, streams=16, rows=16, context=ctx)
+    if "walks" in sections:
+        # The page walk is a launch choice (same bits): which one a 16-row window (128 packed rows) wants.
+        print("== walks: 16-row window, 1 stream, shipped tiles vs the other page walk", flush=True)
+        for fp8 in (False, True):
+            shipped = window_for(fp8)
+            other = dataclasses.replace(shipped, walk="page" if shipped.walk == "flat" else "flat")
+            for ctx in contexts:
+                for tiles in (shipped, other):
+                    bench_window(env, streams=1, rows=16, context=ctx, fp8=fp8, tiles=tiles, impls=("kernel",),
+                                 tag=f"walk {tiles.walk}")
     if "write" in sections:
         print("== KV write (in place, donated pool)", flush=True)
         for fp8 in (False, True):
@@ -670,6 +685,10 @@ def summarize(env: Env, bw: float | None) -> None:
         print("\n### KV write (µs, wall per call incl. dispatch)")
         print(table(["impl", "kv", "streams", "rows", "us"],
                     [[r["impl"], r["kv"], r["streams"], r["rows"], r["us"]] for r in wr]))
+    wk = [r for r in rows if r.get("tag", "").startswith("walk ")]
+    if wk:
+        print("\n### page walks: 16-row window, 1 stream (µs)")
+        print(table(["kv", "walk", "context", "us"], [[r["kv"], r["tag"], r["context"], r["us"]] for r in wk]))
     tn = [r for r in rows if r.get("tag") == "tune"]
     if tn:
         print("\n### tuning candidates")
