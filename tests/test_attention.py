@@ -495,6 +495,19 @@ GPU_DTYPES = DTYPES[:3]
 GPU_DTYPE_IDS = DTYPE_IDS[:3]
 
 
+def _window_on_gpu_checked(rng, case, scale, tiles):
+    """The window compiled for the device: against float64, and stream 2 alone with a wider table (more chunk
+    programs) bit for bit the same. -> the batch output."""
+    got = run_window(*case, scale=scale, interpret=False, tiles=tiles)
+    assert rel_err(got, np_window(*case, scale)) < 1e-2
+    q, kw, vw, par, pool, table, cl = case
+    wide = jnp.concatenate([table[2:3], scattered_tables(rng, 1, 24, pool.num_pages)], axis=1)
+    alone = run_window(q[2:3], kw[2:3], vw[2:3], par[2:3], pool, wide, cl[2:3], scale=scale, interpret=False,
+                       tiles=tiles)
+    assert np.array_equal(bits(alone[0]), bits(got[2]))
+    return got
+
+
 @GPU
 @pytest.mark.parametrize("dtype,fp8_dot", GPU_DTYPES, ids=GPU_DTYPE_IDS)
 @pytest.mark.parametrize("r", [1, 16])
@@ -506,14 +519,7 @@ def test_window_gpu_27b(dtype, fp8_dot, r):
                        parents=[tree16, chain16, tree16, chain16], **BIG)
     scale = 1 / 16
     tiles = dataclasses.replace(shipped_window_tiles(dtype == kq.FP8, 40), fp8_dot=fp8_dot)
-    got = run_window(*case, scale=scale, interpret=False, tiles=tiles)
-    assert rel_err(got, np_window(*case, scale)) < 1e-2
-    q, kw, vw, par, pool, table, cl = case
-    # Stream 2 alone with a wider table (more chunk programs): the same bits.
-    wide = jnp.concatenate([table[2:3], scattered_tables(rng, 1, 24, 200)], axis=1)
-    alone = run_window(q[2:3], kw[2:3], vw[2:3], par[2:3], pool, wide, cl[2:3], scale=scale, interpret=False,
-                       tiles=tiles)
-    assert np.array_equal(bits(alone[0]), bits(got[2]))
+    got = _window_on_gpu_checked(rng, case, scale, tiles)
     # Launch choices (page walk, stages, the merge's split and unroll) leave the bits alone, compiled.
     launch = dataclasses.replace(tiles, walk="page", num_stages=2, merge_block_d=64, merge_unroll=3)
     assert np.array_equal(bits(run_window(*case, scale=scale, interpret=False, tiles=launch)), bits(got))
@@ -529,13 +535,8 @@ def test_window_fold_pass_gpu_27b(dtype):
                        parents=[[-1]] * 4, **BIG)
     scale = 1 / 16
     tiles = dataclasses.replace(shipped_window_tiles(dtype == kq.FP8, 40), fold=2)
-    got = run_window(*case, scale=scale, interpret=False, tiles=tiles)
-    assert rel_err(got, np_window(*case, scale)) < 1e-2
+    got = _window_on_gpu_checked(rng, case, scale, tiles)
     q, kw, vw, par, pool, table, cl = case
-    wide = jnp.concatenate([table[2:3], scattered_tables(rng, 1, 24, 200)], axis=1)
-    alone = run_window(q[2:3], kw[2:3], vw[2:3], par[2:3], pool, wide, cl[2:3], scale=scale, interpret=False,
-                       tiles=tiles)
-    assert np.array_equal(bits(alone[0]), bits(got[2]))
     one_pass = run_window(q, kw, vw, par, pool, table[:, :8], cl, scale=scale, interpret=False, tiles=tiles)
     assert np.array_equal(bits(one_pass[1]), bits(got[1]))
 
