@@ -561,9 +561,9 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
     `tiles.chunk` keys, one program each, and writes per-chunk partials; pass 2 folds them in chunk order and
     adds the window's own keys last (they sit after every committed key). On a table of more than `tiles.fold`
     chunks, a fold pass in between folds each run of `fold` chunks in its own programs and pass 2 adds those group
-    partials in order (the same bits as one pass wherever a stream's context fits one group). A row's bits depend only on its own
-    stream's inputs and the tiles' reduction fields: not on other streams, nor on how many pages the table holds,
-    nor on the launch fields. tiles=None: window_tiles() for this pool and table.
+    partials in order (the same bits as one pass wherever a stream's context fits one group). A row's bits depend
+    only on its own stream's inputs and the tiles' reduction fields: not on other streams, nor on how many pages
+    the table holds, nor on the launch fields. tiles=None: window_tiles() for this pool and table.
 
     q [S, R, Hq, D]; k_win, v_win [S, R, Hkv, D]; parents [S, R]; page_table [S, Pmax]; cache_len [S]
     -> o [S, R, Hq, D] in q.dtype
