@@ -131,6 +131,11 @@ class WindowTiles:
     # the 287 µs 1-row decode at 128K (bench attention --sections compare, session 7).
     fold: int = 8  # 8: 183.8 µs at 128K against 201.2 for 16 and 298.7 for one pass; level at 32K
     fold_block_d: int | None = None  # head-dim columns per fold program (None: enough programs to fill the GPU)
+    # Packed rows per chunk program (None: all; a power of two >= 16). A 16-row window packs 128 rows per KV head;
+    # in 64-row programs each chunk's keys are read twice but a program holds half the accumulator (the 128-row
+    # program used 255 registers and spilled in the offline compile). Order: a row's sums follow the layout of
+    # its program's rows and warps.
+    row_block: int | None = None
     merge_block_d: int | None = None  # head-dim columns per merge program (None: enough programs to fill the GPU)
     merge_unroll: int | None = None  # chunk partials loaded per merge loop step (None: fit registers)
     merge_num_warps: int = 4
@@ -310,10 +315,10 @@ def _walk_pages(carry, step, pt_ref, k_ref, v_ref, ks_ref, vs_ref, *, first_key,
     return jax.lax.fori_loop(0, n_pages, page_body, carry)
 
 
-def _packed_rows(mrows: int, r: int, hq: int, group: int, g) -> tuple[jax.Array, jax.Array]:
-    """Row m of KV head g's block is query head g*G + h of window row r (m = r*G + h): (index into the
-    [R*Hq, D] view of q, whether m is a real row)."""
-    m = jnp.arange(mrows)
+def _packed_rows(mrows: int, r: int, hq: int, group: int, g, first=0) -> tuple[jax.Array, jax.Array]:
+    """Row m of KV head g's block is query head g*G + h of window row r (m = r*G + h): for rows first ..
+    first + mrows - 1, (index into the [R*Hq, D] view of q, whether m is a real row)."""
+    m = first + jnp.arange(mrows)
     node = m // group
     real = node < r
     return jnp.where(real, node * hq + g * group + m % group, 0), real
@@ -324,22 +329,24 @@ def _packed_rows(mrows: int, r: int, hq: int, group: int, g) -> tuple[jax.Array,
 # ----------------------------------------------------------------------------------------------------------------
 
 def _window_chunk_kernel(cache_len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, fp8: bool, scale: float, r: int,
-                         group: int, mrows: int, max_keys: int, page_size: int, tiles: WindowTiles, cdt):
+                         group: int, mrows: int, parts: int, max_keys: int, page_size: int, tiles: WindowTiles, cdt):
     # cache_len_ref [S]; pt_ref [Pmax]; q_ref [R*Hq, D] (this stream); k_ref, v_ref [P, page, D] (this KV head);
-    # fp8: ks_ref, vs_ref [P, page]; outputs m_ref, l_ref [M], acc_ref [M, D] fp32: this chunk's partial relative
-    # to its own max, rows r*G + h (rows past R*G are left unwritten).
+    # fp8: ks_ref, vs_ref [P, page]; outputs m_ref, l_ref [MB], acc_ref [MB, D] fp32: this chunk's partial
+    # relative to its own max for packed rows part*MB .. part*MB + MB - 1 (mrows = MB; axis 1 of the grid is
+    # KV head x parts); rows r*G + h, rows past R*G left unwritten.
     if fp8:
         ks_ref, vs_ref, m_ref, l_ref, acc_ref = refs
     else:
         ks_ref = vs_ref = None
         m_ref, l_ref, acc_ref = refs
-    s, g, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    s, gp, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    g, part = gp // parts, gp % parts
     n_keys = jnp.minimum(cache_len_ref[s], max_keys)
     chunk_start = c * tiles.chunk
 
     @pl.when(chunk_start < n_keys)
     def _():
-        idx, real = _packed_rows(mrows, r, q_ref.shape[0] // r, group, g)
+        idx, real = _packed_rows(mrows, r, q_ref.shape[0] // r, group, g, part * mrows)
         q = q_ref[idx].astype(cdt)
         bk = tiles.block_k
 
@@ -525,25 +532,27 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
     max_keys = page_table.shape[1] * ps
     n_chunks = -(-max_keys // tiles.chunk)
     nc_pad = max(_pow2(n_chunks), pad_chunks_to)
-    warps, stages = window_launch(tiles, mrows=mrows, head_dim=d, kv_dtype=pool.k.dtype, cdt=cdt)
+    rb = min(tiles.row_block or mrows, mrows)
+    parts = mrows // rb
+    warps, stages = window_launch(tiles, mrows=rb, head_dim=d, kv_dtype=pool.k.dtype, cdt=cdt)
     page_table = _pad_table(page_table, n_chunks * tiles.chunk, ps)
     q_rows = q.reshape(s, r * hq, d)  # free: rows picked inside the kernel
 
     with jax.named_scope("attn_window_chunks"):
-        per_head = pl.BlockSpec((None, pool.num_pages, ps, d), lambda i, j, c: (j, 0, 0, 0))
-        per_head_scale = pl.BlockSpec((None, pool.num_pages, ps), lambda i, j, c: (j, 0, 0))
-        kernel = functools.partial(_window_chunk_kernel, fp8=fp8, scale=scale, r=r, group=group, mrows=mrows,
-                                   max_keys=max_keys, page_size=ps, tiles=tiles, cdt=cdt)
+        per_head = pl.BlockSpec((None, pool.num_pages, ps, d), lambda i, j, c: (j // parts, 0, 0, 0))
+        per_head_scale = pl.BlockSpec((None, pool.num_pages, ps), lambda i, j, c: (j // parts, 0, 0))
+        kernel = functools.partial(_window_chunk_kernel, fp8=fp8, scale=scale, r=r, group=group, mrows=rb,
+                                   parts=parts, max_keys=max_keys, page_size=ps, tiles=tiles, cdt=cdt)
         return pallas_call(
             kernel,
-            grid=(s, hkv, n_chunks),
+            grid=(s, hkv * parts, n_chunks),
             in_specs=[pl.BlockSpec((s,), lambda i, j, c: (0,)),
                       pl.BlockSpec((None, page_table.shape[1]), lambda i, j, c: (i, 0)),
                       pl.BlockSpec((None, r * hq, d), lambda i, j, c: (i, 0, 0)),
                       per_head, per_head] + ([per_head_scale, per_head_scale] if fp8 else []),
-            out_specs=[pl.BlockSpec((None, None, None, mrows), lambda i, j, c: (i, j, c, 0)),
-                       pl.BlockSpec((None, None, None, mrows), lambda i, j, c: (i, j, c, 0)),
-                       pl.BlockSpec((None, None, None, mrows, d), lambda i, j, c: (i, j, c, 0, 0))],
+            out_specs=[pl.BlockSpec((None, None, None, rb), lambda i, j, c: (i, j // parts, c, j % parts)),
+                       pl.BlockSpec((None, None, None, rb), lambda i, j, c: (i, j // parts, c, j % parts)),
+                       pl.BlockSpec((None, None, None, rb, d), lambda i, j, c: (i, j // parts, c, j % parts, 0))],
             out_shape=[jax.ShapeDtypeStruct((s, hkv, nc_pad, mrows), jnp.float32),
                        jax.ShapeDtypeStruct((s, hkv, nc_pad, mrows), jnp.float32),
                        jax.ShapeDtypeStruct((s, hkv, nc_pad, mrows, d), jnp.float32)],
@@ -688,6 +697,8 @@ def _check_window(q, k_win, v_win, parents, pool: KVPool, page_table, cache_len,
     if tiles.chunk % tiles.block_k or tiles.chunk % pool.page_size:
         raise ValueError(f"WindowTiles.chunk={tiles.chunk} must be a multiple of block_k={tiles.block_k} and of "
                          f"the page size {pool.page_size}")
+    if tiles.row_block is not None and (tiles.row_block < 16 or tiles.row_block & (tiles.row_block - 1)):
+        raise ValueError(f"WindowTiles.row_block={tiles.row_block} must be a power of two >= 16")
     if tiles.fold < 1 or tiles.fold & (tiles.fold - 1):
         raise ValueError(f"WindowTiles.fold={tiles.fold} must be a power of two >= 1")
     if tiles.fold_block_d is not None and (tiles.fold_block_d & (tiles.fold_block_d - 1)

@@ -246,6 +246,25 @@ def test_window_fold_pass_bits(dtype):
     assert np.array_equal(bits(moved[2]), bits(batch[2]))
 
 
+def test_window_row_block_splits_packed_rows():
+    """row_block: a 16-row window (32 packed rows here) in chunk programs of 16 rows: right against float64, and a
+    stream's rows the same bits alone as among the others."""
+    rng = np.random.default_rng(14)
+    tree16 = TREE + list(range(6, 15))
+    case = window_case(rng, r=16, dtype=jnp.bfloat16, **dict(SMALL_WINDOW, parents=[tree16, list(range(-1, 15))] * 2
+                                                          + [tree16]))
+    q, kw, vw, par, pool, table, cache_len = case
+    scale = SMALL["d"] ** -0.5
+    tiles = dataclasses.replace(SMALL_TILES, row_block=16)
+    batch = run_window(*case, scale=scale, interpret=True, tiles=tiles)
+    assert rel_err(batch, np_window(*case, scale)) < 1e-2
+    alone = run_window(q[2:3], kw[2:3], vw[2:3], par[2:3], pool, table[2:3], cache_len[2:3], scale=scale,
+                       interpret=True, tiles=tiles)
+    assert np.array_equal(bits(alone[0]), bits(batch[2]))
+    with pytest.raises(ValueError, match="row_block"):
+        run_window(*case, scale=scale, interpret=True, tiles=dataclasses.replace(SMALL_TILES, row_block=24))
+
+
 def test_window_rejects_bad_inputs():
     rng = np.random.default_rng(12)
     q, kw, vw, par, pool, table, cl = window_case(rng, s=2, r=3, pmax=4, num_pages=10, dtype=jnp.bfloat16,
@@ -426,6 +445,7 @@ def gpu_window_configs():
             out.append(shipped_window_tiles(fp8, pmax, page))
         out += [at.WindowTiles(block_k=64), dataclasses.replace(shipped_window_tiles(fp8, 40), fp8_dot="float16")]
         out += [tiles for _, tiles in bench.DECODE_COMPARE]
+        out += [dataclasses.replace(shipped_window_tiles(fp8, 2048), row_block=rb) for rb in (64, 32)]  # window16
     return out
 
 
@@ -446,7 +466,7 @@ def test_gpu_configs_fit_shared_memory(kv):
             tiles = dataclasses.replace(tiles, fp8_dot=fp8_dot)
             cdt = at._compute_dtype(jnp.bfloat16, kq.KVPool(jnp.zeros((1, 1, 1, 1), kv), None), fp8_dot)
             for r in range(1, 17):
-                mrows = max(16, at._pow2(r * 6))
+                mrows = min(max(16, at._pow2(r * 6)), tiles.row_block or 128)  # a chunk program's packed rows
                 _, stages = at.window_launch(tiles, mrows=mrows, head_dim=256, kv_dtype=kv, cdt=cdt)
                 need = at.pass_one_smem_bytes(mrows=mrows, head_dim=256, block_k=tiles.block_k, num_stages=stages,
                                               kv_dtype=kv, cdt=cdt)

@@ -509,7 +509,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m pallas_kernels.bench attention")
     ap.add_argument("--sections", default="decode,prompt,window,write",
                     help="any of compare (shipped tiles vs DECODE_COMPARE/PROMPT_COMPARE and cuDNN, ~2 min), "
-                         "tune (sweep tiles/page sizes first, then use the winners), decode, prompt, window, walks, write, "
+                         "tune (sweep tiles/page sizes first, then use the winners), decode, prompt, window, window16, write, "
                          "xla (plain-XLA reference rows)")
     ap.add_argument("--json", default=None, help="write every measured row here")
     ap.add_argument("--smoke", action="store_true", help="toy sizes, interpret mode, CPU: checks the script")
@@ -583,16 +583,21 @@ def main(argv: list[str]) -> int:
         if gpu:
             for ctx in contexts[:2]:
                 bench_cudnn_decode(env, streams=16, rows=16, context=ctx)
-    if "walks" in sections:
-        # The page walk is a launch choice (same bits): which one a 16-row window (128 packed rows) wants.
-        print("== walks: 16-row window, 1 stream, shipped tiles vs the other page walk", flush=True)
+    if "window16" in sections:
+        # 16-row windows (128 packed rows a KV head), 1 stream: the shipped tiles against the other page walk (a
+        # launch choice: same bits) and chunk programs of 64 and 32 packed rows (row_block: order; offline, the
+        # 128-row program spills at 255 registers, the 64-row one on 8 warps uses 219 and does not).
+        print("== window16: 16-row window, 1 stream, shipped tiles vs the other walk and row blocks", flush=True)
         for fp8 in (False, True):
             shipped = window_for(fp8)
-            other = dataclasses.replace(shipped, walk="page" if shipped.walk == "flat" else "flat")
+            variants = {"shipped": shipped,
+                        "other walk": dataclasses.replace(shipped, walk="page" if shipped.walk == "flat" else "flat"),
+                        "row_block 64": dataclasses.replace(shipped, row_block=64),
+                        "row_block 32": dataclasses.replace(shipped, row_block=32)}
             for ctx in contexts:
-                for tiles in (shipped, other):
+                for name, tiles in variants.items():
                     bench_window(env, streams=1, rows=16, context=ctx, fp8=fp8, tiles=tiles, impls=("kernel",),
-                                 tag=f"walk {tiles.walk}")
+                                 tag=f"window16 {name} ({tiles.walk} walk)")
     if "write" in sections:
         print("== KV write (in place, donated pool)", flush=True)
         for fp8 in (False, True):
@@ -685,10 +690,10 @@ def summarize(env: Env, bw: float | None) -> None:
         print("\n### KV write (µs, wall per call incl. dispatch)")
         print(table(["impl", "kv", "streams", "rows", "us"],
                     [[r["impl"], r["kv"], r["streams"], r["rows"], r["us"]] for r in wr]))
-    wk = [r for r in rows if r.get("tag", "").startswith("walk ")]
+    wk = [r for r in rows if r.get("tag", "").startswith("window16 ")]
     if wk:
-        print("\n### page walks: 16-row window, 1 stream (µs)")
-        print(table(["kv", "walk", "context", "us"], [[r["kv"], r["tag"], r["context"], r["us"]] for r in wk]))
+        print("\n### 16-row window, 1 stream: tile variants (µs)")
+        print(table(["kv", "tiles", "context", "us"], [[r["kv"], r["tag"][9:], r["context"], r["us"]] for r in wk]))
     tn = [r for r in rows if r.get("tag") == "tune"]
     if tn:
         print("\n### tuning candidates")

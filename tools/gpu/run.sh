@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh seventh|eighth|ninth|tenth|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -166,14 +166,19 @@ case "$stage" in
   tenth)
     # Session 7, call 4: which page walk 16-row windows want; the GDN verify/conv/step tables (never run at S = 1,
     # trees, conv); then as much of the qmm issue table as the call has left (rows written as they come).
-    timeout 130 python3 -m pallas_kernels.bench attention --sections walks --budget-s 110 \
-      --json "$out/attention_walks.json" 2>&1 | tee "$out/attention_walks.log" | grep -A12 "^### page walks"
+    # (Session 7 ran this section as "walks": shipped vs the other walk only; window16 adds the row blocks.)
+    timeout 200 python3 -m pallas_kernels.bench attention --sections window16 --budget-s 180 \
+      --json "$out/attention_window16.json" 2>&1 | tee "$out/attention_window16.log" | grep -A30 "^### 16-row"
     JAX_PLATFORMS=cuda timeout 230 python3 -m pallas_kernels.bench gdn --iters 20 --skip prompt \
       --json "$out/gdn_step.json" > "$out/gdn_verify.log" 2>&1
     grep -vE "^\[|^  " "$out/gdn_verify.log" | tail -45
     timeout 170 python3 -m pallas_kernels.bench qmm --shapes 5120x17408,17408x5120,5120x6144,6144x5120,5120x10240,5120x12288,5120x248320 \
       --m 1,4,16,64,256,1024,4096 --json "$out/qmm.json" > "$out/qmm.log" 2>&1
     tail -40 "$out/qmm.log" ;;
+  window16)
+    # The 16-row window's tile variants alone (row_block 64 / 32 beside the shipped tiles and the other walk).
+    timeout 200 python3 -m pallas_kernels.bench attention --sections window16 --budget-s 180 \
+      --json "$out/attention_window16.json" 2>&1 | tee "$out/attention_window16.log" | grep -A30 "^### 16-row" ;;
   mgpu-probe)
     # Where the Mosaic GPU decode qmm's time goes: parts of its step left out, then its SASS (one shape).
     timeout 200 python3 tools/gpu/mgpu_probe.py 2>&1 | tee "$out/mgpu_probe.log" | grep -v "^\[" | tail -30
