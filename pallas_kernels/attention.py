@@ -455,14 +455,11 @@ def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_re
     # The fold is relative to the committed max alone (the window's keys join after it), which keeps the loop free
     # of the window dot's MMA layout: weighting the loaded partials by a max derived from that dot made Triton
     # convert every loaded [M, BD] partial into the MMA layout through shared memory.
+    # Chunk partials are weighted here; the fold pass's group partials were weighted there.
     m_base = jnp.where(m_committed == -jnp.inf, 0.0, m_committed)
-    if fold is None:
-        l, acc = _fold_in_order(l_ref, acc_ref, m_ref, first=0, count=l_ref.shape[0], n_live=n_chunks, real=real,
-                                m_base=m_base, unroll=unroll, mrows=mrows, bd=bd)
-    else:
-        l, acc = _fold_in_order(l_ref, acc_ref, None, first=0, count=l_ref.shape[0],
-                                n_live=(n_chunks + fold - 1) // fold, real=real, m_base=m_base, unroll=unroll,
-                                mrows=mrows, bd=bd)
+    l, acc = _fold_in_order(l_ref, acc_ref, m_ref if fold is None else None, first=0, count=l_ref.shape[0],
+                            n_live=n_chunks if fold is None else (n_chunks + fold - 1) // fold, real=real,
+                            m_base=m_base, unroll=unroll, mrows=mrows, bd=bd)
 
     # The window's own keys: row m (window node m // G) sees node j iff j is the node or one of its ancestors,
     # found by climbing parent pointers (at most R steps; parents[j] < j).

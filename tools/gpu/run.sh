@@ -16,6 +16,21 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore::DeprecationWarning
+
+# pytest with the Mosaic GPU decode qmm on (qmm.DECODE_IMPL = "mgpu"). $1: the time limit (s); the rest: pytest's.
+pytest_mgpu() {
+  local limit=$1
+  shift
+  timeout -s INT "$limit" python3 -c "import sys, pytest; from pallas_kernels import qmm; qmm.DECODE_IMPL = 'mgpu'; \
+    sys.exit(pytest.main(sys.argv[1:]))" "$@"
+}
+
+# The 16-row window's tile variants (row_block 64 / 32 beside the shipped tiles and the other walk).
+attention_window16() {
+  timeout 200 python3 -m pallas_kernels.bench attention --sections window16 --budget-s 180 \
+    --json "$out/attention_window16.json" 2>&1 | tee "$out/attention_window16.log" | grep -A30 "^### 16-row"
+}
+
 case "$stage" in
   first)
     # Session 5, call 1: what is unproven on the device (fma_ptx's single rounding, 8-bit prompt tiles, GDN), then
@@ -89,8 +104,7 @@ case "$stage" in
     # engine's exactness gates with it (concurrent == solo, chunk cuts, stream buckets).
     timeout 150 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths "" --rounds 32 \
       --no-compile-timing --compile-cache "" --qmm-decode-impl mgpu 2>&1 | tee "$out/bench_mgpu.log" | tail -2
-    timeout -s INT 200 python3 -c "import sys, pytest; from pallas_kernels import qmm; qmm.DECODE_IMPL = 'mgpu'; \
-      sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=short -rfE tests/test_engine_gpu.py \
+    pytest_mgpu 200 -m gpu -v -p no:cacheprovider --tb=short -rfE tests/test_engine_gpu.py \
       > "$out/gpu_tests_engine_mgpu.log" 2>&1
     grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_engine_mgpu.log | cut -c1-200 | tail -12
     timeout 150 python3 tools/gpu/decode_profile.py --synthetic 27b --qmm-decode-impl mgpu --trace "$out/trace" \
@@ -103,8 +117,7 @@ case "$stage" in
     timeout -s INT 110 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short -rfE tests/test_qmm_mgpu.py \
       > "$out/gpu_tests_mgpu.log" 2>&1
     grep -hE "(PASSED|FAILED|ERROR)( |$)|^E .{0,150}|passed|failed" "$out"/gpu_tests_mgpu.log | cut -c1-160 | tail -12
-    timeout -s INT 90 python3 -c "import sys, pytest; from pallas_kernels import qmm; qmm.DECODE_IMPL = 'mgpu'; \
-      sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=line -rfE tests/test_engine_gpu.py \
+    pytest_mgpu 90 -m gpu -v -p no:cacheprovider --tb=line -rfE tests/test_engine_gpu.py \
       -k "stream_bucket" > "$out/gpu_tests_bucket.log" 2>&1
     grep -hE "(PASSED|FAILED|ERROR)( |$)|passed|failed" "$out"/gpu_tests_bucket.log | cut -c1-160 | tail -4 ;;
   mgpu-bisect)
@@ -142,8 +155,7 @@ case "$stage" in
     # (optimization_barrier), the attention fold pass compiled, then the decode candidates again.
     timeout -s INT 150 python3 tools/gpu/rowinv_probe.py --qmm-decode-impl mgpu > "$out/rowinv_mgpu.log" 2>&1
     grep -vE "^(xla|kernel) " "$out/rowinv_mgpu.log" | grep -v Warning | grep -v "res = acc" | tail -22
-    timeout -s INT 120 python3 -c "import sys, pytest; from pallas_kernels import qmm; qmm.DECODE_IMPL = 'mgpu'; \
-      sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
+    pytest_mgpu 120 -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
       > "$out/engine_gpu_mgpu.log" 2>&1
     grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/engine_gpu_mgpu.log" | cut -c1-160 | tail -12
     timeout -s INT 150 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_attention.py \
@@ -159,16 +171,14 @@ case "$stage" in
     grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/attention_gpu.log" | cut -c1-160 | tail -12
     timeout 230 python3 -m pallas_kernels.bench attention --sections decode,window --budget-s 200 \
       --json "$out/attention.json" 2>&1 | tee "$out/attention.log" | grep -A30 "^### decode"
-    timeout -s INT 170 python3 -c "import sys, pytest; from pallas_kernels import qmm; qmm.DECODE_IMPL = 'mgpu'; \
-      sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
+    pytest_mgpu 170 -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
       -k "stream_bucket or chunk_cuts" > "$out/engine_gpu_mgpu.log" 2>&1
     grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/engine_gpu_mgpu.log" | cut -c1-160 | tail -12 ;;
   tenth)
     # Session 7, call 4: which page walk 16-row windows want; the GDN verify/conv/step tables (never run at S = 1,
     # trees, conv); then as much of the qmm issue table as the call has left (rows written as they come).
     # (Session 7 ran this section as "walks": shipped vs the other walk only; window16 adds the row blocks.)
-    timeout 200 python3 -m pallas_kernels.bench attention --sections window16 --budget-s 180 \
-      --json "$out/attention_window16.json" 2>&1 | tee "$out/attention_window16.log" | grep -A30 "^### 16-row"
+    attention_window16
     JAX_PLATFORMS=cuda timeout 230 python3 -m pallas_kernels.bench gdn --iters 20 --skip prompt \
       --json "$out/gdn_step.json" > "$out/gdn_verify.log" 2>&1
     grep -vE "^\[|^  " "$out/gdn_verify.log" | tail -45
@@ -177,18 +187,15 @@ case "$stage" in
     tail -40 "$out/qmm.log" ;;
   window16)
     # The 16-row window's tile variants alone (row_block 64 / 32 beside the shipped tiles and the other walk).
-    timeout 200 python3 -m pallas_kernels.bench attention --sections window16 --budget-s 180 \
-      --json "$out/attention_window16.json" 2>&1 | tee "$out/attention_window16.log" | grep -A30 "^### 16-row" ;;
+    attention_window16 ;;
   eleventh)
     # Queued for the next session's first call: the 16-row window's row blocks (not yet timed), the decode round
     # at the session-7 attention defaults (engine numbers last taken in session 5), then the two engine gpu tests
     # not yet run with the Mosaic GPU qmm since its rounding fix.
-    timeout 200 python3 -m pallas_kernels.bench attention --sections window16 --budget-s 180 \
-      --json "$out/attention_window16.json" 2>&1 | tee "$out/attention_window16.log" | grep -A30 "^### 16-row"
+    attention_window16
     timeout 200 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths "" --rounds 32 \
       2>&1 | tee "$out/bench_27b.log" | tail -8
-    timeout -s INT 180 python3 -c "import sys, pytest; from pallas_kernels import qmm; qmm.DECODE_IMPL = 'mgpu'; \
-      sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
+    pytest_mgpu 180 -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
       -k "True or in_place" > "$out/engine_gpu_mgpu.log" 2>&1
     grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/engine_gpu_mgpu.log" | cut -c1-160 | tail -8 ;;
   mgpu-probe)
