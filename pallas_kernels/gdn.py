@@ -325,7 +325,10 @@ class PromptTiles:
     """block_v: dv columns of state one program of the state pass keeps on chip (power of two, >= 16).
     precision: how products with an fp32 operand run on the GPU: 'tf32' (one tensor-core pass) or 'tf32x3' (three
     passes, about fp32). Products of two bf16 inputs (K K^T, Q K^T) are exact in both. Interpret mode always
-    computes fp32 (XLA:CPU has no tf32).
+    computes fp32 (XLA:CPU has no tf32). 'bf16': the precision flash-linear-attention's chunk kernels run at --
+    the inverse (I + A)^-1 still in tf32, every other product on operands rounded to bf16 (fp32 accumulation),
+    W and U travel from the prep pass in bf16; the roundings are explicit casts, so interpret mode computes the
+    same values up to summation order.
     store_dtype: how the per-chunk states and V' travel from the state pass to the output pass: 'float32', or
     'bfloat16' (half the traffic; the output then carries about one more bf16 rounding, the recurrence none).
     Measured on the H200 at the 27B shape, T = 16K (docs/kernels/gdn.md): these defaults 4.3 ms, o error 1.2e-3,
@@ -351,6 +354,8 @@ class WindowTiles:
 
 def _mm(a: jax.Array, b: jax.Array, precision: str, interpret: bool) -> jax.Array:
     """a [m, k] @ b [k, n] -> fp32. Two half-precision operands: exact products, fp32 accumulation."""
+    if precision == "bf16":
+        a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
     if a.dtype == b.dtype and a.dtype in (jnp.bfloat16, jnp.float16):
         return jnp.dot(a, b, preferred_element_type=_F32)
     prec = _HI if interpret else _ALGORITHMS[precision]
@@ -407,6 +412,7 @@ def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, start_ref, len_ref, w_ref, u_ref
     shift = start_ref[s] % CHUNK
     length = len_ref[s]
     mm = functools.partial(_mm, precision=precision, interpret=interpret)
+    mm_inverse = functools.partial(_mm, precision="tf32" if precision == "bf16" else precision, interpret=interpret)
 
     @pl.when(c < _num_chunks(shift, length))
     def _():
@@ -420,9 +426,9 @@ def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, start_ref, len_ref, w_ref, u_ref
         gam = jnp.cumsum(g)
         strict = _iota(CHUNK, 0, 2) > _iota(CHUNK, 1, 2)
         decay = jnp.exp(jnp.where(strict, gam[:, None] - gam[None, :], -jnp.inf))
-        t_inv = _unit_lower_inverse(jnp.where(strict, beta[:, None] * mm(k, k.T) * decay, 0.0), mm)
-        w_ref[s, c, h] = mm(t_inv, k.astype(_F32) * (beta * jnp.exp(gam))[:, None])
-        u_ref[s, c, h] = mm(t_inv, v.astype(_F32) * beta[:, None])
+        t_inv = _unit_lower_inverse(jnp.where(strict, beta[:, None] * mm(k, k.T) * decay, 0.0), mm_inverse)
+        w_ref[s, c, h] = mm(t_inv, k.astype(_F32) * (beta * jnp.exp(gam))[:, None]).astype(w_ref.dtype)
+        u_ref[s, c, h] = mm(t_inv, v.astype(_F32) * beta[:, None]).astype(u_ref.dtype)
         gam_ref[s, c, h] = gam
 
 
@@ -449,7 +455,7 @@ def _state_kernel(k_ref, w_ref, u_ref, gam_ref, start_ref, len_ref, slot_ref, po
         gam = gam_ref[s, c, h]
         g_last = jnp.sum(jnp.where(is_last, gam, 0.0))
         h_ref[s, c, h, :, cols] = state.astype(h_ref.dtype)
-        v_new = u_ref[s, c, h, :, cols] - mm(w_ref[s, c, h], state)  # [64, block_v]
+        v_new = u_ref[s, c, h, :, cols].astype(_F32) - mm(w_ref[s, c, h], state)  # [64, block_v]
         vn_ref[s, c, h, :, cols] = v_new.astype(vn_ref.dtype)
         k_tail = k.astype(_F32) * jnp.exp(g_last - gam)[:, None]
         return state * jnp.exp(g_last) + mm(k_tail.T, v_new)
@@ -670,8 +676,8 @@ def prompt(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Arr
     _check_per_stream("prompt", k.shape[0], start=start, lengths=lengths)
     if tiles.store_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"gdn.prompt: tiles.store_dtype must be 'float32' or 'bfloat16', got {tiles.store_dtype!r}")
-    if tiles.precision not in _ALGORITHMS:
-        raise ValueError(f"gdn.prompt: tiles.precision must be one of {sorted(_ALGORITHMS)}, got "
+    if tiles.precision not in (*_ALGORITHMS, "bf16"):
+        raise ValueError(f"gdn.prompt: tiles.precision must be one of {sorted((*_ALGORITHMS, 'bf16'))}, got "
                          f"{tiles.precision!r}")
     _block_v(tiles.block_v, v.shape[3], "prompt")
     start = jnp.maximum(start.astype(jnp.int32), 0)
@@ -691,14 +697,16 @@ def _max_chunks(t: int) -> int:
 
 
 def prompt_prep(k, v, g, beta, start, lengths, *, tiles: PromptTiles, interpret: bool):
-    """-> w [S, NC, Hv, 64, dk], u [S, NC, Hv, 64, dv], gam [S, NC, Hv, 64] (fp32)."""
+    """-> w [S, NC, Hv, 64, dk], u [S, NC, Hv, 64, dv] (bf16 at precision 'bf16', else fp32), gam [S, NC, Hv, 64]
+    (fp32)."""
     s, t, hk, dk = k.shape
     hv, dv = v.shape[2], v.shape[3]
     nc = _max_chunks(t)
+    wu = jnp.bfloat16 if tiles.precision == "bf16" else _F32
     return pallas_call(
         functools.partial(_prep_kernel, group=hv // hk, precision=tiles.precision, interpret=interpret),
-        out_shape=(jax.ShapeDtypeStruct((s, nc, hv, CHUNK, dk), _F32),
-                   jax.ShapeDtypeStruct((s, nc, hv, CHUNK, dv), _F32),
+        out_shape=(jax.ShapeDtypeStruct((s, nc, hv, CHUNK, dk), wu),
+                   jax.ShapeDtypeStruct((s, nc, hv, CHUNK, dv), wu),
                    jax.ShapeDtypeStruct((s, nc, hv, CHUNK), _F32)),
         grid=(s, nc, hv),
         compiler_params=pt.CompilerParams(num_warps=tiles.prep_warps),

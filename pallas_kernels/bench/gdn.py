@@ -54,7 +54,8 @@ def _rows(key, s, t, dtype):
 
 
 def _cfg_name(cfg) -> str:
-    return f"{cfg.precision} {cfg.store_dtype[:4]} bv{cfg.block_v} w{cfg.num_warps} s{cfg.num_stages}"
+    return (f"{cfg.precision} {cfg.store_dtype[:4]} bv{cfg.block_v} w{cfg.num_warps} s{cfg.num_stages}"
+            f" pw{cfg.prep_warps} ow{cfg.output_warps}")
 
 
 def _rel(x, ref) -> float:
@@ -93,7 +94,26 @@ def _to_torch(fla, x):
     return fla["torch"].from_dlpack(x)
 
 
-def bench_prompt(ts, fla, sweep, iters):
+def _parse_prompt_tiles(spec: str):
+    """'precision=bf16,store_dtype=bfloat16;prep_warps=8' -> PromptTiles per ';'-separated item ('' = defaults)."""
+    import dataclasses
+    from pallas_kernels import gdn
+    fields = {f.name: f.type for f in dataclasses.fields(gdn.PromptTiles)}
+    out = []
+    for item in spec.split(";"):
+        kw = {}
+        for pair in filter(None, item.split(",")):
+            key, val = pair.split("=")
+            if key not in fields:
+                raise ValueError(f"--prompt-tiles: unknown field {key!r} (fields: {', '.join(fields)})")
+            kw[key] = int(val) if fields[key] in (int, "int") else val
+        out.append(gdn.PromptTiles(**kw))
+    return out
+
+
+def bench_prompt(ts, fla, sweep, iters, given=None):
+    """given: PromptTiles to time at every T, each with its three launches timed alone; None: the sweep at the
+    first T and the fastest of each precision at the others."""
     import jax
     import jax.numpy as jnp
     from pallas_kernels import gdn
@@ -101,7 +121,9 @@ def bench_prompt(ts, fla, sweep, iters):
 
     rows, stages = [], []
     configs = [gdn.PromptTiles()]
-    if sweep:
+    if given:
+        configs = list(given)
+    elif sweep:
         configs = [gdn.PromptTiles(),
                    gdn.PromptTiles(num_stages=1),
                    gdn.PromptTiles(block_v=32, num_warps=4),
@@ -116,7 +138,7 @@ def bench_prompt(ts, fla, sweep, iters):
         ref_fn = jax.jit(gdn.prompt_reference)
         ref_o, ref_pool = ref_fn(*sets[0], pool, slot, start, lengths)
         # The whole sweep at the first T, then the fastest setting of each precision at the others.
-        for cfg in (configs if ti == 0 else list(best_per_precision.values())):
+        for cfg in (configs if ti == 0 or given else list(best_per_precision.values())):
             name = f"pallas {_cfg_name(cfg)}"
             try:
                 fn = jax.jit(functools.partial(gdn.prompt, tiles=cfg))
@@ -132,7 +154,10 @@ def bench_prompt(ts, fla, sweep, iters):
             for r in sorted((r for r in rows if r["t"] == t), key=lambda r: r["us"]):
                 best_per_precision.setdefault(r["cfg"].precision, r["cfg"])
         best = min((r for r in rows if r["t"] == t and "cfg" in r), key=lambda r: r["us"], default=None)
-        if best is not None and ti == 0:
+        if given:
+            for cfg in dict.fromkeys(r["cfg"] for r in rows if r["t"] == t and "cfg" in r):
+                stages.extend(_stage_times(cfg, sets, pool, slot, start, lengths, t, iters))
+        elif best is not None and ti == 0:
             stages.extend(_stage_times(best["cfg"], sets, pool, slot, start, lengths, t, iters))
         if t <= 16384:
             us = time_us(ref_fn, [(*x, pool, slot, start, lengths) for x in sets], warmup=1, iters=3)
@@ -511,6 +536,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--rows", default="16,4,1")
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-sweep", action="store_true", help="time only the default tiles")
+    ap.add_argument("--prompt-tiles", default=None, help="PromptTiles to time at every T instead of the sweep, "
+                    "';'-separated, each 'field=value,...' ('' = the defaults), e.g. ';precision=bf16,"
+                    "store_dtype=bfloat16'")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: prompt,verify,conv,step")
     ap.add_argument("--step-streams", default="1,4,16")
@@ -552,7 +580,8 @@ def main(argv: list[str]) -> int:
         [int(x) for x in args.step_streams.split(",")], _parse_tiles(args.step_tiles), args.calls, args.iters,
         record, t0 + args.step_budget_s)
     prompt_rows, stage_rows = ([], []) if "prompt" in skip else bench_prompt(
-        [int(x) for x in args.t.split(",")], fla, sweep, args.iters)
+        [int(x) for x in args.t.split(",")], fla, sweep, args.iters,
+        None if args.prompt_tiles is None else _parse_prompt_tiles(args.prompt_tiles))
     verify_rows = [] if "verify" in skip else bench_verify(
         [int(x) for x in args.streams.split(",")], [int(x) for x in args.rows.split(",")], fla, sweep, args.iters)
     conv_rows = [] if "conv" in skip else bench_conv(args.iters)
@@ -564,12 +593,12 @@ def main(argv: list[str]) -> int:
                    [[r["t"], r["impl"], r["us"], r["t"] / r["us"], (fla_us[r["t"]] / r["us"]) if r["t"] in fla_us
                      else "-", f"{r['err_o']:.1e}", f"{r['err_state']:.1e}"] for r in prompt_rows]))
     if stage_rows:
-        _log("\nPrompt pass by launch (the fastest setting at the sweep's T)")
+        _log("\nPrompt pass by launch (each launch timed alone)")
         _log(table(["T", "setting", "prep µs", "state µs", "output µs"],
-                   [[t, _cfg_name(next(r["cfg"] for r in stage_rows if r["t"] == t))]
-                    + [next(r["us"] for r in stage_rows if r["t"] == t and r["stage"] == st)
+                   [[t, _cfg_name(cfg)]
+                    + [next(r["us"] for r in stage_rows if (r["t"], r["cfg"]) == (t, cfg) and r["stage"] == st)
                        for st in ("prep", "state", "output")]
-                    for t in dict.fromkeys(r["t"] for r in stage_rows)]))
+                    for t, cfg in dict.fromkeys((r["t"], r["cfg"]) for r in stage_rows)]))
     if verify_rows:
         _log(f"\nVerify window (chain unless 'tree') and commit; state traffic = S x 3.1 MB (window), x2 (commit);"
              f" floor at {bw:.2f} TB/s")

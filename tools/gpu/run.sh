@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -187,6 +187,18 @@ case "$stage" in
     tail -40 "$out/qmm.log" ;;
   window16)
     # The 16-row window's tile variants alone (row_block 64 / 32 beside the shipped tiles and the other walk).
+    attention_window16 ;;
+  twelfth)
+    # Session 8, call 1: the GDN prompt pass at fla's precision (precision=bf16) and tile variants beside the
+    # shipped tiles and fla, each launch timed alone; its gpu tests; the 16-row window's row blocks.
+    JAX_PLATFORMS=cuda timeout 250 python3 -m pallas_kernels.bench gdn --t 4096,16384 --skip verify,conv,step \
+      --iters 10 --prompt-tiles ";store_dtype=bfloat16;precision=bf16,store_dtype=bfloat16;\
+precision=bf16,store_dtype=bfloat16,block_v=32,num_warps=4;precision=bf16,store_dtype=bfloat16,prep_warps=8;\
+precision=bf16,store_dtype=bfloat16,block_v=32,num_warps=8" > "$out/gdn_prompt.log" 2>&1
+    grep -vE "^\[|^  " "$out/gdn_prompt.log" | tail -40
+    timeout -s INT 120 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_gdn.py \
+      -k "prompt" > "$out/gpu_tests_gdn.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_gdn.log" | cut -c1-160 | tail -12
     attention_window16 ;;
   eleventh)
     # Queued for the next session's first call: the 16-row window's row blocks (not yet timed), the decode round
