@@ -159,10 +159,13 @@ def window_tiles(*, page_size: int, max_keys: int, head_dim: int, fp8: bool) -> 
     """The shipped verify/decode tiles: the one place they are chosen. Arguments are fixed for a model and cache
     layout (page size, page-table width x page size, head dim, KV dtype), never the streams or rows of a call,
     so the reduction order they set is the same in every program of the engine."""
-    del page_size, max_keys, head_dim  # measured best so far (docs/kernels/attention.md, session 7)
+    del page_size, max_keys, head_dim  # measured best so far (docs/kernels/attention.md, sessions 7 and 8)
     # fp8: f16 dots (codes widened natively) with the flat walk: 1-row decode 62.9 / 92.0 / 168.6 µs at 4K / 32K /
-    # 128K against 80.5 / 115.5 / 213.2 with bf16 dots and the page walk.
-    return WindowTiles(fp8_dot="float16") if fp8 else WindowTiles()
+    # 128K against 80.5 / 115.5 / 213.2 with bf16 dots and the page walk. Packed rows split in programs of 32
+    # (windows of more than 5 rows; a 1-row window's 6 packed rows are one block either way): the 16-row window
+    # 78.6 / 214.6 / 703.0 µs against 134.1 / 246.7 / 813.1 in one program. For bf16 pools the split won only at 4K
+    # (72.0 vs 85.0) and lost at 32K / 128K (192.9 / 648.7 vs 148.1 / 425.5), so they keep one program.
+    return WindowTiles(fp8_dot="float16", row_block=32) if fp8 else WindowTiles()
 
 
 def prompt_tiles(*, page_size: int, max_keys: int, head_dim: int, fp8: bool) -> PromptTiles:

@@ -341,6 +341,21 @@ class PromptTiles:
     output_warps: int = 8
     precision: str = "tf32"
     store_dtype: str = "float32"
+    # The state pass keeps S^T [block_v, dk] instead of S: both of its products then take their register operand
+    # from the previous product's result (S^T W^T, then V'^T-scaled K) and only W and K come from shared memory,
+    # where S [dk, block_v] needs the state and V' written to shared memory as operands every chunk. U, the
+    # chunk states and V' travel transposed ([dv, 64], [dv, dk], [dv, 64]). An order change.
+    transposed: bool = False
+
+
+def prompt_tiles(dtype) -> PromptTiles:
+    """The shipped prompt-pass tiles for the model's activation dtype (fixed for a model, so a stream's bits never
+    depend on the call). bf16: products on bf16 operands, as flash-linear-attention's chunk kernels compute them,
+    and 32-column state slices on 4 warps: 787 µs a layer at T = 4K (fla 860) and 2237 at 16K (fla 1805), against
+    1361 / 4530 for the fp32-store tf32 tiles (H200, docs/kernels/gdn.md run 3). Other dtypes: the tf32 defaults."""
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        return PromptTiles(block_v=32, num_warps=4, precision="bf16", store_dtype="bfloat16")
+    return PromptTiles()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -356,10 +371,11 @@ def _mm(a: jax.Array, b: jax.Array, precision: str, interpret: bool) -> jax.Arra
     """a [m, k] @ b [k, n] -> fp32. Two half-precision operands: exact products, fp32 accumulation."""
     if precision == "bf16":
         a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+    if interpret:  # XLA:CPU lacks some bf16 x bf16 -> f32 dots; widening first is exact, and so are the products
+        return jnp.dot(a.astype(_F32), b.astype(_F32), precision=_HI, preferred_element_type=_F32)
     if a.dtype == b.dtype and a.dtype in (jnp.bfloat16, jnp.float16):
         return jnp.dot(a, b, preferred_element_type=_F32)
-    prec = _HI if interpret else _ALGORITHMS[precision]
-    return jnp.dot(a.astype(_F32), b.astype(_F32), precision=prec, preferred_element_type=_F32)
+    return jnp.dot(a.astype(_F32), b.astype(_F32), precision=_ALGORITHMS[precision], preferred_element_type=_F32)
 
 
 def _iota(n: int, axis: int = 0, ndim: int = 1) -> jax.Array:
@@ -402,7 +418,7 @@ def _unit_lower_inverse(a: jax.Array, mm) -> jax.Array:
 
 
 def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, start_ref, len_ref, w_ref, u_ref, gam_ref, *, group, precision,
-                 interpret):
+                 interpret, transposed):
     """Everything of a chunk that does not need the state, one (stream, chunk, value head) per program.
     k [S, T, Hk, dk]; v [S, T, Hv, dv]; g, beta [S, T, Hv]; start, lengths [S] ->
     w [S, NC, Hv, 64, dk] = T diag(beta e^Gamma) K, u [S, NC, Hv, 64, dv] = T diag(beta) V with T = (I + A)^-1,
@@ -428,18 +444,20 @@ def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, start_ref, len_ref, w_ref, u_ref
         decay = jnp.exp(jnp.where(strict, gam[:, None] - gam[None, :], -jnp.inf))
         t_inv = _unit_lower_inverse(jnp.where(strict, beta[:, None] * mm(k, k.T) * decay, 0.0), mm_inverse)
         w_ref[s, c, h] = mm(t_inv, k.astype(_F32) * (beta * jnp.exp(gam))[:, None]).astype(w_ref.dtype)
-        u_ref[s, c, h] = mm(t_inv, v.astype(_F32) * beta[:, None]).astype(u_ref.dtype)
+        u = mm(t_inv, v.astype(_F32) * beta[:, None])
+        u_ref[s, c, h] = (u.T if transposed else u).astype(u_ref.dtype)
         gam_ref[s, c, h] = gam
 
 
 def _state_kernel(k_ref, w_ref, u_ref, gam_ref, start_ref, len_ref, slot_ref, pool_ref, h_ref, vn_ref,
-                  pool_out_ref, *, group, block_v, precision, interpret):
+                  pool_out_ref, *, group, block_v, precision, interpret, transposed):
     """The only sequential part: the chunks of one stream in order, its [dk, block_v] state slice on chip.
     k [S, T, Hk, dk]; w [S, NC, Hv, 64, dk]; u [S, NC, Hv, 64, dv]; gam [S, NC, Hv, 64]; start, lengths, slot [S];
     pool [N, Hv, dk, dv] (aliased to pool_out) -> h [S, NC, Hv, dk, dv] the state entering each chunk,
     vn [S, NC, Hv, 64, dv] = V' = U - W S, pool_out. Per chunk: S <- e^Gamma_C S + (K e^(Gamma_C - Gamma))^T V'.
     The outputs are left to `_output_kernel`, which runs on all chunks at once: keeping them here would put
-    three more products and two more row tiles on this kernel's critical path and registers."""
+    three more products and two more row tiles on this kernel's critical path and registers.
+    transposed: the slice is kept as S^T [block_v, dk]; u, h, vn are [.., dv, 64], [.., dv, dk], [.., dv, 64]."""
     s, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, length, slot = start_ref[s], len_ref[s], slot_ref[s]
     shift = start % CHUNK
@@ -454,6 +472,11 @@ def _state_kernel(k_ref, w_ref, u_ref, gam_ref, start_ref, len_ref, slot_ref, po
                     mask=jnp.broadcast_to(real[:, None], (CHUNK, dk)), other=0)
         gam = gam_ref[s, c, h]
         g_last = jnp.sum(jnp.where(is_last, gam, 0.0))
+        if transposed:  # state = S^T [block_v, dk]
+            h_ref[s, c, h, cols, :] = state.astype(h_ref.dtype)
+            v_new = u_ref[s, c, h, cols, :].astype(_F32) - mm(state, w_ref[s, c, h].T)  # V'^T [block_v, 64]
+            vn_ref[s, c, h, cols, :] = v_new.astype(vn_ref.dtype)
+            return state * jnp.exp(g_last) + mm(v_new * jnp.exp(g_last - gam)[None, :], k)
         h_ref[s, c, h, :, cols] = state.astype(h_ref.dtype)
         v_new = u_ref[s, c, h, :, cols].astype(_F32) - mm(w_ref[s, c, h], state)  # [64, block_v]
         vn_ref[s, c, h, :, cols] = v_new.astype(vn_ref.dtype)
@@ -462,11 +485,14 @@ def _state_kernel(k_ref, w_ref, u_ref, gam_ref, start_ref, len_ref, slot_ref, po
 
     state = pool_ref[slot, h, :, cols]
     state = jnp.where(start == 0, 0.0, state)  # a fresh prompt ignores whatever its slot holds
-    pool_out_ref[slot, h, :, cols] = jax.lax.fori_loop(0, _num_chunks(shift, length), chunk, state)
+    if transposed:
+        state = state.T
+    state = jax.lax.fori_loop(0, _num_chunks(shift, length), chunk, state)
+    pool_out_ref[slot, h, :, cols] = state.T if transposed else state
 
 
 def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, start_ref, len_ref, o_ref, *, group, precision,
-                   interpret):
+                   interpret, transposed):
     """O = (Q e^Gamma) S_c + (Q K^T o M) V' for one (stream, chunk, value head), all chunks in parallel.
     q, k [S, T, Hk, dk]; gam [S, NC, Hv, 64]; h [S, NC, Hv, dk, dv]; vn [S, NC, Hv, 64, dv]; start, lengths [S]
     -> o [S, T, Hv, dv]. Rows of the call past a stream's last chunk are written as zeros, like the reference's."""
@@ -488,6 +514,8 @@ def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, start_ref, len_ref, o_r
         k = pt.load(k_ref.at[s, rows, h // group, :], mask=mask_k, other=0)
         gam = gam_ref[s, c, h]
         state, v_new = h_ref[s, c, h], vn_ref[s, c, h]
+        if transposed:
+            state, v_new = state.T, v_new.T
         decay = jnp.exp(jnp.where(_iota(CHUNK, 0, 2) >= _iota(CHUNK, 1, 2), gam[:, None] - gam[None, :], -jnp.inf))
         # With a 16-bit store the two products run on 16-bit operands: q is already bf16, and the attention
         # weights lose nothing the bf16 output would keep.
@@ -704,9 +732,10 @@ def prompt_prep(k, v, g, beta, start, lengths, *, tiles: PromptTiles, interpret:
     nc = _max_chunks(t)
     wu = jnp.bfloat16 if tiles.precision == "bf16" else _F32
     return pallas_call(
-        functools.partial(_prep_kernel, group=hv // hk, precision=tiles.precision, interpret=interpret),
+        functools.partial(_prep_kernel, group=hv // hk, precision=tiles.precision, interpret=interpret,
+                          transposed=tiles.transposed),
         out_shape=(jax.ShapeDtypeStruct((s, nc, hv, CHUNK, dk), wu),
-                   jax.ShapeDtypeStruct((s, nc, hv, CHUNK, dv), wu),
+                   jax.ShapeDtypeStruct((s, nc, hv) + ((dv, CHUNK) if tiles.transposed else (CHUNK, dv)), wu),
                    jax.ShapeDtypeStruct((s, nc, hv, CHUNK), _F32)),
         grid=(s, nc, hv),
         compiler_params=pt.CompilerParams(num_warps=tiles.prep_warps),
@@ -716,16 +745,19 @@ def prompt_prep(k, v, g, beta, start, lengths, *, tiles: PromptTiles, interpret:
 
 
 def prompt_state(k, w, u, gam, start, lengths, slot, rec_pool, *, tiles: PromptTiles, interpret: bool):
-    """-> (h [S, NC, Hv, dk, dv] state entering each chunk, v_new [S, NC, Hv, 64, dv], rec_pool)."""
+    """-> (h [S, NC, Hv, dk, dv] state entering each chunk, v_new [S, NC, Hv, 64, dv], rec_pool); the last two
+    axes of u, h and v_new swapped with tiles.transposed."""
     s, t, hk, dk = k.shape
-    _, nc, hv, _, dv = u.shape
+    nc, hv = u.shape[1], u.shape[2]
+    dv = u.shape[3] if tiles.transposed else u.shape[4]
     bv = _block_v(tiles.block_v, dv, "prompt")
     store = jnp.dtype(tiles.store_dtype)
+    tr = tiles.transposed
     return pallas_call(
         functools.partial(_state_kernel, group=hv // hk, block_v=bv, precision=tiles.precision,
-                          interpret=interpret),
-        out_shape=(jax.ShapeDtypeStruct((s, nc, hv, dk, dv), store),
-                   jax.ShapeDtypeStruct((s, nc, hv, CHUNK, dv), store),
+                          interpret=interpret, transposed=tr),
+        out_shape=(jax.ShapeDtypeStruct((s, nc, hv) + ((dv, dk) if tr else (dk, dv)), store),
+                   jax.ShapeDtypeStruct((s, nc, hv) + ((dv, CHUNK) if tr else (CHUNK, dv)), store),
                    jax.ShapeDtypeStruct(rec_pool.shape, _F32)),
         grid=(s, hv, dv // bv),
         input_output_aliases={7: 2},
@@ -738,9 +770,11 @@ def prompt_state(k, w, u, gam, start, lengths, slot, rec_pool, *, tiles: PromptT
 def prompt_output(q, k, gam, h_chunks, v_new, start, lengths, out_dtype, *, tiles: PromptTiles, interpret: bool):
     """-> o [S, T, Hv, dv] in out_dtype."""
     s, t, hk, _ = q.shape
-    _, nc, hv, _, dv = h_chunks.shape
+    nc, hv = h_chunks.shape[1], h_chunks.shape[2]
+    dv = h_chunks.shape[3] if tiles.transposed else h_chunks.shape[4]
     return pallas_call(
-        functools.partial(_output_kernel, group=hv // hk, precision=tiles.precision, interpret=interpret),
+        functools.partial(_output_kernel, group=hv // hk, precision=tiles.precision, interpret=interpret,
+                          transposed=tiles.transposed),
         out_shape=jax.ShapeDtypeStruct((s, t, hv, dv), out_dtype),
         grid=(s, nc, hv),
         compiler_params=pt.CompilerParams(num_warps=tiles.output_warps),

@@ -151,12 +151,24 @@ def test_prompt_bf16_products():
     rng = np.random.default_rng(7)
     args = _prompt_case(rng, 130, SMALL, jnp.bfloat16)
     outs = []
-    for store in ("bfloat16", "float32"):
-        tiles = gdn.PromptTiles(precision="bf16", store_dtype=store)
+    for tiles in (gdn.PromptTiles(precision="bf16", store_dtype="bfloat16"), gdn.PromptTiles(precision="bf16"),
+                  gdn.PromptTiles(precision="bf16", store_dtype="bfloat16", transposed=True)):
         o, pool_out = jax.jit(functools.partial(gdn.prompt, interpret=INTERPRET, tiles=tiles))(*args)
         _check_prompt_vs_f64(args, o, pool_out, BF16_PRODUCTS_TOL, BF16_PRODUCTS_TOL)
         outs.append((np.asarray(o), np.asarray(pool_out)))
-    assert all(np.array_equal(a, b) for a, b in zip(*outs))
+    assert all(np.array_equal(a, b) for a, b in zip(outs[0], outs[1]))
+
+
+def test_prompt_transposed_state_pass():
+    """PromptTiles(transposed=True) (the state pass on S^T, U / chunk states / V' stored transposed): fp32 products
+    in interpret mode, so the float64 bound of the default tiles; and the exactness properties."""
+    tiles = gdn.PromptTiles(transposed=True)
+    rng = np.random.default_rng(65)
+    args = _prompt_case(rng, 65, SMALL)
+    o, pool_out = _jit(gdn.prompt, tiles=tiles)(*args)
+    _check_prompt_vs_f64(args, o, pool_out, F32_TOL)
+    _resume_check(SMALL, 200, [64, 128], tiles)
+    _alone_vs_batched(SMALL, tiles)
 
 
 def _resume_check(shape, t, cuts, tiles=gdn.PromptTiles()):
@@ -585,15 +597,17 @@ def test_gpu_prompt_bf16_27b_heads():
 def test_gpu_prompt_bf16_products_27b_heads():
     rng = np.random.default_rng(9)
     args = _prompt_case(rng, 300, BIG, jnp.bfloat16)
-    tiles = gdn.PromptTiles(precision="bf16", store_dtype="bfloat16")
-    _poison_allocator(args[2].shape, args[2].dtype)
-    o, pool_out = jax.jit(functools.partial(gdn.prompt, tiles=tiles))(*args)
-    _check_prompt_vs_f64(args, o, pool_out, BF16_PRODUCTS_TOL, BF16_PRODUCTS_TOL)
+    for tiles in (gdn.prompt_tiles(jnp.bfloat16),
+                  gdn.PromptTiles(precision="bf16", store_dtype="bfloat16", transposed=True)):
+        _poison_allocator(args[2].shape, args[2].dtype)
+        o, pool_out = jax.jit(functools.partial(gdn.prompt, tiles=tiles))(*args)
+        _check_prompt_vs_f64(args, o, pool_out, BF16_PRODUCTS_TOL, BF16_PRODUCTS_TOL)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [gdn.PromptTiles(), gdn.PromptTiles(precision="bf16", store_dtype="bfloat16")],
-                         ids=["default", "bf16"])
+@pytest.mark.parametrize("tiles", [gdn.PromptTiles(), gdn.prompt_tiles(jnp.bfloat16),
+                                   gdn.PromptTiles(precision="bf16", store_dtype="bfloat16", transposed=True)],
+                         ids=["default", "shipped-bf16", "bf16-transposed"])
 def test_gpu_prompt_exactness_27b_heads(tiles):
     _resume_check(BIG, 300, [64, 256], tiles)  # pieces of 64, 192 and 44 rows
     _alone_vs_batched(BIG, tiles)

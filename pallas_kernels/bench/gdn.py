@@ -55,7 +55,7 @@ def _rows(key, s, t, dtype):
 
 def _cfg_name(cfg) -> str:
     return (f"{cfg.precision} {cfg.store_dtype[:4]} bv{cfg.block_v} w{cfg.num_warps} s{cfg.num_stages}"
-            f" pw{cfg.prep_warps} ow{cfg.output_warps}")
+            f" pw{cfg.prep_warps} ow{cfg.output_warps}{' T' if cfg.transposed else ''}")
 
 
 def _rel(x, ref) -> float:
@@ -106,7 +106,9 @@ def _parse_prompt_tiles(spec: str):
             key, val = pair.split("=")
             if key not in fields:
                 raise ValueError(f"--prompt-tiles: unknown field {key!r} (fields: {', '.join(fields)})")
-            kw[key] = int(val) if fields[key] in (int, "int") else val
+            typ = fields[key]
+            kw[key] = (int(val) if typ in (int, "int") else val.lower() in ("1", "true") if typ in (bool, "bool")
+                       else val)
         out.append(gdn.PromptTiles(**kw))
     return out
 

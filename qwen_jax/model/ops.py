@@ -125,8 +125,12 @@ def _pick(backend: Backend, module, name: str):
     return getattr(module, f"{name}_reference")
 
 
-def gdn_prompt(backend: Backend, *args):
-    return _pick(backend, gdn_k, "prompt")(*args)
+def gdn_prompt(backend: Backend, q, *args):
+    """The kernel runs at the shipped tiles for the activation dtype (`gdn.prompt_tiles`): bf16 activations get
+    bf16 products like flash-linear-attention's; the fp32 verification path keeps tf32 (fp32 in interpret mode)."""
+    if backend.kernels:
+        return gdn_k.prompt(q, *args, interpret=backend.interpret, tiles=gdn_k.prompt_tiles(q.dtype))
+    return gdn_k.prompt_reference(q, *args)
 
 
 def gdn_window(backend: Backend, *args):

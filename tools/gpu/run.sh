@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -188,6 +188,24 @@ case "$stage" in
   window16)
     # The 16-row window's tile variants alone (row_block 64 / 32 beside the shipped tiles and the other walk).
     attention_window16 ;;
+  thirteenth)
+    # Session 8, call 2: the GDN state pass on S^T (transposed=1) beside the bf16 tiles shipped after call 1; the
+    # shipped tiles at 1K and 64K; the gpu tests of both kernels whose shipped tiles changed (GDN prompt, attention
+    # windows with fp8 row blocks).
+    bf="precision=bf16,store_dtype=bfloat16"
+    JAX_PLATFORMS=cuda timeout 230 python3 -m pallas_kernels.bench gdn --t 4096,16384 --skip verify,conv,step \
+      --iters 10 --prompt-tiles "$bf,block_v=32,num_warps=4;$bf,transposed=1,block_v=64,num_warps=4;\
+$bf,transposed=1,block_v=64,num_warps=8;$bf,transposed=1,block_v=32,num_warps=4;$bf,transposed=1,block_v=16,num_warps=2" \
+      > "$out/gdn_prompt.log" 2>&1
+    grep -vE "^\[|^  " "$out/gdn_prompt.log" | tail -34
+    JAX_PLATFORMS=cuda timeout 100 python3 -m pallas_kernels.bench gdn --t 1024,65536 --skip verify,conv,step \
+      --iters 10 --prompt-tiles "$bf,block_v=32,num_warps=4" > "$out/gdn_prompt_ends.log" 2>&1
+    grep -vE "^\[|^  " "$out/gdn_prompt_ends.log" | tail -14
+    timeout -s INT 150 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_gdn.py \
+      -k "prompt" > "$out/gpu_tests_gdn.log" 2>&1
+    timeout -s INT 100 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_attention.py \
+      -k "window_gpu or fold" > "$out/gpu_tests_attention.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_*.log | cut -c1-160 | tail -30 ;;
   twelfth)
     # Session 8, call 1: the GDN prompt pass at fla's precision (precision=bf16) and tile variants beside the
     # shipped tiles and fla, each launch timed alone; its gpu tests; the 16-row window's row blocks.
