@@ -351,10 +351,11 @@ class PromptTiles:
 def prompt_tiles(dtype) -> PromptTiles:
     """The shipped prompt-pass tiles for the model's activation dtype (fixed for a model, so a stream's bits never
     depend on the call). bf16: products on bf16 operands, as flash-linear-attention's chunk kernels compute them,
-    and 32-column state slices on 4 warps: 787 µs a layer at T = 4K (fla 860) and 2237 at 16K (fla 1805), against
-    1361 / 4530 for the fp32-store tf32 tiles (H200, docs/kernels/gdn.md run 3). Other dtypes: the tf32 defaults."""
+    and the state pass on S^T in 16-column slices on 2 warps: 711 µs a layer at T = 4K (fla 935) and 2043 at 16K
+    (fla 1727), against 1361 / 4530 for the fp32-store tf32 tiles (H200, docs/kernels/gdn.md run 3). Other dtypes:
+    the tf32 defaults."""
     if jnp.dtype(dtype) == jnp.bfloat16:
-        return PromptTiles(block_v=32, num_warps=4, precision="bf16", store_dtype="bfloat16")
+        return PromptTiles(block_v=16, num_warps=2, precision="bf16", store_dtype="bfloat16", transposed=True)
     return PromptTiles()
 
 

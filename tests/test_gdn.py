@@ -598,7 +598,7 @@ def test_gpu_prompt_bf16_products_27b_heads():
     rng = np.random.default_rng(9)
     args = _prompt_case(rng, 300, BIG, jnp.bfloat16)
     for tiles in (gdn.prompt_tiles(jnp.bfloat16),
-                  gdn.PromptTiles(precision="bf16", store_dtype="bfloat16", transposed=True)):
+                  gdn.PromptTiles(precision="bf16", store_dtype="bfloat16", block_v=32, num_warps=4)):
         _poison_allocator(args[2].shape, args[2].dtype)
         o, pool_out = jax.jit(functools.partial(gdn.prompt, tiles=tiles))(*args)
         _check_prompt_vs_f64(args, o, pool_out, BF16_PRODUCTS_TOL, BF16_PRODUCTS_TOL)
@@ -606,8 +606,8 @@ def test_gpu_prompt_bf16_products_27b_heads():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tiles", [gdn.PromptTiles(), gdn.prompt_tiles(jnp.bfloat16),
-                                   gdn.PromptTiles(precision="bf16", store_dtype="bfloat16", transposed=True)],
-                         ids=["default", "shipped-bf16", "bf16-transposed"])
+                                   gdn.PromptTiles(precision="bf16", store_dtype="bfloat16", block_v=32, num_warps=4)],
+                         ids=["default", "shipped-bf16", "bf16-untransposed"])
 def test_gpu_prompt_exactness_27b_heads(tiles):
     _resume_check(BIG, 300, [64, 256], tiles)  # pieces of 64, 192 and 44 rows
     _alone_vs_batched(BIG, tiles)
