@@ -219,8 +219,14 @@ def _conv_prompt(m, hist, conv_pool, slot, weight, start, lengths):
     hist = jnp.where((start == 0)[:, None, None], jnp.zeros_like(hist), hist)
     seq = jnp.concatenate([hist.astype(m.dtype), m], axis=1)  # [S, K-1+T, C]
     t = m.shape[1]
-    windows = jnp.stack([seq[:, j:j + t] for j in range(kw)], axis=2)  # [S, T, K, C]
-    u = jax.vmap(jax.vmap(lambda rows: _conv_silu(rows, weight)))(windows)
+    # The taps as shifted views of seq added in tap order: one elementwise pass that XLA fuses, where a stack of
+    # the K windows ([S, T, K, C]) and a reduction over them ran at 0.15 TB/s on the H200 (574 µs at T = 4K).
+    # Each output element is the same scalar expression whatever T and S are, so chunk cuts keep their bits.
+    wf = weight.astype(jnp.float32)
+    acc = seq[:, 0:t].astype(jnp.float32) * wf[:, 0]
+    for j in range(1, kw):
+        acc = acc + seq[:, j:j + t].astype(jnp.float32) * wf[:, j]
+    u = jax.nn.silu(acc)
     new_hist = jax.vmap(lambda s, n: jax.lax.dynamic_slice_in_dim(s, n, kw - 1, axis=0))(seq, lengths)
     return u.astype(m.dtype), conv_pool.at[slot].set(new_hist.astype(conv_pool.dtype))
 

@@ -433,6 +433,39 @@ def test_conv_window_node_equals_commit_then_one_row_and_float64():
         assert np.array_equal(np.asarray(u1)[:, 0], u[:, r])
 
 
+def test_conv_prompt_float64_and_cut_anywhere_bitwise():
+    """The prompt conv against float64, and a prompt cut into pieces (history carried in the pool) gives the
+    bits of the whole, for streams of different lengths in one call."""
+    rng = np.random.default_rng(21)
+    s_count, t, c, kw = 2, 19, 24, 4
+    m = jnp.asarray(rng.normal(size=(s_count, t, c)), jnp.bfloat16)
+    pool = jnp.asarray(rng.normal(size=(s_count + 1, kw - 1, c)), jnp.bfloat16)
+    weight = jnp.asarray(rng.normal(size=(c, kw)), jnp.bfloat16)
+    slot = jnp.asarray([2, 0], jnp.int32)
+    start, lengths = jnp.asarray([0, 5], jnp.int32), jnp.asarray([t, t - 4], jnp.int32)
+    run = jax.jit(gdn.conv_prompt)
+    u, whole_pool = run(m, pool, slot, weight, start, lengths)
+    for s in range(s_count):
+        n = int(lengths[s])
+        hist = np.zeros((kw - 1, c)) if int(start[s]) == 0 else np.asarray(pool[int(slot[s])], np.float64)
+        seq = np.concatenate([hist, np.asarray(m[s, :n], np.float64)])
+        w64 = np.asarray(weight, np.float64)
+        acc = np.stack([(seq[i:i + kw] * w64.T).sum(0) for i in range(n)])
+        want = acc / (1 + np.exp(-acc))
+        np.testing.assert_allclose(np.asarray(u[s, :n], np.float64), want, rtol=1e-2, atol=1e-2)
+        np.testing.assert_array_equal(np.asarray(whole_pool[int(slot[s])], np.float64), seq[-(kw - 1):])
+    cur, pieces = pool, []
+    for a, b in ((0, 7), (7, 8), (8, t)):
+        lens = jnp.clip(lengths - a, 0, b - a)
+        piece, cur = run(m[:, a:b], cur, slot, weight, start + a, lens)
+        pieces.append(np.asarray(piece))
+    got = np.concatenate(pieces, axis=1)
+    for s in range(s_count):
+        n = int(lengths[s])
+        np.testing.assert_array_equal(got[s, :n], np.asarray(u[s, :n]))
+    np.testing.assert_array_equal(np.asarray(cur), np.asarray(whole_pool))
+
+
 def test_conv_commit_equals_serial_one_row_commits():
     rng = np.random.default_rng(6)
     s_count, r_max, c = 3, 6, 16

@@ -188,6 +188,17 @@ case "$stage" in
   window16)
     # The 16-row window's tile variants alone (row_block 64 / 32 beside the shipped tiles and the other walk).
     attention_window16 ;;
+  fourteenth)
+    # Session 8, call 3: the prompt conv as shifted adds, the engine's gpu gates at the new shipped tiles (GDN
+    # prompt in bf16 products on S^T, the conv), and the 27B engine bench: prefill 4K / 32K, decode 1 / 16 streams.
+    JAX_PLATFORMS=cuda timeout 60 python3 -m pallas_kernels.bench gdn --skip prompt,verify,step --iters 20 \
+      > "$out/gdn_conv.log" 2>&1
+    grep -vE "^\[|^  " "$out/gdn_conv.log" | tail -9
+    timeout -s INT 200 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
+      > "$out/gpu_tests_engine.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_engine.log" | cut -c1-160 | tail -10
+    timeout 310 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths 4096,32768 --rounds 32 \
+      2>&1 | tee "$out/bench_27b.log" | tail -30 ;;
   thirteenth)
     # Session 8, call 2: the GDN state pass on S^T (transposed=1) beside the bf16 tiles shipped after call 1; the
     # shipped tiles at 1K and 64K; the gpu tests of both kernels whose shipped tiles changed (GDN prompt, attention
