@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -188,6 +188,24 @@ case "$stage" in
   window16)
     # The 16-row window's tile variants alone (row_block 64 / 32 beside the shipped tiles and the other walk).
     attention_window16 ;;
+  fifteenth)
+    # Session 8, call 4: the prompt conv's Pallas pass; the shipped GDN prompt tiles over the four T; the
+    # engine's gpu gates with both; the 27B prefill; one decode bench with XLA's excess precision off.
+    JAX_PLATFORMS=cuda timeout 60 python3 -m pallas_kernels.bench gdn --skip prompt,verify,step --iters 20 \
+      > "$out/gdn_conv.log" 2>&1
+    grep -vE "^\[|^  " "$out/gdn_conv.log" | tail -9
+    JAX_PLATFORMS=cuda timeout 130 python3 -m pallas_kernels.bench gdn --t 1024,4096,16384,65536 \
+      --skip verify,conv,step --iters 10 \
+      --prompt-tiles "precision=bf16,store_dtype=bfloat16,transposed=1,block_v=16,num_warps=2" \
+      > "$out/gdn_prompt.log" 2>&1
+    grep -vE "^\[|^  " "$out/gdn_prompt.log" | tail -20
+    timeout -s INT 120 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
+      tests/test_gdn.py -k "chunk_cuts or concurrent or conv or exactness" > "$out/gpu_tests_engine.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_engine.log" | cut -c1-160 | tail -10
+    timeout 150 python3 -m qwen_jax bench --synthetic 27b --streams "" --prompt-lengths 4096,32768 \
+      --no-compile-timing 2>&1 | tee "$out/bench_prefill.log" | tail -3
+    XLA_FLAGS=--xla_allow_excess_precision=false timeout 100 python3 -m qwen_jax bench --synthetic 27b --streams 1 \
+      --prompt-lengths "" --rounds 32 --no-compile-timing 2>&1 | tee "$out/bench_no_excess.log" | tail -2 ;;
   fourteenth)
     # Session 8, call 3: the prompt conv as shifted adds, the engine's gpu gates at the new shipped tiles (GDN
     # prompt in bf16 products on S^T, the conv), and the 27B engine bench: prefill 4K / 32K, decode 1 / 16 streams.
