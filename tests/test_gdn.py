@@ -437,8 +437,17 @@ def test_conv_prompt_float64_and_cut_anywhere_bitwise():
     """The prompt conv's Pallas pass against the reference and float64 (C = 300: a partial column block), and a
     prompt cut into pieces (history carried in the pool) gives the bits of the whole, for streams of different
     lengths in one call (T = 19 and 15: partial row blocks)."""
+    _conv_prompt_check(19, 300, ((0, 7), (7, 8), (8, 19)))
+
+
+@pytest.mark.gpu
+def test_gpu_conv_prompt_27b_width():
+    _conv_prompt_check(300, 10240, ((0, 64), (64, 65), (65, 300)))
+
+
+def _conv_prompt_check(t, c, cuts):
     rng = np.random.default_rng(21)
-    s_count, t, c, kw = 2, 19, 300, 4
+    s_count, kw = 2, 4
     m = jnp.asarray(rng.normal(size=(s_count, t, c)), jnp.bfloat16)
     pool = jnp.asarray(rng.normal(size=(s_count + 1, kw - 1, c)), jnp.bfloat16)
     weight = jnp.asarray(rng.normal(size=(c, kw)), jnp.bfloat16)
@@ -459,7 +468,7 @@ def test_conv_prompt_float64_and_cut_anywhere_bitwise():
         np.testing.assert_allclose(np.asarray(u[s, :n], np.float64), want, rtol=1e-2, atol=1e-2)
         np.testing.assert_array_equal(np.asarray(whole_pool[int(slot[s])], np.float64), seq[-(kw - 1):])
     cur, pieces = pool, []
-    for a, b in ((0, 7), (7, 8), (8, t)):
+    for a, b in cuts:
         lens = jnp.clip(lengths - a, 0, b - a)
         piece, cur = run(m[:, a:b], cur, slot, weight, start + a, lens)
         pieces.append(np.asarray(piece))

@@ -200,7 +200,7 @@ case "$stage" in
       > "$out/gdn_prompt.log" 2>&1
     grep -vE "^\[|^  " "$out/gdn_prompt.log" | tail -20
     timeout -s INT 120 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
-      tests/test_gdn.py -k "chunk_cuts or concurrent or conv or exactness" > "$out/gpu_tests_engine.log" 2>&1
+      tests/test_gdn.py -k "chunk_cuts or concurrent or conv_prompt or exactness" > "$out/gpu_tests_engine.log" 2>&1
     grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_engine.log" | cut -c1-160 | tail -10
     timeout 150 python3 -m qwen_jax bench --synthetic 27b --streams "" --prompt-lengths 4096,32768 \
       --no-compile-timing 2>&1 | tee "$out/bench_prefill.log" | tail -3
