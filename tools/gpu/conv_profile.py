@@ -1,0 +1,50 @@
+"""Where the GDN prompt conv's time goes on the device: `gdn.conv_prompt` (Pallas taps) and the plain-jnp
+reference at T = 4K, the 27B conv width, each traced with JAX's profiler; prints every device kernel's time.
+
+    python3 tools/gpu/conv_profile.py --trace /tmp/conv_trace
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", required=True)
+    ap.add_argument("--t", type=int, default=4096)
+    args = ap.parse_args(argv)
+    import jax
+    import jax.numpy as jnp
+    from pallas_kernels import gdn
+    from tools.gpu.decode_profile import summarize_trace
+
+    c = 10240
+    m = jax.random.normal(jax.random.key(0), (1, args.t, c), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (c, 4), jnp.bfloat16)
+    pool = jnp.zeros((2, 3, c), jnp.bfloat16)
+    call = (m, pool, jnp.array([1]), w, jnp.array([0]), jnp.array([args.t]))
+    def shifted(seq, weight):  # the taps as shifted views added in XLA
+        t, wf = seq.shape[1] - 3, weight.astype(jnp.float32)
+        acc = seq[:, 0:t].astype(jnp.float32) * wf[:, 0]
+        for j in range(1, 4):
+            acc = acc + seq[:, j:j + t].astype(jnp.float32) * wf[:, j]
+        return jax.nn.silu(acc).astype(seq.dtype)
+
+    def xla_shifted(m, pool, slot, w, start, lengths):
+        return gdn._conv_prompt(m, pool[slot], pool, slot, w, start, lengths, shifted)
+
+    for name, fn in (("pallas", jax.jit(gdn.conv_prompt)), ("reference", jax.jit(gdn.conv_prompt_reference)),
+                     ("xla-shifted", jax.jit(xla_shifted))):
+        jax.block_until_ready(fn(*call))
+        with jax.profiler.trace(f"{args.trace}/{name}", create_perfetto_trace=True):
+            for _ in range(2):
+                jax.block_until_ready(fn(*call))
+        print(f"== {name}")
+        summarize_trace(f"{args.trace}/{name}", 2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
