@@ -7,7 +7,10 @@ reference at T = 4K, the 27B conv width, each traced with JAX's profiler; prints
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # decode_profile beside this file
 
 
 def main(argv=None) -> int:
@@ -18,7 +21,7 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
     from pallas_kernels import gdn
-    from tools.gpu.decode_profile import summarize_trace
+    from decode_profile import summarize_trace
 
     c = 10240
     m = jax.random.normal(jax.random.key(0), (1, args.t, c), jnp.bfloat16)
