@@ -213,19 +213,35 @@ def conv_prompt_reference(m: jax.Array, conv_pool: jax.Array, slot: jax.Array, w
     return _conv_prompt(m, conv_pool[slot], conv_pool, slot, weight, start, lengths)
 
 
-def _conv_prompt(m, hist, conv_pool, slot, weight, start, lengths, taps=None):
-    """`conv_prompt_reference` given hist = conv_pool[slot] [S, K-1, C]. taps(seq [S, K-1+T, C], weight) -> u
-    [S, T, C] in m.dtype replaces the plain-jnp taps (the kernel entry passes its Pallas pass)."""
+def _conv_prompt(m, hist, conv_pool, slot, weight, start, lengths):
+    """`conv_prompt_reference` given hist = conv_pool[slot] [S, K-1, C].
+
+    Tap j of row t reads seq[t + j] of seq = history then rows, i.e. row t - (K-1-j) of m, or the history when
+    that is negative. The taps are shifted views of m and of the history, picked per row and added in tap order in
+    fp32: one elementwise pass that XLA fuses, each output element the same scalar expression whatever T and S
+    are (so chunk cuts keep the bits). On the H200 at T = 4K, C = 10240 (tools/gpu/conv_profile.py): the
+    concatenation of history and rows this replaced cost 198 µs on its own, the stacked taps' reduction 148 µs
+    more, the fused shifted taps 82 µs."""
     kw = weight.shape[1]
-    hist = jnp.where((start == 0)[:, None, None], jnp.zeros_like(hist), hist)
-    seq = jnp.concatenate([hist.astype(m.dtype), m], axis=1)  # [S, K-1+T, C]
     t = m.shape[1]
-    if taps is None:
-        windows = jnp.stack([seq[:, j:j + t] for j in range(kw)], axis=2)  # [S, T, K, C]
-        u = jax.vmap(jax.vmap(lambda rows: _conv_silu(rows, weight)))(windows).astype(m.dtype)
-    else:
-        u = taps(seq, weight)
-    new_hist = jax.vmap(lambda s, n: jax.lax.dynamic_slice_in_dim(s, n, kw - 1, axis=0))(seq, lengths)
+    hist = jnp.where((start == 0)[:, None, None], jnp.zeros_like(hist), hist).astype(m.dtype)
+    wf = weight.astype(jnp.float32)
+    row = jax.lax.broadcasted_iota(jnp.int32, (1, t, 1), 1)
+    acc = None
+    for j in range(kw):
+        back = kw - 1 - j
+        from_m = jax.lax.pad(m, jnp.zeros((), m.dtype), ((0, 0, 0), (back, -back, 0), (0, 0, 0)))
+        if back:
+            from_h = jax.lax.pad(hist[:, j:], jnp.zeros((), m.dtype), ((0, 0, 0), (0, t - back, 0), (0, 0, 0)))
+            from_m = jnp.where(row < back, from_h, from_m)
+        term = from_m.astype(jnp.float32) * wf[:, j]
+        acc = term if acc is None else acc + term
+    u = jax.nn.silu(acc).astype(m.dtype)
+    # The new history: seq rows [n, n + K-1) for n = lengths.
+    idx = lengths[:, None] + jnp.arange(kw - 1)[None, :]  # [S, K-1]
+    from_h = jnp.take_along_axis(hist, jnp.clip(idx, 0, kw - 2)[:, :, None], axis=1)
+    from_m = jnp.take_along_axis(m, jnp.clip(idx - (kw - 1), 0, t - 1)[:, :, None], axis=1)
+    new_hist = jnp.where((idx < kw - 1)[:, :, None], from_h, from_m)
     return u, conv_pool.at[slot].set(new_hist.astype(conv_pool.dtype))
 
 
@@ -889,7 +905,8 @@ def _check_weight(name: str, weight: jax.Array, conv_pool: jax.Array) -> None:
 
 def conv_prompt(m: jax.Array, conv_pool: jax.Array, slot: jax.Array, weight: jax.Array, start: jax.Array,
                 lengths: jax.Array, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """Same contract as `conv_prompt_reference`; the taps run as a Pallas pass (`_conv_taps`)."""
+    """Same contract as `conv_prompt_reference` (plain jnp: XLA fuses it into one pass)."""
+    del interpret
     _check_conv("conv_prompt", m, conv_pool, slot)
     _check_weight("conv_prompt", weight, conv_pool)
     _check_per_stream("conv_prompt", m.shape[0], start=start, lengths=lengths)
@@ -897,47 +914,7 @@ def conv_prompt(m: jax.Array, conv_pool: jax.Array, slot: jax.Array, weight: jax
     # GPU fused the gather into several consumers that read the whole pool and then copied the pool (twice) to
     # update it in place (tools/gpu/copies_probe.py, 2026-11-30). The barrier changes no value.
     hist = jax.lax.optimization_barrier(conv_pool[slot])
-    taps = functools.partial(_conv_taps, interpret=interpret)
-    return _conv_prompt(m, hist, conv_pool, slot, weight, start, jnp.clip(lengths, 0, m.shape[1]), taps)
-
-
-CONV_BLOCK_T, CONV_BLOCK_C = 32, 256  # 4 warps; offline for the H200: 152 registers, 16-byte loads
-
-
-def _conv_taps_kernel(seq_ref, w_ref, o_ref, *, kw):
-    """One [CONV_BLOCK_T, CONV_BLOCK_C] tile of u = silu(sum_j weight[:, j] * seq[t + j]), the taps added in tap
-    order in fp32: every element is the same scalar expression whatever the call's T and S, so a prompt cut into
-    chunks keeps its bits."""
-    s, tb, cb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    t, c = o_ref.shape[1], o_ref.shape[2]
-    t0, c0 = tb * CONV_BLOCK_T, cb * CONV_BLOCK_C
-    col_ok = c0 + _iota(CONV_BLOCK_C) < c
-    mask = ((t0 + _iota(CONV_BLOCK_T) < t)[:, None]) & col_ok[None, :]
-    cols = pl.ds(c0, CONV_BLOCK_C)
-    acc = None
-    for j in range(kw):
-        x = pt.load(seq_ref.at[s, pl.ds(t0 + j, CONV_BLOCK_T), cols], mask=mask, other=0).astype(_F32)
-        w = pt.load(w_ref.at[pl.ds(j, 1), cols], mask=col_ok[None, :], other=0).astype(_F32)  # [1, block]
-        acc = x * w if acc is None else acc + x * w
-    pt.store(o_ref.at[s, pl.ds(t0, CONV_BLOCK_T), cols], (acc / (1.0 + jnp.exp(-acc))).astype(o_ref.dtype),
-             mask=mask)
-
-
-def _conv_taps(seq: jax.Array, weight: jax.Array, *, interpret: bool) -> jax.Array:
-    """seq [S, K-1+T, C] (history then rows), weight [C, K] -> u [S, T, C] in seq.dtype. On the H200 the plain-jnp
-    taps (a stack of the K shifted windows reduced over K) took 574 µs at T = 4K (0.15 TB/s), shifted views
-    added in XLA 448 µs."""
-    s, rows, c = seq.shape
-    kw = weight.shape[1]
-    t = rows - (kw - 1)
-    return pallas_call(
-        functools.partial(_conv_taps_kernel, kw=kw),
-        out_shape=jax.ShapeDtypeStruct((s, t, c), seq.dtype),
-        grid=(s, pl.cdiv(t, CONV_BLOCK_T), pl.cdiv(c, CONV_BLOCK_C)),
-        compiler_params=pt.CompilerParams(num_warps=4),
-        interpret=interpret,
-        name="gdn_conv_prompt",
-    )(seq, weight.T)
+    return _conv_prompt(m, hist, conv_pool, slot, weight, start, jnp.clip(lengths, 0, m.shape[1]))
 
 
 def conv_window(m: jax.Array, parents: jax.Array, conv_pool: jax.Array, slot: jax.Array, weight: jax.Array, *,

@@ -434,10 +434,9 @@ def test_conv_window_node_equals_commit_then_one_row_and_float64():
 
 
 def test_conv_prompt_float64_and_cut_anywhere_bitwise():
-    """The prompt conv's Pallas pass against the reference and float64 (C = 300: a partial column block), and a
-    prompt cut into pieces (history carried in the pool) gives the bits of the whole, for streams of different
-    lengths in one call (T = 19 and 15: partial row blocks)."""
-    _conv_prompt_check(19, 300, ((0, 7), (7, 8), (8, 19)))
+    """The prompt conv against float64, and a prompt cut into pieces (history carried in the pool; pieces of 1 and 2
+    rows, shorter than the history) gives the bits of the whole, for streams of different lengths in one call."""
+    _conv_prompt_check(19, 300, ((0, 7), (7, 8), (8, 10), (10, 19)))
 
 
 @pytest.mark.gpu
@@ -455,9 +454,6 @@ def _conv_prompt_check(t, c, cuts):
     start, lengths = jnp.asarray([0, 5], jnp.int32), jnp.asarray([t, t - 4], jnp.int32)
     run = _jit(gdn.conv_prompt)
     u, whole_pool = run(m, pool, slot, weight, start, lengths)
-    ref_u, ref_pool = jax.jit(gdn.conv_prompt_reference)(m, pool, slot, weight, start, lengths)
-    np.testing.assert_allclose(np.asarray(u, np.float32), np.asarray(ref_u, np.float32), rtol=1e-2, atol=1e-2)
-    np.testing.assert_array_equal(np.asarray(whole_pool), np.asarray(ref_pool))
     for s in range(s_count):
         n = int(lengths[s])
         hist = np.zeros((kw - 1, c)) if int(start[s]) == 0 else np.asarray(pool[int(slot[s])], np.float64)

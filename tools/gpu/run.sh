@@ -191,7 +191,10 @@ case "$stage" in
   conv-profile)
     # Session 8, call 5: where the prompt conv's time goes (Pallas taps, the stacked reference, XLA shifted adds).
     timeout 120 python3 tools/gpu/conv_profile.py --trace "$out/conv_trace" 2>&1 | grep -v "^\[" | tail -60
-    rm -rf "$out/conv_trace" ;;
+    rm -rf "$out/conv_trace"
+    timeout -s INT 150 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
+      tests/test_gdn.py -k "chunk_cuts or conv_prompt or bfloat16-True" > "$out/gpu_tests_conv.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_conv.log" | cut -c1-160 | tail -10 ;;
   fifteenth)
     # Session 8, call 4: the prompt conv's Pallas pass; the shipped GDN prompt tiles over the four T; the
     # engine's gpu gates with both; the 27B prefill; one decode bench with XLA's excess precision off.
