@@ -366,6 +366,10 @@ class PromptTiles:
     # where S [dk, block_v] needs the state and V' written to shared memory as operands every chunk. U, the
     # chunk states and V' travel transposed ([dv, 64], [dv, dk], [dv, 64]). An order change.
     transposed: bool = False
+    # With transposed: the state pass also computes the outputs (the output pass's two products per chunk, off the
+    # recurrence's critical path), the prep pass leaves P = (Q K^T o M) per chunk for it, and no chunk states or
+    # V' are stored. An order change.
+    fused_output: bool = False
 
 
 def prompt_tiles(dtype) -> PromptTiles:
@@ -438,13 +442,17 @@ def _unit_lower_inverse(a: jax.Array, mm) -> jax.Array:
     return d
 
 
-def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, start_ref, len_ref, w_ref, u_ref, gam_ref, *, group, precision,
-                 interpret, transposed):
+def _prep_kernel(*refs, group, precision, interpret, transposed, fused):
     """Everything of a chunk that does not need the state, one (stream, chunk, value head) per program.
-    k [S, T, Hk, dk]; v [S, T, Hv, dv]; g, beta [S, T, Hv]; start, lengths [S] ->
+    [q (fused only)], k [S, T, Hk, dk]; v [S, T, Hv, dv]; g, beta [S, T, Hv]; start, lengths [S] ->
     w [S, NC, Hv, 64, dk] = T diag(beta e^Gamma) K, u [S, NC, Hv, 64, dv] = T diag(beta) V with T = (I + A)^-1,
-    gam [S, NC, Hv, 64] = Gamma (chunk-local cumulative g). Chunks past a stream's end stay unwritten: the state
+    gam [S, NC, Hv, 64] = Gamma (chunk-local cumulative g), [p [S, NC, Hv, 64, 64] = Q K^T o M, M the causal
+    decay e^(Gamma_i - Gamma_j) for i >= j (fused only)]. Chunks past a stream's end stay unwritten: the state
     pass never reads them."""
+    if fused:
+        q_ref, k_ref, v_ref, g_ref, beta_ref, start_ref, len_ref, w_ref, u_ref, gam_ref, p_ref = refs
+    else:
+        k_ref, v_ref, g_ref, beta_ref, start_ref, len_ref, w_ref, u_ref, gam_ref = refs
     s, c, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     shift = start_ref[s] % CHUNK
     length = len_ref[s]
@@ -461,6 +469,11 @@ def _prep_kernel(k_ref, v_ref, g_ref, beta_ref, start_ref, len_ref, w_ref, u_ref
         g = pt.load(g_ref.at[s, rows, h], mask=real, other=0.0)
         beta = pt.load(beta_ref.at[s, rows, h], mask=real, other=0.0)
         gam = jnp.cumsum(g)
+        if fused:  # first, so that q and the product are dead before the inverse's chain
+            q = pt.load(q_ref.at[s, rows, h // group, :], mask=jnp.broadcast_to(real[:, None], (CHUNK, dk)), other=0)
+            causal = _iota(CHUNK, 0, 2) >= _iota(CHUNK, 1, 2)
+            p_ref[s, c, h] = (mm(q, k.T) * jnp.exp(jnp.where(causal, gam[:, None] - gam[None, :], -jnp.inf))
+                              ).astype(p_ref.dtype)
         strict = _iota(CHUNK, 0, 2) > _iota(CHUNK, 1, 2)
         decay = jnp.exp(jnp.where(strict, gam[:, None] - gam[None, :], -jnp.inf))
         t_inv = _unit_lower_inverse(jnp.where(strict, beta[:, None] * mm(k, k.T) * decay, 0.0), mm_inverse)
@@ -510,6 +523,51 @@ def _state_kernel(k_ref, w_ref, u_ref, gam_ref, start_ref, len_ref, slot_ref, po
         state = state.T
     state = jax.lax.fori_loop(0, _num_chunks(shift, length), chunk, state)
     pool_out_ref[slot, h, :, cols] = state.T if transposed else state
+
+
+def _state_output_kernel(q_ref, k_ref, w_ref, u_ref, gam_ref, p_ref, start_ref, len_ref, slot_ref, pool_ref, o_ref,
+                         pool_out_ref, *, group, block_v, precision, interpret):
+    """`_state_kernel` on S^T with `_output_kernel`'s work done per chunk as it goes (PromptTiles.fused_output):
+    O^T = (S^T Q^T) e^Gamma + V'^T P^T for the program's block_v output columns, with the chunk state and V'
+    rounded to the store dtype as the output pass would have read them. u [S, NC, Hv, dv, 64]; p [S, NC, Hv, 64,
+    64] -> o [S, T, Hv, dv], pool_out. The call's rows past the stream's last chunk are written as zeros."""
+    s, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    start, length, slot = start_ref[s], len_ref[s], slot_ref[s]
+    shift = start % CHUNK
+    t_rows, dk = q_ref.shape[1], q_ref.shape[-1]
+    cols = pl.ds(j * block_v, block_v)
+    mm = functools.partial(_mm, precision=precision, interpret=interpret)
+    is_last = _iota(CHUNK) == CHUNK - 1
+    store = p_ref.dtype
+
+    def out_mask(first, owned):
+        return jnp.broadcast_to((owned & (first + _iota(CHUNK) < t_rows))[:, None], (CHUNK, block_v))
+
+    def chunk(c, state):  # state = S^T [block_v, dk]
+        first, real, owned = _chunk_geometry(c, shift, length)
+        mask_k = jnp.broadcast_to(real[:, None], (CHUNK, dk))
+        k = pt.load(k_ref.at[s, pl.ds(first, CHUNK), h // group, :], mask=mask_k, other=0)
+        q = pt.load(q_ref.at[s, pl.ds(first, CHUNK), h // group, :], mask=mask_k, other=0)
+        gam = gam_ref[s, c, h]
+        g_last = jnp.sum(jnp.where(is_last, gam, 0.0))
+        inter = mm(state.astype(store), q.T) * jnp.exp(gam)[None, :]  # (Q S)^T [block_v, 64]
+        v_new = u_ref[s, c, h, cols, :].astype(_F32) - mm(state, w_ref[s, c, h].T)  # V'^T [block_v, 64]
+        o = inter + mm(v_new.astype(store), p_ref[s, c, h].T)
+        pt.store(o_ref.at[s, pl.ds(first, CHUNK), h, cols], o.T.astype(o_ref.dtype), mask=out_mask(first, owned))
+        return state * jnp.exp(g_last) + mm(v_new * jnp.exp(g_last - gam)[None, :], k)
+
+    def zeros(c, carry):
+        first, _, owned = _chunk_geometry(c, shift, length)
+        pt.store(o_ref.at[s, pl.ds(first, CHUNK), h, cols], jnp.zeros((CHUNK, block_v), o_ref.dtype),
+                 mask=out_mask(first, owned))
+        return carry
+
+    state = pool_ref[slot, h, :, cols]
+    state = jnp.where(start == 0, 0.0, state).T  # a fresh prompt ignores whatever its slot holds
+    n = _num_chunks(shift, length)
+    state = jax.lax.fori_loop(0, n, chunk, state)
+    pool_out_ref[slot, h, :, cols] = state.T
+    jax.lax.fori_loop(n, _max_chunks(t_rows), zeros, 0)
 
 
 def _output_kernel(q_ref, k_ref, gam_ref, h_ref, vn_ref, start_ref, len_ref, o_ref, *, group, precision,
@@ -731,6 +789,12 @@ def prompt(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Arr
     _block_v(tiles.block_v, v.shape[3], "prompt")
     start = jnp.maximum(start.astype(jnp.int32), 0)
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, k.shape[1])
+    if tiles.fused_output:
+        if not tiles.transposed:
+            raise ValueError("gdn.prompt: tiles.fused_output needs tiles.transposed")
+        w, u, gam, p = prompt_prep(k, v, g, beta, start, lengths, tiles=tiles, interpret=interpret, q=q)
+        return prompt_state_output(q, k, w, u, gam, p, start, lengths, slot.astype(jnp.int32), rec_pool,
+                                   v.dtype, tiles=tiles, interpret=interpret)
     w, u, gam = prompt_prep(k, v, g, beta, start, lengths, tiles=tiles, interpret=interpret)
     h_chunks, v_new, rec_pool = prompt_state(k, w, u, gam, start, lengths, slot.astype(jnp.int32), rec_pool,
                                              tiles=tiles, interpret=interpret)
@@ -745,24 +809,26 @@ def _max_chunks(t: int) -> int:
     return (t + 2 * CHUNK - 2) // CHUNK  # a stream starting off the grid spans one chunk more
 
 
-def prompt_prep(k, v, g, beta, start, lengths, *, tiles: PromptTiles, interpret: bool):
+def prompt_prep(k, v, g, beta, start, lengths, *, tiles: PromptTiles, interpret: bool, q=None):
     """-> w [S, NC, Hv, 64, dk], u [S, NC, Hv, 64, dv] (bf16 at precision 'bf16', else fp32), gam [S, NC, Hv, 64]
-    (fp32)."""
+    (fp32), and with tiles.fused_output (pass q) p [S, NC, Hv, 64, 64] in the store dtype."""
     s, t, hk, dk = k.shape
     hv, dv = v.shape[2], v.shape[3]
     nc = _max_chunks(t)
     wu = jnp.bfloat16 if tiles.precision == "bf16" else _F32
+    fused = tiles.fused_output
+    extra = (jax.ShapeDtypeStruct((s, nc, hv, CHUNK, CHUNK), jnp.dtype(tiles.store_dtype)),) if fused else ()
     return pallas_call(
         functools.partial(_prep_kernel, group=hv // hk, precision=tiles.precision, interpret=interpret,
-                          transposed=tiles.transposed),
+                          transposed=tiles.transposed, fused=fused),
         out_shape=(jax.ShapeDtypeStruct((s, nc, hv, CHUNK, dk), wu),
                    jax.ShapeDtypeStruct((s, nc, hv) + ((dv, CHUNK) if tiles.transposed else (CHUNK, dv)), wu),
-                   jax.ShapeDtypeStruct((s, nc, hv, CHUNK), _F32)),
+                   jax.ShapeDtypeStruct((s, nc, hv, CHUNK), _F32)) + extra,
         grid=(s, nc, hv),
         compiler_params=pt.CompilerParams(num_warps=tiles.prep_warps),
         interpret=interpret,
         name="gdn_prompt_prep",
-    )(k, v, g, beta, start, lengths)
+    )(*((q,) if fused else ()), k, v, g, beta, start, lengths)
 
 
 def prompt_state(k, w, u, gam, start, lengths, slot, rec_pool, *, tiles: PromptTiles, interpret: bool):
@@ -786,6 +852,24 @@ def prompt_state(k, w, u, gam, start, lengths, slot, rec_pool, *, tiles: PromptT
         interpret=interpret,
         name="gdn_prompt_state",
     )(k, w, u, gam, start, lengths, slot, rec_pool)
+
+
+def prompt_state_output(q, k, w, u, gam, p, start, lengths, slot, rec_pool, out_dtype, *, tiles: PromptTiles,
+                        interpret: bool):
+    """The state pass with the outputs (tiles.fused_output) -> (o [S, T, Hv, dv] in out_dtype, rec_pool)."""
+    s, t, hk, dk = k.shape
+    hv, dv = u.shape[2], u.shape[3]
+    bv = _block_v(tiles.block_v, dv, "prompt")
+    return pallas_call(
+        functools.partial(_state_output_kernel, group=hv // hk, block_v=bv, precision=tiles.precision,
+                          interpret=interpret),
+        out_shape=(jax.ShapeDtypeStruct((s, t, hv, dv), out_dtype), jax.ShapeDtypeStruct(rec_pool.shape, _F32)),
+        grid=(s, hv, dv // bv),
+        input_output_aliases={9: 1},
+        compiler_params=pt.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        interpret=interpret,
+        name="gdn_prompt_state_output",
+    )(q, k, w, u, gam, p, start, lengths, slot, rec_pool)
 
 
 def prompt_output(q, k, gam, h_chunks, v_new, start, lengths, out_dtype, *, tiles: PromptTiles, interpret: bool):

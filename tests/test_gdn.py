@@ -152,23 +152,34 @@ def test_prompt_bf16_products():
     args = _prompt_case(rng, 130, SMALL, jnp.bfloat16)
     outs = []
     for tiles in (gdn.PromptTiles(precision="bf16", store_dtype="bfloat16"), gdn.PromptTiles(precision="bf16"),
-                  gdn.PromptTiles(precision="bf16", store_dtype="bfloat16", transposed=True)):
+                  gdn.PromptTiles(precision="bf16", store_dtype="bfloat16", transposed=True),
+                  gdn.PromptTiles(precision="bf16", store_dtype="bfloat16", transposed=True, fused_output=True)):
         o, pool_out = jax.jit(functools.partial(gdn.prompt, interpret=INTERPRET, tiles=tiles))(*args)
         _check_prompt_vs_f64(args, o, pool_out, BF16_PRODUCTS_TOL, BF16_PRODUCTS_TOL)
         outs.append((np.asarray(o), np.asarray(pool_out)))
     assert all(np.array_equal(a, b) for a, b in zip(outs[0], outs[1]))
 
 
-def test_prompt_transposed_state_pass():
-    """PromptTiles(transposed=True) (the state pass on S^T, U / chunk states / V' stored transposed): fp32 products
-    in interpret mode, so the float64 bound of the default tiles; and the exactness properties."""
-    tiles = gdn.PromptTiles(transposed=True)
+@pytest.mark.parametrize("fused", [False, True], ids=["transposed", "fused-output"])
+def test_prompt_transposed_state_pass(fused):
+    """PromptTiles(transposed=True) (the state pass on S^T, U / chunk states / V' stored transposed), and with
+    fused_output (the state pass writes the outputs, rows past a stream's last chunk as zeros): fp32 products in
+    interpret mode, so the float64 bound of the default tiles; and the exactness properties."""
+    tiles = gdn.PromptTiles(transposed=True, fused_output=fused)
     rng = np.random.default_rng(65)
-    args = _prompt_case(rng, 65, SMALL)
-    o, pool_out = _jit(gdn.prompt, tiles=tiles)(*args)
-    _check_prompt_vs_f64(args, o, pool_out, F32_TOL)
+    for t in (65, 130):  # 130: the shorter, off-grid stream ends chunks before the call's last row
+        args = _prompt_case(rng, t, SMALL)
+        o, pool_out = _jit(gdn.prompt, tiles=tiles)(*args)
+        _check_prompt_vs_f64(args, o, pool_out, F32_TOL)
     _resume_check(SMALL, 200, [64, 128], tiles)
     _alone_vs_batched(SMALL, tiles)
+
+
+def test_prompt_fused_output_needs_transposed():
+    rng = np.random.default_rng(3)
+    args = _prompt_case(rng, 8, SMALL)
+    with pytest.raises(ValueError, match="fused_output"):
+        gdn.prompt(*args, interpret=True, tiles=gdn.PromptTiles(fused_output=True))
 
 
 def _resume_check(shape, t, cuts, tiles=gdn.PromptTiles()):
@@ -635,12 +646,16 @@ def test_gpu_prompt_bf16_27b_heads():
         _check_prompt_vs_f64(args, o, pool_out, BF16_OUT_TOL, _prompt_tol(tiles))
 
 
+BF16_FUSED = gdn.PromptTiles(block_v=16, num_warps=2, precision="bf16", store_dtype="bfloat16", transposed=True,
+                             fused_output=True)
+
+
 @pytest.mark.gpu
 def test_gpu_prompt_bf16_products_27b_heads():
     rng = np.random.default_rng(9)
     args = _prompt_case(rng, 300, BIG, jnp.bfloat16)
     for tiles in (gdn.prompt_tiles(jnp.bfloat16),
-                  gdn.PromptTiles(precision="bf16", store_dtype="bfloat16", block_v=32, num_warps=4)):
+                  gdn.PromptTiles(precision="bf16", store_dtype="bfloat16", block_v=32, num_warps=4), BF16_FUSED):
         _poison_allocator(args[2].shape, args[2].dtype)
         o, pool_out = jax.jit(functools.partial(gdn.prompt, tiles=tiles))(*args)
         _check_prompt_vs_f64(args, o, pool_out, BF16_PRODUCTS_TOL, BF16_PRODUCTS_TOL)
@@ -648,8 +663,9 @@ def test_gpu_prompt_bf16_products_27b_heads():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tiles", [gdn.PromptTiles(), gdn.prompt_tiles(jnp.bfloat16),
-                                   gdn.PromptTiles(precision="bf16", store_dtype="bfloat16", block_v=32, num_warps=4)],
-                         ids=["default", "shipped-bf16", "bf16-untransposed"])
+                                   gdn.PromptTiles(precision="bf16", store_dtype="bfloat16", block_v=32, num_warps=4),
+                                   BF16_FUSED],
+                         ids=["default", "shipped-bf16", "bf16-untransposed", "bf16-fused-output"])
 def test_gpu_prompt_exactness_27b_heads(tiles):
     _resume_check(BIG, 300, [64, 256], tiles)  # pieces of 64, 192 and 44 rows
     _alone_vs_batched(BIG, tiles)

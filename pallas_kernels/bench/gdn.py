@@ -55,7 +55,8 @@ def _rows(key, s, t, dtype):
 
 def _cfg_name(cfg) -> str:
     return (f"{cfg.precision} {cfg.store_dtype[:4]} bv{cfg.block_v} w{cfg.num_warps} s{cfg.num_stages}"
-            f" pw{cfg.prep_warps} ow{cfg.output_warps}{' T' if cfg.transposed else ''}")
+            f" pw{cfg.prep_warps} ow{cfg.output_warps}{' T' if cfg.transposed else ''}"
+            f"{' F' if cfg.fused_output else ''}")
 
 
 def _rel(x, ref) -> float:
@@ -192,6 +193,20 @@ def _stage_times(cfg, sets, pool, slot, start, lengths, t, iters):
     from pallas_kernels import gdn
     from pallas_kernels.bench.common import time_us
 
+    if cfg.fused_output:  # two launches: prep (with P), then the state pass that writes the outputs
+        prep = jax.jit(functools.partial(gdn.prompt_prep, tiles=cfg, interpret=INTERPRET))
+        state_out = jax.jit(functools.partial(gdn.prompt_state_output, out_dtype=sets[0][2].dtype, tiles=cfg,
+                                              interpret=INTERPRET))
+        prep_args = [(x[1], x[2], x[3], x[4], start, lengths) for x in sets]
+        inter = [prep(*a, q=x[0]) for a, x in zip(prep_args, sets)]
+        out = [dict(t=t, stage="prep", us=time_us(lambda *a: prep(*a[1:], q=a[0]),
+                                                   [(x[0], *a) for x, a in zip(sets, prep_args)], iters=iters),
+                    cfg=cfg),
+               dict(t=t, stage="state", us=time_us(state_out, [(x[0], x[1], *i, start, lengths, slot, pool)
+                                                              for x, i in zip(sets, inter)], iters=iters), cfg=cfg),
+               dict(t=t, stage="output", us=float("nan"), cfg=cfg)]
+        _log(f"prompt T={t} stages (fused output) prep {out[0]['us']:.1f} us, state+output {out[1]['us']:.1f} us")
+        return out
     prep = jax.jit(functools.partial(gdn.prompt_prep, tiles=cfg, interpret=INTERPRET))
     state = jax.jit(functools.partial(gdn.prompt_state, tiles=cfg, interpret=INTERPRET))
     output = jax.jit(functools.partial(gdn.prompt_output, out_dtype=sets[0][2].dtype, tiles=cfg, interpret=INTERPRET))
