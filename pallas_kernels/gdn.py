@@ -224,6 +224,11 @@ def _conv_prompt(m, hist, conv_pool, slot, weight, start, lengths):
     more, the fused shifted taps 82 µs."""
     kw = weight.shape[1]
     t = m.shape[1]
+    # The history rows are read into their own small array before the pool is updated: left to itself, XLA fused
+    # the gather into consumers that read the whole pool, which then had to be copied to be updated in place (on
+    # the GPU, tools/gpu/copies_probe.py, 2026-11-30; on the CPU, test_pools_are_updated_in_place). The barrier
+    # changes no value.
+    hist = jax.lax.optimization_barrier(hist)
     hist = jnp.where((start == 0)[:, None, None], jnp.zeros_like(hist), hist).astype(m.dtype)
     wf = weight.astype(jnp.float32)
     row = jax.lax.broadcasted_iota(jnp.int32, (1, t, 1), 1)
@@ -994,11 +999,7 @@ def conv_prompt(m: jax.Array, conv_pool: jax.Array, slot: jax.Array, weight: jax
     _check_conv("conv_prompt", m, conv_pool, slot)
     _check_weight("conv_prompt", weight, conv_pool)
     _check_per_stream("conv_prompt", m.shape[0], start=start, lengths=lengths)
-    # The history rows are read into their own small array before the pool is updated: left to itself, XLA on the
-    # GPU fused the gather into several consumers that read the whole pool and then copied the pool (twice) to
-    # update it in place (tools/gpu/copies_probe.py, 2026-11-30). The barrier changes no value.
-    hist = jax.lax.optimization_barrier(conv_pool[slot])
-    return _conv_prompt(m, hist, conv_pool, slot, weight, start, jnp.clip(lengths, 0, m.shape[1]))
+    return _conv_prompt(m, conv_pool[slot], conv_pool, slot, weight, start, jnp.clip(lengths, 0, m.shape[1]))
 
 
 def conv_window(m: jax.Array, parents: jax.Array, conv_pool: jax.Array, slot: jax.Array, weight: jax.Array, *,

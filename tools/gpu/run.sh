@@ -191,7 +191,8 @@ case "$stage" in
   sixteenth)
     # Queued for the next session's first call: the GDN prompt pass with the outputs computed in the state pass
     # (fused_output; no output pass, no chunk states or V' in memory) beside the shipped tiles and fla at 4K / 16K /
-    # 64K, then the GDN prompt gpu tests (incl. the fused tiles' exactness), then the 27B prefill.
+    # 64K, then the GDN prompt gpu tests (incl. the fused tiles' exactness), then the engine's gpu gates (the conv's
+    # history barrier moved into _conv_prompt after session 8's last device run: pools in place still to confirm).
     bf="precision=bf16,store_dtype=bfloat16,transposed=1"
     JAX_PLATFORMS=cuda timeout 300 python3 -m pallas_kernels.bench gdn --t 4096,16384,65536 --skip verify,conv,step \
       --iters 10 --prompt-tiles "$bf,block_v=16,num_warps=2;$bf,fused_output=1,block_v=16,num_warps=2;\
@@ -199,7 +200,9 @@ $bf,fused_output=1,block_v=16,num_warps=4;$bf,fused_output=1,block_v=32,num_warp
     grep -vE "^\[|^  " "$out/gdn_prompt.log" | tail -30
     timeout -s INT 150 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_gdn.py \
       -k "prompt" > "$out/gpu_tests_gdn.log" 2>&1
-    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_gdn.log" | cut -c1-160 | tail -12 ;;
+    timeout -s INT 110 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
+      > "$out/gpu_tests_engine.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_*.log | cut -c1-160 | tail -22 ;;
   conv-profile)
     # Session 8, call 5: where the prompt conv's time goes (Pallas taps, the stacked reference, XLA shifted adds).
     timeout 120 python3 tools/gpu/conv_profile.py --trace "$out/conv_trace" 2>&1 | grep -v "^\[" | tail -60
