@@ -495,7 +495,8 @@ def _state_kernel(k_ref, w_ref, u_ref, gam_ref, start_ref, len_ref, slot_ref, po
     pool [N, Hv, dk, dv] (aliased to pool_out) -> h [S, NC, Hv, dk, dv] the state entering each chunk,
     vn [S, NC, Hv, 64, dv] = V' = U - W S, pool_out. Per chunk: S <- e^Gamma_C S + (K e^(Gamma_C - Gamma))^T V'.
     The outputs are left to `_output_kernel`, which runs on all chunks at once: keeping them here would put
-    three more products and two more row tiles on this kernel's critical path and registers.
+    three more products and two more row tiles on this kernel's critical path and registers (measured so in run 1
+    of docs/kernels/gdn.md; `_state_output_kernel` tries it again on S^T, with P made by the prep pass).
     transposed: the slice is kept as S^T [block_v, dk]; u, h, vn are [.., dv, 64], [.., dv, dk], [.., dv, 64]."""
     s, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, length, slot = start_ref[s], len_ref[s], slot_ref[s]
