@@ -390,11 +390,18 @@ def prompt_tiles(dtype) -> PromptTiles:
 
 @dataclasses.dataclass(frozen=True)
 class WindowTiles:
-    """block_v: dv columns of state per program of the window and commit kernels. The window and the commit must
-    use the same tiles, or their reductions over dk could group differently and the bits part ways. One warp keeps
-    the reductions over dk inside the warp (shuffles, no shared-memory round trip per row)."""
-    block_v: int = 16
-    num_warps: int = 1
+    """block_v: dv columns of state per program of the step, window and commit kernels. All three must use the
+    same tiles, or their reductions over dk could group differently and the bits part ways (drafted = serial).
+
+    Default 64 columns on 4 warps (since session 8): the serial decode step, the call the engine runs every round
+    in every GDN layer, took 13.5 / 30.6 / 52.6 µs at 1 / 4 / 16 streams against 15.0 / 31.2 / 86.6 for 16 columns
+    on one warp (H200, session 7, one run), and the one-row window 43.9 against 58.5 µs at 16 streams (run 3); the
+    step's bits equal window + commit's at these tiles on the H200 (test_gpu_step_other_tiles_27b_heads[64-4]).
+    On 4 warps the dk reduction crosses warps (a shared-memory round trip a row), where one warp keeps it in
+    shuffles: multi-row verify windows at these tiles are not timed yet, so drafting will have to choose the
+    tiles of all three again by measuring whole drafted rounds."""
+    block_v: int = 64
+    num_warps: int = 4
 
 
 def _mm(a: jax.Array, b: jax.Array, precision: str, interpret: bool) -> jax.Array:
