@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh sixteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh sixteenth|seventeenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -191,18 +191,25 @@ case "$stage" in
   sixteenth)
     # Queued for the next session's first call: the GDN prompt pass with the outputs computed in the state pass
     # (fused_output; no output pass, no chunk states or V' in memory) beside the shipped tiles and fla at 4K / 16K /
-    # 64K, then the GDN prompt gpu tests (incl. the fused tiles' exactness), then the engine's gpu gates (the conv's
-    # history barrier moved into _conv_prompt after session 8's last device run: pools in place still to confirm).
+    # 64K, then the GDN gpu tests: prompt (incl. the fused tiles' exactness), step and window/commit at the new
+    # WindowTiles default (64x4). `seventeenth` has the engine's gates (the conv's history barrier moved into
+    # _conv_prompt after session 8's last device run: pools in place still to confirm on the GPU).
     bf="precision=bf16,store_dtype=bfloat16,transposed=1"
     JAX_PLATFORMS=cuda timeout 300 python3 -m pallas_kernels.bench gdn --t 4096,16384,65536 --skip verify,conv,step \
       --iters 10 --prompt-tiles "$bf,block_v=16,num_warps=2;$bf,fused_output=1,block_v=16,num_warps=2;\
 $bf,fused_output=1,block_v=16,num_warps=4;$bf,fused_output=1,block_v=32,num_warps=4" > "$out/gdn_prompt.log" 2>&1
     grep -vE "^\[|^  " "$out/gdn_prompt.log" | tail -30
-    timeout -s INT 150 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_gdn.py \
-      -k "prompt" > "$out/gpu_tests_gdn.log" 2>&1
-    timeout -s INT 110 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
-      > "$out/gpu_tests_engine.log" 2>&1
+    timeout -s INT 230 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_gdn.py \
+      -k "prompt or step or window_and_commit" > "$out/gpu_tests_gdn.log" 2>&1
     grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_*.log | cut -c1-160 | tail -22 ;;
+  seventeenth)
+    # Queued, second call: the engine's gpu gates and the 27B bench at session 8's defaults (GDN WindowTiles 64x4
+    # for the serial step: the 16-stream round should lose ~1.6 ms by the kernel timings; prefill with the conv).
+    timeout -s INT 150 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
+      > "$out/gpu_tests_engine.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_engine.log" | cut -c1-160 | tail -10
+    timeout 400 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths 4096,32768 --rounds 32 \
+      2>&1 | tee "$out/bench_27b.log" | tail -8 ;;
   conv-profile)
     # Session 8, call 5: where the prompt conv's time goes (Pallas taps, the stacked reference, XLA shifted adds).
     timeout 120 python3 tools/gpu/conv_profile.py --trace "$out/conv_trace" 2>&1 | grep -v "^\[" | tail -60
