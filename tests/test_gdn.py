@@ -153,7 +153,8 @@ def test_prompt_bf16_products():
     outs = []
     for tiles in (gdn.PromptTiles(precision="bf16", store_dtype="bfloat16"), gdn.PromptTiles(precision="bf16"),
                   gdn.PromptTiles(precision="bf16", store_dtype="bfloat16", transposed=True),
-                  gdn.PromptTiles(precision="bf16", store_dtype="bfloat16", transposed=True, fused_output=True)):
+                  gdn.PromptTiles(precision="bf16", store_dtype="bfloat16", transposed=True, fused_output=True),
+                  gdn.prompt_tiles(jnp.bfloat16)):
         o, pool_out = jax.jit(functools.partial(gdn.prompt, interpret=INTERPRET, tiles=tiles))(*args)
         _check_prompt_vs_f64(args, o, pool_out, BF16_PRODUCTS_TOL, BF16_PRODUCTS_TOL)
         outs.append((np.asarray(o), np.asarray(pool_out)))
