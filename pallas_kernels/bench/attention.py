@@ -299,9 +299,12 @@ DECODE_COMPARE = (
     ("page walk (launch)", at.WindowTiles(walk="page")),
     # Twice the chunk programs at one stream; the fold pass takes the longer chunk list.
     ("chunk256 (order)", at.WindowTiles(chunk=256)),
+    # Half the chunk programs: at 32K one stream has 64 chunks x 4 KV heads = 256 programs for 132 SMs.
+    ("chunk1024 (order)", at.WindowTiles(chunk=1024)),
 )
 DECODE_COMPARE_FP8 = (
     ("bf16 dot (order)", at.WindowTiles(fp8_dot="bfloat16")),
+    ("chunk1024 (order)", at.WindowTiles(fp8_dot="float16", row_block=32, chunk=1024)),
     ("bf16 dot, page walk, one pass (session 6)", at.WindowTiles(fp8_dot="bfloat16", walk="page", fold=1024)),
 )
 PROMPT_COMPARE = (

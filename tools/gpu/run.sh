@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh sixteenth|seventeenth|eighteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -209,6 +209,10 @@ $bf,fused_output=1,block_v=16,num_warps=4;$bf,fused_output=1,block_v=32,num_warp
     timeout 250 python3 -m pallas_kernels.bench qmm --sweep --shapes 5120x17408,17408x5120,5120x6144 --m 16,64,256 \
       --variants "max_m_blocks=4;max_m_blocks=8;max_m_blocks=16" --budget-s 220 \
       --json "$out/qmm_mblocks.json" 2>&1 | tee "$out/qmm_mblocks.log" | tail -30 ;;
+  nineteenth)
+    # Queued: the 1-row decode's candidates again (chunk 1024 added: the 32K decode is at 60 % of copy, 80 % wanted).
+    timeout 300 python3 -m pallas_kernels.bench attention --sections compare --budget-s 260 \
+      --json "$out/attention_compare.json" 2>&1 | tee "$out/attention_compare.log" | grep -v "^  section=" | tail -60 ;;
   seventeenth)
     # Queued, second call: the engine's gpu gates and the 27B bench at session 8's defaults (GDN WindowTiles 64x4
     # for the serial step: the 16-stream round should lose ~1.6 ms by the kernel timings; prefill with the conv).
