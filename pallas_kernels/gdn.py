@@ -495,6 +495,19 @@ def _prep_kernel(*refs, group, precision, interpret, transposed, fused):
         gam_ref[s, c, h] = gam
 
 
+def _initial_slice(pool_ref, slot, h, cols, start):
+    """A stream's [dk, block_v] state slice entering its prompt pass: zeros for a fresh prompt (start 0 ignores
+    whatever its slot holds)."""
+    state = pool_ref[slot, h, :, cols]
+    return jnp.where(start == 0, 0.0, state)
+
+
+def _g_last(gam, is_last):
+    """Gamma_C, the chunk's last cumulative gate, as a masked sum (the lowering has no element extraction); is_last
+    = _iota(CHUNK) == CHUNK - 1, built once outside the chunk loop."""
+    return jnp.sum(jnp.where(is_last, gam, 0.0))
+
+
 def _state_kernel(k_ref, w_ref, u_ref, gam_ref, start_ref, len_ref, slot_ref, pool_ref, h_ref, vn_ref,
                   pool_out_ref, *, group, block_v, precision, interpret, transposed):
     """The only sequential part: the chunks of one stream in order, its [dk, block_v] state slice on chip.
@@ -518,7 +531,7 @@ def _state_kernel(k_ref, w_ref, u_ref, gam_ref, start_ref, len_ref, slot_ref, po
         k = pt.load(k_ref.at[s, pl.ds(first, CHUNK), h // group, :],
                     mask=jnp.broadcast_to(real[:, None], (CHUNK, dk)), other=0)
         gam = gam_ref[s, c, h]
-        g_last = jnp.sum(jnp.where(is_last, gam, 0.0))
+        g_last = _g_last(gam, is_last)
         if transposed:  # state = S^T [block_v, dk]
             h_ref[s, c, h, cols, :] = state.astype(h_ref.dtype)
             v_new = u_ref[s, c, h, cols, :].astype(_F32) - mm(state, w_ref[s, c, h].T)  # V'^T [block_v, 64]
@@ -530,8 +543,7 @@ def _state_kernel(k_ref, w_ref, u_ref, gam_ref, start_ref, len_ref, slot_ref, po
         k_tail = k.astype(_F32) * jnp.exp(g_last - gam)[:, None]
         return state * jnp.exp(g_last) + mm(k_tail.T, v_new)
 
-    state = pool_ref[slot, h, :, cols]
-    state = jnp.where(start == 0, 0.0, state)  # a fresh prompt ignores whatever its slot holds
+    state = _initial_slice(pool_ref, slot, h, cols, start)
     if transposed:
         state = state.T
     state = jax.lax.fori_loop(0, _num_chunks(shift, length), chunk, state)
@@ -562,7 +574,7 @@ def _state_output_kernel(q_ref, k_ref, w_ref, u_ref, gam_ref, p_ref, start_ref, 
         k = pt.load(k_ref.at[s, pl.ds(first, CHUNK), h // group, :], mask=mask_k, other=0)
         q = pt.load(q_ref.at[s, pl.ds(first, CHUNK), h // group, :], mask=mask_k, other=0)
         gam = gam_ref[s, c, h]
-        g_last = jnp.sum(jnp.where(is_last, gam, 0.0))
+        g_last = _g_last(gam, is_last)
         inter = mm(state.astype(store), q.T) * jnp.exp(gam)[None, :]  # (Q S)^T [block_v, 64]
         v_new = u_ref[s, c, h, cols, :].astype(_F32) - mm(state, w_ref[s, c, h].T)  # V'^T [block_v, 64]
         o = inter + mm(v_new.astype(store), p_ref[s, c, h].T)
@@ -575,8 +587,7 @@ def _state_output_kernel(q_ref, k_ref, w_ref, u_ref, gam_ref, p_ref, start_ref, 
                  mask=out_mask(first, owned))
         return carry
 
-    state = pool_ref[slot, h, :, cols]
-    state = jnp.where(start == 0, 0.0, state).T  # a fresh prompt ignores whatever its slot holds
+    state = _initial_slice(pool_ref, slot, h, cols, start).T
     n = _num_chunks(shift, length)
     state = jax.lax.fori_loop(0, n, chunk, state)
     pool_out_ref[slot, h, :, cols] = state.T
