@@ -54,7 +54,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels import qmm_mgpu
+from pallas_kernels import qmm_mgpu, replace_fields
 from pallas_kernels.calls import pallas_call
 from pallas_kernels.qweight import QuantizedWeight, dequantize, dequantize_rows, unpack
 
@@ -182,19 +182,7 @@ IMPLS = ("fused", "dequant")
 def replace_tiles(tiles: Tiles, spec: str) -> Tiles:
     """`tiles` with the fields named in spec "field=value,..." replaced (benchmarks' A/B switches; booleans as 0/1,
     impl by name). Unknown fields and values that do not parse are a ValueError naming them."""
-    fields = {f.name: f.type for f in dataclasses.fields(Tiles)}
-    changes = {}
-    for item in filter(None, spec.split(",")):
-        name, _, value = item.partition("=")
-        name = name.strip()
-        if name not in fields or not value:
-            raise ValueError(f"qmm tiles: {item!r} is not field=value with a field of {sorted(fields)}")
-        kind = fields[name]
-        try:
-            changes[name] = value if kind == "str" else (bool(int(value)) if kind == "bool" else int(value))
-        except ValueError:
-            raise ValueError(f"qmm tiles: {name}={value!r} is not a {kind}") from None
-    out = dataclasses.replace(tiles, **changes)
+    out = replace_fields(tiles, spec, "qmm tiles")
     out.check()
     return out
 

@@ -97,21 +97,8 @@ def _to_torch(fla, x):
 
 def _parse_prompt_tiles(spec: str):
     """'precision=bf16,store_dtype=bfloat16;prep_warps=8' -> PromptTiles per ';'-separated item ('' = defaults)."""
-    import dataclasses
-    from pallas_kernels import gdn
-    fields = {f.name: f.type for f in dataclasses.fields(gdn.PromptTiles)}
-    out = []
-    for item in spec.split(";"):
-        kw = {}
-        for pair in filter(None, item.split(",")):
-            key, val = pair.split("=")
-            if key not in fields:
-                raise ValueError(f"--prompt-tiles: unknown field {key!r} (fields: {', '.join(fields)})")
-            typ = fields[key]
-            kw[key] = (int(val) if typ in (int, "int") else val.lower() in ("1", "true") if typ in (bool, "bool")
-                       else val)
-        out.append(gdn.PromptTiles(**kw))
-    return out
+    from pallas_kernels import gdn, replace_fields
+    return [replace_fields(gdn.PromptTiles(), item, "--prompt-tiles") for item in spec.split(";")]
 
 
 def bench_prompt(ts, fla, sweep, iters, given=None):
@@ -193,33 +180,31 @@ def _stage_times(cfg, sets, pool, slot, start, lengths, t, iters):
     from pallas_kernels import gdn
     from pallas_kernels.bench.common import time_us
 
-    if cfg.fused_output:  # two launches: prep (with P), then the state pass that writes the outputs
-        prep = jax.jit(functools.partial(gdn.prompt_prep, tiles=cfg, interpret=INTERPRET))
+    fused = cfg.fused_output  # two launches: prep (with P), then the state pass that writes the outputs
+    prep = jax.jit(lambda q, *a: gdn.prompt_prep(*a, tiles=cfg, interpret=INTERPRET, q=q if fused else None))
+    prep_args = [(x[0], x[1], x[2], x[3], x[4], start, lengths) for x in sets]
+    inter = [prep(*a) for a in prep_args]
+    if fused:
         state_out = jax.jit(functools.partial(gdn.prompt_state_output, out_dtype=sets[0][2].dtype, tiles=cfg,
                                               interpret=INTERPRET))
-        prep_args = [(x[1], x[2], x[3], x[4], start, lengths) for x in sets]
-        inter = [prep(*a, q=x[0]) for a, x in zip(prep_args, sets)]
-        out = [dict(t=t, stage="prep", us=time_us(lambda *a: prep(*a[1:], q=a[0]),
-                                                   [(x[0], *a) for x, a in zip(sets, prep_args)], iters=iters),
-                    cfg=cfg),
-               dict(t=t, stage="state", us=time_us(state_out, [(x[0], x[1], *i, start, lengths, slot, pool)
-                                                              for x, i in zip(sets, inter)], iters=iters), cfg=cfg),
-               dict(t=t, stage="output", us=float("nan"), cfg=cfg)]
-        _log(f"prompt T={t} stages (fused output) prep {out[0]['us']:.1f} us, state+output {out[1]['us']:.1f} us")
-        return out
-    prep = jax.jit(functools.partial(gdn.prompt_prep, tiles=cfg, interpret=INTERPRET))
-    state = jax.jit(functools.partial(gdn.prompt_state, tiles=cfg, interpret=INTERPRET))
-    output = jax.jit(functools.partial(gdn.prompt_output, out_dtype=sets[0][2].dtype, tiles=cfg, interpret=INTERPRET))
-    inter = [prep(x[1], x[2], x[3], x[4], start, lengths) for x in sets]
-    states = [state(x[1], *i, start, lengths, slot, pool) for x, i in zip(sets, inter)]
+        stages = (("prep", prep, prep_args),
+                  ("state", state_out, [(x[0], x[1], *i, start, lengths, slot, pool) for x, i in zip(sets, inter)]))
+    else:
+        state = jax.jit(functools.partial(gdn.prompt_state, tiles=cfg, interpret=INTERPRET))
+        output = jax.jit(functools.partial(gdn.prompt_output, out_dtype=sets[0][2].dtype, tiles=cfg,
+                                           interpret=INTERPRET))
+        states = [state(x[1], *i, start, lengths, slot, pool) for x, i in zip(sets, inter)]
+        stages = (("prep", prep, prep_args),
+                  ("state", state, [(x[1], *i, start, lengths, slot, pool) for x, i in zip(sets, inter)]),
+                  ("output", output, [(x[0], x[1], i[2], st[0], st[1], start, lengths)
+                                      for x, i, st in zip(sets, inter, states)]))
     out = []
-    for name, fn, args in (
-            ("prep", prep, [(x[1], x[2], x[3], x[4], start, lengths) for x in sets]),
-            ("state", state, [(x[1], *i, start, lengths, slot, pool) for x, i in zip(sets, inter)]),
-            ("output", output, [(x[0], x[1], i[2], st[0], st[1], start, lengths)
-                                for x, i, st in zip(sets, inter, states)])):
+    for name, fn, args in stages:
         out.append(dict(t=t, stage=name, us=time_us(fn, args, iters=iters), cfg=cfg))
-        _log(f"prompt T={t} stage {name}: {out[-1]['us']:.1f} us")
+        _log(f"prompt T={t} stage {name}{' (with the outputs)' if fused and name == 'state' else ''}: "
+             f"{out[-1]['us']:.1f} us")
+    if fused:
+        out.append(dict(t=t, stage="output", us=float("nan"), cfg=cfg))
     return out
 
 
