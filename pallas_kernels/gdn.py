@@ -380,11 +380,13 @@ class PromptTiles:
 def prompt_tiles(dtype) -> PromptTiles:
     """The shipped prompt-pass tiles for the model's activation dtype (fixed for a model, so a stream's bits never
     depend on the call). bf16: products on bf16 operands, as flash-linear-attention's chunk kernels compute them,
-    and the state pass on S^T in 16-column slices on 2 warps: 711 µs a layer at T = 4K (fla 935) and 2043 at 16K
-    (fla 1727), against 1361 / 4530 for the fp32-store tf32 tiles (H200, docs/kernels/gdn.md run 3). Other dtypes:
-    the tf32 defaults."""
+    the state pass on S^T in 32-column slices on 4 warps writing the outputs itself (`fused_output`: no output
+    pass, no chunk states in memory). H200, one run (docs/kernels/gdn.md, session 9): 642 / 2041 / 6216 µs a layer
+    at T = 4K / 16K / 64K against 675 / 2168 / 7739 for session 8's tiles (16-column slices on 2 warps, three
+    launches) and fla's 620 / 1536 / 5814. Other dtypes: the tf32 defaults."""
     if jnp.dtype(dtype) == jnp.bfloat16:
-        return PromptTiles(block_v=16, num_warps=2, precision="bf16", store_dtype="bfloat16", transposed=True)
+        return PromptTiles(block_v=32, num_warps=4, precision="bf16", store_dtype="bfloat16", transposed=True,
+                           fused_output=True)
     return PromptTiles()
 
 
@@ -687,7 +689,10 @@ def _recurrent_kernel(*refs, group, block_v, emit):
         return state, next_code, next_data, after_next
 
     first = steps_ref[s, 0]
-    carry = (pool_ref[slot, h, :, cols], first, fetch(first), steps_ref[s, 1])
+    # The window's first step always restarts from the committed state (node 0's path starts at the root), which
+    # loads the slice: the carry starts as zeros rather than reading the slice twice. The commit starts from it.
+    state = jnp.zeros((k_ref.shape[-1], block_v), _F32) if emit else pool_ref[slot, h, :, cols]
+    carry = (state, first, fetch(first), steps_ref[s, 1])
     state = jax.lax.fori_loop(0, n_ref[s], step, carry)[0]
     if not emit:
         pool_out_ref[slot, h, :, cols] = state

@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -188,6 +188,35 @@ case "$stage" in
   window16)
     # The 16-row window's tile variants alone (row_block 64 / 32 beside the shipped tiles and the other walk).
     attention_window16 ;;
+  twentieth)
+    # Session 9, call 2: the GDN prompt tiles shipped after call 1 (fused_output, S^T in 32-column slices on 4
+    # warps): their exactness tests, the engine's gpu gates, and the 27B engine bench (prefill with them; decode at
+    # the 64x4 GDN step tiles of session 8).
+    timeout -s INT 120 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_gdn.py \
+      -k "prompt_exactness or bf16_products" > "$out/gpu_tests_gdn.log" 2>&1
+    timeout -s INT 150 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
+      > "$out/gpu_tests_engine.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_*.log | cut -c1-160 | tail -16
+    timeout 300 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths 4096,32768 --rounds 32 \
+      2>&1 | tee "$out/bench_27b.log" | tail -8 ;;
+  twenty-first)
+    # Session 9, last call: the GDN verify table at the shipped window tiles (64x4 since session 8) with the
+    # window's redundant first state load removed, step at 64x4 / 16x1, fla beside; the window/step gpu tests.
+    timeout -s INT 100 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_gdn.py \
+      -k "window or step" > "$out/gpu_tests_gdn.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_gdn.log" | cut -c1-160 | tail -10
+    JAX_PLATFORMS=cuda timeout 280 python3 -m pallas_kernels.bench gdn --skip prompt,conv --no-sweep --iters 20 \
+      --step-tiles 64x4,16x1 --step-budget-s 60 > "$out/gdn_verify.log" 2>&1
+    grep -vE "^\[|^  " "$out/gdn_verify.log" | tail -45 ;;
+  ncu)
+    # Session 9: Nsight Compute on one launch of each kernel still far from its floor (tools/gpu/kernel_ncu.py).
+    timeout -s INT 240 ncu --profile-from-start off --clock-control none --section SpeedOfLight --section Occupancy \
+      --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+      --export "$out/kernels" python3 tools/gpu/kernel_ncu.py ${NCU_CASES:+--cases $NCU_CASES} > "$out/ncu_run.log" 2>&1
+    tail -15 "$out/ncu_run.log"
+    ncu --import "$out/kernels.ncu-rep" --page details > "$out/kernels.txt" 2>&1
+    grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Block Limit|Warp Cycles Per Issued|Issue Slots Busy|No Eligible" \
+      "$out/kernels.txt" | cut -c1-150 | head -150 ;;
   sixteenth)
     # Queued for the next session's first call: the GDN prompt pass with the outputs computed in the state pass
     # (fused_output; no output pass, no chunk states or V' in memory) beside the shipped tiles and fla at 4K / 16K /
