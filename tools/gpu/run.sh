@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh twenty-second|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -188,6 +188,15 @@ case "$stage" in
   window16)
     # The 16-row window's tile variants alone (row_block 64 / 32 beside the shipped tiles and the other walk).
     attention_window16 ;;
+  twenty-second)
+    # Queued for session 10: Nsight Compute on the kernels it did not reach in session 9 (qmm decode, the GDN step
+    # and 16-row window, the 16-row attention window), then the server bench at the current defaults (last taken
+    # at 9659462 in session 3).
+    NCU_CASES=qmm_5120x17408_m1,qmm_17408x5120_m1,gdn_step_s16,gdn_window_s16_r16,attn_window16_4k \
+      bash "$0" ncu
+    timeout 330 python3 -m server.bench --compare --synthetic 27b --concurrency 1,16 --prompt-tokens 1024 \
+      --max-tokens 128 --max-model-len 4096 --parallel 16 --json "$out/server_bench.json" 2>&1 \
+      | tee "$out/server_bench.log" | tail -20 ;;
   twentieth)
     # Session 9, call 2: the GDN prompt tiles shipped after call 1 (fused_output, S^T in 32-column slices on 4
     # warps): their exactness tests, the engine's gpu gates, and the 27B engine bench (prefill with them; decode at
@@ -210,7 +219,10 @@ case "$stage" in
     grep -vE "^\[|^  " "$out/gdn_verify.log" | tail -45 ;;
   ncu)
     # Session 9: Nsight Compute on one launch of each kernel still far from its floor (tools/gpu/kernel_ncu.py).
-    timeout -s INT 240 ncu --profile-from-start off --clock-control none --section SpeedOfLight --section Occupancy \
+    # Only our kernels (--kernel-name): in session 9 Nsight Compute failed on an XLA fusion between two cases and on
+    # the 16-row attention window's pass 1, and everything after a failure in the process went unprofiled.
+    timeout -s INT 240 ncu --profile-from-start off --clock-control none --kernel-name regex:"qmm|gdn_|attn_" \
+      --section SpeedOfLight --section Occupancy \
       --section LaunchStats --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
       --export "$out/kernels" python3 tools/gpu/kernel_ncu.py ${NCU_CASES:+--cases $NCU_CASES} > "$out/ncu_run.log" 2>&1
     tail -15 "$out/ncu_run.log"
@@ -218,7 +230,7 @@ case "$stage" in
     grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Theoretical Occ|Block Limit|Warp Cycles Per Issued|Issue Slots Busy|No Eligible" \
       "$out/kernels.txt" | cut -c1-150 | head -150 ;;
   sixteenth)
-    # Queued for the next session's first call: the GDN prompt pass with the outputs computed in the state pass
+    # Session 9, call 1: the GDN prompt pass with the outputs computed in the state pass
     # (fused_output; no output pass, no chunk states or V' in memory) beside the shipped tiles and fla at 4K / 16K /
     # 64K, then the GDN gpu tests: prompt (incl. the fused tiles' exactness), step and window/commit at the new
     # WindowTiles default (64x4). `seventeenth` has the engine's gates (the conv's history barrier moved into
@@ -232,18 +244,18 @@ $bf,fused_output=1,block_v=16,num_warps=4;$bf,fused_output=1,block_v=32,num_warp
       -k "prompt or step or window" > "$out/gpu_tests_gdn.log" 2>&1
     grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_*.log | cut -c1-160 | tail -22 ;;
   eighteenth)
-    # Queued: verify rows past 16 on the decode tiles (M = 64 / 256 cost 3.7x / 15x of M = 16 in session 7): more
+    # Session 9 (run by hand with --budget-s 190): verify rows past 16 on the decode tiles (M = 64 / 256 cost 3.7x / 15x of M = 16 in session 7): more
     # 16-row blocks a program (max_m_blocks, a launch choice: each row block's MMAs are the same whatever the count)
     # so each weight tile is read fewer times.
     timeout 250 python3 -m pallas_kernels.bench qmm --sweep --shapes 5120x17408,17408x5120,5120x6144 --m 16,64,256 \
       --variants "max_m_blocks=4;max_m_blocks=8;max_m_blocks=16" --budget-s 220 \
       --json "$out/qmm_mblocks.json" 2>&1 | tee "$out/qmm_mblocks.log" | tail -30 ;;
   nineteenth)
-    # Queued: the 1-row decode's candidates again (chunk 1024 added: the 32K decode is at 60 % of copy, 80 % wanted).
+    # Session 9, call 3 (after ncu): the 1-row decode's candidates again (chunk 1024 added: the 32K decode is at 60 % of copy, 80 % wanted).
     timeout 300 python3 -m pallas_kernels.bench attention --sections compare --budget-s 260 \
       --json "$out/attention_compare.json" 2>&1 | tee "$out/attention_compare.log" | grep -v "^  section=" | tail -60 ;;
   seventeenth)
-    # Queued, second call: the engine's gpu gates and the 27B bench at session 8's defaults (GDN WindowTiles 64x4
+    # Superseded by `twentieth` (session 9): the engine's gpu gates and the 27B bench at session 8's defaults (GDN WindowTiles 64x4
     # for the serial step: the 16-stream round should lose ~1.6 ms by the kernel timings; prefill with the conv).
     timeout -s INT 150 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
       > "$out/gpu_tests_engine.log" 2>&1
