@@ -139,6 +139,15 @@ class WindowTiles:
     merge_block_d: int | None = None  # head-dim columns per merge program (None: enough programs to fill the GPU)
     merge_unroll: int | None = None  # chunk partials loaded per merge loop step (None: fit registers)
     merge_num_warps: int = 4
+    # What follows pass 1 (order). "passes": the fold pass (tables of more than `fold` chunks) and the merge, each
+    # a launch of its own. "tickets": one launch; after storing its partial, each chunk program takes a ticket
+    # (an atomic add) on its group of `fold` chunks, the group's last program folds the group in chunk order
+    # relative to the group's own max, takes a ticket on the stream's groups, and the last of those adds the group
+    # partials in order and the window's own keys. A stream whose context fits one group gets the bits of the
+    # one-pass merge either way; longer ones round differently from "passes" (their groups are weighted by the
+    # group max, then rescaled). Session 9's Nsight Compute run put pass 1 of the 32K decode at 37 µs of the
+    # call's 55 µs of kernels, the fold, merge and a slice at the rest.
+    tail: str = "passes"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,33 +359,43 @@ def _window_chunk_kernel(cache_len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, fp8:
     @pl.when(chunk_start < n_keys)
     def _():
         idx, real = _packed_rows(mrows, r, q_ref.shape[0] // r, group, g, part * mrows)
-        q = q_ref[idx].astype(cdt)
-        bk = tiles.block_k
-
-        def step(carry, first, k, v, ks, vs):
-            visible = jnp.broadcast_to((first + jnp.arange(bk) < n_keys)[None, :], (mrows, bk))
-            return _online_step(carry, q, k, v, ks, vs, visible, scale, cdt)
-
-        init = (jnp.full((mrows,), -jnp.inf, jnp.float32), jnp.zeros((mrows,), jnp.float32),
-                jnp.zeros((mrows, q.shape[1]), jnp.float32))
-        m, l, acc = _walk_pages(init, step, pt_ref, k_ref, v_ref, ks_ref, vs_ref, first_key=chunk_start,
-                                n_keys=n_keys, span=tiles.chunk, block_k=bk, page_size=page_size, walk=tiles.walk)
+        m, l, acc = _chunk_partial(q_ref[idx].astype(cdt), pt_ref, k_ref, v_ref, ks_ref, vs_ref,
+                                   chunk_start=chunk_start, n_keys=n_keys, scale=scale, page_size=page_size,
+                                   tiles=tiles, cdt=cdt)
         plgpu.store(m_ref, m, mask=real)
         plgpu.store(l_ref, l, mask=real)
         plgpu.store(acc_ref, acc, mask=real[:, None])
+
+
+def _chunk_partial(q, pt_ref, k_ref, v_ref, ks_ref, vs_ref, *, chunk_start, n_keys, scale: float, page_size: int,
+                   tiles: WindowTiles, cdt):
+    """One chunk's online-softmax partial (m [M], l [M], acc [M, D], relative to m) for packed query rows q
+    [M, D] over the committed keys chunk_start .. chunk_start + chunk - 1 below n_keys."""
+    mrows, bk = q.shape[0], tiles.block_k
+
+    def step(carry, first, k, v, ks, vs):
+        visible = jnp.broadcast_to((first + jnp.arange(bk) < n_keys)[None, :], (mrows, bk))
+        return _online_step(carry, q, k, v, ks, vs, visible, scale, cdt)
+
+    init = (jnp.full((mrows,), -jnp.inf, jnp.float32), jnp.zeros((mrows,), jnp.float32),
+            jnp.zeros((mrows, q.shape[1]), jnp.float32))
+    return _walk_pages(init, step, pt_ref, k_ref, v_ref, ks_ref, vs_ref, first_key=chunk_start, n_keys=n_keys,
+                       span=tiles.chunk, block_k=bk, page_size=page_size, walk=tiles.walk)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Verify/decode window: pass 2, fold the chunk partials in chunk order, then the window's own keys
 # ----------------------------------------------------------------------------------------------------------------
 
-def _committed_max(m_ref, n_chunks, real, max_block: int, mrows: int):
-    """Max over the written chunk maxima [NC, M] (exact in any order, so read `max_block` chunks at a time). Only
-    the written (chunk, real row) entries are loaded: the rest were never stored."""
+def _committed_max(m_ref, n_chunks, real, max_block: int, mrows: int, first=0):
+    """Max over the written chunk maxima first .. first + n_chunks - 1 of m_ref [NC, M] (exact in any order, so
+    read `max_block` chunks at a time). Only the written (chunk, real row) entries are loaded: the rest were never
+    stored."""
     def max_body(i, m):
         live = (i * max_block + jnp.arange(max_block)) < n_chunks
-        m_part = plgpu.load(m_ref.at[pl.ds(i * max_block, max_block), :], mask=live[:, None] & real[None, :],
-                            other=-jnp.inf)
+        start = i * max_block if isinstance(first, int) and first == 0 else first + i * max_block
+        m_part = plgpu.load(m_ref.at[pl.ds(start, max_block), :],
+                            mask=live[:, None] & real[None, :], other=-jnp.inf)
         return jnp.maximum(m, jnp.max(m_part, axis=0))
 
     return jax.lax.fori_loop(0, (n_chunks + max_block - 1) // max_block, max_body,
@@ -449,7 +468,6 @@ def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_re
         ksw_ref = vsw_ref = None
         (o_ref,) = refs
     s, g = pl.program_id(0), pl.program_id(1)
-    hkv = kw_ref.shape[0] // r
     n_chunks = (jnp.minimum(cache_len_ref[s], max_keys) + chunk - 1) // chunk
     idx, real = _packed_rows(mrows, r, q_ref.shape[0] // r, group, g)
     bd = acc_ref.shape[2]
@@ -464,18 +482,30 @@ def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_re
                             n_live=n_chunks if fold is None else (n_chunks + fold - 1) // fold, real=real,
                             m_base=m_base, unroll=unroll, mrows=mrows, bd=bd)
 
-    # The window's own keys: row m (window node m // G) sees node j iff j is the node or one of its ancestors,
-    # found by climbing parent pointers (at most R steps; parents[j] < j).
-    q = q_ref[idx].astype(cdt)
+    o_ref[...] = _with_window_keys(l, acc, m_committed, m_base, q_ref[idx].astype(cdt), real, g, parents_ref,
+                                   kw_ref, vw_ref, ksw_ref, vsw_ref, scale=scale, r=r, group=group, rp=rp,
+                                   first_row=0, cdt=cdt).astype(o_ref.dtype)
+
+
+def _with_window_keys(l, acc, m_committed, m_base, q, real, g, parents_ref, kw_ref, vw_ref, ksw_ref, vsw_ref, *,
+                      scale: float, r: int, group: int, rp: int, first_row, cdt):
+    """The committed keys' folded (l [M], acc [M, BD]) relative to m_base, with the window's own keys added last
+    -> the output rows [M, BD] fp32. Row m (packed row first_row + m, window node (first_row + m) // G) sees
+    node j iff j is the node or one of its ancestors, found by climbing parent pointers (at most R steps;
+    parents[j] < j). q [M, D] cdt; kw_ref [R*Hkv, D], vw_ref [R*Hkv, BD] (row j*Hkv + g is window key j of KV
+    head g); ksw_ref, vsw_ref [R*Hkv] or None."""
+    mrows = q.shape[0]
+    hkv = kw_ref.shape[0] // r
     j = jnp.arange(rp)
     widx = jnp.where(j < r, j * hkv + g, 0)
-    node = jnp.where(real, jnp.arange(mrows) // group, -1)
+    rows = jnp.arange(mrows) if isinstance(first_row, int) and first_row == 0 else first_row + jnp.arange(mrows)
+    node = jnp.where(real, rows // group, -1)
     visible = jnp.zeros((mrows, rp), jnp.bool_)
     for _ in range(r):
         visible = visible | (node[:, None] == j[None, :])
         node = jnp.where(node >= 0, parents_ref[jnp.clip(node, 0, r - 1)], -1)
     logits_w = _dot(q, kw_ref[widx].astype(cdt).T)
-    logits_w = logits_w * (ksw_ref[widx][None, :] * scale if fp8 else scale)
+    logits_w = logits_w * (ksw_ref[widx][None, :] * scale if ksw_ref is not None else scale)
     logits_w = jnp.where(visible, logits_w, -jnp.inf)
     m_total = jnp.maximum(m_committed, jnp.max(logits_w, axis=1))
     # Padding rows see nothing; keep their arithmetic finite.
@@ -484,7 +514,83 @@ def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_re
     p = jnp.exp(logits_w - m_total[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
     acc = acc * alpha[:, None] + _pv(p, vw_ref[widx], None if vsw_ref is None else vsw_ref[widx], cdt)
-    o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+    return acc / jnp.where(l > 0, l, 1.0)[:, None]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Verify/decode window in one launch (WindowTiles.tail == "tickets"): pass 1, then the fold and the merge in the
+# tail of whichever program finishes last, found by atomic tickets
+# ----------------------------------------------------------------------------------------------------------------
+
+def _window_ticket_kernel(cache_len_ref, parents_ref, pt_ref, q_ref, kw_ref, vw_ref, k_ref, v_ref, *refs,
+                          fp8: bool, scale: float, r: int, group: int, mrows: int, parts: int, rp: int,
+                          max_keys: int, page_size: int, tiles: WindowTiles, unroll: int, max_block: int,
+                          interpret: bool, cdt):
+    # cache_len_ref [S]; parents_ref [R]; pt_ref [Pmax]; q_ref [R*Hq, D]; kw_ref, vw_ref [R*Hkv, D] the window's
+    # rows as stored; k_ref, v_ref [P, page, D] (this KV head); fp8: ks_ref, vs_ref [P, page], ksw_ref, vsw_ref
+    # [R*Hkv]; tickets_in_ref (aliased to tickets_ref, zeros). Outputs, for packed rows part*MB .. part*MB + MB - 1
+    # (MB = mrows): m_ref, l_ref [NC, MB] and acc_ref [NC, MB, D] the chunk partials; mg_ref, lg_ref [G, MB],
+    # accg_ref [G, MB, D] the group partials, each relative to its group's max; o_ref [MB, D]; tickets_ref
+    # [S, Hkv*parts, G + 1] int32: per (stream, KV head x part) one counter a group of `fold` chunks, then one for
+    # the groups.
+    if fp8:
+        ks_ref, vs_ref, ksw_ref, vsw_ref, _, m_ref, l_ref, acc_ref, mg_ref, lg_ref, accg_ref, o_ref, tickets_ref = refs
+    else:
+        ks_ref = vs_ref = ksw_ref = vsw_ref = None
+        _, m_ref, l_ref, acc_ref, mg_ref, lg_ref, accg_ref, o_ref, tickets_ref = refs
+    s, gp, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    g, part = gp // parts, gp % parts
+    n_keys = jnp.minimum(cache_len_ref[s], max_keys)
+    n_chunks = (n_keys + tiles.chunk - 1) // tiles.chunk
+    n_groups = (n_chunks + tiles.fold - 1) // tiles.fold
+    idx, real = _packed_rows(mrows, r, q_ref.shape[0] // r, group, g, part * mrows)
+    q = q_ref[idx].astype(cdt)
+    d = q.shape[1]
+
+    @pl.when(c < n_chunks)
+    def _():
+        m, l, acc = _chunk_partial(q, pt_ref, k_ref, v_ref, ks_ref, vs_ref, chunk_start=c * tiles.chunk,
+                                   n_keys=n_keys, scale=scale, page_size=page_size, tiles=tiles, cdt=cdt)
+        plgpu.store(m_ref.at[c], m, mask=real)
+        plgpu.store(l_ref.at[c], l, mask=real)
+        plgpu.store(acc_ref.at[c], acc, mask=real[:, None])
+
+    def ticket(counter):
+        # Every thread's stores of this program are issued before one thread takes the ticket (acquire-release at
+        # GPU scope), so whoever draws the last ticket reads all of them.
+        if not interpret:
+            plgpu.debug_barrier()
+        return plgpu.atomic_add(tickets_ref, (s, gp, jnp.asarray(counter, jnp.int32)), jnp.ones((), jnp.int32))
+
+    grp = c // tiles.fold
+    in_group = jnp.clip(n_chunks - grp * tiles.fold, 0, tiles.fold)
+
+    # A stream with no committed keys runs no chunk: program 0 takes its tickets alone.
+    @pl.when((c < n_chunks) | (c == 0))
+    def _():
+        @pl.when(ticket(grp) == jnp.maximum(in_group, 1) - 1)
+        def _():
+            # The group's chunks in order, relative to the group's own max.
+            m_group = _committed_max(m_ref, in_group, real, min(max_block, tiles.fold), mrows,
+                                     first=grp * tiles.fold)
+            l, acc = _fold_in_order(l_ref, acc_ref, m_ref, first=grp * tiles.fold, count=tiles.fold,
+                                    n_live=n_chunks, real=real, m_base=jnp.where(m_group == -jnp.inf, 0.0, m_group),
+                                    unroll=min(unroll, tiles.fold), mrows=mrows, bd=d)
+            plgpu.store(mg_ref.at[grp], m_group, mask=real)
+            plgpu.store(lg_ref.at[grp], l, mask=real)
+            plgpu.store(accg_ref.at[grp], acc, mask=real[:, None])
+
+            @pl.when(ticket(mg_ref.shape[0]) == jnp.maximum(n_groups, 1) - 1)
+            def _():
+                # The groups in order, relative to the committed max, then the window's own keys.
+                m_committed = _committed_max(mg_ref, n_groups, real, min(max_block, mg_ref.shape[0]), mrows)
+                m_base = jnp.where(m_committed == -jnp.inf, 0.0, m_committed)
+                l, acc = _fold_in_order(lg_ref, accg_ref, mg_ref, first=0, count=mg_ref.shape[0], n_live=n_groups,
+                                        real=real, m_base=m_base, unroll=min(unroll, mg_ref.shape[0]), mrows=mrows,
+                                        bd=d)
+                o_ref[...] = _with_window_keys(l, acc, m_committed, m_base, q, real, g, parents_ref, kw_ref, vw_ref,
+                                               ksw_ref, vsw_ref, scale=scale, r=r, group=group, rp=rp,
+                                               first_row=part * mrows, cdt=cdt).astype(o_ref.dtype)
 
 
 def _unpack_rows(x: jax.Array, r: int, hq: int) -> jax.Array:
@@ -581,6 +687,9 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
         tiles = window_tiles(page_size=pool.page_size, max_keys=page_table.shape[-1] * pool.page_size,
                              head_dim=pool.k.shape[-1], fp8=pool.fp8)
     hkv = _check_window(q, k_win, v_win, parents, pool, page_table, cache_len, tiles)
+    if tiles.tail == "tickets":
+        return _window_tickets(q, k_win, v_win, parents, pool, page_table, cache_len, scale=scale, tiles=tiles,
+                               interpret=interpret)
     s, r, hq, d = q.shape
     group = hq // hkv
     mrows = max(16, _pow2(r * group))
@@ -620,15 +729,7 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
     n_parts = l.shape[2]
 
     with jax.named_scope("attn_window_merge"):
-        if fp8:
-            # The write kernel's own quantizer, so a drafted key has the bits its committed self will have (K and V
-            # in one launch: rows are quantized independently).
-            codes, row_scales = kv_quant.quantize(jnp.stack([k_win, v_win]), interpret=interpret)
-            kw, vw = codes[0], codes[1]
-            scales = [row_scales[0].reshape(s, r * hkv), row_scales[1].reshape(s, r * hkv)]
-        else:
-            kw, vw = k_win.astype(pool.k.dtype), v_win.astype(pool.k.dtype)
-            scales = []
+        kw, vw, scales = _window_rows_as_stored(k_win, v_win, pool, interpret)
         kernel = functools.partial(_window_merge_kernel, fp8=fp8, scale=scale, r=r, group=group, mrows=mrows, rp=rp,
                                    max_keys=max_keys, chunk=tiles.chunk, fold=tiles.fold if grouped else None,
                                    unroll=unroll, max_block=max_block, cdt=cdt)
@@ -652,6 +753,89 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
             name="attn_window_merge",
         )(cache_len, parents.astype(jnp.int32), q_rows, kw.reshape(s, r * hkv, d),
           vw.reshape(s, r * hkv, d // bd, bd), m, l, acc, *scales)
+    return _unpack_rows(out, r, hq)
+
+
+def _window_rows_as_stored(k_win: jax.Array, v_win: jax.Array, pool: KVPool, interpret: bool):
+    """The window's own K and V rows as the pool will store them -> (kw, vw [S, R, Hkv, D], [k scales, v scales]
+    each [S, R*Hkv] for fp8 pools, else [])."""
+    s, r, hkv, _ = k_win.shape
+    if pool.fp8:
+        # The write kernel's own quantizer, so a drafted key has the bits its committed self will have (K and V
+        # in one launch: rows are quantized independently).
+        codes, row_scales = kv_quant.quantize(jnp.stack([k_win, v_win]), interpret=interpret)
+        return codes[0], codes[1], [row_scales[0].reshape(s, r * hkv), row_scales[1].reshape(s, r * hkv)]
+    return k_win.astype(pool.k.dtype), v_win.astype(pool.k.dtype), []
+
+
+def _window_tickets(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array, pool: KVPool,
+                    page_table: jax.Array, cache_len: jax.Array, *, scale: float, tiles: WindowTiles,
+                    interpret: bool) -> jax.Array:
+    """`window` in one launch (tiles.tail == "tickets"): grid (stream, KV head x row part, chunk); see
+    `_window_ticket_kernel`. The chunk and group partials are scratch outputs, dropped here."""
+    s, r, hq, d = q.shape
+    hkv = pool.k.shape[0]
+    group = hq // hkv
+    mrows = max(16, _pow2(r * group))
+    rp = max(16, _pow2(r))
+    ps, fp8 = pool.page_size, pool.fp8
+    cdt = _compute_dtype(q.dtype, pool, tiles.fp8_dot)
+    max_keys = page_table.shape[1] * ps
+    n_chunks = -(-max_keys // tiles.chunk)
+    groups = -(-n_chunks // tiles.fold)
+    nc = groups * tiles.fold
+    rb = min(tiles.row_block or mrows, mrows)
+    parts = mrows // rb
+    warps, stages = window_launch(tiles, mrows=rb, head_dim=d, kv_dtype=pool.k.dtype, cdt=cdt)
+    _, unroll = merge_launch(tiles, streams=s, hkv=hkv, mrows=rb, head_dim=d, groups=groups)
+    max_block = min(nc, _pow2_floor(max(1, 4096 // rb)))
+    page_table = _pad_table(page_table, n_chunks * tiles.chunk, ps)
+    kw, vw, win_scales = _window_rows_as_stored(k_win, v_win, pool, interpret)
+
+    def rows_of(c_dim: int, *tail):  # an output's block: this (stream, KV head)'s entries for the part's rows
+        return pl.BlockSpec((None, None, c_dim, rb, *tail), lambda i, j, c: (i, j // parts, 0, j % parts,
+                                                                             *(0,) * len(tail)))
+
+    per_head = pl.BlockSpec((None, pool.num_pages, ps, d), lambda i, j, c: (j // parts, 0, 0, 0))
+    per_head_scale = pl.BlockSpec((None, pool.num_pages, ps), lambda i, j, c: (j // parts, 0, 0))
+    win_scale = pl.BlockSpec((None, r * hkv), lambda i, j, c: (i, 0))
+    tickets = pl.BlockSpec((s, hkv * parts, groups + 1), lambda i, j, c: (0, 0, 0))
+    in_specs = ([pl.BlockSpec((s,), lambda i, j, c: (0,)),
+                 pl.BlockSpec((None, r), lambda i, j, c: (i, 0)),
+                 pl.BlockSpec((None, page_table.shape[1]), lambda i, j, c: (i, 0)),
+                 pl.BlockSpec((None, r * hq, d), lambda i, j, c: (i, 0, 0)),
+                 pl.BlockSpec((None, r * hkv, d), lambda i, j, c: (i, 0, 0)),
+                 pl.BlockSpec((None, r * hkv, d), lambda i, j, c: (i, 0, 0)),
+                 per_head, per_head]
+                + ([per_head_scale, per_head_scale, win_scale, win_scale] if fp8 else []) + [tickets])
+    operands = ([cache_len.astype(jnp.int32), parents.astype(jnp.int32), page_table, q.reshape(s, r * hq, d),
+                 kw.reshape(s, r * hkv, d), vw.reshape(s, r * hkv, d), pool.k, pool.v]
+                + ([pool.k_scale, pool.v_scale, *win_scales] if fp8 else [])
+                + [jnp.zeros((s, hkv * parts, groups + 1), jnp.int32)])
+    kernel = functools.partial(_window_ticket_kernel, fp8=fp8, scale=scale, r=r, group=group, mrows=rb,
+                               parts=parts, rp=rp, max_keys=max_keys, page_size=ps, tiles=tiles, unroll=unroll,
+                               max_block=max_block, interpret=interpret, cdt=cdt)
+    f32 = jnp.float32
+    with jax.named_scope("attn_window_tickets"):
+        out = pallas_call(
+            kernel,
+            grid=(s, hkv * parts, n_chunks),
+            in_specs=in_specs,
+            out_specs=[rows_of(nc), rows_of(nc), rows_of(nc, d), rows_of(groups), rows_of(groups),
+                       rows_of(groups, d),
+                       pl.BlockSpec((None, None, rb, d), lambda i, j, c: (i, j // parts, j % parts, 0)), tickets],
+            out_shape=[jax.ShapeDtypeStruct((s, hkv, nc, mrows), f32), jax.ShapeDtypeStruct((s, hkv, nc, mrows), f32),
+                       jax.ShapeDtypeStruct((s, hkv, nc, mrows, d), f32),
+                       jax.ShapeDtypeStruct((s, hkv, groups, mrows), f32),
+                       jax.ShapeDtypeStruct((s, hkv, groups, mrows), f32),
+                       jax.ShapeDtypeStruct((s, hkv, groups, mrows, d), f32),
+                       jax.ShapeDtypeStruct((s, hkv, mrows, d), q.dtype),
+                       jax.ShapeDtypeStruct((s, hkv * parts, groups + 1), jnp.int32)],
+            input_output_aliases={len(operands) - 1: 7},
+            interpret=interpret,
+            compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
+            name="attn_window_tickets",
+        )(*operands)[6]
     return _unpack_rows(out, r, hq)
 
 
@@ -708,6 +892,8 @@ def _check_window(q, k_win, v_win, parents, pool: KVPool, page_table, cache_len,
         raise ValueError(f"WindowTiles.merge_unroll={tiles.merge_unroll} must be >= 1")
     if tiles.fp8_dot not in ("bfloat16", "float16"):
         raise ValueError(f"WindowTiles.fp8_dot must be 'bfloat16' or 'float16'; got {tiles.fp8_dot!r}")
+    if tiles.tail not in ("passes", "tickets"):
+        raise ValueError(f"WindowTiles.tail must be 'passes' or 'tickets'; got {tiles.tail!r}")
     if tiles.walk not in ("page", "flat"):
         raise ValueError(f"WindowTiles.walk must be 'page' or 'flat'; got {tiles.walk!r}")
     if tiles.merge_block_d is not None and (tiles.merge_block_d & (tiles.merge_block_d - 1)

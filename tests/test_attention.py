@@ -246,6 +246,35 @@ def test_window_fold_pass_bits(dtype):
     assert np.array_equal(bits(moved[2]), bits(batch[2]))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
+def test_window_tickets_tail(dtype):
+    """tail="tickets" (fold and merge in pass 1's tail, by atomic tickets): right against float64, with a stream
+    of no committed keys (it runs no chunk) among them; a stream that fits one group has the bits of the two-pass
+    window's one-pass merge; a row's bits free of other streams and of the table width; with row parts too."""
+    rng = np.random.default_rng(15)
+    case = window_case(rng, r=7, dtype=dtype, **SMALL_WINDOW)  # contexts 0 / 5 / 43 / 32 / 72 keys, chunks of 32
+    q, kw, vw, par, pool, table, cache_len = case
+    scale = SMALL["d"] ** -0.5
+    tickets = dataclasses.replace(SMALL_TILES, fold=2, tail="tickets")
+    got = run_window(*case, scale=scale, interpret=True, tiles=tickets)
+    assert rel_err(got, np_window(*case, scale)) < 1e-2
+    passes = run_window(*case, scale=scale, interpret=True, tiles=dataclasses.replace(SMALL_TILES, fold=8))
+    for i in (0, 1, 2, 3):  # at most 2 chunks: one group
+        assert np.array_equal(bits(got[i]), bits(passes[i]))
+    wide = jnp.concatenate([table[4:5], scattered_tables(rng, 1, 9, 48)], axis=1)  # 5 chunks, 3 groups
+    alone = run_window(q[4:5], kw[4:5], vw[4:5], par[4:5], pool, wide, cache_len[4:5], scale=scale,
+                       interpret=True, tiles=tickets)
+    assert np.array_equal(bits(alone[0]), bits(got[4]))  # 72 keys: 3 chunks in 2 groups either way
+    moved = run_window(q.at[0].set(q[4]), kw.at[3].set(kw[0]), vw, par, pool, table, cache_len.at[4].set(9),
+                       scale=scale, interpret=True, tiles=tickets)
+    assert np.array_equal(bits(moved[2]), bits(got[2]))
+    assert not np.array_equal(bits(moved[0]), bits(got[0]))
+    # Two row parts (28 packed rows in programs of 16): each part takes its own tickets.
+    parts = run_window(*case, scale=scale, interpret=True, tiles=dataclasses.replace(tickets, row_block=16))
+    assert rel_err(parts, np_window(*case, scale)) < 1e-2
+    with pytest.raises(ValueError, match="tail"):
+        run_window(*case, scale=scale, interpret=True, tiles=dataclasses.replace(SMALL_TILES, tail="late"))
+
 def test_window_row_block_splits_packed_rows():
     """row_block: a 16-row window (32 packed rows here) in chunk programs of 16 rows: right against float64, and a
     stream's rows the same bits alone as among the others."""
@@ -560,6 +589,24 @@ def test_window_fold_pass_gpu_27b(dtype):
     one_pass = run_window(q, kw, vw, par, pool, table[:, :8], cl, scale=scale, interpret=False, tiles=tiles)
     assert np.array_equal(bits(one_pass[1]), bits(got[1]))
 
+
+@GPU
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
+def test_window_tickets_gpu_27b(dtype):
+    """tail="tickets" compiled (fold=2 on a 5-chunk table: 3 groups), 1-row decode: right against float64, a row's
+    bits free of other streams and the table width (the tickets really order the tail), and a one-group stream
+    equal to the two-pass window's one-pass merge."""
+    rng = np.random.default_rng(33)
+    case = window_case(rng, s=4, r=1, pmax=40, num_pages=200, dtype=dtype, cache_lens=[0, 100, 1537, 2560],
+                       parents=[[-1]] * 4, **BIG)
+    scale = 1 / 16
+    shipped = shipped_window_tiles(dtype == kq.FP8, 40)
+    got = _window_on_gpu_checked(rng, case, scale, dataclasses.replace(shipped, fold=2, tail="tickets"))
+    q, kw, vw, par, pool, table, cl = case
+    one_pass = run_window(q, kw, vw, par, pool, table[:, :8], cl, scale=scale, interpret=False, tiles=shipped)
+    assert np.array_equal(bits(one_pass[1]), bits(got[1]))
+    again = run_window(*case, scale=scale, interpret=False, tiles=dataclasses.replace(shipped, fold=2, tail="tickets"))
+    assert np.array_equal(bits(again), bits(got))
 
 @GPU
 @pytest.mark.parametrize("dtype,fp8_dot", GPU_DTYPES, ids=GPU_DTYPE_IDS)

@@ -14,7 +14,11 @@ import pytest
 from server.launch import REPO_ROOT, ServerProcess
 
 KEY = "sk-test-0123456789"
-LONG = 400  # tokens a blocking request asks for; it is always cancelled long before
+# Tokens a blocking request asks for; it is always cancelled long before. At 400 (context 512) a blocking request
+# once finished, on a loaded machine, before the steps that need it running did, so a request meant to find the
+# queue full was served (session 9's CI).
+LONG = 4000
+MAX_MODEL_LEN = 4096
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -22,7 +26,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def server():
     # The key through the environment, as a deployment would pass it.
-    with ServerProcess(["--max-model-len", "512", "--parallel", "1", "--max-queued", "1"],
+    with ServerProcess(["--max-model-len", str(MAX_MODEL_LEN), "--parallel", "1", "--max-queued", "1"],
                        env={"QWEN_JAX_API_KEY": KEY}) as srv:
         yield srv
 

@@ -301,10 +301,14 @@ DECODE_COMPARE = (
     ("chunk256 (order)", at.WindowTiles(chunk=256)),
     # Half the chunk programs: at 32K one stream has 64 chunks x 4 KV heads = 256 programs for 132 SMs.
     ("chunk1024 (order)", at.WindowTiles(chunk=1024)),
+    # Fold and merge in pass 1's tail by atomic tickets: one launch instead of three (pass 1 alone was 37 of the
+    # 55 µs of kernels at 32K under Nsight Compute, session 9).
+    ("tickets tail (order)", at.WindowTiles(tail="tickets")),
 )
 DECODE_COMPARE_FP8 = (
     ("bf16 dot (order)", at.WindowTiles(fp8_dot="bfloat16")),
     ("chunk1024 (order)", at.WindowTiles(fp8_dot="float16", row_block=32, chunk=1024)),
+    ("tickets tail (order)", at.WindowTiles(fp8_dot="float16", row_block=32, tail="tickets")),
     ("bf16 dot, page walk, one pass (session 6)", at.WindowTiles(fp8_dot="bfloat16", walk="page", fold=1024)),
 )
 PROMPT_COMPARE = (

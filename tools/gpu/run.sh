@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh twenty-second|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -189,6 +189,16 @@ case "$stage" in
     # The 16-row window's tile variants alone (row_block 64 / 32 beside the shipped tiles and the other walk).
     attention_window16 ;;
   twenty-second)
+    # Queued for session 10, first call: the window's fold and merge in pass 1's tail by atomic tickets
+    # (WindowTiles.tail="tickets", built in session 9 after the device budget was spent; CPU interpret tests and an
+    # offline H200 compile only: 154 registers at one row, 74.8 KB shared memory as pass 1 alone): its gpu test,
+    # then the compare section, where "tickets tail" runs beside the shipped two-launch tail at 4K / 32K / 128K.
+    timeout -s INT 150 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_attention.py \
+      -k "tickets or window_gpu or fold" > "$out/gpu_tests_attention.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_attention.log" | cut -c1-160 | tail -14
+    timeout 300 python3 -m pallas_kernels.bench attention --sections compare --budget-s 260 \
+      --json "$out/attention_compare.json" 2>&1 | tee "$out/attention_compare.log" | grep -v "^  section=" | tail -40 ;;
+  twenty-third)
     # Queued for session 10: Nsight Compute on the kernels it did not reach in session 9 (qmm decode, the GDN step
     # and 16-row window, the 16-row attention window), then the server bench at the current defaults (last taken
     # at 9659462 in session 3).
