@@ -782,7 +782,7 @@ def _window_tickets(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: j
     cdt = _compute_dtype(q.dtype, pool, tiles.fp8_dot)
     max_keys = page_table.shape[1] * ps
     n_chunks = -(-max_keys // tiles.chunk)
-    groups = -(-n_chunks // tiles.fold)
+    groups = _pow2(-(-n_chunks // tiles.fold))  # a power of two, as every tensor shape the Triton lowering makes
     nc = groups * tiles.fold
     rb = min(tiles.row_block or mrows, mrows)
     parts = mrows // rb

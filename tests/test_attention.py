@@ -475,6 +475,7 @@ def gpu_window_configs():
         out += [at.WindowTiles(block_k=64), dataclasses.replace(shipped_window_tiles(fp8, 40), fp8_dot="float16")]
         out += [tiles for _, tiles in bench.DECODE_COMPARE]
         out += [dataclasses.replace(shipped_window_tiles(fp8, 2048), row_block=rb) for rb in (64, 32)]  # window16
+        out.append(dataclasses.replace(shipped_window_tiles(fp8, 40), fold=2, tail="tickets"))  # its gpu test
     return out
 
 
