@@ -146,7 +146,8 @@ class Tiles:
     max_m_blocks: int = 1  # block_m-row tiles one program carries, so one weight chunk serves up to this many
     k_splits: int = 1  # contiguous K ranges on a third grid axis, fp32 partials summed in a fixed order after
     # "fused": the kernel above, dequantizing inside the MMA loop. "dequant": the whole weight dequantized by XLA,
-    # then the plain matmul kernel (blocks_per_step, max_m_blocks and k_splits do not apply; block_k, group_m do).
+    # then the plain matmul kernel (blocks_per_step and max_m_blocks do not apply; block_k, group_m and k_splits
+    # do: K cut into k_splits contiguous ranges of whole block_k steps, fp32 partials summed in order after).
     impl: str = "fused"
     block_k: int = 64  # "dequant": k columns a loop step (must divide K; `prompt_tiles` fits it)
     group_m: int = 8  # "dequant": row tiles walked together, row tile fastest, before the next weight tiles
@@ -172,8 +173,6 @@ class Tiles:
         for name in ("blocks_per_step", "max_m_blocks", "num_warps", "num_stages", "k_splits", "group_m"):
             if getattr(self, name) < 1:
                 raise ValueError(f"qmm tiles: {name} must be >= 1")
-        if self.impl == "dequant" and self.k_splits != 1:
-            raise ValueError("qmm tiles: the dequant implementation has no split-K (k_splits must be 1)")
 
 
 IMPLS = ("fused", "dequant")
@@ -268,14 +267,17 @@ def prompt_tiles(n: int, k: int, bits: int, group: int, impl: str | None = None)
 
 
 def fit_dequant_tiles(tiles: Tiles, n: int, k: int) -> Tiles:
-    """`tiles` with block_k halved until it divides K (K is a multiple of the group, so 32 always does) and
-    block_n no wider than the power of two covering N (a function of N and K alone)."""
-    bk, bn = tiles.block_k, tiles.block_n
+    """`tiles` with block_k halved until it divides K (K is a multiple of the group, so 32 always does), block_n
+    no wider than the power of two covering N, and k_splits lowered until the splits cut K into whole block_k
+    steps (a function of N and K alone)."""
+    bk, bn, splits = tiles.block_k, tiles.block_n, tiles.k_splits
     while bk > 16 and k % bk:
         bk //= 2
     while bn > 16 and bn // 2 >= n:
         bn //= 2
-    return dataclasses.replace(tiles, block_k=bk, block_n=bn)
+    while splits > 1 and (k // bk) % splits:
+        splits -= 1
+    return dataclasses.replace(tiles, block_k=bk, block_n=bn, k_splits=splits)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -471,12 +473,15 @@ def _qmm_call(xk: jax.Array, words, scales, biases, n: int, bits: int, group: in
         interpret=interpret,
         name=f"qmm_{bits}b_g{group}" + (f"_split{tiles.k_splits}" if split else ""),
     )(*operands)
-    if not split:
-        return y
+    return _sum_splits(y, out_dtype) if split else y
+
+
+def _sum_splits(y: jax.Array, out_dtype) -> jax.Array:
+    """Split-K partials [S, M, N] fp32 -> [M, N] out_dtype."""
     with jax.named_scope("qmm_split_sum"):
         # One fixed sequence of plain adds for every element (no tree reduction whose order XLA may choose).
         total = y[0]
-        for s in range(1, tiles.k_splits):
+        for s in range(1, y.shape[0]):
             total = total + y[s]
         return total.astype(out_dtype)
 
@@ -649,6 +654,9 @@ def _matmul_kernel(x_ref, w_ref, *out_refs, m: int, n: int, k: int, tiles: Tiles
     # wave of the GPU covers group_m row tiles x (programs / group_m) weight tiles. Which program computes a tile
     # depends on M; what a tile computes does not.
     pid = pl.program_id(0)
+    split = tiles.k_splits > 1
+    steps = k // bk // tiles.k_splits  # block_k steps a program: its split's contiguous range of K
+    step0 = pl.program_id(1) * steps if split else 0
     per_group = tiles.group_m * n_tiles
     first_m = (pid // per_group) * tiles.group_m
     rows_here = jnp.minimum(m_tiles - first_m, tiles.group_m)
@@ -660,7 +668,7 @@ def _matmul_kernel(x_ref, w_ref, *out_refs, m: int, n: int, k: int, tiles: Tiles
     rows, cols = pl.ds(row0, bm), pl.ds(n0, bn)
 
     def step(i, acc):
-        kcols = pl.ds(pl.multiple_of(i * bk, bk), bk)
+        kcols = pl.ds(pl.multiple_of(((step0 + i) if split else i) * bk, bk), bk)
         xt = plt.load(x_ref.at[rows, kcols], mask=jnp.broadcast_to(row_ok[:, None], (bm, bk)), other=0)
         if n % bn:
             wt = plt.load(w_ref.at[cols, kcols], mask=jnp.broadcast_to(col_ok[:, None], (bn, bk)), other=0)
@@ -671,8 +679,9 @@ def _matmul_kernel(x_ref, w_ref, *out_refs, m: int, n: int, k: int, tiles: Tiles
         return jax.lax.dot_general(xt, wt, (((1,), (1,)), ((), ())), precision=precision,
                                    preferred_element_type=jnp.float32) + acc
 
-    acc = jax.lax.fori_loop(0, k // bk, step, jnp.zeros((bm, bn), jnp.float32))
-    plt.store(o_ref.at[rows, cols], acc.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
+    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), jnp.float32))
+    dst = o_ref.at[pl.program_id(1), rows, cols] if split else o_ref.at[rows, cols]
+    plt.store(dst, acc.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def _matmul_call(x: jax.Array, wd: jax.Array, out_dtype, tiles: Tiles, interpret: bool, poison: bool = False,
@@ -682,25 +691,30 @@ def _matmul_call(x: jax.Array, wd: jax.Array, out_dtype, tiles: Tiles, interpret
     m, k = x.shape
     n = wd.shape[0]
     assert wd.dtype == x.dtype and wd.shape[1] == k, (wd.shape, wd.dtype, x.shape, x.dtype)
-    if k % tiles.block_k:
-        raise ValueError(f"qmm tiles: block_k={tiles.block_k} does not divide K={k} (qmm.fit_dequant_tiles picks "
-                         "one that does)")
+    if k % (tiles.block_k * tiles.k_splits):
+        raise ValueError(f"qmm tiles: block_k={tiles.block_k} x k_splits={tiles.k_splits} does not divide K={k} "
+                         "into whole steps (qmm.fit_dequant_tiles picks ones that do)")
     m_tiles, n_tiles = pl.cdiv(m, tiles.block_m), pl.cdiv(n, tiles.block_n)
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    split = tiles.k_splits > 1
+    out_shape = jax.ShapeDtypeStruct((tiles.k_splits, m, n) if split else (m, n),
+                                     jnp.float32 if split else out_dtype)
     kernel = functools.partial(_matmul_kernel, m=m, n=n, k=k, tiles=tiles, m_tiles=m_tiles, n_tiles=n_tiles,
                                precision=precision)
     operands = (x, wd) + (() if after is None else (after,))
     if poison:
-        operands += (jnp.full((m, n), jnp.nan, out_dtype),)
-    return pallas_call(
+        operands += (jnp.full(out_shape.shape, jnp.nan, out_shape.dtype),)
+    y = pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(m_tiles * n_tiles,),
+        out_shape=out_shape,
+        grid=(m_tiles * n_tiles,) + ((tiles.k_splits,) if split else ()),
         compiler_params=plt.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         input_output_aliases={len(operands) - 1: 0} if poison else {},
         interpret=interpret,
-        name=f"qmm_dequant_mm_{tiles.block_m}x{tiles.block_n}x{tiles.block_k}",
+        name=f"qmm_dequant_mm_{tiles.block_m}x{tiles.block_n}x{tiles.block_k}"
+             + (f"_split{tiles.k_splits}" if split else ""),
     )(*operands)
+    return _sum_splits(y, out_dtype) if split else y
 
 
 def decode_layout(params):

@@ -281,6 +281,24 @@ def test_dequant_explicit_tiles(case):
     _check(rng, n, k, 4, 64, (m,), prompt=True, dtype=jnp.bfloat16, tiles=tiles)
 
 
+@pytest.mark.parametrize("splits", [2, 3])
+def test_dequant_split_k(splits):
+    """The dequant matmul with K cut into splits (fp32 partials summed in order): every element written, right
+    against the oracle, a row's bits the same alone as among others, and fit_dequant_tiles lowering a split count
+    that does not cut K into whole steps (K = 256 at block_k 32: 8 steps, so 3 -> 2)."""
+    rng = np.random.default_rng(1750 + splits)
+    tiles = qmm.fit_dequant_tiles(qmm.Tiles(32, 32, num_warps=4, impl="dequant", block_k=32, group_m=2,
+                                            k_splits=splits), 200, 256)
+    assert tiles.k_splits == 2
+    _check(rng, 200, 256, 4, 64, (70,), prompt=True, dtype=jnp.bfloat16, tiles=tiles)
+    w, _ = _weight(rng, 200, 256, 4, 64)
+    x = jnp.asarray(rng.normal(size=(70, 256)), jnp.bfloat16)
+    batch = qmm.qmm(x, w, prompt=True, interpret=INTERPRET, tiles=tiles)
+    alone = qmm.qmm(x[37:38], w, prompt=True, interpret=INTERPRET, tiles=tiles)
+    assert np.array_equal(_bits(alone[0]), _bits(batch[37]))
+    with pytest.raises(ValueError, match="k_splits"):
+        qmm.qmm(x, w, prompt=True, interpret=INTERPRET, tiles=dataclasses.replace(tiles, k_splits=3))
+
 def _round_to_bf16(v: np.ndarray) -> np.ndarray:
     """float64 -> the nearest bf16 value (ties to even), rounded once, as float64 (normal range only)."""
     mant, exp = np.frexp(v)  # v = mant * 2^exp, 0.5 <= |mant| < 1

@@ -367,7 +367,8 @@ def _report(rows: list[Row], copy: float) -> str:
 
 def tiles_str(t: qmm.Tiles) -> str:
     if t.impl == "dequant":
-        return f"dequant {t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages} g{t.group_m}"
+        return (f"dequant {t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages} g{t.group_m}"
+                + (f" split{t.k_splits}" if t.k_splits > 1 else ""))
     # Every switch that is on, by its field name: a variant that differs only in a switch gets its own label.
     switches = [f.name for f in dataclasses.fields(t) if f.type == "bool" and getattr(t, f.name)]
     return " ".join([f"{t.block_m}/{t.block_n}/{t.blocks_per_step}/{t.num_warps}/{t.num_stages}/{t.max_m_blocks}/"
@@ -381,12 +382,15 @@ def dequant_candidates(n: int, k: int) -> list[qmm.Tiles]:
     shared memory at 3 stages, 196 KB at 4, 157 registers (one program a SM); 128x128 at 3 stages 98 KB and 94
     registers, so two programs a SM (one's epilogue under the other's MMAs); 256x128 147 KB, 161 registers; none
     spills, all keep one wgmma in flight. group_m 16 halves the weight tiles a wave reads at M = 4096 (a 132-program
-    wave: 16 row tiles x ~8 weight tiles instead of 8 x ~16)."""
+    wave: 16 row tiles x ~8 weight tiles instead of 8 x ~16). Split-K 2 / 4 (session 9, untimed): at N = 5120 and
+    M = 1024 the shipped tile makes 8 x 20 = 160 programs of one a SM on 132 SMs, a second wave of 28; split in
+    two or four, 320 or 640 programs fill the waves better, at the cost of fp32 partials written and summed."""
     base = qmm.DEQUANT_PROMPT_TILES
     wanted = [base, dataclasses.replace(base, num_stages=4),
               dataclasses.replace(base, block_n=128),
               dataclasses.replace(base, block_m=256, block_n=128),
-              dataclasses.replace(base, group_m=16)]
+              dataclasses.replace(base, group_m=16),
+              dataclasses.replace(base, k_splits=2), dataclasses.replace(base, k_splits=4)]
     out = []
     for t in wanted:
         t = qmm.fit_dequant_tiles(t, n, k)
@@ -663,7 +667,7 @@ def main(argv: list[str]) -> int:
                     help="--sweep: also compare the prompt path with XLA dequantize + jnp.dot at these M")
     ap.add_argument("--prompt-shapes", "--prompt-shape", dest="prompt_shapes", type=_parse_shapes,
                     default=[(5120, 17408), (17408, 5120)], help="--sweep: K x N list for the prompt comparison")
-    ap.add_argument("--dequant-candidates", type=int, default=5,
+    ap.add_argument("--dequant-candidates", type=int, default=7,
                     help="--sweep: tiles of the dequant prompt implementation to time (`dequant_candidates`)")
     ap.add_argument("--prompt-only", action="store_true", help="--sweep: only the prompt comparison (no decode tiles)")
     ap.add_argument("--mgpu", action="store_true",

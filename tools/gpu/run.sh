@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -188,6 +188,12 @@ case "$stage" in
   window16)
     # The 16-row window's tile variants alone (row_block 64 / 32 beside the shipped tiles and the other walk).
     attention_window16 ;;
+  twenty-fourth)
+    # Queued for session 10: split-K for the dequant prompt matmul (built in session 9, untimed) at the three
+    # shapes that miss "M = 1024 at >= 70 % of the bf16 matmul", M = 1024 and 4096, beside the shipped tiles and cuBLAS.
+    timeout 300 python3 -m pallas_kernels.bench qmm --sweep --prompt-only --prompt-ms 1024,4096 \
+      --prompt-shapes 17408x5120,6144x5120,5120x10240 --budget-s 270 --json "$out/qmm_prompt_split.json" 2>&1 \
+      | tee "$out/qmm_prompt_split.log" | tail -50 ;;
   twenty-second)
     # Queued for session 10, first call: the window's fold and merge in pass 1's tail by atomic tickets
     # (WindowTiles.tail="tickets", built in session 9 after the device budget was spent; CPU interpret tests and an
