@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -619,6 +620,45 @@ def merge_launch(tiles: WindowTiles, *, streams: int, hkv: int, mrows: int, head
     return bd, min(unroll, tiles.fold)
 
 
+class _PassOne(NamedTuple):
+    """How the chunk programs of a window call are laid out (`window_partials` and the tickets kernel share it, so
+    both run pass 1 with the same rows, warps and stages, i.e. the same bits): `mrows` packed rows per KV head in
+    `parts` programs of `rows`; `n_chunks` chunk programs over the table of `max_keys` keys (`page_table` padded
+    to cover them); the compute dtype; the launch; the BlockSpecs of the pool's K, V (and fp8 scales) per KV
+    head, for a (stream, KV head x part, chunk) grid."""
+    mrows: int
+    rows: int
+    parts: int
+    n_chunks: int
+    max_keys: int
+    page_table: jax.Array
+    cdt: object
+    warps: int
+    stages: int
+    kv_specs: list
+
+
+def _pass_one(q: jax.Array, pool: KVPool, page_table: jax.Array, tiles: WindowTiles) -> _PassOne:
+    _, r, hq, d = q.shape
+    ps = pool.page_size
+    mrows = max(16, _pow2(r * (hq // pool.k.shape[0])))
+    cdt = _compute_dtype(q.dtype, pool, tiles.fp8_dot)
+    max_keys = page_table.shape[1] * ps
+    n_chunks = -(-max_keys // tiles.chunk)
+    rb = min(tiles.row_block or mrows, mrows)
+    parts = mrows // rb
+    warps, stages = window_launch(tiles, mrows=rb, head_dim=d, kv_dtype=pool.k.dtype, cdt=cdt)
+    per_head = pl.BlockSpec((None, pool.num_pages, ps, d), lambda i, j, c: (j // parts, 0, 0, 0))
+    per_head_scale = pl.BlockSpec((None, pool.num_pages, ps), lambda i, j, c: (j // parts, 0, 0))
+    return _PassOne(mrows, rb, parts, n_chunks, max_keys, _pad_table(page_table, n_chunks * tiles.chunk, ps), cdt,
+                    warps, stages, [per_head, per_head] + ([per_head_scale, per_head_scale] if pool.fp8 else []))
+
+
+def _pool_operands(pool: KVPool) -> list[jax.Array]:
+    """The pool's arrays in the order of `_PassOne.kv_specs`."""
+    return [pool.k, pool.v] + ([pool.k_scale, pool.v_scale] if pool.fp8 else [])
+
+
 def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len: jax.Array, *, scale: float,
                     tiles: WindowTiles, interpret: bool = False, pad_chunks_to: int = 1
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -631,42 +671,32 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
     """
     s, r, hq, d = q.shape
     hkv = pool.k.shape[0]
-    group = hq // hkv
-    mrows = max(16, _pow2(r * group))
-    ps, fp8 = pool.page_size, pool.fp8
-    cdt = _compute_dtype(q.dtype, pool, tiles.fp8_dot)
-    max_keys = page_table.shape[1] * ps
-    n_chunks = -(-max_keys // tiles.chunk)
-    nc_pad = max(_pow2(n_chunks), pad_chunks_to)
-    rb = min(tiles.row_block or mrows, mrows)
-    parts = mrows // rb
-    warps, stages = window_launch(tiles, mrows=rb, head_dim=d, kv_dtype=pool.k.dtype, cdt=cdt)
-    page_table = _pad_table(page_table, n_chunks * tiles.chunk, ps)
-    q_rows = q.reshape(s, r * hq, d)  # free: rows picked inside the kernel
+    one = _pass_one(q, pool, page_table, tiles)
+    rb, parts = one.rows, one.parts
+    nc_pad = max(_pow2(one.n_chunks), pad_chunks_to)
 
     with jax.named_scope("attn_window_chunks"):
-        per_head = pl.BlockSpec((None, pool.num_pages, ps, d), lambda i, j, c: (j // parts, 0, 0, 0))
-        per_head_scale = pl.BlockSpec((None, pool.num_pages, ps), lambda i, j, c: (j // parts, 0, 0))
-        kernel = functools.partial(_window_chunk_kernel, fp8=fp8, scale=scale, r=r, group=group, mrows=rb,
-                                   parts=parts, max_keys=max_keys, page_size=ps, tiles=tiles, cdt=cdt)
+        kernel = functools.partial(_window_chunk_kernel, fp8=pool.fp8, scale=scale, r=r, group=hq // hkv, mrows=rb,
+                                   parts=parts, max_keys=one.max_keys, page_size=pool.page_size, tiles=tiles,
+                                   cdt=one.cdt)
         return pallas_call(
             kernel,
-            grid=(s, hkv * parts, n_chunks),
+            grid=(s, hkv * parts, one.n_chunks),
             in_specs=[pl.BlockSpec((s,), lambda i, j, c: (0,)),
-                      pl.BlockSpec((None, page_table.shape[1]), lambda i, j, c: (i, 0)),
+                      pl.BlockSpec((None, one.page_table.shape[1]), lambda i, j, c: (i, 0)),
                       pl.BlockSpec((None, r * hq, d), lambda i, j, c: (i, 0, 0)),
-                      per_head, per_head] + ([per_head_scale, per_head_scale] if fp8 else []),
+                      *one.kv_specs],
             out_specs=[pl.BlockSpec((None, None, None, rb), lambda i, j, c: (i, j // parts, c, j % parts)),
                        pl.BlockSpec((None, None, None, rb), lambda i, j, c: (i, j // parts, c, j % parts)),
                        pl.BlockSpec((None, None, None, rb, d), lambda i, j, c: (i, j // parts, c, j % parts, 0))],
-            out_shape=[jax.ShapeDtypeStruct((s, hkv, nc_pad, mrows), jnp.float32),
-                       jax.ShapeDtypeStruct((s, hkv, nc_pad, mrows), jnp.float32),
-                       jax.ShapeDtypeStruct((s, hkv, nc_pad, mrows, d), jnp.float32)],
+            out_shape=[jax.ShapeDtypeStruct((s, hkv, nc_pad, one.mrows), jnp.float32),
+                       jax.ShapeDtypeStruct((s, hkv, nc_pad, one.mrows), jnp.float32),
+                       jax.ShapeDtypeStruct((s, hkv, nc_pad, one.mrows, d), jnp.float32)],
             interpret=interpret,
-            compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
+            compiler_params=plgpu.CompilerParams(num_warps=one.warps, num_stages=one.stages),
             name="attn_window_chunks",
-        )(cache_len.astype(jnp.int32), page_table, q_rows, pool.k, pool.v,
-          *([pool.k_scale, pool.v_scale] if fp8 else []))
+        )(cache_len.astype(jnp.int32), one.page_table, q.reshape(s, r * hq, d),  # reshape: free
+          *_pool_operands(pool))
 
 
 def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array, pool: KVPool,
@@ -775,46 +805,33 @@ def _window_tickets(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: j
     `_window_ticket_kernel`. The chunk and group partials are scratch outputs, dropped here."""
     s, r, hq, d = q.shape
     hkv = pool.k.shape[0]
-    group = hq // hkv
-    mrows = max(16, _pow2(r * group))
-    rp = max(16, _pow2(r))
-    ps, fp8 = pool.page_size, pool.fp8
-    cdt = _compute_dtype(q.dtype, pool, tiles.fp8_dot)
-    max_keys = page_table.shape[1] * ps
-    n_chunks = -(-max_keys // tiles.chunk)
+    one = _pass_one(q, pool, page_table, tiles)
+    mrows, rb, parts, n_chunks = one.mrows, one.rows, one.parts, one.n_chunks
     groups = _pow2(-(-n_chunks // tiles.fold))  # a power of two, as every tensor shape the Triton lowering makes
     nc = groups * tiles.fold
-    rb = min(tiles.row_block or mrows, mrows)
-    parts = mrows // rb
-    warps, stages = window_launch(tiles, mrows=rb, head_dim=d, kv_dtype=pool.k.dtype, cdt=cdt)
     _, unroll = merge_launch(tiles, streams=s, hkv=hkv, mrows=rb, head_dim=d, groups=groups)
     max_block = min(nc, _pow2_floor(max(1, 4096 // rb)))
-    page_table = _pad_table(page_table, n_chunks * tiles.chunk, ps)
     kw, vw, win_scales = _window_rows_as_stored(k_win, v_win, pool, interpret)
 
     def rows_of(c_dim: int, *tail):  # an output's block: this (stream, KV head)'s entries for the part's rows
         return pl.BlockSpec((None, None, c_dim, rb, *tail), lambda i, j, c: (i, j // parts, 0, j % parts,
                                                                              *(0,) * len(tail)))
 
-    per_head = pl.BlockSpec((None, pool.num_pages, ps, d), lambda i, j, c: (j // parts, 0, 0, 0))
-    per_head_scale = pl.BlockSpec((None, pool.num_pages, ps), lambda i, j, c: (j // parts, 0, 0))
     win_scale = pl.BlockSpec((None, r * hkv), lambda i, j, c: (i, 0))
     tickets = pl.BlockSpec((s, hkv * parts, groups + 1), lambda i, j, c: (0, 0, 0))
     in_specs = ([pl.BlockSpec((s,), lambda i, j, c: (0,)),
                  pl.BlockSpec((None, r), lambda i, j, c: (i, 0)),
-                 pl.BlockSpec((None, page_table.shape[1]), lambda i, j, c: (i, 0)),
+                 pl.BlockSpec((None, one.page_table.shape[1]), lambda i, j, c: (i, 0)),
                  pl.BlockSpec((None, r * hq, d), lambda i, j, c: (i, 0, 0)),
                  pl.BlockSpec((None, r * hkv, d), lambda i, j, c: (i, 0, 0)),
                  pl.BlockSpec((None, r * hkv, d), lambda i, j, c: (i, 0, 0)),
-                 per_head, per_head]
-                + ([per_head_scale, per_head_scale, win_scale, win_scale] if fp8 else []) + [tickets])
-    operands = ([cache_len.astype(jnp.int32), parents.astype(jnp.int32), page_table, q.reshape(s, r * hq, d),
-                 kw.reshape(s, r * hkv, d), vw.reshape(s, r * hkv, d), pool.k, pool.v]
-                + ([pool.k_scale, pool.v_scale, *win_scales] if fp8 else [])
-                + [jnp.zeros((s, hkv * parts, groups + 1), jnp.int32)])
-    kernel = functools.partial(_window_ticket_kernel, fp8=fp8, scale=scale, r=r, group=group, mrows=rb,
-                               parts=parts, rp=rp, max_keys=max_keys, page_size=ps, tiles=tiles, unroll=unroll,
-                               max_block=max_block, interpret=interpret, cdt=cdt)
+                 *one.kv_specs] + ([win_scale, win_scale] if pool.fp8 else []) + [tickets])
+    operands = ([cache_len.astype(jnp.int32), parents.astype(jnp.int32), one.page_table, q.reshape(s, r * hq, d),
+                 kw.reshape(s, r * hkv, d), vw.reshape(s, r * hkv, d), *_pool_operands(pool), *win_scales,
+                 jnp.zeros((s, hkv * parts, groups + 1), jnp.int32)])
+    kernel = functools.partial(_window_ticket_kernel, fp8=pool.fp8, scale=scale, r=r, group=hq // hkv, mrows=rb,
+                               parts=parts, rp=max(16, _pow2(r)), max_keys=one.max_keys, page_size=pool.page_size,
+                               tiles=tiles, unroll=unroll, max_block=max_block, interpret=interpret, cdt=one.cdt)
     f32 = jnp.float32
     with jax.named_scope("attn_window_tickets"):
         out = pallas_call(
@@ -833,7 +850,7 @@ def _window_tickets(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: j
                        jax.ShapeDtypeStruct((s, hkv * parts, groups + 1), jnp.int32)],
             input_output_aliases={len(operands) - 1: 7},
             interpret=interpret,
-            compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
+            compiler_params=plgpu.CompilerParams(num_warps=one.warps, num_stages=one.stages),
             name="attn_window_tickets",
         )(*operands)[6]
     return _unpack_rows(out, r, hq)

@@ -510,6 +510,17 @@ def _g_last(gam, is_last):
     return jnp.sum(jnp.where(is_last, gam, 0.0))
 
 
+def _v_new_t(state, u_t, w, mm):
+    """V'^T = U^T - S^T W^T [block_v, 64] for the state slice S^T [block_v, dk] (PromptTiles.transposed; both state
+    passes step with this and `_advance_t`): u_t [block_v, 64] fp32, U^T's rows of the slice; w [64, dk]."""
+    return u_t - mm(state, w.T)
+
+
+def _advance_t(state, v_new, k, gam, g_last, mm):
+    """The next S^T = e^Gamma_C S^T + (V'^T e^(Gamma_C - Gamma)) K: k [64, dk], gam [64], g_last = Gamma_C."""
+    return state * jnp.exp(g_last) + mm(v_new * jnp.exp(g_last - gam)[None, :], k)
+
+
 def _state_kernel(k_ref, w_ref, u_ref, gam_ref, start_ref, len_ref, slot_ref, pool_ref, h_ref, vn_ref,
                   pool_out_ref, *, group, block_v, precision, interpret, transposed):
     """The only sequential part: the chunks of one stream in order, its [dk, block_v] state slice on chip.
@@ -536,9 +547,9 @@ def _state_kernel(k_ref, w_ref, u_ref, gam_ref, start_ref, len_ref, slot_ref, po
         g_last = _g_last(gam, is_last)
         if transposed:  # state = S^T [block_v, dk]
             h_ref[s, c, h, cols, :] = state.astype(h_ref.dtype)
-            v_new = u_ref[s, c, h, cols, :].astype(_F32) - mm(state, w_ref[s, c, h].T)  # V'^T [block_v, 64]
+            v_new = _v_new_t(state, u_ref[s, c, h, cols, :].astype(_F32), w_ref[s, c, h], mm)  # [block_v, 64]
             vn_ref[s, c, h, cols, :] = v_new.astype(vn_ref.dtype)
-            return state * jnp.exp(g_last) + mm(v_new * jnp.exp(g_last - gam)[None, :], k)
+            return _advance_t(state, v_new, k, gam, g_last, mm)
         h_ref[s, c, h, :, cols] = state.astype(h_ref.dtype)
         v_new = u_ref[s, c, h, :, cols].astype(_F32) - mm(w_ref[s, c, h], state)  # [64, block_v]
         vn_ref[s, c, h, :, cols] = v_new.astype(vn_ref.dtype)
@@ -578,10 +589,10 @@ def _state_output_kernel(q_ref, k_ref, w_ref, u_ref, gam_ref, p_ref, start_ref, 
         gam = gam_ref[s, c, h]
         g_last = _g_last(gam, is_last)
         inter = mm(state.astype(store), q.T) * jnp.exp(gam)[None, :]  # (Q S)^T [block_v, 64]
-        v_new = u_ref[s, c, h, cols, :].astype(_F32) - mm(state, w_ref[s, c, h].T)  # V'^T [block_v, 64]
+        v_new = _v_new_t(state, u_ref[s, c, h, cols, :].astype(_F32), w_ref[s, c, h], mm)  # [block_v, 64]
         o = inter + mm(v_new.astype(store), p_ref[s, c, h].T)
         pt.store(o_ref.at[s, pl.ds(first, CHUNK), h, cols], o.T.astype(o_ref.dtype), mask=out_mask(first, owned))
-        return state * jnp.exp(g_last) + mm(v_new * jnp.exp(g_last - gam)[None, :], k)
+        return _advance_t(state, v_new, k, gam, g_last, mm)
 
     def zeros(c, carry):
         first, _, owned = _chunk_geometry(c, shift, length)

@@ -656,7 +656,7 @@ def _matmul_kernel(x_ref, w_ref, *out_refs, m: int, n: int, k: int, tiles: Tiles
     pid = pl.program_id(0)
     split = tiles.k_splits > 1
     steps = k // bk // tiles.k_splits  # block_k steps a program: its split's contiguous range of K
-    step0 = pl.program_id(1) * steps if split else 0
+    step0 = pl.program_id(1) * steps if split else 0  # (a Python 0 unsplit: the loop below is as it always was)
     per_group = tiles.group_m * n_tiles
     first_m = (pid // per_group) * tiles.group_m
     rows_here = jnp.minimum(m_tiles - first_m, tiles.group_m)
@@ -668,7 +668,7 @@ def _matmul_kernel(x_ref, w_ref, *out_refs, m: int, n: int, k: int, tiles: Tiles
     rows, cols = pl.ds(row0, bm), pl.ds(n0, bn)
 
     def step(i, acc):
-        kcols = pl.ds(pl.multiple_of(((step0 + i) if split else i) * bk, bk), bk)
+        kcols = pl.ds(pl.multiple_of(i * bk, bk), bk)
         xt = plt.load(x_ref.at[rows, kcols], mask=jnp.broadcast_to(row_ok[:, None], (bm, bk)), other=0)
         if n % bn:
             wt = plt.load(w_ref.at[cols, kcols], mask=jnp.broadcast_to(col_ok[:, None], (bn, bk)), other=0)
@@ -679,7 +679,7 @@ def _matmul_kernel(x_ref, w_ref, *out_refs, m: int, n: int, k: int, tiles: Tiles
         return jax.lax.dot_general(xt, wt, (((1,), (1,)), ((), ())), precision=precision,
                                    preferred_element_type=jnp.float32) + acc
 
-    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((bm, bn), jnp.float32))
+    acc = jax.lax.fori_loop(step0, step0 + steps, step, jnp.zeros((bm, bn), jnp.float32))
     dst = o_ref.at[pl.program_id(1), rows, cols] if split else o_ref.at[rows, cols]
     plt.store(dst, acc.astype(o_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
 
