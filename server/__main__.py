@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("scheduling")
     s.add_argument("--parallel", type=_positive, default=16, metavar="N",
                    help="streams decoded together in one round (default 16)")
+    s.add_argument("--shapes", choices=("auto", "fixed", "batched"), default="auto",
+                   help="compiled shapes: 'fixed' decodes every stream in one --parallel-stream program and runs "
+                        "prompts one per forward; 'batched' adds 1, 2, 4, ... stream programs (a lone stream does "
+                        "not pay for idle ones) and packs concurrent prompts, and needs the row-invariant kernels "
+                        "(refused with --no-kernels); 'auto' (default) is the engine's choice (batched where the "
+                        "kernels make rows independent of the batch)")
     s.add_argument("--max-queued", type=_positive, default=64, metavar="N",
                    help="requests allowed to wait for admission; beyond it requests get 503 + Retry-After "
                         "(default 64)")
@@ -108,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         loaded = build_engine(model=args.model, synthetic=args.synthetic, dtype=args.dtype, kv_cache=args.kv_cache,
                               max_model_len=args.max_model_len, parallel=args.parallel, max_queued=args.max_queued,
                               no_kernels=args.no_kernels, max_logprobs=args.max_logprobs,
-                              progress=not args.no_progress)
+                              progress=not args.no_progress, shapes=args.shapes)
     except ValueError as e:  # checkpoint and config errors are ValueErrors with a message for the user
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -118,9 +124,9 @@ def main(argv: list[str] | None = None) -> int:
                       model_root=loaded.model_root, defaults=loaded.defaults, default_max_tokens=args.max_tokens)
     app = build_app(serving, api_key=api_key, max_body_bytes=args.max_request_bytes)
     log = logging.getLogger("server")
-    log.info("serving %s as %r on http://%s:%d (max_model_len %d, parallel %d, api key %s)", loaded.model_root,
-             serving.model_name, args.host, args.port, serving.max_model_len, args.parallel,
-             "required" if api_key else "off")
+    log.info("serving %s as %r on http://%s:%d (max_model_len %d, parallel %d, %s shapes, api key %s)",
+             loaded.model_root, serving.model_name, args.host, args.port, serving.max_model_len, args.parallel,
+             engine.shape_policy, "required" if api_key else "off")
     try:
         # Streams still open at shutdown are cut after a few seconds; their requests are cancelled as they close.
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,

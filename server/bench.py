@@ -278,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-queued", type=int, default=256)
     e.add_argument("--max-logprobs", type=int, default=20)
     e.add_argument("--no-kernels", action="store_true")
+    e.add_argument("--shapes", choices=("auto", "fixed", "batched"), default="auto")
     return p
 
 
@@ -285,7 +286,8 @@ def _build_engine(args):
     from server.loading import build_engine
     engine = build_engine(model=args.model_dir, synthetic=args.synthetic, dtype=args.dtype, kv_cache=args.kv_cache,
                           max_model_len=args.max_model_len, parallel=args.parallel, max_queued=args.max_queued,
-                          no_kernels=args.no_kernels, max_logprobs=args.max_logprobs, progress=True).engine
+                          no_kernels=args.no_kernels, max_logprobs=args.max_logprobs, progress=True,
+                          shapes=args.shapes).engine
     engine.start()
     return engine
 
@@ -322,7 +324,7 @@ def _engine_flags(args) -> list[str]:
     """The engine's flags, spelt the same for `server.bench --engine` and `python -m server`."""
     flags = ["--dtype", args.dtype, "--kv-cache", args.kv_cache, "--max-model-len", str(args.max_model_len),
              "--parallel", str(args.parallel), "--max-queued", str(args.max_queued),
-             "--max-logprobs", str(args.max_logprobs)]
+             "--max-logprobs", str(args.max_logprobs), "--shapes", args.shapes]
     if args.synthetic:
         flags += ["--synthetic", args.synthetic]
     if args.no_kernels:

@@ -10,6 +10,20 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 EMBEDDED_MODEL = REPO_ROOT / "captures" / "tiny"
 
 
+# `--shapes`: which compiled shapes serve the streams. "fixed": one decode program of `--parallel` streams and
+# one-lane prompt chunks, whatever the load; "batched": power-of-two decode buckets (a lone stream runs in a
+# 1-stream program) and several prompts packed in one forward, exact only where every row is computed
+# independently of the rows beside it (the Pallas kernels on quantized weights); "auto": the engine's default
+# (qwen_jax.programs.default_buckets).
+SHAPES = {"auto": None, "fixed": True, "batched": False}
+
+
+def fixed_shapes(shapes: str) -> bool | None:
+    if shapes not in SHAPES:
+        raise ValueError(f"--shapes {shapes!r}: must be one of {', '.join(SHAPES)}")
+    return SHAPES[shapes]
+
+
 @dataclass
 class Loaded:
     engine: object
@@ -18,14 +32,17 @@ class Loaded:
 
 
 def build_engine(*, model: str | None, synthetic: str | None, dtype: str, kv_cache: str, max_model_len: int,
-                 parallel: int, max_queued: int, no_kernels: bool, max_logprobs: int, progress: bool) -> Loaded:
-    """Raises ValueError with a message for the user (bad dir, bad config, bad shape name)."""
+                 parallel: int, max_queued: int, no_kernels: bool, max_logprobs: int, progress: bool,
+                 shapes: str = "auto") -> Loaded:
+    """Raises ValueError with a message for the user (bad dir, bad config, bad shape name, `--shapes batched`
+    where rows are not computed independently of the batch). shapes: "auto", "fixed" or "batched" (SHAPES)."""
     from qwen_jax.engine.engine import DEFAULT_CACHE_DIR, Engine
     from qwen_jax.model import Backend
     from server.serving import GenerationDefaults, load_generation_defaults
     backend = Backend(kernels=False) if no_kernels else None
     common = dict(dtype=dtype, kv_cache=kv_cache, max_model_len=max_model_len, parallel=parallel,
-                  max_queued=max_queued, backend=backend, progress=progress, max_logprobs=max_logprobs)
+                  max_queued=max_queued, backend=backend, progress=progress, max_logprobs=max_logprobs,
+                  fixed_shapes=fixed_shapes(shapes))
     if synthetic is not None:
         from qwen_jax import programs
         from qwen_jax.engine.bench import synthetic_params

@@ -344,3 +344,19 @@ def test_admission_waits_for_pages():
         _baseline(e)
     finally:
         e.shutdown()
+
+
+def test_batched_shapes_refused_without_row_invariance():
+    """Batched shapes (power-of-two decode buckets, packed prompt lanes) are exact only where every matmul row is
+    computed alone (the Pallas qmm kernel on quantized weights): with the reference ops, or with float weights
+    even under the kernels, the engine refuses them rather than let a reply depend on the load, and picks fixed
+    shapes by default."""
+    cfg, params = tiny()
+    for backend in (Backend(kernels=False), Backend(kernels=True)):
+        assert not P.row_invariant(params, backend)  # tiny() has float weights
+        with pytest.raises(ValueError, match="batched shapes"):
+            Engine(params, cfg, None, dtype="float32", max_model_len=128, parallel=2, backend=backend,
+                   fixed_shapes=False, progress=False)
+        e = Engine(params, cfg, None, dtype="float32", max_model_len=128, parallel=2, backend=backend,
+                   progress=False)
+        assert e.shape_policy == "fixed" and e.buckets.decode_streams == (2,)

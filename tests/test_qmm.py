@@ -682,6 +682,22 @@ def test_gpu_dequant_27b_shape(k, n):
 
 
 @pytest.mark.gpu
+def test_gpu_dequant_row_tile_height_same_bits():
+    """The dequant matmul's row tile: 64 rows on one warpgroup give a row the bits 128 rows on two give (each
+    warpgroup runs the same m64n256k16 wgmma over the same block_k steps), at the N = 5120 shapes where the
+    shipped tile leaves a part-empty second wave at M = 1024. If this holds, the row tile's height may follow M."""
+    rng = np.random.default_rng(2100)
+    for k, n in ((17408, 5120), (6144, 5120)):
+        w, _ = _device_weight(rng, n, k)
+        tall = qmm.prompt_tiles(n, k, 4, 64, impl="dequant")
+        short = dataclasses.replace(tall, block_m=64, num_warps=4)
+        x = jnp.asarray(rng.normal(size=(1000, k)), jnp.bfloat16)
+        a = _bits(qmm.qmm(x, w, prompt=True, tiles=tall))
+        b = _bits(qmm.qmm(x, w, prompt=True, tiles=short))
+        np.testing.assert_array_equal(a, b, err_msg=f"{k}->{n}: 64-row tiles changed the bits")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("bits,group", [(4, 64), (4, 32), (8, 64)])
 def test_gpu_dequant_same_weights_as_fused(bits, group):
     """x = identity rows makes each implementation return its dequantized weights exactly (one product of 1 a

@@ -192,7 +192,7 @@ def test_help_documents_every_flag():
     out = _cli("--help").stdout
     for flag in ("--model", "--drafter", "--no-drafts", "--host", "--port", "--max-model-len", "--parallel",
                  "--kv-cache", "--dtype", "--api-key", "--max-queued", "--served-model-name", "--max-tokens",
-                 "--max-request-bytes", "--synthetic", "--max-logprobs", "--no-kernels", "QWEN_JAX_API_KEY",
+                 "--max-request-bytes", "--synthetic", "--max-logprobs", "--no-kernels", "--shapes", "QWEN_JAX_API_KEY",
                  "captures/tiny", "gibberish"):
         assert flag in out, flag
     bench = subprocess.run([sys.executable, "-m", "server.bench", "--help"], cwd=REPO_ROOT, capture_output=True,
@@ -210,3 +210,8 @@ def test_cli_refusals():
     assert r.returncode == 2 and "not a directory" in r.stderr
     r = _cli("--parallel", "0")
     assert r.returncode == 2 and "positive" in r.stderr
+    # Batched shapes without the row-invariant kernels would let a reply depend on what else runs: refused.
+    r = _cli("--shapes", "batched", "--no-kernels")
+    assert r.returncode == 2 and "--shapes batched" in r.stderr, r.stderr
+    r = _cli("--shapes", "wide")
+    assert r.returncode == 2 and "--shapes" in r.stderr

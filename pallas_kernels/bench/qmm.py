@@ -384,13 +384,18 @@ def dequant_candidates(n: int, k: int) -> list[qmm.Tiles]:
     spills, all keep one wgmma in flight. group_m 16 halves the weight tiles a wave reads at M = 4096 (a 132-program
     wave: 16 row tiles x ~8 weight tiles instead of 8 x ~16). Split-K 2 / 4 (session 9, untimed): at N = 5120 and
     M = 1024 the shipped tile makes 8 x 20 = 160 programs of one a SM on 132 SMs, a second wave of 28; split in
-    two or four, 320 or 640 programs fill the waves better, at the cost of fp32 partials written and summed."""
+    two or four, 320 or 640 programs fill the waves better, at the cost of fp32 partials written and summed.
+    64-row tiles on one warpgroup (session 10): the same m64n256k16 wgmma a row meets in the shipped tile's two
+    warpgroups, so the same bits (`test_gpu_dequant_row_tile_height_same_bits`), and 320 programs at N = 5120,
+    M = 1024 without partials."""
     base = qmm.DEQUANT_PROMPT_TILES
     wanted = [base, dataclasses.replace(base, num_stages=4),
               dataclasses.replace(base, block_n=128),
               dataclasses.replace(base, block_m=256, block_n=128),
               dataclasses.replace(base, group_m=16),
-              dataclasses.replace(base, k_splits=2), dataclasses.replace(base, k_splits=4)]
+              dataclasses.replace(base, k_splits=2), dataclasses.replace(base, k_splits=4),
+              dataclasses.replace(base, block_m=64, num_warps=4),
+              dataclasses.replace(base, block_m=64, num_warps=4, num_stages=4)]
     out = []
     for t in wanted:
         t = qmm.fit_dequant_tiles(t, n, k)
@@ -667,7 +672,7 @@ def main(argv: list[str]) -> int:
                     help="--sweep: also compare the prompt path with XLA dequantize + jnp.dot at these M")
     ap.add_argument("--prompt-shapes", "--prompt-shape", dest="prompt_shapes", type=_parse_shapes,
                     default=[(5120, 17408), (17408, 5120)], help="--sweep: K x N list for the prompt comparison")
-    ap.add_argument("--dequant-candidates", type=int, default=7,
+    ap.add_argument("--dequant-candidates", type=int, default=9,
                     help="--sweep: tiles of the dequant prompt implementation to time (`dequant_candidates`)")
     ap.add_argument("--prompt-only", action="store_true", help="--sweep: only the prompt comparison (no decode tiles)")
     ap.add_argument("--mgpu", action="store_true",

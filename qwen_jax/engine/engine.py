@@ -62,7 +62,8 @@ class Engine:
     max_prefill_chunk: largest prompt chunk; prefill_step: rows per prompt lane while other streams decode.
     max_logprobs: the most top logprobs a request may ask for (0: logprobs off, programs skip them).
     seed_salt: mixed into the seeds derived for requests without one. fixed_shapes: see
-    programs.default_buckets (None: fixed unless every matmul runs through the row-invariant qmm kernel).
+    programs.default_buckets (None: `programs.BATCHED_BY_DEFAULT` where every matmul runs through the
+    row-invariant qmm kernel, else fixed; False where that does not hold is a ValueError).
     """
 
     def __init__(self, params, config: ModelConfig, tokenizer=None, *, model_name: str = "qwen",
@@ -93,6 +94,10 @@ class Engine:
         if num_pages is None:
             num_pages = parallel * pages_per_stream + 1
         self.layout = P.Layout(page_size, pages_per_stream, num_pages, parallel + 1, dtype, kv_cache)
+        if buckets is None and fixed_shapes is False and not P.row_invariant(params, self.backend):
+            raise ValueError("batched shapes (fixed_shapes=False; the server's --shapes batched): a row's bits would depend on the rows beside it "
+                             "with this backend and weights (only the Pallas qmm kernel on quantized weights is "
+                             "row-invariant), so concurrent replies could differ from solo ones; use fixed shapes")
         if buckets is None:
             buckets = P.default_buckets(params, self.backend, parallel=parallel,
                                         max_chunk=min(max_prefill_chunk, P.pages_for(max_model_len, P.GRID) * P.GRID),
@@ -102,6 +107,8 @@ class Engine:
         if buckets.decode_streams[-1] < parallel:
             raise ValueError(f"the largest decode bucket ({buckets.decode_streams[-1]}) is below parallel={parallel}")
         self.buckets = buckets
+        # "batched" (power-of-two decode buckets, prompts packed in lanes) or "fixed" (one shape whatever the load)
+        self.shape_policy = "batched" if buckets.packing is P.Packing.BATCHED else "fixed"
         self.chunk_cap = min(buckets.prompt_rows[-1], max_prefill_chunk)
         self.step_cap = min(self.chunk_cap, prefill_step)
         self.programs = P.Programs(params, config, self.layout, buckets, self.backend)

@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -188,6 +188,21 @@ case "$stage" in
   window16)
     # The 16-row window's tile variants alone (row_block 64 / 32 beside the shipped tiles and the other walk).
     attention_window16 ;;
+  twenty-fifth)
+    # Session 10: does a 64-row dequant tile (one warpgroup) give the 128-row tile's bits, and is it faster at the
+    # N = 5120 shapes' M = 1024 (160 programs of the shipped tile on 132 SMs)? Then the engine alone with batched
+    # shapes (server --shapes batched; the server ran fixed shapes: 62.9 / 482.6 tok/s at 1 / 16 concurrency).
+    timeout -s INT 150 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_qmm.py \
+      -k "row_tile_height or dequant_27b" > "$out/gpu_tests_qmm.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_qmm.log" | cut -c1-160 | tail -8
+    timeout 120 python3 -m pallas_kernels.bench qmm --sweep --prompt-only --prompt-ms 1024,4096 \
+      --prompt-shapes 17408x5120,6144x5120,5120x10240 --dequant-candidates 9 --budget-s 100 \
+      --json "$out/qmm_prompt_rows.json" > "$out/qmm_prompt_rows.log" 2>&1
+    grep -E "^prompt|\*pallas|pallas dequant (64|128x256x64 w8 s3 g8 split2)|bf16 jnp.dot" "$out/qmm_prompt_rows.log" \
+      | grep -v "^\[" | cut -c1-150
+    timeout 330 python3 -m server.bench --engine --synthetic 27b --shapes batched --concurrency 1,16 \
+      --prompt-tokens 1024 --max-tokens 128 --max-model-len 4096 --parallel 16 --json "$out/engine_batched.json" 2>&1 \
+      | tee "$out/engine_batched.log" | tail -24 ;;
   twenty-fourth)
     # Queued for session 10: split-K for the dequant prompt matmul (built in session 9, untimed) at the three
     # shapes that miss "M = 1024 at >= 70 % of the bf16 matmul", M = 1024 and 4096, beside the shipped tiles and cuBLAS.
