@@ -36,8 +36,9 @@ lane count; and decode uses one stream bucket (every round has the same shape; s
 The Pallas kernels fix their reduction order from the weight and tile shapes alone (qmm, attention, GDN), so with
 kernels on and quantized linear weights (`row_invariant`) prompt lanes can be batched into one forward
 (`Packing.BATCHED`) with power-of-two decode stream buckets; `pytest -m gpu` checks that on the device, where it
-failed in session 2 and holds since the row norms became kernels (session 3); the fixed shapes stay the default
-(`BATCHED_BY_DEFAULT`) because they compile fewer programs for about the same decode time.
+failed in session 2 and holds since the row norms became kernels (session 3). There the batched shapes are the
+default (`BATCHED_BY_DEFAULT`): a lone stream decodes in a 1-stream program instead of paying for fifteen idle
+ones, for twice the programs to compile.
 
 Letters: s lanes/streams in one call, t prompt rows, r window rows, v vocabulary, n top logprobs.
 """
@@ -190,10 +191,12 @@ def row_invariant(params, backend: M.Backend) -> bool:
 
 # Whether the batched policy (prompt lanes in one forward, decode buckets 1, 2, 4, ...) is the default when
 # `row_invariant` holds. On the H200, tests/test_engine_gpu.py failed it in session 2 (a decode logprob's last
-# bits differed between buckets 1 and 16: XLA's own norms) and passed it in session 3 (norms as row-invariant
-# kernels). Still off: the fixed shapes compile 9 programs instead of 20 for `--parallel 16`, and a lone stream
-# decoded in the 16-stream program at 21.8 ms a token against 20.7 ms in a 1-stream one (BENCHMARKS.md).
-BATCHED_BY_DEFAULT = False
+# bits differed between buckets 1 and 16: XLA's own norms) and has passed it since session 3 (norms as
+# row-invariant kernels; last in session 9). On since session 10: the engine alone at the 27B's shapes
+# (`server.bench --engine --synthetic 27b --concurrency 1,16 --prompt-tokens 1024 --max-tokens 128`) decoded a
+# lone stream at 12.36 ms a token against 14.97 with fixed shapes (+21 %), and 16 concurrent streams at 486.0
+# against 482.6 tok/s, for 20 programs compiled in 66 s instead of 9 in 47 s (BENCHMARKS.md, session 10).
+BATCHED_BY_DEFAULT = True
 
 
 def default_buckets(params, backend: M.Backend, *, parallel: int, max_chunk: int = 4096, logprobs: int = 0,

@@ -13,6 +13,7 @@ import pytest
 from qwen_jax import programs as P
 from qwen_jax import sampling
 from qwen_jax.checkpoint import load_checkpoint, load_tokenizer
+from qwen_jax.config import QuantConfig
 from qwen_jax.engine.api import ContextLengthExceeded, EngineOverloaded, GenerationRequest, SamplingOptions
 from qwen_jax.engine.engine import Engine
 from qwen_jax.model import Backend
@@ -360,3 +361,9 @@ def test_batched_shapes_refused_without_row_invariance():
         e = Engine(params, cfg, None, dtype="float32", max_model_len=128, parallel=2, backend=backend,
                    progress=False)
         assert e.shape_policy == "fixed" and e.buckets.decode_streams == (2,)
+    # Quantized weights under the kernels: every row is computed alone, so batched shapes are the default.
+    cfg, params = tiny(quant=QuantConfig(4, 32))
+    assert P.row_invariant(params, Backend(kernels=True)) and P.BATCHED_BY_DEFAULT
+    e = Engine(params, cfg, None, dtype="float32", max_model_len=128, parallel=4, backend=Backend(kernels=True),
+               progress=False)
+    assert e.shape_policy == "batched" and e.buckets.decode_streams == (1, 2, 4)

@@ -1,8 +1,9 @@
 """The engine on the device with the Pallas kernels on (`pytest -m gpu`), on captures/tiny-mlx-4bit, whose every
-matmul goes through the qmm kernel. Both bucket policies: the fixed shapes (the default) and the batched one
-(prompt lanes in one forward, power-of-two decode buckets 1..16), which must hold from the kernels' row
-invariance alone: concurrent ≡ solo, chunk cuts bit-identical, a decode row's bits the same in every stream
-bucket. The batched policy failed here on 2026-11-30 (programs.BATCHED_BY_DEFAULT)."""
+matmul goes through the qmm kernel. Both bucket policies: the fixed shapes and the batched one (prompt lanes in
+one forward, power-of-two decode buckets 1..16; the default with kernels on quantized weights since session 10),
+which must hold from the kernels' row invariance alone: concurrent ≡ solo, chunk cuts bit-identical, a decode
+row's bits the same in every stream bucket. The batched policy failed here in session 2 and holds since
+session 3 (programs.BATCHED_BY_DEFAULT)."""
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +31,8 @@ def _params(dtype):
 
 @pytest.mark.parametrize("dtype,fixed", [("bfloat16", False), ("float32", False), ("bfloat16", True)])
 def test_concurrent_equals_solo_on_gpu(dtype, fixed):
-    """fixed=True: the default (mapped lanes, one decode bucket of 16); fixed=False: the batched policy (lanes in
-    one forward, decode buckets 1..16), which failed here on the H200 on 2026-11-30 (see
+    """fixed=True: mapped lanes, one decode bucket of 16; fixed=False: the batched policy (lanes in one forward,
+    decode buckets 1..16; the default here since session 10), which failed on the H200 in session 2 (see
     programs.BATCHED_BY_DEFAULT and tools/gpu/rowinv_probe.py)."""
     ck = _params(dtype)
     backend = Backend.default()

@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -188,6 +188,39 @@ case "$stage" in
   window16)
     # The 16-row window's tile variants alone (row_block 64 / 32 beside the shipped tiles and the other walk).
     attention_window16 ;;
+  stalls)
+    # Session 10: what the warps of the qmm decode kernel and the GDN step / window wait on (Nsight Compute's stall
+    # reasons as cycles a warp spends in each, per issued instruction), one launch each.
+    reasons=barrier,long_scoreboard,short_scoreboard,wait,math_pipe_throttle,mio_throttle,lg_throttle,dispatch_stall,no_instruction,not_selected,selected,membar,branch_resolving,drain,imc_miss,misc,tex_throttle,sleeping
+    metrics=gpu__time_duration.sum,launch__registers_per_thread,sm__warps_active.avg.pct_of_peak_sustained_active
+    for r in ${reasons//,/ }; do metrics+=",smsp__average_warps_issue_stalled_${r}_per_issue_active.ratio"; done
+    timeout -s INT 200 ncu --profile-from-start off --clock-control none --kernel-name regex:"qmm|gdn_" \
+      --metrics "$metrics" --csv python3 tools/gpu/kernel_ncu.py \
+      --cases qmm_5120x17408_m1,qmm_17408x5120_m1,gdn_step_s16,gdn_window_s16_r16 > "$out/stalls.csv" 2> "$out/stalls.err"
+    tail -3 "$out/stalls.err"
+    python3 - "$out/stalls.csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+head, body = rows[0], rows[1:]
+k, m, v = head.index("Kernel Name"), head.index("Metric Name"), head.index("Metric Value")
+seen = {}
+for r in body:
+    seen.setdefault((r[0], r[k]), {})[r[m].replace("smsp__average_warps_issue_stalled_", "").replace(
+        "_per_issue_active.ratio", "")] = r[v]
+for (i, name), d in seen.items():
+    top = sorted(((float(x.replace(",", "")), key) for key, x in d.items() if key.isidentifier() and "__" not in key),
+                 reverse=True)
+    print(i, name, "time", d.get("gpu__time_duration.sum"), "regs", d.get("launch__registers_per_thread"),
+          "warps%", d.get("sm__warps_active.avg.pct_of_peak_sustained_active"))
+    print("   ", ", ".join(f"{key} {val:.2f}" for val, key in top[:8]))
+PY
+    ;;
+  twenty-sixth)
+    # Session 10, last call: the server at its defaults (--shapes auto: batched with the kernels on the 27B's
+    # quantized weights) beside the engine alone.
+    timeout 330 python3 -m server.bench --compare --synthetic 27b --concurrency 1,16 --prompt-tokens 1024 \
+      --max-tokens 128 --max-model-len 4096 --parallel 16 --json "$out/server_bench.json" 2>&1 \
+      | tee "$out/server_bench.log" | tail -12 ;;
   twenty-fifth)
     # Session 10: does a 64-row dequant tile (one warpgroup) give the 128-row tile's bits, and is it faster at the
     # N = 5120 shapes' M = 1024 (160 programs of the shipped tile on 132 SMs)? Then the engine alone with batched
