@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -188,6 +188,32 @@ case "$stage" in
   window16)
     # The 16-row window's tile variants alone (row_block 64 / 32 beside the shipped tiles and the other walk).
     attention_window16 ;;
+  sass-stalls)
+    # Session 10: where in its SASS the qmm decode kernel (5120 -> 17408, M = 1) stalls: Nsight Compute's warp
+    # state samples per instruction, the 40 most sampled instructions with their text and the columns beside.
+    timeout -s INT 150 ncu --profile-from-start off --clock-control none --kernel-name regex:"qmm" \
+      --section SourceCounters --section WarpStateStats --export "$out/qmm_sass" \
+      python3 tools/gpu/kernel_ncu.py --cases qmm_5120x17408_m1 > "$out/sass_run.log" 2>&1
+    tail -3 "$out/sass_run.log"
+    ncu --import "$out/qmm_sass.ncu-rep" --page source --csv --print-source sass > "$out/qmm_sass.csv" 2> "$out/sass_page.err"
+    tail -3 "$out/sass_page.err"
+    python3 - "$out/qmm_sass.csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1], errors="replace")) if len(r) > 3]
+head = rows[0]
+print(len(rows) - 1, "instructions; columns:", " | ".join(head)[:1500])
+col = next((i for i, h in enumerate(head) if "Sampling (All" in h), None)
+if col is None:
+    sys.exit("no stall-sampling column")
+num = lambda x: float(x.replace(",", "") or 0) if x.replace(",", "").replace(".", "").isdigit() else 0.0
+total = sum(num(r[col]) for r in rows[1:]) or 1
+src = next((i for i, h in enumerate(head) if h.strip().lower() == "source"), 1)
+keep = [i for i, h in enumerate(head) if "stall" in h.lower() or "Sampling" in h]
+for r in sorted(rows[1:], key=lambda r: -num(r[col]))[:40]:
+    extra = " ".join(f"{head[i][:18]}={r[i]}" for i in keep if i != col and num(r[i]) > 0)[:200]
+    print(f"{100 * num(r[col]) / total:5.1f}%  {r[src][:70]:70s}  {extra}")
+PY
+    ;;
   stalls)
     # Session 10: what the warps of the qmm decode kernel and the GDN step / window wait on (Nsight Compute's stall
     # reasons as cycles a warp spends in each, per issued instruction), one launch each.
