@@ -162,6 +162,11 @@ class Tiles:
     # "fused", compiled, 4-bit bf16: the dequantizing subtract and FMA as inline-PTX bf16x2 FMAs (one rounding
     # guaranteed; see `_weight_chunk`). On in the shipped tiles since session 5 (see `DECODE_TILES`).
     fma_ptx: bool = False
+    # "fused", 16-bit scales and biases: read them as uint32 words of two adjacent groups (a free view made per
+    # call) and split them in registers. 4-byte elements can ride the cp.async pipeline with the weight words;
+    # 2-byte loads stay plain global loads, which the device profile (session 10) shows every step waiting for.
+    # Same values: the bits do not change.
+    scale_words: bool = False
 
     def check(self) -> None:
         if self.impl not in IMPLS:
@@ -325,7 +330,8 @@ def _weight_chunk(words, j: int, bits: int, s, b, w_dtype, bf16_fma: bool, lop3:
 
 
 def _qmm_kernel(x_ref, w_ref, s_ref, b_ref, *out_refs, m: int, n: int, kp: int, bits: int, group: int,
-                block: int, tiles: Tiles, m_blocks: int, w_dtype, bf16_fma: bool, precision, interpret: bool):
+                block: int, tiles: Tiles, m_blocks: int, w_dtype, bf16_fma: bool, precision, interpret: bool,
+                scale_dtype=None):
     # x_ref [M, Kp] in chunk order (natural order with tiles.x_natural); w_ref uint32 [N, Kp*bits/32]; s_ref,
     # b_ref [N, Kp/g]; o_ref [M, N], or the fp32 partials [S, M, N] with split-K (preceded by the unread `after`
     # operand and by the aliased input buffer when the caller poisons it).
@@ -363,8 +369,15 @@ def _qmm_kernel(x_ref, w_ref, s_ref, b_ref, *out_refs, m: int, n: int, kp: int, 
         """The scales and biases of loop step `it`'s blocks: [(s, b)] each [bn, block_groups]."""
         out = []
         for blk in range(tiles.blocks_per_step):
-            gsl = pl.ds(((step0 + it) * tiles.blocks_per_step + blk) * block // group, block_groups)
-            out.append((load_n_rows(s_ref, (nsl, gsl), block_groups), load_n_rows(b_ref, (nsl, gsl), block_groups)))
+            g0 = ((step0 + it) * tiles.blocks_per_step + blk) * block // group
+            if scale_dtype is None:
+                gsl = pl.ds(g0, block_groups)
+                out.append((load_n_rows(s_ref, (nsl, gsl), block_groups),
+                            load_n_rows(b_ref, (nsl, gsl), block_groups)))
+            else:  # uint32 words of group pairs (`Tiles.scale_words`)
+                gsl = pl.ds(g0 // 2, block_groups // 2)
+                out.append(tuple(_split_scale_words(load_n_rows(ref, (nsl, gsl), block_groups // 2), scale_dtype)
+                                 for ref in (s_ref, b_ref)))
         return out
 
     def step(it, carry):
@@ -409,6 +422,18 @@ def _qmm_kernel(x_ref, w_ref, s_ref, b_ref, *out_refs, m: int, n: int, kp: int, 
         mask = row_ok[mb][:, None] & (cols < n)[None, :]
         dst = o_ref.at[pl.program_id(2), row_idx[mb], nsl] if tiles.k_splits > 1 else o_ref.at[row_idx[mb], nsl]
         plt.store(dst, accs[mb].T.astype(o_ref.dtype), mask=mask)
+
+
+def _split_scale_words(w, dtype):
+    """uint32 [bn, c] words of two 16-bit values (the lower group in the low half) -> [bn, 2c] dtype."""
+    halves = [(w & jnp.uint32(0xFFFF)).astype(jnp.uint16), (w >> jnp.uint32(16)).astype(jnp.uint16)]
+    return jax.lax.bitcast_convert_type(jnp.stack(halves, axis=-1).reshape(w.shape[0], 2 * w.shape[1]), dtype)
+
+
+def _as_scale_words(a: jax.Array) -> jax.Array:
+    """[N, G] 16-bit -> uint32 [N, G / 2], two adjacent groups a word (a view of the same bytes)."""
+    n, g = a.shape
+    return jax.lax.bitcast_convert_type(a.reshape(n, g // 2, 2), jnp.uint32)
 
 
 def _natural_x_chunk(x_ref, rows, row_ok, col0, j: int, words: int, per: int, interpret: bool):
@@ -457,10 +482,15 @@ def _qmm_call(xk: jax.Array, words, scales, biases, n: int, bits: int, group: in
     out_shape = jax.ShapeDtypeStruct((tiles.k_splits, m, n) if split else (m, n),
                                      jnp.float32 if split else out_dtype)
     w_dtype, precision, bf16_fma = _arith(xk.dtype, scales.dtype, bits)
+    block_groups = max(1, block // group)
+    scale_dtype = None
+    if tiles.scale_words and scales.dtype.itemsize == 2 and block_groups % 2 == 0 and scales.shape[1] % 2 == 0:
+        scale_dtype = scales.dtype
+        scales, biases = _as_scale_words(scales), _as_scale_words(biases)
     # A fresh partial per call: jax#40847 reuses a stale jaxpr when one kernel function meets several grids.
     kernel = functools.partial(_qmm_kernel, m=m, n=n, kp=kp, bits=bits, group=group, block=block, tiles=tiles,
                                m_blocks=m_blocks, w_dtype=w_dtype, bf16_fma=bf16_fma, precision=precision,
-                               interpret=bool(interpret))
+                               interpret=bool(interpret), scale_dtype=scale_dtype)
     operands = (xk, words, scales, biases) + (() if after is None else (after,))
     if poison:
         operands += (jnp.full(out_shape.shape, jnp.nan, out_shape.dtype),)

@@ -437,7 +437,7 @@ def test_prompt_kernels_lower_for_cuda(h200_lowering):
 # Tile switches that change how the kernel reads or builds its operands but not the values or the MMAs: each must
 # give the same bits with it on and off. x_natural: strided natural-order x loads instead of the permuted copy;
 # prefetch: the next step's scales loaded a step early; lop3: one inline-PTX lop3 per field pair (compiled only).
-BIT_NEUTRAL_SWITCHES = ("x_natural", "prefetch", "lop3")
+BIT_NEUTRAL_SWITCHES = ("x_natural", "prefetch", "lop3", "scale_words")
 
 
 def test_decode_kernels_lower_for_cuda(h200_lowering):

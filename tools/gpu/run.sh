@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -188,6 +188,17 @@ case "$stage" in
   window16)
     # The 16-row window's tile variants alone (row_block 64 / 32 beside the shipped tiles and the other walk).
     attention_window16 ;;
+  scale-words)
+    # Session 10: the decode kernel with its scales and biases read as uint32 words of group pairs (scale_words;
+    # offline its SASS loses the shared-memory round trip of the scales, and without prefetch they ride cp.async):
+    # bits against the shipped tiles, then the four decode shapes at M = 1 and 16.
+    timeout -s INT 90 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_qmm.py \
+      -k "gpu_bit_neutral" > "$out/gpu_tests_qmm.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_qmm.log" | cut -c1-160 | tail -6
+    timeout 150 python3 -m pallas_kernels.bench qmm --sweep --m 1,16 --budget-s 130 \
+      --shapes 5120x17408,17408x5120,5120x6144,6144x5120 --variants "scale_words=1;scale_words=1,prefetch=0" \
+      --json "$out/qmm_scale_words.json" > "$out/qmm_scale_words.log" 2>&1
+    grep -vE "^\[|^ *$" "$out/qmm_scale_words.log" | cut -c1-130 | tail -40 ;;
   sass-stalls)
     # Session 10: where in its SASS the qmm decode kernel (5120 -> 17408, M = 1) stalls: Nsight Compute's warp
     # state samples per instruction, the 40 most sampled instructions with their text and the columns beside.
