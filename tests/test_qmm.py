@@ -459,9 +459,9 @@ def test_decode_kernels_lower_for_cuda(h200_lowering):
 def test_replace_tiles_by_name():
     """The benchmarks' A/B syntax: fields by name, booleans as 0/1; unknown fields, bad values and tiles that fail
     `Tiles.check` are ValueErrors naming the problem."""
-    t = qmm.replace_tiles(qmm.DECODE_TILES, "prefetch=0,num_stages=4,impl=fused")
-    assert (t.prefetch, t.num_stages, t.impl) == (False, 4, "fused")
-    assert dataclasses.replace(t, prefetch=True, num_stages=3) == qmm.DECODE_TILES
+    t = qmm.replace_tiles(qmm.DECODE_TILES, "prefetch=1,num_stages=4,impl=fused")
+    assert (t.prefetch, t.num_stages, t.impl) == (True, 4, "fused")
+    assert dataclasses.replace(t, prefetch=False, num_stages=3) == qmm.DECODE_TILES
     assert qmm.replace_tiles(qmm.DECODE_TILES, "") == qmm.DECODE_TILES
     for bad, match in (("nope=1", "not field=value"), ("prefetch", "not field=value"), ("lop3=yes", "not a bool"),
                        ("block_n=48", "power of two"), ("impl=cublas", "impl=")):
@@ -473,7 +473,7 @@ def test_sweep_labels_name_every_switch():
     """The bench's tile label differs for tiles that differ only in one switch (the sweep reports rows by label)."""
     from pallas_kernels.bench import qmm as bench
     base = dataclasses.replace(qmm.decode_tiles(17408, 5120, 4, 64), x_natural=False, prefetch=False, lop3=False,
-                               fma_ptx=False)
+                               fma_ptx=False, scale_words=False)
     labels = {bench.tiles_str(base)} | {bench.tiles_str(dataclasses.replace(base, **{f: True}))
                                         for f in BIT_NEUTRAL_SWITCHES + ("fma_ptx",)}
     assert len(labels) == 1 + len(BIT_NEUTRAL_SWITCHES) + 1
