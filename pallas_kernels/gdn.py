@@ -375,6 +375,12 @@ class PromptTiles:
     # recurrence's critical path), the prep pass leaves P = (Q K^T o M) per chunk for it, and no chunk states or
     # V' are stored. An order change.
     fused_output: bool = False
+    # The prep pass in two launches (session 10, not yet timed): (I + A)^-1 first, stored in the dtype the W and
+    # U products round it to (bf16 at precision 'bf16', else fp32: 8 or 16 KB a chunk and head), then W, U [and P]
+    # from it. Each kernel keeps fewer tiles live than the one-launch prep (offline for the H200 at the shipped
+    # bf16 tiles: 168 and 158 registers, 3 programs an SM each, against 255 and 2). The same values meet the same
+    # products: the bits do not change.
+    split_prep: bool = False
 
 
 def prompt_tiles(dtype) -> PromptTiles:
@@ -456,45 +462,114 @@ def _unit_lower_inverse(a: jax.Array, mm) -> jax.Array:
     return d
 
 
+def _load_chunk(ref, s, rows, head, real):
+    """A chunk's rows of one head: [64, d] from ref [S, T, H, d], or [64] from ref [S, T, H]; rows that are not
+    real read as zeros."""
+    if len(ref.shape) == 3:
+        return pt.load(ref.at[s, rows, head], mask=real, other=0.0)
+    return pt.load(ref.at[s, rows, head, :], mask=jnp.broadcast_to(real[:, None], (CHUNK, ref.shape[-1])), other=0)
+
+
+def _chunk_inverse(k, beta, gam, mm, mm_inverse):
+    """T = (I + A)^-1, A = strict(diag(beta) K K^T o decay) of one chunk [64, 64]."""
+    strict = _iota(CHUNK, 0, 2) > _iota(CHUNK, 1, 2)
+    decay = jnp.exp(jnp.where(strict, gam[:, None] - gam[None, :], -jnp.inf))
+    return _unit_lower_inverse(jnp.where(strict, beta[:, None] * mm(k, k.T) * decay, 0.0), mm_inverse)
+
+
+def _chunk_p(q, k, gam, mm):
+    """P = Q K^T o M, M the causal decay e^(Gamma_i - Gamma_j) for i >= j."""
+    causal = _iota(CHUNK, 0, 2) >= _iota(CHUNK, 1, 2)
+    return mm(q, k.T) * jnp.exp(jnp.where(causal, gam[:, None] - gam[None, :], -jnp.inf))
+
+
+def _store_wu(w_ref, u_ref, at, t_inv, k, v, beta, gam, mm, transposed):
+    """W = T diag(beta e^Gamma) K and U = T diag(beta) V of one chunk into w_ref[at], u_ref[at]."""
+    w_ref[at] = mm(t_inv, k.astype(_F32) * (beta * jnp.exp(gam))[:, None]).astype(w_ref.dtype)
+    u = mm(t_inv, v.astype(_F32) * beta[:, None])
+    u_ref[at] = (u.T if transposed else u).astype(u_ref.dtype)
+
+
+def _prep_mms(precision, interpret):
+    """(mm for the chunk's products, mm for the inverse: tf32 where the others run on bf16 operands)."""
+    mm = functools.partial(_mm, precision=precision, interpret=interpret)
+    mm_inverse = functools.partial(_mm, precision="tf32" if precision == "bf16" else precision, interpret=interpret)
+    return mm, mm_inverse
+
+
+def _for_chunk(start_ref, len_ref, body) -> None:
+    """The prep launches' frame: program (stream s, chunk c, value head h) runs body(s, c, h, rows, real) when
+    chunk c holds rows of stream s (`_chunk_geometry`); chunks past a stream's end stay unwritten (the state pass
+    never reads them)."""
+    s, c, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    shift = start_ref[s] % CHUNK
+    length = len_ref[s]
+
+    @pl.when(c < _num_chunks(shift, length))
+    def _():
+        first, real, _ = _chunk_geometry(c, shift, length)
+        body(s, c, h, pl.ds(first, CHUNK), real)
+
+
 def _prep_kernel(*refs, group, precision, interpret, transposed, fused):
     """Everything of a chunk that does not need the state, one (stream, chunk, value head) per program.
     [q (fused only)], k [S, T, Hk, dk]; v [S, T, Hv, dv]; g, beta [S, T, Hv]; start, lengths [S] ->
     w [S, NC, Hv, 64, dk] = T diag(beta e^Gamma) K, u [S, NC, Hv, 64, dv] = T diag(beta) V with T = (I + A)^-1,
     gam [S, NC, Hv, 64] = Gamma (chunk-local cumulative g), [p [S, NC, Hv, 64, 64] = Q K^T o M, M the causal
-    decay e^(Gamma_i - Gamma_j) for i >= j (fused only)]. Chunks past a stream's end stay unwritten: the state
-    pass never reads them."""
+    decay e^(Gamma_i - Gamma_j) for i >= j (fused only)]."""
     if fused:
         q_ref, k_ref, v_ref, g_ref, beta_ref, start_ref, len_ref, w_ref, u_ref, gam_ref, p_ref = refs
     else:
         k_ref, v_ref, g_ref, beta_ref, start_ref, len_ref, w_ref, u_ref, gam_ref = refs
-    s, c, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    shift = start_ref[s] % CHUNK
-    length = len_ref[s]
-    mm = functools.partial(_mm, precision=precision, interpret=interpret)
-    mm_inverse = functools.partial(_mm, precision="tf32" if precision == "bf16" else precision, interpret=interpret)
+    mm, mm_inverse = _prep_mms(precision, interpret)
 
-    @pl.when(c < _num_chunks(shift, length))
-    def _():
-        first, real, _ = _chunk_geometry(c, shift, length)
-        rows = pl.ds(first, CHUNK)
-        dk, dv = k_ref.shape[-1], v_ref.shape[-1]
-        k = pt.load(k_ref.at[s, rows, h // group, :], mask=jnp.broadcast_to(real[:, None], (CHUNK, dk)), other=0)
-        v = pt.load(v_ref.at[s, rows, h, :], mask=jnp.broadcast_to(real[:, None], (CHUNK, dv)), other=0)
-        g = pt.load(g_ref.at[s, rows, h], mask=real, other=0.0)
-        beta = pt.load(beta_ref.at[s, rows, h], mask=real, other=0.0)
+    def body(s, c, h, rows, real):
+        k = _load_chunk(k_ref, s, rows, h // group, real)
+        v = _load_chunk(v_ref, s, rows, h, real)
+        g = _load_chunk(g_ref, s, rows, h, real)
+        beta = _load_chunk(beta_ref, s, rows, h, real)
         gam = jnp.cumsum(g)
         if fused:  # first, so that q and the product are dead before the inverse's chain
-            q = pt.load(q_ref.at[s, rows, h // group, :], mask=jnp.broadcast_to(real[:, None], (CHUNK, dk)), other=0)
-            causal = _iota(CHUNK, 0, 2) >= _iota(CHUNK, 1, 2)
-            p_ref[s, c, h] = (mm(q, k.T) * jnp.exp(jnp.where(causal, gam[:, None] - gam[None, :], -jnp.inf))
-                              ).astype(p_ref.dtype)
-        strict = _iota(CHUNK, 0, 2) > _iota(CHUNK, 1, 2)
-        decay = jnp.exp(jnp.where(strict, gam[:, None] - gam[None, :], -jnp.inf))
-        t_inv = _unit_lower_inverse(jnp.where(strict, beta[:, None] * mm(k, k.T) * decay, 0.0), mm_inverse)
-        w_ref[s, c, h] = mm(t_inv, k.astype(_F32) * (beta * jnp.exp(gam))[:, None]).astype(w_ref.dtype)
-        u = mm(t_inv, v.astype(_F32) * beta[:, None])
-        u_ref[s, c, h] = (u.T if transposed else u).astype(u_ref.dtype)
+            p_ref[s, c, h] = _chunk_p(_load_chunk(q_ref, s, rows, h // group, real), k, gam, mm).astype(p_ref.dtype)
+        _store_wu(w_ref, u_ref, (s, c, h), _chunk_inverse(k, beta, gam, mm, mm_inverse), k, v, beta, gam, mm,
+                  transposed)
         gam_ref[s, c, h] = gam
+
+    _for_chunk(start_ref, len_ref, body)
+
+
+def _inverse_kernel(k_ref, g_ref, beta_ref, start_ref, len_ref, t_ref, gam_ref, *, group, precision, interpret):
+    """The prep pass's first launch with tiles.split_prep: k, g, beta, start, lengths -> t [S, NC, Hv, 64, 64]
+    (T = (I + A)^-1 in the dtype the W / U products round it to) and gam. Same values as `_prep_kernel`'s."""
+    mm, mm_inverse = _prep_mms(precision, interpret)
+
+    def body(s, c, h, rows, real):
+        k = _load_chunk(k_ref, s, rows, h // group, real)
+        gam = jnp.cumsum(_load_chunk(g_ref, s, rows, h, real))
+        beta = _load_chunk(beta_ref, s, rows, h, real)
+        t_ref[s, c, h] = _chunk_inverse(k, beta, gam, mm, mm_inverse).astype(t_ref.dtype)
+        gam_ref[s, c, h] = gam
+
+    _for_chunk(start_ref, len_ref, body)
+
+
+def _wu_kernel(*refs, group, precision, interpret, transposed, fused):
+    """The prep pass's second launch with tiles.split_prep: W and U from the stored T and Gamma, and P (fused)."""
+    if fused:
+        q_ref, k_ref, v_ref, beta_ref, gam_ref, t_ref, start_ref, len_ref, w_ref, u_ref, p_ref = refs
+    else:
+        k_ref, v_ref, beta_ref, gam_ref, t_ref, start_ref, len_ref, w_ref, u_ref = refs
+    mm, _ = _prep_mms(precision, interpret)
+
+    def body(s, c, h, rows, real):
+        k = _load_chunk(k_ref, s, rows, h // group, real)
+        gam = gam_ref[s, c, h]
+        if fused:
+            p_ref[s, c, h] = _chunk_p(_load_chunk(q_ref, s, rows, h // group, real), k, gam, mm).astype(p_ref.dtype)
+        _store_wu(w_ref, u_ref, (s, c, h), t_ref[s, c, h], k, _load_chunk(v_ref, s, rows, h, real),
+                  _load_chunk(beta_ref, s, rows, h, real), gam, mm, transposed)
+
+    _for_chunk(start_ref, len_ref, body)
 
 
 def _initial_slice(pool_ref, slot, h, cols, start):
@@ -858,12 +933,32 @@ def prompt_prep(k, v, g, beta, start, lengths, *, tiles: PromptTiles, interpret:
     wu = jnp.bfloat16 if tiles.precision == "bf16" else _F32
     fused = tiles.fused_output
     extra = (jax.ShapeDtypeStruct((s, nc, hv, CHUNK, CHUNK), jnp.dtype(tiles.store_dtype)),) if fused else ()
+    w_shape = jax.ShapeDtypeStruct((s, nc, hv, CHUNK, dk), wu)
+    u_shape = jax.ShapeDtypeStruct((s, nc, hv) + ((dv, CHUNK) if tiles.transposed else (CHUNK, dv)), wu)
+    gam_shape = jax.ShapeDtypeStruct((s, nc, hv, CHUNK), _F32)
+    if tiles.split_prep:
+        t_inv, gam = pallas_call(
+            functools.partial(_inverse_kernel, group=hv // hk, precision=tiles.precision, interpret=interpret),
+            out_shape=(jax.ShapeDtypeStruct((s, nc, hv, CHUNK, CHUNK), wu), gam_shape),
+            grid=(s, nc, hv),
+            compiler_params=pt.CompilerParams(num_warps=tiles.prep_warps),
+            interpret=interpret,
+            name="gdn_prompt_inverse",
+        )(k, g, beta, start, lengths)
+        w, u, *p = pallas_call(
+            functools.partial(_wu_kernel, group=hv // hk, precision=tiles.precision, interpret=interpret,
+                              transposed=tiles.transposed, fused=fused),
+            out_shape=(w_shape, u_shape) + extra,
+            grid=(s, nc, hv),
+            compiler_params=pt.CompilerParams(num_warps=tiles.prep_warps),
+            interpret=interpret,
+            name="gdn_prompt_wu",
+        )(*((q,) if fused else ()), k, v, beta, gam, t_inv, start, lengths)
+        return (w, u, gam, *p)
     return pallas_call(
         functools.partial(_prep_kernel, group=hv // hk, precision=tiles.precision, interpret=interpret,
                           transposed=tiles.transposed, fused=fused),
-        out_shape=(jax.ShapeDtypeStruct((s, nc, hv, CHUNK, dk), wu),
-                   jax.ShapeDtypeStruct((s, nc, hv) + ((dv, CHUNK) if tiles.transposed else (CHUNK, dv)), wu),
-                   jax.ShapeDtypeStruct((s, nc, hv, CHUNK), _F32)) + extra,
+        out_shape=(w_shape, u_shape, gam_shape) + extra,
         grid=(s, nc, hv),
         compiler_params=pt.CompilerParams(num_warps=tiles.prep_warps),
         interpret=interpret,

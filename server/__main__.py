@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from server.loading import EMBEDDED_MODEL, REPO_ROOT
+from server.loading import EMBEDDED_MODEL, REPO_ROOT, SHAPES
 
 API_KEY_ENV = "QWEN_JAX_API_KEY"
 
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("scheduling")
     s.add_argument("--parallel", type=_positive, default=16, metavar="N",
                    help="streams decoded together in one round (default 16)")
-    s.add_argument("--shapes", choices=("auto", "fixed", "batched"), default="auto",
+    s.add_argument("--shapes", choices=tuple(SHAPES), default="auto",
                    help="compiled shapes: 'fixed' decodes every stream in one --parallel-stream program and runs "
                         "prompts one per forward; 'batched' adds 1, 2, 4, ... stream programs (a lone stream does "
                         "not pay for idle ones) and packs concurrent prompts, and needs the row-invariant kernels "

@@ -28,6 +28,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
+from server.loading import SHAPES
+
 
 @dataclass
 class RequestResult:
@@ -278,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-queued", type=int, default=256)
     e.add_argument("--max-logprobs", type=int, default=20)
     e.add_argument("--no-kernels", action="store_true")
-    e.add_argument("--shapes", choices=("auto", "fixed", "batched"), default="auto")
+    e.add_argument("--shapes", choices=tuple(SHAPES), default="auto")
     return p
 
 

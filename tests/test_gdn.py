@@ -9,6 +9,7 @@ same checks on the device at the 27B's head shape (Hk=16, Hv=48, dk=dv=128)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -174,6 +175,28 @@ def test_prompt_transposed_state_pass(fused):
         _check_prompt_vs_f64(args, o, pool_out, F32_TOL)
     _resume_check(SMALL, 200, [64, 128], tiles)
     _alone_vs_batched(SMALL, tiles)
+
+
+def _split_prep_same_bits(shape, dtype, tiles_list, t=130, seed=66):
+    """Each tiles with split_prep on gives the bits it gives off (prompt outputs and final state)."""
+    rng = np.random.default_rng(seed)
+    args = _prompt_case(rng, t, shape, dtype)
+    for tiles in tiles_list:
+        outs = [jax.jit(functools.partial(gdn.prompt, interpret=INTERPRET,
+                                          tiles=dataclasses.replace(tiles, split_prep=split)))(*args)
+                for split in (False, True)]
+        for a, b in zip(*outs):
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8),
+                                          err_msg=f"{tiles}: split_prep changed the bits")
+
+
+def test_prompt_split_prep_same_bits():
+    """PromptTiles.split_prep (the prep pass as an inverse launch and a W / U [/ P] launch) computes the same values
+    with the same products as the one-launch prep: outputs and final states bit for bit, fp32 and bf16 products,
+    with and without the fused output pass, streams resumed on and off the grid."""
+    _split_prep_same_bits(SMALL, jnp.float32, (gdn.PromptTiles(), gdn.PromptTiles(transposed=True, fused_output=True)))
+    _split_prep_same_bits(SMALL, jnp.bfloat16, (gdn.PromptTiles(precision="bf16", store_dtype="bfloat16"),
+                                                gdn.prompt_tiles(jnp.bfloat16)))
 
 
 def test_prompt_fused_output_needs_transposed():
@@ -594,10 +617,12 @@ def test_kernels_lower_to_triton_at_27b_heads(monkeypatch):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
     for tiles in (gdn.PromptTiles(), gdn.PromptTiles(precision="tf32x3"), gdn.PromptTiles(store_dtype="bfloat16"),
-                  gdn.PromptTiles(precision="bf16", store_dtype="bfloat16"), gdn.prompt_tiles(jnp.bfloat16)):
+                  gdn.PromptTiles(precision="bf16", store_dtype="bfloat16"), gdn.prompt_tiles(jnp.bfloat16),
+                  dataclasses.replace(gdn.prompt_tiles(jnp.bfloat16), split_prep=True)):
         text = lower(functools.partial(gdn.prompt, tiles=tiles), qk(t), qk(t), vv(t), gb(t), gb(t), pool,
                      per_stream, per_stream, per_stream)
-        assert text.count("__gpu$xla.gpu.triton") == (2 if tiles.fused_output else 3)  # fused: no output pass
+        # fused: no output pass; split_prep: the prep pass in two launches
+        assert text.count("__gpu$xla.gpu.triton") == (2 if tiles.fused_output else 3) + tiles.split_prep
     text = lower(gdn.window, qk(r), qk(r), vv(r), gb(r), gb(r), sds((s, r), i), pool, per_stream)
     assert "__gpu$xla.gpu.triton" in text
     text = lower(gdn.commit, qk(r), vv(r), gb(r), gb(r), sds((s, r), i), per_stream, pool, per_stream)
@@ -670,6 +695,13 @@ def test_gpu_prompt_bf16_products_27b_heads():
 def test_gpu_prompt_exactness_27b_heads(tiles):
     _resume_check(BIG, 300, [64, 256], tiles)  # pieces of 64, 192 and 44 rows
     _alone_vs_batched(BIG, tiles)
+
+
+@pytest.mark.gpu
+def test_gpu_prompt_split_prep_same_bits_27b_heads():
+    """The split prep pass on the device gives the one-launch prep's bits at the 27B's heads (shipped bf16 tiles and
+    the tf32 defaults)."""
+    _split_prep_same_bits(BIG, jnp.bfloat16, (gdn.prompt_tiles(jnp.bfloat16), gdn.PromptTiles()), t=300)
 
 
 @pytest.mark.gpu

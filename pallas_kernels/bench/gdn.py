@@ -56,7 +56,7 @@ def _rows(key, s, t, dtype):
 def _cfg_name(cfg) -> str:
     return (f"{cfg.precision} {cfg.store_dtype[:4]} bv{cfg.block_v} w{cfg.num_warps} s{cfg.num_stages}"
             f" pw{cfg.prep_warps} ow{cfg.output_warps}{' T' if cfg.transposed else ''}"
-            f"{' F' if cfg.fused_output else ''}")
+            f"{' F' if cfg.fused_output else ''}{' split-prep' if cfg.split_prep else ''}")
 
 
 def _rel(x, ref) -> float:

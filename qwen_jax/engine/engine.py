@@ -95,9 +95,10 @@ class Engine:
             num_pages = parallel * pages_per_stream + 1
         self.layout = P.Layout(page_size, pages_per_stream, num_pages, parallel + 1, dtype, kv_cache)
         if buckets is None and fixed_shapes is False and not P.row_invariant(params, self.backend):
-            raise ValueError("batched shapes (fixed_shapes=False; the server's --shapes batched): a row's bits would depend on the rows beside it "
-                             "with this backend and weights (only the Pallas qmm kernel on quantized weights is "
-                             "row-invariant), so concurrent replies could differ from solo ones; use fixed shapes")
+            raise ValueError("batched shapes (fixed_shapes=False; the server's --shapes batched): a row's bits "
+                             "would depend on the rows beside it with this backend and weights (only the Pallas "
+                             "qmm kernel on quantized weights is row-invariant), so concurrent replies could "
+                             "differ from solo ones; use fixed shapes")
         if buckets is None:
             buckets = P.default_buckets(params, self.backend, parallel=parallel,
                                         max_chunk=min(max_prefill_chunk, P.pages_for(max_model_len, P.GRID) * P.GRID),

@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -188,6 +188,17 @@ case "$stage" in
   window16)
     # The 16-row window's tile variants alone (row_block 64 / 32 beside the shipped tiles and the other walk).
     attention_window16 ;;
+  split-prep)
+    # Queued for session 11: the GDN prep pass in two launches (PromptTiles.split_prep, built in session 10 after
+    # the device budget was spent: offline 168 and 155 registers, 3 programs an SM each, against 255 and 2; CPU bits
+    # equal to the one-launch prep) beside the shipped tiles and fla at 4K / 16K / 64K, then its gpu bits test.
+    bf="precision=bf16,store_dtype=bfloat16,transposed=1,fused_output=1,block_v=32,num_warps=4"
+    JAX_PLATFORMS=cuda timeout 300 python3 -m pallas_kernels.bench gdn --t 4096,16384,65536 --skip verify,conv,step \
+      --iters 10 --prompt-tiles "$bf;$bf,split_prep=1" > "$out/gdn_prompt.log" 2>&1
+    grep -vE "^\[|^  " "$out/gdn_prompt.log" | tail -30
+    timeout -s INT 150 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_gdn.py \
+      -k "split_prep or prompt_exactness" > "$out/gpu_tests_gdn.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_gdn.log" | cut -c1-160 | tail -10 ;;
   scale-words)
     # Session 10: the decode kernel with its scales and biases read as uint32 words of group pairs (scale_words;
     # offline its SASS loses the shared-memory round trip of the scales, and without prefetch they ride cp.async):
