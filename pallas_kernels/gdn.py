@@ -378,7 +378,7 @@ class PromptTiles:
     # The prep pass in two launches (session 10, not yet timed): (I + A)^-1 first, stored in the dtype the W and
     # U products round it to (bf16 at precision 'bf16', else fp32: 8 or 16 KB a chunk and head), then W, U [and P]
     # from it. Each kernel keeps fewer tiles live than the one-launch prep (offline for the H200 at the shipped
-    # bf16 tiles: 168 and 158 registers, 3 programs an SM each, against 255 and 2). The same values meet the same
+    # bf16 tiles: 168 and 152 registers, 3 programs an SM each, against 255 and 2). The same values meet the same
     # products: the bits do not change.
     split_prep: bool = False
 

@@ -190,7 +190,7 @@ case "$stage" in
     attention_window16 ;;
   split-prep)
     # Queued for session 11: the GDN prep pass in two launches (PromptTiles.split_prep, built in session 10 after
-    # the device budget was spent: offline 168 and 155 registers, 3 programs an SM each, against 255 and 2; CPU bits
+    # the device budget was spent: offline 168 and 152 registers, 3 programs an SM each, against 255 and 2; CPU bits
     # equal to the one-launch prep) beside the shipped tiles and fla at 4K / 16K / 64K, then its gpu bits test.
     bf="precision=bf16,store_dtype=bfloat16,transposed=1,fused_output=1,block_v=32,num_warps=4"
     JAX_PLATFORMS=cuda timeout 300 python3 -m pallas_kernels.bench gdn --t 4096,16384,65536 --skip verify,conv,step \
