@@ -23,7 +23,8 @@ How the kernel works (Pallas, Triton lowering; docs/kernels/qmm.md has the measu
   on the H200 (the strided loads cost more than the transposes), so off by default.
 - The decode tiles read the scales and biases as uint32 words of two adjacent groups (`Tiles.scale_words`, a free
   view; split in registers), which the cp.async pipeline carries with the weight words; as 2-byte loads they were
-  plain global loads the wgmma fences waited on, prefetched a step ahead (`Tiles.prefetch`, now off) or not. Each
+  plain global loads (prefetched a step ahead: `Tiles.prefetch`, now off), and on the device the wgmma fences were
+  the most stalled instructions, on the long scoreboard, which we read as waiting for them. Each
   field pair's mask-and-OR is one inline-PTX lop3 (`Tiles.lop3`; the compiler emits two instructions).
 - The MMA runs weight-major (w [block_n, chunk] @ x^T [chunk, block_m], Hopper wgmma when block_n >= 64), fp32
   accumulation, one chunk after another in increasing k.
@@ -203,8 +204,9 @@ def replace_tiles(tiles: Tiles, spec: str) -> Tiles:
 # `fma_ptx` (session 5, one device run): the round 13.43 -> 12.64 ms, isolated decode kernels 1.05-1.24x, and the
 # weights now get the single rounding the design specifies (without it XLA's build rounded q * s first).
 # `scale_words` with `prefetch` off (session 10): Nsight Compute's stall samples put the kernel's largest stalls
-# at the wgmma fences waiting on the prefetched 2-byte scale loads, and the scales went through shared memory once
-# more to change layout; as uint32 words they ride the cp.async stages and the round trip goes (offline SASS).
+# at the wgmma fences, on the long scoreboard (read as waiting for the prefetched 2-byte scale loads), and the
+# scales went through shared memory once more to change layout; as uint32 words they ride the cp.async stages and
+# the round trip goes (offline SASS).
 # One device run: the whole decode round 12.25 -> 11.83 ms device-bound, 12.39 -> 11.89 pipelined; isolated
 # kernels 1.02-1.22x at M = 1, 0.97-1.06x at M = 16; bits unchanged (gpu test at the 27B's MLP shapes).
 DECODE_TILES = Tiles(block_m=16, block_n=64, blocks_per_step=1, num_warps=4, num_stages=3, max_m_blocks=2,
