@@ -229,6 +229,11 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _padded_rows(n: int) -> int:
+    """Rows an MMA tile holds for n rows (packed query rows, window keys): a power of two, at least 16."""
+    return max(16, _pow2(n))
+
+
 def _pow2_floor(n: int) -> int:
     return 1 << max(0, n.bit_length() - 1)
 
@@ -641,7 +646,7 @@ class _PassOne(NamedTuple):
 def _pass_one(q: jax.Array, pool: KVPool, page_table: jax.Array, tiles: WindowTiles) -> _PassOne:
     _, r, hq, d = q.shape
     ps = pool.page_size
-    mrows = max(16, _pow2(r * (hq // pool.k.shape[0])))
+    mrows = _padded_rows(r * (hq // pool.k.shape[0]))
     cdt = _compute_dtype(q.dtype, pool, tiles.fp8_dot)
     max_keys = page_table.shape[1] * ps
     n_chunks = -(-max_keys // tiles.chunk)
@@ -722,8 +727,8 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
                                interpret=interpret)
     s, r, hq, d = q.shape
     group = hq // hkv
-    mrows = max(16, _pow2(r * group))
-    rp = max(16, _pow2(r))
+    mrows = _padded_rows(r * group)  # as `_pass_one` packs them for pass 1
+    rp = _padded_rows(r)
     fp8 = pool.fp8
     cdt = _compute_dtype(q.dtype, pool, tiles.fp8_dot)
     max_keys = page_table.shape[1] * pool.page_size
@@ -830,7 +835,7 @@ def _window_tickets(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: j
                  kw.reshape(s, r * hkv, d), vw.reshape(s, r * hkv, d), *_pool_operands(pool), *win_scales,
                  jnp.zeros((s, hkv * parts, groups + 1), jnp.int32)])
     kernel = functools.partial(_window_ticket_kernel, fp8=pool.fp8, scale=scale, r=r, group=hq // hkv, mrows=rb,
-                               parts=parts, rp=max(16, _pow2(r)), max_keys=one.max_keys, page_size=pool.page_size,
+                               parts=parts, rp=_padded_rows(r), max_keys=one.max_keys, page_size=pool.page_size,
                                tiles=tiles, unroll=unroll, max_block=max_block, interpret=interpret, cdt=one.cdt)
     f32 = jnp.float32
     with jax.named_scope("attn_window_tickets"):

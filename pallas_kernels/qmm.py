@@ -166,7 +166,7 @@ class Tiles:
     fma_ptx: bool = False
     # "fused", 16-bit scales and biases: read them as uint32 words of two adjacent groups (a free view made per
     # call) and split them in registers. 4-byte elements can ride the cp.async pipeline with the weight words;
-    # 2-byte loads stay plain global loads, which the device profile (session 10) shows every step waiting for.
+    # 2-byte loads stay plain global loads, which the device profile (session 10) suggests every step waits for.
     # Same values: the bits do not change.
     scale_words: bool = False
 
