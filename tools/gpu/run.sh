@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -188,6 +188,11 @@ case "$stage" in
   window16)
     # The 16-row window's tile variants alone (row_block 64 / 32 beside the shipped tiles and the other walk).
     attention_window16 ;;
+  twenty-eighth)
+    # Session 11: what one launch costs the host, Triton against Mosaic GPU kernels, under three XLA command-buffer
+    # settings (tools/gpu/dispatch_probe.py), then the queued split-prep stage.
+    timeout 110 python3 tools/gpu/dispatch_probe.py --timeout 35 2>&1 | tee "$out/dispatch_probe.log" | grep -v "^\[" | tail -12
+    bash "$0" split-prep ;;
   twenty-seventh)
     # Queued for session 11, first call: the engine's gpu gates and the qmm decode tests with session 10's
     # defaults (decode tiles with scale_words on and prefetch off, never run as a pair through the engine gates;
@@ -203,7 +208,7 @@ case "$stage" in
     # the device budget was spent: offline 168 and 152 registers, 3 programs an SM each, against 255 and 2; CPU bits
     # equal to the one-launch prep) beside the shipped tiles and fla at 4K / 16K / 64K, then its gpu bits test.
     bf="precision=bf16,store_dtype=bfloat16,transposed=1,fused_output=1,block_v=32,num_warps=4"
-    JAX_PLATFORMS=cuda timeout 300 python3 -m pallas_kernels.bench gdn --t 4096,16384,65536 --skip verify,conv,step \
+    JAX_PLATFORMS=cuda timeout 280 python3 -m pallas_kernels.bench gdn --t 4096,16384,65536 --skip verify,conv,step \
       --iters 10 --prompt-tiles "$bf;$bf,split_prep=1" > "$out/gdn_prompt.log" 2>&1
     grep -vE "^\[|^  " "$out/gdn_prompt.log" | tail -30
     timeout -s INT 150 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_gdn.py \
@@ -358,7 +363,7 @@ PY
     # WindowTiles default (64x4). `seventeenth` has the engine's gates (the conv's history barrier moved into
     # _conv_prompt after session 8's last device run: pools in place still to confirm on the GPU).
     bf="precision=bf16,store_dtype=bfloat16,transposed=1"
-    JAX_PLATFORMS=cuda timeout 300 python3 -m pallas_kernels.bench gdn --t 4096,16384,65536 --skip verify,conv,step \
+    JAX_PLATFORMS=cuda timeout 280 python3 -m pallas_kernels.bench gdn --t 4096,16384,65536 --skip verify,conv,step \
       --iters 10 --prompt-tiles "$bf,block_v=16,num_warps=2;$bf,fused_output=1,block_v=16,num_warps=2;\
 $bf,fused_output=1,block_v=16,num_warps=4;$bf,fused_output=1,block_v=32,num_warps=4" > "$out/gdn_prompt.log" 2>&1
     grep -vE "^\[|^  " "$out/gdn_prompt.log" | tail -30
