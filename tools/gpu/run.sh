@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -188,6 +188,20 @@ case "$stage" in
   window16)
     # The 16-row window's tile variants alone (row_block 64 / 32 beside the shipped tiles and the other walk).
     attention_window16 ;;
+  twenty-ninth)
+    # Session 11: dispatch_probe found a Mosaic GPU launch no dearer for the host than a Triton one (enqueue 5.1 vs
+    # 5.8 µs), so is the engine still slower with the Mosaic GPU decode qmm (session 6: 63.7 vs 80.2 forwards/s)?
+    # One stream, the Triton tiles and the Mosaic GPU kernel in one run, the latter also with custom calls in the
+    # command buffers; then the engine's exactness gates with the Mosaic GPU kernel on.
+    cc="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1"
+    for v in "triton|" "mgpu|" "mgpu|$cc"; do
+      XLA_FLAGS="${v#*|}" timeout 110 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths "" \
+        --rounds 32 --no-compile-timing --compile-cache "" --qmm-decode-impl "${v%%|*}" 2>&1 \
+        | tee -a "$out/bench_impls.log" | grep -E "^decode [0-9]+ streams:" | sed "s/^/${v%%|*} ${v#*|}: /"
+    done
+    pytest_mgpu 200 -m gpu -v -p no:cacheprovider --tb=short -rfE tests/test_engine_gpu.py \
+      > "$out/gpu_tests_engine_mgpu.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_engine_mgpu.log | cut -c1-200 | tail -12 ;;
   twenty-eighth)
     # Session 11: what one launch costs the host, Triton against Mosaic GPU kernels, under three XLA command-buffer
     # settings (tools/gpu/dispatch_probe.py), then the queued split-prep stage.
