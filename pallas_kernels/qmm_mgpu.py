@@ -1,5 +1,5 @@
-"""Decode qmm on Mosaic GPU (experimental; off by default: `qmm.DECODE_IMPL = "mgpu"` or `bench --qmm-decode-impl
-mgpu` route the decode calls it supports here): y [M, N] = x [M, K] @ dequantize(w)^T for
+"""Decode qmm on Mosaic GPU (the default decode kernel on a GPU since session 11: `qmm.DECODE_IMPL` "auto" routes
+the decode calls it supports here outside interpret mode; "triton" keeps them on the Triton tiles): y [M, N] = x [M, K] @ dequantize(w)^T for
 M <= 16 decode/verify rows, 4-bit MLX weights with bf16 scales and biases, group 64, bf16 x.
 
 Why a second kernel: the Triton decode kernel (`qmm.py`) runs at 35-44 % of copy on the H200 because its loads and

@@ -204,7 +204,7 @@ def cmd_bench(args) -> int:
     shipped_impl, shipped_decode = qmm.PROMPT_IMPL, qmm.DECODE_IMPL
     qmm.PROMPT_IMPL = args.qmm_prompt_impl or shipped_impl  # read when the prompt programs are traced
     qmm.DECODE_IMPL = args.qmm_decode_impl or shipped_decode  # ... and the decode ones
-    log(f"qmm prompt implementation: {qmm.PROMPT_IMPL}, decode: {qmm.DECODE_IMPL}")
+    log(f"qmm prompt implementation: {qmm.PROMPT_IMPL}, decode: {qmm.decode_impl()}")
     try:
         res = bench.run(params, cfg, backend=_backend(args), dtype=args.dtype, kv_cache=args.kv_cache,
                         streams=streams, prompt_lengths=lengths, context=args.context, rounds=args.rounds,
@@ -214,7 +214,7 @@ def cmd_bench(args) -> int:
         raise SystemExit(f"error: {e}") from None
     finally:
         used, qmm.PROMPT_IMPL = qmm.PROMPT_IMPL, shipped_impl
-        used_decode, qmm.DECODE_IMPL = qmm.DECODE_IMPL, shipped_decode
+        used_decode, qmm.DECODE_IMPL = qmm.decode_impl(), shipped_decode
     print(json.dumps(dict(res.as_dict(), qmm_prompt_impl=used, qmm_decode_impl=used_decode)) if args.json
           else "\n".join(res.lines()))
     return 0
@@ -289,9 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--qmm-prompt-impl", choices=("fused", "dequant"), default=None,
                     help="the quantized matmul's prompt implementation to time (default: the shipped one; "
                          "pallas_kernels/qmm.py PROMPT_IMPL). The two differ in the last bits of prompt rows")
-    be.add_argument("--qmm-decode-impl", choices=("triton", "mgpu"), default=None,
-                    help="the quantized matmul's decode implementation (default: the shipped one; pallas_kernels/"
-                         "qmm.py DECODE_IMPL; mgpu = the experimental Mosaic GPU kernel, GPU only)")
+    be.add_argument("--qmm-decode-impl", choices=("auto", "triton", "mgpu"), default=None,
+                    help="the quantized matmul's decode implementation (default: the shipped one, pallas_kernels/"
+                         "qmm.py DECODE_IMPL: auto = mgpu on a GPU, triton elsewhere; mgpu = the Mosaic GPU "
+                         "kernel, GPU only). The two differ in the last bits of decode rows")
     be.add_argument("--json", action="store_true", help="print one JSON object")
     be.set_defaults(fn=cmd_bench)
     return p

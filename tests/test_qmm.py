@@ -30,6 +30,13 @@ HALF_TOL = 8e-3
 CASES = [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128)]
 
 
+@pytest.fixture(autouse=True)
+def _triton_decode(monkeypatch):
+    """These tests are the Triton kernels' (on the GPU "auto" would send the decode calls it supports to the Mosaic
+    GPU kernel, whose tests are tests/test_qmm_mgpu.py)."""
+    monkeypatch.setattr(qmm, "DECODE_IMPL", "triton")
+
+
 def _weight(rng, n: int, k: int, bits: int, group: int, scale_dtype=jnp.bfloat16):
     """A random quantized weight and its float64 oracle [N, K]."""
     dense = rng.normal(size=(n, k)).astype(np.float32) * 0.05

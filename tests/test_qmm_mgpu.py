@@ -150,6 +150,25 @@ def test_qmm_decode_impl_switch(monkeypatch):
         qmm.qmm(x, w, interpret=True)
 
 
+def test_auto_is_mgpu_on_a_gpu_only(monkeypatch):
+    """The default DECODE_IMPL, "auto", resolves to the Mosaic GPU kernel on a GPU backend outside interpret mode
+    and to the Triton kernel elsewhere (CPU, interpret mode), and decode_layout follows the resolved choice."""
+    from pallas_kernels import qmm
+    assert qmm.DECODE_IMPL == "auto"
+    rng = np.random.default_rng(3500)
+    params = {"a": _small_weight(rng, 256, 512)}
+    on_gpu = jax.default_backend() == "gpu"
+    assert qmm.decode_impl() == ("mgpu" if on_gpu else "triton")
+    assert qmm.decode_impl(interpret=True) == "triton"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert qmm.decode_impl() == "mgpu" and qmm.decode_impl(interpret=True) == "triton"
+    assert qmm.decode_layout(params)["a"].scales_t is not None
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert qmm.decode_impl() == "triton" and qmm.decode_layout(params) is params
+    monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
+    assert qmm.decode_impl() == "mgpu" and qmm.decode_impl(interpret=True) == "mgpu"
+
+
 def test_27b_decode_program_lowers_with_it(h200_lowering, monkeypatch):
     """The 27B decode program (4 layers) with DECODE_IMPL = "mgpu" lowers for an H200 on the CPU, every quantized
     projection on the Mosaic GPU kernel (none left on the Triton one)."""
@@ -168,6 +187,7 @@ def test_decode_layout_transposes_once_same_bits(monkeypatch):
     from pallas_kernels import qmm
     rng = np.random.default_rng(3400)
     params = {"a": _small_weight(rng, 256, 512), "b": [_small_weight(rng, 128, 512, bits=8), jnp.ones((4, 4))]}
+    monkeypatch.setattr(qmm, "DECODE_IMPL", "triton")
     assert qmm.decode_layout(params) is params
     monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
     laid = qmm.decode_layout(params)

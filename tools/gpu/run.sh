@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -188,6 +188,15 @@ case "$stage" in
   window16)
     # The 16-row window's tile variants alone (row_block 64 / 32 beside the shipped tiles and the other walk).
     attention_window16 ;;
+  thirtieth)
+    # Session 11, last call: the Mosaic GPU decode qmm is the default on a GPU now (qmm.DECODE_IMPL "auto"). Its own
+    # gpu tests, the 27B bench at the defaults (compile cold / warm with its kernels), the server beside the engine.
+    timeout -s INT 120 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_qmm_mgpu.py \
+      > "$out/gpu_tests_mgpu.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_mgpu.log" | cut -c1-160 | tail -8
+    timeout 150 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths 4096,32768 --rounds 32 \
+      2>&1 | tee "$out/bench_27b.log" | grep -E "implementation|^compile|^prompt |^decode " | tail -9
+    bash "$0" twenty-sixth ;;
   twenty-ninth)
     # Session 11: dispatch_probe found a Mosaic GPU launch no dearer for the host than a Triton one (enqueue 5.1 vs
     # 5.8 µs), so is the engine still slower with the Mosaic GPU decode qmm (session 6: 63.7 vs 80.2 forwards/s)?
