@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from server.loading import EMBEDDED_MODEL, REPO_ROOT, SHAPES
+from server.loading import DECODE_KERNELS, EMBEDDED_MODEL, REPO_ROOT, SHAPES
 
 API_KEY_ENV = "QWEN_JAX_API_KEY"
 
@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "not pay for idle ones) and packs concurrent prompts, and needs the row-invariant kernels "
                         "(refused with --no-kernels); 'auto' (default) is the engine's choice (batched where the "
                         "kernels make rows independent of the batch)")
+    s.add_argument("--decode-kernel", choices=DECODE_KERNELS, default="auto",
+                   help="quantized matmul kernel for decode rows: 'auto' (default) is the Mosaic GPU kernel on a GPU "
+                        "(fastest decode; compiled again at every start), 'triton' the Triton kernel (starts faster "
+                        "from the compilation cache), 'mgpu' the Mosaic GPU kernel (GPU only)")
     s.add_argument("--max-queued", type=_positive, default=64, metavar="N",
                    help="requests allowed to wait for admission; beyond it requests get 503 + Retry-After "
                         "(default 64)")
@@ -114,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         loaded = build_engine(model=args.model, synthetic=args.synthetic, dtype=args.dtype, kv_cache=args.kv_cache,
                               max_model_len=args.max_model_len, parallel=args.parallel, max_queued=args.max_queued,
                               no_kernels=args.no_kernels, max_logprobs=args.max_logprobs,
-                              progress=not args.no_progress, shapes=args.shapes)
+                              progress=not args.no_progress, shapes=args.shapes, decode_kernel=args.decode_kernel)
     except ValueError as e:  # checkpoint and config errors are ValueErrors with a message for the user
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -124,9 +128,11 @@ def main(argv: list[str] | None = None) -> int:
                       model_root=loaded.model_root, defaults=loaded.defaults, default_max_tokens=args.max_tokens)
     app = build_app(serving, api_key=api_key, max_body_bytes=args.max_request_bytes)
     log = logging.getLogger("server")
-    log.info("serving %s as %r on http://%s:%d (max_model_len %d, parallel %d, %s shapes, api key %s)",
-             loaded.model_root, serving.model_name, args.host, args.port, serving.max_model_len, args.parallel,
-             engine.shape_policy, "required" if api_key else "off")
+    from pallas_kernels import qmm
+    log.info("serving %s as %r on http://%s:%d (max_model_len %d, parallel %d, %s shapes, decode kernel %s, "
+             "api key %s)", loaded.model_root, serving.model_name, args.host, args.port, serving.max_model_len,
+             args.parallel, engine.shape_policy, qmm.decode_impl() if engine.backend.kernels else "none (jnp)",
+             "required" if api_key else "off")
     try:
         # Streams still open at shutdown are cut after a few seconds; their requests are cancelled as they close.
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,

@@ -28,7 +28,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from server.loading import SHAPES
+from server.loading import DECODE_KERNELS, SHAPES
 
 
 @dataclass
@@ -281,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-logprobs", type=int, default=20)
     e.add_argument("--no-kernels", action="store_true")
     e.add_argument("--shapes", choices=tuple(SHAPES), default="auto")
+    e.add_argument("--decode-kernel", choices=DECODE_KERNELS, default="auto")
     return p
 
 
@@ -289,7 +290,7 @@ def _build_engine(args):
     engine = build_engine(model=args.model_dir, synthetic=args.synthetic, dtype=args.dtype, kv_cache=args.kv_cache,
                           max_model_len=args.max_model_len, parallel=args.parallel, max_queued=args.max_queued,
                           no_kernels=args.no_kernels, max_logprobs=args.max_logprobs, progress=True,
-                          shapes=args.shapes).engine
+                          shapes=args.shapes, decode_kernel=args.decode_kernel).engine
     engine.start()
     return engine
 
@@ -326,7 +327,7 @@ def _engine_flags(args) -> list[str]:
     """The engine's flags, spelt the same for `server.bench --engine` and `python -m server`."""
     flags = ["--dtype", args.dtype, "--kv-cache", args.kv_cache, "--max-model-len", str(args.max_model_len),
              "--parallel", str(args.parallel), "--max-queued", str(args.max_queued),
-             "--max-logprobs", str(args.max_logprobs), "--shapes", args.shapes]
+             "--max-logprobs", str(args.max_logprobs), "--shapes", args.shapes, "--decode-kernel", args.decode_kernel]
     if args.synthetic:
         flags += ["--synthetic", args.synthetic]
     if args.no_kernels:

@@ -192,7 +192,8 @@ def test_help_documents_every_flag():
     out = _cli("--help").stdout
     for flag in ("--model", "--drafter", "--no-drafts", "--host", "--port", "--max-model-len", "--parallel",
                  "--kv-cache", "--dtype", "--api-key", "--max-queued", "--served-model-name", "--max-tokens",
-                 "--max-request-bytes", "--synthetic", "--max-logprobs", "--no-kernels", "--shapes", "QWEN_JAX_API_KEY",
+                 "--max-request-bytes", "--synthetic", "--max-logprobs", "--no-kernels", "--shapes", "--decode-kernel",
+                 "QWEN_JAX_API_KEY",
                  "captures/tiny", "gibberish"):
         assert flag in out, flag
     bench = subprocess.run([sys.executable, "-m", "server.bench", "--help"], cwd=REPO_ROOT, capture_output=True,
@@ -215,3 +216,23 @@ def test_cli_refusals():
     assert r.returncode == 2 and "--shapes batched" in r.stderr, r.stderr
     r = _cli("--shapes", "wide")
     assert r.returncode == 2 and "--shapes" in r.stderr
+    r = _cli("--decode-kernel", "cutlass")
+    assert r.returncode == 2 and "--decode-kernel" in r.stderr
+
+
+def test_decode_kernel_choice(monkeypatch):
+    """--decode-kernel sets the process's decode qmm (resolved: Triton on the CPU for "auto"); mgpu without a GPU and
+    an unknown name are ValueErrors naming the flag, and leave the setting as it was."""
+    import jax
+
+    from pallas_kernels import qmm
+    from server.loading import set_decode_kernel
+    monkeypatch.setattr(qmm, "DECODE_IMPL", "auto")
+    assert set_decode_kernel("triton") == "triton" and qmm.DECODE_IMPL == "triton"
+    assert set_decode_kernel("auto") == ("mgpu" if jax.default_backend() == "gpu" else "triton")
+    with pytest.raises(ValueError, match="--decode-kernel"):
+        set_decode_kernel("cutlass")
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="--decode-kernel mgpu needs a GPU"):
+            set_decode_kernel("mgpu")
+    assert qmm.DECODE_IMPL == "auto"
