@@ -5,10 +5,9 @@ One jitted program chains `--calls` launches of one kernel on a tiny shape (so t
 µs), and the program is timed three ways: `enqueue` (the jitted call returning: jax's dispatch), `sync` (call +
 block_until_ready), `pipelined` (`--reps` programs dispatched back to back, then one block: the rate the engine's
 pipelined loop can reach). Divided by the calls a program, the pipelined number is the larger of the host's and
-the device's cost a launch. Kernels: the shipped Triton decode qmm, the Mosaic GPU decode qmm (TMA descriptors for
-x, words, scales, biases and the output made on the host at each launch), and a Mosaic GPU copy through two TMA
-descriptors (the smallest Mosaic GPU launch). Each XLA flag variant runs in its own process (XLA reads XLA_FLAGS
-once).
+the device's cost a launch. Kernels: the Triton decode qmm and the Mosaic GPU decode qmm (TMA descriptors for x,
+words, scales, biases and the output made on the host at each launch). Each XLA flag variant runs in its own
+process (XLA reads XLA_FLAGS once).
 
     python3 tools/gpu/dispatch_probe.py                 # on the device; ~10 s a variant
 """
@@ -28,31 +27,12 @@ VARIANTS = {
     "custom-calls-too": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN "
                         "--xla_gpu_graph_min_graph_size=1",
 }
-KERNELS = ("triton-qmm", "mgpu-qmm", "mgpu-copy")
+KERNELS = ("triton-qmm", "mgpu-qmm")
 
 
 def _program(kernel: str, calls: int, size: int):
     import jax
     import jax.numpy as jnp
-
-    if kernel == "mgpu-copy":
-        from jax.experimental import pallas as pl
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-
-        def copy_kernel(x_ref, o_ref):
-            o_ref[...] = x_ref[...] + 1.0
-
-        one = pl.pallas_call(copy_kernel, out_shape=jax.ShapeDtypeStruct((8, size), jnp.float32),
-                             in_specs=[pl.BlockSpec((8, 128), lambda i: (0, i))],
-                             out_specs=pl.BlockSpec((8, 128), lambda i: (0, i)), grid=(size // 128,),
-                             compiler_params=plgpu.CompilerParams())
-
-        def body(x):
-            for _ in range(calls):
-                x = one(x)
-            return x
-
-        return jax.jit(body), (jnp.zeros((8, size), jnp.float32),)
 
     from pallas_kernels import qmm
     from pallas_kernels.bench.qmm import _random_weights
@@ -96,7 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--kernels", default=",".join(KERNELS))
     ap.add_argument("--calls", type=int, default=128)
-    ap.add_argument("--size", type=int, default=1024, help="K = N of the qmm weight (4-bit g64); copy columns")
+    ap.add_argument("--size", type=int, default=1024, help="K = N of the qmm weight (4-bit g64)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
