@@ -102,6 +102,13 @@ def _check(x: jax.Array, w: QuantizedWeight) -> None:
         raise ValueError(f"qmm_mgpu: {why}")
 
 
+def _div(a: jax.Array, b: int) -> jax.Array:
+    """a // b for a traced a >= 0 and b > 0 as one integer division: jnp's floor division adds a sign correction
+    (a jitted helper with sign ops) that Mosaic GPU lowers at every index map, about a sixth of the kernel's
+    lowering time, for the same value here."""
+    return lax.div(a, jnp.asarray(b, a.dtype))
+
+
 def _smem_transforms(cols: int, bits: int, operand: str) -> tuple:
     """Tiling and swizzle of a shared-memory tile with rows of `cols` elements of `bits` bits (a wgmma operand)."""
     swizzle = plgpu.find_swizzle(cols * bits, operand)
@@ -155,8 +162,8 @@ def _partials(xp: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, sta
         cta = lax.axis_index("cta")
 
         def locate(i):  # step i of this CTA -> (tile, step within the tile's K); past the end: the last step again
-            f = jnp.minimum(cta * per_cta + i, total - 1)
-            return f // length, f % length
+            f = lax.min(cta * per_cta + i, jnp.int32(total - 1))
+            return _div(f, length), lax.rem(f, jnp.int32(length))
 
         def pipeline(body, context):
             return plgpu.emit_pipeline_warp_specialized(
@@ -226,7 +233,7 @@ def _partials(xp: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, sta
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store has read out_smem
                     out_smem[wg] = carry
                     plgpu.commit_smem()
-                    piece = cta - (tile * length) // per_cta
+                    piece = cta - _div(tile * length, per_cta)
                     plgpu.copy_smem_to_gmem(out_smem.at[wg],
                                             out_gmem.at[piece, pl.ds(tile * CTA_N, CTA_N)].at[wg_slice])
 
