@@ -48,6 +48,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.qweight import QuantizedWeight
 
 ROWS = 16  # x rows a call carries (the MMA's N); M <= ROWS
+# Wider pieces for calls of more than ROWS rows (verify windows, --parallel > 16): `qmm_rows` then cuts them into
+# pieces of WIDE_ROWS rows, reading the weight once a piece instead of once every 16 rows. Off (None) until the
+# device shows a row's bits the same in a 16-row and a WIDE_ROWS-row piece (`test_gpu_wide_pieces_same_bits`): the
+# pieces differ only in the MMA's N, and a row is one column of it. PIECE_ROWS: the piece heights the kernel takes.
+WIDE_ROWS: int | None = None
+PIECE_ROWS = (16, 32, 64)
 GROUP = 64
 TILE_N = 64  # output features a compute warpgroup
 COMPUTE_WGS = 2
@@ -79,27 +85,45 @@ def supports(x: jax.Array, w: QuantizedWeight) -> bool:
 
 
 def qmm_rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool = False) -> jax.Array:
-    """`qmm_decode` for any M: 16-row pieces, each padded to 16 like a lone row (so a row's bits never depend on
-    which piece it rides in), outputs concatenated. Every piece re-reads the weight: a verify program with many
-    rows pays for it (the Triton decode path re-reads it every 32 rows)."""
+    """`qmm_decode` for any M: pieces of `piece_rows(M)` rows, each padded like a lone row (so a row's bits never
+    depend on which piece it rides in), outputs concatenated. Every piece re-reads the weight: a verify program
+    with many rows pays for it (the Triton decode path re-reads it every 32 rows)."""
     if x.shape[0] == 0:
         return jnp.zeros((0, w.out_features), x.dtype)
-    return _rows(x, w, interpret=interpret)
+    return _rows(x, w, interpret=interpret, rows=piece_rows(x.shape[0]))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def _rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool) -> jax.Array:
+def piece_rows(m: int) -> int:
+    """The piece height `qmm_rows` uses for M rows: ROWS, or WIDE_ROWS for M > ROWS where it is set."""
+    if WIDE_ROWS is None or m <= ROWS:
+        return ROWS
+    if WIDE_ROWS not in PIECE_ROWS:
+        raise ValueError(f"qmm_mgpu: WIDE_ROWS={WIDE_ROWS} is not one of {PIECE_ROWS}")
+    return WIDE_ROWS
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "rows"))
+def _rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool, rows: int) -> jax.Array:
     # One program (see `qmm_decode` on eager calls).
-    return jnp.concatenate([qmm_decode(x[i:i + ROWS], w, interpret=interpret) for i in range(0, x.shape[0], ROWS)],
-                           axis=0)
+    return jnp.concatenate([qmm_decode(x[i:i + rows], w, interpret=interpret, rows=rows)
+                            for i in range(0, x.shape[0], rows)], axis=0)
 
 
-def _check(x: jax.Array, w: QuantizedWeight) -> None:
+def _check(x: jax.Array, w: QuantizedWeight, rows: int) -> None:
     why = _unsupported(x, w)
-    if why is None and not 1 <= x.shape[0] <= ROWS:
-        why = f"x must be bf16 [M <= {ROWS}, {w.in_features}], got {x.dtype} {tuple(x.shape)}"
+    if why is None and rows not in PIECE_ROWS:
+        why = f"rows={rows} is not one of {PIECE_ROWS}"
+    if why is None and not 1 <= x.shape[0] <= rows:
+        why = f"x must be bf16 [M <= {rows}, {w.in_features}], got {x.dtype} {tuple(x.shape)}"
     if why is not None:
         raise ValueError(f"qmm_mgpu: {why}")
+
+
+def stages_for(rows: int, stages: int) -> int:
+    """Pipeline stages for a piece height: a stage holds x [rows, 256] bf16, the weight tile (16 KB) and its scale
+    and bias rows; 64-row pieces fit 3 stages in the H200's 227 KB of shared memory beside the output tile. The
+    stage count changes no bits (only how far the copies run ahead)."""
+    return min(stages, 3) if rows > 32 else stages
 
 
 def _div(a: jax.Array, b: int) -> jax.Array:
@@ -139,8 +163,8 @@ def _pieces_written(n: int, k: int, block_groups: int, sms: int) -> np.ndarray:
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "sms", "interpret", "probe"))
 def _partials(xp: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, stages: int, block_groups: int,
               sms: int, interpret: bool, probe: str | None = None) -> jax.Array:
-    """The kernel (`flat_schedule`): xp [ROWS, K] bf16 (x padded to ROWS rows); q4 [N, K] uint4; st, bt [G, N]
-    bf16 -> fp32 pieces [P, N, ROWS] (only those `_pieces_written` marks are written). Each CTA runs one pipeline over its S steps,
+    """The kernel (`flat_schedule`): xp [R, K] bf16 (x padded to a piece height R, PIECE_ROWS); q4 [N, K] uint4;
+    st, bt [G, N] bf16 -> fp32 pieces [P, N, R] (only those `_pieces_written` marks are written). Each CTA runs one pipeline over its S steps,
     so the memory warpgroup never waits at a tile's edge; a step's MMAs go into a fresh accumulator whose value the
     compute warpgroup adds to its running fp32 sum (restarted where a tile starts), and the sum is stored where the
     tile or the chunk ends."""
@@ -263,15 +287,16 @@ def block_groups_for(k: int) -> int:
 
 def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_groups: int | None = None,
                transposed: tuple[jax.Array, jax.Array] | None = None, unsigned: bool | None = None,
-               interpret: bool = False) -> jax.Array:
-    """x bf16 [M <= 16, K] -> y bf16 [M, N] (see the module docstring). block_groups: None for the shape-derived
+               interpret: bool = False, rows: int = ROWS) -> jax.Array:
+    """x bf16 [M <= rows, K] -> y bf16 [M, N] (see the module docstring); rows: the piece height x is padded to
+    (PIECE_ROWS; the MMA's N). block_groups: None for the shape-derived
     `block_groups_for` (a caller that overrides must keep it fixed per weight shape). transposed: the scales and
     biases as [G, N], made once beforehand (default: the weight's `scales_t`, `biases_t` where it has them; else
     each call transposes them: for 5120 -> 34816 that is 22 MB of extra traffic beside the weight's 89 MB, 0.85 ms a
     27B forward). unsigned: convert the 4-bit fields as unsigned (else XOR 8 as signed, + 8); None for UNSIGNED.
     interpret: Mosaic GPU's interpreter on the CPU."""
     w.validate("qmm_mgpu weight")
-    _check(x, w)
+    _check(x, w, rows)
     n, k = w.shape
     bg = block_groups_for(k) if block_groups is None else block_groups
     if bg < 1 or (k // GROUP) % bg:
@@ -284,18 +309,18 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
         raise ValueError(f"qmm_mgpu: transposed scales and biases must be [{k // GROUP}, {n}], got "
                          f"{[tuple(t.shape) for t in transposed]}")
     unsigned = UNSIGNED if unsigned is None else unsigned
-    return _decode(x, w.words, *transposed, stages=stages, block_groups=bg, unsigned=unsigned, sms=SMS,
-                   interpret=interpret)
+    return _decode(x, w.words, *transposed, stages=stages_for(rows, stages), block_groups=bg, unsigned=unsigned,
+                   sms=SMS, interpret=interpret, rows=rows)
 
 
-@functools.partial(jax.jit, static_argnames=("stages", "block_groups", "unsigned", "sms", "interpret"))
+@functools.partial(jax.jit, static_argnames=("stages", "block_groups", "unsigned", "sms", "interpret", "rows"))
 def _decode(x: jax.Array, words: jax.Array, st: jax.Array, bt: jax.Array, *, stages: int, block_groups: int,
-            unsigned: bool, sms: int, interpret: bool) -> jax.Array:
+            unsigned: bool, sms: int, interpret: bool, rows: int) -> jax.Array:
     # One program around the kernel: called eagerly, separate dispatches of the small ops around an interpreted
     # kernel deadlocked the CPU client now and then (the interpreter's callbacks dispatch jax ops themselves).
     m, k = x.shape
     n = words.shape[0]
-    xp = jnp.pad(x, ((0, ROWS - m), (0, 0)))
+    xp = jnp.pad(x, ((0, rows - m), (0, 0)))
     q4 = lax.bitcast_convert_type(words, jnp.uint4).reshape(n, k)
     parts = _partials(xp, q4, st, bt, stages=stages, block_groups=block_groups, sms=sms, interpret=interpret,
                       probe="unsigned" if unsigned else None)

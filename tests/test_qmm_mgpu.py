@@ -109,6 +109,63 @@ def test_gpu_matches_oracle_and_rows_are_invariant(k, n, unsigned):
     _check_oracle_and_rows(n, k, interpret=False, unsigned=unsigned)
 
 
+def _wide_pieces_same_bits(n: int, k: int, rows: int, *, interpret: bool):
+    """Every row of a `rows`-row piece has the bits it has in a 16-row piece (alone or among 16): the pieces differ
+    only in the MMA's N. Also that qmm_rows with WIDE_ROWS = rows cuts a 40-row call into wide pieces and keeps the
+    rows' bits."""
+    rng = np.random.default_rng(3600 + rows)
+    w = _small_weight(rng, n, k)
+    x = jnp.asarray(rng.normal(size=(rows, k)), jnp.bfloat16)
+    wide = np.asarray(jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, interpret=interpret, rows=rows))(x, w))
+    narrow = jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, interpret=interpret))
+    for i in range(0, rows, 16):
+        np.testing.assert_array_equal(np.asarray(narrow(x[i:i + 16], w)).view(np.uint16),
+                                      wide[i:i + 16].view(np.uint16), err_msg=f"rows {i}..{i + 15}")
+    np.testing.assert_array_equal(np.asarray(narrow(x[rows - 1:], w)).view(np.uint16)[0],
+                                  wide[rows - 1].view(np.uint16), err_msg="last row alone")
+    return w, x, wide
+
+
+@pytest.mark.parametrize("rows", [32, 64])
+def test_interpreter_wide_pieces_same_bits(rows, monkeypatch):
+    w, x, wide = _wide_pieces_same_bits(256, 512, rows, interpret=True)
+    monkeypatch.setattr(qmm_mgpu, "WIDE_ROWS", rows)
+    assert qmm_mgpu.piece_rows(16) == 16 and qmm_mgpu.piece_rows(17) == rows
+    xs = jnp.concatenate([x, x[:40 - rows]]) if rows < 40 else x[:40]
+    got = np.asarray(qmm_mgpu.qmm_rows(xs, w, interpret=True))
+    np.testing.assert_array_equal(got[:min(rows, 40)].view(np.uint16), wide[:min(rows, 40)].view(np.uint16))
+
+
+def test_piece_rows_policy(monkeypatch):
+    """16-row pieces unless WIDE_ROWS is set and M > 16; a WIDE_ROWS the kernel does not take and a piece height
+    out of PIECE_ROWS are ValueErrors; 64-row pieces run 3 stages (shared memory), the others as asked."""
+    assert qmm_mgpu.WIDE_ROWS is None and qmm_mgpu.piece_rows(256) == 16
+    monkeypatch.setattr(qmm_mgpu, "WIDE_ROWS", 48)
+    assert qmm_mgpu.piece_rows(16) == 16
+    with pytest.raises(ValueError, match="WIDE_ROWS"):
+        qmm_mgpu.piece_rows(17)
+    with pytest.raises(ValueError, match="rows=24"):
+        jax.eval_shape(lambda x, w: qmm_mgpu.qmm_decode(x, w, rows=24), jax.ShapeDtypeStruct((1, 512), jnp.bfloat16),
+                       _abstract_weight(256, 512))
+    assert [qmm_mgpu.stages_for(r, 4) for r in qmm_mgpu.PIECE_ROWS] == [4, 4, 3]
+
+
+def test_wide_pieces_lower_for_the_h200():
+    sds = jax.ShapeDtypeStruct
+    for rows in (32, 64):
+        for k, n in ((5120, 34816), (17408, 5120)):
+            text = jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, rows=rows)).trace(
+                sds((rows, k), jnp.bfloat16), _abstract_weight(n, k)).lower(lowering_platforms=("cuda",)).as_text()
+            assert "mosaic_gpu" in text, (rows, k, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [32, 64])
+@pytest.mark.parametrize("k,n", [(5120, 6144), (17408, 5120), (128, 512)])
+def test_gpu_wide_pieces_same_bits(k, n, rows):
+    _wide_pieces_same_bits(n, k, rows, interpret=False)
+
+
 def _small_weight(rng, n: int, k: int, bits: int = 4):
     words = rng.integers(0, 2**32, size=(n, k * bits // 32), dtype=np.uint32)
     scales = jnp.asarray(rng.uniform(0.002, 0.02, size=(n, k // 64)), jnp.bfloat16)

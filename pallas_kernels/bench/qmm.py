@@ -50,9 +50,12 @@ from pallas_kernels.qweight import QuantizedWeight, dequantize
 SHAPES = ((5120, 17408), (17408, 5120), (5120, 10240), (5120, 6144), (6144, 5120), (5120, 12288), (5120, 248320))
 # The Mosaic GPU decode kernel's variants `--mgpu` times: `qmm_mgpu.qmm_decode` keywords, and whether the scales
 # and biases come transposed beforehand (else every call transposes them).
+# `rows`: the piece height (qmm_mgpu.PIECE_ROWS, default 16); M past it runs in pieces of that height, as
+# `qmm_rows` cuts them (the weight read once a piece).
 MGPU_VARIANTS = (dict(stages=4, block_groups=4, pre=True), dict(stages=4, block_groups=4, pre=False),
                  dict(stages=6, block_groups=4, pre=True), dict(stages=4, block_groups=4, pre=True, unsigned=True),
-                 dict(stages=3, block_groups=8, pre=True), dict(stages=8, block_groups=2, pre=True))
+                 dict(stages=3, block_groups=8, pre=True), dict(stages=8, block_groups=2, pre=True),
+                 dict(stages=4, block_groups=4, pre=True, rows=32), dict(stages=4, block_groups=4, pre=True, rows=64))
 SWEEP_SHAPES = ((5120, 17408), (17408, 5120), (5120, 6144), (6144, 5120))
 MS = (1, 4, 16, 64, 256, 1024, 4096)
 BITS, GROUP = 4, 64
@@ -499,7 +502,10 @@ def _sweep(args, t_start: float) -> dict:
                 pre = kw.pop("pre")
                 if (k // GROUP) % kw["block_groups"]:
                     continue
-                fn = functools.partial(qmm_mgpu.qmm_decode, **kw)
+                rows = kw.pop("rows", qmm_mgpu.ROWS)
+                one = functools.partial(qmm_mgpu.qmm_decode, rows=rows, **kw)
+                fn = (lambda x, w, transposed=None, one=one, rows=rows: jnp.concatenate(
+                    [one(x[i:i + rows], w, transposed=transposed) for i in range(0, x.shape[0], rows)]))
                 arg_sets = [(x, w) for w in ws]
                 if pre:
                     fn = lambda x, w, st, bt, fn=fn: fn(x, w, transposed=(st, bt))

@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -188,6 +188,19 @@ case "$stage" in
   window16)
     # The 16-row window's tile variants alone (row_block 64 / 32 beside the shipped tiles and the other walk).
     attention_window16 ;;
+  thirty-third)
+    # Queued for session 12: wide pieces for the Mosaic GPU decode kernel (qmm_mgpu.WIDE_ROWS, off; built in
+    # session 11 after the device budget was spent): a row's bits in 16-, 32- and 64-row pieces, then verify-sized
+    # M beside the Triton tiles (pieces of 16 re-read the weight every 16 rows), then the round's anatomy at the
+    # defaults (Mosaic GPU decode kernel): where the non-qmm time goes now.
+    timeout -s INT 120 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_qmm_mgpu.py -k wide \
+      > "$out/gpu_tests_wide.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_wide.log" | cut -c1-160 | tail -10
+    timeout 200 python3 -m pallas_kernels.bench qmm --sweep --shapes 5120x17408,17408x5120 --m 16,64,256 \
+      --max-candidates 1 --mgpu --budget-s 170 --json "$out/qmm_wide.json" 2>&1 | tee "$out/qmm_wide.log" \
+      | grep -v "^\[" | grep -E "^decode|^\*|stages=4,block_groups=4,pre=True" | cut -c1-140 | tail -40
+    timeout 150 python3 tools/gpu/decode_profile.py --synthetic 27b --trace "$out/trace" --profiled 0 2>&1 \
+      | tee "$out/decode_trace.txt" | tail -30 ;;
   thirty-second)
     # Session 11: the Mosaic GPU decode kernel with its index maps on lax.div / lax.rem: its gpu tests and the
     # engine's stream-bucket gate (the default decode kernel on a GPU).
