@@ -768,18 +768,19 @@ def _matmul_call(x: jax.Array, wd: jax.Array, out_dtype, tiles: Tiles, interpret
     return _sum_splits(y, out_dtype) if split else y
 
 
-def decode_layout(params):
+def decode_layout(params, x_dtype=jnp.bfloat16):
     """params with every packed weight the Mosaic GPU decode kernel takes given its scales and biases transposed
     (`QuantizedWeight.scales_t`, `biases_t`: made once here, 1/8 of the 4-bit weights' bytes more memory) when
-    the decode calls go to it (`decode_impl()` is "mgpu"); otherwise params unchanged. Same values, so the same bits
-    either way."""
+    the decode calls go to it (`decode_impl()` is "mgpu") with activations of x_dtype (the model's dtype: fp32
+    activations stay on the Triton kernels, so their weights are left alone); otherwise params unchanged. Same
+    values, so the same bits either way."""
     if decode_impl() != "mgpu":
         return params
 
     def one(w):
         if not isinstance(w, QuantizedWeight) or w.scales_t is not None:
             return w
-        x = jax.ShapeDtypeStruct((1, w.in_features), jnp.bfloat16)
+        x = jax.ShapeDtypeStruct((1, w.in_features), x_dtype)
         if not qmm_mgpu.supports(x, w):
             return w
         t = lambda a: (jax.ShapeDtypeStruct(a.shape[::-1], a.dtype) if isinstance(a, jax.ShapeDtypeStruct)

@@ -506,7 +506,7 @@ class Programs:
     def __init__(self, params, cfg: ModelConfig, layout: Layout, buckets: Buckets, backend: M.Backend | None = None):
         self.backend = backend or M.Backend.default()
         if self.backend.kernels:  # the Mosaic GPU decode kernel's scale layout, where it is on (same bits)
-            params = qmm.decode_layout(params)
+            params = qmm.decode_layout(params, layout.jnp_dtype)
         self.params, self.cfg, self.layout, self.buckets = params, cfg, layout, buckets
         self.state = self.fresh_state()
         self.last = self._fresh_last()  # [slots] int32: each slot's last sampled token (decode_program)

@@ -220,6 +220,7 @@ def test_auto_is_mgpu_on_a_gpu_only(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert qmm.decode_impl() == "mgpu" and qmm.decode_impl(interpret=True) == "triton"
     assert qmm.decode_layout(params)["a"].scales_t is not None
+    assert qmm.decode_layout(params, jnp.float32)["a"].scales_t is None  # fp32 activations stay on Triton
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     assert qmm.decode_impl() == "triton" and qmm.decode_layout(params) is params
     monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
