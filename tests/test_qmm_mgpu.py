@@ -238,6 +238,59 @@ def test_27b_decode_program_lowers_with_it(h200_lowering, monkeypatch):
     assert "qmm_4b_g64" not in text
 
 
+def _mosaic_modules(text: str) -> list[str]:
+    """The Mosaic GPU kernels of a lowered program, each as its module's text without debug info and with the
+    per-process kernel counter (`dump_basename`) blanked."""
+    import re
+
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.interpreters import mlir
+    ctx = mlir.make_ir_context()
+    ctx.allow_unregistered_dialects = True
+    mgpu.dialect.register_dialect(ctx)
+    found = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for inner in block.operations:
+                    attrs = inner.operation.attributes
+                    if inner.operation.name == "stablehlo.custom_call" and "mosaic_gpu" in str(
+                            attrs["call_target_name"]):
+                        raw = mlir.ir.DictAttr(attrs["mhlo.backend_config"])["module"]
+                        kernel = mlir.ir.Module.parse(bytes(mlir.ir.StringAttr(raw).value_bytes))
+                        found.append(re.sub(r'dump_basename = "[^"]*"', "dump_basename", kernel.operation.get_asm(
+                            enable_debug_info=False)))
+                    walk(inner.operation)
+
+    with ctx:
+        walk(mlir.ir.Module.parse(text).operation)
+    return found
+
+
+def test_lowering_cache_same_program(h200_lowering, monkeypatch):
+    """With the lowering cache the 27B decode program is the uncached one outside the Mosaic GPU kernels' bytes,
+    and each kernel's module is the same but for the per-process counter and locations; two programs share their
+    kernels' hashes (compiled once a process), which the uncached lowering does not."""
+    import re
+
+    from pallas_kernels import qmm
+    from tests.test_model_kernels import _decode_program_text
+    monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
+    hashes = lambda t: sorted(set(re.findall(r'kernel_hash = "([^"]*)"', t)))
+    bytes_out = lambda t: re.sub(r'kernel_hash = "[^"]*", module = "[^"]*"', "KERNEL", t)
+    texts = {}
+    for cache in (False, True):
+        monkeypatch.setattr(qmm_mgpu, "LOWERING_CACHE", cache)
+        jax.clear_caches()  # the jitted kernel call was traced with the other setting
+        texts[cache] = (_decode_program_text(2), _decode_program_text(3))
+    (plain2, plain3), (cached2, cached3) = texts[False], texts[True]
+    assert bytes_out(plain2) == bytes_out(cached2) and bytes_out(plain3) == bytes_out(cached3)
+    assert _mosaic_modules(plain2) == _mosaic_modules(cached2) and len(_mosaic_modules(cached2)) >= 5
+    assert hashes(cached2) == hashes(cached3) and hashes(plain2) != hashes(plain3)
+    jax.clear_caches()
+
+
 def test_decode_layout_transposes_once_same_bits(monkeypatch):
     """qmm.decode_layout gives the weights the Mosaic GPU kernel takes their transposed scales and biases (only
     when DECODE_IMPL is "mgpu"; 8-bit weights and dense arrays are left alone); the kernel then reads them instead

@@ -189,7 +189,7 @@ case "$stage" in
     # The 16-row window's tile variants alone (row_block 64 / 32 beside the shipped tiles and the other walk).
     attention_window16 ;;
   thirty-third)
-    # Queued for session 12: wide pieces for the Mosaic GPU decode kernel (qmm_mgpu.WIDE_ROWS, off; built in
+    # Queued for session 12 (about 9 min): wide pieces for the Mosaic GPU decode kernel (qmm_mgpu.WIDE_ROWS, off; built in
     # session 11 after the device budget was spent): a row's bits in 16-, 32- and 64-row pieces, then verify-sized
     # M beside the Triton tiles (pieces of 16 re-read the weight every 16 rows), then the round's anatomy at the
     # defaults (Mosaic GPU decode kernel): where the non-qmm time goes now.
@@ -200,7 +200,11 @@ case "$stage" in
       --max-candidates 1 --mgpu --budget-s 170 --json "$out/qmm_wide.json" 2>&1 | tee "$out/qmm_wide.log" \
       | grep -v "^\[" | grep -E "^decode|^\*|stages=4,block_groups=4,pre=True" | cut -c1-140 | tail -40
     timeout 150 python3 tools/gpu/decode_profile.py --synthetic 27b --trace "$out/trace" --profiled 0 2>&1 \
-      | tee "$out/decode_trace.txt" | tail -30 ;;
+      | tee "$out/decode_trace.txt" | tail -30
+    # the Mosaic GPU lowering cache (session 11, after the device budget): compile cold / warm against session 11's
+    # 33.4 / 33.2 s without it, and the decode rate with it (the same kernels)
+    timeout 120 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths 4096 --rounds 16 2>&1 \
+      | tee "$out/bench_27b.log" | grep -E "^compile|^prompt |^decode " | tail -5 ;;
   thirty-second)
     # Session 11: the Mosaic GPU decode kernel with its index maps on lax.div / lax.rem: its gpu tests and the
     # engine's stream-bucket gate (the default decode kernel on a GPU).
