@@ -1,6 +1,7 @@
 """Decode qmm on Mosaic GPU (the default decode kernel on a GPU since session 11: `qmm.DECODE_IMPL` "auto" routes
-the decode calls it supports here outside interpret mode; "triton" keeps them on the Triton tiles): y [M, N] = x [M, K] @ dequantize(w)^T for
-M <= 16 decode/verify rows, 4-bit MLX weights with bf16 scales and biases, group 64, bf16 x.
+the decode calls it supports here outside interpret mode; "triton" keeps them on the Triton tiles):
+y [M, N] = x [M, K] @ dequantize(w)^T for decode/verify rows (pieces of 16), 4-bit MLX weights with bf16 scales and
+biases, group 64, bf16 x.
 
 Why a second kernel: the Triton decode kernel (`qmm.py`) runs at 35-44 % of copy on the H200 because its loads and
 its dequantize-and-MMA chain share one instruction stream and each chunk's wgmma is waited before the next chunk
@@ -175,10 +176,10 @@ def _partials(xp: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, sta
 def _kernel_call(xp: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, stages: int, block_groups: int,
                  sms: int, interpret: bool, probe: str | None = None) -> jax.Array:
     """The kernel (`flat_schedule`): xp [R, K] bf16 (x padded to a piece height R, PIECE_ROWS); q4 [N, K] uint4;
-    st, bt [G, N] bf16 -> fp32 pieces [P, N, R] (only those `_pieces_written` marks are written). Each CTA runs one pipeline over its S steps,
-    so the memory warpgroup never waits at a tile's edge; a step's MMAs go into a fresh accumulator whose value the
-    compute warpgroup adds to its running fp32 sum (restarted where a tile starts), and the sum is stored where the
-    tile or the chunk ends."""
+    st, bt [G, N] bf16 -> fp32 pieces [P, N, R] (only those `_pieces_written` marks are written). Each CTA runs one
+    pipeline over its S steps, so the memory warpgroup never waits at a tile's edge; a step's MMAs go into a fresh
+    accumulator whose value the compute warpgroup adds to its running fp32 sum (restarted where a tile starts), and
+    the sum is stored where the tile or the chunk ends."""
     rows, k = xp.shape
     n = q4.shape[0]
     block_k = GROUP * block_groups
@@ -339,13 +340,17 @@ def _call_attributes(avals, kw: dict) -> dict[str, str]:
 
 
 def _lower_cached(ctx, xp, q4, st, bt, **kw):
+    if getattr(ctx.module_context.axis_context, "num_devices", None) != 1:
+        # a program over several devices (Mosaic GPU's lowering reads the mesh): lowered in place, uncached
+        return mlir.lower_fun(functools.partial(_kernel_call, interpret=False, **kw), multiple_results=False)(
+            ctx, xp, q4, st, bt)
     key = (tuple((a.shape, str(a.dtype)) for a in ctx.avals_in), tuple(sorted(kw.items())))
     attrs = _LOWERED.get(key)
     if attrs is None:
         attrs = _LOWERED[key] = _call_attributes(ctx.avals_in, kw)
     op = mlir.ir.Operation.create(
-        "stablehlo.custom_call", results=[mlir.aval_to_ir_type(ctx.module_context, ctx.avals_out[0])], operands=[xp, q4, st, bt],
-        attributes={name: mlir.ir.Attribute.parse(text) for name, text in attrs.items()})
+        "stablehlo.custom_call", results=[mlir.aval_to_ir_type(ctx.module_context, ctx.avals_out[0])],
+        operands=[xp, q4, st, bt], attributes={name: mlir.ir.Attribute.parse(text) for name, text in attrs.items()})
     return op.results
 
 

@@ -291,6 +291,26 @@ def test_lowering_cache_same_program(h200_lowering, monkeypatch):
     jax.clear_caches()
 
 
+def test_lowering_cache_only_for_single_device_programs(monkeypatch):
+    """Under shard_map (an SPMD axis context, whose mesh Mosaic GPU's lowering reads) the kernel is lowered in
+    place and nothing is cached; a single-device program fills the cache once and reuses it."""
+    import functools
+
+    from jax.sharding import Mesh, PartitionSpec
+
+    monkeypatch.setattr(qmm_mgpu, "_LOWERED", {})
+    sds = jax.ShapeDtypeStruct
+    args = (sds((16, 512), jnp.bfloat16), sds((256, 512), jnp.uint4), sds((8, 256), jnp.bfloat16),
+            sds((8, 256), jnp.bfloat16))
+    f = functools.partial(qmm_mgpu._partials, stages=4, block_groups=4, sms=qmm_mgpu.SMS, interpret=False)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
+    spmd = jax.shard_map(f, mesh=mesh, in_specs=(PartitionSpec(),) * 4, out_specs=PartitionSpec(), check_vma=False)
+    lower = lambda fn: jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in lower(spmd) and not qmm_mgpu._LOWERED
+    first = lower(f)
+    assert len(qmm_mgpu._LOWERED) == 1 and lower(f) == first and len(qmm_mgpu._LOWERED) == 1
+
+
 def test_decode_layout_transposes_once_same_bits(monkeypatch):
     """qmm.decode_layout gives the weights the Mosaic GPU kernel takes their transposed scales and biases (only
     when DECODE_IMPL is "mgpu"; 8-bit weights and dense arrays are left alone); the kernel then reads them instead
