@@ -168,8 +168,8 @@ def _partials(xp: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, sta
               sms: int, interpret: bool, probe: str | None = None) -> jax.Array:
     """`_kernel_call`, through the lowering cache (`_partials_p`) when compiled for the GPU."""
     kw = dict(stages=stages, block_groups=block_groups, sms=sms, probe=probe)
-    if interpret or not LOWERING_CACHE:
-        return _kernel_call(xp, q4, st, bt, interpret=interpret, **kw)
+    if interpret:
+        return _kernel_call(xp, q4, st, bt, interpret=True, **kw)
     return _partials_p.bind(xp, q4, st, bt, **kw)
 
 
@@ -340,8 +340,9 @@ def _call_attributes(avals, kw: dict) -> dict[str, str]:
 
 
 def _lower_cached(ctx, xp, q4, st, bt, **kw):
-    if getattr(ctx.module_context.axis_context, "num_devices", None) != 1:
-        # a program over several devices (Mosaic GPU's lowering reads the mesh): lowered in place, uncached
+    if not LOWERING_CACHE or getattr(ctx.module_context.axis_context, "num_devices", None) != 1:
+        # cache off (read here, at lowering), or a program over several devices (Mosaic GPU's lowering reads the
+        # mesh): lowered in place, uncached
         return mlir.lower_fun(functools.partial(_kernel_call, interpret=False, **kw), multiple_results=False)(
             ctx, xp, q4, st, bt)
     key = (tuple((a.shape, str(a.dtype)) for a in ctx.avals_in), tuple(sorted(kw.items())))
