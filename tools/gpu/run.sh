@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -189,10 +189,19 @@ case "$stage" in
     # The 16-row window's tile variants alone (row_block 64 / 32 beside the shipped tiles and the other walk).
     attention_window16 ;;
   thirty-third)
-    # Queued for session 12 (about 9 min): wide pieces for the Mosaic GPU decode kernel (qmm_mgpu.WIDE_ROWS, off; built in
-    # session 11 after the device budget was spent): a row's bits in 16-, 32- and 64-row pieces, then verify-sized
-    # M beside the Triton tiles (pieces of 16 re-read the weight every 16 rows), then the round's anatomy at the
-    # defaults (Mosaic GPU decode kernel): where the non-qmm time goes now.
+    # Queued for session 12, first call (~7 min): the shipped path since session 11's last commits -- the Mosaic GPU
+    # decode kernel through its lowering cache (one lowering and one compile a kernel a process; CPU-checked only):
+    # the engine's gates and the kernel's gpu tests with it, then the bench's compile times (session 11 without
+    # the cache: 33.4 s cold / 33.2 s warm) and decode rate.
+    timeout -s INT 250 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
+      tests/test_qmm_mgpu.py -k "not wide" > "$out/gpu_tests_cache.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_cache.log" | cut -c1-160 | tail -20
+    timeout 150 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths 4096 --rounds 16 2>&1 \
+      | tee "$out/bench_27b.log" | grep -E "^compile|^prompt |^decode " | tail -5 ;;
+  thirty-fourth)
+    # Queued for session 12, second call (~8 min): wide pieces for the Mosaic GPU decode kernel (qmm_mgpu.WIDE_ROWS,
+    # off): a row's bits in 16-, 32- and 64-row pieces, then verify-sized M beside the Triton tiles (pieces of 16
+    # re-read the weight every 16 rows), then the round's anatomy at the defaults: where the non-qmm time goes now.
     timeout -s INT 120 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_qmm_mgpu.py -k wide \
       > "$out/gpu_tests_wide.log" 2>&1
     grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_wide.log" | cut -c1-160 | tail -10
@@ -200,11 +209,7 @@ case "$stage" in
       --max-candidates 1 --mgpu --budget-s 170 --json "$out/qmm_wide.json" 2>&1 | tee "$out/qmm_wide.log" \
       | grep -v "^\[" | grep -E "^decode|^\*|stages=4,block_groups=4,pre=True" | cut -c1-140 | tail -40
     timeout 150 python3 tools/gpu/decode_profile.py --synthetic 27b --trace "$out/trace" --profiled 0 2>&1 \
-      | tee "$out/decode_trace.txt" | tail -30
-    # the Mosaic GPU lowering cache (session 11, after the device budget): compile cold / warm against session 11's
-    # 33.4 / 33.2 s without it, and the decode rate with it (the same kernels)
-    timeout 120 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths 4096 --rounds 16 2>&1 \
-      | tee "$out/bench_27b.log" | grep -E "^compile|^prompt |^decode " | tail -5 ;;
+      | tee "$out/decode_trace.txt" | tail -30 ;;
   thirty-second)
     # Session 11: the Mosaic GPU decode kernel with its index maps on lax.div / lax.rem: its gpu tests and the
     # engine's stream-bucket gate (the default decode kernel on a GPU).
