@@ -313,23 +313,25 @@ _partials_p.def_abstract_eval(lambda xp, q4, st, bt, *, block_groups, sms, **_: 
 _partials_p.def_impl(lambda *args, **kw: jax.jit(functools.partial(_partials_p.bind, **kw))(*args))
 
 
+def custom_calls(op) -> list:
+    """Every `stablehlo.custom_call` operation nested in the MLIR operation op, in program order."""
+    found = []
+    for region in op.regions:
+        for block in region.blocks:
+            for inner in block.operations:
+                if inner.operation.name == "stablehlo.custom_call":
+                    found.append(inner.operation)
+                found += custom_calls(inner.operation)
+    return found
+
+
 def _call_attributes(avals, kw: dict) -> dict[str, str]:
     """The custom call `_kernel_call` lowers to for these operand avals, as {attribute: its text}; lowered in a
     program of its own, which must hold exactly one custom call on the program's operands in order."""
     args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
     fn = jax.jit(functools.partial(_kernel_call, interpret=False, **kw))
     module = fn.trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
-    calls = []
-
-    def walk(op):
-        for region in op.regions:
-            for block in region.blocks:
-                for inner in block.operations:
-                    if inner.operation.name == "stablehlo.custom_call":
-                        calls.append(inner.operation)
-                    walk(inner.operation)
-
-    walk(module.operation)
+    calls = custom_calls(module.operation)
     if len(calls) != 1:
         raise RuntimeError(f"qmm_mgpu lowering cache: expected one custom call, found {len(calls)}")
     call = calls[0]

@@ -21,7 +21,8 @@ SHAPES = {"auto": None, "fixed": True, "batched": False}
 # `--decode-kernel`: the quantized matmul kernel of decode and verify rows (pallas_kernels/qmm.py DECODE_IMPL).
 # "auto": the Mosaic GPU kernel on a GPU (faster decode: 88 vs 83 forwards/s on the 27B, H200), "triton": the Triton
 # tiles (its programs load from the compilation cache in seconds, where the Mosaic GPU kernels are compiled again
-# at every start). One kernel for the whole process, so replies stay exact across batching and drafting.
+# at every start). One kernel for the whole process, so replies stay exact across batching and drafting. The
+# names are qmm.DECODE_IMPLS, spelt out here so that parsing the flags imports no jax (a test keeps them equal).
 DECODE_KERNELS = ("auto", "triton", "mgpu")
 
 
@@ -31,7 +32,7 @@ def set_decode_kernel(name: str) -> str:
     import jax
 
     from pallas_kernels import qmm
-    if name not in DECODE_KERNELS:
+    if name not in qmm.DECODE_IMPLS:
         raise ValueError(f"--decode-kernel {name!r}: must be one of {', '.join(DECODE_KERNELS)}")
     if name == "mgpu" and jax.default_backend() != "gpu":
         raise ValueError(f"--decode-kernel mgpu needs a GPU (the JAX backend here is {jax.default_backend()})")

@@ -249,22 +249,14 @@ def _mosaic_modules(text: str) -> list[str]:
     ctx.allow_unregistered_dialects = True
     mgpu.dialect.register_dialect(ctx)
     found = []
-
-    def walk(op):
-        for region in op.regions:
-            for block in region.blocks:
-                for inner in block.operations:
-                    attrs = inner.operation.attributes
-                    if inner.operation.name == "stablehlo.custom_call" and "mosaic_gpu" in str(
-                            attrs["call_target_name"]):
-                        raw = mlir.ir.DictAttr(attrs["mhlo.backend_config"])["module"]
-                        kernel = mlir.ir.Module.parse(bytes(mlir.ir.StringAttr(raw).value_bytes))
-                        found.append(re.sub(r'dump_basename = "[^"]*"', "dump_basename", kernel.operation.get_asm(
-                            enable_debug_info=False)))
-                    walk(inner.operation)
-
     with ctx:
-        walk(mlir.ir.Module.parse(text).operation)
+        program = mlir.ir.Module.parse(text)  # held: the operations below live in it
+        for call in qmm_mgpu.custom_calls(program.operation):
+            if "mosaic_gpu" in str(call.attributes["call_target_name"]):
+                raw = mlir.ir.DictAttr(call.attributes["mhlo.backend_config"])["module"]
+                kernel = mlir.ir.Module.parse(bytes(mlir.ir.StringAttr(raw).value_bytes))
+                found.append(re.sub(r'dump_basename = "[^"]*"', "dump_basename",
+                                    kernel.operation.get_asm(enable_debug_info=False)))
     return found
 
 

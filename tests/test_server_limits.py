@@ -227,6 +227,11 @@ def test_decode_kernel_choice(monkeypatch):
 
     from pallas_kernels import qmm
     from server.loading import set_decode_kernel
+    from qwen_jax.__main__ import build_parser
+    from server.loading import DECODE_KERNELS
+    bench_flag = next(a for a in build_parser()._subparsers._group_actions[0].choices["bench"]._actions
+                      if "--qmm-decode-impl" in a.option_strings)
+    assert DECODE_KERNELS == qmm.DECODE_IMPLS == tuple(bench_flag.choices)  # the flags' names, spelt out there
     monkeypatch.setattr(qmm, "DECODE_IMPL", "auto")
     assert set_decode_kernel("triton") == "triton" and qmm.DECODE_IMPL == "triton"
     assert set_decode_kernel("auto") == ("mgpu" if jax.default_backend() == "gpu" else "triton")
