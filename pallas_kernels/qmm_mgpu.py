@@ -51,11 +51,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.qweight import QuantizedWeight
 
 ROWS = 16  # x rows a call carries (the MMA's N); M <= ROWS
-# Wider pieces for calls of more than ROWS rows (verify windows, --parallel > 16): `qmm_rows` then cuts them into
-# pieces of WIDE_ROWS rows, reading the weight once a piece instead of once every 16 rows. Off (None) until the
-# device shows a row's bits the same in a 16-row and a WIDE_ROWS-row piece (`test_gpu_wide_pieces_same_bits`): the
-# pieces differ only in the MMA's N, and a row is one column of it. PIECE_ROWS: the piece heights the kernel takes.
-WIDE_ROWS: int | None = None
+# Wider pieces for calls of more than ROWS rows (verify windows, --parallel > 16): `qmm_rows` cuts M rows into
+# pieces of at most WIDE_ROWS rows (`pieces`), each reading the weight once. A row's bits are the same in a 16-, 32-
+# or 64-row piece (the pieces differ only in the MMA's N, and a row is one column of it): shown on the H200 by
+# `test_gpu_wide_pieces_same_bits` (session 12), so the cut is free to follow M. On the H200 (session 12, 5120->17408)
+# 64-row pieces took 30 us at M = 64 against 75 in 16-row pieces, 134 against 265 at M = 256; at M = 16 a 32-row
+# piece costs what a 16-row one does and a 64-row one 1.3x. None: 16-row pieces only.
+# PIECE_ROWS: the piece heights the kernel takes.
+WIDE_ROWS: int | None = 64
 PIECE_ROWS = (16, 32, 64)
 GROUP = 64
 TILE_N = 64  # output features a compute warpgroup
@@ -88,28 +91,30 @@ def supports(x: jax.Array, w: QuantizedWeight) -> bool:
 
 
 def qmm_rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool = False) -> jax.Array:
-    """`qmm_decode` for any M: pieces of `piece_rows(M)` rows, each padded like a lone row (so a row's bits never
-    depend on which piece it rides in), outputs concatenated. Every piece re-reads the weight: a verify program
-    with many rows pays for it (the Triton decode path re-reads it every 32 rows)."""
+    """`qmm_decode` for any M: the pieces `pieces(M)` names, each padded like a lone row (so a row's bits never
+    depend on which piece it rides in), outputs concatenated. Every piece re-reads the weight."""
     if x.shape[0] == 0:
         return jnp.zeros((0, w.out_features), x.dtype)
-    return _rows(x, w, interpret=interpret, rows=piece_rows(x.shape[0]))
+    return _rows(x, w, interpret=interpret, heights=pieces(x.shape[0]))
 
 
-def piece_rows(m: int) -> int:
-    """The piece height `qmm_rows` uses for M rows: ROWS, or WIDE_ROWS for M > ROWS where it is set."""
-    if WIDE_ROWS is None or m <= ROWS:
-        return ROWS
-    if WIDE_ROWS not in PIECE_ROWS:
+def pieces(m: int) -> tuple[int, ...]:
+    """The piece heights `qmm_rows` cuts M rows into, in order: pieces of WIDE_ROWS while more than that is left,
+    then the least height of PIECE_ROWS that holds the rest (ROWS-row pieces only where WIDE_ROWS is None)."""
+    widest = ROWS if WIDE_ROWS is None else WIDE_ROWS
+    if widest not in PIECE_ROWS:
         raise ValueError(f"qmm_mgpu: WIDE_ROWS={WIDE_ROWS} is not one of {PIECE_ROWS}")
-    return WIDE_ROWS
+    out = [widest] * ((m - 1) // widest)
+    rest = m - widest * len(out)
+    return tuple(out + [next(r for r in PIECE_ROWS if r >= rest)]) if m > 0 else ()
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "rows"))
-def _rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool, rows: int) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("interpret", "heights"))
+def _rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool, heights: tuple[int, ...]) -> jax.Array:
     # One program (see `qmm_decode` on eager calls).
-    return jnp.concatenate([qmm_decode(x[i:i + rows], w, interpret=interpret, rows=rows)
-                            for i in range(0, x.shape[0], rows)], axis=0)
+    starts = np.cumsum((0,) + heights[:-1])
+    return jnp.concatenate([qmm_decode(x[i:i + r], w, interpret=interpret, rows=r)
+                            for i, r in zip(starts.tolist(), heights)], axis=0)
 
 
 def _check(x: jax.Array, w: QuantizedWeight, rows: int) -> None:
@@ -122,11 +127,18 @@ def _check(x: jax.Array, w: QuantizedWeight, rows: int) -> None:
         raise ValueError(f"qmm_mgpu: {why}")
 
 
-def stages_for(rows: int, stages: int) -> int:
-    """Pipeline stages for a piece height: a stage holds x [rows, 256] bf16, the weight tile (16 KB) and its scale
-    and bias rows; 64-row pieces fit 3 stages in the H200's 227 KB of shared memory beside the output tile. The
-    stage count changes no bits (only how far the copies run ahead)."""
-    return min(stages, 3) if rows > 32 else stages
+SMEM_BYTES = 227 * 1024  # the H200's shared memory a CTA may take
+
+
+def stages_for(rows: int, stages: int, block_groups: int = BLOCK_GROUPS) -> int:
+    """Pipeline stages for a piece height: as many of `stages` as fit in SMEM_BYTES beside the output tile (fp32
+    [COMPUTE_WGS, TILE_N, rows]). A stage holds x [rows, block_k] bf16, the weight tile [CTA_N, block_k] int4 and
+    its scale and bias rows: at 4 groups a step 8 stages fit at 16 rows, 6 at 32, 3 at 64. The stage count changes
+    no bits (only how far the copies run ahead)."""
+    block_k = GROUP * block_groups
+    stage = rows * block_k * 2 + CTA_N * block_k // 2 + 2 * block_groups * CTA_N * 2
+    fit = (SMEM_BYTES - COMPUTE_WGS * TILE_N * rows * 4) // stage
+    return max(1, min(stages, fit))
 
 
 def _div(a: jax.Array, b: int) -> jax.Array:
@@ -392,8 +404,8 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
         raise ValueError(f"qmm_mgpu: transposed scales and biases must be [{k // GROUP}, {n}], got "
                          f"{[tuple(t.shape) for t in transposed]}")
     unsigned = UNSIGNED if unsigned is None else unsigned
-    return _decode(x, w.words, *transposed, stages=stages_for(rows, stages), block_groups=bg, unsigned=unsigned,
-                   sms=SMS, interpret=interpret, rows=rows)
+    return _decode(x, w.words, *transposed, stages=stages_for(rows, stages, bg), block_groups=bg,
+                   unsigned=unsigned, sms=SMS, interpret=interpret, rows=rows)
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "unsigned", "sms", "interpret", "rows"))

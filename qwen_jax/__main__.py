@@ -200,11 +200,16 @@ def cmd_bench(args) -> int:
         params, cfg = ck.params, ck.config
     if not args.compile_timing and args.compile_cache:
         _cache(args)
-    from pallas_kernels import qmm
+    from pallas_kernels import qmm, qmm_mgpu
     shipped_impl, shipped_decode = qmm.PROMPT_IMPL, qmm.DECODE_IMPL
+    shipped_mgpu = qmm_mgpu.STAGES, qmm_mgpu.WIDE_ROWS
     qmm.PROMPT_IMPL = args.qmm_prompt_impl or shipped_impl  # read when the prompt programs are traced
     qmm.DECODE_IMPL = args.qmm_decode_impl or shipped_decode  # ... and the decode ones
-    log(f"qmm prompt implementation: {qmm.PROMPT_IMPL}, decode: {qmm.decode_impl()}")
+    qmm_mgpu.STAGES = args.mgpu_stages or qmm_mgpu.STAGES
+    qmm_mgpu.WIDE_ROWS = args.mgpu_wide_rows or qmm_mgpu.WIDE_ROWS
+    log(f"qmm prompt implementation: {qmm.PROMPT_IMPL}, decode: {qmm.decode_impl()}"
+        + (f" (stages {qmm_mgpu.STAGES}, pieces of up to {qmm_mgpu.WIDE_ROWS} rows)"
+           if qmm.decode_impl() == "mgpu" else ""))
     try:
         res = bench.run(params, cfg, backend=_backend(args), dtype=args.dtype, kv_cache=args.kv_cache,
                         streams=streams, prompt_lengths=lengths, context=args.context, rounds=args.rounds,
@@ -215,7 +220,9 @@ def cmd_bench(args) -> int:
     finally:
         used, qmm.PROMPT_IMPL = qmm.PROMPT_IMPL, shipped_impl
         used_decode, qmm.DECODE_IMPL = qmm.decode_impl(), shipped_decode
-    print(json.dumps(dict(res.as_dict(), qmm_prompt_impl=used, qmm_decode_impl=used_decode)) if args.json
+        used_mgpu, (qmm_mgpu.STAGES, qmm_mgpu.WIDE_ROWS) = (qmm_mgpu.STAGES, qmm_mgpu.WIDE_ROWS), shipped_mgpu
+    print(json.dumps(dict(res.as_dict(), qmm_prompt_impl=used, qmm_decode_impl=used_decode,
+                          mgpu_stages=used_mgpu[0], mgpu_wide_rows=used_mgpu[1])) if args.json
           else "\n".join(res.lines()))
     return 0
 
@@ -293,6 +300,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the quantized matmul's decode implementation (default: the shipped one, pallas_kernels/"
                          "qmm.py DECODE_IMPL: auto = mgpu on a GPU, triton elsewhere; mgpu = the Mosaic GPU "
                          "kernel, GPU only). The two differ in the last bits of decode rows")
+    be.add_argument("--mgpu-stages", type=int, choices=range(2, 9), metavar="{2..8}", default=None,
+                    help="the Mosaic GPU decode kernel's pipeline stages (default: pallas_kernels/qmm_mgpu.py "
+                         "STAGES; capped by shared memory at wide pieces). Same bits at every count")
+    be.add_argument("--mgpu-wide-rows", type=int, choices=(16, 32, 64), default=None,
+                    help="the Mosaic GPU decode kernel's widest piece of rows (default: qmm_mgpu.WIDE_ROWS; 16 = "
+                         "16-row pieces only). Same bits at every height")
     be.add_argument("--json", action="store_true", help="print one JSON object")
     be.set_defaults(fn=cmd_bench)
     return p

@@ -94,3 +94,19 @@ def test_bench_qmm_impl_flags_are_scoped(capsys, flag, attr, choices):
                  "--no-compile-timing", "--json", flag, other] + NO_CACHE) == 0
     assert json.loads(capsys.readouterr().out)[f"qmm_{attr.split('_')[0].lower()}_impl"] == other
     assert getattr(qmm, attr) == shipped
+
+
+def test_bench_mgpu_knobs_are_scoped(capsys):
+    """--mgpu-stages / --mgpu-wide-rows reach the run (recorded in the result), the shipped values are back
+    afterwards, and values the kernel does not take are refused by the parser."""
+    from pallas_kernels import qmm_mgpu
+    shipped = qmm_mgpu.STAGES, qmm_mgpu.WIDE_ROWS
+    assert main(["bench", "--model", TINY, "--streams", "", "--prompt-lengths", "64", "--max-chunk", "64",
+                 "--no-compile-timing", "--json", "--mgpu-stages", "6", "--mgpu-wide-rows", "32"] + NO_CACHE) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert (res["mgpu_stages"], res["mgpu_wide_rows"]) == (6, 32)
+    assert (qmm_mgpu.STAGES, qmm_mgpu.WIDE_ROWS) == shipped
+    for flag, bad in (("--mgpu-stages", "9"), ("--mgpu-wide-rows", "48")):
+        with pytest.raises(SystemExit):
+            main(["bench", "--model", TINY, flag, bad])
+        assert flag in capsys.readouterr().err

@@ -59,7 +59,7 @@ def test_concurrent_equals_solo_on_gpu(dtype, fixed):
 def progs():
     ck = _params("bfloat16")
     layout = P.Layout(64, 8, 6 * 8 + 1, 6, "bfloat16")
-    buckets = P.Buckets((64, 128, 256), (1, 4), (1, 4, 16), packing=P.Packing.BATCHED, logprobs=4)
+    buckets = P.Buckets((64, 128, 256), (1, 4), (1, 4, 16, 64), packing=P.Packing.BATCHED, logprobs=4)
     pr = P.Programs(ck.params, ck.config, layout, buckets, Backend.default())
     pr.compile()
     return pr
@@ -113,7 +113,7 @@ def test_decode_row_same_bits_in_every_stream_bucket(progs):
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, 490, size=90)
     results = []
-    for bucket in (1, 4, 16):
+    for bucket in (1, 4, 16, 64):  # 64: one 64-row piece of the Mosaic GPU decode qmm (qmm_mgpu.pieces)
         _prefill(progs, prompt, [128], 1, 1, rng)
         others = list(range(2, min(bucket, 5) + 1))
         for s in others:

@@ -111,8 +111,7 @@ def test_gpu_matches_oracle_and_rows_are_invariant(k, n, unsigned):
 
 def _wide_pieces_same_bits(n: int, k: int, rows: int, *, interpret: bool):
     """Every row of a `rows`-row piece has the bits it has in a 16-row piece (alone or among 16): the pieces differ
-    only in the MMA's N. Also that qmm_rows with WIDE_ROWS = rows cuts a 40-row call into wide pieces and keeps the
-    rows' bits."""
+    only in the MMA's N."""
     rng = np.random.default_rng(3600 + rows)
     w = _small_weight(rng, n, k)
     x = jnp.asarray(rng.normal(size=(rows, k)), jnp.bfloat16)
@@ -127,27 +126,37 @@ def _wide_pieces_same_bits(n: int, k: int, rows: int, *, interpret: bool):
 
 
 @pytest.mark.parametrize("rows", [32, 64])
-def test_interpreter_wide_pieces_same_bits(rows, monkeypatch):
+def test_interpreter_wide_pieces_same_bits(rows):
+    """Also that qmm_rows, cutting 16 + rows rows into pieces (one of 64, or 64 and 16 at the default WIDE_ROWS), gives
+    every row the bits of its 16-row piece."""
     w, x, wide = _wide_pieces_same_bits(256, 512, rows, interpret=True)
-    monkeypatch.setattr(qmm_mgpu, "WIDE_ROWS", rows)
-    assert qmm_mgpu.piece_rows(16) == 16 and qmm_mgpu.piece_rows(17) == rows
-    xs = jnp.concatenate([x, x[:40 - rows]]) if rows < 40 else x[:40]
+    xs = jnp.concatenate([x, x[:16]])
+    assert qmm_mgpu.pieces(xs.shape[0]) == {32: (64,), 64: (64, 16)}[rows]
     got = np.asarray(qmm_mgpu.qmm_rows(xs, w, interpret=True))
-    np.testing.assert_array_equal(got[:min(rows, 40)].view(np.uint16), wide[:min(rows, 40)].view(np.uint16))
+    np.testing.assert_array_equal(got.view(np.uint16), np.concatenate([wide, wide[:16]]).view(np.uint16))
 
 
-def test_piece_rows_policy(monkeypatch):
-    """16-row pieces unless WIDE_ROWS is set and M > 16; a WIDE_ROWS the kernel does not take and a piece height
-    out of PIECE_ROWS are ValueErrors; 64-row pieces run 3 stages (shared memory), the others as asked."""
-    assert qmm_mgpu.WIDE_ROWS is None and qmm_mgpu.piece_rows(256) == 16
+def test_piece_policy(monkeypatch):
+    """Pieces of WIDE_ROWS (64) while more is left, then the least height that holds the rest; 16-row pieces only
+    where WIDE_ROWS is None; a WIDE_ROWS the kernel does not take and a piece height out of PIECE_ROWS are
+    ValueErrors; 64-row pieces run 3 stages (shared memory), the others as asked."""
+    assert qmm_mgpu.WIDE_ROWS == 64
+    cases = {1: (16,), 16: (16,), 17: (32,), 32: (32,), 33: (64,), 64: (64,), 65: (64, 16), 100: (64, 64),
+             256: (64,) * 4, 257: (64,) * 4 + (16,), 0: ()}
+    assert {m: qmm_mgpu.pieces(m) for m in cases} == cases
+    monkeypatch.setattr(qmm_mgpu, "WIDE_ROWS", 32)
+    assert qmm_mgpu.pieces(80) == (32, 32, 16)
+    monkeypatch.setattr(qmm_mgpu, "WIDE_ROWS", None)
+    assert qmm_mgpu.pieces(40) == (16, 16, 16)
     monkeypatch.setattr(qmm_mgpu, "WIDE_ROWS", 48)
-    assert qmm_mgpu.piece_rows(16) == 16
     with pytest.raises(ValueError, match="WIDE_ROWS"):
-        qmm_mgpu.piece_rows(17)
+        qmm_mgpu.pieces(17)
     with pytest.raises(ValueError, match="rows=24"):
         jax.eval_shape(lambda x, w: qmm_mgpu.qmm_decode(x, w, rows=24), jax.ShapeDtypeStruct((1, 512), jnp.bfloat16),
                        _abstract_weight(256, 512))
     assert [qmm_mgpu.stages_for(r, 4) for r in qmm_mgpu.PIECE_ROWS] == [4, 4, 3]
+    assert [qmm_mgpu.stages_for(r, 12) for r in qmm_mgpu.PIECE_ROWS] == [8, 6, 3]
+    assert qmm_mgpu.stages_for(16, 20, block_groups=2) == 16
 
 
 def test_wide_pieces_lower_for_the_h200():
@@ -166,6 +175,23 @@ def test_gpu_wide_pieces_same_bits(k, n, rows):
     _wide_pieces_same_bits(n, k, rows, interpret=False)
 
 
+@pytest.mark.gpu
+def test_gpu_stage_counts_same_bits():
+    """The pipeline's depth changes no bits, at every piece height, up to the most stages that fit
+    (`stages_for`: 8 at 16 rows, 6 at 32, 3 at 64), and those depths launch on the H200."""
+    rng = np.random.default_rng(3700)
+    w = _small_weight(rng, 6144, 5120)
+    x = jnp.asarray(rng.normal(size=(64, 5120)), jnp.bfloat16)
+    run = jax.jit(lambda x, w, rows, stages: qmm_mgpu.qmm_decode(x, w, rows=rows, stages=stages),
+                  static_argnums=(2, 3))
+    want = np.asarray(run(x[:16], w, 16, 4)).view(np.uint16)
+    for rows, depths in ((16, (2, 6, 8)), (32, (4, 6)), (64, (3,))):
+        for stages in depths:
+            assert qmm_mgpu.stages_for(rows, stages) == stages
+            got = np.asarray(run(x[:rows], w, rows, stages)).view(np.uint16)
+            np.testing.assert_array_equal(got[:16], want, err_msg=f"rows={rows} stages={stages}")
+
+
 def _small_weight(rng, n: int, k: int, bits: int = 4):
     words = rng.integers(0, 2**32, size=(n, k * bits // 32), dtype=np.uint32)
     scales = jnp.asarray(rng.uniform(0.002, 0.02, size=(n, k // 64)), jnp.bfloat16)
@@ -174,9 +200,9 @@ def _small_weight(rng, n: int, k: int, bits: int = 4):
 
 
 def test_qmm_decode_impl_switch(monkeypatch):
-    """qmm.DECODE_IMPL = "mgpu" sends supported decode calls to the Mosaic GPU kernel (16-row pieces: a row's bits
-    are the same alone and in a 20-row call), leaves the prompt path and unsupported weights (8 bits) on the
-    Triton kernels, and an unknown name is a ValueError."""
+    """qmm.DECODE_IMPL = "mgpu" sends supported decode calls to the Mosaic GPU kernel (a row's bits are the same
+    alone, in a 16-row piece, and in the 32-row piece a 20-row call runs in), leaves the prompt path and
+    unsupported weights (8 bits) on the Triton kernels, and an unknown name is a ValueError."""
     from pallas_kernels import qmm
     rng = np.random.default_rng(3300)
     w = _small_weight(rng, 256, 512)

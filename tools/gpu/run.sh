@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -32,6 +32,19 @@ attention_window16() {
 }
 
 case "$stage" in
+  thirty-fifth)
+    # Session 12, third call (~7 min): pieces of up to 64 rows (qmm_mgpu.WIDE_ROWS = 64, the piece cut following M)
+    # and pipeline depths up to what shared memory holds, through the kernel's gpu tests and the engine's gates
+    # (the stream-bucket gate now has a 64-stream bucket: one 64-row piece); then the engine decode side by side:
+    # session 11's kernel (4 stages, 16-row pieces) against wide pieces and 6 / 8 stages, at 1, 16 and 64 streams;
+    # then the decode round's host/device split again (session 12's second call read 16.8 ms device-bound).
+    timeout -s INT 200 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_qmm_mgpu.py \
+      tests/test_engine_gpu.py > "$out/gpu_tests.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests.log" | cut -c1-160 | tail -30
+    timeout 290 python3 tools/gpu/engine_ab.py --streams 1,16,64 --rounds 32 \
+      --variants "stages=4,wide=16;stages=4;stages=6;stages=8" 2>&1 | tee "$out/engine_ab.log" | grep -v "^\[" | tail -12
+    timeout 80 python3 tools/gpu/decode_profile.py --synthetic 27b --profiled 0 2>&1 | tee "$out/decode_split.txt" \
+      | tail -6 ;;
   first)
     # Session 5, call 1: what is unproven on the device (fma_ptx's single rounding, 8-bit prompt tiles, GDN), then
     # the decode switches on isolated kernels and the prompt implementations on isolated kernels.

@@ -1,0 +1,66 @@
+"""Decode variants of the 27B engine side by side in one process: the synthetic weights are built once, then each
+variant sets the Mosaic GPU decode kernel's knobs (qmm_mgpu.STAGES, WIDE_ROWS), compiles its programs and runs the
+bench's pipelined decode (`qwen_jax.engine.bench.run`, prompt timing off). Same bits in every variant (the knobs
+change no row's bits: tests/test_qmm_mgpu.py), so only speed is compared.
+
+    python tools/gpu/engine_ab.py --streams 1,16,64 --variants "stages=4,wide=16;stages=4;stages=6;stages=8"
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+KNOBS = {"stages": "STAGES", "wide": "WIDE_ROWS"}
+
+
+def parse_variants(text: str) -> list[dict[str, int]]:
+    out = []
+    for spec in filter(None, (v.strip() for v in text.split(";"))):
+        v = {}
+        for item in spec.split(","):
+            key, _, value = item.partition("=")
+            if key not in KNOBS or not value.isdigit():
+                raise ValueError(f"--variants: {item!r} is not one of {sorted(KNOBS)}=N")
+            v[key] = int(value)
+        out.append(v)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", default="1,16,64")
+    ap.add_argument("--rounds", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=None, help="fewer layers (a CPU smoke run)")
+    ap.add_argument("--variants", required=True, help="';'-separated, each 'stages=N,wide=N' (either optional)")
+    args = ap.parse_args()
+    variants = parse_variants(args.variants)
+    streams = tuple(int(s) for s in args.streams.split(","))
+
+    from pallas_kernels import qmm_mgpu
+    from qwen_jax.engine import bench
+    from qwen_jax.model import Backend
+    t0 = time.perf_counter()
+    params, cfg = bench.synthetic_params("27b", dtype="bfloat16", layers=args.layers)
+    print(f"synthetic 27b built in {time.perf_counter() - t0:.1f} s", flush=True)
+    shipped = {k: getattr(qmm_mgpu, a) for k, a in KNOBS.items()}
+    rows = []
+    for v in variants:
+        knobs = dict(shipped, **v)
+        for k, a in KNOBS.items():
+            setattr(qmm_mgpu, a, knobs[k])
+        t0 = time.perf_counter()
+        res = bench.run(params, cfg, backend=Backend.default(), streams=streams, prompt_lengths=(),
+                        rounds=args.rounds, compile_timing=False, progress=False, log=lambda m: None)
+        fps = res.decode_forwards_per_s
+        rows.append((knobs, fps))
+        print(f"{knobs}: " + ", ".join(f"{s} streams {fps[s]:.1f} fwd/s" for s in streams)
+              + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print("\n| stages | widest piece | " + " | ".join(f"{s} streams (fwd/s)" for s in streams) + " |")
+    print("|---|---|" + "---|" * len(streams))
+    for knobs, fps in rows:
+        print(f"| {knobs['stages']} | {knobs['wide']} | " + " | ".join(f"{fps[s]:.1f}" for s in streams) + " |")
+
+
+if __name__ == "__main__":
+    main()
