@@ -51,6 +51,10 @@ def run(args) -> None:
     if args.qmm_decode_impl:
         qmm.DECODE_IMPL = args.qmm_decode_impl
         print(f"qmm decode implementation: {qmm.DECODE_IMPL}")
+    if args.mgpu_stages:
+        from pallas_kernels import qmm_mgpu
+        qmm_mgpu.STAGES = args.mgpu_stages
+        print(f"Mosaic GPU decode kernel: {qmm_mgpu.STAGES} stages")
     if args.synthetic:
         from qwen_jax.engine.bench import synthetic_params
         params, cfg = synthetic_params(args.synthetic, dtype="bfloat16", layers=args.layers)
@@ -97,9 +101,11 @@ def run(args) -> None:
     t0 = time.perf_counter()
     for _ in range(args.rounds):
         progs.state, progs.last, tok, _ = exe(progs.params, progs.state, progs.last, w, sp)
+    enq = (time.perf_counter() - t0) * 1e3 / args.rounds
     jax.block_until_ready((progs.state, tok))
     dev = (time.perf_counter() - t0) * 1e3 / args.rounds
-    print(f"device-bound round (same inputs, back to back, one sync): {dev:.2f} ms; host share {ms - dev:.2f} ms")
+    print(f"device-bound round (same inputs, back to back, one sync): {dev:.2f} ms; host share {ms - dev:.2f} ms; "
+          f"the host's enqueue of a call {enq:.2f} ms (when it is below the round, the device is the limit)")
     # The engine's way: each call dispatched before the previous call's tokens come back.
     from qwen_jax.engine.bench import pipelined_decode
     t0 = time.perf_counter()
@@ -200,6 +206,7 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-tiles", default="", metavar="FIELD=V,...",
                     help="override fields of qmm.DECODE_TILES (A/B), e.g. x_natural=1 or prefetch=1,lop3=1")
     ap.add_argument("--qmm-decode-impl", choices=("triton", "mgpu"), default=None)
+    ap.add_argument("--mgpu-stages", type=int, default=None, help="qmm_mgpu.STAGES (the Mosaic GPU kernel's depth)")
     ap.add_argument("--streams", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=16, help="timed rounds (wall clock)")

@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -32,6 +32,19 @@ attention_window16() {
 }
 
 case "$stage" in
+  thirty-sixth)
+    # Session 12, fourth call (~4 min): the engine's decode rate swung between ~84 and ~66 forwards/s from one
+    # variant to the next in thirty-fifth (one stream), so compare the pipeline depths on device time instead: the
+    # device-bound round, the host's enqueue of a call, and the traced qmm time, 4 and 8 stages, 1 and 16 streams.
+    for st in 4 8; do
+      for s in 1 16; do
+        echo "== stages $st, $s streams"
+        timeout 100 python3 tools/gpu/decode_profile.py --synthetic 27b --mgpu-stages $st --streams $s --rounds 32 \
+          --trace "$out/trace_${st}_$s" --profiled 0 2>&1 | tee "$out/profile_${st}_$s.txt" \
+          | grep -E "round|busy|kernel_mosaic|^ .*(xla|norms)"
+        rm -rf "$out/trace_${st}_$s"
+      done
+    done ;;
   thirty-fifth)
     # Session 12, third call (~7 min): pieces of up to 64 rows (qmm_mgpu.WIDE_ROWS = 64, the piece cut following M)
     # and pipeline depths up to what shared memory holds, through the kernel's gpu tests and the engine's gates
