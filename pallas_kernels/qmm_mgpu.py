@@ -68,6 +68,12 @@ STAGES = 4
 BLOCK_GROUPS = 4  # groups of K a pipeline step carries (a 128-byte row of weight words, 16 KB a CTA)
 SMS = 132  # the H200's; chunks of work are spread over this many persistent CTAs (a constant: never a device query)
 UNSIGNED = False  # convert the 4-bit fields as unsigned (True) or as signed after XOR 8 (False)
+# How the summed fp32 output keeps its rounding to x.dtype in every program (see `_decode`): "barrier" (the
+# conversion behind an optimization barrier, so nothing fuses across it) or "reduce_precision" (the value rounded
+# to x.dtype's precision by an op XLA keeps, then converted: a consumer that skips the conversion still reads the
+# rounded value, and the kernel's epilogue may fuse with its consumers -- fewer launches a round).
+ROUNDING = "barrier"
+ROUNDINGS = ("barrier", "reduce_precision")
 
 
 def _unsupported(x: jax.Array, w: QuantizedWeight) -> str | None:
@@ -95,7 +101,7 @@ def qmm_rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool = False) -> ja
     depend on which piece it rides in), outputs concatenated. Every piece re-reads the weight."""
     if x.shape[0] == 0:
         return jnp.zeros((0, w.out_features), x.dtype)
-    return _rows(x, w, interpret=interpret, heights=pieces(x.shape[0]))
+    return _rows(x, w, interpret=interpret, heights=pieces(x.shape[0]), rounding=ROUNDING)
 
 
 def pieces(m: int) -> tuple[int, ...]:
@@ -109,11 +115,12 @@ def pieces(m: int) -> tuple[int, ...]:
     return tuple(out + [next(r for r in PIECE_ROWS if r >= rest)]) if m > 0 else ()
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "heights"))
-def _rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool, heights: tuple[int, ...]) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("interpret", "heights", "rounding"))
+def _rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool, heights: tuple[int, ...], rounding: str
+          ) -> jax.Array:
     # One program (see `qmm_decode` on eager calls).
     starts = np.cumsum((0,) + heights[:-1])
-    return jnp.concatenate([qmm_decode(x[i:i + r], w, interpret=interpret, rows=r)
+    return jnp.concatenate([qmm_decode(x[i:i + r], w, interpret=interpret, rows=r, rounding=rounding)
                             for i, r in zip(starts.tolist(), heights)], axis=0)
 
 
@@ -382,14 +389,15 @@ def block_groups_for(k: int) -> int:
 
 def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_groups: int | None = None,
                transposed: tuple[jax.Array, jax.Array] | None = None, unsigned: bool | None = None,
-               interpret: bool = False, rows: int = ROWS) -> jax.Array:
+               interpret: bool = False, rows: int = ROWS, rounding: str | None = None) -> jax.Array:
     """x bf16 [M <= rows, K] -> y bf16 [M, N] (see the module docstring); rows: the piece height x is padded to
     (PIECE_ROWS; the MMA's N). block_groups: None for the shape-derived
     `block_groups_for` (a caller that overrides must keep it fixed per weight shape). transposed: the scales and
     biases as [G, N], made once beforehand (default: the weight's `scales_t`, `biases_t` where it has them; else
     each call transposes them: for 5120 -> 34816 that is 22 MB of extra traffic beside the weight's 89 MB, 0.85 ms a
     27B forward). unsigned: convert the 4-bit fields as unsigned (else XOR 8 as signed, + 8); None for UNSIGNED.
-    interpret: Mosaic GPU's interpreter on the CPU."""
+    interpret: Mosaic GPU's interpreter on the CPU. rounding: how the output keeps its rounding (ROUNDINGS; None for
+    ROUNDING)."""
     w.validate("qmm_mgpu weight")
     _check(x, w, rows)
     n, k = w.shape
@@ -404,13 +412,17 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
         raise ValueError(f"qmm_mgpu: transposed scales and biases must be [{k // GROUP}, {n}], got "
                          f"{[tuple(t.shape) for t in transposed]}")
     unsigned = UNSIGNED if unsigned is None else unsigned
+    rounding = ROUNDING if rounding is None else rounding
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"qmm_mgpu: rounding {rounding!r} is not one of {ROUNDINGS}")
     return _decode(x, w.words, *transposed, stages=stages_for(rows, stages, bg), block_groups=bg,
-                   unsigned=unsigned, sms=SMS, interpret=interpret, rows=rows)
+                   unsigned=unsigned, sms=SMS, interpret=interpret, rows=rows, rounding=rounding)
 
 
-@functools.partial(jax.jit, static_argnames=("stages", "block_groups", "unsigned", "sms", "interpret", "rows"))
+@functools.partial(jax.jit, static_argnames=("stages", "block_groups", "unsigned", "sms", "interpret", "rows",
+                                             "rounding"))
 def _decode(x: jax.Array, words: jax.Array, st: jax.Array, bt: jax.Array, *, stages: int, block_groups: int,
-            unsigned: bool, sms: int, interpret: bool, rows: int) -> jax.Array:
+            unsigned: bool, sms: int, interpret: bool, rows: int, rounding: str) -> jax.Array:
     # One program around the kernel: called eagerly, separate dispatches of the small ops around an interpreted
     # kernel deadlocked the CPU client now and then (the interpreter's callbacks dispatch jax ops themselves).
     m, k = x.shape
@@ -428,5 +440,9 @@ def _decode(x: jax.Array, words: jax.Array, st: jax.Array, bt: jax.Array, *, sta
     # The rounding to x.dtype must happen in every program: under XLA's default excess precision a consumer that
     # widens the result again (log-softmax, the MLP's activation) may be fused with this conversion and skip it,
     # in some programs and not others (on the H200 the stream-bucket gate failed so: row 0 of lm_head + log-softmax
-    # differed between S = 1 and S = 16 while lm_head alone did not). The barrier keeps the conversion apart.
-    return lax.optimization_barrier(total[:, :m].T.astype(x.dtype))
+    # differed between S = 1 and S = 16 while lm_head alone did not). ROUNDING says how it is kept.
+    y = total[:, :m].T
+    if rounding == "barrier":
+        return lax.optimization_barrier(y.astype(x.dtype))
+    info = jnp.finfo(x.dtype)
+    return lax.reduce_precision(y, exponent_bits=info.nexp, mantissa_bits=info.nmant).astype(x.dtype)

@@ -348,3 +348,24 @@ def test_decode_layout_transposes_once_same_bits(monkeypatch):
     import dataclasses
     with pytest.raises(ValueError, match="transpose"):
         dataclasses.replace(w, scales_t=w.scales).validate()
+
+
+def test_roundings_same_bits(monkeypatch):
+    """Both ways of keeping the output's bf16 rounding give the same bits, alone and under a consumer that widens
+    the result again (the log-softmax over lm_head rows); qmm_rows follows ROUNDING; an unknown name is refused."""
+    rng = np.random.default_rng(3800)
+    w = _small_weight(rng, 256, 512)
+    x = jnp.asarray(rng.normal(size=(3, 512)), jnp.bfloat16)
+    outs = {}
+    for rounding in qmm_mgpu.ROUNDINGS:
+        f = jax.jit(lambda x, w, r=rounding: qmm_mgpu.qmm_decode(x, w, interpret=True, rounding=r))
+        g = jax.jit(lambda x, w, r=rounding: jax.nn.log_softmax(
+            qmm_mgpu.qmm_decode(x, w, interpret=True, rounding=r).astype(jnp.float32)))
+        outs[rounding] = (np.asarray(f(x, w)).view(np.uint16), np.asarray(g(x, w)).view(np.uint32))
+        monkeypatch.setattr(qmm_mgpu, "ROUNDING", rounding)
+        np.testing.assert_array_equal(np.asarray(qmm_mgpu.qmm_rows(x, w, interpret=True)).view(np.uint16),
+                                      outs[rounding][0])
+    for a, b in zip(*outs.values()):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="rounding"):
+        qmm_mgpu.qmm_decode(x, w, interpret=True, rounding="none")

@@ -55,6 +55,10 @@ def run(args) -> None:
         from pallas_kernels import qmm_mgpu
         qmm_mgpu.STAGES = args.mgpu_stages
         print(f"Mosaic GPU decode kernel: {qmm_mgpu.STAGES} stages")
+    if args.mgpu_rounding:
+        from pallas_kernels import qmm_mgpu
+        qmm_mgpu.ROUNDING = args.mgpu_rounding
+        print(f"Mosaic GPU decode kernel: output rounding kept by {qmm_mgpu.ROUNDING}")
     if args.synthetic:
         from qwen_jax.engine.bench import synthetic_params
         params, cfg = synthetic_params(args.synthetic, dtype="bfloat16", layers=args.layers)
@@ -207,6 +211,8 @@ def main(argv=None) -> int:
                     help="override fields of qmm.DECODE_TILES (A/B), e.g. x_natural=1 or prefetch=1,lop3=1")
     ap.add_argument("--qmm-decode-impl", choices=("triton", "mgpu"), default=None)
     ap.add_argument("--mgpu-stages", type=int, default=None, help="qmm_mgpu.STAGES (the Mosaic GPU kernel's depth)")
+    ap.add_argument("--mgpu-rounding", choices=("barrier", "reduce_precision"), default=None,
+                    help="qmm_mgpu.ROUNDING (how the kernel's output keeps its rounding)")
     ap.add_argument("--streams", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=16, help="timed rounds (wall clock)")

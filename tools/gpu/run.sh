@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -32,6 +32,29 @@ attention_window16() {
 }
 
 case "$stage" in
+  thirty-seventh)
+    # Session 12, fifth call (~6 min): thirty-sixth found the host's enqueue of a decode call (10.7-12.9 ms, ~1775
+    # launches) level with the device's round, so launches are the lever. qmm_mgpu.ROUNDING = "reduce_precision"
+    # lets the kernel's epilogue fuse with its consumers: the engine's gates and the kernel's gpu tests with it,
+    # then launches / enqueue / device-bound round / traced busy time against "barrier" (1 and 16 streams), then
+    # XLA's command buffers with custom calls on top (the enqueue is what they would cut).
+    python3 -c "import sys, pytest; from pallas_kernels import qmm_mgpu; qmm_mgpu.ROUNDING = 'reduce_precision'; \
+      sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
+      tests/test_qmm_mgpu.py -k "engine or oracle" > "$out/gpu_tests_rp.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_rp.log" | cut -c1-160 | tail -24
+    for r in barrier reduce_precision; do
+      for s in 1 16; do
+        echo "== $r, $s streams"
+        timeout 100 python3 tools/gpu/decode_profile.py --synthetic 27b --mgpu-rounding $r --streams $s --rounds 32 \
+          --trace "$out/trace_${r}_$s" --profiled 0 2>&1 | tee "$out/profile_${r}_$s.txt" \
+          | grep -E "round|busy|custom calls|kernel_mosaic|^ .*(xla|norms)"
+        rm -rf "$out/trace_${r}_$s"
+      done
+    done
+    echo "== reduce_precision, 1 stream, command buffers with custom calls"
+    XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1" \
+      timeout 90 python3 tools/gpu/decode_profile.py --synthetic 27b --mgpu-rounding reduce_precision --rounds 32 \
+      --profiled 0 2>&1 | tee "$out/profile_cmdbuf.txt" | grep -E "round" ;;
   thirty-sixth)
     # Session 12, fourth call (~4 min): the engine's decode rate swung between ~84 and ~66 forwards/s from one
     # variant to the next in thirty-fifth (one stream), so compare the pipeline depths on device time instead: the
