@@ -11,18 +11,18 @@ from __future__ import annotations
 import argparse
 import time
 
-KNOBS = {"stages": "STAGES", "wide": "WIDE_ROWS"}
+KNOBS = {"stages": "STAGES", "wide": "WIDE_ROWS", "round": "ROUNDING"}
 
 
-def parse_variants(text: str) -> list[dict[str, int]]:
+def parse_variants(text: str) -> list[dict]:
     out = []
     for spec in filter(None, (v.strip() for v in text.split(";"))):
         v = {}
         for item in spec.split(","):
             key, _, value = item.partition("=")
-            if key not in KNOBS or not value.isdigit():
-                raise ValueError(f"--variants: {item!r} is not one of {sorted(KNOBS)}=N")
-            v[key] = int(value)
+            if key not in KNOBS or not value:
+                raise ValueError(f"--variants: {item!r} is not one of {sorted(KNOBS)}=VALUE")
+            v[key] = int(value) if value.isdigit() else value
         out.append(v)
     return out
 
@@ -32,7 +32,8 @@ def main() -> None:
     ap.add_argument("--streams", default="1,16,64")
     ap.add_argument("--rounds", type=int, default=32)
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (a CPU smoke run)")
-    ap.add_argument("--variants", required=True, help="';'-separated, each 'stages=N,wide=N' (either optional)")
+    ap.add_argument("--variants", required=True,
+                    help="';'-separated, each 'stages=N,wide=N,round=barrier|reduce_precision' (each optional)")
     args = ap.parse_args()
     variants = parse_variants(args.variants)
     streams = tuple(int(s) for s in args.streams.split(","))
@@ -56,10 +57,11 @@ def main() -> None:
         rows.append((knobs, fps))
         print(f"{knobs}: " + ", ".join(f"{s} streams {fps[s]:.1f} fwd/s" for s in streams)
               + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
-    print("\n| stages | widest piece | " + " | ".join(f"{s} streams (fwd/s)" for s in streams) + " |")
-    print("|---|---|" + "---|" * len(streams))
+    print("\n| stages | widest piece | rounding | " + " | ".join(f"{s} streams (fwd/s)" for s in streams) + " |")
+    print("|---|---|---|" + "---|" * len(streams))
     for knobs, fps in rows:
-        print(f"| {knobs['stages']} | {knobs['wide']} | " + " | ".join(f"{fps[s]:.1f}" for s in streams) + " |")
+        print(f"| {knobs['stages']} | {knobs['wide']} | {knobs['round']} | "
+              + " | ".join(f"{fps[s]:.1f}" for s in streams) + " |")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -32,6 +32,14 @@ attention_window16() {
 }
 
 case "$stage" in
+  thirty-eighth)
+    # Session 12, last call (~5 min): the 27B bench at the new defaults (pieces of up to 64 rows, the output rounding
+    # kept by reduce_precision), with 64 streams; then the rounding side by side in one process (the engine's rate).
+    timeout 240 python3 -m qwen_jax bench --synthetic 27b --streams 1,16,64 --prompt-lengths 4096,32768 --rounds 32 \
+      2>&1 | tee "$out/bench_27b.log" | grep -E "^compile|^prompt |^decode " | tail -6
+    timeout 150 python3 tools/gpu/engine_ab.py --streams 1,16,64 --rounds 64 \
+      --variants "round=barrier;round=reduce_precision;round=barrier;round=reduce_precision" 2>&1 \
+      | tee "$out/engine_ab.log" | grep -v "^\[" | tail -8 ;;
   thirty-seventh)
     # Session 12, fifth call (~6 min): thirty-sixth found the host's enqueue of a decode call (10.7-12.9 ms, ~1775
     # launches) level with the device's round, so launches are the lever. qmm_mgpu.ROUNDING = "reduce_precision"
