@@ -1,7 +1,7 @@
 """Decode qmm on Mosaic GPU (the default decode kernel on a GPU since session 11: `qmm.DECODE_IMPL` "auto" routes
 the decode calls it supports here outside interpret mode; "triton" keeps them on the Triton tiles):
-y [M, N] = x [M, K] @ dequantize(w)^T for decode/verify rows (pieces of 16), 4-bit MLX weights with bf16 scales and
-biases, group 64, bf16 x.
+y [M, N] = x [M, K] @ dequantize(w)^T for decode/verify rows (pieces of 16, 32 or 64 rows: `pieces`), 4-bit MLX
+weights with bf16 scales and biases, group 64, bf16 x.
 
 Why a second kernel: the Triton decode kernel (`qmm.py`) runs at 35-44 % of copy on the H200 because its loads and
 its dequantize-and-MMA chain share one instruction stream and each chunk's wgmma is waited before the next chunk
@@ -19,21 +19,22 @@ fixed order afterwards (pieces a tile lacks are selected away).
 Arithmetic: the words are viewed as uint4 [N, K] without moving a byte (`lax.bitcast_convert_type`: element j =
 bits 4j..4j+3, MLX's field j). A compute warpgroup loads its [64, 256] tile, flips bit 3 of each field and reads it
 as signed int4 (q - 8 exactly, so Mosaic GPU's fast int4 -> bf16 conversion applies), adds 8 back in bf16 (exact),
-and per group forms s q + b (MLX's dequantization) as the wgmma A operand in registers; x [16, K] (rows padded to
-16) is the B operand, read transposed from shared memory. A step's MMAs go into a fresh fp32 accumulator whose
-value is added to the warpgroup's running fp32 sum (restarted where a tile starts); the sum is stored where the tile
-or the chunk ends. (`unsigned=True` converts the fields as unsigned instead: slower on the H200.)
+and per group forms s q + b (MLX's dequantization) as the wgmma A operand in registers; x [R, K] (rows padded to the
+piece height R) is the B operand, read transposed from shared memory. A step's MMAs go into a fresh fp32
+accumulator whose value is added to the warpgroup's running fp32 sum (restarted where a tile starts); the sum is
+stored where the tile or the chunk ends. (`unsigned=True` converts the fields as unsigned instead: slower on the H200.)
 
-Exactness: every row is one column of the MMAs, the padding is fixed at 16 rows, and the schedule, the pieces and
-their order come from the weight's shape alone, so a row's bits do not depend on M or on the other rows. The bits
+Exactness: every row is one column of the MMAs (a row's bits are the same whatever the piece height: shown on the
+H200), and the schedule, the pieces and their order come from the weight's shape alone, so a row's bits do not
+depend on M or on the other rows. The bits
 differ from the Triton kernel's (another accumulation order); a model would use one kernel for all its decode and
 verify programs.
 
-Status (sessions 6-7, docs/kernels/qmm.md run 6): right on the H200 (oracle and row invariance at the 27B's shapes
-and the tiny checkpoint's; the engine's stream-bucket and chunk-cut gates pass with it since the output rounding is
-kept apart from its consumers, see `_decode`) and 1.3-1.7x the Triton tiles on isolated calls, but not the
-default: in the 27B decode program its calls leave XLA's command buffers unused and the round becomes host-bound
-(host share 4.6 ms; 63.7 against 80.2 forwards/s with the Triton tiles).
+Status (docs/kernels/qmm.md runs 6, 9, 10): right on the H200 (oracle and row invariance at the 27B's shapes and
+the tiny checkpoint's; the engine's gates pass with it since session 7, when the output's rounding was first kept
+from its consumers, see `_decode`), 1.3-1.7x the Triton tiles on isolated calls at M <= 16 and 3.5x at 64-256 rows
+(wide pieces), the default decode kernel since session 11. In the 27B decode program it is 8.2 of the 11.1 ms
+of a one-stream round (session 12), at ~45 % of copy.
 """
 from __future__ import annotations
 
