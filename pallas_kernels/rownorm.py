@@ -87,8 +87,8 @@ def l2norm_reference(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 
 
 def _norm_kernel(n_ref, *refs, kind: str, d: int, eps: float, tiles: RowTiles, io_dtype):
-    # n_ref [1] int32: live rows. refs: x_ref [N, D]; gate_ref [N, D] (gated); weight_ref [D] (rms, gated);
-    # o_ref [N, D].
+    # n_ref [2] int32: live rows N, output rows R >= N (rows N..R-1 are written as the norm of a zero row: zeros).
+    # refs: x_ref [N, D]; gate_ref [N, D] (gated); weight_ref [D] (rms, gated); o_ref [R, D].
     o_ref = refs[-1]
     x_ref = refs[0]
     gate_ref = refs[1] if kind == "gated" else None
@@ -123,7 +123,8 @@ def _norm_kernel(n_ref, *refs, kind: str, d: int, eps: float, tiles: RowTiles, i
             y = (w * n.astype(_F32)).astype(io_dtype)
             g = plgpu.load(gate_ref.at[rows, col], mask=live, other=0).astype(_F32)
             out = y.astype(_F32) * jax.nn.silu(g)
-        plgpu.store(o_ref.at[rows, col], out.astype(o_ref.dtype), mask=live)
+        written = (row0 + jax.lax.broadcasted_iota(jnp.int32, (bn, c), 0)) < n_ref[1]
+        plgpu.store(o_ref.at[rows, col], out.astype(o_ref.dtype), mask=written)
 
 
 def _check_tiles(tiles: RowTiles, d: int) -> None:
@@ -149,14 +150,20 @@ def _check_weight(weight: jax.Array, d: int) -> None:
 
 
 def _call(kind: str, x: jax.Array, gate: jax.Array | None, weight: jax.Array | None, eps: float, out_dtype,
-          tiles: RowTiles | None, interpret: bool) -> jax.Array:
+          tiles: RowTiles | None, interpret: bool, out_rows: int | None = None) -> jax.Array:
     d = x.shape[-1]
     tiles = tiles_for(d) if tiles is None else tiles
     _check_tiles(tiles, d)
     lead = x.shape[:-1]
     n = int(np.prod(lead, dtype=np.int64))
-    if n == 0:
+    if out_rows is not None:
+        if out_rows < n:
+            raise ValueError(f"out_rows={out_rows} must be at least the {n} rows of x")
+        if n == 0:
+            return jnp.zeros((out_rows, d), out_dtype)
+    elif n == 0:
         return jnp.zeros(x.shape, out_dtype)
+    r = n if out_rows is None else out_rows
     operands = [a.reshape(n, d) for a in (x, gate) if a is not None] + ([] if weight is None else [weight])
     # A fresh partial per call: jax#40847 reuses a stale jaxpr when one kernel function meets several grids.
     kernel = functools.partial(_norm_kernel, kind=kind, d=d, eps=float(eps), tiles=tiles, io_dtype=x.dtype)
@@ -165,33 +172,35 @@ def _call(kind: str, x: jax.Array, gate: jax.Array | None, weight: jax.Array | N
             kernel,
             # At least two programs: the Triton lowering turns the program id of a one-program grid into the
             # constant 0, which would make a single block's kernel a different program from the others'.
-            grid=(max(2, pl.cdiv(n, tiles.block_rows)),),
-            out_shape=jax.ShapeDtypeStruct((n, d), out_dtype),
+            grid=(max(2, pl.cdiv(r, tiles.block_rows)),),
+            out_shape=jax.ShapeDtypeStruct((r, d), out_dtype),
             interpret=interpret,
             compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
             name=f"rownorm_{kind}",
-        )(jnp.full((1,), n, jnp.int32), *operands)
-    return out.reshape(*lead, d)
+        )(jnp.asarray([n, r], jnp.int32), *operands)
+    return out if out_rows is not None else out.reshape(*lead, d)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, tiles: RowTiles | None = None,
-             interpret: bool = False) -> jax.Array:
+             interpret: bool = False, out_rows: int | None = None) -> jax.Array:
     """rms_norm_reference as a kernel: x [..., D] bf16/fp32; weight [D] -> [..., D] x.dtype. Row i's bits depend on
-    row i, weight, eps and the tiles (by default a function of D) only, never on the other rows or their count."""
+    row i, weight, eps and the tiles (by default a function of D) only, never on the other rows or their count.
+    out_rows: return [out_rows, D] instead, x's N rows flattened first and zero rows after them (a matmul that
+    pads its rows reads them as they are)."""
     d = _row_length(x)
     _check_weight(weight, d)
-    return _call("rms", x, None, weight, eps, x.dtype, tiles, interpret)
+    return _call("rms", x, None, weight, eps, x.dtype, tiles, interpret, out_rows)
 
 
 def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float, *, tiles: RowTiles | None = None,
-                   interpret: bool = False) -> jax.Array:
+                   interpret: bool = False, out_rows: int | None = None) -> jax.Array:
     """gated_rms_norm_reference as a kernel: x, gate [..., D]; weight [D] -> [..., D] x.dtype, row invariant like
-    rms_norm."""
+    rms_norm; out_rows as there."""
     d = _row_length(x)
     if tuple(gate.shape) != tuple(x.shape):
         raise ValueError(f"gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
     _check_weight(weight, d)
-    return _call("gated", x, gate, weight, eps, x.dtype, tiles, interpret)
+    return _call("gated", x, gate, weight, eps, x.dtype, tiles, interpret, out_rows)
 
 
 def l2norm(x: jax.Array, eps: float = 1e-6, *, tiles: RowTiles | None = None, interpret: bool = False

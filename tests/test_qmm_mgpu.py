@@ -369,3 +369,47 @@ def test_roundings_same_bits(monkeypatch):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="rounding"):
         qmm_mgpu.qmm_decode(x, w, interpret=True, rounding="none")
+
+
+def test_norms_write_the_decode_qmm_padding(monkeypatch):
+    """Where a norm feeds a projection whose decode qmm pads its rows (the Mosaic GPU kernel, M below its piece
+    height), the norm writes the padded rows itself (`ops.Padded`) and every projection's rows keep their bits; on
+    the prompt path, with PAD_AT_NORM off, without kernels, on the Triton path, for a weight the kernel does not
+    take, and at a full piece there is nothing to pad."""
+    from pallas_kernels import qmm
+    from qwen_jax.model import ops
+    monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
+    be = ops.Backend(kernels=True, interpret=True)
+    rng = np.random.default_rng(3900)
+    fused = ops.fuse([_small_weight(rng, 128, 512), _small_weight(rng, 128, 512)])
+    x = jnp.asarray(rng.normal(size=(3, 1, 512)), jnp.bfloat16)
+    nw = jnp.asarray(1.0 + 0.1 * rng.normal(size=512), jnp.float32)
+    padded = ops.rms_norm(be, x, nw, 1e-6, then=fused)
+    assert isinstance(padded, ops.Padded) and padded.rows.shape == (16, 512) and padded.shape == (3, 1, 512)
+    plain = ops.rms_norm(be, x, nw, 1e-6)
+    for got, want in zip(ops.linear_split(padded, fused, be, prompt=False),
+                         ops.linear_split(plain, fused, be, prompt=False)):
+        assert got.shape == want.shape == (3, 1, 128)
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+    # GDN's output norm: per head, the heads joined for the projection
+    o = jnp.asarray(rng.normal(size=(3, 1, 4, 128)), jnp.bfloat16)
+    z = jnp.asarray(rng.normal(size=(3, 1, 4, 128)), jnp.bfloat16)
+    out_w = _small_weight(rng, 256, 512)
+    gw = jnp.asarray(1.0 + 0.1 * rng.normal(size=128), jnp.float32)
+    gp = ops.gated_rms_norm(be, o, z, gw, 1e-6, then=out_w)
+    assert isinstance(gp, ops.Padded) and gp.rows.shape == (16, 512) and gp.shape == (3, 1, 512)
+    want = ops.linear(ops.gated_rms_norm(be, o, z, gw, 1e-6).reshape(3, 1, 512), out_w, be, prompt=False)
+    np.testing.assert_array_equal(np.asarray(ops.linear(gp, out_w, be, prompt=False)).view(np.uint16),
+                                  np.asarray(want).view(np.uint16))
+    # where nothing is padded
+    assert ops.pad_rows(be, x, fused, prompt=True) is None
+    assert ops.pad_rows(ops.Backend(), x, fused, prompt=False) is None
+    assert ops.pad_rows(be, jnp.zeros((16, 512), jnp.bfloat16), fused, prompt=False) is None
+    assert ops.pad_rows(be, jnp.zeros((17, 512), jnp.bfloat16), fused, prompt=False) == 32
+    assert ops.pad_rows(be, x, _small_weight(rng, 128, 512, bits=8), prompt=False) is None
+    assert not isinstance(ops.rms_norm(be, x, nw, 1e-6, then=fused, prompt=True), ops.Padded)
+    monkeypatch.setattr(ops, "PAD_AT_NORM", False)
+    assert ops.pad_rows(be, x, fused, prompt=False) is None
+    monkeypatch.setattr(ops, "PAD_AT_NORM", True)
+    monkeypatch.setattr(qmm, "DECODE_IMPL", "triton")
+    assert ops.pad_rows(be, x, fused, prompt=False) is None

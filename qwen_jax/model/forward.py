@@ -110,8 +110,8 @@ def _embed(params, state: ModelState, tokens: jax.Array, backend: Backend) -> ja
 
 def _head(params, h: jax.Array, cfg: TextConfig, backend: Backend, *, prompt: bool) -> jax.Array:
     """Final norm and lm_head (the embedding when tied) -> fp32 logits."""
-    h = ops.rms_norm(backend, h, params["norm"], cfg.rms_norm_eps)
     w = params["embed"] if params["lm_head"] is None else params["lm_head"]
+    h = ops.rms_norm(backend, h, params["norm"], cfg.rms_norm_eps, then=w, prompt=prompt)
     return linear(h, w, backend, prompt=prompt).astype(jnp.float32)
 
 
@@ -123,8 +123,10 @@ def _layers(params, state: ModelState, x, cfg: TextConfig, run_gdn, run_attn, ta
     gi = ai = 0
     for i, layer in enumerate(params["layers"]):
         with jax.named_scope(f"layer{i}"):
-            h = ops.rms_norm(backend, x, layer["input_norm"], cfg.rms_norm_eps)
-            if cfg.layer_types[i] == LAYER_GDN:
+            gdn_layer = cfg.layer_types[i] == LAYER_GDN
+            proj = layer["gdn"]["in_proj"] if gdn_layer else layer["attn"]["qkv"]
+            h = ops.rms_norm(backend, x, layer["input_norm"], cfg.rms_norm_eps, then=proj, prompt=prompt)
+            if gdn_layer:
                 y, rec[gi], conv[gi], k = run_gdn(h, layer["gdn"], rec[gi], conv[gi])
                 gi += 1
             else:
@@ -132,7 +134,8 @@ def _layers(params, state: ModelState, x, cfg: TextConfig, run_gdn, run_attn, ta
                 ai += 1
             kept.append(k)
             x = x + y
-            h = ops.rms_norm(backend, x, layer["post_norm"], cfg.rms_norm_eps)
+            h = ops.rms_norm(backend, x, layer["post_norm"], cfg.rms_norm_eps, then=layer["mlp"]["gate_up"],
+                             prompt=prompt)
             x = x + mlp(h, layer["mlp"], backend, prompt=prompt)
             if i in taps:
                 tapped.append(x)

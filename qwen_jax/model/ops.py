@@ -5,6 +5,8 @@ otherwise (CPU, `--no-kernels`, verification)."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import typing
 from collections.abc import Sequence
 
 import jax
@@ -14,6 +16,7 @@ from pallas_kernels import attention as attn_k
 from pallas_kernels import gdn as gdn_k
 from pallas_kernels import kv_quant
 from pallas_kernels import qmm as qmm_k
+from pallas_kernels import qmm_mgpu
 from pallas_kernels import rownorm as rownorm_k
 from pallas_kernels.qweight import QuantizedWeight
 
@@ -84,6 +87,41 @@ def parts(w) -> tuple:
     return (w,)
 
 
+class Padded(typing.NamedTuple):
+    """A norm's output held for the projection that reads it, padded: `rows` [R, D], whose first prod(lead) rows are
+    the live ones and the rest zeros, R the rows the decode qmm would pad them to (`pad_rows`), so the qmm reads
+    them as they are and the program has no pad of its own between the norm kernel and the qmm (one launch fewer
+    a projection). `linear` / `linear_split` take it where they take x [..., D]."""
+    rows: jax.Array
+    lead: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.lead, self.rows.shape[-1])
+
+    @property
+    def dtype(self):
+        return self.rows.dtype
+
+
+PAD_AT_NORM = True  # norms feeding a decode qmm write its padded rows (`pad_rows`); False: the qmm pads them
+
+
+def pad_rows(backend: Backend, x, w, *, prompt: bool) -> int | None:
+    """The rows R > M that the matmul of x [..., D] (M rows) by `w` (a weight or a `fuse` result) pads x to, when
+    every part of w goes to the Mosaic GPU decode qmm (which pads to its piece heights, `qmm_mgpu.pieces`); None
+    when it does not pad or PAD_AT_NORM is off. Rows past M change no live row's bits there (a row is one column
+    of the kernel's MMAs), so a producer may write the padding itself."""
+    m = math.prod(x.shape[:-1])
+    if not (PAD_AT_NORM and backend.kernels and not prompt and m > 0) or qmm_k.decode_impl(backend.interpret) != "mgpu":
+        return None
+    xs = jax.ShapeDtypeStruct((m, x.shape[-1]), x.dtype)
+    if not all(isinstance(p, QuantizedWeight) and qmm_mgpu.supports(xs, p) for p in parts(w)):
+        return None
+    r = sum(qmm_mgpu.pieces(m))
+    return r if r > m else None
+
+
 def linear_split(x: jax.Array, w, backend: Backend, *, prompt: bool) -> tuple[jax.Array, ...]:
     """The outputs of a `fuse` result's projections, in order: one matmul per fused run, split along N."""
     if isinstance(w, Fused):
@@ -97,7 +135,10 @@ def linear_split(x: jax.Array, w, backend: Backend, *, prompt: bool) -> tuple[ja
 
 
 def linear(x: jax.Array, w, backend: Backend, *, prompt: bool) -> jax.Array:
-    """x [..., K] @ w[N, K]^T -> [..., N] in x.dtype with fp32 accumulation; w dense or packed."""
+    """x [..., K] (or `Padded`) @ w[N, K]^T -> [..., N] in x.dtype with fp32 accumulation; w dense or packed."""
+    if isinstance(x, Padded):
+        y = linear(x.rows, w, backend, prompt=prompt)
+        return y[:math.prod(x.lead)].reshape(*x.lead, y.shape[-1])
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if isinstance(w, QuantizedWeight):
@@ -163,14 +204,26 @@ def conv_step(backend: Backend, *args):
     return _pick(backend, gdn_k, "conv_step")(*args)
 
 
-def rms_norm(backend: Backend, x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(backend: Backend, x: jax.Array, weight: jax.Array, eps: float, *, then=None, prompt: bool = False):
     """Normalise over the last axis in fp32, times the fp32 multiplier, cast back. With kernels, a row's bits
-    never depend on how many rows share the call (XLA's own row reductions do: pallas_kernels/rownorm.py)."""
+    never depend on how many rows share the call (XLA's own row reductions do: pallas_kernels/rownorm.py).
+    then: the weight of the projection that reads the result (and prompt, its path): where its matmul pads the
+    rows (`pad_rows`), the norm writes them padded and returns a `Padded`."""
+    r = None if then is None else pad_rows(backend, x, then, prompt=prompt)
+    if r is not None:
+        return Padded(rownorm_k.rms_norm(x, weight, eps, interpret=backend.interpret, out_rows=r), x.shape[:-1])
     return _pick(backend, rownorm_k, "rms_norm")(x, weight, eps)
 
 
-def gated_rms_norm(backend: Backend, x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """GDN's output norm (not zero-centred): normalise in fp32, cast, scale by w, times silu(gate)."""
+def gated_rms_norm(backend: Backend, x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float, *, then=None,
+                   prompt: bool = False):
+    """GDN's output norm (not zero-centred): normalise in fp32, cast, scale by w, times silu(gate); over the last
+    axis of x [..., H, D]. then: as for `rms_norm`, for the projection that reads the heads joined, [..., H * D]."""
+    joined = jax.ShapeDtypeStruct((*x.shape[:-2], x.shape[-2] * x.shape[-1]), x.dtype)
+    r = None if then is None else pad_rows(backend, joined, then, prompt=prompt)
+    if r is not None:
+        y = rownorm_k.gated_rms_norm(x, gate, weight, eps, interpret=backend.interpret, out_rows=r * x.shape[-2])
+        return Padded(y.reshape(r, joined.shape[-1]), joined.shape[:-1])
     return _pick(backend, rownorm_k, "gated_rms_norm")(x, gate, weight, eps)
 
 

@@ -55,6 +55,10 @@ def run(args) -> None:
         from pallas_kernels import qmm_mgpu
         qmm_mgpu.STAGES = args.mgpu_stages
         print(f"Mosaic GPU decode kernel: {qmm_mgpu.STAGES} stages")
+    if args.no_pad_at_norm:
+        from qwen_jax.model import ops
+        ops.PAD_AT_NORM = False
+        print("norms feeding the decode qmm write unpadded rows")
     if args.mgpu_rounding:
         from pallas_kernels import qmm_mgpu
         qmm_mgpu.ROUNDING = args.mgpu_rounding
@@ -213,6 +217,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mgpu-stages", type=int, default=None, help="qmm_mgpu.STAGES (the Mosaic GPU kernel's depth)")
     ap.add_argument("--mgpu-rounding", choices=("barrier", "reduce_precision"), default=None,
                     help="qmm_mgpu.ROUNDING (how the kernel's output keeps its rounding)")
+    ap.add_argument("--no-pad-at-norm", action="store_true",
+                    help="qwen_jax.model.ops.PAD_AT_NORM off: the decode qmm pads the norms' rows itself")
     ap.add_argument("--streams", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=16, help="timed rounds (wall clock)")

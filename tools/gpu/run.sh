@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -32,6 +32,19 @@ attention_window16() {
 }
 
 case "$stage" in
+  thirty-ninth)
+    # Session 12, after thirty-eighth (~3.5 min): the norms feeding a decode qmm write its padded rows
+    # (ops.PAD_AT_NORM, one pad launch fewer a projection below 16 rows): the engine's gates (the stream-bucket gate
+    # compares padded buckets 1 and 4 with unpadded 16 and 64), then the one-stream round with it and without.
+    timeout -s INT 150 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
+      > "$out/gpu_tests_pad.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_pad.log" | cut -c1-160 | tail -10
+    for v in "" --no-pad-at-norm; do
+      echo "== ${v:-pad at norm}"
+      timeout 70 python3 tools/gpu/decode_profile.py --synthetic 27b --rounds 32 $v --trace "$out/trace" \
+        --profiled 0 2>&1 | tee -a "$out/profile_pad.txt" | grep -E "round|busy|fusions|kernel_mosaic|pad_fusion"
+      rm -rf "$out/trace"
+    done ;;
   thirty-eighth)
     # Session 12, last call (~5 min): the 27B bench at the new defaults (pieces of up to 64 rows, the output rounding
     # kept by reduce_precision), with 64 streams; then the rounding side by side in one process (the engine's rate).
