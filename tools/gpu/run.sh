@@ -31,6 +31,22 @@ attention_window16() {
     --json "$out/attention_window16.json" 2>&1 | tee "$out/attention_window16.log" | grep -A30 "^### 16-row"
 }
 
+# decode_profile.py with a trace, at 1 and 16 streams, for each value of one of its flags. $1: the flag; the rest:
+# its values. Prints the round times, the busy time and the qmm's traced time.
+profile_by() {
+  local flag=$1
+  shift
+  for v in "$@"; do
+    for s in 1 16; do
+      echo "== $flag $v, $s streams"
+      timeout 100 python3 tools/gpu/decode_profile.py --synthetic 27b "$flag" "$v" --streams $s --rounds 32 \
+        --trace "$out/trace_${v}_$s" --profiled 0 2>&1 | tee "$out/profile_${v}_$s.txt" \
+        | grep -E "round|busy|custom calls|kernel_mosaic|^ .*(xla|norms)"
+      rm -rf "$out/trace_${v}_$s"
+    done
+  done
+}
+
 case "$stage" in
   fortieth)
     # Session 12, last call (~2 min): thirty-ninth's pipelined rounds came out against the trace (the first run of a
@@ -70,15 +86,7 @@ case "$stage" in
       sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
       tests/test_qmm_mgpu.py -k "engine or oracle" > "$out/gpu_tests_rp.log" 2>&1
     grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_rp.log" | cut -c1-160 | tail -24
-    for r in barrier reduce_precision; do
-      for s in 1 16; do
-        echo "== $r, $s streams"
-        timeout 100 python3 tools/gpu/decode_profile.py --synthetic 27b --mgpu-rounding $r --streams $s --rounds 32 \
-          --trace "$out/trace_${r}_$s" --profiled 0 2>&1 | tee "$out/profile_${r}_$s.txt" \
-          | grep -E "round|busy|custom calls|kernel_mosaic|^ .*(xla|norms)"
-        rm -rf "$out/trace_${r}_$s"
-      done
-    done
+    profile_by --mgpu-rounding barrier reduce_precision
     echo "== reduce_precision, 1 stream, command buffers with custom calls"
     XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1" \
       timeout 90 python3 tools/gpu/decode_profile.py --synthetic 27b --mgpu-rounding reduce_precision --rounds 32 \
@@ -87,15 +95,7 @@ case "$stage" in
     # Session 12, fourth call (~4 min): the engine's decode rate swung between ~84 and ~66 forwards/s from one
     # variant to the next in thirty-fifth (one stream), so compare the pipeline depths on device time instead: the
     # device-bound round, the host's enqueue of a call, and the traced qmm time, 4 and 8 stages, 1 and 16 streams.
-    for st in 4 8; do
-      for s in 1 16; do
-        echo "== stages $st, $s streams"
-        timeout 100 python3 tools/gpu/decode_profile.py --synthetic 27b --mgpu-stages $st --streams $s --rounds 32 \
-          --trace "$out/trace_${st}_$s" --profiled 0 2>&1 | tee "$out/profile_${st}_$s.txt" \
-          | grep -E "round|busy|kernel_mosaic|^ .*(xla|norms)"
-        rm -rf "$out/trace_${st}_$s"
-      done
-    done ;;
+    profile_by --mgpu-stages 4 8 ;;
   thirty-fifth)
     # Session 12, third call (~7 min): pieces of up to 64 rows (qmm_mgpu.WIDE_ROWS = 64, the piece cut following M)
     # and pipeline depths up to what shared memory holds, through the kernel's gpu tests and the engine's gates
