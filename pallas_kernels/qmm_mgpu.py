@@ -26,9 +26,8 @@ stored where the tile or the chunk ends. (`unsigned=True` converts the fields as
 
 Exactness: every row is one column of the MMAs (a row's bits are the same whatever the piece height: shown on the
 H200), and the schedule, the pieces and their order come from the weight's shape alone, so a row's bits do not
-depend on M or on the other rows. The bits
-differ from the Triton kernel's (another accumulation order); a model would use one kernel for all its decode and
-verify programs.
+depend on M or on the other rows. The bits differ from the Triton kernel's (another accumulation order); a model
+uses one kernel for all its decode and verify programs.
 
 Status (docs/kernels/qmm.md runs 6, 9, 10): right on the H200 (oracle and row invariance at the 27B's shapes and
 the tiny checkpoint's; the engine's gates pass with it since session 7, when the output's rounding was first kept
