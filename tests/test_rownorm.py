@@ -343,14 +343,26 @@ def test_gpu_model_shapes_stream_alone_vs_among_16(op, heads, d):
 def test_out_rows_pad_with_zero_rows(op):
     """out_rows: the rows of the plain call, bit for bit, flattened, then zero rows up to out_rows (what the decode
     qmm would pad them with); fewer rows than x has is refused."""
+    _check_out_rows(op, 256)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("op", ["rms", "gated"])
+@pytest.mark.parametrize("d", [5120, 128])
+def test_gpu_out_rows_pad_with_zero_rows(op, d):
+    _check_out_rows(op, d)
+
+
+def _check_out_rows(op: str, d: int):
     rng = np.random.default_rng(5)
-    x, gate, weight = _case(rng, (3, 2), 256, jnp.bfloat16)
+    x, gate, weight = _case(rng, (3, 2), d, jnp.bfloat16)
     fns = {"rms": lambda r: rownorm.rms_norm(x, weight, EPS, interpret=INTERPRET, out_rows=r),
            "gated": lambda r: rownorm.gated_rms_norm(x, gate, weight, EPS, interpret=INTERPRET, out_rows=r)}
-    plain = np.asarray(_kernel(op)(x, gate, weight)).reshape(6, 256)
+    plain = np.asarray(_kernel(op)(x, gate, weight)).reshape(6, d)
     for r in (6, 16, 40):
         out = np.asarray(fns[op](r))
-        assert out.shape == (r, 256)
+        assert out.shape == (r, d)
         _assert_same_bits(out[:6], plain, f"{op}: out_rows={r}")
         assert not out[6:].any()
     with pytest.raises(ValueError, match="out_rows=5"):
