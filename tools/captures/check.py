@@ -3,8 +3,16 @@
   HF transformers float32 on captures/tiny, prompt "long"   vs captures/refs/hf-tiny-f32.npz
   mlx-lm float32 on captures/tiny-mlx-4bit, prompt "short"  vs captures/refs/mlx-tiny-mlx-4bit-f32.npz
 
-Passes when every logits / gen_logits entry is within TOLERANCE, prompt_ids and gen_ids are equal. Exit 1 otherwise.
+Passes when every logits / gen_logits entry is within the tool's tolerance (TOLERANCE), prompt_ids and gen_ids are
+equal. Exit 1 otherwise.
 Usage: python check.py [CAPTURES_DIR]
+
+Why the HF tolerance is 1e-4 (it was 1e-5 until session 12): torch's float32 CPU kernels sum in an order that depends
+on the CPU. On an AMX/AVX-512-FP16 Xeon (session 12) the regenerated "long" logits differed from the committed ones
+by 2.8e-5 to 5.5e-5 under five settings of ATEN_CPU_CAPABILITY and MKL_CBWR (none reproduced the capture machine's
+order), and HF's own cached and full passes differ by ~7e-5 on one machine (`prompt_stepwise_cached_vs_full_max_abs`
+in the log). 1e-4 against logits of magnitude ~12 still flags any change in the tools or the scripts (a wrong weight
+or op moves them by far more); mlx-lm reproduced its capture exactly there, so it keeps 1e-5.
 """
 
 import sys
@@ -15,10 +23,10 @@ import numpy as np
 import refs_hf
 import refs_mlx
 
-TOLERANCE = 1e-5
+TOLERANCE = {"hf": 1e-4, "mlx": 1e-5}
 
 
-def compare(label: str, fresh: dict, committed_path: Path, prompt: str) -> bool:
+def compare(label: str, fresh: dict, committed_path: Path, prompt: str, tolerance: float) -> bool:
     committed = np.load(committed_path)
     ok = True
     for key in ("prompt_ids", "gen_ids"):
@@ -33,8 +41,8 @@ def compare(label: str, fresh: dict, committed_path: Path, prompt: str) -> bool:
             ok = False
             continue
         delta = float(np.max(np.abs(fresh[name] - committed[name])))
-        passed = delta <= TOLERANCE
-        print(f"{label} {name}: max |delta| = {delta:.3g} ({'ok' if passed else 'FAIL'}, tolerance {TOLERANCE:g})")
+        passed = delta <= tolerance
+        print(f"{label} {name}: max |delta| = {delta:.3g} ({'ok' if passed else 'FAIL'}, tolerance {tolerance:g})")
         ok &= passed
     return ok
 
@@ -44,9 +52,9 @@ def main(captures_dir: str) -> int:
     refs = root / "refs"
     prompts = str(refs / "prompts.json")
     hf = refs_hf.main(str(root / "tiny"), "float32", prompts, "", only=["long"])
-    ok = compare("hf-tiny-f32", hf, refs / "hf-tiny-f32.npz", "long")
+    ok = compare("hf-tiny-f32", hf, refs / "hf-tiny-f32.npz", "long", TOLERANCE["hf"])
     mlx = refs_mlx.main(str(root / "tiny-mlx-4bit"), prompts, "", only=["short"])
-    ok &= compare("mlx-tiny-mlx-4bit-f32", mlx, refs / "mlx-tiny-mlx-4bit-f32.npz", "short")
+    ok &= compare("mlx-tiny-mlx-4bit-f32", mlx, refs / "mlx-tiny-mlx-4bit-f32.npz", "short", TOLERANCE["mlx"])
     print("captures check:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 
