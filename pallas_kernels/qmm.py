@@ -259,6 +259,12 @@ def decode_impl(interpret: bool = False) -> str:
         return "mgpu" if not interpret and jax.default_backend() == "gpu" else "triton"
     return DECODE_IMPL
 
+
+def decode_on_mgpu(x, w, interpret: bool = False) -> bool:
+    """Whether a decode call of x [M, K] (an array or a ShapeDtypeStruct) by w goes to the Mosaic GPU kernel: the
+    decode implementation is "mgpu" and the kernel takes the call (`qmm_mgpu.supports`)."""
+    return decode_impl(interpret) == "mgpu" and isinstance(w, QuantizedWeight) and qmm_mgpu.supports(x, w)
+
 # The prompt path's implementation: "fused" (dequantize inside the MMA loop) or "dequant" (a pass dequantizes the
 # weight to bf16 in memory, then `DEQUANT_PROMPT_TILES`' matmul). H200, session 5 (`bench qmm --sweep
 # --prompt-only`, XLA's pass then): dequant 403 / 1199 us at 5120->17408, M = 1024 / 4096, against the fused
@@ -780,8 +786,7 @@ def decode_layout(params, x_dtype=jnp.bfloat16):
     def one(w):
         if not isinstance(w, QuantizedWeight) or w.scales_t is not None:
             return w
-        x = jax.ShapeDtypeStruct((1, w.in_features), x_dtype)
-        if not qmm_mgpu.supports(x, w):
+        if not decode_on_mgpu(jax.ShapeDtypeStruct((1, w.in_features), x_dtype), w):
             return w
         t = lambda a: (jax.ShapeDtypeStruct(a.shape[::-1], a.dtype) if isinstance(a, jax.ShapeDtypeStruct)
                        else jnp.asarray(a.T))  # abstract params (lowering without a device) stay abstract
@@ -809,10 +814,9 @@ def _qmm(x: jax.Array, w: QuantizedWeight, *, prompt: bool, interpret: bool, til
     """`qmm`; poison: the kernel writes into NaN-filled memory (tests catch elements it never writes)."""
     _validate(x, w)
     n, k = w.shape
-    if not prompt and tiles is None and not poison and decode_impl(interpret) == "mgpu":
-        if qmm_mgpu.supports(x, w):
-            with jax.named_scope("qmm_decode_mgpu"):
-                return qmm_mgpu.qmm_rows(x, w, interpret=interpret)
+    if not prompt and tiles is None and not poison and decode_on_mgpu(x, w, interpret):
+        with jax.named_scope("qmm_decode_mgpu"):
+            return qmm_mgpu.qmm_rows(x, w, interpret=interpret)
     if tiles is None:
         tiles = (prompt_tiles if prompt else decode_tiles)(n, k, w.bits, w.group_size)
     tiles.check()

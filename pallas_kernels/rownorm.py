@@ -96,7 +96,8 @@ def _norm_kernel(n_ref, *refs, kind: str, d: int, eps: float, tiles: RowTiles, i
     bn, c = tiles.block_rows, tiles.chunk
     row0 = pl.program_id(0) * bn
     rows = pl.ds(row0, bn)
-    live = (row0 + jax.lax.broadcasted_iota(jnp.int32, (bn, c), 0)) < n_ref[0]
+    row = row0 + jax.lax.broadcasted_iota(jnp.int32, (bn, c), 0)
+    live, written = row < n_ref[0], row < n_ref[1]
     cols = [pl.ds(j * c, c) for j in range(d // c)]
 
     xs = [plgpu.load(x_ref.at[rows, col], mask=live, other=0).astype(_F32) for col in cols]
@@ -123,7 +124,6 @@ def _norm_kernel(n_ref, *refs, kind: str, d: int, eps: float, tiles: RowTiles, i
             y = (w * n.astype(_F32)).astype(io_dtype)
             g = plgpu.load(gate_ref.at[rows, col], mask=live, other=0).astype(_F32)
             out = y.astype(_F32) * jax.nn.silu(g)
-        written = (row0 + jax.lax.broadcasted_iota(jnp.int32, (bn, c), 0)) < n_ref[1]
         plgpu.store(o_ref.at[rows, col], out.astype(o_ref.dtype), mask=written)
 
 

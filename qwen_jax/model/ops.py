@@ -113,10 +113,10 @@ def pad_rows(backend: Backend, x, w, *, prompt: bool) -> int | None:
     when it does not pad or PAD_AT_NORM is off. Rows past M change no live row's bits there (a row is one column
     of the kernel's MMAs), so a producer may write the padding itself."""
     m = math.prod(x.shape[:-1])
-    if not (PAD_AT_NORM and backend.kernels and not prompt and m > 0) or qmm_k.decode_impl(backend.interpret) != "mgpu":
+    if not (PAD_AT_NORM and backend.kernels and not prompt and m > 0):
         return None
     xs = jax.ShapeDtypeStruct((m, x.shape[-1]), x.dtype)
-    if not all(isinstance(p, QuantizedWeight) and qmm_mgpu.supports(xs, p) for p in parts(w)):
+    if not all(qmm_k.decode_on_mgpu(xs, p, backend.interpret) for p in parts(w)):
         return None
     r = sum(qmm_mgpu.pieces(m))
     return r if r > m else None

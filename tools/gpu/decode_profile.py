@@ -44,7 +44,7 @@ def run(args) -> None:
     from qwen_jax import programs as P
     from qwen_jax import sampling
     from qwen_jax.model import Backend
-    from pallas_kernels import qmm
+    from pallas_kernels import qmm, qmm_mgpu
     if args.decode_tiles:  # A/B of qmm's decode tiles in the whole program (e.g. prefetch=1,lop3=1)
         qmm.DECODE_TILES = qmm.replace_tiles(qmm.DECODE_TILES, args.decode_tiles)
         print(f"decode tiles: {qmm.DECODE_TILES}")
@@ -52,7 +52,6 @@ def run(args) -> None:
         qmm.DECODE_IMPL = args.qmm_decode_impl
         print(f"qmm decode implementation: {qmm.DECODE_IMPL}")
     if args.mgpu_stages:
-        from pallas_kernels import qmm_mgpu
         qmm_mgpu.STAGES = args.mgpu_stages
         print(f"Mosaic GPU decode kernel: {qmm_mgpu.STAGES} stages")
     if args.no_pad_at_norm:
@@ -60,7 +59,6 @@ def run(args) -> None:
         ops.PAD_AT_NORM = False
         print("norms feeding the decode qmm write unpadded rows")
     if args.mgpu_rounding:
-        from pallas_kernels import qmm_mgpu
         qmm_mgpu.ROUNDING = args.mgpu_rounding
         print(f"Mosaic GPU decode kernel: output rounding kept by {qmm_mgpu.ROUNDING}")
     if args.synthetic:
