@@ -58,7 +58,8 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import qmm_mgpu, replace_fields
 from pallas_kernels.calls import pallas_call
-from pallas_kernels.qweight import QuantizedWeight, dequantize, dequantize_rows, unpack
+from pallas_kernels.qweight import (QuantizedWeight, add_rounded_once_to_bf16, dequantize, dequantize_rows,
+                                    to_lane_words, unpack)
 
 # Two bf16 128.0s: OR-ing a 4-bit field q into the low mantissa bits of one gives the bf16 number 128 + q exactly.
 _BF16_128_PAIR = 0x43004300
@@ -547,26 +548,6 @@ def _sum_splits(y: jax.Array, out_dtype) -> jax.Array:
 # the "dequant" implementation: the whole weight dequantized by XLA, then a plain matmul kernel
 
 
-def _add_rounded_once_to_bf16(a: jax.Array, b: jax.Array) -> jax.Array:
-    """fp32 a + b (a = q * s exact) rounded once to bf16, as a fused bf16 FMA rounds it (the fused kernel's
-    HFMA2.BF16), not twice (fp32, then bf16) as a plain add + convert would.
-
-    The fp32 sum t differs from a once-rounded bf16 result only where t lands exactly on a bf16 midpoint (low 16
-    bits 0x8000) while the exact sum does not; there TwoSum's error term says which side the exact sum is on, and
-    t moves one fp32 ulp that way before the round-to-nearest-even convert. Exact for any fp32 a, b; every step is
-    exact or one IEEE rounding, so FMA contraction of a's product into the adds changes nothing when a is exact.
-    """
-    t = a + b
-    bb = t - a
-    err = (a - (t - bb)) + (b - bb)  # TwoSum (Knuth): a + b == t + err exactly
-    tbits = jax.lax.bitcast_convert_type(t, jnp.uint32)
-    on_midpoint = (tbits & jnp.uint32(0xFFFF)) == jnp.uint32(0x8000)
-    away = (err > 0) == (t > 0)  # the exact sum is larger in magnitude than t
-    nudged = jnp.where(away, tbits + jnp.uint32(1), tbits - jnp.uint32(1))
-    tbits = jnp.where(on_midpoint & (err != 0), nudged, tbits)
-    return jax.lax.bitcast_convert_type(tbits, jnp.float32).astype(jnp.bfloat16)
-
-
 def dequantize_for_matmul(w: QuantizedWeight, x_dtype) -> jax.Array:
     """The whole weight [N, K] in the MMA operand dtype for an x of `x_dtype`: one XLA elementwise fusion on the
     packed words, with the values the fused kernel's dequantization gives on the GPU.
@@ -583,7 +564,7 @@ def dequantize_for_matmul(w: QuantizedWeight, x_dtype) -> jax.Array:
     q = unpack(w.words, w.bits).astype(jnp.float32).reshape(n, k // w.group_size, w.group_size)
     prod = q * w.scales.astype(jnp.float32)[..., None]
     bias = jnp.broadcast_to(w.biases.astype(jnp.float32)[..., None], prod.shape)
-    deq = _add_rounded_once_to_bf16(prod, bias) if bf16_fma else (prod + bias).astype(w_dtype)
+    deq = add_rounded_once_to_bf16(prod, bias) if bf16_fma else (prod + bias).astype(w_dtype)
     return deq.reshape(n, k)
 
 
@@ -632,7 +613,7 @@ def _dequant_pass_kernel(w_ref, s_ref, b_ref, o_ref, *, n: int, bn: int, bc: int
         # Same values by jnp (no inline PTX on the CPU): q * s exact in fp32, + b rounded once to bf16.
         def weight(f):
             q = ((words >> jnp.uint32(4 * f)) & jnp.uint32(15)).astype(jnp.int32).astype(jnp.float32)
-            w = _add_rounded_once_to_bf16(q * s.astype(jnp.float32), b.astype(jnp.float32))
+            w = add_rounded_once_to_bf16(q * s.astype(jnp.float32), b.astype(jnp.float32))
             return jax.lax.bitcast_convert_type(w, jnp.uint16).astype(jnp.uint32)
 
         ws = [weight(f) for f in range(8)]
@@ -776,8 +757,9 @@ def _matmul_call(x: jax.Array, wd: jax.Array, out_dtype, tiles: Tiles, interpret
 
 def decode_layout(params, x_dtype=jnp.bfloat16):
     """params with every packed weight the Mosaic GPU decode kernel takes given its scales and biases transposed
-    (`QuantizedWeight.scales_t`, `biases_t`: made once here, 1/8 of the 4-bit weights' bytes more memory) when
-    the decode calls go to it (`decode_impl()` is "mgpu") with activations of x_dtype (the model's dtype: fp32
+    (`QuantizedWeight.scales_t`, `biases_t`: made once here, 1/8 of the 4-bit weights' bytes more memory) and, under
+    its "words" conversion, its words in the kernel's lane order (`lane_words`: as much memory again as the words)
+    when the decode calls go to it (`decode_impl()` is "mgpu") with activations of x_dtype (the model's dtype: fp32
     activations stay on the Triton kernels, so their weights are left alone); otherwise params unchanged. Same
     values, so the same bits either way."""
     if decode_impl() != "mgpu":
@@ -788,9 +770,12 @@ def decode_layout(params, x_dtype=jnp.bfloat16):
             return w
         if not decode_on_mgpu(jax.ShapeDtypeStruct((1, w.in_features), x_dtype), w):
             return w
-        t = lambda a: (jax.ShapeDtypeStruct(a.shape[::-1], a.dtype) if isinstance(a, jax.ShapeDtypeStruct)
-                       else jnp.asarray(a.T))  # abstract params (lowering without a device) stay abstract
-        return dataclasses.replace(w, scales_t=t(w.scales), biases_t=t(w.biases))
+        abstract = isinstance(w.words, jax.ShapeDtypeStruct)  # abstract params (lowering without a device)
+        t = lambda a: jax.ShapeDtypeStruct(a.shape[::-1], a.dtype) if abstract else jnp.asarray(a.T)
+        lanes = None
+        if qmm_mgpu.CONVERSION == "words":
+            lanes = w.words if abstract else jax.jit(to_lane_words)(w.words)
+        return dataclasses.replace(w, scales_t=t(w.scales), biases_t=t(w.biases), lane_words=lanes)
 
     return jax.tree_util.tree_map(one, params, is_leaf=lambda v: isinstance(v, QuantizedWeight))
 

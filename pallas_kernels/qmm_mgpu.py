@@ -47,8 +47,11 @@ from jax import lax
 from jax.interpreters import mlir
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.mosaic import gpu as mgpu
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, llvm, vector
 
-from pallas_kernels.qweight import QuantizedWeight
+from pallas_kernels.qweight import QuantizedWeight, add_rounded_once_to_bf16, from_lane_words, to_lane_words, unpack
 
 ROWS = 16  # x rows a call carries (the MMA's N); M <= ROWS
 # Wider pieces for calls of more than ROWS rows (verify windows, --parallel > 16): `qmm_rows` cuts M rows into
@@ -67,7 +70,17 @@ CTA_N = TILE_N * COMPUTE_WGS
 STAGES = 4
 BLOCK_GROUPS = 4  # groups of K a pipeline step carries (a 128-byte row of weight words, 16 KB a CTA)
 SMS = 132  # the H200's; chunks of work are spread over this many persistent CTAs (a constant: never a device query)
-UNSIGNED = False  # convert the 4-bit fields as unsigned (True) or as signed after XOR 8 (False)
+# How a compute warpgroup turns its [64, 256] 4-bit tile into the MMA's bf16 A operand:
+# - "words" (default since session 13): the weight's words come repacked at load (`QuantizedWeight.lane_words`,
+#   made by `qmm.decode_layout`: in each group of 8 words the bytes transposed so that the words a lane holds in
+#   the MMA's register layout carry exactly the pairs of weights it needs). A thread then loads its 16 words a step
+#   as 8 8-byte shared-memory loads and builds each bf16 pair with four instructions (prmt, lop3, sub, and one
+#   bf16x2 FMA: q s + b rounded once, the Triton kernels' and the dequant pass's weights) in inline PTX.
+# - "nibbles" (sessions 6-12): the natural words viewed as uint4, loaded in the MMA's layout (one byte, two weights,
+#   a shared-memory load: 64 loads a thread a step), XOR 8 read as signed int4 (Mosaic GPU's int4 -> bf16
+#   conversion), + 8, then s q + b as bf16 ops. "unsigned": the same with the fields converted as unsigned.
+CONVERSION = "words"
+CONVERSIONS = ("words", "nibbles", "unsigned")
 # How the summed fp32 output keeps its rounding to x.dtype in every program (see `_decode`): "barrier" (the
 # conversion behind an optimization barrier, so nothing fuses across it; sessions 7-11) or "reduce_precision" (the
 # value rounded to x.dtype's precision by an op XLA keeps, then converted: a consumer that skips the conversion
@@ -184,36 +197,104 @@ def _pieces_written(n: int, k: int, block_groups: int, sms: int) -> np.ndarray:
     return np.arange(counts.max())[:, None] < counts[None, :]
 
 
-@functools.partial(jax.jit, static_argnames=("stages", "block_groups", "sms", "interpret", "probe"))
-def _partials(xp: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, stages: int, block_groups: int,
-              sms: int, interpret: bool, probe: str | None = None) -> jax.Array:
+# bf16x2 of one weight pair from a lane word (see CONVERSION): byte j of the word holds the pair's fields (low
+# nibble first); prmt puts byte j of w in the low half and byte j of w >> 4 in the high half, lop3 keeps each half's
+# low nibble and ORs in 0x4300 (bf16 128 + q, exact), sub takes 128 away (exact), and the FMA rounds q s + b once.
+_PAIR_PTX = """{{ .reg .b32 t, c;
+prmt.b32 t, $1, $2, {sel:#06x};
+lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+mov.b32 c, 0x43004300;
+sub.bf16x2 t, t, c;
+fma.rn.bf16x2 $0, t, $3, $4; }}"""
+
+
+def _splat_pair(reg) -> ir.Value:
+    """A vector<1 x bf16> register -> i32 holding the value in both halves (a bf16x2 operand)."""
+    i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
+    half = arith.extui(i32, arith.bitcast(i16, vector.extract(reg, dynamic_position=[], static_position=[0])))
+    return arith.ori(half, arith.shli(half, arith.constant(i32, 16)))
+
+
+def _lane_dequant(block_groups: int, transforms: tuple):
+    """inline_mgpu function (words ref [TILE_N, 8 G] of lane words in shared memory, G scale rows, G bias rows, each
+    [TILE_N] in the MMA's row layout) -> bf16 A tile [TILE_N, 64 G] in the MMA's register layout: s q + b rounded
+    once. A thread's lane words are its A registers' weights in order (`to_lane_words`), so no value crosses lanes."""
+    row = plgpu.Layout.WGMMA.reduce(1)
+    swizzle = next(t.swizzle for t in transforms if isinstance(t, plgpu.SwizzleTransform))
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms), [row] * block_groups, [row] * block_groups),
+                       return_type=plgpu.ShapeDtypeStruct((TILE_N, GROUP * block_groups), jnp.bfloat16,
+                                                          layout=plgpu.Layout.WGMMA))
+    def dequant(_, words_ref, s_rows, b_rows):
+        i32 = ir.IntegerType.get_signless(32)
+        pair_ty = ir.VectorType.get((2,), ir.BF16Type.get())
+        words = mgpu.FragmentedArray.load_tiled(words_ref, swizzle=swizzle, is_signed=False,
+                                                layout=mgpu.WGMMA_LAYOUT)
+        # registers: [.., column tile, .., .., row half, ..]; a u32 column tile is one group's 8 words, a bf16
+        # column tile 8 weights, each a vector of the lane's 2 adjacent columns
+        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((TILE_N, GROUP * block_groups)), dtype=object)
+        for g in range(block_groups):
+            for half in range(2):
+                s2 = _splat_pair(s_rows[g].registers[0, 0, half, 0, 0])
+                b2 = _splat_pair(b_rows[g].registers[0, 0, half, 0, 0])
+                both = words.registers[0, g, 0, 0, half, 0, 0, 0, 0]
+                for h in range(2):
+                    w = vector.extract(both, dynamic_position=[], static_position=[h])
+                    hi = arith.shrui(w, arith.constant(i32, 4))
+                    for j in range(4):
+                        out = llvm.inline_asm(i32, [w, hi, s2, b2], _PAIR_PTX.format(sel=0xF0F0 | (j + 4) << 8 | j),
+                                              "=r,r,r,r,r")
+                        regs[0, 8 * g + 4 * h + j, 0, 0, half, 0, 0, 0, 0] = mgpu.utils.bitcast(out, pair_ty)
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+    return dequant
+
+
+def _lane_dequant_jnp(words: jax.Array, s_rows, b_rows) -> jax.Array:
+    """`_lane_dequant`'s values by jnp (interpret mode): lane words [R, 8 G] -> bf16 [R, 64 G]."""
+    q = unpack(from_lane_words(words), 4).astype(jnp.float32)
+    r = q.shape[0]
+    q = q.reshape(r, len(s_rows), GROUP)
+    s = jnp.stack(s_rows, axis=1).astype(jnp.float32)[:, :, None]
+    b = jnp.broadcast_to(jnp.stack(b_rows, axis=1).astype(jnp.float32)[:, :, None], q.shape)
+    return add_rounded_once_to_bf16(q * s, b).reshape(r, -1)
+
+
+@functools.partial(jax.jit, static_argnames=("stages", "block_groups", "sms", "interpret", "conversion", "probe"))
+def _partials(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array, *, stages: int, block_groups: int,
+              sms: int, interpret: bool, conversion: str = "words", probe: str | None = None) -> jax.Array:
     """`_kernel_call`, through the lowering cache (`_partials_p`) when compiled for the GPU."""
-    kw = dict(stages=stages, block_groups=block_groups, sms=sms, probe=probe)
+    kw = dict(stages=stages, block_groups=block_groups, sms=sms, conversion=conversion, probe=probe)
     if interpret:
-        return _kernel_call(xp, q4, st, bt, interpret=True, **kw)
-    return _partials_p.bind(xp, q4, st, bt, **kw)
+        return _kernel_call(xp, qw, st, bt, interpret=True, **kw)
+    return _partials_p.bind(xp, qw, st, bt, **kw)
 
 
-def _kernel_call(xp: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, stages: int, block_groups: int,
-                 sms: int, interpret: bool, probe: str | None = None) -> jax.Array:
-    """The kernel (`flat_schedule`): xp [R, K] bf16 (x padded to a piece height R, PIECE_ROWS); q4 [N, K] uint4;
-    st, bt [G, N] bf16 -> fp32 pieces [P, N, R] (only those `_pieces_written` marks are written). Each CTA runs one
+def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array, *, stages: int, block_groups: int,
+                 sms: int, interpret: bool, conversion: str = "words", probe: str | None = None) -> jax.Array:
+    """The kernel (`flat_schedule`): xp [R, K] bf16 (x padded to a piece height R, PIECE_ROWS); qw the weight as
+    lane words uint32 [N, K / 8] (conversion "words") or as uint4 [N, K] (the others); st, bt [G, N] bf16 -> fp32
+    pieces [P, N, R] (only those `_pieces_written` marks are written). Each CTA runs one
     pipeline over its S steps, so the memory warpgroup never waits at a tile's edge; a step's MMAs go into a fresh
     accumulator whose value the compute warpgroup adds to its running fp32 sum (restarted where a tile starts), and
     the sum is stored where the tile or the chunk ends."""
     rows, k = xp.shape
-    n = q4.shape[0]
+    n = qw.shape[0]
     block_k = GROUP * block_groups
     length, per_cta, ctas, counts = flat_schedule(n, k, block_groups, sms)
     pieces = int(counts.max())
     total = -(-n // CTA_N) * length
-    q_transforms = _smem_transforms(block_k, 4, "lhs")
+    words = conversion == "words"
+    q_block = (CTA_N, block_k // 8) if words else (CTA_N, block_k)
+    q_transforms = _smem_transforms(block_k // 8, 32, "lhs") if words else _smem_transforms(block_k, 4, "lhs")
     x_transforms = _smem_transforms(GROUP, 16, "rhs")
     a_transforms = _smem_transforms(GROUP, 16, "lhs")  # interpret mode's A tile
-    # probe (timing only, wrong numbers; tools/gpu/mgpu_probe.py): leave a part of the step out -- "no_xor",
-    # "no_affine" (the scale FMA), "no_load" (a constant A tile: no shared-memory read or conversion), "no_compute"
-    # (no MMA either). "unsigned" is not a probe but the other conversion (right numbers).
-    assert probe in (None, "no_xor", "no_affine", "no_load", "no_compute", "unsigned"), probe
+    # probe (timing only, wrong numbers; tools/gpu/mgpu_probe.py; the "nibbles" conversion): leave a part of the step
+    # out -- "no_xor", "no_affine" (the scale FMA), "no_load" (a constant A tile: no shared-memory read or
+    # conversion), "no_compute" (no MMA either).
+    assert conversion in CONVERSIONS and probe in (None, "no_xor", "no_affine", "no_load", "no_compute"), probe
+    assert probe is None or conversion == "nibbles", (probe, conversion)
+    dequant = _lane_dequant(block_groups, q_transforms) if words and not interpret else None
 
     def kernel(x_gmem, q_gmem, s_gmem, b_gmem, out_gmem, out_smem, *a_smem):
         cta = lax.axis_index("cta")
@@ -228,7 +309,7 @@ def _kernel_call(xp: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, 
                 max_concurrent_steps=stages, compute_context=context,
                 in_specs=[plgpu.BlockSpec((rows, block_k), lambda i: (0, locate(i)[1]), transforms=x_transforms,
                                           memory_space=plgpu.SMEM),
-                          plgpu.BlockSpec((CTA_N, block_k), lambda i: locate(i), transforms=q_transforms,
+                          plgpu.BlockSpec(q_block, lambda i: locate(i), transforms=q_transforms,
                                           memory_space=plgpu.SMEM),
                           plgpu.BlockSpec((block_groups, CTA_N), lambda i: locate(i)[::-1], memory_space=plgpu.SMEM),
                           plgpu.BlockSpec((block_groups, CTA_N), lambda i: locate(i)[::-1], memory_space=plgpu.SMEM)])
@@ -245,6 +326,31 @@ def _kernel_call(xp: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, 
             def context(run):
                 run(jnp.zeros((TILE_N, rows), jnp.float32))
 
+            def a_tiles(q_smem, s_smem, b_smem):  # the step's A operand, one [TILE_N, GROUP] tile a group
+                if words:
+                    s_rows = [s_smem[j, wg_slice] for j in range(block_groups)]
+                    b_rows = [b_smem[j, wg_slice] for j in range(block_groups)]
+                    a = (_lane_dequant_jnp(q_smem[wg_slice], s_rows, b_rows) if interpret
+                         else dequant(q_smem.at[wg_slice], s_rows, b_rows))
+                    return [a[:, j * GROUP:(j + 1) * GROUP] for j in range(block_groups)]
+                # "nibbles"/"unsigned": q XOR 8 read as signed int4 is q - 8 (Mosaic GPU's fast int4 -> bf16
+                # conversion); + 8 in bf16 is exact, and s q + b is the MLX dequantization.
+                if probe == "no_load":
+                    return [jnp.ones((TILE_N, GROUP), jnp.bfloat16)] * block_groups
+                if conversion == "unsigned":
+                    q = q_smem[wg_slice].astype(jnp.bfloat16)
+                else:
+                    q = q_smem[wg_slice]
+                    q = lax.bitcast_convert_type(q if probe == "no_xor" else q ^ jnp.uint4(8), jnp.int4)
+                    q = q.astype(jnp.bfloat16) + jnp.bfloat16(8)
+                out = []
+                for j in range(block_groups):
+                    a = q[:, j * GROUP:(j + 1) * GROUP]
+                    if probe != "no_affine":
+                        a = a * s_smem[j, wg_slice][:, None] + b_smem[j, wg_slice][:, None]
+                    out.append(a)
+                return out
+
             def body(idx, x_smem, q_smem, s_smem, b_smem, carry):
                 (i,) = idx
                 f = cta * per_cta + i
@@ -252,23 +358,10 @@ def _kernel_call(xp: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, 
                 if probe == "no_compute":
                     step = carry
                 else:
-                    # q XOR 8 read as signed int4 is q - 8 (Mosaic GPU's fast int4 -> bf16 conversion); + 8 in bf16
-                    # is exact, and s q + b is the MLX dequantization.
-                    if probe == "unsigned":
-                        q = q_smem[wg_slice].astype(jnp.bfloat16)
-                    elif probe != "no_load":
-                        q = q_smem[wg_slice]
-                        q = lax.bitcast_convert_type(q if probe == "no_xor" else q ^ jnp.uint4(8), jnp.int4)
-                        q = q.astype(jnp.bfloat16) + jnp.bfloat16(8)
+                    tiles = a_tiles(q_smem, s_smem, b_smem)
 
                     def mmas(acc):
-                        for j in range(block_groups):
-                            if probe == "no_load":
-                                a = jnp.ones((TILE_N, GROUP), jnp.bfloat16)
-                            else:
-                                a = q[:, j * GROUP:(j + 1) * GROUP]
-                                if probe != "no_affine":
-                                    a = a * s_smem[j, wg_slice][:, None] + b_smem[j, wg_slice][:, None]
+                        for j, a in enumerate(tiles):
                             if interpret:
                                 a_smem[0][wg] = a
                                 plgpu.commit_smem()
@@ -307,7 +400,7 @@ def _kernel_call(xp: jax.Array, q4: jax.Array, st: jax.Array, bt: jax.Array, *, 
         scratch_types=[plgpu.SMEM((COMPUTE_WGS, TILE_N, rows), jnp.float32)]
         + ([plgpu.SMEM((COMPUTE_WGS, TILE_N, GROUP), jnp.bfloat16, transforms=a_transforms)] if interpret else []),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
-    return call(xp, q4, st, bt)
+    return call(xp, qw, st, bt)
 
 
 # The lowering cache. jax lowers a Pallas kernel again in every program that calls it, and Mosaic GPU's lowering
@@ -324,13 +417,13 @@ _LOWERED: dict[tuple, dict[str, str]] = {}
 _partials_p = jax.extend.core.Primitive("qmm_mgpu_partials")
 
 
-def _partials_shape(xp, q4, block_groups: int, sms: int) -> tuple[int, int, int]:
-    n = q4.shape[0]
+def _partials_shape(xp, qw, block_groups: int, sms: int) -> tuple[int, int, int]:
+    n = qw.shape[0]
     return int(flat_schedule(n, xp.shape[1], block_groups, sms)[3].max()), n, xp.shape[0]
 
 
-_partials_p.def_abstract_eval(lambda xp, q4, st, bt, *, block_groups, sms, **_: jax.core.ShapedArray(
-    _partials_shape(xp, q4, block_groups, sms), jnp.float32))
+_partials_p.def_abstract_eval(lambda xp, qw, st, bt, *, block_groups, sms, **_: jax.core.ShapedArray(
+    _partials_shape(xp, qw, block_groups, sms), jnp.float32))
 _partials_p.def_impl(lambda *args, **kw: jax.jit(functools.partial(_partials_p.bind, **kw))(*args))
 
 
@@ -362,19 +455,19 @@ def _call_attributes(avals, kw: dict) -> dict[str, str]:
     return {name: str(call.attributes[name]) for name in call.attributes}
 
 
-def _lower_cached(ctx, xp, q4, st, bt, **kw):
+def _lower_cached(ctx, xp, qw, st, bt, **kw):
     if not LOWERING_CACHE or getattr(ctx.module_context.axis_context, "num_devices", None) != 1:
         # cache off (read here, at lowering), or a program over several devices (Mosaic GPU's lowering reads the
         # mesh): lowered in place, uncached
         return mlir.lower_fun(functools.partial(_kernel_call, interpret=False, **kw), multiple_results=False)(
-            ctx, xp, q4, st, bt)
+            ctx, xp, qw, st, bt)
     key = (tuple((a.shape, str(a.dtype)) for a in ctx.avals_in), tuple(sorted(kw.items())))
     attrs = _LOWERED.get(key)
     if attrs is None:
         attrs = _LOWERED[key] = _call_attributes(ctx.avals_in, kw)
     op = mlir.ir.Operation.create(
         "stablehlo.custom_call", results=[mlir.aval_to_ir_type(ctx.module_context, ctx.avals_out[0])],
-        operands=[xp, q4, st, bt], attributes={name: mlir.ir.Attribute.parse(text) for name, text in attrs.items()})
+        operands=[xp, qw, st, bt], attributes={name: mlir.ir.Attribute.parse(text) for name, text in attrs.items()})
     return op.results
 
 
@@ -390,14 +483,16 @@ def block_groups_for(k: int) -> int:
 
 
 def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_groups: int | None = None,
-               transposed: tuple[jax.Array, jax.Array] | None = None, unsigned: bool | None = None,
-               interpret: bool = False, rows: int = ROWS, rounding: str | None = None) -> jax.Array:
+               transposed: tuple[jax.Array, jax.Array] | None = None, lanes: jax.Array | None = None,
+               conversion: str | None = None, interpret: bool = False, rows: int = ROWS,
+               rounding: str | None = None) -> jax.Array:
     """x bf16 [M <= rows, K] -> y bf16 [M, N] (see the module docstring); rows: the piece height x is padded to
     (PIECE_ROWS; the MMA's N). block_groups: None for the shape-derived
     `block_groups_for` (a caller that overrides must keep it fixed per weight shape). transposed: the scales and
     biases as [G, N], made once beforehand (default: the weight's `scales_t`, `biases_t` where it has them; else
     each call transposes them: for 5120 -> 34816 that is 22 MB of extra traffic beside the weight's 89 MB, 0.85 ms a
-    27B forward). unsigned: convert the 4-bit fields as unsigned (else XOR 8 as signed, + 8); None for UNSIGNED.
+    27B forward). lanes: the weight's `lane_words`, made once beforehand (default: the weight's own where it has
+    them; else each call repacks the words). conversion: CONVERSIONS (None for CONVERSION).
     interpret: Mosaic GPU's interpreter on the CPU. rounding: how the output keeps its rounding (ROUNDINGS; None for
     ROUNDING)."""
     w.validate("qmm_mgpu weight")
@@ -413,26 +508,35 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     elif tuple(t.shape for t in transposed) != 2 * ((k // GROUP, n),):
         raise ValueError(f"qmm_mgpu: transposed scales and biases must be [{k // GROUP}, {n}], got "
                          f"{[tuple(t.shape) for t in transposed]}")
-    unsigned = UNSIGNED if unsigned is None else unsigned
+    conversion = CONVERSION if conversion is None else conversion
+    if conversion not in CONVERSIONS:
+        raise ValueError(f"qmm_mgpu: conversion {conversion!r} is not one of {CONVERSIONS}")
+    if conversion == "words":
+        q = w.lane_words if lanes is None else lanes
+        q = to_lane_words(w.words) if q is None else q
+        if tuple(q.shape) != tuple(w.words.shape) or q.dtype != jnp.uint32:
+            raise ValueError(f"qmm_mgpu: lane words must be uint32 {tuple(w.words.shape)}, got {q.dtype} "
+                             f"{tuple(q.shape)}")
+    else:
+        q = lax.bitcast_convert_type(w.words, jnp.uint4).reshape(n, k)
     rounding = ROUNDING if rounding is None else rounding
     if rounding not in ROUNDINGS:
         raise ValueError(f"qmm_mgpu: rounding {rounding!r} is not one of {ROUNDINGS}")
-    return _decode(x, w.words, *transposed, stages=stages_for(rows, stages, bg), block_groups=bg,
-                   unsigned=unsigned, sms=SMS, interpret=interpret, rows=rows, rounding=rounding)
+    return _decode(x, q, *transposed, stages=stages_for(rows, stages, bg), block_groups=bg,
+                   conversion=conversion, sms=SMS, interpret=interpret, rows=rows, rounding=rounding)
 
 
-@functools.partial(jax.jit, static_argnames=("stages", "block_groups", "unsigned", "sms", "interpret", "rows",
+@functools.partial(jax.jit, static_argnames=("stages", "block_groups", "conversion", "sms", "interpret", "rows",
                                              "rounding"))
-def _decode(x: jax.Array, words: jax.Array, st: jax.Array, bt: jax.Array, *, stages: int, block_groups: int,
-            unsigned: bool, sms: int, interpret: bool, rows: int, rounding: str) -> jax.Array:
+def _decode(x: jax.Array, q: jax.Array, st: jax.Array, bt: jax.Array, *, stages: int, block_groups: int,
+            conversion: str, sms: int, interpret: bool, rows: int, rounding: str) -> jax.Array:
     # One program around the kernel: called eagerly, separate dispatches of the small ops around an interpreted
     # kernel deadlocked the CPU client now and then (the interpreter's callbacks dispatch jax ops themselves).
     m, k = x.shape
-    n = words.shape[0]
+    n = q.shape[0]
     xp = jnp.pad(x, ((0, rows - m), (0, 0)))
-    q4 = lax.bitcast_convert_type(words, jnp.uint4).reshape(n, k)
-    parts = _partials(xp, q4, st, bt, stages=stages, block_groups=block_groups, sms=sms, interpret=interpret,
-                      probe="unsigned" if unsigned else None)
+    parts = _partials(xp, q, st, bt, stages=stages, block_groups=block_groups, sms=sms, interpret=interpret,
+                      conversion=conversion)
     # pieces a tile did not have were never written: select zeros there (a select, so garbage cannot leak)
     valid = np.repeat(_pieces_written(n, k, block_groups, sms), CTA_N, axis=1)[:, :n]
     parts = jnp.where(jnp.asarray(valid)[:, :, None], parts, 0.0)

@@ -33,6 +33,9 @@ class QuantizedWeight:
     # (`pallas_kernels.qmm.decode_layout`), which reads a step's scales as rows; None: it transposes them per call.
     scales_t: jax.Array | None = None
     biases_t: jax.Array | None = None
+    # Optional copy of the 4-bit words in the Mosaic GPU decode kernel's lane order (`to_lane_words`), made once by
+    # `decode_layout`; None: the kernel repacks per call. Same bytes, other order.
+    lane_words: jax.Array | None = None
 
     @property
     def out_features(self) -> int:
@@ -65,6 +68,48 @@ class QuantizedWeight:
         for part, arr in (("scales_t", self.scales_t), ("biases_t", self.biases_t)):
             if arr is not None and tuple(arr.shape) != want[::-1]:
                 raise ValueError(f"{name}: {part} shape {tuple(arr.shape)} is not the transpose of {want}")
+        if self.lane_words is not None and (tuple(self.lane_words.shape) != tuple(self.words.shape)
+                                            or self.lane_words.dtype != jnp.uint32 or self.bits != 4):
+            raise ValueError(f"{name}: lane_words must be 4-bit uint32 words shaped like words "
+                             f"{tuple(self.words.shape)}, got {self.lane_words.dtype} {tuple(self.lane_words.shape)}")
+
+
+def to_lane_words(words: jax.Array) -> jax.Array:
+    """4-bit words uint32 [N, K / 8] (groups of 64 columns = 8 words) -> the same bytes in the order the Mosaic GPU
+    decode kernel's lanes read them. A byte holds two adjacent columns; in a group, byte q of word 4h + j (columns
+    32h + 8j + 2q and + 1) moves to byte j of word 2q + h. The MMA's register layout gives lane q of a row the column
+    pairs 2q + 8t (t = 0..7) of each group, and loads its words 2q and 2q + 1: after the repack those two words hold
+    exactly its pairs, in order."""
+    n, c = words.shape
+    b = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(n, c // 8, 2, 4, 4)  # [n, group, h, j, q]
+    return jax.lax.bitcast_convert_type(b.transpose(0, 1, 4, 2, 3).reshape(n, c, 4), jnp.uint32)
+
+
+def from_lane_words(lanes: jax.Array) -> jax.Array:
+    """The inverse of `to_lane_words`."""
+    n, c = lanes.shape
+    b = jax.lax.bitcast_convert_type(lanes, jnp.uint8).reshape(n, c // 8, 4, 2, 4)  # [n, group, q, h, j]
+    return jax.lax.bitcast_convert_type(b.transpose(0, 1, 3, 4, 2).reshape(n, c, 4), jnp.uint32)
+
+
+def add_rounded_once_to_bf16(a: jax.Array, b: jax.Array) -> jax.Array:
+    """fp32 a + b (a = q * s exact) rounded once to bf16, as a fused bf16 FMA rounds it (the fused kernel's
+    HFMA2.BF16), not twice (fp32, then bf16) as a plain add + convert would.
+
+    The fp32 sum t differs from a once-rounded bf16 result only where t lands exactly on a bf16 midpoint (low 16
+    bits 0x8000) while the exact sum does not; there TwoSum's error term says which side the exact sum is on, and
+    t moves one fp32 ulp that way before the round-to-nearest-even convert. Exact for any fp32 a, b; every step is
+    exact or one IEEE rounding, so FMA contraction of a's product into the adds changes nothing when a is exact.
+    """
+    t = a + b
+    bb = t - a
+    err = (a - (t - bb)) + (b - bb)  # TwoSum (Knuth): a + b == t + err exactly
+    tbits = jax.lax.bitcast_convert_type(t, jnp.uint32)
+    on_midpoint = (tbits & jnp.uint32(0xFFFF)) == jnp.uint32(0x8000)
+    away = (err > 0) == (t > 0)  # the exact sum is larger in magnitude than t
+    nudged = jnp.where(away, tbits + jnp.uint32(1), tbits - jnp.uint32(1))
+    tbits = jnp.where(on_midpoint & (err != 0), nudged, tbits)
+    return jax.lax.bitcast_convert_type(tbits, jnp.float32).astype(jnp.bfloat16)
 
 
 def unpack(words: jax.Array, bits: int) -> jax.Array:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import qmm_mgpu
-from pallas_kernels.qweight import QuantizedWeight, dequantize_numpy
+from pallas_kernels.qweight import QuantizedWeight, dequantize_numpy, from_lane_words, to_lane_words
 from tests.test_qmm import HALF_TOL
 
 SHAPES_27B = ((5120, 34816), (17408, 5120), (5120, 6144), (6144, 5120), (5120, 16480), (5120, 248320))
@@ -89,24 +89,75 @@ def _check_oracle_and_rows(n: int, k: int, *, interpret: bool, rows=(0, 5, 15), 
     np.testing.assert_array_equal(np.asarray(run(other, w)).view(np.uint16)[0], bits[0], err_msg="other rows")
 
 
-@pytest.mark.parametrize("n,k,sms,unsigned", [(256, 512, None, False), (200, 512, None, False),
-                                             (200, 1024, 3, True), (384, 512, 2, False), (384, 512, 4, False)])
-def test_interpreter_matches_oracle_and_rows_are_invariant(n, k, sms, unsigned, monkeypatch):
+@pytest.mark.parametrize("n,k,sms,conversion", [(256, 512, None, "words"), (200, 512, None, "words"),
+                                               (200, 1024, 3, "words"), (200, 1024, 3, "unsigned"),
+                                               (384, 512, 2, "nibbles"), (384, 512, 4, "words"),
+                                               (256, 384, None, "words")])
+def test_interpreter_matches_oracle_and_rows_are_invariant(n, k, sms, conversion, monkeypatch):
     """Mosaic GPU's interpreter on the CPU runs the whole kernel -- pipeline, scale and bias rows, the stores, a
     last tile past N (200 = 1.56 tiles), chunks of steps crossing tile edges (a tile's K summed in pieces by two or
-    three CTAs, pieces a tile lacks selected away), a last chunk shorter than the others, the unsigned conversion --
-    with the dequantized tiles in shared memory (its wgmma reads A only from there)."""
+    three CTAs, pieces a tile lacks selected away), a last chunk shorter than the others, steps of 2 groups (K =
+    384), the three conversions (the lane words through their jnp twin) -- with the dequantized tiles in shared
+    memory (its wgmma reads A only from there)."""
     if sms is not None:
         monkeypatch.setattr(qmm_mgpu, "SMS", sms)
-    _check_oracle_and_rows(n, k, interpret=True, rows=(0, 15), unsigned=unsigned)
+    _check_oracle_and_rows(n, k, interpret=True, rows=(0, 15), conversion=conversion)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("unsigned", [False, True])
+@pytest.mark.parametrize("conversion", qmm_mgpu.CONVERSIONS)
 @pytest.mark.parametrize("k,n", [(5120, 6144), (17408, 5120), (5120, 16480), (128, 512), (128, 392), (256, 128)])
-def test_gpu_matches_oracle_and_rows_are_invariant(k, n, unsigned):
+def test_gpu_matches_oracle_and_rows_are_invariant(k, n, conversion):
     # the last three: the tiny captures checkpoint's projections (one step a tile, a ragged last tile)
-    _check_oracle_and_rows(n, k, interpret=False, unsigned=unsigned)
+    _check_oracle_and_rows(n, k, interpret=False, conversion=conversion)
+
+
+def test_lane_words_hold_each_lanes_pairs():
+    """`to_lane_words` is a byte permutation inside each group of 8 words with `from_lane_words` its inverse, and
+    lane q's words 2q, 2q + 1 of a group hold, field by field, the columns 2q + 8t and 2q + 8t + 1 (t = 0..7) that
+    the MMA's register layout gives that lane, in order."""
+    rng = np.random.default_rng(3700)
+    words = rng.integers(0, 2**32, size=(5, 24), dtype=np.uint32)
+    lanes = np.asarray(to_lane_words(jnp.asarray(words)))
+    np.testing.assert_array_equal(np.asarray(from_lane_words(jnp.asarray(lanes))), words)
+    np.testing.assert_array_equal(np.sort(lanes.view(np.uint8).reshape(5, 3, 32)),
+                                  np.sort(words.view(np.uint8).reshape(5, 3, 32)))
+    field = lambda w, i: (w >> np.uint32(4 * i)) & np.uint32(15)
+    for g in range(3):
+        for q in range(4):
+            for t in range(8):
+                for e in range(2):
+                    col = 64 * g + 8 * t + 2 * q + e
+                    np.testing.assert_array_equal(field(lanes[:, 8 * g + 2 * q + t // 4], (2 * t + e) % 8),
+                                                  field(words[:, col // 8], col % 8), err_msg=(g, q, t, e))
+
+
+def _rounded_once(n: int, k: int, *, interpret: bool):
+    """The "words" conversion's A tiles are s q + b rounded once to bf16 (the dequant pass's weights): the kernel's
+    output against x @ those weights in float64 is within one bf16 ulp everywhere and equal at nearly every
+    element (only the fp32 accumulation's order separates them)."""
+    from pallas_kernels import qmm
+    rng = np.random.default_rng(3800 + k)
+    w = _small_weight(rng, n, k)
+    x = jnp.asarray(rng.normal(size=(16, k)), jnp.bfloat16)
+    weights = np.asarray(qmm.dequantize_for_matmul(w, jnp.bfloat16).astype(jnp.float32), np.float64)
+    want = (np.asarray(x.astype(jnp.float32), np.float64) @ weights.T).astype(np.float32)
+    want_bf16 = np.asarray(jnp.asarray(want).astype(jnp.bfloat16).astype(jnp.float32))
+    got = np.asarray(qmm_mgpu.qmm_decode(x, w, interpret=interpret, conversion="words").astype(jnp.float32))
+    ulp = np.abs(want_bf16) * 2.0**-7 + 1e-6 * np.abs(want).max()
+    assert np.all(np.abs(got - want_bf16) <= ulp), np.max(np.abs(got - want_bf16) / ulp)
+    same = np.mean(got == want_bf16)
+    assert same > 0.97, same
+
+
+def test_interpreter_words_conversion_rounds_once():
+    _rounded_once(256, 512, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", [(5120, 6144), (17408, 5120)])
+def test_gpu_words_conversion_rounds_once(k, n):
+    _rounded_once(n, k, interpret=False)
 
 
 def _wide_pieces_same_bits(n: int, k: int, rows: int, *, interpret: bool):
@@ -316,7 +367,7 @@ def test_lowering_cache_only_for_single_device_programs(monkeypatch):
 
     monkeypatch.setattr(qmm_mgpu, "_LOWERED", {})
     sds = jax.ShapeDtypeStruct
-    args = (sds((16, 512), jnp.bfloat16), sds((256, 512), jnp.uint4), sds((8, 256), jnp.bfloat16),
+    args = (sds((16, 512), jnp.bfloat16), sds((256, 64), jnp.uint32), sds((8, 256), jnp.bfloat16),
             sds((8, 256), jnp.bfloat16))
     f = functools.partial(qmm_mgpu._partials, stages=4, block_groups=4, sms=qmm_mgpu.SMS, interpret=False)
     mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
@@ -341,6 +392,7 @@ def test_decode_layout_transposes_once_same_bits(monkeypatch):
     w = laid["a"]
     np.testing.assert_array_equal(np.asarray(w.scales_t), np.asarray(params["a"].scales).T)
     np.testing.assert_array_equal(np.asarray(w.biases_t), np.asarray(params["a"].biases).T)
+    np.testing.assert_array_equal(np.asarray(w.lane_words), np.asarray(to_lane_words(params["a"].words)))
     assert laid["b"][0].scales_t is None and laid["b"][1] is params["b"][1]
     x = jnp.asarray(rng.normal(size=(3, 512)), jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(qmm_mgpu.qmm_rows(x, w, interpret=True)).view(np.uint16),
@@ -348,6 +400,8 @@ def test_decode_layout_transposes_once_same_bits(monkeypatch):
     import dataclasses
     with pytest.raises(ValueError, match="transpose"):
         dataclasses.replace(w, scales_t=w.scales).validate()
+    with pytest.raises(ValueError, match="lane_words"):
+        dataclasses.replace(w, lane_words=w.words[:, :8]).validate()
 
 
 def test_roundings_same_bits(monkeypatch):

@@ -45,15 +45,16 @@ import jax.numpy as jnp
 
 from pallas_kernels import qmm, qmm_mgpu
 from pallas_kernels.bench.common import table
-from pallas_kernels.qweight import QuantizedWeight, dequantize
+from pallas_kernels.qweight import QuantizedWeight, dequantize, to_lane_words
 
 SHAPES = ((5120, 17408), (17408, 5120), (5120, 10240), (5120, 6144), (6144, 5120), (5120, 12288), (5120, 248320))
 # The Mosaic GPU decode kernel's variants `--mgpu` times: `qmm_mgpu.qmm_decode` keywords, and whether the scales
-# and biases come transposed beforehand (else every call transposes them).
+# and biases come transposed and the words repacked beforehand (`pre`; else every call does it).
 # `rows`: the piece height (qmm_mgpu.PIECE_ROWS, default 16); M past it runs in pieces of that height, as
 # `qmm_rows` cuts them (the weight read once a piece).
 MGPU_VARIANTS = (dict(stages=4, block_groups=4, pre=True), dict(stages=4, block_groups=4, pre=False),
-                 dict(stages=6, block_groups=4, pre=True), dict(stages=4, block_groups=4, pre=True, unsigned=True),
+                 dict(stages=4, block_groups=4, pre=True, conversion="nibbles"),
+                 dict(stages=6, block_groups=4, pre=True), dict(stages=4, block_groups=4, pre=True, conversion="unsigned"),
                  dict(stages=3, block_groups=8, pre=True), dict(stages=8, block_groups=2, pre=True),
                  dict(stages=4, block_groups=4, pre=True, rows=32), dict(stages=4, block_groups=4, pre=True, rows=64))
 SWEEP_SHAPES = ((5120, 17408), (17408, 5120), (5120, 6144), (6144, 5120))
@@ -181,7 +182,7 @@ def _random_weights(n: int, k: int, copies: int) -> list[QuantizedWeight]:
         biases = (-8.0 * scales.astype(jnp.float32) + jax.random.normal(kb, (n, k // GROUP)) * 1e-3).astype(
             jnp.bfloat16)
         ws.append(QuantizedWeight(words, scales, biases, BITS, GROUP))
-    return ws
+    return qmm.decode_layout(ws)  # as the engine holds them: transposed scales, lane words where the kernel wants them
 
 
 def _copies(nbytes: int, interpret: bool = False) -> int:
@@ -504,12 +505,13 @@ def _sweep(args, t_start: float) -> dict:
                     continue
                 rows = kw.pop("rows", qmm_mgpu.ROWS)
                 one = functools.partial(qmm_mgpu.qmm_decode, rows=rows, **kw)
-                fn = (lambda x, w, transposed=None, one=one, rows=rows: jnp.concatenate(
-                    [one(x[i:i + rows], w, transposed=transposed) for i in range(0, x.shape[0], rows)]))
-                arg_sets = [(x, w) for w in ws]
+                fn = (lambda x, w, transposed=None, lanes=None, one=one, rows=rows: jnp.concatenate(
+                    [one(x[i:i + rows], w, transposed=transposed, lanes=lanes) for i in range(0, x.shape[0], rows)]))
+                bare = [dataclasses.replace(w, scales_t=None, biases_t=None, lane_words=None) for w in ws]
+                arg_sets = [(x, w) for w in bare]
                 if pre:
-                    fn = lambda x, w, st, bt, fn=fn: fn(x, w, transposed=(st, bt))
-                    arg_sets = [(x, w, w.scales.T, w.biases.T) for w in ws]
+                    fn = lambda x, w, st, bt, lanes, fn=fn: fn(x, w, transposed=(st, bt), lanes=lanes)
+                    arg_sets = [(x, w, w.scales.T, w.biases.T, jax.jit(to_lane_words)(w.words)) for w in bare]
                 label = "mosaic gpu " + ",".join(f"{key}={val}" for key, val in variant.items())
                 jobs.append(Job("decode", (k, n), m, label, 1, fn, False, arg_sets,
                                 _reps(_estimate_us(m, n, k), args.interpret)))

@@ -61,6 +61,9 @@ def run(args) -> None:
     if args.mgpu_rounding:
         qmm_mgpu.ROUNDING = args.mgpu_rounding
         print(f"Mosaic GPU decode kernel: output rounding kept by {qmm_mgpu.ROUNDING}")
+    if args.mgpu_conversion:
+        qmm_mgpu.CONVERSION = args.mgpu_conversion
+        print(f"Mosaic GPU decode kernel: {qmm_mgpu.CONVERSION} conversion")
     if args.synthetic:
         from qwen_jax.engine.bench import synthetic_params
         params, cfg = synthetic_params(args.synthetic, dtype="bfloat16", layers=args.layers)
@@ -215,6 +218,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mgpu-stages", type=int, default=None, help="qmm_mgpu.STAGES (the Mosaic GPU kernel's depth)")
     ap.add_argument("--mgpu-rounding", choices=("barrier", "reduce_precision"), default=None,
                     help="qmm_mgpu.ROUNDING (how the kernel's output keeps its rounding)")
+    ap.add_argument("--mgpu-conversion", choices=("words", "nibbles", "unsigned"), default=None,
+                    help="qmm_mgpu.CONVERSION (how the kernel turns 4-bit weights into the MMA's operand)")
     ap.add_argument("--no-pad-at-norm", action="store_true",
                     help="qwen_jax.model.ops.PAD_AT_NORM off: the decode qmm pads the norms' rows itself")
     ap.add_argument("--streams", type=int, default=1)

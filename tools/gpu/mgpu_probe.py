@@ -1,6 +1,7 @@
 """Where the Mosaic GPU decode qmm's time goes (pallas_kernels/qmm_mgpu.py): times the kernel with parts of its
-pipeline step left out (`_partials`'s `probe`: wrong numbers, timing only) at the 27B's decode shapes, scales and
-biases transposed beforehand. With MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=DIR in the environment Mosaic GPU
+pipeline step left out (`_partials`'s `probe`, under the "nibbles" conversion: wrong numbers, timing only) at the
+27B's decode shapes, scales and biases transposed beforehand. "full" is the "nibbles" kernel whole, "words" and
+"unsigned" the other conversions whole. With MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=DIR in the environment Mosaic GPU
 writes each compiled kernel's PTX/SASS there.
 
     python3 tools/gpu/mgpu_probe.py [--shapes 5120x34816,17408x5120] [--probes full,no_xor,...]
@@ -20,7 +21,7 @@ L2_BYTES = 60 << 20
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="5120x34816,17408x5120,5120x6144")
-    ap.add_argument("--probes", default="full,no_xor,no_affine,no_load,no_compute")
+    ap.add_argument("--probes", default="words,full,no_xor,no_affine,no_load,no_compute")
     ap.add_argument("--stages", type=int, default=qmm_mgpu.STAGES)
     ap.add_argument("--block-groups", type=int, default=qmm_mgpu.BLOCK_GROUPS)
     ap.add_argument("--reps", type=int, default=20)
@@ -33,33 +34,36 @@ def main() -> None:
         nbytes = n * k // 2 + 4 * n * g
         copies = max(1, -(-2 * L2_BYTES // nbytes))
         keys = jax.random.split(jax.random.key(0), copies)
-        q4s = [lax.bitcast_convert_type(jax.random.bits(kk, (n, k // 8), jnp.uint32), jnp.uint4).reshape(n, k)
-               for kk in keys]
+        words = [jax.random.bits(kk, (n, k // 8), jnp.uint32) for kk in keys]
+        q4s = [lax.bitcast_convert_type(w, jnp.uint4).reshape(n, k) for w in words]
         st = jnp.full((g, n), 0.01, jnp.bfloat16)
         bt = jnp.full((g, n), -0.08, jnp.bfloat16)
         sts = [st + i for i in range(copies)]
         bts = [bt + i for i in range(copies)]
         xp = jax.random.normal(jax.random.key(1), (qmm_mgpu.ROWS, k), jnp.bfloat16)
         for probe in args.probes.split(","):
-            p = None if probe == "full" else probe
+            conversion = probe if probe in ("words", "unsigned") else "nibbles"
+            p = None if probe in ("full", "words", "unsigned") else probe
+            ops = words if conversion == "words" else q4s
 
             @jax.jit
-            def chain(xp, q4s, sts, bts):
+            def chain(xp, q4s, sts, bts, conversion=conversion, p=p):
                 total = jnp.zeros((), jnp.float32)
                 for r in range(args.reps):
                     i = r % copies
                     out = qmm_mgpu._partials(xp, q4s[i], sts[i], bts[i], stages=args.stages, sms=qmm_mgpu.SMS,
-                                             block_groups=args.block_groups, interpret=False, probe=p)
+                                             block_groups=args.block_groups, interpret=False,
+                                             conversion=conversion, probe=p)
                     total = total + out[0, 0, 0]
                     xp = xp.at[0, 0].set(total.astype(xp.dtype))  # orders the calls
                 return total
 
             try:
-                chain(xp, q4s, sts, bts).block_until_ready()
+                chain(xp, ops, sts, bts).block_until_ready()
                 best = float("inf")
                 for _ in range(5):
                     t0 = time.perf_counter()
-                    chain(xp, q4s, sts, bts).block_until_ready()
+                    chain(xp, ops, sts, bts).block_until_ready()
                     best = min(best, (time.perf_counter() - t0) / args.reps * 1e6)
                 ctas = qmm_mgpu.flat_schedule(n, k, args.block_groups)[2]
                 print(f"{shape:>12} | {probe:>10} | {ctas:>6} | {best:8.2f} | {nbytes / best / 1e6:5.2f}", flush=True)

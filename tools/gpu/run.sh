@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -48,6 +48,20 @@ profile_by() {
 }
 
 case "$stage" in
+  forty-second)
+    # Session 13, first call (~9 min): the "words" conversion of the Mosaic GPU decode kernel (lane words, 8-byte
+    # shared-memory loads, four PTX instructions a weight pair). Its gpu tests (oracle for the three conversions,
+    # rounded-once weights, wide pieces and stage counts same bits), the probe at three shapes (words beside the
+    # nibbles kernel and its parts), the engine with each conversion alternated, then the engine's gates.
+    timeout -s INT 260 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_qmm_mgpu.py \
+      > "$out/gpu_tests_mgpu.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_mgpu.log" | cut -c1-160 | tail -40
+    timeout 90 python3 tools/gpu/mgpu_probe.py --probes words,full,no_load,no_compute 2>&1 | tee "$out/probe.log"
+    timeout 200 python3 tools/gpu/engine_ab.py --streams 1,16 --rounds 32 \
+      --variants "conv=words;conv=nibbles;conv=words;conv=nibbles" 2>&1 | tee "$out/engine_ab.log" | tail -8
+    timeout -s INT 150 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
+      > "$out/gpu_tests_engine.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_engine.log" | cut -c1-160 | tail -10 ;;
   forty-first)
     # Queued for session 13, first call (~9 min): session 12's last change (norms writing the decode qmm's padding)
     # was gated (engine) and profiled but not benched, and the rownorm kernels' own gpu tests did not run with
