@@ -60,9 +60,11 @@ ROWS = 16  # x rows a call carries (the MMA's N); M <= ROWS
 # `test_gpu_wide_pieces_same_bits` (session 12), so the cut is free to follow M. On the H200 (session 12, 5120->17408)
 # 64-row pieces took 30 us at M = 64 against 75 in 16-row pieces, 134 against 265 at M = 256; at M = 16 a 32-row
 # piece costs what a 16-row one does and a 64-row one 1.3x. None: 16-row pieces only.
-# PIECE_ROWS: the piece heights the kernel takes.
+# PIECE_ROWS: the piece heights the kernel takes. NARROW_ROWS: the least height `pieces` cuts (8: calls of up to 8
+# rows, the one-stream decode among them, carry half the x bytes a step; 16: as sessions 6-12).
 WIDE_ROWS: int | None = 64
-PIECE_ROWS = (16, 32, 64)
+NARROW_ROWS = 16
+PIECE_ROWS = (8, 16, 32, 64)
 GROUP = 64
 TILE_N = 64  # output features a compute warpgroup
 COMPUTE_WGS = 2
@@ -121,13 +123,15 @@ def qmm_rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool = False) -> ja
 
 def pieces(m: int) -> tuple[int, ...]:
     """The piece heights `qmm_rows` cuts M rows into, in order: pieces of WIDE_ROWS while more than that is left,
-    then the least height of PIECE_ROWS that holds the rest (ROWS-row pieces only where WIDE_ROWS is None)."""
+    then the least height of PIECE_ROWS, NARROW_ROWS or more, that holds the rest (ROWS-row pieces only where
+    WIDE_ROWS is None)."""
     widest = ROWS if WIDE_ROWS is None else WIDE_ROWS
-    if widest not in PIECE_ROWS:
-        raise ValueError(f"qmm_mgpu: WIDE_ROWS={WIDE_ROWS} is not one of {PIECE_ROWS}")
+    if widest not in PIECE_ROWS or NARROW_ROWS not in PIECE_ROWS or NARROW_ROWS > widest:
+        raise ValueError(f"qmm_mgpu: WIDE_ROWS={WIDE_ROWS} and NARROW_ROWS={NARROW_ROWS} must be heights of "
+                         f"{PIECE_ROWS}, the narrow one no wider")
     out = [widest] * ((m - 1) // widest)
     rest = m - widest * len(out)
-    return tuple(out + [next(r for r in PIECE_ROWS if r >= rest)]) if m > 0 else ()
+    return tuple(out + [next(r for r in PIECE_ROWS if NARROW_ROWS <= r and r >= rest)]) if m > 0 else ()
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "heights", "rounding"))

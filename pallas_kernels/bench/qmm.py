@@ -56,7 +56,9 @@ MGPU_VARIANTS = (dict(stages=4, block_groups=4, pre=True), dict(stages=4, block_
                  dict(stages=4, block_groups=4, pre=True, conversion="nibbles"),
                  dict(stages=6, block_groups=4, pre=True), dict(stages=4, block_groups=4, pre=True, conversion="unsigned"),
                  dict(stages=3, block_groups=8, pre=True), dict(stages=8, block_groups=2, pre=True),
-                 dict(stages=4, block_groups=4, pre=True, rows=32), dict(stages=4, block_groups=4, pre=True, rows=64))
+                 dict(stages=4, block_groups=4, pre=True, rows=32), dict(stages=4, block_groups=4, pre=True, rows=64),
+                 dict(stages=4, block_groups=4, pre=True, rows=8), dict(stages=8, block_groups=4, pre=True, rows=8),
+                 dict(stages=4, block_groups=8, pre=True, rows=8))
 SWEEP_SHAPES = ((5120, 17408), (17408, 5120), (5120, 6144), (6144, 5120))
 MS = (1, 4, 16, 64, 256, 1024, 4096)
 BITS, GROUP = 4, 64

@@ -1,7 +1,8 @@
 """Decode variants of the 27B engine side by side in one process: the synthetic weights are built once, then each
-variant sets the Mosaic GPU decode kernel's knobs (qmm_mgpu.STAGES, WIDE_ROWS, ROUNDING, CONVERSION), compiles its programs and runs the
-bench's pipelined decode (`qwen_jax.engine.bench.run`, prompt timing off). Same bits in every variant (the knobs
-change no row's bits: tests/test_qmm_mgpu.py), so only speed is compared.
+variant sets the Mosaic GPU decode kernel's knobs (qmm_mgpu.STAGES, WIDE_ROWS, NARROW_ROWS, ROUNDING,
+CONVERSION), compiles its programs and runs the
+bench's pipelined decode (`qwen_jax.engine.bench.run`, prompt timing off). Only speed is compared: the depth and the
+piece heights change no row's bits (tests/test_qmm_mgpu.py); the conversion changes the weights' rounding.
 
     python tools/gpu/engine_ab.py --streams 1,16,64 --variants "stages=4,wide=16;stages=4;stages=6;stages=8"
 """
@@ -11,7 +12,8 @@ from __future__ import annotations
 import argparse
 import time
 
-KNOBS = {"stages": "STAGES", "wide": "WIDE_ROWS", "round": "ROUNDING", "conv": "CONVERSION"}
+KNOBS = {"stages": "STAGES", "wide": "WIDE_ROWS", "narrow": "NARROW_ROWS", "round": "ROUNDING",
+         "conv": "CONVERSION"}
 
 
 def parse_variants(text: str) -> list[dict]:
@@ -33,7 +35,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=32)
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (a CPU smoke run)")
     ap.add_argument("--variants", required=True,
-                    help="';'-separated, each 'stages=N,wide=N,round=barrier|reduce_precision,"
+                    help="';'-separated, each 'stages=N,wide=N,narrow=N,round=barrier|reduce_precision,"
                          "conv=words|nibbles' (each optional)")
     args = ap.parse_args()
     variants = parse_variants(args.variants)
@@ -58,11 +60,11 @@ def main() -> None:
         rows.append((knobs, fps))
         print(f"{knobs}: " + ", ".join(f"{s} streams {fps[s]:.1f} fwd/s" for s in streams)
               + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
-    print("\n| stages | widest piece | rounding | conversion | " + " | ".join(f"{s} streams (fwd/s)" for s in streams)
-          + " |")
-    print("|---|---|---|---|" + "---|" * len(streams))
+    print("\n| stages | widest piece | narrowest piece | rounding | conversion | "
+          + " | ".join(f"{s} streams (fwd/s)" for s in streams) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(streams))
     for knobs, fps in rows:
-        print(f"| {knobs['stages']} | {knobs['wide']} | {knobs['round']} | {knobs['conv']} | "
+        print(f"| {knobs['stages']} | {knobs['wide']} | {knobs['narrow']} | {knobs['round']} | {knobs['conv']} | "
               + " | ".join(f"{fps[s]:.1f}" for s in streams) + " |")
 
 

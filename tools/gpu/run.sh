@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -48,6 +48,21 @@ profile_by() {
 }
 
 case "$stage" in
+  forty-third)
+    # Session 13, second call (~8 min): 8-row pieces (half the x bytes a step for calls of up to 8 rows): their
+    # bits against 16-row pieces and their depths, the isolated sweep of the kernel's variants at the decode shapes,
+    # the engine with the narrowest piece 16 and 8 alternated, and the one-stream round's trace at the defaults.
+    timeout -s INT 120 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_qmm_mgpu.py \
+      -k "pieces_same_bits or stage_counts" > "$out/gpu_tests_pieces.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_pieces.log" | cut -c1-160 | tail -14
+    timeout 200 python3 -m pallas_kernels.bench qmm --sweep --mgpu --max-candidates 1 --m 1,16 \
+      --shapes 5120x34816,17408x5120,5120x6144,6144x5120 --json "$out/qmm_sweep.json" > "$out/qmm_sweep.log" 2>&1
+    grep -E "mosaic|decode" "$out/qmm_sweep.log" | cut -c1-150 | tail -60
+    timeout 130 python3 tools/gpu/engine_ab.py --streams 1,16 --rounds 32 \
+      --variants "narrow=16;narrow=8;narrow=16;narrow=8" 2>&1 | tee "$out/engine_ab.log" | tail -7
+    timeout 70 python3 tools/gpu/decode_profile.py --synthetic 27b --rounds 32 --trace "$out/trace" --profiled 0 \
+      2>&1 | tee "$out/profile.txt" | grep -E "round|busy|fusions|kernel_mosaic|custom" | head -20
+    rm -rf "$out/trace" ;;
   forty-second)
     # Session 13, first call (~9 min): the "words" conversion of the Mosaic GPU decode kernel (lane words, 8-byte
     # shared-memory loads, four PTX instructions a weight pair). Its gpu tests (oracle for the three conversions,
