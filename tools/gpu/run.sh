@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -48,6 +48,17 @@ profile_by() {
 }
 
 case "$stage" in
+  forty-fourth)
+    # Session 13, third call (~8 min): is the one-stream round host- or device-bound with the words conversion?
+    # decode_profile with each conversion, alternated (enqueue onto an idle device, device-bound and pipelined
+    # rounds), then the 27B bench at the defaults.
+    for c in words nibbles words nibbles; do
+      echo "== $c"
+      timeout 60 python3 tools/gpu/decode_profile.py --synthetic 27b --rounds 64 --mgpu-conversion $c --profiled 0 \
+        2>&1 | grep -E "round|enqueue"
+    done
+    timeout 300 python3 -m qwen_jax bench --synthetic 27b --streams 1,16,64 --prompt-lengths 4096,32768 --rounds 64 \
+      2>&1 | tee "$out/bench_27b.log" | grep -E "^compile|^prompt |^decode " | tail -6 ;;
   forty-third)
     # Session 13, second call (~8 min): 8-row pieces (half the x bytes a step for calls of up to 8 rows): their
     # bits against 16-row pieces and their depths, the isolated sweep of the kernel's variants at the decode shapes,
