@@ -59,7 +59,7 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels import qmm_mgpu, replace_fields
 from pallas_kernels.calls import pallas_call
 from pallas_kernels.qweight import (QuantizedWeight, add_rounded_once_to_bf16, dequantize, dequantize_rows,
-                                    to_lane_words, unpack)
+                                    natural_words, to_lane_words, unpack)
 
 # Two bf16 128.0s: OR-ing a 4-bit field q into the low mantissa bits of one gives the bf16 number 128 + q exactly.
 _BF16_128_PAIR = 0x43004300
@@ -102,6 +102,10 @@ def _to_kernel_order(x: jax.Array, block: int, bits: int) -> jax.Array:
 
 
 def _pad_weight(w: QuantizedWeight) -> QuantizedWeight:
+    """w for the Triton kernels: natural field order (lane-ordered words are restored: a whole-weight pass, so
+    decode_layout lays out only weights whose decode calls go to the Mosaic GPU kernel), K padded to the block."""
+    if w.lanes:
+        w = QuantizedWeight(natural_words(w), w.scales, w.biases, w.bits, w.group_size)
     n, k = w.shape
     kp = _padded_k(k, w.bits)
     if kp == k:
@@ -561,7 +565,7 @@ def dequantize_for_matmul(w: QuantizedWeight, x_dtype) -> jax.Array:
     """
     w_dtype, _, bf16_fma = _arith(x_dtype, w.scales.dtype, w.bits)
     n, k = w.shape
-    q = unpack(w.words, w.bits).astype(jnp.float32).reshape(n, k // w.group_size, w.group_size)
+    q = unpack(natural_words(w), w.bits).astype(jnp.float32).reshape(n, k // w.group_size, w.group_size)
     prod = q * w.scales.astype(jnp.float32)[..., None]
     bias = jnp.broadcast_to(w.biases.astype(jnp.float32)[..., None], prod.shape)
     deq = add_rounded_once_to_bf16(prod, bias) if bf16_fma else (prod + bias).astype(w_dtype)
@@ -594,7 +598,7 @@ def _bf16_pair(v: jax.Array) -> jax.Array:
 
 
 def _dequant_pass_kernel(w_ref, s_ref, b_ref, o_ref, *, n: int, bn: int, bc: int, words_per_group: int,
-                         interpret: bool):
+                         interpret: bool, lanes: bool = False):
     # w_ref uint32 [N, C] (eight 4-bit fields a word); s_ref, b_ref bf16 [N, G]; o_ref uint32 [N, 4C]: word c's
     # weights 2i and 2i + 1 in o[:, 4c + i] (low half first).
     rows = pl.ds(pl.program_id(0) * bn, bn)
@@ -639,6 +643,9 @@ def _dequant_pass_kernel(w_ref, s_ref, b_ref, o_ref, *, n: int, bn: int, bc: int
             outs.append(jax.lax.bitcast_convert_type(out, jnp.uint32))
     # Interleave to natural order: [bn, bc, 2, 2] with element (c, i, o) = outs[2i + o], i.e. outs 0..3 in a row.
     pairs = jnp.stack([jnp.stack([outs[0], outs[2]], axis=-1), jnp.stack([outs[1], outs[3]], axis=-1)], axis=-1)
+    if lanes:
+        # lane order (`to_lane_words`): byte j of the block's word 8g + 2q + h holds the row's pair 32g + 16h + 4j + q
+        pairs = pairs.reshape(bn, bc // 8, 4, 2, 4).transpose(0, 1, 3, 4, 2)
     plt.store(o_ref.at[rows, pl.ds(pl.program_id(1) * 4 * bc, 4 * bc)], pairs.reshape(bn, 4 * bc),
               mask=jnp.broadcast_to(row_ok[:, None], (bn, 4 * bc)))
 
@@ -651,8 +658,8 @@ def dequant_pass(w: QuantizedWeight, *, interpret: bool = False, rows: int = DEQ
                  words: int = DEQUANT_PASS_WORDS, num_warps: int = 4) -> jax.Array:
     """The whole weight [N, K] in bf16 for bf16 x, by the Pallas dequantization kernel: the same bits as
     `dequantize_for_matmul(w, jnp.bfloat16)` (each weight q * s + b rounded once). 4-bit weights with bf16 scales
-    and biases only; ValueError otherwise. rows / words / num_warps: a program's block (benchmarks; elementwise,
-    so they cannot change a bit)."""
+    and biases only; ValueError otherwise. Lane-ordered words (`w.lanes`) come out in natural order as well. rows /
+    words / num_warps: a program's block (benchmarks; elementwise, so they cannot change a bit)."""
     if not _pass_takes(w):
         raise ValueError(f"qmm dequant pass: needs 4-bit weights with bf16 scales and biases, got bits={w.bits}, "
                          f"scales {w.scales.dtype}, biases {w.biases.dtype}")
@@ -661,7 +668,7 @@ def dequant_pass(w: QuantizedWeight, *, interpret: bool = False, rows: int = DEQ
     bc = _dequant_pass_words(c, words)
     bn = rows
     kernel = functools.partial(_dequant_pass_kernel, n=n, bn=bn, bc=bc, words_per_group=w.group_size // 8,
-                               interpret=bool(interpret))
+                               interpret=bool(interpret), lanes=w.lanes)
     out = pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((n, 4 * c), jnp.uint32),
@@ -755,11 +762,14 @@ def _matmul_call(x: jax.Array, wd: jax.Array, out_dtype, tiles: Tiles, interpret
     return _sum_splits(y, out_dtype) if split else y
 
 
+_to_lanes = jax.jit(to_lane_words)  # the natural words are freed once the caller drops the params it passed
+
+
 def decode_layout(params, x_dtype=jnp.bfloat16):
     """params with every packed weight the Mosaic GPU decode kernel takes given its scales and biases transposed
     (`QuantizedWeight.scales_t`, `biases_t`: made once here, 1/8 of the 4-bit weights' bytes more memory) and, under
-    its "words" conversion, its words in the kernel's lane order (`lane_words`: as much memory again as the words)
-    when the decode calls go to it (`decode_impl()` is "mgpu") with activations of x_dtype (the model's dtype: fp32
+    its "words" conversion, its words in the kernel's lane order (`lanes`: the same bytes permuted, in place of the
+    natural order; the prompt path's dequantization pass reads them too) when the decode calls go to it (`decode_impl()` is "mgpu") with activations of x_dtype (the model's dtype: fp32
     activations stay on the Triton kernels, so their weights are left alone); otherwise params unchanged. Same
     values, so the same bits either way."""
     if decode_impl() != "mgpu":
@@ -772,10 +782,10 @@ def decode_layout(params, x_dtype=jnp.bfloat16):
             return w
         abstract = isinstance(w.words, jax.ShapeDtypeStruct)  # abstract params (lowering without a device)
         t = lambda a: jax.ShapeDtypeStruct(a.shape[::-1], a.dtype) if abstract else jnp.asarray(a.T)
-        lanes = None
-        if qmm_mgpu.CONVERSION == "words":
-            lanes = w.words if abstract else jax.jit(to_lane_words)(w.words)
-        return dataclasses.replace(w, scales_t=t(w.scales), biases_t=t(w.biases), lane_words=lanes)
+        w = dataclasses.replace(w, scales_t=t(w.scales), biases_t=t(w.biases))
+        if qmm_mgpu.CONVERSION == "words" and not w.lanes:
+            w = dataclasses.replace(w, words=w.words if abstract else _to_lanes(w.words), lanes=True)
+        return w
 
     return jax.tree_util.tree_map(one, params, is_leaf=lambda v: isinstance(v, QuantizedWeight))
 

@@ -51,7 +51,8 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, vector
 
-from pallas_kernels.qweight import QuantizedWeight, add_rounded_once_to_bf16, from_lane_words, to_lane_words, unpack
+from pallas_kernels.qweight import (QuantizedWeight, add_rounded_once_to_bf16, from_lane_words, natural_words,
+                                    to_lane_words, unpack)
 
 ROWS = 16  # x rows a call carries (the MMA's N); M <= ROWS
 # Wider pieces for calls of more than ROWS rows (verify windows, --parallel > 16): `qmm_rows` cuts M rows into
@@ -73,8 +74,8 @@ STAGES = 4
 BLOCK_GROUPS = 4  # groups of K a pipeline step carries (a 128-byte row of weight words, 16 KB a CTA)
 SMS = 132  # the H200's; chunks of work are spread over this many persistent CTAs (a constant: never a device query)
 # How a compute warpgroup turns its [64, 256] 4-bit tile into the MMA's bf16 A operand:
-# - "words" (default since session 13): the weight's words come repacked at load (`QuantizedWeight.lane_words`,
-#   made by `qmm.decode_layout`: in each group of 8 words the bytes transposed so that the words a lane holds in
+# - "words" (default since session 13): the weight's words come repacked at load (`QuantizedWeight.lanes`, made by
+#   `qmm.decode_layout`: in each group of 8 words the bytes transposed so that the words a lane holds in
 #   the MMA's register layout carry exactly the pairs of weights it needs). A thread then loads its 16 words a step
 #   as 8 8-byte shared-memory loads and builds each bf16 pair with four instructions (prmt, lop3, sub, and one
 #   bf16x2 FMA: q s + b rounded once, the Triton kernels' and the dequant pass's weights) in inline PTX.
@@ -487,7 +488,7 @@ def block_groups_for(k: int) -> int:
 
 
 def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_groups: int | None = None,
-               transposed: tuple[jax.Array, jax.Array] | None = None, lanes: jax.Array | None = None,
+               transposed: tuple[jax.Array, jax.Array] | None = None,
                conversion: str | None = None, interpret: bool = False, rows: int = ROWS,
                rounding: str | None = None) -> jax.Array:
     """x bf16 [M <= rows, K] -> y bf16 [M, N] (see the module docstring); rows: the piece height x is padded to
@@ -495,8 +496,9 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     `block_groups_for` (a caller that overrides must keep it fixed per weight shape). transposed: the scales and
     biases as [G, N], made once beforehand (default: the weight's `scales_t`, `biases_t` where it has them; else
     each call transposes them: for 5120 -> 34816 that is 22 MB of extra traffic beside the weight's 89 MB, 0.85 ms a
-    27B forward). lanes: the weight's `lane_words`, made once beforehand (default: the weight's own where it has
-    them; else each call repacks the words). conversion: CONVERSIONS (None for CONVERSION).
+    27B forward). conversion: CONVERSIONS (None for CONVERSION); "words" reads lane-ordered words (`w.lanes`,
+    made once by `qmm.decode_layout`; else each call repacks them), the others natural ones (else each call
+    restores that order).
     interpret: Mosaic GPU's interpreter on the CPU. rounding: how the output keeps its rounding (ROUNDINGS; None for
     ROUNDING)."""
     w.validate("qmm_mgpu weight")
@@ -516,13 +518,9 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     if conversion not in CONVERSIONS:
         raise ValueError(f"qmm_mgpu: conversion {conversion!r} is not one of {CONVERSIONS}")
     if conversion == "words":
-        q = w.lane_words if lanes is None else lanes
-        q = to_lane_words(w.words) if q is None else q
-        if tuple(q.shape) != tuple(w.words.shape) or q.dtype != jnp.uint32:
-            raise ValueError(f"qmm_mgpu: lane words must be uint32 {tuple(w.words.shape)}, got {q.dtype} "
-                             f"{tuple(q.shape)}")
+        q = w.words if w.lanes else to_lane_words(w.words)
     else:
-        q = lax.bitcast_convert_type(w.words, jnp.uint4).reshape(n, k)
+        q = lax.bitcast_convert_type(natural_words(w), jnp.uint4).reshape(n, k)
     rounding = ROUNDING if rounding is None else rounding
     if rounding not in ROUNDINGS:
         raise ValueError(f"qmm_mgpu: rounding {rounding!r} is not one of {ROUNDINGS}")

@@ -33,9 +33,11 @@ class QuantizedWeight:
     # (`pallas_kernels.qmm.decode_layout`), which reads a step's scales as rows; None: it transposes them per call.
     scales_t: jax.Array | None = None
     biases_t: jax.Array | None = None
-    # Optional copy of the 4-bit words in the Mosaic GPU decode kernel's lane order (`to_lane_words`), made once by
-    # `decode_layout`; None: the kernel repacks per call. Same bytes, other order.
-    lane_words: jax.Array | None = None
+    # Whether `words` hold the 4-bit fields in the Mosaic GPU decode kernel's lane order (`to_lane_words`: the
+    # bytes of each group of 8 words permuted; made once by `pallas_kernels.qmm.decode_layout`) instead of MLX's
+    # natural order. Readers that want natural order call `natural_words`; the decode kernel and the prompt
+    # path's dequantization pass read lane order directly.
+    lanes: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def out_features(self) -> int:
@@ -68,10 +70,14 @@ class QuantizedWeight:
         for part, arr in (("scales_t", self.scales_t), ("biases_t", self.biases_t)):
             if arr is not None and tuple(arr.shape) != want[::-1]:
                 raise ValueError(f"{name}: {part} shape {tuple(arr.shape)} is not the transpose of {want}")
-        if self.lane_words is not None and (tuple(self.lane_words.shape) != tuple(self.words.shape)
-                                            or self.lane_words.dtype != jnp.uint32 or self.bits != 4):
-            raise ValueError(f"{name}: lane_words must be 4-bit uint32 words shaped like words "
-                             f"{tuple(self.words.shape)}, got {self.lane_words.dtype} {tuple(self.lane_words.shape)}")
+        if self.lanes and (self.bits != 4 or k % 64):
+            raise ValueError(f"{name}: lane-ordered words need 4 bits and K a multiple of 64, got {self.bits} bits, "
+                             f"K={k}")
+
+
+def natural_words(w: QuantizedWeight) -> jax.Array:
+    """w's words in MLX's natural field order (undoing `to_lane_words` where w holds lane order)."""
+    return from_lane_words(w.words) if w.lanes else w.words
 
 
 def to_lane_words(words: jax.Array) -> jax.Array:
@@ -122,7 +128,7 @@ def unpack(words: jax.Array, bits: int) -> jax.Array:
 
 def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     """The whole [N, K] matrix in `dtype` (tests, references and small weights only)."""
-    q = unpack(w.words, w.bits).astype(jnp.float32)
+    q = unpack(natural_words(w), w.bits).astype(jnp.float32)
     n, k = w.shape
     q = q.reshape(n, k // w.group_size, w.group_size)
     deq = q * w.scales.astype(jnp.float32)[..., None] + w.biases.astype(jnp.float32)[..., None]
@@ -132,7 +138,7 @@ def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
 def dequantize_rows(w: QuantizedWeight, rows: jax.Array, dtype=jnp.float32) -> jax.Array:
     """Rows `rows` (int [...]) of the dequantized matrix -> [..., K]: the quantized embedding gather."""
     sub = QuantizedWeight(w.words[rows.reshape(-1)], w.scales[rows.reshape(-1)], w.biases[rows.reshape(-1)],
-                          w.bits, w.group_size)
+                          w.bits, w.group_size, lanes=w.lanes)  # lane order is per row: the gathered rows keep it
     return dequantize(sub, dtype).reshape(*rows.shape, w.in_features)
 
 

@@ -389,9 +389,10 @@ def test_lowering_cache_only_for_single_device_programs(monkeypatch):
 
 
 def test_decode_layout_transposes_once_same_bits(monkeypatch):
-    """qmm.decode_layout gives the weights the Mosaic GPU kernel takes their transposed scales and biases (only
-    when DECODE_IMPL is "mgpu"; 8-bit weights and dense arrays are left alone); the kernel then reads them instead
-    of transposing per call, with the same bits; a wrong shape is a ValueError."""
+    """qmm.decode_layout gives the weights the Mosaic GPU kernel takes their transposed scales and biases and, under
+    the "words" conversion, their words in lane order in place of the natural ones (only when DECODE_IMPL is
+    "mgpu"; 8-bit weights and dense arrays are left alone); the kernel then reads them instead of transposing and
+    repacking per call, with the same bits; a wrong shape is a ValueError."""
     from pallas_kernels import qmm
     rng = np.random.default_rng(3400)
     params = {"a": _small_weight(rng, 256, 512), "b": [_small_weight(rng, 128, 512, bits=8), jnp.ones((4, 4))]}
@@ -402,16 +403,66 @@ def test_decode_layout_transposes_once_same_bits(monkeypatch):
     w = laid["a"]
     np.testing.assert_array_equal(np.asarray(w.scales_t), np.asarray(params["a"].scales).T)
     np.testing.assert_array_equal(np.asarray(w.biases_t), np.asarray(params["a"].biases).T)
-    np.testing.assert_array_equal(np.asarray(w.lane_words), np.asarray(to_lane_words(params["a"].words)))
-    assert laid["b"][0].scales_t is None and laid["b"][1] is params["b"][1]
+    assert w.lanes and not params["a"].lanes
+    np.testing.assert_array_equal(np.asarray(w.words), np.asarray(to_lane_words(params["a"].words)))
+    assert laid["b"][0].scales_t is None and not laid["b"][0].lanes and laid["b"][1] is params["b"][1]
     x = jnp.asarray(rng.normal(size=(3, 512)), jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(qmm_mgpu.qmm_rows(x, w, interpret=True)).view(np.uint16),
-                                  np.asarray(qmm_mgpu.qmm_rows(x, params["a"], interpret=True)).view(np.uint16))
+    for conversion in qmm_mgpu.CONVERSIONS:
+        f = lambda w, c=conversion: np.asarray(
+            qmm_mgpu.qmm_rows(x, w, interpret=True) if c == "words"
+            else qmm_mgpu.qmm_decode(x, w, interpret=True, conversion=c)).view(np.uint16)
+        np.testing.assert_array_equal(f(w), f(params["a"]), err_msg=conversion)
+    monkeypatch.setattr(qmm_mgpu, "CONVERSION", "nibbles")
+    assert not qmm.decode_layout(params)["a"].lanes
     import dataclasses
     with pytest.raises(ValueError, match="transpose"):
         dataclasses.replace(w, scales_t=w.scales).validate()
-    with pytest.raises(ValueError, match="lane_words"):
-        dataclasses.replace(w, lane_words=w.words[:, :8]).validate()
+    with pytest.raises(ValueError, match="lane-ordered"):
+        dataclasses.replace(laid["b"][0], lanes=True).validate()
+
+
+def _lane_readers_same_values(interpret: bool):
+    """A weight whose words are in lane order gives every reader what its natural twin gives: the prompt path's
+    dequantization pass (bits), XLA's dequantization, the embedding gather and the Triton decode tiles."""
+    import dataclasses
+
+    from pallas_kernels import qmm
+    rng = np.random.default_rng(3900)
+    w = _small_weight(rng, 24, 384)
+    lw = dataclasses.replace(w, words=to_lane_words(w.words), lanes=True)
+    same = lambda a, b, what: np.testing.assert_array_equal(np.asarray(a).view(np.uint16)
+                                                            if a.dtype == jnp.bfloat16 else np.asarray(a),
+                                                            np.asarray(b).view(np.uint16)
+                                                            if b.dtype == jnp.bfloat16 else np.asarray(b), err_msg=what)
+    same(qmm.dequant_pass(lw, interpret=interpret), qmm.dequant_pass(w, interpret=interpret), "dequant pass")
+    if not interpret:
+        return
+    same(qmm.dequantize_for_matmul(lw, jnp.bfloat16), qmm.dequantize_for_matmul(w, jnp.bfloat16), "XLA dequantize")
+    ids = jnp.asarray([[3, 0, 23], [7, 7, 1]])
+    same(qmm.embed(lw, ids, jnp.bfloat16), qmm.embed(w, ids, jnp.bfloat16), "embedding")
+    x = jnp.asarray(rng.normal(size=(5, 384)), jnp.bfloat16)
+    tiles = qmm.decode_tiles(24, 384, 4, 64)
+    same(qmm.qmm(x, lw, interpret=True, tiles=tiles), qmm.qmm(x, w, interpret=True, tiles=tiles), "Triton tiles")
+
+
+def test_lane_order_readers_same_values():
+    _lane_readers_same_values(interpret=True)
+
+
+def test_lane_dequant_pass_lowers_for_the_h200(h200_lowering):
+    """The pass's lane-order interleave (a 5-D transpose of the block's pairs) is one the Triton lowering takes."""
+    from pallas_kernels import qmm
+    sds = jax.ShapeDtypeStruct
+    for k, n in ((5120, 17408), (17408, 5120), (384, 24)):
+        w = QuantizedWeight(sds((n, k // 8), jnp.uint32), sds((n, k // 64), jnp.bfloat16),
+                            sds((n, k // 64), jnp.bfloat16), 4, 64, lanes=True)
+        text = jax.jit(qmm.dequant_pass).trace(w).lower(lowering_platforms=("cuda",)).as_text()
+        assert "triton" in text.lower(), (k, n)
+
+
+@pytest.mark.gpu
+def test_gpu_dequant_pass_reads_lane_order():
+    _lane_readers_same_values(interpret=False)
 
 
 def test_roundings_same_bits(monkeypatch):

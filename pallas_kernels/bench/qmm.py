@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import qmm, qmm_mgpu
 from pallas_kernels.bench.common import table
-from pallas_kernels.qweight import QuantizedWeight, dequantize, to_lane_words
+from pallas_kernels.qweight import QuantizedWeight, dequantize, natural_words, to_lane_words
 
 SHAPES = ((5120, 17408), (17408, 5120), (5120, 10240), (5120, 6144), (6144, 5120), (5120, 12288), (5120, 248320))
 # The Mosaic GPU decode kernel's variants `--mgpu` times: `qmm_mgpu.qmm_decode` keywords, and whether the scales
@@ -507,13 +507,16 @@ def _sweep(args, t_start: float) -> dict:
                     continue
                 rows = kw.pop("rows", qmm_mgpu.ROWS)
                 one = functools.partial(qmm_mgpu.qmm_decode, rows=rows, **kw)
-                fn = (lambda x, w, transposed=None, lanes=None, one=one, rows=rows: jnp.concatenate(
-                    [one(x[i:i + rows], w, transposed=transposed, lanes=lanes) for i in range(0, x.shape[0], rows)]))
-                bare = [dataclasses.replace(w, scales_t=None, biases_t=None, lane_words=None) for w in ws]
+                fn = (lambda x, w, transposed=None, one=one, rows=rows: jnp.concatenate(
+                    [one(x[i:i + rows], w, transposed=transposed) for i in range(0, x.shape[0], rows)]))
+                bare = [dataclasses.replace(w, words=natural_words(w), lanes=False, scales_t=None, biases_t=None)
+                        for w in ws]
                 arg_sets = [(x, w) for w in bare]
-                if pre:
-                    fn = lambda x, w, st, bt, lanes, fn=fn: fn(x, w, transposed=(st, bt), lanes=lanes)
-                    arg_sets = [(x, w, w.scales.T, w.biases.T, jax.jit(to_lane_words)(w.words)) for w in bare]
+                if pre:  # as decode_layout leaves them for the variant's conversion
+                    fn = lambda x, w, st, bt, fn=fn: fn(x, w, transposed=(st, bt))
+                    laid = [dataclasses.replace(w, words=jax.jit(to_lane_words)(w.words), lanes=True)
+                            if kw.get("conversion", qmm_mgpu.CONVERSION) == "words" else w for w in bare]
+                    arg_sets = [(x, w, w.scales.T, w.biases.T) for w in laid]
                 label = "mosaic gpu " + ",".join(f"{key}={val}" for key, val in variant.items())
                 jobs.append(Job("decode", (k, n), m, label, 1, fn, False, arg_sets,
                                 _reps(_estimate_us(m, n, k), args.interpret)))

@@ -45,8 +45,8 @@ class Fused:
 
 def _fusable(a, b) -> bool:
     if isinstance(a, QuantizedWeight) and isinstance(b, QuantizedWeight):
-        return ((a.bits, a.group_size, a.in_features, a.scales.dtype, a.biases.dtype) ==
-                (b.bits, b.group_size, b.in_features, b.scales.dtype, b.biases.dtype))
+        return ((a.bits, a.group_size, a.in_features, a.scales.dtype, a.biases.dtype, a.lanes) ==
+                (b.bits, b.group_size, b.in_features, b.scales.dtype, b.biases.dtype, b.lanes))
     if isinstance(a, QuantizedWeight) or isinstance(b, QuantizedWeight):
         return False
     return a.shape[1] == b.shape[1] and jnp.dtype(a.dtype) == jnp.dtype(b.dtype)
@@ -56,8 +56,8 @@ def _concat(ws: Sequence) -> Fused:
     sizes = tuple(int(w.shape[0]) for w in ws)
     if isinstance(ws[0], QuantizedWeight):
         cat = lambda name: jnp.concatenate([getattr(w, name) for w in ws], axis=0)
-        return Fused(QuantizedWeight(cat("words"), cat("scales"), cat("biases"), ws[0].bits, ws[0].group_size),
-                     sizes)
+        return Fused(QuantizedWeight(cat("words"), cat("scales"), cat("biases"), ws[0].bits, ws[0].group_size,
+                                     lanes=ws[0].lanes), sizes)
     return Fused(jnp.concatenate(ws, axis=0), sizes)
 
 

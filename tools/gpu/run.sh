@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -48,6 +48,24 @@ profile_by() {
 }
 
 case "$stage" in
+  forty-fifth)
+    # Session 13, fourth call (~7 min): lane-ordered words replace the natural ones (no second copy): the prompt
+    # path's dequantization pass reads them (its gpu test against the natural words, the dequant tests), the
+    # words kernel's oracle at two shapes, the engine's gates, then the 27B bench (prompt and decode) at the defaults.
+    timeout -s INT 240 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_qmm_mgpu.py \
+      tests/test_qmm.py -k "lane_order or rounds_once or dequant or (oracle and words and (6144 or 392))" \
+      > "$out/gpu_tests_lanes.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_lanes.log" | cut -c1-160 | tail -20
+    timeout -s INT 150 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
+      > "$out/gpu_tests_engine.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_engine.log" | cut -c1-160 | tail -10
+    timeout 240 python3 -m qwen_jax bench --synthetic 27b --streams 1,16,64 --prompt-lengths 4096,32768 --rounds 64 \
+      2>&1 | tee "$out/bench_27b.log" | grep -E "^compile|^prompt |^decode " | tail -6 ;;
+  forty-sixth)
+    # Session 13, fifth call (~4 min): the qmm table at the decode rows for the four decode shapes, the
+    # words kernel beside XLA, the bf16 matmul and torch's int4 matmul.
+    timeout 280 python3 -m pallas_kernels.bench qmm --shapes 5120x17408,17408x5120,5120x6144,6144x5120 \
+      --m 1,4,16,64,256 --json "$out/qmm_table.json" 2>&1 | tee "$out/qmm_table.log" | grep -vE "^\[" | tail -40 ;;
   forty-fourth)
     # Session 13, third call (~8 min): is the one-stream round host- or device-bound with the words conversion?
     # decode_profile with each conversion, alternated (enqueue onto an idle device, device-bound and pipelined
