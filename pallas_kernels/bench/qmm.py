@@ -5,8 +5,9 @@
     python -m pallas_kernels.bench qmm --sweep --interpret --shapes 512x256 --m 1,16 --prompt-ms 128   # CPU smoke
 
 Comparison mode, per shape (K -> N, 4-bit, group 64, random weights made on the device) and M: the Pallas kernel
-(decode path for M <= 256, prompt path for M >= 64; the kernel alone on an x already in chunk order, as a jitted
-model sees it once XLA fuses the permutation into x's producer, and `qmm()` end to end for M <= 16), the XLA
+(the Triton decode tiles for M <= 256, prompt path for M >= 64; the kernel alone on an x already in chunk order, as
+a jitted model sees it once XLA fuses the permutation into x's producer; and `qmm()` end to end for the decode rows:
+on a GPU that is the Mosaic GPU decode kernel, `qmm.DECODE_IMPL`), the XLA
 dequantize + matmul (`qmm.reference`, fp32), a bf16 matmul of the same shape, and torch's int4 tinygemm
 (`_weight_int4pack_mm`, group 64) when torch is there. Bytes moved = packed weight + scales + biases + x + y.
 
@@ -340,7 +341,7 @@ def _bench_shape(k: int, n: int, ms, copy: float, use_torch: bool, ref_max_m: in
             fn, takes_after, arg_sets = _path_fn(tiles, x, ws)
             us = device_us(fn, arg_sets, est, takes_after=takes_after).us
             e2e = (device_us(lambda x, w, p=prompt: qmm.qmm(x, w, prompt=p), [(x, w) for w in ws], est).us
-                   if m <= 16 else None)
+                   if not prompt else None)
             tbs = _moved(m, n, k) / (us * 1e-6) / 1e12
             rows.append(Row(f"{k}->{n}", m, "prompt" if prompt else "decode", us, tbs, 100 * tbs / copy,
                             2 * m * n * k / (us * 1e-6) / 1e12, e2e, xla_ref, bf16_us, torch_us.get(m)))
