@@ -1,6 +1,6 @@
 """Decode qmm on Mosaic GPU (the default decode kernel on a GPU since session 11: `qmm.DECODE_IMPL` "auto" routes
 the decode calls it supports here outside interpret mode; "triton" keeps them on the Triton tiles):
-y [M, N] = x [M, K] @ dequantize(w)^T for decode/verify rows (pieces of 16, 32 or 64 rows: `pieces`), 4-bit MLX
+y [M, N] = x [M, K] @ dequantize(w)^T for decode/verify rows (pieces of 8, 16, 32 or 64 rows: `pieces`), 4-bit MLX
 weights with bf16 scales and biases, group 64, bf16 x.
 
 Why a second kernel: the Triton decode kernel (`qmm.py`) runs at 35-44 % of copy on the H200 because its loads and
@@ -16,24 +16,26 @@ CTA (at most `SMS`), and each CTA runs one pipeline over its chunk, so no CTA wa
 left part-empty. A tile's K is summed in pieces, one for each chunk that touches it; the pieces are added in one
 fixed order afterwards (pieces a tile lacks are selected away).
 
-Arithmetic: the words are viewed as uint4 [N, K] without moving a byte (`lax.bitcast_convert_type`: element j =
-bits 4j..4j+3, MLX's field j). A compute warpgroup loads its [64, 256] tile, flips bit 3 of each field and reads it
-as signed int4 (q - 8 exactly, so Mosaic GPU's fast int4 -> bf16 conversion applies), adds 8 back in bf16 (exact),
-and per group forms s q + b (MLX's dequantization) as the wgmma A operand in registers; x [R, K] (rows padded to the
-piece height R) is the B operand, read transposed from shared memory. A step's MMAs go into a fresh fp32
-accumulator whose value is added to the warpgroup's running fp32 sum (restarted where a tile starts); the sum is
-stored where the tile or the chunk ends. (`unsigned=True` converts the fields as unsigned instead: slower on the H200.)
+Arithmetic (`CONVERSION`, "words" since session 13): the words come in the kernel's lane order (`to_lane_words`,
+made once at load by `qmm.decode_layout`), so a compute warpgroup loads its [64, 256] tile as uint32 words in the
+MMA's register layout and each lane's two words hold exactly its weight pairs; each bf16 pair is built in inline PTX
+(prmt, lop3, sub, and one bf16x2 FMA: s q + b rounded once, MLX's dequantization) as the wgmma A operand in
+registers. x [R, K] (rows padded to the piece height R) is the B operand, read transposed from shared memory. A
+step's MMAs go into a fresh fp32 accumulator whose value is added to the warpgroup's running fp32 sum (restarted
+where a tile starts); the sum is stored where the tile or the chunk ends. ("nibbles", sessions 6-12: the natural
+words viewed as uint4, loaded a byte a pair, XOR 8 read as signed int4, + 8, s q + b as bf16 ops; "unsigned": the
+fields converted as unsigned.)
 
 Exactness: every row is one column of the MMAs (a row's bits are the same whatever the piece height: shown on the
 H200), and the schedule, the pieces and their order come from the weight's shape alone, so a row's bits do not
 depend on M or on the other rows. The bits differ from the Triton kernel's (another accumulation order); a model
 uses one kernel for all its decode and verify programs.
 
-Status (docs/kernels/qmm.md runs 6, 9, 10): right on the H200 (oracle and row invariance at the 27B's shapes and
+Status (docs/kernels/qmm.md runs 6, 9-11): right on the H200 (oracle and row invariance at the 27B's shapes and
 the tiny checkpoint's; the engine's gates pass with it since session 7, when the output's rounding was first kept
-from its consumers, see `_decode`), 1.3-1.7x the Triton tiles on isolated calls at M <= 16 and 3.5x at 64-256 rows
-(wide pieces), the default decode kernel since session 11. In the 27B decode program it is 8.2 of the 11.1 ms
-of a one-stream round (session 12), at ~45 % of copy.
+from its consumers, see `_decode`), the default decode kernel since session 11. With the words conversion (session
+13): isolated at M = 1, 73-93 % of copy on the two big 27B shapes, 48-81 % on the others; 2-4.5x the Triton tiles
+at 16-256 rows; in the 27B decode program 5.9 of a one-stream round's 8.6 ms of kernels, at ~56 % of copy.
 """
 from __future__ import annotations
 
@@ -62,7 +64,8 @@ ROWS = 16  # x rows a call carries (the MMA's N); M <= ROWS
 # 64-row pieces took 30 us at M = 64 against 75 in 16-row pieces, 134 against 265 at M = 256; at M = 16 a 32-row
 # piece costs what a 16-row one does and a 64-row one 1.3x. None: 16-row pieces only.
 # PIECE_ROWS: the piece heights the kernel takes. NARROW_ROWS: the least height `pieces` cuts (8: calls of up to 8
-# rows, the one-stream decode among them, carry half the x bytes a step; 16: as sessions 6-12).
+# rows, the one-stream decode among them, carry half the x bytes a step; a row's bits are the same as in 16-row pieces
+# on the H200, session 13, but the engine showed no gain beyond noise, so 16 as in sessions 6-12).
 WIDE_ROWS: int | None = 64
 NARROW_ROWS = 16
 PIECE_ROWS = (8, 16, 32, 64)
