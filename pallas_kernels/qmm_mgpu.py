@@ -34,8 +34,9 @@ uses one kernel for all its decode and verify programs.
 Status (docs/kernels/qmm.md runs 6, 9-11): right on the H200 (oracle and row invariance at the 27B's shapes and
 the tiny checkpoint's; the engine's gates pass with it since session 7, when the output's rounding was first kept
 from its consumers, see `_decode`), the default decode kernel since session 11. With the words conversion (session
-13): isolated at M = 1, 73-93 % of copy on the two big 27B shapes, 48-81 % on the others; 2-4.5x the Triton tiles
-at 16-256 rows; in the 27B decode program 5.9 of a one-stream round's 8.6 ms of kernels, at ~56 % of copy.
+13): isolated at M = 1, 73-93 % of copy on the two big 27B shapes, 48-81 % on the others; 1.1-1.9x the Triton
+tiles at M = 16 and 3.5-6.3x at 64-256 rows; in the 27B decode program 5.9 of a one-stream round's 8.6 ms of
+kernels, at ~56 % of copy.
 """
 from __future__ import annotations
 
