@@ -762,7 +762,7 @@ def _matmul_call(x: jax.Array, wd: jax.Array, out_dtype, tiles: Tiles, interpret
     return _sum_splits(y, out_dtype) if split else y
 
 
-_to_lanes = jax.jit(to_lane_words)  # the natural words are freed once the caller drops the params it passed
+_to_lanes = jax.jit(to_lane_words)  # a new array: the natural words live on until the caller drops its params
 
 
 def decode_layout(params, x_dtype=jnp.bfloat16):
