@@ -408,9 +408,7 @@ def test_decode_layout_transposes_once_same_bits(monkeypatch):
     assert laid["b"][0].scales_t is None and not laid["b"][0].lanes and laid["b"][1] is params["b"][1]
     x = jnp.asarray(rng.normal(size=(3, 512)), jnp.bfloat16)
     for conversion in qmm_mgpu.CONVERSIONS:
-        f = lambda w, c=conversion: np.asarray(
-            qmm_mgpu.qmm_rows(x, w, interpret=True) if c == "words"
-            else qmm_mgpu.qmm_decode(x, w, interpret=True, conversion=c)).view(np.uint16)
+        f = lambda w, c=conversion: np.asarray(qmm_mgpu.qmm_decode(x, w, interpret=True, conversion=c)).view(np.uint16)
         np.testing.assert_array_equal(f(w), f(params["a"]), err_msg=conversion)
     monkeypatch.setattr(qmm_mgpu, "CONVERSION", "nibbles")
     assert not qmm.decode_layout(params)["a"].lanes
@@ -430,10 +428,8 @@ def _lane_readers_same_values(interpret: bool):
     rng = np.random.default_rng(3900)
     w = _small_weight(rng, 24, 384)
     lw = dataclasses.replace(w, words=to_lane_words(w.words), lanes=True)
-    same = lambda a, b, what: np.testing.assert_array_equal(np.asarray(a).view(np.uint16)
-                                                            if a.dtype == jnp.bfloat16 else np.asarray(a),
-                                                            np.asarray(b).view(np.uint16)
-                                                            if b.dtype == jnp.bfloat16 else np.asarray(b), err_msg=what)
+    same = lambda a, b, what: np.testing.assert_array_equal(np.asarray(a).view(np.uint16),
+                                                            np.asarray(b).view(np.uint16), err_msg=what)  # bf16 bits
     same(qmm.dequant_pass(lw, interpret=interpret), qmm.dequant_pass(w, interpret=interpret), "dequant pass")
     if not interpret:
         return
