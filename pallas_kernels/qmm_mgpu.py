@@ -88,6 +88,12 @@ SMS = 132  # the H200's; chunks of work are spread over this many persistent CTA
 #   conversion), + 8, then s q + b as bf16 ops. "unsigned": the same with the fields converted as unsigned.
 CONVERSION = "words"
 CONVERSIONS = ("words", "nibbles", "unsigned")
+# Where a pipeline step's weight block lies in memory: "rows" (the weight's own [N, K / 8] words: a step's
+# [CTA_N, 8 G'] block is CTA_N runs of 128 bytes, K / 2 bytes apart, and its scale and bias rows are 2 G' runs of
+# 256 bytes of [G, N]) or "tiles" (`tile_layout`, made once at load: each step's words one contiguous 16 KB block,
+# its scale and bias rows one contiguous 1 KB block beside; one copy fewer a step). Same values, same bits.
+LAYOUT = "rows"
+LAYOUTS = ("rows", "tiles")
 # How the summed fp32 output keeps its rounding to x.dtype in every program (see `_decode`): "barrier" (the
 # conversion behind an optimization barrier, so nothing fuses across it; sessions 7-11) or "reduce_precision" (the
 # value rounded to x.dtype's precision by an op XLA keeps, then converted: a consumer that skips the conversion
@@ -200,6 +206,30 @@ def flat_schedule(n: int, k: int, block_groups: int, sms: int | None = None) -> 
     return length, per_cta, ctas, ((t + 1) * length - 1) // per_cta - (t * length) // per_cta + 1
 
 
+def tile_layout(lane_words: jax.Array, scales_t: jax.Array, biases_t: jax.Array, block_groups: int
+                ) -> tuple[jax.Array, jax.Array]:
+    """The "tiles" layout (LAYOUTS) of a weight: lane words [N, K / 8], scales and biases [G, N] -> (words
+    [tiles L CTA_N, 8 G'], scale and bias rows [tiles L 2 G', CTA_N]) with G' = block_groups groups a step, the
+    steps tile-major (`flat_schedule`'s order) and N padded with zeros to whole tiles (outputs past N are clipped).
+    Block f of each is step f = tile L + s: the words of rows tile CTA_N ... and groups s G' ..., then that step's
+    G' scale rows and G' bias rows."""
+    n, c = lane_words.shape
+    g = scales_t.shape[0]
+    assert c == 8 * g and g % block_groups == 0 and scales_t.shape == biases_t.shape == (g, n), (
+        lane_words.shape, scales_t.shape, biases_t.shape, block_groups)
+    tiles, length = -(-n // CTA_N), g // block_groups
+    pad = tiles * CTA_N - n
+    q = jnp.pad(lane_words, ((0, pad), (0, 0))).reshape(tiles, CTA_N, length, 8 * block_groups)
+    q = q.transpose(0, 2, 1, 3).reshape(tiles * length * CTA_N, 8 * block_groups)
+
+    def rows(t):  # [G, N] -> [tiles, L, G', CTA_N]
+        t = jnp.pad(t, ((0, 0), (0, pad))).reshape(length, block_groups, tiles, CTA_N)
+        return t.transpose(2, 0, 1, 3)
+
+    sb = jnp.concatenate([rows(scales_t), rows(biases_t)], axis=2)
+    return q, sb.reshape(tiles * length * 2 * block_groups, CTA_N)
+
+
 def _pieces_written(n: int, k: int, block_groups: int, sms: int) -> np.ndarray:
     """[P, tiles] bool: whether piece p of tile t was written."""
     counts = flat_schedule(n, k, block_groups, sms)[3]
@@ -269,26 +299,35 @@ def _lane_dequant_jnp(words: jax.Array, s_rows, b_rows) -> jax.Array:
     return add_rounded_once_to_bf16(q * s, b).reshape(r, -1)
 
 
-@functools.partial(jax.jit, static_argnames=("stages", "block_groups", "sms", "interpret", "conversion", "probe"))
-def _partials(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array, *, stages: int, block_groups: int,
-              sms: int, interpret: bool, conversion: str = "words", probe: str | None = None) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("stages", "block_groups", "sms", "interpret", "conversion", "probe",
+                                             "layout", "n"))
+def _partials(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None, *, stages: int, block_groups: int,
+              sms: int, interpret: bool, conversion: str = "words", probe: str | None = None, layout: str = "rows",
+              n: int | None = None) -> jax.Array:
     """`_kernel_call`, through the lowering cache (`_partials_p`) when compiled for the GPU."""
-    kw = dict(stages=stages, block_groups=block_groups, sms=sms, conversion=conversion, probe=probe)
+    kw = dict(stages=stages, block_groups=block_groups, sms=sms, conversion=conversion, probe=probe, layout=layout,
+              n=n)
+    args = (xp, qw, st) if layout == "tiles" else (xp, qw, st, bt)
     if interpret:
-        return _kernel_call(xp, qw, st, bt, interpret=True, **kw)
-    return _partials_p.bind(xp, qw, st, bt, **kw)
+        return _kernel_call(*args, interpret=True, **kw)
+    return _partials_p.bind(*args, **kw)
 
 
-def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array, *, stages: int, block_groups: int,
-                 sms: int, interpret: bool, conversion: str = "words", probe: str | None = None) -> jax.Array:
-    """The kernel (`flat_schedule`): xp [R, K] bf16 (x padded to a piece height R, PIECE_ROWS); qw the weight as
-    lane words uint32 [N, K / 8] (conversion "words") or as uint4 [N, K] (the others); st, bt [G, N] bf16 -> fp32
-    pieces [P, N, R] (only those `_pieces_written` marks are written). Each CTA runs one
+def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None = None, *, stages: int,
+                 block_groups: int, sms: int, interpret: bool, conversion: str = "words", probe: str | None = None,
+                 layout: str = "rows", n: int | None = None) -> jax.Array:
+    """The kernel (`flat_schedule`): xp [R, K] bf16 (x padded to a piece height R, PIECE_ROWS); layout "rows": qw
+    the weight as lane words uint32 [N, K / 8] (conversion "words") or as uint4 [N, K] (the others), st, bt [G, N]
+    bf16; layout "tiles" (`tile_layout`, conversion "words"): qw the lane words [tiles L CTA_N, 8 G'] with each
+    step's [CTA_N, 8 G'] block contiguous, st the step's scale rows then bias rows [tiles L 2 G', CTA_N], bt None,
+    n the weight's N -> fp32 pieces [P, N, R] (only those `_pieces_written` marks are written). Each CTA runs one
     pipeline over its S steps, so the memory warpgroup never waits at a tile's edge; a step's MMAs go into a fresh
     accumulator whose value the compute warpgroup adds to its running fp32 sum (restarted where a tile starts), and
     the sum is stored where the tile or the chunk ends."""
     rows, k = xp.shape
-    n = qw.shape[0]
+    tiled = layout == "tiles"
+    assert layout in LAYOUTS and (not tiled or (conversion == "words" and bt is None and n is not None)), layout
+    n = n if tiled else qw.shape[0]
     block_k = GROUP * block_groups
     length, per_cta, ctas, counts = flat_schedule(n, k, block_groups, sms)
     pieces = int(counts.max())
@@ -302,29 +341,43 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array, *, 
     # out -- "no_xor", "no_affine" (the scale FMA), "no_load" (a constant A tile: no shared-memory read or
     # conversion), "no_compute" (no MMA either).
     assert conversion in CONVERSIONS and probe in (None, "no_xor", "no_affine", "no_load", "no_compute"), probe
-    assert probe is None or conversion == "nibbles", (probe, conversion)
+    assert probe in (None, "no_compute") or conversion == "nibbles", (probe, conversion)
     dequant = _lane_dequant(block_groups, q_transforms) if words and not interpret else None
 
-    def kernel(x_gmem, q_gmem, s_gmem, b_gmem, out_gmem, out_smem, *a_smem):
+    def kernel(x_gmem, q_gmem, s_gmem, *refs):
+        if tiled:
+            out_gmem, out_smem, *a_smem = refs
+            b_gmem = None
+        else:
+            b_gmem, out_gmem, out_smem, *a_smem = refs
         cta = lax.axis_index("cta")
 
         def locate(i):  # step i of this CTA -> (tile, step within the tile's K); past the end: the last step again
             f = lax.min(cta * per_cta + i, jnp.int32(total - 1))
             return _div(f, length), lax.rem(f, jnp.int32(length))
 
+        def step_block(i):  # tiles layout: the step's block, tile-major (the flat step index)
+            return lax.min(cta * per_cta + i, jnp.int32(total - 1)), 0
+
+        x_spec = plgpu.BlockSpec((rows, block_k), lambda i: (0, locate(i)[1]), transforms=x_transforms,
+                                 memory_space=plgpu.SMEM)
+        if tiled:
+            specs = [x_spec,
+                     plgpu.BlockSpec(q_block, step_block, transforms=q_transforms, memory_space=plgpu.SMEM),
+                     plgpu.BlockSpec((2 * block_groups, CTA_N), step_block, memory_space=plgpu.SMEM)]
+        else:
+            specs = [x_spec,
+                     plgpu.BlockSpec(q_block, lambda i: locate(i), transforms=q_transforms, memory_space=plgpu.SMEM),
+                     plgpu.BlockSpec((block_groups, CTA_N), lambda i: locate(i)[::-1], memory_space=plgpu.SMEM),
+                     plgpu.BlockSpec((block_groups, CTA_N), lambda i: locate(i)[::-1], memory_space=plgpu.SMEM)]
+
         def pipeline(body, context):
             return plgpu.emit_pipeline_warp_specialized(
                 body, grid=(per_cta,), memory_registers=40, wg_axis="wg", num_compute_wgs=COMPUTE_WGS,
-                max_concurrent_steps=stages, compute_context=context,
-                in_specs=[plgpu.BlockSpec((rows, block_k), lambda i: (0, locate(i)[1]), transforms=x_transforms,
-                                          memory_space=plgpu.SMEM),
-                          plgpu.BlockSpec(q_block, lambda i: locate(i), transforms=q_transforms,
-                                          memory_space=plgpu.SMEM),
-                          plgpu.BlockSpec((block_groups, CTA_N), lambda i: locate(i)[::-1], memory_space=plgpu.SMEM),
-                          plgpu.BlockSpec((block_groups, CTA_N), lambda i: locate(i)[::-1], memory_space=plgpu.SMEM)])
+                max_concurrent_steps=stages, compute_context=context, in_specs=specs)
 
         ignore = lambda *_, **__: None
-        operands = (x_gmem, q_gmem, s_gmem, b_gmem)
+        operands = (x_gmem, q_gmem, s_gmem) if tiled else (x_gmem, q_gmem, s_gmem, b_gmem)
 
         @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*operands),
                            collective_axes="wg")
@@ -338,7 +391,8 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array, *, 
             def a_tiles(q_smem, s_smem, b_smem):  # the step's A operand, one [TILE_N, GROUP] tile a group
                 if words:
                     s_rows = [s_smem[j, wg_slice] for j in range(block_groups)]
-                    b_rows = [b_smem[j, wg_slice] for j in range(block_groups)]
+                    b_rows = [(s_smem if tiled else b_smem)[(block_groups if tiled else 0) + j, wg_slice]
+                              for j in range(block_groups)]
                     a = (_lane_dequant_jnp(q_smem[wg_slice], s_rows, b_rows) if interpret
                          else dequant(q_smem.at[wg_slice], s_rows, b_rows))
                     return [a[:, j * GROUP:(j + 1) * GROUP] for j in range(block_groups)]
@@ -360,8 +414,9 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array, *, 
                     out.append(a)
                 return out
 
-            def body(idx, x_smem, q_smem, s_smem, b_smem, carry):
+            def body(idx, x_smem, q_smem, s_smem, *rest):
                 (i,) = idx
+                b_smem, carry = (None, rest[0]) if tiled else rest
                 f = cta * per_cta + i
                 tile, ks = locate(i)
                 if probe == "no_compute":
@@ -409,7 +464,7 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array, *, 
         scratch_types=[plgpu.SMEM((COMPUTE_WGS, TILE_N, rows), jnp.float32)]
         + ([plgpu.SMEM((COMPUTE_WGS, TILE_N, GROUP), jnp.bfloat16, transforms=a_transforms)] if interpret else []),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
-    return call(xp, qw, st, bt)
+    return call(xp, qw, st) if tiled else call(xp, qw, st, bt)
 
 
 # The lowering cache. jax lowers a Pallas kernel again in every program that calls it, and Mosaic GPU's lowering
@@ -426,13 +481,13 @@ _LOWERED: dict[tuple, dict[str, str]] = {}
 _partials_p = jax.extend.core.Primitive("qmm_mgpu_partials")
 
 
-def _partials_shape(xp, qw, block_groups: int, sms: int) -> tuple[int, int, int]:
-    n = qw.shape[0]
+def _partials_shape(xp, qw, block_groups: int, sms: int, n: int | None) -> tuple[int, int, int]:
+    n = qw.shape[0] if n is None else n
     return int(flat_schedule(n, xp.shape[1], block_groups, sms)[3].max()), n, xp.shape[0]
 
 
-_partials_p.def_abstract_eval(lambda xp, qw, st, bt, *, block_groups, sms, **_: jax.core.ShapedArray(
-    _partials_shape(xp, qw, block_groups, sms), jnp.float32))
+_partials_p.def_abstract_eval(lambda xp, qw, *_, block_groups, sms, n=None, layout="rows", **__: jax.core.ShapedArray(
+    _partials_shape(xp, qw, block_groups, sms, n if layout == "tiles" else None), jnp.float32))
 _partials_p.def_impl(lambda *args, **kw: jax.jit(functools.partial(_partials_p.bind, **kw))(*args))
 
 
@@ -464,19 +519,19 @@ def _call_attributes(avals, kw: dict) -> dict[str, str]:
     return {name: str(call.attributes[name]) for name in call.attributes}
 
 
-def _lower_cached(ctx, xp, qw, st, bt, **kw):
+def _lower_cached(ctx, *operands, **kw):
     if not LOWERING_CACHE or getattr(ctx.module_context.axis_context, "num_devices", None) != 1:
         # cache off (read here, at lowering), or a program over several devices (Mosaic GPU's lowering reads the
         # mesh): lowered in place, uncached
         return mlir.lower_fun(functools.partial(_kernel_call, interpret=False, **kw), multiple_results=False)(
-            ctx, xp, qw, st, bt)
+            ctx, *operands)
     key = (tuple((a.shape, str(a.dtype)) for a in ctx.avals_in), tuple(sorted(kw.items())))
     attrs = _LOWERED.get(key)
     if attrs is None:
         attrs = _LOWERED[key] = _call_attributes(ctx.avals_in, kw)
     op = mlir.ir.Operation.create(
         "stablehlo.custom_call", results=[mlir.aval_to_ir_type(ctx.module_context, ctx.avals_out[0])],
-        operands=[xp, qw, st, bt], attributes={name: mlir.ir.Attribute.parse(text) for name, text in attrs.items()})
+        operands=list(operands), attributes={name: mlir.ir.Attribute.parse(text) for name, text in attrs.items()})
     return op.results
 
 
@@ -494,7 +549,7 @@ def block_groups_for(k: int) -> int:
 def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_groups: int | None = None,
                transposed: tuple[jax.Array, jax.Array] | None = None,
                conversion: str | None = None, interpret: bool = False, rows: int = ROWS,
-               rounding: str | None = None) -> jax.Array:
+               rounding: str | None = None, layout: str | None = None) -> jax.Array:
     """x bf16 [M <= rows, K] -> y bf16 [M, N] (see the module docstring); rows: the piece height x is padded to
     (PIECE_ROWS; the MMA's N). block_groups: None for the shape-derived
     `block_groups_for` (a caller that overrides must keep it fixed per weight shape). transposed: the scales and
@@ -504,7 +559,8 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     made once by `qmm.decode_layout`; else each call repacks them), the others natural ones (else each call
     restores that order).
     interpret: Mosaic GPU's interpreter on the CPU. rounding: how the output keeps its rounding (ROUNDINGS; None for
-    ROUNDING)."""
+    ROUNDING). layout: where a step's blocks lie (LAYOUTS; None for LAYOUT; "tiles" needs the "words" conversion
+    and here re-lays the weight every call)."""
     w.validate("qmm_mgpu weight")
     _check(x, w, rows)
     n, k = w.shape
@@ -528,21 +584,28 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     rounding = ROUNDING if rounding is None else rounding
     if rounding not in ROUNDINGS:
         raise ValueError(f"qmm_mgpu: rounding {rounding!r} is not one of {ROUNDINGS}")
-    return _decode(x, q, *transposed, stages=stages_for(rows, stages, bg), block_groups=bg,
-                   conversion=conversion, sms=SMS, interpret=interpret, rows=rows, rounding=rounding)
+    layout = LAYOUT if layout is None else layout
+    if layout not in LAYOUTS or (layout == "tiles" and conversion != "words"):
+        raise ValueError(f"qmm_mgpu: layout {layout!r} must be one of {LAYOUTS} ('tiles' with the 'words' "
+                         f"conversion)")
+    operands = (q, *transposed)
+    if layout == "tiles":
+        operands = (*tile_layout(q, *transposed, bg), None)
+    return _decode(x, *operands, stages=stages_for(rows, stages, bg), block_groups=bg, conversion=conversion,
+                   sms=SMS, interpret=interpret, rows=rows, rounding=rounding, layout=layout, n=n)
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "conversion", "sms", "interpret", "rows",
-                                             "rounding"))
-def _decode(x: jax.Array, q: jax.Array, st: jax.Array, bt: jax.Array, *, stages: int, block_groups: int,
-            conversion: str, sms: int, interpret: bool, rows: int, rounding: str) -> jax.Array:
+                                             "rounding", "layout", "n"))
+def _decode(x: jax.Array, q: jax.Array, st: jax.Array, bt: jax.Array | None, *, stages: int, block_groups: int,
+            conversion: str, sms: int, interpret: bool, rows: int, rounding: str, layout: str, n: int
+            ) -> jax.Array:
     # One program around the kernel: called eagerly, separate dispatches of the small ops around an interpreted
     # kernel deadlocked the CPU client now and then (the interpreter's callbacks dispatch jax ops themselves).
     m, k = x.shape
-    n = q.shape[0]
     xp = jnp.pad(x, ((0, rows - m), (0, 0)))
     parts = _partials(xp, q, st, bt, stages=stages, block_groups=block_groups, sms=sms, interpret=interpret,
-                      conversion=conversion)
+                      conversion=conversion, layout=layout, n=n)
     # pieces a tile did not have were never written: select zeros there (a select, so garbage cannot leak)
     valid = np.repeat(_pieces_written(n, k, block_groups, sms), CTA_N, axis=1)[:, :n]
     parts = jnp.where(jnp.asarray(valid)[:, :, None], parts, 0.0)

@@ -253,6 +253,64 @@ def test_gpu_stage_counts_same_bits():
             np.testing.assert_array_equal(got[:16], want[:rows], err_msg=f"rows={rows} stages={stages}")
 
 
+def _tiles_layout_same_bits(n: int, k: int, *, interpret: bool, rows_cases=(1, 16)):
+    rng = np.random.default_rng(3800 + n + k)
+    w = _small_weight(rng, n, k)
+    x = jnp.asarray(rng.normal(size=(max(rows_cases), k)), jnp.bfloat16)
+    run = jax.jit(lambda x, w, layout: qmm_mgpu.qmm_decode(x, w, interpret=interpret, layout=layout),
+                  static_argnums=2)
+    for m in rows_cases:
+        want = np.asarray(run(x[:m], w, "rows")).view(np.uint16)
+        np.testing.assert_array_equal(np.asarray(run(x[:m], w, "tiles")).view(np.uint16), want, err_msg=f"M={m}")
+
+
+def test_tile_layout_blocks():
+    """Block f of the "tiles" layout is step f of the flat schedule: tile f // L's rows, step f % L's groups, and
+    the step's scale rows then bias rows; rows past N are zeros."""
+    rng = np.random.default_rng(3810)
+    n, k, bg = 200, 1024, 2
+    w = _small_weight(rng, n, k)
+    q, sb = qmm_mgpu.tile_layout(w.words, w.scales.T, w.biases.T, bg)
+    q, sb = np.asarray(q), np.asarray(sb).view(np.uint16)
+    words, st, bt = (np.asarray(w.words), np.asarray(w.scales).view(np.uint16).T,
+                     np.asarray(w.biases).view(np.uint16).T)
+    cta, length = qmm_mgpu.CTA_N, k // 64 // bg
+    assert q.shape == (2 * length * cta, 8 * bg) and sb.shape == (2 * length * 2 * bg, cta)
+    for f in range(2 * length):
+        t, s = divmod(f, length)
+        live = min(cta, n - t * cta)
+        block = q[f * cta:(f + 1) * cta]
+        np.testing.assert_array_equal(block[:live], words[t * cta:t * cta + live, s * 8 * bg:(s + 1) * 8 * bg])
+        assert not block[live:].any()
+        rows = sb[f * 2 * bg:(f + 1) * 2 * bg]
+        np.testing.assert_array_equal(rows[:bg, :live], st[s * bg:(s + 1) * bg, t * cta:t * cta + live])
+        np.testing.assert_array_equal(rows[bg:, :live], bt[s * bg:(s + 1) * bg, t * cta:t * cta + live])
+        assert not rows[:, live:].any()
+
+
+@pytest.mark.parametrize("n,k,sms", [(200, 1024, 3), (384, 512, 4), (256, 384, None)])
+def test_interpreter_tiles_layout_same_bits(n, k, sms, monkeypatch):
+    """The "tiles" layout reads the same values as "rows" (ragged last tile, chunks crossing tile edges, 2-group
+    steps): the same bits at 1 and 16 rows."""
+    if sms is not None:
+        monkeypatch.setattr(qmm_mgpu, "SMS", sms)
+    _tiles_layout_same_bits(n, k, interpret=True)
+
+
+def test_tiles_layout_lowers_for_the_h200():
+    sds = jax.ShapeDtypeStruct
+    for k, n in ((5120, 34816), (17408, 5120)):
+        text = jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, layout="tiles")).trace(
+            sds((1, k), jnp.bfloat16), _abstract_weight(n, k)).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", [(5120, 34816), (17408, 5120), (5120, 6144), (128, 392)])
+def test_gpu_tiles_layout_same_bits(k, n):
+    _tiles_layout_same_bits(n, k, interpret=False, rows_cases=(1, 5, 16))
+
+
 def _small_weight(rng, n: int, k: int, bits: int = 4):
     words = rng.integers(0, 2**32, size=(n, k * bits // 32), dtype=np.uint32)
     scales = jnp.asarray(rng.uniform(0.002, 0.02, size=(n, k // 64)), jnp.bfloat16)

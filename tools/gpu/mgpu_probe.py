@@ -1,7 +1,8 @@
 """Where the Mosaic GPU decode qmm's time goes (pallas_kernels/qmm_mgpu.py): times the kernel with parts of its
 pipeline step left out (`_partials`'s `probe`, under the "nibbles" conversion: wrong numbers, timing only) at the
 27B's decode shapes, scales and biases transposed beforehand. "full" is the "nibbles" kernel whole, "words" and
-"unsigned" the other conversions whole. With MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=DIR in the environment Mosaic GPU
+"unsigned" the other conversions whole, "tiles" the words conversion reading the "tiles" layout (`tile_layout`),
+"words_no_compute" / "tiles_no_compute" their copies alone. With MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=DIR in the environment Mosaic GPU
 writes each compiled kernel's PTX/SASS there.
 
     python3 tools/gpu/mgpu_probe.py [--shapes 5120x34816,17408x5120] [--probes full,no_xor,...]
@@ -21,7 +22,7 @@ L2_BYTES = 60 << 20
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="5120x34816,17408x5120,5120x6144")
-    ap.add_argument("--probes", default="words,full,no_xor,no_affine,no_load,no_compute")
+    ap.add_argument("--probes", default="words,tiles,words_no_compute,tiles_no_compute,full,no_compute")
     ap.add_argument("--stages", type=int, default=qmm_mgpu.STAGES)
     ap.add_argument("--block-groups", type=int, default=qmm_mgpu.BLOCK_GROUPS)
     ap.add_argument("--reps", type=int, default=20)
@@ -41,29 +42,37 @@ def main() -> None:
         sts = [st + i for i in range(copies)]
         bts = [bt + i for i in range(copies)]
         xp = jax.random.normal(jax.random.key(1), (qmm_mgpu.ROWS, k), jnp.bfloat16)
+        tiled = [qmm_mgpu.tile_layout(w, s, b, args.block_groups) for w, s, b in zip(words, sts, bts)]
         for probe in args.probes.split(","):
-            conversion = probe if probe in ("words", "unsigned") else "nibbles"
-            p = None if probe in ("full", "words", "unsigned") else probe
-            ops = words if conversion == "words" else q4s
+            base, _, p = probe.partition("_no_")
+            p = "no_" + p if p else None
+            if base not in ("words", "unsigned", "tiles"):
+                base, p = "nibbles", None if probe == "full" else probe
+            conversion = "words" if base == "tiles" else base
+            layout = "tiles" if base == "tiles" else "rows"
+            if layout == "tiles":
+                ops, ss, bs = [t[0] for t in tiled], [t[1] for t in tiled], [None] * copies
+            else:
+                ops, ss, bs = (words if conversion == "words" else q4s), sts, bts
 
             @jax.jit
-            def chain(xp, q4s, sts, bts, conversion=conversion, p=p):
+            def chain(xp, q4s, sts, bts, conversion=conversion, p=p, layout=layout):
                 total = jnp.zeros((), jnp.float32)
                 for r in range(args.reps):
                     i = r % copies
                     out = qmm_mgpu._partials(xp, q4s[i], sts[i], bts[i], stages=args.stages, sms=qmm_mgpu.SMS,
                                              block_groups=args.block_groups, interpret=False,
-                                             conversion=conversion, probe=p)
+                                             conversion=conversion, probe=p, layout=layout, n=n)
                     total = total + out[0, 0, 0]
                     xp = xp.at[0, 0].set(total.astype(xp.dtype))  # orders the calls
                 return total
 
             try:
-                chain(xp, ops, sts, bts).block_until_ready()
+                chain(xp, ops, ss, bs).block_until_ready()
                 best = float("inf")
                 for _ in range(5):
                     t0 = time.perf_counter()
-                    chain(xp, ops, sts, bts).block_until_ready()
+                    chain(xp, ops, ss, bs).block_until_ready()
                     best = min(best, (time.perf_counter() - t0) / args.reps * 1e6)
                 ctas = qmm_mgpu.flat_schedule(n, k, args.block_groups)[2]
                 print(f"{shape:>12} | {probe:>10} | {ctas:>6} | {best:8.2f} | {nbytes / best / 1e6:5.2f}", flush=True)
