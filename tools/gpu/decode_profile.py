@@ -103,6 +103,9 @@ def run(args) -> None:
     hlo = exe.as_text()
     print(f"compiled decode program: {hlo.count('custom_call_target=')} custom calls, "
           f"{hlo.count(' fusion(')} fusions, {hlo.count('command_buffer')} command-buffer mentions")
+    if args.dump:
+        with open(f"{args.dump}.hlo.txt", "w") as f:
+            f.write(hlo)
     w = jax.device_put(P.decode_window(lay, s, tokens, cache, list(range(1, s + 1)), tables))
     sp = jax.device_put(P.sample_params([greedy] * s, [c + 1 for c in cache], s))
     progs.state, progs.last, tok, _ = exe(progs.params, progs.state, progs.last, w, sp)
@@ -136,7 +139,7 @@ def run(args) -> None:
         with jax.profiler.trace(args.trace, create_perfetto_trace=True):
             rounds(2)
             jax.block_until_ready(progs.state)
-        summarize_trace(args.trace, 2)
+        summarize_trace(args.trace, 2, args.dump)
     _profiler("cuProfilerStart")
     rounds(args.profiled)
     jax.block_until_ready(progs.state)
@@ -188,9 +191,11 @@ def _print_top(rows, rounds: int, what: str, top: int = 40) -> None:
         print(f"{us / rounds:10.1f} {n / rounds:11.1f}  {name[:110]}")
 
 
-def summarize_trace(trace_dir: str, rounds: int) -> None:
+def summarize_trace(trace_dir: str, rounds: int, dump: str | None = None) -> None:
     """A perfetto trace from jax.profiler -> device busy µs a round (union of kernel intervals), launches, top
-    kernels by total time. Device events are the complete ("X") events on processes named like a GPU."""
+    kernels by total time. Device events are the complete ("X") events on processes named like a GPU. dump: also
+    write every device event in time order (start µs, duration µs, gap after the previous one's end, name) to
+    DUMP.events.tsv."""
     files = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))
     if not files:
         print(f"no perfetto trace under {trace_dir}")
@@ -212,6 +217,13 @@ def summarize_trace(trace_dir: str, rounds: int) -> None:
             busy += b - max(a, end)
             end = b
     wall = spans[-1][1] - spans[0][0]
+    if dump:
+        with open(f"{dump}.events.tsv", "w") as f:
+            prev = None
+            for e in sorted(kernels, key=lambda e: float(e["ts"])):
+                ts, dur = float(e["ts"]), float(e["dur"])
+                f.write(f"{ts:.1f}\t{dur:.2f}\t{0.0 if prev is None else ts - prev:.2f}\t{e['name']}\n")
+                prev = ts + dur
     print(f"trace: {len(kernels) / rounds:.0f} device events a round, busy {busy / rounds:.1f} µs a round of "
           f"{wall / rounds:.1f} µs first-to-last ({busy / wall:.0%})")
     _print_top([(e["name"], float(e["dur"])) for e in kernels], rounds, "event")
@@ -239,6 +251,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profiled", type=int, default=2, help="rounds between the profiler start and stop")
     ap.add_argument("--trace", metavar="DIR", help="also record two rounds with jax.profiler into DIR and summarize")
     ap.add_argument("--summarize", metavar="NCU_CSV", help="print the per-kernel table of an ncu --csv log")
+    ap.add_argument("--dump", metavar="PREFIX", help="write the compiled program's HLO to PREFIX.hlo.txt and, with "
+                    "--trace, the traced device events in order to PREFIX.events.tsv")
     args = ap.parse_args(argv)
     if args.summarize:
         summarize(args.summarize, args.profiled)
