@@ -340,8 +340,9 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
     # probe (timing only, wrong numbers; tools/gpu/mgpu_probe.py; the "nibbles" conversion): leave a part of the step
     # out -- "no_xor", "no_affine" (the scale FMA), "no_load" (a constant A tile: no shared-memory read or
     # conversion), "no_compute" (no MMA either).
-    assert conversion in CONVERSIONS and probe in (None, "no_xor", "no_affine", "no_load", "no_compute"), probe
-    assert probe in (None, "no_compute") or conversion == "nibbles", (probe, conversion)
+    # "no_x" (any conversion): every step reads x's first block (the same 8 KB from L2; wrong numbers).
+    assert conversion in CONVERSIONS and probe in (None, "no_xor", "no_affine", "no_load", "no_compute", "no_x"), probe
+    assert probe in (None, "no_compute", "no_x") or conversion == "nibbles", (probe, conversion)
     dequant = _lane_dequant(block_groups, q_transforms) if words and not interpret else None
 
     def kernel(x_gmem, q_gmem, s_gmem, *refs):
@@ -359,8 +360,8 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
         def step_block(i):  # tiles layout: the step's block, tile-major (the flat step index)
             return lax.min(cta * per_cta + i, jnp.int32(total - 1)), 0
 
-        x_spec = plgpu.BlockSpec((rows, block_k), lambda i: (0, locate(i)[1]), transforms=x_transforms,
-                                 memory_space=plgpu.SMEM)
+        x_spec = plgpu.BlockSpec((rows, block_k), (lambda i: (0, 0)) if probe == "no_x" else
+                                 (lambda i: (0, locate(i)[1])), transforms=x_transforms, memory_space=plgpu.SMEM)
         if tiled:
             specs = [x_spec,
                      plgpu.BlockSpec(q_block, step_block, transforms=q_transforms, memory_space=plgpu.SMEM),

@@ -8,6 +8,9 @@ writes each compiled kernel's PTX/SASS there.
     python3 tools/gpu/mgpu_probe.py [--shapes 5120x34816,17408x5120] [--probes full,no_xor,...]
 """
 import argparse
+import os
+import shutil
+import sys
 import time
 
 import jax
@@ -15,6 +18,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import qmm_mgpu
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_profile import device_events  # noqa: E402
 
 L2_BYTES = 60 << 20
 
@@ -26,8 +32,12 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=qmm_mgpu.STAGES)
     ap.add_argument("--block-groups", type=int, default=qmm_mgpu.BLOCK_GROUPS)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rows", type=int, default=qmm_mgpu.ROWS, help="x's rows (a piece height)")
+    ap.add_argument("--trace", metavar="DIR", help="also time the kernel alone: the median duration of its launches "
+                    "in a jax.profiler trace of one chain (the chain's µs include the ops that order the calls)")
     args = ap.parse_args()
-    print(f"device: {jax.devices()[0].device_kind}; stages {args.stages}, {args.block_groups} groups a step")
+    print(f"device: {jax.devices()[0].device_kind}; stages {args.stages}, {args.block_groups} groups a step, "
+          f"{args.rows} rows")
     print(f"{'shape':>12} | {'probe':>10} | {'CTAs':>6} | {'us':>8} | {'TB/s':>5}")
     for shape in args.shapes.split(","):
         k, n = map(int, shape.split("x"))
@@ -41,7 +51,7 @@ def main() -> None:
         bt = jnp.full((g, n), -0.08, jnp.bfloat16)
         sts = [st + i for i in range(copies)]
         bts = [bt + i for i in range(copies)]
-        xp = jax.random.normal(jax.random.key(1), (qmm_mgpu.ROWS, k), jnp.bfloat16)
+        xp = jax.random.normal(jax.random.key(1), (args.rows, k), jnp.bfloat16)
         tiled = [qmm_mgpu.tile_layout(w, s, b, args.block_groups) for w, s, b in zip(words, sts, bts)]
         for probe in args.probes.split(","):
             base, _, p = probe.partition("_no_")
@@ -75,7 +85,19 @@ def main() -> None:
                     chain(xp, ops, ss, bs).block_until_ready()
                     best = min(best, (time.perf_counter() - t0) / args.reps * 1e6)
                 ctas = qmm_mgpu.flat_schedule(n, k, args.block_groups)[2]
-                print(f"{shape:>12} | {probe:>10} | {ctas:>6} | {best:8.2f} | {nbytes / best / 1e6:5.2f}", flush=True)
+                alone = ""
+                if args.trace:
+                    where = f"{args.trace}/{shape}_{probe}"
+                    with jax.profiler.trace(where, create_perfetto_trace=True):
+                        chain(xp, ops, ss, bs).block_until_ready()
+                    durs = sorted(float(e["dur"]) for e in device_events(where) or []
+                                  if e["name"].startswith("kernel_mosaic"))
+                    if durs:
+                        us = durs[len(durs) // 2]
+                        alone = f" | alone {us:8.2f} us {nbytes / us / 1e6:5.2f} TB/s ({len(durs)} launches)"
+                    shutil.rmtree(where, ignore_errors=True)
+                print(f"{shape:>12} | {probe:>10} | {ctas:>6} | {best:8.2f} | {nbytes / best / 1e6:5.2f}{alone}",
+                      flush=True)
             except Exception as e:  # noqa: BLE001 -- report and go on to the next probe
                 print(f"{shape:>12} | {probe:>10} | failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
