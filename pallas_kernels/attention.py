@@ -163,6 +163,10 @@ class PromptTiles:
     num_stages: int = 2
     contiguous: bool = True
     fp8_dot: str = "bfloat16"  # as WindowTiles.fp8_dot
+    # "triton": the kernel below. "mgpu": bf16 q over a bf16 pool runs `attention_mgpu.prompt_mgpu` (Mosaic GPU,
+    # FA3-style, its default PromptMgpuTiles; the fields above are not read), its own bits (order); fp8 and fp32
+    # pools stay on the Triton kernel.
+    impl: str = "triton"
 
 
 def window_tiles(*, page_size: int, max_keys: int, head_dim: int, fp8: bool) -> WindowTiles:
@@ -1010,6 +1014,7 @@ def prompt(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, 
     blocks of the absolute grid from position 0 to its last row, in order, with an online softmax. A row's bits
     depend only on its absolute position and the keys up to it, so cutting a prompt into chunks anywhere, or
     resuming from a cache, gives the same bits as one pass. tiles=None: prompt_tiles() for this pool and table.
+    tiles.impl="mgpu" sends bf16 calls to the Mosaic GPU kernel (`attention_mgpu`; same contract, its own bits).
 
     q [S, T, Hq, D]; page_table [S, Pmax]; start [S]; lengths [S] -> o [S, T, Hq, D] (rows past lengths: zeros)
     """
@@ -1023,6 +1028,11 @@ def prompt(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, 
                              fp8=pool.fp8)
     if tiles.fp8_dot not in ("bfloat16", "float16"):
         raise ValueError(f"PromptTiles.fp8_dot must be 'bfloat16' or 'float16'; got {tiles.fp8_dot!r}")
+    if tiles.impl not in ("triton", "mgpu"):
+        raise ValueError(f"PromptTiles.impl must be 'triton' or 'mgpu'; got {tiles.impl!r}")
+    if tiles.impl == "mgpu" and not pool.fp8 and pool.k.dtype == jnp.bfloat16 and q.dtype == jnp.bfloat16:
+        from pallas_kernels.attention_mgpu import prompt_mgpu  # (it imports this module)
+        return prompt_mgpu(q, pool, page_table, start, lengths, scale=scale, interpret=interpret)
     if hq % hkv:
         raise ValueError(f"{hq} query heads are not a multiple of the pool's {hkv} KV heads")
     if page_table.ndim != 2 or page_table.shape[0] != s:
