@@ -784,7 +784,7 @@ def decode_layout(params, x_dtype=jnp.bfloat16):
         abstract = isinstance(w.words, jax.ShapeDtypeStruct)  # abstract params (lowering without a device)
         t = lambda a: jax.ShapeDtypeStruct(a.shape[::-1], a.dtype) if abstract else jnp.asarray(a.T)
         w = dataclasses.replace(w, scales_t=t(w.scales), biases_t=t(w.biases))
-        if qmm_mgpu.CONVERSION in ("words", "xsum") and not w.lanes:
+        if qmm_mgpu.CONVERSION == "words" and not w.lanes:
             w = dataclasses.replace(w, words=w.words if abstract else _to_lanes(w.words), lanes=True)
         return w
 

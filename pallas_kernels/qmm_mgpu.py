@@ -87,11 +87,7 @@ SMS = 132  # the H200's; chunks of work are spread over this many persistent CTA
 #   a shared-memory load: 64 loads a thread a step), XOR 8 read as signed int4 (Mosaic GPU's int4 -> bf16
 #   conversion), + 8, then s q + b as bf16 ops. "unsigned": the same with the fields converted as unsigned.
 CONVERSION = "words"
-CONVERSIONS = ("words", "nibbles", "unsigned", "xsum")
-# "xsum" (lane words too): the MMA takes the fields as bf16 128 + q (two instructions a pair: prmt, lop3) and the
-# affine map is applied to its fp32 results a group at a time, y += s (A x) + (b - 128 s) X, with X the group's sum
-# of x, made by a second MMA with an all-ones A (exact per row: a row is one column of both MMAs). The weight is then
-# not rounded to bf16 at all (closer to the float64 oracle than MLX's rounded weights; not the Triton kernels' bits).
+CONVERSIONS = ("words", "nibbles", "unsigned")
 # Where a pipeline step's weight block lies in memory: "rows" (the weight's own [N, K / 8] words: a step's
 # [CTA_N, 8 G'] block is CTA_N runs of 128 bytes, K / 2 bytes apart, and its scale and bias rows are 2 G' runs of
 # 256 bytes of [G, N]) or "tiles" (`tile_layout`, made once at load: each step's words one contiguous 16 KB block,
@@ -293,100 +289,6 @@ def _lane_dequant(block_groups: int, transforms: tuple):
     return dequant
 
 
-_RAW_PTX = """{{ .reg .b32 t;
-prmt.b32 t, $1, $2, {sel:#06x};
-lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA; }}"""
-
-
-def _lane_fields(block_groups: int, transforms: tuple):
-    """inline_mgpu function (lane words ref [TILE_N, 8 G] in shared memory) -> bf16 128 + q [TILE_N, 64 G] in the
-    MMA's register layout (exact): the "xsum" conversion's A operand, two instructions a pair."""
-    swizzle = next(t.swizzle for t in transforms if isinstance(t, plgpu.SwizzleTransform))
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms),),
-                       return_type=plgpu.ShapeDtypeStruct((TILE_N, GROUP * block_groups), jnp.bfloat16,
-                                                          layout=plgpu.Layout.WGMMA))
-    def fields(_, words_ref):
-        i32 = ir.IntegerType.get_signless(32)
-        pair_ty = ir.VectorType.get((2,), ir.BF16Type.get())
-        words = mgpu.FragmentedArray.load_tiled(words_ref, swizzle=swizzle, is_signed=False,
-                                                layout=mgpu.WGMMA_LAYOUT)
-        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((TILE_N, GROUP * block_groups)), dtype=object)
-        for g in range(block_groups):
-            for half in range(2):
-                both = words.registers[0, g, 0, 0, half, 0, 0, 0, 0]
-                for h in range(2):
-                    w = vector.extract(both, dynamic_position=[], static_position=[h])
-                    hi = arith.shrui(w, arith.constant(i32, 4))
-                    for j in range(4):
-                        out = llvm.inline_asm(i32, [w, hi], _RAW_PTX.format(sel=0xF0F0 | (j + 4) << 8 | j), "=r,r,r")
-                        regs[0, 8 * g + 4 * h + j, 0, 0, half, 0, 0, 0, 0] = mgpu.utils.bitcast(out, pair_ty)
-        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
-
-    return fields
-
-
-def _combine_ptx(rows: int):
-    """inline_mgpu function (total, acc, xs [TILE_N, rows] fp32 in the accumulator's layout; s, shifted [TILE_N] fp32
-    in its row layout) -> fma(s, acc, fma(shifted, xs, total)) per element, each FMA rounded once (explicit PTX, so
-    no compiler contracts or splits it differently in kernels of other piece heights)."""
-    row = plgpu.Layout.WGMMA.reduce(1)
-    acc_ty = plgpu.ShapeDtypeStruct((TILE_N, rows), jnp.float32, layout=plgpu.Layout.WGMMA)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,) * 3 + (row, row), return_type=acc_ty)
-    def combine(_, total, acc, xs, sc, shifted):
-        f32 = ir.F32Type.get()
-        regs = np.empty(total.registers.shape, dtype=object)
-        for idx in np.ndindex(total.registers.shape):
-            half = idx[4]
-            a = vector.extract(sc.registers[0, 0, half, 0, 0], dynamic_position=[], static_position=[0])
-            c = vector.extract(shifted.registers[0, 0, half, 0, 0], dynamic_position=[], static_position=[0])
-            out = total.registers[idx]
-            for e in range(2):
-                get = lambda v: vector.extract(v.registers[idx], dynamic_position=[], static_position=[e])
-                t = llvm.inline_asm(f32, [c, get(xs), get(total)], "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f")
-                t = llvm.inline_asm(f32, [a, get(acc), t], "fma.rn.f32 $0, $1, $2, $3;", "=f,f,f,f")
-                out = vector.insert(t, out, dynamic_position=[], static_position=[e])
-            regs[idx] = out
-        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
-
-    return combine
-
-
-def _combine_jnp(total, acc, xs, sc, shifted):
-    """`_combine_ptx` in interpret mode, each FMA as a rounded product plus a rounded add (the products behind
-    optimization barriers, so XLA contracts none of them in any program: the same bits for a row whatever the piece
-    height, as on the device, though not the device's bits)."""
-    t = lax.optimization_barrier(shifted[:, None] * xs) + total
-    return lax.optimization_barrier(sc[:, None] * acc) + t
-
-
-def _xsum_step(tiles, mma, s_smem, b_smem, wg_slice, rows: int, block_groups: int, tiled: bool, carry,
-               interpret: bool) -> jax.Array:
-    """The "xsum" conversion's step: for each group g, A_g = 128 + q (bf16, exact) and an all-ones A into fresh
-    accumulators, then carry = fma(s_g, A_g x, fma(b_g - 128 s_g, X_g, carry)) in fp32, groups in order. Up to 16
-    rows all groups' MMAs are issued before one wait; wider pieces wait a group at a time (registers)."""
-    ones = jnp.ones((TILE_N, GROUP), jnp.bfloat16)
-    batch = block_groups if rows <= 16 else 1
-    combine = None if interpret else _combine_ptx(rows)
-    for g0 in range(0, block_groups, batch):
-        groups = range(g0, g0 + batch)
-
-        def issue(*accs, groups=groups):
-            for n, g in enumerate(groups):
-                mma(accs[2 * n], tiles[g], g)
-                mma(accs[2 * n + 1], ones, g)
-            return [a[...] for a in accs]
-
-        outs = pl.run_scoped(issue, *[plgpu.ACC((TILE_N, rows), jnp.float32) for _ in range(2 * batch)])
-        for n, g in enumerate(groups):
-            sc = s_smem[g, wg_slice].astype(jnp.float32)
-            bias = (s_smem if tiled else b_smem)[(block_groups if tiled else 0) + g, wg_slice].astype(jnp.float32)
-            shifted = bias - 128.0 * sc  # exact in fp32 for bf16 s and b of any practical range
-            carry = (_combine_jnp if interpret else combine)(carry, outs[2 * n], outs[2 * n + 1], sc, shifted)
-    return carry
-
-
 def _lane_dequant_jnp(words: jax.Array, s_rows, b_rows) -> jax.Array:
     """`_lane_dequant`'s values by jnp (interpret mode): lane words [R, 8 G] -> bf16 [R, 64 G]."""
     q = unpack(from_lane_words(words), 4).astype(jnp.float32)
@@ -424,14 +326,13 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
     the sum is stored where the tile or the chunk ends."""
     rows, k = xp.shape
     tiled = layout == "tiles"
-    assert layout in LAYOUTS and (not tiled or (conversion in ("words", "xsum") and bt is None and n is not None)), (
-        layout)
+    assert layout in LAYOUTS and (not tiled or (conversion == "words" and bt is None and n is not None)), layout
     n = n if tiled else qw.shape[0]
     block_k = GROUP * block_groups
     length, per_cta, ctas, counts = flat_schedule(n, k, block_groups, sms)
     pieces = int(counts.max())
     total = -(-n // CTA_N) * length
-    words = conversion in ("words", "xsum")
+    words = conversion == "words"
     q_block = (CTA_N, block_k // 8) if words else (CTA_N, block_k)
     q_transforms = _smem_transforms(block_k // 8, 32, "lhs") if words else _smem_transforms(block_k, 4, "lhs")
     x_transforms = _smem_transforms(GROUP, 16, "rhs")
@@ -442,12 +343,7 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
     # "no_x" (any conversion): every step reads x's first block (the same 8 KB from L2; wrong numbers).
     assert conversion in CONVERSIONS and probe in (None, "no_xor", "no_affine", "no_load", "no_compute", "no_x"), probe
     assert probe in (None, "no_compute", "no_x") or conversion == "nibbles", (probe, conversion)
-    xsum = conversion == "xsum"
-    words = words or xsum
-    if interpret:
-        dequant = None
-    else:
-        dequant = (_lane_fields if xsum else _lane_dequant)(block_groups, q_transforms) if words else None
+    dequant = _lane_dequant(block_groups, q_transforms) if words and not interpret else None
 
     def kernel(x_gmem, q_gmem, s_gmem, *refs):
         if tiled:
@@ -494,13 +390,6 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
                 run(jnp.zeros((TILE_N, rows), jnp.float32))
 
             def a_tiles(q_smem, s_smem, b_smem):  # the step's A operand, one [TILE_N, GROUP] tile a group
-                if xsum:
-                    if interpret:
-                        a = (unpack(from_lane_words(q_smem[wg_slice]), 4).astype(jnp.float32) + 128.0
-                             ).astype(jnp.bfloat16)
-                    else:
-                        a = dequant(q_smem.at[wg_slice])
-                    return [a[:, j * GROUP:(j + 1) * GROUP] for j in range(block_groups)]
                 if words:
                     s_rows = [s_smem[j, wg_slice] for j in range(block_groups)]
                     b_rows = [(s_smem if tiled else b_smem)[(block_groups if tiled else 0) + j, wg_slice]
@@ -536,32 +425,23 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
                 else:
                     tiles = a_tiles(q_smem, s_smem, b_smem)
 
-                    def mma(acc, a, j):
-                        if interpret:
-                            a_smem[0][wg] = a
-                            plgpu.commit_smem()
-                            a = a_smem[0].at[wg]
-                        plgpu.wgmma(acc, a, x_smem.at[:, pl.ds(j * GROUP, GROUP)].transpose((1, 0)))
-                        if interpret:
-                            plgpu.wgmma_wait(0)
-
                     def mmas(acc):
                         for j, a in enumerate(tiles):
-                            mma(acc, a, j)
+                            if interpret:
+                                a_smem[0][wg] = a
+                                plgpu.commit_smem()
+                                a = a_smem[0].at[wg]
+                            plgpu.wgmma(acc, a, x_smem.at[:, pl.ds(j * GROUP, GROUP)].transpose((1, 0)))
+                            if interpret:
+                                plgpu.wgmma_wait(0)
                         return acc[...]  # waits for the MMAs: the stage's buffers are handed back after the body
 
-                    if not xsum:
-                        step = pl.run_scoped(mmas, plgpu.ACC((TILE_N, rows), jnp.float32))
+                    step = pl.run_scoped(mmas, plgpu.ACC((TILE_N, rows), jnp.float32))
                 # restart where a tile starts: carry x 0 (no select: Mosaic GPU's warpgroup lowering broadcasts no
                 # scalar predicate). A non-finite carry could only come from non-finite x in the same rows, whose
                 # outputs are non-finite anyway, so no row's bits depend on another's.
                 keep = jnp.where((ks == 0) | (i == 0), 0.0, 1.0).astype(jnp.float32)
-                carry = carry * lax.broadcast(keep, (TILE_N, rows))
-                if xsum and probe != "no_compute":
-                    carry = _xsum_step(tiles, mma, s_smem, b_smem, wg_slice, rows, block_groups, tiled, carry,
-                                       interpret)
-                else:
-                    carry = carry + step
+                carry = carry * lax.broadcast(keep, (TILE_N, rows)) + step
 
                 @pl.when((f < total) & ((ks == length - 1) | (i == per_cta - 1)))
                 def _store():
@@ -698,7 +578,7 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     conversion = CONVERSION if conversion is None else conversion
     if conversion not in CONVERSIONS:
         raise ValueError(f"qmm_mgpu: conversion {conversion!r} is not one of {CONVERSIONS}")
-    if conversion in ("words", "xsum"):
+    if conversion == "words":
         q = w.words if w.lanes else to_lane_words(w.words)
     else:
         q = lax.bitcast_convert_type(natural_words(w), jnp.uint4).reshape(n, k)
@@ -706,7 +586,7 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     if rounding not in ROUNDINGS:
         raise ValueError(f"qmm_mgpu: rounding {rounding!r} is not one of {ROUNDINGS}")
     layout = LAYOUT if layout is None else layout
-    if layout not in LAYOUTS or (layout == "tiles" and conversion not in ("words", "xsum")):
+    if layout not in LAYOUTS or (layout == "tiles" and conversion != "words"):
         raise ValueError(f"qmm_mgpu: layout {layout!r} must be one of {LAYOUTS} ('tiles' with the 'words' "
                          f"conversion)")
     operands = (q, *transposed)

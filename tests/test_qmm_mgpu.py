@@ -92,8 +92,7 @@ def _check_oracle_and_rows(n: int, k: int, *, interpret: bool, rows=(0, 5, 15), 
 @pytest.mark.parametrize("n,k,sms,conversion", [(256, 512, None, "words"), (200, 512, None, "words"),
                                                (200, 1024, 3, "words"), (200, 1024, 3, "unsigned"),
                                                (384, 512, 2, "nibbles"), (384, 512, 4, "words"),
-                                               (256, 384, None, "words"), (200, 1024, 3, "xsum"),
-                                               (256, 384, None, "xsum")])
+                                               (256, 384, None, "words")])
 def test_interpreter_matches_oracle_and_rows_are_invariant(n, k, sms, conversion, monkeypatch):
     """Mosaic GPU's interpreter on the CPU runs the whole kernel -- pipeline, scale and bias rows, the stores, a
     last tile past N (200 = 1.56 tiles), chunks of steps crossing tile edges (a tile's K summed in pieces by two or
@@ -161,15 +160,14 @@ def test_gpu_words_conversion_rounds_once(k, n):
     _rounded_once(n, k, interpret=False)
 
 
-def _wide_pieces_same_bits(n: int, k: int, rows: int, *, interpret: bool, conversion: str | None = None):
+def _wide_pieces_same_bits(n: int, k: int, rows: int, *, interpret: bool):
     """Every row of a `rows`-row piece (8, 32 or 64) has the bits it has in a 16-row piece (alone or among 16): the
     pieces differ only in the MMA's N."""
     rng = np.random.default_rng(3600 + rows)
     w = _small_weight(rng, n, k)
     x = jnp.asarray(rng.normal(size=(rows, k)), jnp.bfloat16)
-    kw = dict(interpret=interpret, conversion=conversion)
-    wide = np.asarray(jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, rows=rows, **kw))(x, w))
-    narrow = jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, **kw))
+    wide = np.asarray(jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, interpret=interpret, rows=rows))(x, w))
+    narrow = jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, interpret=interpret))
     for i in range(0, rows, 16):
         np.testing.assert_array_equal(np.asarray(narrow(x[i:i + 16], w)).view(np.uint16),
                                       wide[i:i + 16].view(np.uint16), err_msg=f"rows {i}..{i + 15}")
@@ -236,14 +234,6 @@ def test_wide_pieces_lower_for_the_h200():
 @pytest.mark.parametrize("k,n", [(5120, 6144), (17408, 5120), (128, 512)])
 def test_gpu_wide_pieces_same_bits(k, n, rows):
     _wide_pieces_same_bits(n, k, rows, interpret=False)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [8, 64])
-@pytest.mark.parametrize("k,n", [(5120, 6144), (128, 512)])
-def test_gpu_xsum_wide_pieces_same_bits(k, n, rows):
-    """The xsum conversion waits group by group past 16 rows and on all groups at once up to 16: same bits."""
-    _wide_pieces_same_bits(n, k, rows, interpret=False, conversion="xsum")
 
 
 @pytest.mark.gpu

@@ -2,7 +2,7 @@
 pipeline step left out (`_partials`'s `probe`, under the "nibbles" conversion: wrong numbers, timing only) at the
 27B's decode shapes, scales and biases transposed beforehand. "full" is the "nibbles" kernel whole, "words" and
 "unsigned" the other conversions whole, "tiles" the words conversion reading the "tiles" layout (`tile_layout`),
-"words_no_compute" / "tiles_no_compute" their copies alone, "xsum" / "xtiles" the xsum conversion in either layout. With MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=DIR in the environment Mosaic GPU
+"words_no_compute" / "tiles_no_compute" their copies alone. With MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=DIR in the environment Mosaic GPU
 writes each compiled kernel's PTX/SASS there.
 
     python3 tools/gpu/mgpu_probe.py [--shapes 5120x34816,17408x5120] [--probes full,no_xor,...]
@@ -59,14 +59,14 @@ def main() -> None:
         for probe in args.probes.split(","):
             base, _, p = probe.partition("_no_")
             p = "no_" + p if p else None
-            if base not in ("words", "unsigned", "tiles", "xsum", "xtiles"):
+            if base not in ("words", "unsigned", "tiles"):
                 base, p = "nibbles", None if probe == "full" else probe
-            conversion = {"tiles": "words", "xtiles": "xsum"}.get(base, base)
-            layout = "tiles" if base in ("tiles", "xtiles") else "rows"
+            conversion = "words" if base == "tiles" else base
+            layout = "tiles" if base == "tiles" else "rows"
             if layout == "tiles":
                 ops, ss, bs = [t[0] for t in tiled], [t[1] for t in tiled], [None] * copies
             else:
-                ops, ss, bs = (words if conversion in ("words", "xsum") else q4s), sts, bts
+                ops, ss, bs = (words if conversion == "words" else q4s), sts, bts
 
             @jax.jit
             def chain(xp, q4s, sts, bts, conversion=conversion, p=p, layout=layout):

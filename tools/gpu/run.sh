@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh fifty-second|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -48,20 +48,6 @@ profile_by() {
 }
 
 case "$stage" in
-  fifty-second)
-    # Session 14, fifth call (~5 min): the "xsum" conversion (fields as bf16 128 + q in two instructions a pair, the
-    # affine map on the MMA's fp32 results with the group sums of x from an all-ones MMA) against "words", the
-    # kernel alone, then its oracle, row-invariance and piece tests on the device.
-    probe() {
-      timeout 150 python3 tools/gpu/mgpu_probe.py --trace /tmp/probe_trace --shapes 5120x34816,17408x5120,6144x5120,5120x16480 "$@" 2>&1 \
-        | grep -vE "^\[|Warning|warn"
-    }
-    probe --compute-wgs 2 --probes words,xsum,xtiles,words,xsum | tee "$out/probe_xsum_2.log"
-    probe --compute-wgs 2 --rows 8 --probes words,xsum | tee "$out/probe_xsum_2_r8.log"
-    probe --compute-wgs 3 --probes words,xsum,xtiles | tee "$out/probe_xsum_3.log"
-    timeout -s INT 200 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_qmm_mgpu.py \
-      -k "xsum or tiles" > "$out/gpu_tests_xsum.log" 2>&1
-    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_xsum.log" | cut -c1-160 | tail -16 ;;
   fifty-first)
     # Session 14, fourth call (~3 min): more compute warpgroups a CTA (the kernel alone: copies take 27 of the
     # 38 us at 5120->34816, so the conversion's warps are the limit), 2 / 3 / 4 warpgroups of 64 features.
