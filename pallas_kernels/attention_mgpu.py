@@ -86,7 +86,8 @@ def _div(a: jax.Array, b: int) -> jax.Array:
 
 
 def _kernel_call(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, lengths: jax.Array, *, scale: float,
-                 max_keys: int, group: int, tiles: PromptMgpuTiles, interpret: bool) -> jax.Array:
+                 max_keys: int, group: int, tiles: PromptMgpuTiles,
+                 interpret: bool | plgpu.InterpretGPUParams) -> jax.Array:
     """q [S, Tp, Hq, D] bf16 (Tp a multiple of block_q); k, v [Hkv, S, L, D] bf16 (L a multiple of block_k);
     start, lengths [S] int32 -> o [S, Tp, Hq, D] bf16. Grid (query head, row tile, stream), heads fastest so the
     G heads of a KV head run side by side and share its blocks through L2; row tiles longest first."""
@@ -250,12 +251,13 @@ def _kernel_call(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, len
                        plgpu.Barrier(num_barriers=wgs),
                        plgpu.Barrier(num_arrivals=wgs)),
         compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=plgpu.InterpretGPUParams() if interpret else None)
+        interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
+                   else plgpu.InterpretGPUParams() if interpret else None))
     return call(start, lengths, q, k, v)
 
 
 def _check(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, lengths: jax.Array,
-           tiles: PromptMgpuTiles, interpret: bool) -> None:
+           tiles: PromptMgpuTiles, interpret: bool | plgpu.InterpretGPUParams) -> None:
     if q.ndim != 4:
         raise ValueError(f"q must be [S, T, Hq, D]; got shape {q.shape}")
     s, _, hq, d = q.shape
@@ -280,16 +282,18 @@ def _check(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, 
         raise ValueError(f"PromptMgpuTiles.block_k={tiles.block_k} must be 64 or 128")
     if tiles.stages < 1:
         raise ValueError(f"PromptMgpuTiles.stages={tiles.stages} must be >= 1")
-    need = smem_bytes(tiles, d, interpret=interpret)
+    need = smem_bytes(tiles, d, interpret=bool(interpret))
     if need > SMEM_BYTES:
         raise ValueError(f"{tiles} at head dim {d} needs {need} bytes of shared memory; a CTA has {SMEM_BYTES} "
                          "(fewer stages or a smaller block_k)")
 
 
 def prompt_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, lengths: jax.Array, *,
-                scale: float, interpret: bool = False, tiles: PromptMgpuTiles | None = None) -> jax.Array:
+                scale: float, interpret: bool | plgpu.InterpretGPUParams = False,
+                tiles: PromptMgpuTiles | None = None) -> jax.Array:
     """Same contract as `attention.prompt_reference` (see the module docstring for the kernel and its exactness):
-    bf16 q and pool only (ValueError otherwise). tiles=None: PromptMgpuTiles().
+    bf16 q and pool only (ValueError otherwise). tiles=None: PromptMgpuTiles(). interpret: True, or the
+    interpreter's own parameters (e.g. plgpu.InterpretGPUParams(detect_races=True)).
 
     q [S, T, Hq, D]; page_table [S, Pmax]; start [S] absolute position of row 0; lengths [S] real rows
     -> o [S, T, Hq, D] (rows past lengths: zeros)
@@ -302,7 +306,7 @@ def prompt_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Ar
 
 @functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
 def _prompt(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, lengths: jax.Array, *,
-            scale: float, tiles: PromptMgpuTiles, interpret: bool) -> jax.Array:
+            scale: float, tiles: PromptMgpuTiles, interpret: bool | plgpu.InterpretGPUParams) -> jax.Array:
     # One program around the kernel (as qmm_mgpu: eager dispatches beside an interpreted kernel can deadlock).
     s, t, hq, _ = q.shape
     tp = -(-t // tiles.block_q) * tiles.block_q

@@ -2,6 +2,7 @@
 the plain-XLA references and cuDNN through jax.nn.dot_product_attention (contiguous bf16 K/V, where it applies).
 
     python -m pallas_kernels.bench attention [--sections decode,window,prompt,write,tune] [--json FILE] [--smoke]
+    python -m pallas_kernels.bench attention --sections prompt_mgpu   # Mosaic GPU prompt vs Triton vs cuDNN
 
 Times are per call, amortised over a jitted scan of calls that rotate page tables over distinct pages (so small
 contexts are not served from L2) and feed every output into a running sum (so no call can be skipped).
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import attention as at
+from pallas_kernels import attention_mgpu as am
 from pallas_kernels import kv_quant as kq
 from pallas_kernels.bench.common import copy_bandwidth_tbs, table, time_us
 
@@ -205,8 +207,11 @@ def prompt_flops(rows: int, prefix: int) -> float:
 
 @guarded
 def bench_prompt(env: Env, *, rows: int, prefix: int, fp8: bool, impls=("kernel", "xla"),
-                 tiles: at.PromptTiles | None = None, tag: str = ""):
+                 tiles: at.PromptTiles | None = None, tag: str = "", mgpu_tiles: am.PromptMgpuTiles | None = None):
+    """impls: "kernel" (attention.prompt with `tiles`), "mgpu" (attention_mgpu.prompt_mgpu with `mgpu_tiles`),
+    "xla" (the jnp reference). Each call includes the contiguous copy of the stream's keys."""
     tiles = tiles or at.PromptTiles()
+    mgpu_tiles = mgpu_tiles or am.PromptMgpuTiles()
     ps = env.page_size
     pages = -(-(prefix + rows) // ps)
     sets = 2
@@ -221,14 +226,18 @@ def bench_prompt(env: Env, *, rows: int, prefix: int, fp8: bool, impls=("kernel"
         if impl == "kernel":
             def step(pool, q, table, start, lengths):
                 return at.prompt(q, pool, table, start, lengths, scale=SCALE, tiles=tiles, interpret=env.interpret)
+        elif impl == "mgpu":
+            def step(pool, q, table, start, lengths):
+                return am.prompt_mgpu(q, pool, table, start, lengths, scale=SCALE, tiles=mgpu_tiles,
+                                      interpret=env.interpret)
         else:
             def step(pool, q, table, start, lengths):
                 return at.prompt_reference(q, pool, table, start, lengths, scale=SCALE)
         us = amortised_us(env, step, (pool,), varying, slow=True)
         out[impl] = us
         record(env, section="prompt", tag=tag, impl=impl, kv="fp8" if fp8 else "bf16", rows=rows, prefix=prefix,
-               tiles=str(dataclasses.astuple(tiles)) if impl == "kernel" else "", us=us,
-               tflops=flops / us / 1e6)
+               tiles={"kernel": str(dataclasses.astuple(tiles)), "mgpu": str(dataclasses.astuple(mgpu_tiles))}.get(
+                   impl, ""), us=us, tflops=flops / us / 1e6)
     del pool
     return out
 
@@ -254,6 +263,46 @@ def bench_cudnn_prompt(env: Env, *, rows: int, prefix: int):
     us = amortised_us(env, step, (), [(q, kc, vc, kp, vp)], slow=True)
     record(env, section="prompt", tag="", impl="cudnn", kv="bf16", rows=rows, prefix=prefix, tiles="", us=us,
            tflops=prompt_flops(rows, prefix) / us / 1e6)
+
+
+# Mosaic GPU prompt kernel (attention_mgpu) beside the shipped Triton prompt and cuDNN. Variants: launch choices
+# (same bits as the default) and 128-key blocks (order).
+MGPU_VARIANTS = (
+    ("64-row CTAs, 3 stages (launch)", am.PromptMgpuTiles(block_q=64, stages=3)),
+    ("128-key blocks, 1 stage (order)", am.PromptMgpuTiles(block_k=128, stages=1)),
+)
+
+
+def run_prompt_mgpu(env: Env, *, smoke: bool, variants: bool) -> None:
+    """One 4K-row bf16 chunk after 0 and 32K cached keys (smoke: 128 rows after 0 and 40): cuDNN, the shipped
+    Triton prompt, prompt_mgpu (and its variants), each timed the same way (the prompt kernels include their
+    contiguous copy of the stream's keys, as the engine runs them)."""
+    rows, prefixes = (128, (0, 40)) if smoke else (4096, (0, 32768))
+    shipped = at.prompt_tiles(page_size=env.page_size, max_keys=rows + prefixes[-1], head_dim=D, fp8=False)
+    print(f"== prompt_mgpu: {rows} rows after {prefixes}, bf16", flush=True)
+    for prefix in prefixes:
+        if not smoke:
+            bench_cudnn_prompt(env, rows=rows, prefix=prefix)
+        bench_prompt(env, rows=rows, prefix=prefix, fp8=False, impls=("kernel", "mgpu"), tiles=shipped,
+                     tag="prompt_mgpu")
+        for name, tiles in MGPU_VARIANTS if variants else ():
+            bench_prompt(env, rows=rows, prefix=prefix, fp8=False, impls=("mgpu",), mgpu_tiles=tiles,
+                         tag=f"prompt_mgpu {name}")
+
+
+def summarize_prompt_mgpu(env: Env) -> None:
+    rows = [r for r in env.results if r.get("section") == "prompt" and r.get("tag", "").startswith("prompt_mgpu")]
+    if not rows:
+        return
+    cudnn = {r["prefix"]: r["us"] for r in env.results if r.get("section") == "prompt" and r.get("impl") == "cudnn"}
+    print("\n### prompt_mgpu: bf16 prompt chunk (µs, TFLOP/s causal-halved, cuDNN time / ours: target >= 0.8)")
+    body = []
+    for r in rows:
+        name = {"kernel": "Triton (shipped)", "mgpu": "mgpu"}[r["impl"]] + r["tag"][len("prompt_mgpu"):]
+        body.append([name, r["prefix"], r["us"], r["tflops"],
+                     cudnn[r["prefix"]] / r["us"] if r["prefix"] in cudnn else math.nan])
+    body += [["cuDNN", p, us, prompt_flops(rows[0]["rows"], p) / us / 1e6, 1.0] for p, us in cudnn.items()]
+    print(table(["impl", "prefix", "us", "TFLOP/s", "x cuDNN"], body))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -516,6 +565,8 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m pallas_kernels.bench attention")
     ap.add_argument("--sections", default="decode,prompt,window,write",
                     help="any of compare (shipped tiles vs DECODE_COMPARE/PROMPT_COMPARE and cuDNN, ~2 min), "
+                         "prompt_mgpu (the Mosaic GPU prompt kernel vs the Triton one and cuDNN; prompt_mgpu_variants "
+                         "adds MGPU_VARIANTS), "
                          "tune (sweep tiles/page sizes first, then use the winners), decode, prompt, window, window16, write, "
                          "xla (plain-XLA reference rows)")
     ap.add_argument("--json", default=None, help="write every measured row here")
@@ -529,7 +580,8 @@ def main(argv: list[str]) -> int:
     JSON_PATH = args.json
     sections = args.sections.split(",")
     if args.smoke:
-        HQ, HKV, D = 4, 2, 32
+        # (head dim 64 where the Mosaic GPU prompt kernel runs: its least)
+        HQ, HKV, D = 4, 2, 64 if any(s.startswith("prompt_mgpu") for s in sections) else 32
         SCALE = D ** -0.5
     env = Env(interpret=args.smoke, page_size=8 if args.smoke else args.page_size, reps=2 if args.smoke else 8,
               results=[])
@@ -543,6 +595,8 @@ def main(argv: list[str]) -> int:
     xla = "xla" in sections
     if "compare" in sections:
         run_compare(env, smoke=args.smoke, bw=bw)
+    if "prompt_mgpu" in sections or "prompt_mgpu_variants" in sections:
+        run_prompt_mgpu(env, smoke=args.smoke, variants="prompt_mgpu_variants" in sections)
     decode_tiles, page, prompt_tiles = at.WindowTiles(), env.page_size, at.PromptTiles()
 
     if "tune" in sections:
@@ -619,6 +673,7 @@ def main(argv: list[str]) -> int:
             json.dump(env.results, f, indent=1)
     summarize(env, bw)
     summarize_compare(env, bw)
+    summarize_prompt_mgpu(env)
     return 0
 
 
