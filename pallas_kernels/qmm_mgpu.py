@@ -88,9 +88,6 @@ SMS = 132  # the H200's; chunks of work are spread over this many persistent CTA
 #   conversion), + 8, then s q + b as bf16 ops. "unsigned": the same with the fields converted as unsigned.
 CONVERSION = "words"
 CONVERSIONS = ("words", "nibbles", "unsigned")
-# "words": convert and issue the MMAs one group at a time (each group's conversion overlaps the previous group's
-# MMAs on the tensor cores) rather than converting the whole step first. Same MMAs in the same order: same bits.
-INTERLEAVE = False
 # Where a pipeline step's weight block lies in memory: "rows" (the weight's own [N, K / 8] words: a step's
 # [CTA_N, 8 G'] block is CTA_N runs of 128 bytes, K / 2 bytes apart, and its scale and bias rows are 2 G' runs of
 # 256 bytes of [G, N]) or "tiles" (`tile_layout`, made once at load: each step's words one contiguous 16 KB block,
@@ -257,18 +254,15 @@ def _splat_pair(reg) -> ir.Value:
     return arith.ori(half, arith.shli(half, arith.constant(i32, 16)))
 
 
-def _lane_dequant(block_groups: int, transforms: tuple, groups: tuple[int, ...] | None = None):
-    """inline_mgpu function (words ref [TILE_N, 8 G] of lane words in shared memory, a scale row and a bias row for
-    each of `groups` (None: all G), each [TILE_N] in the MMA's row layout) -> bf16 A tile [TILE_N, 64 len(groups)]
-    of those groups in the MMA's register layout: s q + b rounded once. A thread's lane words are its A registers'
-    weights in order (`to_lane_words`), so no value crosses lanes. (It loads the whole tile's words; the loads of
-    groups it does not convert are dead code, which the compiler drops.)"""
+def _lane_dequant(block_groups: int, transforms: tuple):
+    """inline_mgpu function (words ref [TILE_N, 8 G] of lane words in shared memory, G scale rows, G bias rows, each
+    [TILE_N] in the MMA's row layout) -> bf16 A tile [TILE_N, 64 G] in the MMA's register layout: s q + b rounded
+    once. A thread's lane words are its A registers' weights in order (`to_lane_words`), so no value crosses lanes."""
     row = plgpu.Layout.WGMMA.reduce(1)
     swizzle = next(t.swizzle for t in transforms if isinstance(t, plgpu.SwizzleTransform))
-    groups = tuple(range(block_groups)) if groups is None else groups
 
-    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms), [row] * len(groups), [row] * len(groups)),
-                       return_type=plgpu.ShapeDtypeStruct((TILE_N, GROUP * len(groups)), jnp.bfloat16,
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(transforms), [row] * block_groups, [row] * block_groups),
+                       return_type=plgpu.ShapeDtypeStruct((TILE_N, GROUP * block_groups), jnp.bfloat16,
                                                           layout=plgpu.Layout.WGMMA))
     def dequant(_, words_ref, s_rows, b_rows):
         i32 = ir.IntegerType.get_signless(32)
@@ -277,11 +271,11 @@ def _lane_dequant(block_groups: int, transforms: tuple, groups: tuple[int, ...] 
                                                 layout=mgpu.WGMMA_LAYOUT)
         # registers: [.., column tile, .., .., row half, ..]; a u32 column tile is one group's 8 words, a bf16
         # column tile 8 weights, each a vector of the lane's 2 adjacent columns
-        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((TILE_N, GROUP * len(groups))), dtype=object)
-        for n, g in enumerate(groups):
+        regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((TILE_N, GROUP * block_groups)), dtype=object)
+        for g in range(block_groups):
             for half in range(2):
-                s2 = _splat_pair(s_rows[n].registers[0, 0, half, 0, 0])
-                b2 = _splat_pair(b_rows[n].registers[0, 0, half, 0, 0])
+                s2 = _splat_pair(s_rows[g].registers[0, 0, half, 0, 0])
+                b2 = _splat_pair(b_rows[g].registers[0, 0, half, 0, 0])
                 both = words.registers[0, g, 0, 0, half, 0, 0, 0, 0]
                 for h in range(2):
                     w = vector.extract(both, dynamic_position=[], static_position=[h])
@@ -289,7 +283,7 @@ def _lane_dequant(block_groups: int, transforms: tuple, groups: tuple[int, ...] 
                     for j in range(4):
                         out = llvm.inline_asm(i32, [w, hi, s2, b2], _PAIR_PTX.format(sel=0xF0F0 | (j + 4) << 8 | j),
                                               "=r,r,r,r,r")
-                        regs[0, 8 * n + 4 * h + j, 0, 0, half, 0, 0, 0, 0] = mgpu.utils.bitcast(out, pair_ty)
+                        regs[0, 8 * g + 4 * h + j, 0, 0, half, 0, 0, 0, 0] = mgpu.utils.bitcast(out, pair_ty)
         return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
     return dequant
@@ -306,13 +300,13 @@ def _lane_dequant_jnp(words: jax.Array, s_rows, b_rows) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "sms", "interpret", "conversion", "probe",
-                                             "layout", "n", "interleave"))
+                                             "layout", "n"))
 def _partials(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None, *, stages: int, block_groups: int,
               sms: int, interpret: bool, conversion: str = "words", probe: str | None = None, layout: str = "rows",
-              n: int | None = None, interleave: bool | None = None) -> jax.Array:
+              n: int | None = None) -> jax.Array:
     """`_kernel_call`, through the lowering cache (`_partials_p`) when compiled for the GPU."""
     kw = dict(stages=stages, block_groups=block_groups, sms=sms, conversion=conversion, probe=probe, layout=layout,
-              n=n, interleave=INTERLEAVE if interleave is None else interleave)
+              n=n)
     args = (xp, qw, st) if layout == "tiles" else (xp, qw, st, bt)
     if interpret:
         return _kernel_call(*args, interpret=True, **kw)
@@ -321,7 +315,7 @@ def _partials(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None,
 
 def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None = None, *, stages: int,
                  block_groups: int, sms: int, interpret: bool, conversion: str = "words", probe: str | None = None,
-                 layout: str = "rows", n: int | None = None, interleave: bool = False) -> jax.Array:
+                 layout: str = "rows", n: int | None = None) -> jax.Array:
     """The kernel (`flat_schedule`): xp [R, K] bf16 (x padded to a piece height R, PIECE_ROWS); layout "rows": qw
     the weight as lane words uint32 [N, K / 8] (conversion "words") or as uint4 [N, K] (the others), st, bt [G, N]
     bf16; layout "tiles" (`tile_layout`, conversion "words"): qw the lane words [tiles L CTA_N, 8 G'] with each
@@ -349,11 +343,7 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
     # "no_x" (any conversion): every step reads x's first block (the same 8 KB from L2; wrong numbers).
     assert conversion in CONVERSIONS and probe in (None, "no_xor", "no_affine", "no_load", "no_compute", "no_x"), probe
     assert probe in (None, "no_compute", "no_x") or conversion == "nibbles", (probe, conversion)
-    if words and not interpret:
-        dequant = ([_lane_dequant(block_groups, q_transforms, (g,)) for g in range(block_groups)] if interleave
-                   else _lane_dequant(block_groups, q_transforms))
-    else:
-        dequant = None
+    dequant = _lane_dequant(block_groups, q_transforms) if words and not interpret else None
 
     def kernel(x_gmem, q_gmem, s_gmem, *refs):
         if tiled:
@@ -404,14 +394,8 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
                     s_rows = [s_smem[j, wg_slice] for j in range(block_groups)]
                     b_rows = [(s_smem if tiled else b_smem)[(block_groups if tiled else 0) + j, wg_slice]
                               for j in range(block_groups)]
-                    if interpret:
-                        a = _lane_dequant_jnp(q_smem[wg_slice], s_rows, b_rows)
-                    elif interleave:  # one group at a time, each converted just before its MMAs are issued
-                        return [functools.partial(lambda j: dequant[j](q_smem.at[wg_slice], [s_rows[j]],
-                                                                       [b_rows[j]]), j)
-                                for j in range(block_groups)]
-                    else:
-                        a = dequant(q_smem.at[wg_slice], s_rows, b_rows)
+                    a = (_lane_dequant_jnp(q_smem[wg_slice], s_rows, b_rows) if interpret
+                         else dequant(q_smem.at[wg_slice], s_rows, b_rows))
                     return [a[:, j * GROUP:(j + 1) * GROUP] for j in range(block_groups)]
                 # "nibbles"/"unsigned": q XOR 8 read as signed int4 is q - 8 (Mosaic GPU's fast int4 -> bf16
                 # conversion); + 8 in bf16 is exact, and s q + b is the MLX dequantization.
@@ -443,7 +427,6 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
 
                     def mmas(acc):
                         for j, a in enumerate(tiles):
-                            a = a() if callable(a) else a
                             if interpret:
                                 a_smem[0][wg] = a
                                 plgpu.commit_smem()
@@ -610,21 +593,20 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     if layout == "tiles":
         operands = (*tile_layout(q, *transposed, bg), None)
     return _decode(x, *operands, stages=stages_for(rows, stages, bg), block_groups=bg, conversion=conversion,
-                   sms=SMS, interpret=interpret, rows=rows, rounding=rounding, layout=layout, n=n,
-                   interleave=INTERLEAVE)
+                   sms=SMS, interpret=interpret, rows=rows, rounding=rounding, layout=layout, n=n)
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "conversion", "sms", "interpret", "rows",
-                                             "rounding", "layout", "n", "interleave"))
+                                             "rounding", "layout", "n"))
 def _decode(x: jax.Array, q: jax.Array, st: jax.Array, bt: jax.Array | None, *, stages: int, block_groups: int,
-            conversion: str, sms: int, interpret: bool, rows: int, rounding: str, layout: str, n: int,
-            interleave: bool) -> jax.Array:
+            conversion: str, sms: int, interpret: bool, rows: int, rounding: str, layout: str, n: int
+            ) -> jax.Array:
     # One program around the kernel: called eagerly, separate dispatches of the small ops around an interpreted
     # kernel deadlocked the CPU client now and then (the interpreter's callbacks dispatch jax ops themselves).
     m, k = x.shape
     xp = jnp.pad(x, ((0, rows - m), (0, 0)))
     parts = _partials(xp, q, st, bt, stages=stages, block_groups=block_groups, sms=sms, interpret=interpret,
-                      conversion=conversion, layout=layout, n=n, interleave=interleave)
+                      conversion=conversion, layout=layout, n=n)
     # pieces a tile did not have were never written: select zeros there (a select, so garbage cannot leak)
     valid = np.repeat(_pieces_written(n, k, block_groups, sms), CTA_N, axis=1)[:, :n]
     parts = jnp.where(jnp.asarray(valid)[:, :, None], parts, 0.0)

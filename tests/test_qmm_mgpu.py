@@ -311,32 +311,6 @@ def test_gpu_tiles_layout_same_bits(k, n):
     _tiles_layout_same_bits(n, k, interpret=False, rows_cases=(1, 5, 16))
 
 
-def test_interleave_lowers_for_the_h200(monkeypatch):
-    monkeypatch.setattr(qmm_mgpu, "INTERLEAVE", True)
-    sds = jax.ShapeDtypeStruct
-    for k, n in ((5120, 34816), (17408, 5120), (128, 392)):
-        for rows in (16, 64):
-            text = jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, rows=rows)).trace(
-                sds((1, k), jnp.bfloat16), _abstract_weight(n, k)).lower(lowering_platforms=("cuda",)).as_text()
-            assert "mosaic_gpu" in text
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("k,n", [(5120, 34816), (17408, 5120), (6144, 5120), (128, 392)])
-def test_gpu_interleave_same_bits(k, n, monkeypatch):
-    """Converting and issuing a group at a time runs the same MMAs in the same order: the same bits, at 1, 16 and
-    64 rows."""
-    rng = np.random.default_rng(3900 + n + k)
-    w = _small_weight(rng, n, k)
-    x = jnp.asarray(rng.normal(size=(64, k)), jnp.bfloat16)
-    for m, rows in ((1, 16), (16, 16), (64, 64)):
-        want = np.asarray(qmm_mgpu.qmm_decode(x[:m], w, rows=rows)).view(np.uint16)
-        monkeypatch.setattr(qmm_mgpu, "INTERLEAVE", True)
-        got = np.asarray(qmm_mgpu.qmm_decode(x[:m], w, rows=rows)).view(np.uint16)
-        monkeypatch.setattr(qmm_mgpu, "INTERLEAVE", False)
-        np.testing.assert_array_equal(got, want, err_msg=f"M={m} rows={rows}")
-
-
 def _small_weight(rng, n: int, k: int, bits: int = 4):
     words = rng.integers(0, 2**32, size=(n, k * bits // 32), dtype=np.uint32)
     scales = jnp.asarray(rng.uniform(0.002, 0.02, size=(n, k // 64)), jnp.bfloat16)

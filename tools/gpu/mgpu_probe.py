@@ -2,8 +2,7 @@
 pipeline step left out (`_partials`'s `probe`, under the "nibbles" conversion: wrong numbers, timing only) at the
 27B's decode shapes, scales and biases transposed beforehand. "full" is the "nibbles" kernel whole, "words" and
 "unsigned" the other conversions whole, "tiles" the words conversion reading the "tiles" layout (`tile_layout`),
-"words_no_compute" / "tiles_no_compute" their copies alone; an "i_" prefix: the words conversion a group at a time
-(`qmm_mgpu.INTERLEAVE`). With MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=DIR in the environment Mosaic GPU
+"words_no_compute" / "tiles_no_compute" their copies alone. With MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=DIR in the environment Mosaic GPU
 writes each compiled kernel's PTX/SASS there.
 
     python3 tools/gpu/mgpu_probe.py [--shapes 5120x34816,17408x5120] [--probes full,no_xor,...]
@@ -58,8 +57,6 @@ def main() -> None:
         xp = jax.random.normal(jax.random.key(1), (args.rows, k), jnp.bfloat16)
         tiled = [qmm_mgpu.tile_layout(w, s, b, args.block_groups) for w, s, b in zip(words, sts, bts)]
         for probe in args.probes.split(","):
-            interleave = probe.startswith("i_")
-            probe_name, probe = probe, probe.removeprefix("i_")
             base, _, p = probe.partition("_no_")
             p = "no_" + p if p else None
             if base not in ("words", "unsigned", "tiles"):
@@ -72,14 +69,13 @@ def main() -> None:
                 ops, ss, bs = (words if conversion == "words" else q4s), sts, bts
 
             @jax.jit
-            def chain(xp, q4s, sts, bts, conversion=conversion, p=p, layout=layout, interleave=interleave):
+            def chain(xp, q4s, sts, bts, conversion=conversion, p=p, layout=layout):
                 total = jnp.zeros((), jnp.float32)
                 for r in range(args.reps):
                     i = r % copies
                     out = qmm_mgpu._partials(xp, q4s[i], sts[i], bts[i], stages=args.stages, sms=qmm_mgpu.SMS,
                                              block_groups=args.block_groups, interpret=False,
-                                             conversion=conversion, probe=p, layout=layout, n=n,
-                                             interleave=interleave)
+                                             conversion=conversion, probe=p, layout=layout, n=n)
                     total = total + out[0, 0, 0]
                     xp = xp.at[0, 0].set(total.astype(xp.dtype))  # orders the calls
                 return total
@@ -94,7 +90,7 @@ def main() -> None:
                 ctas = qmm_mgpu.flat_schedule(n, k, args.block_groups)[2]
                 alone = ""
                 if args.trace:
-                    where = f"{args.trace}/{shape}_{probe_name}"
+                    where = f"{args.trace}/{shape}_{probe}"
                     with jax.profiler.trace(where, create_perfetto_trace=True):
                         chain(xp, ops, ss, bs).block_until_ready()
                     durs = sorted(float(e["dur"]) for e in device_events(where) or []
@@ -103,10 +99,10 @@ def main() -> None:
                         us = durs[len(durs) // 2]
                         alone = f" | alone {us:8.2f} us {nbytes / us / 1e6:5.2f} TB/s ({len(durs)} launches)"
                     shutil.rmtree(where, ignore_errors=True)
-                print(f"{shape:>12} | {probe_name:>10} | {ctas:>6} | {best:8.2f} | {nbytes / best / 1e6:5.2f}{alone}",
+                print(f"{shape:>12} | {probe:>10} | {ctas:>6} | {best:8.2f} | {nbytes / best / 1e6:5.2f}{alone}",
                       flush=True)
             except Exception as e:  # noqa: BLE001 -- report and go on to the next probe
-                print(f"{shape:>12} | {probe_name:>10} | failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                print(f"{shape:>12} | {probe:>10} | failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
 if __name__ == "__main__":
