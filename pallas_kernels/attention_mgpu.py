@@ -16,9 +16,11 @@ Exactness (the `attention` conventions): key block b always covers absolute posi
 and every row walks blocks 0, 1, ... in order up to its CTA's last visible key. A row's S, max, sum and P V are
 computed from that row alone (wgmma reduces over d per row; the softmax reductions are per row), so its bits depend
 only on its position and the keys up to it. Masking selects -inf on the raw S before any arithmetic, so a block run
-with the mask and one run without it apply the same operations to a visible logit; a fully masked block is an exact
-no-op (m unchanged, alpha = 2^0 = 1, p = 0: O + 0 x V and l + 0 are O and l), so the blocks a row visits past its
-own last key (its warpgroup or CTA reaches further) never change it. Block 0 holds key 0, visible to every row, so
+with the mask and one run without it apply the same operations to a visible logit (Mosaic GPU lets the compiler
+contract s c - m into an FMA; the select comes before the multiply, so it can in both; the gpu tests cut a chunk
+where a row's block changes sides). A fully masked block is an exact no-op (m unchanged, alpha = 2^0 = 1, p = 0:
+O + 0 x V and l + 0 are O and l, for finite V: stale keys in a page are finite, as the Triton kernel assumes too),
+so the blocks a row visits past its own last key (its warpgroup or CTA reaches further) never change it. Block 0 holds key 0, visible to every row, so
 m is finite after the first block. Hence cutting a prompt into chunks anywhere, the other streams, and the CTA or
 warpgroup a row lands in leave its bits alone. The bits differ from the Triton kernel's (another reduction order
 inside the MMAs, exp2 of pre-scaled logits); a model uses one prompt kernel.
@@ -28,7 +30,11 @@ the 4K chunk alone ~0.21 TFLOP, ~260 µs at 790 TFLOP/s (dense bf16 wgmma at rea
 ~4.4 ms after a 32K prefix. Shared memory (227 KiB a CTA): Q (reused for O) 64 rows x d bf16 per warpgroup
 (2 x 32 KiB at d 256) plus `stages` x (K + V) blocks of block_k x d bf16 (64 KiB a stage at 64 keys), so two
 stages at d 256 (192 KiB). Registers: O is 64 x d fp32 per warpgroup, 128 a thread at d 256, S 32 more at 64 keys;
-compute warpgroups take 232 registers, the memory warpgroup 40.
+two compute warpgroups take 232 registers each, the memory warpgroup 40 (one compute warpgroup: no adjustment).
+
+Status: right in the interpreter (tests/test_attention_mgpu.py) and lowered for sm_90 on the CPU at the 27B shape;
+not yet compiled or timed on the device (`-m gpu` tests; `python -m pallas_kernels.bench attention --sections
+prompt_mgpu`).
 
 Interpret mode (CPU, `plgpu.InterpretGPUParams`) runs the same kernel with two differences the interpreter needs:
 P goes to shared memory for the P V wgmma (it takes no register operand), and P V lands in a fresh accumulator
@@ -121,7 +127,8 @@ def _kernel_call(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, len
 
         @pl.when(wg < wgs)
         def _compute():
-            plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+            if wgs == 2:  # (with one, the 256 threads may each hold 255 registers from the launch)
+                plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
             qo = qo_smem.at[wg]
             r0 = t0 + wg * WG_ROWS
             rows = pl.ds(r0, WG_ROWS)
@@ -207,33 +214,30 @@ def _kernel_call(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, len
 
         @pl.when(wg == wgs)
         def _memory():
-            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+            if wgs == 2:
+                plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
             g = _div(h, group)
+            kv = ((k_gmem, k_smem, k_ready, k_free), (v_gmem, v_smem, v_ready, v_free))
 
-            def fetch(b, slot):
-                blk = (g, s, pl.ds(b * bk, bk))
-                plgpu.copy_gmem_to_smem(k_gmem.at[blk], k_smem.at[slot], k_ready.at[slot])
-                plgpu.copy_gmem_to_smem(v_gmem.at[blk], v_smem.at[slot], v_ready.at[slot])
+            def fetch(b, reuse: bool):
+                # Block b into its slot; reuse: first wait until both compute warpgroups released the slot's last
+                # block (K and V apart, so K's copy never waits for V's release).
+                slot = lax.rem(b, stages)
+                for src, dst, ready, free in kv:
+                    if reuse:
+                        plgpu.barrier_wait(free.at[slot])
+                    plgpu.copy_gmem_to_smem(src.at[g, s, pl.ds(b * bk, bk)], dst.at[slot], ready.at[slot])
 
             for b in range(stages):
-                pl.when(b < n_blocks)(functools.partial(fetch, b, b))
-
-            @pl.loop(stages, lax.max(n_blocks, stages))
-            def _(b):
-                slot = lax.rem(b, stages)
-                blk = (g, s, pl.ds(b * bk, bk))
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.copy_gmem_to_smem(k_gmem.at[blk], k_smem.at[slot], k_ready.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
-                plgpu.copy_gmem_to_smem(v_gmem.at[blk], v_smem.at[slot], v_ready.at[slot])
+                pl.when(b < n_blocks)(functools.partial(fetch, jnp.int32(b), False))
+            pl.loop(stages, lax.max(n_blocks, stages))(functools.partial(fetch, reuse=True))
 
             # Observe the last blocks' release too: nothing waits for it on the device, but the interpreter
             # checks that a barrier's waiters saw every phase before it is freed.
             @pl.loop(lax.max(n_blocks, stages), n_blocks + stages)
             def _(b):
-                slot = lax.rem(b, stages)
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
+                for *_, free in kv:
+                    plgpu.barrier_wait(free.at[lax.rem(b, stages)])
 
     qd, kd = _transforms(d), _transforms(d)
     smem = (plgpu.SMEM((wgs, WG_ROWS, d), jnp.bfloat16, transforms=qd),
