@@ -20,10 +20,11 @@ with the mask and one run without it apply the same operations to a visible logi
 contract s c - m into an FMA; the select comes before the multiply, so it can in both; the gpu tests cut a chunk
 where a row's block changes sides). A fully masked block is an exact no-op (m unchanged, alpha = 2^0 = 1, p = 0:
 O + 0 x V and l + 0 are O and l, for finite V: stale keys in a page are finite, as the Triton kernel assumes too),
-so the blocks a row visits past its own last key (its warpgroup or CTA reaches further) never change it. Block 0 holds key 0, visible to every row, so
-m is finite after the first block. Hence cutting a prompt into chunks anywhere, the other streams, and the CTA or
-warpgroup a row lands in leave its bits alone. The bits differ from the Triton kernel's (another reduction order
-inside the MMAs, exp2 of pre-scaled logits); a model uses one prompt kernel.
+so the blocks a row visits past its own last key (its warpgroup or CTA reaches further) never change it. Block 0
+holds key 0, visible to every row, so m is finite after the first block. Hence cutting a prompt into chunks
+anywhere, the other streams, and the CTA or warpgroup a row lands in leave its bits alone. The bits differ from
+the Triton kernel's (another reduction order inside the MMAs, exp2 of pre-scaled logits); a model uses one prompt
+kernel.
 
 Floors (H200, 27B: Hq 24, d 256): a causal chunk of T rows over P cached keys costs 4 d Hq (T P + T^2 / 2) FLOPs;
 the 4K chunk alone ~0.21 TFLOP, ~260 µs at 790 TFLOP/s (dense bf16 wgmma at realistic clocks), 3.5 TFLOP and
