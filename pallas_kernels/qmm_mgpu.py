@@ -6,11 +6,11 @@ weights with bf16 scales and biases, group 64, bf16 x.
 Why a second kernel: the Triton decode kernel (`qmm.py`) runs at 35-44 % of copy on the H200 because its loads and
 its dequantize-and-MMA chain share one instruction stream and each chunk's wgmma is waited before the next chunk
 is built (docs/kernels/qmm.md, runs 4-5). Here the structure is Mosaic GPU's warp-specialised pipeline: a memory
-warpgroup keeps `stages` TMA copies in flight, two compute warpgroups each own `TILE_N` = 64 output features of
-a CTA's `CTA_N` = 128 (N need not be a multiple: past N, TMA reads zeros and clips the stores).
+warpgroup keeps `stages` TMA copies in flight, `COMPUTE_WGS` = 3 compute warpgroups each own `TILE_N` = 64 output
+features of a CTA's `CTA_N` = 192 (N need not be a multiple: past N, TMA reads zeros and clips the stores).
 
 Schedule (`flat_schedule`): the weight is `CTA_N`-row tiles, each tile's K is L steps of `BLOCK_GROUPS` groups
-(a step moves [128, 256] 4-bit weights = 128-byte rows, x [16, 256] and the step's scale and bias rows). All
+(a step moves [192, 256] 4-bit weights = 128-byte rows, x [16, 256] and the step's scale and bias rows). All
 tiles' steps, tile-major, form one sequence cut into equal chunks of S consecutive steps, one chunk a persistent
 CTA (at most `SMS`), and each CTA runs one pipeline over its chunk, so no CTA waits at a tile's edge and no wave is
 left part-empty. A tile's K is summed in pieces, one for each chunk that touches it; the pieces are added in one
@@ -72,10 +72,14 @@ NARROW_ROWS = 16
 PIECE_ROWS = (8, 16, 32, 64)
 GROUP = 64
 TILE_N = 64  # output features a compute warpgroup
-COMPUTE_WGS = 2
+# Compute warpgroups a CTA. The kernel alone on the H200 (session 14, profiler durations): with 2 the conversion
+# and MMAs are the limit (5120 -> 34816: 38.0 us, 27 us with copies only), 3 take 34.3-35.2 us (17408 -> 5120:
+# 20.5-20.9 -> 19.2-19.7 us); 4 did not finish compiling and running within 150 s. The schedule's pieces follow
+# CTA_N, so this changes a model's bits once (still a function of the weight's shape alone).
+COMPUTE_WGS = 3
 CTA_N = TILE_N * COMPUTE_WGS
 STAGES = 4
-BLOCK_GROUPS = 4  # groups of K a pipeline step carries (a 128-byte row of weight words, 16 KB a CTA)
+BLOCK_GROUPS = 4  # groups of K a pipeline step carries (a 128-byte row of weight words, 24 KB a CTA)
 SMS = 132  # the H200's; chunks of work are spread over this many persistent CTAs (a constant: never a device query)
 # How a compute warpgroup turns its [64, 256] 4-bit tile into the MMA's bf16 A operand:
 # - "words" (default since session 13): the weight's words come repacked at load (`QuantizedWeight.lanes`, made by
@@ -170,8 +174,8 @@ SMEM_BYTES = 227 * 1024  # the H200's shared memory a CTA may take
 def stages_for(rows: int, stages: int, block_groups: int = BLOCK_GROUPS) -> int:
     """Pipeline stages for a piece height: as many of `stages` as fit in SMEM_BYTES beside the output tile (fp32
     [COMPUTE_WGS, TILE_N, rows]). A stage holds x [rows, block_k] bf16, the weight tile [CTA_N, block_k] int4 and
-    its scale and bias rows: at 4 groups a step 8 stages fit at 16 rows, 6 at 32, 3 at 64. The stage count changes
-    no bits (only how far the copies run ahead)."""
+    its scale and bias rows: at 4 groups a step and 3 compute warpgroups 7 stages fit at 8 rows, 6 at 16, 4 at 32,
+    3 at 64. The stage count changes no bits (only how far the copies run ahead)."""
     block_k = GROUP * block_groups
     stage = rows * block_k * 2 + CTA_N * block_k // 2 + 2 * block_groups * CTA_N * 2
     fit = (SMEM_BYTES - COMPUTE_WGS * TILE_N * rows * 4) // stage

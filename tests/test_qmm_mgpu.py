@@ -206,7 +206,7 @@ def test_piece_policy(monkeypatch):
         jax.eval_shape(lambda x, w: qmm_mgpu.qmm_decode(x, w, rows=24), jax.ShapeDtypeStruct((1, 512), jnp.bfloat16),
                        _abstract_weight(256, 512))
     assert [qmm_mgpu.stages_for(r, 4) for r in qmm_mgpu.PIECE_ROWS] == [4, 4, 4, 3]
-    assert [qmm_mgpu.stages_for(r, 12) for r in qmm_mgpu.PIECE_ROWS] == [10, 8, 6, 3]
+    assert [qmm_mgpu.stages_for(r, 12) for r in qmm_mgpu.PIECE_ROWS] == [7, 6, 4, 3]  # 3 compute warpgroups
     monkeypatch.setattr(qmm_mgpu, "WIDE_ROWS", 64)
     monkeypatch.setattr(qmm_mgpu, "NARROW_ROWS", 8)
     assert [qmm_mgpu.pieces(m) for m in (1, 8, 9, 65)] == [(8,), (8,), (16,), (64, 8)]
@@ -215,7 +215,7 @@ def test_piece_policy(monkeypatch):
     monkeypatch.setattr(qmm_mgpu, "NARROW_ROWS", 12)
     with pytest.raises(ValueError, match="NARROW_ROWS"):
         qmm_mgpu.pieces(1)
-    assert qmm_mgpu.stages_for(16, 20, block_groups=2) == 16
+    assert qmm_mgpu.stages_for(16, 20, block_groups=2) == 12
 
 
 def test_wide_pieces_lower_for_the_h200():
@@ -238,16 +238,18 @@ def test_gpu_wide_pieces_same_bits(k, n, rows):
 
 @pytest.mark.gpu
 def test_gpu_stage_counts_same_bits():
-    """The pipeline's depth changes no bits, at every piece height, up to the most stages that fit
-    (`stages_for`: 10 at 8 rows, 8 at 16, 6 at 32, 3 at 64), and those depths launch on the H200."""
+    """The pipeline's depth changes no bits, at every piece height, up to the most stages that fit (`stages_for`;
+    at 3 compute warpgroups 7 at 8 rows, 6 at 16, 4 at 32, 3 at 64), and those depths launch on the H200."""
     rng = np.random.default_rng(3700)
     w = _small_weight(rng, 6144, 5120)
     x = jnp.asarray(rng.normal(size=(64, 5120)), jnp.bfloat16)
     run = jax.jit(lambda x, w, rows, stages: qmm_mgpu.qmm_decode(x, w, rows=rows, stages=stages),
                   static_argnums=(2, 3))
     want = np.asarray(run(x[:16], w, 16, 4)).view(np.uint16)
-    for rows, depths in ((8, (4, 10)), (16, (2, 6, 8)), (32, (4, 6)), (64, (3,))):
-        for stages in depths:
+    for rows in (8, 16, 32, 64):
+        most = qmm_mgpu.stages_for(rows, 99)
+        assert qmm_mgpu.stages_for(rows, most + 1) == most
+        for stages in sorted({2, 4, most} & set(range(2, most + 1))):
             assert qmm_mgpu.stages_for(rows, stages) == stages
             got = np.asarray(run(x[:rows], w, rows, stages)).view(np.uint16)
             np.testing.assert_array_equal(got[:16], want[:rows], err_msg=f"rows={rows} stages={stages}")

@@ -1,6 +1,6 @@
 """Decode variants of the 27B engine side by side in one process: the synthetic weights are built once, then each
 variant sets the Mosaic GPU decode kernel's knobs (qmm_mgpu.STAGES, WIDE_ROWS, NARROW_ROWS, ROUNDING,
-CONVERSION), compiles its programs and runs the
+CONVERSION, COMPUTE_WGS), compiles its programs and runs the
 bench's pipelined decode (`qwen_jax.engine.bench.run`, prompt timing off). Only speed is compared: the depth and the
 piece heights change no row's bits (tests/test_qmm_mgpu.py); the conversion changes the weights' rounding.
 
@@ -13,7 +13,7 @@ import argparse
 import time
 
 KNOBS = {"stages": "STAGES", "wide": "WIDE_ROWS", "narrow": "NARROW_ROWS", "round": "ROUNDING",
-         "conv": "CONVERSION"}
+         "conv": "CONVERSION", "wgs": "COMPUTE_WGS"}
 
 
 def parse_variants(text: str) -> list[dict]:
@@ -36,10 +36,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (a CPU smoke run)")
     ap.add_argument("--variants", required=True,
                     help="';'-separated, each 'stages=N,wide=N,narrow=N,round=barrier|reduce_precision,"
-                         "conv=words|nibbles' (each optional)")
+                         "conv=words|nibbles,wgs=N' (each optional)")
     args = ap.parse_args()
     variants = parse_variants(args.variants)
     streams = tuple(int(s) for s in args.streams.split(","))
+
+    import jax
 
     from pallas_kernels import qmm_mgpu
     from qwen_jax.engine import bench
@@ -51,6 +53,11 @@ def main() -> None:
     rows = []
     for v in variants:
         knobs = dict(shipped, **v)
+        if knobs["wgs"] != qmm_mgpu.COMPUTE_WGS:
+            # CTA_N follows; the kernel's traces and its lowering cache are keyed on static arguments only
+            qmm_mgpu.CTA_N = qmm_mgpu.TILE_N * knobs["wgs"]
+            qmm_mgpu._LOWERED.clear()
+            jax.clear_caches()
         for k, a in KNOBS.items():
             setattr(qmm_mgpu, a, knobs[k])
         t0 = time.perf_counter()
@@ -60,11 +67,12 @@ def main() -> None:
         rows.append((knobs, fps))
         print(f"{knobs}: " + ", ".join(f"{s} streams {fps[s]:.1f} fwd/s" for s in streams)
               + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
-    print("\n| stages | widest piece | narrowest piece | rounding | conversion | "
+    print("\n| stages | widest piece | narrowest piece | rounding | conversion | compute warpgroups | "
           + " | ".join(f"{s} streams (fwd/s)" for s in streams) + " |")
-    print("|---|---|---|---|---|" + "---|" * len(streams))
+    print("|---|---|---|---|---|---|" + "---|" * len(streams))
     for knobs, fps in rows:
         print(f"| {knobs['stages']} | {knobs['wide']} | {knobs['narrow']} | {knobs['round']} | {knobs['conv']} | "
+              f"{knobs['wgs']} | "
               + " | ".join(f"{fps[s]:.1f}" for s in streams) + " |")
 
 

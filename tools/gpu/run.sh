@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -48,6 +48,24 @@ profile_by() {
 }
 
 case "$stage" in
+  fifty-fourth)
+    # Session 14, last call (~9.5 min): 3 compute warpgroups a CTA (the new default): the kernel's oracle, stage and
+    # piece tests and the engine's gates on the device, then the 27B decode with 3 and 2 alternated in one process;
+    # then the Mosaic GPU prompt-chunk attention kernel's device tests and its bench beside cuDNN and the Triton one.
+    timeout -s INT 100 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_qmm_mgpu.py \
+      -k "(oracle and words and (6144 or 392 or 16480)) or stage_counts or (wide and 17408)" \
+      > "$out/gpu_tests_wgs3.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_wgs3.log" | cut -c1-160 | tail -12
+    timeout -s INT 110 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
+      > "$out/gpu_tests_engine.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_engine.log" | cut -c1-160 | tail -10
+    timeout 170 python3 tools/gpu/engine_ab.py --streams 1,16 --rounds 32 --variants "wgs=3;wgs=2;wgs=3" 2>&1 \
+      | tee "$out/engine_ab_wgs.log" | grep -vE "^\[|Warning|warn" | tail -8
+    timeout -s INT 120 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_attention_mgpu.py \
+      > "$out/gpu_tests_attn_mgpu.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_attn_mgpu.log" | cut -c1-200 | tail -12
+    timeout 90 python3 -m pallas_kernels.bench attention --sections prompt_mgpu 2>&1 \
+      | tee "$out/bench_attn_mgpu.log" | grep -vE "^\[|Warning|warn" | tail -14 ;;
   fifty-first)
     # Session 14, fourth call (~3 min): more compute warpgroups a CTA (the kernel alone: copies take 27 of the
     # 38 us at 5120->34816, so the conversion's warps are the limit), 2 / 3 / 4 warpgroups of 64 features.
