@@ -182,6 +182,13 @@ def window_tiles(*, page_size: int, max_keys: int, head_dim: int, fp8: bool) -> 
     return WindowTiles(fp8_dot="float16", row_block=32) if fp8 else WindowTiles()
 
 
+# Which prompt-chunk kernel a call without explicit tiles runs: "auto" (the Mosaic GPU kernel for bf16 pools
+# compiled for a GPU, the Triton kernel in interpret mode and for fp8 pools), "triton" or "mgpu". On the H200 (session
+# 14, `bench attention --sections prompt_mgpu`) the Mosaic GPU kernel took 547 / 5651 us for a 4K chunk after 0 /
+# 32K keys against the Triton kernel's 849 / 12691 and cuDNN's 554 / 4962.
+PROMPT_IMPL = "auto"
+
+
 def prompt_tiles(*, page_size: int, max_keys: int, head_dim: int, fp8: bool) -> PromptTiles:
     """The shipped prompt-chunk tiles (as window_tiles: from the model and cache layout only)."""
     del page_size, max_keys, head_dim, fp8
@@ -1026,6 +1033,10 @@ def prompt(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, 
     if tiles is None:
         tiles = prompt_tiles(page_size=pool.page_size, max_keys=page_table.shape[-1] * pool.page_size, head_dim=d,
                              fp8=pool.fp8)
+        if PROMPT_IMPL not in ("auto", "triton", "mgpu"):
+            raise ValueError(f"attention.PROMPT_IMPL must be 'auto', 'triton' or 'mgpu'; got {PROMPT_IMPL!r}")
+        impl = ("triton" if interpret else "mgpu") if PROMPT_IMPL == "auto" else PROMPT_IMPL
+        tiles = dataclasses.replace(tiles, impl=impl)
     if tiles.fp8_dot not in ("bfloat16", "float16"):
         raise ValueError(f"PromptTiles.fp8_dot must be 'bfloat16' or 'float16'; got {tiles.fp8_dot!r}")
     if tiles.impl not in ("triton", "mgpu"):

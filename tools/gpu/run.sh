@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -48,6 +48,22 @@ profile_by() {
 }
 
 case "$stage" in
+  fifty-fifth)
+    # Session 14, last call (~5.5 min): the prompt kernel's 2K-prefix device test (cut off in fifty-fourth), the
+    # engine's gates with the Mosaic GPU prompt kernel as the default on a GPU, then the one-stream decode round
+    # (trace: busy time) with 3 and with 2 compute warpgroups.
+    timeout -s INT 80 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_attention_mgpu.py \
+      -k "4k_chunk and 2048" > "$out/gpu_tests_attn_2048.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_attn_2048.log" | cut -c1-200 | tail -6
+    timeout -s INT 130 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
+      > "$out/gpu_tests_engine_mgpu_prompt.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_engine_mgpu_prompt.log" | cut -c1-160 | tail -10
+    for w in 3 2; do
+      timeout 75 python3 tools/gpu/decode_profile.py --synthetic 27b --mgpu-compute-wgs $w --rounds 32 \
+        --trace "$out/trace_$w" --profiled 0 2>&1 | tee "$out/profile_wgs_$w.txt" \
+        | grep -E "compute warpgroups|round|busy|kernel_mosaic" | head -8
+      rm -rf "$out/trace_$w"
+    done ;;
   fifty-fourth)
     # Session 14, last call (~9.5 min): 3 compute warpgroups a CTA (the new default): the kernel's oracle, stage and
     # piece tests and the engine's gates on the device, then the 27B decode with 3 and 2 alternated in one process;
