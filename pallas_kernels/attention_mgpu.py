@@ -33,9 +33,13 @@ the 4K chunk alone ~0.21 TFLOP, ~260 µs at 790 TFLOP/s (dense bf16 wgmma at rea
 stages at d 256 (192 KiB). Registers: O is 64 x d fp32 per warpgroup, 128 a thread at d 256, S 32 more at 64 keys;
 two compute warpgroups take 232 registers each, the memory warpgroup 40 (one compute warpgroup: no adjustment).
 
-Status: right in the interpreter (tests/test_attention_mgpu.py) and lowered for sm_90 on the CPU at the 27B shape;
-not yet compiled or timed on the device (`-m gpu` tests; `python -m pallas_kernels.bench attention --sections
-prompt_mgpu`).
+Status (session 14): right in the interpreter (tests/test_attention_mgpu.py) and on the H200 (its 5 `-m gpu` tests:
+float64 bounds, chunk cuts and launch variants bit for bit, at the 27B shape). `python -m pallas_kernels.bench
+attention --sections prompt_mgpu` on the H200: a 4K chunk in 547 µs after 0 keys (377 TFLOP/s, 1.01x cuDNN's 554 µs)
+and 5651 µs after 32K (620 TFLOP/s, 0.88x cuDNN's 4962), where the Triton kernel took 849 / 12691 µs. The default
+for bf16 pools on a GPU since then (`attention.PROMPT_IMPL`); the engine's 6 gates pass with it. It has no lowering
+cache (`qmm_mgpu` has one): every prompt program lowers it once per attention layer (the gates' run took 116 s
+against 86 s before).
 
 Interpret mode (CPU, `plgpu.InterpretGPUParams`) runs the same kernel with two differences the interpreter needs:
 P goes to shared memory for the P V wgmma (it takes no register operand), and P V lands in a fresh accumulator
