@@ -1015,6 +1015,19 @@ def _contiguous_keys(pool: KVPool, page_table: jax.Array) -> list[jax.Array]:
     return [rows(pool.k), rows(pool.v)] + ([rows(pool.k_scale), rows(pool.v_scale)] if pool.fp8 else [])
 
 
+def check_prompt_rows(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, lengths: jax.Array
+                      ) -> None:
+    """The prompt entry points' shared checks of q [S, T, Hq, D] against the pool's KV heads, the page table and
+    the per-stream start and lengths (ValueError)."""
+    s, hq, hkv = q.shape[0], q.shape[2], pool.k.shape[0]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads are not a multiple of the pool's {hkv} KV heads")
+    if page_table.ndim != 2 or page_table.shape[0] != s:
+        raise ValueError(f"page_table must be [S={s}, Pmax]; got {page_table.shape}")
+    if start.shape != (s,) or lengths.shape != (s,):
+        raise ValueError(f"start and lengths must be [S={s}]; got {start.shape}, {lengths.shape}")
+
+
 def prompt(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, lengths: jax.Array, *,
            scale: float, interpret: bool = False, tiles: PromptTiles | None = None) -> jax.Array:
     """Same contract as prompt_reference: one program per (query head, tile of block_q rows, stream) walks the key
@@ -1044,12 +1057,7 @@ def prompt(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, 
     if tiles.impl == "mgpu" and not pool.fp8 and pool.k.dtype == jnp.bfloat16 and q.dtype == jnp.bfloat16:
         from pallas_kernels.attention_mgpu import prompt_mgpu  # (it imports this module)
         return prompt_mgpu(q, pool, page_table, start, lengths, scale=scale, interpret=interpret)
-    if hq % hkv:
-        raise ValueError(f"{hq} query heads are not a multiple of the pool's {hkv} KV heads")
-    if page_table.ndim != 2 or page_table.shape[0] != s:
-        raise ValueError(f"page_table must be [S={s}, Pmax]; got {page_table.shape}")
-    if start.shape != (s,) or lengths.shape != (s,):
-        raise ValueError(f"start and lengths must be [S={s}]; got {start.shape}, {lengths.shape}")
+    check_prompt_rows(q, pool, page_table, start, lengths)
     _check_block(tiles.block_k, "PromptTiles")
     if tiles.block_q & (tiles.block_q - 1) or tiles.block_q < 16:
         raise ValueError(f"PromptTiles.block_q={tiles.block_q} must be a power of two >= 16")

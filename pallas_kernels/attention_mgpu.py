@@ -58,7 +58,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.attention import SMEM_BYTES, _check_pool, _contiguous_keys, _pad_table
+from pallas_kernels.attention import SMEM_BYTES, _check_pool, _contiguous_keys, _pad_table, check_prompt_rows
 from pallas_kernels.kv_quant import KVPool
 
 WG_ROWS = 64  # query rows a compute warpgroup owns (the wgmma M)
@@ -269,20 +269,14 @@ def _check(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, 
            tiles: PromptMgpuTiles, interpret: bool | plgpu.InterpretGPUParams) -> None:
     if q.ndim != 4:
         raise ValueError(f"q must be [S, T, Hq, D]; got shape {q.shape}")
-    s, _, hq, d = q.shape
+    d = q.shape[3]
     _check_pool(pool, d)
     if pool.fp8 or pool.k.dtype != jnp.bfloat16 or q.dtype != jnp.bfloat16:
         raise ValueError(f"prompt_mgpu takes bf16 queries over a bf16 pool; got q {q.dtype}, pool {pool.k.dtype} "
                          "(fp8 and fp32 pools: attention.prompt with the Triton kernel)")
     if d % 64 or d > 256:
         raise ValueError(f"prompt_mgpu needs a head dim that is a multiple of 64, at most 256; got {d}")
-    hkv = pool.k.shape[0]
-    if hq % hkv:
-        raise ValueError(f"{hq} query heads are not a multiple of the pool's {hkv} KV heads")
-    if page_table.ndim != 2 or page_table.shape[0] != s:
-        raise ValueError(f"page_table must be [S={s}, Pmax]; got {page_table.shape}")
-    if start.shape != (s,) or lengths.shape != (s,):
-        raise ValueError(f"start and lengths must be [S={s}]; got {start.shape}, {lengths.shape}")
+    check_prompt_rows(q, pool, page_table, start, lengths)
     if tiles.block_q not in (64, 128):
         raise ValueError(f"PromptMgpuTiles.block_q={tiles.block_q} must be 64 or 128 (64 rows a warpgroup)")
     if tiles.block_k not in (64, 128):
