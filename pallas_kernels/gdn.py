@@ -199,9 +199,16 @@ def step_reference(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta:
 # Causal depthwise conv (+ SiLU) in front of the recurrence
 # ----------------------------------------------------------------------------------------------------------------
 
-def _conv_silu(rows: jax.Array, weight: jax.Array) -> jax.Array:
-    """rows [K, C] oldest first, weight [C, K] -> silu(sum_j weight[:, j] * rows[j]) [C] in fp32."""
-    acc = jnp.sum(rows.astype(jnp.float32) * weight.astype(jnp.float32).T, axis=0)
+def _conv_taps(taps: list, weight: jax.Array) -> jax.Array:
+    """taps: K arrays [..., C] in the inputs' dtype, oldest first; weight [C, K] -> silu(sum_j weight[:, j] taps[j])
+    [..., C] in fp32, the products added in tap order. Every conv entry point (prompt, window, step) computes this
+    same elementwise expression, so a row's conv has the same bits whichever pass computes it, and XLA fuses it
+    into its consumers with no transpose of the weight or concatenation of the taps (on the H200, session 14, the
+    step's earlier form cost a transpose and a concatenation launch a GDN layer)."""
+    wf = weight.astype(jnp.float32)
+    acc = taps[0].astype(jnp.float32) * wf[:, 0]
+    for j in range(1, len(taps)):
+        acc = acc + taps[j].astype(jnp.float32) * wf[:, j]
     return jax.nn.silu(acc)
 
 
@@ -230,18 +237,16 @@ def _conv_prompt(m, hist, conv_pool, slot, weight, start, lengths):
     # changes no value.
     hist = jax.lax.optimization_barrier(hist)
     hist = jnp.where((start == 0)[:, None, None], jnp.zeros_like(hist), hist).astype(m.dtype)
-    wf = weight.astype(jnp.float32)
     row = jax.lax.broadcasted_iota(jnp.int32, (1, t, 1), 1)
-    acc = None
+    taps = []
     for j in range(kw):
         back = kw - 1 - j
         from_m = jax.lax.pad(m, jnp.zeros((), m.dtype), ((0, 0, 0), (back, -back, 0), (0, 0, 0)))
         if back:
             from_h = jax.lax.pad(hist[:, j:], jnp.zeros((), m.dtype), ((0, 0, 0), (0, t - back, 0), (0, 0, 0)))
             from_m = jnp.where(row < back, from_h, from_m)
-        term = from_m.astype(jnp.float32) * wf[:, j]
-        acc = term if acc is None else acc + term
-    u = jax.nn.silu(acc).astype(m.dtype)
+        taps.append(from_m)
+    u = _conv_taps(taps, weight).astype(m.dtype)
     # The new history: seq rows [n, n + K-1) for n = lengths.
     idx = lengths[:, None] + jnp.arange(kw - 1)[None, :]  # [S, K-1]
     from_h = jnp.take_along_axis(hist, jnp.clip(idx, 0, kw - 2)[:, :, None], axis=1)
@@ -284,8 +289,7 @@ def conv_window_reference(m: jax.Array, parents: jax.Array, conv_pool: jax.Array
             from_path = m_s[jnp.maximum(anc[d], 0)]
             from_hist = hist[jnp.clip(kw - 1 - back[d], 0, kw - 2)].astype(m_s.dtype)
             taps.append(jnp.where((anc[d] >= 0)[:, None], from_path, from_hist))
-        rows = jnp.stack(taps[::-1], axis=1)  # [R, K, C] oldest first
-        return jax.vmap(lambda x: _conv_silu(x, weight))(rows)
+        return _conv_taps(taps[::-1], weight)  # [R, C], taps oldest first
 
     return jax.vmap(one)(m, parents, conv_pool[slot]).astype(m.dtype)
 
@@ -310,10 +314,10 @@ def conv_step_reference(m: jax.Array, conv_pool: jax.Array, slot: jax.Array, wei
     of that row together, with the same casts. m [S, 1, C]; conv_pool [N, K-1, C]; slot [S] (distinct);
     weight [C, K] -> (u [S, 1, C] in m.dtype, conv_pool holding the last K-1 inputs)"""
     hist = conv_pool[slot]  # [S, K-1, C] oldest first
-    rows = jnp.concatenate([hist.astype(m.dtype), m], axis=1)  # [S, K, C]: the window's taps, oldest first
-    u = jax.vmap(lambda x: _conv_silu(x, weight))(rows)
+    taps = [hist[:, j:j + 1].astype(m.dtype) for j in range(hist.shape[1])] + [m]  # the window's taps, [S, 1, C]
+    u = _conv_taps(taps, weight)
     new_hist = jnp.concatenate([hist, m.astype(hist.dtype)], axis=1)[:, 1:]  # the commit's casts
-    return u[:, None].astype(m.dtype), conv_pool.at[slot].set(new_hist)
+    return u.astype(m.dtype), conv_pool.at[slot].set(new_hist)
 
 
 # ================================================================================================================

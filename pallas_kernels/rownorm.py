@@ -101,6 +101,12 @@ def _norm_kernel(n_ref, *refs, kind: str, d: int, eps: float, tiles: RowTiles, i
     cols = [pl.ds(j * c, c) for j in range(d // c)]
 
     xs = [plgpu.load(x_ref.at[rows, col], mask=live, other=0).astype(_F32) for col in cols]
+    # The weight and gate chunks are read before the reduction, not after it: their loads then overlap the x loads
+    # instead of adding a second memory round trip after the sum (the norms are latency-bound at decode sizes).
+    # Same values and operations, so the same bits.
+    ws = [weight_ref[col] for col in cols] if weight_ref is not None else [None] * len(cols)
+    gs = ([plgpu.load(gate_ref.at[rows, col], mask=live, other=0) for col in cols] if gate_ref is not None
+          else [None] * len(cols))
     squares = xs[0] * xs[0]
     for xc in xs[1:]:
         squares = squares + xc * xc
@@ -111,19 +117,18 @@ def _norm_kernel(n_ref, *refs, kind: str, d: int, eps: float, tiles: RowTiles, i
         # jnp.mean's division by D, as XLA emits it: a multiply by the fp32-rounded 1/D.
         inv = jax.lax.rsqrt(total * np.float32(1.0 / d) + eps)
 
-    for col, xc in zip(cols, xs):
+    for col, xc, wc, gc in zip(cols, xs, ws, gs):
         if kind == "l2":
             out = xc * inv
         elif kind == "rms":
-            out = (xc * inv) * weight_ref[col].astype(_F32)[None, :]
+            out = (xc * inv) * wc.astype(_F32)[None, :]
         else:
             n = (xc * inv).astype(io_dtype)
             # A product of two values of io_dtype is exact in fp32 for bf16 (and is the fp32 product for fp32),
             # so one rounding gives the correctly rounded product in io_dtype, as the reference's multiply does.
-            w = weight_ref[col].astype(io_dtype).astype(_F32)[None, :]
+            w = wc.astype(io_dtype).astype(_F32)[None, :]
             y = (w * n.astype(_F32)).astype(io_dtype)
-            g = plgpu.load(gate_ref.at[rows, col], mask=live, other=0).astype(_F32)
-            out = y.astype(_F32) * jax.nn.silu(g)
+            out = y.astype(_F32) * jax.nn.silu(gc.astype(_F32))
         plgpu.store(o_ref.at[rows, col], out.astype(o_ref.dtype), mask=written)
 
 

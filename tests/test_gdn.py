@@ -568,6 +568,26 @@ def test_conv_step_equals_conv_window_then_commit_bitwise(pool_dtype):
     assert np.array_equal(np.asarray(cur)[[1, 3]], np.asarray(pool)[[1, 3]]), "other slots changed"
 
 
+@pytest.mark.parametrize("pool_dtype", [jnp.bfloat16, jnp.float32])
+def test_conv_prompt_rows_equal_serial_steps_bitwise(pool_dtype):
+    """The prompt conv and the decode step compute one expression (`_conv_taps`): a prompt resumed from a history
+    gives, row for row, the bits of serial steps over the same rows, and the same pool."""
+    rng = np.random.default_rng(29)
+    s_count, c, kw, t = 2, 40, 4, 6
+    m = jnp.asarray(rng.normal(size=(s_count, t, c)), jnp.bfloat16)
+    pool = jnp.asarray(rng.normal(size=(s_count + 1, kw - 1, c)), pool_dtype)
+    weight = jnp.asarray(rng.normal(size=(c, kw)), jnp.bfloat16)
+    slot = jnp.asarray([2, 1], jnp.int32)
+    u, pool_p = _jit(gdn.conv_prompt)(m, pool, slot, weight, jnp.asarray([5, 9], jnp.int32),
+                                      jnp.asarray([t, t], jnp.int32))
+    step = jax.jit(gdn.conv_step)
+    cur = pool
+    for r in range(t):
+        u_s, cur = step(m[:, r:r + 1], cur, slot, weight)
+        assert np.array_equal(np.asarray(u_s[:, 0]), np.asarray(u[:, r])), f"row {r}: step != prompt"
+    assert np.array_equal(np.asarray(cur), np.asarray(pool_p))
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Validation and lowering
 # ------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -48,6 +48,25 @@ profile_by() {
 }
 
 case "$stage" in
+  fifty-eighth)
+    # Session 15, second call (~9 min): the decode qmm with "direct" accumulation (one accumulator across the steps,
+    # a step's MMAs in flight while the next step converts) against "fresh", the kernel alone; its device tests;
+    # then the engine's gates and the one-stream round's busy time with the conv without transpose or concatenation
+    # and the norms' weights read before the sum.
+    for a in fresh direct; do
+      timeout 100 python3 tools/gpu/mgpu_probe.py --accumulate $a --trace /tmp/probe_trace \
+        --shapes 5120x34816,17408x5120,6144x5120,5120x16480 --probes words 2>&1 \
+        | tee "$out/probe_acc_$a.log" | grep -vE "^\[|Warning|warn"
+    done
+    timeout -s INT 130 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_qmm_mgpu.py \
+      tests/test_rownorm.py tests/test_gdn.py -k "direct or rownorm or gpu_conv" > "$out/gpu_tests_direct.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_direct.log" | cut -c1-200 | tail -12
+    timeout -s INT 140 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
+      > "$out/gpu_tests_engine.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_engine.log" | cut -c1-160 | tail -10
+    timeout 75 python3 tools/gpu/decode_profile.py --synthetic 27b --rounds 32 --trace "$out/trace_1" --profiled 0 \
+      2>&1 | tee "$out/profile_1.txt" | grep -E "round|busy|kernel_mosaic|rownorm|fusion" | head -24
+    rm -rf "$out/trace_1" ;;
   fifty-seventh)
     # Session 15, first call (~8 min): can the Mosaic GPU decode qmm carry prompt rows (pieces of 128 / 256 rows,
     # 2 or 3 compute warpgroups) against the shipped prompt path (dequantization pass + Triton matmul) and cuBLAS at
