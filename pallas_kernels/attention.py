@@ -149,6 +149,11 @@ class WindowTiles:
     # group max, then rescaled). Session 9's Nsight Compute run put pass 1 of the 32K decode at 37 µs of the
     # call's 55 µs of kernels, the fold, merge and a slice at the rest.
     tail: str = "passes"
+    # Pass 1's kernel (order). "triton": the chunk kernel below. "mgpu": bf16 queries over a bf16 pool run pass 1 on
+    # Mosaic GPU (`attention_window_mgpu`: 64-key blocks, wgmma, TMA; its own bits; block_k, walk, num_warps and
+    # row_block are not read there, num_stages is its K/V slots); the fold pass and the merge are this module's
+    # either way, and fp8 / fp32 pools stay on the Triton kernel. Needs tail "passes".
+    impl: str = "triton"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +185,13 @@ def window_tiles(*, page_size: int, max_keys: int, head_dim: int, fp8: bool) -> 
     # 78.6 / 214.6 / 703.0 µs against 134.1 / 246.7 / 813.1 in one program. For bf16 pools the split won only at 4K
     # (72.0 vs 85.0) and lost at 32K / 128K (192.9 / 648.7 vs 148.1 / 425.5), so they keep one program.
     return WindowTiles(fp8_dot="float16", row_block=32) if fp8 else WindowTiles()
+
+
+# Which pass 1 a window call without explicit tiles runs: "auto" (the Mosaic GPU pass 1 for bf16 pools compiled
+# for a GPU where the model's shapes allow it, `window_mgpu_eligible`; the Triton one in interpret mode and for fp8
+# pools), "triton" or "mgpu". The choice depends on the model and cache layout only, never on a call's rows, so a
+# serial step and a row of a drafted window always share a kernel.
+WINDOW_IMPL = "auto"
 
 
 # Which prompt-chunk kernel a call without explicit tiles runs: "auto" (the Mosaic GPU kernel for bf16 pools
@@ -675,6 +687,34 @@ def _pool_operands(pool: KVPool) -> list[jax.Array]:
     return [pool.k, pool.v] + ([pool.k_scale, pool.v_scale] if pool.fp8 else [])
 
 
+def window_impl(q_dtype, pool: KVPool, num_heads: int, tiles: WindowTiles, interpret: bool) -> str:
+    """Pass 1's kernel under WINDOW_IMPL for a model's window calls (from the model and cache layout, never a call's
+    rows): "auto" takes the Mosaic GPU pass 1 compiled for a GPU wherever `attention_window_mgpu.unsupported` finds
+    nothing against it, else the Triton one."""
+    if WINDOW_IMPL not in ("auto", "triton", "mgpu"):
+        raise ValueError(f"attention.WINDOW_IMPL must be 'auto', 'triton' or 'mgpu'; got {WINDOW_IMPL!r}")
+    if WINDOW_IMPL != "auto":
+        return WINDOW_IMPL
+    if interpret or tiles.tail != "passes":
+        return "triton"
+    from pallas_kernels import attention_window_mgpu as awm  # (it imports this module)
+    why = awm.unsupported(q_dtype, pool, num_heads // pool.k.shape[0], chunk=tiles.chunk, stages=tiles.num_stages)
+    return "triton" if why else "mgpu"
+
+
+def _mgpu_pass_one(q: jax.Array, pool: KVPool, tiles: WindowTiles, interpret) -> bool:
+    """Whether this window call's pass 1 runs on Mosaic GPU: impl "mgpu" on a bf16 call (fp8 and fp32 pools keep
+    the Triton pass 1); a bf16 model the kernel cannot take is an error, not a silent fallback."""
+    if tiles.impl != "mgpu" or pool.fp8 or pool.k.dtype != jnp.bfloat16 or q.dtype != jnp.bfloat16:
+        return False
+    from pallas_kernels import attention_window_mgpu as awm
+    why = awm.unsupported(q.dtype, pool, q.shape[2] // pool.k.shape[0], chunk=tiles.chunk, stages=tiles.num_stages,
+                          interpret=bool(interpret))
+    if why:
+        raise ValueError(f"WindowTiles.impl='mgpu': the Mosaic GPU pass 1 needs {why}")
+    return True
+
+
 def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len: jax.Array, *, scale: float,
                     tiles: WindowTiles, interpret: bool = False, pad_chunks_to: int = 1
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -690,6 +730,11 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
     one = _pass_one(q, pool, page_table, tiles)
     rb, parts = one.rows, one.parts
     nc_pad = max(_pow2(one.n_chunks), pad_chunks_to)
+    if _mgpu_pass_one(q, pool, tiles, interpret):
+        from pallas_kernels import attention_window_mgpu as awm
+        return awm.window_partials_mgpu(q, pool, one.page_table, cache_len, scale=scale, chunk=tiles.chunk,
+                                        n_chunks=one.n_chunks, nc_pad=nc_pad, max_keys=one.max_keys,
+                                        tiles=awm.WindowMgpuTiles(stages=tiles.num_stages), interpret=interpret)
 
     with jax.named_scope("attn_window_chunks"):
         kernel = functools.partial(_window_chunk_kernel, fp8=pool.fp8, scale=scale, r=r, group=hq // hkv, mrows=rb,
@@ -732,6 +777,7 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
     if tiles is None:
         tiles = window_tiles(page_size=pool.page_size, max_keys=page_table.shape[-1] * pool.page_size,
                              head_dim=pool.k.shape[-1], fp8=pool.fp8)
+        tiles = dataclasses.replace(tiles, impl=window_impl(q.dtype, pool, q.shape[2], tiles, interpret))
     hkv = _check_window(q, k_win, v_win, parents, pool, page_table, cache_len, tiles)
     if tiles.tail == "tickets":
         return _window_tickets(q, k_win, v_win, parents, pool, page_table, cache_len, scale=scale, tiles=tiles,
@@ -925,6 +971,10 @@ def _check_window(q, k_win, v_win, parents, pool: KVPool, page_table, cache_len,
         raise ValueError(f"WindowTiles.merge_unroll={tiles.merge_unroll} must be >= 1")
     if tiles.fp8_dot not in ("bfloat16", "float16"):
         raise ValueError(f"WindowTiles.fp8_dot must be 'bfloat16' or 'float16'; got {tiles.fp8_dot!r}")
+    if tiles.impl not in ("triton", "mgpu"):
+        raise ValueError(f"WindowTiles.impl must be 'triton' or 'mgpu'; got {tiles.impl!r}")
+    if tiles.impl == "mgpu" and tiles.tail != "passes":
+        raise ValueError(f"WindowTiles.impl='mgpu' needs tail='passes'; got tail={tiles.tail!r}")
     if tiles.tail not in ("passes", "tickets"):
         raise ValueError(f"WindowTiles.tail must be 'passes' or 'tickets'; got {tiles.tail!r}")
     if tiles.walk not in ("page", "flat"):

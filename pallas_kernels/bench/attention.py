@@ -3,6 +3,7 @@ the plain-XLA references and cuDNN through jax.nn.dot_product_attention (contigu
 
     python -m pallas_kernels.bench attention [--sections decode,window,prompt,write,tune] [--json FILE] [--smoke]
     python -m pallas_kernels.bench attention --sections prompt_mgpu   # Mosaic GPU prompt vs Triton vs cuDNN
+    python -m pallas_kernels.bench attention --sections window_mgpu   # Mosaic GPU window pass 1 vs Triton
 
 Times are per call, amortised over a jitted scan of calls that rotate page tables over distinct pages (so small
 contexts are not served from L2) and feed every output into a running sum (so no call can be skipped).
@@ -305,6 +306,25 @@ def summarize_prompt_mgpu(env: Env) -> None:
     print(table(["impl", "prefix", "us", "TFLOP/s", "x cuDNN"], body))
 
 
+def summarize_window_mgpu(env: Env, bw: float | None) -> None:
+    rows = [r for r in env.results if r.get("tag", "").startswith("window_mgpu")]
+    if not rows:
+        return
+    us = {(r["tag"].split()[1], r["streams"], r["context"], r["rows"]): r["us"] for r in rows}
+    print(f"\n### window_mgpu: bf16 windows, µs (1-row: % of the {bw or math.nan:.2f} TB/s copy, target 80 % at "
+          ">= 32K; 16-row / 1-row: target <= 1.3)")
+    body = []
+    for streams, ctx in dict.fromkeys((r["streams"], r["context"]) for r in rows):
+        cells = [streams, ctx]
+        for impl in ("triton", "mgpu"):
+            one, sixteen = us.get((impl, streams, ctx, 1), math.nan), us.get((impl, streams, ctx, 16), math.nan)
+            pct = 100 * kv_bytes(ctx * streams, False) / (one * 1e-6) / (bw * 1e12) if bw else math.nan
+            cells += [one, pct, sixteen, sixteen / one]
+        body.append(cells)
+    print(table(["streams", "context", "triton 1-row", "% copy", "triton 16-row", "ratio", "mgpu 1-row", "% copy",
+                 "mgpu 16-row", "ratio"], body))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # write
 # ---------------------------------------------------------------------------------------------------------------
@@ -567,6 +587,7 @@ def main(argv: list[str]) -> int:
                     help="any of compare (shipped tiles vs DECODE_COMPARE/PROMPT_COMPARE and cuDNN, ~2 min), "
                          "prompt_mgpu (the Mosaic GPU prompt kernel vs the Triton one and cuDNN; prompt_mgpu_variants "
                          "adds MGPU_VARIANTS), "
+                         "window_mgpu (the Mosaic GPU window pass 1 vs the Triton one), "
                          "tune (sweep tiles/page sizes first, then use the winners), decode, prompt, window, window16, write, "
                          "xla (plain-XLA reference rows)")
     ap.add_argument("--json", default=None, help="write every measured row here")
@@ -580,8 +601,8 @@ def main(argv: list[str]) -> int:
     JSON_PATH = args.json
     sections = args.sections.split(",")
     if args.smoke:
-        # (head dim 64 where the Mosaic GPU prompt kernel runs: its least)
-        HQ, HKV, D = 4, 2, 64 if any(s.startswith("prompt_mgpu") for s in sections) else 32
+        # (head dim 64 where the Mosaic GPU kernels run: their least)
+        HQ, HKV, D = 4, 2, 64 if any(s.startswith(("prompt_mgpu", "window_mgpu")) for s in sections) else 32
         SCALE = D ** -0.5
     env = Env(interpret=args.smoke, page_size=8 if args.smoke else args.page_size, reps=2 if args.smoke else 8,
               results=[])
@@ -659,6 +680,19 @@ def main(argv: list[str]) -> int:
                 for name, tiles in variants.items():
                     bench_window(env, streams=1, rows=16, context=ctx, fp8=fp8, tiles=tiles, impls=("kernel",),
                                  tag=f"window16 {name} ({tiles.walk} walk)")
+    if "window_mgpu" in sections:
+        # Pass 1 on Mosaic GPU (`attention_window_mgpu`) beside the Triton pass 1 (the same fold pass and merge
+        # after either), bf16 pool: the 1-row decode and the 16-row tree window, 1 stream at every context and 16
+        # streams at the first two.
+        print("== window_mgpu: pass 1 on Mosaic GPU vs Triton, bf16, 1- and 16-row windows", flush=True)
+        for streams, ctxs in ((1, contexts), (16 if gpu else 2, contexts[:2])):
+            for ctx in ctxs:
+                for rows in (1, 16):
+                    base = decode_for(False) if rows == 1 else window_for(False)
+                    for name, tiles in (("triton", base), ("mgpu", dataclasses.replace(base, impl="mgpu",
+                                                                                       num_stages=None))):
+                        bench_window(env, streams=streams, rows=rows, context=ctx, fp8=False, tiles=tiles,
+                                     impls=("kernel",), tag=f"window_mgpu {name}")
     if "write" in sections:
         print("== KV write (in place, donated pool)", flush=True)
         for fp8 in (False, True):
@@ -674,6 +708,7 @@ def main(argv: list[str]) -> int:
     summarize(env, bw)
     summarize_compare(env, bw)
     summarize_prompt_mgpu(env)
+    summarize_window_mgpu(env, bw)
     return 0
 
 

@@ -1,0 +1,312 @@
+"""Pass 1 of the verify/decode window (`attention.window`) on Mosaic GPU: the chunk partials of the committed keys,
+with wgmma for S = Q K^T and P V and a TMA pipeline over the pages.
+
+Letters as in `attention`: s streams, r window rows, h query heads, g KV heads, d head dim, m packed rows.
+
+Why: the Triton pass 1 holds a chunk program's packed rows (6 query heads x the window's rows, 96 for a 16-row
+window) as one register tile; at 128 packed rows it spilled and ran at 1.8-2.2x the 1-row time at 32K / 128K keys
+on the H200 (issue #5 asks for <= 1.3x). Here a CTA owns one (stream, KV head, chunk of `chunk` committed keys):
+its packed rows in one or two compute warpgroups of 64 rows (the wgmma M), and a memory warpgroup that walks the
+chunk's pages through the page table, one 64-key block a step, K and V by TMA into `stages` shared-memory slots on
+barriers of their own. Per block a compute warpgroup runs S = Q K^T into a fresh fp32 accumulator, the online
+softmax in fp32 registers (exp2 of logits scaled by scale log2 e), P rounded to bf16 as the register A operand of
+P V, accumulated into the running fp32 O. At the chunk's end each warpgroup writes its rows' partial (m, l, O, O
+relative to m) over the K/V slots it no longer reads; `attention.window`'s fold pass and merge then combine the
+partials in chunk order and add the window's own keys, as for the Triton pass 1.
+
+Output contract (that of `attention.window_partials`): m, l [S, Hkv, NC, M] and acc [S, Hkv, NC, M, D] fp32, m in
+natural-log units (the partial is exp(s scale - m) summed), for the chunks below each stream's context; other
+chunks are left unwritten, and rows at or past R G hold the padding rows' values (the merge reads only real rows).
+
+Exactness: key block b of chunk c always covers absolute keys [c chunk + b 64, c chunk + (b + 1) 64), every block
+runs the same operations (keys at or past the context masked to -inf on the raw S), and a row's S, max, sum and
+P V are computed from that row alone (wgmma reduces over d per row, the softmax reductions are per row), so a row's
+partial depends only on its own query, its stream's keys and the chunk grid: not on the other rows of the window
+(the 1-row decode and a row of a 16-row window get the same bits), on the other streams, on how many pages the
+table holds, on the compute warpgroup it lands in or on `stages`. The bits differ from the Triton pass 1's (another
+reduction order inside the MMAs, 64-key blocks); a model uses one pass 1 (`attention.WINDOW_IMPL`).
+
+Floors (H200, 27B: Hkv 4, G 6, d 256, bf16 pool): the keys' bytes, 4 KiB a key (K and V of 4 heads), 134 MB at 32K
+keys, ~31 µs at 4.3 TB/s; a 16-row window's 96 packed rows add 4 heads x 96 x 32K x 256 x 4 FLOPs (S and P V),
+12.9 GFLOP, ~16 µs at 790 TFLOP/s: under the bytes. Shared memory (227 KiB): Q 64 rows x d bf16 per compute
+warpgroup (32 KiB at d 256) plus `stages` x 64 KiB of K and V slots (reused for the fp32 O partials, 64 KiB a
+warpgroup), so 3 stages with one compute warpgroup, 2 with two.
+
+Interpret mode (CPU, `plgpu.InterpretGPUParams`): as `attention_mgpu`, P goes through shared memory for the P V
+wgmma and P V lands in a fresh accumulator added to O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.attention import SMEM_BYTES, _padded_rows
+from pallas_kernels.attention_mgpu import COMPUTE_REGISTERS, MEMORY_REGISTERS, WG_ROWS, _div, _transforms
+from pallas_kernels.kv_quant import KVPool
+
+BLOCK_K = 64  # keys a step (P V contracts over them: a multiple of 64 for V's 128-byte swizzled rows)
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowMgpuTiles:
+    """Launch choices of the Mosaic GPU pass 1; none changes a row's bits. stages: K/V blocks in flight (None: 3 with
+    one compute warpgroup, 2 with two, what shared memory holds at d 256)."""
+    stages: int | None = None
+
+
+def compute_warpgroups(packed_rows: int) -> int:
+    """Compute warpgroups of a CTA for `packed_rows` packed rows (R G): 64 rows each."""
+    return -(-packed_rows // WG_ROWS)
+
+
+def stages_for(tiles: WindowMgpuTiles, wgs: int) -> int:
+    return tiles.stages or (3 if wgs == 1 else 2)
+
+
+def smem_bytes(*, wgs: int, stages: int, head_dim: int, interpret: bool = False) -> int:
+    """Shared memory a CTA asks for: the Q tiles, the K/V slots (which the O partials and their m and l reuse), and
+    interpret mode's P tiles (barriers aside: the lowering found 112 more bytes than this)."""
+    q = wgs * WG_ROWS * head_dim * 2
+    kv = stages * 2 * BLOCK_K * head_dim * 2
+    out = wgs * WG_ROWS * head_dim * 4
+    ml = 2 * wgs * WG_ROWS * 4
+    p = wgs * WG_ROWS * BLOCK_K * 2 if interpret else 0
+    return q + max(kv, out + ml) + p
+
+
+def pack_queries(q: jax.Array, hkv: int) -> jax.Array:
+    """q [S, R, Hq, D] -> [S, Hkv, W * 64, D]: KV head g's packed rows m = r G + h (query head g G + h of window row
+    r, as `attention._packed_rows`), zeros past R G up to the compute warpgroups' rows."""
+    s, r, hq, d = q.shape
+    group = hq // hkv
+    packed = jnp.moveaxis(q.reshape(s, r, hkv, group, d), 2, 1).reshape(s, hkv, r * group, d)
+    rows = compute_warpgroups(r * group) * WG_ROWS
+    return jnp.pad(packed, ((0, 0), (0, 0), (0, rows - r * group), (0, 0)))
+
+
+def _kernel_call(qp: jax.Array, k: jax.Array, v: jax.Array, page_table: jax.Array, cache_len: jax.Array, *,
+                 scale: float, chunk: int, n_chunks: int, nc_pad: int, mrows: int, max_keys: int, stages: int,
+                 interpret: bool | plgpu.InterpretGPUParams) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """qp [S, Hkv, W 64, D] bf16 (`pack_queries`); k, v [Hkv, P, page, D] bf16; page_table [S, Pmax'] int32
+    covering n_chunks chunks; cache_len [S] int32 -> m, l [S, Hkv, nc_pad, mrows], acc [S, Hkv, nc_pad, mrows, D]
+    fp32. Grid (chunk, KV head, stream)."""
+    s_count, hkv, qrows, d = qp.shape
+    wgs = qrows // WG_ROWS
+    ps = k.shape[2]
+    bk = BLOCK_K
+    span = min(bk, ps)  # keys one copy moves: a page, or a block's part of one
+    copies = bk // span  # copies a block (pages shorter than a block)
+    per_chunk = chunk // bk
+    store_rows = min(WG_ROWS, mrows)  # rows a warpgroup writes (mrows >= 16; two warpgroups: mrows = 128)
+    c_log2 = scale * _LOG2E
+
+    def kernel(len_gmem, pt_gmem, q_gmem, k_gmem, v_gmem, m_gmem, l_gmem, acc_gmem, q_smem, union, p_smem,
+               k_ready, v_ready, k_free, v_free, q_ready, drained):
+        # len_gmem [S]; pt_gmem [S, Pmax']; q_gmem [S, Hkv, W 64, D]; k_gmem, v_gmem [Hkv, P, page, D]; outputs
+        # m_gmem, l_gmem [S, Hkv, NC, M], acc_gmem [S, Hkv, NC, M, D]. q_smem [W, 64, D]; union: the K / V slots
+        # [stages, 64, D] bf16, later the O partials [W, 64, D] and their (m, l) [W, 2, 64] fp32; interpret:
+        # p_smem [W, 64, 64] bf16.
+        (k_smem, v_smem), (out_smem, ml_smem) = union
+        c = lax.axis_index("chunks")
+        g = lax.axis_index("heads")
+        s = lax.axis_index("streams")
+        wg = lax.axis_index("wg")
+        n_keys = lax.min(len_gmem[s], jnp.int32(max_keys))
+        first = c * chunk
+        n_blocks = lax.clamp(0, _div(lax.max(n_keys - first, 0) + bk - 1, bk), per_chunk)
+
+        @pl.when((n_blocks > 0) & (wg < wgs))
+        def _compute():
+            if wgs == 2:
+                plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+            qt = q_smem.at[wg]
+            plgpu.copy_gmem_to_smem(q_gmem.at[s, g, pl.ds(wg * WG_ROWS, WG_ROWS)], qt, q_ready.at[wg])
+            plgpu.barrier_wait(q_ready.at[wg])
+            plgpu.barrier_wait(k_ready.at[0])
+
+            def step(b, carry):
+                acc, m, l = carry
+                slot = lax.rem(b, stages)
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, qt, k_smem.at[slot].T)
+                    return acc_ref[...]
+
+                logits = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, bk), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                # Every block takes the same select on the raw S (keys at or past the context: -inf), so a
+                # visible logit meets the same operations in every block.
+                col = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, bk), 1, layout=plgpu.Layout.WGMMA)
+                logits = jnp.where(col < n_keys - (first + b * bk), logits, -jnp.inf)
+                m_new = jnp.maximum(m, logits.max(axis=1) * c_log2)
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(logits * c_log2 - lax.broadcast_in_dim(m_new, logits.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p.astype(jnp.bfloat16)
+                plgpu.barrier_wait(v_ready.at[slot])
+
+                def wait_next_keys():
+                    @pl.when(b + 1 < n_blocks)
+                    def _():
+                        plgpu.barrier_wait(k_ready.at[lax.rem(b + 1, stages)])
+
+                if interpret:
+                    p_smem[wg] = p16
+                    plgpu.commit_smem()
+
+                    def pv_fresh(acc_ref):
+                        plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
+                        wait_next_keys()
+                        return acc_ref[...]
+
+                    acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((WG_ROWS, d), jnp.float32))
+                else:
+                    def pv(acc_ref):
+                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                        wait_next_keys()
+
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l
+
+            carry = (plgpu.layout_cast(jnp.full((WG_ROWS, d), 0, jnp.float32), plgpu.Layout.WGMMA),
+                     plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+                     plgpu.layout_cast(jnp.full((WG_ROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+            acc, m, l = lax.fori_loop(0, n_blocks, step, carry)
+            # The O partials go over the K/V slots: every compute warpgroup has read its last block first (the
+            # memory warpgroup fetched only the blocks the compute warpgroups waited for, so no copy is in flight).
+            if wgs == 2:
+                plgpu.barrier_arrive(drained)
+                plgpu.barrier_wait(drained)
+            out = out_smem.at[wg]
+            out[...] = acc
+            ml_smem[wg, 0] = m * _LN2  # natural-log units, as the merge weighs partials
+            ml_smem[wg, 1] = l
+            plgpu.commit_smem()
+            rows = pl.ds(wg * WG_ROWS, store_rows)
+            plgpu.copy_smem_to_gmem(out.at[pl.ds(0, store_rows)], acc_gmem.at[s, g, c, rows])
+            plgpu.copy_smem_to_gmem(ml_smem.at[wg, 0, pl.ds(0, store_rows)], m_gmem.at[s, g, c, rows])
+            plgpu.copy_smem_to_gmem(ml_smem.at[wg, 1, pl.ds(0, store_rows)], l_gmem.at[s, g, c, rows])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when((n_blocks > 0) & (wg == wgs))
+        def _memory():
+            if wgs == 2:
+                plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+            kv = ((k_gmem, k_smem, k_ready, k_free), (v_gmem, v_smem, v_ready, v_free))
+            last_page = _div(n_keys - 1, ps)
+
+            def fetch(b, reuse: bool):
+                # Block b's keys into its slot through the page table; reuse: first wait until every compute
+                # warpgroup released the slot's last block (K and V apart).
+                slot = lax.rem(b, stages)
+                key0 = first + b * bk
+                for src, dst, ready, free in kv:
+                    if reuse:
+                        plgpu.barrier_wait(free.at[slot])
+                    for j in range(copies):
+                        pos = key0 + j * span
+                        # A page of the block wholly past the context is replaced by the last live one (its keys
+                        # are masked either way): only pages holding the stream's keys are ever read, as in the
+                        # Triton pass 1, whose blocks never outrun a page.
+                        logical = lax.min(_div(pos, ps), last_page) if copies > 1 else _div(pos, ps)
+                        page = pt_gmem[s, logical]
+                        rows = src.at[g, page] if span == ps else src.at[g, page, pl.ds(pos - logical * ps, span)]
+                        into = dst.at[slot] if copies == 1 else dst.at[slot, pl.ds(j * span, span)]
+                        plgpu.copy_gmem_to_smem(rows, into, ready.at[slot])
+
+            for b in range(min(stages, per_chunk)):
+                pl.when(b < n_blocks)(functools.partial(fetch, jnp.int32(b), False))
+            pl.loop(stages, lax.max(n_blocks, stages))(functools.partial(fetch, reuse=True))
+
+            # The last blocks' releases, observed for the interpreter (it checks that a barrier's waiters saw
+            # every phase); nothing waits for them on the device.
+            @pl.loop(lax.max(n_blocks, stages), n_blocks + stages)
+            def _(b):
+                for *_, free in kv:
+                    plgpu.barrier_wait(free.at[lax.rem(b, stages)])
+
+    qd = _transforms(d)
+    kv_slots = (plgpu.SMEM((stages, bk, d), jnp.bfloat16, transforms=qd),
+                plgpu.SMEM((stages, bk, d), jnp.bfloat16, transforms=qd))
+    smem = (plgpu.SMEM((wgs, WG_ROWS, d), jnp.bfloat16, transforms=qd),
+            plgpu.RefUnion(kv_slots, (plgpu.SMEM((wgs, WG_ROWS, d), jnp.float32),
+                                      plgpu.SMEM((wgs, 2, WG_ROWS), jnp.float32))),
+            plgpu.SMEM((wgs, WG_ROWS, bk), jnp.bfloat16, transforms=_transforms(bk)) if interpret else None)
+    f32 = jnp.float32
+    call = plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((s_count, hkv, nc_pad, mrows), f32),
+                  jax.ShapeDtypeStruct((s_count, hkv, nc_pad, mrows), f32),
+                  jax.ShapeDtypeStruct((s_count, hkv, nc_pad, mrows, d), f32)),
+        grid=(n_chunks, hkv, s_count), grid_names=("chunks", "heads", "streams"),
+        num_threads=wgs + 1, thread_name="wg", kernel_name="attn_window_chunks_mgpu",
+        scratch_types=(*smem,
+                       plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+                       plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+                       plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+                       plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+                       plgpu.Barrier(num_barriers=wgs),
+                       plgpu.Barrier(num_arrivals=wgs)),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
+                   else plgpu.InterpretGPUParams() if interpret else None))
+    return call(cache_len, page_table, qp, k, v)
+
+
+MAX_WINDOW_ROWS = 16  # as attention.window
+
+
+def unsupported(q_dtype, pool: KVPool, group: int, *, chunk: int, stages: int | None = None,
+                interpret: bool = False) -> str | None:
+    """Why a model's window calls cannot run the Mosaic GPU pass 1 (None: they can), from the model and cache
+    layout alone: a window of up to MAX_WINDOW_ROWS rows must fit, so that every call of the model (a serial step
+    or a drafted window) runs the same pass 1."""
+    d = pool.k.shape[-1]
+    if pool.fp8 or pool.k.dtype != jnp.bfloat16 or jnp.dtype(q_dtype) != jnp.bfloat16:
+        return f"bf16 queries over a bf16 pool only; got q {jnp.dtype(q_dtype)}, pool {pool.k.dtype}"
+    if d % 64 or d > 256:
+        return f"a head dim that is a multiple of 64, at most 256; got {d}"
+    ps = pool.page_size
+    if ps % BLOCK_K and (BLOCK_K % ps or ps < 8):
+        return f"pages of a multiple of {BLOCK_K} keys, or of 8..{BLOCK_K} keys dividing it; got {ps}"
+    if chunk % BLOCK_K:
+        return f"a chunk that is a multiple of {BLOCK_K} keys; got {chunk}"
+    if compute_warpgroups(MAX_WINDOW_ROWS * group) > 2:
+        return (f"at most {2 * WG_ROWS} packed rows ({MAX_WINDOW_ROWS} window rows x {group} query heads a KV head "
+                f"is {MAX_WINDOW_ROWS * group})")
+    for wgs in range(1, compute_warpgroups(MAX_WINDOW_ROWS * group) + 1):
+        n = stages or stages_for(WindowMgpuTiles(), wgs)
+        need = smem_bytes(wgs=wgs, stages=n, head_dim=d, interpret=interpret)
+        if n < 1 or need > SMEM_BYTES:
+            return f"{n} K/V stages with {wgs} compute warpgroups at head dim {d} need {need} bytes of shared memory"
+    return None
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "chunk", "n_chunks", "nc_pad", "max_keys", "tiles",
+                                             "interpret"))
+def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len: jax.Array, *, scale: float,
+                         chunk: int, n_chunks: int, nc_pad: int, max_keys: int, tiles: WindowMgpuTiles,
+                         interpret: bool | plgpu.InterpretGPUParams = False):
+    """`attention.window_partials` on Mosaic GPU (the caller checked the model with `unsupported`): q [S, R, Hq, D]
+    bf16; page_table [S, Pmax'] covering n_chunks chunks of `chunk` keys; cache_len [S] -> m, l [S, Hkv, nc_pad, M],
+    acc [S, Hkv, nc_pad, M, D] fp32, M = attention._padded_rows(R G)."""
+    _, r, hq, _ = q.shape
+    hkv = pool.k.shape[0]
+    qp = pack_queries(q, hkv)
+    with jax.named_scope("attn_window_chunks_mgpu"):
+        return _kernel_call(qp, pool.k, pool.v, page_table.astype(jnp.int32), cache_len.astype(jnp.int32),
+                            scale=scale, chunk=chunk, n_chunks=n_chunks, nc_pad=nc_pad,
+                            mrows=_padded_rows(r * (hq // hkv)), max_keys=max_keys,
+                            stages=stages_for(tiles, qp.shape[2] // WG_ROWS), interpret=interpret)

@@ -1,0 +1,228 @@
+"""The Mosaic GPU pass 1 of the verify/decode window (`attention_window_mgpu`, `WindowTiles(impl="mgpu")`) against
+`attention.window_reference` and the float64 numpy attention of test_attention, plus the exactness properties: a
+row's bits never depend on the other rows of its window (a serial step and a row of a drafted window agree, in one
+compute warpgroup or two), on the other streams, on the table width, or on the K/V stages in flight.
+
+CPU runs the kernel in Mosaic GPU's interpreter (unwritten outputs are NaN there) at head dim 64 on 16-key pages
+(four copies a 64-key block) with 128-key chunks, and lowers it for sm_90 at the 27B shape; `-m gpu` runs it
+compiled at the 27B shape (24 query heads, 4 KV heads, head dim 256, 64-key pages)."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import attention as at
+from pallas_kernels import attention_window_mgpu as awm
+from pallas_kernels import kv_quant as kq
+from tests.test_attention import BIG, CHAIN, TREE, bits, np_window, rel_err, scattered_tables, window_case
+from tests.test_attention_mgpu import row_invariant_interpreter_wgmma  # noqa: F401 (autouse fixture)
+
+GPU = pytest.mark.gpu
+pytestmark = pytest.mark.timeout(600)
+
+SMALL = dict(hq=4, hkv=2, d=64, page_size=16)
+# No context yet, inside the first block, exactly one chunk, three chunks ending mid-page; trees and chains.
+CASE = dict(s=4, pmax=20, num_pages=90, cache_lens=[0, 37, 128, 300], parents=[TREE, CHAIN, TREE, CHAIN], **SMALL)
+# 128-key chunks of two 64-key blocks; fold 2: the 3-chunk stream goes through the fold pass.
+TILES = at.WindowTiles(chunk=128, fold=2, impl="mgpu")
+SCALE = SMALL["d"] ** -0.5
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
+def run(q, kw, vw, par, pool, table, cache_len, *, tiles=TILES, interpret=True):
+    return at.window(q, kw, vw, par, pool, table, cache_len, scale=SCALE, interpret=interpret, tiles=tiles)
+
+
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
+def partials(q, pool, table, cache_len, *, tiles=TILES, interpret=True):
+    return at.window_partials(q, pool, table, cache_len, scale=SCALE, tiles=tiles, interpret=interpret)
+
+
+def _live_rows(part, cache_len, chunk, rows):
+    """The written entries of m / l / acc [S, Hkv, NC, M, ...]: live chunks of each stream, packed rows < rows."""
+    out = []
+    for s, n in enumerate(np.asarray(cache_len)):
+        out.append(np.asarray(part[s, :, : -(-int(n) // chunk), :rows]))
+    return out
+
+
+def test_matches_reference_and_float64():
+    rng = np.random.default_rng(60)
+    case = window_case(rng, r=7, dtype=jnp.bfloat16, **CASE)
+    got = run(*case)
+    want = np_window(*case, SCALE)
+    assert got.shape == case[0].shape and got.dtype == case[0].dtype
+    assert rel_err(got, want) < 1e-2
+    ref = jax.jit(at.window_reference, static_argnames="scale")(*case, scale=SCALE)
+    assert rel_err(got, np.asarray(ref.astype(jnp.float32), np.float64)) < 1e-2
+    triton = run(*case, tiles=dataclasses.replace(TILES, impl="triton", block_k=16))
+    assert rel_err(triton, want) < 1e-2
+
+
+def test_row_bits_ignore_window_streams_table_width_and_stages():
+    rng = np.random.default_rng(61)
+    q, kw, vw, par, pool, table, cache_len = window_case(rng, r=7, dtype=jnp.bfloat16, **CASE)
+    batch = run(q, kw, vw, par, pool, table, cache_len)
+    # Stream 3 alone, its table widened by 12 pages it never reaches (more chunk CTAs), 1 or 3 K/V stages.
+    wide = jnp.concatenate([table[3:4], scattered_tables(rng, 1, 12, 90)], axis=1)
+    for stages in (None, 1, 3):
+        alone = run(q[3:4], kw[3:4], vw[3:4], par[3:4], pool, wide, cache_len[3:4],
+                    tiles=dataclasses.replace(TILES, num_stages=stages))
+        assert np.array_equal(bits(alone[0]), bits(batch[3])), stages
+    # Other streams' queries, windows and contexts never leak into a row.
+    moved = run(q.at[0].set(q[3]), kw.at[1].set(kw[0]), vw, par, pool, table, cache_len.at[0].set(9))
+    assert np.array_equal(bits(moved[2]), bits(batch[2])) and np.array_equal(bits(moved[3]), bits(batch[3]))
+    # The serial step: row 0 alone (a 1-row window, its own key the only window key it sees) has the bits row 0
+    # of the drafted window has.
+    step = run(q[:, :1], kw[:, :1], vw[:, :1], par[:, :1], pool, table, cache_len)
+    assert np.array_equal(bits(step[:, 0]), bits(batch[:, 0]))
+
+
+def test_two_compute_warpgroups_give_a_row_the_bits_of_one():
+    """72 packed rows (9 window rows x 8 query heads a KV head) run two compute warpgroups; each row's chunk
+    partials have the bits the same query gets alone in a 1-row window (one warpgroup), and the window is right."""
+    rng = np.random.default_rng(62)
+    heads = dict(SMALL, hq=16)
+    case = window_case(rng, r=9, dtype=jnp.bfloat16, **dict(CASE, **heads, s=2, cache_lens=[300, 70],
+                                                             parents=[TREE + [6, 7], list(range(-1, 8))]))
+    q, kw, vw, par, pool, table, cache_len = case
+    assert awm.compute_warpgroups(9 * 8) == 2 and awm.compute_warpgroups(8) == 1
+    assert rel_err(run(*case), np_window(*case, SCALE)) < 1e-2
+    m9, l9, acc9 = partials(q, pool, table, cache_len)
+    for r in (0, 8):  # rows 0-7 (warpgroup 0) and 64-71 (warpgroup 1)
+        m1, l1, acc1 = partials(q[:, r:r + 1], pool, table, cache_len)
+        for nine, one in ((m9, m1), (l9, l1), (acc9, acc1)):
+            for a, b in zip(_live_rows(nine[:, :, :, 8 * r:], cache_len, 128, 8), _live_rows(one, cache_len, 128, 8)):
+                assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), r
+
+
+def test_pipeline_has_no_races():
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    rng = np.random.default_rng(63)
+    case = window_case(rng, r=3, dtype=jnp.bfloat16, **dict(CASE, s=2, cache_lens=[300, 37], parents=[TREE, CHAIN]))
+    q, kw, vw, par, pool, table, cache_len = case
+    m, l, acc = at.window_partials(q, pool, table, cache_len, scale=SCALE, tiles=dataclasses.replace(TILES, num_stages=2),
+                                   interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not gpu_callbacks.get_races().races_found
+    m_want, l_want, acc_want = partials(q, pool, table, cache_len)
+    for got, want in ((m, m_want), (l, l_want), (acc, acc_want)):
+        for a, b in zip(_live_rows(got, cache_len, 128, 6), _live_rows(want, cache_len, 128, 6)):
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_poison_outside_the_tables_never_leaks():
+    """NaN keys and values in every page no table holds, the dummy page 0 included (blocks past a stream's
+    context are never fetched), change no output bit."""
+    rng = np.random.default_rng(64)
+    q, kw, vw, par, pool, table, cache_len = window_case(rng, r=4, dtype=jnp.bfloat16, **CASE)
+    clean = run(q, kw, vw, par, pool, table, cache_len)
+    live = np.concatenate([np.asarray(table[s, : -(-int(n) // 16)]) for s, n in enumerate(np.asarray(cache_len))])
+    unused = np.setdiff1d(np.arange(pool.num_pages), live)
+    poison = lambda x: x.at[:, unused].set(jnp.nan)
+    dirty = run(q, kw, vw, par, kq.KVPool(poison(pool.k), poison(pool.v)), table, cache_len)
+    assert np.array_equal(bits(dirty), bits(clean))
+
+
+def test_routing_and_validation():
+    rng = np.random.default_rng(65)
+    fp8 = window_case(rng, r=3, dtype=kq.FP8, **dict(CASE, s=2, cache_lens=[300, 37], parents=[TREE, CHAIN]))
+    # fp8 pools keep the Triton pass 1 under impl="mgpu".
+    assert np.array_equal(bits(run(*fp8)), bits(run(*fp8, tiles=dataclasses.replace(TILES, impl="triton"))))
+    bf16 = window_case(rng, r=3, dtype=jnp.bfloat16, **dict(CASE, s=2, cache_lens=[300, 37], parents=[TREE, CHAIN]))
+    with pytest.raises(ValueError, match="impl"):
+        run(*bf16, tiles=dataclasses.replace(TILES, impl="cuda"))
+    with pytest.raises(ValueError, match="tail"):
+        at.window(*bf16, scale=SCALE, interpret=True, tiles=dataclasses.replace(TILES, tail="tickets"))
+    with pytest.raises(ValueError, match="chunk"):
+        at.window(*bf16, scale=SCALE, interpret=True, tiles=dataclasses.replace(TILES, chunk=96))
+    small_d = window_case(rng, r=3, dtype=jnp.bfloat16, **dict(CASE, d=32, s=2, cache_lens=[30, 7],
+                                                               parents=[TREE, CHAIN]))
+    with pytest.raises(ValueError, match="head dim"):
+        at.window(*small_d, scale=SCALE, interpret=True, tiles=dataclasses.replace(TILES, chunk=32))
+
+
+def test_window_impl_follows_the_model_not_the_call(monkeypatch):
+    """WINDOW_IMPL "auto": the Mosaic GPU pass 1 for a bf16 27B-shaped model compiled for a GPU; the Triton one in
+    interpret mode, for fp8 pools, and for a model whose 16-row windows would not fit two compute warpgroups (the
+    choice never looks at a call's rows)."""
+    sds = jax.ShapeDtypeStruct
+    bf16 = kq.KVPool(sds((4, 600, 64, 256), jnp.bfloat16), sds((4, 600, 64, 256), jnp.bfloat16))
+    fp8 = kq.KVPool(sds((4, 600, 64, 256), kq.FP8), sds((4, 600, 64, 256), kq.FP8))
+    shipped = at.window_tiles(page_size=64, max_keys=600 * 64, head_dim=256, fp8=False)
+    assert at.window_impl(jnp.bfloat16, bf16, 24, shipped, interpret=False) == "mgpu"
+    assert at.window_impl(jnp.bfloat16, bf16, 24, shipped, interpret=True) == "triton"
+    assert at.window_impl(jnp.bfloat16, fp8, 24, shipped, interpret=False) == "triton"
+    assert at.window_impl(jnp.bfloat16, bf16, 64, shipped, interpret=False) == "triton"  # 16 heads a KV head
+    monkeypatch.setattr(at, "WINDOW_IMPL", "triton")
+    assert at.window_impl(jnp.bfloat16, bf16, 24, shipped, interpret=False) == "triton"
+    monkeypatch.setattr(at, "WINDOW_IMPL", "fast")
+    with pytest.raises(ValueError, match="WINDOW_IMPL"):
+        at.window_impl(jnp.bfloat16, bf16, 24, shipped, interpret=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 27B shape: lowered for sm_90 on the CPU; compiled on the H200 (-m gpu)
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("stages", [None, 1])
+def test_lowers_for_sm90_at_27b_shape(rows, stages, h200_lowering):
+    """jax's lowering for CUDA on this CPU (Mosaic GPU's layout inference and dialect lowering for sm_90, shared
+    memory included; the fold and merge through Triton): one and two compute warpgroups, 1 or the default stages."""
+    sds = jax.ShapeDtypeStruct
+    pool = kq.KVPool(sds((4, 600, 64, 256), jnp.bfloat16), sds((4, 600, 64, 256), jnp.bfloat16))
+    tiles = dataclasses.replace(at.window_tiles(page_size=64, max_keys=576 * 64, head_dim=256, fp8=False),
+                                impl="mgpu", num_stages=stages)
+    fn = functools.partial(at.window, scale=1 / 16, tiles=tiles)
+    args = (sds((2, rows, 24, 256), jnp.bfloat16), sds((2, rows, 4, 256), jnp.bfloat16),
+            sds((2, rows, 4, 256), jnp.bfloat16), sds((2, rows), jnp.int32), pool, sds((2, 576), jnp.int32),
+            sds((2,), jnp.int32))
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
+
+
+def _gpu_case(rng, rows, cache_lens, pmax):
+    tree16 = TREE + list(range(6, 15))
+    return window_case(rng, r=rows, dtype=jnp.bfloat16,
+                       **dict(BIG, s=len(cache_lens), pmax=pmax, num_pages=len(cache_lens) * pmax + 1,
+                              cache_lens=cache_lens,
+                              parents=([tree16, list(range(-1, 15))] * len(cache_lens))[:len(cache_lens)]))
+
+
+@GPU
+def test_gpu_27b_windows():
+    """16-row trees and chains at 5000 / 1111 / 64 keys: right against float64; the 1-row step of each row-0 query
+    has row 0's bits; a stream alone (and its table widened) the same bits; 1 and 3 stages the default's bits."""
+    rng = np.random.default_rng(70)
+    case = _gpu_case(rng, 16, [5000, 1111, 64], 80)
+    q, kw, vw, par, pool, table, cache_len = case
+    shipped = dataclasses.replace(at.window_tiles(page_size=64, max_keys=80 * 64, head_dim=256, fp8=False),
+                                  impl="mgpu")
+    got = run(*case, tiles=shipped, interpret=False)
+    assert rel_err(got, np_window(*case, SCALE)) < 1e-2
+    step = run(q[:, :1], kw[:, :1], vw[:, :1], par[:, :1], pool, table, cache_len, tiles=shipped, interpret=False)
+    assert np.array_equal(bits(step[:, 0]), bits(got[:, 0]))
+    wide = jnp.concatenate([table[1:2], jnp.zeros((1, 40), jnp.int32)], axis=1)
+    for stages in (None, 1):
+        alone = run(q[1:2], kw[1:2], vw[1:2], par[1:2], pool, wide, cache_len[1:2],
+                    tiles=dataclasses.replace(shipped, num_stages=stages), interpret=False)
+        assert np.array_equal(bits(alone[0]), bits(got[1])), stages
+
+
+@GPU
+def test_gpu_27b_long_context_through_the_fold_pass():
+    """32K keys (64 chunks, the fold pass) beside a 700-key stream, 1- and 4-row windows: right against the
+    Triton pass 1 (fp32 sums either way) and float64."""
+    rng = np.random.default_rng(71)
+    case = _gpu_case(rng, 4, [32768, 700], 520)
+    shipped = at.window_tiles(page_size=64, max_keys=520 * 64, head_dim=256, fp8=False)
+    got = run(*case, tiles=dataclasses.replace(shipped, impl="mgpu"), interpret=False)
+    triton = run(*case, tiles=shipped, interpret=False)
+    want = np_window(*case, SCALE)
+    assert rel_err(got, want) < 1e-2 and rel_err(triton, want) < 1e-2
+    assert rel_err(got, np.asarray(triton.astype(jnp.float32), np.float64)) < 1e-2
