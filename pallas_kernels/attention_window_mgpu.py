@@ -16,7 +16,8 @@ partials in chunk order and add the window's own keys, as for the Triton pass 1.
 
 Output contract (that of `attention.window_partials`): m, l [S, Hkv, NC, M] and acc [S, Hkv, NC, M, D] fp32, m in
 natural-log units (the partial is exp(s scale - m) summed), for the chunks below each stream's context; other
-chunks are left unwritten, and rows at or past R G hold the padding rows' values (the merge reads only real rows).
+chunks are left unwritten, and so are rows past R G rounded up to 8 with one compute warpgroup (rows written past R
+G hold the padding rows' values; the merge reads only real rows).
 
 Exactness: key block b of chunk c always covers absolute keys [c chunk + b 64, c chunk + (b + 1) 64), every block
 runs the same operations (keys at or past the context masked to -inf on the raw S), and a row's S, max, sum and
@@ -95,11 +96,12 @@ def pack_queries(q: jax.Array, hkv: int) -> jax.Array:
 
 
 def _kernel_call(qp: jax.Array, k: jax.Array, v: jax.Array, page_table: jax.Array, cache_len: jax.Array, *,
-                 scale: float, chunk: int, n_chunks: int, nc_pad: int, mrows: int, max_keys: int, stages: int,
-                 interpret: bool | plgpu.InterpretGPUParams) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """qp [S, Hkv, W 64, D] bf16 (`pack_queries`); k, v [Hkv, P, page, D] bf16; page_table [S, Pmax'] int32
-    covering n_chunks chunks; cache_len [S] int32 -> m, l [S, Hkv, nc_pad, mrows], acc [S, Hkv, nc_pad, mrows, D]
-    fp32. Grid (chunk, KV head, stream)."""
+                 scale: float, chunk: int, n_chunks: int, nc_pad: int, real_rows: int, mrows: int, max_keys: int,
+                 stages: int, interpret: bool | plgpu.InterpretGPUParams) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """qp [S, Hkv, W 64, D] bf16 (`pack_queries`: real_rows = R G of them real); k, v [Hkv, P, page, D] bf16;
+    page_table [S, Pmax'] int32 covering n_chunks chunks; cache_len [S] int32 -> m, l [S, Hkv, nc_pad, mrows], acc
+    [S, Hkv, nc_pad, mrows, D] fp32 (one compute warpgroup: rows past R G rounded up to 8 unwritten). Grid
+    (chunk, KV head, stream)."""
     s_count, hkv, qrows, d = qp.shape
     wgs = qrows // WG_ROWS
     ps = k.shape[2]
@@ -107,7 +109,14 @@ def _kernel_call(qp: jax.Array, k: jax.Array, v: jax.Array, page_table: jax.Arra
     span = min(bk, ps)  # keys one copy moves: a page, or a block's part of one
     copies = bk // span  # copies a block (pages shorter than a block)
     per_chunk = chunk // bk
-    store_rows = min(WG_ROWS, mrows)  # rows a warpgroup writes (mrows >= 16; two warpgroups: mrows = 128)
+    # Rows warpgroup w writes: its real rows rounded up to 8 (at most mrows), so the partials a 16-row window
+    # writes and the fold pass reads are 96 rows, not 128 (at 32K keys 25 MB rather than 34 a call).
+    # Rows a warpgroup writes: with one compute warpgroup its real rows rounded up to 8 (a 1-row window writes 8
+    # rows of partials, not 16); with two, 64 each (at 96 real rows the second could write 32 rows, but a store of
+    # a size of its own per warpgroup, by branch or by predicate, deadlocked the interpreter inside a jitted
+    # program on this 2-core machine, so the two warpgroups write alike).
+    store_rows = -(-real_rows // 8) * 8 if wgs == 1 else WG_ROWS
+    assert store_rows <= mrows, (real_rows, mrows)
     c_log2 = scale * _LOG2E
 
     def kernel(len_gmem, pt_gmem, q_gmem, k_gmem, v_gmem, m_gmem, l_gmem, acc_gmem, q_smem, union, p_smem,
@@ -307,6 +316,6 @@ def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cach
     qp = pack_queries(q, hkv)
     with jax.named_scope("attn_window_chunks_mgpu"):
         return _kernel_call(qp, pool.k, pool.v, page_table.astype(jnp.int32), cache_len.astype(jnp.int32),
-                            scale=scale, chunk=chunk, n_chunks=n_chunks, nc_pad=nc_pad,
+                            scale=scale, chunk=chunk, n_chunks=n_chunks, nc_pad=nc_pad, real_rows=r * (hq // hkv),
                             mrows=_padded_rows(r * (hq // hkv)), max_keys=max_keys,
                             stages=stages_for(tiles, qp.shape[2] // WG_ROWS), interpret=interpret)

@@ -628,7 +628,12 @@ def main(argv: list[str]) -> int:
     tuned = "tune" in sections
 
     def decode_for(fp8: bool) -> at.WindowTiles:  # the shipped tiles of each KV dtype, unless a sweep chose
-        return decode_tiles if tuned else at.window_tiles(page_size=page, max_keys=contexts[-1], head_dim=D, fp8=fp8)
+        if tuned:
+            return decode_tiles
+        shipped = at.window_tiles(page_size=page, max_keys=contexts[-1], head_dim=D, fp8=fp8)
+        kv = jax.ShapeDtypeStruct((HKV, 1, page, D), kq.FP8 if fp8 else jnp.bfloat16)  # pass 1 as the engine picks
+        return dataclasses.replace(shipped, impl=at.window_impl(jnp.bfloat16, kq.KVPool(kv, kv), HQ, shipped,
+                                                                interpret=env.interpret))
 
     def window_for(fp8: bool) -> at.WindowTiles:  # 128 packed rows: 8 warps, 2 stages (shared memory)
         return dataclasses.replace(decode_for(fp8), num_warps=None, num_stages=None)
@@ -689,10 +694,10 @@ def main(argv: list[str]) -> int:
             for ctx in ctxs:
                 for rows in (1, 16):
                     base = decode_for(False) if rows == 1 else window_for(False)
-                    for name, tiles in (("triton", base), ("mgpu", dataclasses.replace(base, impl="mgpu",
-                                                                                       num_stages=None))):
-                        bench_window(env, streams=streams, rows=rows, context=ctx, fp8=False, tiles=tiles,
-                                     impls=("kernel",), tag=f"window_mgpu {name}")
+                    for impl in ("triton", "mgpu"):
+                        bench_window(env, streams=streams, rows=rows, context=ctx, fp8=False,
+                                     tiles=dataclasses.replace(base, impl=impl), impls=("kernel",),
+                                     tag=f"window_mgpu {impl}")
     if "write" in sections:
         print("== KV write (in place, donated pool)", flush=True)
         for fp8 in (False, True):

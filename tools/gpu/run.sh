@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -48,6 +48,17 @@ profile_by() {
 }
 
 case "$stage" in
+  sixtieth)
+    # Session 15, third call (~8 min): the Mosaic GPU window pass 1 writing 8 rows, not 16, with one warpgroup:
+    # its gpu tests, the window_mgpu bench again, then the 27B bench at this session's defaults (3 compute
+    # warpgroups in the decode qmm, the Mosaic GPU prompt attention and window pass 1).
+    timeout -s INT 100 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_attention_window_mgpu.py \
+      > "$out/gpu_tests_window_mgpu.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_window_mgpu.log" | cut -c1-200 | tail -8
+    timeout 150 python3 -m pallas_kernels.bench attention --sections window_mgpu --budget-s 130 \
+      --json "$out/attention_window_mgpu.json" 2>&1 | tee "$out/attention_window_mgpu.log" | grep -A12 "^### window_mgpu"
+    timeout 300 python3 -m qwen_jax bench --synthetic 27b --streams 1,16,64 --prompt-lengths 4096,32768 --rounds 64 \
+      2>&1 | tee "$out/bench_27b.log" | grep -E "^compile|^prompt |^decode " | tail -6 ;;
   fifty-ninth)
     # Session 15, second call (~8 min): the Mosaic GPU window pass 1 (attention_window_mgpu): its gpu tests, the
     # bench beside the Triton pass 1 (1- and 16-row bf16 windows, 1 stream at 4K / 32K / 128K, 16 streams at 4K /
