@@ -37,9 +37,8 @@ Status (session 14): right in the interpreter (tests/test_attention_mgpu.py) and
 float64 bounds, chunk cuts and launch variants bit for bit, at the 27B shape). `python -m pallas_kernels.bench
 attention --sections prompt_mgpu` on the H200: a 4K chunk in 547 µs after 0 keys (377 TFLOP/s, 1.01x cuDNN's 554 µs)
 and 5651 µs after 32K (620 TFLOP/s, 0.88x cuDNN's 4962), where the Triton kernel took 849 / 12691 µs. The default
-for bf16 pools on a GPU since then (`attention.PROMPT_IMPL`); the engine's 6 gates pass with it. It has no lowering
-cache (`qmm_mgpu` has one): every prompt program lowers it once per attention layer (the gates' run took 116 s
-against 86 s before).
+for bf16 pools on a GPU since then (`attention.PROMPT_IMPL`); the engine's 6 gates pass with it. Since session 15
+it is lowered once a process per shape (`mgpu_lowering`), not once per attention layer of every program.
 
 Interpret mode (CPU, `plgpu.InterpretGPUParams`) runs the same kernel with two differences the interpreter needs:
 P goes to shared memory for the P V wgmma (it takes no register operand), and P V lands in a fresh accumulator
@@ -60,6 +59,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention import SMEM_BYTES, _check_pool, _contiguous_keys, _pad_table, check_prompt_rows
 from pallas_kernels.kv_quant import KVPool
+from pallas_kernels.mgpu_lowering import CachedKernel
 
 WG_ROWS = 64  # query rows a compute warpgroup owns (the wgmma M)
 COMPUTE_REGISTERS, MEMORY_REGISTERS = 232, 40  # (2 x 232 + 40) x 128 threads <= the SM's 64K registers
@@ -96,7 +96,7 @@ def _div(a: jax.Array, b: int) -> jax.Array:
     return lax.div(a, jnp.asarray(b, a.dtype))
 
 
-def _kernel_call(q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array, lengths: jax.Array, *, scale: float,
+def _kernel_call(start: jax.Array, lengths: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
                  max_keys: int, group: int, tiles: PromptMgpuTiles,
                  interpret: bool | plgpu.InterpretGPUParams) -> jax.Array:
     """q [S, Tp, Hq, D] bf16 (Tp a multiple of block_q); k, v [Hkv, S, L, D] bf16 (L a multiple of block_k);
@@ -319,7 +319,15 @@ def _prompt(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array,
     page_table = _pad_table(page_table, -(-max_keys // tiles.block_k) * tiles.block_k, pool.page_size)
     with jax.named_scope("attn_prompt_gather"):
         k, v = _contiguous_keys(pool, page_table)
+    static = dict(scale=scale, max_keys=max_keys, group=hq // pool.k.shape[0], tiles=tiles)
     with jax.named_scope("attn_prompt_mgpu"):
-        out = _kernel_call(q, k, v, start, lengths, scale=scale, max_keys=max_keys, group=hq // pool.k.shape[0],
-                           tiles=tiles, interpret=interpret)
+        if interpret:
+            out = _kernel_call(start, lengths, q, k, v, interpret=interpret, **static)
+        else:
+            (out,) = _PROMPT(start, lengths, q, k, v, **static)
     return out[:, :t]
+
+
+# Lowered once a process per shapes and static parameters (`mgpu_lowering`): 16 attention layers a prompt program.
+_PROMPT = CachedKernel("attn_prompt_mgpu", _kernel_call,
+                       lambda _, __, q, *___, **____: [jax.core.ShapedArray(q.shape, q.dtype)])

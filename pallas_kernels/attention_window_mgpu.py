@@ -52,6 +52,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.attention import SMEM_BYTES, _padded_rows
 from pallas_kernels.attention_mgpu import COMPUTE_REGISTERS, MEMORY_REGISTERS, WG_ROWS, _div, _transforms
 from pallas_kernels.kv_quant import KVPool
+from pallas_kernels.mgpu_lowering import CachedKernel
 
 BLOCK_K = 64  # keys a step (P V contracts over them: a multiple of 64 for V's 128-byte swizzled rows)
 _LOG2E = math.log2(math.e)
@@ -95,7 +96,7 @@ def pack_queries(q: jax.Array, hkv: int) -> jax.Array:
     return jnp.pad(packed, ((0, 0), (0, 0), (0, rows - r * group), (0, 0)))
 
 
-def _kernel_call(qp: jax.Array, k: jax.Array, v: jax.Array, page_table: jax.Array, cache_len: jax.Array, *,
+def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: jax.Array, v: jax.Array, *,
                  scale: float, chunk: int, n_chunks: int, nc_pad: int, real_rows: int, mrows: int, max_keys: int,
                  stages: int, interpret: bool | plgpu.InterpretGPUParams) -> tuple[jax.Array, jax.Array, jax.Array]:
     """qp [S, Hkv, W 64, D] bf16 (`pack_queries`: real_rows = R G of them real); k, v [Hkv, P, page, D] bf16;
@@ -274,6 +275,13 @@ def _kernel_call(qp: jax.Array, k: jax.Array, v: jax.Array, page_table: jax.Arra
     return call(cache_len, page_table, qp, k, v)
 
 
+# Lowered once a process per shapes and static parameters (`mgpu_lowering`): 16 attention layers a decode program.
+_PARTIALS = CachedKernel(
+    "attn_window_mgpu_partials", _kernel_call,
+    lambda _, __, qp, *___, nc_pad, mrows, **____: [jax.core.ShapedArray((*qp.shape[:2], nc_pad, mrows),
+                                                                        jnp.float32)] * 2
+    + [jax.core.ShapedArray((*qp.shape[:2], nc_pad, mrows, qp.shape[3]), jnp.float32)])
+
 MAX_WINDOW_ROWS = 16  # as attention.window
 
 
@@ -314,8 +322,11 @@ def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cach
     _, r, hq, _ = q.shape
     hkv = pool.k.shape[0]
     qp = pack_queries(q, hkv)
+    operands = (cache_len.astype(jnp.int32), page_table.astype(jnp.int32), qp, pool.k, pool.v)  # the kernel's order
+    static = dict(scale=scale, chunk=chunk, n_chunks=n_chunks, nc_pad=nc_pad, real_rows=r * (hq // hkv),
+                  mrows=_padded_rows(r * (hq // hkv)), max_keys=max_keys,
+                  stages=stages_for(tiles, qp.shape[2] // WG_ROWS))
     with jax.named_scope("attn_window_chunks_mgpu"):
-        return _kernel_call(qp, pool.k, pool.v, page_table.astype(jnp.int32), cache_len.astype(jnp.int32),
-                            scale=scale, chunk=chunk, n_chunks=n_chunks, nc_pad=nc_pad, real_rows=r * (hq // hkv),
-                            mrows=_padded_rows(r * (hq // hkv)), max_keys=max_keys,
-                            stages=stages_for(tiles, qp.shape[2] // WG_ROWS), interpret=interpret)
+        if interpret:
+            return _kernel_call(*operands, interpret=interpret, **static)
+        return tuple(_PARTIALS(*operands, **static))

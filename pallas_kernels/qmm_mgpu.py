@@ -44,17 +44,17 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.interpreters import mlir
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.mosaic import gpu as mgpu
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import arith, llvm, vector
 
+from pallas_kernels import mgpu_lowering
+from pallas_kernels.mgpu_lowering import CachedKernel
 from pallas_kernels.qweight import (QuantizedWeight, add_rounded_once_to_bf16, from_lane_words, natural_words,
                                     to_lane_words, unpack)
 
@@ -319,13 +319,13 @@ def _lane_dequant_jnp(words: jax.Array, s_rows, b_rows) -> jax.Array:
 def _partials(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None, *, stages: int, block_groups: int,
               sms: int, interpret: bool, conversion: str = "words", probe: str | None = None, layout: str = "rows",
               n: int | None = None, accumulate: str = "fresh") -> jax.Array:
-    """`_kernel_call`, through the lowering cache (`_partials_p`) when compiled for the GPU."""
+    """`_kernel_call`, through the lowering cache (`_PARTIALS`) when compiled for the GPU."""
     kw = dict(stages=stages, block_groups=block_groups, sms=sms, conversion=conversion, probe=probe, layout=layout,
               n=n, accumulate=accumulate)
     args = (xp, qw, st) if layout == "tiles" else (xp, qw, st, bt)
     if interpret:
         return _kernel_call(*args, interpret=True, **kw)
-    return _partials_p.bind(*args, **kw)
+    return _PARTIALS(*args, **kw)[0]
 
 
 def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None = None, *, stages: int,
@@ -520,18 +520,9 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
     return call(xp, qw, st) if tiled else call(xp, qw, st, bt)
 
 
-# The lowering cache. jax lowers a Pallas kernel again in every program that calls it, and Mosaic GPU's lowering
-# of this kernel takes ~0.4-0.7 s on a CPU core (layout inference, dialect lowering, serialization), 6 kernels a
-# 27B decode program, 10 decode programs a server: tens of seconds of start-up. Each lowering also serializes a
-# module that differs from the last only in a per-process kernel counter and source locations, so its hash
-# differs and Mosaic GPU compiles the same kernel again for every program. The kernel's custom call depends only
-# on the operand shapes and the static parameters, so it is lowered once a process (in a program of its own) and
-# its attributes re-emitted into every later program: the program is the uncached one outside the kernel's
-# bytes, and the kernel's module the same but for that counter and the locations
-# (`tests/test_qmm_mgpu.py::test_lowering_cache_same_program`); one hash, compiled once.
+# The lowering cache (`mgpu_lowering`): the kernel's custom call lowered once a process per operand shapes and
+# static parameters. LOWERING_CACHE is read when a program is lowered.
 LOWERING_CACHE = True
-_LOWERED: dict[tuple, dict[str, str]] = {}
-_partials_p = jax.extend.core.Primitive("qmm_mgpu_partials")
 
 
 def _partials_shape(xp, qw, block_groups: int, sms: int, n: int | None) -> tuple[int, int, int]:
@@ -539,56 +530,13 @@ def _partials_shape(xp, qw, block_groups: int, sms: int, n: int | None) -> tuple
     return int(flat_schedule(n, xp.shape[1], block_groups, sms)[3].max()), n, xp.shape[0]
 
 
-_partials_p.def_abstract_eval(lambda xp, qw, *_, block_groups, sms, n=None, layout="rows", **__: jax.core.ShapedArray(
-    _partials_shape(xp, qw, block_groups, sms, n if layout == "tiles" else None), jnp.float32))
-_partials_p.def_impl(lambda *args, **kw: jax.jit(functools.partial(_partials_p.bind, **kw))(*args))
-
-
-def custom_calls(op) -> list:
-    """Every `stablehlo.custom_call` operation nested in the MLIR operation op, in program order."""
-    found = []
-    for region in op.regions:
-        for block in region.blocks:
-            for inner in block.operations:
-                if inner.operation.name == "stablehlo.custom_call":
-                    found.append(inner.operation)
-                found += custom_calls(inner.operation)
-    return found
-
-
-def _call_attributes(avals, kw: dict) -> dict[str, str]:
-    """The custom call `_kernel_call` lowers to for these operand avals, as {attribute: its text}; lowered in a
-    program of its own, which must hold exactly one custom call on the program's operands in order."""
-    args = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
-    fn = jax.jit(functools.partial(_kernel_call, interpret=False, **kw))
-    module = fn.trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
-    calls = custom_calls(module.operation)
-    if len(calls) != 1:
-        raise RuntimeError(f"qmm_mgpu lowering cache: expected one custom call, found {len(calls)}")
-    call = calls[0]
-    owner = call.parent.regions[0].blocks[0]
-    if [str(v.get_name()) for v in call.operands] != [str(owner.arguments[i].get_name()) for i in range(len(args))]:
-        raise RuntimeError("qmm_mgpu lowering cache: the custom call does not take the program's operands in order")
-    return {name: str(call.attributes[name]) for name in call.attributes}
-
-
-def _lower_cached(ctx, *operands, **kw):
-    if not LOWERING_CACHE or getattr(ctx.module_context.axis_context, "num_devices", None) != 1:
-        # cache off (read here, at lowering), or a program over several devices (Mosaic GPU's lowering reads the
-        # mesh): lowered in place, uncached
-        return mlir.lower_fun(functools.partial(_kernel_call, interpret=False, **kw), multiple_results=False)(
-            ctx, *operands)
-    key = (tuple((a.shape, str(a.dtype)) for a in ctx.avals_in), tuple(sorted(kw.items())))
-    attrs = _LOWERED.get(key)
-    if attrs is None:
-        attrs = _LOWERED[key] = _call_attributes(ctx.avals_in, kw)
-    op = mlir.ir.Operation.create(
-        "stablehlo.custom_call", results=[mlir.aval_to_ir_type(ctx.module_context, ctx.avals_out[0])],
-        operands=list(operands), attributes={name: mlir.ir.Attribute.parse(text) for name, text in attrs.items()})
-    return op.results
-
-
-mlir.register_lowering(_partials_p, _lower_cached, platform="cuda")
+_PARTIALS = CachedKernel(
+    "qmm_mgpu_partials", _kernel_call,
+    lambda xp, qw, *_, block_groups, sms, n=None, layout="rows", **__: [jax.core.ShapedArray(
+        _partials_shape(xp, qw, block_groups, sms, n if layout == "tiles" else None), jnp.float32)],
+    enabled=lambda: LOWERING_CACHE)
+_LOWERED = _PARTIALS.lowered  # (the tools clear it between variants)
+custom_calls = mgpu_lowering.custom_calls
 
 
 def block_groups_for(k: int) -> int:

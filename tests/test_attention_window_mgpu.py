@@ -226,3 +226,22 @@ def test_gpu_27b_long_context_through_the_fold_pass():
     want = np_window(*case, SCALE)
     assert rel_err(got, want) < 1e-2 and rel_err(triton, want) < 1e-2
     assert rel_err(got, np.asarray(triton.astype(jnp.float32), np.float64)) < 1e-2
+
+
+def test_lowering_cache_shares_the_kernel_across_programs(h200_lowering, monkeypatch):
+    """Two programs holding the same window call (one alone, one after other work) carry the same Mosaic GPU kernel
+    hash (`mgpu_lowering`: lowered once a process, so compiled once), and the cache holds one entry a shape."""
+    import re
+    monkeypatch.setattr(awm._PARTIALS, "lowered", {})
+    sds = jax.ShapeDtypeStruct
+    pool = kq.KVPool(sds((4, 600, 64, 256), jnp.bfloat16), sds((4, 600, 64, 256), jnp.bfloat16))
+    tiles = at.WindowTiles(impl="mgpu")
+    args = (sds((2, 4, 24, 256), jnp.bfloat16), sds((2, 4, 4, 256), jnp.bfloat16), sds((2, 4, 4, 256), jnp.bfloat16),
+            sds((2, 4), jnp.int32), pool, sds((2, 576), jnp.int32), sds((2,), jnp.int32))
+    alone = lambda q, kw, vw, *rest: at.window(q, kw, vw, *rest, scale=1 / 16, tiles=tiles)
+    after = lambda q, kw, vw, *rest: at.window(jnp.sin(q), kw * 2, vw, *rest, scale=1 / 16, tiles=tiles)
+    hashes = [set(re.findall(r'kernel_hash = "([^"]*)"',
+                             jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()))
+              for f in (alone, after)]
+    assert len(hashes[0]) == 1 and hashes[0] == hashes[1]
+    assert len(awm._PARTIALS.lowered) == 1

@@ -461,7 +461,7 @@ def test_lowering_cache_only_for_single_device_programs(monkeypatch):
 
     from jax.sharding import Mesh, PartitionSpec
 
-    monkeypatch.setattr(qmm_mgpu, "_LOWERED", {})
+    monkeypatch.setattr(qmm_mgpu._PARTIALS, "lowered", {})
     sds = jax.ShapeDtypeStruct
     args = (sds((16, 512), jnp.bfloat16), sds((256, 64), jnp.uint32), sds((8, 256), jnp.bfloat16),
             sds((8, 256), jnp.bfloat16))
@@ -469,9 +469,10 @@ def test_lowering_cache_only_for_single_device_programs(monkeypatch):
     mesh = Mesh(np.array(jax.devices()[:1]), ("x",))
     spmd = jax.shard_map(f, mesh=mesh, in_specs=(PartitionSpec(),) * 4, out_specs=PartitionSpec(), check_vma=False)
     lower = lambda fn: jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in lower(spmd) and not qmm_mgpu._LOWERED
+    cache = lambda: qmm_mgpu._PARTIALS.lowered
+    assert "mosaic_gpu" in lower(spmd) and not cache()
     first = lower(f)
-    assert len(qmm_mgpu._LOWERED) == 1 and lower(f) == first and len(qmm_mgpu._LOWERED) == 1
+    assert len(cache()) == 1 and lower(f) == first and len(cache()) == 1
 
 
 def test_decode_layout_transposes_once_same_bits(monkeypatch):

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import math
+import shutil
 import sys
 import time
 import traceback
@@ -27,7 +28,7 @@ import numpy as np
 from pallas_kernels import attention as at
 from pallas_kernels import attention_mgpu as am
 from pallas_kernels import kv_quant as kq
-from pallas_kernels.bench.common import copy_bandwidth_tbs, table, time_us
+from pallas_kernels.bench.common import copy_bandwidth_tbs, device_events, table, time_us
 
 HQ, HKV, D = 24, 4, 256
 SCALE = D ** -0.5
@@ -42,6 +43,7 @@ class Env:
     page_size: int
     reps: int
     results: list
+    trace: str | None = None  # --trace: where the kernel-alone traces go
 
 
 def kv_bytes(keys: int, fp8: bool) -> int:
@@ -72,22 +74,39 @@ def page_tables(rng, sets: int, streams: int, pages_per_stream: int) -> np.ndarr
     return (rng.permutation(total) + 1).reshape(sets, streams, pages_per_stream).astype(np.int32)
 
 
-def amortised_us(env: Env, step, fixed: tuple, varying: list[tuple], *, slow: bool = False) -> float:
-    """Median µs per call of `step`, run as a chain of calls unrolled in one jitted program: call i takes
-    varying[i % len] with its first element (the queries) replaced by call i-1's output, so no call can be merged
-    or skipped, and no host round trip sits between calls."""
-    n_sets = len(varying)
-    reps = max(2, env.reps // 4) if slow else env.reps
-
+def _chain(step, reps: int):
+    """One jitted chain of `reps` calls unrolled in one program: call i takes varying[i % n] with its first element
+    (the queries) replaced by call i-1's output, so no call can be merged or skipped, and no host round trip sits
+    between calls (built once and reused for every context of a compare case, so a candidate compiles once)."""
     @jax.jit
     def chain(fixed, varying):
         x = varying[0][0]
         for i in range(reps):
-            x = step(*fixed, x, *varying[i % n_sets][1:]).astype(x.dtype)
+            x = step(*fixed, x, *varying[i % len(varying)][1:]).astype(x.dtype)
         return x
+    return chain
 
-    us = time_us(chain, [(fixed, varying)], warmup=2, iters=5 if env.interpret or slow else 10)
+
+def amortised_us(env: Env, step, fixed: tuple, varying: list[tuple], *, slow: bool = False) -> float:
+    """Median µs per call of `step` in a `_chain` (the launches' gaps included)."""
+    reps = max(2, env.reps // 4) if slow else env.reps
+    us = time_us(_chain(step, reps), [(fixed, varying)], warmup=2,
+                 iters=5 if env.interpret or slow else 10)
     return us / reps
+
+
+def alone_us(env: Env, step, fixed: tuple, varying: list[tuple], prefix: str) -> float:
+    """µs per call of `step`'s own kernels (device events named `prefix`...), summed from a jax.profiler trace of
+    one `_chain` under env.trace: the kernels alone, without the launch gaps a chain's µs include (NaN when the
+    trace has no device events)."""
+    chain = _chain(step, env.reps)
+    jax.block_until_ready(chain(fixed, varying))
+    where = f"{env.trace}/{len(env.results)}"
+    with jax.profiler.trace(where, create_perfetto_trace=True):
+        jax.block_until_ready(chain(fixed, varying))
+    events = [e for e in device_events(where) or [] if e["name"].startswith(prefix)]
+    shutil.rmtree(where, ignore_errors=True)
+    return sum(float(e["dur"]) for e in events) / env.reps if events else math.nan
 
 
 def record(env: Env, **row) -> None:
@@ -171,10 +190,13 @@ def bench_window(env: Env, *, streams: int, rows: int, context: int, fp8: bool, 
             continue
         us = amortised_us(env, step, (pool,), varying)
         out[impl] = us
+        extra = {}
+        if env.trace and impl == "kernel":
+            extra["alone_us"] = alone_us(env, step, (pool,), varying, "attn_")
         record(env, section="window" if rows > 1 else "decode", tag=tag, impl=impl, kv="fp8" if fp8 else "bf16",
                streams=streams, rows=rows, context=context, page=page_size or env.page_size,
                tiles=str(dataclasses.astuple(tiles)) if impl == "kernel" else "", us=us,
-               kv_gbs=nbytes / us / 1e3)
+               kv_gbs=nbytes / us / 1e3, **extra)
     del pool
     return out
 
@@ -310,9 +332,11 @@ def summarize_window_mgpu(env: Env, bw: float | None) -> None:
     rows = [r for r in env.results if r.get("tag", "").startswith("window_mgpu")]
     if not rows:
         return
-    us = {(r["tag"].split()[1], r["streams"], r["context"], r["rows"]): r["us"] for r in rows}
-    print(f"\n### window_mgpu: bf16 windows, µs (1-row: % of the {bw or math.nan:.2f} TB/s copy, target 80 % at "
-          ">= 32K; 16-row / 1-row: target <= 1.3)")
+    alone = all("alone_us" in r for r in rows)
+    us = {(r["tag"].split()[1], r["streams"], r["context"], r["rows"]): r["alone_us" if alone else "us"]
+          for r in rows}
+    print(f"\n### window_mgpu: bf16 windows, µs {'of the kernels alone (trace)' if alone else 'a chained call'} "
+          f"(1-row: % of the {bw or math.nan:.2f} TB/s copy, target 80 % at >= 32K; 16-row / 1-row: target <= 1.3)")
     body = []
     for streams, ctx in dict.fromkeys((r["streams"], r["context"]) for r in rows):
         cells = [streams, ctx]
@@ -402,18 +426,6 @@ def _rel_diff(out, ref) -> float:
         return math.nan
     a, b = np.asarray(out.astype(jnp.float32), np.float64), np.asarray(ref.astype(jnp.float32), np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def _chain(step, reps: int):
-    """One jitted chain of `reps` calls (as amortised_us), built once and reused for every context of a case, so
-    a candidate compiles once: call i takes varying[i % n] with its queries replaced by call i-1's output."""
-    @jax.jit
-    def chain(fixed, varying):
-        x = varying[0][0]
-        for i in range(reps):
-            x = step(*fixed, x, *varying[i % len(varying)][1:]).astype(x.dtype)
-        return x
-    return chain
 
 
 @guarded
@@ -595,6 +607,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--budget-s", type=float, default=1e9, help="skip what is left after this many seconds")
     ap.add_argument("--quick-tune", action="store_true", help="sweep only the leading candidates")
+    ap.add_argument("--trace", metavar="DIR", help="also time each window call's kernels alone (attn_* launches, "
+                    "summed from a jax.profiler trace under DIR), as alone_us")
     args = ap.parse_args(argv)
     global DEADLINE, JSON_PATH, HQ, HKV, D, SCALE
     DEADLINE = time.time() + args.budget_s
@@ -605,7 +619,7 @@ def main(argv: list[str]) -> int:
         HQ, HKV, D = 4, 2, 64 if any(s.startswith(("prompt_mgpu", "window_mgpu")) for s in sections) else 32
         SCALE = D ** -0.5
     env = Env(interpret=args.smoke, page_size=8 if args.smoke else args.page_size, reps=2 if args.smoke else 8,
-              results=[])
+              results=[], trace=args.trace)
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind}; jax {jax.__version__}", flush=True)
     bw = None if args.smoke else copy_bandwidth_tbs()

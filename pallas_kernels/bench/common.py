@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import glob
+import gzip
+import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -39,3 +42,18 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = [" | ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
     lines.insert(1, "-+-".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def device_events(trace_dir: str) -> list[dict] | None:
+    """The device's complete ("X") events of the last perfetto trace jax.profiler wrote under trace_dir (processes
+    named like a GPU), or None when there is no trace."""
+    files = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))
+    if not files:
+        return None
+    with gzip.open(files[-1], "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {e["pid"]: e["args"].get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device_pids = {pid for pid, n in names.items() if "GPU" in n or "gpu" in n or "/device:" in n}
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e]

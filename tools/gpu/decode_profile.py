@@ -22,9 +22,6 @@ import argparse
 import collections
 import csv
 import ctypes
-import glob
-import gzip
-import json
 import sys
 import time
 
@@ -194,26 +191,12 @@ def _print_top(rows, rounds: int, what: str, top: int = 40) -> None:
         print(f"{us / rounds:10.1f} {n / rounds:11.1f}  {name[:110]}")
 
 
-def device_events(trace_dir: str) -> list[dict] | None:
-    """The device's complete ("X") events of the last perfetto trace jax.profiler wrote under trace_dir (processes
-    named like a GPU), or None when there is no trace."""
-    files = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))
-    if not files:
-        return None
-    with gzip.open(files[-1], "rt") as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    names = {e["pid"]: e["args"].get("name", "") for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    device_pids = {pid for pid, n in names.items() if "GPU" in n or "gpu" in n or "/device:" in n}
-    return [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e]
-
-
 def summarize_trace(trace_dir: str, rounds: int, dump: str | None = None) -> None:
     """A perfetto trace from jax.profiler -> device busy µs a round (union of kernel intervals), launches, top
     kernels by total time. Device events are the complete ("X") events on processes named like a GPU. dump: also
     write every device event in time order (start µs, duration µs, gap after the previous one's end, name) to
     DUMP.events.tsv."""
+    from pallas_kernels.bench.common import device_events  # (jax stays out of the argument parsing)
     kernels = device_events(trace_dir)
     if kernels is None:
         print(f"no perfetto trace under {trace_dir}")

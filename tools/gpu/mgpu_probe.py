@@ -8,9 +8,7 @@ writes each compiled kernel's PTX/SASS there.
     python3 tools/gpu/mgpu_probe.py [--shapes 5120x34816,17408x5120] [--probes full,no_xor,...]
 """
 import argparse
-import os
 import shutil
-import sys
 import time
 
 import jax
@@ -18,9 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import qmm_mgpu
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_profile import device_events  # noqa: E402
+from pallas_kernels.bench.common import device_events
 
 L2_BYTES = 60 << 20
 
