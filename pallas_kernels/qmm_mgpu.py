@@ -109,14 +109,6 @@ LAYOUTS = ("rows", "tiles")
 # to 912 fusions (1775 to 1534 launches a round) and its pipelined round from 13.3 to 11.2 ms.
 ROUNDING = "reduce_precision"
 ROUNDINGS = ("barrier", "reduce_precision")
-# How a compute warpgroup sums its steps: "fresh" (each step's MMAs into a fresh accumulator, waited at the step's
-# end and added to the running fp32 sum, which is kept as a value; sessions 6-14) or "direct" (the MMAs accumulate
-# into one accumulator that lives across the steps, zeroed where a tile starts, and each step waits only for the
-# previous step's MMAs, so a step's MMAs run while the next step's weights are converted; the pipeline hands a
-# stage back one step later, `delay_release`). Different accumulation order, so different bits (each a function of
-# the weight's shape alone).
-ACCUMULATE = "fresh"
-ACCUMULATES = ("fresh", "direct")
 
 
 def _unsupported(x: jax.Array, w: QuantizedWeight) -> str | None:
@@ -315,13 +307,13 @@ def _lane_dequant_jnp(words: jax.Array, s_rows, b_rows) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "sms", "interpret", "conversion", "probe",
-                                             "layout", "n", "accumulate"))
+                                             "layout", "n"))
 def _partials(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None, *, stages: int, block_groups: int,
               sms: int, interpret: bool, conversion: str = "words", probe: str | None = None, layout: str = "rows",
-              n: int | None = None, accumulate: str = "fresh") -> jax.Array:
+              n: int | None = None) -> jax.Array:
     """`_kernel_call`, through the lowering cache (`_PARTIALS`) when compiled for the GPU."""
     kw = dict(stages=stages, block_groups=block_groups, sms=sms, conversion=conversion, probe=probe, layout=layout,
-              n=n, accumulate=accumulate)
+              n=n)
     args = (xp, qw, st) if layout == "tiles" else (xp, qw, st, bt)
     if interpret:
         return _kernel_call(*args, interpret=True, **kw)
@@ -330,7 +322,7 @@ def _partials(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None,
 
 def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None = None, *, stages: int,
                  block_groups: int, sms: int, interpret: bool, conversion: str = "words", probe: str | None = None,
-                 layout: str = "rows", n: int | None = None, accumulate: str = "fresh") -> jax.Array:
+                 layout: str = "rows", n: int | None = None) -> jax.Array:
     """The kernel (`flat_schedule`): xp [R, K] bf16 (x padded to a piece height R, PIECE_ROWS); layout "rows": qw
     the weight as lane words uint32 [N, K / 8] (conversion "words") or as uint4 [N, K] (the others), st, bt [G, N]
     bf16; layout "tiles" (`tile_layout`, conversion "words"): qw the lane words [tiles L CTA_N, 8 G'] with each
@@ -338,11 +330,8 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
     n the weight's N -> fp32 pieces [P, N, R] (only those `_pieces_written` marks are written). Each CTA runs one
     pipeline over its S steps, so the memory warpgroup never waits at a tile's edge; a step's MMAs go into a fresh
     accumulator whose value the compute warpgroup adds to its running fp32 sum (restarted where a tile starts), and
-    the sum is stored where the tile or the chunk ends (accumulate "fresh"; "direct": see ACCUMULATE)."""
+    the sum is stored where the tile or the chunk ends."""
     rows, k = xp.shape
-    assert accumulate in ACCUMULATES and (accumulate == "fresh" or probe is None), (accumulate, probe)
-    direct = accumulate == "direct"
-    release = dict(delay_release=1) if direct else {}
     tiled = layout == "tiles"
     assert layout in LAYOUTS and (not tiled or (conversion == "words" and bt is None and n is not None)), layout
     n = n if tiled else qw.shape[0]
@@ -379,20 +368,16 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
             return lax.min(cta * per_cta + i, jnp.int32(total - 1)), 0
 
         x_spec = plgpu.BlockSpec((rows, block_k), lambda i: (0, locate(i)[1]), transforms=x_transforms,
-                                 memory_space=plgpu.SMEM, **release)
+                                 memory_space=plgpu.SMEM)
         if tiled:
             specs = [x_spec,
-                     plgpu.BlockSpec(q_block, step_block, transforms=q_transforms, memory_space=plgpu.SMEM,
-                                     **release),
-                     plgpu.BlockSpec((2 * block_groups, CTA_N), step_block, memory_space=plgpu.SMEM, **release)]
+                     plgpu.BlockSpec(q_block, step_block, transforms=q_transforms, memory_space=plgpu.SMEM),
+                     plgpu.BlockSpec((2 * block_groups, CTA_N), step_block, memory_space=plgpu.SMEM)]
         else:
             specs = [x_spec,
-                     plgpu.BlockSpec(q_block, lambda i: locate(i), transforms=q_transforms, memory_space=plgpu.SMEM,
-                                     **release),
-                     plgpu.BlockSpec((block_groups, CTA_N), lambda i: locate(i)[::-1], memory_space=plgpu.SMEM,
-                                     **release),
-                     plgpu.BlockSpec((block_groups, CTA_N), lambda i: locate(i)[::-1], memory_space=plgpu.SMEM,
-                                     **release)]
+                     plgpu.BlockSpec(q_block, lambda i: locate(i), transforms=q_transforms, memory_space=plgpu.SMEM),
+                     plgpu.BlockSpec((block_groups, CTA_N), lambda i: locate(i)[::-1], memory_space=plgpu.SMEM),
+                     plgpu.BlockSpec((block_groups, CTA_N), lambda i: locate(i)[::-1], memory_space=plgpu.SMEM)]
 
         def pipeline(body, context):
             return plgpu.emit_pipeline_warp_specialized(
@@ -409,10 +394,7 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
             wg_slice = pl.ds(wg * TILE_N, TILE_N)
 
             def context(run):
-                if direct:  # the carry is the accumulator itself (zeros to start)
-                    pl.run_scoped(run, plgpu.ACC((TILE_N, rows), jnp.float32))
-                else:
-                    run(jnp.zeros((TILE_N, rows), jnp.float32))
+                run(jnp.zeros((TILE_N, rows), jnp.float32))
 
             def a_tiles(q_smem, s_smem, b_smem):  # the step's A operand, one [TILE_N, GROUP] tile a group
                 if words:
@@ -440,43 +422,11 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
                     out.append(a)
                 return out
 
-            def store(value, tile):
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store has read out_smem
-                out_smem[wg] = value
-                plgpu.commit_smem()
-                piece = cta - _div(tile * length, per_cta)
-                plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[piece, pl.ds(tile * CTA_N, CTA_N)].at[wg_slice])
-
             def body(idx, x_smem, q_smem, s_smem, *rest):
                 (i,) = idx
                 b_smem, carry = (None, rest[0]) if tiled else rest
                 f = cta * per_cta + i
                 tile, ks = locate(i)
-                ends = (f < total) & ((ks == length - 1) | (i == per_cta - 1))
-                if direct:
-                    tiles = a_tiles(q_smem, s_smem, b_smem)
-
-                    # A tile starts: the last step stored and waited for the accumulator (the tile before ended
-                    # there), so nothing is in flight; past-the-end steps repeat a tile's last step, never a start.
-                    @pl.when((ks == 0) & (i > 0))
-                    def _restart():
-                        carry[...] = jnp.zeros((TILE_N, rows), jnp.float32)
-
-                    for j, a in enumerate(tiles):
-                        if interpret:
-                            a_smem[0][wg] = a
-                            plgpu.commit_smem()
-                            a = a_smem[0].at[wg]
-                        plgpu.wgmma(carry, a, x_smem.at[:, pl.ds(j * GROUP, GROUP)].transpose((1, 0)))
-                        if interpret:
-                            plgpu.wgmma_wait(0)
-
-                    @pl.when(ends)
-                    def _store():
-                        store(carry[...], tile)  # carry[...] waits for every MMA in flight
-
-                    plgpu.wgmma_wait(1)  # the previous step's MMAs: its stage is handed back after this body
-                    return carry
                 if probe == "no_compute":
                     step = carry
                 else:
@@ -500,9 +450,14 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
                 keep = jnp.where((ks == 0) | (i == 0), 0.0, 1.0).astype(jnp.float32)
                 carry = carry * lax.broadcast(keep, (TILE_N, rows)) + step
 
-                @pl.when(ends)
+                @pl.when((f < total) & ((ks == length - 1) | (i == per_cta - 1)))
                 def _store():
-                    store(carry, tile)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store has read out_smem
+                    out_smem[wg] = carry
+                    plgpu.commit_smem()
+                    piece = cta - _div(tile * length, per_cta)
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg],
+                                            out_gmem.at[piece, pl.ds(tile * CTA_N, CTA_N)].at[wg_slice])
 
                 return carry
 
@@ -550,7 +505,7 @@ def block_groups_for(k: int) -> int:
 def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_groups: int | None = None,
                transposed: tuple[jax.Array, jax.Array] | None = None,
                conversion: str | None = None, interpret: bool = False, rows: int = ROWS,
-               rounding: str | None = None, layout: str | None = None, accumulate: str | None = None) -> jax.Array:
+               rounding: str | None = None, layout: str | None = None) -> jax.Array:
     """x bf16 [M <= rows, K] -> y bf16 [M, N] (see the module docstring); rows: the piece height x is padded to
     (PIECE_ROWS; the MMA's N). block_groups: None for the shape-derived
     `block_groups_for` (a caller that overrides must keep it fixed per weight shape). transposed: the scales and
@@ -561,7 +516,7 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     restores that order).
     interpret: Mosaic GPU's interpreter on the CPU. rounding: how the output keeps its rounding (ROUNDINGS; None for
     ROUNDING). layout: where a step's blocks lie (LAYOUTS; None for LAYOUT; "tiles" needs the "words" conversion
-    and here re-lays the weight every call). accumulate: ACCUMULATES (None for ACCUMULATE)."""
+    and here re-lays the weight every call)."""
     w.validate("qmm_mgpu weight")
     _check(x, w, rows)
     n, k = w.shape
@@ -589,28 +544,24 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     if layout not in LAYOUTS or (layout == "tiles" and conversion != "words"):
         raise ValueError(f"qmm_mgpu: layout {layout!r} must be one of {LAYOUTS} ('tiles' with the 'words' "
                          f"conversion)")
-    accumulate = ACCUMULATE if accumulate is None else accumulate
-    if accumulate not in ACCUMULATES:
-        raise ValueError(f"qmm_mgpu: accumulate {accumulate!r} is not one of {ACCUMULATES}")
     operands = (q, *transposed)
     if layout == "tiles":
         operands = (*tile_layout(q, *transposed, bg), None)
     return _decode(x, *operands, stages=stages_for(rows, stages, bg), block_groups=bg, conversion=conversion,
-                   sms=SMS, interpret=interpret, rows=rows, rounding=rounding, layout=layout, n=n,
-                   accumulate=accumulate)
+                   sms=SMS, interpret=interpret, rows=rows, rounding=rounding, layout=layout, n=n)
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "conversion", "sms", "interpret", "rows",
-                                             "rounding", "layout", "n", "accumulate"))
+                                             "rounding", "layout", "n"))
 def _decode(x: jax.Array, q: jax.Array, st: jax.Array, bt: jax.Array | None, *, stages: int, block_groups: int,
-            conversion: str, sms: int, interpret: bool, rows: int, rounding: str, layout: str, n: int,
-            accumulate: str = "fresh") -> jax.Array:
+            conversion: str, sms: int, interpret: bool, rows: int, rounding: str, layout: str, n: int
+            ) -> jax.Array:
     # One program around the kernel: called eagerly, separate dispatches of the small ops around an interpreted
     # kernel deadlocked the CPU client now and then (the interpreter's callbacks dispatch jax ops themselves).
     m, k = x.shape
     xp = jnp.pad(x, ((0, rows - m), (0, 0)))
     parts = _partials(xp, q, st, bt, stages=stages, block_groups=block_groups, sms=sms, interpret=interpret,
-                      conversion=conversion, layout=layout, n=n, accumulate=accumulate)
+                      conversion=conversion, layout=layout, n=n)
     # pieces a tile did not have were never written: select zeros there (a select, so garbage cannot leak)
     valid = np.repeat(_pieces_written(n, k, block_groups, sms), CTA_N, axis=1)[:, :n]
     parts = jnp.where(jnp.asarray(valid)[:, :, None], parts, 0.0)

@@ -112,32 +112,6 @@ def test_gpu_matches_oracle_and_rows_are_invariant(k, n, conversion):
     _check_oracle_and_rows(n, k, interpret=False, conversion=conversion)
 
 
-# accumulate "direct" is checked on the device only: Mosaic GPU's interpreter (jax 0.11.2) cannot store into a WGMMA
-# accumulator ("Accumulator shape (6,) does not match value shape (64, 16)"), which the restart where a tile starts
-# needs.
-def test_direct_accumulation_lowers_for_the_h200(monkeypatch):
-    monkeypatch.setattr(qmm_mgpu, "ACCUMULATE", "direct")
-    sds = jax.ShapeDtypeStruct
-    for k, n in SHAPES_27B[:2]:
-        for rows in (16, 64):
-            text = jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, rows=rows)).trace(
-                sds((rows, k), jnp.bfloat16), _abstract_weight(n, k)).lower(lowering_platforms=("cuda",)).as_text()
-            assert "mosaic_gpu" in text, (rows, k, n)
-    with pytest.raises(ValueError, match="accumulate"):
-        jax.eval_shape(lambda x, w: qmm_mgpu.qmm_decode(x, w, accumulate="lazy"), sds((1, 512), jnp.bfloat16),
-                       _abstract_weight(256, 512))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("k,n", [(5120, 34816), (17408, 5120), (5120, 16480), (128, 392)])
-def test_gpu_direct_accumulation(k, n, monkeypatch):
-    """On the H200 (where the MMAs really are in flight across steps): the oracle, row invariance, and a row's bits
-    the same in 16- and 64-row pieces."""
-    monkeypatch.setattr(qmm_mgpu, "ACCUMULATE", "direct")
-    _check_oracle_and_rows(n, k, interpret=False)
-    _wide_pieces_same_bits(n, k, 64, interpret=False)
-
-
 def test_lane_words_hold_each_lanes_pairs():
     """`to_lane_words` is a byte permutation inside each group of 8 words with `from_lane_words` its inverse, and
     lane q's words 2q, 2q + 1 of a group hold, field by field, the columns 2q + 8t and 2q + 8t + 1 (t = 0..7) that

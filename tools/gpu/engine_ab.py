@@ -1,9 +1,8 @@
 """Decode variants of the 27B engine side by side in one process: the synthetic weights are built once, then each
 variant sets the Mosaic GPU decode kernel's knobs (qmm_mgpu.STAGES, WIDE_ROWS, NARROW_ROWS, ROUNDING,
-CONVERSION, COMPUTE_WGS, ACCUMULATE), compiles its programs and runs the
+CONVERSION, COMPUTE_WGS), compiles its programs and runs the
 bench's pipelined decode (`qwen_jax.engine.bench.run`, prompt timing off). Only speed is compared: the depth and the
-piece heights change no row's bits (tests/test_qmm_mgpu.py); the conversion changes the weights' rounding, the
-warpgroups and the accumulation the summation order.
+piece heights change no row's bits (tests/test_qmm_mgpu.py); the conversion changes the weights' rounding.
 
     python tools/gpu/engine_ab.py --streams 1,16,64 --variants "stages=4,wide=16;stages=4;stages=6;stages=8"
 """
@@ -14,7 +13,7 @@ import argparse
 import time
 
 KNOBS = {"stages": "STAGES", "wide": "WIDE_ROWS", "narrow": "NARROW_ROWS", "round": "ROUNDING",
-         "conv": "CONVERSION", "wgs": "COMPUTE_WGS", "acc": "ACCUMULATE"}
+         "conv": "CONVERSION", "wgs": "COMPUTE_WGS"}
 
 
 def parse_variants(text: str) -> list[dict]:
@@ -37,7 +36,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (a CPU smoke run)")
     ap.add_argument("--variants", required=True,
                     help="';'-separated, each 'stages=N,wide=N,narrow=N,round=barrier|reduce_precision,"
-                         "conv=words|nibbles,wgs=N,acc=fresh|direct' (each optional)")
+                         "conv=words|nibbles,wgs=N' (each optional)")
     args = ap.parse_args()
     variants = parse_variants(args.variants)
     streams = tuple(int(s) for s in args.streams.split(","))
@@ -54,9 +53,8 @@ def main() -> None:
     rows = []
     for v in variants:
         knobs = dict(shipped, **v)
-        if any(knobs[k] != getattr(qmm_mgpu, a) for k, a in KNOBS.items()):
-            # CTA_N follows the warpgroups; the kernel's traces and its lowering cache are keyed on static arguments
-            # only, and the programs read the knobs when they are traced
+        if knobs["wgs"] != qmm_mgpu.COMPUTE_WGS:
+            # CTA_N follows; the kernel's traces and its lowering cache are keyed on static arguments only
             qmm_mgpu.CTA_N = qmm_mgpu.TILE_N * knobs["wgs"]
             qmm_mgpu._LOWERED.clear()
             jax.clear_caches()
@@ -69,12 +67,12 @@ def main() -> None:
         rows.append((knobs, fps))
         print(f"{knobs}: " + ", ".join(f"{s} streams {fps[s]:.1f} fwd/s" for s in streams)
               + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
-    print("\n| stages | widest piece | narrowest piece | rounding | conversion | compute warpgroups | accumulate | "
+    print("\n| stages | widest piece | narrowest piece | rounding | conversion | compute warpgroups | "
           + " | ".join(f"{s} streams (fwd/s)" for s in streams) + " |")
-    print("|---|---|---|---|---|---|---|" + "---|" * len(streams))
+    print("|---|---|---|---|---|---|" + "---|" * len(streams))
     for knobs, fps in rows:
         print(f"| {knobs['stages']} | {knobs['wide']} | {knobs['narrow']} | {knobs['round']} | {knobs['conv']} | "
-              f"{knobs['wgs']} | {knobs['acc']} | "
+              f"{knobs['wgs']} | "
               + " | ".join(f"{fps[s]:.1f}" for s in streams) + " |")
 
 

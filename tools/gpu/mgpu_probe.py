@@ -31,14 +31,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=qmm_mgpu.ROWS, help="x's rows (a piece height)")
     ap.add_argument("--trace", metavar="DIR", help="also time the kernel alone: the median duration of its launches "
                     "in a jax.profiler trace of one chain (the chain's µs include the ops that order the calls)")
-    ap.add_argument("--accumulate", default=qmm_mgpu.ACCUMULATE, choices=qmm_mgpu.ACCUMULATES,
-                    help="how a compute warpgroup sums its steps (qmm_mgpu.ACCUMULATE)")
     ap.add_argument("--compute-wgs", type=int, default=qmm_mgpu.COMPUTE_WGS,
                     help="compute warpgroups a CTA (qmm_mgpu.COMPUTE_WGS; CTA_N follows)")
     args = ap.parse_args()
     qmm_mgpu.COMPUTE_WGS, qmm_mgpu.CTA_N = args.compute_wgs, qmm_mgpu.TILE_N * args.compute_wgs
     print(f"device: {jax.devices()[0].device_kind}; stages {args.stages}, {args.block_groups} groups a step, "
-          f"{args.rows} rows, {args.compute_wgs} compute warpgroups, accumulate {args.accumulate}")
+          f"{args.rows} rows, {args.compute_wgs} compute warpgroups")
     print(f"{'shape':>12} | {'probe':>10} | {'CTAs':>6} | {'us':>8} | {'TB/s':>5}")
     for shape in args.shapes.split(","):
         k, n = map(int, shape.split("x"))
@@ -73,8 +71,7 @@ def main() -> None:
                     i = r % copies
                     out = qmm_mgpu._partials(xp, q4s[i], sts[i], bts[i], stages=args.stages, sms=qmm_mgpu.SMS,
                                              block_groups=args.block_groups, interpret=False,
-                                             conversion=conversion, probe=p, layout=layout, n=n,
-                                             accumulate=args.accumulate)
+                                             conversion=conversion, probe=p, layout=layout, n=n)
                     total = total + out[0, 0, 0]
                     xp = xp.at[0, 0].set(total.astype(xp.dtype))  # orders the calls
                 return total

@@ -91,7 +91,8 @@ case "$stage" in
       2>&1 | tee "$out/profile_1.txt" | grep -E "round|busy|kernel_mosaic|attn|compiled" | head -16
     rm -rf "$out/trace_1" ;;
   fifty-eighth)
-    # Session 15, second call (~9 min): the decode qmm with "direct" accumulation (one accumulator across the steps,
+    # (Run once in session 15, first call; ACCUMULATE "direct" and mgpu_probe --accumulate were removed after it:
+    # no gain.) The decode qmm with "direct" accumulation (one accumulator across the steps,
     # a step's MMAs in flight while the next step converts) against "fresh", the kernel alone; its device tests;
     # then the engine's gates and the one-stream round's busy time with the conv without transpose or concatenation
     # and the norms' weights read before the sum.
