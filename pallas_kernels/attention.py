@@ -720,7 +720,8 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Pass 1 of `window` alone (window calls it; the bench times it apart from the merge): one program per
     (stream, KV head, chunk) writes the chunk's partial for the real packed rows; entries of chunks at or past the
-    stream's context and of padding rows are left unwritten.
+    stream's context and of padding rows are left unwritten. tiles.impl "mgpu" runs it on Mosaic GPU for bf16 calls
+    (`attention_window_mgpu`, which writes some padding rows too).
 
     q [S, R, Hq, D]; page_table [S, Pmax]; cache_len [S] -> m, l [S, Hkv, NC, M] and acc [S, Hkv, NC, M, D] fp32,
     NC = the chunk count over the table rounded up to a power of two (and to pad_chunks_to), M packed rows

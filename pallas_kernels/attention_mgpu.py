@@ -96,6 +96,62 @@ def _div(a: jax.Array, b: int) -> jax.Array:
     return lax.div(a, jnp.asarray(b, a.dtype))
 
 
+def feed_slots(fetch, n_blocks: jax.Array, stages: int, frees) -> None:
+    """The memory warpgroup's walk over key blocks 0 .. n_blocks - 1 into `stages` slots: fetch(b, reuse) copies
+    block b into slot b mod stages (reuse: after waiting on the slot's free barriers for its last block). Then it
+    observes the last blocks' releases on `frees` too: nothing waits for them on the device, but the interpreter
+    checks that a barrier's waiters saw every phase before it is freed."""
+    for b in range(stages):
+        pl.when(b < n_blocks)(functools.partial(fetch, jnp.int32(b), False))
+    pl.loop(stages, lax.max(n_blocks, stages))(functools.partial(fetch, reuse=True))
+
+    @pl.loop(lax.max(n_blocks, stages), n_blocks + stages)
+    def _(b):
+        for free in frees:
+            plgpu.barrier_wait(free.at[lax.rem(b, stages)])
+
+
+def online_start(d: int) -> tuple:
+    """A compute warpgroup's (O [64, d], running max m [64], sum l [64]) before its first key block, in the wgmma
+    layouts."""
+    return (plgpu.layout_cast(jnp.full((WG_ROWS, d), 0, jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
+            plgpu.layout_cast(jnp.full((WG_ROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+
+
+def online_softmax(logits: jax.Array, acc: jax.Array, m: jax.Array, l: jax.Array, c: float) -> tuple:
+    """One key block's online-softmax update in log2 units (p = 2^(s c - m)): logits [64, bk] fp32 (masked keys
+    -inf), O acc [64, d], m, l [64] -> (O rescaled to the new max, the new m and l, P [64, bk] rounded to bf16)."""
+    m_new = jnp.maximum(m, logits.max(axis=1) * c)
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(logits * c - lax.broadcast_in_dim(m_new, logits.shape, [0]))
+    l = l * alpha + p.sum(axis=1)
+    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m_new, l, p.astype(jnp.bfloat16)
+
+
+def add_pv(acc: jax.Array, p16: jax.Array, v_tile, p_tile, *, then) -> jax.Array:
+    """O + P V by wgmma: acc [64, d] fp32, p16 [64, bk] bf16 (the register A operand), v_tile [bk, d] in shared
+    memory; then() runs once the MMA is issued, before its result is read. p_tile: interpret mode's [64, bk]
+    shared-memory tile (the interpreter's wgmma takes no register operand and no accumulator initialised from a
+    value: P goes through it and P V lands in a fresh accumulator added to O), None when compiled."""
+    if p_tile is not None:
+        p_tile[...] = p16
+        plgpu.commit_smem()
+
+        def fresh(acc_ref):
+            plgpu.wgmma(acc_ref, p_tile, v_tile)
+            then()
+            return acc_ref[...]
+
+        return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
+
+    def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p16, v_tile)
+        then()
+
+    return pl.run_state(pv)(plgpu.ACC.init(acc))
+
+
 def _kernel_call(start: jax.Array, lengths: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
                  max_keys: int, group: int, tiles: PromptMgpuTiles,
                  interpret: bool | plgpu.InterpretGPUParams) -> jax.Array:
@@ -159,12 +215,7 @@ def _kernel_call(start: jax.Array, lengths: jax.Array, q: jax.Array, k: jax.Arra
                     row = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, bk), 0, layout=plgpu.Layout.WGMMA)
                     col = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, bk), 1, layout=plgpu.Layout.WGMMA)
                     logits = jnp.where(col - row <= first - b * bk, logits, -jnp.inf)
-                m_new = jnp.maximum(m, logits.max(axis=1) * c)
-                alpha = jnp.exp2(m - m_new)
-                p = jnp.exp2(logits * c - lax.broadcast_in_dim(m_new, logits.shape, [0]))
-                l = l * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                p16 = p.astype(jnp.bfloat16)
+                acc, m_new, l, p16 = online_softmax(logits, acc, m, l, c)
                 if ping_pong:
                     plgpu.barrier_arrive(schedule)
                 plgpu.barrier_wait(v_ready.at[slot])
@@ -176,28 +227,11 @@ def _kernel_call(start: jax.Array, lengths: jax.Array, q: jax.Array, k: jax.Arra
                     def _():
                         plgpu.barrier_wait(k_ready.at[lax.rem(b + 1, stages)])
 
-                if interpret:
-                    p_smem[wg] = p16
-                    plgpu.commit_smem()
-
-                    def pv_fresh(acc_ref):
-                        plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
-                        wait_next_keys()
-                        return acc_ref[...]
-
-                    acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((WG_ROWS, d), jnp.float32))
-                else:
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                        wait_next_keys()
-
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                acc = add_pv(acc, p16, v_smem.at[slot], p_smem.at[wg] if interpret else None, then=wait_next_keys)
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l
 
-            carry = (plgpu.layout_cast(jnp.full((WG_ROWS, d), 0, jnp.float32), plgpu.Layout.WGMMA),
-                     plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-                     plgpu.layout_cast(jnp.full((WG_ROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+            carry = online_start(d)
 
             @pl.when(n_blocks > 0)
             def _():
@@ -233,16 +267,7 @@ def _kernel_call(start: jax.Array, lengths: jax.Array, q: jax.Array, k: jax.Arra
                         plgpu.barrier_wait(free.at[slot])
                     plgpu.copy_gmem_to_smem(src.at[g, s, pl.ds(b * bk, bk)], dst.at[slot], ready.at[slot])
 
-            for b in range(stages):
-                pl.when(b < n_blocks)(functools.partial(fetch, jnp.int32(b), False))
-            pl.loop(stages, lax.max(n_blocks, stages))(functools.partial(fetch, reuse=True))
-
-            # Observe the last blocks' release too: nothing waits for it on the device, but the interpreter
-            # checks that a barrier's waiters saw every phase before it is freed.
-            @pl.loop(lax.max(n_blocks, stages), n_blocks + stages)
-            def _(b):
-                for *_, free in kv:
-                    plgpu.barrier_wait(free.at[lax.rem(b, stages)])
+            feed_slots(fetch, n_blocks, stages, [free for *_, free in kv])
 
     qd, kd = _transforms(d), _transforms(d)
     smem = (plgpu.SMEM((wgs, WG_ROWS, d), jnp.bfloat16, transforms=qd),

@@ -50,7 +50,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention import SMEM_BYTES, _padded_rows
-from pallas_kernels.attention_mgpu import COMPUTE_REGISTERS, MEMORY_REGISTERS, WG_ROWS, _div, _transforms
+from pallas_kernels.attention_mgpu import (COMPUTE_REGISTERS, MEMORY_REGISTERS, WG_ROWS, _div, _transforms, add_pv,
+                                           feed_slots, online_softmax, online_start)
 from pallas_kernels.kv_quant import KVPool
 from pallas_kernels.mgpu_lowering import CachedKernel
 
@@ -110,8 +111,6 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
     span = min(bk, ps)  # keys one copy moves: a page, or a block's part of one
     copies = bk // span  # copies a block (pages shorter than a block)
     per_chunk = chunk // bk
-    # Rows warpgroup w writes: its real rows rounded up to 8 (at most mrows), so the partials a 16-row window
-    # writes and the fold pass reads are 96 rows, not 128 (at 32K keys 25 MB rather than 34 a call).
     # Rows a warpgroup writes: with one compute warpgroup its real rows rounded up to 8 (a 1-row window writes 8
     # rows of partials, not 16); with two, 64 each (at 96 real rows the second could write 32 rows, but a store of
     # a size of its own per warpgroup, by branch or by predicate, deadlocked the interpreter inside a jitted
@@ -158,12 +157,7 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                 # visible logit meets the same operations in every block.
                 col = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, bk), 1, layout=plgpu.Layout.WGMMA)
                 logits = jnp.where(col < n_keys - (first + b * bk), logits, -jnp.inf)
-                m_new = jnp.maximum(m, logits.max(axis=1) * c_log2)
-                alpha = jnp.exp2(m - m_new)
-                p = jnp.exp2(logits * c_log2 - lax.broadcast_in_dim(m_new, logits.shape, [0]))
-                l = l * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                p16 = p.astype(jnp.bfloat16)
+                acc, m_new, l, p16 = online_softmax(logits, acc, m, l, c_log2)
                 plgpu.barrier_wait(v_ready.at[slot])
 
                 def wait_next_keys():
@@ -171,29 +165,11 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                     def _():
                         plgpu.barrier_wait(k_ready.at[lax.rem(b + 1, stages)])
 
-                if interpret:
-                    p_smem[wg] = p16
-                    plgpu.commit_smem()
-
-                    def pv_fresh(acc_ref):
-                        plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot])
-                        wait_next_keys()
-                        return acc_ref[...]
-
-                    acc = acc + pl.run_scoped(pv_fresh, plgpu.ACC((WG_ROWS, d), jnp.float32))
-                else:
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-                        wait_next_keys()
-
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                acc = add_pv(acc, p16, v_smem.at[slot], p_smem.at[wg] if interpret else None, then=wait_next_keys)
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l
 
-            carry = (plgpu.layout_cast(jnp.full((WG_ROWS, d), 0, jnp.float32), plgpu.Layout.WGMMA),
-                     plgpu.layout_cast(jnp.full((WG_ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1)),
-                     plgpu.layout_cast(jnp.full((WG_ROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
-            acc, m, l = lax.fori_loop(0, n_blocks, step, carry)
+            acc, m, l = lax.fori_loop(0, n_blocks, step, online_start(d))
             # The O partials go over the K/V slots: every compute warpgroup has read its last block first (the
             # memory warpgroup fetched only the blocks the compute warpgroups waited for, so no copy is in flight).
             if wgs == 2:
@@ -236,16 +212,7 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                         into = dst.at[slot] if copies == 1 else dst.at[slot, pl.ds(j * span, span)]
                         plgpu.copy_gmem_to_smem(rows, into, ready.at[slot])
 
-            for b in range(min(stages, per_chunk)):
-                pl.when(b < n_blocks)(functools.partial(fetch, jnp.int32(b), False))
-            pl.loop(stages, lax.max(n_blocks, stages))(functools.partial(fetch, reuse=True))
-
-            # The last blocks' releases, observed for the interpreter (it checks that a barrier's waiters saw
-            # every phase); nothing waits for them on the device.
-            @pl.loop(lax.max(n_blocks, stages), n_blocks + stages)
-            def _(b):
-                for *_, free in kv:
-                    plgpu.barrier_wait(free.at[lax.rem(b, stages)])
+            feed_slots(fetch, n_blocks, stages, [free for *_, free in kv])
 
     qd = _transforms(d)
     kv_slots = (plgpu.SMEM((stages, bk, d), jnp.bfloat16, transforms=qd),
