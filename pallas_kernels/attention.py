@@ -150,8 +150,9 @@ class WindowTiles:
     # call's 55 µs of kernels, the fold, merge and a slice at the rest.
     tail: str = "passes"
     # Pass 1's kernel (order). "triton": the chunk kernel below. "mgpu": bf16 queries over a bf16 pool run pass 1 on
-    # Mosaic GPU (`attention_window_mgpu`: 64-key blocks, wgmma, TMA; its own bits; block_k, walk, num_warps and
-    # row_block are not read there, num_stages is its K/V slots); the fold pass and the merge are this module's
+    # Mosaic GPU (`attention_window_mgpu`: 64-key blocks, wgmma, TMA; its own bits; block_k, walk and num_warps are
+    # not read there, num_stages is its K/V slots, row_block <= 64 its split_rows, a launch choice there); the fold
+    # pass and the merge are this module's
     # either way, and fp8 / fp32 pools stay on the Triton kernel. Needs tail "passes".
     impl: str = "triton"
 
@@ -733,9 +734,13 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
     nc_pad = max(_pow2(one.n_chunks), pad_chunks_to)
     if _mgpu_pass_one(q, pool, tiles, interpret):
         from pallas_kernels import attention_window_mgpu as awm
+        mrows_all = one.mrows
         return awm.window_partials_mgpu(q, pool, one.page_table, cache_len, scale=scale, chunk=tiles.chunk,
                                         n_chunks=one.n_chunks, nc_pad=nc_pad, max_keys=one.max_keys,
-                                        tiles=awm.WindowMgpuTiles(stages=tiles.num_stages), interpret=interpret)
+                                        tiles=awm.WindowMgpuTiles(stages=tiles.num_stages,
+                                                                  split_rows=(tiles.row_block or mrows_all) <= 64,
+                                                                  ping_pong=awm.PING_PONG),
+                                        interpret=interpret)
 
     with jax.named_scope("attn_window_chunks"):
         kernel = functools.partial(_window_chunk_kernel, fp8=pool.fp8, scale=scale, r=r, group=hq // hkv, mrows=rb,

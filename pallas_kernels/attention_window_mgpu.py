@@ -11,13 +11,19 @@ chunk's pages through the page table, one 64-key block a step, K and V by TMA in
 barriers of their own. Per block a compute warpgroup runs S = Q K^T into a fresh fp32 accumulator, the online
 softmax in fp32 registers (exp2 of logits scaled by scale log2 e), P rounded to bf16 as the register A operand of
 P V, accumulated into the running fp32 O. At the chunk's end each warpgroup writes its rows' partial (m, l, O, O
-relative to m) over the K/V slots it no longer reads; `attention.window`'s fold pass and merge then combine the
-partials in chunk order and add the window's own keys, as for the Triton pass 1.
+relative to m) over the K/V slots it no longer reads, and one warpgroup stores the CTA's real rows rounded up to 8
+(96 of a 16-row window's 128); `attention.window`'s fold pass and merge then combine the partials in chunk order
+and add the window's own keys, as for the Triton pass 1.
+
+Launch choices (`WindowMgpuTiles`, none changes a row's bits): `split_rows` runs a two-warpgroup window's halves in
+CTAs of their own, side by side in the grid (twice the CTAs where few chunks are live; the second read of a chunk's
+keys mostly from L2); `ping_pong` lets the two compute warpgroups of a CTA take turns, so one's softmax overlaps the
+other's MMAs. Both are off by default until the device shows they pay (session 16 prepared them without one).
 
 Output contract (that of `attention.window_partials`): m, l [S, Hkv, NC, M] and acc [S, Hkv, NC, M, D] fp32, m in
 natural-log units (the partial is exp(s scale - m) summed), for the chunks below each stream's context; other
-chunks are left unwritten, and so are rows past R G rounded up to 8 with one compute warpgroup (rows written past R
-G hold the padding rows' values; the merge reads only real rows).
+chunks are left unwritten, and so are rows past R G rounded up to 8 (rows written past R G hold the padding rows'
+values; the merge reads only real rows).
 
 Exactness: key block b of chunk c always covers absolute keys [c chunk + b 64, c chunk + (b + 1) 64), every block
 runs the same operations (keys at or past the context masked to -inf on the raw S), and a row's S, max, sum and
@@ -63,8 +69,14 @@ _LN2 = math.log(2.0)
 @dataclasses.dataclass(frozen=True)
 class WindowMgpuTiles:
     """Launch choices of the Mosaic GPU pass 1; none changes a row's bits. stages: K/V blocks in flight (None: 3 with
-    one compute warpgroup, 2 with two, what shared memory holds at d 256)."""
+    one compute warpgroup, 2 with two, what shared memory holds at d 256). split_rows: a window of more than 64
+    packed rows runs each warpgroup's 64 rows in a CTA of its own (a chunk's CTAs side by side in the grid, so the
+    second read of the chunk's keys mostly hits L2): twice the CTAs, each with one compute warpgroup and 3 stages."""
     stages: int | None = None
+    split_rows: bool = False
+    # Two compute warpgroups in a CTA take turns (a schedule barrier, as `attention_mgpu`'s ping-pong): one's softmax
+    # runs while the other's MMAs are in flight. Same operations on every row.
+    ping_pong: bool = False
 
 
 def compute_warpgroups(packed_rows: int) -> int:
@@ -99,47 +111,66 @@ def pack_queries(q: jax.Array, hkv: int) -> jax.Array:
 
 def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: jax.Array, v: jax.Array, *,
                  scale: float, chunk: int, n_chunks: int, nc_pad: int, real_rows: int, mrows: int, max_keys: int,
-                 stages: int, interpret: bool | plgpu.InterpretGPUParams) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 stages: int, parts: int, ping_pong: bool, interpret: bool | plgpu.InterpretGPUParams
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """qp [S, Hkv, W 64, D] bf16 (`pack_queries`: real_rows = R G of them real); k, v [Hkv, P, page, D] bf16;
     page_table [S, Pmax'] int32 covering n_chunks chunks; cache_len [S] int32 -> m, l [S, Hkv, nc_pad, mrows], acc
-    [S, Hkv, nc_pad, mrows, D] fp32 (one compute warpgroup: rows past R G rounded up to 8 unwritten). Grid
-    (chunk, KV head, stream)."""
+    [S, Hkv, nc_pad, mrows, D] fp32 (rows past R G rounded up to 8 unwritten). Grid (chunk x part, KV head,
+    stream): parts 1, a CTA runs all W warpgroups' rows; parts W, a CTA runs warpgroup `part`'s 64 rows."""
     s_count, hkv, qrows, d = qp.shape
-    wgs = qrows // WG_ROWS
+    assert parts in (1, qrows // WG_ROWS), (parts, qrows)
+    wgs = qrows // WG_ROWS // parts  # compute warpgroups a CTA
     ps = k.shape[2]
     bk = BLOCK_K
     span = min(bk, ps)  # keys one copy moves: a page, or a block's part of one
     copies = bk // span  # copies a block (pages shorter than a block)
     per_chunk = chunk // bk
-    # Rows a warpgroup writes: with one compute warpgroup its real rows rounded up to 8 (a 1-row window writes 8
-    # rows of partials, not 16); with two, 64 each (at 96 real rows the second could write 32 rows, but a store of
-    # a size of its own per warpgroup, by branch or by predicate, deadlocked the interpreter inside a jitted
-    # program on this 2-core machine, so the two warpgroups write alike).
-    store_rows = -(-real_rows // 8) * 8 if wgs == 1 else WG_ROWS
-    assert store_rows <= mrows, (real_rows, mrows)
+    # Rows a CTA stores: its real rows rounded up to 8 (a 1-row window stores 8 rows of partials, not 64; a 16-row
+    # window at 6 heads a KV head 96, not 128). Static per CTA kind: with parts, every part but the last stores 64.
+    round8 = lambda n: -(-n // 8) * 8
+    cta_rows = wgs * WG_ROWS
+    last_rows = round8(real_rows - (parts - 1) * cta_rows)
+    ping_pong = ping_pong and wgs == 2
+    assert 0 < last_rows <= cta_rows and (parts - 1) * cta_rows + last_rows <= mrows, (real_rows, mrows, parts)
     c_log2 = scale * _LOG2E
 
     def kernel(len_gmem, pt_gmem, q_gmem, k_gmem, v_gmem, m_gmem, l_gmem, acc_gmem, q_smem, union, p_smem,
-               k_ready, v_ready, k_free, v_free, q_ready, drained):
+               k_ready, v_ready, k_free, v_free, q_ready, drained, written, schedule):
         # len_gmem [S]; pt_gmem [S, Pmax']; q_gmem [S, Hkv, W 64, D]; k_gmem, v_gmem [Hkv, P, page, D]; outputs
-        # m_gmem, l_gmem [S, Hkv, NC, M], acc_gmem [S, Hkv, NC, M, D]. q_smem [W, 64, D]; union: the K / V slots
-        # [stages, 64, D] bf16, later the O partials [W, 64, D] and their (m, l) [W, 2, 64] fp32; interpret:
-        # p_smem [W, 64, 64] bf16.
+        # m_gmem, l_gmem [S, Hkv, NC, M], acc_gmem [S, Hkv, NC, M, D]. q_smem [wgs, 64, D]; union: the K / V slots
+        # [stages, 64, D] bf16, later the CTA's O partials [wgs 64, D] and their (m, l) [2, wgs 64] fp32;
+        # interpret: p_smem [wgs, 64, 64] bf16.
         (k_smem, v_smem), (out_smem, ml_smem) = union
-        c = lax.axis_index("chunks")
+        cp = lax.axis_index("chunks")
+        c, part = (_div(cp, parts), lax.rem(cp, parts)) if parts > 1 else (cp, 0)
         g = lax.axis_index("heads")
         s = lax.axis_index("streams")
         wg = lax.axis_index("wg")
+        row0 = part * cta_rows  # the CTA's first packed row
         n_keys = lax.min(len_gmem[s], jnp.int32(max_keys))
         first = c * chunk
         n_blocks = lax.clamp(0, _div(lax.max(n_keys - first, 0) + bk - 1, bk), per_chunk)
+
+        def store(rows: int):
+            # The CTA's first `rows` rows of partials, one TMA each for O, m and l (one warpgroup issues them).
+            plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, rows)], acc_gmem.at[s, g, c, pl.ds(row0, rows)])
+            plgpu.copy_smem_to_gmem(ml_smem.at[0, pl.ds(0, rows)], m_gmem.at[s, g, c, pl.ds(row0, rows)])
+            plgpu.copy_smem_to_gmem(ml_smem.at[1, pl.ds(0, rows)], l_gmem.at[s, g, c, pl.ds(row0, rows)])
+            plgpu.wait_smem_to_gmem(0)
+
+        def take_turn():
+            # With ping_pong the k-th turn of one compute warpgroup meets the k-th of the other; warpgroup 1 takes
+            # one turn before its loop and warpgroup 0 one after, so their MMAs and softmaxes alternate.
+            if ping_pong:
+                plgpu.barrier_arrive(schedule)
+                plgpu.barrier_wait(schedule)
 
         @pl.when((n_blocks > 0) & (wg < wgs))
         def _compute():
             if wgs == 2:
                 plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
             qt = q_smem.at[wg]
-            plgpu.copy_gmem_to_smem(q_gmem.at[s, g, pl.ds(wg * WG_ROWS, WG_ROWS)], qt, q_ready.at[wg])
+            plgpu.copy_gmem_to_smem(q_gmem.at[s, g, pl.ds(row0 + wg * WG_ROWS, WG_ROWS)], qt, q_ready.at[wg])
             plgpu.barrier_wait(q_ready.at[wg])
             plgpu.barrier_wait(k_ready.at[0])
 
@@ -149,6 +180,7 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
 
                 def qk(acc_ref):
                     plgpu.wgmma(acc_ref, qt, k_smem.at[slot].T)
+                    take_turn()
                     return acc_ref[...]
 
                 logits = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, bk), jnp.float32))
@@ -158,7 +190,11 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                 col = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, bk), 1, layout=plgpu.Layout.WGMMA)
                 logits = jnp.where(col < n_keys - (first + b * bk), logits, -jnp.inf)
                 acc, m_new, l, p16 = online_softmax(logits, acc, m, l, c_log2)
+                if ping_pong:
+                    plgpu.barrier_arrive(schedule)
                 plgpu.barrier_wait(v_ready.at[slot])
+                if ping_pong:
+                    plgpu.barrier_wait(schedule)
 
                 def wait_next_keys():
                     @pl.when(b + 1 < n_blocks)
@@ -169,22 +205,35 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l
 
+            if ping_pong:
+                pl.when(wg == 1)(take_turn)
             acc, m, l = lax.fori_loop(0, n_blocks, step, online_start(d))
+            if ping_pong:
+                pl.when(wg == 0)(take_turn)
             # The O partials go over the K/V slots: every compute warpgroup has read its last block first (the
             # memory warpgroup fetched only the blocks the compute warpgroups waited for, so no copy is in flight).
             if wgs == 2:
                 plgpu.barrier_arrive(drained)
                 plgpu.barrier_wait(drained)
-            out = out_smem.at[wg]
-            out[...] = acc
-            ml_smem[wg, 0] = m * _LN2  # natural-log units, as the merge weighs partials
-            ml_smem[wg, 1] = l
+            mine = pl.ds(wg * WG_ROWS, WG_ROWS)
+            out_smem[mine] = acc
+            ml_smem[0, mine] = m * _LN2  # natural-log units, as the merge weighs partials
+            ml_smem[1, mine] = l
             plgpu.commit_smem()
-            rows = pl.ds(wg * WG_ROWS, store_rows)
-            plgpu.copy_smem_to_gmem(out.at[pl.ds(0, store_rows)], acc_gmem.at[s, g, c, rows])
-            plgpu.copy_smem_to_gmem(ml_smem.at[wg, 0, pl.ds(0, store_rows)], m_gmem.at[s, g, c, rows])
-            plgpu.copy_smem_to_gmem(ml_smem.at[wg, 1, pl.ds(0, store_rows)], l_gmem.at[s, g, c, rows])
-            plgpu.wait_smem_to_gmem(0)
+            # One warpgroup stores the CTA's rows, so each store has one size (a store of a size of its own per
+            # warpgroup deadlocked Mosaic GPU's interpreter inside a jitted program).
+            if wgs == 2:
+                plgpu.barrier_arrive(written)
+
+            @pl.when(wg == 0)
+            def _():
+                if wgs == 2:
+                    plgpu.barrier_wait(written)
+                if parts == 1 or last_rows == cta_rows:
+                    store(last_rows)
+                else:
+                    pl.when(part < parts - 1)(functools.partial(store, cta_rows))
+                    pl.when(part == parts - 1)(functools.partial(store, last_rows))
 
         @pl.when((n_blocks > 0) & (wg == wgs))
         def _memory():
@@ -218,8 +267,8 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
     kv_slots = (plgpu.SMEM((stages, bk, d), jnp.bfloat16, transforms=qd),
                 plgpu.SMEM((stages, bk, d), jnp.bfloat16, transforms=qd))
     smem = (plgpu.SMEM((wgs, WG_ROWS, d), jnp.bfloat16, transforms=qd),
-            plgpu.RefUnion(kv_slots, (plgpu.SMEM((wgs, WG_ROWS, d), jnp.float32),
-                                      plgpu.SMEM((wgs, 2, WG_ROWS), jnp.float32))),
+            plgpu.RefUnion(kv_slots, (plgpu.SMEM((cta_rows, d), jnp.float32),
+                                      plgpu.SMEM((2, cta_rows), jnp.float32))),
             plgpu.SMEM((wgs, WG_ROWS, bk), jnp.bfloat16, transforms=_transforms(bk)) if interpret else None)
     f32 = jnp.float32
     call = plgpu.kernel(
@@ -227,7 +276,7 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
         out_type=(jax.ShapeDtypeStruct((s_count, hkv, nc_pad, mrows), f32),
                   jax.ShapeDtypeStruct((s_count, hkv, nc_pad, mrows), f32),
                   jax.ShapeDtypeStruct((s_count, hkv, nc_pad, mrows, d), f32)),
-        grid=(n_chunks, hkv, s_count), grid_names=("chunks", "heads", "streams"),
+        grid=(n_chunks * parts, hkv, s_count), grid_names=("chunks", "heads", "streams"),
         num_threads=wgs + 1, thread_name="wg", kernel_name="attn_window_chunks_mgpu",
         scratch_types=(*smem,
                        plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
@@ -235,6 +284,8 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                        plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
                        plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
                        plgpu.Barrier(num_barriers=wgs),
+                       plgpu.Barrier(num_arrivals=wgs),
+                       plgpu.Barrier(num_arrivals=wgs),
                        plgpu.Barrier(num_arrivals=wgs)),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
@@ -250,6 +301,9 @@ _PARTIALS = CachedKernel(
     + [jax.core.ShapedArray((*qp.shape[:2], nc_pad, mrows, qp.shape[3]), jnp.float32)])
 
 MAX_WINDOW_ROWS = 16  # as attention.window
+# `WindowMgpuTiles.ping_pong` for the calls `attention.window` makes (a launch choice; off until the device shows it
+# pays: `python -m pallas_kernels.bench attention --sections window_mgpu_variants`).
+PING_PONG = False
 
 
 def unsupported(q_dtype, pool: KVPool, group: int, *, chunk: int, stages: int | None = None,
@@ -290,9 +344,11 @@ def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cach
     hkv = pool.k.shape[0]
     qp = pack_queries(q, hkv)
     operands = (cache_len.astype(jnp.int32), page_table.astype(jnp.int32), qp, pool.k, pool.v)  # the kernel's order
+    warpgroups = qp.shape[2] // WG_ROWS
+    parts = warpgroups if tiles.split_rows else 1
     static = dict(scale=scale, chunk=chunk, n_chunks=n_chunks, nc_pad=nc_pad, real_rows=r * (hq // hkv),
                   mrows=_padded_rows(r * (hq // hkv)), max_keys=max_keys,
-                  stages=stages_for(tiles, qp.shape[2] // WG_ROWS))
+                  stages=stages_for(tiles, warpgroups // parts), parts=parts, ping_pong=tiles.ping_pong)
     with jax.named_scope("attn_window_chunks_mgpu"):
         if interpret:
             return _kernel_call(*operands, interpret=interpret, **static)

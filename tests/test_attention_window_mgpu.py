@@ -83,7 +83,7 @@ def test_row_bits_ignore_window_streams_table_width_and_stages():
     assert np.array_equal(bits(step[:, 0]), bits(batch[:, 0]))
 
 
-def test_two_compute_warpgroups_give_a_row_the_bits_of_one():
+def test_two_compute_warpgroups_give_a_row_the_bits_of_one(monkeypatch):
     """72 packed rows (9 window rows x 8 query heads a KV head) run two compute warpgroups; each row's chunk
     partials have the bits the same query gets alone in a 1-row window (one warpgroup), and the window is right."""
     rng = np.random.default_rng(62)
@@ -99,11 +99,31 @@ def test_two_compute_warpgroups_give_a_row_the_bits_of_one():
         for nine, one in ((m9, m1), (l9, l1), (acc9, acc1)):
             for a, b in zip(_live_rows(nine[:, :, :, 8 * r:], cache_len, 128, 8), _live_rows(one, cache_len, 128, 8)):
                 assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), r
+    # Each warpgroup's rows in a CTA of its own (row_block 64, a launch choice): every written row the same bits.
+    split = partials(q, pool, table, cache_len, tiles=dataclasses.replace(TILES, row_block=64))
+    for got, want in zip(split, (m9, l9, acc9)):
+        for a, b in zip(_live_rows(got, cache_len, 128, 72), _live_rows(want, cache_len, 128, 72)):
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert np.array_equal(bits(run(*case, tiles=dataclasses.replace(TILES, row_block=64))), bits(run(*case)))
+    # The two warpgroups taking turns (ping-pong, a launch choice): the same bits.
+    monkeypatch.setattr(awm, "PING_PONG", True)
+    turns = jax.jit(at.window_partials, static_argnames=("scale", "tiles", "interpret"))(
+        q, pool, table, cache_len, scale=SCALE, tiles=TILES, interpret=True)
+    for got, want in zip(turns, (m9, l9, acc9)):
+        for a, b in zip(_live_rows(got, cache_len, 128, 72), _live_rows(want, cache_len, 128, 72)):
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
-def test_pipeline_has_no_races():
+def test_pipeline_has_no_races(monkeypatch):
+    """One compute warpgroup (2 stages); then two taking turns (ping-pong) and storing the CTA's rows from one."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     rng = np.random.default_rng(63)
+    two = window_case(rng, r=9, dtype=jnp.bfloat16, **dict(CASE, hq=16, s=1, cache_lens=[300], parents=[TREE + [6, 7]]))
+    monkeypatch.setattr(awm, "PING_PONG", True)
+    at.window_partials(two[0], two[4], two[5], two[6], scale=SCALE, tiles=TILES,
+                       interpret=plgpu.InterpretGPUParams(detect_races=True))
+    assert not gpu_callbacks.get_races().races_found
+    monkeypatch.setattr(awm, "PING_PONG", False)
     case = window_case(rng, r=3, dtype=jnp.bfloat16, **dict(CASE, s=2, cache_lens=[300, 37], parents=[TREE, CHAIN]))
     q, kw, vw, par, pool, table, cache_len = case
     m, l, acc = at.window_partials(q, pool, table, cache_len, scale=SCALE, tiles=dataclasses.replace(TILES, num_stages=2),
@@ -186,6 +206,25 @@ def test_lowers_for_sm90_at_27b_shape(rows, stages, h200_lowering):
     assert text.count("custom_call @mosaic_gpu") == 1
 
 
+@pytest.mark.parametrize("variant", ["split", "ping_pong", "chunk 2048"])
+def test_variants_lower_for_sm90_at_27b_shape(variant, h200_lowering, monkeypatch):
+    """The 16-row window's launch variants (a CTA a warpgroup, two warpgroups taking turns) and a 2048-key chunk
+    lower for sm_90 at the 27B shape."""
+    sds = jax.ShapeDtypeStruct
+    pool = kq.KVPool(sds((4, 600, 64, 256), jnp.bfloat16), sds((4, 600, 64, 256), jnp.bfloat16))
+    tiles = dataclasses.replace(at.window_tiles(page_size=64, max_keys=576 * 64, head_dim=256, fp8=False),
+                                impl="mgpu", row_block=64 if variant == "split" else None,
+                                chunk=2048 if variant == "chunk 2048" else 512)
+    monkeypatch.setattr(awm, "PING_PONG", variant == "ping_pong")
+    monkeypatch.setattr(awm._PARTIALS, "lowered", {})
+    args = (sds((2, 16, 24, 256), jnp.bfloat16), sds((2, 16, 4, 256), jnp.bfloat16),
+            sds((2, 16, 4, 256), jnp.bfloat16), sds((2, 16), jnp.int32), pool, sds((2, 576), jnp.int32),
+            sds((2,), jnp.int32))
+    fn = functools.partial(at.window, scale=1 / 16, tiles=tiles)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 1
+
+
 def _gpu_case(rng, rows, cache_lens, pmax):
     tree16 = TREE + list(range(6, 15))
     return window_case(rng, r=rows, dtype=jnp.bfloat16,
@@ -195,9 +234,10 @@ def _gpu_case(rng, rows, cache_lens, pmax):
 
 
 @GPU
-def test_gpu_27b_windows():
+def test_gpu_27b_windows(monkeypatch):
     """16-row trees and chains at 5000 / 1111 / 64 keys: right against float64; the 1-row step of each row-0 query
-    has row 0's bits; a stream alone (and its table widened) the same bits; 1 and 3 stages the default's bits."""
+    has row 0's bits; a stream alone (and its table widened) the same bits; 1 and 3 stages, a CTA a warpgroup and
+    the warpgroups taking turns the default's bits."""
     rng = np.random.default_rng(70)
     case = _gpu_case(rng, 16, [5000, 1111, 64], 80)
     q, kw, vw, par, pool, table, cache_len = case
@@ -212,16 +252,23 @@ def test_gpu_27b_windows():
         alone = run(q[1:2], kw[1:2], vw[1:2], par[1:2], pool, wide, cache_len[1:2],
                     tiles=dataclasses.replace(shipped, num_stages=stages), interpret=False)
         assert np.array_equal(bits(alone[0]), bits(got[1])), stages
+    split = run(*case, tiles=dataclasses.replace(shipped, row_block=64), interpret=False)  # a CTA a warpgroup
+    assert np.array_equal(bits(split), bits(got))
+    monkeypatch.setattr(awm, "PING_PONG", True)  # read at tracing: a fresh jit
+    turns = jax.jit(at.window, static_argnames=("scale", "interpret", "tiles"))(
+        *case, scale=SCALE, interpret=False, tiles=shipped)
+    assert np.array_equal(bits(turns), bits(got))
 
 
 @GPU
-def test_gpu_27b_long_context_through_the_fold_pass():
-    """32K keys (64 chunks, the fold pass) beside a 700-key stream, 1- and 4-row windows: right against the
+@pytest.mark.parametrize("chunk", [512, 1024, 2048])
+def test_gpu_27b_long_context_through_the_fold_pass(chunk):
+    """32K keys (the fold pass) beside a 700-key stream, 1- and 4-row windows, at each chunk: right against the
     Triton pass 1 (fp32 sums either way) and float64."""
     rng = np.random.default_rng(71)
     case = _gpu_case(rng, 4, [32768, 700], 520)
     shipped = at.window_tiles(page_size=64, max_keys=520 * 64, head_dim=256, fp8=False)
-    got = run(*case, tiles=dataclasses.replace(shipped, impl="mgpu"), interpret=False)
+    got = run(*case, tiles=dataclasses.replace(shipped, impl="mgpu", chunk=chunk), interpret=False)
     triton = run(*case, tiles=shipped, interpret=False)
     want = np_window(*case, SCALE)
     assert rel_err(got, want) < 1e-2 and rel_err(triton, want) < 1e-2

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
+import re
 import shutil
 import sys
 import time
@@ -27,6 +29,7 @@ import numpy as np
 
 from pallas_kernels import attention as at
 from pallas_kernels import attention_mgpu as am
+from pallas_kernels import attention_window_mgpu as awm
 from pallas_kernels import kv_quant as kq
 from pallas_kernels.bench.common import copy_bandwidth_tbs, device_events, table, time_us
 
@@ -95,10 +98,10 @@ def amortised_us(env: Env, step, fixed: tuple, varying: list[tuple], *, slow: bo
     return us / reps
 
 
-def alone_us(env: Env, step, fixed: tuple, varying: list[tuple], prefix: str) -> float:
+def alone_us(env: Env, step, fixed: tuple, varying: list[tuple], prefix: str) -> tuple[float, dict[str, float]]:
     """µs per call of `step`'s own kernels (device events named `prefix`...), summed from a jax.profiler trace of
     one `_chain` under env.trace: the kernels alone, without the launch gaps a chain's µs include (NaN when the
-    trace has no device events)."""
+    trace has no device events); and the same by kernel name (a name's trailing numbers dropped)."""
     chain = _chain(step, env.reps)
     jax.block_until_ready(chain(fixed, varying))
     where = f"{env.trace}/{len(env.results)}"
@@ -106,7 +109,11 @@ def alone_us(env: Env, step, fixed: tuple, varying: list[tuple], prefix: str) ->
         jax.block_until_ready(chain(fixed, varying))
     events = [e for e in device_events(where) or [] if e["name"].startswith(prefix)]
     shutil.rmtree(where, ignore_errors=True)
-    return sum(float(e["dur"]) for e in events) / env.reps if events else math.nan
+    by_name: dict[str, float] = {}
+    for e in events:
+        name = re.sub(r"[_.]?\d+$", "", e["name"])
+        by_name[name] = by_name.get(name, 0.0) + float(e["dur"]) / env.reps
+    return (sum(by_name.values()) if events else math.nan), by_name
 
 
 def record(env: Env, **row) -> None:
@@ -192,7 +199,8 @@ def bench_window(env: Env, *, streams: int, rows: int, context: int, fp8: bool, 
         out[impl] = us
         extra = {}
         if env.trace and impl == "kernel":
-            extra["alone_us"] = alone_us(env, step, (pool,), varying, "attn_")
+            extra["alone_us"], by_name = alone_us(env, step, (pool,), varying, "attn_")
+            extra.update({f"alone_{name.removeprefix('attn_window_')}": us for name, us in sorted(by_name.items())})
         record(env, section="window" if rows > 1 else "decode", tag=tag, impl=impl, kv="fp8" if fp8 else "bf16",
                streams=streams, rows=rows, context=context, page=page_size or env.page_size,
                tiles=str(dataclasses.astuple(tiles)) if impl == "kernel" else "", us=us,
@@ -326,6 +334,38 @@ def summarize_prompt_mgpu(env: Env) -> None:
                      cudnn[r["prefix"]] / r["us"] if r["prefix"] in cudnn else math.nan])
     body += [["cuDNN", p, us, prompt_flops(rows[0]["rows"], p) / us / 1e6, 1.0] for p, us in cudnn.items()]
     print(table(["impl", "prefix", "us", "TFLOP/s", "x cuDNN"], body))
+
+
+WINDOW_MGPU_CHUNKS = (512, 1024, 2048)
+WINDOW_MGPU_VARIANTS = ("", " split", " ping-pong")  # 16-row windows: as shipped, row_block 64, PING_PONG
+
+
+def summarize_window_mgpu_variants(env: Env, bw: float | None) -> None:
+    rows = [r for r in env.results if r.get("tag", "").startswith("wmv ")]
+    if not rows:
+        return
+    key = "alone_us" if all("alone_us" in r for r in rows) else "us"
+    us = {(r["tag"], r["streams"], r["context"], r["rows"]): r for r in rows}
+    print(f"\n### window_mgpu_variants: bf16, µs {'of the kernels alone (trace)' if key == 'alone_us' else 'a chained call'}"
+          f"; 16-row / 1-row target <= 1.3 (split: a CTA a warpgroup; ping-pong: two warpgroups taking turns); "
+          f"copy {bw or math.nan:.2f} TB/s; by kernel: pass 1 / fold / merge")
+    parts = lambda r: "/".join(f"{r.get(f'alone_{n}', math.nan):.1f}" for n in ("chunks_mgpu", "fold", "merge"))
+    body = []
+    for streams, ctx in dict.fromkeys((r["streams"], r["context"]) for r in rows):
+        for chunk in WINDOW_MGPU_CHUNKS:
+            one = us.get((f"wmv {chunk}", streams, ctx, 1))
+            if one is None:
+                continue
+            pct = 100 * kv_bytes(ctx * streams, False) / (one[key] * 1e-6) / (bw * 1e12) if bw else math.nan
+            cells = [streams, ctx, chunk, one[key], pct, parts(one)]
+            for variant in WINDOW_MGPU_VARIANTS:
+                r16 = us.get((f"wmv {chunk}{variant}", streams, ctx, 16))
+                cells += [r16[key], r16[key] / one[key], parts(r16)] if r16 else [math.nan, math.nan, ""]
+            body.append(cells)
+    heads = ["streams", "context", "chunk", "1-row", "% copy", "by kernel"]
+    for variant in WINDOW_MGPU_VARIANTS:
+        heads += [f"16-row{variant}", "ratio", "by kernel"]
+    print(table(heads, body))
 
 
 def summarize_window_mgpu(env: Env, bw: float | None) -> None:
@@ -600,6 +640,7 @@ def main(argv: list[str]) -> int:
                          "prompt_mgpu (the Mosaic GPU prompt kernel vs the Triton one and cuDNN; prompt_mgpu_variants "
                          "adds MGPU_VARIANTS), "
                          "window_mgpu (the Mosaic GPU window pass 1 vs the Triton one), "
+                         "window_mgpu_variants (its chunks and row split), "
                          "tune (sweep tiles/page sizes first, then use the winners), decode, prompt, window, window16, write, "
                          "xla (plain-XLA reference rows)")
     ap.add_argument("--json", default=None, help="write every measured row here")
@@ -712,6 +753,26 @@ def main(argv: list[str]) -> int:
                         bench_window(env, streams=streams, rows=rows, context=ctx, fp8=False,
                                      tiles=dataclasses.replace(base, impl=impl), impls=("kernel",),
                                      tag=f"window_mgpu {impl}")
+    if "window_mgpu_variants" in sections:
+        # The Mosaic GPU pass 1 at each chunk (order: the partials' grid) and, for 16-row windows, with each
+        # warpgroup's rows in a CTA of their own (row_block 64) or the two warpgroups taking turns (PING_PONG), both
+        # launch choices; bf16, tree windows. The windows the target is missed most on first, where the budget may
+        # cut the run short.
+        print("== window_mgpu_variants: Mosaic GPU pass 1 by chunk, row split and ping-pong, bf16", flush=True)
+        base = dataclasses.replace(decode_for(False), impl="mgpu")
+        many = 16 if gpu else 2
+        mid, longest, shortest = contexts[len(contexts) // 2], contexts[-1], contexts[0]
+        cases = dict.fromkeys(((1, mid), (many, mid), (1, longest), (1, shortest), (many, shortest)))
+        for (streams, ctx), chunk in itertools.product(cases, WINDOW_MGPU_CHUNKS[:1] if args.smoke
+                                                       else WINDOW_MGPU_CHUNKS):
+            for rows, variant in ((1, ""), *((16, v) for v in WINDOW_MGPU_VARIANTS)):
+                tiles = dataclasses.replace(base, chunk=chunk, row_block=64 if variant == " split" else None)
+                awm.PING_PONG = variant == " ping-pong"  # read when the chain is traced
+                try:
+                    bench_window(env, streams=streams, rows=rows, context=ctx, fp8=False, tiles=tiles,
+                                 impls=("kernel",), tag=f"wmv {chunk}{variant}")
+                finally:
+                    awm.PING_PONG = False
     if "write" in sections:
         print("== KV write (in place, donated pool)", flush=True)
         for fp8 in (False, True):
@@ -728,6 +789,7 @@ def main(argv: list[str]) -> int:
     summarize_compare(env, bw)
     summarize_prompt_mgpu(env)
     summarize_window_mgpu(env, bw)
+    summarize_window_mgpu_variants(env, bw)
     return 0
 
 
