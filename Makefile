@@ -3,6 +3,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
+# CPU suite workers (pytest-xdist): one a core, at most 4; a test file stays on one worker (its module fixtures,
+# a server or a compiled engine, start once).
+JOBS ?= auto
 
 .PHONY: venv test serve gpu-test check-captures clean-venv
 
@@ -16,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 test: venv
-	"$(PY)" -m pytest -q $(PYTEST_ARGS)
+	"$(PY)" -m pytest -q -n $(JOBS) --maxprocesses 4 --dist loadfile $(PYTEST_ARGS)
 
 serve: venv
 	"$(PY)" -m server $(ARGS)

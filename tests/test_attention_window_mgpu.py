@@ -104,7 +104,6 @@ def test_two_compute_warpgroups_give_a_row_the_bits_of_one(monkeypatch):
     for got, want in zip(split, (m9, l9, acc9)):
         for a, b in zip(_live_rows(got, cache_len, 128, 72), _live_rows(want, cache_len, 128, 72)):
             assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
-    assert np.array_equal(bits(run(*case, tiles=dataclasses.replace(TILES, row_block=64))), bits(run(*case)))
     # The two warpgroups taking turns (ping-pong, a launch choice): the same bits.
     monkeypatch.setattr(awm, "PING_PONG", True)
     turns = jax.jit(at.window_partials, static_argnames=("scale", "tiles", "interpret"))(
