@@ -703,6 +703,19 @@ def window_impl(q_dtype, pool: KVPool, num_heads: int, tiles: WindowTiles, inter
     return "triton" if why else "mgpu"
 
 
+def model_window_tiles(q_dtype, pool: KVPool, num_heads: int, *, max_keys: int, interpret: bool) -> WindowTiles:
+    """The tiles every window call of a model runs (`window` with tiles=None): `window_tiles` for the cache layout,
+    pass 1's kernel under WINDOW_IMPL, and, where that is the Mosaic GPU pass 1, its own chunk
+    (`attention_window_mgpu.CHUNK`). From the model and cache layout only, so the 1-row step and every drafted row
+    share the reduction order."""
+    tiles = window_tiles(page_size=pool.page_size, max_keys=max_keys, head_dim=pool.k.shape[-1], fp8=pool.fp8)
+    impl = window_impl(q_dtype, pool, num_heads, tiles, interpret)
+    if impl != "mgpu":
+        return dataclasses.replace(tiles, impl=impl)
+    from pallas_kernels import attention_window_mgpu as awm
+    return dataclasses.replace(tiles, impl=impl, chunk=awm.CHUNK)
+
+
 def _mgpu_pass_one(q: jax.Array, pool: KVPool, tiles: WindowTiles, interpret) -> bool:
     """Whether this window call's pass 1 runs on Mosaic GPU: impl "mgpu" on a bf16 call (fp8 and fp32 pools keep
     the Triton pass 1); a bf16 model the kernel cannot take is an error, not a silent fallback."""
@@ -775,15 +788,14 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
     chunks, a fold pass in between folds each run of `fold` chunks in its own programs and pass 2 adds those group
     partials in order (the same bits as one pass wherever a stream's context fits one group). A row's bits depend
     only on its own stream's inputs and the tiles' reduction fields: not on other streams, nor on how many pages
-    the table holds, nor on the launch fields. tiles=None: window_tiles() for this pool and table.
+    the table holds, nor on the launch fields. tiles=None: `model_window_tiles` for this pool and table.
 
     q [S, R, Hq, D]; k_win, v_win [S, R, Hkv, D]; parents [S, R]; page_table [S, Pmax]; cache_len [S]
     -> o [S, R, Hq, D] in q.dtype
     """
     if tiles is None:
-        tiles = window_tiles(page_size=pool.page_size, max_keys=page_table.shape[-1] * pool.page_size,
-                             head_dim=pool.k.shape[-1], fp8=pool.fp8)
-        tiles = dataclasses.replace(tiles, impl=window_impl(q.dtype, pool, q.shape[2], tiles, interpret))
+        tiles = model_window_tiles(q.dtype, pool, q.shape[2], max_keys=page_table.shape[-1] * pool.page_size,
+                                   interpret=interpret)
     hkv = _check_window(q, k_win, v_win, parents, pool, page_table, cache_len, tiles)
     if tiles.tail == "tickets":
         return _window_tickets(q, k_win, v_win, parents, pool, page_table, cache_len, scale=scale, tiles=tiles,

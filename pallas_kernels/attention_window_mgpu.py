@@ -301,6 +301,10 @@ _PARTIALS = CachedKernel(
     + [jax.core.ShapedArray((*qp.shape[:2], nc_pad, mrows, qp.shape[3]), jnp.float32)])
 
 MAX_WINDOW_ROWS = 16  # as attention.window
+# Committed keys a CTA's partial covers (order) in a model's window calls (`attention.model_window_tiles`): the
+# partials' bytes a key fall with it, and so does the parallelism over short contexts (docs/kernels/attention.md,
+# run 9); `bench attention --sections window_mgpu_variants` times 512, 1024 and 2048.
+CHUNK = 512
 # `WindowMgpuTiles.ping_pong` for the calls `attention.window` makes (a launch choice; off until the device shows it
 # pays: `python -m pallas_kernels.bench attention --sections window_mgpu_variants`).
 PING_PONG = False

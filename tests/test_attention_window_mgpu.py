@@ -177,6 +177,12 @@ def test_window_impl_follows_the_model_not_the_call(monkeypatch):
     assert at.window_impl(jnp.bfloat16, bf16, 24, shipped, interpret=True) == "triton"
     assert at.window_impl(jnp.bfloat16, fp8, 24, shipped, interpret=False) == "triton"
     assert at.window_impl(jnp.bfloat16, bf16, 64, shipped, interpret=False) == "triton"  # 16 heads a KV head
+    # A model's tiles: the Mosaic GPU pass 1 at its own chunk; the Triton one at window_tiles' chunk.
+    monkeypatch.setattr(awm, "CHUNK", 1024)
+    assert at.model_window_tiles(jnp.bfloat16, bf16, 24, max_keys=600 * 64, interpret=False) == dataclasses.replace(
+        shipped, impl="mgpu", chunk=1024)
+    assert at.model_window_tiles(jnp.bfloat16, fp8, 24, max_keys=600 * 64, interpret=False) == dataclasses.replace(
+        at.window_tiles(page_size=64, max_keys=600 * 64, head_dim=256, fp8=True), impl="triton")
     monkeypatch.setattr(at, "WINDOW_IMPL", "triton")
     assert at.window_impl(jnp.bfloat16, bf16, 24, shipped, interpret=False) == "triton"
     monkeypatch.setattr(at, "WINDOW_IMPL", "fast")
@@ -240,8 +246,8 @@ def test_gpu_27b_windows(monkeypatch):
     rng = np.random.default_rng(70)
     case = _gpu_case(rng, 16, [5000, 1111, 64], 80)
     q, kw, vw, par, pool, table, cache_len = case
-    shipped = dataclasses.replace(at.window_tiles(page_size=64, max_keys=80 * 64, head_dim=256, fp8=False),
-                                  impl="mgpu")
+    shipped = at.model_window_tiles(jnp.bfloat16, pool, 24, max_keys=80 * 64, interpret=False)
+    assert shipped.impl == "mgpu"
     got = run(*case, tiles=shipped, interpret=False)
     assert rel_err(got, np_window(*case, SCALE)) < 1e-2
     step = run(q[:, :1], kw[:, :1], vw[:, :1], par[:, :1], pool, table, cache_len, tiles=shipped, interpret=False)

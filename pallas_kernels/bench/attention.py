@@ -685,10 +685,9 @@ def main(argv: list[str]) -> int:
     def decode_for(fp8: bool) -> at.WindowTiles:  # the shipped tiles of each KV dtype, unless a sweep chose
         if tuned:
             return decode_tiles
-        shipped = at.window_tiles(page_size=page, max_keys=contexts[-1], head_dim=D, fp8=fp8)
         kv = jax.ShapeDtypeStruct((HKV, 1, page, D), kq.FP8 if fp8 else jnp.bfloat16)  # pass 1 as the engine picks
-        return dataclasses.replace(shipped, impl=at.window_impl(jnp.bfloat16, kq.KVPool(kv, kv), HQ, shipped,
-                                                                interpret=env.interpret))
+        return at.model_window_tiles(jnp.bfloat16, kq.KVPool(kv, kv), HQ, max_keys=contexts[-1],
+                                     interpret=env.interpret)
 
     def window_for(fp8: bool) -> at.WindowTiles:  # 128 packed rows: 8 warps, 2 stages (shared memory)
         return dataclasses.replace(decode_for(fp8), num_warps=None, num_stages=None)
