@@ -7,6 +7,12 @@ import pytest
 # The CPU suite runs on the CPU even where a GPU is present, unless `-m gpu` asks for the device.
 if not any(a == "gpu" or a.endswith(" gpu") for a in sys.argv):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # Mosaic GPU's interpreter runs a CTA's warpgroups as concurrent CPU executions that block in host callbacks
+    # (barrier waits) until the others arrive; XLA's CPU client runs such callbacks on its thread pool, one thread
+    # a core by default. On a 2-core machine the pool can fill with waiting warpgroups and the kernel never
+    # finishes (a CI run hung in test_attention_mgpu; with PJRT_NPROC=1 that test hangs every time here). A CTA
+    # has at most 4 warpgroups and the interpreter runs one CTA at a time, so 16 threads leave room.
+    os.environ.setdefault("PJRT_NPROC", str(max(16, os.cpu_count() or 1)))
 
 ROOT = Path(__file__).resolve().parents[1]
 CAPTURES = ROOT / "captures"
