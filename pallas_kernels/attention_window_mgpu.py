@@ -220,8 +220,9 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
             ml_smem[0, mine] = m * _LN2  # natural-log units, as the merge weighs partials
             ml_smem[1, mine] = l
             plgpu.commit_smem()
-            # One warpgroup stores the CTA's rows, so each store has one size (a store of a size of its own per
-            # warpgroup deadlocked Mosaic GPU's interpreter inside a jitted program).
+            # One warpgroup stores the CTA's rows: one TMA each for O, m and l, of one static size. (Session 15's
+            # store of a size of its own per warpgroup hung Mosaic GPU's interpreter on a 2-core machine, likely the
+            # CPU pool starvation tests/conftest.py now avoids; it was not retried.)
             if wgs == 2:
                 plgpu.barrier_arrive(written)
 
