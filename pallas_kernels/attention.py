@@ -747,11 +747,10 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
     nc_pad = max(_pow2(one.n_chunks), pad_chunks_to)
     if _mgpu_pass_one(q, pool, tiles, interpret):
         from pallas_kernels import attention_window_mgpu as awm
-        mrows_all = one.mrows
         return awm.window_partials_mgpu(q, pool, one.page_table, cache_len, scale=scale, chunk=tiles.chunk,
                                         n_chunks=one.n_chunks, nc_pad=nc_pad, max_keys=one.max_keys,
                                         tiles=awm.WindowMgpuTiles(stages=tiles.num_stages,
-                                                                  split_rows=(tiles.row_block or mrows_all) <= 64,
+                                                                  split_rows=(tiles.row_block or one.mrows) <= 64,
                                                                   ping_pong=awm.PING_PONG),
                                         interpret=interpret)
 

@@ -640,7 +640,7 @@ def main(argv: list[str]) -> int:
                          "prompt_mgpu (the Mosaic GPU prompt kernel vs the Triton one and cuDNN; prompt_mgpu_variants "
                          "adds MGPU_VARIANTS), "
                          "window_mgpu (the Mosaic GPU window pass 1 vs the Triton one), "
-                         "window_mgpu_variants (its chunks and row split), "
+                         "window_mgpu_variants (its chunks, row split and ping-pong), "
                          "tune (sweep tiles/page sizes first, then use the winners), decode, prompt, window, window16, write, "
                          "xla (plain-XLA reference rows)")
     ap.add_argument("--json", default=None, help="write every measured row here")
