@@ -151,7 +151,8 @@ class WindowTiles:
     tail: str = "passes"
     # Pass 1's kernel (order). "triton": the chunk kernel below. "mgpu": bf16 queries over a bf16 pool run pass 1 on
     # Mosaic GPU (`attention_window_mgpu`: 64-key blocks, wgmma, TMA; its own bits; block_k, walk and num_warps are
-    # not read there, num_stages is its K/V slots, row_block <= 64 its split_rows, a launch choice there); the fold
+    # not read there, num_stages is its K/V slots, row_block its split_rows (<= 64 splits; None: split on small
+    # grids, `attention_window_mgpu.SPLIT_MAX_CTAS`), a launch choice there); the fold
     # pass and the merge are this module's
     # either way, and fp8 / fp32 pools stay on the Triton kernel. Needs tail "passes".
     impl: str = "triton"
@@ -729,6 +730,15 @@ def _mgpu_pass_one(q: jax.Array, pool: KVPool, tiles: WindowTiles, interpret) ->
     return True
 
 
+def _split_rows(tiles: WindowTiles, one: _PassOne, streams: int, hkv: int) -> bool:
+    """The Mosaic GPU pass 1's split_rows for a call: row_block set, as it says (<= 64 splits); None, a window of
+    two compute warpgroups split where the grid is small (`attention_window_mgpu.SPLIT_MAX_CTAS`)."""
+    if tiles.row_block is not None:
+        return tiles.row_block <= 64
+    from pallas_kernels import attention_window_mgpu as awm
+    return one.mrows > awm.WG_ROWS and streams * hkv * one.n_chunks <= awm.SPLIT_MAX_CTAS
+
+
 def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len: jax.Array, *, scale: float,
                     tiles: WindowTiles, interpret: bool = False, pad_chunks_to: int = 1
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -750,7 +760,7 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
         return awm.window_partials_mgpu(q, pool, one.page_table, cache_len, scale=scale, chunk=tiles.chunk,
                                         n_chunks=one.n_chunks, nc_pad=nc_pad, max_keys=one.max_keys,
                                         tiles=awm.WindowMgpuTiles(stages=tiles.num_stages,
-                                                                  split_rows=(tiles.row_block or one.mrows) <= 64,
+                                                                  split_rows=_split_rows(tiles, one, s, hkv),
                                                                   ping_pong=awm.PING_PONG),
                                         interpret=interpret)
 

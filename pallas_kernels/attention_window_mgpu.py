@@ -18,7 +18,8 @@ and add the window's own keys, as for the Triton pass 1.
 Launch choices (`WindowMgpuTiles`, none changes a row's bits): `split_rows` runs a two-warpgroup window's halves in
 CTAs of their own, side by side in the grid (twice the CTAs where few chunks are live; the second read of a chunk's
 keys mostly from L2); `ping_pong` lets the two compute warpgroups of a CTA take turns, so one's softmax overlaps the
-other's MMAs. Both are off by default until the device shows they pay (session 16 prepared them without one).
+other's MMAs. `attention.window_partials` splits the rows of calls whose grid is small (`SPLIT_MAX_CTAS`);
+ping-pong stays off: on the H200 it measured the same as the shipped schedule (session 17).
 
 Output contract (that of `attention.window_partials`): m, l [S, Hkv, NC, M] and acc [S, Hkv, NC, M, D] fp32, m in
 natural-log units (the partial is exp(s scale - m) summed), for the chunks below each stream's context; other
@@ -304,10 +305,21 @@ _PARTIALS = CachedKernel(
 MAX_WINDOW_ROWS = 16  # as attention.window
 # Committed keys a CTA's partial covers (order) in a model's window calls (`attention.model_window_tiles`): the
 # partials' bytes a key fall with it, and so does the parallelism over short contexts (docs/kernels/attention.md,
-# run 9); `bench attention --sections window_mgpu_variants` times 512, 1024 and 2048.
-CHUNK = 512
-# `WindowMgpuTiles.ping_pong` for the calls `attention.window` makes (a launch choice; off until the device shows it
-# pays: `python -m pallas_kernels.bench attention --sections window_mgpu_variants`).
+# runs 9 and 10). Session 17 (`bench attention --sections window_mgpu_variants`, kernels alone, 1 stream): 1024
+# against 512 decoded 32K keys in 45.4 against 50.1 µs and 128K in 144.7 against 151.1, a 16-row window over 32K
+# in 56.4 against 70.1 (1.24x the 1-row time, against 1.40x), at 16 streams 1.28x against 1.50x; it costs the
+# 1-row decode of 4K keys at 1 stream (24.9 against 17.0 µs: 4 chunks a KV head keep 16 SMs busy). 2048 met
+# 1.3x everywhere but took 41.9 µs for that 4K decode.
+CHUNK = 1024
+# A window of two compute warpgroups runs them in CTAs of their own (`WindowMgpuTiles.split_rows`) when the call's
+# grid (streams x KV heads x the table's chunks) holds at most this many CTAs: under half the H200's 132 SMs the
+# second read of a chunk's keys costs less than the idle SMs (session 17, window_mgpu_variants, 16-row windows:
+# 1 stream at 4K 29.7 against 37.9 µs at chunk 1024, 22.3 against 27.2 at 512; 32K over 2048-key chunks 53.7
+# against 68.5; at 128 CTAs and more, 1.2-1.6x slower). From static shapes, so a launch choice: same bits.
+SPLIT_MAX_CTAS = 64
+# `WindowMgpuTiles.ping_pong` for the calls `attention.window` makes (a launch choice). Off: session 17's
+# window_mgpu_variants timed it within 1 % of the shipped schedule in 13 of 15 windows (2048-key chunks at 32K:
+# 66.9 against 68.5 µs; 1024 at 16 streams: 688 against 681).
 PING_PONG = False
 
 

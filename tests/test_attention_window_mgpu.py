@@ -178,9 +178,9 @@ def test_window_impl_follows_the_model_not_the_call(monkeypatch):
     assert at.window_impl(jnp.bfloat16, fp8, 24, shipped, interpret=False) == "triton"
     assert at.window_impl(jnp.bfloat16, bf16, 64, shipped, interpret=False) == "triton"  # 16 heads a KV head
     # A model's tiles: the Mosaic GPU pass 1 at its own chunk; the Triton one at window_tiles' chunk.
-    monkeypatch.setattr(awm, "CHUNK", 1024)
+    monkeypatch.setattr(awm, "CHUNK", 2048)
     assert at.model_window_tiles(jnp.bfloat16, bf16, 24, max_keys=600 * 64, interpret=False) == dataclasses.replace(
-        shipped, impl="mgpu", chunk=1024)
+        shipped, impl="mgpu", chunk=2048)
     assert at.model_window_tiles(jnp.bfloat16, fp8, 24, max_keys=600 * 64, interpret=False) == dataclasses.replace(
         at.window_tiles(page_size=64, max_keys=600 * 64, head_dim=256, fp8=True), impl="triton")
     monkeypatch.setattr(at, "WINDOW_IMPL", "triton")
@@ -188,6 +188,28 @@ def test_window_impl_follows_the_model_not_the_call(monkeypatch):
     monkeypatch.setattr(at, "WINDOW_IMPL", "fast")
     with pytest.raises(ValueError, match="WINDOW_IMPL"):
         at.window_impl(jnp.bfloat16, bf16, 24, shipped, interpret=False)
+
+
+def test_rows_split_on_small_grids_only():
+    """split_rows (a launch choice): row_block as set; None splits a two-warpgroup window whose grid (streams x KV
+    heads x table chunks) is at most SPLIT_MAX_CTAS CTAs, never a one-warpgroup window."""
+    sds = jax.ShapeDtypeStruct
+    pool = kq.KVPool(sds((4, 600, 64, 256), jnp.bfloat16), sds((4, 600, 64, 256), jnp.bfloat16))
+    tiles = dataclasses.replace(at.window_tiles(page_size=64, max_keys=600 * 64, head_dim=256, fp8=False),
+                                impl="mgpu", chunk=1024)
+
+    def split(streams, rows, table_pages, **change):
+        q = sds((streams, rows, 24, 256), jnp.bfloat16)
+        one = at._pass_one(q, pool, jnp.zeros((streams, table_pages), jnp.int32), tiles)
+        return at._split_rows(dataclasses.replace(tiles, **change), one, streams, 4)
+
+    cap = awm.SPLIT_MAX_CTAS
+    assert split(1, 16, 64)  # 4 chunks x 4 heads
+    assert split(1, 16, cap // 4 * 16)  # cap CTAs
+    assert not split(1, 16, cap // 4 * 16 + 1)  # one chunk more a head
+    assert not split(16, 16, 64)  # 16 streams x 16 CTAs
+    assert not split(1, 8, 64)  # 48 packed rows: one warpgroup
+    assert split(16, 16, 64, row_block=64) and not split(1, 16, 64, row_block=128)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -219,7 +241,7 @@ def test_variants_lower_for_sm90_at_27b_shape(variant, h200_lowering, monkeypatc
     pool = kq.KVPool(sds((4, 600, 64, 256), jnp.bfloat16), sds((4, 600, 64, 256), jnp.bfloat16))
     tiles = dataclasses.replace(at.window_tiles(page_size=64, max_keys=576 * 64, head_dim=256, fp8=False),
                                 impl="mgpu", row_block=64 if variant == "split" else None,
-                                chunk=2048 if variant == "chunk 2048" else 512)
+                                chunk=2048 if variant == "chunk 2048" else awm.CHUNK)
     monkeypatch.setattr(awm, "PING_PONG", variant == "ping_pong")
     monkeypatch.setattr(awm._PARTIALS, "lowered", {})
     args = (sds((2, 16, 24, 256), jnp.bfloat16), sds((2, 16, 4, 256), jnp.bfloat16),
@@ -241,8 +263,8 @@ def _gpu_case(rng, rows, cache_lens, pmax):
 @GPU
 def test_gpu_27b_windows(monkeypatch):
     """16-row trees and chains at 5000 / 1111 / 64 keys: right against float64; the 1-row step of each row-0 query
-    has row 0's bits; a stream alone (and its table widened) the same bits; 1 and 3 stages, a CTA a warpgroup and
-    the warpgroups taking turns the default's bits."""
+    has row 0's bits; a stream alone (and its table widened) the same bits; 1 and 3 stages, a CTA a warpgroup, both
+    warpgroups in one CTA and the warpgroups taking turns the default's bits."""
     rng = np.random.default_rng(70)
     case = _gpu_case(rng, 16, [5000, 1111, 64], 80)
     q, kw, vw, par, pool, table, cache_len = case
@@ -257,8 +279,9 @@ def test_gpu_27b_windows(monkeypatch):
         alone = run(q[1:2], kw[1:2], vw[1:2], par[1:2], pool, wide, cache_len[1:2],
                     tiles=dataclasses.replace(shipped, num_stages=stages), interpret=False)
         assert np.array_equal(bits(alone[0]), bits(got[1])), stages
-    split = run(*case, tiles=dataclasses.replace(shipped, row_block=64), interpret=False)  # a CTA a warpgroup
-    assert np.array_equal(bits(split), bits(got))
+    for rb in (64, 128):  # a CTA a warpgroup, both warpgroups in one CTA (the shipped rule splits this grid)
+        other = run(*case, tiles=dataclasses.replace(shipped, row_block=rb), interpret=False)
+        assert np.array_equal(bits(other), bits(got)), rb
     monkeypatch.setattr(awm, "PING_PONG", True)  # read at tracing: a fresh jit
     turns = jax.jit(at.window, static_argnames=("scale", "interpret", "tiles"))(
         *case, scale=SCALE, interpret=False, tiles=shipped)

@@ -349,7 +349,9 @@ def summarize_window_mgpu_variants(env: Env, bw: float | None) -> None:
     print(f"\n### window_mgpu_variants: bf16, µs {'of the kernels alone (trace)' if key == 'alone_us' else 'a chained call'}"
           f"; 16-row / 1-row target <= 1.3 (split: a CTA a warpgroup; ping-pong: two warpgroups taking turns); "
           f"copy {bw or math.nan:.2f} TB/s; by kernel: pass 1 / fold / merge")
-    parts = lambda r: "/".join(f"{r.get(f'alone_{n}', math.nan):.1f}" for n in ("chunks_mgpu", "fold", "merge"))
+    def parts(r):  # a kernel's trace name may carry a suffix (pass 1: "chunks_mgpu_mosaic_gpu_kernel")
+        sums = [[v for k, v in r.items() if k.startswith(f"alone_{n}")] for n in ("chunks_mgpu", "fold", "merge")]
+        return "/".join(f"{sum(v) if v else math.nan:.1f}" for v in sums)
     body = []
     for streams, ctx in dict.fromkeys((r["streams"], r["context"]) for r in rows):
         for chunk in WINDOW_MGPU_CHUNKS:
