@@ -1,10 +1,12 @@
 """Decode variants of the 27B engine side by side in one process: the synthetic weights are built once, then each
 variant sets the Mosaic GPU decode kernel's knobs (qmm_mgpu.STAGES, WIDE_ROWS, NARROW_ROWS, ROUNDING,
-CONVERSION, COMPUTE_WGS), compiles its programs and runs the
+CONVERSION, COMPUTE_WGS) and the window's pass 1 chunk (attention_window_mgpu.CHUNK: its bits change with it),
+compiles its programs and runs the
 bench's pipelined decode (`qwen_jax.engine.bench.run`, prompt timing off). Only speed is compared: the depth and the
 piece heights change no row's bits (tests/test_qmm_mgpu.py); the conversion changes the weights' rounding.
 
     python tools/gpu/engine_ab.py --streams 1,16,64 --variants "stages=4,wide=16;stages=4;stages=6;stages=8"
+    python tools/gpu/engine_ab.py --streams 1,16 --context 1024,8192 --variants "chunk=512;chunk=1024"
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import argparse
 import time
 
 KNOBS = {"stages": "STAGES", "wide": "WIDE_ROWS", "narrow": "NARROW_ROWS", "round": "ROUNDING",
-         "conv": "CONVERSION", "wgs": "COMPUTE_WGS"}
+         "conv": "CONVERSION", "wgs": "COMPUTE_WGS", "chunk": None}  # chunk: attention_window_mgpu.CHUNK
 
 
 def parse_variants(text: str) -> list[dict]:
@@ -33,23 +35,27 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--streams", default="1,16,64")
     ap.add_argument("--rounds", type=int, default=32)
+    ap.add_argument("--context", default="1024", help="cached tokens per stream while decoding (a comma list: "
+                                                      "every variant at each)")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (a CPU smoke run)")
     ap.add_argument("--variants", required=True,
                     help="';'-separated, each 'stages=N,wide=N,narrow=N,round=barrier|reduce_precision,"
-                         "conv=words|nibbles,wgs=N' (each optional)")
+                         "conv=words|nibbles,wgs=N,chunk=N' (each optional)")
     args = ap.parse_args()
     variants = parse_variants(args.variants)
     streams = tuple(int(s) for s in args.streams.split(","))
+    contexts = tuple(int(c) for c in args.context.split(","))
 
     import jax
 
+    from pallas_kernels import attention_window_mgpu as awm
     from pallas_kernels import qmm_mgpu
     from qwen_jax.engine import bench
     from qwen_jax.model import Backend
     t0 = time.perf_counter()
     params, cfg = bench.synthetic_params("27b", dtype="bfloat16", layers=args.layers)
     print(f"synthetic 27b built in {time.perf_counter() - t0:.1f} s", flush=True)
-    shipped = {k: getattr(qmm_mgpu, a) for k, a in KNOBS.items()}
+    shipped = {k: getattr(qmm_mgpu, a) for k, a in KNOBS.items() if a} | {"chunk": awm.CHUNK}
     rows = []
     for v in variants:
         knobs = dict(shipped, **v)
@@ -59,22 +65,24 @@ def main() -> None:
             qmm_mgpu._LOWERED.clear()
             jax.clear_caches()
         for k, a in KNOBS.items():
-            setattr(qmm_mgpu, a, knobs[k])
-        t0 = time.perf_counter()
-        res = bench.run(params, cfg, backend=Backend.default(), streams=streams, prompt_lengths=(),
-                        rounds=args.rounds, compile_timing=False, progress=False, log=lambda m: None)
-        fps = res.decode_forwards_per_s
-        rows.append((knobs, fps))
-        print(f"{knobs}: " + ", ".join(f"{s} streams {fps[s]:.1f} fwd/s" for s in streams)
-              + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
-    print("\n| stages | widest piece | narrowest piece | rounding | conversion | compute warpgroups | "
-          + " | ".join(f"{s} streams (fwd/s)" for s in streams) + " |")
-    print("|---|---|---|---|---|---|" + "---|" * len(streams))
-    for knobs, fps in rows:
+            if a:
+                setattr(qmm_mgpu, a, knobs[k])
+        awm.CHUNK = knobs["chunk"]  # read when the programs are traced (each variant's programs are new)
+        for ctx in contexts:
+            t0 = time.perf_counter()
+            res = bench.run(params, cfg, backend=Backend.default(), streams=streams, prompt_lengths=(), context=ctx,
+                            rounds=args.rounds, compile_timing=False, progress=False, log=lambda m: None)
+            fps = res.decode_forwards_per_s
+            rows.append((knobs, ctx, fps))
+            print(f"{knobs} @ {ctx} ctx: " + ", ".join(f"{s} streams {fps[s]:.1f} fwd/s" for s in streams)
+                  + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print("\n| stages | widest piece | narrowest piece | rounding | conversion | compute warpgroups | window chunk | "
+          "context | " + " | ".join(f"{s} streams (fwd/s)" for s in streams) + " |")
+    print("|---|---|---|---|---|---|---|---|" + "---|" * len(streams))
+    for knobs, ctx, fps in rows:
         print(f"| {knobs['stages']} | {knobs['wide']} | {knobs['narrow']} | {knobs['round']} | {knobs['conv']} | "
-              f"{knobs['wgs']} | "
+              f"{knobs['wgs']} | {knobs['chunk']} | {ctx} | "
               + " | ".join(f"{fps[s]:.1f}" for s in streams) + " |")
-
 
 if __name__ == "__main__":
     main()
