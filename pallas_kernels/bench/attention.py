@@ -370,6 +370,36 @@ def summarize_window_mgpu_variants(env: Env, bw: float | None) -> None:
     print(table(heads, body))
 
 
+MERGE_BLOCK_DS = (None, 32, 64, 128, 256)  # the merge's head-dim columns a program (None: merge_launch's rule)
+
+
+def summarize_merge_variants(env: Env) -> None:
+    rows = [r for r in env.results if r.get("tag", "").startswith("merge ")]
+    if not rows:
+        return
+    key = "alone_us" if all("alone_us" in r for r in rows) else "us"
+    us = {(r["tag"], r["streams"], r["context"], r["rows"]): r for r in rows}
+    print(f"\n### merge_variants: bf16 16-row windows, µs {'of the kernels alone (trace)' if key == 'alone_us' else 'a chained call'}"
+          " by the merge's head-dim columns a program (a launch choice); cells: window / merge alone; ratio to the "
+          "1-row window")
+    body = []
+    for streams, ctx in dict.fromkeys((r["streams"], r["context"]) for r in rows):
+        one = us.get(("merge 1-row", streams, ctx, 1))
+        cells = [streams, ctx, one[key] if one else math.nan]
+        for bd in MERGE_BLOCK_DS:
+            r16 = us.get((f"merge {bd or 'auto'}", streams, ctx, 16))
+            if r16 is None:
+                cells += ["", math.nan]
+                continue
+            cells += [f"{r16[key]:.1f} / {r16.get('alone_merge', math.nan):.1f}",
+                      r16[key] / one[key] if one else math.nan]
+        body.append(cells)
+    heads = ["streams", "context", "1-row"]
+    for bd in MERGE_BLOCK_DS:
+        heads += [f"bd {bd or 'auto'}", "ratio"]
+    print(table(heads, body))
+
+
 def summarize_window_mgpu(env: Env, bw: float | None) -> None:
     rows = [r for r in env.results if r.get("tag", "").startswith("window_mgpu")]
     if not rows:
@@ -643,6 +673,7 @@ def main(argv: list[str]) -> int:
                          "adds MGPU_VARIANTS), "
                          "window_mgpu (the Mosaic GPU window pass 1 vs the Triton one), "
                          "window_mgpu_variants (its chunks, row split and ping-pong), "
+                         "merge_variants (the merge's head-dim split for 16-row windows), "
                          "tune (sweep tiles/page sizes first, then use the winners), decode, prompt, window, window16, write, "
                          "xla (plain-XLA reference rows)")
     ap.add_argument("--json", default=None, help="write every measured row here")
@@ -774,6 +805,19 @@ def main(argv: list[str]) -> int:
                                  impls=("kernel",), tag=f"wmv {chunk}{variant}")
                 finally:
                     awm.PING_PONG = False
+    if "merge_variants" in sections:
+        # The merge's head-dim split (merge_block_d, a launch choice: same bits) for 16-row bf16 windows on the
+        # shipped pass 1, the windows the 16-row target is missed on first; the 1-row window beside each.
+        print("== merge_variants: the merge's head-dim columns a program, 16-row bf16 windows", flush=True)
+        many = 16 if gpu else 2
+        for streams, ctx in dict.fromkeys(((1, contexts[-1]), (many, contexts[0]), (1, contexts[1]),
+                                           (1, contexts[0]))):
+            bench_window(env, streams=streams, rows=1, context=ctx, fp8=False, tiles=decode_for(False),
+                         impls=("kernel",), tag="merge 1-row")
+            for bd in MERGE_BLOCK_DS[:2] if args.smoke else MERGE_BLOCK_DS:
+                bench_window(env, streams=streams, rows=16, context=ctx, fp8=False,
+                             tiles=dataclasses.replace(window_for(False), merge_block_d=bd), impls=("kernel",),
+                             tag=f"merge {bd or 'auto'}")
     if "write" in sections:
         print("== KV write (in place, donated pool)", flush=True)
         for fp8 in (False, True):
@@ -791,6 +835,7 @@ def main(argv: list[str]) -> int:
     summarize_prompt_mgpu(env)
     summarize_window_mgpu(env, bw)
     summarize_window_mgpu_variants(env, bw)
+    summarize_merge_variants(env)
     return 0
 
 
