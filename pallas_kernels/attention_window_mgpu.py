@@ -21,6 +21,13 @@ keys mostly from L2); `ping_pong` lets the two compute warpgroups of a CTA take 
 other's MMAs. `attention.window_partials` splits the rows of calls whose grid is small (`SPLIT_MAX_CTAS`);
 ping-pong stays off: on the H200 it measured the same as the shipped schedule (session 17).
 
+The cluster fold (`WindowTiles.cluster` C > 1, an order choice, off by default: `CLUSTER`): a chunk's keys run
+on a cluster of C CTAs, member p over keys [c chunk + p chunk / C, c chunk + (p + 1) chunk / C), and the members
+fold their partials through distributed shared memory in member order (`_fold_members`) into the chunk's one
+partial. A chunk of C times the keys then costs the parallelism of C chunks but the partials' bytes of one: the
+16-row window's extra time is those bytes (docs/kernels/attention.md, run 10). Compiled only (the interpreter has
+no distributed shared memory); built in session 17 without a device, so not yet run.
+
 Output contract (that of `attention.window_partials`): m, l [S, Hkv, NC, M] and acc [S, Hkv, NC, M, D] fp32, m in
 natural-log units (the partial is exp(s scale - m) summed), for the chunks below each stream's context; other
 chunks are left unwritten, and so are rows past R G rounded up to 8 (rows written past R G hold the padding rows'
