@@ -213,6 +213,7 @@ def cmd_bench(args) -> int:
     try:
         res = bench.run(params, cfg, backend=_backend(args), dtype=args.dtype, kv_cache=args.kv_cache,
                         streams=streams, prompt_lengths=lengths, context=args.context, rounds=args.rounds,
+                        repeats=args.repeats,
                         max_chunk=args.max_chunk, compile_timing=args.compile_timing, warm=not args.no_warm,
                         logprobs=args.logprobs, progress=sys.stderr.isatty(), log=log)
     except ValueError as e:
@@ -287,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--prompt-lengths", default="4096,32768", help="prompt lengths to time ('' = none)")
     be.add_argument("--context", type=int, default=1024, help="cached tokens per stream while decoding")
     be.add_argument("--rounds", type=int, default=64, help="timed decode rounds per stream count")
+    be.add_argument("--repeats", type=int, default=3,
+                    help="times the decode rounds are timed per stream count (the median is reported, each one "
+                         "beside it)")
     be.add_argument("--max-chunk", type=int, default=4096, help="prompt chunk rows")
     be.add_argument("--kv-cache", choices=("bf16", "fp8"), default="bf16")
     be.add_argument("--logprobs", type=int, default=0, help="top logprobs computed every round (the server's cost)")

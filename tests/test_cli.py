@@ -80,6 +80,8 @@ def test_bench_runs_small(capsys):
     res = json.loads(capsys.readouterr().out)
     assert res["prompt_tokens_per_s"]["100"] > 0 and res["decode_forwards_per_s"]["2"] > 0
     assert res["decode_tokens_per_s"]["2"] == pytest.approx(2 * res["decode_forwards_per_s"]["2"])
+    reps = res["decode_repeats"]["2"]  # --repeats 3 by default: the reported figure is their median
+    assert len(reps) == 3 and res["decode_forwards_per_s"]["2"] == sorted(reps)[1]
     assert res["qmm_prompt_impl"] == qmm.PROMPT_IMPL
 
 

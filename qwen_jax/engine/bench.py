@@ -3,8 +3,9 @@
 Prompt: one stream's prompt of L tokens as the engine runs it (chunks of up to `max_chunk` rows, one after
 another), after one untimed pass -> tokens/s. Decode: S streams at `context` cached tokens each, `rounds` decode
 calls (verify + commit + sampling, every call's tokens read back to the host, pipelined as the scheduler runs
-them: each call dispatched before the previous one is fetched) after a few untimed ones -> forwards/s (rounds/s)
-and tokens/s (S x forwards/s). Compile: every program of the run, first against an empty persistent cache
+them: each call dispatched before the previous one is fetched) after a few untimed ones, timed `repeats` times ->
+forwards/s (rounds/s, the median of the repeats; every repeat's figure is kept, since a host-bound round moves
+from run to run) and tokens/s (S x forwards/s). Compile: every program of the run, first against an empty persistent cache
 (cold), then again from that cache (warm).
 
 Cached K/V and GDN states are zeros rather than a real prefix: the cost of a round depends on the context length,
@@ -28,6 +29,7 @@ class BenchResult:
     prompt_tokens_per_s: dict[int, float] = dataclasses.field(default_factory=dict)
     decode_forwards_per_s: dict[int, float] = dataclasses.field(default_factory=dict)
     decode_tokens_per_s: dict[int, float] = dataclasses.field(default_factory=dict)
+    decode_repeats: dict[int, list[float]] = dataclasses.field(default_factory=dict)  # forwards/s, in run order
     compile_cold_s: float | None = None
     compile_warm_s: float | None = None
     programs: int = 0
@@ -44,8 +46,11 @@ class BenchResult:
         for n, v in self.prompt_tokens_per_s.items():
             out.append(f"prompt {n:>6} tokens: {v:10.1f} tok/s")
         for s, v in self.decode_forwards_per_s.items():
+            reps = self.decode_repeats.get(s, [])
+            spread = (f"  (median of {len(reps)}: {' / '.join(f'{x:.1f}' for x in reps)})" if len(reps) > 1
+                      else "")
             out.append(f"decode {s:>2} streams @ {self.context} ctx: {v:8.1f} forwards/s "
-                       f"{self.decode_tokens_per_s[s]:9.1f} tok/s")
+                       f"{self.decode_tokens_per_s[s]:9.1f} tok/s{spread}")
         return out
 
 
@@ -60,13 +65,13 @@ def _parse_sizes(text: str, what: str) -> tuple[int, ...]:
 
 
 def run(params, cfg, *, backend, dtype: str = "bfloat16", kv_cache: str = "bf16", streams=(1, 16),
-        prompt_lengths=(4096,), context: int = 1024, rounds: int = 64, max_chunk: int = 4096,
+        prompt_lengths=(4096,), context: int = 1024, rounds: int = 64, repeats: int = 3, max_chunk: int = 4096,
         compile_timing: bool = True, warm: bool = True, logprobs: int = 0, progress: bool = True,
         log=print) -> BenchResult:
     if max_chunk % P.GRID or max_chunk < P.GRID:
         raise ValueError(f"--max-chunk must be a positive multiple of {P.GRID}, got {max_chunk}")
-    if rounds < 1 or context < 1:
-        raise ValueError("--rounds and --context must be positive")
+    if rounds < 1 or context < 1 or repeats < 1:
+        raise ValueError("--rounds, --repeats and --context must be positive")
     page = 64
     packing = P.Packing.BATCHED if P.row_invariant(params, backend) else P.Packing.MAPPED
     rows = tuple(sorted({min(P.pages_for(n, P.GRID) * P.GRID, max_chunk) for n in prompt_lengths}))
@@ -146,13 +151,18 @@ def run(params, cfg, *, backend, dtype: str = "bfloat16", kv_cache: str = "bf16"
             cache_len = [context] * s
 
             pipelined_decode(progs, tables, cache_len, greedy, 3, first_tokens=tokens)
-            cache_len = [context] * s
-            t0 = time.perf_counter()
-            pipelined_decode(progs, tables, cache_len, greedy, rounds, first_tokens=tokens)
-            fps = rounds / (time.perf_counter() - t0)
+            reps = []
+            for _ in range(repeats):  # each from the same context: the same work
+                cache_len = [context] * s
+                t0 = time.perf_counter()
+                pipelined_decode(progs, tables, cache_len, greedy, rounds, first_tokens=tokens)
+                reps.append(rounds / (time.perf_counter() - t0))
+            fps = float(np.median(reps))
             result.decode_forwards_per_s[s] = fps
             result.decode_tokens_per_s[s] = fps * s
-            log(f"decode {s} streams: {fps:.1f} forwards/s, {fps * s:.1f} tok/s")
+            result.decode_repeats[s] = reps
+            log(f"decode {s} streams: {fps:.1f} forwards/s, {fps * s:.1f} tok/s (repeats: "
+                + ", ".join(f"{x:.1f}" for x in reps) + ")")
     return result
 
 
