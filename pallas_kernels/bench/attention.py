@@ -343,30 +343,42 @@ def _by_kernel(r: dict) -> str:
     return "/".join(f"{sum(v) if v else math.nan:.1f}" for v in sums)
 
 
+def _tagged(env: Env, prefix: str):
+    """The window rows whose tag starts with `prefix` -> (the timing key: "alone_us" when every row has one, else
+    "us"; the rows by (tag, streams, context, rows); how that key times a call), or None without such rows."""
+    rows = [r for r in env.results if r.get("tag", "").startswith(prefix)]
+    if not rows:
+        return None
+    key = "alone_us" if all("alone_us" in r for r in rows) else "us"
+    how = "of the kernels alone (trace)" if key == "alone_us" else "a chained call"
+    return key, {(r["tag"], r["streams"], r["context"], r["rows"]): r for r in rows}, how
+
+
+def _pct_copy(context: int, streams: int, us: float, bw: float | None) -> float:
+    """% of the copy bandwidth a bf16 window over `context` keys a stream moves its keys at in `us` µs."""
+    return 100 * kv_bytes(context * streams, False) / (us * 1e-6) / (bw * 1e12) if bw else math.nan
+
+
 # (chunk, cluster) of the cluster fold's bench (WindowTiles.cluster: a chunk's keys over a cluster of CTAs); the
 # first is the shipped pass 1 (attention_window_mgpu.CHUNK, CLUSTER at the time of writing).
 WINDOW_CLUSTERS = ((1024, 1), (2048, 2), (4096, 4), (4096, 8), (8192, 8))
 
 
 def summarize_window_clusters(env: Env, bw: float | None) -> None:
-    rows = [r for r in env.results if r.get("tag", "").startswith("wcl ")]
-    if not rows:
+    if not (got := _tagged(env, "wcl ")):
         return
-    key = "alone_us" if all("alone_us" in r for r in rows) else "us"
-    us = {(r["tag"], r["streams"], r["context"], r["rows"]): r for r in rows}
-    print(f"\n### window_clusters: bf16, µs {'of the kernels alone (trace)' if key == 'alone_us' else 'a chained call'}"
-          f"; chunk / cluster (CTAs a chunk, partials folded on chip); 16-row / 1-row target <= 1.3; copy "
-          f"{bw or math.nan:.2f} TB/s; by kernel: pass 1 / fold / merge")
+    key, us, how = got
+    print(f"\n### window_clusters: bf16, µs {how}; chunk / cluster (CTAs a chunk, partials folded on chip); "
+          f"16-row / 1-row target <= 1.3; copy {bw or math.nan:.2f} TB/s; by kernel: pass 1 / fold / merge")
     body = []
-    for streams, ctx in dict.fromkeys((r["streams"], r["context"]) for r in rows):
+    for streams, ctx in dict.fromkeys(k[1:3] for k in us):
         for chunk, cluster in WINDOW_CLUSTERS:
             one, r16 = (us.get((f"wcl {chunk}/{cluster}", streams, ctx, n)) for n in (1, 16))
             if one is None and r16 is None:
                 continue
             t1, t16 = (r[key] if r else math.nan for r in (one, r16))
-            pct = 100 * kv_bytes(ctx * streams, False) / (t1 * 1e-6) / (bw * 1e12) if bw else math.nan
-            body.append([streams, ctx, f"{chunk}/{cluster}", t1, pct, _by_kernel(one or {}), t16, t16 / t1,
-                         _by_kernel(r16 or {})])
+            body.append([streams, ctx, f"{chunk}/{cluster}", t1, _pct_copy(ctx, streams, t1, bw),
+                         _by_kernel(one or {}), t16, t16 / t1, _by_kernel(r16 or {})])
     print(table(["streams", "context", "chunk/cluster", "1-row", "% copy", "by kernel", "16-row", "ratio",
                  "by kernel"], body))
 
@@ -376,26 +388,21 @@ WINDOW_MGPU_VARIANTS = ("", " split", " ping-pong")  # 16-row windows: as shippe
 
 
 def summarize_window_mgpu_variants(env: Env, bw: float | None) -> None:
-    rows = [r for r in env.results if r.get("tag", "").startswith("wmv ")]
-    if not rows:
+    if not (got := _tagged(env, "wmv ")):
         return
-    key = "alone_us" if all("alone_us" in r for r in rows) else "us"
-    us = {(r["tag"], r["streams"], r["context"], r["rows"]): r for r in rows}
-    print(f"\n### window_mgpu_variants: bf16, µs {'of the kernels alone (trace)' if key == 'alone_us' else 'a chained call'}"
-          f"; 16-row / 1-row target <= 1.3 (split: a CTA a warpgroup; ping-pong: two warpgroups taking turns); "
-          f"copy {bw or math.nan:.2f} TB/s; by kernel: pass 1 / fold / merge")
-    parts = _by_kernel
+    key, us, how = got
+    print(f"\n### window_mgpu_variants: bf16, µs {how}; 16-row / 1-row target <= 1.3 (split: a CTA a warpgroup; "
+          f"ping-pong: two warpgroups taking turns); copy {bw or math.nan:.2f} TB/s; by kernel: pass 1 / fold / merge")
     body = []
-    for streams, ctx in dict.fromkeys((r["streams"], r["context"]) for r in rows):
+    for streams, ctx in dict.fromkeys(k[1:3] for k in us):
         for chunk in WINDOW_MGPU_CHUNKS:
             one = us.get((f"wmv {chunk}", streams, ctx, 1))
             if one is None:
                 continue
-            pct = 100 * kv_bytes(ctx * streams, False) / (one[key] * 1e-6) / (bw * 1e12) if bw else math.nan
-            cells = [streams, ctx, chunk, one[key], pct, parts(one)]
+            cells = [streams, ctx, chunk, one[key], _pct_copy(ctx, streams, one[key], bw), _by_kernel(one)]
             for variant in WINDOW_MGPU_VARIANTS:
                 r16 = us.get((f"wmv {chunk}{variant}", streams, ctx, 16))
-                cells += [r16[key], r16[key] / one[key], parts(r16)] if r16 else [math.nan, math.nan, ""]
+                cells += [r16[key], r16[key] / one[key], _by_kernel(r16)] if r16 else [math.nan, math.nan, ""]
             body.append(cells)
     heads = ["streams", "context", "chunk", "1-row", "% copy", "by kernel"]
     for variant in WINDOW_MGPU_VARIANTS:
@@ -407,16 +414,14 @@ MERGE_BLOCK_DS = (None, 32, 64, 128, 256)  # the merge's head-dim columns a prog
 
 
 def summarize_merge_variants(env: Env) -> None:
-    rows = [r for r in env.results if r.get("tag", "").startswith("merge ")]
-    if not rows:
+    if not (got := _tagged(env, "merge ")):
         return
-    key = "alone_us" if all("alone_us" in r for r in rows) else "us"
-    us = {(r["tag"], r["streams"], r["context"], r["rows"]): r for r in rows}
-    print(f"\n### merge_variants: bf16 16-row windows, µs {'of the kernels alone (trace)' if key == 'alone_us' else 'a chained call'}"
+    key, us, how = got
+    print(f"\n### merge_variants: bf16 16-row windows, µs {how}"
           " by the merge's head-dim columns a program (a launch choice); cells: window / merge alone; ratio to the "
           "1-row window")
     body = []
-    for streams, ctx in dict.fromkeys((r["streams"], r["context"]) for r in rows):
+    for streams, ctx in dict.fromkeys(k[1:3] for k in us):
         one = us.get(("merge 1-row", streams, ctx, 1))
         cells = [streams, ctx, one[key] if one else math.nan]
         for bd in MERGE_BLOCK_DS:

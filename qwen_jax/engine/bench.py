@@ -5,8 +5,8 @@ another), after one untimed pass -> tokens/s. Decode: S streams at `context` cac
 calls (verify + commit + sampling, every call's tokens read back to the host, pipelined as the scheduler runs
 them: each call dispatched before the previous one is fetched) after a few untimed ones, timed `repeats` times ->
 forwards/s (rounds/s, the median of the repeats; every repeat's figure is kept, since a host-bound round moves
-from run to run) and tokens/s (S x forwards/s). Compile: every program of the run, first against an empty persistent cache
-(cold), then again from that cache (warm).
+from run to run) and tokens/s (S x forwards/s). Compile: every program of the run, first against an empty
+persistent cache (cold), then again from that cache (warm).
 
 Cached K/V and GDN states are zeros rather than a real prefix: the cost of a round depends on the context length,
 not on the values.
