@@ -14,6 +14,32 @@ if not any(a == "gpu" or a.endswith(" gpu") for a in sys.argv):
     # has at most 4 warpgroups and the interpreter runs one CTA at a time, so 16 threads leave room.
     os.environ.setdefault("PJRT_NPROC", str(max(16, os.cpu_count() or 1)))
 
+
+def _interpreter_spawns_without_dispatch() -> None:
+    """The interpreter's thread map (jax._src.pallas.mosaic.interpret.thread_map) starts a CTA's warpgroups one by
+    one from inside a host callback, building each one's thread id with `jnp.int32(i)`: a computation dispatched
+    to the CPU device from within the running kernel. Session 17 caught a CI hang there: the spawning thread
+    waited in that dispatch while the warpgroups already started waited at a barrier for the one not yet spawned
+    (py-spy; with PJRT_NPROC=1 it hangs every time). The module's `jnp` is given numpy's int32 (the same int32
+    scalar to the jitted warpgroup, a host value rather than a device computation); the rest of jnp is
+    unchanged."""
+    import types
+
+    import jax.numpy as jnp
+    import numpy as np
+    try:
+        from jax._src.pallas.mosaic.interpret import thread_map
+    except ImportError:  # a jax without the module: nothing to patch
+        return
+    if getattr(thread_map.jnp, "int32", None) is not np.int32:
+        shim = types.ModuleType("jnp_host_int32")
+        shim.__dict__.update({k: getattr(jnp, k) for k in dir(jnp) if not k.startswith("__")})
+        shim.int32 = np.int32
+        thread_map.jnp = shim
+
+
+_interpreter_spawns_without_dispatch()
+
 ROOT = Path(__file__).resolve().parents[1]
 CAPTURES = ROOT / "captures"
 if str(ROOT) not in sys.path:
