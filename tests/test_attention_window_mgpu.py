@@ -216,40 +216,36 @@ def test_rows_split_on_small_grids_only():
 # 27B shape: lowered for sm_90 on the CPU; compiled on the H200 (-m gpu)
 # ---------------------------------------------------------------------------------------------------------------
 
+def _mosaic_calls_at_27b(rows: int, **change) -> int:
+    """`custom_call @mosaic_gpu`s in a window call of `rows` rows lowered for sm_90 on this CPU at the 27B shape
+    (2 streams, 576-page tables), its tiles the Mosaic GPU pass 1's with `change`."""
+    sds = jax.ShapeDtypeStruct
+    pool = kq.KVPool(sds((4, 600, 64, 256), jnp.bfloat16), sds((4, 600, 64, 256), jnp.bfloat16))
+    tiles = dataclasses.replace(at.window_tiles(page_size=64, max_keys=576 * 64, head_dim=256, fp8=False),
+                                impl="mgpu", **change)
+    args = (sds((2, rows, 24, 256), jnp.bfloat16), sds((2, rows, 4, 256), jnp.bfloat16),
+            sds((2, rows, 4, 256), jnp.bfloat16), sds((2, rows), jnp.int32), pool, sds((2, 576), jnp.int32),
+            sds((2,), jnp.int32))
+    fn = functools.partial(at.window, scale=1 / 16, tiles=tiles)
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("custom_call @mosaic_gpu")
+
+
 @pytest.mark.parametrize("rows", [1, 16])
 @pytest.mark.parametrize("stages", [None, 1])
 def test_lowers_for_sm90_at_27b_shape(rows, stages, h200_lowering):
     """jax's lowering for CUDA on this CPU (Mosaic GPU's layout inference and dialect lowering for sm_90, shared
     memory included; the fold and merge through Triton): one and two compute warpgroups, 1 or the default stages."""
-    sds = jax.ShapeDtypeStruct
-    pool = kq.KVPool(sds((4, 600, 64, 256), jnp.bfloat16), sds((4, 600, 64, 256), jnp.bfloat16))
-    tiles = dataclasses.replace(at.window_tiles(page_size=64, max_keys=576 * 64, head_dim=256, fp8=False),
-                                impl="mgpu", num_stages=stages)
-    fn = functools.partial(at.window, scale=1 / 16, tiles=tiles)
-    args = (sds((2, rows, 24, 256), jnp.bfloat16), sds((2, rows, 4, 256), jnp.bfloat16),
-            sds((2, rows, 4, 256), jnp.bfloat16), sds((2, rows), jnp.int32), pool, sds((2, 576), jnp.int32),
-            sds((2,), jnp.int32))
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("custom_call @mosaic_gpu") == 1
+    assert _mosaic_calls_at_27b(rows, num_stages=stages) == 1
 
 
 @pytest.mark.parametrize("variant", ["split", "ping_pong", "chunk 2048"])
 def test_variants_lower_for_sm90_at_27b_shape(variant, h200_lowering, monkeypatch):
     """The 16-row window's launch variants (a CTA a warpgroup, two warpgroups taking turns) and a 2048-key chunk
     lower for sm_90 at the 27B shape."""
-    sds = jax.ShapeDtypeStruct
-    pool = kq.KVPool(sds((4, 600, 64, 256), jnp.bfloat16), sds((4, 600, 64, 256), jnp.bfloat16))
-    tiles = dataclasses.replace(at.window_tiles(page_size=64, max_keys=576 * 64, head_dim=256, fp8=False),
-                                impl="mgpu", row_block=64 if variant == "split" else None,
-                                chunk=2048 if variant == "chunk 2048" else awm.CHUNK)
     monkeypatch.setattr(awm, "PING_PONG", variant == "ping_pong")
     monkeypatch.setattr(awm._PARTIALS, "lowered", {})
-    args = (sds((2, 16, 24, 256), jnp.bfloat16), sds((2, 16, 4, 256), jnp.bfloat16),
-            sds((2, 16, 4, 256), jnp.bfloat16), sds((2, 16), jnp.int32), pool, sds((2, 576), jnp.int32),
-            sds((2,), jnp.int32))
-    fn = functools.partial(at.window, scale=1 / 16, tiles=tiles)
-    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("custom_call @mosaic_gpu") == 1
+    assert _mosaic_calls_at_27b(16, row_block=64 if variant == "split" else None,
+                                chunk=2048 if variant == "chunk 2048" else awm.CHUNK) == 1
 
 
 @pytest.mark.parametrize("cluster,chunk,rows", [(2, 2048, 1), (2, 1024, 16), (4, 4096, 1), (4, 4096, 16),
@@ -259,17 +255,8 @@ def test_cluster_fold_lowers_for_sm90_at_27b_shape(cluster, chunk, rows, h200_lo
     through distributed shared memory) lowers for sm_90 at the 27B shape, one and two compute warpgroups, within
     shared memory (a 2-CTA cluster at one warpgroup runs 2 K/V stages: `stages_for`). The interpreter has no
     distributed shared memory: its bits are checked on the device (-m gpu)."""
-    sds = jax.ShapeDtypeStruct
-    pool = kq.KVPool(sds((4, 600, 64, 256), jnp.bfloat16), sds((4, 600, 64, 256), jnp.bfloat16))
-    tiles = dataclasses.replace(at.window_tiles(page_size=64, max_keys=576 * 64, head_dim=256, fp8=False),
-                                impl="mgpu", chunk=chunk, cluster=cluster)
     monkeypatch.setattr(awm._PARTIALS, "lowered", {})
-    args = (sds((2, rows, 24, 256), jnp.bfloat16), sds((2, rows, 4, 256), jnp.bfloat16),
-            sds((2, rows, 4, 256), jnp.bfloat16), sds((2, rows), jnp.int32), pool, sds((2, 576), jnp.int32),
-            sds((2,), jnp.int32))
-    text = jax.jit(functools.partial(at.window, scale=1 / 16, tiles=tiles)).trace(*args).lower(
-        lowering_platforms=("cuda",)).as_text()
-    assert text.count("custom_call @mosaic_gpu") == 1
+    assert _mosaic_calls_at_27b(rows, chunk=chunk, cluster=cluster) == 1
 
 
 def test_cluster_fold_rules():
