@@ -20,7 +20,8 @@ def _interpreter_spawns_without_dispatch() -> None:
     one from inside a host callback, building each one's thread id with `jnp.int32(i)`: a computation dispatched
     to the CPU device from within the running kernel. Session 17 caught a CI hang there: the spawning thread
     waited in that dispatch while the warpgroups already started waited at a barrier for the one not yet spawned
-    (py-spy; with PJRT_NPROC=1 it hangs every time). The module's `jnp` is given numpy's int32 (the same int32
+    (py-spy at PJRT_NPROC 16; the hang is rare and was not reproduced on demand, and PJRT_NPROC=1's hang is the
+    pool starvation above, which this does not touch). The module's `jnp` is given numpy's int32 (the same int32
     scalar to the jitted warpgroup, a host value rather than a device computation); the rest of jnp is
     unchanged."""
     import types
