@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import time
 
-KNOBS = {"stages": "STAGES", "wide": "WIDE_ROWS", "narrow": "NARROW_ROWS", "round": "ROUNDING",
-         "conv": "CONVERSION", "wgs": "COMPUTE_WGS", "chunk": None}  # chunk: attention_window_mgpu.CHUNK
+# A variant's knob -> (the pallas_kernels module holding it, its attribute there).
+KNOBS = {"stages": ("qmm_mgpu", "STAGES"), "wide": ("qmm_mgpu", "WIDE_ROWS"), "narrow": ("qmm_mgpu", "NARROW_ROWS"),
+         "round": ("qmm_mgpu", "ROUNDING"), "conv": ("qmm_mgpu", "CONVERSION"), "wgs": ("qmm_mgpu", "COMPUTE_WGS"),
+         "chunk": ("attention_window_mgpu", "CHUNK")}
 
 
 def parse_variants(text: str) -> list[dict]:
@@ -46,16 +48,18 @@ def main() -> None:
     streams = tuple(int(s) for s in args.streams.split(","))
     contexts = tuple(int(c) for c in args.context.split(","))
 
+    import importlib
+
     import jax
 
-    from pallas_kernels import attention_window_mgpu as awm
     from pallas_kernels import qmm_mgpu
     from qwen_jax.engine import bench
     from qwen_jax.model import Backend
     t0 = time.perf_counter()
     params, cfg = bench.synthetic_params("27b", dtype="bfloat16", layers=args.layers)
     print(f"synthetic 27b built in {time.perf_counter() - t0:.1f} s", flush=True)
-    shipped = {k: getattr(qmm_mgpu, a) for k, a in KNOBS.items() if a} | {"chunk": awm.CHUNK}
+    homes = {k: (importlib.import_module(f"pallas_kernels.{m}"), a) for k, (m, a) in KNOBS.items()}
+    shipped = {k: getattr(mod, a) for k, (mod, a) in homes.items()}
     rows = []
     for v in variants:
         knobs = dict(shipped, **v)
@@ -64,10 +68,8 @@ def main() -> None:
             qmm_mgpu.CTA_N = qmm_mgpu.TILE_N * knobs["wgs"]
             qmm_mgpu._LOWERED.clear()
             jax.clear_caches()
-        for k, a in KNOBS.items():
-            if a:
-                setattr(qmm_mgpu, a, knobs[k])
-        awm.CHUNK = knobs["chunk"]  # read when the programs are traced (each variant's programs are new)
+        for k, (mod, a) in homes.items():  # read when the programs are traced (each variant's programs are new)
+            setattr(mod, a, knobs[k])
         for ctx in contexts:
             t0 = time.perf_counter()
             res = bench.run(params, cfg, backend=Backend.default(), streams=streams, prompt_lengths=(), context=ctx,
@@ -83,6 +85,7 @@ def main() -> None:
         print(f"| {knobs['stages']} | {knobs['wide']} | {knobs['narrow']} | {knobs['round']} | {knobs['conv']} | "
               f"{knobs['wgs']} | {knobs['chunk']} | {ctx} | "
               + " | ".join(f"{fps[s]:.1f}" for s in streams) + " |")
+
 
 if __name__ == "__main__":
     main()
