@@ -156,10 +156,6 @@ class WindowTiles:
     # pass and the merge are this module's
     # either way, and fp8 / fp32 pools stay on the Triton kernel. Needs tail "passes".
     impl: str = "triton"
-    # The Mosaic GPU pass 1's CTAs a chunk (order; impl "mgpu" only): each of a cluster of `cluster` CTAs runs the
-    # online softmax over chunk / cluster of the chunk's keys and the cluster folds the members' partials on chip,
-    # in member order, into the chunk's partial (`attention_window_mgpu._fold_members`); 1: one CTA a chunk.
-    cluster: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -718,7 +714,7 @@ def model_window_tiles(q_dtype, pool: KVPool, num_heads: int, *, max_keys: int, 
     if impl != "mgpu":
         return dataclasses.replace(tiles, impl=impl)
     from pallas_kernels import attention_window_mgpu as awm
-    return dataclasses.replace(tiles, impl=impl, chunk=awm.CHUNK, cluster=awm.CLUSTER)
+    return dataclasses.replace(tiles, impl=impl, chunk=awm.CHUNK)
 
 
 def _mgpu_pass_one(q: jax.Array, pool: KVPool, tiles: WindowTiles, interpret) -> bool:
@@ -728,7 +724,7 @@ def _mgpu_pass_one(q: jax.Array, pool: KVPool, tiles: WindowTiles, interpret) ->
         return False
     from pallas_kernels import attention_window_mgpu as awm
     why = awm.unsupported(q.dtype, pool, q.shape[2] // pool.k.shape[0], chunk=tiles.chunk, stages=tiles.num_stages,
-                          interpret=bool(interpret), cluster=tiles.cluster)
+                          interpret=bool(interpret))
     if why:
         raise ValueError(f"WindowTiles.impl='mgpu': the Mosaic GPU pass 1 needs {why}")
     return True
@@ -737,8 +733,6 @@ def _mgpu_pass_one(q: jax.Array, pool: KVPool, tiles: WindowTiles, interpret) ->
 def _split_rows(tiles: WindowTiles, one: _PassOne, streams: int, hkv: int) -> bool:
     """The Mosaic GPU pass 1's split_rows for a call: row_block set, as it says (<= 64 splits); None, a window of
     two compute warpgroups split where the grid is small (`attention_window_mgpu.SPLIT_MAX_CTAS`)."""
-    if tiles.cluster > 1:
-        return False  # a cluster's members run every row
     if tiles.row_block is not None:
         return tiles.row_block <= 64
     from pallas_kernels import attention_window_mgpu as awm
@@ -768,7 +762,7 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
                                         tiles=awm.WindowMgpuTiles(stages=tiles.num_stages,
                                                                   split_rows=_split_rows(tiles, one, s, hkv),
                                                                   ping_pong=awm.PING_PONG),
-                                        cluster=tiles.cluster, interpret=interpret)
+                                        interpret=interpret)
 
     with jax.named_scope("attn_window_chunks"):
         kernel = functools.partial(_window_chunk_kernel, fp8=pool.fp8, scale=scale, r=r, group=hq // hkv, mrows=rb,

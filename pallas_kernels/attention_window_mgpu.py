@@ -21,12 +21,9 @@ keys mostly from L2); `ping_pong` lets the two compute warpgroups of a CTA take 
 other's MMAs. `attention.window_partials` splits the rows of calls whose grid is small (`SPLIT_MAX_CTAS`);
 ping-pong stays off: on the H200 it measured the same as the shipped schedule (session 17).
 
-The cluster fold (`WindowTiles.cluster` C > 1, an order choice, off by default: `CLUSTER`): a chunk's keys run
-on a cluster of C CTAs, member p over keys [c chunk + p chunk / C, c chunk + (p + 1) chunk / C), and the members
-fold their partials through distributed shared memory in member order (`_fold_members`) into the chunk's one
-partial. A chunk of C times the keys then costs the parallelism of C chunks but the partials' bytes of one: the
-16-row window's extra time is those bytes (docs/kernels/attention.md, run 10). Compiled only (the interpreter has
-no distributed shared memory); built in session 17 without a device, so not yet run.
+A chunk's keys split over a cluster of CTAs that fold their partials through distributed shared memory
+(session 17, 8343094) gave the right bits on the H200 and was slower everywhere (16-row windows 1.7-2.3x the
+1-row time against 1.19-1.34x); it was removed (docs/kernels/attention.md, run 12).
 
 Output contract (that of `attention.window_partials`): m, l [S, Hkv, NC, M] and acc [S, Hkv, NC, M, D] fp32, m in
 natural-log units (the partial is exp(s scale - m) summed), for the chunks below each stream's context; other
@@ -72,7 +69,6 @@ from pallas_kernels.mgpu_lowering import CachedKernel
 BLOCK_K = 64  # keys a step (P V contracts over them: a multiple of 64 for V's 128-byte swizzled rows)
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
-_ROW = plgpu.Layout.WGMMA.reduce(1)  # a value a row of a wgmma accumulator, as its row reductions give
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,26 +89,14 @@ def compute_warpgroups(packed_rows: int) -> int:
     return -(-packed_rows // WG_ROWS)
 
 
-def stages_for(tiles: WindowMgpuTiles, wgs: int, *, cluster: int = 1, head_dim: int = 256) -> int:
-    """K/V stages: tiles.stages, else 3 with one compute warpgroup and 2 with two, fewer where a cluster's tiles
-    do not leave room (the sm_90 lowering of a 2-CTA cluster at one warpgroup and 3 stages asked for 233608 bytes,
-    3.7 KB over `smem_bytes`: the unions round up; 4 KiB of room is kept for that)."""
-    if tiles.stages:
-        return tiles.stages
-    n = 3 if wgs == 1 else 2
-    while cluster > 1 and n > 1 and smem_bytes(wgs=wgs, stages=n, head_dim=head_dim, cluster=cluster) + 4096 > \
-            SMEM_BYTES:
-        n -= 1
-    return n
+def stages_for(tiles: WindowMgpuTiles, wgs: int) -> int:
+    return tiles.stages or (3 if wgs == 1 else 2)
 
 
-def smem_bytes(*, wgs: int, stages: int, head_dim: int, interpret: bool = False, cluster: int = 1) -> int:
-    """Shared memory a CTA asks for: the Q tiles (which a cluster's folded column tile and its m and l reuse), the
-    K/V slots (which the O partials and their m and l reuse), and interpret mode's P tiles (barriers aside: the
-    lowering found 112 more bytes than this)."""
+def smem_bytes(*, wgs: int, stages: int, head_dim: int, interpret: bool = False) -> int:
+    """Shared memory a CTA asks for: the Q tiles, the K/V slots (which the O partials and their m and l reuse), and
+    interpret mode's P tiles (barriers aside: the lowering found 112 more bytes than this)."""
     q = wgs * WG_ROWS * head_dim * 2
-    if cluster > 1:
-        q = max(q, wgs * WG_ROWS * (head_dim // cluster + 2) * 4)
     kv = stages * 2 * BLOCK_K * head_dim * 2
     out = wgs * WG_ROWS * head_dim * 4
     ml = 2 * wgs * WG_ROWS * 4
@@ -132,19 +116,12 @@ def pack_queries(q: jax.Array, hkv: int) -> jax.Array:
 
 def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: jax.Array, v: jax.Array, *,
                  scale: float, chunk: int, n_chunks: int, nc_pad: int, real_rows: int, mrows: int, max_keys: int,
-                 stages: int, parts: int, ping_pong: bool, cluster: int = 1,
-                 interpret: bool | plgpu.InterpretGPUParams = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 stages: int, parts: int, ping_pong: bool, interpret: bool | plgpu.InterpretGPUParams
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """qp [S, Hkv, W 64, D] bf16 (`pack_queries`: real_rows = R G of them real); k, v [Hkv, P, page, D] bf16;
     page_table [S, Pmax'] int32 covering n_chunks chunks; cache_len [S] int32 -> m, l [S, Hkv, nc_pad, mrows], acc
     [S, Hkv, nc_pad, mrows, D] fp32 (rows past R G rounded up to 8 unwritten). Grid (chunk x part, KV head,
-    stream): parts 1, a CTA runs all W warpgroups' rows; parts W, a CTA runs warpgroup `part`'s 64 rows.
-
-    cluster C > 1 (parts 1; compiled only: the interpreter has no distributed shared memory): a chunk's keys are
-    split over the C CTAs of a cluster, member p an online softmax over keys [c chunk + p chunk / C, c chunk +
-    (p + 1) chunk / C); each member leaves its partial (log2 units) in shared memory as C column tiles, and member k
-    folds column tile k of every member with keys, in member order, relative to their max (`_fold_members`), then
-    stores it; member 0 also stores the chunk's m and l. So the HBM partials are those of one chunk (the merge and
-    fold pass read them as ever), computed by C SMs."""
+    stream): parts 1, a CTA runs all W warpgroups' rows; parts W, a CTA runs warpgroup `part`'s 64 rows."""
     s_count, hkv, qrows, d = qp.shape
     assert parts in (1, qrows // WG_ROWS), (parts, qrows)
     wgs = qrows // WG_ROWS // parts  # compute warpgroups a CTA
@@ -152,11 +129,7 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
     bk = BLOCK_K
     span = min(bk, ps)  # keys one copy moves: a page, or a block's part of one
     copies = bk // span  # copies a block (pages shorter than a block)
-    assert cluster == 1 or (parts == 1 and not interpret and chunk % (cluster * bk) == 0 and d % cluster == 0), (
-        cluster, parts, chunk, d)
-    sub = chunk // cluster  # keys a CTA
-    per_chunk = sub // bk
-    cols = d // cluster  # a member's column tile of the partials
+    per_chunk = chunk // bk
     # Rows a CTA stores: its real rows rounded up to 8 (a 1-row window stores 8 rows of partials, not 64; a 16-row
     # window at 6 heads a KV head 96, not 128). Static per CTA kind: with parts, every part but the last stores 64.
     round8 = lambda n: -(-n // 8) * 8
@@ -166,15 +139,13 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
     assert 0 < last_rows <= cta_rows and (parts - 1) * cta_rows + last_rows <= mrows, (real_rows, mrows, parts)
     c_log2 = scale * _LOG2E
 
-    def kernel(len_gmem, pt_gmem, q_gmem, k_gmem, v_gmem, m_gmem, l_gmem, acc_gmem, q_union, union, p_smem,
-               k_ready, v_ready, k_free, v_free, q_ready, drained, written, schedule, members):
+    def kernel(len_gmem, pt_gmem, q_gmem, k_gmem, v_gmem, m_gmem, l_gmem, acc_gmem, q_smem, union, p_smem,
+               k_ready, v_ready, k_free, v_free, q_ready, drained, written, schedule):
         # len_gmem [S]; pt_gmem [S, Pmax']; q_gmem [S, Hkv, W 64, D]; k_gmem, v_gmem [Hkv, P, page, D]; outputs
-        # m_gmem, l_gmem [S, Hkv, NC, M], acc_gmem [S, Hkv, NC, M, D]. q_union: q_smem [wgs, 64, D] (cluster: later
-        # the folded column tile [wgs 64, D / C] and its m, l [wgs 64] fp32); union: the K / V slots [stages, 64, D]
-        # bf16, later the CTA's O partials (cluster: C column tiles [wgs 64, D / C]) and their m, l [wgs 64] fp32;
-        # interpret: p_smem [wgs, 64, 64] bf16; members: the cluster's barrier (cluster > 1).
-        (k_smem, v_smem), (out_tiles, m_smem, l_smem) = union
-        q_smem, folded = q_union if cluster > 1 else (q_union, None)
+        # m_gmem, l_gmem [S, Hkv, NC, M], acc_gmem [S, Hkv, NC, M, D]. q_smem [wgs, 64, D]; union: the K / V slots
+        # [stages, 64, D] bf16, later the CTA's O partials [wgs 64, D] and their (m, l) [2, wgs 64] fp32;
+        # interpret: p_smem [wgs, 64, 64] bf16.
+        (k_smem, v_smem), (out_smem, ml_smem) = union
         cp = lax.axis_index("chunks")
         c, part = (_div(cp, parts), lax.rem(cp, parts)) if parts > 1 else (cp, 0)
         g = lax.axis_index("heads")
@@ -182,15 +153,14 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
         wg = lax.axis_index("wg")
         row0 = part * cta_rows  # the CTA's first packed row
         n_keys = lax.min(len_gmem[s], jnp.int32(max_keys))
-        member = lax.axis_index("members") if cluster > 1 else 0
-        first = c * chunk + member * sub
+        first = c * chunk
         n_blocks = lax.clamp(0, _div(lax.max(n_keys - first, 0) + bk - 1, bk), per_chunk)
 
         def store(rows: int):
             # The CTA's first `rows` rows of partials, one TMA each for O, m and l (one warpgroup issues them).
-            plgpu.copy_smem_to_gmem(out_tiles[0].at[pl.ds(0, rows)], acc_gmem.at[s, g, c, pl.ds(row0, rows)])
-            plgpu.copy_smem_to_gmem(m_smem.at[pl.ds(0, rows)], m_gmem.at[s, g, c, pl.ds(row0, rows)])
-            plgpu.copy_smem_to_gmem(l_smem.at[pl.ds(0, rows)], l_gmem.at[s, g, c, pl.ds(row0, rows)])
+            plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, rows)], acc_gmem.at[s, g, c, pl.ds(row0, rows)])
+            plgpu.copy_smem_to_gmem(ml_smem.at[0, pl.ds(0, rows)], m_gmem.at[s, g, c, pl.ds(row0, rows)])
+            plgpu.copy_smem_to_gmem(ml_smem.at[1, pl.ds(0, rows)], l_gmem.at[s, g, c, pl.ds(row0, rows)])
             plgpu.wait_smem_to_gmem(0)
 
         def take_turn():
@@ -251,11 +221,9 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                 plgpu.barrier_arrive(drained)
                 plgpu.barrier_wait(drained)
             mine = pl.ds(wg * WG_ROWS, WG_ROWS)
-            for k, tile in enumerate(out_tiles):
-                tile[mine] = acc if cluster == 1 else acc[:, k * cols:(k + 1) * cols]
-            # natural-log units, as the merge weighs partials (a cluster folds in log2 units first)
-            m_smem[mine] = m * _LN2 if cluster == 1 else m
-            l_smem[mine] = l
+            out_smem[mine] = acc
+            ml_smem[0, mine] = m * _LN2  # natural-log units, as the merge weighs partials
+            ml_smem[1, mine] = l
             plgpu.commit_smem()
             # One warpgroup stores the CTA's rows: one TMA each for O, m and l, of one static size. (Session 15's
             # store of a size of its own per warpgroup hung Mosaic GPU's interpreter on a 2-core machine, likely the
@@ -267,8 +235,6 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
             def _():
                 if wgs == 2:
                     plgpu.barrier_wait(written)
-                if cluster > 1:
-                    return  # the cluster's fold below stores the chunk's partial
                 if parts == 1 or last_rows == cta_rows:
                     store(last_rows)
                 else:
@@ -303,34 +269,12 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
 
             feed_slots(fetch, n_blocks, stages, [free for *_, free in kv])
 
-        if cluster > 1:
-            # Every member of a live chunk meets its cluster twice: once its partial is in shared memory (a member
-            # past the context arrives at once: it has no keys), and once every member has read the others' tiles.
-            @pl.when((c * chunk < n_keys) & (wg == 0))
-            def _fold():
-                plgpu.barrier_arrive(members)
-                plgpu.barrier_wait(members)
-                live = lax.clamp(0, _div(n_keys - c * chunk + sub - 1, sub), cluster)  # members with keys
-                for k in range(cluster):  # a branch a member: its column tile is a static one
-                    pl.when(member == k)(functools.partial(
-                        _fold_members, k, live, out_tiles, m_smem, l_smem, folded,
-                        acc_gmem.at[s, g, c, pl.ds(0, last_rows), pl.ds(k * cols, cols)],
-                        m_gmem.at[s, g, c, pl.ds(0, last_rows)], l_gmem.at[s, g, c, pl.ds(0, last_rows)],
-                        rows=last_rows))
-                plgpu.barrier_arrive(members)
-                plgpu.barrier_wait(members)
-
     qd = _transforms(d)
     kv_slots = (plgpu.SMEM((stages, bk, d), jnp.bfloat16, transforms=qd),
                 plgpu.SMEM((stages, bk, d), jnp.bfloat16, transforms=qd))
-    q_tiles = plgpu.SMEM((wgs, WG_ROWS, d), jnp.bfloat16, transforms=qd)
-    rows_f32 = plgpu.SMEM((cta_rows,), jnp.float32)
-    smem = (q_tiles if cluster == 1 else plgpu.RefUnion(q_tiles, (plgpu.SMEM((cta_rows, cols), jnp.float32),
-                                                                  rows_f32, rows_f32)),
-            # (a tile a member's columns: a peer's tile read through cluster_ref must be an allocation of its own,
-            # a slice of one failed the dialect lowering; tools/gpu/cluster_probe.py)
-            plgpu.RefUnion(kv_slots, (tuple(plgpu.SMEM((cta_rows, cols), jnp.float32) for _ in range(cluster)),
-                                      rows_f32, rows_f32)),
+    smem = (plgpu.SMEM((wgs, WG_ROWS, d), jnp.bfloat16, transforms=qd),
+            plgpu.RefUnion(kv_slots, (plgpu.SMEM((cta_rows, d), jnp.float32),
+                                      plgpu.SMEM((2, cta_rows), jnp.float32))),
             plgpu.SMEM((wgs, WG_ROWS, bk), jnp.bfloat16, transforms=_transforms(bk)) if interpret else None)
     f32 = jnp.float32
     call = plgpu.kernel(
@@ -339,7 +283,6 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                   jax.ShapeDtypeStruct((s_count, hkv, nc_pad, mrows), f32),
                   jax.ShapeDtypeStruct((s_count, hkv, nc_pad, mrows, d), f32)),
         grid=(n_chunks * parts, hkv, s_count), grid_names=("chunks", "heads", "streams"),
-        **(dict(cluster=(cluster,), cluster_names=("members",)) if cluster > 1 else {}),
         num_threads=wgs + 1, thread_name="wg", kernel_name="attn_window_chunks_mgpu",
         scratch_types=(*smem,
                        plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
@@ -349,48 +292,11 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                        plgpu.Barrier(num_barriers=wgs),
                        plgpu.Barrier(num_arrivals=wgs),
                        plgpu.Barrier(num_arrivals=wgs),
-                       plgpu.Barrier(num_arrivals=wgs),
-                       plgpu.ClusterBarrier(collective_axes=("members",)) if cluster > 1 else None),
+                       plgpu.Barrier(num_arrivals=wgs)),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
                    else plgpu.InterpretGPUParams() if interpret else None))
     return call(cache_len, page_table, qp, k, v)
-
-
-def _fold_members(k: int, live, out_tiles, m_smem, l_smem, folded, acc_out, m_out, l_out, *, rows: int):
-    """Member k of a cluster: column tile k of the chunk's partial from the members' partials (log2 units) in
-    their shared memory, member 0 first, each weighted by 2^(m_p - M), M the max over the `live` members (those
-    with keys; the others' tiles are never added: a select, as the merge's fold), -> acc_out [rows, D / C] and
-    (member 0) m_out, l_out [rows], m in natural-log units. Every member computes M and l alike."""
-    cluster = len(out_tiles)
-    peer = lambda ref, p: plgpu.cluster_ref(ref, {"members": p})
-    ms = [plgpu.load(peer(m_smem, p), (), layout=_ROW) for p in range(cluster)]
-    has = lambda p, like: lax.broadcast_in_dim(p < live, like.shape, ())  # member p has keys (a full-shape mask)
-    top = ms[0]  # member 0 has keys in every live chunk
-    for p in range(1, cluster):
-        top = jnp.where(has(p, top), jnp.maximum(top, ms[p]), top)
-    l = acc = None
-    for p in range(cluster):
-        w = jnp.exp2(ms[p] - top)
-        l_p = plgpu.load(peer(l_smem, p), (), layout=_ROW) * w
-        acc_p = plgpu.load(peer(out_tiles[k], p), (), layout=plgpu.Layout.WGMMA)
-        acc_p = acc_p * lax.broadcast_in_dim(w, acc_p.shape, [0])
-        if p == 0:
-            l, acc = l_p, acc_p
-        else:
-            l = jnp.where(has(p, l), l + l_p, l)
-            acc = jnp.where(has(p, acc), acc + acc_p, acc)
-    tile, m_fold, l_fold = folded
-    tile[...] = acc
-    if k == 0:
-        m_fold[...] = top * _LN2
-        l_fold[...] = l
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(tile.at[pl.ds(0, rows)], acc_out)
-    if k == 0:
-        plgpu.copy_smem_to_gmem(m_fold.at[pl.ds(0, rows)], m_out)
-        plgpu.copy_smem_to_gmem(l_fold.at[pl.ds(0, rows)], l_out)
-    plgpu.wait_smem_to_gmem(0)
 
 
 # Lowered once a process per shapes and static parameters (`mgpu_lowering`): 16 attention layers a decode program.
@@ -415,11 +321,6 @@ CHUNK = 1024
 # 1 stream at 4K 29.7 against 37.9 µs at chunk 1024, 22.3 against 27.2 at 512; 32K over 2048-key chunks 53.7
 # against 68.5; at 128 CTAs and more, 1.2-1.6x slower). From static shapes, so a launch choice: same bits.
 SPLIT_MAX_CTAS = 64
-# CTAs a chunk in a model's window calls (order: `attention.WindowTiles.cluster`): C > 1 splits each chunk's keys
-# over a cluster of C CTAs that fold their partials on chip (`_fold_members`), so a chunk of C times the keys keeps
-# the parallelism of C chunks. Session 17 built it (lowered for sm_90 on a CPU) but had no device time to run it:
-# 1 until `tests/test_attention_window_mgpu.py -m gpu -k cluster` and the bench show it right and faster.
-CLUSTER = 1
 # `WindowMgpuTiles.ping_pong` for the calls `attention.window` makes (a launch choice). Off: session 17's
 # window_mgpu_variants timed it within 1 % of the shipped schedule in 13 of 15 windows (2048-key chunks at 32K:
 # 66.9 against 68.5 µs; 1024 at 16 streams: 688 against 681).
@@ -427,7 +328,7 @@ PING_PONG = False
 
 
 def unsupported(q_dtype, pool: KVPool, group: int, *, chunk: int, stages: int | None = None,
-                interpret: bool = False, cluster: int = 1) -> str | None:
+                interpret: bool = False) -> str | None:
     """Why a model's window calls cannot run the Mosaic GPU pass 1 (None: they can), from the model and cache
     layout alone: a window of up to MAX_WINDOW_ROWS rows must fit, so that every call of the model (a serial step
     or a drafted window) runs the same pass 1."""
@@ -441,27 +342,22 @@ def unsupported(q_dtype, pool: KVPool, group: int, *, chunk: int, stages: int | 
         return f"pages of a multiple of {BLOCK_K} keys, or of 8..{BLOCK_K} keys dividing it; got {ps}"
     if chunk % BLOCK_K:
         return f"a chunk that is a multiple of {BLOCK_K} keys; got {chunk}"
-    if cluster not in (1, 2, 4, 8) or chunk % (cluster * BLOCK_K) or d % (8 * cluster):
-        return (f"a cluster of 1, 2, 4 or 8 CTAs a chunk, each over a multiple of {BLOCK_K} keys and 8 columns of "
-                f"the head dim; got cluster {cluster}, chunk {chunk}, head dim {d}")
-    if cluster > 1 and interpret:
-        return "a GPU for the cluster fold (cluster > 1): the interpreter has no distributed shared memory"
     if compute_warpgroups(MAX_WINDOW_ROWS * group) > 2:
         return (f"at most {2 * WG_ROWS} packed rows ({MAX_WINDOW_ROWS} window rows x {group} query heads a KV head "
                 f"is {MAX_WINDOW_ROWS * group})")
     for wgs in range(1, compute_warpgroups(MAX_WINDOW_ROWS * group) + 1):
-        n = stages or stages_for(WindowMgpuTiles(), wgs, cluster=cluster, head_dim=d)
-        need = smem_bytes(wgs=wgs, stages=n, head_dim=d, interpret=interpret, cluster=cluster)
+        n = stages or stages_for(WindowMgpuTiles(), wgs)
+        need = smem_bytes(wgs=wgs, stages=n, head_dim=d, interpret=interpret)
         if n < 1 or need > SMEM_BYTES:
             return f"{n} K/V stages with {wgs} compute warpgroups at head dim {d} need {need} bytes of shared memory"
     return None
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "chunk", "n_chunks", "nc_pad", "max_keys", "tiles",
-                                             "cluster", "interpret"))
+                                             "interpret"))
 def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len: jax.Array, *, scale: float,
                          chunk: int, n_chunks: int, nc_pad: int, max_keys: int, tiles: WindowMgpuTiles,
-                         cluster: int = 1, interpret: bool | plgpu.InterpretGPUParams = False):
+                         interpret: bool | plgpu.InterpretGPUParams = False):
     """`attention.window_partials` on Mosaic GPU (the caller checked the model with `unsupported`): q [S, R, Hq, D]
     bf16; page_table [S, Pmax'] covering n_chunks chunks of `chunk` keys; cache_len [S] -> m, l [S, Hkv, nc_pad, M],
     acc [S, Hkv, nc_pad, M, D] fp32, M = attention._padded_rows(R G)."""
@@ -470,12 +366,10 @@ def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cach
     qp = pack_queries(q, hkv)
     operands = (cache_len.astype(jnp.int32), page_table.astype(jnp.int32), qp, pool.k, pool.v)  # the kernel's order
     warpgroups = qp.shape[2] // WG_ROWS
-    parts = warpgroups if tiles.split_rows and cluster == 1 else 1
+    parts = warpgroups if tiles.split_rows else 1
     static = dict(scale=scale, chunk=chunk, n_chunks=n_chunks, nc_pad=nc_pad, real_rows=r * (hq // hkv),
                   mrows=_padded_rows(r * (hq // hkv)), max_keys=max_keys,
-                  stages=stages_for(tiles, warpgroups // parts, cluster=cluster, head_dim=qp.shape[3]), parts=parts,
-                  ping_pong=tiles.ping_pong,
-                  cluster=cluster)
+                  stages=stages_for(tiles, warpgroups // parts), parts=parts, ping_pong=tiles.ping_pong)
     with jax.named_scope("attn_window_chunks_mgpu"):
         if interpret:
             return _kernel_call(*operands, interpret=interpret, **static)

@@ -248,35 +248,6 @@ def test_variants_lower_for_sm90_at_27b_shape(variant, h200_lowering, monkeypatc
                                 chunk=2048 if variant == "chunk 2048" else awm.CHUNK) == 1
 
 
-@pytest.mark.parametrize("cluster,chunk,rows", [(2, 2048, 1), (2, 1024, 16), (4, 4096, 1), (4, 4096, 16),
-                                                (8, 4096, 16)])
-def test_cluster_fold_lowers_for_sm90_at_27b_shape(cluster, chunk, rows, h200_lowering, monkeypatch):
-    """The cluster fold (`WindowTiles.cluster`: a chunk's keys over a cluster of CTAs, their partials folded
-    through distributed shared memory) lowers for sm_90 at the 27B shape, one and two compute warpgroups, within
-    shared memory (a 2-CTA cluster at one warpgroup runs 2 K/V stages: `stages_for`). The interpreter has no
-    distributed shared memory: its bits are checked on the device (-m gpu)."""
-    monkeypatch.setattr(awm._PARTIALS, "lowered", {})
-    assert _mosaic_calls_at_27b(rows, chunk=chunk, cluster=cluster) == 1
-
-
-def test_cluster_fold_rules():
-    """A cluster runs every row (no split), needs 1/2/4/8 CTAs over whole 64-key blocks, and is refused in the
-    interpreter with the reason."""
-    sds = jax.ShapeDtypeStruct
-    pool = kq.KVPool(sds((4, 600, 64, 256), jnp.bfloat16), sds((4, 600, 64, 256), jnp.bfloat16))
-    assert awm.unsupported(jnp.bfloat16, pool, 6, chunk=4096, cluster=8) is None
-    assert "cluster" in awm.unsupported(jnp.bfloat16, pool, 6, chunk=4096, cluster=3)
-    assert "cluster" in awm.unsupported(jnp.bfloat16, pool, 6, chunk=256, cluster=8)  # 32 keys a CTA
-    assert "interpreter" in awm.unsupported(jnp.bfloat16, pool, 6, chunk=4096, cluster=4, interpret=True)
-    tiles = dataclasses.replace(at.window_tiles(page_size=64, max_keys=600 * 64, head_dim=256, fp8=False),
-                                impl="mgpu", chunk=4096, cluster=4)
-    q = sds((1, 16, 24, 256), jnp.bfloat16)
-    one = at._pass_one(q, pool, jnp.zeros((1, 64), jnp.int32), tiles)
-    assert not at._split_rows(tiles, one, 1, 4)  # 1 chunk x 4 heads would split without the cluster
-    assert at._split_rows(dataclasses.replace(tiles, cluster=1), one, 1, 4)
-    assert awm.stages_for(awm.WindowMgpuTiles(), 1, cluster=2) == 2 and awm.stages_for(awm.WindowMgpuTiles(), 1) == 3
-
-
 def _gpu_case(rng, rows, cache_lens, pmax):
     tree16 = TREE + list(range(6, 15))
     return window_case(rng, r=rows, dtype=jnp.bfloat16,
@@ -345,28 +316,3 @@ def test_lowering_cache_shares_the_kernel_across_programs(h200_lowering, monkeyp
               for f in (alone, after)]
     assert len(hashes[0]) == 1 and hashes[0] == hashes[1]
     assert len(awm._PARTIALS.lowered) == 1
-
-
-@GPU
-@pytest.mark.parametrize("cluster,chunk", [(2, 2048), (4, 4096), (8, 4096)])
-def test_gpu_27b_cluster_fold(cluster, chunk):
-    """The cluster fold compiled (prepared in session 17 without a device): 16-row trees and chains at 5000 / 1111 /
-    64 keys right against float64 (members past the context: the 1111- and 64-key streams), the 1-row step of each
-    row-0 query with row 0's bits, a stream alone (table widened) with its bits among others; and 32K keys through
-    the fold pass right against float64."""
-    rng = np.random.default_rng(72)
-    case = _gpu_case(rng, 16, [5000, 1111, 64], 80)
-    q, kw, vw, par, pool, table, cache_len = case
-    tiles = dataclasses.replace(at.window_tiles(page_size=64, max_keys=80 * 64, head_dim=256, fp8=False),
-                                impl="mgpu", chunk=chunk, cluster=cluster)
-    got = run(*case, tiles=tiles, interpret=False)
-    assert rel_err(got, np_window(*case, SCALE)) < 1e-2
-    step = run(q[:, :1], kw[:, :1], vw[:, :1], par[:, :1], pool, table, cache_len, tiles=tiles, interpret=False)
-    assert np.array_equal(bits(step[:, 0]), bits(got[:, 0]))
-    wide = jnp.concatenate([table[1:2], jnp.zeros((1, 40), jnp.int32)], axis=1)
-    alone = run(q[1:2], kw[1:2], vw[1:2], par[1:2], pool, wide, cache_len[1:2], tiles=tiles, interpret=False)
-    assert np.array_equal(bits(alone[0]), bits(got[1]))
-    long = _gpu_case(rng, 4, [32768, 700], 520)
-    tiles = dataclasses.replace(tiles, chunk=min(chunk, 2048))  # 16 chunks and more: the fold pass
-    got = run(*long, tiles=tiles, interpret=False)
-    assert rel_err(got, np_window(*long, SCALE)) < 1e-2

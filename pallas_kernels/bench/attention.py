@@ -359,30 +359,6 @@ def _pct_copy(context: int, streams: int, us: float, bw: float | None) -> float:
     return 100 * kv_bytes(context * streams, False) / (us * 1e-6) / (bw * 1e12) if bw else math.nan
 
 
-# (chunk, cluster) of the cluster fold's bench (WindowTiles.cluster: a chunk's keys over a cluster of CTAs); the
-# first is the shipped pass 1 (attention_window_mgpu.CHUNK, CLUSTER at the time of writing).
-WINDOW_CLUSTERS = ((1024, 1), (2048, 2), (4096, 4), (4096, 8), (8192, 8))
-
-
-def summarize_window_clusters(env: Env, bw: float | None) -> None:
-    if not (got := _tagged(env, "wcl ")):
-        return
-    key, us, how = got
-    print(f"\n### window_clusters: bf16, µs {how}; chunk / cluster (CTAs a chunk, partials folded on chip); "
-          f"16-row / 1-row target <= 1.3; copy {bw or math.nan:.2f} TB/s; by kernel: pass 1 / fold / merge")
-    body = []
-    for streams, ctx in dict.fromkeys(k[1:3] for k in us):
-        for chunk, cluster in WINDOW_CLUSTERS:
-            one, r16 = (us.get((f"wcl {chunk}/{cluster}", streams, ctx, n)) for n in (1, 16))
-            if one is None and r16 is None:
-                continue
-            t1, t16 = (r[key] if r else math.nan for r in (one, r16))
-            body.append([streams, ctx, f"{chunk}/{cluster}", t1, _pct_copy(ctx, streams, t1, bw),
-                         _by_kernel(one or {}), t16, t16 / t1, _by_kernel(r16 or {})])
-    print(table(["streams", "context", "chunk/cluster", "1-row", "% copy", "by kernel", "16-row", "ratio",
-                 "by kernel"], body))
-
-
 WINDOW_MGPU_CHUNKS = (512, 1024, 2048)
 WINDOW_MGPU_VARIANTS = ("", " split", " ping-pong")  # 16-row windows: as shipped, row_block 64, PING_PONG
 
@@ -712,7 +688,6 @@ def main(argv: list[str]) -> int:
                          "window_mgpu (the Mosaic GPU window pass 1 vs the Triton one), "
                          "window_mgpu_variants (its chunks, row split and ping-pong), "
                          "merge_variants (the merge's head-dim split for 16-row windows), "
-                         "window_clusters (the window pass 1 with a chunk's keys over a cluster of CTAs), "
                          "tune (sweep tiles/page sizes first, then use the winners), decode, prompt, window, window16, write, "
                          "xla (plain-XLA reference rows)")
     ap.add_argument("--json", default=None, help="write every measured row here")
@@ -729,8 +704,7 @@ def main(argv: list[str]) -> int:
     sections = args.sections.split(",")
     if args.smoke:
         # (head dim 64 where the Mosaic GPU kernels run: their least)
-        mgpu = any(s.startswith(("prompt_mgpu", "window_mgpu", "window_clusters")) for s in sections)
-        HQ, HKV, D = 4, 2, 64 if mgpu else 32
+        HQ, HKV, D = 4, 2, 64 if any(s.startswith(("prompt_mgpu", "window_mgpu")) for s in sections) else 32
         SCALE = D ** -0.5
     env = Env(interpret=args.smoke, page_size=8 if args.smoke else args.page_size, reps=2 if args.smoke else 8,
               results=[], trace=args.trace)
@@ -845,22 +819,6 @@ def main(argv: list[str]) -> int:
                                  impls=("kernel",), tag=f"wmv {chunk}{variant}")
                 finally:
                     awm.PING_PONG = False
-    if "window_clusters" in sections:
-        # The cluster fold (order): each (chunk, cluster) of WINDOW_CLUSTERS on 1- and 16-row bf16 windows, the
-        # windows the 16-row target was missed on first. GPU only (the interpreter has no distributed shared
-        # memory); in --smoke only the shipped row runs.
-        print("== window_clusters: the Mosaic GPU pass 1 with a chunk's keys over a cluster of CTAs", flush=True)
-        base = dataclasses.replace(decode_for(False), impl="mgpu")
-        many = 16 if gpu else 2
-        cases = dict.fromkeys(((1, contexts[-1]), (many, contexts[0]), (1, contexts[0]), (1, contexts[1]),
-                               (many, contexts[1])))
-        for (streams, ctx), (chunk, cluster) in itertools.product(cases, WINDOW_CLUSTERS[:1] if args.smoke
-                                                                  else WINDOW_CLUSTERS):
-            for rows in (1, 16):
-                tiles = dataclasses.replace(base if rows == 1 else window_for(False), impl="mgpu", chunk=chunk,
-                                            cluster=cluster)
-                bench_window(env, streams=streams, rows=rows, context=ctx, fp8=False, tiles=tiles,
-                             impls=("kernel",), tag=f"wcl {chunk}/{cluster}")
     if "merge_variants" in sections:
         # The merge's head-dim split (merge_block_d, a launch choice: same bits) for 16-row bf16 windows on the
         # shipped pass 1, the windows the 16-row target is missed on first; the 1-row window beside each.
@@ -892,7 +850,6 @@ def main(argv: list[str]) -> int:
     summarize_window_mgpu(env, bw)
     summarize_window_mgpu_variants(env, bw)
     summarize_merge_variants(env)
-    summarize_window_clusters(env, bw)
     return 0
 
 

@@ -49,18 +49,9 @@ profile_by() {
 
 case "$stage" in
   sixty-seventh)
-    # Prepared in session 17, not run (no device time left), ~9 min: the window's cluster fold
-    # (`WindowTiles.cluster`: a chunk's keys over a cluster of CTAs folding their partials through distributed
-    # shared memory; off by default, attention_window_mgpu.CLUSTER = 1). First tools/gpu/cluster_probe.py (the
-    # primitives alone: a hang there means the ClusterBarrier's arrival count is not one a CTA, as the kernel
-    # assumes too), then the kernel's gpu tests, then the bench of each (chunk, cluster) beside the shipped 1024/1.
-    timeout 100 python3 tools/gpu/cluster_probe.py 2>&1 | tee "$out/cluster_probe.log" | grep -E "^cluster"
-    timeout -s INT 150 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_attention_window_mgpu.py \
-      -k cluster > "$out/gpu_tests_cluster.log" 2>&1
-    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_cluster.log" | cut -c1-200 | tail -8
-    timeout 300 python3 -m pallas_kernels.bench attention --sections window_clusters --budget-s 280 \
-      --trace /tmp/ctrace --json "$out/attention_clusters.json" 2>&1 | tee "$out/attention_clusters.log" \
-      | grep -A30 "^### window_clusters" ;;
+    # Session 18 (run at bae187f, the cluster fold's code since removed): tools/gpu/cluster_probe.py, clusters
+    # of 2 / 4 / 8 CTAs exchanging fp32 tiles through distributed shared memory, bits against numpy's ordered sum.
+    timeout 150 python3 tools/gpu/cluster_probe.py 2>&1 | tee "$out/cluster_probe.log" | grep -E "^cluster" ;;
   sixty-sixth)
     # Session 17, the last ~5 min of device time: the merge's head-dim columns a program (merge_block_d, a launch
     # choice) for 16-row bf16 windows at the two windows sixty-third missed 1.3x on (1 stream 128K, 16 streams 4K),
