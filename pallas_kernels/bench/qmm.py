@@ -4,12 +4,12 @@
     python -m pallas_kernels.bench qmm --sweep [--shapes ...] [--m 1,16] [--prompt-ms 1024,4096] --json PATH
     python -m pallas_kernels.bench qmm --sweep --interpret --shapes 512x256 --m 1,16 --prompt-ms 128   # CPU smoke
 
-Comparison mode, per shape (K -> N, 4-bit, group 64, random weights made on the device) and M: the Pallas kernel
-(the Triton decode tiles for M <= 256, prompt path for M >= 64; the kernel alone on an x already in chunk order, as
-a jitted model sees it once XLA fuses the permutation into x's producer; and `qmm()` end to end for the decode rows:
-on a GPU that is the Mosaic GPU decode kernel, `qmm.DECODE_IMPL`), the XLA
-dequantize + matmul (`qmm.reference`, fp32), a bf16 matmul of the same shape, and torch's int4 tinygemm
-(`_weight_int4pack_mm`, group 64) when torch is there. Bytes moved = packed weight + scales + biases + x + y.
+Comparison mode, per shape (K -> N, 4-bit, group 64, random weights made on the device) and M: `qmm()` as the
+model calls it (decode rows up to M = 256: on a GPU the Mosaic GPU decode kernel, `qmm.DECODE_IMPL`; prompt rows
+from M = 64: the prompt path), the XLA dequantize + matmul (`qmm.reference`, fp32), a bf16 matmul of the same shape,
+and torch's int4 tinygemm (`_weight_int4pack_mm`, group 64) when torch is there. Bytes moved = packed weight +
+scales + biases + x + y. With `--trace DIR` every jax call is also timed from a profiler trace of one chain (the
+device's busy time a call: its kernels summed, no launch gaps), and the table's rates use that.
 
 Sweep mode: decode tile candidates (`_sweep_candidates`, or `--candidates`) for each shape and M, the default tiles
 among them, ranked per shape; with `--prompt-ms`, the prompt comparison at each `--prompt-shapes` shape: the fused
@@ -37,6 +37,8 @@ import functools
 import json
 import math
 import os
+import re
+import shutil
 import statistics
 import sys
 import time
@@ -45,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import qmm, qmm_mgpu
-from pallas_kernels.bench.common import table
+from pallas_kernels.bench.common import device_events, table
 from pallas_kernels.qweight import QuantizedWeight, dequantize, natural_words, to_lane_words
 
 SHAPES = ((5120, 17408), (17408, 5120), (5120, 10240), (5120, 6144), (6144, 5120), (5120, 12288), (5120, 248320))
@@ -78,6 +80,10 @@ class Timing:
     fixed_us: float  # what cancelled: one program's time - reps * us (host dispatch, launch, sync)
     reps: int
     dispatch_us: float  # host time to enqueue one program; must stay well below reps * us
+    # --trace: the device's busy µs a call (the program's kernels summed from a jax.profiler trace of one run,
+    # divided by reps: no launch gaps), and the same by kernel name; NaN / {} without a trace
+    busy_us: float = math.nan
+    by_name: dict = dataclasses.field(default_factory=dict)
 
 
 def _reps(est_us: float, interpret: bool) -> int:
@@ -133,10 +139,34 @@ def time_chain(compiled, arg_sets: list[tuple], reps: int, samples: int = 7) -> 
     return Timing(us, t1 - reps * us, reps, statistics.median(dispatch))
 
 
+TRACE_DIR: str | None = None  # --trace: where device_us's traces go (each removed once read)
+
+
+def _traced_busy(compiled, arg_sets: list[tuple], reps: int) -> tuple[float, dict[str, float]]:
+    """(device busy µs a call, µs a call by kernel name) from a jax.profiler trace of one run of the chain; NaN
+    and {} when the trace holds no device events."""
+    where = os.path.join(TRACE_DIR, f"t{time.monotonic_ns()}")
+    jax.block_until_ready(compiled(arg_sets))
+    with jax.profiler.trace(where, create_perfetto_trace=True):
+        jax.block_until_ready(compiled(arg_sets))
+    events = device_events(where) or []
+    shutil.rmtree(where, ignore_errors=True)
+    by_name: dict[str, float] = {}
+    for e in events:
+        name = re.sub(r"[_.]?\d+$", "", e["name"])
+        by_name[name] = by_name.get(name, 0.0) + float(e["dur"]) / reps
+    return (sum(by_name.values()) if events else math.nan), by_name
+
+
 def device_us(fn, arg_sets: list[tuple], est_us: float, interpret: bool = False, takes_after: bool = False
               ) -> Timing:
     reps = _reps(est_us, interpret)
-    return time_chain(lower_chain(fn, arg_sets, reps, takes_after).compile(), arg_sets, reps)
+    compiled = lower_chain(fn, arg_sets, reps, takes_after).compile()
+    t = time_chain(compiled, arg_sets, reps)
+    if TRACE_DIR and not interpret:
+        busy, by_name = _traced_busy(compiled, arg_sets, reps)
+        t = dataclasses.replace(t, busy_us=busy, by_name=by_name)
+    return t
 
 
 def copy_tbs(interpret: bool = False) -> float:
@@ -144,7 +174,7 @@ def copy_tbs(interpret: bool = False) -> float:
     n = (1 << 20) if interpret else (128 << 20)
     srcs = [(jax.random.normal(jax.random.key(i), (n,), jnp.float32),) for i in range(2)]
     t = device_us(lambda a: a + 1.0, srcs, 2 * 4 * n / 4e12 * 1e6, interpret)
-    return 2 * 4 * n / (t.us * 1e-6) / 1e12
+    return 2 * 4 * n / (_best(t) * 1e-6) / 1e12
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -312,18 +342,26 @@ def _torch_int4(n: int, k: int, ms, copies: int) -> dict[int, float]:
 class Row:
     shape: str
     m: int
-    path: str
-    us: float
-    tbs: float
+    path: str  # "decode" / "prompt": qmm() as the model calls it (prompt=False / True)
+    us: float  # the chain's µs a call (launch gaps included)
+    busy_us: float  # --trace: the device's busy µs a call (NaN without)
+    tbs: float  # of bytes moved, over busy_us where traced, else us
     pct_copy: float
     tflops: float
-    plain_us: float | None = None
-    xla_ref_us: float | None = None
+    xla_ref_us: float | None = None  # busy where traced, else the chain's µs (as the copy and bf16 columns)
     bf16_us: float | None = None
-    torch_us: float | None = None
+    torch_us: float | None = None  # CUDA events around back-to-back calls
+    by_name: dict = dataclasses.field(default_factory=dict)
+
+
+def _best(t: Timing) -> float:
+    """The figure a table row uses: the device's busy µs where traced, else the chain's µs."""
+    return t.us if math.isnan(t.busy_us) else t.busy_us
 
 
 def _bench_shape(k: int, n: int, ms, copy: float, use_torch: bool, ref_max_m: int, on_row=None) -> list[Row]:
+    """qmm() as the model calls it (decode rows up to 256: on a GPU the Mosaic GPU kernel, `qmm.DECODE_IMPL`;
+    prompt rows from 64: the prompt path), beside the XLA dequantize + matmul, a bf16 matmul and torch's int4."""
     copies = _copies(_weight_bytes(n, k))
     ws = _random_weights(n, k, copies)
     dense = [jax.random.normal(jax.random.key(7 + i), (k, n), jnp.bfloat16) for i in range(_copies(2 * n * k))]
@@ -332,22 +370,21 @@ def _bench_shape(k: int, n: int, ms, copy: float, use_torch: bool, ref_max_m: in
     for m in ms:
         est = _estimate_us(m, n, k)
         x = _x(m, k)
-        bf16_us = device_us(_bf16_dot, [(x, d) for d in dense], est).us
-        xla_ref = device_us(qmm.reference, [(x, w) for w in ws], est * 4).us if m <= ref_max_m else None
+        bf16_us = _best(device_us(_bf16_dot, [(x, d) for d in dense], est))
+        xla_ref = _best(device_us(qmm.reference, [(x, w) for w in ws], est * 4)) if m <= ref_max_m else None
         for prompt in (False, True):
             if (prompt and m < 64) or (not prompt and m > 256):
                 continue
-            tiles = (qmm.prompt_tiles if prompt else qmm.decode_tiles)(n, k, BITS, GROUP)
-            fn, takes_after, arg_sets = _path_fn(tiles, x, ws)
-            us = device_us(fn, arg_sets, est, takes_after=takes_after).us
-            e2e = (device_us(lambda x, w, p=prompt: qmm.qmm(x, w, prompt=p), [(x, w) for w in ws], est).us
-                   if not prompt else None)
-            tbs = _moved(m, n, k) / (us * 1e-6) / 1e12
-            rows.append(Row(f"{k}->{n}", m, "prompt" if prompt else "decode", us, tbs, 100 * tbs / copy,
-                            2 * m * n * k / (us * 1e-6) / 1e12, e2e, xla_ref, bf16_us, torch_us.get(m)))
-            print(f"  {k}->{n} M={m} {rows[-1].path}: {us:.1f} us ({tbs:.2f} TB/s, {rows[-1].pct_copy:.0f}% copy, "
-                  f"{rows[-1].tflops:.0f} TFLOP/s) qmm() {e2e} | XLA ref {xla_ref} | bf16 mm {bf16_us:.1f} | "
-                  f"torch int4 {torch_us.get(m)}", flush=True)
+            t = device_us(lambda x, w, p=prompt: qmm.qmm(x, w, prompt=p), [(x, w) for w in ws], est)
+            tbs = _moved(m, n, k) / (_best(t) * 1e-6) / 1e12
+            rows.append(Row(f"{k}->{n}", m, "prompt" if prompt else "decode", t.us, t.busy_us, tbs,
+                            100 * tbs / copy, 2 * m * n * k / (_best(t) * 1e-6) / 1e12, xla_ref, bf16_us,
+                            torch_us.get(m), t.by_name))
+            print(f"  {k}->{n} M={m} {rows[-1].path}: {t.us:.1f} us chained, {t.busy_us:.1f} us busy "
+                  f"({tbs:.2f} TB/s, {rows[-1].pct_copy:.0f}% copy, {rows[-1].tflops:.0f} TFLOP/s) | XLA ref "
+                  f"{xla_ref} | bf16 mm {bf16_us:.1f} | torch int4 {torch_us.get(m)} | by kernel "
+                  + ", ".join(f"{k_}={v:.1f}" for k_, v in sorted(t.by_name.items(), key=lambda kv: -kv[1])[:4]),
+                  flush=True)
             if on_row is not None:
                 on_row(rows)
     return rows
@@ -358,14 +395,18 @@ def _fmt(v):
 
 
 def _report(rows: list[Row], copy: float) -> str:
-    head = ["K->N", "M", "path", "kernel us", "TB/s", "%copy", "TFLOP/s", "%bf16", "qmm() us", "XLA ref us",
+    traced = any(not math.isnan(r.busy_us) for r in rows)
+    head = ["K->N", "M", "path", "chained us", "busy us", "TB/s", "%copy", "TFLOP/s", "%bf16", "XLA ref us",
             "bf16 mm us", "torch int4 us"]
     body = []
     for r in rows:
-        pct_bf16 = 100 * r.bf16_us / r.us if r.bf16_us else None
-        body.append([r.shape, r.m, r.path, r.us, r.tbs, r.pct_copy, r.tflops, _fmt(pct_bf16), _fmt(r.plain_us),
+        ours = r.us if math.isnan(r.busy_us) else r.busy_us
+        pct_bf16 = 100 * r.bf16_us / ours if r.bf16_us else None
+        body.append([r.shape, r.m, r.path, r.us, r.busy_us, r.tbs, r.pct_copy, r.tflops, _fmt(pct_bf16),
                      _fmt(r.xla_ref_us), _fmt(r.bf16_us), _fmt(r.torch_us)])
-    return f"copy bandwidth measured now: {copy:.2f} TB/s\n" + table(head, body)
+    how = ("TB/s, % copy, % bf16 and the XLA / bf16 columns from the device's busy time a call (trace)" if traced
+           else "all jax columns from the chained µs (launch gaps included; --trace for busy times)")
+    return f"copy bandwidth measured now: {copy:.2f} TB/s; {how}\n" + table(head, body)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -698,6 +739,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--interpret", action="store_true", help="run the kernels in interpret mode (CPU smoke test)")
     ap.add_argument("--json", default=None, help="write all results here (rewritten after every row)")
     ap.add_argument("--once", action="store_true", help="run each kernel 3 times untimed (a target for ncu)")
+    ap.add_argument("--trace", metavar="DIR", default=None,
+                    help="comparison: also time each jax call's kernels from a jax.profiler trace under DIR (the "
+                         "device's busy µs a call, without the chain's launch gaps); the table's rates use it")
     args = ap.parse_args(argv)
     if jax.default_backend() != "gpu" and not args.interpret:
         print("qmm bench: needs a GPU (jax.default_backend() is "
@@ -715,8 +759,10 @@ def main(argv: list[str]) -> int:
     if args.once:
         _once(args.shapes, args.m)
         return 0
+    global TRACE_DIR
+    TRACE_DIR = args.trace
     copy = copy_tbs()
-    print(f"copy bandwidth: {copy:.2f} TB/s", flush=True)
+    print(f"copy bandwidth: {copy:.2f} TB/s{' (busy time, traced)' if TRACE_DIR else ''}", flush=True)
     rows: list[Row] = []
 
     def save(partial):

@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -48,6 +48,16 @@ profile_by() {
 }
 
 case "$stage" in
+  sixty-eighth|sixty-ninth)
+    # Session 18: issue #3's table at the shipped kernels (qmm() as the model calls it: the Mosaic GPU decode kernel
+    # up to 256 rows, the prompt path from 64), each jax call also timed from a profiler trace (busy time a call),
+    # beside the XLA dequant + matmul (M <= 16), a bf16 matmul and torch's int4; sixty-eighth the three largest
+    # projections, sixty-ninth the other four (lm_head among them). ~5 min each.
+    if [ "$stage" = sixty-eighth ]; then shapes=5120x17408,17408x5120,5120x12288; else
+      shapes=5120x10240,5120x6144,6144x5120,5120x248320; fi
+    timeout 560 python3 -m pallas_kernels.bench qmm --shapes "$shapes" --m 1,4,16,64,256,1024,4096 --ref-max-m 16 \
+      --trace /tmp/qtrace --json "$out/qmm_$stage.json" > "$out/qmm_$stage.log" 2>&1
+    grep -vE "^  [0-9]+->" "$out/qmm_$stage.log" | grep -v "^WARNING" | tail -45 ;;
   sixty-seventh)
     # Session 18 (run at bae187f, the cluster fold's code since removed): tools/gpu/cluster_probe.py, clusters
     # of 2 / 4 / 8 CTAs exchanging fp32 tiles through distributed shared memory, bits against numpy's ordered sum.
