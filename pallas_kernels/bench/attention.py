@@ -386,31 +386,38 @@ def summarize_window_mgpu_variants(env: Env, bw: float | None) -> None:
     print(table(heads, body))
 
 
-MERGE_BLOCK_DS = (None, 32, 64, 128, 256)  # the merge's head-dim columns a program (None: merge_launch's rule)
+# The tail's launch choices timed by merge_variants (each a `WindowTiles` override; none changes a row's bits):
+# the merge's and the fold pass's head-dim columns a program, their warps and the partials a merge loop step loads.
+MERGE_VARIANTS = (("rule", {}), ("warps 8", dict(merge_num_warps=8)),
+                  ("warps 8, unroll 2", dict(merge_num_warps=8, merge_unroll=2)),
+                  ("unroll 2", dict(merge_unroll=2)), ("unroll 4", dict(merge_unroll=4)),
+                  ("fold bd 32", dict(fold_block_d=32)), ("fold bd 16", dict(fold_block_d=16)),
+                  ("fold bd 32, warps 8", dict(fold_block_d=32, merge_num_warps=8)),
+                  ("merge bd 128, warps 8", dict(merge_block_d=128, merge_num_warps=8)))
 
 
 def summarize_merge_variants(env: Env) -> None:
     if not (got := _tagged(env, "merge ")):
         return
     key, us, how = got
-    print(f"\n### merge_variants: bf16 16-row windows, µs {how}"
-          " by the merge's head-dim columns a program (a launch choice); cells: window / merge alone; ratio to the "
-          "1-row window")
+    print(f"\n### merge_variants: bf16 16-row windows, µs {how} by the tail's launch choices (same bits); cells: "
+          "window, its fold pass / merge alone, ratio to the 1-row window")
     body = []
-    for streams, ctx in dict.fromkeys(k[1:3] for k in us):
-        one = us.get(("merge 1-row", streams, ctx, 1))
-        cells = [streams, ctx, one[key] if one else math.nan]
-        for bd in MERGE_BLOCK_DS:
-            r16 = us.get((f"merge {bd or 'auto'}", streams, ctx, 16))
+    windows = list(dict.fromkeys(k[1:3] for k in us))
+    for label, _ in MERGE_VARIANTS:
+        cells = [label]
+        for streams, ctx in windows:
+            one, r16 = us.get(("merge 1-row", streams, ctx, 1)), us.get((f"merge {label}", streams, ctx, 16))
             if r16 is None:
                 cells += ["", math.nan]
                 continue
-            cells += [f"{r16[key]:.1f} / {r16.get('alone_merge', math.nan):.1f}",
+            cells += [f"{r16[key]:.1f} ({r16.get('alone_fold', math.nan):.1f} / {r16.get('alone_merge', math.nan):.1f})",
                       r16[key] / one[key] if one else math.nan]
         body.append(cells)
-    heads = ["streams", "context", "1-row"]
-    for bd in MERGE_BLOCK_DS:
-        heads += [f"bd {bd or 'auto'}", "ratio"]
+    heads = ["variant"]
+    for streams, ctx in windows:
+        one = us.get(("merge 1-row", streams, ctx, 1))
+        heads += [f"{streams} x {ctx} (1-row {one[key] if one else math.nan:.1f})", "ratio"]
     print(table(heads, body))
 
 
@@ -687,7 +694,7 @@ def main(argv: list[str]) -> int:
                          "adds MGPU_VARIANTS), "
                          "window_mgpu (the Mosaic GPU window pass 1 vs the Triton one), "
                          "window_mgpu_variants (its chunks, row split and ping-pong), "
-                         "merge_variants (the merge's head-dim split for 16-row windows), "
+                         "merge_variants (the tail's launch choices for 16-row windows), "
                          "tune (sweep tiles/page sizes first, then use the winners), decode, prompt, window, window16, write, "
                          "xla (plain-XLA reference rows)")
     ap.add_argument("--json", default=None, help="write every measured row here")
@@ -822,16 +829,15 @@ def main(argv: list[str]) -> int:
     if "merge_variants" in sections:
         # The merge's head-dim split (merge_block_d, a launch choice: same bits) for 16-row bf16 windows on the
         # shipped pass 1, the windows the 16-row target is missed on first; the 1-row window beside each.
-        print("== merge_variants: the merge's head-dim columns a program, 16-row bf16 windows", flush=True)
+        print("== merge_variants: the tail's launch choices, 16-row bf16 windows", flush=True)
         many = 16 if gpu else 2
-        for streams, ctx in dict.fromkeys(((1, contexts[-1]), (many, contexts[0]), (1, contexts[1]),
-                                           (1, contexts[0]))):
+        for streams, ctx in ((1, contexts[-1]), (many, contexts[0])):
             bench_window(env, streams=streams, rows=1, context=ctx, fp8=False, tiles=decode_for(False),
                          impls=("kernel",), tag="merge 1-row")
-            for bd in MERGE_BLOCK_DS[:2] if args.smoke else MERGE_BLOCK_DS:
+            for label, change in MERGE_VARIANTS[:2] if args.smoke else MERGE_VARIANTS:
                 bench_window(env, streams=streams, rows=16, context=ctx, fp8=False,
-                             tiles=dataclasses.replace(window_for(False), merge_block_d=bd), impls=("kernel",),
-                             tag=f"merge {bd or 'auto'}")
+                             tiles=dataclasses.replace(window_for(False), **change), impls=("kernel",),
+                             tag=f"merge {label}")
     if "write" in sections:
         print("== KV write (in place, donated pool)", flush=True)
         for fp8 in (False, True):
