@@ -17,8 +17,6 @@ import dataclasses
 import itertools
 import json
 import math
-import re
-import shutil
 import sys
 import time
 import traceback
@@ -31,7 +29,7 @@ from pallas_kernels import attention as at
 from pallas_kernels import attention_mgpu as am
 from pallas_kernels import attention_window_mgpu as awm
 from pallas_kernels import kv_quant as kq
-from pallas_kernels.bench.common import copy_bandwidth_tbs, device_events, table, time_us
+from pallas_kernels.bench.common import copy_bandwidth_tbs, table, time_us, traced_us
 
 HQ, HKV, D = 24, 4, 256
 SCALE = D ** -0.5
@@ -103,17 +101,7 @@ def alone_us(env: Env, step, fixed: tuple, varying: list[tuple], prefix: str) ->
     one `_chain` under env.trace: the kernels alone, without the launch gaps a chain's µs include (NaN when the
     trace has no device events); and the same by kernel name (a name's trailing numbers dropped)."""
     chain = _chain(step, env.reps)
-    jax.block_until_ready(chain(fixed, varying))
-    where = f"{env.trace}/{len(env.results)}"
-    with jax.profiler.trace(where, create_perfetto_trace=True):
-        jax.block_until_ready(chain(fixed, varying))
-    events = [e for e in device_events(where) or [] if e["name"].startswith(prefix)]
-    shutil.rmtree(where, ignore_errors=True)
-    by_name: dict[str, float] = {}
-    for e in events:
-        name = re.sub(r"[_.]?\d+$", "", e["name"])
-        by_name[name] = by_name.get(name, 0.0) + float(e["dur"]) / env.reps
-    return (sum(by_name.values()) if events else math.nan), by_name
+    return traced_us(lambda: chain(fixed, varying), env.trace, per=env.reps, prefix=prefix)
 
 
 def record(env: Env, **row) -> None:

@@ -5,7 +5,12 @@ from __future__ import annotations
 import glob
 import gzip
 import json
+import math
+import os
+import re
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 
@@ -57,3 +62,23 @@ def device_events(trace_dir: str) -> list[dict] | None:
              if e.get("ph") == "M" and e.get("name") == "process_name"}
     device_pids = {pid for pid, n in names.items() if "GPU" in n or "gpu" in n or "/device:" in n}
     return [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e]
+
+
+def traced_us(run: Callable[[], object], trace_dir: str, *, per: int = 1, prefix: str = ""
+              ) -> tuple[float, dict[str, float]]:
+    """The device's busy µs of one `run()` (its device events whose names start with `prefix`, summed from a
+    jax.profiler trace under trace_dir: the kernels alone, no launch gaps), divided by `per` (the calls a run
+    makes); and the same by kernel name (trailing numbers dropped). NaN and {} when the trace has no device events.
+    run() is called once untraced first (compilation and warm-up stay out of the trace)."""
+    jax.block_until_ready(run())
+    os.makedirs(trace_dir, exist_ok=True)
+    where = tempfile.mkdtemp(dir=trace_dir)
+    with jax.profiler.trace(where, create_perfetto_trace=True):
+        jax.block_until_ready(run())
+    events = [e for e in device_events(where) or [] if e["name"].startswith(prefix)]
+    shutil.rmtree(where, ignore_errors=True)
+    by_name: dict[str, float] = {}
+    for e in events:
+        name = re.sub(r"[_.]?\d+$", "", e["name"])
+        by_name[name] = by_name.get(name, 0.0) + float(e["dur"]) / per
+    return (sum(by_name.values()) if events else math.nan), by_name

@@ -34,6 +34,7 @@ HK, HV, DK, DV = 16, 48, 128, 128
 STATE_BYTES = HV * DK * DV * 4  # per stream per layer
 CONV_DIM = 2 * HK * DK + HV * DV
 INTERPRET = False  # only for a dry run of this script on CPU at toy sizes
+TRACE_DIR: str | None = None  # --trace: verify and commit also timed from a profiler trace (their kernels alone)
 
 
 def _log(*a):
@@ -274,12 +275,14 @@ def bench_verify(streams, rows_list, fla, sweep, iters):
                 fn = functools.partial(gdn.window, tiles=tiles)
                 try:
                     err = _rel(jax.jit(fn)(q, k, v, g, beta, chain, pool, slot0), ref_o)
-                    us = time_us(_batched(fn, n), [(q, k, v, g, beta, chain, pool)], iters=iters) / n
+                    batched = _batched(fn, n)
+                    us = time_us(batched, [(q, k, v, g, beta, chain, pool)], iters=iters) / n
+                    alone = _alone(lambda: batched(q, k, v, g, beta, chain, pool), n, "gdn_window")
                 except Exception as e:  # noqa: BLE001
                     _log(f"verify S={s} R={r} {name} failed: {type(e).__name__}: {str(e)[:400]}")
                     continue
-                out.append(dict(s=s, r=r, impl=name, us=us, bytes=s * STATE_BYTES, err=err))
-                _log(f"verify S={s} R={r} {name}: {us:.1f} us err {err:.1e}")
+                out.append(dict(s=s, r=r, impl=name, us=us, alone_us=alone, bytes=s * STATE_BYTES, err=err))
+                _log(f"verify S={s} R={r} {name}: {us:.1f} us ({alone:.1f} alone) err {err:.1e}")
                 if best is None or us < best[0]:
                     best = (us, tiles)
             if best is None:
@@ -287,9 +290,11 @@ def bench_verify(streams, rows_list, fla, sweep, iters):
             chosen = best[1]
             fn = functools.partial(gdn.window, tiles=chosen)
             if r == max(rows_list):
-                us = time_us(_batched(fn, n), [(q, k, v, g, beta, _fork(s, r), pool)], iters=iters) / n
+                batched, fork = _batched(fn, n), _fork(s, r)
+                us = time_us(batched, [(q, k, v, g, beta, fork, pool)], iters=iters) / n
+                alone = _alone(lambda: batched(q, k, v, g, beta, fork, pool), n, "gdn_window")
                 out.append(dict(s=s, r=r, impl=f"window tree bv{chosen.block_v} w{chosen.num_warps}", us=us,
-                                bytes=s * STATE_BYTES, err=float("nan")))
+                                alone_us=alone, bytes=s * STATE_BYTES, err=float("nan")))
             path, plen = chain + 1, jnp.full((s,), r, jnp.int32)
             fn = functools.partial(gdn.commit, tiles=chosen)
             ref_c = jax.jit(gdn.commit_reference)(k, v, g, beta, path, plen, pool, slot0)
@@ -297,9 +302,14 @@ def bench_verify(streams, rows_list, fla, sweep, iters):
             commit_n = _batched_commit(fn, n)
             pools = [pool + 0.0 for _ in range(2)]  # donated each call: fresh buffers to rotate through
             us = _time_donated(commit_n, (k, v, g, beta, path, plen), pools, iters) / n
-            out.append(dict(s=s, r=r, impl=f"commit bv{chosen.block_v} w{chosen.num_warps}", us=us,
+
+            def commit_once():
+                pools[0] = commit_n(k, v, g, beta, path, plen, pools[0])
+                return pools[0]
+            alone = _alone(commit_once, n, "gdn_commit")
+            out.append(dict(s=s, r=r, impl=f"commit bv{chosen.block_v} w{chosen.num_warps}", us=us, alone_us=alone,
                             bytes=2 * s * STATE_BYTES, err=err))
-            _log(f"verify S={s} R={r} commit: {us:.1f} us err {err:.1e}")
+            _log(f"verify S={s} R={r} commit: {us:.1f} us ({alone:.1f} alone) err {err:.1e}")
             del pools
             if s == max(streams) and r in (min(rows_list), max(rows_list)):
                 ref_w = functools.partial(gdn.window_reference)
@@ -331,6 +341,15 @@ def bench_verify(streams, rows_list, fla, sweep, iters):
                 torch.cuda.empty_cache()
         del pool
     return out
+
+
+def _alone(run, n: int, prefix: str) -> float:
+    """--trace: µs of one call's kernels named `prefix`... alone, from a profiler trace of run() (n calls); NaN
+    without --trace."""
+    if not TRACE_DIR:
+        return math.nan
+    from pallas_kernels.bench.common import traced_us
+    return traced_us(run, TRACE_DIR, per=n, prefix=prefix)[0]
 
 
 def _time_donated(fn, args, pools, iters):
@@ -547,6 +566,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--step-tiles", default="16x1,32x2,64x4",
                     help="block_v x num_warps variants of step (and of the window/commit it is compared with)")
     ap.add_argument("--calls", type=int, default=0, help="calls per timed step program; 0 = ~120 MB of state")
+    ap.add_argument("--trace", metavar="DIR", default=None,
+                    help="also time verify windows and commits from a profiler trace under DIR (the kernels alone, "
+                         "no launch gaps), and the copy the floors use")
     ap.add_argument("--json", default=None, help="write the step section's rows here (rewritten after every row)")
     ap.add_argument("--step-budget-s", type=float, default=80.0, help="start no new step measurement after this "
                     "many seconds from the start (compiles dominate: ~1 s per timed program)")
@@ -555,7 +577,7 @@ def main(argv: list[str]) -> int:
     skip = set(filter(None, args.skip.split(",")))
 
     import jax
-    from pallas_kernels.bench.common import copy_bandwidth_tbs, table
+    from pallas_kernels.bench.common import copy_bandwidth_tbs, table, traced_us
 
     if jax.default_backend() != "gpu" and not INTERPRET:
         # pallas_kernels/bench/__init__.py defaults JAX_PLATFORMS to cpu unless an argument says gpu
@@ -566,8 +588,16 @@ def main(argv: list[str]) -> int:
     fla = None if args.no_fla else _fla()
     if fla is not None:
         _log(f"fla {fla['version']}, torch {fla['torch'].__version__}")
+    global TRACE_DIR
+    TRACE_DIR = args.trace
     bw = copy_bandwidth_tbs()
-    _log(f"copy bandwidth {bw:.2f} TB/s")
+    _log(f"copy bandwidth {bw:.2f} TB/s (synchronised calls)")
+    if TRACE_DIR:  # the floors of the kernels-alone column: the copy timed the same way
+        import jax.numpy as jnp
+        x = jax.random.normal(jax.random.key(0), (256 << 20,), jnp.float32)
+        copy = jax.jit(lambda a: a + 1.0)
+        bw_alone = 2 * x.nbytes / (traced_us(lambda: copy(x), TRACE_DIR)[0] * 1e-6) / 1e12
+        _log(f"copy bandwidth {bw_alone:.2f} TB/s (kernel alone, traced)")
     sweep = not args.no_sweep
     recorded: list[dict] = []
 
@@ -586,6 +616,8 @@ def main(argv: list[str]) -> int:
         None if args.prompt_tiles is None else _parse_prompt_tiles(args.prompt_tiles))
     verify_rows = [] if "verify" in skip else bench_verify(
         [int(x) for x in args.streams.split(",")], [int(x) for x in args.rows.split(",")], fla, sweep, args.iters)
+    for row in verify_rows:
+        record(row)
     conv_rows = [] if "conv" in skip else bench_conv(args.iters)
 
     if prompt_rows:
@@ -607,6 +639,12 @@ def main(argv: list[str]) -> int:
         _log(table(["S", "R", "impl", "µs", "GB/s", "x floor", "rel err"],
                    [[r["s"], r["r"], r["impl"], r["us"], r["bytes"] / r["us"] / 1e3,
                      r["us"] / (r["bytes"] / (bw * 1e12) * 1e6), f"{r['err']:.1e}"] for r in verify_rows]))
+        alone = [r for r in verify_rows if not math.isnan(r.get("alone_us", math.nan))]
+        if alone:
+            _log(f"\nThe same, kernels alone (profiler trace); floor at the traced copy, {bw_alone:.2f} TB/s")
+            _log(table(["S", "R", "impl", "µs alone", "GB/s", "x floor"],
+                       [[r["s"], r["r"], r["impl"], r["alone_us"], r["bytes"] / r["alone_us"] / 1e3,
+                         r["alone_us"] / (r["bytes"] / (bw_alone * 1e12) * 1e6)] for r in alone]))
     if step_rows:
         gdn_rows = [r for r in step_rows if r["section"] == "step"]
         _log(f"\nSerial decode step, one GDN layer: state traffic = S x 3.1 MB x (1 window, 2 commit or step, 3 "

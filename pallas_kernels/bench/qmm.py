@@ -37,8 +37,6 @@ import functools
 import json
 import math
 import os
-import re
-import shutil
 import statistics
 import sys
 import time
@@ -47,7 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import qmm, qmm_mgpu
-from pallas_kernels.bench.common import device_events, table
+from pallas_kernels.bench.common import table, traced_us
 from pallas_kernels.qweight import QuantizedWeight, dequantize, natural_words, to_lane_words
 
 SHAPES = ((5120, 17408), (17408, 5120), (5120, 10240), (5120, 6144), (6144, 5120), (5120, 12288), (5120, 248320))
@@ -142,29 +140,13 @@ def time_chain(compiled, arg_sets: list[tuple], reps: int, samples: int = 7) -> 
 TRACE_DIR: str | None = None  # --trace: where device_us's traces go (each removed once read)
 
 
-def _traced_busy(compiled, arg_sets: list[tuple], reps: int) -> tuple[float, dict[str, float]]:
-    """(device busy µs a call, µs a call by kernel name) from a jax.profiler trace of one run of the chain; NaN
-    and {} when the trace holds no device events."""
-    where = os.path.join(TRACE_DIR, f"t{time.monotonic_ns()}")
-    jax.block_until_ready(compiled(arg_sets))
-    with jax.profiler.trace(where, create_perfetto_trace=True):
-        jax.block_until_ready(compiled(arg_sets))
-    events = device_events(where) or []
-    shutil.rmtree(where, ignore_errors=True)
-    by_name: dict[str, float] = {}
-    for e in events:
-        name = re.sub(r"[_.]?\d+$", "", e["name"])
-        by_name[name] = by_name.get(name, 0.0) + float(e["dur"]) / reps
-    return (sum(by_name.values()) if events else math.nan), by_name
-
-
 def device_us(fn, arg_sets: list[tuple], est_us: float, interpret: bool = False, takes_after: bool = False
               ) -> Timing:
     reps = _reps(est_us, interpret)
     compiled = lower_chain(fn, arg_sets, reps, takes_after).compile()
     t = time_chain(compiled, arg_sets, reps)
     if TRACE_DIR and not interpret:
-        busy, by_name = _traced_busy(compiled, arg_sets, reps)
+        busy, by_name = traced_us(lambda: compiled(arg_sets), TRACE_DIR, per=reps)
         t = dataclasses.replace(t, busy_us=busy, by_name=by_name)
     return t
 
