@@ -41,6 +41,7 @@ of a one-stream round's 8.3 ms of kernels, at ~60 % of copy.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -131,12 +132,16 @@ def supports(x: jax.Array, w: QuantizedWeight) -> bool:
     return _unsupported(x, w) is None
 
 
-def qmm_rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool = False) -> jax.Array:
+def qmm_rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool = False, unsummed: bool = False):
     """`qmm_decode` for any M: the pieces `pieces(M)` names, each padded like a lone row (so a row's bits never
-    depend on which piece it rides in), outputs concatenated. Every piece re-reads the weight."""
+    depend on which piece it rides in), outputs concatenated. Every piece re-reads the weight. unsummed: a call of
+    one piece returns its `Parts` (the output before the epilogue) instead; a call of several is summed."""
     if x.shape[0] == 0:
         return jnp.zeros((0, w.out_features), x.dtype)
-    return _rows(x, w, interpret=interpret, heights=pieces(x.shape[0]), rounding=ROUNDING)
+    heights = pieces(x.shape[0])
+    if unsummed and len(heights) == 1:
+        return qmm_decode(x, w, interpret=interpret, rows=heights[0], unsummed=True)
+    return _rows(x, w, interpret=interpret, heights=heights, rounding=ROUNDING)
 
 
 def pieces(m: int) -> tuple[int, ...]:
@@ -505,8 +510,9 @@ def block_groups_for(k: int) -> int:
 def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_groups: int | None = None,
                transposed: tuple[jax.Array, jax.Array] | None = None,
                conversion: str | None = None, interpret: bool = False, rows: int = ROWS,
-               rounding: str | None = None, layout: str | None = None) -> jax.Array:
-    """x bf16 [M <= rows, K] -> y bf16 [M, N] (see the module docstring); rows: the piece height x is padded to
+               rounding: str | None = None, layout: str | None = None, unsummed: bool = False):
+    """x bf16 [M <= rows, K] -> y bf16 [M, N] (see the module docstring), or with `unsummed` the kernel's pieces
+    before the epilogue (`Parts`, whose `finish` gives y); rows: the piece height x is padded to
     (PIECE_ROWS; the MMA's N). block_groups: None for the shape-derived
     `block_groups_for` (a caller that overrides must keep it fixed per weight shape). transposed: the scales and
     biases as [G, N], made once beforehand (default: the weight's `scales_t`, `biases_t` where it has them; else
@@ -547,8 +553,77 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     operands = (q, *transposed)
     if layout == "tiles":
         operands = (*tile_layout(q, *transposed, bg), None)
-    return _decode(x, *operands, stages=stages_for(rows, stages, bg), block_groups=bg, conversion=conversion,
-                   sms=SMS, interpret=interpret, rows=rows, rounding=rounding, layout=layout, n=n)
+    kw = dict(stages=stages_for(rows, stages, bg), block_groups=bg, conversion=conversion, sms=SMS,
+              interpret=interpret, rows=rows, layout=layout, n=n)
+    if unsummed:
+        return Parts(_decode_parts(x, *operands, **kw), x.shape[0], k, jnp.dtype(x.dtype), rounding, bg, SMS)
+    return _decode(x, *operands, rounding=rounding, **kw)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """A decode call's output before its epilogue (`qmm_decode(unsummed=True)`): the kernel's fp32 pieces
+    [P, N, R] (`_kernel_call`) for `m` live rows of a weight with K = `k` inputs. `finish` (or a consumer doing the
+    same arithmetic, `rownorm.add_rms_norm_parts`) sums the written pieces in order and rounds to `dtype` as
+    `_decode` does, so the bits are those of the summed call."""
+    parts: jax.Array
+    m: int = dataclasses.field(metadata=dict(static=True))
+    k: int = dataclasses.field(metadata=dict(static=True))
+    dtype: np.dtype = dataclasses.field(metadata=dict(static=True))
+    rounding: str = dataclasses.field(metadata=dict(static=True))
+    block_groups: int = dataclasses.field(metadata=dict(static=True))
+    sms: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def n(self) -> int:
+        return self.parts.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.m, self.n)
+
+    def written(self) -> np.ndarray:
+        """[P, N] bool: which pieces of each output column the kernel wrote (from the weight's shape alone)."""
+        return _written(self.n, self.k, self.block_groups, self.sms)
+
+    def finish(self) -> jax.Array:
+        """y [m, N] in `dtype`: the epilogue `qmm_decode` applies."""
+        return _finish(self.parts, self.written(), self.m, self.dtype, self.rounding)
+
+
+def _written(n: int, k: int, block_groups: int, sms: int) -> np.ndarray:
+    """[P, N] bool: the pieces of each output column the kernel writes (pieces a tile lacks are never written)."""
+    return np.repeat(_pieces_written(n, k, block_groups, sms), CTA_N, axis=1)[:, :n]
+
+
+def _finish(parts: jax.Array, valid: np.ndarray, m: int, dtype, rounding: str) -> jax.Array:
+    """The pieces [P, N, R] -> y [m, N] in dtype: the written pieces summed in piece order (a select keeps
+    unwritten memory out), the live rows, and the rounding `rounding` keeps (see `_decode`)."""
+    parts = jnp.where(jnp.asarray(valid)[:, :, None], parts, 0.0)
+    total = parts[0]
+    for i in range(1, parts.shape[0]):  # one fixed sequence of adds for every element
+        total = total + parts[i]
+    # The rounding to dtype must happen in every program: under XLA's default excess precision a consumer that
+    # widens the result again (log-softmax, the MLP's activation) may be fused with this conversion and skip it,
+    # in some programs and not others (on the H200 the stream-bucket gate failed so: row 0 of lm_head + log-softmax
+    # differed between S = 1 and S = 16 while lm_head alone did not). ROUNDING says how it is kept.
+    y = total[:, :m].T
+    if rounding == "barrier":
+        return lax.optimization_barrier(y.astype(dtype))
+    info = jnp.finfo(dtype)
+    return lax.reduce_precision(y, exponent_bits=info.nexp, mantissa_bits=info.nmant).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("stages", "block_groups", "conversion", "sms", "interpret", "rows",
+                                             "layout", "n"))
+def _decode_parts(x: jax.Array, q: jax.Array, st: jax.Array, bt: jax.Array | None, *, stages: int,
+                  block_groups: int, conversion: str, sms: int, interpret: bool, rows: int, layout: str, n: int
+                  ) -> jax.Array:
+    m, k = x.shape
+    xp = jnp.pad(x, ((0, rows - m), (0, 0)))
+    return _partials(xp, q, st, bt, stages=stages, block_groups=block_groups, sms=sms, interpret=interpret,
+                     conversion=conversion, layout=layout, n=n)
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "conversion", "sms", "interpret", "rows",
@@ -558,22 +633,6 @@ def _decode(x: jax.Array, q: jax.Array, st: jax.Array, bt: jax.Array | None, *, 
             ) -> jax.Array:
     # One program around the kernel: called eagerly, separate dispatches of the small ops around an interpreted
     # kernel deadlocked the CPU client now and then (the interpreter's callbacks dispatch jax ops themselves).
-    m, k = x.shape
-    xp = jnp.pad(x, ((0, rows - m), (0, 0)))
-    parts = _partials(xp, q, st, bt, stages=stages, block_groups=block_groups, sms=sms, interpret=interpret,
-                      conversion=conversion, layout=layout, n=n)
-    # pieces a tile did not have were never written: select zeros there (a select, so garbage cannot leak)
-    valid = np.repeat(_pieces_written(n, k, block_groups, sms), CTA_N, axis=1)[:, :n]
-    parts = jnp.where(jnp.asarray(valid)[:, :, None], parts, 0.0)
-    total = parts[0]
-    for i in range(1, parts.shape[0]):  # one fixed sequence of adds for every element
-        total = total + parts[i]
-    # The rounding to x.dtype must happen in every program: under XLA's default excess precision a consumer that
-    # widens the result again (log-softmax, the MLP's activation) may be fused with this conversion and skip it,
-    # in some programs and not others (on the H200 the stream-bucket gate failed so: row 0 of lm_head + log-softmax
-    # differed between S = 1 and S = 16 while lm_head alone did not). ROUNDING says how it is kept.
-    y = total[:, :m].T
-    if rounding == "barrier":
-        return lax.optimization_barrier(y.astype(x.dtype))
-    info = jnp.finfo(x.dtype)
-    return lax.reduce_precision(y, exponent_bits=info.nexp, mantissa_bits=info.nmant).astype(x.dtype)
+    parts = _decode_parts(x, q, st, bt, stages=stages, block_groups=block_groups, conversion=conversion, sms=sms,
+                          interpret=interpret, rows=rows, layout=layout, n=n)
+    return _finish(parts, _written(n, x.shape[1], block_groups, sms), x.shape[0], x.dtype, rounding)

@@ -121,3 +121,52 @@ def test_kernel_calls_shared_same_bits(mlx4):
             runner = Runner(ck.params, ck.config, dtype=jnp.float32, backend=KERNELS, max_len=128)
             outs.append(np.asarray(runner.prefill(ids, all_logits=True)))
     np.testing.assert_array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+
+
+def test_fused_residual_norm_same_bits_in_the_model(mlx4, monkeypatch):
+    """ops.FUSE_RESIDUAL_NORM with the Mosaic GPU decode kernel (interpret mode, bf16): a serial step's logits and
+    state and a 3-row verify window's logits are bit-identical with the residual adds fused into the norms and
+    without. The prompt pass is untouched (its projections are not deferred)."""
+    from pallas_kernels import qmm
+    from qwen_jax.model import ops
+    ck = load_checkpoint(CAPTURES / "tiny-mlx-4bit", dtype=jnp.bfloat16)
+    ids = mlx4[1]["short.prompt_ids"].tolist()
+    cfg = ck.config
+    monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
+    pt = np.arange(1, 8, dtype=np.int32)[None]
+    batch = M.make_prefill_batch(np.array([ids[:6]]), [0], [6], [1], pt)
+    step_w = M.make_window(np.array([ids[6:7]]), [[-1]], [6], [1], pt)
+    tree_w = M.make_window(np.array([ids[6:9]]), [[-1, 0, 0]], [6], [1], pt)
+    from pallas_kernels import rownorm
+    fused_calls = []
+    add_norm = rownorm.add_rms_norm_parts
+    monkeypatch.setattr(rownorm, "add_rms_norm_parts", lambda *a, **k: fused_calls.append(1) or add_norm(*a, **k))
+    outs = []
+    for fused in (False, True):
+        monkeypatch.setattr(ops, "FUSE_RESIDUAL_NORM", fused)
+        st = M.init_state(cfg.text, num_slots=2, num_pages=8, page_size=16, dtype=jnp.bfloat16)
+        st = jax.jit(lambda p, s, b: M.prefill(p, s, b, cfg, KERNELS)[1])(ck.params, st, batch)
+        verify = jax.jit(lambda p, s, w: M.verify(p, s, w, cfg, KERNELS)[0])(ck.params, st, tree_w)
+        logits, st = jax.jit(lambda p, s, w: M.step(p, s, w, cfg, KERNELS))(ck.params, st, step_w)
+        outs.append([np.asarray(a) for a in (verify, logits, *st.rec, *st.conv)])
+        # each layer's two adds but the last one: in the verify program and in the step program
+        assert len(fused_calls) == (2 * (2 * len(cfg.text.layer_types) - 1) if fused else 0)
+    for i, (a, b) in enumerate(zip(*outs)):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=f"output {i}")
+
+
+def test_27b_decode_program_fuses_residual_adds(h200_lowering, monkeypatch):
+    """The 27B decode program (4 layers) lowered for an H200 with the Mosaic GPU decode kernel and
+    FUSE_RESIDUAL_NORM: every residual add but the last MLP's goes into the norm after it (7 `rownorm_residual`
+    kernels, 2 plain RMS norms left: the first layer's input norm and the final one), and the norm kernels' count
+    is unchanged."""
+    from pallas_kernels import qmm
+    from qwen_jax.model import ops
+    monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
+    monkeypatch.setattr(ops, "FUSE_RESIDUAL_NORM", True)
+    with calls.sharing(False):
+        text = _decode_program_text(4)
+    kinds = [n.split('"')[0] for n in text.split('name = "')[1:]]
+    assert sum(k.startswith("rownorm_residual") for k in kinds) == 2 * 4 - 1
+    assert sum(k.startswith("rownorm_rms") for k in kinds) == 2 + 2  # + the attention layer's q and k norms
+    assert sum(k.startswith("rownorm") for k in kinds) == 3 * 4 + 4 + 1

@@ -585,3 +585,48 @@ def test_norms_write_the_decode_qmm_padding(monkeypatch):
     monkeypatch.setattr(ops, "PAD_AT_NORM", True)
     monkeypatch.setattr(qmm, "DECODE_IMPL", "triton")
     assert ops.pad_rows(be, x, fused, prompt=False) is None
+
+
+def test_add_rms_norm_takes_the_decode_kernels_pieces(monkeypatch):
+    """ops.FUSE_RESIDUAL_NORM: a projection the Mosaic GPU decode kernel runs in one piece stays in its pieces
+    (`ops.Deferred`) and `ops.add_rms_norm` sums them, adds the residual and norms in one launch, with the bits of
+    the summed projection, the add and the norm (padded for the next projection or not); `ops.add` resolves it.
+    Calls of several pieces, the prompt path and FUSE_RESIDUAL_NORM off give arrays, as before."""
+    from pallas_kernels import qmm
+    from qwen_jax.model import ops
+    monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
+    be = ops.Backend(kernels=True, interpret=True)
+    rng = np.random.default_rng(4100)
+    w, nxt = _small_weight(rng, 512, 256), _small_weight(rng, 128, 512)
+    nw = jnp.asarray(1.0 + 0.1 * rng.normal(size=512), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(3, 1, 512)), jnp.bfloat16)
+    h = ops.rms_norm(be, jnp.asarray(rng.normal(size=(3, 1, 256)), jnp.bfloat16),
+                     jnp.ones((256,), jnp.float32), 1e-6, then=w)
+    assert isinstance(h, ops.Padded)
+    bits = lambda a: np.asarray(a).view(np.uint16)
+    want_y = ops.linear(h, w, be, prompt=False, defer=True)
+    assert not isinstance(want_y, ops.Deferred)  # FUSE_RESIDUAL_NORM off
+    want = {then is None: ops.add_rms_norm(be, x, want_y, nw, 1e-6, then=then) for then in (None, nxt)}
+    monkeypatch.setattr(ops, "FUSE_RESIDUAL_NORM", True)
+    y = ops.linear(h, w, be, prompt=False, defer=True)
+    assert isinstance(y, ops.Deferred) and y.shape == (3, 1, 512) and y.parts.m == 3
+    np.testing.assert_array_equal(bits(y.resolve()), bits(want_y))
+    np.testing.assert_array_equal(bits(ops.add(x, y)), bits(x + want_y))
+    for then in (None, nxt):
+        x_new, hn = ops.add_rms_norm(be, x, y, nw, 1e-6, then=then)
+        wx, wh = want[then is None]
+        np.testing.assert_array_equal(bits(x_new), bits(wx))
+        if then is None:
+            assert not isinstance(hn, ops.Padded)
+            np.testing.assert_array_equal(bits(hn), bits(wh))
+        else:
+            assert isinstance(hn, ops.Padded) and hn.rows.shape == wh.rows.shape == (16, 512)
+            np.testing.assert_array_equal(bits(hn.rows), bits(wh.rows))
+    # arrays where there is nothing to fuse (shapes only): two pieces, the prompt path, no defer
+    x80 = jax.ShapeDtypeStruct((80, 256), jnp.bfloat16)
+    shaped = lambda x, lead=None, **kw: jax.eval_shape(
+        lambda x: ops.linear(x if lead is None else ops.Padded(x, lead), w, be, **kw), x)
+    assert not isinstance(shaped(x80, prompt=False, defer=True), ops.Deferred)
+    assert not isinstance(shaped(h.rows, h.lead, prompt=True, defer=True), ops.Deferred)
+    assert not isinstance(shaped(h.rows, h.lead, prompt=False), ops.Deferred)
+    assert isinstance(shaped(h.rows, h.lead, prompt=False, defer=True), ops.Deferred)

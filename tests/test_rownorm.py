@@ -367,3 +367,83 @@ def _check_out_rows(op: str, d: int):
         assert not out[6:].any()
     with pytest.raises(ValueError, match="out_rows=5"):
         fns[op](5)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The residual add and norm that take a decode qmm's pieces (`add_rms_norm_parts`)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _parts_case(rng, pieces: int, d: int, piece_rows: int, n: int):
+    """Pieces [P, D, Rp] fp32 with NaN where a piece is not written (as unwritten memory may hold), -0.0 in some
+    written entries (a select, not an added zero, keeps their sign), a residual x [n, D] bf16 and a weight."""
+    parts = rng.standard_normal((pieces, d, piece_rows)).astype(np.float32) * 4.0
+    written = rng.random((pieces, d)) < 0.6
+    written[0] = True
+    parts[~np.broadcast_to(written[:, :, None], parts.shape)] = np.nan
+    parts[:, : d // 8] = -0.0
+    x = jnp.asarray(rng.standard_normal((n, d)) * 2.0, jnp.bfloat16)
+    weight = jnp.asarray(1.0 + 0.3 * rng.standard_normal(d), jnp.float32)
+    return jnp.asarray(parts), written, x, weight
+
+
+def _check_parts(pieces: int, d: int, piece_rows: int, n: int, out_rows: int | None):
+    from pallas_kernels import qmm_mgpu
+    rng = np.random.default_rng(d + n)
+    parts, written, x, weight = _parts_case(rng, pieces, d, piece_rows, n)
+    got_x, got = jax.jit(lambda x, p: rownorm.add_rms_norm_parts(x, p, written, weight, EPS, interpret=INTERPRET,
+                                                                  out_rows=out_rows))(x, parts)
+    y = jax.jit(lambda p: qmm_mgpu._finish(p, written, n, jnp.bfloat16, "reduce_precision"))(parts)
+    want_x = jax.jit(jnp.add)(x, y)
+    want = jax.jit(lambda a: rownorm.rms_norm(a, weight, EPS, interpret=INTERPRET, out_rows=out_rows))(want_x)
+    _assert_same_bits(got_x, want_x, "x + y")
+    _assert_same_bits(got, want, "the norm of x + y")
+    ref_x, ref = rownorm.add_rms_norm_reference(x, y, weight, EPS)
+    _assert_same_bits(got_x, ref_x, "x + y against the reference")
+    np.testing.assert_allclose(np.asarray(got[:n], np.float32), np.asarray(ref, np.float32), rtol=2**-7, atol=0)
+
+
+@pytest.mark.parametrize("pieces,d,piece_rows,n,out_rows", [(3, 512, 16, 5, 16), (1, 256, 8, 8, None),
+                                                            (2, 5120, 16, 1, 16), (2, 256, 64, 40, None)])
+def test_add_rms_norm_parts_bits(pieces, d, piece_rows, n, out_rows):
+    """The one-launch residual add and norm over a decode qmm's pieces gives, bit for bit, the pieces summed and
+    rounded as the qmm's epilogue does (`qmm_mgpu._finish`), added to x, then `rms_norm` (padded rows or not);
+    unwritten pieces (NaN here) never leak, and -0.0 entries keep the epilogue's signs."""
+    _check_parts(pieces, d, piece_rows, n, out_rows)
+
+
+def test_add_rms_norm_parts_rejects_bad_pieces():
+    x = jnp.zeros((3, 256), jnp.bfloat16)
+    w = jnp.ones((256,), jnp.float32)
+    ok = np.ones((2, 256), bool)
+    with pytest.raises(ValueError, match="parts must be fp32"):
+        rownorm.add_rms_norm_parts(x, jnp.zeros((2, 256, 2), jnp.float32), ok, w, EPS)  # fewer piece rows than x
+    with pytest.raises(ValueError, match="parts must be fp32"):
+        rownorm.add_rms_norm_parts(x, jnp.zeros((2, 256, 16), jnp.bfloat16), ok, w, EPS)
+    with pytest.raises(ValueError, match="written must be"):
+        rownorm.add_rms_norm_parts(x, jnp.zeros((2, 256, 16), jnp.float32), ok[:1], w, EPS)
+
+
+def test_add_rms_norm_parts_program_is_the_same_for_every_row_count(monkeypatch):
+    """Cross-lowered for an H200: one Triton kernel whose module is the same for 1, 3 and 16 rows (the row count
+    reaches it at run time), as for the plain norm."""
+    sds = jax.ShapeDtypeStruct
+    written = np.ones((2, 5120), bool)
+    seen = []
+    for n in (1, 3, 16):
+        fn = lambda x, p, w: rownorm.add_rms_norm_parts(x, p, written, w, EPS, out_rows=16)
+        programs, launches = _triton_programs(monkeypatch, fn, sds((n, 5120), jnp.bfloat16),
+                                              sds((2, 5120, 16), jnp.float32), sds((5120,), jnp.float32))
+        assert len(programs) == 1 and launches == ["16"]
+        seen.append(programs[0])
+    assert seen[0] == seen[1] == seen[2]
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("pieces,n", [(2, 1), (3, 16), (1, 64)])
+def test_gpu_add_rms_norm_parts_bits(pieces, n):
+    """On the device, at the 27B's width: the same bits as the epilogue, the add and `rms_norm` compiled by XLA
+    and Triton separately (the residual kernel reads its sums back before the norm, so the norm's reduction runs
+    on the same loads as the plain kernel's)."""
+    _check_parts(pieces, 5120, 64 if n > 16 else 16, n, 16 if n <= 16 else None)
