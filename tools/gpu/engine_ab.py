@@ -14,10 +14,12 @@ from __future__ import annotations
 import argparse
 import time
 
-# A variant's knob -> (the pallas_kernels module holding it, its attribute there).
-KNOBS = {"stages": ("qmm_mgpu", "STAGES"), "wide": ("qmm_mgpu", "WIDE_ROWS"), "narrow": ("qmm_mgpu", "NARROW_ROWS"),
-         "round": ("qmm_mgpu", "ROUNDING"), "conv": ("qmm_mgpu", "CONVERSION"), "wgs": ("qmm_mgpu", "COMPUTE_WGS"),
-         "chunk": ("attention_window_mgpu", "CHUNK")}
+# A variant's knob -> (the module holding it, its attribute there).
+KNOBS = {"stages": ("pallas_kernels.qmm_mgpu", "STAGES"), "wide": ("pallas_kernels.qmm_mgpu", "WIDE_ROWS"),
+         "narrow": ("pallas_kernels.qmm_mgpu", "NARROW_ROWS"), "round": ("pallas_kernels.qmm_mgpu", "ROUNDING"),
+         "conv": ("pallas_kernels.qmm_mgpu", "CONVERSION"), "wgs": ("pallas_kernels.qmm_mgpu", "COMPUTE_WGS"),
+         "chunk": ("pallas_kernels.attention_window_mgpu", "CHUNK"),
+         "fuse": ("qwen_jax.model.ops", "FUSE_RESIDUAL_NORM")}
 
 
 def parse_variants(text: str) -> list[dict]:
@@ -42,7 +44,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (a CPU smoke run)")
     ap.add_argument("--variants", required=True,
                     help="';'-separated, each 'stages=N,wide=N,narrow=N,round=barrier|reduce_precision,"
-                         "conv=words|nibbles,wgs=N,chunk=N' (each optional)")
+                         "conv=words|nibbles,wgs=N,chunk=N,fuse=0|1' (each optional)")
     args = ap.parse_args()
     variants = parse_variants(args.variants)
     streams = tuple(int(s) for s in args.streams.split(","))
@@ -58,7 +60,7 @@ def main() -> None:
     t0 = time.perf_counter()
     params, cfg = bench.synthetic_params("27b", dtype="bfloat16", layers=args.layers)
     print(f"synthetic 27b built in {time.perf_counter() - t0:.1f} s", flush=True)
-    homes = {k: (importlib.import_module(f"pallas_kernels.{m}"), a) for k, (m, a) in KNOBS.items()}
+    homes = {k: (importlib.import_module(m), a) for k, (m, a) in KNOBS.items()}
     shipped = {k: getattr(mod, a) for k, (mod, a) in homes.items()}
     rows = []
     for v in variants:
