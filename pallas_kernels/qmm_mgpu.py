@@ -83,6 +83,12 @@ CTA_N = TILE_N * COMPUTE_WGS
 STAGES = 4
 BLOCK_GROUPS = 4  # groups of K a pipeline step carries (a 128-byte row of weight words, 24 KB a CTA)
 SMS = 132  # the H200's; chunks of work are spread over this many persistent CTAs (a constant: never a device query)
+# Programmatic dependent launch (a launch choice, same bits): the kernel's CTAs may be scheduled while the kernel
+# before it in the stream finishes; they set up their pipeline and wait (`griddepcontrol.wait`: the earlier kernels
+# complete, their writes visible) before the first copy. In a decode round every projection follows a small norm or
+# XLA kernel, so its start no longer waits for that kernel's end. Off until the H200 shows it (run.sh
+# seventy-fourth); compiled kernels only (the interpreter has no grid dependencies).
+PDL = False
 # How a compute warpgroup turns its [64, 256] 4-bit tile into the MMA's bf16 A operand:
 # - "words" (default since session 13): the weight's words come repacked at load (`QuantizedWeight.lanes`, made by
 #   `qmm.decode_layout`: in each group of 8 words the bytes transposed so that the words a lane holds in
@@ -141,7 +147,7 @@ def qmm_rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool = False, unsum
     heights = pieces(x.shape[0])
     if unsummed and len(heights) == 1:
         return qmm_decode(x, w, interpret=interpret, rows=heights[0], unsummed=True)
-    return _rows(x, w, interpret=interpret, heights=heights, rounding=ROUNDING)
+    return _rows(x, w, interpret=interpret, heights=heights, rounding=ROUNDING, pdl=bool(PDL))
 
 
 def pieces(m: int) -> tuple[int, ...]:
@@ -157,12 +163,13 @@ def pieces(m: int) -> tuple[int, ...]:
     return tuple(out + [next(r for r in PIECE_ROWS if NARROW_ROWS <= r and r >= rest)]) if m > 0 else ()
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "heights", "rounding"))
-def _rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool, heights: tuple[int, ...], rounding: str
-          ) -> jax.Array:
-    # One program (see `qmm_decode` on eager calls).
+@functools.partial(jax.jit, static_argnames=("interpret", "heights", "rounding", "pdl"))
+def _rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool, heights: tuple[int, ...], rounding: str,
+          pdl: bool = False) -> jax.Array:
+    # One program (see `qmm_decode` on eager calls). pdl: PDL, as a static argument (a global read while tracing
+    # would be kept by this function's trace cache).
     starts = np.cumsum((0,) + heights[:-1])
-    return jnp.concatenate([qmm_decode(x[i:i + r], w, interpret=interpret, rows=r, rounding=rounding)
+    return jnp.concatenate([qmm_decode(x[i:i + r], w, interpret=interpret, rows=r, rounding=rounding, pdl=pdl)
                             for i, r in zip(starts.tolist(), heights)], axis=0)
 
 
@@ -312,22 +319,22 @@ def _lane_dequant_jnp(words: jax.Array, s_rows, b_rows) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "sms", "interpret", "conversion", "probe",
-                                             "layout", "n"))
+                                             "layout", "n", "pdl"))
 def _partials(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None, *, stages: int, block_groups: int,
               sms: int, interpret: bool, conversion: str = "words", probe: str | None = None, layout: str = "rows",
-              n: int | None = None) -> jax.Array:
+              n: int | None = None, pdl: bool = False) -> jax.Array:
     """`_kernel_call`, through the lowering cache (`_PARTIALS`) when compiled for the GPU."""
     kw = dict(stages=stages, block_groups=block_groups, sms=sms, conversion=conversion, probe=probe, layout=layout,
               n=n)
     args = (xp, qw, st) if layout == "tiles" else (xp, qw, st, bt)
     if interpret:
         return _kernel_call(*args, interpret=True, **kw)
-    return _PARTIALS(*args, **kw)[0]
+    return _PARTIALS(*args, pdl=pdl, **kw)[0]
 
 
 def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None = None, *, stages: int,
                  block_groups: int, sms: int, interpret: bool, conversion: str = "words", probe: str | None = None,
-                 layout: str = "rows", n: int | None = None) -> jax.Array:
+                 layout: str = "rows", n: int | None = None, pdl: bool = False) -> jax.Array:
     """The kernel (`flat_schedule`): xp [R, K] bf16 (x padded to a piece height R, PIECE_ROWS); layout "rows": qw
     the weight as lane words uint32 [N, K / 8] (conversion "words") or as uint4 [N, K] (the others), st, bt [G, N]
     bf16; layout "tiles" (`tile_layout`, conversion "words"): qw the lane words [tiles L CTA_N, 8 G'] with each
@@ -466,6 +473,8 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
 
                 return carry
 
+            if pdl and not interpret:
+                plgpu.griddepcontrol_wait()  # (see PDL) the kernels before this one are done: read x and weights
             pipeline(body, context)(*operands, allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0)
@@ -510,7 +519,8 @@ def block_groups_for(k: int) -> int:
 def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_groups: int | None = None,
                transposed: tuple[jax.Array, jax.Array] | None = None,
                conversion: str | None = None, interpret: bool = False, rows: int = ROWS,
-               rounding: str | None = None, layout: str | None = None, unsummed: bool = False):
+               rounding: str | None = None, layout: str | None = None, unsummed: bool = False,
+               pdl: bool | None = None):
     """x bf16 [M <= rows, K] -> y bf16 [M, N] (see the module docstring), or with `unsummed` the kernel's pieces
     before the epilogue (`Parts`, whose `finish` gives y); rows: the piece height x is padded to
     (PIECE_ROWS; the MMA's N). block_groups: None for the shape-derived
@@ -522,7 +532,7 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     restores that order).
     interpret: Mosaic GPU's interpreter on the CPU. rounding: how the output keeps its rounding (ROUNDINGS; None for
     ROUNDING). layout: where a step's blocks lie (LAYOUTS; None for LAYOUT; "tiles" needs the "words" conversion
-    and here re-lays the weight every call)."""
+    and here re-lays the weight every call). pdl: programmatic dependent launch (None for PDL)."""
     w.validate("qmm_mgpu weight")
     _check(x, w, rows)
     n, k = w.shape
@@ -554,7 +564,7 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     if layout == "tiles":
         operands = (*tile_layout(q, *transposed, bg), None)
     kw = dict(stages=stages_for(rows, stages, bg), block_groups=bg, conversion=conversion, sms=SMS,
-              interpret=interpret, rows=rows, layout=layout, n=n)
+              interpret=interpret, rows=rows, layout=layout, n=n, pdl=bool(PDL if pdl is None else pdl))
     if unsummed:
         return Parts(_decode_parts(x, *operands, **kw), x.shape[0], k, jnp.dtype(x.dtype), rounding, bg, SMS)
     return _decode(x, *operands, rounding=rounding, **kw)
@@ -616,23 +626,23 @@ def _finish(parts: jax.Array, valid: np.ndarray, m: int, dtype, rounding: str) -
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "conversion", "sms", "interpret", "rows",
-                                             "layout", "n"))
+                                             "layout", "n", "pdl"))
 def _decode_parts(x: jax.Array, q: jax.Array, st: jax.Array, bt: jax.Array | None, *, stages: int,
-                  block_groups: int, conversion: str, sms: int, interpret: bool, rows: int, layout: str, n: int
-                  ) -> jax.Array:
+                  block_groups: int, conversion: str, sms: int, interpret: bool, rows: int, layout: str, n: int,
+                  pdl: bool = False) -> jax.Array:
     m, k = x.shape
     xp = jnp.pad(x, ((0, rows - m), (0, 0)))
     return _partials(xp, q, st, bt, stages=stages, block_groups=block_groups, sms=sms, interpret=interpret,
-                     conversion=conversion, layout=layout, n=n)
+                     conversion=conversion, layout=layout, n=n, pdl=pdl)
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "conversion", "sms", "interpret", "rows",
-                                             "rounding", "layout", "n"))
+                                             "rounding", "layout", "n", "pdl"))
 def _decode(x: jax.Array, q: jax.Array, st: jax.Array, bt: jax.Array | None, *, stages: int, block_groups: int,
-            conversion: str, sms: int, interpret: bool, rows: int, rounding: str, layout: str, n: int
-            ) -> jax.Array:
+            conversion: str, sms: int, interpret: bool, rows: int, rounding: str, layout: str, n: int,
+            pdl: bool = False) -> jax.Array:
     # One program around the kernel: called eagerly, separate dispatches of the small ops around an interpreted
     # kernel deadlocked the CPU client now and then (the interpreter's callbacks dispatch jax ops themselves).
     parts = _decode_parts(x, q, st, bt, stages=stages, block_groups=block_groups, conversion=conversion, sms=sms,
-                          interpret=interpret, rows=rows, layout=layout, n=n)
+                          interpret=interpret, rows=rows, layout=layout, n=n, pdl=pdl)
     return _finish(parts, _written(n, x.shape[1], block_groups, sms), x.shape[0], x.dtype, rounding)

@@ -630,3 +630,18 @@ def test_add_rms_norm_takes_the_decode_kernels_pieces(monkeypatch):
     assert not isinstance(shaped(h.rows, h.lead, prompt=True, defer=True), ops.Deferred)
     assert not isinstance(shaped(h.rows, h.lead, prompt=False), ops.Deferred)
     assert isinstance(shaped(h.rows, h.lead, prompt=False, defer=True), ops.Deferred)
+
+
+def test_pdl_lowers_with_a_grid_dependency_wait(h200_lowering, monkeypatch):
+    """qmm_mgpu.PDL (a launch choice): the 27B decode program lowers for an H200 with every decode kernel marked
+    for programmatic dependent launch and waiting on the grids before it (griddepcontrol.wait) before its
+    pipeline; off, neither is there. The lowering cache keeps the two apart."""
+    from pallas_kernels import qmm
+    from tests.test_model_kernels import _decode_program_text
+    monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
+    for pdl in (False, True):
+        monkeypatch.setattr(qmm_mgpu, "PDL", pdl)
+        qmm_kernels = [m for m in _mosaic_modules(_decode_program_text(2)) if "prmt" in m]  # (the conversion's PTX)
+        assert len(qmm_kernels) >= 4
+        assert all(("griddepcontrol.wait" in m) == pdl for m in qmm_kernels)
+        assert all(("mosaic_gpu.uses_pdl" in m) == pdl for m in qmm_kernels)

@@ -19,7 +19,7 @@ KNOBS = {"stages": ("pallas_kernels.qmm_mgpu", "STAGES"), "wide": ("pallas_kerne
          "narrow": ("pallas_kernels.qmm_mgpu", "NARROW_ROWS"), "round": ("pallas_kernels.qmm_mgpu", "ROUNDING"),
          "conv": ("pallas_kernels.qmm_mgpu", "CONVERSION"), "wgs": ("pallas_kernels.qmm_mgpu", "COMPUTE_WGS"),
          "chunk": ("pallas_kernels.attention_window_mgpu", "CHUNK"),
-         "fuse": ("qwen_jax.model.ops", "FUSE_RESIDUAL_NORM")}
+         "fuse": ("qwen_jax.model.ops", "FUSE_RESIDUAL_NORM"), "pdl": ("pallas_kernels.qmm_mgpu", "PDL")}
 
 
 def parse_variants(text: str) -> list[dict]:
@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (a CPU smoke run)")
     ap.add_argument("--variants", required=True,
                     help="';'-separated, each 'stages=N,wide=N,narrow=N,round=barrier|reduce_precision,"
-                         "conv=words|nibbles,wgs=N,chunk=N,fuse=0|1' (each optional)")
+                         "conv=words|nibbles,wgs=N,chunk=N,fuse=0|1,pdl=0|1' (each optional)")
     args = ap.parse_args()
     variants = parse_variants(args.variants)
     streams = tuple(int(s) for s in args.streams.split(","))
