@@ -254,6 +254,8 @@ def add_rms_norm(backend: Backend, x: jax.Array, y, weight: jax.Array, eps: floa
     if not isinstance(y, Deferred):
         x = x + y
         return x, rms_norm(backend, x, weight, eps, then=then, prompt=prompt)
+    if y.shape != x.shape:
+        raise ValueError(f"add_rms_norm: the projection's rows {y.shape} do not match the residual's {x.shape}")
     r = None if then is None else pad_rows(backend, x, then, prompt=prompt)
     d = x.shape[-1]
     x_new, h = rownorm_k.add_rms_norm_parts(x.reshape(-1, d), y.parts.parts, y.parts.written(), weight, eps,
