@@ -815,8 +815,8 @@ def main(argv: list[str]) -> int:
                 finally:
                     awm.PING_PONG = False
     if "merge_variants" in sections:
-        # The merge's head-dim split (merge_block_d, a launch choice: same bits) for 16-row bf16 windows on the
-        # shipped pass 1, the windows the 16-row target is missed on first; the 1-row window beside each.
+        # The tail's launch choices (MERGE_VARIANTS: same bits) for 16-row bf16 windows on the shipped pass 1, at
+        # the two windows the 16-row target is missed on; the 1-row window beside each.
         print("== merge_variants: the tail's launch choices, 16-row bf16 windows", flush=True)
         many = 16 if gpu else 2
         for streams, ctx in ((1, contexts[-1]), (many, contexts[0])):

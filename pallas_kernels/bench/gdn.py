@@ -577,7 +577,7 @@ def main(argv: list[str]) -> int:
     skip = set(filter(None, args.skip.split(",")))
 
     import jax
-    from pallas_kernels.bench.common import copy_bandwidth_tbs, table, traced_us
+    from pallas_kernels.bench.common import copy_bandwidth_tbs, table
 
     if jax.default_backend() != "gpu" and not INTERPRET:
         # pallas_kernels/bench/__init__.py defaults JAX_PLATFORMS to cpu unless an argument says gpu
@@ -593,10 +593,7 @@ def main(argv: list[str]) -> int:
     bw = copy_bandwidth_tbs()
     _log(f"copy bandwidth {bw:.2f} TB/s (synchronised calls)")
     if TRACE_DIR:  # the floors of the kernels-alone column: the copy timed the same way
-        import jax.numpy as jnp
-        x = jax.random.normal(jax.random.key(0), (256 << 20,), jnp.float32)
-        copy = jax.jit(lambda a: a + 1.0)
-        bw_alone = 2 * x.nbytes / (traced_us(lambda: copy(x), TRACE_DIR)[0] * 1e-6) / 1e12
+        bw_alone = copy_bandwidth_tbs(1 << 30, trace_dir=TRACE_DIR)
         _log(f"copy bandwidth {bw_alone:.2f} TB/s (kernel alone, traced)")
     sweep = not args.no_sweep
     recorded: list[dict] = []

@@ -83,6 +83,11 @@ class Timing:
     busy_us: float = math.nan
     by_name: dict = dataclasses.field(default_factory=dict)
 
+    @property
+    def best(self) -> float:
+        """The figure a table row uses (`_best`)."""
+        return _best(self.us, self.busy_us)
+
 
 def _reps(est_us: float, interpret: bool) -> int:
     if interpret:
@@ -156,7 +161,7 @@ def copy_tbs(interpret: bool = False) -> float:
     n = (1 << 20) if interpret else (128 << 20)
     srcs = [(jax.random.normal(jax.random.key(i), (n,), jnp.float32),) for i in range(2)]
     t = device_us(lambda a: a + 1.0, srcs, 2 * 4 * n / 4e12 * 1e6, interpret)
-    return 2 * 4 * n / (_best(t) * 1e-6) / 1e12
+    return 2 * 4 * n / (t.best * 1e-6) / 1e12
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -336,9 +341,9 @@ class Row:
     by_name: dict = dataclasses.field(default_factory=dict)
 
 
-def _best(t: Timing) -> float:
+def _best(us: float, busy_us: float) -> float:
     """The figure a table row uses: the device's busy µs where traced, else the chain's µs."""
-    return t.us if math.isnan(t.busy_us) else t.busy_us
+    return us if math.isnan(busy_us) else busy_us
 
 
 def _bench_shape(k: int, n: int, ms, copy: float, use_torch: bool, ref_max_m: int, on_row=None) -> list[Row]:
@@ -352,15 +357,15 @@ def _bench_shape(k: int, n: int, ms, copy: float, use_torch: bool, ref_max_m: in
     for m in ms:
         est = _estimate_us(m, n, k)
         x = _x(m, k)
-        bf16_us = _best(device_us(_bf16_dot, [(x, d) for d in dense], est))
-        xla_ref = _best(device_us(qmm.reference, [(x, w) for w in ws], est * 4)) if m <= ref_max_m else None
+        bf16_us = device_us(_bf16_dot, [(x, d) for d in dense], est).best
+        xla_ref = device_us(qmm.reference, [(x, w) for w in ws], est * 4).best if m <= ref_max_m else None
         for prompt in (False, True):
             if (prompt and m < 64) or (not prompt and m > 256):
                 continue
             t = device_us(lambda x, w, p=prompt: qmm.qmm(x, w, prompt=p), [(x, w) for w in ws], est)
-            tbs = _moved(m, n, k) / (_best(t) * 1e-6) / 1e12
+            tbs = _moved(m, n, k) / (t.best * 1e-6) / 1e12
             rows.append(Row(f"{k}->{n}", m, "prompt" if prompt else "decode", t.us, t.busy_us, tbs,
-                            100 * tbs / copy, 2 * m * n * k / (_best(t) * 1e-6) / 1e12, xla_ref, bf16_us,
+                            100 * tbs / copy, 2 * m * n * k / (t.best * 1e-6) / 1e12, xla_ref, bf16_us,
                             torch_us.get(m), t.by_name))
             print(f"  {k}->{n} M={m} {rows[-1].path}: {t.us:.1f} us chained, {t.busy_us:.1f} us busy "
                   f"({tbs:.2f} TB/s, {rows[-1].pct_copy:.0f}% copy, {rows[-1].tflops:.0f} TFLOP/s) | XLA ref "
@@ -382,8 +387,7 @@ def _report(rows: list[Row], copy: float) -> str:
             "bf16 mm us", "torch int4 us"]
     body = []
     for r in rows:
-        ours = r.us if math.isnan(r.busy_us) else r.busy_us
-        pct_bf16 = 100 * r.bf16_us / ours if r.bf16_us else None
+        pct_bf16 = 100 * r.bf16_us / _best(r.us, r.busy_us) if r.bf16_us else None
         body.append([r.shape, r.m, r.path, r.us, r.busy_us, r.tbs, r.pct_copy, r.tflops, _fmt(pct_bf16),
                      _fmt(r.xla_ref_us), _fmt(r.bf16_us), _fmt(r.torch_us)])
     how = ("TB/s, % copy, % bf16 and the XLA / bf16 columns from the device's busy time a call (trace)" if traced
