@@ -116,12 +116,6 @@ LAYOUTS = ("rows", "tiles")
 # to 912 fusions (1775 to 1534 launches a round) and its pipelined round from 13.3 to 11.2 ms.
 ROUNDING = "reduce_precision"
 ROUNDINGS = ("barrier", "reduce_precision")
-# How a piece's [TILE_N, R] fp32 sum goes to memory: True, the live rows only, row-major (pieces [P, M, N]; the
-# accumulator stored transposed into shared memory, its first M rows copied out); False, the whole tile as the MMA
-# holds it (pieces [P, N, R], sessions 6-18). Same values either way. At M = 1 the full tile writes 16x the live
-# data (5120 -> 34816: 13.4 MB of pieces beside the weight's 100 MB) and every epilogue reads it back, strided; the
-# live rows are 0.8 MB, and a row is contiguous for the fused residual norm (`rownorm.add_rms_norm_parts`).
-LIVE_STORE = True
 
 
 def _unsupported(x: jax.Array, w: QuantizedWeight) -> str | None:
@@ -144,23 +138,16 @@ def supports(x: jax.Array, w: QuantizedWeight) -> bool:
     return _unsupported(x, w) is None
 
 
-def qmm_rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool = False, unsummed: bool = False,
-             live: int | None = None):
+def qmm_rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool = False, unsummed: bool = False):
     """`qmm_decode` for any M: the pieces `pieces(M)` names, each padded like a lone row (so a row's bits never
     depend on which piece it rides in), outputs concatenated. Every piece re-reads the weight. unsummed: a call of
-    one piece returns its `Parts` (the output before the epilogue) instead; a call of several is summed.
-    live: only x's first `live` rows are wanted (the rest padding a producer wrote, `ops.Padded`): y [live, N],
-    pieces past them skipped and, with LIVE_STORE, rows past them never stored."""
-    live = x.shape[0] if live is None else live
-    if not 0 <= live <= x.shape[0]:
-        raise ValueError(f"qmm_mgpu: live={live} rows must be at most x's {x.shape[0]}")
-    if live == 0:
+    one piece returns its `Parts` (the output before the epilogue) instead; a call of several is summed."""
+    if x.shape[0] == 0:
         return jnp.zeros((0, w.out_features), x.dtype)
     heights = pieces(x.shape[0])
     if unsummed and len(heights) == 1:
-        return qmm_decode(x, w, interpret=interpret, rows=heights[0], unsummed=True, live_rows=live)
-    return _rows(x, w, interpret=interpret, heights=heights, rounding=ROUNDING, pdl=bool(PDL),
-                 live_store=bool(LIVE_STORE), live=live)
+        return qmm_decode(x, w, interpret=interpret, rows=heights[0], unsummed=True)
+    return _rows(x, w, interpret=interpret, heights=heights, rounding=ROUNDING, pdl=bool(PDL))
 
 
 def pieces(m: int) -> tuple[int, ...]:
@@ -176,16 +163,14 @@ def pieces(m: int) -> tuple[int, ...]:
     return tuple(out + [next(r for r in PIECE_ROWS if NARROW_ROWS <= r and r >= rest)]) if m > 0 else ()
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "heights", "rounding", "pdl", "live_store", "live"))
+@functools.partial(jax.jit, static_argnames=("interpret", "heights", "rounding", "pdl"))
 def _rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool, heights: tuple[int, ...], rounding: str,
-          pdl: bool = False, live_store: bool = True, live: int | None = None) -> jax.Array:
-    # One program (see `qmm_decode` on eager calls). pdl, live_store: PDL and LIVE_STORE, as static arguments (a
-    # global read while tracing would be kept by this function's trace cache).
+          pdl: bool = False) -> jax.Array:
+    # One program (see `qmm_decode` on eager calls). pdl: PDL, as a static argument (a global read while tracing
+    # would be kept by this function's trace cache).
     starts = np.cumsum((0,) + heights[:-1])
-    live = x.shape[0] if live is None else live
-    return jnp.concatenate([qmm_decode(x[i:i + r], w, interpret=interpret, rows=r, rounding=rounding, pdl=pdl,
-                                       live_store=live_store, live_rows=min(r, live - i))
-                            for i, r in zip(starts.tolist(), heights) if i < live], axis=0)
+    return jnp.concatenate([qmm_decode(x[i:i + r], w, interpret=interpret, rows=r, rounding=rounding, pdl=pdl)
+                            for i, r in zip(starts.tolist(), heights)], axis=0)
 
 
 def _check(x: jax.Array, w: QuantizedWeight, rows: int) -> None:
@@ -334,13 +319,13 @@ def _lane_dequant_jnp(words: jax.Array, s_rows, b_rows) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "sms", "interpret", "conversion", "probe",
-                                             "layout", "n", "pdl", "live"))
+                                             "layout", "n", "pdl"))
 def _partials(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None, *, stages: int, block_groups: int,
               sms: int, interpret: bool, conversion: str = "words", probe: str | None = None, layout: str = "rows",
-              n: int | None = None, pdl: bool = False, live: int = 0) -> jax.Array:
+              n: int | None = None, pdl: bool = False) -> jax.Array:
     """`_kernel_call`, through the lowering cache (`_PARTIALS`) when compiled for the GPU."""
     kw = dict(stages=stages, block_groups=block_groups, sms=sms, conversion=conversion, probe=probe, layout=layout,
-              n=n, live=live)
+              n=n)
     args = (xp, qw, st) if layout == "tiles" else (xp, qw, st, bt)
     if interpret:
         return _kernel_call(*args, interpret=True, **kw)
@@ -349,18 +334,16 @@ def _partials(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None,
 
 def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None = None, *, stages: int,
                  block_groups: int, sms: int, interpret: bool, conversion: str = "words", probe: str | None = None,
-                 layout: str = "rows", n: int | None = None, pdl: bool = False, live: int = 0) -> jax.Array:
+                 layout: str = "rows", n: int | None = None, pdl: bool = False) -> jax.Array:
     """The kernel (`flat_schedule`): xp [R, K] bf16 (x padded to a piece height R, PIECE_ROWS); layout "rows": qw
     the weight as lane words uint32 [N, K / 8] (conversion "words") or as uint4 [N, K] (the others), st, bt [G, N]
     bf16; layout "tiles" (`tile_layout`, conversion "words"): qw the lane words [tiles L CTA_N, 8 G'] with each
     step's [CTA_N, 8 G'] block contiguous, st the step's scale rows then bias rows [tiles L 2 G', CTA_N], bt None,
-    n the weight's N -> fp32 pieces [P, N, R], or with live = M > 0 (`LIVE_STORE`) pieces [P, M, N] of the first M
-    rows only (only those `_pieces_written` marks are written). Each CTA runs one
+    n the weight's N -> fp32 pieces [P, N, R] (only those `_pieces_written` marks are written). Each CTA runs one
     pipeline over its S steps, so the memory warpgroup never waits at a tile's edge; a step's MMAs go into a fresh
     accumulator whose value the compute warpgroup adds to its running fp32 sum (restarted where a tile starts), and
     the sum is stored where the tile or the chunk ends."""
     rows, k = xp.shape
-    assert 0 <= live <= rows, (live, rows)
     tiled = layout == "tiles"
     assert layout in LAYOUTS and (not tiled or (conversion == "words" and bt is None and n is not None)), layout
     n = n if tiled else qw.shape[0]
@@ -482,17 +465,11 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
                 @pl.when((f < total) & ((ks == length - 1) | (i == per_cta - 1)))
                 def _store():
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store has read out_smem
+                    out_smem[wg] = carry
+                    plgpu.commit_smem()
                     piece = cta - _div(tile * length, per_cta)
-                    if live:  # the sum transposed into [R, TILE_N] (a cheap register permutation), its live rows out
-                        out_smem.at[wg].T[...] = plgpu.layout_cast(carry, plgpu.Layout.WGMMA_TRANSPOSED)
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(out_smem.at[wg, pl.ds(0, live)],
-                                                out_gmem.at[piece, :, pl.ds(tile * CTA_N + wg * TILE_N, TILE_N)])
-                    else:
-                        out_smem[wg] = carry
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(out_smem.at[wg],
-                                                out_gmem.at[piece, pl.ds(tile * CTA_N, CTA_N)].at[wg_slice])
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg],
+                                            out_gmem.at[piece, pl.ds(tile * CTA_N, CTA_N)].at[wg_slice])
 
                 return carry
 
@@ -503,11 +480,10 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
         plgpu.wait_smem_to_gmem(0)
 
     call = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((pieces, live, n) if live else (pieces, n, rows), jnp.float32),
+        kernel, out_type=jax.ShapeDtypeStruct((pieces, n, rows), jnp.float32),
         grid=(ctas,), grid_names=("cta",), num_threads=COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        scratch_types=[plgpu.SMEM((COMPUTE_WGS, rows, TILE_N) if live else (COMPUTE_WGS, TILE_N, rows),
-                                  jnp.float32)]
+        scratch_types=[plgpu.SMEM((COMPUTE_WGS, TILE_N, rows), jnp.float32)]
         + ([plgpu.SMEM((COMPUTE_WGS, TILE_N, GROUP), jnp.bfloat16, transforms=a_transforms)] if interpret else []),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
     return call(xp, qw, st) if tiled else call(xp, qw, st, bt)
@@ -518,16 +494,15 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
 LOWERING_CACHE = True
 
 
-def _partials_shape(xp, qw, block_groups: int, sms: int, n: int | None, live: int = 0) -> tuple[int, int, int]:
+def _partials_shape(xp, qw, block_groups: int, sms: int, n: int | None) -> tuple[int, int, int]:
     n = qw.shape[0] if n is None else n
-    p = int(flat_schedule(n, xp.shape[1], block_groups, sms)[3].max())
-    return (p, live, n) if live else (p, n, xp.shape[0])
+    return int(flat_schedule(n, xp.shape[1], block_groups, sms)[3].max()), n, xp.shape[0]
 
 
 _PARTIALS = CachedKernel(
     "qmm_mgpu_partials", _kernel_call,
-    lambda xp, qw, *_, block_groups, sms, n=None, layout="rows", live=0, **__: [jax.core.ShapedArray(
-        _partials_shape(xp, qw, block_groups, sms, n if layout == "tiles" else None, live), jnp.float32)],
+    lambda xp, qw, *_, block_groups, sms, n=None, layout="rows", **__: [jax.core.ShapedArray(
+        _partials_shape(xp, qw, block_groups, sms, n if layout == "tiles" else None), jnp.float32)],
     enabled=lambda: LOWERING_CACHE)
 _LOWERED = _PARTIALS.lowered  # (the tools clear it between variants)
 custom_calls = mgpu_lowering.custom_calls
@@ -545,7 +520,7 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
                transposed: tuple[jax.Array, jax.Array] | None = None,
                conversion: str | None = None, interpret: bool = False, rows: int = ROWS,
                rounding: str | None = None, layout: str | None = None, unsummed: bool = False,
-               pdl: bool | None = None, live_store: bool | None = None, live_rows: int | None = None):
+               pdl: bool | None = None):
     """x bf16 [M <= rows, K] -> y bf16 [M, N] (see the module docstring), or with `unsummed` the kernel's pieces
     before the epilogue (`Parts`, whose `finish` gives y); rows: the piece height x is padded to
     (PIECE_ROWS; the MMA's N). block_groups: None for the shape-derived
@@ -557,14 +532,9 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     restores that order).
     interpret: Mosaic GPU's interpreter on the CPU. rounding: how the output keeps its rounding (ROUNDINGS; None for
     ROUNDING). layout: where a step's blocks lie (LAYOUTS; None for LAYOUT; "tiles" needs the "words" conversion
-    and here re-lays the weight every call). pdl: programmatic dependent launch (None for PDL). live_store: how the
-    pieces are stored (None for LIVE_STORE). live_rows: only x's first rows are wanted (the rest padding): the
-    output has that many rows (None: all of x's)."""
+    and here re-lays the weight every call). pdl: programmatic dependent launch (None for PDL)."""
     w.validate("qmm_mgpu weight")
     _check(x, w, rows)
-    m = x.shape[0] if live_rows is None else live_rows
-    if not 1 <= m <= x.shape[0]:
-        raise ValueError(f"qmm_mgpu: live_rows={live_rows} must be 1 to x's {x.shape[0]} rows")
     n, k = w.shape
     bg = block_groups_for(k) if block_groups is None else block_groups
     if bg < 1 or (k // GROUP) % bg:
@@ -594,19 +564,17 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     if layout == "tiles":
         operands = (*tile_layout(q, *transposed, bg), None)
     kw = dict(stages=stages_for(rows, stages, bg), block_groups=bg, conversion=conversion, sms=SMS,
-              interpret=interpret, rows=rows, layout=layout, n=n, pdl=bool(PDL if pdl is None else pdl),
-              live=m if (LIVE_STORE if live_store is None else live_store) else 0)
+              interpret=interpret, rows=rows, layout=layout, n=n, pdl=bool(PDL if pdl is None else pdl))
     if unsummed:
-        return Parts(_decode_parts(x, *operands, **kw), m, k, jnp.dtype(x.dtype), rounding, bg, SMS,
-                     kw["live"] > 0)
-    return _decode(x, *operands, rounding=rounding, out_rows=m, **kw)
+        return Parts(_decode_parts(x, *operands, **kw), x.shape[0], k, jnp.dtype(x.dtype), rounding, bg, SMS)
+    return _decode(x, *operands, rounding=rounding, **kw)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Parts:
     """A decode call's output before its epilogue (`qmm_decode(unsummed=True)`): the kernel's fp32 pieces
-    (`_kernel_call`: [P, M, N] where `live`, else [P, N, R]) for `m` live rows of a weight with K = `k` inputs. `finish` (or a consumer doing the
+    [P, N, R] (`_kernel_call`) for `m` live rows of a weight with K = `k` inputs. `finish` (or a consumer doing the
     same arithmetic, `rownorm.add_rms_norm_parts`) sums the written pieces in order and rounds to `dtype` as
     `_decode` does, so the bits are those of the summed call."""
     parts: jax.Array
@@ -616,11 +584,10 @@ class Parts:
     rounding: str = dataclasses.field(metadata=dict(static=True))
     block_groups: int = dataclasses.field(metadata=dict(static=True))
     sms: int = dataclasses.field(metadata=dict(static=True))
-    live: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
     @property
     def n(self) -> int:
-        return self.parts.shape[2 if self.live else 1]
+        return self.parts.shape[1]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -632,7 +599,7 @@ class Parts:
 
     def finish(self) -> jax.Array:
         """y [m, N] in `dtype`: the epilogue `qmm_decode` applies."""
-        return _finish(self.parts, self.written(), self.m, self.dtype, self.rounding, self.live)
+        return _finish(self.parts, self.written(), self.m, self.dtype, self.rounding)
 
 
 def _written(n: int, k: int, block_groups: int, sms: int) -> np.ndarray:
@@ -640,14 +607,10 @@ def _written(n: int, k: int, block_groups: int, sms: int) -> np.ndarray:
     return np.repeat(_pieces_written(n, k, block_groups, sms), CTA_N, axis=1)[:, :n]
 
 
-def _finish(parts: jax.Array, valid: np.ndarray, m: int, dtype, rounding: str, live: bool) -> jax.Array:
-    """The pieces ([P, M >= m, N] where live, else [P, N, R]) -> y [m, N] in dtype: the written pieces summed in
-    piece order (a select keeps unwritten memory out), the live rows, and the rounding `rounding` keeps (see
-    `_decode`)."""
-    if live:
-        parts = jnp.where(jnp.asarray(valid)[:, None, :], parts[:, :m], 0.0)
-    else:
-        parts = jnp.where(jnp.asarray(valid)[:, :, None], parts[:, :, :m], 0.0).transpose(0, 2, 1)
+def _finish(parts: jax.Array, valid: np.ndarray, m: int, dtype, rounding: str) -> jax.Array:
+    """The pieces [P, N, R] -> y [m, N] in dtype: the written pieces summed in piece order (a select keeps
+    unwritten memory out), the live rows, and the rounding `rounding` keeps (see `_decode`)."""
+    parts = jnp.where(jnp.asarray(valid)[:, :, None], parts, 0.0)
     total = parts[0]
     for i in range(1, parts.shape[0]):  # one fixed sequence of adds for every element
         total = total + parts[i]
@@ -655,7 +618,7 @@ def _finish(parts: jax.Array, valid: np.ndarray, m: int, dtype, rounding: str, l
     # widens the result again (log-softmax, the MLP's activation) may be fused with this conversion and skip it,
     # in some programs and not others (on the H200 the stream-bucket gate failed so: row 0 of lm_head + log-softmax
     # differed between S = 1 and S = 16 while lm_head alone did not). ROUNDING says how it is kept.
-    y = total
+    y = total[:, :m].T
     if rounding == "barrier":
         return lax.optimization_barrier(y.astype(dtype))
     info = jnp.finfo(dtype)
@@ -663,24 +626,23 @@ def _finish(parts: jax.Array, valid: np.ndarray, m: int, dtype, rounding: str, l
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "conversion", "sms", "interpret", "rows",
-                                             "layout", "n", "pdl", "live"))
+                                             "layout", "n", "pdl"))
 def _decode_parts(x: jax.Array, q: jax.Array, st: jax.Array, bt: jax.Array | None, *, stages: int,
                   block_groups: int, conversion: str, sms: int, interpret: bool, rows: int, layout: str, n: int,
-                  pdl: bool = False, live: int = 0) -> jax.Array:
+                  pdl: bool = False) -> jax.Array:
     m, k = x.shape
     xp = jnp.pad(x, ((0, rows - m), (0, 0)))
     return _partials(xp, q, st, bt, stages=stages, block_groups=block_groups, sms=sms, interpret=interpret,
-                     conversion=conversion, layout=layout, n=n, pdl=pdl, live=live)
+                     conversion=conversion, layout=layout, n=n, pdl=pdl)
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "conversion", "sms", "interpret", "rows",
-                                             "rounding", "layout", "n", "pdl", "live", "out_rows"))
+                                             "rounding", "layout", "n", "pdl"))
 def _decode(x: jax.Array, q: jax.Array, st: jax.Array, bt: jax.Array | None, *, stages: int, block_groups: int,
             conversion: str, sms: int, interpret: bool, rows: int, rounding: str, layout: str, n: int,
-            pdl: bool = False, live: int = 0, out_rows: int | None = None) -> jax.Array:
+            pdl: bool = False) -> jax.Array:
     # One program around the kernel: called eagerly, separate dispatches of the small ops around an interpreted
     # kernel deadlocked the CPU client now and then (the interpreter's callbacks dispatch jax ops themselves).
     parts = _decode_parts(x, q, st, bt, stages=stages, block_groups=block_groups, conversion=conversion, sms=sms,
-                          interpret=interpret, rows=rows, layout=layout, n=n, pdl=pdl, live=live)
-    m = x.shape[0] if out_rows is None else out_rows
-    return _finish(parts, _written(n, x.shape[1], block_groups, sms), m, x.dtype, rounding, live > 0)
+                          interpret=interpret, rows=rows, layout=layout, n=n, pdl=pdl)
+    return _finish(parts, _written(n, x.shape[1], block_groups, sms), x.shape[0], x.dtype, rounding)

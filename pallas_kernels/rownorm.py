@@ -89,7 +89,7 @@ def l2norm_reference(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 def _norm_kernel(n_ref, *refs, kind: str, d: int, eps: float, tiles: RowTiles, io_dtype, interpret: bool = False):
     # n_ref [2] int32: live rows N, output rows R >= N (rows N..R-1 are written as the norm of a zero row: zeros).
     # refs: x_ref [N, D]; gate_ref [N, D] (gated); weight_ref [D] (rms, gated); o_ref [R, D].
-    # kind "residual": x_ref [N, D], parts_ref [P, Rp, D] fp32, written_ref [P, D] int32, weight_ref [D] -> o_ref
+    # kind "residual": x_ref [N, D], parts_ref [P, D, Rp] fp32, written_ref [P, D] int32, weight_ref [D] -> o_ref
     # [R, D], xo_ref [N, D]: first xo = x + y, y the pieces summed and rounded as the decode qmm's epilogue does,
     # then the "rms" norm of xo, read back from xo_ref.
     bn, c = tiles.block_rows, tiles.chunk
@@ -146,11 +146,12 @@ def _add_summed_parts(x_ref, parts_ref, written_ref, xo_ref, rows, cols, live, i
     pieces (a select, never an added zero) summed in piece order, rounded to io_dtype once (round to nearest even,
     as XLA's reduce_precision and conversion), then added to x in fp32 and rounded (as XLA's add in io_dtype).
     The same operations in the same order as `qmm_mgpu._finish` followed by the model's residual add."""
+    live_t = live.T
     for col in cols:
         total = None
         for p in range(parts_ref.shape[0]):
             piece = jnp.asarray(p, jnp.int32)  # (an array index: the interpreter's load takes no Python int here)
-            part = plgpu.load(parts_ref.at[piece, rows, col], mask=live, other=0.0)
+            part = plgpu.load(parts_ref.at[piece, col, rows], mask=live_t, other=0.0).T
             sel = jnp.where((written_ref[piece, col] != 0)[None, :], part, 0.0)
             total = sel if total is None else total + sel
         xc = plgpu.load(x_ref.at[rows, col], mask=live, other=0).astype(_F32)
@@ -182,7 +183,7 @@ def _check_weight(weight: jax.Array, d: int) -> None:
 
 def _call(kind: str, x: jax.Array, gate: jax.Array | None, weight: jax.Array | None, eps: float, out_dtype,
           tiles: RowTiles | None, interpret: bool, out_rows: int | None = None, parts=None) -> jax.Array:
-    """parts: kind "residual"'s (pieces [P, Rp, D] fp32, written [P, D] bool); it returns (o, xo)."""
+    """parts: kind "residual"'s (pieces [P, D, Rp] fp32, written [P, D] bool); it returns (o, xo)."""
     d = x.shape[-1]
     tiles = tiles_for(d) if tiles is None else tiles
     _check_tiles(tiles, d)
@@ -237,18 +238,17 @@ def add_rms_norm_parts(x: jax.Array, parts: jax.Array, written, weight: jax.Arra
                        tiles: RowTiles | None = None, interpret: bool = False, out_rows: int | None = None
                        ) -> tuple[jax.Array, jax.Array]:
     """A residual add and the rms norm after it, in one launch, where the added value is a decode qmm's output
-    still in pieces: x [..., D] (N rows); parts [P, Rp, D] fp32 (`qmm_mgpu.Parts.parts` stored with its live rows
-    only, `Parts.live`; Rp >= N: a row of pieces is contiguous), written [P, D]
+    still in pieces: x [..., D] (N rows); parts [P, D, Rp] fp32 (`qmm_mgpu.Parts.parts`, Rp >= N), written [P, D]
     bool (`Parts.written()`) -> (x + y, rms_norm(x + y)) with y the pieces summed and rounded as
     `qmm_mgpu.Parts.finish` does: the bits of `add_rms_norm_reference(x, finish(parts), ...)` through `rms_norm`.
     Row invariant like rms_norm; out_rows as there (for the norm; x + y keeps x's shape)."""
     d = _row_length(x)
     _check_weight(weight, d)
     n = int(np.prod(x.shape[:-1], dtype=np.int64))
-    if parts.ndim != 3 or parts.shape[2] != d or parts.shape[1] < n or parts.dtype != _F32:
-        raise ValueError(f"parts must be fp32 [P, Rp >= {n}, {d}], got {parts.dtype} {tuple(parts.shape)}")
-    if tuple(np.shape(written)) != (parts.shape[0], d):
-        raise ValueError(f"written must be [P, D] = {(parts.shape[0], d)}, got {tuple(np.shape(written))}")
+    if parts.ndim != 3 or parts.shape[1] != d or parts.shape[2] < n or parts.dtype != _F32:
+        raise ValueError(f"parts must be fp32 [P, {d}, Rp >= {n}], got {parts.dtype} {tuple(parts.shape)}")
+    if tuple(np.shape(written)) != tuple(parts.shape[:2]):
+        raise ValueError(f"written must be [P, D] = {tuple(parts.shape[:2])}, got {tuple(np.shape(written))}")
     if n == 0:
         raise ValueError("add_rms_norm_parts needs at least one row")
     o, xo = _call("residual", x, None, weight, eps, x.dtype, tiles, interpret, out_rows, parts=(parts, written))

@@ -320,62 +320,6 @@ def _small_weight(rng, n: int, k: int, bits: int = 4):
     return QuantizedWeight(jnp.asarray(words), scales, biases, bits, 64)
 
 
-def _live_store_same_bits(n: int, k: int, *, interpret: bool):
-    """LIVE_STORE: the pieces stored by live rows give the bits of the whole-tile store; a call that wants only its
-    first rows (`live_rows`, `qmm_rows(live=)`: the padding a norm wrote) gets the first rows of the full call, its
-    pieces [P, rows, N], and qmm_rows skips the pieces past them."""
-    rng = np.random.default_rng(4100 + n + k)
-    w = _small_weight(rng, n, k)
-    x = jnp.asarray(rng.normal(size=(16, k)), jnp.bfloat16)
-    bits = lambda y: np.asarray(y).view(np.uint16)
-    run = jax.jit(lambda x, w, store, live: qmm_mgpu.qmm_decode(x, w, interpret=interpret, live_store=store,
-                                                                live_rows=live), static_argnums=(2, 3))
-    full = bits(run(x, w, False, None))
-    np.testing.assert_array_equal(bits(run(x, w, True, None)), full, err_msg="live store, 16 rows")
-    for store in (True, False):
-        got = run(x, w, store, 3)
-        assert got.shape == (3, n)
-        np.testing.assert_array_equal(bits(got), full[:3], err_msg=f"3 live rows, live store {store}")
-    parts = jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, interpret=interpret, unsummed=True, live_rows=1))(x, w)
-    assert parts.live and parts.parts.shape[1:] == (1, n) and parts.n == n
-    np.testing.assert_array_equal(bits(jax.jit(lambda p: p.finish())(parts)), full[:1], err_msg="1 live row, pieces")
-    # 80 rows are a 64-row and a 16-row piece; wanting 50 or 10 of them
-    x80 = jnp.concatenate([x] * 5)
-    rows = jax.jit(lambda x, w, live: qmm_mgpu.qmm_rows(x, w, interpret=interpret, live=live), static_argnums=2)
-    whole = bits(rows(x80, w, None))
-    np.testing.assert_array_equal(whole[:16], full)
-    for live in (50, 10):
-        got = rows(x80, w, live)
-        assert got.shape == (live, n)
-        np.testing.assert_array_equal(bits(got), whole[:live], err_msg=f"{live} of 80 rows")
-    with pytest.raises(ValueError, match="live"):
-        qmm_mgpu.qmm_rows(x, w, interpret=interpret, live=17)
-    with pytest.raises(ValueError, match="live_rows"):
-        qmm_mgpu.qmm_decode(x, w, interpret=interpret, live_rows=0)
-
-
-def test_interpreter_live_store_same_bits():
-    # N = 200: a last tile past N, cut in the stored rows' minor axis
-    _live_store_same_bits(200, 512, interpret=True)
-
-
-def test_live_store_lowers_for_the_h200():
-    """The transposed store of the live rows (a WGMMA_TRANSPOSED register layout into a [R, TILE_N] buffer) lowers
-    at the 27B's shapes for 1, 3 and 16 live rows of a 16-row piece and 40 of a 64-row one."""
-    for live, rows in ((1, 16), (3, 16), (16, 16), (40, 64)):
-        for n, k in SHAPES_27B[:2]:
-            text = jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, rows=rows, live_rows=live)).trace(
-                jax.ShapeDtypeStruct((rows, k), jnp.bfloat16), _abstract_weight(n, k)).lower(
-                lowering_platforms=("cuda",)).as_text()
-            assert "mosaic_gpu" in text
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("k,n", [(5120, 34816), (17408, 5120), (5120, 6144), (128, 392)])
-def test_gpu_live_store_same_bits(k, n):
-    _live_store_same_bits(n, k, interpret=False)
-
-
 def test_qmm_decode_impl_switch(monkeypatch):
     """qmm.DECODE_IMPL = "mgpu" sends supported decode calls to the Mosaic GPU kernel (a row's bits are the same
     alone, in a 16-row piece, and in the 32-row piece a 20-row call runs in), leaves the prompt path and

@@ -375,14 +375,13 @@ def _check_out_rows(op: str, d: int):
 
 
 def _parts_case(rng, pieces: int, d: int, piece_rows: int, n: int):
-    """Pieces [P, Rp, D] fp32 (stored by live rows, `qmm_mgpu.LIVE_STORE`) with NaN where a piece is not written (as
-    unwritten memory may hold), -0.0 in some written entries (a select, not an added zero, keeps their sign), a
-    residual x [n, D] bf16 and a weight."""
-    parts = rng.standard_normal((pieces, piece_rows, d)).astype(np.float32) * 4.0
+    """Pieces [P, D, Rp] fp32 with NaN where a piece is not written (as unwritten memory may hold), -0.0 in some
+    written entries (a select, not an added zero, keeps their sign), a residual x [n, D] bf16 and a weight."""
+    parts = rng.standard_normal((pieces, d, piece_rows)).astype(np.float32) * 4.0
     written = rng.random((pieces, d)) < 0.6
     written[0] = True
-    parts[~np.broadcast_to(written[:, None, :], parts.shape)] = np.nan
-    parts[:, :, : d // 8] = -0.0
+    parts[~np.broadcast_to(written[:, :, None], parts.shape)] = np.nan
+    parts[:, : d // 8] = -0.0
     x = jnp.asarray(rng.standard_normal((n, d)) * 2.0, jnp.bfloat16)
     weight = jnp.asarray(1.0 + 0.3 * rng.standard_normal(d), jnp.float32)
     return jnp.asarray(parts), written, x, weight
@@ -394,7 +393,7 @@ def _check_parts(pieces: int, d: int, piece_rows: int, n: int, out_rows: int | N
     parts, written, x, weight = _parts_case(rng, pieces, d, piece_rows, n)
     got_x, got = jax.jit(lambda x, p: rownorm.add_rms_norm_parts(x, p, written, weight, EPS, interpret=INTERPRET,
                                                                   out_rows=out_rows))(x, parts)
-    y = jax.jit(lambda p: qmm_mgpu._finish(p, written, n, jnp.bfloat16, "reduce_precision", True))(parts)
+    y = jax.jit(lambda p: qmm_mgpu._finish(p, written, n, jnp.bfloat16, "reduce_precision"))(parts)
     want_x = jax.jit(jnp.add)(x, y)
     want = jax.jit(lambda a: rownorm.rms_norm(a, weight, EPS, interpret=INTERPRET, out_rows=out_rows))(want_x)
     _assert_same_bits(got_x, want_x, "x + y")
@@ -418,13 +417,11 @@ def test_add_rms_norm_parts_rejects_bad_pieces():
     w = jnp.ones((256,), jnp.float32)
     ok = np.ones((2, 256), bool)
     with pytest.raises(ValueError, match="parts must be fp32"):
-        rownorm.add_rms_norm_parts(x, jnp.zeros((2, 2, 256), jnp.float32), ok, w, EPS)  # fewer piece rows than x
+        rownorm.add_rms_norm_parts(x, jnp.zeros((2, 256, 2), jnp.float32), ok, w, EPS)  # fewer piece rows than x
     with pytest.raises(ValueError, match="parts must be fp32"):
-        rownorm.add_rms_norm_parts(x, jnp.zeros((2, 256, 16), jnp.float32), ok, w, EPS)  # pieces stored by column
-    with pytest.raises(ValueError, match="parts must be fp32"):
-        rownorm.add_rms_norm_parts(x, jnp.zeros((2, 16, 256), jnp.bfloat16), ok, w, EPS)
+        rownorm.add_rms_norm_parts(x, jnp.zeros((2, 256, 16), jnp.bfloat16), ok, w, EPS)
     with pytest.raises(ValueError, match="written must be"):
-        rownorm.add_rms_norm_parts(x, jnp.zeros((2, 16, 256), jnp.float32), ok[:1], w, EPS)
+        rownorm.add_rms_norm_parts(x, jnp.zeros((2, 256, 16), jnp.float32), ok[:1], w, EPS)
 
 
 def test_add_rms_norm_parts_program_is_the_same_for_every_row_count(monkeypatch):
@@ -436,7 +433,7 @@ def test_add_rms_norm_parts_program_is_the_same_for_every_row_count(monkeypatch)
     for n in (1, 3, 16):
         fn = lambda x, p, w: rownorm.add_rms_norm_parts(x, p, written, w, EPS, out_rows=16)
         programs, launches = _triton_programs(monkeypatch, fn, sds((n, 5120), jnp.bfloat16),
-                                              sds((2, 16, 5120), jnp.float32), sds((5120,), jnp.float32))
+                                              sds((2, 5120, 16), jnp.float32), sds((5120,), jnp.float32))
         assert len(programs) == 1 and launches == ["16"]
         seen.append(programs[0])
     assert seen[0] == seen[1] == seen[2]

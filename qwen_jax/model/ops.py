@@ -157,30 +157,29 @@ def linear_split(x: jax.Array, w, backend: Backend, *, prompt: bool) -> tuple[ja
                                         else (linear(x, g, backend, prompt=prompt),)))
 
 
-def linear(x: jax.Array, w, backend: Backend, *, prompt: bool, defer: bool = False, live: int | None = None):
+def linear(x: jax.Array, w, backend: Backend, *, prompt: bool, defer: bool = False):
     """x [..., K] (or `Padded`) @ w[N, K]^T -> [..., N] in x.dtype with fp32 accumulation; w dense or packed.
     defer: the caller adds the result to the residual and norms it (`add_rms_norm`): with FUSE_RESIDUAL_NORM on
-    and the call on the Mosaic GPU decode kernel in one piece, a `Deferred` instead of the array. live: only x's
-    first rows are wanted (x 2-D; the rest padding): the kernel may skip storing the others."""
+    and the call on the Mosaic GPU decode kernel in one piece, a `Deferred` instead of the array."""
     if isinstance(x, Padded):
+        y = linear(x.rows, w, backend, prompt=prompt, defer=defer)
         m = math.prod(x.lead)
-        y = linear(x.rows, w, backend, prompt=prompt, defer=defer, live=m)
         if isinstance(y, Deferred):  # the padding rows are zeros; the live ones are the first m
             return Deferred(dataclasses.replace(y.parts, m=m), x.lead)
         return y[:m].reshape(*x.lead, y.shape[-1])
-    lead = x.shape[:-1] if live is None else (live,)
+    lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if isinstance(w, QuantizedWeight):
         if backend.kernels:
             y = qmm_k.qmm(x2, w, prompt=prompt, interpret=backend.interpret,
-                          unsummed=defer and FUSE_RESIDUAL_NORM and not prompt, live=live)
+                          unsummed=defer and FUSE_RESIDUAL_NORM and not prompt)
             if isinstance(y, qmm_mgpu.Parts):
                 return Deferred(y, lead)
         else:
             y = qmm_k.reference(x2, w)
     else:
         y = jnp.dot(x2, w.T.astype(x2.dtype), precision=_HI, preferred_element_type=jnp.float32).astype(x.dtype)
-    return y[:math.prod(lead)].reshape(*lead, y.shape[-1])
+    return y.reshape(*lead, y.shape[-1])
 
 
 def embed(w, ids: jax.Array, dtype, backend: Backend) -> jax.Array:
@@ -252,8 +251,8 @@ def add_rms_norm(backend: Backend, x: jax.Array, y, weight: jax.Array, eps: floa
     """(x + y, rms_norm of it): the residual add and the norm after it. y: an array, or a `Deferred` projection,
     which the norm kernel sums, adds and norms in one launch (`rownorm.add_rms_norm_parts`, the same bits as
     resolving it first). then, prompt: as for `rms_norm`."""
-    if not isinstance(y, Deferred) or not y.parts.live:  # (the kernel reads pieces stored by live rows)
-        x = add(x, y)
+    if not isinstance(y, Deferred):
+        x = x + y
         return x, rms_norm(backend, x, weight, eps, then=then, prompt=prompt)
     if y.shape != x.shape:
         raise ValueError(f"add_rms_norm: the projection's rows {y.shape} do not match the residual's {x.shape}")

@@ -57,9 +57,6 @@ def run(args) -> None:
     if args.mgpu_pdl:
         qmm_mgpu.PDL = True
         print("Mosaic GPU decode kernel: programmatic dependent launch (qmm_mgpu.PDL)")
-    if args.mgpu_full_store:
-        qmm_mgpu.LIVE_STORE = False
-        print("Mosaic GPU decode kernel: pieces stored whole, [P, N, R] (qmm_mgpu.LIVE_STORE off)")
     if args.fuse_residual_norm:
         from qwen_jax.model import ops
         ops.FUSE_RESIDUAL_NORM = True
@@ -251,8 +248,6 @@ def main(argv=None) -> int:
                     help="qmm_mgpu.COMPUTE_WGS (compute warpgroups a CTA of the Mosaic GPU decode kernel)")
     ap.add_argument("--mgpu-pdl", action="store_true",
                     help="qmm_mgpu.PDL on: the decode kernel launched as a programmatic dependent launch")
-    ap.add_argument("--mgpu-full-store", action="store_true",
-                    help="qmm_mgpu.LIVE_STORE off: the decode kernel stores whole [N, R] piece tiles (sessions 6-18)")
     ap.add_argument("--fuse-residual-norm", action="store_true",
                     help="qwen_jax.model.ops.FUSE_RESIDUAL_NORM on: each residual add in the norm kernel after it")
     ap.add_argument("--no-pad-at-norm", action="store_true",

@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh seventy-fifth|seventy-fourth|seventy-third|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh seventy-fourth|seventy-third|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -48,25 +48,6 @@ profile_by() {
 }
 
 case "$stage" in
-  seventy-fifth)
-    # Session 19, ~8 min: the decode kernel storing only its live rows, row-major (qmm_mgpu.LIVE_STORE, the new
-    # default), and with it the fused residual norm (whose one CTA a row read the old [P, N, 16] pieces strided:
-    # 20.9 us a call in seventy-third). The live store's bits against the whole-tile store at the 27B's shapes, the
-    # fused kernel's bits, the engine gates with both on; then the one-stream round traced with each of: the live
-    # store, the old whole-tile store, the live store + the fused norm.
-    timeout -s INT 150 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_qmm_mgpu.py \
-      -k live_store > "$out/gpu_tests_live.log" 2>&1
-    timeout -s INT 60 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_rownorm.py -k parts \
-      > "$out/gpu_tests_parts.log" 2>&1
-    timeout -s INT 200 python3 -c "import sys, pytest; from qwen_jax.model import ops; ops.FUSE_RESIDUAL_NORM = True; \
-sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
-      > "$out/gpu_tests_engine_fused.log" 2>&1
-    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_*.log | cut -c1-200 | tail -16
-    for f in "" --mgpu-full-store --fuse-residual-norm; do
-      echo "== ${f:-live store}"
-      timeout 100 python3 tools/gpu/decode_profile.py --synthetic 27b --rounds 32 --trace /tmp/trace$f --profiled 0 \
-        $f 2>&1 | grep -E "round|^trace|^ +[0-9.]+ +[0-9.]+ " | head -22
-    done ;;
   seventy-fourth)
     # Prepared in session 18 (no device time left), ~9 min: the decode qmm as a programmatic dependent launch
     # (qmm_mgpu.PDL, off): its CTAs start while the norm or fusion before them finishes and wait on the grid
