@@ -51,8 +51,10 @@ case "$stage" in
   seventy-sixth)
     # Session 19, ~5 min: the GDN prompt pass at today's tiles beside fla's chunk_gated_delta_rule (carry .whl),
     # T = 1K/4K/16K/64K, the 27B's heads (first measured side by side in session 11).
-    JAX_PLATFORMS=cuda timeout 450 python3 -m pallas_kernels.bench gdn --t 4096,1024,16384,65536 --no-sweep \
-      --skip verify,conv,step --iters 20 > "$out/gdn_prompt.log" 2>&1
+    # (--no-sweep alone times PromptTiles(), the tf32 tiles: the shipped bf16 ones are named here)
+    JAX_PLATFORMS=cuda timeout 450 python3 -m pallas_kernels.bench gdn --t 4096,1024,16384,65536 --skip verify,conv,step \
+      --prompt-tiles "block_v=32,num_warps=4,precision=bf16,store_dtype=bfloat16,transposed=True,fused_output=True" \
+      --iters 20 > "$out/gdn_prompt.log" 2>&1
     tail -40 "$out/gdn_prompt.log" ;;
   seventy-fourth)
     # Prepared in session 18 (no device time left), ~9 min: the decode qmm as a programmatic dependent launch
