@@ -53,7 +53,7 @@ case "$stage" in
     # T = 1K/4K/16K/64K, the 27B's heads (first measured side by side in session 11).
     # (--no-sweep alone times PromptTiles(), the tf32 tiles: the shipped bf16 ones are named here)
     JAX_PLATFORMS=cuda timeout 450 python3 -m pallas_kernels.bench gdn --t 4096,1024,16384,65536 --skip verify,conv,step \
-      --prompt-tiles "block_v=32,num_warps=4,precision=bf16,store_dtype=bfloat16,transposed=True,fused_output=True" \
+      --prompt-tiles "block_v=32,num_warps=4,precision=bf16,store_dtype=bfloat16,transposed=1,fused_output=1" \
       --iters 20 > "$out/gdn_prompt.log" 2>&1
     tail -40 "$out/gdn_prompt.log" ;;
   seventy-fourth)
