@@ -792,7 +792,7 @@ def decode_layout(params, x_dtype=jnp.bfloat16):
 
 
 def qmm(x: jax.Array, w: QuantizedWeight, *, prompt: bool = False, interpret: bool = False,
-        tiles: Tiles | None = None, unsummed: bool = False):
+        tiles: Tiles | None = None) -> jax.Array:
     """x [M, K] -> y [M, N] = x @ dequantize(w)^T in x.dtype, fp32 accumulation, through the Pallas kernel.
 
     w: the packed weight [N, K] exactly as the checkpoint loader hands it (no repack needed).
@@ -801,20 +801,18 @@ def qmm(x: jax.Array, w: QuantizedWeight, *, prompt: bool = False, interpret: bo
         bits are independent of M and of the other rows; the two paths may differ from each other in the last
         bits (different tiles), and so may the two prompt implementations (different k order).
     tiles: override the shape-derived tiles (tests and benchmarks; a caller that overrides must keep it fixed).
-    unsummed: where the call goes to the Mosaic GPU decode kernel in one piece, return its `qmm_mgpu.Parts` (the
-        output before its epilogue, for a consumer that finishes it itself: `rownorm.add_rms_norm_parts`).
     """
-    return _qmm(x, w, prompt=prompt, interpret=interpret, tiles=tiles, unsummed=unsummed)
+    return _qmm(x, w, prompt=prompt, interpret=interpret, tiles=tiles)
 
 
 def _qmm(x: jax.Array, w: QuantizedWeight, *, prompt: bool, interpret: bool, tiles: Tiles | None,
-         poison: bool = False, unsummed: bool = False):
+         poison: bool = False) -> jax.Array:
     """`qmm`; poison: the kernel writes into NaN-filled memory (tests catch elements it never writes)."""
     _validate(x, w)
     n, k = w.shape
     if not prompt and tiles is None and not poison and decode_on_mgpu(x, w, interpret):
         with jax.named_scope("qmm_decode_mgpu"):
-            return qmm_mgpu.qmm_rows(x, w, interpret=interpret, unsummed=unsummed)
+            return qmm_mgpu.qmm_rows(x, w, interpret=interpret)
     if tiles is None:
         tiles = (prompt_tiles if prompt else decode_tiles)(n, k, w.bits, w.group_size)
     tiles.check()

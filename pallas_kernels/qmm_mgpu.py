@@ -41,7 +41,6 @@ of a one-stream round's 8.3 ms of kernels, at ~60 % of copy.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -83,12 +82,6 @@ CTA_N = TILE_N * COMPUTE_WGS
 STAGES = 4
 BLOCK_GROUPS = 4  # groups of K a pipeline step carries (a 128-byte row of weight words, 24 KB a CTA)
 SMS = 132  # the H200's; chunks of work are spread over this many persistent CTAs (a constant: never a device query)
-# Programmatic dependent launch (a launch choice, same bits): the kernel's CTAs may be scheduled while the kernel
-# before it in the stream finishes; they set up their pipeline and wait (`griddepcontrol.wait`: the earlier kernels
-# complete, their writes visible) before the first copy. In a decode round every projection follows a small norm or
-# XLA kernel, so its start no longer waits for that kernel's end. Off until the H200 shows it (run.sh
-# seventy-fourth); compiled kernels only (the interpreter has no grid dependencies).
-PDL = False
 # How a compute warpgroup turns its [64, 256] 4-bit tile into the MMA's bf16 A operand:
 # - "words" (default since session 13): the weight's words come repacked at load (`QuantizedWeight.lanes`, made by
 #   `qmm.decode_layout`: in each group of 8 words the bytes transposed so that the words a lane holds in
@@ -138,16 +131,12 @@ def supports(x: jax.Array, w: QuantizedWeight) -> bool:
     return _unsupported(x, w) is None
 
 
-def qmm_rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool = False, unsummed: bool = False):
+def qmm_rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool = False) -> jax.Array:
     """`qmm_decode` for any M: the pieces `pieces(M)` names, each padded like a lone row (so a row's bits never
-    depend on which piece it rides in), outputs concatenated. Every piece re-reads the weight. unsummed: a call of
-    one piece returns its `Parts` (the output before the epilogue) instead; a call of several is summed."""
+    depend on which piece it rides in), outputs concatenated. Every piece re-reads the weight."""
     if x.shape[0] == 0:
         return jnp.zeros((0, w.out_features), x.dtype)
-    heights = pieces(x.shape[0])
-    if unsummed and len(heights) == 1:
-        return qmm_decode(x, w, interpret=interpret, rows=heights[0], unsummed=True)
-    return _rows(x, w, interpret=interpret, heights=heights, rounding=ROUNDING, pdl=bool(PDL))
+    return _rows(x, w, interpret=interpret, heights=pieces(x.shape[0]), rounding=ROUNDING)
 
 
 def pieces(m: int) -> tuple[int, ...]:
@@ -163,13 +152,12 @@ def pieces(m: int) -> tuple[int, ...]:
     return tuple(out + [next(r for r in PIECE_ROWS if NARROW_ROWS <= r and r >= rest)]) if m > 0 else ()
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "heights", "rounding", "pdl"))
-def _rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool, heights: tuple[int, ...], rounding: str,
-          pdl: bool = False) -> jax.Array:
-    # One program (see `qmm_decode` on eager calls). pdl: PDL, as a static argument (a global read while tracing
-    # would be kept by this function's trace cache).
+@functools.partial(jax.jit, static_argnames=("interpret", "heights", "rounding"))
+def _rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool, heights: tuple[int, ...], rounding: str
+          ) -> jax.Array:
+    # One program (see `qmm_decode` on eager calls).
     starts = np.cumsum((0,) + heights[:-1])
-    return jnp.concatenate([qmm_decode(x[i:i + r], w, interpret=interpret, rows=r, rounding=rounding, pdl=pdl)
+    return jnp.concatenate([qmm_decode(x[i:i + r], w, interpret=interpret, rows=r, rounding=rounding)
                             for i, r in zip(starts.tolist(), heights)], axis=0)
 
 
@@ -319,22 +307,22 @@ def _lane_dequant_jnp(words: jax.Array, s_rows, b_rows) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "sms", "interpret", "conversion", "probe",
-                                             "layout", "n", "pdl"))
+                                             "layout", "n"))
 def _partials(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None, *, stages: int, block_groups: int,
               sms: int, interpret: bool, conversion: str = "words", probe: str | None = None, layout: str = "rows",
-              n: int | None = None, pdl: bool = False) -> jax.Array:
+              n: int | None = None) -> jax.Array:
     """`_kernel_call`, through the lowering cache (`_PARTIALS`) when compiled for the GPU."""
     kw = dict(stages=stages, block_groups=block_groups, sms=sms, conversion=conversion, probe=probe, layout=layout,
               n=n)
     args = (xp, qw, st) if layout == "tiles" else (xp, qw, st, bt)
     if interpret:
         return _kernel_call(*args, interpret=True, **kw)
-    return _PARTIALS(*args, pdl=pdl, **kw)[0]
+    return _PARTIALS(*args, **kw)[0]
 
 
 def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None = None, *, stages: int,
                  block_groups: int, sms: int, interpret: bool, conversion: str = "words", probe: str | None = None,
-                 layout: str = "rows", n: int | None = None, pdl: bool = False) -> jax.Array:
+                 layout: str = "rows", n: int | None = None) -> jax.Array:
     """The kernel (`flat_schedule`): xp [R, K] bf16 (x padded to a piece height R, PIECE_ROWS); layout "rows": qw
     the weight as lane words uint32 [N, K / 8] (conversion "words") or as uint4 [N, K] (the others), st, bt [G, N]
     bf16; layout "tiles" (`tile_layout`, conversion "words"): qw the lane words [tiles L CTA_N, 8 G'] with each
@@ -473,8 +461,6 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
 
                 return carry
 
-            if pdl and not interpret:
-                plgpu.griddepcontrol_wait()  # (see PDL) the kernels before this one are done: read x and weights
             pipeline(body, context)(*operands, allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0)
@@ -519,10 +505,8 @@ def block_groups_for(k: int) -> int:
 def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_groups: int | None = None,
                transposed: tuple[jax.Array, jax.Array] | None = None,
                conversion: str | None = None, interpret: bool = False, rows: int = ROWS,
-               rounding: str | None = None, layout: str | None = None, unsummed: bool = False,
-               pdl: bool | None = None):
-    """x bf16 [M <= rows, K] -> y bf16 [M, N] (see the module docstring), or with `unsummed` the kernel's pieces
-    before the epilogue (`Parts`, whose `finish` gives y); rows: the piece height x is padded to
+               rounding: str | None = None, layout: str | None = None) -> jax.Array:
+    """x bf16 [M <= rows, K] -> y bf16 [M, N] (see the module docstring); rows: the piece height x is padded to
     (PIECE_ROWS; the MMA's N). block_groups: None for the shape-derived
     `block_groups_for` (a caller that overrides must keep it fixed per weight shape). transposed: the scales and
     biases as [G, N], made once beforehand (default: the weight's `scales_t`, `biases_t` where it has them; else
@@ -532,7 +516,7 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     restores that order).
     interpret: Mosaic GPU's interpreter on the CPU. rounding: how the output keeps its rounding (ROUNDINGS; None for
     ROUNDING). layout: where a step's blocks lie (LAYOUTS; None for LAYOUT; "tiles" needs the "words" conversion
-    and here re-lays the weight every call). pdl: programmatic dependent launch (None for PDL)."""
+    and here re-lays the weight every call)."""
     w.validate("qmm_mgpu weight")
     _check(x, w, rows)
     n, k = w.shape
@@ -563,86 +547,33 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     operands = (q, *transposed)
     if layout == "tiles":
         operands = (*tile_layout(q, *transposed, bg), None)
-    kw = dict(stages=stages_for(rows, stages, bg), block_groups=bg, conversion=conversion, sms=SMS,
-              interpret=interpret, rows=rows, layout=layout, n=n, pdl=bool(PDL if pdl is None else pdl))
-    if unsummed:
-        return Parts(_decode_parts(x, *operands, **kw), x.shape[0], k, jnp.dtype(x.dtype), rounding, bg, SMS)
-    return _decode(x, *operands, rounding=rounding, **kw)
+    return _decode(x, *operands, stages=stages_for(rows, stages, bg), block_groups=bg, conversion=conversion,
+                   sms=SMS, interpret=interpret, rows=rows, rounding=rounding, layout=layout, n=n)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Parts:
-    """A decode call's output before its epilogue (`qmm_decode(unsummed=True)`): the kernel's fp32 pieces
-    [P, N, R] (`_kernel_call`) for `m` live rows of a weight with K = `k` inputs. `finish` (or a consumer doing the
-    same arithmetic, `rownorm.add_rms_norm_parts`) sums the written pieces in order and rounds to `dtype` as
-    `_decode` does, so the bits are those of the summed call."""
-    parts: jax.Array
-    m: int = dataclasses.field(metadata=dict(static=True))
-    k: int = dataclasses.field(metadata=dict(static=True))
-    dtype: np.dtype = dataclasses.field(metadata=dict(static=True))
-    rounding: str = dataclasses.field(metadata=dict(static=True))
-    block_groups: int = dataclasses.field(metadata=dict(static=True))
-    sms: int = dataclasses.field(metadata=dict(static=True))
-
-    @property
-    def n(self) -> int:
-        return self.parts.shape[1]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.m, self.n)
-
-    def written(self) -> np.ndarray:
-        """[P, N] bool: which pieces of each output column the kernel wrote (from the weight's shape alone)."""
-        return _written(self.n, self.k, self.block_groups, self.sms)
-
-    def finish(self) -> jax.Array:
-        """y [m, N] in `dtype`: the epilogue `qmm_decode` applies."""
-        return _finish(self.parts, self.written(), self.m, self.dtype, self.rounding)
-
-
-def _written(n: int, k: int, block_groups: int, sms: int) -> np.ndarray:
-    """[P, N] bool: the pieces of each output column the kernel writes (pieces a tile lacks are never written)."""
-    return np.repeat(_pieces_written(n, k, block_groups, sms), CTA_N, axis=1)[:, :n]
-
-
-def _finish(parts: jax.Array, valid: np.ndarray, m: int, dtype, rounding: str) -> jax.Array:
-    """The pieces [P, N, R] -> y [m, N] in dtype: the written pieces summed in piece order (a select keeps
-    unwritten memory out), the live rows, and the rounding `rounding` keeps (see `_decode`)."""
+@functools.partial(jax.jit, static_argnames=("stages", "block_groups", "conversion", "sms", "interpret", "rows",
+                                             "rounding", "layout", "n"))
+def _decode(x: jax.Array, q: jax.Array, st: jax.Array, bt: jax.Array | None, *, stages: int, block_groups: int,
+            conversion: str, sms: int, interpret: bool, rows: int, rounding: str, layout: str, n: int
+            ) -> jax.Array:
+    # One program around the kernel: called eagerly, separate dispatches of the small ops around an interpreted
+    # kernel deadlocked the CPU client now and then (the interpreter's callbacks dispatch jax ops themselves).
+    m, k = x.shape
+    xp = jnp.pad(x, ((0, rows - m), (0, 0)))
+    parts = _partials(xp, q, st, bt, stages=stages, block_groups=block_groups, sms=sms, interpret=interpret,
+                      conversion=conversion, layout=layout, n=n)
+    # pieces a tile did not have were never written: select zeros there (a select, so garbage cannot leak)
+    valid = np.repeat(_pieces_written(n, k, block_groups, sms), CTA_N, axis=1)[:, :n]
     parts = jnp.where(jnp.asarray(valid)[:, :, None], parts, 0.0)
     total = parts[0]
     for i in range(1, parts.shape[0]):  # one fixed sequence of adds for every element
         total = total + parts[i]
-    # The rounding to dtype must happen in every program: under XLA's default excess precision a consumer that
+    # The rounding to x.dtype must happen in every program: under XLA's default excess precision a consumer that
     # widens the result again (log-softmax, the MLP's activation) may be fused with this conversion and skip it,
     # in some programs and not others (on the H200 the stream-bucket gate failed so: row 0 of lm_head + log-softmax
     # differed between S = 1 and S = 16 while lm_head alone did not). ROUNDING says how it is kept.
     y = total[:, :m].T
     if rounding == "barrier":
-        return lax.optimization_barrier(y.astype(dtype))
-    info = jnp.finfo(dtype)
-    return lax.reduce_precision(y, exponent_bits=info.nexp, mantissa_bits=info.nmant).astype(dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("stages", "block_groups", "conversion", "sms", "interpret", "rows",
-                                             "layout", "n", "pdl"))
-def _decode_parts(x: jax.Array, q: jax.Array, st: jax.Array, bt: jax.Array | None, *, stages: int,
-                  block_groups: int, conversion: str, sms: int, interpret: bool, rows: int, layout: str, n: int,
-                  pdl: bool = False) -> jax.Array:
-    m, k = x.shape
-    xp = jnp.pad(x, ((0, rows - m), (0, 0)))
-    return _partials(xp, q, st, bt, stages=stages, block_groups=block_groups, sms=sms, interpret=interpret,
-                     conversion=conversion, layout=layout, n=n, pdl=pdl)
-
-
-@functools.partial(jax.jit, static_argnames=("stages", "block_groups", "conversion", "sms", "interpret", "rows",
-                                             "rounding", "layout", "n", "pdl"))
-def _decode(x: jax.Array, q: jax.Array, st: jax.Array, bt: jax.Array | None, *, stages: int, block_groups: int,
-            conversion: str, sms: int, interpret: bool, rows: int, rounding: str, layout: str, n: int,
-            pdl: bool = False) -> jax.Array:
-    # One program around the kernel: called eagerly, separate dispatches of the small ops around an interpreted
-    # kernel deadlocked the CPU client now and then (the interpreter's callbacks dispatch jax ops themselves).
-    parts = _decode_parts(x, q, st, bt, stages=stages, block_groups=block_groups, conversion=conversion, sms=sms,
-                          interpret=interpret, rows=rows, layout=layout, n=n, pdl=pdl)
-    return _finish(parts, _written(n, x.shape[1], block_groups, sms), x.shape[0], x.dtype, rounding)
+        return lax.optimization_barrier(y.astype(x.dtype))
+    info = jnp.finfo(x.dtype)
+    return lax.reduce_precision(y, exponent_bits=info.nexp, mantissa_bits=info.nmant).astype(x.dtype)

@@ -86,28 +86,19 @@ def l2norm_reference(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 # ------------------------------------------------------------------------------------------------ kernel
 
 
-def _norm_kernel(n_ref, *refs, kind: str, d: int, eps: float, tiles: RowTiles, io_dtype, interpret: bool = False):
+def _norm_kernel(n_ref, *refs, kind: str, d: int, eps: float, tiles: RowTiles, io_dtype):
     # n_ref [2] int32: live rows N, output rows R >= N (rows N..R-1 are written as the norm of a zero row: zeros).
     # refs: x_ref [N, D]; gate_ref [N, D] (gated); weight_ref [D] (rms, gated); o_ref [R, D].
-    # kind "residual": x_ref [N, D], parts_ref [P, D, Rp] fp32, written_ref [P, D] int32, weight_ref [D] -> o_ref
-    # [R, D], xo_ref [N, D]: first xo = x + y, y the pieces summed and rounded as the decode qmm's epilogue does,
-    # then the "rms" norm of xo, read back from xo_ref.
+    o_ref = refs[-1]
+    x_ref = refs[0]
+    gate_ref = refs[1] if kind == "gated" else None
+    weight_ref = refs[-2] if kind in ("rms", "gated") else None
     bn, c = tiles.block_rows, tiles.chunk
     row0 = pl.program_id(0) * bn
     rows = pl.ds(row0, bn)
     row = row0 + jax.lax.broadcasted_iota(jnp.int32, (bn, c), 0)
     live, written = row < n_ref[0], row < n_ref[1]
     cols = [pl.ds(j * c, c) for j in range(d // c)]
-    if kind == "residual":
-        x_ref, parts_ref, written_ref, weight_ref, o_ref, xo_ref = refs
-        _add_summed_parts(x_ref, parts_ref, written_ref, xo_ref, rows, cols, live, io_dtype)
-        if not interpret:
-            plgpu.debug_barrier()  # every thread's xo stores before any thread's loads below (one program's rows)
-        refs, kind = (xo_ref, weight_ref, o_ref), "rms"
-    o_ref = refs[-1]
-    x_ref = refs[0]
-    gate_ref = refs[1] if kind == "gated" else None
-    weight_ref = refs[-2] if kind in ("rms", "gated") else None
 
     xs = [plgpu.load(x_ref.at[rows, col], mask=live, other=0).astype(_F32) for col in cols]
     # The weight and gate chunks are read before the reduction, not after it: their loads then overlap the x loads
@@ -141,24 +132,6 @@ def _norm_kernel(n_ref, *refs, kind: str, d: int, eps: float, tiles: RowTiles, i
         plgpu.store(o_ref.at[rows, col], out.astype(o_ref.dtype), mask=written)
 
 
-def _add_summed_parts(x_ref, parts_ref, written_ref, xo_ref, rows, cols, live, io_dtype) -> None:
-    """xo = x + y for this program's rows, where y is the decode qmm's output from its fp32 pieces: the written
-    pieces (a select, never an added zero) summed in piece order, rounded to io_dtype once (round to nearest even,
-    as XLA's reduce_precision and conversion), then added to x in fp32 and rounded (as XLA's add in io_dtype).
-    The same operations in the same order as `qmm_mgpu._finish` followed by the model's residual add."""
-    live_t = live.T
-    for col in cols:
-        total = None
-        for p in range(parts_ref.shape[0]):
-            piece = jnp.asarray(p, jnp.int32)  # (an array index: the interpreter's load takes no Python int here)
-            part = plgpu.load(parts_ref.at[piece, col, rows], mask=live_t, other=0.0).T
-            sel = jnp.where((written_ref[piece, col] != 0)[None, :], part, 0.0)
-            total = sel if total is None else total + sel
-        xc = plgpu.load(x_ref.at[rows, col], mask=live, other=0).astype(_F32)
-        y = total.astype(io_dtype).astype(_F32)
-        plgpu.store(xo_ref.at[rows, col], (xc + y).astype(io_dtype), mask=live)
-
-
 def _check_tiles(tiles: RowTiles, d: int) -> None:
     for name in ("block_rows", "chunk", "num_warps"):
         v = getattr(tiles, name)
@@ -182,8 +155,7 @@ def _check_weight(weight: jax.Array, d: int) -> None:
 
 
 def _call(kind: str, x: jax.Array, gate: jax.Array | None, weight: jax.Array | None, eps: float, out_dtype,
-          tiles: RowTiles | None, interpret: bool, out_rows: int | None = None, parts=None) -> jax.Array:
-    """parts: kind "residual"'s (pieces [P, D, Rp] fp32, written [P, D] bool); it returns (o, xo)."""
+          tiles: RowTiles | None, interpret: bool, out_rows: int | None = None) -> jax.Array:
     d = x.shape[-1]
     tiles = tiles_for(d) if tiles is None else tiles
     _check_tiles(tiles, d)
@@ -197,29 +169,20 @@ def _call(kind: str, x: jax.Array, gate: jax.Array | None, weight: jax.Array | N
     elif n == 0:
         return jnp.zeros(x.shape, out_dtype)
     r = n if out_rows is None else out_rows
-    operands = [a.reshape(n, d) for a in (x, gate) if a is not None]
-    out_shape = jax.ShapeDtypeStruct((r, d), out_dtype)
-    if parts is not None:
-        operands += [parts[0], jnp.asarray(parts[1], jnp.int32)]
-        out_shape = (out_shape, jax.ShapeDtypeStruct((n, d), x.dtype))
-    operands += [] if weight is None else [weight]
+    operands = [a.reshape(n, d) for a in (x, gate) if a is not None] + ([] if weight is None else [weight])
     # A fresh partial per call: jax#40847 reuses a stale jaxpr when one kernel function meets several grids.
-    kernel = functools.partial(_norm_kernel, kind=kind, d=d, eps=float(eps), tiles=tiles, io_dtype=x.dtype,
-                               interpret=bool(interpret))
+    kernel = functools.partial(_norm_kernel, kind=kind, d=d, eps=float(eps), tiles=tiles, io_dtype=x.dtype)
     with jax.named_scope(f"rownorm_{kind}"):
         out = pallas_call(
             kernel,
             # At least two programs: the Triton lowering turns the program id of a one-program grid into the
             # constant 0, which would make a single block's kernel a different program from the others'.
             grid=(max(2, pl.cdiv(r, tiles.block_rows)),),
-            out_shape=out_shape,
+            out_shape=jax.ShapeDtypeStruct((r, d), out_dtype),
             interpret=interpret,
             compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
             name=f"rownorm_{kind}",
         )(jnp.asarray([n, r], jnp.int32), *operands)
-    if parts is not None:
-        o, xo = out
-        return (o if out_rows is not None else o.reshape(*lead, d)), xo.reshape(*lead, d)
     return out if out_rows is not None else out.reshape(*lead, d)
 
 
@@ -232,34 +195,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, tiles: RowTiles | N
     d = _row_length(x)
     _check_weight(weight, d)
     return _call("rms", x, None, weight, eps, x.dtype, tiles, interpret, out_rows)
-
-
-def add_rms_norm_parts(x: jax.Array, parts: jax.Array, written, weight: jax.Array, eps: float, *,
-                       tiles: RowTiles | None = None, interpret: bool = False, out_rows: int | None = None
-                       ) -> tuple[jax.Array, jax.Array]:
-    """A residual add and the rms norm after it, in one launch, where the added value is a decode qmm's output
-    still in pieces: x [..., D] (N rows); parts [P, D, Rp] fp32 (`qmm_mgpu.Parts.parts`, Rp >= N), written [P, D]
-    bool (`Parts.written()`) -> (x + y, rms_norm(x + y)) with y the pieces summed and rounded as
-    `qmm_mgpu.Parts.finish` does: the bits of `add_rms_norm_reference(x, finish(parts), ...)` through `rms_norm`.
-    Row invariant like rms_norm; out_rows as there (for the norm; x + y keeps x's shape)."""
-    d = _row_length(x)
-    _check_weight(weight, d)
-    n = int(np.prod(x.shape[:-1], dtype=np.int64))
-    if parts.ndim != 3 or parts.shape[1] != d or parts.shape[2] < n or parts.dtype != _F32:
-        raise ValueError(f"parts must be fp32 [P, {d}, Rp >= {n}], got {parts.dtype} {tuple(parts.shape)}")
-    if tuple(np.shape(written)) != tuple(parts.shape[:2]):
-        raise ValueError(f"written must be [P, D] = {tuple(parts.shape[:2])}, got {tuple(np.shape(written))}")
-    if n == 0:
-        raise ValueError("add_rms_norm_parts needs at least one row")
-    o, xo = _call("residual", x, None, weight, eps, x.dtype, tiles, interpret, out_rows, parts=(parts, written))
-    return xo, o
-
-
-def add_rms_norm_reference(x: jax.Array, y: jax.Array, weight: jax.Array, eps: float
-                           ) -> tuple[jax.Array, jax.Array]:
-    """(x + y, rms_norm_reference(x + y)): the residual add and the norm that reads it."""
-    x = x + y
-    return x, rms_norm_reference(x, weight, eps)
 
 
 def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float, *, tiles: RowTiles | None = None,

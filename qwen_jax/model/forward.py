@@ -121,34 +121,22 @@ def _layers(params, state: ModelState, x, cfg: TextConfig, run_gdn, run_attn, ta
     rec, conv, kv = list(state.rec), list(state.conv), list(state.kv)
     kept, tapped = [], []
     gi = ai = 0
-    layers = params["layers"]
-    eps = cfg.rms_norm_eps
-
-    def input_proj(i):
-        return layers[i]["gdn"]["in_proj"] if cfg.layer_types[i] == LAYER_GDN else layers[i]["attn"]["qkv"]
-
-    h = None
-    for i, layer in enumerate(layers):
+    for i, layer in enumerate(params["layers"]):
         with jax.named_scope(f"layer{i}"):
-            if h is None:
-                h = ops.rms_norm(backend, x, layer["input_norm"], eps, then=input_proj(i), prompt=prompt)
-            if cfg.layer_types[i] == LAYER_GDN:
+            gdn_layer = cfg.layer_types[i] == LAYER_GDN
+            proj = layer["gdn"]["in_proj"] if gdn_layer else layer["attn"]["qkv"]
+            h = ops.rms_norm(backend, x, layer["input_norm"], cfg.rms_norm_eps, then=proj, prompt=prompt)
+            if gdn_layer:
                 y, rec[gi], conv[gi], k = run_gdn(h, layer["gdn"], rec[gi], conv[gi])
                 gi += 1
             else:
                 y, kv[ai], k = run_attn(h, layer["attn"], kv[ai])
                 ai += 1
             kept.append(k)
-            # Each residual add goes with the norm that reads it (one launch where the projection left its output
-            # in the decode kernel's pieces: `ops.add_rms_norm`); the last layer's MLP add goes to the head.
-            x, h = ops.add_rms_norm(backend, x, y, layer["post_norm"], eps, then=layer["mlp"]["gate_up"],
-                                    prompt=prompt)
-            y = mlp(h, layer["mlp"], backend, prompt=prompt)
-            if i + 1 < len(layers):
-                x, h = ops.add_rms_norm(backend, x, y, layers[i + 1]["input_norm"], eps, then=input_proj(i + 1),
-                                        prompt=prompt)
-            else:
-                x = ops.add(x, y)
+            x = x + y
+            h = ops.rms_norm(backend, x, layer["post_norm"], cfg.rms_norm_eps, then=layer["mlp"]["gate_up"],
+                             prompt=prompt)
+            x = x + mlp(h, layer["mlp"], backend, prompt=prompt)
             if i in taps:
                 tapped.append(x)
     return x, ModelState(tuple(kv), tuple(rec), tuple(conv)), kept, tapped

@@ -13,7 +13,7 @@ from qwen_jax.model.ops import Backend, linear, linear_split
 def mlp(x: jax.Array, p: dict, backend: Backend, *, prompt: bool) -> jax.Array:
     gate, up = linear_split(x, p["gate_up"], backend, prompt=prompt)
     act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
-    return linear(act, p["down"], backend, prompt=prompt, defer=True)  # finished by `ops.add_rms_norm` / `ops.add`
+    return linear(act, p["down"], backend, prompt=prompt)
 
 
 def rope_angles(positions: jax.Array, cfg: TextConfig) -> jax.Array:

@@ -105,29 +105,6 @@ class Padded(typing.NamedTuple):
 
 
 PAD_AT_NORM = True  # norms feeding a decode qmm write its padded rows (`pad_rows`); False: the qmm pads them
-# A residual add and the rms norm after it in one launch where the added projection ran on the Mosaic GPU decode
-# kernel in one piece (`add_rms_norm`): the norm kernel sums the kernel's pieces itself, so the epilogue fusion
-# that summed them and added the residual (two a layer, 128 launches a 27B decode round) is gone. Same bits by
-# construction (the same operations in the same order; `tests/test_rownorm.py`), off until the H200 shows them
-# (`tests/test_rownorm.py -m gpu -k parts`, the engine gates) and the round's time (tools/gpu/run.sh
-# seventy-third).
-FUSE_RESIDUAL_NORM = False
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Deferred:
-    """A projection's output left unsummed for the norm that reads it (`linear(..., defer=True)`): the decode
-    kernel's `qmm_mgpu.Parts` for the rows `lead`. `resolve()` gives the array `linear` would have."""
-    parts: qmm_mgpu.Parts
-    lead: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (*self.lead, self.parts.n)
-
-    def resolve(self) -> jax.Array:
-        return self.parts.finish().reshape(self.shape)
 
 
 def pad_rows(backend: Backend, x, w, *, prompt: bool) -> int | None:
@@ -157,24 +134,16 @@ def linear_split(x: jax.Array, w, backend: Backend, *, prompt: bool) -> tuple[ja
                                         else (linear(x, g, backend, prompt=prompt),)))
 
 
-def linear(x: jax.Array, w, backend: Backend, *, prompt: bool, defer: bool = False):
-    """x [..., K] (or `Padded`) @ w[N, K]^T -> [..., N] in x.dtype with fp32 accumulation; w dense or packed.
-    defer: the caller adds the result to the residual and norms it (`add_rms_norm`): with FUSE_RESIDUAL_NORM on
-    and the call on the Mosaic GPU decode kernel in one piece, a `Deferred` instead of the array."""
+def linear(x: jax.Array, w, backend: Backend, *, prompt: bool) -> jax.Array:
+    """x [..., K] (or `Padded`) @ w[N, K]^T -> [..., N] in x.dtype with fp32 accumulation; w dense or packed."""
     if isinstance(x, Padded):
-        y = linear(x.rows, w, backend, prompt=prompt, defer=defer)
-        m = math.prod(x.lead)
-        if isinstance(y, Deferred):  # the padding rows are zeros; the live ones are the first m
-            return Deferred(dataclasses.replace(y.parts, m=m), x.lead)
-        return y[:m].reshape(*x.lead, y.shape[-1])
+        y = linear(x.rows, w, backend, prompt=prompt)
+        return y[:math.prod(x.lead)].reshape(*x.lead, y.shape[-1])
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if isinstance(w, QuantizedWeight):
         if backend.kernels:
-            y = qmm_k.qmm(x2, w, prompt=prompt, interpret=backend.interpret,
-                          unsummed=defer and FUSE_RESIDUAL_NORM and not prompt)
-            if isinstance(y, qmm_mgpu.Parts):
-                return Deferred(y, lead)
+            y = qmm_k.qmm(x2, w, prompt=prompt, interpret=backend.interpret)
         else:
             y = qmm_k.reference(x2, w)
     else:
@@ -244,29 +213,6 @@ def rms_norm(backend: Backend, x: jax.Array, weight: jax.Array, eps: float, *, t
     if r is not None:
         return Padded(rownorm_k.rms_norm(x, weight, eps, interpret=backend.interpret, out_rows=r), x.shape[:-1])
     return _pick(backend, rownorm_k, "rms_norm")(x, weight, eps)
-
-
-def add_rms_norm(backend: Backend, x: jax.Array, y, weight: jax.Array, eps: float, *, then=None,
-                 prompt: bool = False):
-    """(x + y, rms_norm of it): the residual add and the norm after it. y: an array, or a `Deferred` projection,
-    which the norm kernel sums, adds and norms in one launch (`rownorm.add_rms_norm_parts`, the same bits as
-    resolving it first). then, prompt: as for `rms_norm`."""
-    if not isinstance(y, Deferred):
-        x = x + y
-        return x, rms_norm(backend, x, weight, eps, then=then, prompt=prompt)
-    if y.shape != x.shape:
-        raise ValueError(f"add_rms_norm: the projection's rows {y.shape} do not match the residual's {x.shape}")
-    r = None if then is None else pad_rows(backend, x, then, prompt=prompt)
-    d = x.shape[-1]
-    x_new, h = rownorm_k.add_rms_norm_parts(x.reshape(-1, d), y.parts.parts, y.parts.written(), weight, eps,
-                                            interpret=backend.interpret, out_rows=r)
-    x_new = x_new.reshape(x.shape)
-    return x_new, (Padded(h, x.shape[:-1]) if r is not None else h.reshape(x.shape))
-
-
-def add(x: jax.Array, y) -> jax.Array:
-    """x + y, y an array or a `Deferred` projection (resolved first)."""
-    return x + (y.resolve() if isinstance(y, Deferred) else y)
 
 
 def gated_rms_norm(backend: Backend, x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float, *, then=None,

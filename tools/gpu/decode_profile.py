@@ -54,13 +54,6 @@ def run(args) -> None:
     if args.mgpu_compute_wgs:
         qmm_mgpu.COMPUTE_WGS, qmm_mgpu.CTA_N = args.mgpu_compute_wgs, qmm_mgpu.TILE_N * args.mgpu_compute_wgs
         print(f"Mosaic GPU decode kernel: {qmm_mgpu.COMPUTE_WGS} compute warpgroups")
-    if args.mgpu_pdl:
-        qmm_mgpu.PDL = True
-        print("Mosaic GPU decode kernel: programmatic dependent launch (qmm_mgpu.PDL)")
-    if args.fuse_residual_norm:
-        from qwen_jax.model import ops
-        ops.FUSE_RESIDUAL_NORM = True
-        print("residual adds fused into the norms after them (ops.FUSE_RESIDUAL_NORM)")
     if args.no_pad_at_norm:
         from qwen_jax.model import ops
         ops.PAD_AT_NORM = False
@@ -246,10 +239,6 @@ def main(argv=None) -> int:
                     help="qmm_mgpu.CONVERSION (how the kernel turns 4-bit weights into the MMA's operand)")
     ap.add_argument("--mgpu-compute-wgs", type=int, default=None,
                     help="qmm_mgpu.COMPUTE_WGS (compute warpgroups a CTA of the Mosaic GPU decode kernel)")
-    ap.add_argument("--mgpu-pdl", action="store_true",
-                    help="qmm_mgpu.PDL on: the decode kernel launched as a programmatic dependent launch")
-    ap.add_argument("--fuse-residual-norm", action="store_true",
-                    help="qwen_jax.model.ops.FUSE_RESIDUAL_NORM on: each residual add in the norm kernel after it")
     ap.add_argument("--no-pad-at-norm", action="store_true",
                     help="qwen_jax.model.ops.PAD_AT_NORM off: the decode qmm pads the norms' rows itself")
     ap.add_argument("--streams", type=int, default=1)

@@ -18,8 +18,7 @@ import time
 KNOBS = {"stages": ("pallas_kernels.qmm_mgpu", "STAGES"), "wide": ("pallas_kernels.qmm_mgpu", "WIDE_ROWS"),
          "narrow": ("pallas_kernels.qmm_mgpu", "NARROW_ROWS"), "round": ("pallas_kernels.qmm_mgpu", "ROUNDING"),
          "conv": ("pallas_kernels.qmm_mgpu", "CONVERSION"), "wgs": ("pallas_kernels.qmm_mgpu", "COMPUTE_WGS"),
-         "chunk": ("pallas_kernels.attention_window_mgpu", "CHUNK"),
-         "fuse": ("qwen_jax.model.ops", "FUSE_RESIDUAL_NORM"), "pdl": ("pallas_kernels.qmm_mgpu", "PDL")}
+         "chunk": ("pallas_kernels.attention_window_mgpu", "CHUNK")}
 
 
 def parse_variants(text: str) -> list[dict]:
@@ -44,7 +43,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (a CPU smoke run)")
     ap.add_argument("--variants", required=True,
                     help="';'-separated, each 'stages=N,wide=N,narrow=N,round=barrier|reduce_precision,"
-                         "conv=words|nibbles,wgs=N,chunk=N,fuse=0|1,pdl=0|1' (each optional)")
+                         "conv=words|nibbles,wgs=N,chunk=N' (each optional)")
     args = ap.parse_args()
     variants = parse_variants(args.variants)
     streams = tuple(int(s) for s in args.streams.split(","))
@@ -60,7 +59,7 @@ def main() -> None:
     t0 = time.perf_counter()
     params, cfg = bench.synthetic_params("27b", dtype="bfloat16", layers=args.layers)
     print(f"synthetic 27b built in {time.perf_counter() - t0:.1f} s", flush=True)
-    homes = {k: (importlib.import_module(m), a) for k, (m, a) in KNOBS.items()}
+    homes = {k: (importlib.import_module(f"pallas_kernels.{m}"), a) for k, (m, a) in KNOBS.items()}
     shipped = {k: getattr(mod, a) for k, (mod, a) in homes.items()}
     rows = []
     for v in variants:

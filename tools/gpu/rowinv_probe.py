@@ -31,11 +31,6 @@ from qwen_jax.model import gdn as gdn_mixer
 from qwen_jax.model import ops
 from qwen_jax.model.layers import mlp
 
-
-def _resolved(y):
-    """A projection's output as an array (`ops.Deferred` where FUSE_RESIDUAL_NORM left it in pieces)."""
-    return y.resolve() if isinstance(y, ops.Deferred) else y
-
 S, PAGES, PAGE = 16, 10, 16
 
 
@@ -89,7 +84,7 @@ def ops_alone(cfg, params, backend, dtype) -> None:
     lay = params["layers"]
     cases = {
         "rms_norm (model)": lambda x: ops.rms_norm(backend, x, lay[0]["input_norm"], t.rms_norm_eps),
-        "mlp": lambda x: _resolved(mlp(x, lay[0]["mlp"], backend, prompt=False)),
+        "mlp": lambda x: mlp(x, lay[0]["mlp"], backend, prompt=False),
         "lm_head": lambda x: ops.linear(x, params["embed"] if params["lm_head"] is None else params["lm_head"],
                                         backend, prompt=False),
         "log_softmax+logprobs": lambda x: sampling.logprobs(

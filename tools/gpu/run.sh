@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh seventy-sixth|seventy-fourth|seventy-third|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -56,41 +56,6 @@ case "$stage" in
       --prompt-tiles "block_v=32,num_warps=4,precision=bf16,store_dtype=bfloat16,transposed=1,fused_output=1" \
       --iters 20 > "$out/gdn_prompt.log" 2>&1
     tail -40 "$out/gdn_prompt.log" ;;
-  seventy-fourth)
-    # Prepared in session 18 (no device time left), ~9 min: the decode qmm as a programmatic dependent launch
-    # (qmm_mgpu.PDL, off): its CTAs start while the norm or fusion before them finishes and wait on the grid
-    # dependency before the first copy. Its gpu tests with PDL on (oracle, row invariance, pieces: same bits), the
-    # engine gates with it, then the one-stream round with and without it, alternated, and its trace.
-    timeout -s INT 200 python3 -c "import sys, pytest; from pallas_kernels import qmm, qmm_mgpu; \
-qmm.DECODE_IMPL = 'mgpu'; qmm_mgpu.PDL = True; sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider \
-      --tb=short tests/test_qmm_mgpu.py -k "not wide" > "$out/gpu_tests_pdl.log" 2>&1
-    timeout -s INT 200 python3 -c "import sys, pytest; from pallas_kernels import qmm_mgpu; qmm_mgpu.PDL = True; \
-sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
-      > "$out/gpu_tests_engine_pdl.log" 2>&1
-    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_*pdl.log | cut -c1-200 | tail -14
-    for f in "" --mgpu-pdl "" --mgpu-pdl; do
-      echo "== ${f:-no pdl}"
-      timeout 60 python3 tools/gpu/decode_profile.py --synthetic 27b --rounds 64 --profiled 0 $f 2>&1 | grep -E "round"
-    done
-    timeout 90 python3 tools/gpu/decode_profile.py --synthetic 27b --rounds 32 --trace /tmp/trace_p --profiled 0 \
-      --mgpu-pdl 2>&1 | grep -E "busy|kernel_mosaic" | head -4 ;;
-  seventy-third)
-    # Prepared in session 18 (no device time left), ~9 min: the residual adds fused into the norms after them
-    # (ops.FUSE_RESIDUAL_NORM, off). Its kernel's bits on the device against the epilogue + add + norm, the engine's
-    # gates with it on, then the one-stream round traced with and without it, alternated (the host's enqueue and
-    # the device's busy time: 1224 launches a round now, 128 of them the adds this removes), then the bench.
-    timeout -s INT 120 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_rownorm.py -k parts \
-      > "$out/gpu_tests_parts.log" 2>&1
-    timeout -s INT 200 python3 -c "import sys, pytest; from qwen_jax.model import ops; ops.FUSE_RESIDUAL_NORM = True; \
-sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
-      > "$out/gpu_tests_engine_fused.log" 2>&1
-    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out"/gpu_tests_*.log | cut -c1-200 | tail -14
-    for f in "" --fuse-residual-norm "" --fuse-residual-norm; do
-      echo "== ${f:-unfused}"
-      timeout 70 python3 tools/gpu/decode_profile.py --synthetic 27b --rounds 64 --profiled 0 $f 2>&1 | grep -E "round"
-    done
-    timeout 100 python3 tools/gpu/decode_profile.py --synthetic 27b --rounds 32 --trace /tmp/trace_f --profiled 0 \
-      --fuse-residual-norm 2>&1 | grep -E "busy|fusions" ;;
   seventy-second)
     # Session 18, last ~5 min: the 27B decode round at today's defaults, traced launch by launch at 1 and 16 streams
     # (1K context), with the compiled HLO and the events in order ($out/round_S.events.tsv, .hlo.txt) for the
