@@ -104,18 +104,19 @@ def _parse_prompt_tiles(spec: str):
 
 def bench_prompt(ts, fla, sweep, iters, given=None):
     """given: PromptTiles to time at every T, each with its three launches timed alone; None: the sweep at the
-    first T and the fastest of each precision at the others."""
+    first T and the fastest of each precision at the others (without the sweep: the tiles the model ships for
+    bf16 activations, `gdn.prompt_tiles`)."""
     import jax
     import jax.numpy as jnp
     from pallas_kernels import gdn
     from pallas_kernels.bench.common import time_us
 
     rows, stages = [], []
-    configs = [gdn.PromptTiles()]
+    configs = [gdn.prompt_tiles(jnp.bfloat16)]  # (the inputs below are bf16)
     if given:
         configs = list(given)
     elif sweep:
-        configs = [gdn.PromptTiles(),
+        configs = [gdn.prompt_tiles(jnp.bfloat16), gdn.PromptTiles(),
                    gdn.PromptTiles(num_stages=1),
                    gdn.PromptTiles(block_v=32, num_warps=4),
                    gdn.PromptTiles(store_dtype="bfloat16"),
@@ -556,7 +557,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--streams", default="16,4,1", help="the first, with the first --rows, runs the tile sweep")
     ap.add_argument("--rows", default="16,4,1")
     ap.add_argument("--no-fla", action="store_true")
-    ap.add_argument("--no-sweep", action="store_true", help="time only the default tiles")
+    ap.add_argument("--no-sweep", action="store_true",
+                    help="time only the shipped tiles (the prompt pass: gdn.prompt_tiles for bf16)")
     ap.add_argument("--prompt-tiles", default=None, help="PromptTiles to time at every T instead of the sweep, "
                     "';'-separated, each 'field=value,...' ('' = the defaults), e.g. ';precision=bf16,"
                     "store_dtype=bfloat16'")
