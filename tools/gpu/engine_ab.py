@@ -14,11 +14,10 @@ from __future__ import annotations
 import argparse
 import time
 
-# A variant's knob -> (the module holding it, its attribute there).
-KNOBS = {"stages": ("pallas_kernels.qmm_mgpu", "STAGES"), "wide": ("pallas_kernels.qmm_mgpu", "WIDE_ROWS"),
-         "narrow": ("pallas_kernels.qmm_mgpu", "NARROW_ROWS"), "round": ("pallas_kernels.qmm_mgpu", "ROUNDING"),
-         "conv": ("pallas_kernels.qmm_mgpu", "CONVERSION"), "wgs": ("pallas_kernels.qmm_mgpu", "COMPUTE_WGS"),
-         "chunk": ("pallas_kernels.attention_window_mgpu", "CHUNK")}
+# A variant's knob -> (the pallas_kernels module holding it, its attribute there).
+KNOBS = {"stages": ("qmm_mgpu", "STAGES"), "wide": ("qmm_mgpu", "WIDE_ROWS"), "narrow": ("qmm_mgpu", "NARROW_ROWS"),
+         "round": ("qmm_mgpu", "ROUNDING"), "conv": ("qmm_mgpu", "CONVERSION"), "wgs": ("qmm_mgpu", "COMPUTE_WGS"),
+         "chunk": ("attention_window_mgpu", "CHUNK")}
 
 
 def parse_variants(text: str) -> list[dict]:
