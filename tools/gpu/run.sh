@@ -51,7 +51,7 @@ case "$stage" in
   seventy-sixth)
     # Session 19, ~5 min: the GDN prompt pass at today's tiles beside fla's chunk_gated_delta_rule (carry .whl),
     # T = 1K/4K/16K/64K, the 27B's heads (first measured side by side in session 11).
-    # (--no-sweep alone times PromptTiles(), the tf32 tiles: the shipped bf16 ones are named here)
+    # (the shipped bf16 tiles named: before a1aeec9, --no-sweep timed PromptTiles(), the tf32 ones)
     JAX_PLATFORMS=cuda timeout 450 python3 -m pallas_kernels.bench gdn --t 4096,1024,16384,65536 --skip verify,conv,step \
       --prompt-tiles "block_v=32,num_warps=4,precision=bf16,store_dtype=bfloat16,transposed=1,fused_output=1" \
       --iters 20 > "$out/gdn_prompt.log" 2>&1
