@@ -36,7 +36,8 @@ def copy_bandwidth_tbs(nbytes: int = 2 << 30, trace_dir: str | None = None) -> f
     with trace_dir from the copy kernel's own duration in a profiler trace (`traced_us`)."""
     import jax.numpy as jnp
     n = nbytes // 4
-    xs = [jax.random.normal(jax.random.key(i), (n,), jnp.float32) for i in range(2)]
+    # two sources to alternate between for the synchronised calls; the traced copy reads one
+    xs = [jax.random.normal(jax.random.key(i), (n,), jnp.float32) for i in range(1 if trace_dir else 2)]
     copy = jax.jit(lambda x: x + 1.0)
     if trace_dir:
         us = traced_us(lambda: copy(xs[0]), trace_dir)[0]
