@@ -156,6 +156,11 @@ class WindowTiles:
     # pass and the merge are this module's
     # either way, and fp8 / fp32 pools stay on the Triton kernel. Needs tail "passes".
     impl: str = "triton"
+    # The dtype pass 1 stores a chunk's O partial in (order; its m and l stay fp32). "bfloat16": the unnormalised
+    # fp32 accumulator rounded once to bf16 (a relative error of at most 2^-9 an element, the size of the output's
+    # own rounding), half the bytes the fold pass or the merge reads back; the fold and merge widen it to fp32.
+    # Only the Mosaic GPU pass 1 stores bf16; the Triton pass 1 takes "float32" only.
+    partials: str = "float32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -447,7 +452,8 @@ def _fold_in_order(l_ref, acc_ref, m_ref, *, first, count: int, n_live, real, m_
             live = c < n_live
             ok = real & live
             l_c = plgpu.load(l_ref.at[c], mask=ok, other=0.0)
-            acc_c = plgpu.load(acc_ref.at[c], mask=ok[:, None], other=0.0)
+            # (bf16 partials, `WindowTiles.partials`, widen exactly to fp32 before any arithmetic)
+            acc_c = plgpu.load(acc_ref.at[c], mask=ok[:, None], other=0.0).astype(jnp.float32)
             if m_ref is not None:
                 w = jnp.exp(plgpu.load(m_ref.at[c], mask=ok, other=-jnp.inf) - m_base)
                 l_c, acc_c = w * l_c, w[:, None] * acc_c
@@ -714,7 +720,7 @@ def model_window_tiles(q_dtype, pool: KVPool, num_heads: int, *, max_keys: int, 
     if impl != "mgpu":
         return dataclasses.replace(tiles, impl=impl)
     from pallas_kernels import attention_window_mgpu as awm
-    return dataclasses.replace(tiles, impl=impl, chunk=awm.CHUNK)
+    return dataclasses.replace(tiles, impl=impl, chunk=awm.CHUNK, partials=awm.PARTIALS)
 
 
 def _mgpu_pass_one(q: jax.Array, pool: KVPool, tiles: WindowTiles, interpret) -> bool:
@@ -747,7 +753,8 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
     stream's context and of padding rows are left unwritten. tiles.impl "mgpu" runs it on Mosaic GPU for bf16 calls
     (`attention_window_mgpu`, which writes some padding rows too).
 
-    q [S, R, Hq, D]; page_table [S, Pmax]; cache_len [S] -> m, l [S, Hkv, NC, M] and acc [S, Hkv, NC, M, D] fp32,
+    q [S, R, Hq, D]; page_table [S, Pmax]; cache_len [S] -> m, l [S, Hkv, NC, M] fp32 and acc [S, Hkv, NC, M, D]
+    (fp32, or bf16 from the Mosaic GPU pass 1 with tiles.partials "bfloat16"),
     NC = the chunk count over the table rounded up to a power of two (and to pad_chunks_to), M packed rows
     """
     s, r, hq, d = q.shape
@@ -762,6 +769,7 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
                                         tiles=awm.WindowMgpuTiles(stages=tiles.num_stages,
                                                                   split_rows=_split_rows(tiles, one, s, hkv),
                                                                   ping_pong=awm.PING_PONG),
+                                        partials=tiles.partials,
                                         interpret=interpret)
 
     with jax.named_scope("attn_window_chunks"):
@@ -1000,6 +1008,11 @@ def _check_window(q, k_win, v_win, parents, pool: KVPool, page_table, cache_len,
         raise ValueError(f"WindowTiles.fp8_dot must be 'bfloat16' or 'float16'; got {tiles.fp8_dot!r}")
     if tiles.impl not in ("triton", "mgpu"):
         raise ValueError(f"WindowTiles.impl must be 'triton' or 'mgpu'; got {tiles.impl!r}")
+    if tiles.partials not in ("float32", "bfloat16"):
+        raise ValueError(f"WindowTiles.partials must be 'float32' or 'bfloat16'; got {tiles.partials!r}")
+    if tiles.partials != "float32" and tiles.impl != "mgpu":
+        raise ValueError(f"WindowTiles.partials={tiles.partials!r} needs impl='mgpu' (the Triton pass 1 stores "
+                         "fp32 partials)")
     if tiles.impl == "mgpu" and tiles.tail != "passes":
         raise ValueError(f"WindowTiles.impl='mgpu' needs tail='passes'; got tail={tiles.tail!r}")
     if tiles.tail not in ("passes", "tickets"):

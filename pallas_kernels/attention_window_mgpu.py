@@ -116,12 +116,14 @@ def pack_queries(q: jax.Array, hkv: int) -> jax.Array:
 
 def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: jax.Array, v: jax.Array, *,
                  scale: float, chunk: int, n_chunks: int, nc_pad: int, real_rows: int, mrows: int, max_keys: int,
-                 stages: int, parts: int, ping_pong: bool, interpret: bool | plgpu.InterpretGPUParams
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 stages: int, parts: int, ping_pong: bool, partials: str = "float32",
+                 interpret: bool | plgpu.InterpretGPUParams = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """qp [S, Hkv, W 64, D] bf16 (`pack_queries`: real_rows = R G of them real); k, v [Hkv, P, page, D] bf16;
     page_table [S, Pmax'] int32 covering n_chunks chunks; cache_len [S] int32 -> m, l [S, Hkv, nc_pad, mrows], acc
-    [S, Hkv, nc_pad, mrows, D] fp32 (rows past R G rounded up to 8 unwritten). Grid (chunk x part, KV head,
-    stream): parts 1, a CTA runs all W warpgroups' rows; parts W, a CTA runs warpgroup `part`'s 64 rows."""
+    [S, Hkv, nc_pad, mrows, D] in `partials` (fp32 or bf16; rows past R G rounded up to 8 unwritten). Grid (chunk x
+    part, KV head, stream): parts 1, a CTA runs all W warpgroups' rows; parts W, a CTA runs warpgroup `part`'s 64
+    rows."""
+    bf16_out = partials == "bfloat16"
     s_count, hkv, qrows, d = qp.shape
     assert parts in (1, qrows // WG_ROWS), (parts, qrows)
     wgs = qrows // WG_ROWS // parts  # compute warpgroups a CTA
@@ -157,8 +159,15 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
         n_blocks = lax.clamp(0, _div(lax.max(n_keys - first, 0) + bk - 1, bk), per_chunk)
 
         def store(rows: int):
-            # The CTA's first `rows` rows of partials, one TMA each for O, m and l (one warpgroup issues them).
-            plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, rows)], acc_gmem.at[s, g, c, pl.ds(row0, rows)])
+            # The CTA's first `rows` rows of partials, one TMA each for O (bf16: one a warpgroup's tile it touches),
+            # m and l (one warpgroup issues them).
+            if bf16_out:
+                for w in range(-(-rows // WG_ROWS)):
+                    n = min(WG_ROWS, rows - w * WG_ROWS)
+                    plgpu.copy_smem_to_gmem(q_smem.at[w, pl.ds(0, n)],
+                                            acc_gmem.at[s, g, c, pl.ds(row0 + w * WG_ROWS, n)])
+            else:
+                plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, rows)], acc_gmem.at[s, g, c, pl.ds(row0, rows)])
             plgpu.copy_smem_to_gmem(ml_smem.at[0, pl.ds(0, rows)], m_gmem.at[s, g, c, pl.ds(row0, rows)])
             plgpu.copy_smem_to_gmem(ml_smem.at[1, pl.ds(0, rows)], l_gmem.at[s, g, c, pl.ds(row0, rows)])
             plgpu.wait_smem_to_gmem(0)
@@ -221,7 +230,10 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                 plgpu.barrier_arrive(drained)
                 plgpu.barrier_wait(drained)
             mine = pl.ds(wg * WG_ROWS, WG_ROWS)
-            out_smem[mine] = acc
+            if bf16_out:
+                qt[...] = acc.astype(jnp.bfloat16)  # over the warpgroup's queries: its last S = Q K^T has been read
+            else:
+                out_smem[mine] = acc
             ml_smem[0, mine] = m * _LN2  # natural-log units, as the merge weighs partials
             ml_smem[1, mine] = l
             plgpu.commit_smem()
@@ -281,7 +293,7 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
         kernel,
         out_type=(jax.ShapeDtypeStruct((s_count, hkv, nc_pad, mrows), f32),
                   jax.ShapeDtypeStruct((s_count, hkv, nc_pad, mrows), f32),
-                  jax.ShapeDtypeStruct((s_count, hkv, nc_pad, mrows, d), f32)),
+                  jax.ShapeDtypeStruct((s_count, hkv, nc_pad, mrows, d), jnp.dtype(partials))),
         grid=(n_chunks * parts, hkv, s_count), grid_names=("chunks", "heads", "streams"),
         num_threads=wgs + 1, thread_name="wg", kernel_name="attn_window_chunks_mgpu",
         scratch_types=(*smem,
@@ -302,9 +314,9 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
 # Lowered once a process per shapes and static parameters (`mgpu_lowering`): 16 attention layers a decode program.
 _PARTIALS = CachedKernel(
     "attn_window_mgpu_partials", _kernel_call,
-    lambda _, __, qp, *___, nc_pad, mrows, **____: [jax.core.ShapedArray((*qp.shape[:2], nc_pad, mrows),
-                                                                        jnp.float32)] * 2
-    + [jax.core.ShapedArray((*qp.shape[:2], nc_pad, mrows, qp.shape[3]), jnp.float32)])
+    lambda _, __, qp, *___, nc_pad, mrows, partials="float32", **____: [
+        jax.core.ShapedArray((*qp.shape[:2], nc_pad, mrows), jnp.float32)] * 2
+    + [jax.core.ShapedArray((*qp.shape[:2], nc_pad, mrows, qp.shape[3]), jnp.dtype(partials))])
 
 MAX_WINDOW_ROWS = 16  # as attention.window
 # Committed keys a CTA's partial covers (order) in a model's window calls (`attention.model_window_tiles`): the
@@ -325,6 +337,9 @@ SPLIT_MAX_CTAS = 64
 # window_mgpu_variants timed it within 1 % of the shipped schedule in 13 of 15 windows (2048-key chunks at 32K:
 # 66.9 against 68.5 µs; 1024 at 16 streams: 688 against 681).
 PING_PONG = False
+# The dtype of the O partials in a model's window calls (`attention.WindowTiles.partials`, order). Set by
+# measurement below; "float32" until then.
+PARTIALS = "float32"
 
 
 def unsupported(q_dtype, pool: KVPool, group: int, *, chunk: int, stages: int | None = None,
@@ -354,13 +369,13 @@ def unsupported(q_dtype, pool: KVPool, group: int, *, chunk: int, stages: int | 
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "chunk", "n_chunks", "nc_pad", "max_keys", "tiles",
-                                             "interpret"))
+                                             "partials", "interpret"))
 def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len: jax.Array, *, scale: float,
                          chunk: int, n_chunks: int, nc_pad: int, max_keys: int, tiles: WindowMgpuTiles,
-                         interpret: bool | plgpu.InterpretGPUParams = False):
+                         partials: str = "float32", interpret: bool | plgpu.InterpretGPUParams = False):
     """`attention.window_partials` on Mosaic GPU (the caller checked the model with `unsupported`): q [S, R, Hq, D]
-    bf16; page_table [S, Pmax'] covering n_chunks chunks of `chunk` keys; cache_len [S] -> m, l [S, Hkv, nc_pad, M],
-    acc [S, Hkv, nc_pad, M, D] fp32, M = attention._padded_rows(R G)."""
+    bf16; page_table [S, Pmax'] covering n_chunks chunks of `chunk` keys; cache_len [S] -> m, l [S, Hkv, nc_pad, M]
+    fp32, acc [S, Hkv, nc_pad, M, D] in `partials` ("float32" or "bfloat16"), M = attention._padded_rows(R G)."""
     _, r, hq, _ = q.shape
     hkv = pool.k.shape[0]
     qp = pack_queries(q, hkv)
@@ -369,7 +384,8 @@ def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cach
     parts = warpgroups if tiles.split_rows else 1
     static = dict(scale=scale, chunk=chunk, n_chunks=n_chunks, nc_pad=nc_pad, real_rows=r * (hq // hkv),
                   mrows=_padded_rows(r * (hq // hkv)), max_keys=max_keys,
-                  stages=stages_for(tiles, warpgroups // parts), parts=parts, ping_pong=tiles.ping_pong)
+                  stages=stages_for(tiles, warpgroups // parts), parts=parts, ping_pong=tiles.ping_pong,
+                  partials=partials)
     with jax.named_scope("attn_window_chunks_mgpu"):
         if interpret:
             return _kernel_call(*operands, interpret=interpret, **static)

@@ -28,8 +28,8 @@ pytestmark = pytest.mark.timeout(600)
 SMALL = dict(hq=4, hkv=2, d=64, page_size=16)
 # No context yet, inside the first block, exactly one chunk, three chunks ending mid-page; trees and chains.
 CASE = dict(s=4, pmax=20, num_pages=90, cache_lens=[0, 37, 128, 300], parents=[TREE, CHAIN, TREE, CHAIN], **SMALL)
-# 128-key chunks of two 64-key blocks; fold 2: the 3-chunk stream goes through the fold pass.
-TILES = at.WindowTiles(chunk=128, fold=2, impl="mgpu")
+# 128-key chunks of two 64-key blocks; fold 2: the 3-chunk stream goes through the fold pass; the shipped partials.
+TILES = at.WindowTiles(chunk=128, fold=2, impl="mgpu", partials=awm.PARTIALS)
 SCALE = SMALL["d"] ** -0.5
 
 
@@ -62,6 +62,31 @@ def test_matches_reference_and_float64():
     assert rel_err(got, np.asarray(ref.astype(jnp.float32), np.float64)) < 1e-2
     triton = run(*case, tiles=dataclasses.replace(TILES, impl="triton", block_k=16))
     assert rel_err(triton, want) < 1e-2
+
+
+def test_bf16_partials_are_the_fp32_partials_rounded_once():
+    """WindowTiles.partials "bfloat16": each stored O partial is the fp32 one rounded to bf16 (the same sums, one
+    rounding), m and l are the fp32 run's bits, and the window stays right against float64 (one and two compute
+    warpgroups, the fold pass included)."""
+    rng = np.random.default_rng(66)
+    t16 = dataclasses.replace(TILES, partials="bfloat16")
+    t32 = dataclasses.replace(TILES, partials="float32")
+    two = dict(hq=16, s=2, cache_lens=[300, 70], parents=[TREE + [6, 7], list(range(-1, 8))])
+    for r, heads in ((7, {}), (9, two)):  # 28 packed rows; 72 (two compute warpgroups)
+        case = window_case(rng, r=r, dtype=jnp.bfloat16, **dict(CASE, **heads))
+        q, kw, vw, par, pool, table, cache_len = case
+        rows = r * (heads.get("hq", SMALL["hq"]) // SMALL["hkv"])
+        (m32, l32, a32), (m16, l16, a16) = partials(q, pool, table, cache_len, tiles=t32), partials(
+            q, pool, table, cache_len, tiles=t16)
+        assert a32.dtype == jnp.float32 and a16.dtype == jnp.bfloat16
+        for got, want in ((m16, m32), (l16, l32), (a16, a32.astype(jnp.bfloat16))):
+            for a, b in zip(_live_rows(got, cache_len, 128, rows), _live_rows(want, cache_len, 128, rows)):
+                assert np.array_equal(bits(a), bits(b)), r
+        assert rel_err(run(*case, tiles=t16), np_window(*case, SCALE)) < 1e-2
+    with pytest.raises(ValueError, match="partials"):
+        run(*case, tiles=dataclasses.replace(t16, impl="triton"))
+    with pytest.raises(ValueError, match="partials"):
+        run(*case, tiles=dataclasses.replace(t16, partials="float16"))
 
 
 def test_row_bits_ignore_window_streams_table_width_and_stages():
@@ -98,19 +123,19 @@ def test_two_compute_warpgroups_give_a_row_the_bits_of_one(monkeypatch):
         m1, l1, acc1 = partials(q[:, r:r + 1], pool, table, cache_len)
         for nine, one in ((m9, m1), (l9, l1), (acc9, acc1)):
             for a, b in zip(_live_rows(nine[:, :, :, 8 * r:], cache_len, 128, 8), _live_rows(one, cache_len, 128, 8)):
-                assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), r
+                assert np.array_equal(bits(a), bits(b)), r
     # Each warpgroup's rows in a CTA of its own (row_block 64, a launch choice): every written row the same bits.
     split = partials(q, pool, table, cache_len, tiles=dataclasses.replace(TILES, row_block=64))
     for got, want in zip(split, (m9, l9, acc9)):
         for a, b in zip(_live_rows(got, cache_len, 128, 72), _live_rows(want, cache_len, 128, 72)):
-            assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+            assert np.array_equal(bits(a), bits(b))
     # The two warpgroups taking turns (ping-pong, a launch choice): the same bits.
     monkeypatch.setattr(awm, "PING_PONG", True)
     turns = jax.jit(at.window_partials, static_argnames=("scale", "tiles", "interpret"))(
         q, pool, table, cache_len, scale=SCALE, tiles=TILES, interpret=True)
     for got, want in zip(turns, (m9, l9, acc9)):
         for a, b in zip(_live_rows(got, cache_len, 128, 72), _live_rows(want, cache_len, 128, 72)):
-            assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+            assert np.array_equal(bits(a), bits(b))
 
 
 def test_pipeline_has_no_races(monkeypatch):
@@ -131,7 +156,7 @@ def test_pipeline_has_no_races(monkeypatch):
     m_want, l_want, acc_want = partials(q, pool, table, cache_len)
     for got, want in ((m, m_want), (l, l_want), (acc, acc_want)):
         for a, b in zip(_live_rows(got, cache_len, 128, 6), _live_rows(want, cache_len, 128, 6)):
-            assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+            assert np.array_equal(bits(a), bits(b))
 
 
 def test_poison_outside_the_tables_never_leaks():
@@ -238,14 +263,16 @@ def test_lowers_for_sm90_at_27b_shape(rows, stages, h200_lowering):
     assert _mosaic_calls_at_27b(rows, num_stages=stages) == 1
 
 
-@pytest.mark.parametrize("variant", ["split", "ping_pong", "chunk 2048"])
+@pytest.mark.parametrize("variant", ["split", "ping_pong", "chunk 2048", "fp32 partials", "bf16 partials",
+                                     "bf16 partials split", "bf16 partials 1 row"])
 def test_variants_lower_for_sm90_at_27b_shape(variant, h200_lowering, monkeypatch):
-    """The 16-row window's launch variants (a CTA a warpgroup, two warpgroups taking turns) and a 2048-key chunk
-    lower for sm_90 at the 27B shape."""
+    """The 16-row window's launch variants (a CTA a warpgroup, two warpgroups taking turns), a 2048-key chunk and
+    either partials dtype lower for sm_90 at the 27B shape."""
     monkeypatch.setattr(awm, "PING_PONG", variant == "ping_pong")
     monkeypatch.setattr(awm._PARTIALS, "lowered", {})
-    assert _mosaic_calls_at_27b(16, row_block=64 if variant == "split" else None,
-                                chunk=2048 if variant == "chunk 2048" else awm.CHUNK) == 1
+    partials = {"fp32 partials": "float32"}.get(variant, "bfloat16" if "bf16" in variant else awm.PARTIALS)
+    assert _mosaic_calls_at_27b(1 if "1 row" in variant else 16, row_block=64 if "split" in variant else None,
+                                chunk=2048 if variant == "chunk 2048" else awm.CHUNK, partials=partials) == 1
 
 
 def _gpu_case(rng, rows, cache_lens, pmax):
@@ -282,6 +309,27 @@ def test_gpu_27b_windows(monkeypatch):
     turns = jax.jit(at.window, static_argnames=("scale", "interpret", "tiles"))(
         *case, scale=SCALE, interpret=False, tiles=shipped)
     assert np.array_equal(bits(turns), bits(got))
+
+
+@GPU
+def test_gpu_27b_bf16_partials_are_the_fp32_ones_rounded():
+    """On the H200 at the 27B shape: bf16 O partials are the fp32 partials rounded once (1-row and 16-row windows,
+    both warpgroups in one CTA and a CTA a warpgroup), m and l the same bits, the window right against float64."""
+    rng = np.random.default_rng(72)
+    case = _gpu_case(rng, 16, [5000, 1111, 64], 80)
+    q, kw, vw, par, pool, table, cache_len = case
+    base = dataclasses.replace(at.model_window_tiles(jnp.bfloat16, pool, 24, max_keys=80 * 64, interpret=False),
+                               impl="mgpu")
+    for rows, rb in ((1, None), (16, 64), (16, 128)):
+        t32, t16 = (dataclasses.replace(base, partials=p, row_block=rb) for p in ("float32", "bfloat16"))
+        (m32, l32, a32), (m16, l16, a16) = (partials(q[:, :rows], pool, table, cache_len, tiles=t, interpret=False)
+                                            for t in (t32, t16))
+        for got, want in ((m16, m32), (l16, l32), (a16, a32.astype(jnp.bfloat16))):
+            for a, b in zip(_live_rows(got, cache_len, base.chunk, rows * 6),
+                            _live_rows(want, cache_len, base.chunk, rows * 6)):
+                assert np.array_equal(bits(a), bits(b)), (rows, rb)
+    got = run(*case, tiles=dataclasses.replace(base, partials="bfloat16"), interpret=False)
+    assert rel_err(got, np_window(*case, SCALE)) < 1e-2
 
 
 @GPU

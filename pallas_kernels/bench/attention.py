@@ -409,6 +409,30 @@ def summarize_merge_variants(env: Env) -> None:
     print(table(heads, body))
 
 
+PARTIALS_DTYPES = ("float32", "bfloat16")  # `WindowTiles.partials` timed by window_partials
+
+
+def summarize_window_partials(env: Env, bw: float | None) -> None:
+    if not (got := _tagged(env, "wpd ")):
+        return
+    key, us, how = got
+    print(f"\n### window_partials: bf16 pool, Mosaic GPU pass 1, µs {how} by the O partials' dtype; 16-row / 1-row "
+          f"target <= 1.3; copy {bw or math.nan:.2f} TB/s; by kernel: pass 1 / fold / merge")
+    body = []
+    for streams, ctx in dict.fromkeys(k[1:3] for k in us):
+        cells = [streams, ctx]
+        for dtype in PARTIALS_DTYPES:
+            one, r16 = us.get((f"wpd {dtype}", streams, ctx, 1)), us.get((f"wpd {dtype}", streams, ctx, 16))
+            cells += [one[key] if one else math.nan, _pct_copy(ctx, streams, one[key], bw) if one else math.nan,
+                      _by_kernel(one) if one else "", r16[key] if r16 else math.nan,
+                      r16[key] / one[key] if one and r16 else math.nan, _by_kernel(r16) if r16 else ""]
+        body.append(cells)
+    heads = ["streams", "context"]
+    for dtype in PARTIALS_DTYPES:
+        heads += [f"{dtype} 1-row", "% copy", "by kernel", "16-row", "ratio", "by kernel"]
+    print(table(heads, body))
+
+
 def summarize_window_mgpu(env: Env, bw: float | None) -> None:
     rows = [r for r in env.results if r.get("tag", "").startswith("window_mgpu")]
     if not rows:
@@ -683,6 +707,7 @@ def main(argv: list[str]) -> int:
                          "window_mgpu (the Mosaic GPU window pass 1 vs the Triton one), "
                          "window_mgpu_variants (its chunks, row split and ping-pong), "
                          "merge_variants (the tail's launch choices for 16-row windows), "
+                         "window_partials (fp32 against bf16 O partials, 1- and 16-row windows), "
                          "tune (sweep tiles/page sizes first, then use the winners), decode, prompt, window, window16, write, "
                          "xla (plain-XLA reference rows)")
     ap.add_argument("--json", default=None, help="write every measured row here")
@@ -699,7 +724,7 @@ def main(argv: list[str]) -> int:
     sections = args.sections.split(",")
     if args.smoke:
         # (head dim 64 where the Mosaic GPU kernels run: their least)
-        HQ, HKV, D = 4, 2, 64 if any(s.startswith(("prompt_mgpu", "window_mgpu")) for s in sections) else 32
+        HQ, HKV, D = 4, 2, 64 if any(s.startswith(("prompt_mgpu", "window_mgpu", "window_partials")) for s in sections) else 32
         SCALE = D ** -0.5
     env = Env(interpret=args.smoke, page_size=8 if args.smoke else args.page_size, reps=2 if args.smoke else 8,
               results=[], trace=args.trace)
@@ -814,6 +839,21 @@ def main(argv: list[str]) -> int:
                                  impls=("kernel",), tag=f"wmv {chunk}{variant}")
                 finally:
                     awm.PING_PONG = False
+    if "window_partials" in sections:
+        # The O partials' dtype (`WindowTiles.partials`, order: fp32, or the same sums rounded once to bf16, half
+        # the bytes the fold pass and merge read back) on the shipped Mosaic GPU pass 1, bf16 pool, 1- and 16-row
+        # windows; the two windows that missed 1.3x with fp32 partials (session 17) first.
+        print("== window_partials: the O partials' dtype, 1- and 16-row bf16 windows", flush=True)
+        many = 16 if gpu else 2
+        cases = dict.fromkeys(((1, contexts[-1]), (many, contexts[0]), (1, contexts[0]), (1, contexts[1]),
+                               (many, contexts[1])))
+        for streams, ctx in cases:
+            for dtype in PARTIALS_DTYPES:
+                for rows in (1, 16):
+                    base = decode_for(False) if rows == 1 else window_for(False)
+                    bench_window(env, streams=streams, rows=rows, context=ctx, fp8=False,
+                                 tiles=dataclasses.replace(base, impl="mgpu", partials=dtype), impls=("kernel",),
+                                 tag=f"wpd {dtype}")
     if "merge_variants" in sections:
         # The tail's launch choices (MERGE_VARIANTS: same bits) for 16-row bf16 windows on the shipped pass 1, at
         # the two windows the 16-row target is missed on; the 1-row window beside each.
@@ -843,6 +883,7 @@ def main(argv: list[str]) -> int:
     summarize_prompt_mgpu(env)
     summarize_window_mgpu(env, bw)
     summarize_window_mgpu_variants(env, bw)
+    summarize_window_partials(env, bw)
     summarize_merge_variants(env)
     return 0
 
