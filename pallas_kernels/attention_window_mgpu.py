@@ -11,9 +11,10 @@ chunk's pages through the page table, one 64-key block a step, K and V by TMA in
 barriers of their own. Per block a compute warpgroup runs S = Q K^T into a fresh fp32 accumulator, the online
 softmax in fp32 registers (exp2 of logits scaled by scale log2 e), P rounded to bf16 as the register A operand of
 P V, accumulated into the running fp32 O. At the chunk's end each warpgroup writes its rows' partial (m, l, O, O
-relative to m) over the K/V slots it no longer reads, and one warpgroup stores the CTA's real rows rounded up to 8
-(96 of a 16-row window's 128); `attention.window`'s fold pass and merge then combine the partials in chunk order
-and add the window's own keys, as for the Triton pass 1.
+relative to m) over the K/V slots it no longer reads (with bf16 partials, `PARTIALS`, O rounded once to bf16 over
+the warpgroup's query tile instead), and one warpgroup stores the CTA's real rows rounded up to 8 (96 of a 16-row
+window's 128); `attention.window`'s fold pass and merge then combine the partials in chunk order and add the
+window's own keys, as for the Triton pass 1.
 
 Launch choices (`WindowMgpuTiles`, none changes a row's bits): `split_rows` runs a two-warpgroup window's halves in
 CTAs of their own, side by side in the grid (twice the CTAs where few chunks are live; the second read of a chunk's
@@ -25,7 +26,8 @@ A chunk's keys split over a cluster of CTAs that fold their partials through dis
 (session 17, 8343094) gave the right bits on the H200 and was slower everywhere (16-row windows 1.7-2.3x the
 1-row time against 1.19-1.34x); it was removed (docs/kernels/attention.md, run 12).
 
-Output contract (that of `attention.window_partials`): m, l [S, Hkv, NC, M] and acc [S, Hkv, NC, M, D] fp32, m in
+Output contract (that of `attention.window_partials`): m, l [S, Hkv, NC, M] fp32 and acc [S, Hkv, NC, M, D] fp32
+or bf16 (`partials`), m in
 natural-log units (the partial is exp(s scale - m) summed), for the chunks below each stream's context; other
 chunks are left unwritten, and so are rows past R G rounded up to 8 (rows written past R G hold the padding rows'
 values; the merge reads only real rows).
@@ -337,9 +339,12 @@ SPLIT_MAX_CTAS = 64
 # window_mgpu_variants timed it within 1 % of the shipped schedule in 13 of 15 windows (2048-key chunks at 32K:
 # 66.9 against 68.5 µs; 1024 at 16 streams: 688 against 681).
 PING_PONG = False
-# The dtype of the O partials in a model's window calls (`attention.WindowTiles.partials`, order). Set by
-# measurement below; "float32" until then.
-PARTIALS = "float32"
+# The dtype of the O partials in a model's window calls (`attention.WindowTiles.partials`, order): bf16, the fp32
+# sums rounded once, half the bytes pass 1 writes and the fold pass or merge reads back. Session 20
+# (`bench attention --sections window_partials --trace`, kernels alone, fp32 -> bf16 partials): the 16-row window
+# 189.8 -> 174.5 µs at 1 stream and 128K keys (1.31x -> 1.22x the 1-row time), 101.2 -> 93.7 at 16 streams and 4K
+# (1.33x -> 1.25x), 680.8 -> 626.6 at 16 streams and 32K; 1-row decodes level (145.0 / 142.5 at 128K).
+PARTIALS = "bfloat16"
 
 
 def unsupported(q_dtype, pool: KVPool, group: int, *, chunk: int, stages: int | None = None,

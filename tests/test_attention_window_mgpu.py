@@ -202,10 +202,11 @@ def test_window_impl_follows_the_model_not_the_call(monkeypatch):
     assert at.window_impl(jnp.bfloat16, bf16, 24, shipped, interpret=True) == "triton"
     assert at.window_impl(jnp.bfloat16, fp8, 24, shipped, interpret=False) == "triton"
     assert at.window_impl(jnp.bfloat16, bf16, 64, shipped, interpret=False) == "triton"  # 16 heads a KV head
-    # A model's tiles: the Mosaic GPU pass 1 at its own chunk; the Triton one at window_tiles' chunk.
+    # A model's tiles: the Mosaic GPU pass 1 at its own chunk and partials; the Triton one at window_tiles' chunk
+    # (fp32 partials).
     monkeypatch.setattr(awm, "CHUNK", 2048)
     assert at.model_window_tiles(jnp.bfloat16, bf16, 24, max_keys=600 * 64, interpret=False) == dataclasses.replace(
-        shipped, impl="mgpu", chunk=2048)
+        shipped, impl="mgpu", chunk=2048, partials=awm.PARTIALS)
     assert at.model_window_tiles(jnp.bfloat16, fp8, 24, max_keys=600 * 64, interpret=False) == dataclasses.replace(
         at.window_tiles(page_size=64, max_keys=600 * 64, head_dim=256, fp8=True), impl="triton")
     monkeypatch.setattr(at, "WINDOW_IMPL", "triton")

@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -48,6 +48,18 @@ profile_by() {
 }
 
 case "$stage" in
+  seventy-eighth)
+    # Session 20, ~9 min: bf16 partials shipped (awm.PARTIALS): the attention and window gpu tests, the engine's
+    # gates, then issue #5's decode and window tables at the shipped tiles, kernels alone, beside cuDNN and the
+    # plain-XLA reference.
+    timeout -s INT 170 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_attention_window_mgpu.py \
+      tests/test_attention.py tests/test_kv_quant.py > "$out/gpu_tests_attention.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_attention.log" | cut -c1-200 | tail -6
+    timeout -s INT 150 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
+      > "$out/gpu_tests_engine.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_engine.log" | cut -c1-160 | tail -8
+    timeout 250 python3 -m pallas_kernels.bench attention --sections decode,window,xla --budget-s 230 --trace /tmp/atrace \
+      --json "$out/attention_shipped.json" 2>&1 | tee "$out/attention_shipped.log" | sed -n '/^### /,$p' | head -60 ;;
   seventy-seventh)
     # Session 20, ~7 min: the window's O partials in bf16 (WindowTiles.partials): its gpu tests (bf16 partials are
     # the fp32 ones rounded, at the 27B shape) and the shipped window tests, then fp32 against bf16 partials at
