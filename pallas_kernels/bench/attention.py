@@ -96,12 +96,14 @@ def amortised_us(env: Env, step, fixed: tuple, varying: list[tuple], *, slow: bo
     return us / reps
 
 
-def alone_us(env: Env, step, fixed: tuple, varying: list[tuple], prefix: str) -> tuple[float, dict[str, float]]:
+def alone_us(env: Env, step, fixed: tuple, varying: list[tuple], prefix: str, whole: dict | None = None
+             ) -> tuple[float, dict[str, float]]:
     """µs per call of `step`'s own kernels (device events named `prefix`...), summed from a jax.profiler trace of
     one `_chain` under env.trace: the kernels alone, without the launch gaps a chain's µs include (NaN when the
-    trace has no device events); and the same by kernel name (a name's trailing numbers dropped)."""
+    trace has no device events); and the same by kernel name (a name's trailing numbers dropped). whole: as
+    `traced_us`'s (every device event of a call, and its span with the gaps)."""
     chain = _chain(step, env.reps)
-    return traced_us(lambda: chain(fixed, varying), env.trace, per=env.reps, prefix=prefix)
+    return traced_us(lambda: chain(fixed, varying), env.trace, per=env.reps, prefix=prefix, whole=whole)
 
 
 def record(env: Env, **row) -> None:
@@ -187,7 +189,9 @@ def bench_window(env: Env, *, streams: int, rows: int, context: int, fp8: bool, 
         out[impl] = us
         extra = {}
         if env.trace and impl == "kernel":
-            extra["alone_us"], by_name = alone_us(env, step, (pool,), varying, "attn_")
+            whole = {}
+            extra["alone_us"], by_name = alone_us(env, step, (pool,), varying, "attn_", whole)
+            extra.update({f"traced_{k}": v for k, v in whole.items()})  # every kernel of a call; with its gaps
             extra.update({f"alone_{name.removeprefix('attn_window_')}": us for name, us in sorted(by_name.items())})
         record(env, section="window" if rows > 1 else "decode", tag=tag, impl=impl, kv="fp8" if fp8 else "bf16",
                streams=streams, rows=rows, context=context, page=page_size or env.page_size,

@@ -69,19 +69,26 @@ def device_events(trace_dir: str) -> list[dict] | None:
     return [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e]
 
 
-def traced_us(run: Callable[[], object], trace_dir: str, *, per: int = 1, prefix: str = ""
-              ) -> tuple[float, dict[str, float]]:
+def traced_us(run: Callable[[], object], trace_dir: str, *, per: int = 1, prefix: str = "",
+              whole: dict | None = None) -> tuple[float, dict[str, float]]:
     """The device's busy µs of one `run()` (its device events whose names start with `prefix`, summed from a
     jax.profiler trace under trace_dir: the kernels alone, no launch gaps), divided by `per` (the calls a run
     makes); and the same by kernel name (trailing numbers dropped). NaN and {} when the trace has no device events.
-    run() is called once untraced first (compilation and warm-up stay out of the trace)."""
+    run() is called once untraced first (compilation and warm-up stay out of the trace). whole: a dict given gets
+    "busy_us" (every device event of the run, whatever its name) and "span_us" (first start to last end, gaps
+    included), each divided by `per`."""
     jax.block_until_ready(run())
     os.makedirs(trace_dir, exist_ok=True)
     where = tempfile.mkdtemp(dir=trace_dir)
     with jax.profiler.trace(where, create_perfetto_trace=True):
         jax.block_until_ready(run())
-    events = [e for e in device_events(where) or [] if e["name"].startswith(prefix)]
+    every = device_events(where) or []
+    events = [e for e in every if e["name"].startswith(prefix)]
     shutil.rmtree(where, ignore_errors=True)
+    if whole is not None and every:
+        whole["busy_us"] = sum(float(e["dur"]) for e in every) / per
+        whole["span_us"] = (max(float(e["ts"]) + float(e["dur"]) for e in every)
+                            - min(float(e["ts"]) for e in every)) / per
     by_name: dict[str, float] = {}
     for e in events:
         name = re.sub(r"[_.]?\d+$", "", e["name"])
