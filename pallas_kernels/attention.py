@@ -706,6 +706,8 @@ def window_impl(q_dtype, pool: KVPool, num_heads: int, tiles: WindowTiles, inter
     if interpret or tiles.tail != "passes":
         return "triton"
     from pallas_kernels import attention_window_mgpu as awm  # (it imports this module)
+    if pool.fp8 and not awm.FP8:
+        return "triton"
     why = awm.unsupported(q_dtype, pool, num_heads // pool.k.shape[0], chunk=tiles.chunk, stages=tiles.num_stages)
     return "triton" if why else "mgpu"
 
@@ -724,9 +726,9 @@ def model_window_tiles(q_dtype, pool: KVPool, num_heads: int, *, max_keys: int, 
 
 
 def _mgpu_pass_one(q: jax.Array, pool: KVPool, tiles: WindowTiles, interpret) -> bool:
-    """Whether this window call's pass 1 runs on Mosaic GPU: impl "mgpu" on a bf16 call (fp8 and fp32 pools keep
-    the Triton pass 1); a bf16 model the kernel cannot take is an error, not a silent fallback."""
-    if tiles.impl != "mgpu" or pool.fp8 or pool.k.dtype != jnp.bfloat16 or q.dtype != jnp.bfloat16:
+    """Whether this window call's pass 1 runs on Mosaic GPU: impl "mgpu" on bf16 queries over a bf16 or fp8 pool
+    (fp32 calls keep the Triton pass 1); a model the kernel cannot take is an error, not a silent fallback."""
+    if tiles.impl != "mgpu" or q.dtype != jnp.bfloat16 or not (pool.fp8 or pool.k.dtype == jnp.bfloat16):
         return False
     from pallas_kernels import attention_window_mgpu as awm
     why = awm.unsupported(q.dtype, pool, q.shape[2] // pool.k.shape[0], chunk=tiles.chunk, stages=tiles.num_stages,

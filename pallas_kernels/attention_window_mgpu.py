@@ -95,15 +95,17 @@ def stages_for(tiles: WindowMgpuTiles, wgs: int) -> int:
     return tiles.stages or (3 if wgs == 1 else 2)
 
 
-def smem_bytes(*, wgs: int, stages: int, head_dim: int, interpret: bool = False) -> int:
-    """Shared memory a CTA asks for: the Q tiles, the K/V slots (which the O partials and their m and l reuse), and
-    interpret mode's P tiles (barriers aside: the lowering found 112 more bytes than this)."""
+def smem_bytes(*, wgs: int, stages: int, head_dim: int, interpret: bool = False, fp8: bool = False) -> int:
+    """Shared memory a CTA asks for: the Q tiles, the K/V slots (which the O partials and their m and l reuse),
+    interpret mode's P tiles, and for fp8 pools the slots' scales and the block's K and V dequantized to bf16
+    (barriers aside: the lowering found 112 more bytes than this)."""
     q = wgs * WG_ROWS * head_dim * 2
-    kv = stages * 2 * BLOCK_K * head_dim * 2
+    kv = stages * 2 * BLOCK_K * (head_dim + 4 if fp8 else head_dim * 2)
     out = wgs * WG_ROWS * head_dim * 4
     ml = 2 * wgs * WG_ROWS * 4
     p = wgs * WG_ROWS * BLOCK_K * 2 if interpret else 0
-    return q + max(kv, out + ml) + p
+    dequantized = 2 * BLOCK_K * head_dim * 2 if fp8 else 0
+    return q + max(kv, out + ml) + p + dequantized
 
 
 def pack_queries(q: jax.Array, hkv: int) -> jax.Array:
@@ -116,18 +118,21 @@ def pack_queries(q: jax.Array, hkv: int) -> jax.Array:
     return jnp.pad(packed, ((0, 0), (0, 0), (0, rows - r * group), (0, 0)))
 
 
-def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: jax.Array, v: jax.Array, *,
-                 scale: float, chunk: int, n_chunks: int, nc_pad: int, real_rows: int, mrows: int, max_keys: int,
+def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: jax.Array, v: jax.Array,
+                 *scales: jax.Array, scale: float, chunk: int, n_chunks: int, nc_pad: int, real_rows: int, mrows: int, max_keys: int,
                  stages: int, parts: int, ping_pong: bool, partials: str = "float32",
                  interpret: bool | plgpu.InterpretGPUParams = False) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """qp [S, Hkv, W 64, D] bf16 (`pack_queries`: real_rows = R G of them real); k, v [Hkv, P, page, D] bf16;
+    """qp [S, Hkv, W 64, D] bf16 (`pack_queries`: real_rows = R G of them real); k, v [Hkv, P, page, D] bf16, or
+    e4m3 codes with scales = (k_scale, v_scale) [Hkv, P, page] fp32 (one compute warpgroup a CTA: parts = W);
     page_table [S, Pmax'] int32 covering n_chunks chunks; cache_len [S] int32 -> m, l [S, Hkv, nc_pad, mrows], acc
     [S, Hkv, nc_pad, mrows, D] in `partials` (fp32 or bf16; rows past R G rounded up to 8 unwritten). Grid (chunk x
     part, KV head, stream): parts 1, a CTA runs all W warpgroups' rows; parts W, a CTA runs warpgroup `part`'s 64
     rows."""
     bf16_out = partials == "bfloat16"
+    fp8 = bool(scales)
     s_count, hkv, qrows, d = qp.shape
     assert parts in (1, qrows // WG_ROWS), (parts, qrows)
+    assert not scales or (len(scales) == 2 and parts == qrows // WG_ROWS), (len(scales), parts, qrows)
     wgs = qrows // WG_ROWS // parts  # compute warpgroups a CTA
     ps = k.shape[2]
     bk = BLOCK_K
@@ -143,13 +148,21 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
     assert 0 < last_rows <= cta_rows and (parts - 1) * cta_rows + last_rows <= mrows, (real_rows, mrows, parts)
     c_log2 = scale * _LOG2E
 
-    def kernel(len_gmem, pt_gmem, q_gmem, k_gmem, v_gmem, m_gmem, l_gmem, acc_gmem, q_smem, union, p_smem,
-               k_ready, v_ready, k_free, v_free, q_ready, drained, written, schedule):
+    def kernel(len_gmem, pt_gmem, q_gmem, k_gmem, v_gmem, *refs):
+        if fp8:
+            ks_gmem, vs_gmem, m_gmem, l_gmem, acc_gmem, q_smem, union, p_smem, kb_smem, vb_smem, *bars = refs
+            (k_smem, v_smem, ks_smem, vs_smem), (out_smem, ml_smem) = union
+        else:
+            m_gmem, l_gmem, acc_gmem, q_smem, union, p_smem, *bars = refs
+            (k_smem, v_smem), (out_smem, ml_smem) = union
+            ks_gmem = vs_gmem = ks_smem = vs_smem = kb_smem = vb_smem = None
+        k_ready, v_ready, k_free, v_free, q_ready, drained, written, schedule = bars
         # len_gmem [S]; pt_gmem [S, Pmax']; q_gmem [S, Hkv, W 64, D]; k_gmem, v_gmem [Hkv, P, page, D]; outputs
         # m_gmem, l_gmem [S, Hkv, NC, M], acc_gmem [S, Hkv, NC, M, D]. q_smem [wgs, 64, D]; union: the K / V slots
         # [stages, 64, D] bf16, later the CTA's O partials [wgs 64, D] and their (m, l) [2, wgs 64] fp32;
-        # interpret: p_smem [wgs, 64, 64] bf16.
-        (k_smem, v_smem), (out_smem, ml_smem) = union
+        # interpret: p_smem [wgs, 64, 64] bf16. fp8: ks_gmem, vs_gmem [Hkv, P, page] the scales; the slots hold
+        # e4m3 codes [stages, 64, D] and their scales [stages, 64]; kb_smem, vb_smem [64, D] bf16 the block's K and V
+        # dequantized (the wgmma operands).
         cp = lax.axis_index("chunks")
         c, part = (_div(cp, parts), lax.rem(cp, parts)) if parts > 1 else (cp, 0)
         g = lax.axis_index("heads")
@@ -174,6 +187,18 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
             plgpu.copy_smem_to_gmem(ml_smem.at[1, pl.ds(0, rows)], l_gmem.at[s, g, c, pl.ds(row0, rows)])
             plgpu.wait_smem_to_gmem(0)
 
+        def dequantize(codes, scales_row, into):
+            # A block's e4m3 codes [64, D] times their keys' scales [64] -> bf16 [64, D] in `into`, 64 columns at a
+            # time in the wgmma layout (a key a row): each value the correctly rounded bf16 of code x scale, from
+            # that key alone.
+            row_scale = lax.broadcast_in_dim(plgpu.load(scales_row, layout=plgpu.Layout.WGMMA.reduce(1)),
+                                             (bk, 64), [0])
+            for j in range(d // 64):
+                cols = pl.ds(j * 64, 64)
+                x = plgpu.load(codes.at[:, cols], layout=plgpu.Layout.WGMMA)
+                into[:, cols] = (x.astype(jnp.float32) * row_scale).astype(jnp.bfloat16)
+            plgpu.commit_smem()  # (a warpgroup barrier too: every lane has read the codes)
+
         def take_turn():
             # With ping_pong the k-th turn of one compute warpgroup meets the k-th of the other; warpgroup 1 takes
             # one turn before its loop and warpgroup 0 one after, so their MMAs and softmaxes alternate.
@@ -193,14 +218,19 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
             def step(b, carry):
                 acc, m, l = carry
                 slot = lax.rem(b, stages)
+                if fp8:  # the codes -> bf16 operands; the slot is free again once they are read
+                    dequantize(k_smem.at[slot], ks_smem.at[slot], kb_smem)
+                    plgpu.barrier_arrive(k_free.at[slot])
+                k_tile = kb_smem if fp8 else k_smem.at[slot]
 
                 def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, qt, k_smem.at[slot].T)
+                    plgpu.wgmma(acc_ref, qt, k_tile.T)
                     take_turn()
                     return acc_ref[...]
 
                 logits = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, bk), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[slot])
+                if not fp8:
+                    plgpu.barrier_arrive(k_free.at[slot])
                 # Every block takes the same select on the raw S (keys at or past the context: -inf), so a
                 # visible logit meets the same operations in every block.
                 col = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, bk), 1, layout=plgpu.Layout.WGMMA)
@@ -211,14 +241,19 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                 plgpu.barrier_wait(v_ready.at[slot])
                 if ping_pong:
                     plgpu.barrier_wait(schedule)
+                if fp8:
+                    dequantize(v_smem.at[slot], vs_smem.at[slot], vb_smem)
+                    plgpu.barrier_arrive(v_free.at[slot])
 
                 def wait_next_keys():
                     @pl.when(b + 1 < n_blocks)
                     def _():
                         plgpu.barrier_wait(k_ready.at[lax.rem(b + 1, stages)])
 
-                acc = add_pv(acc, p16, v_smem.at[slot], p_smem.at[wg] if interpret else None, then=wait_next_keys)
-                plgpu.barrier_arrive(v_free.at[slot])
+                acc = add_pv(acc, p16, vb_smem if fp8 else v_smem.at[slot], p_smem.at[wg] if interpret else None,
+                             then=wait_next_keys)
+                if not fp8:
+                    plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l
 
             if ping_pong:
@@ -259,7 +294,7 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
         def _memory():
             if wgs == 2:
                 plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-            kv = ((k_gmem, k_smem, k_ready, k_free), (v_gmem, v_smem, v_ready, v_free))
+            kv = ((k_gmem, k_smem, ks_gmem, ks_smem, k_ready, k_free), (v_gmem, v_smem, vs_gmem, vs_smem, v_ready, v_free))
             last_page = _div(n_keys - 1, ps)
 
             def fetch(b, reuse: bool):
@@ -267,7 +302,7 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                 # warpgroup released the slot's last block (K and V apart).
                 slot = lax.rem(b, stages)
                 key0 = first + b * bk
-                for src, dst, ready, free in kv:
+                for src, dst, src_scale, dst_scale, ready, free in kv:
                     if reuse:
                         plgpu.barrier_wait(free.at[slot])
                     for j in range(copies):
@@ -277,19 +312,30 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                         # Triton pass 1, whose blocks never outrun a page.
                         logical = lax.min(_div(pos, ps), last_page) if copies > 1 else _div(pos, ps)
                         page = pt_gmem[s, logical]
-                        rows = src.at[g, page] if span == ps else src.at[g, page, pl.ds(pos - logical * ps, span)]
-                        into = dst.at[slot] if copies == 1 else dst.at[slot, pl.ds(j * span, span)]
-                        plgpu.copy_gmem_to_smem(rows, into, ready.at[slot])
+                        within = slice(None) if span == ps else pl.ds(pos - logical * ps, span)
+                        part = slice(None) if copies == 1 else pl.ds(j * span, span)
+                        plgpu.copy_gmem_to_smem(src.at[g, page, within], dst.at[slot, part], ready.at[slot])
+                        if fp8:  # the keys' scales on the same barrier
+                            plgpu.copy_gmem_to_smem(src_scale.at[g, page, within], dst_scale.at[slot, part],
+                                                    ready.at[slot])
 
             feed_slots(fetch, n_blocks, stages, [free for *_, free in kv])
 
     qd = _transforms(d)
-    kv_slots = (plgpu.SMEM((stages, bk, d), jnp.bfloat16, transforms=qd),
-                plgpu.SMEM((stages, bk, d), jnp.bfloat16, transforms=qd))
+    if fp8:  # codes and scales as stored (read into registers, not by the MMA), and the two dequantized tiles
+        kv_slots = (plgpu.SMEM((stages, bk, d), k.dtype),
+                    plgpu.SMEM((stages, bk, d), v.dtype),
+                    plgpu.SMEM((stages, bk), jnp.float32), plgpu.SMEM((stages, bk), jnp.float32))
+        dequantized = (plgpu.SMEM((bk, d), jnp.bfloat16, transforms=qd),) * 2
+    else:
+        kv_slots = (plgpu.SMEM((stages, bk, d), jnp.bfloat16, transforms=qd),
+                    plgpu.SMEM((stages, bk, d), jnp.bfloat16, transforms=qd))
+        dequantized = ()
     smem = (plgpu.SMEM((wgs, WG_ROWS, d), jnp.bfloat16, transforms=qd),
             plgpu.RefUnion(kv_slots, (plgpu.SMEM((cta_rows, d), jnp.float32),
                                       plgpu.SMEM((2, cta_rows), jnp.float32))),
-            plgpu.SMEM((wgs, WG_ROWS, bk), jnp.bfloat16, transforms=_transforms(bk)) if interpret else None)
+            plgpu.SMEM((wgs, WG_ROWS, bk), jnp.bfloat16, transforms=_transforms(bk)) if interpret else None,
+            *dequantized)
     f32 = jnp.float32
     call = plgpu.kernel(
         kernel,
@@ -299,8 +345,8 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
         grid=(n_chunks * parts, hkv, s_count), grid_names=("chunks", "heads", "streams"),
         num_threads=wgs + 1, thread_name="wg", kernel_name="attn_window_chunks_mgpu",
         scratch_types=(*smem,
-                       plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
-                       plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+                       plgpu.Barrier(num_arrivals=copies * (2 if fp8 else 1), num_barriers=stages),
+                       plgpu.Barrier(num_arrivals=copies * (2 if fp8 else 1), num_barriers=stages),
                        plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
                        plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
                        plgpu.Barrier(num_barriers=wgs),
@@ -310,7 +356,7 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
                    else plgpu.InterpretGPUParams() if interpret else None))
-    return call(cache_len, page_table, qp, k, v)
+    return call(cache_len, page_table, qp, k, v, *scales)
 
 
 # Lowered once a process per shapes and static parameters (`mgpu_lowering`): 16 attention layers a decode program.
@@ -339,6 +385,9 @@ SPLIT_MAX_CTAS = 64
 # window_mgpu_variants timed it within 1 % of the shipped schedule in 13 of 15 windows (2048-key chunks at 32K:
 # 66.9 against 68.5 µs; 1024 at 16 streams: 688 against 681).
 PING_PONG = False
+# Whether "auto" (`attention.WINDOW_IMPL`) gives fp8 pools this pass 1 (the codes dequantized to bf16 in shared
+# memory a block at a time, one compute warpgroup a CTA); explicit impl="mgpu" runs it either way. Off until measured.
+FP8 = False
 # The dtype of the O partials in a model's window calls (`attention.WindowTiles.partials`, order): bf16, the fp32
 # sums rounded once, half the bytes pass 1 writes and the fold pass or merge reads back. Session 20
 # (`bench attention --sections window_partials --trace`, kernels alone, fp32 -> bf16 partials): the 16-row window
@@ -353,8 +402,8 @@ def unsupported(q_dtype, pool: KVPool, group: int, *, chunk: int, stages: int | 
     layout alone: a window of up to MAX_WINDOW_ROWS rows must fit, so that every call of the model (a serial step
     or a drafted window) runs the same pass 1."""
     d = pool.k.shape[-1]
-    if pool.fp8 or pool.k.dtype != jnp.bfloat16 or jnp.dtype(q_dtype) != jnp.bfloat16:
-        return f"bf16 queries over a bf16 pool only; got q {jnp.dtype(q_dtype)}, pool {pool.k.dtype}"
+    if (not pool.fp8 and pool.k.dtype != jnp.bfloat16) or jnp.dtype(q_dtype) != jnp.bfloat16:
+        return f"bf16 queries over a bf16 or fp8 pool only; got q {jnp.dtype(q_dtype)}, pool {pool.k.dtype}"
     if d % 64 or d > 256:
         return f"a head dim that is a multiple of 64, at most 256; got {d}"
     ps = pool.page_size
@@ -365,9 +414,9 @@ def unsupported(q_dtype, pool: KVPool, group: int, *, chunk: int, stages: int | 
     if compute_warpgroups(MAX_WINDOW_ROWS * group) > 2:
         return (f"at most {2 * WG_ROWS} packed rows ({MAX_WINDOW_ROWS} window rows x {group} query heads a KV head "
                 f"is {MAX_WINDOW_ROWS * group})")
-    for wgs in range(1, compute_warpgroups(MAX_WINDOW_ROWS * group) + 1):
+    for wgs in (1,) if pool.fp8 else range(1, compute_warpgroups(MAX_WINDOW_ROWS * group) + 1):
         n = stages or stages_for(WindowMgpuTiles(), wgs)
-        need = smem_bytes(wgs=wgs, stages=n, head_dim=d, interpret=interpret)
+        need = smem_bytes(wgs=wgs, stages=n, head_dim=d, interpret=interpret, fp8=pool.fp8)
         if n < 1 or need > SMEM_BYTES:
             return f"{n} K/V stages with {wgs} compute warpgroups at head dim {d} need {need} bytes of shared memory"
     return None
@@ -385,8 +434,10 @@ def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cach
     hkv = pool.k.shape[0]
     qp = pack_queries(q, hkv)
     operands = (cache_len.astype(jnp.int32), page_table.astype(jnp.int32), qp, pool.k, pool.v)  # the kernel's order
+    if pool.fp8:
+        operands += (pool.k_scale, pool.v_scale)
     warpgroups = qp.shape[2] // WG_ROWS
-    parts = warpgroups if tiles.split_rows else 1
+    parts = warpgroups if tiles.split_rows or pool.fp8 else 1  # fp8: one compute warpgroup a CTA
     static = dict(scale=scale, chunk=chunk, n_chunks=n_chunks, nc_pad=nc_pad, real_rows=r * (hq // hkv),
                   mrows=_padded_rows(r * (hq // hkv)), max_keys=max_keys,
                   stages=stages_for(tiles, warpgroups // parts), parts=parts, ping_pong=tiles.ping_pong,

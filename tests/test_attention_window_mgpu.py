@@ -60,7 +60,7 @@ def test_matches_reference_and_float64():
     assert rel_err(got, want) < 1e-2
     ref = jax.jit(at.window_reference, static_argnames="scale")(*case, scale=SCALE)
     assert rel_err(got, np.asarray(ref.astype(jnp.float32), np.float64)) < 1e-2
-    triton = run(*case, tiles=dataclasses.replace(TILES, impl="triton", block_k=16))
+    triton = run(*case, tiles=dataclasses.replace(TILES, impl="triton", block_k=16, partials="float32"))
     assert rel_err(triton, want) < 1e-2
 
 
@@ -87,6 +87,36 @@ def test_bf16_partials_are_the_fp32_partials_rounded_once():
         run(*case, tiles=dataclasses.replace(t16, impl="triton"))
     with pytest.raises(ValueError, match="partials"):
         run(*case, tiles=dataclasses.replace(t16, partials="float16"))
+
+
+def dequantized_pool(pool: kq.KVPool) -> kq.KVPool:
+    """An fp8 pool's keys and values as the Mosaic GPU pass 1 dequantizes them: bf16(code x its key's scale)."""
+    deq = lambda codes, scale: (codes.astype(jnp.float32) * scale[..., None]).astype(jnp.bfloat16)
+    return kq.KVPool(deq(pool.k, pool.k_scale), deq(pool.v, pool.v_scale))
+
+
+def test_fp8_pool_partials_are_the_bf16_pass_over_its_dequantized_keys():
+    """An fp8 pool on the Mosaic GPU pass 1 (one compute warpgroup a CTA; a 72-row window in two CTAs): each key
+    block's codes dequantized to bf16(code x scale) in shared memory, so the partials are bit for bit those of the
+    bf16 pass 1 over a pool holding those values (rows split the same way, a launch choice there); the window is
+    right against float64, a stream alone has its bits among others, and the 1-row step has row 0's bits."""
+    rng = np.random.default_rng(68)
+    two = dict(hq=16, s=2, cache_lens=[300, 70], parents=[TREE + [6, 7], list(range(-1, 8))])
+    for r, heads in ((7, {}), (9, two)):
+        case = window_case(rng, r=r, dtype=kq.FP8, **dict(CASE, **heads))
+        q, kw, vw, par, pool, table, cache_len = case
+        rows = r * (heads.get("hq", SMALL["hq"]) // SMALL["hkv"])
+        got = partials(q, pool, table, cache_len)
+        want = partials(q, dequantized_pool(pool), table, cache_len, tiles=dataclasses.replace(TILES, row_block=64))
+        for a_all, b_all in zip(got, want):
+            for a, b in zip(_live_rows(a_all, cache_len, 128, rows), _live_rows(b_all, cache_len, 128, rows)):
+                assert np.array_equal(bits(a), bits(b)), r
+        batch = run(*case)
+        assert rel_err(batch, np_window(*case, SCALE)) < 1e-2
+        alone = run(q[1:2], kw[1:2], vw[1:2], par[1:2], pool, table[1:2], cache_len[1:2])
+        assert np.array_equal(bits(alone[0]), bits(batch[1]))
+        step = run(q[:, :1], kw[:, :1], vw[:, :1], par[:, :1], pool, table, cache_len)
+        assert np.array_equal(bits(step[:, 0]), bits(batch[:, 0]))
 
 
 def test_row_bits_ignore_window_streams_table_width_and_stages():
@@ -174,9 +204,11 @@ def test_poison_outside_the_tables_never_leaks():
 
 def test_routing_and_validation():
     rng = np.random.default_rng(65)
-    fp8 = window_case(rng, r=3, dtype=kq.FP8, **dict(CASE, s=2, cache_lens=[300, 37], parents=[TREE, CHAIN]))
-    # fp8 pools keep the Triton pass 1 under impl="mgpu".
-    assert np.array_equal(bits(run(*fp8)), bits(run(*fp8, tiles=dataclasses.replace(TILES, impl="triton"))))
+    f32 = window_case(rng, r=3, dtype=jnp.float32, **dict(CASE, s=2, cache_lens=[300, 37], parents=[TREE, CHAIN]))
+    # fp32 pools keep the Triton pass 1 under impl="mgpu" (fp32 partials).
+    triton = dataclasses.replace(TILES, impl="triton", partials="float32")
+    assert np.array_equal(bits(run(*f32, tiles=dataclasses.replace(TILES, partials="float32"))),
+                          bits(run(*f32, tiles=triton)))
     bf16 = window_case(rng, r=3, dtype=jnp.bfloat16, **dict(CASE, s=2, cache_lens=[300, 37], parents=[TREE, CHAIN]))
     with pytest.raises(ValueError, match="impl"):
         run(*bf16, tiles=dataclasses.replace(TILES, impl="cuda"))
@@ -200,8 +232,12 @@ def test_window_impl_follows_the_model_not_the_call(monkeypatch):
     shipped = at.window_tiles(page_size=64, max_keys=600 * 64, head_dim=256, fp8=False)
     assert at.window_impl(jnp.bfloat16, bf16, 24, shipped, interpret=False) == "mgpu"
     assert at.window_impl(jnp.bfloat16, bf16, 24, shipped, interpret=True) == "triton"
-    assert at.window_impl(jnp.bfloat16, fp8, 24, shipped, interpret=False) == "triton"
+    assert at.window_impl(jnp.bfloat16, fp8, 24, shipped, interpret=False) == ("mgpu" if awm.FP8 else "triton")
     assert at.window_impl(jnp.bfloat16, bf16, 64, shipped, interpret=False) == "triton"  # 16 heads a KV head
+    monkeypatch.setattr(awm, "FP8", True)  # fp8 pools on the Mosaic GPU pass 1 under "auto"
+    assert at.window_impl(jnp.bfloat16, fp8, 24, shipped, interpret=False) == "mgpu"
+    assert at.window_impl(jnp.bfloat16, fp8, 24, shipped, interpret=True) == "triton"
+    monkeypatch.setattr(awm, "FP8", False)
     # A model's tiles: the Mosaic GPU pass 1 at its own chunk and partials; the Triton one at window_tiles' chunk
     # (fp32 partials).
     monkeypatch.setattr(awm, "CHUNK", 2048)
@@ -209,6 +245,11 @@ def test_window_impl_follows_the_model_not_the_call(monkeypatch):
         shipped, impl="mgpu", chunk=2048, partials=awm.PARTIALS)
     assert at.model_window_tiles(jnp.bfloat16, fp8, 24, max_keys=600 * 64, interpret=False) == dataclasses.replace(
         at.window_tiles(page_size=64, max_keys=600 * 64, head_dim=256, fp8=True), impl="triton")
+    monkeypatch.setattr(awm, "FP8", True)
+    assert at.model_window_tiles(jnp.bfloat16, fp8, 24, max_keys=600 * 64, interpret=False) == dataclasses.replace(
+        at.window_tiles(page_size=64, max_keys=600 * 64, head_dim=256, fp8=True), impl="mgpu", chunk=2048,
+        partials=awm.PARTIALS)
+    monkeypatch.setattr(awm, "FP8", False)
     monkeypatch.setattr(at, "WINDOW_IMPL", "triton")
     assert at.window_impl(jnp.bfloat16, bf16, 24, shipped, interpret=False) == "triton"
     monkeypatch.setattr(at, "WINDOW_IMPL", "fast")
@@ -242,16 +283,22 @@ def test_rows_split_on_small_grids_only():
 # 27B shape: lowered for sm_90 on the CPU; compiled on the H200 (-m gpu)
 # ---------------------------------------------------------------------------------------------------------------
 
-def _mosaic_calls_at_27b(rows: int, **change) -> int:
+def _mosaic_calls_at_27b(rows: int, *, fp8: bool = False, page: int = 64, **change) -> int:
     """`custom_call @mosaic_gpu`s in a window call of `rows` rows lowered for sm_90 on this CPU at the 27B shape
-    (2 streams, 576-page tables), its tiles the Mosaic GPU pass 1's with `change`."""
+    (2 streams, tables of 36864 keys), its tiles the Mosaic GPU pass 1's with `change`; a bf16 or fp8 pool of
+    `page`-key pages."""
     sds = jax.ShapeDtypeStruct
-    pool = kq.KVPool(sds((4, 600, 64, 256), jnp.bfloat16), sds((4, 600, 64, 256), jnp.bfloat16))
-    tiles = dataclasses.replace(at.window_tiles(page_size=64, max_keys=576 * 64, head_dim=256, fp8=False),
+    pages = 600 * 64 // page
+    if fp8:
+        pool = kq.KVPool(sds((4, pages, page, 256), kq.FP8), sds((4, pages, page, 256), kq.FP8),
+                         sds((4, pages, page), jnp.float32), sds((4, pages, page), jnp.float32))
+    else:
+        pool = kq.KVPool(sds((4, pages, page, 256), jnp.bfloat16), sds((4, pages, page, 256), jnp.bfloat16))
+    tiles = dataclasses.replace(at.window_tiles(page_size=page, max_keys=576 * 64, head_dim=256, fp8=fp8),
                                 impl="mgpu", **change)
     args = (sds((2, rows, 24, 256), jnp.bfloat16), sds((2, rows, 4, 256), jnp.bfloat16),
-            sds((2, rows, 4, 256), jnp.bfloat16), sds((2, rows), jnp.int32), pool, sds((2, 576), jnp.int32),
-            sds((2,), jnp.int32))
+            sds((2, rows, 4, 256), jnp.bfloat16), sds((2, rows), jnp.int32), pool,
+            sds((2, 576 * 64 // page), jnp.int32), sds((2,), jnp.int32))
     fn = functools.partial(at.window, scale=1 / 16, tiles=tiles)
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("custom_call @mosaic_gpu")
 
@@ -265,20 +312,25 @@ def test_lowers_for_sm90_at_27b_shape(rows, stages, h200_lowering):
 
 
 @pytest.mark.parametrize("variant", ["split", "ping_pong", "chunk 2048", "fp32 partials", "bf16 partials",
-                                     "bf16 partials split", "bf16 partials 1 row"])
+                                     "bf16 partials split", "bf16 partials 1 row", "fp8", "fp8 1 row",
+                                     "fp8 16-key pages", "fp8 fp32 partials"])
 def test_variants_lower_for_sm90_at_27b_shape(variant, h200_lowering, monkeypatch):
     """The 16-row window's launch variants (a CTA a warpgroup, two warpgroups taking turns), a 2048-key chunk and
-    either partials dtype lower for sm_90 at the 27B shape."""
+    either partials dtype, and fp8 pools (64- and 16-key pages) lower for sm_90 at the 27B shape."""
     monkeypatch.setattr(awm, "PING_PONG", variant == "ping_pong")
     monkeypatch.setattr(awm._PARTIALS, "lowered", {})
     partials = {"fp32 partials": "float32"}.get(variant, "bfloat16" if "bf16" in variant else awm.PARTIALS)
-    assert _mosaic_calls_at_27b(1 if "1 row" in variant else 16, row_block=64 if "split" in variant else None,
+    if variant == "fp8 fp32 partials":
+        partials = "float32"
+    assert _mosaic_calls_at_27b(1 if "1 row" in variant else 16, fp8="fp8" in variant,
+                                page=16 if "16-key" in variant else 64,
+                                row_block=64 if "split" in variant else None,
                                 chunk=2048 if variant == "chunk 2048" else awm.CHUNK, partials=partials) == 1
 
 
-def _gpu_case(rng, rows, cache_lens, pmax):
+def _gpu_case(rng, rows, cache_lens, pmax, dtype=jnp.bfloat16):
     tree16 = TREE + list(range(6, 15))
-    return window_case(rng, r=rows, dtype=jnp.bfloat16,
+    return window_case(rng, r=rows, dtype=dtype,
                        **dict(BIG, s=len(cache_lens), pmax=pmax, num_pages=len(cache_lens) * pmax + 1,
                               cache_lens=cache_lens,
                               parents=([tree16, list(range(-1, 15))] * len(cache_lens))[:len(cache_lens)]))
@@ -331,6 +383,35 @@ def test_gpu_27b_bf16_partials_are_the_fp32_ones_rounded():
                 assert np.array_equal(bits(a), bits(b)), (rows, rb)
     got = run(*case, tiles=dataclasses.replace(base, partials="bfloat16"), interpret=False)
     assert rel_err(got, np_window(*case, SCALE)) < 1e-2
+
+
+@GPU
+def test_gpu_27b_fp8_pool():
+    """On the H200 at the 27B shape: an fp8 pool on the Mosaic GPU pass 1 gives, bit for bit, the bf16 pass 1's
+    partials over its dequantized keys (1- and 16-row windows), a window right against float64 and the Triton fp8
+    window, and the 1-row step row 0's bits."""
+    rng = np.random.default_rng(73)
+    case = _gpu_case(rng, 16, [5000, 1111, 64], 80, dtype=kq.FP8)
+    q, kw, vw, par, pool, table, cache_len = case
+    assert pool.fp8
+    base = dataclasses.replace(at.model_window_tiles(jnp.bfloat16, pool, 24, max_keys=80 * 64, interpret=False),
+                               impl="mgpu")
+    for rows in (1, 16):
+        got = partials(q[:, :rows], pool, table, cache_len, tiles=base, interpret=False)
+        want = partials(q[:, :rows], dequantized_pool(pool), table, cache_len,
+                        tiles=dataclasses.replace(base, row_block=64), interpret=False)
+        for a_all, b_all in zip(got, want):
+            for a, b in zip(_live_rows(a_all, cache_len, base.chunk, rows * 6),
+                            _live_rows(b_all, cache_len, base.chunk, rows * 6)):
+                assert np.array_equal(bits(a), bits(b)), rows
+    got = run(*case, tiles=base, interpret=False)
+    want = np_window(*case, SCALE)
+    assert rel_err(got, want) < 1e-2
+    triton = run(*case, tiles=at.window_tiles(page_size=64, max_keys=80 * 64, head_dim=256, fp8=True),
+                 interpret=False)
+    assert rel_err(got, np.asarray(triton.astype(jnp.float32), np.float64)) < 1e-2
+    step = run(q[:, :1], kw[:, :1], vw[:, :1], par[:, :1], pool, table, cache_len, tiles=base, interpret=False)
+    assert np.array_equal(bits(step[:, 0]), bits(got[:, 0]))
 
 
 @GPU

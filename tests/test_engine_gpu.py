@@ -29,18 +29,21 @@ def _params(dtype):
     return load_checkpoint(MODEL, dtype=DTYPES[dtype], progress=False)
 
 
-@pytest.mark.parametrize("dtype,fixed", [("bfloat16", False), ("float32", False), ("bfloat16", True)])
-def test_concurrent_equals_solo_on_gpu(dtype, fixed):
+@pytest.mark.parametrize("dtype,fixed,kv_cache", [("bfloat16", False, "bf16"), ("float32", False, "bf16"),
+                                                   ("bfloat16", True, "bf16"), ("bfloat16", False, "fp8")])
+def test_concurrent_equals_solo_on_gpu(dtype, fixed, kv_cache):
     """fixed=True: mapped lanes, one decode bucket of 16; fixed=False: the batched policy (lanes in one forward,
     decode buckets 1..16; the default here since session 10), which failed on the H200 in session 2 (see
-    programs.BATCHED_BY_DEFAULT and tools/gpu/rowinv_probe.py)."""
+    programs.BATCHED_BY_DEFAULT and tools/gpu/rowinv_probe.py); kv_cache "fp8": e4m3 pools with the window's pass 1
+    the model's default picks for them."""
     ck = _params(dtype)
     backend = Backend.default()
     assert backend.kernels and P.row_invariant(ck.params, backend)
     buckets = P.default_buckets(ck.params, backend, parallel=16, max_chunk=128, logprobs=3, fixed_shapes=fixed)
     if not fixed:
         assert buckets.packing is P.Packing.BATCHED and buckets.decode_streams == (1, 2, 4, 8, 16)
-    e = Engine(ck.params, ck.config, load_tokenizer(MODEL), dtype=dtype, max_model_len=512, parallel=16,
+    e = Engine(ck.params, ck.config, load_tokenizer(MODEL), dtype=dtype, kv_cache=kv_cache, max_model_len=512,
+               parallel=16,
                buckets=buckets, prefill_step=64, max_logprobs=3, progress=False)
     e.start()
     try:

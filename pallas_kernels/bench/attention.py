@@ -331,7 +331,7 @@ def summarize_prompt_mgpu(env: Env) -> None:
 def _by_kernel(r: dict) -> str:
     """A window row's kernels alone, "pass 1 / fold / merge" µs (a trace name may carry a suffix: pass 1's is
     "chunks_mgpu_mosaic_gpu_kernel")."""
-    sums = [[v for k, v in r.items() if k.startswith(f"alone_{n}")] for n in ("chunks_mgpu", "fold", "merge")]
+    sums = [[v for k, v in r.items() if k.startswith(f"alone_{n}")] for n in ("chunks", "fold", "merge")]
     return "/".join(f"{sum(v) if v else math.nan:.1f}" for v in sums)
 
 
@@ -434,6 +434,28 @@ def summarize_window_partials(env: Env, bw: float | None) -> None:
     heads = ["streams", "context"]
     for dtype in PARTIALS_DTYPES:
         heads += [f"{dtype} 1-row", "% copy", "by kernel", "16-row", "ratio", "by kernel"]
+    print(table(heads, body))
+
+
+def summarize_window_fp8(env: Env, bw: float | None) -> None:
+    if not (got := _tagged(env, "wf8 ")):
+        return
+    key, us, how = got
+    print(f"\n### window_fp8: fp8 pool, µs {how}, Triton pass 1 (shipped) against the Mosaic GPU one; 1-row % of "
+          f"the {bw or math.nan:.2f} TB/s copy over fp8 bytes (target 80 % at >= 32K); 16-row / 1-row target <= 1.3")
+    body = []
+    for streams, ctx in dict.fromkeys(k[1:3] for k in us):
+        cells = [streams, ctx]
+        for impl in ("triton", "mgpu"):
+            one, r16 = us.get((f"wf8 {impl}", streams, ctx, 1)), us.get((f"wf8 {impl}", streams, ctx, 16))
+            pct = (100 * kv_bytes(ctx * streams, True) / (one[key] * 1e-6) / (bw * 1e12)) if one and bw else math.nan
+            cells += [one[key] if one else math.nan, pct, _by_kernel(one) if one else "",
+                      r16[key] if r16 else math.nan, r16[key] / one[key] if one and r16 else math.nan,
+                      _by_kernel(r16) if r16 else ""]
+        body.append(cells)
+    heads = ["streams", "context"]
+    for impl in ("triton", "mgpu"):
+        heads += [f"{impl} 1-row", "% copy", "by kernel", "16-row", "ratio", "by kernel"]
     print(table(heads, body))
 
 
@@ -712,6 +734,7 @@ def main(argv: list[str]) -> int:
                          "window_mgpu_variants (its chunks, row split and ping-pong), "
                          "merge_variants (the tail's launch choices for 16-row windows), "
                          "window_partials (fp32 against bf16 O partials, 1- and 16-row windows), "
+                         "window_fp8 (fp8 pools: the Triton pass 1 against the Mosaic GPU one), "
                          "tune (sweep tiles/page sizes first, then use the winners), decode, prompt, window, window16, write, "
                          "xla (plain-XLA reference rows)")
     ap.add_argument("--json", default=None, help="write every measured row here")
@@ -728,7 +751,7 @@ def main(argv: list[str]) -> int:
     sections = args.sections.split(",")
     if args.smoke:
         # (head dim 64 where the Mosaic GPU kernels run: their least)
-        HQ, HKV, D = 4, 2, 64 if any(s.startswith(("prompt_mgpu", "window_mgpu", "window_partials")) for s in sections) else 32
+        HQ, HKV, D = 4, 2, 64 if any(s.startswith(("prompt_mgpu", "window_mgpu", "window_partials", "window_fp8")) for s in sections) else 32
         SCALE = D ** -0.5
     env = Env(interpret=args.smoke, page_size=8 if args.smoke else args.page_size, reps=2 if args.smoke else 8,
               results=[], trace=args.trace)
@@ -821,7 +844,9 @@ def main(argv: list[str]) -> int:
                     base = decode_for(False) if rows == 1 else window_for(False)
                     for impl in ("triton", "mgpu"):
                         bench_window(env, streams=streams, rows=rows, context=ctx, fp8=False,
-                                     tiles=dataclasses.replace(base, impl=impl), impls=("kernel",),
+                                     tiles=dataclasses.replace(
+                                         base, impl=impl, partials=base.partials if impl == "mgpu" else "float32"),
+                                     impls=("kernel",),
                                      tag=f"window_mgpu {impl}")
     if "window_mgpu_variants" in sections:
         # The Mosaic GPU pass 1 at each chunk (order: the partials' grid) and, for 16-row windows, with each
@@ -858,6 +883,21 @@ def main(argv: list[str]) -> int:
                     bench_window(env, streams=streams, rows=rows, context=ctx, fp8=False,
                                  tiles=dataclasses.replace(base, impl="mgpu", partials=dtype), impls=("kernel",),
                                  tag=f"wpd {dtype}")
+    if "window_fp8" in sections:
+        # fp8 pools: the shipped Triton pass 1 against the Mosaic GPU one (codes dequantized to bf16 in shared
+        # memory, one compute warpgroup a CTA; its own bits), 1- and 16-row windows, 1 stream at every context and
+        # 16 streams at the first two.
+        print("== window_fp8: fp8 pools, Triton against Mosaic GPU pass 1, 1- and 16-row windows", flush=True)
+        many = 16 if gpu else 2
+        for streams, ctxs in ((1, contexts), (many, contexts[:2])):
+            for ctx in ctxs:
+                for impl in ("triton", "mgpu"):
+                    for rows in (1, 16):
+                        base = decode_for(True) if rows == 1 else window_for(True)
+                        if impl == "mgpu":
+                            base = dataclasses.replace(base, impl="mgpu", chunk=awm.CHUNK, partials=awm.PARTIALS)
+                        bench_window(env, streams=streams, rows=rows, context=ctx, fp8=True, tiles=base,
+                                     impls=("kernel",), tag=f"wf8 {impl}")
     if "merge_variants" in sections:
         # The tail's launch choices (MERGE_VARIANTS: same bits) for 16-row bf16 windows on the shipped pass 1, at
         # the two windows the 16-row target is missed on; the 1-row window beside each.
@@ -888,6 +928,7 @@ def main(argv: list[str]) -> int:
     summarize_window_mgpu(env, bw)
     summarize_window_mgpu_variants(env, bw)
     summarize_window_partials(env, bw)
+    summarize_window_fp8(env, bw)
     summarize_merge_variants(env)
     return 0
 
