@@ -149,12 +149,12 @@ class WindowTiles:
     # group max, then rescaled). Session 9's Nsight Compute run put pass 1 of the 32K decode at 37 µs of the
     # call's 55 µs of kernels, the fold, merge and a slice at the rest.
     tail: str = "passes"
-    # Pass 1's kernel (order). "triton": the chunk kernel below. "mgpu": bf16 queries over a bf16 pool run pass 1 on
-    # Mosaic GPU (`attention_window_mgpu`: 64-key blocks, wgmma, TMA; its own bits; block_k, walk and num_warps are
-    # not read there, num_stages is its K/V slots, row_block its split_rows (<= 64 splits; None: split on small
-    # grids, `attention_window_mgpu.SPLIT_MAX_CTAS`), a launch choice there); the fold
-    # pass and the merge are this module's
-    # either way, and fp8 / fp32 pools stay on the Triton kernel. Needs tail "passes".
+    # Pass 1's kernel (order). "triton": the chunk kernel below. "mgpu": bf16 queries over a bf16 or fp8 pool run
+    # pass 1 on Mosaic GPU (`attention_window_mgpu`: 64-key blocks, wgmma, TMA, fp8 codes dequantized to bf16 in
+    # shared memory; its own bits; block_k, walk, num_warps and fp8_dot are not read there, num_stages is its K/V
+    # slots, row_block its split_rows (<= 64 splits; None: split on small grids,
+    # `attention_window_mgpu.SPLIT_MAX_CTAS`), a launch choice there); the fold pass and the merge are this
+    # module's either way, and fp32 pools stay on the Triton kernel. Needs tail "passes".
     impl: str = "triton"
     # The dtype pass 1 stores a chunk's O partial in (order; its m and l stay fp32). "bfloat16": the unnormalised
     # fp32 accumulator rounded once to bf16 (a relative error of at most 2^-9 an element, the size of the output's
@@ -191,7 +191,12 @@ def window_tiles(*, page_size: int, max_keys: int, head_dim: int, fp8: bool) -> 
     # (windows of more than 5 rows; a 1-row window's 6 packed rows are one block either way): the 16-row window
     # 78.6 / 214.6 / 703.0 µs against 134.1 / 246.7 / 813.1 in one program. For bf16 pools the split won only at 4K
     # (72.0 vs 85.0) and lost at 32K / 128K (192.9 / 648.7 vs 148.1 / 425.5), so they keep one program.
-    return WindowTiles(fp8_dot="float16", row_block=32) if fp8 else WindowTiles()
+    # fp8 dots in bf16 since session 20: with f16 dots ("float16", shipped from session 7) the engine's gate failed on
+    # the H200 for fp8 pools (concurrent != solo at the first decode step: a row's bits followed the call's stream
+    # bucket; they agree in the interpreter) and passed with bf16 dots (tools/gpu/run.sh eighty-first and
+    # eighty-second). bf16 dots cost the decode speed session 7 measured (e.g. 115.5 against 92.0 µs at 32K with
+    # the page walk); exactness first.
+    return WindowTiles(fp8_dot="bfloat16", row_block=32) if fp8 else WindowTiles()
 
 
 # Which pass 1 a window call without explicit tiles runs: "auto" (the Mosaic GPU pass 1 for bf16 pools compiled

@@ -46,6 +46,14 @@ keys, ~31 µs at 4.3 TB/s; a 16-row window's 96 packed rows add 4 heads x 96 x 3
 warpgroup (32 KiB at d 256) plus `stages` x 64 KiB of K and V slots (reused for the fp32 O partials, 64 KiB a
 warpgroup), so 3 stages with one compute warpgroup, 2 with two.
 
+fp8 pools (e4m3 codes, one fp32 scale a key and KV head): the memory warpgroup brings each block's codes and its
+keys' scales by TMA (one barrier), and the compute warpgroup dequantizes them to bf16(code x scale), correctly
+rounded, into two swizzled bf16 tiles before its MMAs (then releases the slot); one compute warpgroup a CTA (a
+two-warpgroup window runs as split_rows). Elementwise per key, so the exactness above holds, and the partials are
+bit for bit the bf16 pass 1's over a pool holding the dequantized values. On the H200 (session 20) it ran 16-row
+windows 1.4-1.5x faster than the Triton pass 1 and the 1-row decode 1.6-2.5x slower (the dequantization is the
+bottleneck), so `FP8` keeps it off "auto"; explicit impl="mgpu" runs it.
+
 Interpret mode (CPU, `plgpu.InterpretGPUParams`): as `attention_mgpu`, P goes through shared memory for the P V
 wgmma and P V lands in a fresh accumulator added to O.
 """
@@ -119,8 +127,8 @@ def pack_queries(q: jax.Array, hkv: int) -> jax.Array:
 
 
 def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: jax.Array, v: jax.Array,
-                 *scales: jax.Array, scale: float, chunk: int, n_chunks: int, nc_pad: int, real_rows: int, mrows: int, max_keys: int,
-                 stages: int, parts: int, ping_pong: bool, partials: str = "float32",
+                 *scales: jax.Array, scale: float, chunk: int, n_chunks: int, nc_pad: int, real_rows: int,
+                 mrows: int, max_keys: int, stages: int, parts: int, ping_pong: bool, partials: str = "float32",
                  interpret: bool | plgpu.InterpretGPUParams = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """qp [S, Hkv, W 64, D] bf16 (`pack_queries`: real_rows = R G of them real); k, v [Hkv, P, page, D] bf16, or
     e4m3 codes with scales = (k_scale, v_scale) [Hkv, P, page] fp32 (one compute warpgroup a CTA: parts = W);
@@ -294,7 +302,8 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
         def _memory():
             if wgs == 2:
                 plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-            kv = ((k_gmem, k_smem, ks_gmem, ks_smem, k_ready, k_free), (v_gmem, v_smem, vs_gmem, vs_smem, v_ready, v_free))
+            kv = ((k_gmem, k_smem, ks_gmem, ks_smem, k_ready, k_free),
+                  (v_gmem, v_smem, vs_gmem, vs_smem, v_ready, v_free))
             last_page = _div(n_keys - 1, ps)
 
             def fetch(b, reuse: bool):
@@ -386,7 +395,9 @@ SPLIT_MAX_CTAS = 64
 # 66.9 against 68.5 µs; 1024 at 16 streams: 688 against 681).
 PING_PONG = False
 # Whether "auto" (`attention.WINDOW_IMPL`) gives fp8 pools this pass 1 (the codes dequantized to bf16 in shared
-# memory a block at a time, one compute warpgroup a CTA); explicit impl="mgpu" runs it either way. Off until measured.
+# memory a block at a time, one compute warpgroup a CTA); explicit impl="mgpu" runs it either way. Off: session 20
+# (`bench attention --sections window_fp8 --trace`, kernels alone) timed its 1-row decode at 54.2 / 60.0 / 200.6 µs
+# at 4K / 32K / 128K against the Triton pass 1's 22.1 / 37.3 / 111.8 (its 16-row windows 1.4-1.5x faster).
 FP8 = False
 # The dtype of the O partials in a model's window calls (`attention.WindowTiles.partials`, order): bf16, the fp32
 # sums rounded once, half the bytes pass 1 writes and the fold pass or merge reads back. Session 20

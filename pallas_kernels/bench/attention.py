@@ -751,7 +751,8 @@ def main(argv: list[str]) -> int:
     sections = args.sections.split(",")
     if args.smoke:
         # (head dim 64 where the Mosaic GPU kernels run: their least)
-        HQ, HKV, D = 4, 2, 64 if any(s.startswith(("prompt_mgpu", "window_mgpu", "window_partials", "window_fp8")) for s in sections) else 32
+        mgpu_sections = ("prompt_mgpu", "window_mgpu", "window_partials", "window_fp8")
+        HQ, HKV, D = 4, 2, 64 if any(s.startswith(mgpu_sections) for s in sections) else 32
         SCALE = D ** -0.5
     env = Env(interpret=args.smoke, page_size=8 if args.smoke else args.page_size, reps=2 if args.smoke else 8,
               results=[], trace=args.trace)
