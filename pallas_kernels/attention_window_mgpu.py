@@ -92,6 +92,10 @@ class WindowMgpuTiles:
     # Two compute warpgroups in a CTA take turns (a schedule barrier, as `attention_mgpu`'s ping-pong): one's softmax
     # runs while the other's MMAs are in flight. Same operations on every row.
     ping_pong: bool = False
+    # fp8 pools: the register layout the codes are dequantized in (same values, so same bits). "wgmma": the MMA's
+    # layout, 64 columns a step, codes loaded two bytes at a time (measured, session 20); "wgmma_8bit": the 8-bit
+    # MMA operand layout, 128 columns a step, four bytes a load (lowers for sm_90; not yet timed).
+    dequant: str = "wgmma"
 
 
 def compute_warpgroups(packed_rows: int) -> int:
@@ -129,7 +133,8 @@ def pack_queries(q: jax.Array, hkv: int) -> jax.Array:
 def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: jax.Array, v: jax.Array,
                  *scales: jax.Array, scale: float, chunk: int, n_chunks: int, nc_pad: int, real_rows: int,
                  mrows: int, max_keys: int, stages: int, parts: int, ping_pong: bool, partials: str = "float32",
-                 interpret: bool | plgpu.InterpretGPUParams = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 dequant: str = "wgmma", interpret: bool | plgpu.InterpretGPUParams = False
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """qp [S, Hkv, W 64, D] bf16 (`pack_queries`: real_rows = R G of them real); k, v [Hkv, P, page, D] bf16, or
     e4m3 codes with scales = (k_scale, v_scale) [Hkv, P, page] fp32 (one compute warpgroup a CTA: parts = W);
     page_table [S, Pmax'] int32 covering n_chunks chunks; cache_len [S] int32 -> m, l [S, Hkv, nc_pad, mrows], acc
@@ -196,14 +201,15 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
             plgpu.wait_smem_to_gmem(0)
 
         def dequantize(codes, scales_row, into):
-            # A block's e4m3 codes [64, D] times their keys' scales [64] -> bf16 [64, D] in `into`, 64 columns at a
-            # time in the wgmma layout (a key a row): each value the correctly rounded bf16 of code x scale, from
-            # that key alone.
-            row_scale = lax.broadcast_in_dim(plgpu.load(scales_row, layout=plgpu.Layout.WGMMA.reduce(1)),
-                                             (bk, 64), [0])
-            for j in range(d // 64):
-                cols = pl.ds(j * 64, 64)
-                x = plgpu.load(codes.at[:, cols], layout=plgpu.Layout.WGMMA)
+            # A block's e4m3 codes [64, D] times their keys' scales [64] -> bf16 [64, D] in `into`, `step` columns
+            # at a time in `dequant`'s register layout (a key a row): each value the correctly rounded bf16 of
+            # code x scale, from that key alone, whatever the layout.
+            layout, step = ((plgpu.Layout.WGMMA_8BIT, 128) if dequant == "wgmma_8bit" and d % 128 == 0
+                            else (plgpu.Layout.WGMMA, 64))
+            row_scale = lax.broadcast_in_dim(plgpu.load(scales_row, layout=layout.reduce(1)), (bk, step), [0])
+            for j in range(d // step):
+                cols = pl.ds(j * step, step)
+                x = plgpu.load(codes.at[:, cols], layout=layout)
                 into[:, cols] = (x.astype(jnp.float32) * row_scale).astype(jnp.bfloat16)
             plgpu.commit_smem()  # (a warpgroup barrier too: every lane has read the codes)
 
@@ -394,6 +400,8 @@ SPLIT_MAX_CTAS = 64
 # window_mgpu_variants timed it within 1 % of the shipped schedule in 13 of 15 windows (2048-key chunks at 32K:
 # 66.9 against 68.5 µs; 1024 at 16 streams: 688 against 681).
 PING_PONG = False
+# `WindowMgpuTiles.dequant` for the calls `attention.window` makes (a launch choice: same bits).
+DEQUANT = "wgmma"
 # Whether "auto" (`attention.WINDOW_IMPL`) gives fp8 pools this pass 1 (the codes dequantized to bf16 in shared
 # memory a block at a time, one compute warpgroup a CTA); explicit impl="mgpu" runs it either way. Off: session 20
 # (`bench attention --sections window_fp8 --trace`, kernels alone) timed its 1-row decode at 54.2 / 60.0 / 200.6 µs
@@ -452,7 +460,7 @@ def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cach
     static = dict(scale=scale, chunk=chunk, n_chunks=n_chunks, nc_pad=nc_pad, real_rows=r * (hq // hkv),
                   mrows=_padded_rows(r * (hq // hkv)), max_keys=max_keys,
                   stages=stages_for(tiles, warpgroups // parts), parts=parts, ping_pong=tiles.ping_pong,
-                  partials=partials)
+                  partials=partials, dequant=tiles.dequant)
     with jax.named_scope("attn_window_chunks_mgpu"):
         if interpret:
             return _kernel_call(*operands, interpret=interpret, **static)

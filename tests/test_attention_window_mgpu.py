@@ -119,6 +119,21 @@ def test_fp8_pool_partials_are_the_bf16_pass_over_its_dequantized_keys():
         assert np.array_equal(bits(step[:, 0]), bits(batch[:, 0]))
 
 
+def test_fp8_dequant_layouts_give_the_same_bits(monkeypatch):
+    """The codes dequantized in the 8-bit MMA layout (128 columns a step; a launch choice) give the partials of the
+    shipped layout, bit for bit (head dim 128, so the 8-bit layout's steps are taken)."""
+    rng = np.random.default_rng(69)
+    case = window_case(rng, r=3, dtype=kq.FP8, **dict(CASE, d=128, s=2, cache_lens=[300, 37], parents=[TREE, CHAIN]))
+    q, kw, vw, par, pool, table, cache_len = case
+    shipped = partials(q, pool, table, cache_len)
+    monkeypatch.setattr(awm, "DEQUANT", "wgmma_8bit")  # read at tracing: a fresh jit
+    eight = jax.jit(at.window_partials, static_argnames=("scale", "tiles", "interpret"))(
+        q, pool, table, cache_len, scale=SCALE, tiles=TILES, interpret=True)
+    for a_all, b_all in zip(eight, shipped):
+        for a, b in zip(_live_rows(a_all, cache_len, 128, 6), _live_rows(b_all, cache_len, 128, 6)):
+            assert np.array_equal(bits(a), bits(b))
+
+
 def test_row_bits_ignore_window_streams_table_width_and_stages():
     rng = np.random.default_rng(61)
     q, kw, vw, par, pool, table, cache_len = window_case(rng, r=7, dtype=jnp.bfloat16, **CASE)
@@ -313,11 +328,12 @@ def test_lowers_for_sm90_at_27b_shape(rows, stages, h200_lowering):
 
 @pytest.mark.parametrize("variant", ["split", "ping_pong", "chunk 2048", "fp32 partials", "bf16 partials",
                                      "bf16 partials split", "bf16 partials 1 row", "fp8", "fp8 1 row",
-                                     "fp8 16-key pages", "fp8 fp32 partials"])
+                                     "fp8 16-key pages", "fp8 fp32 partials", "fp8 8-bit dequant"])
 def test_variants_lower_for_sm90_at_27b_shape(variant, h200_lowering, monkeypatch):
     """The 16-row window's launch variants (a CTA a warpgroup, two warpgroups taking turns), a 2048-key chunk and
     either partials dtype, and fp8 pools (64- and 16-key pages) lower for sm_90 at the 27B shape."""
     monkeypatch.setattr(awm, "PING_PONG", variant == "ping_pong")
+    monkeypatch.setattr(awm, "DEQUANT", "wgmma_8bit" if "8-bit" in variant else "wgmma")
     monkeypatch.setattr(awm._PARTIALS, "lowered", {})
     partials = {"fp32 partials": "float32"}.get(variant, "bfloat16" if "bf16" in variant else awm.PARTIALS)
     if variant == "fp8 fp32 partials":
@@ -386,7 +402,7 @@ def test_gpu_27b_bf16_partials_are_the_fp32_ones_rounded():
 
 
 @GPU
-def test_gpu_27b_fp8_pool():
+def test_gpu_27b_fp8_pool(monkeypatch):
     """On the H200 at the 27B shape: an fp8 pool on the Mosaic GPU pass 1 gives, bit for bit, the bf16 pass 1's
     partials over its dequantized keys (1- and 16-row windows), a window right against float64 and the Triton fp8
     window, and (bf16 dots in the merge) the 1-row step row 0's bits."""
@@ -415,6 +431,11 @@ def test_gpu_27b_fp8_pool():
     assert base.fp8_dot == "bfloat16"
     step = run(q[:, :1], kw[:, :1], vw[:, :1], par[:, :1], pool, table, cache_len, tiles=base, interpret=False)
     assert np.array_equal(bits(step[:, 0]), bits(got[:, 0]))
+    # The codes dequantized in the 8-bit MMA layout (a launch choice): the same bits.
+    monkeypatch.setattr(awm, "DEQUANT", "wgmma_8bit")  # read at tracing: a fresh jit
+    eight = jax.jit(at.window, static_argnames=("scale", "interpret", "tiles"))(
+        *case, scale=SCALE, interpret=False, tiles=base)
+    assert np.array_equal(bits(eight), bits(got))
 
 
 @GPU

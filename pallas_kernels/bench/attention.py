@@ -346,9 +346,10 @@ def _tagged(env: Env, prefix: str):
     return key, {(r["tag"], r["streams"], r["context"], r["rows"]): r for r in rows}, how
 
 
-def _pct_copy(context: int, streams: int, us: float, bw: float | None) -> float:
-    """% of the copy bandwidth a bf16 window over `context` keys a stream moves its keys at in `us` µs."""
-    return 100 * kv_bytes(context * streams, False) / (us * 1e-6) / (bw * 1e12) if bw else math.nan
+def _pct_copy(context: int, streams: int, us: float, bw: float | None, fp8: bool = False) -> float:
+    """% of the copy bandwidth a window over `context` keys a stream (bf16 or fp8 pool) moves its keys at in `us`
+    µs."""
+    return 100 * kv_bytes(context * streams, fp8) / (us * 1e-6) / (bw * 1e12) if bw else math.nan
 
 
 WINDOW_MGPU_CHUNKS = (512, 1024, 2048)
@@ -416,47 +417,46 @@ def summarize_merge_variants(env: Env) -> None:
 PARTIALS_DTYPES = ("float32", "bfloat16")  # `WindowTiles.partials` timed by window_partials
 
 
-def summarize_window_partials(env: Env, bw: float | None) -> None:
-    if not (got := _tagged(env, "wpd ")):
+def _ratio_table(env: Env, bw: float | None, prefix: str, variants: tuple[str, ...], title: str, *,
+                 fp8: bool = False) -> None:
+    """The window rows tagged f"{prefix}{variant}" as one table: per variant the 1-row µs, its % of the copy
+    bandwidth (the pool's bytes), its pass 1 / fold / merge split, the 16-row µs, the ratio and its split. title:
+    the heading, with "{how}" for how the rows were timed."""
+    if not (got := _tagged(env, prefix)):
         return
     key, us, how = got
-    print(f"\n### window_partials: bf16 pool, Mosaic GPU pass 1, µs {how} by the O partials' dtype; 16-row / 1-row "
-          f"target <= 1.3; copy {bw or math.nan:.2f} TB/s; by kernel: pass 1 / fold / merge")
+    print("\n### " + title.format(how=how))
     body = []
     for streams, ctx in dict.fromkeys(k[1:3] for k in us):
         cells = [streams, ctx]
-        for dtype in PARTIALS_DTYPES:
-            one, r16 = us.get((f"wpd {dtype}", streams, ctx, 1)), us.get((f"wpd {dtype}", streams, ctx, 16))
-            cells += [one[key] if one else math.nan, _pct_copy(ctx, streams, one[key], bw) if one else math.nan,
+        for variant in variants:
+            one, r16 = (us.get((f"{prefix}{variant}", streams, ctx, rows)) for rows in (1, 16))
+            cells += [one[key] if one else math.nan, _pct_copy(ctx, streams, one[key], bw, fp8) if one else math.nan,
                       _by_kernel(one) if one else "", r16[key] if r16 else math.nan,
                       r16[key] / one[key] if one and r16 else math.nan, _by_kernel(r16) if r16 else ""]
         body.append(cells)
     heads = ["streams", "context"]
-    for dtype in PARTIALS_DTYPES:
-        heads += [f"{dtype} 1-row", "% copy", "by kernel", "16-row", "ratio", "by kernel"]
+    for variant in variants:
+        heads += [f"{variant} 1-row", "% copy", "by kernel", "16-row", "ratio", "by kernel"]
     print(table(heads, body))
+
+
+def summarize_window_partials(env: Env, bw: float | None) -> None:
+    _ratio_table(env, bw, "wpd ", PARTIALS_DTYPES,
+                 "window_partials: bf16 pool, Mosaic GPU pass 1, µs {how} by the O partials' dtype; 16-row / 1-row "
+                 f"target <= 1.3; copy {bw or math.nan:.2f} TB/s; by kernel: pass 1 / fold / merge")
+
+
+# window_fp8's pass 1 variants: the shipped Triton one, the Mosaic GPU one dequantizing in the MMA layout and in the
+# 8-bit MMA layout (`attention_window_mgpu.WindowMgpuTiles.dequant`).
+FP8_VARIANTS = ("triton", "mgpu", "mgpu 8-bit")
 
 
 def summarize_window_fp8(env: Env, bw: float | None) -> None:
-    if not (got := _tagged(env, "wf8 ")):
-        return
-    key, us, how = got
-    print(f"\n### window_fp8: fp8 pool, µs {how}, Triton pass 1 (shipped) against the Mosaic GPU one; 1-row % of "
-          f"the {bw or math.nan:.2f} TB/s copy over fp8 bytes (target 80 % at >= 32K); 16-row / 1-row target <= 1.3")
-    body = []
-    for streams, ctx in dict.fromkeys(k[1:3] for k in us):
-        cells = [streams, ctx]
-        for impl in ("triton", "mgpu"):
-            one, r16 = us.get((f"wf8 {impl}", streams, ctx, 1)), us.get((f"wf8 {impl}", streams, ctx, 16))
-            pct = (100 * kv_bytes(ctx * streams, True) / (one[key] * 1e-6) / (bw * 1e12)) if one and bw else math.nan
-            cells += [one[key] if one else math.nan, pct, _by_kernel(one) if one else "",
-                      r16[key] if r16 else math.nan, r16[key] / one[key] if one and r16 else math.nan,
-                      _by_kernel(r16) if r16 else ""]
-        body.append(cells)
-    heads = ["streams", "context"]
-    for impl in ("triton", "mgpu"):
-        heads += [f"{impl} 1-row", "% copy", "by kernel", "16-row", "ratio", "by kernel"]
-    print(table(heads, body))
+    _ratio_table(env, bw, "wf8 ", FP8_VARIANTS,
+                 "window_fp8: fp8 pool, µs {how}, Triton pass 1 (shipped) against the Mosaic GPU one; 1-row % of "
+                 f"the {bw or math.nan:.2f} TB/s copy over fp8 bytes (target 80 % at >= 32K); 16-row / 1-row "
+                 "target <= 1.3", fp8=True)
 
 
 def summarize_window_mgpu(env: Env, bw: float | None) -> None:
@@ -886,19 +886,23 @@ def main(argv: list[str]) -> int:
                                  tag=f"wpd {dtype}")
     if "window_fp8" in sections:
         # fp8 pools: the shipped Triton pass 1 against the Mosaic GPU one (codes dequantized to bf16 in shared
-        # memory, one compute warpgroup a CTA; its own bits), 1- and 16-row windows, 1 stream at every context and
-        # 16 streams at the first two.
+        # memory, one compute warpgroup a CTA; its own bits) in each dequantization layout (FP8_VARIANTS, a launch
+        # choice there), 1- and 16-row windows, 1 stream at every context and 16 streams at the first two.
         print("== window_fp8: fp8 pools, Triton against Mosaic GPU pass 1, 1- and 16-row windows", flush=True)
         many = 16 if gpu else 2
         for streams, ctxs in ((1, contexts), (many, contexts[:2])):
             for ctx in ctxs:
-                for impl in ("triton", "mgpu"):
+                for variant in FP8_VARIANTS:
                     for rows in (1, 16):
                         base = decode_for(True) if rows == 1 else window_for(True)
-                        if impl == "mgpu":
+                        if variant != "triton":
                             base = dataclasses.replace(base, impl="mgpu", chunk=awm.CHUNK, partials=awm.PARTIALS)
-                        bench_window(env, streams=streams, rows=rows, context=ctx, fp8=True, tiles=base,
-                                     impls=("kernel",), tag=f"wf8 {impl}")
+                        awm.DEQUANT = "wgmma_8bit" if variant == "mgpu 8-bit" else "wgmma"  # read at tracing
+                        try:
+                            bench_window(env, streams=streams, rows=rows, context=ctx, fp8=True, tiles=base,
+                                         impls=("kernel",), tag=f"wf8 {variant}")
+                        finally:
+                            awm.DEQUANT = "wgmma"
     if "merge_variants" in sections:
         # The tail's launch choices (MERGE_VARIANTS: same bits) for 16-row bf16 windows on the shipped pass 1, at
         # the two windows the 16-row target is missed on; the 1-row window beside each.

@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -23,6 +23,15 @@ pytest_mgpu() {
   shift
   timeout -s INT "$limit" python3 -c "import sys, pytest; from pallas_kernels import qmm; qmm.DECODE_IMPL = 'mgpu'; \
     sys.exit(pytest.main(sys.argv[1:]))" "$@"
+}
+
+# pytest -m gpu with -v logs in $out/gpu_tests_$2.log, stopped by SIGINT at the limit (so pytest still prints its
+# summary); prints the results' last $3 lines. $1: the limit (s); the rest: pytest's arguments.
+gpu_pytest() {
+  local limit=$1 name=$2 lines=$3
+  shift 3
+  timeout -s INT "$limit" python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short "$@" > "$out/gpu_tests_$name.log" 2>&1
+  grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_$name.log" | cut -c1-200 | tail -"$lines"
 }
 
 # The 16-row window's tile variants (row_block 64 / 32 beside the shipped tiles and the other walk).
@@ -48,6 +57,14 @@ profile_by() {
 }
 
 case "$stage" in
+  eighty-third)
+    # Prepared in session 20 (not run), ~7 min: fp8 pools at today's tiles (bf16 window dots since 8069675): the fp8
+    # window gpu tests (the 8-bit dequantization layout's bits among them) and the engine's gates, then the Triton
+    # pass 1 against the Mosaic GPU one in both dequantization layouts, kernels alone.
+    gpu_pytest 120 fp8 4 tests/test_attention_window_mgpu.py -k "fp8"
+    gpu_pytest 170 engine 9 tests/test_engine_gpu.py
+    timeout 280 python3 -m pallas_kernels.bench attention --sections window_fp8 --budget-s 260 --trace /tmp/ftrace \
+      --json "$out/attention_fp8.json" 2>&1 | tee "$out/attention_fp8.log" | grep -A10 "^### window_fp8" ;;
   eighty-second)
     # Session 20, the last ~2 min: eighty-first's fp8 engine gate failed (concurrent != solo at the first decode
     # step, fp8 pools on the shipped Triton pass 1 with f16 window dots); the same gate with bf16 window dots.
@@ -60,19 +77,13 @@ sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=line \
   eighty-first)
     # Session 20, last call (~4 min): the fp8 window gpu test (the step against row 0 with bf16 merge dots; f16 ones
     # differed in eightieth), then the engine's gates with the new fp8-pool one.
-    timeout -s INT 90 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_attention_window_mgpu.py \
-      -k "fp8" > "$out/gpu_tests_fp8.log" 2>&1
-    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_fp8.log" | cut -c1-200 | tail -4
-    timeout -s INT 170 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
-      > "$out/gpu_tests_engine.log" 2>&1
-    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_engine.log" | cut -c1-160 | tail -9 ;;
+    gpu_pytest 90 fp8 4 tests/test_attention_window_mgpu.py -k "fp8"
+    gpu_pytest 170 engine 9 tests/test_engine_gpu.py ;;
   eightieth)
     # Session 20, ~6 min: fp8 pools on the Mosaic GPU pass 1 (codes dequantized to bf16 in shared memory): its gpu
     # test (partials = the bf16 pass over the dequantized pool, bit for bit), then the shipped Triton pass 1 against
     # it, 1- and 16-row windows, kernels alone.
-    timeout -s INT 150 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_attention_window_mgpu.py \
-      -k "fp8 or bf16_partials" > "$out/gpu_tests_fp8.log" 2>&1
-    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_fp8.log" | cut -c1-200 | tail -6
+    gpu_pytest 150 fp8 6 tests/test_attention_window_mgpu.py -k "fp8 or bf16_partials"
     timeout 300 python3 -m pallas_kernels.bench attention --sections window_fp8 --budget-s 280 --trace /tmp/ftrace \
       --json "$out/attention_fp8.json" 2>&1 | tee "$out/attention_fp8.log" | grep -A10 "^### window_fp8" ;;
   seventy-ninth)
@@ -93,12 +104,8 @@ for r in json.load(open('$out/attention_partials.json')):
     # Session 20, ~9 min: bf16 partials shipped (awm.PARTIALS): the attention and window gpu tests, the engine's
     # gates, then issue #5's decode and window tables at the shipped tiles, kernels alone, beside cuDNN and the
     # plain-XLA reference.
-    timeout -s INT 170 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_attention_window_mgpu.py \
-      tests/test_attention.py tests/test_kv_quant.py > "$out/gpu_tests_attention.log" 2>&1
-    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_attention.log" | cut -c1-200 | tail -6
-    timeout -s INT 150 python3 -m pytest -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
-      > "$out/gpu_tests_engine.log" 2>&1
-    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_engine.log" | cut -c1-160 | tail -8
+    gpu_pytest 170 attention 6 tests/test_attention_window_mgpu.py tests/test_attention.py tests/test_kv_quant.py
+    gpu_pytest 150 engine 8 tests/test_engine_gpu.py
     timeout 250 python3 -m pallas_kernels.bench attention --sections decode,window,xla --budget-s 230 --trace /tmp/atrace \
       --json "$out/attention_shipped.json" 2>&1 | tee "$out/attention_shipped.log" | sed -n '/^### /,$p' | head -60 ;;
   seventy-seventh)
