@@ -175,9 +175,9 @@ class PromptTiles:
     num_stages: int = 2
     contiguous: bool = True
     fp8_dot: str = "bfloat16"  # as WindowTiles.fp8_dot
-    # "triton": the kernel below. "mgpu": bf16 q over a bf16 pool runs `attention_mgpu.prompt_mgpu` (Mosaic GPU,
-    # FA3-style, its default PromptMgpuTiles; the fields above are not read), its own bits (order); fp8 and fp32
-    # pools stay on the Triton kernel.
+    # "triton": the kernel below. "mgpu": bf16 q over a bf16 or fp8 pool runs `attention_mgpu.prompt_mgpu` (Mosaic
+    # GPU, FA3-style, its default PromptMgpuTiles; the fields above are not read; fp8 codes dequantized to bf16 in
+    # its gather), its own bits (order); fp32 pools stay on the Triton kernel.
     impl: str = "triton"
 
 
@@ -206,8 +206,8 @@ def window_tiles(*, page_size: int, max_keys: int, head_dim: int, fp8: bool) -> 
 WINDOW_IMPL = "auto"
 
 
-# Which prompt-chunk kernel a call without explicit tiles runs: "auto" (the Mosaic GPU kernel for bf16 pools
-# compiled for a GPU, the Triton kernel in interpret mode and for fp8 pools), "triton" or "mgpu". On the H200 (session
+# Which prompt-chunk kernel a call without explicit tiles runs: "auto" (the Mosaic GPU kernel for bf16 and fp8
+# pools compiled for a GPU, the Triton kernel in interpret mode and for fp32 pools), "triton" or "mgpu". On the H200 (session
 # 14, `bench attention --sections prompt_mgpu`) the Mosaic GPU kernel took 547 / 5651 us for a 4K chunk after 0 /
 # 32K keys against the Triton kernel's 849 / 12691 and cuDNN's 554 / 4962.
 PROMPT_IMPL = "auto"
@@ -1131,7 +1131,8 @@ def prompt(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, 
     blocks of the absolute grid from position 0 to its last row, in order, with an online softmax. A row's bits
     depend only on its absolute position and the keys up to it, so cutting a prompt into chunks anywhere, or
     resuming from a cache, gives the same bits as one pass. tiles=None: prompt_tiles() for this pool and table.
-    tiles.impl="mgpu" sends bf16 calls to the Mosaic GPU kernel (`attention_mgpu`; same contract, its own bits).
+    tiles.impl="mgpu" sends bf16 queries over bf16 or fp8 pools to the Mosaic GPU kernel (`attention_mgpu`; same
+    contract, its own bits).
 
     q [S, T, Hq, D]; page_table [S, Pmax]; start [S]; lengths [S] -> o [S, T, Hq, D] (rows past lengths: zeros)
     """
@@ -1151,7 +1152,7 @@ def prompt(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, 
         raise ValueError(f"PromptTiles.fp8_dot must be 'bfloat16' or 'float16'; got {tiles.fp8_dot!r}")
     if tiles.impl not in ("triton", "mgpu"):
         raise ValueError(f"PromptTiles.impl must be 'triton' or 'mgpu'; got {tiles.impl!r}")
-    if tiles.impl == "mgpu" and not pool.fp8 and pool.k.dtype == jnp.bfloat16 and q.dtype == jnp.bfloat16:
+    if tiles.impl == "mgpu" and (pool.fp8 or pool.k.dtype == jnp.bfloat16) and q.dtype == jnp.bfloat16:
         from pallas_kernels.attention_mgpu import prompt_mgpu  # (it imports this module)
         return prompt_mgpu(q, pool, page_table, start, lengths, scale=scale, interpret=interpret)
     check_prompt_rows(q, pool, page_table, start, lengths)

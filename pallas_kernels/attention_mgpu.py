@@ -40,6 +40,12 @@ and 5651 µs after 32K (620 TFLOP/s, 0.88x cuDNN's 4962), where the Triton kerne
 for bf16 pools on a GPU since then (`attention.PROMPT_IMPL`); the engine's 6 gates pass with it. Since session 15
 it is lowered once a process per shape (`mgpu_lowering`), not once per attention layer of every program.
 
+fp8 pools (session 21): the gather that copies a stream's pages into contiguous rows for the TMA dequantizes
+them on the way, to bf16(code x scale) (`dequantized_keys`), and the kernel runs unchanged on those rows, so a
+row's bits are the bf16 kernel's over a pool holding the dequantized values, and the exactness above carries over
+(a key's dequantized value depends on that key alone). The copy reads a byte and writes two per value where the
+bf16 pool's reads two: at a 4K chunk it is a few percent of the kernel's time.
+
 Interpret mode (CPU, `plgpu.InterpretGPUParams`) runs the same kernel with two differences the interpreter needs:
 P goes to shared memory for the P V wgmma (it takes no register operand), and P V lands in a fresh accumulator
 added to O (no `run_state` accumulator initialised from a value).
@@ -296,9 +302,9 @@ def _check(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, 
         raise ValueError(f"q must be [S, T, Hq, D]; got shape {q.shape}")
     d = q.shape[3]
     _check_pool(pool, d)
-    if pool.fp8 or pool.k.dtype != jnp.bfloat16 or q.dtype != jnp.bfloat16:
-        raise ValueError(f"prompt_mgpu takes bf16 queries over a bf16 pool; got q {q.dtype}, pool {pool.k.dtype} "
-                         "(fp8 and fp32 pools: attention.prompt with the Triton kernel)")
+    if not (pool.fp8 or pool.k.dtype == jnp.bfloat16) or q.dtype != jnp.bfloat16:
+        raise ValueError(f"prompt_mgpu takes bf16 queries over a bf16 or fp8 pool; got q {q.dtype}, pool "
+                         f"{pool.k.dtype} (fp32 pools: attention.prompt with the Triton kernel)")
     if d % 64 or d > 256:
         raise ValueError(f"prompt_mgpu needs a head dim that is a multiple of 64, at most 256; got {d}")
     check_prompt_rows(q, pool, page_table, start, lengths)
@@ -320,7 +326,8 @@ def prompt_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Ar
                 scale: float, interpret: bool | plgpu.InterpretGPUParams = False,
                 tiles: PromptMgpuTiles | None = None) -> jax.Array:
     """Same contract as `attention.prompt_reference` (see the module docstring for the kernel and its exactness):
-    bf16 q and pool only (ValueError otherwise). tiles=None: PromptMgpuTiles(). interpret: True, or the
+    bf16 q over a bf16 or fp8 pool only (ValueError otherwise; fp8 keys enter the kernel as bf16(code x scale),
+    `dequantized_keys`). tiles=None: PromptMgpuTiles(). interpret: True, or the
     interpreter's own parameters (e.g. plgpu.InterpretGPUParams(detect_races=True)).
 
     q [S, T, Hq, D]; page_table [S, Pmax]; start [S] absolute position of row 0; lengths [S] real rows
@@ -343,7 +350,7 @@ def _prompt(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array,
     max_keys = page_table.shape[1] * pool.page_size
     page_table = _pad_table(page_table, -(-max_keys // tiles.block_k) * tiles.block_k, pool.page_size)
     with jax.named_scope("attn_prompt_gather"):
-        k, v = _contiguous_keys(pool, page_table)
+        k, v = dequantized_keys(pool, page_table)
     static = dict(scale=scale, max_keys=max_keys, group=hq // pool.k.shape[0], tiles=tiles)
     with jax.named_scope("attn_prompt_mgpu"):
         if interpret:
@@ -351,6 +358,17 @@ def _prompt(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array,
         else:
             (out,) = _PROMPT(start, lengths, q, k, v, **static)
     return out[:, :t]
+
+
+def dequantized_keys(pool: KVPool, page_table: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each stream's pages copied into bf16 rows k, v [Hkv, S, L, D] (L = Pmax*page): a bf16 pool's values as
+    stored; an fp8 pool's as bf16(code x scale), the code widened to fp32, times its key's fp32 scale, rounded once
+    to nearest even (the values `attention_window_mgpu` dequantizes to). One fused gather: it reads a key's byte
+    codes and scale and writes 2 bytes, where the bf16 pool's copy reads 2 and writes 2."""
+    k, v, *scales = _contiguous_keys(pool, page_table)
+    if not pool.fp8:
+        return k, v
+    return tuple((x.astype(jnp.float32) * sc[..., None]).astype(jnp.bfloat16) for x, sc in zip((k, v), scales))
 
 
 # Lowered once a process per shapes and static parameters (`mgpu_lowering`): 16 attention layers a prompt program.

@@ -147,17 +147,42 @@ def test_poison_outside_the_rows_and_the_table_never_leaks():
     assert np.array_equal(bits(dirty), bits(clean))
 
 
-def test_prompt_routes_bf16_to_mgpu_and_fp8_to_triton():
+def dequantized_pool(pool: kq.KVPool) -> kq.KVPool:
+    """An fp8 pool's values as a bf16 pool, by numpy: the code widened to float32, times its key's scale, rounded
+    once to bf16 (ml_dtypes rounds to nearest even)."""
+    def one(codes, scale):
+        return jnp.asarray((np.asarray(codes).astype(np.float32) * np.asarray(scale)[..., None]).astype(jnp.bfloat16))
+    return kq.KVPool(one(pool.k, pool.k_scale), one(pool.v, pool.v_scale))
+
+
+def test_fp8_pool_runs_the_bf16_kernel_over_its_dequantized_values():
+    """An fp8 pool's call is, bit for bit, the call over a bf16 pool holding bf16(code x scale) computed by numpy;
+    right against float64 over the fp8 pool's exact values; a stream cut into two chunks off every grid gives the
+    same bits; attention.prompt(impl="mgpu") routes fp8 pools here."""
+    rng = np.random.default_rng(48)
+    q, pool, table, start, lengths = prompt_case(rng, dtype=kq.FP8, **CASE)
+    scale = SMALL["d"] ** -0.5
+    got = run(q, pool, table, start, lengths, scale=scale)
+    assert np.array_equal(bits(got), bits(run(q, dequantized_pool(pool), table, start, lengths, scale=scale)))
+    assert rel_err(got, np_prompt(q, pool, table, start, lengths, scale)) < 1e-2
+    head = run(q[1:2, :77], pool, table[1:2], start[1:2], jnp.asarray([77], jnp.int32), scale=scale)
+    tail = run(q[1:2, 77:], pool, table[1:2], start[1:2] + 77, jnp.asarray([123], jnp.int32), scale=scale)
+    assert np.array_equal(bits(jnp.concatenate([head[0], tail[0]])), bits(got[1]))
+    routed = at.prompt(q, pool, table, start, lengths, scale=scale, interpret=True, tiles=at.PromptTiles(impl="mgpu"))
+    assert np.array_equal(bits(routed), bits(got))
+
+
+def test_prompt_routes_bf16_and_fp8_to_mgpu_and_fp32_to_triton():
     rng = np.random.default_rng(44)
     case = prompt_case(rng, dtype=jnp.bfloat16, **CASE)
     scale = SMALL["d"] ** -0.5
     routed = at.prompt(*case, scale=scale, interpret=True, tiles=at.PromptTiles(impl="mgpu"))
     assert np.array_equal(bits(routed), bits(run(*case, scale=scale)))
-    fp8 = prompt_case(np.random.default_rng(45), dtype=kq.FP8, **CASE)
+    wide = prompt_case(np.random.default_rng(45), dtype=jnp.float32, **dict(CASE, t=40, lengths=[40, 40, 9]))
     tiles = at.PromptTiles(block_q=16, block_k=16)
-    assert np.array_equal(bits(at.prompt(*fp8, scale=scale, interpret=True,
+    assert np.array_equal(bits(at.prompt(*wide, scale=scale, interpret=True,
                                          tiles=dataclasses.replace(tiles, impl="mgpu"))),
-                          bits(at.prompt(*fp8, scale=scale, interpret=True, tiles=tiles)))
+                          bits(at.prompt(*wide, scale=scale, interpret=True, tiles=tiles)))
     with pytest.raises(ValueError, match="impl"):
         at.prompt(*case, scale=scale, interpret=True, tiles=at.PromptTiles(impl="cuda"))
 
@@ -174,7 +199,7 @@ def test_rejects_bad_inputs():
     with pytest.raises(ValueError, match="head dim"):
         call(q[..., :32], pool, table, st, ln)
     with pytest.raises(ValueError, match="bf16"):
-        call(q, filled_pool(rng, 2, 10, 16, 64, kq.FP8), table, st, ln)
+        call(q, filled_pool(rng, 2, 10, 16, 64, jnp.float32), table, st, ln)
     with pytest.raises(ValueError, match="bf16"):
         call(q.astype(jnp.float32), pool, table, st, ln)
     with pytest.raises(ValueError, match="multiple"):
@@ -254,3 +279,27 @@ def test_gpu_27b_4k_chunk(prefix):
     assert np.array_equal(bits(jnp.concatenate([head[0], tail[0]])), bits(got[0]))
     routed = at.prompt(q, pool, table, start, lengths, scale=scale, tiles=at.PromptTiles(impl="mgpu"))
     assert np.array_equal(bits(routed), bits(got))
+
+
+@GPU
+@pytest.mark.parametrize("prefix", [0, 2048])
+def test_gpu_27b_4k_chunk_fp8(prefix):
+    """An fp8 pool at the bench's chunk: right against prompt_reference (fp32 over the pool's exact values, on the
+    device), bit for bit the kernel over the numpy-dequantized bf16 pool (so the device's dequantizing gather
+    rounds as numpy does), and the same bits cut at row 1000."""
+    rng = np.random.default_rng(52)
+    t = 4096
+    pages = (prefix + t) // 64
+    q, pool, table, _, _ = prompt_case(rng, s=1, t=t, pmax=pages, num_pages=pages + 1, dtype=kq.FP8,
+                                       starts=[0], lengths=[t], **BIG)
+    scale = 1 / 16
+    start, lengths = jnp.asarray([prefix], jnp.int32), jnp.asarray([t], jnp.int32)
+    got = run(q, pool, table, start, lengths, scale=scale, interpret=False)
+    ref = prompt_reference(q, pool, table, start, lengths, scale=scale)
+    assert rel_err(got, np.asarray(ref.astype(jnp.float32), np.float64)) < 1e-2
+    bf16 = run(q, dequantized_pool(pool), table, start, lengths, scale=scale, interpret=False)
+    assert np.array_equal(bits(got), bits(bf16))
+    head = run(q[:, :1000], pool, table, start, jnp.asarray([1000], jnp.int32), scale=scale, interpret=False)
+    tail = run(q[:, 1000:], pool, table, start + 1000, jnp.asarray([t - 1000], jnp.int32), scale=scale,
+               interpret=False)
+    assert np.array_equal(bits(jnp.concatenate([head[0], tail[0]])), bits(got[0]))

@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh eighty-fifth|eighty-fourth|eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -57,6 +57,19 @@ profile_by() {
 }
 
 case "$stage" in
+  eighty-fourth)
+    # Session 21, ~7 min: fp8 pools' prompt chunks on the Mosaic GPU kernel (dequantizing gather): its gpu tests,
+    # the fp8 window gpu tests (bf16 window dots, the 8-bit dequantization layout's bits), the engine's gates.
+    gpu_pytest 170 prompt_fp8 4 tests/test_attention_mgpu.py -k "fp8"
+    gpu_pytest 120 fp8 4 tests/test_attention_window_mgpu.py -k "fp8"
+    gpu_pytest 200 engine 9 tests/test_engine_gpu.py ;;
+  eighty-fifth)
+    # Session 21, ~8 min: prompt chunks (cuDNN, Triton and Mosaic GPU over bf16 and fp8 pools), then eighty-third's
+    # fp8 windows (Triton pass 1 against Mosaic GPU in both dequantization layouts), kernels alone.
+    timeout 220 python3 -m pallas_kernels.bench attention --sections prompt_mgpu --budget-s 200 \
+      --json "$out/attention_prompt.json" 2>&1 | tee "$out/attention_prompt.log" | grep -A12 "^### prompt_mgpu"
+    timeout 300 python3 -m pallas_kernels.bench attention --sections window_fp8 --budget-s 280 --trace /tmp/ftrace \
+      --json "$out/attention_fp8.json" 2>&1 | tee "$out/attention_fp8.log" | grep -A10 "^### window_fp8" ;;
   eighty-third)
     # Prepared in session 20 (not run), ~7 min: fp8 pools at today's tiles (bf16 window dots since 8069675): the fp8
     # window gpu tests (the 8-bit dequantization layout's bits among them) and the engine's gates, then the Triton
