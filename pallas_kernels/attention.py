@@ -285,16 +285,20 @@ def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _pv(p: jax.Array, v: jax.Array, vs: jax.Array | None, cdt) -> jax.Array:
-    """sum_j p[m, j] * vs[j] * v[j, :] in fp32: p [M, BK] fp32; v [BK, D]; vs [BK] or None -> [M, D].
-    f16 operands (fp8 pools only) take vs relative to its block max, so P·vs stays in f16's normal range for every
-    p that matters; the max multiplies the fp32 product."""
+def _pv(p: jax.Array, v: jax.Array, vs: jax.Array | None, visible: jax.Array | None, cdt) -> jax.Array:
+    """sum_j p[m, j] * vs[j] * v[j, :] in fp32: p [M, BK] fp32; v [BK, D]; vs [BK] or None; visible [M, BK] bool
+    or None (all visible) -> [M, D]. f16 operands (fp8 pools only) take vs relative to the row's max over the keys
+    it sees, so P·vs stays in f16's normal range for every p that matters; that max multiplies the fp32 product.
+    The max is per row and over visible keys only: a block also holds keys past the context (stale values a reused
+    page still holds) and a window holds other branches' keys, and a max over those made a row's bits follow them
+    (the f16 engine gate's concurrent != solo on the H200, session 20)."""
     if vs is None:
         return _dot(p.astype(cdt), v.astype(cdt))
     if cdt == jnp.float16:
-        top = jnp.max(vs)
+        seen = vs[None, :] if visible is None else jnp.where(visible, vs[None, :], 0.0)
+        top = jnp.max(seen, axis=1)
         top = jnp.where(top > 0, top, 1.0)
-        return _dot((p * (vs / top)[None, :]).astype(cdt), v.astype(cdt)) * top
+        return _dot((p * (seen / top[:, None])).astype(cdt), v.astype(cdt)) * top[:, None]
     return _dot((p * vs[None, :]).astype(cdt), v.astype(cdt))
 
 
@@ -310,7 +314,7 @@ def _online_step(carry, q, k, v, ks, vs, visible, scale: float, cdt):
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(logits - m_new[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _pv(p, v, vs, cdt)
+    acc = acc * alpha[:, None] + _pv(p, v, vs, visible, cdt)
     return m_new, l, acc
 
 
@@ -555,7 +559,7 @@ def _with_window_keys(l, acc, m_committed, m_base, q, real, g, parents_ref, kw_r
     alpha = jnp.where(m_committed == -jnp.inf, 0.0, jnp.exp(m_base - m_total))  # no committed keys: l, acc are 0
     p = jnp.exp(logits_w - m_total[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _pv(p, vw_ref[widx], None if vsw_ref is None else vsw_ref[widx], cdt)
+    acc = acc * alpha[:, None] + _pv(p, vw_ref[widx], None if vsw_ref is None else vsw_ref[widx], visible, cdt)
     return acc / jnp.where(l > 0, l, 1.0)[:, None]
 
 

@@ -93,8 +93,8 @@ class WindowMgpuTiles:
     # runs while the other's MMAs are in flight. Same operations on every row.
     ping_pong: bool = False
     # fp8 pools: the register layout the codes are dequantized in (same values, so same bits). "wgmma": the MMA's
-    # layout, 64 columns a step, codes loaded two bytes at a time (measured, session 20); "wgmma_8bit": the 8-bit
-    # MMA operand layout, 128 columns a step, four bytes a load (lowers for sm_90; not yet timed).
+    # layout, 64 columns a step, codes loaded two bytes at a time; "wgmma_8bit": the 8-bit MMA operand layout, 128
+    # columns a step, four bytes a load (10-19 % faster on the H200, session 21: `DEQUANT`).
     dequant: str = "wgmma"
 
 
@@ -400,8 +400,11 @@ SPLIT_MAX_CTAS = 64
 # window_mgpu_variants timed it within 1 % of the shipped schedule in 13 of 15 windows (2048-key chunks at 32K:
 # 66.9 against 68.5 µs; 1024 at 16 streams: 688 against 681).
 PING_PONG = False
-# `WindowMgpuTiles.dequant` for the calls `attention.window` makes (a launch choice: same bits).
-DEQUANT = "wgmma"
+# `WindowMgpuTiles.dequant` for the calls `attention.window` makes (a launch choice: same bits). The 8-bit layout
+# since session 21: `bench attention --sections window_fp8 --trace` (session 20's code, run at 99e6c09, kernels
+# alone) timed it faster at every point, 1-row decode 48.3 / 51.7 / 174.6 µs at 4K / 32K / 128K against 54.1 / 59.4 /
+# 200.5 in the MMA layout, 16-row windows 51.8 / 103.2 / 357.3 against 60.6 / 122.7 / 430.3.
+DEQUANT = "wgmma_8bit"
 # Whether "auto" (`attention.WINDOW_IMPL`) gives fp8 pools this pass 1 (the codes dequantized to bf16 in shared
 # memory a block at a time, one compute warpgroup a CTA); explicit impl="mgpu" runs it either way. Off: session 20
 # (`bench attention --sections window_fp8 --trace`, kernels alone) timed its 1-row decode at 54.2 / 60.0 / 200.6 µs

@@ -217,6 +217,41 @@ def test_window_row_bits_ignore_other_streams_table_width_and_merge_split(dtype)
     assert not np.array_equal(bits(moved[0]), bits(batch[0]))
 
 
+@pytest.mark.parametrize("dtype,fp8_dot", DTYPES[:3], ids=DTYPE_IDS[:3])
+def test_window_row_bits_ignore_stale_slots_and_unseen_window_rows(dtype, fp8_dot):
+    """What a row cannot see never reaches its bits: slots past each stream's context (stale keys a reused page
+    still holds) and the pages no table holds rewritten with values 100x larger, and the window's leaf (node 6 of
+    TREE, on no other row's path) scaled up 100x. Large values are the test: under fp8 their scales would top any
+    block max taken over keys a row does not see (the f16 dots' normalisation, before session 21)."""
+    rng = np.random.default_rng(17)
+    q, kw, vw, par, pool, table, cache_len = window_case(rng, r=7, dtype=dtype, **SMALL_WINDOW)
+    scale = SMALL["d"] ** -0.5
+    tiles = dataclasses.replace(SMALL_TILES, fp8_dot=fp8_dot)
+    clean = run_window(q, kw, vw, par, pool, table, cache_len, scale=scale, interpret=True, tiles=tiles)
+    ps = SMALL["page_size"]
+    seen = np.zeros(pool.k.shape[1:3], bool)  # [P, page]: slots holding a key some stream sees
+    for t, n in zip(np.asarray(table), np.asarray(cache_len)):
+        for pos in range(n):
+            seen[t[pos // ps], pos % ps] = True
+    stale = filled_pool(np.random.default_rng(18), SMALL["hkv"], pool.k.shape[1], ps, SMALL["d"], jnp.float32)
+    big = kq.KVPool(stale.k * 100, stale.v * 100)
+    if dtype == kq.FP8:
+        (kc, ks), (vc, vs) = kq.quantize_reference(big.k), kq.quantize_reference(big.v)
+        big = kq.KVPool(kc, vc, ks, vs)
+    else:
+        big = kq.KVPool(big.k.astype(dtype), big.v.astype(dtype))
+    keep = jnp.asarray(seen)
+    mix = lambda a, b: None if a is None else jnp.where(keep[(None, ...) + (None,) * (a.ndim - 3)], a, b)
+    dirty = kq.KVPool(mix(pool.k, big.k), mix(pool.v, big.v), mix(pool.k_scale, big.k_scale),
+                      mix(pool.v_scale, big.v_scale))
+    got = run_window(q, kw, vw, par, dirty, table, cache_len, scale=scale, interpret=True, tiles=tiles)
+    assert np.array_equal(bits(got), bits(clean))
+    leafy = run_window(q, kw.at[:, 6].multiply(100), vw.at[:, 6].multiply(100), par, pool, table, cache_len,
+                       scale=scale, interpret=True, tiles=tiles)
+    assert np.array_equal(bits(leafy[:, :6]), bits(clean[:, :6]))
+    assert not np.array_equal(bits(leafy[:, 6]), bits(clean[:, 6]))
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
 def test_window_fold_pass_bits(dtype):
     """The fold pass (tables of more than `fold` chunks): right against float64, each row's bits free of other
@@ -531,7 +566,7 @@ def test_kernels_lower_to_triton_at_27b_shape(h200_lowering):
             fn = functools.partial(at.prompt, scale=1 / 16, tiles=tiles)
             args = (sds((1, 512, 24, 256), jnp.bfloat16), pool, sds((1, 24), jnp.int32), sds((1,), jnp.int32),
                     sds((1,), jnp.int32))
-            if tiles is None and kv == jnp.bfloat16:  # the default on a GPU: the Mosaic GPU kernel (PROMPT_IMPL)
+            if tiles is None:  # the default on a GPU for bf16 and fp8 pools: the Mosaic GPU kernel (PROMPT_IMPL)
                 text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
                 assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" not in text
             else:

@@ -448,9 +448,9 @@ def summarize_window_partials(env: Env, bw: float | None) -> None:
                  f"target <= 1.3; copy {bw or math.nan:.2f} TB/s; by kernel: pass 1 / fold / merge")
 
 
-# window_fp8's pass 1 variants: the shipped Triton one, the Mosaic GPU one dequantizing in the MMA layout and in the
-# 8-bit MMA layout (`attention_window_mgpu.WindowMgpuTiles.dequant`).
-FP8_VARIANTS = ("triton", "mgpu", "mgpu 8-bit")
+# window_fp8's pass 1 variants: the shipped Triton one (bf16 dots), the Triton one with f16 dots (`WindowTiles.fp8_dot`,
+# order) and the Mosaic GPU one (`attention_window_mgpu.DEQUANT`'s layout).
+FP8_VARIANTS = ("triton", "triton f16", "mgpu")
 
 
 def summarize_window_fp8(env: Env, bw: float | None) -> None:
@@ -886,9 +886,8 @@ def main(argv: list[str]) -> int:
                                  tiles=dataclasses.replace(base, impl="mgpu", partials=dtype), impls=("kernel",),
                                  tag=f"wpd {dtype}")
     if "window_fp8" in sections:
-        # fp8 pools: the shipped Triton pass 1 against the Mosaic GPU one (codes dequantized to bf16 in shared
-        # memory, one compute warpgroup a CTA; its own bits) in each dequantization layout (FP8_VARIANTS, a launch
-        # choice there), 1- and 16-row windows, 1 stream at every context and 16 streams at the first two.
+        # fp8 pools: the shipped Triton pass 1 (bf16 dots), with f16 dots, and the Mosaic GPU one (codes
+        # dequantized to bf16 in shared memory, one compute warpgroup a CTA; its own bits), 1- and 16-row windows, 1 stream at every context and 16 streams at the first two.
         print("== window_fp8: fp8 pools, Triton against Mosaic GPU pass 1, 1- and 16-row windows", flush=True)
         many = 16 if gpu else 2
         for streams, ctxs in ((1, contexts), (many, contexts[:2])):
@@ -896,14 +895,12 @@ def main(argv: list[str]) -> int:
                 for variant in FP8_VARIANTS:
                     for rows in (1, 16):
                         base = decode_for(True) if rows == 1 else window_for(True)
-                        if variant != "triton":
+                        if variant == "triton f16":
+                            base = dataclasses.replace(base, fp8_dot="float16")
+                        elif variant == "mgpu":
                             base = dataclasses.replace(base, impl="mgpu", chunk=awm.CHUNK, partials=awm.PARTIALS)
-                        awm.DEQUANT = "wgmma_8bit" if variant == "mgpu 8-bit" else "wgmma"  # read at tracing
-                        try:
-                            bench_window(env, streams=streams, rows=rows, context=ctx, fp8=True, tiles=base,
-                                         impls=("kernel",), tag=f"wf8 {variant}")
-                        finally:
-                            awm.DEQUANT = "wgmma"
+                        bench_window(env, streams=streams, rows=rows, context=ctx, fp8=True, tiles=base,
+                                     impls=("kernel",), tag=f"wf8 {variant}")
     if "merge_variants" in sections:
         # The tail's launch choices (MERGE_VARIANTS: same bits) for 16-row bf16 windows on the shipped pass 1, at
         # the two windows the 16-row target is missed on; the 1-row window beside each.
