@@ -191,12 +191,14 @@ def window_tiles(*, page_size: int, max_keys: int, head_dim: int, fp8: bool) -> 
     # (windows of more than 5 rows; a 1-row window's 6 packed rows are one block either way): the 16-row window
     # 78.6 / 214.6 / 703.0 µs against 134.1 / 246.7 / 813.1 in one program. For bf16 pools the split won only at 4K
     # (72.0 vs 85.0) and lost at 32K / 128K (192.9 / 648.7 vs 148.1 / 425.5), so they keep one program.
-    # fp8 dots in bf16 since session 20: with f16 dots ("float16", shipped from session 7) the engine's gate failed on
-    # the H200 for fp8 pools (concurrent != solo at the first decode step: a row's bits followed the call's stream
-    # bucket; they agree in the interpreter) and passed with bf16 dots (tools/gpu/run.sh eighty-first and
-    # eighty-second). bf16 dots cost the decode speed session 7 measured (e.g. 115.5 against 92.0 µs at 32K with
-    # the page walk); exactness first.
-    return WindowTiles(fp8_dot="bfloat16", row_block=32) if fp8 else WindowTiles()
+    # Session 20 shipped bf16 dots for fp8 pools when the engine's fp8 gate failed on the H200 with f16 ones
+    # (concurrent != solo at the first decode step). The cause (session 21): the f16 path scaled P·vs by the block's
+    # max V scale over all its keys, stale slots past the context among them, so a row's bits followed whatever a
+    # reused page still held; `_pv` now takes each row's max over the keys it sees, and the gate passes with f16
+    # dots (tools/gpu/run.sh eighty-sixth). f16 again since: that run's window_fp8 (kernels alone, traced) decoded
+    # 1 stream at 4K / 32K / 128K in 24.1 / 39.3 / 114.3 µs against 29.1 / 40.5 / 124.6 with bf16 dots, 16 streams
+    # at 32K in 395.6 against 459.7 (at 4K 70.8 against 68.2); its 16-row windows were 2-6 % slower.
+    return WindowTiles(fp8_dot="float16", row_block=32) if fp8 else WindowTiles()
 
 
 # Which pass 1 a window call without explicit tiles runs: "auto" (the Mosaic GPU pass 1 for bf16 pools compiled

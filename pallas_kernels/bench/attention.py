@@ -448,9 +448,9 @@ def summarize_window_partials(env: Env, bw: float | None) -> None:
                  f"target <= 1.3; copy {bw or math.nan:.2f} TB/s; by kernel: pass 1 / fold / merge")
 
 
-# window_fp8's pass 1 variants: the shipped Triton one (bf16 dots), the Triton one with f16 dots (`WindowTiles.fp8_dot`,
+# window_fp8's pass 1 variants: the shipped Triton one (f16 dots), the Triton one with bf16 dots (`WindowTiles.fp8_dot`,
 # order) and the Mosaic GPU one (`attention_window_mgpu.DEQUANT`'s layout).
-FP8_VARIANTS = ("triton", "triton f16", "mgpu")
+FP8_VARIANTS = ("triton", "triton bf16", "mgpu")
 
 
 def summarize_window_fp8(env: Env, bw: float | None) -> None:
@@ -886,7 +886,7 @@ def main(argv: list[str]) -> int:
                                  tiles=dataclasses.replace(base, impl="mgpu", partials=dtype), impls=("kernel",),
                                  tag=f"wpd {dtype}")
     if "window_fp8" in sections:
-        # fp8 pools: the shipped Triton pass 1 (bf16 dots), with f16 dots, and the Mosaic GPU one (codes
+        # fp8 pools: the shipped Triton pass 1 (f16 dots), with bf16 dots, and the Mosaic GPU one (codes
         # dequantized to bf16 in shared memory, one compute warpgroup a CTA; its own bits), 1- and 16-row windows, 1 stream at every context and 16 streams at the first two.
         print("== window_fp8: fp8 pools, Triton against Mosaic GPU pass 1, 1- and 16-row windows", flush=True)
         many = 16 if gpu else 2
@@ -895,8 +895,8 @@ def main(argv: list[str]) -> int:
                 for variant in FP8_VARIANTS:
                     for rows in (1, 16):
                         base = decode_for(True) if rows == 1 else window_for(True)
-                        if variant == "triton f16":
-                            base = dataclasses.replace(base, fp8_dot="float16")
+                        if variant == "triton bf16":
+                            base = dataclasses.replace(base, fp8_dot="bfloat16")
                         elif variant == "mgpu":
                             base = dataclasses.replace(base, impl="mgpu", chunk=awm.CHUNK, partials=awm.PARTIALS)
                         bench_window(env, streams=streams, rows=rows, context=ctx, fp8=True, tiles=base,
