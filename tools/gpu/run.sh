@@ -34,6 +34,17 @@ gpu_pytest() {
   grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_$name.log" | cut -c1-200 | tail -"$lines"
 }
 
+# The engine's fp8 gate (concurrent == solo, fp8 pools) with the window's fp8 dots forced to one dtype. $1: the
+# dtype (WindowTiles.fp8_dot); $2: the time limit (s); $3: the log's name. Prints the result lines.
+fp8_gate_with_dots() {
+  timeout -s INT "$2" python3 -c "import sys, dataclasses, pytest; from pallas_kernels import attention as at; \
+shipped = at.window_tiles; \
+at.window_tiles = lambda **kw: dataclasses.replace(shipped(**kw), fp8_dot='$1'); \
+sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=short \
+    "tests/test_engine_gpu.py::test_concurrent_equals_solo_on_gpu[bfloat16-False-fp8]" > "$out/gpu_fp8_$3.log" 2>&1
+  grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_fp8_$3.log" | cut -c1-300 | tail -4
+}
+
 # The 16-row window's tile variants (row_block 64 / 32 beside the shipped tiles and the other walk).
 attention_window16() {
   timeout 200 python3 -m pallas_kernels.bench attention --sections window16 --budget-s 180 \
@@ -71,12 +82,7 @@ case "$stage" in
     # Session 21, ~8 min: f16 window dots normalise P·vs by the row's max over the keys it sees (session 20's fp8
     # gate failure: a block max over stale slots). The fp8 engine gate with f16 dots, the f16 window gpu tests,
     # then window_fp8: the Triton pass 1 with bf16 and with f16 dots against the Mosaic GPU one (8-bit layout).
-    timeout -s INT 150 python3 -c "import sys, dataclasses, pytest; from pallas_kernels import attention as at; \
-shipped = at.window_tiles; \
-at.window_tiles = lambda **kw: dataclasses.replace(shipped(**kw), fp8_dot='float16'); \
-sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=short \
-      "tests/test_engine_gpu.py::test_concurrent_equals_solo_on_gpu[bfloat16-False-fp8]" > "$out/gpu_fp8_f16dots.log" 2>&1
-    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_fp8_f16dots.log" | cut -c1-300 | tail -4
+    fp8_gate_with_dots float16 150 f16dots
     gpu_pytest 100 window_f16 4 tests/test_attention.py -k "window_gpu_27b and f16"
     timeout 300 python3 -m pallas_kernels.bench attention --sections window_fp8 --budget-s 280 --trace /tmp/ftrace \
       --json "$out/attention_fp8.json" 2>&1 | tee "$out/attention_fp8.log" | grep -A10 "^### window_fp8" ;;
@@ -104,12 +110,7 @@ sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=short \
   eighty-second)
     # Session 20, the last ~2 min: eighty-first's fp8 engine gate failed (concurrent != solo at the first decode
     # step, fp8 pools on the shipped Triton pass 1 with f16 window dots); the same gate with bf16 window dots.
-    timeout -s INT 120 python3 -c "import sys, dataclasses, pytest; from pallas_kernels import attention as at; \
-shipped = at.window_tiles; \
-at.window_tiles = lambda **kw: dataclasses.replace(shipped(**kw), fp8_dot='bfloat16'); \
-sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=line \
-      "tests/test_engine_gpu.py::test_concurrent_equals_solo_on_gpu[bfloat16-False-fp8]" > "$out/gpu_fp8_bf16dots.log" 2>&1
-    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_fp8_bf16dots.log" | cut -c1-300 | tail -4 ;;
+    fp8_gate_with_dots bfloat16 120 bf16dots ;;
   eighty-first)
     # Session 20, last call (~4 min): the fp8 window gpu test (the step against row 0 with bf16 merge dots; f16 ones
     # differed in eightieth), then the engine's gates with the new fp8-pool one.
