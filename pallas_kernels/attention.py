@@ -209,8 +209,8 @@ WINDOW_IMPL = "auto"
 
 
 # Which prompt-chunk kernel a call without explicit tiles runs: "auto" (the Mosaic GPU kernel for bf16 and fp8
-# pools compiled for a GPU, the Triton kernel in interpret mode and for fp32 pools), "triton" or "mgpu". On the H200 (session
-# 14, `bench attention --sections prompt_mgpu`) the Mosaic GPU kernel took 547 / 5651 us for a 4K chunk after 0 /
+# pools compiled for a GPU, the Triton kernel in interpret mode and for fp32 pools), "triton" or "mgpu". On the
+# H200 (session 14, `bench attention --sections prompt_mgpu`) the Mosaic GPU kernel took 547 / 5651 us for a 4K chunk after 0 /
 # 32K keys against the Triton kernel's 849 / 12691 and cuDNN's 554 / 4962.
 PROMPT_IMPL = "auto"
 
@@ -273,6 +273,12 @@ def _padded_rows(n: int) -> int:
 
 def _pow2_floor(n: int) -> int:
     return 1 << max(0, n.bit_length() - 1)
+
+
+def mgpu_operands(q_dtype, pool: KVPool) -> bool:
+    """Whether the Mosaic GPU attention kernels (prompt and window pass 1) take these operands: bf16 queries over a
+    bf16 or fp8 pool. fp32 queries or pools stay on the Triton kernels."""
+    return jnp.dtype(q_dtype) == jnp.bfloat16 and (pool.fp8 or pool.k.dtype == jnp.bfloat16)
 
 
 def _compute_dtype(q_dtype, pool: KVPool, fp8_dot: str = "bfloat16"):
@@ -739,7 +745,7 @@ def model_window_tiles(q_dtype, pool: KVPool, num_heads: int, *, max_keys: int, 
 def _mgpu_pass_one(q: jax.Array, pool: KVPool, tiles: WindowTiles, interpret) -> bool:
     """Whether this window call's pass 1 runs on Mosaic GPU: impl "mgpu" on bf16 queries over a bf16 or fp8 pool
     (fp32 calls keep the Triton pass 1); a model the kernel cannot take is an error, not a silent fallback."""
-    if tiles.impl != "mgpu" or q.dtype != jnp.bfloat16 or not (pool.fp8 or pool.k.dtype == jnp.bfloat16):
+    if tiles.impl != "mgpu" or not mgpu_operands(q.dtype, pool):
         return False
     from pallas_kernels import attention_window_mgpu as awm
     why = awm.unsupported(q.dtype, pool, q.shape[2] // pool.k.shape[0], chunk=tiles.chunk, stages=tiles.num_stages,
@@ -1158,7 +1164,7 @@ def prompt(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, 
         raise ValueError(f"PromptTiles.fp8_dot must be 'bfloat16' or 'float16'; got {tiles.fp8_dot!r}")
     if tiles.impl not in ("triton", "mgpu"):
         raise ValueError(f"PromptTiles.impl must be 'triton' or 'mgpu'; got {tiles.impl!r}")
-    if tiles.impl == "mgpu" and (pool.fp8 or pool.k.dtype == jnp.bfloat16) and q.dtype == jnp.bfloat16:
+    if tiles.impl == "mgpu" and mgpu_operands(q.dtype, pool):
         from pallas_kernels.attention_mgpu import prompt_mgpu  # (it imports this module)
         return prompt_mgpu(q, pool, page_table, start, lengths, scale=scale, interpret=interpret)
     check_prompt_rows(q, pool, page_table, start, lengths)

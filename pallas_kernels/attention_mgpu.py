@@ -63,8 +63,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.attention import SMEM_BYTES, _check_pool, _contiguous_keys, _pad_table, check_prompt_rows
-from pallas_kernels.kv_quant import KVPool
+from pallas_kernels.attention import (SMEM_BYTES, _check_pool, _contiguous_keys, _pad_table, check_prompt_rows,
+                                     mgpu_operands)
+from pallas_kernels.kv_quant import KVPool, dequantize_reference
 from pallas_kernels.mgpu_lowering import CachedKernel
 
 WG_ROWS = 64  # query rows a compute warpgroup owns (the wgmma M)
@@ -302,7 +303,7 @@ def _check(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, 
         raise ValueError(f"q must be [S, T, Hq, D]; got shape {q.shape}")
     d = q.shape[3]
     _check_pool(pool, d)
-    if not (pool.fp8 or pool.k.dtype == jnp.bfloat16) or q.dtype != jnp.bfloat16:
+    if not mgpu_operands(q.dtype, pool):
         raise ValueError(f"prompt_mgpu takes bf16 queries over a bf16 or fp8 pool; got q {q.dtype}, pool "
                          f"{pool.k.dtype} (fp32 pools: attention.prompt with the Triton kernel)")
     if d % 64 or d > 256:
@@ -368,7 +369,7 @@ def dequantized_keys(pool: KVPool, page_table: jax.Array) -> tuple[jax.Array, ja
     k, v, *scales = _contiguous_keys(pool, page_table)
     if not pool.fp8:
         return k, v
-    return tuple((x.astype(jnp.float32) * sc[..., None]).astype(jnp.bfloat16) for x, sc in zip((k, v), scales))
+    return tuple(dequantize_reference(x, sc).astype(jnp.bfloat16) for x, sc in zip((k, v), scales))
 
 
 # Lowered once a process per shapes and static parameters (`mgpu_lowering`): 16 attention layers a prompt program.

@@ -70,7 +70,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.attention import SMEM_BYTES, _padded_rows
+from pallas_kernels.attention import SMEM_BYTES, _padded_rows, mgpu_operands
 from pallas_kernels.attention_mgpu import (COMPUTE_REGISTERS, MEMORY_REGISTERS, WG_ROWS, _div, _transforms, add_pv,
                                            feed_slots, online_softmax, online_start)
 from pallas_kernels.kv_quant import KVPool
@@ -424,7 +424,7 @@ def unsupported(q_dtype, pool: KVPool, group: int, *, chunk: int, stages: int | 
     layout alone: a window of up to MAX_WINDOW_ROWS rows must fit, so that every call of the model (a serial step
     or a drafted window) runs the same pass 1."""
     d = pool.k.shape[-1]
-    if (not pool.fp8 and pool.k.dtype != jnp.bfloat16) or jnp.dtype(q_dtype) != jnp.bfloat16:
+    if not mgpu_operands(q_dtype, pool):
         return f"bf16 queries over a bf16 or fp8 pool only; got q {jnp.dtype(q_dtype)}, pool {pool.k.dtype}"
     if d % 64 or d > 256:
         return f"a head dim that is a multiple of 64, at most 256; got {d}"

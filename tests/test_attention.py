@@ -112,11 +112,12 @@ def bits(x) -> np.ndarray:
 # cases
 # ---------------------------------------------------------------------------------------------------------------
 
-def filled_pool(rng, hkv, num_pages, page_size, d, dtype) -> kq.KVPool:
-    """Every slot holds a random key (quantized for fp8): what a pool looks like after pages have been reused."""
+def filled_pool(rng, hkv, num_pages, page_size, d, dtype, magnitude: float = 1.0) -> kq.KVPool:
+    """Every slot holds a random key (quantized for fp8): what a pool looks like after pages have been reused.
+    magnitude scales every key and value."""
     shape = (hkv, num_pages, page_size, d)
-    k = rng.standard_normal(shape).astype(np.float32) * 2
-    v = rng.standard_normal(shape).astype(np.float32)
+    k = rng.standard_normal(shape).astype(np.float32) * (2 * magnitude)
+    v = rng.standard_normal(shape).astype(np.float32) * magnitude
     if jnp.dtype(dtype) == jnp.dtype(kq.FP8):
         (kc, ks), (vc, vs) = kq.quantize_reference(jnp.asarray(k)), kq.quantize_reference(jnp.asarray(v))
         return kq.KVPool(kc, vc, ks, vs)
@@ -233,13 +234,7 @@ def test_window_row_bits_ignore_stale_slots_and_unseen_window_rows(dtype, fp8_do
     for t, n in zip(np.asarray(table), np.asarray(cache_len)):
         for pos in range(n):
             seen[t[pos // ps], pos % ps] = True
-    stale = filled_pool(np.random.default_rng(18), SMALL["hkv"], pool.k.shape[1], ps, SMALL["d"], jnp.float32)
-    big = kq.KVPool(stale.k * 100, stale.v * 100)
-    if dtype == kq.FP8:
-        (kc, ks), (vc, vs) = kq.quantize_reference(big.k), kq.quantize_reference(big.v)
-        big = kq.KVPool(kc, vc, ks, vs)
-    else:
-        big = kq.KVPool(big.k.astype(dtype), big.v.astype(dtype))
+    big = filled_pool(np.random.default_rng(18), SMALL["hkv"], pool.k.shape[1], ps, SMALL["d"], dtype, magnitude=100)
     keep = jnp.asarray(seen)
     mix = lambda a, b: None if a is None else jnp.where(keep[(None, ...) + (None,) * (a.ndim - 3)], a, b)
     dirty = kq.KVPool(mix(pool.k, big.k), mix(pool.v, big.v), mix(pool.k_scale, big.k_scale),

@@ -448,8 +448,8 @@ def summarize_window_partials(env: Env, bw: float | None) -> None:
                  f"target <= 1.3; copy {bw or math.nan:.2f} TB/s; by kernel: pass 1 / fold / merge")
 
 
-# window_fp8's pass 1 variants: the shipped Triton one (f16 dots), the Triton one with bf16 dots (`WindowTiles.fp8_dot`,
-# order) and the Mosaic GPU one (`attention_window_mgpu.DEQUANT`'s layout).
+# window_fp8's pass 1 variants: the shipped Triton one (f16 dots), the Triton one with bf16 dots
+# (`WindowTiles.fp8_dot`, order) and the Mosaic GPU one (`attention_window_mgpu.DEQUANT`'s layout).
 FP8_VARIANTS = ("triton", "triton bf16", "mgpu")
 
 
@@ -887,7 +887,8 @@ def main(argv: list[str]) -> int:
                                  tag=f"wpd {dtype}")
     if "window_fp8" in sections:
         # fp8 pools: the shipped Triton pass 1 (f16 dots), with bf16 dots, and the Mosaic GPU one (codes
-        # dequantized to bf16 in shared memory, one compute warpgroup a CTA; its own bits), 1- and 16-row windows, 1 stream at every context and 16 streams at the first two.
+        # dequantized to bf16 in shared memory, one compute warpgroup a CTA; its own bits), 1- and 16-row windows,
+        # 1 stream at every context and 16 streams at the first two.
         print("== window_fp8: fp8 pools, Triton against Mosaic GPU pass 1, 1- and 16-row windows", flush=True)
         many = 16 if gpu else 2
         for streams, ctxs in ((1, contexts), (many, contexts[:2])):
