@@ -460,6 +460,34 @@ def summarize_window_fp8(env: Env, bw: float | None) -> None:
                  "target <= 1.3", fp8=True)
 
 
+# decode_sweep: the fp8 pool's 1-row decode (Triton pass 1) under candidate tiles, one stream, kernels alone, split
+# pass 1 / fold / merge. "launch" rows keep the shipped bits; "order" rows would change them once.
+FP8_DECODE_SWEEP = (
+    ("stages 3 (launch)", dict(num_stages=3)),
+    ("stages 4 (launch)", dict(num_stages=4)),
+    ("stages 6 (launch)", dict(num_stages=6)),
+    ("8 warps (order)", dict(num_warps=8)),
+    ("block_k 64 (order)", dict(block_k=64)),
+    ("chunk 1024 (order)", dict(chunk=1024)),
+    ("chunk 256 (order)", dict(chunk=256)),
+    ("fold 4 (order)", dict(fold=4)),
+    ("fold 16 (order)", dict(fold=16)),
+    ("tickets tail (order)", dict(tail="tickets")),
+)
+
+
+def summarize_decode_sweep(env: Env, bw: float | None) -> None:
+    rows = [r for r in env.results if r.get("tag", "").startswith("sweep ")]
+    if not rows:
+        return
+    key = "alone_us" if all("alone_us" in r for r in rows) else "us"
+    print(f"\n### decode_sweep: 1-row decode, µs {'of the kernels alone (trace)' if key == 'alone_us' else 'chained'}; "
+          f"% of the {bw or math.nan:.2f} TB/s copy; by kernel: pass 1 / fold / merge")
+    body = [[r["tag"].removeprefix("sweep "), r["kv"], r["streams"], r["context"], r[key],
+             _pct_copy(r["context"], r["streams"], r[key], bw, r["kv"] == "fp8"), _by_kernel(r)] for r in rows]
+    print(table(["tiles", "kv", "streams", "context", "µs", "% copy", "by kernel"], body))
+
+
 def summarize_window_mgpu(env: Env, bw: float | None) -> None:
     rows = [r for r in env.results if r.get("tag", "").startswith("window_mgpu")]
     if not rows:
@@ -728,7 +756,7 @@ PROMPT_CANDIDATES = (  # (block_q, block_k, num_warps, num_stages, contiguous)
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m pallas_kernels.bench attention")
     ap.add_argument("--sections", default="decode,prompt,window,write",
-                    help="any of compare (shipped tiles vs DECODE_COMPARE/PROMPT_COMPARE and cuDNN, ~2 min), "
+                    help="any of decode_sweep (1-row decode: shipped tiles, fp8 candidates), compare (shipped tiles vs DECODE_COMPARE/PROMPT_COMPARE and cuDNN, ~2 min), "
                          "prompt_mgpu (the Mosaic GPU prompt kernel vs the Triton one and cuDNN; prompt_mgpu_variants "
                          "adds MGPU_VARIANTS), "
                          "window_mgpu (the Mosaic GPU window pass 1 vs the Triton one), "
@@ -761,7 +789,15 @@ def main(argv: list[str]) -> int:
     print(f"device: {dev.device_kind}; jax {jax.__version__}", flush=True)
     bw = None if args.smoke else copy_bandwidth_tbs()
     if bw:
-        print(f"copy bandwidth: {bw:.2f} TB/s", flush=True)
+        print(f"copy bandwidth: {bw:.2f} TB/s (synchronised calls)", flush=True)
+    if bw and args.trace:
+        # With --trace the kernels are timed alone, so the copy they are held against is too: the copy kernel's own
+        # duration. Until session 22 the % columns divided kernel-alone times by the synchronised copy, which read
+        # 3.0-3.5 TB/s against the ~4.3 TB/s the copy kernel itself moves, and so overstated every % of copy.
+        untraced, bw = bw, copy_bandwidth_tbs(trace_dir=args.trace)
+        print(f"copy bandwidth, traced (the copy kernel alone): {bw:.2f} TB/s; the % columns use it", flush=True)
+        env.results.append({"section": "meta", "tag": "copy", "copy_tbs_synchronised": untraced,
+                            "copy_tbs_traced": bw})
     gpu = not args.smoke
     contexts = (64, 256) if args.smoke else (4096, 32768, 131072)
     xla = "xla" in sections
@@ -902,6 +938,22 @@ def main(argv: list[str]) -> int:
                             base = dataclasses.replace(base, impl="mgpu", chunk=awm.CHUNK, partials=awm.PARTIALS)
                         bench_window(env, streams=streams, rows=rows, context=ctx, fp8=True, tiles=base,
                                      impls=("kernel",), tag=f"wf8 {variant}")
+    if "decode_sweep" in sections:
+        # The 1-row decode at the #5 target's context (32K) under the shipped tiles of each pool and, for fp8 pools,
+        # FP8_DECODE_SWEEP's candidates; then 4K and 128K and 16 streams at the shipped tiles.
+        print("== decode_sweep: 1-row decode, shipped tiles and fp8 candidates", flush=True)
+        mid = contexts[1]
+        for fp8 in (False, True):
+            bench_window(env, streams=1, rows=1, context=mid, fp8=fp8, tiles=decode_for(fp8), impls=("kernel",),
+                         tag="sweep shipped")
+        for label, change in FP8_DECODE_SWEEP[:2] if args.smoke else FP8_DECODE_SWEEP:
+            bench_window(env, streams=1, rows=1, context=mid, fp8=True,
+                         tiles=dataclasses.replace(decode_for(True), **change), impls=("kernel",),
+                         tag=f"sweep {label}")
+        for fp8 in (False, True):
+            for streams, ctx in ((1, contexts[0]), (1, contexts[-1]), (16 if gpu else 2, mid)):
+                bench_window(env, streams=streams, rows=1, context=ctx, fp8=fp8, tiles=decode_for(fp8),
+                             impls=("kernel",), tag="sweep shipped")
     if "merge_variants" in sections:
         # The tail's launch choices (MERGE_VARIANTS: same bits) for 16-row bf16 windows on the shipped pass 1, at
         # the two windows the 16-row target is missed on; the 1-row window beside each.
@@ -934,6 +986,7 @@ def main(argv: list[str]) -> int:
     summarize_window_partials(env, bw)
     summarize_window_fp8(env, bw)
     summarize_merge_variants(env)
+    summarize_decode_sweep(env, bw)
     return 0
 
 

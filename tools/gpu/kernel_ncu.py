@@ -39,7 +39,7 @@ def _profiler(call: str) -> None:
 def attention_case(rows: int, context: int, fp8: bool = False):
     env = batt.Env(interpret=False, page_size=64, reps=1, results=[])
     pool, varying = batt.window_inputs(env, streams=1, rows=rows, context=context, fp8=fp8)
-    tiles = at.window_tiles(page_size=64, max_keys=context, head_dim=256, fp8=fp8)
+    tiles = at.model_window_tiles(jnp.bfloat16, pool, 24, max_keys=context, interpret=False)  # as the engine runs
     step = jax.jit(batt._window_step(tiles))
     return step, (pool, *varying[0])
 
@@ -78,6 +78,7 @@ def qmm_case(k: int, n: int, m: int = 1):
 
 CASES = {
     "attn_decode_32k": lambda: attention_case(1, 32768),
+    "attn_decode_32k_fp8": lambda: attention_case(1, 32768, fp8=True),
     "attn_window16_32k": lambda: attention_case(16, 32768),
     "attn_window16_4k": lambda: attention_case(16, 4096),
     "gdn_window_s16_r1": lambda: gdn_window_case(16, 1, gdn.WindowTiles()),
