@@ -105,7 +105,8 @@ class WindowTiles:
     """Tiles of the verify/decode kernel. `block_k`, `chunk` and `fp8_dot` fix a row's reduction order; keep them
     constant for a model and cache layout (window_tiles() picks them from shapes that are). Everything else is a
     launch choice that never changes a row's bits: the number of chunk programs (more pages in the table means more
-    programs, never a different order), the page walk, warps, stages, and how the merge is split and unrolled."""
+    programs, never a different order), the page walk, warps, stages, how the merge is split and unrolled, and
+    whether it folds the chunk groups itself."""
     # block_k 32 on 64-key pages: each page's index is read once and its two blocks are plain loads; on the H200
     # that decoded 32K bf16 in 126 µs against 151 µs for 64-key blocks gathered through the table
     # (docs/kernels/attention.md).
@@ -132,6 +133,13 @@ class WindowTiles:
     # the 287 µs 1-row decode at 128K (bench attention --sections compare, session 7).
     fold: int = 8  # 8: 183.8 µs at 128K against 201.2 for 16 and 298.7 for one pass; level at 32K
     fold_block_d: int | None = None  # head-dim columns per fold program (None: enough programs to fill the GPU)
+    # Tables of more than `fold` chunks: True runs no fold pass; each merge program folds every group of `fold`
+    # chunk partials itself (chunk order inside a group, from zeros, weighted against the committed max) and adds
+    # each group's sum to its running total in group order: the fold pass's operations and the merge's, in their
+    # order, so the same bits, in one launch instead of two. False: the fold pass. None: `fold_in_merge`'s rule on
+    # the call's static shape (few (stream, KV head) pairs: fused). At 1 stream on the H200 the fold pass and the
+    # merge took ~9 µs in two launches, of a ~40 µs 1-row decode at 32K keys.
+    fold_in_merge: bool | None = None
     # Packed rows per chunk program (None: all; a power of two >= 16). A 16-row window packs 128 rows per KV head;
     # in 64-row programs each chunk's keys are read twice but a program holds half the accumulator (the 128-row
     # program used 255 registers and spilled in the offline compile). Order: a row's sums follow the layout of
@@ -455,6 +463,33 @@ def _committed_max(m_ref, n_chunks, real, max_block: int, mrows: int, first=0):
                              jnp.full((mrows,), -jnp.inf, jnp.float32))
 
 
+def _load_entry(l_ref, acc_ref, m_ref, c, ok):
+    """Entry c of l_ref [N, M], acc_ref [N, M, BD] and m_ref [N, M] (None: no maxima) for the rows where ok [M]
+    holds (zeros and -inf elsewhere) -> (l [M], acc [M, BD] fp32, m [M] or None)."""
+    l_c = plgpu.load(l_ref.at[c], mask=ok, other=0.0)
+    # (bf16 partials, `WindowTiles.partials`, widen exactly to fp32 before any arithmetic)
+    acc_c = plgpu.load(acc_ref.at[c], mask=ok[:, None], other=0.0).astype(jnp.float32)
+    m_c = None if m_ref is None else plgpu.load(m_ref.at[c], mask=ok, other=-jnp.inf)
+    return l_c, acc_c, m_c
+
+
+def _add_entry(carry, entry, live, m_base):
+    """carry (l [M], acc [M, BD]) plus a loaded entry (l, acc, m or None), weighted by exp(m - m_base) where it has
+    a max, where live holds. Every fold of partials adds through here, so the fold pass, the merge and the merge
+    that folds the groups itself (`_fold_groups_in_order`) run the same operations."""
+    l, acc = carry
+    l_c, acc_c, m_c = entry
+    if m_c is not None:
+        w = jnp.exp(m_c - m_base)
+        l_c, acc_c = w * l_c, w[:, None] * acc_c
+    # A select, not an added zero: a step past the context must not even flip the sign of a zero.
+    return jnp.where(live, l + l_c, l), jnp.where(live, acc + acc_c, acc)
+
+
+def _zero_sums(mrows: int, bd: int):
+    return jnp.zeros((mrows,), jnp.float32), jnp.zeros((mrows, bd), jnp.float32)
+
+
 def _fold_in_order(l_ref, acc_ref, m_ref, *, first, count: int, n_live, real, m_base, unroll: int, mrows: int,
                    bd: int):
     """Sum of entries first .. first + count - 1 (those below n_live) of l_ref [N, M] and acc_ref [N, M, BD], one
@@ -463,24 +498,88 @@ def _fold_in_order(l_ref, acc_ref, m_ref, *, first, count: int, n_live, real, m_
     maxima [N, M], each entry weighted by exp(m - m_base); None: the entries are already relative to m_base.
     Entries past n_live are never read, and only real rows are loaded."""
     def body(i, carry):
-        l, acc = carry
         for k in range(unroll):
             c = first + i * unroll + k
             live = c < n_live
-            ok = real & live
-            l_c = plgpu.load(l_ref.at[c], mask=ok, other=0.0)
-            # (bf16 partials, `WindowTiles.partials`, widen exactly to fp32 before any arithmetic)
-            acc_c = plgpu.load(acc_ref.at[c], mask=ok[:, None], other=0.0).astype(jnp.float32)
-            if m_ref is not None:
-                w = jnp.exp(plgpu.load(m_ref.at[c], mask=ok, other=-jnp.inf) - m_base)
-                l_c, acc_c = w * l_c, w[:, None] * acc_c
-            # A select, not an added zero: a step past the context must not even flip the sign of a zero.
-            l = jnp.where(live, l + l_c, l)
-            acc = jnp.where(live, acc + acc_c, acc)
-        return l, acc
+            carry = _add_entry(carry, _load_entry(l_ref, acc_ref, m_ref, c, real & live), live, m_base)
+        return carry
 
     steps = (jnp.clip(n_live - first, 0, count) + unroll - 1) // unroll
-    return jax.lax.fori_loop(0, steps, body, (jnp.zeros((mrows,), jnp.float32), jnp.zeros((mrows, bd), jnp.float32)))
+    return jax.lax.fori_loop(0, steps, body, _zero_sums(mrows, bd))
+
+
+def _fold_groups_in_order(l_ref, acc_ref, m_ref, *, n_chunks, real, m_base, fold: int, unroll: int, mrows: int,
+                          bd: int):
+    """The fold pass and the merge's sum over its group partials in one program: each run of `fold` chunk partials
+    (l_ref [NC, M], acc_ref [NC, M, BD], maxima m_ref [NC, M]; NC a multiple of fold) on the absolute chunk grid
+    folded from zeros in chunk order, weighted by exp(m - m_base), as `_window_fold_kernel` folds it; the group
+    sums added from zeros in group order, as `_window_merge_kernel` adds the fold pass's output. Same operations
+    in the same order, so the same bits (a padding row's group sum is zero here, as the merge's masked load of it
+    is). A loop step loads `unroll` chunks (rounded down to a power of two) before it adds any: whole groups where
+    that covers `fold`, so the dependent memory round trips number about chunks / unroll, not chunks."""
+    n_groups = (n_chunks + fold - 1) // fold
+    per_step = _pow2_floor(unroll)
+    if per_step < fold:  # a group in fold / per_step steps of its own (per_step divides fold: both powers of two)
+        def group_body(j, carry):
+            group_sum = _fold_in_order(l_ref, acc_ref, m_ref, first=j * fold, count=fold, n_live=n_chunks,
+                                       real=real, m_base=m_base, unroll=per_step, mrows=mrows, bd=bd)
+            return _add_entry(carry, (*group_sum, None), j < n_groups, m_base)
+
+        return jax.lax.fori_loop(0, n_groups, group_body, _zero_sums(mrows, bd))
+
+    # Whole groups a step; a power of two dividing NC / fold (a power of two too), so no load runs past NC.
+    groups = min(per_step // fold, l_ref.shape[0] // fold)
+
+    def step_body(i, carry):
+        first = i * groups * fold
+        chunks = [first + k for k in range(groups * fold)]
+        entries = [_load_entry(l_ref, acc_ref, m_ref, c, real & (c < n_chunks)) for c in chunks]
+        for j in range(groups):
+            group_sum = _zero_sums(mrows, bd)
+            for k in range(j * fold, (j + 1) * fold):
+                group_sum = _add_entry(group_sum, entries[k], chunks[k] < n_chunks, m_base)
+            carry = _add_entry(carry, (*group_sum, None), i * groups + j < n_groups, m_base)
+        return carry
+
+    return jax.lax.fori_loop(0, (n_groups + groups - 1) // groups, step_body, _zero_sums(mrows, bd))
+
+
+# A merge program whose chunk partials (all of the table's, at its head-dim columns) hold at most this many fp32
+# values loads them all at once, maxima included, and takes the committed max from those same loads: one round trip
+# through memory where the loop takes one for the maxima and one a step. A launch choice (the same operations on the
+# same values in the same order); read when a window call is traced.
+MERGE_ONE_SHOT_FLOATS = 10240
+
+
+def _merge_one_shot(n_entries: int, mrows: int, bd: int) -> bool:
+    return n_entries * mrows * (bd + 2) <= MERGE_ONE_SHOT_FLOATS
+
+
+def _fold_loaded(l_ref, acc_ref, m_ref, *, n_chunks, real, fold: int | None, mrows: int, bd: int):
+    """Every chunk partial of l_ref [NC, M], acc_ref [NC, M, BD], m_ref [NC, M] loaded in one go (the live chunks'
+    real rows; NC static and small, `_merge_one_shot`), then (m_committed [M], m_base [M], (l [M], acc [M, BD])):
+    the committed max over the loaded maxima (exact in any order, the value `_committed_max` finds), and the
+    partials weighted by exp(m - m_base) and added from zeros in chunk order (fold None, as `_fold_in_order`), or
+    in groups of `fold` chunks summed in group order (as `_fold_groups_in_order` and the fold pass with the merge):
+    the same operations in the same order as those, so the same bits."""
+    nc = l_ref.shape[0]
+    entries = [_load_entry(l_ref, acc_ref, m_ref, jnp.int32(c), real & (c < n_chunks)) for c in range(nc)]
+    m_committed = entries[0][2]
+    for entry in entries[1:]:
+        m_committed = jnp.maximum(m_committed, entry[2])
+    m_base = jnp.where(m_committed == -jnp.inf, 0.0, m_committed)
+    total = _zero_sums(mrows, bd)
+    if fold is None:
+        for c, entry in enumerate(entries):
+            total = _add_entry(total, entry, c < n_chunks, m_base)
+        return m_committed, m_base, total
+    n_groups = (n_chunks + fold - 1) // fold
+    for j in range(-(-nc // fold)):
+        group_sum = _zero_sums(mrows, bd)
+        for c in range(j * fold, min(nc, (j + 1) * fold)):
+            group_sum = _add_entry(group_sum, entries[c], c < n_chunks, m_base)
+        total = _add_entry(total, (*group_sum, None), j < n_groups, m_base)
+    return m_committed, m_base, total
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -511,11 +610,12 @@ def _window_fold_kernel(cache_len_ref, m_ref, l_ref, acc_ref, lg_ref, accg_ref, 
 
 def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref, acc_ref, *refs,
                          fp8: bool, scale: float, r: int, group: int, mrows: int, rp: int, max_keys: int, chunk: int,
-                         fold: int | None, unroll: int, max_block: int, cdt):
+                         fold: int | None, fold_here: bool, unroll: int, max_block: int, cdt):
     # cache_len_ref [S]; parents_ref [R]; q_ref [R*Hq, D]; kw_ref [R*Hkv, D], vw_ref [R*Hkv, BD] the window's
     # rows as stored (fp8 codes or pool dtype; row j*Hkv + g is window key j of KV head g); m_ref [NC, M] the chunk
-    # maxima; l_ref, acc_ref [N, M], [N, M, BD]: the chunk partials (fold None) or the fold pass's group partials;
-    # fp8: ksw_ref, vsw_ref [R*Hkv]; output o_ref [M, BD].
+    # maxima; l_ref, acc_ref [N, M], [N, M, BD]: the chunk partials (fold None, or fold_here: this program folds
+    # the groups of `fold` chunks itself) or the fold pass's group partials; fp8: ksw_ref, vsw_ref [R*Hkv];
+    # output o_ref [M, BD].
     if fp8:
         ksw_ref, vsw_ref, o_ref = refs
     else:
@@ -524,7 +624,16 @@ def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_re
     s, g = pl.program_id(0), pl.program_id(1)
     n_chunks = (jnp.minimum(cache_len_ref[s], max_keys) + chunk - 1) // chunk
     idx, real = _packed_rows(mrows, r, q_ref.shape[0] // r, group, g)
+    q = q_ref[idx].astype(cdt)  # (loaded first: it does not wait on the partials)
     bd = acc_ref.shape[2]
+    chunk_partials = fold is None or fold_here
+    if chunk_partials and _merge_one_shot(l_ref.shape[0], mrows, bd):
+        m_committed, m_base, (l, acc) = _fold_loaded(l_ref, acc_ref, m_ref, n_chunks=n_chunks, real=real,
+                                                     fold=fold, mrows=mrows, bd=bd)
+        o_ref[...] = _with_window_keys(l, acc, m_committed, m_base, q, real, g, parents_ref, kw_ref, vw_ref,
+                                       ksw_ref, vsw_ref, scale=scale, r=r, group=group, rp=rp, first_row=0,
+                                       cdt=cdt).astype(o_ref.dtype)
+        return
     m_committed = _committed_max(m_ref, n_chunks, real, max_block, mrows)
 
     # The fold is relative to the committed max alone (the window's keys join after it), which keeps the loop free
@@ -532,13 +641,17 @@ def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_re
     # convert every loaded [M, BD] partial into the MMA layout through shared memory.
     # Chunk partials are weighted here; the fold pass's group partials were weighted there.
     m_base = jnp.where(m_committed == -jnp.inf, 0.0, m_committed)
-    l, acc = _fold_in_order(l_ref, acc_ref, m_ref if fold is None else None, first=0, count=l_ref.shape[0],
-                            n_live=n_chunks if fold is None else (n_chunks + fold - 1) // fold, real=real,
-                            m_base=m_base, unroll=unroll, mrows=mrows, bd=bd)
+    if fold is not None and fold_here:
+        l, acc = _fold_groups_in_order(l_ref, acc_ref, m_ref, n_chunks=n_chunks, real=real, m_base=m_base,
+                                       fold=fold, unroll=unroll, mrows=mrows, bd=bd)
+    else:
+        l, acc = _fold_in_order(l_ref, acc_ref, m_ref if fold is None else None, first=0, count=l_ref.shape[0],
+                                n_live=n_chunks if fold is None else (n_chunks + fold - 1) // fold, real=real,
+                                m_base=m_base, unroll=unroll, mrows=mrows, bd=bd)
 
-    o_ref[...] = _with_window_keys(l, acc, m_committed, m_base, q_ref[idx].astype(cdt), real, g, parents_ref,
-                                   kw_ref, vw_ref, ksw_ref, vsw_ref, scale=scale, r=r, group=group, rp=rp,
-                                   first_row=0, cdt=cdt).astype(o_ref.dtype)
+    o_ref[...] = _with_window_keys(l, acc, m_committed, m_base, q, real, g, parents_ref, kw_ref, vw_ref, ksw_ref,
+                                   vsw_ref, scale=scale, r=r, group=group, rp=rp, first_row=0,
+                                   cdt=cdt).astype(o_ref.dtype)
 
 
 def _with_window_keys(l, acc, m_committed, m_base, q, real, g, parents_ref, kw_ref, vw_ref, ksw_ref, vsw_ref, *,
@@ -671,6 +784,20 @@ def merge_launch(tiles: WindowTiles, *, streams: int, hkv: int, mrows: int, head
     if groups is None:
         return bd, tiles.merge_unroll or unroll
     return bd, min(unroll, tiles.fold)
+
+
+def fold_in_merge(tiles: WindowTiles, *, streams: int, hkv: int) -> bool:
+    """Whether a window call on a table of more than `fold` chunks folds the groups inside the merge (one launch)
+    rather than in a fold pass of its own (`WindowTiles.fold_in_merge`). Either way a row gets the same bits, so
+    the choice may follow the call's static shape, never its cache_len values. None: fused for at most 8
+    (stream, KV head) pairs (1 or 2 streams at the 27B shape), where the fold pass has few programs to spread and
+    its launch and the group partials' round trip through memory weigh most; the bench is to settle the bound.
+    ncu on the H200, 1 stream, 1 row, a 32K-key table (kernels alone, launch gaps not counted): the bf16 pool's 32
+    chunks (Mosaic GPU pass 1) took fold 6.3 + merge 4.7 µs against 8.2 fused; the fp8 pool's 64 (Triton pass 1)
+    6.7 + 5.6 against 13.3, and at 19000 keys 6.5 + 5.5 against 10.9."""
+    if tiles.fold_in_merge is not None:
+        return tiles.fold_in_merge
+    return streams * hkv <= 8
 
 
 class _PassOne(NamedTuple):
@@ -822,9 +949,10 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
     `tiles.chunk` keys, one program each, and writes per-chunk partials; pass 2 folds them in chunk order and
     adds the window's own keys last (they sit after every committed key). On a table of more than `tiles.fold`
     chunks, a fold pass in between folds each run of `fold` chunks in its own programs and pass 2 adds those group
-    partials in order (the same bits as one pass wherever a stream's context fits one group). A row's bits depend
-    only on its own stream's inputs and the tiles' reduction fields: not on other streams, nor on how many pages
-    the table holds, nor on the launch fields. tiles=None: `model_window_tiles` for this pool and table.
+    partials in order (the same bits as one pass wherever a stream's context fits one group), or pass 2 folds the
+    groups itself, the same operations in one launch (`fold_in_merge`). A row's bits depend only on its own
+    stream's inputs and the tiles' reduction fields: not on other streams, nor on how many pages the table holds,
+    nor on the launch fields. tiles=None: `model_window_tiles` for this pool and table.
 
     q [S, R, Hq, D]; k_win, v_win [S, R, Hkv, D]; parents [S, R]; page_table [S, Pmax]; cache_len [S]
     -> o [S, R, Hq, D] in q.dtype
@@ -851,7 +979,8 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
     nc_pad = m.shape[2]
     max_block = min(nc_pad, _pow2_floor(max(1, 4096 // mrows)))
     q_rows = q.reshape(s, r * hq, d)  # free: rows picked inside the kernels
-    if grouped:
+    fold_here = grouped and fold_in_merge(tiles, streams=s, hkv=hkv)
+    if grouped and not fold_here:
         groups = nc_pad // tiles.fold
         with jax.named_scope("attn_window_fold"):
             bdf, unroll_f = merge_launch(tiles, streams=s, hkv=hkv, mrows=mrows, head_dim=d, groups=groups)
@@ -878,7 +1007,7 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
         kw, vw, scales = _window_rows_as_stored(k_win, v_win, pool, interpret)
         kernel = functools.partial(_window_merge_kernel, fp8=fp8, scale=scale, r=r, group=group, mrows=mrows, rp=rp,
                                    max_keys=max_keys, chunk=tiles.chunk, fold=tiles.fold if grouped else None,
-                                   unroll=unroll, max_block=max_block, cdt=cdt)
+                                   fold_here=fold_here, unroll=unroll, max_block=max_block, cdt=cdt)
         win_scale = pl.BlockSpec((None, r * hkv), lambda i, j, e: (i, 0))
         out = pallas_call(
             kernel,
@@ -1021,6 +1150,8 @@ def _check_window(q, k_win, v_win, parents, pool: KVPool, page_table, cache_len,
     if tiles.fold_block_d is not None and (tiles.fold_block_d & (tiles.fold_block_d - 1)
                                            or d % min(tiles.fold_block_d, d)):
         raise ValueError(f"WindowTiles.fold_block_d={tiles.fold_block_d} must be a power of two dividing {d}")
+    if tiles.fold_in_merge not in (None, True, False):
+        raise ValueError(f"WindowTiles.fold_in_merge must be None, True or False; got {tiles.fold_in_merge!r}")
     if tiles.merge_unroll is not None and tiles.merge_unroll < 1:
         raise ValueError(f"WindowTiles.merge_unroll={tiles.merge_unroll} must be >= 1")
     if tiles.fp8_dot not in ("bfloat16", "float16"):

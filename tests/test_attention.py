@@ -276,6 +276,91 @@ def test_window_fold_pass_bits(dtype):
     assert np.array_equal(bits(moved[2]), bits(batch[2]))
 
 
+# 16-key chunks folded in pairs over a table of 12 pages of 8 (6 chunks, padded to 4 groups), every context short
+# of it: 70 keys (5 chunks: groups of 2, 2 and a last one of 1), 13 (one chunk), none, 40 (3 chunks: a full group
+# and a last one of 1), 24 (one full group).
+FOLD_TILES = at.WindowTiles(block_k=16, chunk=16, merge_block_d=16, fold=2)
+FOLD_WINDOW = dict(s=5, pmax=12, num_pages=70, cache_lens=[70, 13, 0, 40, 24],
+                   parents=[TREE, CHAIN, TREE, CHAIN, TREE], **SMALL)
+
+
+def exact_product_partials(rng, cache_len, *, hkv: int, rows: int, group: int, chunk: int, chunks: int, d: int,
+                           acc_dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Chunk partials (m, l [S, Hkv, NC, M], acc [S, Hkv, NC, M, D]) as pass 1 lays them out, whose l and acc
+    entries are signed powers of two: every weighted entry exp(m - m_base) * x is exact in fp32, so an FMA and a
+    multiply then add give the same bits, and only the order of the sums shows. Entries pass 1 would leave
+    unwritten (chunks past the context, padding rows) are NaN."""
+    s, mrows = len(cache_len), at._padded_rows(rows * group)
+    shape = (s, hkv, chunks, mrows)
+    m = rng.standard_normal(shape) * 2
+    l = 2.0 ** rng.integers(-3, 4, shape)
+    acc = rng.choice([-1.0, 1.0], shape + (d,)) * 2.0 ** rng.integers(-6, 4, shape + (d,))
+    n_chunks = -(-np.asarray(cache_len) // chunk)
+    written = ((np.arange(chunks)[None, :, None] < n_chunks[:, None, None])
+               & (np.arange(mrows) < rows * group)[None, None, :])[:, None]  # [S, 1, NC, M]
+    m, l = np.where(written, m, np.nan), np.where(written, l, np.nan)
+    acc = np.where(written[..., None], acc, np.nan)
+    return jnp.asarray(m, jnp.float32), jnp.asarray(l, jnp.float32), jnp.asarray(acc, acc_dtype)
+
+
+def test_window_fold_in_merge_bits(monkeypatch):
+    """WindowTiles.fold_in_merge=True (the merge folds the groups itself; no fold kernel) has the bits of the fold
+    pass and merge: a 7-row tree over a bf16 pool with fp32 O partials, at merge unrolls that load part of a group
+    (1) and two whole groups (4) a step, and a 1-row step over an fp8 pool with bf16 O partials, the whole table a
+    step (None: 16); rows out in fp32, where a regrouped sum shows (folding in fours instead of pairs does).
+    Pass 1 is swapped for exact_product_partials: XLA:CPU contracts a*b + c into an FMA where its code for a
+    fusion keeps the two in one basic block, which follows its fusions' layout (LLVM tail-merged one row's last add
+    out of the FMA in one fusion and not in another here), so on the CPU the fp32 bits of arbitrary partials
+    follow XLA's fusions as well as the kernels' operations; exact products leave the operations' order alone to
+    show. With the real pass 1, bf16 rows out: `test_window_fold_pass_bits` (one stream fuses by default);
+    compiled, FMAs and all: `test_window_fold_in_merge_gpu_27b`."""
+    rng = np.random.default_rng(16)
+    scale = SMALL["d"] ** -0.5
+    hkv, group = SMALL["hkv"], SMALL["hq"] // SMALL["hkv"]
+
+    # The fused merge runs no fold kernel; None fuses at most 8 (stream, KV head) pairs (2 KV heads here).
+    def fold_kernels(case, streams):
+        fn = functools.partial(at.window, scale=scale, interpret=True, tiles=FOLD_TILES)
+        args = [x if i == 4 else x[:streams] for i, x in enumerate(case)]
+        return str(jax.make_jaxpr(fn)(*args)).count("attn_window_fold")
+
+    case = window_case(rng, r=1, dtype=jnp.bfloat16, **FOLD_WINDOW)
+    assert fold_kernels(case, 4) == 0 and fold_kernels(case, 5) > 0
+    assert at.fold_in_merge(dataclasses.replace(FOLD_TILES, fold_in_merge=True), streams=64, hkv=8)
+    assert not at.fold_in_merge(dataclasses.replace(FOLD_TILES, fold_in_merge=False), streams=1, hkv=1)
+
+    shipped_one_shot = at.MERGE_ONE_SHOT_FLOATS
+
+    def run(*case, tiles, one_shot=shipped_one_shot):
+        # (a trace of its own for each setting: pass 1 is swapped, and MERGE_ONE_SHOT_FLOATS is read when tracing)
+        monkeypatch.setattr(at, "MERGE_ONE_SHOT_FLOATS", one_shot)
+        return jax.jit(functools.partial(at.window, scale=scale, interpret=True, tiles=tiles))(*case)
+
+    two = dataclasses.replace(FOLD_TILES, fold_in_merge=False)
+    fused = dataclasses.replace(FOLD_TILES, fold_in_merge=True)
+    for dtype, rows, acc_dtype, unrolls in ((jnp.bfloat16, 7, jnp.float32, (1, 4)), (kq.FP8, 1, jnp.bfloat16, (None,))):
+        case = window_case(rng, r=rows, dtype=dtype, **FOLD_WINDOW)
+        case = (case[0].astype(jnp.float32),) + case[1:]
+        parts = exact_product_partials(rng, FOLD_WINDOW["cache_lens"], hkv=hkv, rows=rows, group=group,
+                                       chunk=FOLD_TILES.chunk, chunks=8, d=SMALL["d"], acc_dtype=acc_dtype)
+        monkeypatch.setattr(at, "window_partials", lambda *args, **kwargs: parts)
+        want = run(*case, tiles=two)
+        assert np.isfinite(np.asarray(want)).all()
+        for unroll in unrolls:  # the merge's loop: the maxima, then `unroll` chunks a step
+            got = run(*case, tiles=dataclasses.replace(fused, merge_unroll=unroll), one_shot=0)
+            assert np.array_equal(bits(got), bits(want)), (dtype, rows, unroll)
+        # Every partial loaded at once (MERGE_ONE_SHOT_FLOATS: this table fits), grouped and not (fold 16: the
+        # table's 8 chunks make one group, so no fold at all), against the loop.
+        monkeypatch.setattr(at, "MERGE_ONE_SHOT_FLOATS", shipped_one_shot)
+        assert at._merge_one_shot(8, at._padded_rows(rows * group), 16)
+        assert np.array_equal(bits(run(*case, tiles=fused)), bits(want)), (dtype, rows, "one shot")
+        flat = dataclasses.replace(FOLD_TILES, fold=16)
+        assert np.array_equal(bits(run(*case, tiles=flat)), bits(run(*case, tiles=flat, one_shot=0))), (dtype, rows)
+    fours = run(*case, tiles=dataclasses.replace(fused, fold=4))
+    assert not np.array_equal(bits(fours[0]), bits(want[0]))  # 70 keys: 5 chunks
+    assert np.array_equal(bits(fours[1:]), bits(want[1:]))  # at most 3 chunks: the same sums either way
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
 def test_window_tickets_tail(dtype):
     """tail="tickets" (fold and merge in pass 1's tail, by atomic tickets): right against float64, with a stream
@@ -557,6 +642,16 @@ def test_kernels_lower_to_triton_at_27b_shape(h200_lowering):
                         sds((s, r, 4, 256), jnp.bfloat16), sds((s, r), jnp.int32), pool, sds((s, pmax), jnp.int32),
                         sds((s,), jnp.int32))
                 assert triton_calls(fn, *args)
+        # 1 stream over a 32K-key table, the model's tiles (test_window_fold_in_merge_gpu_27b): the merge folding
+        # the groups itself (two a step; half a group a step, fp32 queries) and the fold pass with the merge.
+        model = at.model_window_tiles(jnp.bfloat16, pool, 24, max_keys=512 * 64, interpret=False)
+        for q_dtype, fused, unroll in ((jnp.bfloat16, True, None), (jnp.float32, True, 4), (jnp.float32, False, None)):
+            fn = functools.partial(at.window, scale=1 / 16,
+                                   tiles=dataclasses.replace(model, fold_in_merge=fused, merge_unroll=unroll))
+            args = (sds((1, 1, 24, 256), q_dtype), sds((1, 1, 4, 256), jnp.bfloat16), sds((1, 1, 4, 256), jnp.bfloat16),
+                    sds((1, 1), jnp.int32), pool, sds((1, 512), jnp.int32), sds((1,), jnp.int32))
+            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert ("attn_window_fold" in text) != fused and "__gpu$xla.gpu.triton" in text
         for tiles in [None] + gpu_prompt_configs():
             fn = functools.partial(at.prompt, scale=1 / 16, tiles=tiles)
             args = (sds((1, 512, 24, 256), jnp.bfloat16), pool, sds((1, 24), jnp.int32), sds((1,), jnp.int32),
@@ -623,6 +718,35 @@ def test_window_fold_pass_gpu_27b(dtype):
     q, kw, vw, par, pool, table, cl = case
     one_pass = run_window(q, kw, vw, par, pool, table[:, :8], cl, scale=scale, interpret=False, tiles=tiles)
     assert np.array_equal(bits(one_pass[1]), bits(got[1]))
+
+
+@GPU
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
+def test_window_fold_in_merge_gpu_27b(dtype):
+    """The merge folding the groups itself, compiled: 1 stream, a table of 32K keys with 19000 live (the last group
+    partial under either pass 1's chunk), the model's tiles; the bits of the fold pass and merge, for bf16 queries
+    (the model's: over a bf16 pool the Mosaic GPU pass 1 and its bf16 O partials) and fp32 ones (the Triton pass 1;
+    rows out in fp32, where a regrouped sum would show), two groups a loop step (the launch rule) or half a group
+    (4 chunks)."""
+    rng = np.random.default_rng(34)
+    case = window_case(rng, s=1, r=1, pmax=512, num_pages=520, dtype=dtype, cache_lens=[19000], parents=[[-1]],
+                       **BIG)
+    q, kw, vw, par, pool, table, cl = case
+    scale = 1 / 16
+    tiles = at.model_window_tiles(jnp.bfloat16, pool, 24, max_keys=512 * 64, interpret=False)
+    want64 = np_window(*case, scale)
+    for queries in (q, q.astype(jnp.float32)):
+        args = (queries, kw, vw, par, pool, table, cl)
+        want = run_window(*args, scale=scale, interpret=False, tiles=dataclasses.replace(tiles, fold_in_merge=False))
+        assert rel_err(want, want64) < 1e-2
+        for unroll, one_shot in ((None, 0), (4, 0), (None, 1 << 20)):  # the merge's loop; every partial at once
+            at.MERGE_ONE_SHOT_FLOATS, shipped = one_shot, at.MERGE_ONE_SHOT_FLOATS
+            try:  # (a jit of its own: the constant is read when tracing)
+                got = jax.jit(functools.partial(at.window, scale=scale, tiles=dataclasses.replace(
+                    tiles, fold_in_merge=True, merge_unroll=unroll)))(*args)
+            finally:
+                at.MERGE_ONE_SHOT_FLOATS = shipped
+            assert np.array_equal(bits(got), bits(want)), (queries.dtype, unroll, one_shot)
 
 
 @GPU

@@ -476,6 +476,16 @@ FP8_DECODE_SWEEP = (
 )
 
 
+SHIPPED_ONE_SHOT = at.MERGE_ONE_SHOT_FLOATS
+# decode_sweep's tails: (label, WindowTiles change, MERGE_ONE_SHOT_FLOATS); all launch choices (the same bits).
+TAIL_SWEEP = (
+    ("shipped", {}, SHIPPED_ONE_SHOT),
+    ("fold pass + merge", dict(fold_in_merge=False), SHIPPED_ONE_SHOT),
+    ("merge loop", {}, 0),
+    ("one shot 64K floats", {}, 1 << 16),
+)
+
+
 def summarize_decode_sweep(env: Env, bw: float | None) -> None:
     rows = [r for r in env.results if r.get("tag", "").startswith("sweep ")]
     if not rows:
@@ -756,7 +766,8 @@ PROMPT_CANDIDATES = (  # (block_q, block_k, num_warps, num_stages, contiguous)
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m pallas_kernels.bench attention")
     ap.add_argument("--sections", default="decode,prompt,window,write",
-                    help="any of decode_sweep (1-row decode: shipped tiles, fp8 candidates), compare (shipped tiles vs DECODE_COMPARE/PROMPT_COMPARE and cuDNN, ~2 min), "
+                    help="any of decode_sweep (1-row decode: the tail launch choices), fp8_tiles_sweep (1-row fp8 "
+                         "decode: candidate tiles), compare (shipped tiles vs DECODE_COMPARE/PROMPT_COMPARE and cuDNN, ~2 min), "
                          "prompt_mgpu (the Mosaic GPU prompt kernel vs the Triton one and cuDNN; prompt_mgpu_variants "
                          "adds MGPU_VARIANTS), "
                          "window_mgpu (the Mosaic GPU window pass 1 vs the Triton one), "
@@ -938,22 +949,34 @@ def main(argv: list[str]) -> int:
                             base = dataclasses.replace(base, impl="mgpu", chunk=awm.CHUNK, partials=awm.PARTIALS)
                         bench_window(env, streams=streams, rows=rows, context=ctx, fp8=True, tiles=base,
                                      impls=("kernel",), tag=f"wf8 {variant}")
-    if "decode_sweep" in sections:
-        # The 1-row decode at the #5 target's context (32K) under the shipped tiles of each pool and, for fp8 pools,
-        # FP8_DECODE_SWEEP's candidates; then 4K and 128K and 16 streams at the shipped tiles.
-        print("== decode_sweep: 1-row decode, shipped tiles and fp8 candidates", flush=True)
-        mid = contexts[1]
-        for fp8 in (False, True):
-            bench_window(env, streams=1, rows=1, context=mid, fp8=fp8, tiles=decode_for(fp8), impls=("kernel",),
-                         tag="sweep shipped")
+    if "fp8_tiles_sweep" in sections:
+        # The fp8 pool's 1-row decode at 32K under FP8_DECODE_SWEEP's candidate tiles (session 22, 689943d).
+        print("== fp8_tiles_sweep: 1-row fp8 decode, shipped tiles and candidates", flush=True)
+        bench_window(env, streams=1, rows=1, context=contexts[1], fp8=True, tiles=decode_for(True),
+                     impls=("kernel",), tag="sweep shipped")
         for label, change in FP8_DECODE_SWEEP[:2] if args.smoke else FP8_DECODE_SWEEP:
-            bench_window(env, streams=1, rows=1, context=mid, fp8=True,
+            bench_window(env, streams=1, rows=1, context=contexts[1], fp8=True,
                          tiles=dataclasses.replace(decode_for(True), **change), impls=("kernel",),
                          tag=f"sweep {label}")
+    if "decode_sweep" in sections:
+        # The 1-row decode's tail by launch choice (same bits): the shipped rule, the fold pass and merge in two
+        # launches (fold_in_merge False), and the merge's loop in place of loading every partial at once
+        # (MERGE_ONE_SHOT_FLOATS 0), or every partial at once where the rule would loop; each pool, 1 stream at
+        # every context; then 16 streams at 32K as shipped.
+        print("== decode_sweep: 1-row decode, the tail's launch choices", flush=True)
+        for ctx in (contexts[1], contexts[0], contexts[-1]):
+            for fp8 in (False, True):
+                for label, change, one_shot in TAIL_SWEEP:
+                    at.MERGE_ONE_SHOT_FLOATS = one_shot  # read when the chain is traced
+                    try:
+                        bench_window(env, streams=1, rows=1, context=ctx, fp8=fp8,
+                                     tiles=dataclasses.replace(decode_for(fp8), **change), impls=("kernel",),
+                                     tag=f"sweep {label}")
+                    finally:
+                        at.MERGE_ONE_SHOT_FLOATS = SHIPPED_ONE_SHOT
         for fp8 in (False, True):
-            for streams, ctx in ((1, contexts[0]), (1, contexts[-1]), (16 if gpu else 2, mid)):
-                bench_window(env, streams=streams, rows=1, context=ctx, fp8=fp8, tiles=decode_for(fp8),
-                             impls=("kernel",), tag="sweep shipped")
+            bench_window(env, streams=16 if gpu else 2, rows=1, context=contexts[1], fp8=fp8, tiles=decode_for(fp8),
+                         impls=("kernel",), tag="sweep shipped")
     if "merge_variants" in sections:
         # The tail's launch choices (MERGE_VARIANTS: same bits) for 16-row bf16 windows on the shipped pass 1, at
         # the two windows the 16-row target is missed on; the 1-row window beside each.
