@@ -137,8 +137,8 @@ class WindowTiles:
     # chunk partials itself (chunk order inside a group, from zeros, weighted against the committed max) and adds
     # each group's sum to its running total in group order: the fold pass's operations and the merge's, in their
     # order, so the same bits, in one launch instead of two. False: the fold pass. None: `fold_in_merge`'s rule on
-    # the call's static shape (few (stream, KV head) pairs: fused). At 1 stream on the H200 the fold pass and the
-    # merge took ~9 µs in two launches, of a ~40 µs 1-row decode at 32K keys.
+    # the call's static shape (few (stream, KV head) pairs and a short table: fused). At 1 stream on the H200 a
+    # 1-row decode of 32K keys over a bf16 pool took 41.0 µs fused against 44.8 (kernels alone, session 22).
     fold_in_merge: bool | None = None
     # Packed rows per chunk program (None: all; a power of two >= 16). A 16-row window packs 128 rows per KV head;
     # in 64-row programs each chunk's keys are read twice but a program holds half the accumulator (the 128-row
@@ -544,44 +544,6 @@ def _fold_groups_in_order(l_ref, acc_ref, m_ref, *, n_chunks, real, m_base, fold
     return jax.lax.fori_loop(0, (n_groups + groups - 1) // groups, step_body, _zero_sums(mrows, bd))
 
 
-# A merge program whose chunk partials (all of the table's, at its head-dim columns) hold at most this many fp32
-# values loads them all at once, maxima included, and takes the committed max from those same loads: one round trip
-# through memory where the loop takes one for the maxima and one a step. A launch choice (the same operations on the
-# same values in the same order); read when a window call is traced.
-MERGE_ONE_SHOT_FLOATS = 10240
-
-
-def _merge_one_shot(n_entries: int, mrows: int, bd: int) -> bool:
-    return n_entries * mrows * (bd + 2) <= MERGE_ONE_SHOT_FLOATS
-
-
-def _fold_loaded(l_ref, acc_ref, m_ref, *, n_chunks, real, fold: int | None, mrows: int, bd: int):
-    """Every chunk partial of l_ref [NC, M], acc_ref [NC, M, BD], m_ref [NC, M] loaded in one go (the live chunks'
-    real rows; NC static and small, `_merge_one_shot`), then (m_committed [M], m_base [M], (l [M], acc [M, BD])):
-    the committed max over the loaded maxima (exact in any order, the value `_committed_max` finds), and the
-    partials weighted by exp(m - m_base) and added from zeros in chunk order (fold None, as `_fold_in_order`), or
-    in groups of `fold` chunks summed in group order (as `_fold_groups_in_order` and the fold pass with the merge):
-    the same operations in the same order as those, so the same bits."""
-    nc = l_ref.shape[0]
-    entries = [_load_entry(l_ref, acc_ref, m_ref, jnp.int32(c), real & (c < n_chunks)) for c in range(nc)]
-    m_committed = entries[0][2]
-    for entry in entries[1:]:
-        m_committed = jnp.maximum(m_committed, entry[2])
-    m_base = jnp.where(m_committed == -jnp.inf, 0.0, m_committed)
-    total = _zero_sums(mrows, bd)
-    if fold is None:
-        for c, entry in enumerate(entries):
-            total = _add_entry(total, entry, c < n_chunks, m_base)
-        return m_committed, m_base, total
-    n_groups = (n_chunks + fold - 1) // fold
-    for j in range(-(-nc // fold)):
-        group_sum = _zero_sums(mrows, bd)
-        for c in range(j * fold, min(nc, (j + 1) * fold)):
-            group_sum = _add_entry(group_sum, entries[c], c < n_chunks, m_base)
-        total = _add_entry(total, (*group_sum, None), j < n_groups, m_base)
-    return m_committed, m_base, total
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Verify/decode window: between the passes on long tables, fold each run of `fold` chunk partials in parallel
 # ----------------------------------------------------------------------------------------------------------------
@@ -626,14 +588,6 @@ def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_re
     idx, real = _packed_rows(mrows, r, q_ref.shape[0] // r, group, g)
     q = q_ref[idx].astype(cdt)  # (loaded first: it does not wait on the partials)
     bd = acc_ref.shape[2]
-    chunk_partials = fold is None or fold_here
-    if chunk_partials and _merge_one_shot(l_ref.shape[0], mrows, bd):
-        m_committed, m_base, (l, acc) = _fold_loaded(l_ref, acc_ref, m_ref, n_chunks=n_chunks, real=real,
-                                                     fold=fold, mrows=mrows, bd=bd)
-        o_ref[...] = _with_window_keys(l, acc, m_committed, m_base, q, real, g, parents_ref, kw_ref, vw_ref,
-                                       ksw_ref, vsw_ref, scale=scale, r=r, group=group, rp=rp, first_row=0,
-                                       cdt=cdt).astype(o_ref.dtype)
-        return
     m_committed = _committed_max(m_ref, n_chunks, real, max_block, mrows)
 
     # The fold is relative to the committed max alone (the window's keys join after it), which keeps the loop free
@@ -786,18 +740,25 @@ def merge_launch(tiles: WindowTiles, *, streams: int, hkv: int, mrows: int, head
     return bd, min(unroll, tiles.fold)
 
 
-def fold_in_merge(tiles: WindowTiles, *, streams: int, hkv: int) -> bool:
-    """Whether a window call on a table of more than `fold` chunks folds the groups inside the merge (one launch)
-    rather than in a fold pass of its own (`WindowTiles.fold_in_merge`). Either way a row gets the same bits, so
-    the choice may follow the call's static shape, never its cache_len values. None: fused for at most 8
-    (stream, KV head) pairs (1 or 2 streams at the 27B shape), where the fold pass has few programs to spread and
-    its launch and the group partials' round trip through memory weigh most; the bench is to settle the bound.
-    ncu on the H200, 1 stream, 1 row, a 32K-key table (kernels alone, launch gaps not counted): the bf16 pool's 32
-    chunks (Mosaic GPU pass 1) took fold 6.3 + merge 4.7 µs against 8.2 fused; the fp8 pool's 64 (Triton pass 1)
-    6.7 + 5.6 against 13.3, and at 19000 keys 6.5 + 5.5 against 10.9."""
+# The longest table (in chunks) whose merge folds the groups itself under fold_in_merge's rule. On the H200
+# (`bench attention --sections decode_sweep --trace`, session 22, 1 stream, 1 row, kernels alone) the fused merge
+# took 5.3 µs over 32 live chunks against the fold pass's 5.3 + the merge's 3.6, but 12.3 over 64 (against 5.0 +
+# 4.0) and 21.1 / 40.5 over 128 / 256 (against 6.8 + 4.5 / 8.4 + 6.7): its one program walks the chunks in
+# sequence, where the fold pass spreads the groups. 40: between the two measured points, under the break-even
+# (about 48 chunks) that a straight line through them puts.
+FOLD_IN_MERGE_MAX_CHUNKS = 40
+
+
+def fold_in_merge(tiles: WindowTiles, *, streams: int, hkv: int, chunks: int) -> bool:
+    """Whether a window call on a table of more than `fold` chunks (`chunks` of them, the table's width in chunks)
+    folds the groups inside the merge (one launch) rather than in a fold pass of its own
+    (`WindowTiles.fold_in_merge`). Either way a row gets the same bits, so the choice may follow the call's static
+    shape, never its cache_len values. None: fused for at most 8 (stream, KV head) pairs (1 or 2 streams at the 27B
+    shape), where the fold pass has few programs to spread, on tables of at most FOLD_IN_MERGE_MAX_CHUNKS chunks.
+    Fused, the 1-stream 1-row decode of 32K keys over a bf16 pool took 41.0 µs against 44.8 (kernels alone)."""
     if tiles.fold_in_merge is not None:
         return tiles.fold_in_merge
-    return streams * hkv <= 8
+    return streams * hkv <= 8 and chunks <= FOLD_IN_MERGE_MAX_CHUNKS
 
 
 class _PassOne(NamedTuple):
@@ -979,7 +940,7 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
     nc_pad = m.shape[2]
     max_block = min(nc_pad, _pow2_floor(max(1, 4096 // mrows)))
     q_rows = q.reshape(s, r * hq, d)  # free: rows picked inside the kernels
-    fold_here = grouped and fold_in_merge(tiles, streams=s, hkv=hkv)
+    fold_here = grouped and fold_in_merge(tiles, streams=s, hkv=hkv, chunks=-(-max_keys // tiles.chunk))
     if grouped and not fold_here:
         groups = nc_pad // tiles.fold
         with jax.named_scope("attn_window_fold"):

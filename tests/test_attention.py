@@ -326,14 +326,15 @@ def test_window_fold_in_merge_bits(monkeypatch):
 
     case = window_case(rng, r=1, dtype=jnp.bfloat16, **FOLD_WINDOW)
     assert fold_kernels(case, 4) == 0 and fold_kernels(case, 5) > 0
-    assert at.fold_in_merge(dataclasses.replace(FOLD_TILES, fold_in_merge=True), streams=64, hkv=8)
-    assert not at.fold_in_merge(dataclasses.replace(FOLD_TILES, fold_in_merge=False), streams=1, hkv=1)
+    assert at.fold_in_merge(dataclasses.replace(FOLD_TILES, fold_in_merge=True), streams=64, hkv=8, chunks=512)
+    assert not at.fold_in_merge(dataclasses.replace(FOLD_TILES, fold_in_merge=False), streams=1, hkv=1, chunks=6)
+    # The rule: few (stream, KV head) pairs and a short table (the fused merge walks its chunks in one program).
+    bound = at.FOLD_IN_MERGE_MAX_CHUNKS
+    assert at.fold_in_merge(FOLD_TILES, streams=2, hkv=4, chunks=bound)
+    assert not at.fold_in_merge(FOLD_TILES, streams=2, hkv=4, chunks=bound + 1)
+    assert not at.fold_in_merge(FOLD_TILES, streams=3, hkv=4, chunks=8)
 
-    shipped_one_shot = at.MERGE_ONE_SHOT_FLOATS
-
-    def run(*case, tiles, one_shot=shipped_one_shot):
-        # (a trace of its own for each setting: pass 1 is swapped, and MERGE_ONE_SHOT_FLOATS is read when tracing)
-        monkeypatch.setattr(at, "MERGE_ONE_SHOT_FLOATS", one_shot)
+    def run(*case, tiles):  # (a trace of its own: pass 1 is swapped)
         return jax.jit(functools.partial(at.window, scale=scale, interpret=True, tiles=tiles))(*case)
 
     two = dataclasses.replace(FOLD_TILES, fold_in_merge=False)
@@ -346,16 +347,9 @@ def test_window_fold_in_merge_bits(monkeypatch):
         monkeypatch.setattr(at, "window_partials", lambda *args, **kwargs: parts)
         want = run(*case, tiles=two)
         assert np.isfinite(np.asarray(want)).all()
-        for unroll in unrolls:  # the merge's loop: the maxima, then `unroll` chunks a step
-            got = run(*case, tiles=dataclasses.replace(fused, merge_unroll=unroll), one_shot=0)
+        for unroll in unrolls:
+            got = run(*case, tiles=dataclasses.replace(fused, merge_unroll=unroll))
             assert np.array_equal(bits(got), bits(want)), (dtype, rows, unroll)
-        # Every partial loaded at once (MERGE_ONE_SHOT_FLOATS: this table fits), grouped and not (fold 16: the
-        # table's 8 chunks make one group, so no fold at all), against the loop.
-        monkeypatch.setattr(at, "MERGE_ONE_SHOT_FLOATS", shipped_one_shot)
-        assert at._merge_one_shot(8, at._padded_rows(rows * group), 16)
-        assert np.array_equal(bits(run(*case, tiles=fused)), bits(want)), (dtype, rows, "one shot")
-        flat = dataclasses.replace(FOLD_TILES, fold=16)
-        assert np.array_equal(bits(run(*case, tiles=flat)), bits(run(*case, tiles=flat, one_shot=0))), (dtype, rows)
     fours = run(*case, tiles=dataclasses.replace(fused, fold=4))
     assert not np.array_equal(bits(fours[0]), bits(want[0]))  # 70 keys: 5 chunks
     assert np.array_equal(bits(fours[1:]), bits(want[1:]))  # at most 3 chunks: the same sums either way
@@ -739,14 +733,10 @@ def test_window_fold_in_merge_gpu_27b(dtype):
         args = (queries, kw, vw, par, pool, table, cl)
         want = run_window(*args, scale=scale, interpret=False, tiles=dataclasses.replace(tiles, fold_in_merge=False))
         assert rel_err(want, want64) < 1e-2
-        for unroll, one_shot in ((None, 0), (4, 0), (None, 1 << 20)):  # the merge's loop; every partial at once
-            at.MERGE_ONE_SHOT_FLOATS, shipped = one_shot, at.MERGE_ONE_SHOT_FLOATS
-            try:  # (a jit of its own: the constant is read when tracing)
-                got = jax.jit(functools.partial(at.window, scale=scale, tiles=dataclasses.replace(
-                    tiles, fold_in_merge=True, merge_unroll=unroll)))(*args)
-            finally:
-                at.MERGE_ONE_SHOT_FLOATS = shipped
-            assert np.array_equal(bits(got), bits(want)), (queries.dtype, unroll, one_shot)
+        for unroll in (None, 4):
+            got = run_window(*args, scale=scale, interpret=False,
+                             tiles=dataclasses.replace(tiles, fold_in_merge=True, merge_unroll=unroll))
+            assert np.array_equal(bits(got), bits(want)), (queries.dtype, unroll)
 
 
 @GPU

@@ -476,14 +476,8 @@ FP8_DECODE_SWEEP = (
 )
 
 
-SHIPPED_ONE_SHOT = at.MERGE_ONE_SHOT_FLOATS
-# decode_sweep's tails: (label, WindowTiles change, MERGE_ONE_SHOT_FLOATS); all launch choices (the same bits).
-TAIL_SWEEP = (
-    ("shipped", {}, SHIPPED_ONE_SHOT),
-    ("fold pass + merge", dict(fold_in_merge=False), SHIPPED_ONE_SHOT),
-    ("merge loop", {}, 0),
-    ("one shot 64K floats", {}, 1 << 16),
-)
+# decode_sweep's tails: (label, WindowTiles change); launch choices (the same bits).
+TAIL_SWEEP = (("shipped", {}), ("fold pass + merge", dict(fold_in_merge=False)), ("fused", dict(fold_in_merge=True)))
 
 
 def summarize_decode_sweep(env: Env, bw: float | None) -> None:
@@ -960,20 +954,15 @@ def main(argv: list[str]) -> int:
                          tag=f"sweep {label}")
     if "decode_sweep" in sections:
         # The 1-row decode's tail by launch choice (same bits): the shipped rule, the fold pass and merge in two
-        # launches (fold_in_merge False), and the merge's loop in place of loading every partial at once
-        # (MERGE_ONE_SHOT_FLOATS 0), or every partial at once where the rule would loop; each pool, 1 stream at
+        # launches, and the merge folding the groups itself (fold_in_merge False / True); each pool, 1 stream at
         # every context; then 16 streams at 32K as shipped.
         print("== decode_sweep: 1-row decode, the tail's launch choices", flush=True)
         for ctx in (contexts[1], contexts[0], contexts[-1]):
             for fp8 in (False, True):
-                for label, change, one_shot in TAIL_SWEEP:
-                    at.MERGE_ONE_SHOT_FLOATS = one_shot  # read when the chain is traced
-                    try:
-                        bench_window(env, streams=1, rows=1, context=ctx, fp8=fp8,
-                                     tiles=dataclasses.replace(decode_for(fp8), **change), impls=("kernel",),
-                                     tag=f"sweep {label}")
-                    finally:
-                        at.MERGE_ONE_SHOT_FLOATS = SHIPPED_ONE_SHOT
+                for label, change in TAIL_SWEEP:
+                    bench_window(env, streams=1, rows=1, context=ctx, fp8=fp8,
+                                 tiles=dataclasses.replace(decode_for(fp8), **change), impls=("kernel",),
+                                 tag=f"sweep {label}")
         for fp8 in (False, True):
             bench_window(env, streams=16 if gpu else 2, rows=1, context=contexts[1], fp8=fp8, tiles=decode_for(fp8),
                          impls=("kernel",), tag="sweep shipped")
