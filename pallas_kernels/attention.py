@@ -595,7 +595,7 @@ def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_re
     # convert every loaded [M, BD] partial into the MMA layout through shared memory.
     # Chunk partials are weighted here; the fold pass's group partials were weighted there.
     m_base = jnp.where(m_committed == -jnp.inf, 0.0, m_committed)
-    if fold is not None and fold_here:
+    if fold_here:  # (only on a grouped table: fold is set)
         l, acc = _fold_groups_in_order(l_ref, acc_ref, m_ref, n_chunks=n_chunks, real=real, m_base=m_base,
                                        fold=fold, unroll=unroll, mrows=mrows, bd=bd)
     else:
@@ -934,13 +934,14 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
     max_keys = page_table.shape[1] * pool.page_size
     bd, unroll = merge_launch(tiles, streams=s, hkv=hkv, mrows=mrows, head_dim=d)
     cache_len = cache_len.astype(jnp.int32)
-    grouped = -(-max_keys // tiles.chunk) > tiles.fold  # the table's chunk count: fixed for a model and layout
+    table_chunks = -(-max_keys // tiles.chunk)  # fixed for a model and layout
+    grouped = table_chunks > tiles.fold
     m, l, acc = window_partials(q, pool, page_table, cache_len, scale=scale, tiles=tiles, interpret=interpret,
                                 pad_chunks_to=tiles.fold if grouped else unroll)
     nc_pad = m.shape[2]
     max_block = min(nc_pad, _pow2_floor(max(1, 4096 // mrows)))
     q_rows = q.reshape(s, r * hq, d)  # free: rows picked inside the kernels
-    fold_here = grouped and fold_in_merge(tiles, streams=s, hkv=hkv, chunks=-(-max_keys // tiles.chunk))
+    fold_here = grouped and fold_in_merge(tiles, streams=s, hkv=hkv, chunks=table_chunks)
     if grouped and not fold_here:
         groups = nc_pad // tiles.fold
         with jax.named_scope("attn_window_fold"):

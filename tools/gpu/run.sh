@@ -79,21 +79,24 @@ case "$stage" in
         --kv-cache $kv --no-compile-timing --compile-cache "" 2>&1 | tee "$out/bench_27b_$kv.log" | tail -14
     done ;;
   eighty-ninth)
-    # Session 22, ~8 min: the merge folding the chunk groups itself and loading every partial at once (launch
-    # choices: their bits against the fold pass and the loop, compiled), the engine's gates on the new defaults,
-    # then decode_sweep (the tail's launch choices at 1 stream, kernels alone).
-    gpu_pytest 150 fold_in_merge 8 tests/test_attention.py -k "fold_in_merge or fold_pass_gpu or stale"
+    # Session 22, ~8 min: the merge folding the chunk groups itself (a launch choice: its bits against the fold
+    # pass and merge, compiled), the engine's gates on the new defaults, then decode_sweep (the tail's launch
+    # choices at 1 stream, kernels alone). Run at d78938a, whose merge also loaded every partial at once where they
+    # fit (removed in 114219b; its gpu test cases went with it).
+    gpu_pytest 150 fold_in_merge 8 tests/test_attention.py -k "fold_in_merge or fold_pass_gpu"
     gpu_pytest 240 engine 10 tests/test_engine_gpu.py
     timeout 200 python3 -m pallas_kernels.bench attention --sections decode_sweep --budget-s 180 --trace /tmp/strace \
       --json "$out/attention_tails.json" 2>&1 | tee "$out/attention_tails.log" | grep -E "^copy|^  FAILED" ; \
       grep -A40 "^### decode_sweep" "$out/attention_tails.log" ;;
   eighty-eighth)
-    # Session 22, ~6 min: the 1-row decode's candidates (bench attention --sections decode_sweep: kernels alone, by
-    # kernel, % against the traced copy), then Nsight Compute on the 32K decode's launches, bf16 (Mosaic GPU pass 1)
-    # and fp8 (Triton pass 1), as the engine's tiles run them.
-    timeout 330 python3 -m pallas_kernels.bench attention --sections decode_sweep --budget-s 300 --trace /tmp/strace \
+    # Session 22, ~6 min: the fp8 1-row decode's tile candidates and the shipped decode at every context (kernels
+    # alone, by kernel, % against the traced copy; at 689943d these were one section, decode_sweep, which now times
+    # the tail's launch choices), then Nsight Compute on the 32K decode's launches, bf16 (Mosaic GPU pass 1) and
+    # fp8 (Triton pass 1), as the engine's tiles run them.
+    timeout 330 python3 -m pallas_kernels.bench attention --sections fp8_tiles_sweep,decode_sweep --budget-s 300 \
+      --trace /tmp/strace \
       --json "$out/attention_sweep.json" 2>&1 | tee "$out/attention_sweep.log" | grep -E "^copy|^  FAILED" ; \
-      grep -A30 "^### decode_sweep" "$out/attention_sweep.log"
+      grep -A45 "^### decode_sweep" "$out/attention_sweep.log"
     NCU_CASES=attn_decode_32k,attn_decode_32k_fp8 bash "$0" ncu ;;
   eighty-sixth)
     # Session 21, ~8 min: f16 window dots normalise P·vs by the row's max over the keys it sees (session 20's fp8
