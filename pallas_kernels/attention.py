@@ -148,6 +148,10 @@ class WindowTiles:
     merge_block_d: int | None = None  # head-dim columns per merge program (None: enough programs to fill the GPU)
     merge_unroll: int | None = None  # chunk partials loaded per merge loop step (None: fit registers)
     merge_num_warps: int = 4
+    # "early": the merge issues every load (context length, queries, window rows, maxima, each partial) before it
+    # waits on any (`_merge_early`), the loop merge's operations in its order; "loop": it loads the partials a loop
+    # step at a time, masked by the context. None: early where the program's partials fit MERGE_EARLY_ELEMENTS.
+    merge_loads: str | None = None
     # What follows pass 1 (order). "passes": the fold pass (tables of more than `fold` chunks) and the merge, each
     # a launch of its own. "tickets": one launch; after storing its partial, each chunk program takes a ticket
     # (an atomic add) on its group of `fold` chunks, the group's last program folds the group in chunk order
@@ -572,18 +576,24 @@ def _window_fold_kernel(cache_len_ref, m_ref, l_ref, acc_ref, lg_ref, accg_ref, 
 
 def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref, acc_ref, *refs,
                          fp8: bool, scale: float, r: int, group: int, mrows: int, rp: int, max_keys: int, chunk: int,
-                         fold: int | None, fold_here: bool, unroll: int, max_block: int, cdt):
+                         fold: int | None, fold_here: bool, unroll: int, max_block: int, early: bool, cdt):
     # cache_len_ref [S]; parents_ref [R]; q_ref [R*Hq, D]; kw_ref [R*Hkv, D], vw_ref [R*Hkv, BD] the window's
     # rows as stored (fp8 codes or pool dtype; row j*Hkv + g is window key j of KV head g); m_ref [NC, M] the chunk
     # maxima; l_ref, acc_ref [N, M], [N, M, BD]: the chunk partials (fold None, or fold_here: this program folds
     # the groups of `fold` chunks itself) or the fold pass's group partials; fp8: ksw_ref, vsw_ref [R*Hkv];
-    # output o_ref [M, BD].
+    # output o_ref [M, BD]. early: `_merge_early` (every load issued before the first one is waited on).
     if fp8:
         ksw_ref, vsw_ref, o_ref = refs
     else:
         ksw_ref = vsw_ref = None
         (o_ref,) = refs
     s, g = pl.program_id(0), pl.program_id(1)
+    if early:
+        o_ref[...] = _merge_early(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref, acc_ref, ksw_ref,
+                                  vsw_ref, s=s, g=g, scale=scale, r=r, group=group, mrows=mrows, rp=rp,
+                                  max_keys=max_keys, chunk=chunk, fold=fold, fold_here=fold_here,
+                                  cdt=cdt).astype(o_ref.dtype)
+        return
     n_chunks = (jnp.minimum(cache_len_ref[s], max_keys) + chunk - 1) // chunk
     idx, real = _packed_rows(mrows, r, q_ref.shape[0] // r, group, g)
     q = q_ref[idx].astype(cdt)  # (loaded first: it does not wait on the partials)
@@ -608,14 +618,60 @@ def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_re
                                    cdt=cdt).astype(o_ref.dtype)
 
 
-def _with_window_keys(l, acc, m_committed, m_base, q, real, g, parents_ref, kw_ref, vw_ref, ksw_ref, vsw_ref, *,
-                      scale: float, r: int, group: int, rp: int, first_row, cdt):
-    """The committed keys' folded (l [M], acc [M, BD]) relative to m_base, with the window's own keys added last
-    -> the output rows [M, BD] fp32. Row m (packed row first_row + m, window node (first_row + m) // G) sees
-    node j iff j is the node or one of its ancestors, found by climbing parent pointers (at most R steps;
-    parents[j] < j). q [M, D] cdt; kw_ref [R*Hkv, D], vw_ref [R*Hkv, BD] (row j*Hkv + g is window key j of KV
-    head g); ksw_ref, vsw_ref [R*Hkv] or None."""
-    mrows = q.shape[0]
+def merge_entries(*, max_keys: int, chunk: int, fold: int | None, fold_here: bool) -> int:
+    """Partials a merge program may add: the table's chunks (fold None or fold_here), else its groups."""
+    chunks = -(-max_keys // chunk)
+    return chunks if fold is None or fold_here else -(-chunks // fold)
+
+
+def _merge_early(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref, acc_ref, ksw_ref, vsw_ref, *, s,
+                 g, scale: float, r: int, group: int, mrows: int, rp: int, max_keys: int, chunk: int,
+                 fold: int | None, fold_here: bool, cdt):
+    """The merge with every load issued first: the stream's context length, the query rows, the window's operands,
+    the chunk maxima and each of the table's partials (`merge_entries`), none masked by the context (only by the
+    real rows, which the program id fixes), so no load waits on another's result. Partials past the context are
+    read as whatever the buffer holds and never enter a sum: where the loop merge skips or zero-fills an entry,
+    this one selects the running sums unchanged (`_add_entry`) or -inf for a maximum. The loop merge's operations
+    in its order, so the same bits, with one memory round trip in the program's chain instead of one per step.
+    Its partials live in registers at once: `window` takes it where they fit (`MERGE_EARLY_ELEMENTS`)."""
+    n_len = cache_len_ref[s]
+    idx, real = _packed_rows(mrows, r, q_ref.shape[0] // r, group, g)
+    q = q_ref[idx].astype(cdt)
+    operands = _window_operands(g, parents_ref, kw_ref, vw_ref, ksw_ref, vsw_ref, real=real, r=r, group=group,
+                                rp=rp, first_row=0, mrows=mrows)
+    nc = m_ref.shape[0]
+    maxima = plgpu.load(m_ref, mask=jnp.broadcast_to(real[None, :], (nc, mrows)), other=-jnp.inf)  # [NC, M]
+    weighted = fold is None or fold_here
+    n_entries = merge_entries(max_keys=max_keys, chunk=chunk, fold=fold, fold_here=fold_here)
+    entries = [_load_entry(l_ref, acc_ref, m_ref if weighted else None, jnp.int32(c), real) for c in range(n_entries)]
+
+    n_chunks = (jnp.minimum(n_len, max_keys) + chunk - 1) // chunk
+    live = jnp.arange(nc) < n_chunks
+    m_committed = jnp.max(jnp.where(live[:, None], maxima, -jnp.inf), axis=0)
+    m_base = jnp.where(m_committed == -jnp.inf, 0.0, m_committed)
+    carry = _zero_sums(mrows, acc_ref.shape[2])
+    if fold_here:  # `_fold_groups_in_order`: each group from zeros in chunk order, the sums in group order
+        n_groups = (n_chunks + fold - 1) // fold
+        for j in range(-(-n_entries // fold)):
+            group_sum = _zero_sums(mrows, acc_ref.shape[2])
+            for c in range(j * fold, min((j + 1) * fold, n_entries)):
+                group_sum = _add_entry(group_sum, entries[c], c < n_chunks, m_base)
+            carry = _add_entry(carry, (*group_sum, None), j < n_groups, m_base)
+    else:  # `_fold_in_order` over the chunk partials (weighted) or the fold pass's group partials
+        n_live = n_chunks if fold is None else (n_chunks + fold - 1) // fold
+        for c in range(n_entries):
+            carry = _add_entry(carry, entries[c], c < n_live, m_base)
+    return _add_window_keys(*carry, m_committed, m_base, q, operands, scale=scale, cdt=cdt)
+
+
+def _window_operands(g, parents_ref, kw_ref, vw_ref, ksw_ref, vsw_ref, *, real, r: int, group: int, rp: int,
+                     first_row, mrows: int):
+    """What the window's own keys need from memory, loaded (no arithmetic on partials waits for them, so a merge
+    may issue these loads before any other): (visible [M, RP] bool, window K rows [RP, D], V rows [RP, BD], K and
+    V scales [RP] or None). Row m (packed row first_row + m, window node (first_row + m) // G) sees node j iff j is
+    the node or one of its ancestors, found by climbing parent pointers (at most R steps; parents[j] < j).
+    kw_ref [R*Hkv, D], vw_ref [R*Hkv, BD] (row j*Hkv + g is window key j of KV head g); ksw_ref, vsw_ref [R*Hkv]
+    or None."""
     hkv = kw_ref.shape[0] // r
     j = jnp.arange(rp)
     widx = jnp.where(j < r, j * hkv + g, 0)
@@ -625,8 +681,16 @@ def _with_window_keys(l, acc, m_committed, m_base, q, real, g, parents_ref, kw_r
     for _ in range(r):
         visible = visible | (node[:, None] == j[None, :])
         node = jnp.where(node >= 0, parents_ref[jnp.clip(node, 0, r - 1)], -1)
-    logits_w = _dot(q, kw_ref[widx].astype(cdt).T)
-    logits_w = logits_w * (ksw_ref[widx][None, :] * scale if ksw_ref is not None else scale)
+    return (visible, kw_ref[widx], vw_ref[widx], None if ksw_ref is None else ksw_ref[widx],
+            None if vsw_ref is None else vsw_ref[widx])
+
+
+def _add_window_keys(l, acc, m_committed, m_base, q, operands, *, scale: float, cdt):
+    """The committed keys' folded (l [M], acc [M, BD]) relative to m_base, with the window's own keys
+    (`_window_operands`) added last -> the output rows [M, BD] fp32. q [M, D] cdt."""
+    visible, kw, vw, ksw, vsw = operands
+    logits_w = _dot(q, kw.astype(cdt).T)
+    logits_w = logits_w * (ksw[None, :] * scale if ksw is not None else scale)
     logits_w = jnp.where(visible, logits_w, -jnp.inf)
     m_total = jnp.maximum(m_committed, jnp.max(logits_w, axis=1))
     # Padding rows see nothing; keep their arithmetic finite.
@@ -634,8 +698,16 @@ def _with_window_keys(l, acc, m_committed, m_base, q, real, g, parents_ref, kw_r
     alpha = jnp.where(m_committed == -jnp.inf, 0.0, jnp.exp(m_base - m_total))  # no committed keys: l, acc are 0
     p = jnp.exp(logits_w - m_total[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + _pv(p, vw_ref[widx], None if vsw_ref is None else vsw_ref[widx], visible, cdt)
+    acc = acc * alpha[:, None] + _pv(p, vw, vsw, visible, cdt)
     return acc / jnp.where(l > 0, l, 1.0)[:, None]
+
+
+def _with_window_keys(l, acc, m_committed, m_base, q, real, g, parents_ref, kw_ref, vw_ref, ksw_ref, vsw_ref, *,
+                      scale: float, r: int, group: int, rp: int, first_row, cdt):
+    """`_add_window_keys` with its operands loaded here, after the fold."""
+    operands = _window_operands(g, parents_ref, kw_ref, vw_ref, ksw_ref, vsw_ref, real=real, r=r, group=group,
+                                rp=rp, first_row=first_row, mrows=q.shape[0])
+    return _add_window_keys(l, acc, m_committed, m_base, q, operands, scale=scale, cdt=cdt)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -759,6 +831,20 @@ def fold_in_merge(tiles: WindowTiles, *, streams: int, hkv: int, chunks: int) ->
     if tiles.fold_in_merge is not None:
         return tiles.fold_in_merge
     return streams * hkv <= 8 and chunks <= FOLD_IN_MERGE_MAX_CHUNKS
+
+
+# fp32 values of partials a merge program may hold at once and still load them all before it adds any (the loop
+# merge's step holds up to 8192 too): a 1-stream decode over a 32-chunk table, 8 packed rows x 16 columns, holds
+# 4096.
+MERGE_EARLY_ELEMENTS = 8192
+
+
+def merge_early(tiles: WindowTiles, *, entries: int, mrows: int, bd: int) -> bool:
+    """Whether a merge program of `bd` head-dim columns over `mrows` packed rows and `entries` partials
+    (`merge_entries`) loads them all first (`WindowTiles.merge_loads`; the same bits either way)."""
+    if tiles.merge_loads is not None:
+        return tiles.merge_loads == "early"
+    return entries * mrows * bd <= MERGE_EARLY_ELEMENTS
 
 
 class _PassOne(NamedTuple):
@@ -969,7 +1055,11 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
         kw, vw, scales = _window_rows_as_stored(k_win, v_win, pool, interpret)
         kernel = functools.partial(_window_merge_kernel, fp8=fp8, scale=scale, r=r, group=group, mrows=mrows, rp=rp,
                                    max_keys=max_keys, chunk=tiles.chunk, fold=tiles.fold if grouped else None,
-                                   fold_here=fold_here, unroll=unroll, max_block=max_block, cdt=cdt)
+                                   fold_here=fold_here, unroll=unroll, max_block=max_block, cdt=cdt,
+                                   early=merge_early(tiles, mrows=mrows, bd=bd,
+                                                     entries=merge_entries(max_keys=max_keys, chunk=tiles.chunk,
+                                                                           fold=tiles.fold if grouped else None,
+                                                                           fold_here=fold_here)))
         win_scale = pl.BlockSpec((None, r * hkv), lambda i, j, e: (i, 0))
         out = pallas_call(
             kernel,
@@ -1114,6 +1204,8 @@ def _check_window(q, k_win, v_win, parents, pool: KVPool, page_table, cache_len,
         raise ValueError(f"WindowTiles.fold_block_d={tiles.fold_block_d} must be a power of two dividing {d}")
     if tiles.fold_in_merge not in (None, True, False):
         raise ValueError(f"WindowTiles.fold_in_merge must be None, True or False; got {tiles.fold_in_merge!r}")
+    if tiles.merge_loads not in (None, "early", "loop"):
+        raise ValueError(f"WindowTiles.merge_loads must be None, 'early' or 'loop'; got {tiles.merge_loads!r}")
     if tiles.merge_unroll is not None and tiles.merge_unroll < 1:
         raise ValueError(f"WindowTiles.merge_unroll={tiles.merge_unroll} must be >= 1")
     if tiles.fp8_dot not in ("bfloat16", "float16"):

@@ -355,6 +355,42 @@ def test_window_fold_in_merge_bits(monkeypatch):
     assert np.array_equal(bits(fours[1:]), bits(want[1:]))  # at most 3 chunks: the same sums either way
 
 
+def test_window_merge_loads_bits(monkeypatch):
+    """WindowTiles.merge_loads="early" (every load issued first, partials past the context selected away rather
+    than skipped) has the loop merge's bits: on a table of one group (the merge folds the chunk partials), with the
+    fold pass (group partials) and with the merge folding the groups itself; a 7-row tree over a bf16 pool with fp32
+    O partials and a 1-row step over an fp8 pool with bf16 O partials; rows out in fp32; unwritten partials NaN
+    (exact_product_partials), so a partial past a stream's context that entered a sum would show. And the rule:
+    early where the program's partials fit MERGE_EARLY_ELEMENTS."""
+    rng = np.random.default_rng(35)
+    hkv, group = SMALL["hkv"], SMALL["hq"] // SMALL["hkv"]
+
+    def run(*case, tiles):  # (a trace of its own: pass 1 is swapped)
+        return jax.jit(functools.partial(at.window, scale=SMALL["d"] ** -0.5, interpret=True, tiles=tiles))(*case)
+
+    for dtype, rows, acc_dtype in ((jnp.bfloat16, 7, jnp.float32), (kq.FP8, 1, jnp.bfloat16)):
+        case = window_case(rng, r=rows, dtype=dtype, **FOLD_WINDOW)
+        case = (case[0].astype(jnp.float32),) + case[1:]
+        parts = exact_product_partials(rng, FOLD_WINDOW["cache_lens"], hkv=hkv, rows=rows, group=group,
+                                       chunk=FOLD_TILES.chunk, chunks=8, d=SMALL["d"], acc_dtype=acc_dtype)
+        monkeypatch.setattr(at, "window_partials", lambda *args, **kwargs: parts)
+        for label, change in (("one group", dict(fold=8)), ("fold pass", dict(fold_in_merge=False)),
+                              ("fused", dict(fold_in_merge=True))):
+            tiles = dataclasses.replace(FOLD_TILES, **change)
+            want = run(*case, tiles=dataclasses.replace(tiles, merge_loads="loop"))
+            assert np.isfinite(np.asarray(want)).all(), label
+            got = run(*case, tiles=dataclasses.replace(tiles, merge_loads="early"))
+            assert np.array_equal(bits(got), bits(want)), (dtype, label)
+    limit = at.MERGE_EARLY_ELEMENTS
+    assert at.merge_early(FOLD_TILES, entries=32, mrows=8, bd=16)  # the 1-stream 32K decode
+    assert at.merge_early(FOLD_TILES, entries=limit // 128, mrows=8, bd=16)
+    assert not at.merge_early(FOLD_TILES, entries=limit // 128 + 1, mrows=8, bd=16)
+    assert at.merge_early(dataclasses.replace(FOLD_TILES, merge_loads="early"), entries=512, mrows=128, bd=256)
+    assert not at.merge_early(dataclasses.replace(FOLD_TILES, merge_loads="loop"), entries=1, mrows=8, bd=16)
+    with pytest.raises(ValueError, match="merge_loads"):
+        run(*case, tiles=dataclasses.replace(FOLD_TILES, merge_loads="eager"))
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
 def test_window_tickets_tail(dtype):
     """tail="tickets" (fold and merge in pass 1's tail, by atomic tickets): right against float64, with a stream
@@ -639,9 +675,11 @@ def test_kernels_lower_to_triton_at_27b_shape(h200_lowering):
         # 1 stream over a 32K-key table, the model's tiles (test_window_fold_in_merge_gpu_27b): the merge folding
         # the groups itself (two a step; half a group a step, fp32 queries) and the fold pass with the merge.
         model = at.model_window_tiles(jnp.bfloat16, pool, 24, max_keys=512 * 64, interpret=False)
-        for q_dtype, fused, unroll in ((jnp.bfloat16, True, None), (jnp.float32, True, 4), (jnp.float32, False, None)):
+        for q_dtype, fused, unroll, loads in ((jnp.bfloat16, True, None, None), (jnp.float32, True, 4, "loop"),
+                                              (jnp.float32, False, None, "early"), (jnp.bfloat16, False, None, "loop")):
             fn = functools.partial(at.window, scale=1 / 16,
-                                   tiles=dataclasses.replace(model, fold_in_merge=fused, merge_unroll=unroll))
+                                   tiles=dataclasses.replace(model, fold_in_merge=fused, merge_unroll=unroll,
+                                                             merge_loads=loads))
             args = (sds((1, 1, 24, 256), q_dtype), sds((1, 1, 4, 256), jnp.bfloat16), sds((1, 1, 4, 256), jnp.bfloat16),
                     sds((1, 1), jnp.int32), pool, sds((1, 512), jnp.int32), sds((1,), jnp.int32))
             text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -718,10 +756,10 @@ def test_window_fold_pass_gpu_27b(dtype):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
 def test_window_fold_in_merge_gpu_27b(dtype):
     """The merge folding the groups itself, compiled: 1 stream, a table of 32K keys with 19000 live (the last group
-    partial under either pass 1's chunk), the model's tiles; the bits of the fold pass and merge, for bf16 queries
-    (the model's: over a bf16 pool the Mosaic GPU pass 1 and its bf16 O partials) and fp32 ones (the Triton pass 1;
-    rows out in fp32, where a regrouped sum would show), two groups a loop step (the launch rule) or half a group
-    (4 chunks)."""
+    partial under either pass 1's chunk), the model's tiles; the bits of the fold pass and loop merge, for bf16
+    queries (the model's: over a bf16 pool the Mosaic GPU pass 1 and its bf16 O partials) and fp32 ones (the Triton
+    pass 1; rows out in fp32, where a regrouped sum would show), two groups a loop step (the launch rule) or half a
+    group (4 chunks), and with the early merge (`WindowTiles.merge_loads`) after the fold pass or folding itself."""
     rng = np.random.default_rng(34)
     case = window_case(rng, s=1, r=1, pmax=512, num_pages=520, dtype=dtype, cache_lens=[19000], parents=[[-1]],
                        **BIG)
@@ -731,12 +769,15 @@ def test_window_fold_in_merge_gpu_27b(dtype):
     want64 = np_window(*case, scale)
     for queries in (q, q.astype(jnp.float32)):
         args = (queries, kw, vw, par, pool, table, cl)
-        want = run_window(*args, scale=scale, interpret=False, tiles=dataclasses.replace(tiles, fold_in_merge=False))
+        want = run_window(*args, scale=scale, interpret=False,
+                          tiles=dataclasses.replace(tiles, fold_in_merge=False, merge_loads="loop"))
         assert rel_err(want, want64) < 1e-2
-        for unroll in (None, 4):
+        for fused, loads, unroll in ((True, "loop", None), (True, "loop", 4), (True, "early", None),
+                                     (False, "early", None)):
             got = run_window(*args, scale=scale, interpret=False,
-                             tiles=dataclasses.replace(tiles, fold_in_merge=True, merge_unroll=unroll))
-            assert np.array_equal(bits(got), bits(want)), (queries.dtype, unroll)
+                             tiles=dataclasses.replace(tiles, fold_in_merge=fused, merge_loads=loads,
+                                                       merge_unroll=unroll))
+            assert np.array_equal(bits(got), bits(want)), (queries.dtype, fused, loads, unroll)
 
 
 @GPU

@@ -480,6 +480,17 @@ FP8_DECODE_SWEEP = (
 TAIL_SWEEP = (("shipped", {}), ("fold pass + merge", dict(fold_in_merge=False)), ("fused", dict(fold_in_merge=True)))
 
 
+# merge_loads: the merge's loads (same bits): the shipped rule, the loop merge, and the early merge under other
+# launches (1 stream, 32K keys only: the forced early merge holds the whole table's partials in registers).
+MERGE_LOADS_SWEEP = (("shipped", {}), ("loop loads", dict(merge_loads="loop")))
+MERGE_EARLY_LAUNCHES = (("early, 2 warps", dict(merge_loads="early", merge_num_warps=2)),
+                        ("early, 8 warps", dict(merge_loads="early", merge_num_warps=8)),
+                        ("early, bd 32", dict(merge_loads="early", merge_block_d=32)),
+                        ("early, 1 warp", dict(merge_loads="early", merge_num_warps=1)),
+                        ("loop, fold pass", dict(merge_loads="loop", fold_in_merge=False)),
+                        ("early, fold pass", dict(merge_loads="early", fold_in_merge=False)))
+
+
 def summarize_decode_sweep(env: Env, bw: float | None) -> None:
     rows = [r for r in env.results if r.get("tag", "").startswith("sweep ")]
     if not rows:
@@ -760,7 +771,8 @@ PROMPT_CANDIDATES = (  # (block_q, block_k, num_warps, num_stages, contiguous)
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m pallas_kernels.bench attention")
     ap.add_argument("--sections", default="decode,prompt,window,write",
-                    help="any of decode_sweep (1-row decode: the tail launch choices), fp8_tiles_sweep (1-row fp8 "
+                    help="any of decode_sweep (1-row decode: the tail launch choices), merge_loads (1-row "
+                         "decode: the merge's early loads against its loop), fp8_tiles_sweep (1-row fp8 "
                          "decode: candidate tiles), compare (shipped tiles vs DECODE_COMPARE/PROMPT_COMPARE and cuDNN, ~2 min), "
                          "prompt_mgpu (the Mosaic GPU prompt kernel vs the Triton one and cuDNN; prompt_mgpu_variants "
                          "adds MGPU_VARIANTS), "
@@ -966,6 +978,18 @@ def main(argv: list[str]) -> int:
         for fp8 in (False, True):
             bench_window(env, streams=16 if gpu else 2, rows=1, context=contexts[1], fp8=fp8, tiles=decode_for(fp8),
                          impls=("kernel",), tag="sweep shipped")
+    if "merge_loads" in sections:
+        # The merge's loads (MERGE_LOADS_SWEEP, MERGE_EARLY_LAUNCHES: same bits), 1-row decode, each pool: 1 stream
+        # at every context, 16 streams at 32K; the summary is decode_sweep's.
+        print("== merge_loads: 1-row decode, the merge's loads", flush=True)
+        many = 16 if gpu else 2
+        for streams, ctx in ((1, contexts[1]), (1, contexts[0]), (1, contexts[-1]), (many, contexts[1])):
+            for fp8 in (False, True):
+                variants = MERGE_LOADS_SWEEP + (MERGE_EARLY_LAUNCHES if (streams, ctx) == (1, contexts[1]) else ())
+                for label, change in variants[:2] if args.smoke else variants:
+                    bench_window(env, streams=streams, rows=1, context=ctx, fp8=fp8,
+                                 tiles=dataclasses.replace(decode_for(fp8), **change), impls=("kernel",),
+                                 tag=f"sweep {label}")
     if "merge_variants" in sections:
         # The tail's launch choices (MERGE_VARIANTS: same bits) for 16-row bf16 windows on the shipped pass 1, at
         # the two windows the 16-row target is missed on; the 1-row window beside each.
