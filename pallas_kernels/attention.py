@@ -639,15 +639,24 @@ def _merge_early(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref
     q = q_ref[idx].astype(cdt)
     operands = _window_operands(g, parents_ref, kw_ref, vw_ref, ksw_ref, vsw_ref, real=real, r=r, group=group,
                                 rp=rp, first_row=0, mrows=mrows)
-    nc = m_ref.shape[0]
-    maxima = plgpu.load(m_ref, mask=jnp.broadcast_to(real[None, :], (nc, mrows)), other=-jnp.inf)  # [NC, M]
     weighted = fold is None or fold_here
     n_entries = merge_entries(max_keys=max_keys, chunk=chunk, fold=fold, fold_here=fold_here)
     entries = [_load_entry(l_ref, acc_ref, m_ref if weighted else None, jnp.int32(c), real) for c in range(n_entries)]
+    if not weighted:  # group partials: the chunk maxima apart
+        nc = m_ref.shape[0]
+        maxima = plgpu.load(m_ref, mask=jnp.broadcast_to(real[None, :], (nc, mrows)), other=-jnp.inf)  # [NC, M]
 
     n_chunks = (jnp.minimum(n_len, max_keys) + chunk - 1) // chunk
-    live = jnp.arange(nc) < n_chunks
-    m_committed = jnp.max(jnp.where(live[:, None], maxima, -jnp.inf), axis=0)
+    if weighted:
+        # The maximum of the loaded entries' maxima, one [M] vector at a time (exact in any order): derived from
+        # the same loads as the weights, the committed max takes their layout, where a max over a [NC, M] block
+        # took the block's, and Triton converted every entry's weights into the partials' rows through shared
+        # memory (a barrier an entry).
+        m_committed = jnp.full((mrows,), -jnp.inf, jnp.float32)
+        for c in range(n_entries):
+            m_committed = jnp.maximum(m_committed, jnp.where(c < n_chunks, entries[c][2], -jnp.inf))
+    else:
+        m_committed = jnp.max(jnp.where((jnp.arange(nc) < n_chunks)[:, None], maxima, -jnp.inf), axis=0)
     m_base = jnp.where(m_committed == -jnp.inf, 0.0, m_committed)
     carry = _zero_sums(mrows, acc_ref.shape[2])
     if fold_here:  # `_fold_groups_in_order`: each group from zeros in chunk order, the sums in group order
@@ -833,10 +842,10 @@ def fold_in_merge(tiles: WindowTiles, *, streams: int, hkv: int, chunks: int) ->
     return streams * hkv <= 8 and chunks <= FOLD_IN_MERGE_MAX_CHUNKS
 
 
-# fp32 values of partials a merge program may hold at once and still load them all before it adds any (the loop
-# merge's step holds up to 8192 too): a 1-stream decode over a 32-chunk table, 8 packed rows x 16 columns, holds
-# 4096.
-MERGE_EARLY_ELEMENTS = 8192
+# fp32 values of partials a merge program may hold at once and still load them all before it adds any: a 1-stream
+# decode folding a table of FOLD_IN_MERGE_MAX_CHUNKS chunks itself, 16 packed rows x 16 columns, holds 10240 (252
+# registers and no spills on 4 warps in an offline compile for sm_90; 210 at 32 chunks).
+MERGE_EARLY_ELEMENTS = 10240
 
 
 def merge_early(tiles: WindowTiles, *, entries: int, mrows: int, bd: int) -> bool:

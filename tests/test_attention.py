@@ -382,9 +382,10 @@ def test_window_merge_loads_bits(monkeypatch):
             got = run(*case, tiles=dataclasses.replace(tiles, merge_loads="early"))
             assert np.array_equal(bits(got), bits(want)), (dtype, label)
     limit = at.MERGE_EARLY_ELEMENTS
-    assert at.merge_early(FOLD_TILES, entries=32, mrows=8, bd=16)  # the 1-stream 32K decode
-    assert at.merge_early(FOLD_TILES, entries=limit // 128, mrows=8, bd=16)
-    assert not at.merge_early(FOLD_TILES, entries=limit // 128 + 1, mrows=8, bd=16)
+    # a 1-stream decode folding the longest table the fused merge takes
+    assert at.merge_early(FOLD_TILES, entries=at.FOLD_IN_MERGE_MAX_CHUNKS, mrows=16, bd=16)
+    assert at.merge_early(FOLD_TILES, entries=limit // 256, mrows=16, bd=16)
+    assert not at.merge_early(FOLD_TILES, entries=limit // 256 + 1, mrows=16, bd=16)
     assert at.merge_early(dataclasses.replace(FOLD_TILES, merge_loads="early"), entries=512, mrows=128, bd=256)
     assert not at.merge_early(dataclasses.replace(FOLD_TILES, merge_loads="loop"), entries=1, mrows=8, bd=16)
     with pytest.raises(ValueError, match="merge_loads"):
