@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -97,6 +98,7 @@ def window_reference(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: 
 #     visiting extra blocks never changes a row's bits.
 # ================================================================================================================
 
+_LOG2E = math.log2(math.e)
 SMEM_BYTES = 227 * 1024  # shared memory a program may use on the H100/H200 (sm_90)
 
 
@@ -484,7 +486,7 @@ def _add_entry(carry, entry, live, m_base):
     l, acc = carry
     l_c, acc_c, m_c = entry
     if m_c is not None:
-        w = jnp.exp(m_c - m_base)
+        w = jnp.exp2((m_c - m_base) * _LOG2E)
         l_c, acc_c = w * l_c, w[:, None] * acc_c
     # A select, not an added zero: a step past the context must not even flip the sign of a zero.
     return jnp.where(live, l + l_c, l), jnp.where(live, acc + acc_c, acc)
@@ -636,7 +638,7 @@ def _merge_early(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref
     Its partials live in registers at once: `window` takes it where they fit (`MERGE_EARLY_ELEMENTS`)."""
     n_len = cache_len_ref[s]
     idx, real = _packed_rows(mrows, r, q_ref.shape[0] // r, group, g)
-    q = q_ref[idx].astype(cdt)
+    q = q_ref[idx]
     operands = _window_operands(g, parents_ref, kw_ref, vw_ref, ksw_ref, vsw_ref, real=real, r=r, group=group,
                                 rp=rp, first_row=0, mrows=mrows)
     weighted = fold is None or fold_here
@@ -645,32 +647,61 @@ def _merge_early(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref
     if not weighted:  # group partials: the chunk maxima apart
         nc = m_ref.shape[0]
         maxima = plgpu.load(m_ref, mask=jnp.broadcast_to(real[None, :], (nc, mrows)), other=-jnp.inf)  # [NC, M]
+    # The window dot's operands reach the MMA layout through shared memory behind a barrier, which waits for their
+    # loads; no load is moved past a barrier, and Triton puts the conversion right after what it converts. So the
+    # queries and window rows pass through a select on the context length (a context is never negative: the select
+    # keeps them, bit for bit), which holds the conversions until every load above is issued: one round trip, not
+    # two.
+    def held(x):
+        return None if x is None else jnp.where(n_len >= 0, x, jnp.zeros_like(x))
+
+    q = held(q).astype(cdt)
+    operands = tuple(held(x) for x in operands)
+    logits_w = _window_logits(q, operands, scale=scale, cdt=cdt)
 
     n_chunks = (jnp.minimum(n_len, max_keys) + chunk - 1) // chunk
+    # Per-row values as [M, 1] columns.
+    bd = acc_ref.shape[2]
+    entries = [(l_c[:, None], acc_c, None if m_c is None else m_c[:, None]) for l_c, acc_c, m_c in entries]
     if weighted:
-        # The maximum of the loaded entries' maxima, one [M] vector at a time (exact in any order): derived from
-        # the same loads as the weights, the committed max takes their layout, where a max over a [NC, M] block
-        # took the block's, and Triton converted every entry's weights into the partials' rows through shared
-        # memory (a barrier an entry).
-        m_committed = jnp.full((mrows,), -jnp.inf, jnp.float32)
+        # The maximum of the loaded entries' maxima, one column at a time (exact in any order): derived from the
+        # same loads as the weights, the committed max takes their layout, where a max over a [NC, M] block took the
+        # block's, and Triton converted every entry's weights into the partials' rows through shared memory (a
+        # barrier an entry).
+        m_column = jnp.full((mrows, 1), -jnp.inf, jnp.float32)
         for c in range(n_entries):
-            m_committed = jnp.maximum(m_committed, jnp.where(c < n_chunks, entries[c][2], -jnp.inf))
+            m_column = jnp.maximum(m_column, jnp.where(c < n_chunks, entries[c][2], -jnp.inf))
     else:
-        m_committed = jnp.max(jnp.where((jnp.arange(nc) < n_chunks)[:, None], maxima, -jnp.inf), axis=0)
-    m_base = jnp.where(m_committed == -jnp.inf, 0.0, m_committed)
-    carry = _zero_sums(mrows, acc_ref.shape[2])
+        m_column = jnp.max(jnp.where((jnp.arange(nc) < n_chunks)[:, None], maxima, -jnp.inf), axis=0)[:, None]
+    base_column = jnp.where(m_column == -jnp.inf, 0.0, m_column)
+
+    def add(carry, entry, live):  # `_add_entry` on columns: the same operations
+        l, acc = carry
+        l_c, acc_c, m_c = entry
+        if m_c is not None:
+            w = jnp.exp2((m_c - base_column) * _LOG2E)
+            l_c, acc_c = w * l_c, w * acc_c
+        return jnp.where(live, l + l_c, l), jnp.where(live, acc + acc_c, acc)
+
+    def zeros():
+        return jnp.zeros((mrows, 1), jnp.float32), jnp.zeros((mrows, bd), jnp.float32)
+
+    carry = zeros()
     if fold_here:  # `_fold_groups_in_order`: each group from zeros in chunk order, the sums in group order
         n_groups = (n_chunks + fold - 1) // fold
         for j in range(-(-n_entries // fold)):
-            group_sum = _zero_sums(mrows, acc_ref.shape[2])
+            group_sum = zeros()
             for c in range(j * fold, min((j + 1) * fold, n_entries)):
-                group_sum = _add_entry(group_sum, entries[c], c < n_chunks, m_base)
-            carry = _add_entry(carry, (*group_sum, None), j < n_groups, m_base)
+                group_sum = add(group_sum, entries[c], c < n_chunks)
+            carry = add(carry, (*group_sum, None), j < n_groups)
     else:  # `_fold_in_order` over the chunk partials (weighted) or the fold pass's group partials
         n_live = n_chunks if fold is None else (n_chunks + fold - 1) // fold
         for c in range(n_entries):
-            carry = _add_entry(carry, entries[c], c < n_live, m_base)
-    return _add_window_keys(*carry, m_committed, m_base, q, operands, scale=scale, cdt=cdt)
+            carry = add(carry, entries[c], c < n_live)
+    # Back to [M] vectors (a max over equal values or one column is that value, bit for bit).
+    l, acc = jnp.max(carry[0], axis=1), carry[1]
+    m_committed, m_base = jnp.max(m_column, axis=1), jnp.max(base_column, axis=1)
+    return _add_window_keys(l, acc, m_committed, m_base, q, operands, scale=scale, cdt=cdt, logits_w=logits_w)
 
 
 def _window_operands(g, parents_ref, kw_ref, vw_ref, ksw_ref, vsw_ref, *, real, r: int, group: int, rp: int,
@@ -694,13 +725,21 @@ def _window_operands(g, parents_ref, kw_ref, vw_ref, ksw_ref, vsw_ref, *, real, 
             None if vsw_ref is None else vsw_ref[widx])
 
 
-def _add_window_keys(l, acc, m_committed, m_base, q, operands, *, scale: float, cdt):
-    """The committed keys' folded (l [M], acc [M, BD]) relative to m_base, with the window's own keys
-    (`_window_operands`) added last -> the output rows [M, BD] fp32. q [M, D] cdt."""
-    visible, kw, vw, ksw, vsw = operands
+def _window_logits(q, operands, *, scale: float, cdt):
+    """The window's own keys' scaled logits for rows q [M, D] cdt, -inf where a row does not see the key."""
+    visible, kw, _, ksw, _ = operands
     logits_w = _dot(q, kw.astype(cdt).T)
     logits_w = logits_w * (ksw[None, :] * scale if ksw is not None else scale)
-    logits_w = jnp.where(visible, logits_w, -jnp.inf)
+    return jnp.where(visible, logits_w, -jnp.inf)
+
+
+def _add_window_keys(l, acc, m_committed, m_base, q, operands, *, scale: float, cdt, logits_w=None):
+    """The committed keys' folded (l [M], acc [M, BD]) relative to m_base, with the window's own keys
+    (`_window_operands`; their `_window_logits` if already computed) added last -> the output rows [M, BD] fp32.
+    q [M, D] cdt."""
+    visible, _, vw, _, vsw = operands
+    if logits_w is None:
+        logits_w = _window_logits(q, operands, scale=scale, cdt=cdt)
     m_total = jnp.maximum(m_committed, jnp.max(logits_w, axis=1))
     # Padding rows see nothing; keep their arithmetic finite.
     m_total = jnp.where(m_total == -jnp.inf, 0.0, m_total)
