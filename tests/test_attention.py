@@ -357,8 +357,9 @@ def test_window_fold_in_merge_bits(monkeypatch):
 
 def test_window_merge_loads_bits(monkeypatch):
     """WindowTiles.merge_loads="early" (every load issued first, partials past the context selected away rather
-    than skipped) has the loop merge's bits: on a table of one group (the merge folds the chunk partials), with the
-    fold pass (group partials) and with the merge folding the groups itself; a 7-row tree over a bf16 pool with fp32
+    than skipped) and "groups" (early, the groups folded side by side) have the loop merge's bits: on a table of
+    one group (the merge folds the chunk partials), with the fold pass (group partials) and with the merge folding
+    the groups itself; a 7-row tree over a bf16 pool with fp32
     O partials and a 1-row step over an fp8 pool with bf16 O partials; rows out in fp32; unwritten partials NaN
     (exact_product_partials), so a partial past a stream's context that entered a sum would show. And the rule:
     early where the program's partials fit MERGE_EARLY_ELEMENTS."""
@@ -379,8 +380,9 @@ def test_window_merge_loads_bits(monkeypatch):
             tiles = dataclasses.replace(FOLD_TILES, **change)
             want = run(*case, tiles=dataclasses.replace(tiles, merge_loads="loop"))
             assert np.isfinite(np.asarray(want)).all(), label
-            got = run(*case, tiles=dataclasses.replace(tiles, merge_loads="early"))
-            assert np.array_equal(bits(got), bits(want)), (dtype, label)
+            for loads in ("early", "groups"):
+                got = run(*case, tiles=dataclasses.replace(tiles, merge_loads=loads))
+                assert np.array_equal(bits(got), bits(want)), (dtype, label, loads)
     limit = at.MERGE_EARLY_ELEMENTS
     # a 1-stream decode folding the longest table the fused merge takes
     assert at.merge_early(FOLD_TILES, entries=at.FOLD_IN_MERGE_MAX_CHUNKS, mrows=16, bd=16)
@@ -677,7 +679,8 @@ def test_kernels_lower_to_triton_at_27b_shape(h200_lowering):
         # the groups itself (two a step; half a group a step, fp32 queries) and the fold pass with the merge.
         model = at.model_window_tiles(jnp.bfloat16, pool, 24, max_keys=512 * 64, interpret=False)
         for q_dtype, fused, unroll, loads in ((jnp.bfloat16, True, None, None), (jnp.float32, True, 4, "loop"),
-                                              (jnp.float32, False, None, "early"), (jnp.bfloat16, False, None, "loop")):
+                                              (jnp.float32, False, None, "early"), (jnp.bfloat16, False, None, "loop"),
+                                              (jnp.bfloat16, True, None, "groups")):
             fn = functools.partial(at.window, scale=1 / 16,
                                    tiles=dataclasses.replace(model, fold_in_merge=fused, merge_unroll=unroll,
                                                              merge_loads=loads))
@@ -760,7 +763,8 @@ def test_window_fold_in_merge_gpu_27b(dtype):
     partial under either pass 1's chunk), the model's tiles; the bits of the fold pass and loop merge, for bf16
     queries (the model's: over a bf16 pool the Mosaic GPU pass 1 and its bf16 O partials) and fp32 ones (the Triton
     pass 1; rows out in fp32, where a regrouped sum would show), two groups a loop step (the launch rule) or half a
-    group (4 chunks), and with the early merge (`WindowTiles.merge_loads`) after the fold pass or folding itself."""
+    group (4 chunks), and with the early merge (`WindowTiles.merge_loads`) after the fold pass or folding itself,
+    the groups one after another or side by side."""
     rng = np.random.default_rng(34)
     case = window_case(rng, s=1, r=1, pmax=512, num_pages=520, dtype=dtype, cache_lens=[19000], parents=[[-1]],
                        **BIG)
@@ -774,7 +778,7 @@ def test_window_fold_in_merge_gpu_27b(dtype):
                           tiles=dataclasses.replace(tiles, fold_in_merge=False, merge_loads="loop"))
         assert rel_err(want, want64) < 1e-2
         for fused, loads, unroll in ((True, "loop", None), (True, "loop", 4), (True, "early", None),
-                                     (False, "early", None)):
+                                     (True, "groups", None), (False, "early", None)):
             got = run_window(*args, scale=scale, interpret=False,
                              tiles=dataclasses.replace(tiles, fold_in_merge=fused, merge_loads=loads,
                                                        merge_unroll=unroll))
