@@ -662,10 +662,11 @@ def _merge_early(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref
         nc = m_ref.shape[0]
         maxima = plgpu.load(m_ref, mask=jnp.broadcast_to(real[None, :], (nc, mrows)), other=-jnp.inf)  # [NC, M]
     # The window dot's operands reach the MMA layout through shared memory behind a barrier, which waits for their
-    # loads; no load is moved past a barrier, and Triton puts the conversion right after what it converts. So the
-    # queries and window rows pass through a select on the context length (a context is never negative: the select
-    # keeps them, bit for bit), which holds the conversions until every load above is issued: one round trip, not
-    # two.
+    # loads; no load is moved past a barrier, and Triton puts the conversion right after what it converts, which
+    # held every partial's load behind the queries' round trip. So the queries and window rows pass through a
+    # select on the context length (a context is never negative: the select keeps them, bit for bit), which puts
+    # the conversions after every load above. (ptxas still issues the queries' loads after the weights, which wait
+    # on the partials: two round trips, in that order; offline sm_90 compile, session 23.)
     def held(x):
         return None if x is None else jnp.where(n_len >= 0, x, jnp.zeros_like(x))
 
@@ -674,8 +675,8 @@ def _merge_early(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref
     logits_w = _window_logits(q, operands, scale=scale, cdt=cdt)
 
     n_chunks = (jnp.minimum(n_len, max_keys) + chunk - 1) // chunk
-    # Per-row values as [M, 1] columns.
     bd = acc_ref.shape[2]
+    # Per-row values (l, maxima, the committed max) as [M, 1] columns, in the partials' 2D layout.
     if side_by_side:  # the max over the slabs elementwise, then over the groups: one reduction
         m_slab = jnp.full(slabs[0][2].shape, -jnp.inf, jnp.float32)
         for k, (_, _, m3) in enumerate(slabs):
@@ -938,8 +939,9 @@ def fold_in_merge(tiles: WindowTiles, *, streams: int, hkv: int, chunks: int) ->
 
 
 # fp32 values of partials a merge program may hold at once and still load them all before it adds any: a 1-stream
-# decode folding a table of FOLD_IN_MERGE_MAX_CHUNKS chunks itself, 16 packed rows x 16 columns, holds 10240 (252
-# registers and no spills on 4 warps in an offline compile for sm_90; 210 at 32 chunks).
+# decode folding a table of FOLD_IN_MERGE_MAX_CHUNKS chunks itself, 16 packed rows x 16 columns, holds 10240 (219
+# registers and no spills on 4 warps in an offline compile for sm_90; 182 at 32 chunks; 91 either way with the
+# groups side by side).
 MERGE_EARLY_ELEMENTS = 10240
 
 
