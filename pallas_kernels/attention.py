@@ -473,31 +473,52 @@ def _committed_max(m_ref, n_chunks, real, max_block: int, mrows: int, first=0):
 
 def _load_entry(l_ref, acc_ref, m_ref, c, ok):
     """Entry c of l_ref [N, M], acc_ref [N, M, BD] and m_ref [N, M] (None: no maxima) for the rows where ok [M]
-    holds (zeros and -inf elsewhere) -> (l [M], acc [M, BD] fp32, m [M] or None)."""
-    l_c = plgpu.load(l_ref.at[c], mask=ok, other=0.0)
+    holds (zeros and -inf elsewhere) -> (l [M, 1], acc [M, BD] fp32, m [M, 1] or None). Per-row values travel as
+    [M, 1] columns: beside the [M, BD] partials Triton then keeps each entry's weight out of shared memory, where a
+    [M] vector's layout made it convert every entry's weight (a barrier each; offline sm_90 compile, session 23)."""
+    l_c = plgpu.load(l_ref.at[c], mask=ok, other=0.0)[:, None]
     # (bf16 partials, `WindowTiles.partials`, widen exactly to fp32 before any arithmetic)
     acc_c = plgpu.load(acc_ref.at[c], mask=ok[:, None], other=0.0).astype(jnp.float32)
-    m_c = None if m_ref is None else plgpu.load(m_ref.at[c], mask=ok, other=-jnp.inf)
+    m_c = None if m_ref is None else plgpu.load(m_ref.at[c], mask=ok, other=-jnp.inf)[:, None]
     return l_c, acc_c, m_c
 
 
-def _add_entry(carry, entry, live, m_base):
-    """carry (l [M], acc [M, BD]) plus a loaded entry (l, acc, m or None), weighted by exp(m - m_base) where it has
-    a max, where live holds. Every fold of partials adds through here (or through `_merge_early`'s column twin), so
-    the fold pass, the merge and the merge that folds the groups itself (`_fold_groups_in_order`) run the same
-    operations. The weight is exp2((m - m_base) log2 e): on the GPU about 3 instructions where exp took ~14 (the
-    merges' weights are a large share of their instructions, session 23)."""
+def _add_entry(carry, entry, live, base):
+    """carry (l [M, 1], acc [M, BD]) plus a loaded entry (l [M, 1], acc, m [M, 1] or None), weighted by
+    exp(m - base) where it has a max (base [M, 1]), where live holds. Every fold of partials adds through here, so
+    the fold pass, the merges and the merge that folds the groups itself run the same operations. The weight is
+    exp2((m - base) log2 e): on the GPU about 3 instructions where exp took ~14 (the merges' weights are a large
+    share of their instructions, session 23)."""
     l, acc = carry
     l_c, acc_c, m_c = entry
     if m_c is not None:
-        w = jnp.exp2((m_c - m_base) * _LOG2E)
-        l_c, acc_c = w * l_c, w[:, None] * acc_c
+        w = jnp.exp2((m_c - base) * _LOG2E)
+        l_c, acc_c = w * l_c, w * acc_c
     # A select, not an added zero: a step past the context must not even flip the sign of a zero.
     return jnp.where(live, l + l_c, l), jnp.where(live, acc + acc_c, acc)
 
 
 def _zero_sums(mrows: int, bd: int):
-    return jnp.zeros((mrows,), jnp.float32), jnp.zeros((mrows, bd), jnp.float32)
+    return jnp.zeros((mrows, 1), jnp.float32), jnp.zeros((mrows, bd), jnp.float32)
+
+
+def _row(column: jax.Array) -> jax.Array:
+    """[M, 1] -> [M], bit for bit (a max over one value)."""
+    return jnp.max(column, axis=1)
+
+
+def _fold_columns(l_ref, acc_ref, m_ref, *, first, count: int, n_live, real, base, unroll: int, mrows: int,
+                  bd: int):
+    """`_fold_in_order` on columns: base [M, 1]; -> (l [M, 1], acc [M, BD])."""
+    def body(i, carry):
+        for k in range(unroll):
+            c = first + i * unroll + k
+            live = c < n_live
+            carry = _add_entry(carry, _load_entry(l_ref, acc_ref, m_ref, c, real & live), live, base)
+        return carry
+
+    steps = (jnp.clip(n_live - first, 0, count) + unroll - 1) // unroll
+    return jax.lax.fori_loop(0, steps, body, _zero_sums(mrows, bd))
 
 
 def _fold_in_order(l_ref, acc_ref, m_ref, *, first, count: int, n_live, real, m_base, unroll: int, mrows: int,
@@ -505,17 +526,11 @@ def _fold_in_order(l_ref, acc_ref, m_ref, *, first, count: int, n_live, real, m_
     """Sum of entries first .. first + count - 1 (those below n_live) of l_ref [N, M] and acc_ref [N, M, BD], one
     entry at a time in index order (elementwise, no cross-lane reduction, so the order depends on entry positions
     only: not on `unroll` (entries loaded per loop step), the head-dim split, warps or layouts). m_ref: chunk
-    maxima [N, M], each entry weighted by exp(m - m_base); None: the entries are already relative to m_base.
-    Entries past n_live are never read, and only real rows are loaded."""
-    def body(i, carry):
-        for k in range(unroll):
-            c = first + i * unroll + k
-            live = c < n_live
-            carry = _add_entry(carry, _load_entry(l_ref, acc_ref, m_ref, c, real & live), live, m_base)
-        return carry
-
-    steps = (jnp.clip(n_live - first, 0, count) + unroll - 1) // unroll
-    return jax.lax.fori_loop(0, steps, body, _zero_sums(mrows, bd))
+    maxima [N, M], each entry weighted by exp(m - m_base) (m_base [M]); None: the entries are already relative to
+    m_base. Entries past n_live are never read, and only real rows are loaded. -> (l [M], acc [M, BD])."""
+    l, acc = _fold_columns(l_ref, acc_ref, m_ref, first=first, count=count, n_live=n_live, real=real,
+                           base=m_base[:, None], unroll=unroll, mrows=mrows, bd=bd)
+    return _row(l), acc
 
 
 def _fold_groups_in_order(l_ref, acc_ref, m_ref, *, n_chunks, real, m_base, fold: int, unroll: int, mrows: int,
@@ -526,16 +541,19 @@ def _fold_groups_in_order(l_ref, acc_ref, m_ref, *, n_chunks, real, m_base, fold
     sums added from zeros in group order, as `_window_merge_kernel` adds the fold pass's output. Same operations
     in the same order, so the same bits (a padding row's group sum is zero here, as the merge's masked load of it
     is). A loop step loads `unroll` chunks (rounded down to a power of two) before it adds any: whole groups where
-    that covers `fold`, so the dependent memory round trips number about chunks / unroll, not chunks."""
+    that covers `fold`, so the dependent memory round trips number about chunks / unroll, not chunks.
+    -> (l [M], acc [M, BD])."""
     n_groups = (n_chunks + fold - 1) // fold
     per_step = _pow2_floor(unroll)
+    base = m_base[:, None]
     if per_step < fold:  # a group in fold / per_step steps of its own (per_step divides fold: both powers of two)
         def group_body(j, carry):
-            group_sum = _fold_in_order(l_ref, acc_ref, m_ref, first=j * fold, count=fold, n_live=n_chunks,
-                                       real=real, m_base=m_base, unroll=per_step, mrows=mrows, bd=bd)
-            return _add_entry(carry, (*group_sum, None), j < n_groups, m_base)
+            group_sum = _fold_columns(l_ref, acc_ref, m_ref, first=j * fold, count=fold, n_live=n_chunks,
+                                      real=real, base=base, unroll=per_step, mrows=mrows, bd=bd)
+            return _add_entry(carry, (*group_sum, None), j < n_groups, base)
 
-        return jax.lax.fori_loop(0, n_groups, group_body, _zero_sums(mrows, bd))
+        l, acc = jax.lax.fori_loop(0, n_groups, group_body, _zero_sums(mrows, bd))
+        return _row(l), acc
 
     # Whole groups a step; a power of two dividing NC / fold (a power of two too), so no load runs past NC.
     groups = min(per_step // fold, l_ref.shape[0] // fold)
@@ -547,11 +565,12 @@ def _fold_groups_in_order(l_ref, acc_ref, m_ref, *, n_chunks, real, m_base, fold
         for j in range(groups):
             group_sum = _zero_sums(mrows, bd)
             for k in range(j * fold, (j + 1) * fold):
-                group_sum = _add_entry(group_sum, entries[k], chunks[k] < n_chunks, m_base)
-            carry = _add_entry(carry, (*group_sum, None), i * groups + j < n_groups, m_base)
+                group_sum = _add_entry(group_sum, entries[k], chunks[k] < n_chunks, base)
+            carry = _add_entry(carry, (*group_sum, None), i * groups + j < n_groups, base)
         return carry
 
-    return jax.lax.fori_loop(0, (n_groups + groups - 1) // groups, step_body, _zero_sums(mrows, bd))
+    l, acc = jax.lax.fori_loop(0, (n_groups + groups - 1) // groups, step_body, _zero_sums(mrows, bd))
+    return _row(l), acc
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -675,8 +694,7 @@ def _merge_early(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref
     logits_w = _window_logits(q, operands, scale=scale, cdt=cdt)
 
     n_chunks = (jnp.minimum(n_len, max_keys) + chunk - 1) // chunk
-    bd = acc_ref.shape[2]
-    # Per-row values (l, maxima, the committed max) as [M, 1] columns, in the partials' 2D layout.
+    # Per-row values (l, maxima, the committed max) as [M, 1] columns (`_load_entry`).
     if side_by_side:  # the max over the slabs elementwise, then over the groups: one reduction
         m_slab = jnp.full(slabs[0][2].shape, -jnp.inf, jnp.float32)
         for k, (_, _, m3) in enumerate(slabs):
@@ -684,7 +702,6 @@ def _merge_early(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref
             m_slab = jnp.maximum(m_slab, jnp.where(live, m3, -jnp.inf))
         m_column = jnp.max(m_slab, axis=0)
     elif weighted:
-        entries = [(l_c[:, None], acc_c, None if m_c is None else m_c[:, None]) for l_c, acc_c, m_c in entries]
         # The maximum of the loaded entries' maxima, one column at a time (exact in any order): derived from the
         # same loads as the weights, the committed max takes their layout, where a max over a [NC, M] block took the
         # block's, and Triton converted every entry's weights into the partials' rows through shared memory (a
@@ -693,20 +710,14 @@ def _merge_early(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref
         for c in range(n_entries):
             m_column = jnp.maximum(m_column, jnp.where(c < n_chunks, entries[c][2], -jnp.inf))
     else:
-        entries = [(l_c[:, None], acc_c, None) for l_c, acc_c, _ in entries]
         m_column = jnp.max(jnp.where((jnp.arange(nc) < n_chunks)[:, None], maxima, -jnp.inf), axis=0)[:, None]
     base_column = jnp.where(m_column == -jnp.inf, 0.0, m_column)
 
-    def add(carry, entry, live):  # `_add_entry` on columns: the same operations
-        l, acc = carry
-        l_c, acc_c, m_c = entry
-        if m_c is not None:
-            w = jnp.exp2((m_c - base_column) * _LOG2E)
-            l_c, acc_c = w * l_c, w * acc_c
-        return jnp.where(live, l + l_c, l), jnp.where(live, acc + acc_c, acc)
+    def add(carry, entry, live):
+        return _add_entry(carry, entry, live, base_column)
 
     def zeros():
-        return jnp.zeros((mrows, 1), jnp.float32), jnp.zeros((mrows, bd), jnp.float32)
+        return _zero_sums(mrows, acc_ref.shape[2])
 
     carry = zeros()
     if side_by_side:
@@ -722,9 +733,8 @@ def _merge_early(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref
         n_live = n_chunks if fold is None else (n_chunks + fold - 1) // fold
         for c in range(n_entries):
             carry = add(carry, entries[c], c < n_live)
-    # Back to [M] vectors (a max over equal values or one column is that value, bit for bit).
-    l, acc = jnp.max(carry[0], axis=1), carry[1]
-    m_committed, m_base = jnp.max(m_column, axis=1), jnp.max(base_column, axis=1)
+    l, acc = _row(carry[0]), carry[1]
+    m_committed, m_base = _row(m_column), _row(base_column)
     return _add_window_keys(l, acc, m_committed, m_base, q, operands, scale=scale, cdt=cdt, logits_w=logits_w)
 
 
@@ -741,7 +751,7 @@ def _groups_side_by_side(slabs, carry, add, *, n_chunks, fold: int, base_column)
     """`_fold_groups_in_order`'s sums with the groups side by side: slabs[k] holds chunk j*fold + k of every group
     j (`_group_slab`), and step k adds it to all the groups' sums at once as [G, M, ...] tensors, so the dependent
     chain is `fold` steps, not the table's chunks; then the group sums are added to carry in group order through
-    `add` (the caller's `_add_entry` on columns), each picked out of the [G, ...] sums exactly (a max against -inf
+    `add` (`_add_entry` against the committed max), each picked out of the [G, ...] sums exactly (a max against -inf
     over one value). Each element sees the operations of the one-group-at-a-time fold in their order, so the same
     bits. base_column [M, 1]: the committed max (0 where none)."""
     groups = slabs[0][0].shape[0]
