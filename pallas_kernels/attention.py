@@ -152,9 +152,9 @@ class WindowTiles:
     merge_num_warps: int = 4
     # "early": the merge issues every load (context length, queries, window rows, maxima, each partial) before it
     # waits on any (`_merge_early`), the loop merge's operations in its order; "loop": it loads the partials a loop
-    # step at a time, masked by the context; "groups": early, and a merge that folds the groups itself folds them
-    # side by side (`_groups_side_by_side`: a chain of `fold` steps, not the table's chunks; prepared in session
-    # 23, not yet timed). None: early where the program's partials fit MERGE_EARLY_ELEMENTS.
+    # step at a time, masked by the context. None: early where the program's partials fit MERGE_EARLY_ELEMENTS.
+    # (A third, "groups", folded a fused merge's groups side by side as [G, M, BD] slabs; on the H200 its merge
+    # took 5.9 µs against the early merge's 5.1 at the 1-stream bf16 32K decode, session 24: removed.)
     merge_loads: str | None = None
     # What follows pass 1 (order). "passes": the fold pass (tables of more than `fold` chunks) and the merge, each
     # a launch of its own. "tickets": one launch; after storing its partial, each chunk program takes a ticket
@@ -602,7 +602,7 @@ def _window_fold_kernel(cache_len_ref, m_ref, l_ref, acc_ref, lg_ref, accg_ref, 
 def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref, acc_ref, *refs,
                          fp8: bool, scale: float, r: int, group: int, mrows: int, rp: int, max_keys: int, chunk: int,
                          fold: int | None, fold_here: bool, unroll: int, max_block: int, early: bool,
-                         side_by_side: bool, cdt):
+                         cdt):
     # cache_len_ref [S]; parents_ref [R]; q_ref [R*Hq, D]; kw_ref [R*Hkv, D], vw_ref [R*Hkv, BD] the window's
     # rows as stored (fp8 codes or pool dtype; row j*Hkv + g is window key j of KV head g); m_ref [NC, M] the chunk
     # maxima; l_ref, acc_ref [N, M], [N, M, BD]: the chunk partials (fold None, or fold_here: this program folds
@@ -618,7 +618,7 @@ def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_re
         o_ref[...] = _merge_early(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref, acc_ref, ksw_ref,
                                   vsw_ref, s=s, g=g, scale=scale, r=r, group=group, mrows=mrows, rp=rp,
                                   max_keys=max_keys, chunk=chunk, fold=fold, fold_here=fold_here,
-                                  cdt=cdt, side_by_side=side_by_side).astype(o_ref.dtype)
+                                  cdt=cdt).astype(o_ref.dtype)
         return
     n_chunks = (jnp.minimum(cache_len_ref[s], max_keys) + chunk - 1) // chunk
     idx, real = _packed_rows(mrows, r, q_ref.shape[0] // r, group, g)
@@ -652,7 +652,7 @@ def merge_entries(*, max_keys: int, chunk: int, fold: int | None, fold_here: boo
 
 def _merge_early(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref, acc_ref, ksw_ref, vsw_ref, *, s,
                  g, scale: float, r: int, group: int, mrows: int, rp: int, max_keys: int, chunk: int,
-                 fold: int | None, fold_here: bool, cdt, side_by_side: bool = False):
+                 fold: int | None, fold_here: bool, cdt):
     """The merge with every load issued first: the stream's context length, the query rows, the window's operands,
     the chunk maxima and each of the table's partials (`merge_entries`), none masked by the context (only by the
     real rows, which the program id fixes), so no load waits on another's result. Partials past the context are
@@ -670,13 +670,8 @@ def _merge_early(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref
                                 rp=rp, first_row=0, mrows=mrows)
     weighted = fold is None or fold_here
     n_entries = merge_entries(max_keys=max_keys, chunk=chunk, fold=fold, fold_here=fold_here)
-    side_by_side = side_by_side and fold_here
-    if side_by_side:  # step k's chunks of every group as [G, M, ...] slabs
-        groups = -(-n_entries // fold)
-        slabs = [_group_slab(l_ref, acc_ref, m_ref, jnp.arange(groups) * fold + k, real) for k in range(fold)]
-    else:
-        entries = [_load_entry(l_ref, acc_ref, m_ref if weighted else None, jnp.int32(c), real)
-                   for c in range(n_entries)]
+    entries = [_load_entry(l_ref, acc_ref, m_ref if weighted else None, jnp.int32(c), real)
+               for c in range(n_entries)]
     if not weighted:  # group partials: the chunk maxima apart
         nc = m_ref.shape[0]
         maxima = plgpu.load(m_ref, mask=jnp.broadcast_to(real[None, :], (nc, mrows)), other=-jnp.inf)  # [NC, M]
@@ -695,13 +690,7 @@ def _merge_early(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref
 
     n_chunks = (jnp.minimum(n_len, max_keys) + chunk - 1) // chunk
     # Per-row values (l, maxima, the committed max) as [M, 1] columns (`_load_entry`).
-    if side_by_side:  # the max over the slabs elementwise, then over the groups: one reduction
-        m_slab = jnp.full(slabs[0][2].shape, -jnp.inf, jnp.float32)
-        for k, (_, _, m3) in enumerate(slabs):
-            live = ((jnp.arange(groups) * fold + k) < n_chunks)[:, None, None]
-            m_slab = jnp.maximum(m_slab, jnp.where(live, m3, -jnp.inf))
-        m_column = jnp.max(m_slab, axis=0)
-    elif weighted:
+    if weighted:
         # The maximum of the loaded entries' maxima, one column at a time (exact in any order): derived from the
         # same loads as the weights, the committed max takes their layout, where a max over a [NC, M] block took the
         # block's, and Triton converted every entry's weights into the partials' rows through shared memory (a
@@ -720,9 +709,7 @@ def _merge_early(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref
         return _zero_sums(mrows, acc_ref.shape[2])
 
     carry = zeros()
-    if side_by_side:
-        carry = _groups_side_by_side(slabs, carry, add, n_chunks=n_chunks, fold=fold, base_column=base_column)
-    elif fold_here:  # `_fold_groups_in_order`: each group from zeros in chunk order, the sums in group order
+    if fold_here:  # `_fold_groups_in_order`: each group from zeros in chunk order, the sums in group order
         n_groups = (n_chunks + fold - 1) // fold
         for j in range(-(-n_entries // fold)):
             group_sum = zeros()
@@ -736,39 +723,6 @@ def _merge_early(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref
     l, acc = _row(carry[0]), carry[1]
     m_committed, m_base = _row(m_column), _row(base_column)
     return _add_window_keys(l, acc, m_committed, m_base, q, operands, scale=scale, cdt=cdt, logits_w=logits_w)
-
-
-def _group_slab(l_ref, acc_ref, m_ref, rows, real):
-    """Entries `rows` [G] of l_ref [N, M], acc_ref [N, M, BD] and m_ref [N, M], unmasked loads with the padding
-    rows set as the masked loads set them -> (l [G, M, 1], acc [G, M, BD] fp32, m [G, M, 1])."""
-    real3 = real[None, :, None]
-    return (jnp.where(real3, l_ref[rows][:, :, None], 0.0),
-            jnp.where(real3, acc_ref[rows].astype(jnp.float32), 0.0),
-            jnp.where(real3, m_ref[rows][:, :, None], -jnp.inf))
-
-
-def _groups_side_by_side(slabs, carry, add, *, n_chunks, fold: int, base_column):
-    """`_fold_groups_in_order`'s sums with the groups side by side: slabs[k] holds chunk j*fold + k of every group
-    j (`_group_slab`), and step k adds it to all the groups' sums at once as [G, M, ...] tensors, so the dependent
-    chain is `fold` steps, not the table's chunks; then the group sums are added to carry in group order through
-    `add` (`_add_entry` against the committed max), each picked out of the [G, ...] sums exactly (a max against -inf
-    over one value). Each element sees the operations of the one-group-at-a-time fold in their order, so the same
-    bits. base_column [M, 1]: the committed max (0 where none)."""
-    groups = slabs[0][0].shape[0]
-    gid = jnp.arange(groups)
-    gl = jnp.zeros(slabs[0][0].shape, jnp.float32)
-    gacc = jnp.zeros(slabs[0][1].shape, jnp.float32)
-    for k, (l3, acc3, m3) in enumerate(slabs):
-        live = ((gid * fold + k) < n_chunks)[:, None, None]
-        w = jnp.exp2((m3 - base_column[None]) * _LOG2E)
-        l3, acc3 = w * l3, w * acc3
-        gl, gacc = jnp.where(live, gl + l3, gl), jnp.where(live, gacc + acc3, gacc)
-    n_groups = (n_chunks + fold - 1) // fold
-    for j in range(groups):
-        pick = (gid == j)[:, None, None]
-        group_sum = (jnp.max(jnp.where(pick, gl, -jnp.inf), axis=0), jnp.max(jnp.where(pick, gacc, -jnp.inf), axis=0))
-        carry = add(carry, (*group_sum, None), j < n_groups)
-    return carry
 
 
 def _window_operands(g, parents_ref, kw_ref, vw_ref, ksw_ref, vsw_ref, *, real, r: int, group: int, rp: int,
@@ -950,8 +904,7 @@ def fold_in_merge(tiles: WindowTiles, *, streams: int, hkv: int, chunks: int) ->
 
 # fp32 values of partials a merge program may hold at once and still load them all before it adds any: a 1-stream
 # decode folding a table of FOLD_IN_MERGE_MAX_CHUNKS chunks itself, 16 packed rows x 16 columns, holds 10240 (219
-# registers and no spills on 4 warps in an offline compile for sm_90; 182 at 32 chunks; 91 either way with the
-# groups side by side).
+# registers and no spills on 4 warps in an offline compile for sm_90; 182 at 32 chunks).
 MERGE_EARLY_ELEMENTS = 10240
 
 
@@ -959,7 +912,7 @@ def merge_early(tiles: WindowTiles, *, entries: int, mrows: int, bd: int) -> boo
     """Whether a merge program of `bd` head-dim columns over `mrows` packed rows and `entries` partials
     (`merge_entries`) loads them all first (`WindowTiles.merge_loads`; the same bits either way)."""
     if tiles.merge_loads is not None:
-        return tiles.merge_loads in ("early", "groups")
+        return tiles.merge_loads == "early"
     return entries * mrows * bd <= MERGE_EARLY_ELEMENTS
 
 
@@ -1175,8 +1128,7 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
                                    early=merge_early(tiles, mrows=mrows, bd=bd,
                                                      entries=merge_entries(max_keys=max_keys, chunk=tiles.chunk,
                                                                            fold=tiles.fold if grouped else None,
-                                                                           fold_here=fold_here)),
-                                   side_by_side=tiles.merge_loads == "groups")
+                                                                           fold_here=fold_here)))
         win_scale = pl.BlockSpec((None, r * hkv), lambda i, j, e: (i, 0))
         out = pallas_call(
             kernel,
@@ -1321,8 +1273,8 @@ def _check_window(q, k_win, v_win, parents, pool: KVPool, page_table, cache_len,
         raise ValueError(f"WindowTiles.fold_block_d={tiles.fold_block_d} must be a power of two dividing {d}")
     if tiles.fold_in_merge not in (None, True, False):
         raise ValueError(f"WindowTiles.fold_in_merge must be None, True or False; got {tiles.fold_in_merge!r}")
-    if tiles.merge_loads not in (None, "early", "groups", "loop"):
-        raise ValueError(f"WindowTiles.merge_loads must be None, 'early', 'groups' or 'loop'; got "
+    if tiles.merge_loads not in (None, "early", "loop"):
+        raise ValueError(f"WindowTiles.merge_loads must be None, 'early' or 'loop'; got "
                          f"{tiles.merge_loads!r}")
     if tiles.merge_unroll is not None and tiles.merge_unroll < 1:
         raise ValueError(f"WindowTiles.merge_unroll={tiles.merge_unroll} must be >= 1")

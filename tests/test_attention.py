@@ -357,7 +357,7 @@ def test_window_fold_in_merge_bits(monkeypatch):
 
 def test_window_merge_loads_bits(monkeypatch):
     """WindowTiles.merge_loads="early" (every load issued first, partials past the context selected away rather
-    than skipped) and "groups" (early, the groups folded side by side) have the loop merge's bits: on a table of
+    than skipped) has the loop merge's bits: on a table of
     one group (the merge folds the chunk partials), with the fold pass (group partials) and with the merge folding
     the groups itself; a 7-row tree over a bf16 pool with fp32
     O partials and a 1-row step over an fp8 pool with bf16 O partials; rows out in fp32; unwritten partials NaN
@@ -380,9 +380,8 @@ def test_window_merge_loads_bits(monkeypatch):
             tiles = dataclasses.replace(FOLD_TILES, **change)
             want = run(*case, tiles=dataclasses.replace(tiles, merge_loads="loop"))
             assert np.isfinite(np.asarray(want)).all(), label
-            for loads in ("early", "groups"):
-                got = run(*case, tiles=dataclasses.replace(tiles, merge_loads=loads))
-                assert np.array_equal(bits(got), bits(want)), (dtype, label, loads)
+            got = run(*case, tiles=dataclasses.replace(tiles, merge_loads="early"))
+            assert np.array_equal(bits(got), bits(want)), (dtype, label)
     limit = at.MERGE_EARLY_ELEMENTS
     # a 1-stream decode folding the longest table the fused merge takes
     assert at.merge_early(FOLD_TILES, entries=at.FOLD_IN_MERGE_MAX_CHUNKS, mrows=16, bd=16)
@@ -679,8 +678,7 @@ def test_kernels_lower_to_triton_at_27b_shape(h200_lowering):
         # the groups itself (two a step; half a group a step, fp32 queries) and the fold pass with the merge.
         model = at.model_window_tiles(jnp.bfloat16, pool, 24, max_keys=512 * 64, interpret=False)
         for q_dtype, fused, unroll, loads in ((jnp.bfloat16, True, None, None), (jnp.float32, True, 4, "loop"),
-                                              (jnp.float32, False, None, "early"), (jnp.bfloat16, False, None, "loop"),
-                                              (jnp.bfloat16, True, None, "groups")):
+                                              (jnp.float32, False, None, "early"), (jnp.bfloat16, False, None, "loop")):
             fn = functools.partial(at.window, scale=1 / 16,
                                    tiles=dataclasses.replace(model, fold_in_merge=fused, merge_unroll=unroll,
                                                              merge_loads=loads))
@@ -778,7 +776,7 @@ def test_window_fold_in_merge_gpu_27b(dtype):
                           tiles=dataclasses.replace(tiles, fold_in_merge=False, merge_loads="loop"))
         assert rel_err(want, want64) < 1e-2
         for fused, loads, unroll in ((True, "loop", None), (True, "loop", 4), (True, "early", None),
-                                     (True, "groups", None), (False, "early", None)):
+                                     (False, "early", None)):
             got = run_window(*args, scale=scale, interpret=False,
                              tiles=dataclasses.replace(tiles, fold_in_merge=fused, merge_loads=loads,
                                                        merge_unroll=unroll))

@@ -483,9 +483,7 @@ TAIL_SWEEP = (("shipped", {}), ("fold pass + merge", dict(fold_in_merge=False)),
 # merge_loads: the merge's loads (same bits): the shipped rule, the loop merge, and the early merge under other
 # launches (1 stream, 32K keys only: the forced early merge holds the whole table's partials in registers).
 MERGE_LOADS_SWEEP = (("shipped", {}), ("loop loads", dict(merge_loads="loop")))
-MERGE_EARLY_LAUNCHES = (("groups side by side", dict(merge_loads="groups")),
-                        ("groups, 8 warps", dict(merge_loads="groups", merge_num_warps=8)),
-                        ("early, 8 warps", dict(merge_loads="early", merge_num_warps=8)),
+MERGE_EARLY_LAUNCHES = (("early, 8 warps", dict(merge_loads="early", merge_num_warps=8)),
                         ("early, 2 warps", dict(merge_loads="early", merge_num_warps=2)),
                         ("loop, fold pass", dict(merge_loads="loop", fold_in_merge=False)),
                         ("early, fold pass", dict(merge_loads="early", fold_in_merge=False)))

@@ -79,9 +79,9 @@ case "$stage" in
         --kv-cache $kv --no-compile-timing --compile-cache "" 2>&1 | tee "$out/bench_27b_$kv.log" | tail -14
     done ;;
   ninety-third)
-    # Prepared in session 23, not run: the fused merge with the groups side by side (merge_loads "groups": a chain
-    # of 8 steps instead of 32 at the bf16 32K decode) against the early merge, its bits compiled, then the window
-    # gpu tests. If it wins, make it the rule's choice for fused merges and run the engine's gates.
+    # Prepared in session 23, run in session 24 (~7 min with the start): the fused merge with the groups side by
+    # side (merge_loads "groups") against the early merge, then the window gpu tests. It lost (5.9 against 5.1 µs)
+    # and was removed; the run also timed the [M, 1] column folds (the fold pass 5.2 -> 3.1 µs).
     timeout 260 python3 -m pallas_kernels.bench attention --sections merge_loads --budget-s 240 --trace /tmp/strace \
       --json "$out/attention_merge_groups.json" 2>&1 | tee "$out/attention_merge_groups.log" | grep -E "^copy|^  FAILED" ; \
       grep -A40 "^### decode_sweep" "$out/attention_merge_groups.log"
