@@ -154,13 +154,11 @@ class WindowTiles:
     # waits on any (`_merge_early`), the loop merge's operations in its order; "loop": it loads the partials a loop
     # step at a time, masked by the context. None: early where the program's partials fit MERGE_EARLY_ELEMENTS.
     # (A third, "groups", folded a fused merge's groups side by side as [G, M, BD] slabs; on the H200 its merge
-    # took 5.9 µs against the early merge's 5.1 at the 1-stream bf16 32K decode, session 24: removed.)
+    # took 5.9 µs against the early merge's 5.1 at the 1-stream bf16 32K decode, session 24: removed. So was the
+    # fold pass with the merge in its last program by tickets, one launch for two: 5.9-7.0 µs against 5.6-6.3 for
+    # the two launches at one stream, 14.0 against 12.1 at 16 streams over bf16 pools; it won only at 16 streams
+    # over fp8 pools, 19.3 against 21.8, where the merge after the fold pass is the loop merge.)
     merge_loads: str | None = None
-    # Tables that run the fold pass: True: its programs take tickets (an atomic add on their (stream, KV head, column
-    # block)) after storing their group partials, and the last of them adds the group partials in order and the
-    # window's own keys (`_window_fold_merge_kernel`: the merge's operations in its order, so the same bits), one
-    # launch where the fold pass and the merge took two. None: False (until the H200 says otherwise).
-    fold_tickets: bool | None = None
     # What follows pass 1 (order). "passes": the fold pass (tables of more than `fold` chunks) and the merge, each
     # a launch of its own. "tickets": one launch; after storing its partial, each chunk program takes a ticket
     # (an atomic add) on its group of `fold` chunks, the group's last program folds the group in chunk order
@@ -598,54 +596,6 @@ def _window_fold_kernel(cache_len_ref, m_ref, l_ref, acc_ref, lg_ref, accg_ref, 
                                 m_base=m_base, unroll=unroll, mrows=mrows, bd=accg_ref.shape[1])
         plgpu.store(lg_ref, l, mask=real)
         plgpu.store(accg_ref, acc, mask=real[:, None])
-
-
-def _window_fold_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref, acc_ref, *refs,
-                              fp8: bool, scale: float, r: int, group: int, mrows: int, rp: int, max_keys: int,
-                              chunk: int, fold: int, unroll: int, merge_unroll: int, max_block: int, interpret: bool,
-                              cdt):
-    # The fold pass and the merge in one launch (`WindowTiles.fold_tickets`), grid (stream, KV head, group, column
-    # block). Inputs as `_window_merge_kernel`'s over the chunk partials (m_ref, l_ref [NC, M], acc_ref [NC, M, BD]),
-    # then tickets_in_ref (aliased to tickets_ref, zeros). Outputs: lg_ref [G, M], accg_ref [G, M, BD] this
-    # (stream, KV head, column block)'s group partials, relative to the committed max (`_window_fold_kernel`'s);
-    # o_ref [M, BD]; tickets_ref [S, Hkv, D / BD] int32, one counter a (stream, KV head, column block).
-    if fp8:
-        ksw_ref, vsw_ref, _, lg_ref, accg_ref, o_ref, tickets_ref = refs
-    else:
-        ksw_ref = vsw_ref = None
-        _, lg_ref, accg_ref, o_ref, tickets_ref = refs
-    s, g, j, e = pl.program_id(0), pl.program_id(1), pl.program_id(2), pl.program_id(3)
-    n_chunks = (jnp.minimum(cache_len_ref[s], max_keys) + chunk - 1) // chunk
-    n_groups = (n_chunks + fold - 1) // fold
-    idx, real = _packed_rows(mrows, r, q_ref.shape[0] // r, group, g)
-    bd = accg_ref.shape[2]
-    m_committed = _committed_max(m_ref, n_chunks, real, max_block, mrows)
-    m_base = jnp.where(m_committed == -jnp.inf, 0.0, m_committed)
-
-    @pl.when(j < n_groups)
-    def _():  # `_window_fold_kernel`'s group partial
-        l, acc = _fold_in_order(l_ref, acc_ref, m_ref, first=j * fold, count=fold, n_live=n_chunks, real=real,
-                                m_base=m_base, unroll=unroll, mrows=mrows, bd=bd)
-        plgpu.store(lg_ref.at[j], l, mask=real)
-        plgpu.store(accg_ref.at[j], acc, mask=real[:, None])
-
-    # Every live group's program takes a ticket once its stores are issued (group 0's alone where the stream has no
-    # committed keys); whoever draws the last one reads every group partial (acquire-release at GPU scope, as the
-    # pass-1 tickets) and runs `_window_merge_kernel`'s loop merge over them.
-    @pl.when((j < n_groups) | (j == 0))
-    def _():
-        if not interpret:
-            plgpu.debug_barrier()
-        ticket = plgpu.atomic_add(tickets_ref, (s, g, e), jnp.ones((), jnp.int32))
-
-        @pl.when(ticket == jnp.maximum(n_groups, 1) - 1)
-        def _():
-            q = q_ref[idx].astype(cdt)
-            l, acc = _fold_in_order(lg_ref, accg_ref, None, first=0, count=lg_ref.shape[0], n_live=n_groups,
-                                    real=real, m_base=m_base, unroll=merge_unroll, mrows=mrows, bd=bd)
-            o_ref[...] = _with_window_keys(l, acc, m_committed, m_base, q, real, g, parents_ref, kw_ref, vw_ref,
-                                           ksw_ref, vsw_ref, scale=scale, r=r, group=group, rp=rp, first_row=0,
-                                           cdt=cdt).astype(o_ref.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1150,11 +1100,6 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
     max_block = min(nc_pad, _pow2_floor(max(1, 4096 // mrows)))
     q_rows = q.reshape(s, r * hq, d)  # free: rows picked inside the kernels
     fold_here = grouped and fold_in_merge(tiles, streams=s, hkv=hkv, chunks=table_chunks)
-    kw, vw, scales = _window_rows_as_stored(k_win, v_win, pool, interpret)
-    if grouped and not fold_here and tiles.fold_tickets:
-        return _window_fold_merge(q_rows, kw, vw, scales, parents, m, l, acc, cache_len, scale=scale, tiles=tiles,
-                                  r=r, hq=hq, mrows=mrows, rp=rp, max_keys=max_keys, cdt=cdt, max_block=max_block,
-                                  merge_unroll=unroll, interpret=interpret)
     if grouped and not fold_here:
         groups = nc_pad // tiles.fold
         with jax.named_scope("attn_window_fold"):
@@ -1179,6 +1124,7 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
     n_parts = l.shape[2]
 
     with jax.named_scope("attn_window_merge"):
+        kw, vw, scales = _window_rows_as_stored(k_win, v_win, pool, interpret)
         kernel = functools.partial(_window_merge_kernel, fp8=fp8, scale=scale, r=r, group=group, mrows=mrows, rp=rp,
                                    max_keys=max_keys, chunk=tiles.chunk, fold=tiles.fold if grouped else None,
                                    fold_here=fold_here, unroll=unroll, max_block=max_block, cdt=cdt,
@@ -1206,54 +1152,6 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
             name="attn_window_merge",
         )(cache_len, parents.astype(jnp.int32), q_rows, kw.reshape(s, r * hkv, d),
           vw.reshape(s, r * hkv, d // bd, bd), m, l, acc, *scales)
-    return _unpack_rows(out, r, hq)
-
-
-def _window_fold_merge(q_rows, kw, vw, scales, parents, m, l, acc, cache_len, *, scale: float, tiles: WindowTiles,
-                       r: int, hq: int, mrows: int, rp: int, max_keys: int, cdt, max_block: int, merge_unroll: int,
-                       interpret: bool) -> jax.Array:
-    """The fold pass and the merge of `window` in one launch (tiles.fold_tickets): grid (stream, KV head, group,
-    column block) as the fold pass's, `_window_fold_merge_kernel`. q_rows [S, R Hq, D]; kw, vw [S, R, Hkv, D] and
-    scales as stored; m, l, acc: pass 1's chunk partials -> o [S, R, Hq, D]. The group partials are scratch
-    outputs, dropped here."""
-    s, hkv, nc_pad, _ = m.shape
-    d = q_rows.shape[2]
-    groups = nc_pad // tiles.fold
-    bd, unroll = merge_launch(tiles, streams=s, hkv=hkv, mrows=mrows, head_dim=d, groups=groups)
-    kernel = functools.partial(_window_fold_merge_kernel, fp8=bool(scales), scale=scale, r=r, group=hq // hkv,
-                               mrows=mrows, rp=rp, max_keys=max_keys, chunk=tiles.chunk, fold=tiles.fold,
-                               unroll=unroll, merge_unroll=min(merge_unroll, groups), max_block=max_block,
-                               interpret=interpret, cdt=cdt)
-    maxima = pl.BlockSpec((None, None, nc_pad, mrows), lambda i, j, c, e: (i, j, 0, 0))
-    win_scale = pl.BlockSpec((None, r * hkv), lambda i, j, c, e: (i, 0))
-    tickets = pl.BlockSpec((s, hkv, d // bd), lambda i, j, c, e: (0, 0, 0))
-    operands = [cache_len, parents.astype(jnp.int32), q_rows, kw.reshape(s, r * hkv, d),
-                vw.reshape(s, r * hkv, d // bd, bd), m, l, acc, *scales, jnp.zeros((s, hkv, d // bd), jnp.int32)]
-    f32 = jnp.float32
-    with jax.named_scope("attn_window_fold_merge"):
-        out = pallas_call(
-            kernel,
-            grid=(s, hkv, groups, d // bd),
-            in_specs=[pl.BlockSpec((s,), lambda i, j, c, e: (0,)),
-                      pl.BlockSpec((None, r), lambda i, j, c, e: (i, 0)),
-                      pl.BlockSpec((None, r * hq, d), lambda i, j, c, e: (i, 0, 0)),
-                      pl.BlockSpec((None, r * hkv, d), lambda i, j, c, e: (i, 0, 0)),
-                      pl.BlockSpec((None, r * hkv, None, bd), lambda i, j, c, e: (i, 0, e, 0)),
-                      maxima, maxima,
-                      pl.BlockSpec((None, None, nc_pad, mrows, bd), lambda i, j, c, e: (i, j, 0, 0, e))]
-                     + [win_scale] * len(scales) + [tickets],
-            out_specs=[pl.BlockSpec((None, None, groups, mrows), lambda i, j, c, e: (i, j, 0, 0)),
-                       pl.BlockSpec((None, None, groups, mrows, bd), lambda i, j, c, e: (i, j, 0, 0, e)),
-                       pl.BlockSpec((None, None, mrows, bd), lambda i, j, c, e: (i, j, 0, e)), tickets],
-            out_shape=[jax.ShapeDtypeStruct((s, hkv, groups, mrows), f32),
-                       jax.ShapeDtypeStruct((s, hkv, groups, mrows, d), f32),
-                       jax.ShapeDtypeStruct((s, hkv, mrows, d), q_rows.dtype),
-                       jax.ShapeDtypeStruct((s, hkv, d // bd), jnp.int32)],
-            input_output_aliases={len(operands) - 1: 3},
-            interpret=interpret,
-            compiler_params=plgpu.CompilerParams(num_warps=tiles.merge_num_warps, num_stages=2),
-            name="attn_window_fold_merge",
-        )(*operands)[2]
     return _unpack_rows(out, r, hq)
 
 

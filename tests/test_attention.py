@@ -250,9 +250,8 @@ def test_window_row_bits_ignore_stale_slots_and_unseen_window_rows(dtype, fp8_do
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
 def test_window_fold_pass_bits(dtype):
     """The fold pass (tables of more than `fold` chunks): right against float64, each row's bits free of other
-    streams, the table width and the fold pass's launch split, and the same with the fold pass and the merge in one
-    launch by tickets (`WindowTiles.fold_tickets`, a stream of no keys among them); and a stream whose context fits
-    one group gets the bits of the one-pass merge (a table of at most `fold` chunks skips the pass)."""
+    streams, the table width and the fold pass's launch split; and a stream whose context fits one group gets the
+    bits of the one-pass merge (a table of at most `fold` chunks skips the pass)."""
     rng = np.random.default_rng(13)
     case = window_case(rng, r=7, dtype=dtype, **SMALL_WINDOW)  # 9 pages of 8: 3 chunks of 32 -> 2 groups of 2
     q, kw, vw, par, pool, table, cache_len = case
@@ -266,12 +265,6 @@ def test_window_fold_pass_bits(dtype):
     assert np.array_equal(bits(alone[0]), bits(batch[4]))  # 72 keys: 3 chunks in 2 groups either way
     split = dataclasses.replace(tiles, fold_block_d=32, merge_block_d=32, merge_unroll=1)
     assert np.array_equal(bits(run_window(*case, scale=scale, interpret=True, tiles=split)), bits(batch))
-    for launch in (tiles, split):  # (one stream alone fuses by default: the fold pass asked for)
-        tickets = dataclasses.replace(launch, fold_in_merge=False, fold_tickets=True)
-        assert np.array_equal(bits(run_window(*case, scale=scale, interpret=True, tiles=tickets)), bits(batch))
-        alone_tickets = run_window(q[4:5], kw[4:5], vw[4:5], par[4:5], pool, wide, cache_len[4:5], scale=scale,
-                                   interpret=True, tiles=tickets)
-        assert np.array_equal(bits(alone_tickets[0]), bits(batch[4]))
     # Streams 1 and 3 (5 and 32 keys: one chunk, one group) through the fold pass equal the one-pass merge on a
     # table of 2 chunks (4 pages: no fold pass).
     short = table[:, :4]
@@ -389,9 +382,6 @@ def test_window_merge_loads_bits(monkeypatch):
             assert np.isfinite(np.asarray(want)).all(), label
             got = run(*case, tiles=dataclasses.replace(tiles, merge_loads="early"))
             assert np.array_equal(bits(got), bits(want)), (dtype, label)
-            if label == "fold pass":  # and the fold pass and merge in one launch (tickets)
-                got = run(*case, tiles=dataclasses.replace(tiles, fold_tickets=True))
-                assert np.array_equal(bits(got), bits(want)), (dtype, "fold tickets")
     limit = at.MERGE_EARLY_ELEMENTS
     # a 1-stream decode folding the longest table the fused merge takes
     assert at.merge_early(FOLD_TILES, entries=at.FOLD_IN_MERGE_MAX_CHUNKS, mrows=16, bd=16)
@@ -696,15 +686,6 @@ def test_kernels_lower_to_triton_at_27b_shape(h200_lowering):
                     sds((1, 1), jnp.int32), pool, sds((1, 512), jnp.int32), sds((1,), jnp.int32))
             text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert ("attn_window_fold" in text) != fused and "__gpu$xla.gpu.triton" in text
-        # the fold pass and the merge in one launch (tickets), 1 and 16 streams
-        for streams in (1, 16):
-            fn = functools.partial(at.window, scale=1 / 16, tiles=dataclasses.replace(
-                model, fold_in_merge=False, fold_tickets=True))
-            args = (sds((streams, 1, 24, 256), jnp.bfloat16), sds((streams, 1, 4, 256), jnp.bfloat16),
-                    sds((streams, 1, 4, 256), jnp.bfloat16), sds((streams, 1), jnp.int32), pool,
-                    sds((streams, 512), jnp.int32), sds((streams,), jnp.int32))
-            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-            assert "attn_window_fold_merge" in text and "attn_window_merge" not in text, streams
         for tiles in [None] + gpu_prompt_configs():
             fn = functools.partial(at.prompt, scale=1 / 16, tiles=tiles)
             args = (sds((1, 512, 24, 256), jnp.bfloat16), pool, sds((1, 24), jnp.int32), sds((1,), jnp.int32),
@@ -761,8 +742,7 @@ def test_window_gpu_27b(dtype, fp8_dot, r):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
 def test_window_fold_pass_gpu_27b(dtype):
     """The fold pass compiled (fold=2 on a 5-chunk table: 3 groups): right, a row's bits free of other streams and
-    the table width, and a one-group stream equal to the one-pass merge; with the fold pass and the merge in one
-    launch by tickets (`WindowTiles.fold_tickets`), the same bits, twice over (the tickets order the tail)."""
+    the table width, and a one-group stream equal to the one-pass merge."""
     rng = np.random.default_rng(32)
     case = window_case(rng, s=4, r=1, pmax=40, num_pages=200, dtype=dtype, cache_lens=[0, 100, 1537, 2560],
                        parents=[[-1]] * 4, **BIG)
@@ -772,9 +752,6 @@ def test_window_fold_pass_gpu_27b(dtype):
     q, kw, vw, par, pool, table, cl = case
     one_pass = run_window(q, kw, vw, par, pool, table[:, :8], cl, scale=scale, interpret=False, tiles=tiles)
     assert np.array_equal(bits(one_pass[1]), bits(got[1]))
-    tickets = dataclasses.replace(tiles, fold_in_merge=False, fold_tickets=True)
-    for _ in range(2):
-        assert np.array_equal(bits(run_window(*case, scale=scale, interpret=False, tiles=tickets)), bits(got))
 
 
 @GPU
@@ -784,8 +761,8 @@ def test_window_fold_in_merge_gpu_27b(dtype):
     partial under either pass 1's chunk), the model's tiles; the bits of the fold pass and loop merge, for bf16
     queries (the model's: over a bf16 pool the Mosaic GPU pass 1 and its bf16 O partials) and fp32 ones (the Triton
     pass 1; rows out in fp32, where a regrouped sum would show), two groups a loop step (the launch rule) or half a
-    group (4 chunks), with the early merge (`WindowTiles.merge_loads`) after the fold pass or folding itself, and
-    with the fold pass and the merge in one launch by tickets (`WindowTiles.fold_tickets`)."""
+    group (4 chunks), and with the early merge (`WindowTiles.merge_loads`) after the fold pass or folding itself,
+    the groups one after another or side by side."""
     rng = np.random.default_rng(34)
     case = window_case(rng, s=1, r=1, pmax=512, num_pages=520, dtype=dtype, cache_lens=[19000], parents=[[-1]],
                        **BIG)
@@ -804,9 +781,6 @@ def test_window_fold_in_merge_gpu_27b(dtype):
                              tiles=dataclasses.replace(tiles, fold_in_merge=fused, merge_loads=loads,
                                                        merge_unroll=unroll))
             assert np.array_equal(bits(got), bits(want)), (queries.dtype, fused, loads, unroll)
-        got = run_window(*args, scale=scale, interpret=False,
-                         tiles=dataclasses.replace(tiles, fold_in_merge=False, fold_tickets=True))
-        assert np.array_equal(bits(got), bits(want)), (queries.dtype, "fold tickets")
 
 
 @GPU

@@ -480,13 +480,10 @@ FP8_DECODE_SWEEP = (
 TAIL_SWEEP = (("shipped", {}), ("fold pass + merge", dict(fold_in_merge=False)), ("fused", dict(fold_in_merge=True)))
 
 
-# merge_loads: the merge's loads and launches (same bits): the shipped rule, the loop merge, the fold pass and the
-# merge in one launch by tickets (where a fold pass runs), and at 1 stream, 32K keys only, the fused merge's
-# alternatives (the forced early merge holds the whole table's partials in registers).
-MERGE_LOADS_SWEEP = (("shipped", {}), ("loop loads", dict(merge_loads="loop")),
-                     ("fold tickets", dict(fold_tickets=True)))
-MERGE_EARLY_LAUNCHES = (("fold pass, tickets", dict(fold_in_merge=False, fold_tickets=True)),
-                        ("early, 8 warps", dict(merge_loads="early", merge_num_warps=8)),
+# merge_loads: the merge's loads (same bits): the shipped rule, the loop merge, and the early merge under other
+# launches (1 stream, 32K keys only: the forced early merge holds the whole table's partials in registers).
+MERGE_LOADS_SWEEP = (("shipped", {}), ("loop loads", dict(merge_loads="loop")))
+MERGE_EARLY_LAUNCHES = (("early, 8 warps", dict(merge_loads="early", merge_num_warps=8)),
                         ("loop, fold pass", dict(merge_loads="loop", fold_in_merge=False)),
                         ("early, fold pass", dict(merge_loads="early", fold_in_merge=False)))
 
@@ -498,7 +495,7 @@ def summarize_decode_sweep(env: Env, bw: float | None) -> None:
     key = "alone_us" if all("alone_us" in r for r in rows) else "us"
     print(f"\n### decode_sweep: 1-row decode, µs {'of the kernels alone (trace)' if key == 'alone_us' else 'chained'}; "
           f"% of the {bw or math.nan:.2f} TB/s copy; by kernel: pass 1 / fold / merge; every device event of a "
-          f"call (the XLA ops around the kernels too, e.g. a tickets memset)")
+          f"call (the XLA ops around the kernels too)")
     body = [[r["tag"].removeprefix("sweep "), r["kv"], r["streams"], r["context"], r[key],
              _pct_copy(r["context"], r["streams"], r[key], bw, r["kv"] == "fp8"), _by_kernel(r),
              r.get("traced_busy_us", math.nan)] for r in rows]
