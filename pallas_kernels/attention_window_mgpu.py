@@ -130,23 +130,86 @@ def pack_queries(q: jax.Array, hkv: int) -> jax.Array:
     return jnp.pad(packed, ((0, 0), (0, 0), (0, rows - r * group), (0, 0)))
 
 
+def _swapped_start(d: int, n: int) -> tuple:
+    """A swapped CTA's (O^T as d / 64 tiles [64, n], m [n], l [n]) before its first key block, in the wgmma
+    layouts (m and l along the columns)."""
+    wgmma = plgpu.Layout.WGMMA
+    return (tuple(plgpu.layout_cast(jnp.full((WG_ROWS, n), 0, jnp.float32), wgmma) for _ in range(d // WG_ROWS)),
+            plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), wgmma.reduce(0)),
+            plgpu.layout_cast(jnp.full((n,), 0, jnp.float32), wgmma.reduce(0)))
+
+
+def _swapped_step(carry: tuple, q_smem, k_tile, v_tile, p_smem, *, n_visible: jax.Array, c: float, interpret: bool,
+                  k_read, v_wait, v_read, then) -> tuple:
+    """One 64-key block with the packed rows as the MMAs' N (`MMA_ROWS` "n"): S^T = K Q^T [64 keys, N]
+    (q_smem [N, d], k_tile [64, d]), keys at or past n_visible masked to -inf, the online softmax down the columns
+    in log2 units (as `attention_mgpu.online_softmax` along the rows), P^T rounded to bf16 into p_smem [N, 64]
+    through a transposed view, and O^T += V^T P^T a 64-column tile of V at a time (V^T read from v_tile [64, d] as
+    the MMA's A operand). A row is a column of every tile here, and each of its values comes from its own column
+    alone (the MMAs reduce over d or over keys per column; the softmax reductions are per column), so its bits do
+    not depend on N or on the other rows. k_read / v_read: the block's K / V tile has been read; v_wait: wait for
+    its V tile; then(): runs once the P V MMAs are issued. Interpret mode: P V lands in fresh accumulators added
+    to O (the interpreter's wgmma takes no accumulator initialised from a value)."""
+    acc, m, l = carry
+    n = q_smem.shape[0]
+
+    def qk(acc_ref):
+        plgpu.wgmma(acc_ref, k_tile, q_smem.T)
+        return acc_ref[...]
+
+    logits = pl.run_scoped(qk, plgpu.ACC((BLOCK_K, n), jnp.float32))
+    k_read()
+    key = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K, n), 0, layout=plgpu.Layout.WGMMA)
+    logits = jnp.where(key < n_visible, logits, -jnp.inf)
+    m_new = jnp.maximum(m, logits.max(axis=0) * c)
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(logits * c - lax.broadcast_in_dim(m_new, logits.shape, [1]))
+    l = l * alpha + p.sum(axis=0)
+    rescale = lax.broadcast_in_dim(alpha, (WG_ROWS, n), [1])
+    acc = tuple(a * rescale for a in acc)
+    p_smem.T[...] = p.astype(jnp.bfloat16)
+    plgpu.commit_smem()
+    v_wait()
+    v_cols = [v_tile.at[:, pl.ds(j * WG_ROWS, WG_ROWS)].T for j in range(len(acc))]
+    if interpret:
+        def fresh(v_t):
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, v_t, p_smem.T)
+                return acc_ref[...]
+            return pl.run_scoped(pv, plgpu.ACC((WG_ROWS, n), jnp.float32))
+
+        acc = tuple(a + fresh(v_t) for a, v_t in zip(acc, v_cols))
+        then()
+    else:
+        def pv(acc_refs):
+            for acc_ref, v_t in zip(acc_refs, v_cols):
+                plgpu.wgmma(acc_ref, v_t, p_smem.T)
+            then()
+
+        acc = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in acc))
+    v_read()
+    return acc, m_new, l
+
+
 def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: jax.Array, v: jax.Array,
                  *scales: jax.Array, scale: float, chunk: int, n_chunks: int, nc_pad: int, real_rows: int,
                  mrows: int, max_keys: int, stages: int, parts: int, ping_pong: bool, partials: str = "float32",
-                 dequant: str = "wgmma", interpret: bool | plgpu.InterpretGPUParams = False
+                 dequant: str = "wgmma", swapped: int = 0, interpret: bool | plgpu.InterpretGPUParams = False
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """qp [S, Hkv, W 64, D] bf16 (`pack_queries`: real_rows = R G of them real); k, v [Hkv, P, page, D] bf16, or
     e4m3 codes with scales = (k_scale, v_scale) [Hkv, P, page] fp32 (one compute warpgroup a CTA: parts = W);
     page_table [S, Pmax'] int32 covering n_chunks chunks; cache_len [S] int32 -> m, l [S, Hkv, nc_pad, mrows], acc
     [S, Hkv, nc_pad, mrows, D] in `partials` (fp32 or bf16; rows past R G rounded up to 8 unwritten). Grid (chunk x
     part, KV head, stream): parts 1, a CTA runs all W warpgroups' rows; parts W, a CTA runs warpgroup `part`'s 64
-    rows."""
+    rows. swapped = N > 0 (`MMA_ROWS` "n": bf16 pools and bf16 partials): a CTA runs packed rows part N ..
+    part N + N - 1 as the MMAs' N (`_swapped_step`), one compute warpgroup."""
     bf16_out = partials == "bfloat16"
     fp8 = bool(scales)
     s_count, hkv, qrows, d = qp.shape
-    assert parts in (1, qrows // WG_ROWS), (parts, qrows)
+    assert swapped or parts in (1, qrows // WG_ROWS), (parts, qrows)
     assert not scales or (len(scales) == 2 and parts == qrows // WG_ROWS), (len(scales), parts, qrows)
-    wgs = qrows // WG_ROWS // parts  # compute warpgroups a CTA
+    assert not swapped or (not fp8 and bf16_out and swapped % 8 == 0 and parts * swapped <= qrows), swapped
+    wgs = 1 if swapped else qrows // WG_ROWS // parts  # compute warpgroups a CTA
     ps = k.shape[2]
     bk = BLOCK_K
     span = min(bk, ps)  # keys one copy moves: a page, or a block's part of one
@@ -155,7 +218,7 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
     # Rows a CTA stores: its real rows rounded up to 8 (a 1-row window stores 8 rows of partials, not 64; a 16-row
     # window at 6 heads a KV head 96, not 128). Static per CTA kind: with parts, every part but the last stores 64.
     round8 = lambda n: -(-n // 8) * 8
-    cta_rows = wgs * WG_ROWS
+    cta_rows = swapped or wgs * WG_ROWS
     last_rows = round8(real_rows - (parts - 1) * cta_rows)
     ping_pong = ping_pong and wgs == 2
     assert 0 < last_rows <= cta_rows and (parts - 1) * cta_rows + last_rows <= mrows, (real_rows, mrows, parts)
@@ -189,7 +252,9 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
         def store(rows: int):
             # The CTA's first `rows` rows of partials, one TMA each for O (bf16: one a warpgroup's tile it touches),
             # m and l (one warpgroup issues them).
-            if bf16_out:
+            if swapped:
+                plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(0, rows)], acc_gmem.at[s, g, c, pl.ds(row0, rows)])
+            elif bf16_out:
                 for w in range(-(-rows // WG_ROWS)):
                     n = min(WG_ROWS, rows - w * WG_ROWS)
                     plgpu.copy_smem_to_gmem(q_smem.at[w, pl.ds(0, n)],
@@ -220,7 +285,39 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                 plgpu.barrier_arrive(schedule)
                 plgpu.barrier_wait(schedule)
 
-        @pl.when((n_blocks > 0) & (wg < wgs))
+        def _compute_swapped():
+            plgpu.copy_gmem_to_smem(q_gmem.at[s, g, pl.ds(row0, swapped)], q_smem, q_ready.at[0])
+            plgpu.barrier_wait(q_ready.at[0])
+            plgpu.barrier_wait(k_ready.at[0])
+
+            def step(b, carry):
+                slot = lax.rem(b, stages)
+
+                def wait_next_keys():
+                    @pl.when(b + 1 < n_blocks)
+                    def _():
+                        plgpu.barrier_wait(k_ready.at[lax.rem(b + 1, stages)])
+
+                return _swapped_step(carry, q_smem, k_smem.at[slot], v_smem.at[slot], p_smem,
+                                     n_visible=n_keys - (first + b * bk), c=c_log2, interpret=bool(interpret),
+                                     k_read=lambda: plgpu.barrier_arrive(k_free.at[slot]),
+                                     v_wait=lambda: plgpu.barrier_wait(v_ready.at[slot]), then=wait_next_keys,
+                                     v_read=lambda: plgpu.barrier_arrive(v_free.at[slot]))
+
+            acc, m, l = lax.fori_loop(0, n_blocks, step, _swapped_start(d, swapped))
+            # The O partial, rounded to bf16, over the queries (the last S^T = K Q^T has been read), a column block
+            # at a time through a transposed view; m, l beside it.
+            for j, acc_j in enumerate(acc):
+                q_smem.at[:, pl.ds(j * WG_ROWS, WG_ROWS)].T[...] = acc_j.astype(jnp.bfloat16)
+            ml_smem[0, pl.ds(0, swapped)] = m * _LN2
+            ml_smem[1, pl.ds(0, swapped)] = l
+            plgpu.commit_smem()
+            if parts == 1 or last_rows == cta_rows:
+                store(last_rows)
+            else:
+                pl.when(part < parts - 1)(functools.partial(store, cta_rows))
+                pl.when(part == parts - 1)(functools.partial(store, last_rows))
+
         def _compute():
             if wgs == 2:
                 plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
@@ -304,6 +401,8 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                     pl.when(part < parts - 1)(functools.partial(store, cta_rows))
                     pl.when(part == parts - 1)(functools.partial(store, last_rows))
 
+        pl.when((n_blocks > 0) & (wg < wgs))(_compute_swapped if swapped else _compute)
+
         @pl.when((n_blocks > 0) & (wg == wgs))
         def _memory():
             if wgs == 2:
@@ -346,11 +445,16 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
         kv_slots = (plgpu.SMEM((stages, bk, d), jnp.bfloat16, transforms=qd),
                     plgpu.SMEM((stages, bk, d), jnp.bfloat16, transforms=qd))
         dequantized = ()
-    smem = (plgpu.SMEM((wgs, WG_ROWS, d), jnp.bfloat16, transforms=qd),
+    if swapped:  # the queries (later the O partial) [N, d]; P^T [N, keys] (the P V MMA's B operand)
+        q_tile = plgpu.SMEM((swapped, d), jnp.bfloat16, transforms=qd)
+        p_tile = plgpu.SMEM((swapped, bk), jnp.bfloat16, transforms=_transforms(bk))
+    else:
+        q_tile = plgpu.SMEM((wgs, WG_ROWS, d), jnp.bfloat16, transforms=qd)
+        p_tile = plgpu.SMEM((wgs, WG_ROWS, bk), jnp.bfloat16, transforms=_transforms(bk)) if interpret else None
+    smem = (q_tile,
             plgpu.RefUnion(kv_slots, (plgpu.SMEM((cta_rows, d), jnp.float32),
                                       plgpu.SMEM((2, cta_rows), jnp.float32))),
-            plgpu.SMEM((wgs, WG_ROWS, bk), jnp.bfloat16, transforms=_transforms(bk)) if interpret else None,
-            *dequantized)
+            p_tile, *dequantized)
     f32 = jnp.float32
     call = plgpu.kernel(
         kernel,
@@ -416,6 +520,14 @@ FP8 = False
 # 189.8 -> 174.5 µs at 1 stream and 128K keys (1.31x -> 1.22x the 1-row time), 101.2 -> 93.7 at 16 streams and 4K
 # (1.33x -> 1.25x), 680.8 -> 626.6 at 16 streams and 32K; 1-row decodes level (145.0 / 142.5 at 128K).
 PARTIALS = "bfloat16"
+# Whether the packed rows are the MMAs' M or N in a model's window calls (`attention.WindowTiles.mma_rows`, order).
+# "m": S = Q K^T and P V with the rows as M, 64 a compute warpgroup (a 1-row decode holds 6 real rows of the 64).
+# "n" (prepared in session 24, not yet timed): S^T = K Q^T and O^T = V^T P^T with the rows as N, rounded up to 8
+# (`_swapped_step`), at most SWAP_MAX_ROWS a CTA, bf16 pools and bf16 partials: ~8x less MMA work a block for the
+# 1-row decode, whose 64-key block costs ~1.3 µs on an SM (4K decode, session 23); the softmax's reductions then
+# run down the columns, across the warps. `tools/gpu/swap_probe.py` checked the pieces on the H200 (session 24).
+MMA_ROWS = "m"
+SWAP_MAX_ROWS = 64
 
 
 def unsupported(q_dtype, pool: KVPool, group: int, *, chunk: int, stages: int | None = None,
@@ -445,10 +557,11 @@ def unsupported(q_dtype, pool: KVPool, group: int, *, chunk: int, stages: int | 
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "chunk", "n_chunks", "nc_pad", "max_keys", "tiles",
-                                             "partials", "interpret"))
+                                             "partials", "mma_rows", "interpret"))
 def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len: jax.Array, *, scale: float,
                          chunk: int, n_chunks: int, nc_pad: int, max_keys: int, tiles: WindowMgpuTiles,
-                         partials: str = "float32", interpret: bool | plgpu.InterpretGPUParams = False):
+                         partials: str = "float32", mma_rows: str = "m",
+                         interpret: bool | plgpu.InterpretGPUParams = False):
     """`attention.window_partials` on Mosaic GPU (the caller checked the model with `unsupported`): q [S, R, Hq, D]
     bf16; page_table [S, Pmax'] covering n_chunks chunks of `chunk` keys; cache_len [S] -> m, l [S, Hkv, nc_pad, M]
     fp32, acc [S, Hkv, nc_pad, M, D] in `partials` ("float32" or "bfloat16"), M = attention._padded_rows(R G)."""
@@ -459,11 +572,21 @@ def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cach
     if pool.fp8:
         operands += (pool.k_scale, pool.v_scale)
     warpgroups = qp.shape[2] // WG_ROWS
-    parts = warpgroups if tiles.split_rows or pool.fp8 else 1  # fp8: one compute warpgroup a CTA
-    static = dict(scale=scale, chunk=chunk, n_chunks=n_chunks, nc_pad=nc_pad, real_rows=r * (hq // hkv),
-                  mrows=_padded_rows(r * (hq // hkv)), max_keys=max_keys,
+    real_rows = r * (hq // hkv)
+    swapped = 0
+    if mma_rows == "n":  # CTAs of at most SWAP_MAX_ROWS rows, as even as multiples of 8 make them
+        if pool.fp8 or partials != "bfloat16":
+            raise ValueError(f"mma_rows='n' needs a bf16 pool and bf16 partials; got pool {pool.k.dtype}, "
+                             f"partials {partials!r}")
+        parts = -(-real_rows // SWAP_MAX_ROWS)
+        swapped = -(-real_rows // parts // 8) * 8
+        warpgroups = parts  # (one compute warpgroup a CTA: stages as for one)
+    else:
+        parts = warpgroups if tiles.split_rows or pool.fp8 else 1  # fp8: one compute warpgroup a CTA
+    static = dict(scale=scale, chunk=chunk, n_chunks=n_chunks, nc_pad=nc_pad, real_rows=real_rows,
+                  mrows=_padded_rows(real_rows), max_keys=max_keys,
                   stages=stages_for(tiles, warpgroups // parts), parts=parts, ping_pong=tiles.ping_pong,
-                  partials=partials, dequant=tiles.dequant)
+                  partials=partials, dequant=tiles.dequant, swapped=swapped)
     with jax.named_scope("attn_window_chunks_mgpu"):
         if interpret:
             return _kernel_call(*operands, interpret=interpret, **static)
