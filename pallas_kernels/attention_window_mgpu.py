@@ -194,22 +194,24 @@ def _swapped_step(carry: tuple, q_smem, k_tile, v_tile, p_smem, *, n_visible: ja
 def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: jax.Array, v: jax.Array,
                  *scales: jax.Array, scale: float, chunk: int, n_chunks: int, nc_pad: int, real_rows: int,
                  mrows: int, max_keys: int, stages: int, parts: int, ping_pong: bool, partials: str = "float32",
-                 dequant: str = "wgmma", swapped: int = 0, interpret: bool | plgpu.InterpretGPUParams = False
+                 dequant: str = "wgmma", swapped: int = 0, swapped_wgs: int = 1,
+                 interpret: bool | plgpu.InterpretGPUParams = False
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """qp [S, Hkv, W 64, D] bf16 (`pack_queries`: real_rows = R G of them real); k, v [Hkv, P, page, D] bf16, or
     e4m3 codes with scales = (k_scale, v_scale) [Hkv, P, page] fp32 (one compute warpgroup a CTA: parts = W);
     page_table [S, Pmax'] int32 covering n_chunks chunks; cache_len [S] int32 -> m, l [S, Hkv, nc_pad, mrows], acc
     [S, Hkv, nc_pad, mrows, D] in `partials` (fp32 or bf16; rows past R G rounded up to 8 unwritten). Grid (chunk x
     part, KV head, stream): parts 1, a CTA runs all W warpgroups' rows; parts W, a CTA runs warpgroup `part`'s 64
-    rows. swapped = N > 0 (`MMA_ROWS` "n": bf16 pools and bf16 partials): a CTA runs packed rows part N ..
-    part N + N - 1 as the MMAs' N (`_swapped_step`), one compute warpgroup."""
+    rows. swapped = N > 0 (`MMA_ROWS` "n": bf16 pools and bf16 partials): a CTA runs `swapped_wgs` compute
+    warpgroups of N packed rows each as the MMAs' N (`_swapped_step`), from packed row part swapped_wgs N."""
     bf16_out = partials == "bfloat16"
     fp8 = bool(scales)
     s_count, hkv, qrows, d = qp.shape
     assert swapped or parts in (1, qrows // WG_ROWS), (parts, qrows)
     assert not scales or (len(scales) == 2 and parts == qrows // WG_ROWS), (len(scales), parts, qrows)
-    assert not swapped or (not fp8 and bf16_out and swapped % 8 == 0 and parts * swapped <= qrows), swapped
-    wgs = 1 if swapped else qrows // WG_ROWS // parts  # compute warpgroups a CTA
+    assert not swapped or (not fp8 and bf16_out and swapped % 8 == 0 and swapped <= SWAP_MAX_ROWS
+                           and parts * swapped_wgs * swapped <= qrows), swapped
+    wgs = swapped_wgs if swapped else qrows // WG_ROWS // parts  # compute warpgroups a CTA
     ps = k.shape[2]
     bk = BLOCK_K
     span = min(bk, ps)  # keys one copy moves: a page, or a block's part of one
@@ -218,7 +220,7 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
     # Rows a CTA stores: its real rows rounded up to 8 (a 1-row window stores 8 rows of partials, not 64; a 16-row
     # window at 6 heads a KV head 96, not 128). Static per CTA kind: with parts, every part but the last stores 64.
     round8 = lambda n: -(-n // 8) * 8
-    cta_rows = swapped or wgs * WG_ROWS
+    cta_rows = wgs * (swapped or WG_ROWS)
     last_rows = round8(real_rows - (parts - 1) * cta_rows)
     ping_pong = ping_pong and wgs == 2
     assert 0 < last_rows <= cta_rows and (parts - 1) * cta_rows + last_rows <= mrows, (real_rows, mrows, parts)
@@ -252,13 +254,12 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
         def store(rows: int):
             # The CTA's first `rows` rows of partials, one TMA each for O (bf16: one a warpgroup's tile it touches),
             # m and l (one warpgroup issues them).
-            if swapped:
-                plgpu.copy_smem_to_gmem(q_smem.at[pl.ds(0, rows)], acc_gmem.at[s, g, c, pl.ds(row0, rows)])
-            elif bf16_out:
-                for w in range(-(-rows // WG_ROWS)):
-                    n = min(WG_ROWS, rows - w * WG_ROWS)
+            if bf16_out:  # (a warpgroup's rows in its query tile: 64 of them, or N with swapped)
+                tile_rows = swapped or WG_ROWS
+                for w in range(-(-rows // tile_rows)):
+                    n = min(tile_rows, rows - w * tile_rows)
                     plgpu.copy_smem_to_gmem(q_smem.at[w, pl.ds(0, n)],
-                                            acc_gmem.at[s, g, c, pl.ds(row0 + w * WG_ROWS, n)])
+                                            acc_gmem.at[s, g, c, pl.ds(row0 + w * tile_rows, n)])
             else:
                 plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, rows)], acc_gmem.at[s, g, c, pl.ds(row0, rows)])
             plgpu.copy_smem_to_gmem(ml_smem.at[0, pl.ds(0, rows)], m_gmem.at[s, g, c, pl.ds(row0, rows)])
@@ -286,8 +287,13 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                 plgpu.barrier_wait(schedule)
 
         def _compute_swapped():
-            plgpu.copy_gmem_to_smem(q_gmem.at[s, g, pl.ds(row0, swapped)], q_smem, q_ready.at[0])
-            plgpu.barrier_wait(q_ready.at[0])
+            # Compute warpgroup wg: the CTA's packed rows wg N .. wg N + N - 1 as the MMAs' N; the K/V slots are
+            # shared by the warpgroups (each releases a block once it has read it).
+            if wgs == 2:
+                plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+            qt = q_smem.at[wg]
+            plgpu.copy_gmem_to_smem(q_gmem.at[s, g, pl.ds(row0 + wg * swapped, swapped)], qt, q_ready.at[wg])
+            plgpu.barrier_wait(q_ready.at[wg])
             plgpu.barrier_wait(k_ready.at[0])
 
             def step(b, carry):
@@ -298,25 +304,37 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                     def _():
                         plgpu.barrier_wait(k_ready.at[lax.rem(b + 1, stages)])
 
-                return _swapped_step(carry, q_smem, k_smem.at[slot], v_smem.at[slot], p_smem,
+                return _swapped_step(carry, qt, k_smem.at[slot], v_smem.at[slot], p_smem.at[wg],
                                      n_visible=n_keys - (first + b * bk), c=c_log2, interpret=bool(interpret),
                                      k_read=lambda: plgpu.barrier_arrive(k_free.at[slot]),
                                      v_wait=lambda: plgpu.barrier_wait(v_ready.at[slot]), then=wait_next_keys,
                                      v_read=lambda: plgpu.barrier_arrive(v_free.at[slot]))
 
             acc, m, l = lax.fori_loop(0, n_blocks, step, _swapped_start(d, swapped))
-            # The O partial, rounded to bf16, over the queries (the last S^T = K Q^T has been read), a column block
-            # at a time through a transposed view; m, l beside it.
+            # The O partial, rounded to bf16, over the warpgroup's queries (its last S^T = K Q^T has been read), a
+            # column block at a time through a transposed view; m, l beside it. The m, l slots share the K/V slots'
+            # memory: every warpgroup has read its last block first.
+            if wgs == 2:
+                plgpu.barrier_arrive(drained)
+                plgpu.barrier_wait(drained)
             for j, acc_j in enumerate(acc):
-                q_smem.at[:, pl.ds(j * WG_ROWS, WG_ROWS)].T[...] = acc_j.astype(jnp.bfloat16)
-            ml_smem[0, pl.ds(0, swapped)] = m * _LN2
-            ml_smem[1, pl.ds(0, swapped)] = l
+                qt.at[:, pl.ds(j * WG_ROWS, WG_ROWS)].T[...] = acc_j.astype(jnp.bfloat16)
+            mine = pl.ds(wg * swapped, swapped)
+            ml_smem[0, mine] = m * _LN2
+            ml_smem[1, mine] = l
             plgpu.commit_smem()
-            if parts == 1 or last_rows == cta_rows:
-                store(last_rows)
-            else:
-                pl.when(part < parts - 1)(functools.partial(store, cta_rows))
-                pl.when(part == parts - 1)(functools.partial(store, last_rows))
+            if wgs == 2:
+                plgpu.barrier_arrive(written)
+
+            @pl.when(wg == 0)
+            def _():
+                if wgs == 2:
+                    plgpu.barrier_wait(written)
+                if parts == 1 or last_rows == cta_rows:
+                    store(last_rows)
+                else:
+                    pl.when(part < parts - 1)(functools.partial(store, cta_rows))
+                    pl.when(part == parts - 1)(functools.partial(store, last_rows))
 
         def _compute():
             if wgs == 2:
@@ -446,8 +464,8 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                     plgpu.SMEM((stages, bk, d), jnp.bfloat16, transforms=qd))
         dequantized = ()
     if swapped:  # the queries (later the O partial) [N, d]; P^T [N, keys] (the P V MMA's B operand)
-        q_tile = plgpu.SMEM((swapped, d), jnp.bfloat16, transforms=qd)
-        p_tile = plgpu.SMEM((swapped, bk), jnp.bfloat16, transforms=_transforms(bk))
+        q_tile = plgpu.SMEM((wgs, swapped, d), jnp.bfloat16, transforms=qd)
+        p_tile = plgpu.SMEM((wgs, swapped, bk), jnp.bfloat16, transforms=_transforms(bk))
     else:
         q_tile = plgpu.SMEM((wgs, WG_ROWS, d), jnp.bfloat16, transforms=qd)
         p_tile = plgpu.SMEM((wgs, WG_ROWS, bk), jnp.bfloat16, transforms=_transforms(bk)) if interpret else None
@@ -522,12 +540,16 @@ FP8 = False
 PARTIALS = "bfloat16"
 # Whether the packed rows are the MMAs' M or N in a model's window calls (`attention.WindowTiles.mma_rows`, order).
 # "m": S = Q K^T and P V with the rows as M, 64 a compute warpgroup (a 1-row decode holds 6 real rows of the 64).
-# "n" (prepared in session 24, not yet timed): S^T = K Q^T and O^T = V^T P^T with the rows as N, rounded up to 8
-# (`_swapped_step`), at most SWAP_MAX_ROWS a CTA, bf16 pools and bf16 partials: ~8x less MMA work a block for the
-# 1-row decode, whose 64-key block costs ~1.3 µs on an SM (4K decode, session 23); the softmax's reductions then
-# run down the columns, across the warps. `tools/gpu/swap_probe.py` checked the pieces on the H200 (session 24).
+# "n" (prepared, not shipped): S^T = K Q^T and O^T = V^T P^T with the rows as N, rounded up to 8 (`_swapped_step`),
+# at most SWAP_MAX_ROWS a compute warpgroup (a 16-row window: two warpgroups of 48 rows sharing one CTA's K/V
+# slots, or two CTAs where the grid is small), bf16 pools and bf16 partials; the softmax's reductions run down the
+# columns, across the warps. On the H200 (session 24, `bench attention --sections mma_rows --trace`, a 16-row
+# window then always two CTAs) the 1-row decode took 19.7 / 39.8 / 133.8 µs at 4K / 32K / 128K against 23.5 / 41.2
+# / 136.6, and the 16-row windows 1.5-1.7x the "m" time; the one-CTA 16-row window is not timed yet.
 MMA_ROWS = "m"
-SWAP_MAX_ROWS = 64
+# Packed rows a compute warpgroup at most under MMA_ROWS "n". 48: in the interpreter a column's sum down the keys
+# (l) at N >= 64 differed by an ulp from N = 8 (N <= 48 matched; on the H200, N = 48 matched N = 8, session 24).
+SWAP_MAX_ROWS = 48
 
 
 def unsupported(q_dtype, pool: KVPool, group: int, *, chunk: int, stages: int | None = None,
@@ -574,19 +596,22 @@ def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cach
     warpgroups = qp.shape[2] // WG_ROWS
     real_rows = r * (hq // hkv)
     swapped = 0
-    if mma_rows == "n":  # CTAs of at most SWAP_MAX_ROWS rows, as even as multiples of 8 make them
+    swapped_wgs = 1
+    if mma_rows == "n":  # warpgroups of at most SWAP_MAX_ROWS rows, as even as multiples of 8 make them
         if pool.fp8 or partials != "bfloat16":
             raise ValueError(f"mma_rows='n' needs a bf16 pool and bf16 partials; got pool {pool.k.dtype}, "
                              f"partials {partials!r}")
-        parts = -(-real_rows // SWAP_MAX_ROWS)
-        swapped = -(-real_rows // parts // 8) * 8
-        warpgroups = parts  # (one compute warpgroup a CTA: stages as for one)
+        groups = -(-real_rows // SWAP_MAX_ROWS)  # (at most 2: `unsupported` caps the rows at 128)
+        swapped = -(-real_rows // groups // 8) * 8
+        parts = groups if tiles.split_rows else 1  # split: a CTA a warpgroup (the small grids' launch choice)
+        swapped_wgs = groups // parts
+        warpgroups = groups
     else:
         parts = warpgroups if tiles.split_rows or pool.fp8 else 1  # fp8: one compute warpgroup a CTA
     static = dict(scale=scale, chunk=chunk, n_chunks=n_chunks, nc_pad=nc_pad, real_rows=real_rows,
                   mrows=_padded_rows(real_rows), max_keys=max_keys,
                   stages=stages_for(tiles, warpgroups // parts), parts=parts, ping_pong=tiles.ping_pong,
-                  partials=partials, dequant=tiles.dequant, swapped=swapped)
+                  partials=partials, dequant=tiles.dequant, swapped=swapped, swapped_wgs=swapped_wgs)
     with jax.named_scope("attn_window_chunks_mgpu"):
         if interpret:
             return _kernel_call(*operands, interpret=interpret, **static)

@@ -186,8 +186,9 @@ def test_two_compute_warpgroups_give_a_row_the_bits_of_one(monkeypatch):
 def test_rows_as_the_mma_n_keep_the_exactness_properties():
     """WindowTiles.mma_rows "n" (S^T = K Q^T, O^T = V^T P^T, the packed rows as the MMAs' N): right against
     float64, with the fold pass; a stream alone (table widened, 1 stage) has its bits among others; the serial
-    step has row 0's bits; 72 packed rows run as two CTAs of 40 and their rows have the bits each query gets
-    alone; and the pipeline has no races. (Compiled, its bits are its own; in the interpreter, whose wgmma is a
+    step has row 0's bits; 72 packed rows, run as two compute warpgroups of 40 rows sharing a CTA's K/V slots or
+    as two CTAs (the small grid's split), have the bits each query gets alone; and the pipeline has no races
+    either way. (Compiled, its bits are its own; in the interpreter, whose wgmma is a
     fixed-order sum whichever operand is which, they equal "m"'s.)"""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     rng = np.random.default_rng(71)
@@ -206,15 +207,17 @@ def test_rows_as_the_mma_n_keep_the_exactness_properties():
                                                            parents=[TREE + [6, 7], list(range(-1, 8))]))
     q, kw, vw, par, pool, table, cache_len = two
     assert rel_err(run(*two, tiles=swapped), np_window(*two, SCALE)) < 1e-2
-    m9, l9, acc9 = at.window_partials(q, pool, table, cache_len, scale=SCALE, tiles=swapped,
-                                      interpret=plgpu.InterpretGPUParams(detect_races=True))
-    assert not gpu_callbacks.get_races().races_found
-    for r in (0, 4, 8):  # rows 0-7 (CTA 0), 32-39 (CTA 0's last), 64-71 (CTA 1)
-        one = partials(q[:, r:r + 1], pool, table, cache_len, tiles=swapped)
-        for nine, single in zip((m9, l9, acc9), one):
-            for a, b in zip(_live_rows(nine[:, :, :, 8 * r:], cache_len, 128, 8),
-                            _live_rows(single, cache_len, 128, 8)):
-                assert np.array_equal(bits(a), bits(b)), r
+    for row_block in (None, 128):  # the rule splits this small grid; 128: one CTA of two warpgroups
+        m9, l9, acc9 = at.window_partials(q, pool, table, cache_len, scale=SCALE,
+                                          tiles=dataclasses.replace(swapped, row_block=row_block),
+                                          interpret=plgpu.InterpretGPUParams(detect_races=True))
+        assert not gpu_callbacks.get_races().races_found, row_block
+        for r in (0, 4, 5, 8):  # rows 0-7, 32-39 (the first warpgroup's last), 40-47 and 64-71 (the second's)
+            one = partials(q[:, r:r + 1], pool, table, cache_len, tiles=swapped)
+            for nine, single in zip((m9, l9, acc9), one):
+                for a, b in zip(_live_rows(nine[:, :, :, 8 * r:], cache_len, 128, 8),
+                                _live_rows(single, cache_len, 128, 8)):
+                    assert np.array_equal(bits(a), bits(b)), (row_block, r)
     with pytest.raises(ValueError, match="mma_rows"):
         run(*two, tiles=dataclasses.replace(swapped, partials="float32"))
     fp8 = window_case(rng, r=3, dtype=kq.FP8, **dict(CASE, s=2, cache_lens=[300, 37], parents=[TREE, CHAIN]))
@@ -424,7 +427,8 @@ def test_gpu_27b_windows(monkeypatch):
 
 @GPU
 def test_gpu_27b_rows_as_the_mma_n():
-    """mma_rows "n" compiled (the 1-row step's 6 rows as N = 8; 16 rows as two CTAs of N = 48): 16-row trees and
+    """mma_rows "n" compiled (the 1-row step's 6 rows as N = 8; 16 rows as two warpgroups of N = 48, in two CTAs on
+    this small grid or, row_block 128, in one CTA sharing the K/V slots: the same bits): 16-row trees and
     chains at 5000 / 1111 / 64 keys right against float64; the 1-row step has row 0's bits; the chunk partials of
     rows in either CTA have the bits their query gets alone; a stream alone with its table widened, 1 stage, the
     same bits;
@@ -438,6 +442,8 @@ def test_gpu_27b_rows_as_the_mma_n():
     assert rel_err(got, np_window(*case, SCALE)) < 1e-2
     step = run(q[:, :1], kw[:, :1], vw[:, :1], par[:, :1], pool, table, cache_len, tiles=tiles, interpret=False)
     assert np.array_equal(bits(step[:, 0]), bits(got[:, 0]))
+    one_cta = run(*case, tiles=dataclasses.replace(tiles, row_block=128), interpret=False)
+    assert np.array_equal(bits(one_cta), bits(got))
     sixteen = partials(q, pool, table, cache_len, tiles=tiles, interpret=False)
     for r in (0, 7, 8, 15):  # the first CTA's rows 0-47 and the second's 48-95
         one = partials(q[:, r:r + 1], pool, table, cache_len, tiles=tiles, interpret=False)
