@@ -266,6 +266,27 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
             plgpu.copy_smem_to_gmem(ml_smem.at[1, pl.ds(0, rows)], l_gmem.at[s, g, c, pl.ds(row0, rows)])
             plgpu.wait_smem_to_gmem(0)
 
+        def finish(mine, m, l):
+            # A compute warpgroup's m and l (rows `mine` of the CTA) beside its O partial, already in shared
+            # memory; then one warpgroup stores the CTA's rows: one TMA each for O, m and l, of one static size.
+            # (Session 15's store of a size of its own per warpgroup hung Mosaic GPU's interpreter on a 2-core
+            # machine, likely the CPU pool starvation tests/conftest.py now avoids; it was not retried.)
+            ml_smem[0, mine] = m * _LN2  # natural-log units, as the merge weighs partials
+            ml_smem[1, mine] = l
+            plgpu.commit_smem()
+            if wgs == 2:
+                plgpu.barrier_arrive(written)
+
+            @pl.when(wg == 0)
+            def _():
+                if wgs == 2:
+                    plgpu.barrier_wait(written)
+                if parts == 1 or last_rows == cta_rows:
+                    store(last_rows)
+                else:
+                    pl.when(part < parts - 1)(functools.partial(store, cta_rows))
+                    pl.when(part == parts - 1)(functools.partial(store, last_rows))
+
         def dequantize(codes, scales_row, into):
             # A block's e4m3 codes [64, D] times their keys' scales [64] -> bf16 [64, D] in `into`, `step` columns
             # at a time in `dequant`'s register layout (a key a row): each value the correctly rounded bf16 of
@@ -286,15 +307,20 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                 plgpu.barrier_arrive(schedule)
                 plgpu.barrier_wait(schedule)
 
-        def _compute_swapped():
-            # Compute warpgroup wg: the CTA's packed rows wg N .. wg N + N - 1 as the MMAs' N; the K/V slots are
-            # shared by the warpgroups (each releases a block once it has read it).
+        def start(rows: int):
+            # A compute warpgroup's registers, its `rows` queries in its tile (-> the tile), the first K block.
             if wgs == 2:
                 plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
             qt = q_smem.at[wg]
-            plgpu.copy_gmem_to_smem(q_gmem.at[s, g, pl.ds(row0 + wg * swapped, swapped)], qt, q_ready.at[wg])
+            plgpu.copy_gmem_to_smem(q_gmem.at[s, g, pl.ds(row0 + wg * rows, rows)], qt, q_ready.at[wg])
             plgpu.barrier_wait(q_ready.at[wg])
             plgpu.barrier_wait(k_ready.at[0])
+            return qt
+
+        def _compute_swapped():
+            # Compute warpgroup wg: the CTA's packed rows wg N .. wg N + N - 1 as the MMAs' N; the K/V slots are
+            # shared by the warpgroups (each releases a block once it has read it).
+            qt = start(swapped)
 
             def step(b, carry):
                 slot = lax.rem(b, stages)
@@ -319,30 +345,10 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                 plgpu.barrier_wait(drained)
             for j, acc_j in enumerate(acc):
                 qt.at[:, pl.ds(j * WG_ROWS, WG_ROWS)].T[...] = acc_j.astype(jnp.bfloat16)
-            mine = pl.ds(wg * swapped, swapped)
-            ml_smem[0, mine] = m * _LN2
-            ml_smem[1, mine] = l
-            plgpu.commit_smem()
-            if wgs == 2:
-                plgpu.barrier_arrive(written)
-
-            @pl.when(wg == 0)
-            def _():
-                if wgs == 2:
-                    plgpu.barrier_wait(written)
-                if parts == 1 or last_rows == cta_rows:
-                    store(last_rows)
-                else:
-                    pl.when(part < parts - 1)(functools.partial(store, cta_rows))
-                    pl.when(part == parts - 1)(functools.partial(store, last_rows))
+            finish(pl.ds(wg * swapped, swapped), m, l)
 
         def _compute():
-            if wgs == 2:
-                plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-            qt = q_smem.at[wg]
-            plgpu.copy_gmem_to_smem(q_gmem.at[s, g, pl.ds(row0 + wg * WG_ROWS, WG_ROWS)], qt, q_ready.at[wg])
-            plgpu.barrier_wait(q_ready.at[wg])
-            plgpu.barrier_wait(k_ready.at[0])
+            qt = start(WG_ROWS)
 
             def step(b, carry):
                 acc, m, l = carry
@@ -400,24 +406,7 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                 qt[...] = acc.astype(jnp.bfloat16)  # over the warpgroup's queries: its last S = Q K^T has been read
             else:
                 out_smem[mine] = acc
-            ml_smem[0, mine] = m * _LN2  # natural-log units, as the merge weighs partials
-            ml_smem[1, mine] = l
-            plgpu.commit_smem()
-            # One warpgroup stores the CTA's rows: one TMA each for O, m and l, of one static size. (Session 15's
-            # store of a size of its own per warpgroup hung Mosaic GPU's interpreter on a 2-core machine, likely the
-            # CPU pool starvation tests/conftest.py now avoids; it was not retried.)
-            if wgs == 2:
-                plgpu.barrier_arrive(written)
-
-            @pl.when(wg == 0)
-            def _():
-                if wgs == 2:
-                    plgpu.barrier_wait(written)
-                if parts == 1 or last_rows == cta_rows:
-                    store(last_rows)
-                else:
-                    pl.when(part < parts - 1)(functools.partial(store, cta_rows))
-                    pl.when(part == parts - 1)(functools.partial(store, last_rows))
+            finish(mine, m, l)
 
         pl.when((n_blocks > 0) & (wg < wgs))(_compute_swapped if swapped else _compute)
 
