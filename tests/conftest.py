@@ -41,6 +41,16 @@ def _interpreter_spawns_without_dispatch() -> None:
 
 _interpreter_spawns_without_dispatch()
 
+# Computations run inline in the calling thread, not dispatched asynchronously (CPU suite only). A CI run (session
+# 24, test_attention_mgpu) hung with the test's thread already past an interpreted kernel's call and waiting in the
+# dispatch of its next small op, while that kernel's warpgroup threads waited in the execution of their own
+# computations: under async dispatch a kernel that runs on after its call returns shares the CPU client with the
+# caller's next ops. Inline, the caller stays in the kernel's call until it is done.
+if not any(a == "gpu" or a.endswith(" gpu") for a in sys.argv):
+    import jax as _jax
+
+    _jax.config.update("jax_cpu_enable_async_dispatch", False)
+
 ROOT = Path(__file__).resolve().parents[1]
 CAPTURES = ROOT / "captures"
 if str(ROOT) not in sys.path:
