@@ -131,8 +131,8 @@ def pack_queries(q: jax.Array, hkv: int) -> jax.Array:
 
 
 def _swapped_start(d: int, n: int) -> tuple:
-    """A swapped CTA's (O^T as d / 64 tiles [64, n], m [n], l [n]) before its first key block, in the wgmma
-    layouts (m and l along the columns)."""
+    """A swapped compute warpgroup's (O^T as d / 64 tiles [64, n], m [n], l [n]) before its first key block, in
+    the wgmma layouts (m and l along the columns)."""
     wgmma = plgpu.Layout.WGMMA
     return (tuple(plgpu.layout_cast(jnp.full((WG_ROWS, n), 0, jnp.float32), wgmma) for _ in range(d // WG_ROWS)),
             plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), wgmma.reduce(0)),
@@ -143,7 +143,7 @@ def _swapped_step(carry: tuple, q_smem, k_tile, v_tile, p_smem, *, n_visible: ja
                   k_read, v_wait, v_read, then) -> tuple:
     """One 64-key block with the packed rows as the MMAs' N (`MMA_ROWS` "n"): S^T = K Q^T [64 keys, N]
     (q_smem [N, d], k_tile [64, d]), keys at or past n_visible masked to -inf, the online softmax down the columns
-    in log2 units (as `attention_mgpu.online_softmax` along the rows), P^T rounded to bf16 into p_smem [N, 64]
+    in log2 units (`attention_mgpu.online_softmax` with keys=0), P^T rounded to bf16 into p_smem [N, 64]
     through a transposed view, and O^T += V^T P^T a 64-column tile of V at a time (V^T read from v_tile [64, d] as
     the MMA's A operand). A row is a column of every tile here, and each of its values comes from its own column
     alone (the MMAs reduce over d or over keys per column; the softmax reductions are per column), so its bits do
@@ -161,13 +161,8 @@ def _swapped_step(carry: tuple, q_smem, k_tile, v_tile, p_smem, *, n_visible: ja
     k_read()
     key = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K, n), 0, layout=plgpu.Layout.WGMMA)
     logits = jnp.where(key < n_visible, logits, -jnp.inf)
-    m_new = jnp.maximum(m, logits.max(axis=0) * c)
-    alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(logits * c - lax.broadcast_in_dim(m_new, logits.shape, [1]))
-    l = l * alpha + p.sum(axis=0)
-    rescale = lax.broadcast_in_dim(alpha, (WG_ROWS, n), [1])
-    acc = tuple(a * rescale for a in acc)
-    p_smem.T[...] = p.astype(jnp.bfloat16)
+    acc, m_new, l, p16 = online_softmax(logits, acc, m, l, c, keys=0)
+    p_smem.T[...] = p16
     plgpu.commit_smem()
     v_wait()
     v_cols = [v_tile.at[:, pl.ds(j * WG_ROWS, WG_ROWS)].T for j in range(len(acc))]

@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 # The CPU suite runs on the CPU even where a GPU is present, unless `-m gpu` asks for the device.
-if not any(a == "gpu" or a.endswith(" gpu") for a in sys.argv):
+CPU_SUITE = not any(a == "gpu" or a.endswith(" gpu") for a in sys.argv)
+if CPU_SUITE:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     # Mosaic GPU's interpreter runs a CTA's warpgroups as concurrent CPU executions that block in host callbacks
     # (barrier waits) until the others arrive; XLA's CPU client runs such callbacks on its thread pool, one thread
@@ -46,7 +47,7 @@ _interpreter_spawns_without_dispatch()
 # dispatch of its next small op, while that kernel's warpgroup threads waited in the execution of their own
 # computations: under async dispatch a kernel that runs on after its call returns shares the CPU client with the
 # caller's next ops. Inline, the caller stays in the kernel's call until it is done.
-if not any(a == "gpu" or a.endswith(" gpu") for a in sys.argv):
+if CPU_SUITE:
     import jax as _jax
 
     _jax.config.update("jax_cpu_enable_async_dispatch", False)
