@@ -180,9 +180,6 @@ class WindowTiles:
     # own rounding), half the bytes the fold pass or the merge reads back; the fold and merge widen it to fp32.
     # Only the Mosaic GPU pass 1 stores bf16; the Triton pass 1 takes "float32" only.
     partials: str = "float32"
-    # The Mosaic GPU pass 1's MMAs (order): "m", the packed rows as their M; "n", as their N (S^T = K Q^T, O^T =
-    # V^T P^T; bf16 pools and bf16 partials; `attention_window_mgpu.MMA_ROWS`). The Triton pass 1 takes "m" only.
-    mma_rows: str = "m"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -988,8 +985,7 @@ def model_window_tiles(q_dtype, pool: KVPool, num_heads: int, *, max_keys: int, 
     if impl != "mgpu":
         return dataclasses.replace(tiles, impl=impl)
     from pallas_kernels import attention_window_mgpu as awm
-    return dataclasses.replace(tiles, impl=impl, chunk=awm.CHUNK, partials=awm.PARTIALS,
-                               mma_rows="m" if pool.fp8 else awm.MMA_ROWS)
+    return dataclasses.replace(tiles, impl=impl, chunk=awm.CHUNK, partials=awm.PARTIALS)
 
 
 def _mgpu_pass_one(q: jax.Array, pool: KVPool, tiles: WindowTiles, interpret) -> bool:
@@ -1038,8 +1034,7 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
                                         tiles=awm.WindowMgpuTiles(stages=tiles.num_stages,
                                                                   split_rows=_split_rows(tiles, one, s, hkv),
                                                                   ping_pong=awm.PING_PONG, dequant=awm.DEQUANT),
-                                        partials=tiles.partials, mma_rows=tiles.mma_rows,
-                                        interpret=interpret)
+                                        partials=tiles.partials, interpret=interpret)
 
     with jax.named_scope("attn_window_chunks"):
         kernel = functools.partial(_window_chunk_kernel, fp8=pool.fp8, scale=scale, r=r, group=hq // hkv, mrows=rb,
@@ -1294,10 +1289,6 @@ def _check_window(q, k_win, v_win, parents, pool: KVPool, page_table, cache_len,
     if tiles.partials != "float32" and tiles.impl != "mgpu":
         raise ValueError(f"WindowTiles.partials={tiles.partials!r} needs impl='mgpu' (the Triton pass 1 stores "
                          "fp32 partials)")
-    if tiles.mma_rows not in ("m", "n") or (tiles.mma_rows == "n" and (tiles.impl != "mgpu" or pool.fp8
-                                                                        or tiles.partials != "bfloat16")):
-        raise ValueError(f"WindowTiles.mma_rows must be 'm', or 'n' with impl='mgpu' over a bf16 pool with bf16 "
-                         f"partials; got {tiles.mma_rows!r} (impl {tiles.impl!r}, partials {tiles.partials!r})")
     if tiles.impl == "mgpu" and tiles.tail != "passes":
         raise ValueError(f"WindowTiles.impl='mgpu' needs tail='passes'; got tail={tiles.tail!r}")
     if tiles.tail not in ("passes", "tickets"):

@@ -126,19 +126,14 @@ def online_start(d: int) -> tuple:
             plgpu.layout_cast(jnp.full((WG_ROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
 
 
-def online_softmax(logits: jax.Array, acc, m: jax.Array, l: jax.Array, c: float, keys: int = 1) -> tuple:
+def online_softmax(logits: jax.Array, acc: jax.Array, m: jax.Array, l: jax.Array, c: float) -> tuple:
     """One key block's online-softmax update in log2 units (p = 2^(s c - m)): logits [64, bk] fp32 (masked keys
-    -inf), O acc [64, d], m, l [64] -> (O rescaled to the new max, the new m and l, P [64, bk] rounded to bf16).
-    keys: the logits' axis of keys (0: logits [bk, N] with a row a column, m and l [N], and acc a tuple of O^T
-    tiles [64, N], each rescaled along its columns)."""
-    rows = 1 - keys
-    m_new = jnp.maximum(m, logits.max(axis=keys) * c)
+    -inf), O acc [64, d], m, l [64] -> (O rescaled to the new max, the new m and l, P [64, bk] rounded to bf16)."""
+    m_new = jnp.maximum(m, logits.max(axis=1) * c)
     alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(logits * c - lax.broadcast_in_dim(m_new, logits.shape, [rows]))
-    l = l * alpha + p.sum(axis=keys)
-    rescale = lambda a: a * lax.broadcast_in_dim(alpha, a.shape, [rows])
-    acc = tuple(map(rescale, acc)) if isinstance(acc, tuple) else rescale(acc)
-    return acc, m_new, l, p.astype(jnp.bfloat16)
+    p = jnp.exp2(logits * c - lax.broadcast_in_dim(m_new, logits.shape, [0]))
+    l = l * alpha + p.sum(axis=1)
+    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m_new, l, p.astype(jnp.bfloat16)
 
 
 def add_pv(acc: jax.Array, p16: jax.Array, v_tile, p_tile, *, then) -> jax.Array:

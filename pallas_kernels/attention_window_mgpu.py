@@ -130,83 +130,23 @@ def pack_queries(q: jax.Array, hkv: int) -> jax.Array:
     return jnp.pad(packed, ((0, 0), (0, 0), (0, rows - r * group), (0, 0)))
 
 
-def _swapped_start(d: int, n: int) -> tuple:
-    """A swapped compute warpgroup's (O^T as d / 64 tiles [64, n], m [n], l [n]) before its first key block, in
-    the wgmma layouts (m and l along the columns)."""
-    wgmma = plgpu.Layout.WGMMA
-    return (tuple(plgpu.layout_cast(jnp.full((WG_ROWS, n), 0, jnp.float32), wgmma) for _ in range(d // WG_ROWS)),
-            plgpu.layout_cast(jnp.full((n,), -jnp.inf, jnp.float32), wgmma.reduce(0)),
-            plgpu.layout_cast(jnp.full((n,), 0, jnp.float32), wgmma.reduce(0)))
-
-
-def _swapped_step(carry: tuple, q_smem, k_tile, v_tile, p_smem, *, n_visible: jax.Array, c: float, interpret: bool,
-                  k_read, v_wait, v_read, then) -> tuple:
-    """One 64-key block with the packed rows as the MMAs' N (`MMA_ROWS` "n"): S^T = K Q^T [64 keys, N]
-    (q_smem [N, d], k_tile [64, d]), keys at or past n_visible masked to -inf, the online softmax down the columns
-    in log2 units (`attention_mgpu.online_softmax` with keys=0), P^T rounded to bf16 into p_smem [N, 64]
-    through a transposed view, and O^T += V^T P^T a 64-column tile of V at a time (V^T read from v_tile [64, d] as
-    the MMA's A operand). A row is a column of every tile here, and each of its values comes from its own column
-    alone (the MMAs reduce over d or over keys per column; the softmax reductions are per column), so its bits do
-    not depend on N or on the other rows. k_read / v_read: the block's K / V tile has been read; v_wait: wait for
-    its V tile; then(): runs once the P V MMAs are issued. Interpret mode: P V lands in fresh accumulators added
-    to O (the interpreter's wgmma takes no accumulator initialised from a value)."""
-    acc, m, l = carry
-    n = q_smem.shape[0]
-
-    def qk(acc_ref):
-        plgpu.wgmma(acc_ref, k_tile, q_smem.T)
-        return acc_ref[...]
-
-    logits = pl.run_scoped(qk, plgpu.ACC((BLOCK_K, n), jnp.float32))
-    k_read()
-    key = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K, n), 0, layout=plgpu.Layout.WGMMA)
-    logits = jnp.where(key < n_visible, logits, -jnp.inf)
-    acc, m_new, l, p16 = online_softmax(logits, acc, m, l, c, keys=0)
-    p_smem.T[...] = p16
-    plgpu.commit_smem()
-    v_wait()
-    v_cols = [v_tile.at[:, pl.ds(j * WG_ROWS, WG_ROWS)].T for j in range(len(acc))]
-    if interpret:
-        def fresh(v_t):
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, v_t, p_smem.T)
-                return acc_ref[...]
-            return pl.run_scoped(pv, plgpu.ACC((WG_ROWS, n), jnp.float32))
-
-        acc = tuple(a + fresh(v_t) for a, v_t in zip(acc, v_cols))
-        then()
-    else:
-        def pv(acc_refs):
-            for acc_ref, v_t in zip(acc_refs, v_cols):
-                plgpu.wgmma(acc_ref, v_t, p_smem.T)
-            then()
-
-        acc = pl.run_state(pv)(tuple(plgpu.ACC.init(a) for a in acc))
-    v_read()
-    return acc, m_new, l
-
-
 def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: jax.Array, v: jax.Array,
                  *scales: jax.Array, scale: float, chunk: int, n_chunks: int, nc_pad: int, real_rows: int,
                  mrows: int, max_keys: int, stages: int, parts: int, ping_pong: bool, partials: str = "float32",
-                 dequant: str = "wgmma", swapped: int = 0, swapped_wgs: int = 1,
-                 interpret: bool | plgpu.InterpretGPUParams = False
+                 dequant: str = "wgmma", interpret: bool | plgpu.InterpretGPUParams = False
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """qp [S, Hkv, W 64, D] bf16 (`pack_queries`: real_rows = R G of them real); k, v [Hkv, P, page, D] bf16, or
     e4m3 codes with scales = (k_scale, v_scale) [Hkv, P, page] fp32 (one compute warpgroup a CTA: parts = W);
     page_table [S, Pmax'] int32 covering n_chunks chunks; cache_len [S] int32 -> m, l [S, Hkv, nc_pad, mrows], acc
     [S, Hkv, nc_pad, mrows, D] in `partials` (fp32 or bf16; rows past R G rounded up to 8 unwritten). Grid (chunk x
     part, KV head, stream): parts 1, a CTA runs all W warpgroups' rows; parts W, a CTA runs warpgroup `part`'s 64
-    rows. swapped = N > 0 (`MMA_ROWS` "n": bf16 pools and bf16 partials): a CTA runs `swapped_wgs` compute
-    warpgroups of N packed rows each as the MMAs' N (`_swapped_step`), from packed row part swapped_wgs N."""
+    rows."""
     bf16_out = partials == "bfloat16"
     fp8 = bool(scales)
     s_count, hkv, qrows, d = qp.shape
-    assert swapped or parts in (1, qrows // WG_ROWS), (parts, qrows)
+    assert parts in (1, qrows // WG_ROWS), (parts, qrows)
     assert not scales or (len(scales) == 2 and parts == qrows // WG_ROWS), (len(scales), parts, qrows)
-    assert not swapped or (not fp8 and bf16_out and swapped % 8 == 0 and swapped <= SWAP_MAX_ROWS
-                           and parts * swapped_wgs * swapped <= qrows), swapped
-    wgs = swapped_wgs if swapped else qrows // WG_ROWS // parts  # compute warpgroups a CTA
+    wgs = qrows // WG_ROWS // parts  # compute warpgroups a CTA
     ps = k.shape[2]
     bk = BLOCK_K
     span = min(bk, ps)  # keys one copy moves: a page, or a block's part of one
@@ -215,7 +155,7 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
     # Rows a CTA stores: its real rows rounded up to 8 (a 1-row window stores 8 rows of partials, not 64; a 16-row
     # window at 6 heads a KV head 96, not 128). Static per CTA kind: with parts, every part but the last stores 64.
     round8 = lambda n: -(-n // 8) * 8
-    cta_rows = wgs * (swapped or WG_ROWS)
+    cta_rows = wgs * WG_ROWS
     last_rows = round8(real_rows - (parts - 1) * cta_rows)
     ping_pong = ping_pong and wgs == 2
     assert 0 < last_rows <= cta_rows and (parts - 1) * cta_rows + last_rows <= mrows, (real_rows, mrows, parts)
@@ -249,12 +189,11 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
         def store(rows: int):
             # The CTA's first `rows` rows of partials, one TMA each for O (bf16: one a warpgroup's tile it touches),
             # m and l (one warpgroup issues them).
-            if bf16_out:  # (a warpgroup's rows in its query tile: 64 of them, or N with swapped)
-                tile_rows = swapped or WG_ROWS
-                for w in range(-(-rows // tile_rows)):
-                    n = min(tile_rows, rows - w * tile_rows)
+            if bf16_out:  # (a warpgroup's 64 rows in its query tile)
+                for w in range(-(-rows // WG_ROWS)):
+                    n = min(WG_ROWS, rows - w * WG_ROWS)
                     plgpu.copy_smem_to_gmem(q_smem.at[w, pl.ds(0, n)],
-                                            acc_gmem.at[s, g, c, pl.ds(row0 + w * tile_rows, n)])
+                                            acc_gmem.at[s, g, c, pl.ds(row0 + w * WG_ROWS, n)])
             else:
                 plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(0, rows)], acc_gmem.at[s, g, c, pl.ds(row0, rows)])
             plgpu.copy_smem_to_gmem(ml_smem.at[0, pl.ds(0, rows)], m_gmem.at[s, g, c, pl.ds(row0, rows)])
@@ -302,48 +241,18 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                 plgpu.barrier_arrive(schedule)
                 plgpu.barrier_wait(schedule)
 
-        def start(rows: int):
-            # A compute warpgroup's registers, its `rows` queries in its tile (-> the tile), the first K block.
+        def start():
+            # A compute warpgroup's registers, its queries in its tile (-> the tile), the first K block.
             if wgs == 2:
                 plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
             qt = q_smem.at[wg]
-            plgpu.copy_gmem_to_smem(q_gmem.at[s, g, pl.ds(row0 + wg * rows, rows)], qt, q_ready.at[wg])
+            plgpu.copy_gmem_to_smem(q_gmem.at[s, g, pl.ds(row0 + wg * WG_ROWS, WG_ROWS)], qt, q_ready.at[wg])
             plgpu.barrier_wait(q_ready.at[wg])
             plgpu.barrier_wait(k_ready.at[0])
             return qt
 
-        def _compute_swapped():
-            # Compute warpgroup wg: the CTA's packed rows wg N .. wg N + N - 1 as the MMAs' N; the K/V slots are
-            # shared by the warpgroups (each releases a block once it has read it).
-            qt = start(swapped)
-
-            def step(b, carry):
-                slot = lax.rem(b, stages)
-
-                def wait_next_keys():
-                    @pl.when(b + 1 < n_blocks)
-                    def _():
-                        plgpu.barrier_wait(k_ready.at[lax.rem(b + 1, stages)])
-
-                return _swapped_step(carry, qt, k_smem.at[slot], v_smem.at[slot], p_smem.at[wg],
-                                     n_visible=n_keys - (first + b * bk), c=c_log2, interpret=bool(interpret),
-                                     k_read=lambda: plgpu.barrier_arrive(k_free.at[slot]),
-                                     v_wait=lambda: plgpu.barrier_wait(v_ready.at[slot]), then=wait_next_keys,
-                                     v_read=lambda: plgpu.barrier_arrive(v_free.at[slot]))
-
-            acc, m, l = lax.fori_loop(0, n_blocks, step, _swapped_start(d, swapped))
-            # The O partial, rounded to bf16, over the warpgroup's queries (its last S^T = K Q^T has been read), a
-            # column block at a time through a transposed view; m, l beside it. The m, l slots share the K/V slots'
-            # memory: every warpgroup has read its last block first.
-            if wgs == 2:
-                plgpu.barrier_arrive(drained)
-                plgpu.barrier_wait(drained)
-            for j, acc_j in enumerate(acc):
-                qt.at[:, pl.ds(j * WG_ROWS, WG_ROWS)].T[...] = acc_j.astype(jnp.bfloat16)
-            finish(pl.ds(wg * swapped, swapped), m, l)
-
         def _compute():
-            qt = start(WG_ROWS)
+            qt = start()
 
             def step(b, carry):
                 acc, m, l = carry
@@ -403,7 +312,7 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                 out_smem[mine] = acc
             finish(mine, m, l)
 
-        pl.when((n_blocks > 0) & (wg < wgs))(_compute_swapped if swapped else _compute)
+        pl.when((n_blocks > 0) & (wg < wgs))(_compute)
 
         @pl.when((n_blocks > 0) & (wg == wgs))
         def _memory():
@@ -447,12 +356,8 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
         kv_slots = (plgpu.SMEM((stages, bk, d), jnp.bfloat16, transforms=qd),
                     plgpu.SMEM((stages, bk, d), jnp.bfloat16, transforms=qd))
         dequantized = ()
-    if swapped:  # the queries (later the O partial) [N, d]; P^T [N, keys] (the P V MMA's B operand)
-        q_tile = plgpu.SMEM((wgs, swapped, d), jnp.bfloat16, transforms=qd)
-        p_tile = plgpu.SMEM((wgs, swapped, bk), jnp.bfloat16, transforms=_transforms(bk))
-    else:
-        q_tile = plgpu.SMEM((wgs, WG_ROWS, d), jnp.bfloat16, transforms=qd)
-        p_tile = plgpu.SMEM((wgs, WG_ROWS, bk), jnp.bfloat16, transforms=_transforms(bk)) if interpret else None
+    q_tile = plgpu.SMEM((wgs, WG_ROWS, d), jnp.bfloat16, transforms=qd)
+    p_tile = plgpu.SMEM((wgs, WG_ROWS, bk), jnp.bfloat16, transforms=_transforms(bk)) if interpret else None
     smem = (q_tile,
             plgpu.RefUnion(kv_slots, (plgpu.SMEM((cta_rows, d), jnp.float32),
                                       plgpu.SMEM((2, cta_rows), jnp.float32))),
@@ -522,18 +427,6 @@ FP8 = False
 # 189.8 -> 174.5 µs at 1 stream and 128K keys (1.31x -> 1.22x the 1-row time), 101.2 -> 93.7 at 16 streams and 4K
 # (1.33x -> 1.25x), 680.8 -> 626.6 at 16 streams and 32K; 1-row decodes level (145.0 / 142.5 at 128K).
 PARTIALS = "bfloat16"
-# Whether the packed rows are the MMAs' M or N in a model's window calls (`attention.WindowTiles.mma_rows`, order).
-# "m": S = Q K^T and P V with the rows as M, 64 a compute warpgroup (a 1-row decode holds 6 real rows of the 64).
-# "n" (prepared, not shipped): S^T = K Q^T and O^T = V^T P^T with the rows as N, rounded up to 8 (`_swapped_step`),
-# at most SWAP_MAX_ROWS a compute warpgroup (a 16-row window: two warpgroups of 48 rows sharing one CTA's K/V
-# slots, or two CTAs where the grid is small), bf16 pools and bf16 partials; the softmax's reductions run down the
-# columns, across the warps. On the H200 (session 24, `bench attention --sections mma_rows --trace`, a 16-row
-# window then always two CTAs) the 1-row decode took 19.7 / 39.8 / 133.8 µs at 4K / 32K / 128K against 23.5 / 41.2
-# / 136.6, and the 16-row windows 1.5-1.7x the "m" time; the one-CTA 16-row window is not timed yet.
-MMA_ROWS = "m"
-# Packed rows a compute warpgroup at most under MMA_ROWS "n". 48: in the interpreter a column's sum down the keys
-# (l) at N >= 64 differed by an ulp from N = 8 (N <= 48 matched; on the H200, N = 48 matched N = 8, session 24).
-SWAP_MAX_ROWS = 48
 
 
 def unsupported(q_dtype, pool: KVPool, group: int, *, chunk: int, stages: int | None = None,
@@ -563,11 +456,10 @@ def unsupported(q_dtype, pool: KVPool, group: int, *, chunk: int, stages: int | 
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "chunk", "n_chunks", "nc_pad", "max_keys", "tiles",
-                                             "partials", "mma_rows", "interpret"))
+                                             "partials", "interpret"))
 def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len: jax.Array, *, scale: float,
                          chunk: int, n_chunks: int, nc_pad: int, max_keys: int, tiles: WindowMgpuTiles,
-                         partials: str = "float32", mma_rows: str = "m",
-                         interpret: bool | plgpu.InterpretGPUParams = False):
+                         partials: str = "float32", interpret: bool | plgpu.InterpretGPUParams = False):
     """`attention.window_partials` on Mosaic GPU (the caller checked the model with `unsupported`): q [S, R, Hq, D]
     bf16; page_table [S, Pmax'] covering n_chunks chunks of `chunk` keys; cache_len [S] -> m, l [S, Hkv, nc_pad, M]
     fp32, acc [S, Hkv, nc_pad, M, D] in `partials` ("float32" or "bfloat16"), M = attention._padded_rows(R G)."""
@@ -579,23 +471,11 @@ def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cach
         operands += (pool.k_scale, pool.v_scale)
     warpgroups = qp.shape[2] // WG_ROWS
     real_rows = r * (hq // hkv)
-    swapped = 0
-    swapped_wgs = 1
-    if mma_rows == "n":  # warpgroups of at most SWAP_MAX_ROWS rows, as even as multiples of 8 make them
-        if pool.fp8 or partials != "bfloat16":
-            raise ValueError(f"mma_rows='n' needs a bf16 pool and bf16 partials; got pool {pool.k.dtype}, "
-                             f"partials {partials!r}")
-        groups = -(-real_rows // SWAP_MAX_ROWS)  # (at most 2: `unsupported` caps the rows at 128)
-        swapped = -(-real_rows // groups // 8) * 8
-        parts = groups if tiles.split_rows else 1  # split: a CTA a warpgroup (the small grids' launch choice)
-        swapped_wgs = groups // parts
-        warpgroups = groups
-    else:
-        parts = warpgroups if tiles.split_rows or pool.fp8 else 1  # fp8: one compute warpgroup a CTA
+    parts = warpgroups if tiles.split_rows or pool.fp8 else 1  # fp8: one compute warpgroup a CTA
     static = dict(scale=scale, chunk=chunk, n_chunks=n_chunks, nc_pad=nc_pad, real_rows=real_rows,
                   mrows=_padded_rows(real_rows), max_keys=max_keys,
                   stages=stages_for(tiles, warpgroups // parts), parts=parts, ping_pong=tiles.ping_pong,
-                  partials=partials, dequant=tiles.dequant, swapped=swapped, swapped_wgs=swapped_wgs)
+                  partials=partials, dequant=tiles.dequant)
     with jax.named_scope("attn_window_chunks_mgpu"):
         if interpret:
             return _kernel_call(*operands, interpret=interpret, **static)

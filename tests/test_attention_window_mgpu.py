@@ -183,48 +183,6 @@ def test_two_compute_warpgroups_give_a_row_the_bits_of_one(monkeypatch):
             assert np.array_equal(bits(a), bits(b))
 
 
-def test_rows_as_the_mma_n_keep_the_exactness_properties():
-    """WindowTiles.mma_rows "n" (S^T = K Q^T, O^T = V^T P^T, the packed rows as the MMAs' N): right against
-    float64, with the fold pass; a stream alone (table widened, 1 stage) has its bits among others; the serial
-    step has row 0's bits; 72 packed rows, run as two compute warpgroups of 40 rows sharing a CTA's K/V slots or
-    as two CTAs (the small grid's split), have the bits each query gets alone; and the pipeline has no races
-    either way. (Compiled, its bits are its own; in the interpreter, whose wgmma is a
-    fixed-order sum whichever operand is which, they equal "m"'s.)"""
-    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-    rng = np.random.default_rng(71)
-    swapped = dataclasses.replace(TILES, mma_rows="n")
-    case = window_case(rng, r=7, dtype=jnp.bfloat16, **CASE)
-    q, kw, vw, par, pool, table, cache_len = case
-    batch = run(*case, tiles=swapped)
-    assert rel_err(batch, np_window(*case, SCALE)) < 1e-2
-    wide = jnp.concatenate([table[3:4], scattered_tables(rng, 1, 12, 90)], axis=1)
-    alone = run(q[3:4], kw[3:4], vw[3:4], par[3:4], pool, wide, cache_len[3:4],
-                tiles=dataclasses.replace(swapped, num_stages=1))
-    assert np.array_equal(bits(alone[0]), bits(batch[3]))
-    step = run(q[:, :1], kw[:, :1], vw[:, :1], par[:, :1], pool, table, cache_len, tiles=swapped)
-    assert np.array_equal(bits(step[:, 0]), bits(batch[:, 0]))
-    two = window_case(rng, r=9, dtype=jnp.bfloat16, **dict(CASE, hq=16, s=2, cache_lens=[300, 70],
-                                                           parents=[TREE + [6, 7], list(range(-1, 8))]))
-    q, kw, vw, par, pool, table, cache_len = two
-    assert rel_err(run(*two, tiles=swapped), np_window(*two, SCALE)) < 1e-2
-    for row_block in (None, 128):  # the rule splits this small grid; 128: one CTA of two warpgroups
-        m9, l9, acc9 = at.window_partials(q, pool, table, cache_len, scale=SCALE,
-                                          tiles=dataclasses.replace(swapped, row_block=row_block),
-                                          interpret=plgpu.InterpretGPUParams(detect_races=True))
-        assert not gpu_callbacks.get_races().races_found, row_block
-        for r in (0, 4, 5, 8):  # rows 0-7, 32-39 (the first warpgroup's last), 40-47 and 64-71 (the second's)
-            one = partials(q[:, r:r + 1], pool, table, cache_len, tiles=swapped)
-            for nine, single in zip((m9, l9, acc9), one):
-                for a, b in zip(_live_rows(nine[:, :, :, 8 * r:], cache_len, 128, 8),
-                                _live_rows(single, cache_len, 128, 8)):
-                    assert np.array_equal(bits(a), bits(b)), (row_block, r)
-    with pytest.raises(ValueError, match="mma_rows"):
-        run(*two, tiles=dataclasses.replace(swapped, partials="float32"))
-    fp8 = window_case(rng, r=3, dtype=kq.FP8, **dict(CASE, s=2, cache_lens=[300, 37], parents=[TREE, CHAIN]))
-    with pytest.raises(ValueError, match="mma_rows"):
-        run(*fp8, tiles=swapped)
-
-
 def test_pipeline_has_no_races(monkeypatch):
     """One compute warpgroup (2 stages); then two taking turns (ping-pong) and storing the CTA's rows from one."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
@@ -370,12 +328,10 @@ def test_lowers_for_sm90_at_27b_shape(rows, stages, h200_lowering):
 
 @pytest.mark.parametrize("variant", ["split", "ping_pong", "chunk 2048", "fp32 partials", "bf16 partials",
                                      "bf16 partials split", "bf16 partials 1 row", "fp8", "fp8 1 row",
-                                     "fp8 16-key pages", "fp8 fp32 partials", "fp8 8-bit dequant", "rows n 1 row",
-                                     "rows n", "rows n 16-key pages"])
+                                     "fp8 16-key pages", "fp8 fp32 partials", "fp8 8-bit dequant"])
 def test_variants_lower_for_sm90_at_27b_shape(variant, h200_lowering, monkeypatch):
     """The 16-row window's launch variants (a CTA a warpgroup, two warpgroups taking turns), a 2048-key chunk and
-    either partials dtype, fp8 pools (64- and 16-key pages), and the rows as the MMAs' N (1 row: N = 8; 16 rows:
-    two CTAs of N = 48) lower for sm_90 at the 27B shape."""
+    either partials dtype, and fp8 pools (64- and 16-key pages) lower for sm_90 at the 27B shape."""
     monkeypatch.setattr(awm, "PING_PONG", variant == "ping_pong")
     monkeypatch.setattr(awm, "DEQUANT", "wgmma_8bit" if "8-bit" in variant else "wgmma")
     monkeypatch.setattr(awm._PARTIALS, "lowered", {})
@@ -385,8 +341,7 @@ def test_variants_lower_for_sm90_at_27b_shape(variant, h200_lowering, monkeypatc
     assert _mosaic_calls_at_27b(1 if "1 row" in variant else 16, fp8="fp8" in variant,
                                 page=16 if "16-key" in variant else 64,
                                 row_block=64 if "split" in variant else None,
-                                chunk=2048 if variant == "chunk 2048" else awm.CHUNK, partials=partials,
-                                mma_rows="n" if "rows n" in variant else "m") == 1
+                                chunk=2048 if variant == "chunk 2048" else awm.CHUNK, partials=partials) == 1
 
 
 def _gpu_case(rng, rows, cache_lens, pmax, dtype=jnp.bfloat16):
@@ -423,43 +378,6 @@ def test_gpu_27b_windows(monkeypatch):
     turns = jax.jit(at.window, static_argnames=("scale", "interpret", "tiles"))(
         *case, scale=SCALE, interpret=False, tiles=shipped)
     assert np.array_equal(bits(turns), bits(got))
-
-
-@GPU
-def test_gpu_27b_rows_as_the_mma_n():
-    """mma_rows "n" compiled (the 1-row step's 6 rows as N = 8; 16 rows as two warpgroups of N = 48, in two CTAs on
-    this small grid or, row_block 128, in one CTA sharing the K/V slots: the same bits): 16-row trees and
-    chains at 5000 / 1111 / 64 keys right against float64; the 1-row step has row 0's bits; the chunk partials of
-    rows in either CTA have the bits their query gets alone; a stream alone with its table widened, 1 stage, the
-    same bits;
-    and a 1-row decode over 19000 keys of a 32K table (through the merge that folds the groups) right."""
-    rng = np.random.default_rng(75)
-    case = _gpu_case(rng, 16, [5000, 1111, 64], 80)
-    q, kw, vw, par, pool, table, cache_len = case
-    tiles = dataclasses.replace(at.model_window_tiles(jnp.bfloat16, pool, 24, max_keys=80 * 64, interpret=False),
-                                mma_rows="n")
-    got = run(*case, tiles=tiles, interpret=False)
-    assert rel_err(got, np_window(*case, SCALE)) < 1e-2
-    step = run(q[:, :1], kw[:, :1], vw[:, :1], par[:, :1], pool, table, cache_len, tiles=tiles, interpret=False)
-    assert np.array_equal(bits(step[:, 0]), bits(got[:, 0]))
-    one_cta = run(*case, tiles=dataclasses.replace(tiles, row_block=128), interpret=False)
-    assert np.array_equal(bits(one_cta), bits(got))
-    sixteen = partials(q, pool, table, cache_len, tiles=tiles, interpret=False)
-    for r in (0, 7, 8, 15):  # the first CTA's rows 0-47 and the second's 48-95
-        one = partials(q[:, r:r + 1], pool, table, cache_len, tiles=tiles, interpret=False)
-        for a_all, b_all in zip(sixteen, one):
-            for a, b in zip(_live_rows(a_all[:, :, :, 6 * r:], cache_len, tiles.chunk, 6),
-                            _live_rows(b_all, cache_len, tiles.chunk, 6)):
-                assert np.array_equal(bits(a), bits(b)), r
-    wide = jnp.concatenate([table[1:2], jnp.zeros((1, 40), jnp.int32)], axis=1)
-    alone = run(q[1:2], kw[1:2], vw[1:2], par[1:2], pool, wide, cache_len[1:2],
-                tiles=dataclasses.replace(tiles, num_stages=1), interpret=False)
-    assert np.array_equal(bits(alone[0]), bits(got[1]))
-    long = window_case(rng, s=1, r=1, pmax=512, num_pages=520, dtype=jnp.bfloat16, cache_lens=[19000],
-                       parents=[[-1]], **BIG)
-    long_tiles = dataclasses.replace(at.model_window_tiles(jnp.bfloat16, long[4], 24, max_keys=512 * 64,
-                                                           interpret=False), mma_rows="n")
-    assert rel_err(run(*long, tiles=long_tiles, interpret=False), np_window(*long, SCALE)) < 1e-2
 
 
 @GPU

@@ -442,15 +442,6 @@ def _ratio_table(env: Env, bw: float | None, prefix: str, variants: tuple[str, .
     print(table(heads, body))
 
 
-MMA_ROWS_VALUES = ("m", "n")  # `WindowTiles.mma_rows` timed by mma_rows
-
-
-def summarize_mma_rows(env: Env, bw: float | None) -> None:
-    _ratio_table(env, bw, "wmr ", MMA_ROWS_VALUES,
-                 "mma_rows: bf16 pool, Mosaic GPU pass 1, µs {how} with the packed rows as the MMAs' M or N; 16-row "
-                 f"/ 1-row target <= 1.3; copy {bw or math.nan:.2f} TB/s; by kernel: pass 1 / fold / merge")
-
-
 def summarize_window_partials(env: Env, bw: float | None) -> None:
     _ratio_table(env, bw, "wpd ", PARTIALS_DTYPES,
                  "window_partials: bf16 pool, Mosaic GPU pass 1, µs {how} by the O partials' dtype; 16-row / 1-row "
@@ -952,12 +943,6 @@ def main(argv: list[str]) -> int:
         # 1 stream at 128K and 16 at 4K first: the windows that missed 1.3x with fp32 partials (session 17).
         mgpu_order_sweep("wpd", "partials", PARTIALS_DTYPES, ((1, contexts[-1]), (many, contexts[0]),
                                                                (1, contexts[0]), (1, contexts[1]), (many, contexts[1])))
-    if "mma_rows" in sections:
-        # The packed rows as the MMAs' M (shipped) or N (`WindowTiles.mma_rows`, order; bf16 partials).
-        print("== mma_rows: the packed rows as the MMAs' M or N, 1- and 16-row bf16 windows", flush=True)
-        # 1 stream at 4K first (the 1-row decode there is its chunk's chain of 64-key blocks), then 32K.
-        mgpu_order_sweep("wmr", "mma_rows", MMA_ROWS_VALUES, ((1, contexts[0]), (1, contexts[1]), (many, contexts[1]),
-                                                              (1, contexts[-1]), (many, contexts[0])))
     if "window_fp8" in sections:
         # fp8 pools: the shipped Triton pass 1 (f16 dots), with bf16 dots, and the Mosaic GPU one (codes
         # dequantized to bf16 in shared memory, one compute warpgroup a CTA; its own bits), 1- and 16-row windows,
@@ -1040,7 +1025,6 @@ def main(argv: list[str]) -> int:
     summarize_window_mgpu(env, bw)
     summarize_window_mgpu_variants(env, bw)
     summarize_window_partials(env, bw)
-    summarize_mma_rows(env, bw)
     summarize_window_fp8(env, bw)
     summarize_merge_variants(env)
     summarize_decode_sweep(env, bw)

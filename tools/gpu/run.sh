@@ -79,10 +79,10 @@ case "$stage" in
         --kv-cache $kv --no-compile-timing --compile-cache "" 2>&1 | tee "$out/bench_27b_$kv.log" | tail -14
     done ;;
   ninety-eighth)
-    # Prepared in session 24, not run (~7 min): mma_rows "n" with a 16-row window's two warpgroups of 48 rows in one
-    # CTA (sharing the K/V slots; ninety-seventh ran them as two CTAs): the gpu tests, then "m" against "n" at every
-    # point of the mma_rows section. If "n" keeps the 16-row windows within 1.3x, make it MMA_ROWS and run the
-    # engine's gates (it changes every bf16 window's bits).
+    # Session 25 at a2df415 (~3 min): mma_rows "n" with a 16-row window's two warpgroups of 48 rows in one CTA
+    # (sharing the K/V slots; ninety-seventh ran them as two CTAs): the gpu tests, then "m" against "n" at every
+    # point of the mma_rows section. "n" was wrong in one CTA and 1.65-2.11x on 16-row windows; removed after it
+    # (with its tests and bench section, so this stage runs only at a2df415).
     gpu_pytest 150 mma_n 6 tests/test_attention_window_mgpu.py -k "mma_n or gpu_27b_windows"
     timeout 280 python3 -m pallas_kernels.bench attention --sections mma_rows --budget-s 260 --trace /tmp/mtrace \
       --json "$out/attention_mma_rows.json" 2>&1 | tee "$out/attention_mma_rows.log" | grep -E "^copy|FAILED" ; \
