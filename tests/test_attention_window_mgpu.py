@@ -204,6 +204,33 @@ def test_pipeline_has_no_races(monkeypatch):
             assert np.array_equal(bits(a), bits(b))
 
 
+def test_early_pages_change_no_bit(monkeypatch):
+    """64-key pages (a block a page, the 27B's): the memory warpgroup loading the chunk's first page indices before
+    it waits on the context length (`EARLY_PAGES`) gives the bits it gives without, at the default stages and at 1,
+    with no races; the output is right, and NaN in every page no table holds changes nothing."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    rng = np.random.default_rng(76)
+    case = window_case(rng, r=3, dtype=jnp.bfloat16, **dict(SMALL, page_size=64, s=3, pmax=6, num_pages=20,
+                                                            cache_lens=[0, 100, 300], parents=[TREE, CHAIN, TREE]))
+    q, kw, vw, par, pool, table, cache_len = case
+    out = {}
+    for early in (False, True):
+        monkeypatch.setattr(awm, "EARLY_PAGES", early)
+        for stages in (None, 1):
+            out[early, stages] = run(*case, tiles=dataclasses.replace(TILES, num_stages=stages))
+        at.window_partials(q, pool, table, cache_len, scale=SCALE, tiles=TILES,
+                           interpret=plgpu.InterpretGPUParams(detect_races=True))
+        assert not gpu_callbacks.get_races().races_found, early
+    for stages in (None, 1):
+        assert np.array_equal(bits(out[True, stages]), bits(out[False, stages])), stages
+    assert rel_err(out[True, None], np_window(*case, SCALE)) < 1e-2
+    live = np.concatenate([np.asarray(table[s, : -(-int(n) // 64)]) for s, n in enumerate(np.asarray(cache_len))])
+    unused = np.setdiff1d(np.arange(pool.num_pages), live)
+    poison = lambda x: x.at[:, unused].set(jnp.nan)
+    dirty = run(q, kw, vw, par, kq.KVPool(poison(pool.k), poison(pool.v)), table, cache_len)
+    assert np.array_equal(bits(dirty), bits(out[True, None]))
+
+
 def test_poison_outside_the_tables_never_leaks():
     """NaN keys and values in every page no table holds, the dummy page 0 included (blocks past a stream's
     context are never fetched), change no output bit."""
@@ -356,7 +383,8 @@ def _gpu_case(rng, rows, cache_lens, pmax, dtype=jnp.bfloat16):
 def test_gpu_27b_windows(monkeypatch):
     """16-row trees and chains at 5000 / 1111 / 64 keys: right against float64; the 1-row step of each row-0 query
     has row 0's bits; a stream alone (and its table widened) the same bits; 1 and 3 stages, a CTA a warpgroup, both
-    warpgroups in one CTA and the warpgroups taking turns the default's bits."""
+    warpgroups in one CTA, the warpgroups taking turns and the page indices loaded early or not the default's
+    bits."""
     rng = np.random.default_rng(70)
     case = _gpu_case(rng, 16, [5000, 1111, 64], 80)
     q, kw, vw, par, pool, table, cache_len = case
@@ -378,6 +406,13 @@ def test_gpu_27b_windows(monkeypatch):
     turns = jax.jit(at.window, static_argnames=("scale", "interpret", "tiles"))(
         *case, scale=SCALE, interpret=False, tiles=shipped)
     assert np.array_equal(bits(turns), bits(got))
+    monkeypatch.setattr(awm, "PING_PONG", False)
+    monkeypatch.setattr(awm, "EARLY_PAGES", not awm.EARLY_PAGES)  # the page indices loaded the other way
+    for rows in (1, 16):
+        flipped = jax.jit(at.window, static_argnames=("scale", "interpret", "tiles"))(
+            q[:, :rows], kw[:, :rows], vw[:, :rows], par[:, :rows], pool, table, cache_len, scale=SCALE,
+            interpret=False, tiles=shipped)
+        assert np.array_equal(bits(flipped), bits(got[:, :rows] if rows == 16 else step)), rows
 
 
 @GPU

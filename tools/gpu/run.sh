@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh ninety-eighth|ninety-seventh|ninety-sixth|ninety-fifth|ninety-fourth|ninety-third|ninety-second|ninety-first|ninetieth|eighty-ninth|eighty-eighth|eighty-seventh|eighty-sixth|eighty-fifth|eighty-fourth|eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh ninety-ninth|ninety-eighth|ninety-seventh|ninety-sixth|ninety-fifth|ninety-fourth|ninety-third|ninety-second|ninety-first|ninetieth|eighty-ninth|eighty-eighth|eighty-seventh|eighty-sixth|eighty-fifth|eighty-fourth|eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -78,6 +78,18 @@ case "$stage" in
       timeout 150 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths 4096,32768 --rounds 32 \
         --kv-cache $kv --no-compile-timing --compile-cache "" 2>&1 | tee "$out/bench_27b_$kv.log" | tail -14
     done ;;
+  ninety-ninth)
+    # Session 25 (~8 min): pass 1's first page indices loaded before the context length is waited on
+    # (attention_window_mgpu.EARLY_PAGES, a launch choice, on): the window gpu tests (its bits against off among
+    # them), then off against on at the decode points, kernels alone; then the 16-row windows' tail launch choices
+    # (the fold pass against the fused merge at 1 stream and 32K first).
+    gpu_pytest 200 window_mgpu 14 tests/test_attention_window_mgpu.py
+    timeout 170 python3 -m pallas_kernels.bench attention --sections early_pages --budget-s 150 --trace /tmp/etrace \
+      --json "$out/attention_early_pages.json" 2>&1 | tee "$out/attention_early_pages.log" | grep -E "^copy|FAILED" ; \
+      grep -A8 "^### early_pages" "$out/attention_early_pages.log"
+    timeout 150 python3 -m pallas_kernels.bench attention --sections merge_variants --budget-s 130 --trace /tmp/vtrace \
+      --json "$out/attention_merge_variants.json" 2>&1 | tee "$out/attention_merge_variants.log" \
+      | grep -E "^copy|FAILED" ; grep -A16 "^### merge_variants" "$out/attention_merge_variants.log" ;;
   ninety-eighth)
     # Session 25 at a2df415 (~3 min): mma_rows "n" with a 16-row window's two warpgroups of 48 rows in one CTA
     # (sharing the K/V slots; ninety-seventh ran them as two CTAs): the gpu tests, then "m" against "n" at every
