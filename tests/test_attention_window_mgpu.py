@@ -43,6 +43,16 @@ def partials(q, pool, table, cache_len, *, tiles=TILES, interpret=True):
     return at.window_partials(q, pool, table, cache_len, scale=SCALE, tiles=tiles, interpret=interpret)
 
 
+def fresh_jit(fn, static=("scale", "interpret", "tiles")):
+    """jax.jit of a new wrapper of fn, so module flags read at tracing (PING_PONG, DEQUANT, EARLY_PAGES) take
+    effect: jax keeps a function's traced program by the function, so a second jax.jit(fn) with the same arguments
+    reuses the trace the first one made, under whatever flags held then."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return jax.jit(wrapper, static_argnames=static)
+
+
 def _live_rows(part, cache_len, chunk, rows):
     """The written entries of m / l / acc [S, Hkv, NC, M, ...]: live chunks of each stream, packed rows < rows."""
     out = []
@@ -126,8 +136,8 @@ def test_fp8_dequant_layouts_give_the_same_bits(monkeypatch):
     case = window_case(rng, r=3, dtype=kq.FP8, **dict(CASE, d=128, s=2, cache_lens=[300, 37], parents=[TREE, CHAIN]))
     q, kw, vw, par, pool, table, cache_len = case
     shipped = partials(q, pool, table, cache_len)
-    monkeypatch.setattr(awm, "DEQUANT", "wgmma_8bit")  # read at tracing: a fresh jit
-    eight = jax.jit(at.window_partials, static_argnames=("scale", "tiles", "interpret"))(
+    monkeypatch.setattr(awm, "DEQUANT", "wgmma_8bit")  # read at tracing: `fresh_jit`
+    eight = fresh_jit(at.window_partials)(
         q, pool, table, cache_len, scale=SCALE, tiles=TILES, interpret=True)
     for a_all, b_all in zip(eight, shipped):
         for a, b in zip(_live_rows(a_all, cache_len, 128, 6), _live_rows(b_all, cache_len, 128, 6)):
@@ -176,7 +186,7 @@ def test_two_compute_warpgroups_give_a_row_the_bits_of_one(monkeypatch):
             assert np.array_equal(bits(a), bits(b))
     # The two warpgroups taking turns (ping-pong, a launch choice): the same bits.
     monkeypatch.setattr(awm, "PING_PONG", True)
-    turns = jax.jit(at.window_partials, static_argnames=("scale", "tiles", "interpret"))(
+    turns = fresh_jit(at.window_partials)(
         q, pool, table, cache_len, scale=SCALE, tiles=TILES, interpret=True)
     for got, want in zip(turns, (m9, l9, acc9)):
         for a, b in zip(_live_rows(got, cache_len, 128, 72), _live_rows(want, cache_len, 128, 72)):
@@ -213,22 +223,24 @@ def test_early_pages_change_no_bit(monkeypatch):
     case = window_case(rng, r=3, dtype=jnp.bfloat16, **dict(SMALL, page_size=64, s=3, pmax=6, num_pages=20,
                                                             cache_lens=[0, 100, 300], parents=[TREE, CHAIN, TREE]))
     q, kw, vw, par, pool, table, cache_len = case
-    out = {}
-    for early in (False, True):
-        monkeypatch.setattr(awm, "EARLY_PAGES", early)
-        for stages in (None, 1):
-            out[early, stages] = run(*case, tiles=dataclasses.replace(TILES, num_stages=stages))
-        at.window_partials(q, pool, table, cache_len, scale=SCALE, tiles=TILES,
-                           interpret=plgpu.InterpretGPUParams(detect_races=True))
-        assert not gpu_callbacks.get_races().races_found, early
-    for stages in (None, 1):
-        assert np.array_equal(bits(out[True, stages]), bits(out[False, stages])), stages
-    assert rel_err(out[True, None], np_window(*case, SCALE)) < 1e-2
     live = np.concatenate([np.asarray(table[s, : -(-int(n) // 64)]) for s, n in enumerate(np.asarray(cache_len))])
     unused = np.setdiff1d(np.arange(pool.num_pages), live)
     poison = lambda x: x.at[:, unused].set(jnp.nan)
-    dirty = run(q, kw, vw, par, kq.KVPool(poison(pool.k), poison(pool.v)), table, cache_len)
-    assert np.array_equal(bits(dirty), bits(out[True, None]))
+    dirty = kq.KVPool(poison(pool.k), poison(pool.v))
+    out = {}
+    for early in (False, True):
+        monkeypatch.setattr(awm, "EARLY_PAGES", early)  # read at tracing
+        fresh = fresh_jit(at.window)
+        for stages in (None, 1):
+            out[early, stages] = fresh(*case, scale=SCALE, interpret=True,
+                                       tiles=dataclasses.replace(TILES, num_stages=stages))
+        out[early, "dirty"] = fresh(q, kw, vw, par, dirty, table, cache_len, scale=SCALE, interpret=True, tiles=TILES)
+        at.window_partials(q, pool, table, cache_len, scale=SCALE, tiles=TILES,
+                           interpret=plgpu.InterpretGPUParams(detect_races=True))
+        assert not gpu_callbacks.get_races().races_found, early
+    for key in (None, 1, "dirty"):
+        assert np.array_equal(bits(out[True, key]), bits(out[False, None if key == "dirty" else key])), key
+    assert rel_err(out[True, None], np_window(*case, SCALE)) < 1e-2
 
 
 def test_poison_outside_the_tables_never_leaks():
@@ -402,14 +414,14 @@ def test_gpu_27b_windows(monkeypatch):
     for rb in (64, 128):  # a CTA a warpgroup, both warpgroups in one CTA (the shipped rule splits this grid)
         other = run(*case, tiles=dataclasses.replace(shipped, row_block=rb), interpret=False)
         assert np.array_equal(bits(other), bits(got)), rb
-    monkeypatch.setattr(awm, "PING_PONG", True)  # read at tracing: a fresh jit
-    turns = jax.jit(at.window, static_argnames=("scale", "interpret", "tiles"))(
+    monkeypatch.setattr(awm, "PING_PONG", True)  # read at tracing: `fresh_jit`
+    turns = fresh_jit(at.window)(
         *case, scale=SCALE, interpret=False, tiles=shipped)
     assert np.array_equal(bits(turns), bits(got))
     monkeypatch.setattr(awm, "PING_PONG", False)
     monkeypatch.setattr(awm, "EARLY_PAGES", not awm.EARLY_PAGES)  # the page indices loaded the other way
     for rows in (1, 16):
-        flipped = jax.jit(at.window, static_argnames=("scale", "interpret", "tiles"))(
+        flipped = fresh_jit(at.window)(
             q[:, :rows], kw[:, :rows], vw[:, :rows], par[:, :rows], pool, table, cache_len, scale=SCALE,
             interpret=False, tiles=shipped)
         assert np.array_equal(bits(flipped), bits(got[:, :rows] if rows == 16 else step)), rows
@@ -467,8 +479,8 @@ def test_gpu_27b_fp8_pool(monkeypatch):
     step = run(q[:, :1], kw[:, :1], vw[:, :1], par[:, :1], pool, table, cache_len, tiles=base, interpret=False)
     assert np.array_equal(bits(step[:, 0]), bits(got[:, 0]))
     # The codes dequantized in the 8-bit MMA layout (a launch choice): the same bits.
-    monkeypatch.setattr(awm, "DEQUANT", "wgmma_8bit")  # read at tracing: a fresh jit
-    eight = jax.jit(at.window, static_argnames=("scale", "interpret", "tiles"))(
+    monkeypatch.setattr(awm, "DEQUANT", "wgmma_8bit")  # read at tracing: `fresh_jit`
+    eight = fresh_jit(at.window)(
         *case, scale=SCALE, interpret=False, tiles=base)
     assert np.array_equal(bits(eight), bits(got))
 
