@@ -148,6 +148,10 @@ class WindowTiles:
     # its program's rows and warps.
     row_block: int | None = None
     merge_block_d: int | None = None  # head-dim columns per merge program (None: enough programs to fill the GPU)
+    # Packed rows per merge program (None: `merge_rows`' rule; else a power of two, at least 16): a window's rows
+    # split over programs of their own, each merging its rows alone, so that a program's partials fit the early
+    # merge (`merge_early`). A row's operations do not change with the rows beside it.
+    merge_block_rows: int | None = None
     merge_unroll: int | None = None  # chunk partials loaded per merge loop step (None: fit registers)
     merge_num_warps: int = 4
     # "early": the merge issues every load (context length, queries, window rows, maxima, each partial) before it
@@ -603,28 +607,30 @@ def _window_fold_kernel(cache_len_ref, m_ref, l_ref, acc_ref, lg_ref, accg_ref, 
 # ----------------------------------------------------------------------------------------------------------------
 
 def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref, acc_ref, *refs,
-                         fp8: bool, scale: float, r: int, group: int, mrows: int, rp: int, max_keys: int, chunk: int,
-                         fold: int | None, fold_here: bool, unroll: int, max_block: int, early: bool,
+                         fp8: bool, scale: float, r: int, group: int, mrows: int, parts: int, rp: int, max_keys: int,
+                         chunk: int, fold: int | None, fold_here: bool, unroll: int, max_block: int, early: bool,
                          cdt):
     # cache_len_ref [S]; parents_ref [R]; q_ref [R*Hq, D]; kw_ref [R*Hkv, D], vw_ref [R*Hkv, BD] the window's
     # rows as stored (fp8 codes or pool dtype; row j*Hkv + g is window key j of KV head g); m_ref [NC, M] the chunk
     # maxima; l_ref, acc_ref [N, M], [N, M, BD]: the chunk partials (fold None, or fold_here: this program folds
     # the groups of `fold` chunks itself) or the fold pass's group partials; fp8: ksw_ref, vsw_ref [R*Hkv];
-    # output o_ref [M, BD]. early: `_merge_early` (every load issued before the first one is waited on).
+    # output o_ref [M, BD]. early: `_merge_early` (every load issued before the first one is waited on). M =
+    # mrows: the program's packed rows, part * mrows ... of the KV head's (axis 1 of the grid is KV head x parts).
     if fp8:
         ksw_ref, vsw_ref, o_ref = refs
     else:
         ksw_ref = vsw_ref = None
         (o_ref,) = refs
-    s, g = pl.program_id(0), pl.program_id(1)
+    s, gp = pl.program_id(0), pl.program_id(1)
+    g, first = (gp // parts, (gp % parts) * mrows) if parts > 1 else (gp, 0)
     if early:
         o_ref[...] = _merge_early(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref, acc_ref, ksw_ref,
-                                  vsw_ref, s=s, g=g, scale=scale, r=r, group=group, mrows=mrows, rp=rp,
+                                  vsw_ref, s=s, g=g, first=first, scale=scale, r=r, group=group, mrows=mrows, rp=rp,
                                   max_keys=max_keys, chunk=chunk, fold=fold, fold_here=fold_here,
                                   cdt=cdt).astype(o_ref.dtype)
         return
     n_chunks = (jnp.minimum(cache_len_ref[s], max_keys) + chunk - 1) // chunk
-    idx, real = _packed_rows(mrows, r, q_ref.shape[0] // r, group, g)
+    idx, real = _packed_rows(mrows, r, q_ref.shape[0] // r, group, g, first)
     q = q_ref[idx].astype(cdt)  # (loaded first: it does not wait on the partials)
     bd = acc_ref.shape[2]
     m_committed = _committed_max(m_ref, n_chunks, real, max_block, mrows)
@@ -643,7 +649,7 @@ def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_re
                                 m_base=m_base, unroll=unroll, mrows=mrows, bd=bd)
 
     o_ref[...] = _with_window_keys(l, acc, m_committed, m_base, q, real, g, parents_ref, kw_ref, vw_ref, ksw_ref,
-                                   vsw_ref, scale=scale, r=r, group=group, rp=rp, first_row=0,
+                                   vsw_ref, scale=scale, r=r, group=group, rp=rp, first_row=first,
                                    cdt=cdt).astype(o_ref.dtype)
 
 
@@ -654,7 +660,7 @@ def merge_entries(*, max_keys: int, chunk: int, fold: int | None, fold_here: boo
 
 
 def _merge_early(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref, acc_ref, ksw_ref, vsw_ref, *, s,
-                 g, scale: float, r: int, group: int, mrows: int, rp: int, max_keys: int, chunk: int,
+                 g, first, scale: float, r: int, group: int, mrows: int, rp: int, max_keys: int, chunk: int,
                  fold: int | None, fold_here: bool, cdt):
     """The merge with every load issued first: the stream's context length, the query rows, the window's operands,
     the chunk maxima and each of the table's partials (`merge_entries`), none masked by the context (only by the
@@ -667,10 +673,10 @@ def _merge_early(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref
     (`MERGE_EARLY_ELEMENTS`). On the H200 (session 23) the 1-stream 32K fused merge took 4.7-5.1 µs against 7.8
     for the loop, a merge of a few partials 2.3-3.7 against 3.8-6.8."""
     n_len = cache_len_ref[s]
-    idx, real = _packed_rows(mrows, r, q_ref.shape[0] // r, group, g)
+    idx, real = _packed_rows(mrows, r, q_ref.shape[0] // r, group, g, first)
     q = q_ref[idx]
     operands = _window_operands(g, parents_ref, kw_ref, vw_ref, ksw_ref, vsw_ref, real=real, r=r, group=group,
-                                rp=rp, first_row=0, mrows=mrows)
+                                rp=rp, first_row=first, mrows=mrows)
     weighted = fold is None or fold_here
     n_entries = merge_entries(max_keys=max_keys, chunk=chunk, fold=fold, fold_here=fold_here)
     entries = [_load_entry(l_ref, acc_ref, m_ref if weighted else None, jnp.int32(c), real)
@@ -911,6 +917,18 @@ def fold_in_merge(tiles: WindowTiles, *, streams: int, hkv: int, chunks: int) ->
 MERGE_EARLY_ELEMENTS = 10240
 
 
+def merge_rows(tiles: WindowTiles, *, entries: int, mrows: int, bd: int) -> int:
+    """Packed rows per merge program (`WindowTiles.merge_block_rows`; a launch choice, the same bits): None takes
+    all `mrows` where the early merge holds them, else the most rows, down to 16, whose partials it does hold
+    (MERGE_EARLY_ELEMENTS), else all of them (the loop merge). From static shapes only."""
+    if tiles.merge_block_rows is not None:
+        return min(tiles.merge_block_rows, mrows)
+    rows = mrows
+    while rows > 16 and entries * rows * bd > MERGE_EARLY_ELEMENTS:
+        rows //= 2
+    return rows if entries * rows * bd <= MERGE_EARLY_ELEMENTS else mrows
+
+
 def merge_early(tiles: WindowTiles, *, entries: int, mrows: int, bd: int) -> bool:
     """Whether a merge program of `bd` head-dim columns over `mrows` packed rows and `entries` partials
     (`merge_entries`) loads them all first (`WindowTiles.merge_loads`; the same bits either way)."""
@@ -1033,8 +1051,7 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
                                         n_chunks=one.n_chunks, nc_pad=nc_pad, max_keys=one.max_keys,
                                         tiles=awm.WindowMgpuTiles(stages=tiles.num_stages,
                                                                   split_rows=_split_rows(tiles, one, s, hkv),
-                                                                  ping_pong=awm.PING_PONG, dequant=awm.DEQUANT,
-                                                                  early_pages=awm.EARLY_PAGES),
+                                                                  ping_pong=awm.PING_PONG, dequant=awm.DEQUANT),
                                         partials=tiles.partials, interpret=interpret)
 
     with jax.named_scope("attn_window_chunks"):
@@ -1125,27 +1142,29 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
 
     with jax.named_scope("attn_window_merge"):
         kw, vw, scales = _window_rows_as_stored(k_win, v_win, pool, interpret)
-        kernel = functools.partial(_window_merge_kernel, fp8=fp8, scale=scale, r=r, group=group, mrows=mrows, rp=rp,
-                                   max_keys=max_keys, chunk=tiles.chunk, fold=tiles.fold if grouped else None,
-                                   fold_here=fold_here, unroll=unroll, max_block=max_block, cdt=cdt,
-                                   early=merge_early(tiles, mrows=mrows, bd=bd,
-                                                     entries=merge_entries(max_keys=max_keys, chunk=tiles.chunk,
-                                                                           fold=tiles.fold if grouped else None,
-                                                                           fold_here=fold_here)))
+        entries = merge_entries(max_keys=max_keys, chunk=tiles.chunk, fold=tiles.fold if grouped else None,
+                                fold_here=fold_here)
+        mb = merge_rows(tiles, entries=entries, mrows=mrows, bd=bd)
+        parts = -(-(r * group) // mb)  # (programs of padding rows alone are not run)
+        kernel = functools.partial(_window_merge_kernel, fp8=fp8, scale=scale, r=r, group=group, mrows=mb,
+                                   parts=parts, rp=rp, max_keys=max_keys, chunk=tiles.chunk,
+                                   fold=tiles.fold if grouped else None, fold_here=fold_here, unroll=unroll,
+                                   max_block=max_block, cdt=cdt,
+                                   early=merge_early(tiles, mrows=mb, bd=bd, entries=entries))
         win_scale = pl.BlockSpec((None, r * hkv), lambda i, j, e: (i, 0))
         out = pallas_call(
             kernel,
-            grid=(s, hkv, d // bd),
+            grid=(s, hkv * parts, d // bd),
             in_specs=[pl.BlockSpec((s,), lambda i, j, e: (0,)),
                       pl.BlockSpec((None, r), lambda i, j, e: (i, 0)),
                       pl.BlockSpec((None, r * hq, d), lambda i, j, e: (i, 0, 0)),
                       pl.BlockSpec((None, r * hkv, d), lambda i, j, e: (i, 0, 0)),
                       pl.BlockSpec((None, r * hkv, None, bd), lambda i, j, e: (i, 0, e, 0)),
-                      pl.BlockSpec((None, None, nc_pad, mrows), lambda i, j, e: (i, j, 0, 0)),
-                      pl.BlockSpec((None, None, n_parts, mrows), lambda i, j, e: (i, j, 0, 0)),
-                      pl.BlockSpec((None, None, n_parts, mrows, bd), lambda i, j, e: (i, j, 0, 0, e))]
+                      pl.BlockSpec((None, None, nc_pad, mb), lambda i, j, e: (i, j // parts, 0, j % parts)),
+                      pl.BlockSpec((None, None, n_parts, mb), lambda i, j, e: (i, j // parts, 0, j % parts)),
+                      pl.BlockSpec((None, None, n_parts, mb, bd), lambda i, j, e: (i, j // parts, 0, j % parts, e))]
                      + ([win_scale, win_scale] if fp8 else []),
-            out_specs=pl.BlockSpec((None, None, mrows, bd), lambda i, j, e: (i, j, 0, e)),
+            out_specs=pl.BlockSpec((None, None, mb, bd), lambda i, j, e: (i, j // parts, j % parts, e)),
             out_shape=jax.ShapeDtypeStruct((s, hkv, mrows, d), q.dtype),
             interpret=interpret,
             compiler_params=plgpu.CompilerParams(num_warps=tiles.merge_num_warps, num_stages=2),
@@ -1299,6 +1318,9 @@ def _check_window(q, k_win, v_win, parents, pool: KVPool, page_table, cache_len,
     if tiles.merge_block_d is not None and (tiles.merge_block_d & (tiles.merge_block_d - 1)
                                             or d % min(tiles.merge_block_d, d)):
         raise ValueError(f"WindowTiles.merge_block_d={tiles.merge_block_d} must be a power of two dividing {d}")
+    mbr = tiles.merge_block_rows
+    if mbr is not None and (mbr < 16 or mbr & (mbr - 1)):
+        raise ValueError(f"WindowTiles.merge_block_rows={mbr} must be a power of two, at least 16")
     return hkv
 
 

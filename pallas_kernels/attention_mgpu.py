@@ -105,12 +105,11 @@ def _div(a: jax.Array, b: int) -> jax.Array:
 
 def feed_slots(fetch, n_blocks: jax.Array, stages: int, frees) -> None:
     """The memory warpgroup's walk over key blocks 0 .. n_blocks - 1 into `stages` slots: fetch(b, reuse) copies
-    block b into slot b mod stages (reuse: after waiting on the slot's free barriers for its last block; the first
-    `stages` blocks come with b a Python int). Then it observes the last blocks' releases on `frees` too: nothing
-    waits for them on the device, but the interpreter checks that a barrier's waiters saw every phase before it is
-    freed."""
+    block b into slot b mod stages (reuse: after waiting on the slot's free barriers for its last block). Then it
+    observes the last blocks' releases on `frees` too: nothing waits for them on the device, but the interpreter
+    checks that a barrier's waiters saw every phase before it is freed."""
     for b in range(stages):
-        pl.when(b < n_blocks)(functools.partial(fetch, b, False))
+        pl.when(b < n_blocks)(functools.partial(fetch, jnp.int32(b), False))
     pl.loop(stages, lax.max(n_blocks, stages))(functools.partial(fetch, reuse=True))
 
     @pl.loop(lax.max(n_blocks, stages), n_blocks + stages)

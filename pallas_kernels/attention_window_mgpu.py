@@ -96,10 +96,6 @@ class WindowMgpuTiles:
     # layout, 64 columns a step, codes loaded two bytes at a time; "wgmma_8bit": the 8-bit MMA operand layout, 128
     # columns a step, four bytes a load (10-19 % faster on the H200, session 21: `DEQUANT`).
     dequant: str = "wgmma"
-    # The memory warpgroup loads the page indices of the chunk's first `stages` blocks before it waits on the
-    # context length (pages of at least a block), and each block's index before it waits for the block's slots.
-    # Same copies, so same bits.
-    early_pages: bool = False
 
 
 def compute_warpgroups(packed_rows: int) -> int:
@@ -137,8 +133,7 @@ def pack_queries(q: jax.Array, hkv: int) -> jax.Array:
 def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: jax.Array, v: jax.Array,
                  *scales: jax.Array, scale: float, chunk: int, n_chunks: int, nc_pad: int, real_rows: int,
                  mrows: int, max_keys: int, stages: int, parts: int, ping_pong: bool, partials: str = "float32",
-                 dequant: str = "wgmma", early_pages: bool = False,
-                 interpret: bool | plgpu.InterpretGPUParams = False
+                 dequant: str = "wgmma", interpret: bool | plgpu.InterpretGPUParams = False
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """qp [S, Hkv, W 64, D] bf16 (`pack_queries`: real_rows = R G of them real); k, v [Hkv, P, page, D] bf16, or
     e4m3 codes with scales = (k_scale, v_scale) [Hkv, P, page] fp32 (one compute warpgroup a CTA: parts = W);
@@ -319,7 +314,8 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
 
         pl.when((n_blocks > 0) & (wg < wgs))(_compute)
 
-        def walk(early):
+        @pl.when((n_blocks > 0) & (wg == wgs))
+        def _memory():
             if wgs == 2:
                 plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
             kv = ((k_gmem, k_smem, ks_gmem, ks_smem, k_ready, k_free),
@@ -328,27 +324,19 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
 
             def fetch(b, reuse: bool):
                 # Block b's keys into its slot through the page table; reuse: first wait until every compute
-                # warpgroup released the slot's last block (K and V apart). early_pages: the block's page indices
-                # are loaded before either wait, once for K and V.
+                # warpgroup released the slot's last block (K and V apart).
                 slot = lax.rem(b, stages)
                 key0 = first + b * bk
-                pages = []
-                for j in range(copies):
-                    pos = key0 + j * span
-                    # A page of the block wholly past the context is replaced by the last live one (its keys are
-                    # masked either way): only pages holding the stream's keys are ever read, as in the Triton
-                    # pass 1, whose blocks never outrun a page.
-                    logical = lax.min(_div(pos, ps), last_page) if copies > 1 else _div(pos, ps)
-                    page = None
-                    if early_pages:
-                        page = early[b] if not reuse and b < len(early) else pt_gmem[s, logical]
-                    pages.append((pos, logical, page))
                 for src, dst, src_scale, dst_scale, ready, free in kv:
                     if reuse:
                         plgpu.barrier_wait(free.at[slot])
-                    for j, (pos, logical, page) in enumerate(pages):
-                        if not early_pages:  # (the index loaded after the wait, for K and V apart)
-                            page = pt_gmem[s, logical]
+                    for j in range(copies):
+                        pos = key0 + j * span
+                        # A page of the block wholly past the context is replaced by the last live one (its keys
+                        # are masked either way): only pages holding the stream's keys are ever read, as in the
+                        # Triton pass 1, whose blocks never outrun a page.
+                        logical = lax.min(_div(pos, ps), last_page) if copies > 1 else _div(pos, ps)
+                        page = pt_gmem[s, logical]
                         within = slice(None) if span == ps else pl.ds(pos - logical * ps, span)
                         part = slice(None) if copies == 1 else pl.ds(j * span, span)
                         plgpu.copy_gmem_to_smem(src.at[g, page, within], dst.at[slot, part], ready.at[slot])
@@ -357,15 +345,6 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                                                     ready.at[slot])
 
             feed_slots(fetch, n_blocks, stages, [free for *_, free in kv])
-
-        @pl.when(wg == wgs)
-        def _memory():
-            # early_pages: the page indices of the chunk's first blocks are loaded before anything waits on the
-            # context length (whole pages a block: they lie inside the chunk, so inside the table), so the first
-            # copies wait on one memory round trip, not on the length's and then each index's in turn.
-            early = ([pt_gmem[s, _div(first + b * bk, ps)] for b in range(min(stages, per_chunk))]
-                     if early_pages and copies == 1 else [])
-            pl.when(n_blocks > 0)(functools.partial(walk, early))
 
     qd = _transforms(d)
     if fp8:  # codes and scales as stored (read into registers, not by the MMA), and the two dequantized tiles
@@ -432,8 +411,6 @@ SPLIT_MAX_CTAS = 64
 # window_mgpu_variants timed it within 1 % of the shipped schedule in 13 of 15 windows (2048-key chunks at 32K:
 # 66.9 against 68.5 µs; 1024 at 16 streams: 688 against 681).
 PING_PONG = False
-# `WindowMgpuTiles.early_pages` for the calls `attention.window` makes (a launch choice: same bits).
-EARLY_PAGES = True
 # `WindowMgpuTiles.dequant` for the calls `attention.window` makes (a launch choice: same bits). The 8-bit layout
 # since session 21: `bench attention --sections window_fp8 --trace` (session 20's code, run at 99e6c09, kernels
 # alone) timed it faster at every point, 1-row decode 48.3 / 51.7 / 174.6 µs at 4K / 32K / 128K against 54.1 / 59.4 /
@@ -498,7 +475,7 @@ def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cach
     static = dict(scale=scale, chunk=chunk, n_chunks=n_chunks, nc_pad=nc_pad, real_rows=real_rows,
                   mrows=_padded_rows(real_rows), max_keys=max_keys,
                   stages=stages_for(tiles, warpgroups // parts), parts=parts, ping_pong=tiles.ping_pong,
-                  partials=partials, dequant=tiles.dequant, early_pages=tiles.early_pages)
+                  partials=partials, dequant=tiles.dequant)
     with jax.named_scope("attn_window_chunks_mgpu"):
         if interpret:
             return _kernel_call(*operands, interpret=interpret, **static)

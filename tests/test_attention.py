@@ -393,6 +393,42 @@ def test_window_merge_loads_bits(monkeypatch):
         run(*case, tiles=dataclasses.replace(FOLD_TILES, merge_loads="eager"))
 
 
+def test_window_merge_rows_bits(monkeypatch):
+    """The merge's rows split over programs (`WindowTiles.merge_block_rows`, a launch choice) keep every row's
+    bits: 9-row windows (18 packed rows of 32) over a 5-chunk table, the fold pass or the merge folding the groups
+    itself, early or loop loads, in programs of 16 rows (the second holding two real rows) or all 32; rows out in
+    fp32 over exact-product partials (`exact_product_partials`: only the order of the sums shows). And the rule:
+    all rows where the early merge holds them, else the most that it holds, down to 16."""
+    rng = np.random.default_rng(36)
+    hkv, group = SMALL["hkv"], SMALL["hq"] // SMALL["hkv"]
+    rows = 9
+
+    def run(*case, tiles):  # (a trace of its own: pass 1 is swapped)
+        return jax.jit(functools.partial(at.window, scale=SMALL["d"] ** -0.5, interpret=True, tiles=tiles))(*case)
+
+    nine = [TREE + [6, 7], list(range(-1, 8))]
+    case = window_case(rng, r=rows, dtype=jnp.bfloat16, **dict(FOLD_WINDOW, parents=nine * 2 + nine[:1]))
+    case = (case[0].astype(jnp.float32),) + case[1:]
+    parts = exact_product_partials(rng, FOLD_WINDOW["cache_lens"], hkv=hkv, rows=rows, group=group,
+                                   chunk=FOLD_TILES.chunk, chunks=8, d=SMALL["d"], acc_dtype=jnp.float32)
+    monkeypatch.setattr(at, "window_partials", lambda *args, **kwargs: parts)
+    for fused in (False, True):
+        for loads in ("early", "loop"):
+            tiles = dataclasses.replace(FOLD_TILES, fold_in_merge=fused, merge_loads=loads)
+            want = run(*case, tiles=dataclasses.replace(tiles, merge_block_rows=32))
+            assert np.isfinite(np.asarray(want)).all()
+            got = run(*case, tiles=dataclasses.replace(tiles, merge_block_rows=16))
+            assert np.array_equal(bits(got), bits(want)), (fused, loads)
+    limit = at.MERGE_EARLY_ELEMENTS
+    assert at.merge_rows(FOLD_TILES, entries=32, mrows=16, bd=16) == 16  # a 1-row decode: as before
+    assert at.merge_rows(FOLD_TILES, entries=32, mrows=128, bd=16) == 16  # a 16-row window, 32 chunks
+    assert at.merge_rows(FOLD_TILES, entries=16, mrows=128, bd=16) == 32  # ... after a fold pass of 16 groups
+    assert at.merge_rows(FOLD_TILES, entries=limit // 256 + 1, mrows=128, bd=16) == 128  # none fits: the loop
+    assert at.merge_rows(dataclasses.replace(FOLD_TILES, merge_block_rows=64), entries=1, mrows=32, bd=16) == 32
+    with pytest.raises(ValueError, match="merge_block_rows"):
+        run(*case, tiles=dataclasses.replace(FOLD_TILES, merge_block_rows=24))
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
 def test_window_tickets_tail(dtype):
     """tail="tickets" (fold and merge in pass 1's tail, by atomic tickets): right against float64, with a stream
@@ -736,6 +772,9 @@ def test_window_gpu_27b(dtype, fp8_dot, r):
     # Launch choices (page walk, stages, the merge's split and unroll) leave the bits alone, compiled.
     launch = dataclasses.replace(tiles, walk="page", num_stages=2, merge_block_d=64, merge_unroll=3)
     assert np.array_equal(bits(run_window(*case, scale=scale, interpret=False, tiles=launch)), bits(got))
+    for rows in (16, 32, 128):  # the merge's rows in programs of their own (a launch choice)
+        split = dataclasses.replace(tiles, merge_block_rows=rows)
+        assert np.array_equal(bits(run_window(*case, scale=scale, interpret=False, tiles=split)), bits(got)), rows
 
 
 @GPU

@@ -382,7 +382,8 @@ def summarize_window_mgpu_variants(env: Env, bw: float | None) -> None:
 
 # The tail's launch choices timed by merge_variants (each a `WindowTiles` override; none changes a row's bits):
 # the merge's and the fold pass's head-dim columns a program, their warps and the partials a merge loop step loads.
-MERGE_VARIANTS = (("rule", {}), ("fold pass", dict(fold_in_merge=False)), ("fused", dict(fold_in_merge=True)),
+MERGE_VARIANTS = (("rule", {}), ("rows whole", dict(merge_block_rows=128)), ("rows 32", dict(merge_block_rows=32)),
+                  ("fold pass", dict(fold_in_merge=False)), ("fused", dict(fold_in_merge=True)),
                   ("warps 8", dict(merge_num_warps=8)),
                   ("warps 8, unroll 2", dict(merge_num_warps=8, merge_unroll=2)),
                   ("unroll 2", dict(merge_unroll=2)), ("unroll 4", dict(merge_unroll=4)),
@@ -441,16 +442,6 @@ def _ratio_table(env: Env, bw: float | None, prefix: str, variants: tuple[str, .
     for variant in variants:
         heads += [f"{variant} 1-row", "% copy", "by kernel", "16-row", "ratio", "by kernel"]
     print(table(heads, body))
-
-
-EARLY_PAGES_VALUES = ("off", "on")  # `attention_window_mgpu.EARLY_PAGES` timed by early_pages
-
-
-def summarize_early_pages(env: Env, bw: float | None) -> None:
-    _ratio_table(env, bw, "wep ", EARLY_PAGES_VALUES,
-                 "early_pages: bf16 pool, Mosaic GPU pass 1, µs {how} with the chunk's first page indices loaded "
-                 f"before the context length is waited on, or not; copy {bw or math.nan:.2f} TB/s; by kernel: "
-                 "pass 1 / fold / merge")
 
 
 def summarize_window_partials(env: Env, bw: float | None) -> None:
@@ -790,7 +781,6 @@ def main(argv: list[str]) -> int:
                          "window_mgpu_variants (its chunks, row split and ping-pong), "
                          "merge_variants (the tail's launch choices for 16-row windows), "
                          "window_partials (fp32 against bf16 O partials, 1- and 16-row windows), "
-                         "early_pages (pass 1's first page indices loaded early, off and on), "
                          "window_fp8 (fp8 pools: the Triton pass 1 against the Mosaic GPU one), "
                          "tune (sweep tiles/page sizes first, then use the winners), decode, prompt, window, window16, write, "
                          "xla (plain-XLA reference rows)")
@@ -808,7 +798,7 @@ def main(argv: list[str]) -> int:
     sections = args.sections.split(",")
     if args.smoke:
         # (head dim 64 where the Mosaic GPU kernels run: their least)
-        mgpu_sections = ("prompt_mgpu", "window_mgpu", "window_partials", "early_pages", "window_fp8")
+        mgpu_sections = ("prompt_mgpu", "window_mgpu", "window_partials", "window_fp8")
         HQ, HKV, D = 4, 2, 64 if any(s.startswith(mgpu_sections) for s in sections) else 32
         SCALE = D ** -0.5
     env = Env(interpret=args.smoke, page_size=8 if args.smoke else args.page_size, reps=2 if args.smoke else 8,
@@ -955,21 +945,6 @@ def main(argv: list[str]) -> int:
         # 1 stream at 128K and 16 at 4K first: the windows that missed 1.3x with fp32 partials (session 17).
         mgpu_order_sweep("wpd", "partials", PARTIALS_DTYPES, ((1, contexts[-1]), (many, contexts[0]),
                                                                (1, contexts[0]), (1, contexts[1]), (many, contexts[1])))
-    if "early_pages" in sections:
-        # The memory warpgroup's page indices loaded early (`attention_window_mgpu.EARLY_PAGES`, a launch choice),
-        # off and on in turn at each point, the 1-stream 32K decode first.
-        print("== early_pages: the pass 1's first page indices loaded early, 1- and 16-row bf16 windows", flush=True)
-        for streams, ctx in dict.fromkeys(((1, contexts[1]), (1, contexts[0]), (1, contexts[-1]), (many, contexts[1]))):
-            for value in EARLY_PAGES_VALUES:
-                awm.EARLY_PAGES = value == "on"  # read when the chain is traced
-                try:
-                    for rows in (1, 16):
-                        base = decode_for(False) if rows == 1 else window_for(False)
-                        bench_window(env, streams=streams, rows=rows, context=ctx, fp8=False,
-                                     tiles=dataclasses.replace(base, impl="mgpu", partials="bfloat16"),
-                                     impls=("kernel",), tag=f"wep {value}")
-                finally:
-                    awm.EARLY_PAGES = True
     if "window_fp8" in sections:
         # fp8 pools: the shipped Triton pass 1 (f16 dots), with bf16 dots, and the Mosaic GPU one (codes
         # dequantized to bf16 in shared memory, one compute warpgroup a CTA; its own bits), 1- and 16-row windows,
@@ -1023,15 +998,18 @@ def main(argv: list[str]) -> int:
                                  tiles=dataclasses.replace(decode_for(fp8), **change), impls=("kernel",),
                                  tag=f"sweep {label}")
     if "merge_variants" in sections:
-        # The tail's launch choices (MERGE_VARIANTS: same bits) for 16-row bf16 windows on the shipped pass 1, at
-        # the windows nearest the 1.3x target (1 stream at 32K: the merge folds the groups itself); the 1-row
-        # window beside each.
+        # The tail's launch choices (MERGE_VARIANTS: same bits) for 16-row bf16 windows on the shipped pass 1, the
+        # windows nearest the 1.3x target first (1 stream at 32K: the merge folds the groups itself); the 1-row
+        # windows first, then each variant at every window.
         print("== merge_variants: the tail's launch choices, 16-row bf16 windows", flush=True)
         many = 16 if gpu else 2
-        for streams, ctx in dict.fromkeys(((1, contexts[1]), (1, contexts[-1]), (many, contexts[0]))):
+        windows = dict.fromkeys(((1, contexts[1]), (1, contexts[-1]), (many, contexts[0]), (many, contexts[1]),
+                                 (1, contexts[0])))
+        for streams, ctx in windows:
             bench_window(env, streams=streams, rows=1, context=ctx, fp8=False, tiles=decode_for(False),
                          impls=("kernel",), tag="merge 1-row")
-            for label, change in MERGE_VARIANTS[:2] if args.smoke else MERGE_VARIANTS:
+        for label, change in MERGE_VARIANTS[:2] if args.smoke else MERGE_VARIANTS:  # each at every window in turn
+            for streams, ctx in windows:
                 bench_window(env, streams=streams, rows=16, context=ctx, fp8=False,
                              tiles=dataclasses.replace(window_for(False), **change), impls=("kernel",),
                              tag=f"merge {label}")
@@ -1053,7 +1031,6 @@ def main(argv: list[str]) -> int:
     summarize_window_mgpu(env, bw)
     summarize_window_mgpu_variants(env, bw)
     summarize_window_partials(env, bw)
-    summarize_early_pages(env, bw)
     summarize_window_fp8(env, bw)
     summarize_merge_variants(env)
     summarize_decode_sweep(env, bw)

@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh ninety-ninth|ninety-eighth|ninety-seventh|ninety-sixth|ninety-fifth|ninety-fourth|ninety-third|ninety-second|ninety-first|ninetieth|eighty-ninth|eighty-eighth|eighty-seventh|eighty-sixth|eighty-fifth|eighty-fourth|eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh hundredth|ninety-ninth|ninety-eighth|ninety-seventh|ninety-sixth|ninety-fifth|ninety-fourth|ninety-third|ninety-second|ninety-first|ninetieth|eighty-ninth|eighty-eighth|eighty-seventh|eighty-sixth|eighty-fifth|eighty-fourth|eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -78,11 +78,22 @@ case "$stage" in
       timeout 150 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths 4096,32768 --rounds 32 \
         --kv-cache $kv --no-compile-timing --compile-cache "" 2>&1 | tee "$out/bench_27b_$kv.log" | tail -14
     done ;;
+  hundredth)
+    # Session 25 (~10 min): the merge's rows in programs of their own (attention.merge_rows, a launch choice: the
+    # early merge for 16-row windows): the window gpu tests (merge_block_rows 16 / 32 / 128 against the rule among
+    # them), the 16-row tail's launch choices at five windows, then the issue's decode and window tables.
+    gpu_pytest 240 window 24 tests/test_attention.py tests/test_attention_window_mgpu.py -k "window or gpu_27b"
+    timeout 190 python3 -m pallas_kernels.bench attention --sections merge_variants --budget-s 170 --trace /tmp/vtrace \
+      --json "$out/attention_merge_variants.json" 2>&1 | tee "$out/attention_merge_variants.log" \
+      | grep -E "^copy|FAILED" ; grep -A16 "^### merge_variants" "$out/attention_merge_variants.log"
+    timeout 170 python3 -m pallas_kernels.bench attention --sections decode,window --budget-s 150 --trace /tmp/dtrace \
+      --json "$out/attention_decode_window.json" 2>&1 | tee "$out/attention_decode_window.log" \
+      | grep -E "^copy|FAILED" ; sed -n '/^###/,$p' "$out/attention_decode_window.log" | head -60 ;;
   ninety-ninth)
-    # Session 25 (~8 min): pass 1's first page indices loaded before the context length is waited on
-    # (attention_window_mgpu.EARLY_PAGES, a launch choice, on): the window gpu tests (its bits against off among
-    # them), then off against on at the decode points, kernels alone; then the 16-row windows' tail launch choices
-    # (the fold pass against the fused merge at 1 stream and 32K first).
+    # Session 25 at 422d874 (~6 min): pass 1's first page indices loaded before the context length is waited on
+    # (attention_window_mgpu.EARLY_PAGES, a launch choice; no gain, removed after this run, so the stage runs only at
+    # 422d874): the window gpu tests, then off against on at the decode points, kernels alone; then the 16-row
+    # windows' tail launch choices (the fold pass against the fused merge at 1 stream and 32K first).
     gpu_pytest 200 window_mgpu 14 tests/test_attention_window_mgpu.py
     timeout 170 python3 -m pallas_kernels.bench attention --sections early_pages --budget-s 150 --trace /tmp/etrace \
       --json "$out/attention_early_pages.json" 2>&1 | tee "$out/attention_early_pages.log" | grep -E "^copy|FAILED" ; \
