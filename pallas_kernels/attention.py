@@ -917,16 +917,24 @@ def fold_in_merge(tiles: WindowTiles, *, streams: int, hkv: int, chunks: int) ->
 MERGE_EARLY_ELEMENTS = 10240
 
 
-def merge_rows(tiles: WindowTiles, *, entries: int, mrows: int, bd: int) -> int:
-    """Packed rows per merge program (`WindowTiles.merge_block_rows`; a launch choice, the same bits): None takes
-    all `mrows` where the early merge holds them, else the most rows, down to 16, whose partials it does hold
-    (MERGE_EARLY_ELEMENTS), else all of them (the loop merge). From static shapes only."""
+# The (stream, KV head, head-dim column block) merge programs of a call at or under which `merge_rows` splits a
+# window's rows into programs of MERGE_SPLIT_ROWS: on the H200 (session 25, `bench attention --sections
+# merge_variants --trace`, 16-row bf16 windows, the merge alone) 32-row programs took 9.6 µs against 15.6 for whole
+# ones at 1 stream and 32K keys (64 programs), 6.5 against 11.5 at 128K, 5.9 against 6.5 at 4K; at 16 streams (128
+# programs) they took 19.5 against 13.2 at 4K and 16.8 against 15.7 at 32K, and 16-row programs lost to 32-row ones
+# at 1 stream (14.0 µs at 32K).
+MERGE_SPLIT_MAX_PROGRAMS = 64
+MERGE_SPLIT_ROWS = 32
+
+
+def merge_rows(tiles: WindowTiles, *, mrows: int, programs: int) -> int:
+    """Packed rows per merge program (`WindowTiles.merge_block_rows`; a launch choice, the same bits): None splits
+    the rows into programs of MERGE_SPLIT_ROWS where the call has at most MERGE_SPLIT_MAX_PROGRAMS merge programs
+    otherwise (`programs`: streams x KV heads x head-dim column blocks), else takes them all. From static shapes
+    only."""
     if tiles.merge_block_rows is not None:
         return min(tiles.merge_block_rows, mrows)
-    rows = mrows
-    while rows > 16 and entries * rows * bd > MERGE_EARLY_ELEMENTS:
-        rows //= 2
-    return rows if entries * rows * bd <= MERGE_EARLY_ELEMENTS else mrows
+    return min(MERGE_SPLIT_ROWS, mrows) if programs <= MERGE_SPLIT_MAX_PROGRAMS else mrows
 
 
 def merge_early(tiles: WindowTiles, *, entries: int, mrows: int, bd: int) -> bool:
@@ -1144,7 +1152,7 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
         kw, vw, scales = _window_rows_as_stored(k_win, v_win, pool, interpret)
         entries = merge_entries(max_keys=max_keys, chunk=tiles.chunk, fold=tiles.fold if grouped else None,
                                 fold_here=fold_here)
-        mb = merge_rows(tiles, entries=entries, mrows=mrows, bd=bd)
+        mb = merge_rows(tiles, mrows=mrows, programs=s * hkv * (d // bd))
         parts = -(-(r * group) // mb)  # (programs of padding rows alone are not run)
         kernel = functools.partial(_window_merge_kernel, fp8=fp8, scale=scale, r=r, group=group, mrows=mb,
                                    parts=parts, rp=rp, max_keys=max_keys, chunk=tiles.chunk,

@@ -398,7 +398,7 @@ def test_window_merge_rows_bits(monkeypatch):
     bits: 9-row windows (18 packed rows of 32) over a 5-chunk table, the fold pass or the merge folding the groups
     itself, early or loop loads, in programs of 16 rows (the second holding two real rows) or all 32; rows out in
     fp32 over exact-product partials (`exact_product_partials`: only the order of the sums shows). And the rule:
-    all rows where the early merge holds them, else the most that it holds, down to 16."""
+    rows split where the call has few merge programs."""
     rng = np.random.default_rng(36)
     hkv, group = SMALL["hkv"], SMALL["hq"] // SMALL["hkv"]
     rows = 9
@@ -419,12 +419,11 @@ def test_window_merge_rows_bits(monkeypatch):
             assert np.isfinite(np.asarray(want)).all()
             got = run(*case, tiles=dataclasses.replace(tiles, merge_block_rows=16))
             assert np.array_equal(bits(got), bits(want)), (fused, loads)
-    limit = at.MERGE_EARLY_ELEMENTS
-    assert at.merge_rows(FOLD_TILES, entries=32, mrows=16, bd=16) == 16  # a 1-row decode: as before
-    assert at.merge_rows(FOLD_TILES, entries=32, mrows=128, bd=16) == 16  # a 16-row window, 32 chunks
-    assert at.merge_rows(FOLD_TILES, entries=16, mrows=128, bd=16) == 32  # ... after a fold pass of 16 groups
-    assert at.merge_rows(FOLD_TILES, entries=limit // 256 + 1, mrows=128, bd=16) == 128  # none fits: the loop
-    assert at.merge_rows(dataclasses.replace(FOLD_TILES, merge_block_rows=64), entries=1, mrows=32, bd=16) == 32
+    few = at.MERGE_SPLIT_MAX_PROGRAMS
+    assert at.merge_rows(FOLD_TILES, mrows=16, programs=few) == 16  # a 1-row decode: as before
+    assert at.merge_rows(FOLD_TILES, mrows=128, programs=few) == at.MERGE_SPLIT_ROWS  # a 16-row window, 1 stream
+    assert at.merge_rows(FOLD_TILES, mrows=128, programs=few + 1) == 128  # ... where the call has more programs
+    assert at.merge_rows(dataclasses.replace(FOLD_TILES, merge_block_rows=64), mrows=32, programs=1) == 32
     with pytest.raises(ValueError, match="merge_block_rows"):
         run(*case, tiles=dataclasses.replace(FOLD_TILES, merge_block_rows=24))
 
