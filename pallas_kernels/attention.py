@@ -974,7 +974,7 @@ def _pass_one(q: jax.Array, pool: KVPool, page_table: jax.Array, tiles: WindowTi
     max_keys = page_table.shape[1] * ps
     n_chunks = -(-max_keys // tiles.chunk)
     rb = min(tiles.row_block or mrows, mrows)
-    parts = mrows // rb
+    parts = -(-(r * (hq // pool.k.shape[0])) // rb)  # programs of padding rows alone are not run
     warps, stages = window_launch(tiles, mrows=rb, head_dim=d, kv_dtype=pool.k.dtype, cdt=cdt)
     per_head = pl.BlockSpec((None, pool.num_pages, ps, d), lambda i, j, c: (j // parts, 0, 0, 0))
     per_head_scale = pl.BlockSpec((None, pool.num_pages, ps), lambda i, j, c: (j // parts, 0, 0))

@@ -459,7 +459,8 @@ def test_window_tickets_tail(dtype):
 
 def test_window_row_block_splits_packed_rows():
     """row_block: a 16-row window (32 packed rows here) in chunk programs of 16 rows: right against float64, and a
-    stream's rows the same bits alone as among the others."""
+    stream's rows the same bits alone as among the others; programs that would hold padding rows alone are not
+    run."""
     rng = np.random.default_rng(14)
     tree16 = TREE + list(range(6, 15))
     case = window_case(rng, r=16, dtype=jnp.bfloat16, **dict(SMALL_WINDOW, parents=[tree16, list(range(-1, 15))] * 2
@@ -474,6 +475,18 @@ def test_window_row_block_splits_packed_rows():
     assert np.array_equal(bits(alone[0]), bits(batch[2]))
     with pytest.raises(ValueError, match="row_block"):
         run_window(*case, scale=scale, interpret=True, tiles=dataclasses.replace(SMALL_TILES, row_block=24))
+    # 6 query heads a KV head: 96 packed rows of 128 in three 32-row programs (a fourth would hold padding alone),
+    # right, and a stream alone keeps its bits.
+    six = window_case(rng, r=16, dtype=kq.FP8, **dict(SMALL_WINDOW, hq=12, s=2, cache_lens=[43, 72],
+                                                      parents=[tree16, list(range(-1, 15))]))
+    tiles = dataclasses.replace(SMALL_TILES, row_block=32)
+    assert at._pass_one(six[0], six[4], six[5], tiles).parts == 3
+    batch = run_window(*six, scale=scale, interpret=True, tiles=tiles)
+    assert rel_err(batch, np_window(*six, scale)) < 1e-2
+    q, kw, vw, par, pool, table, cache_len = six
+    alone = run_window(q[1:], kw[1:], vw[1:], par[1:], pool, table[1:], cache_len[1:], scale=scale,
+                       interpret=True, tiles=tiles)
+    assert np.array_equal(bits(alone[0]), bits(batch[1]))
 
 
 def test_window_rejects_bad_inputs():
