@@ -1062,7 +1062,8 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
                                         n_chunks=one.n_chunks, nc_pad=nc_pad, max_keys=one.max_keys,
                                         tiles=awm.WindowMgpuTiles(stages=tiles.num_stages,
                                                                   split_rows=_split_rows(tiles, one, s, hkv),
-                                                                  ping_pong=awm.PING_PONG, dequant=awm.DEQUANT),
+                                                                  ping_pong=awm.PING_PONG, dequant=awm.DEQUANT,
+                                                                  fp8_split=awm.FP8_SPLIT),
                                         partials=tiles.partials, interpret=interpret)
 
     with jax.named_scope("attn_window_chunks"):

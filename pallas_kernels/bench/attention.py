@@ -452,7 +452,8 @@ def summarize_window_partials(env: Env, bw: float | None) -> None:
 
 # window_fp8's pass 1 variants: the shipped Triton one (f16 dots), the Triton one with bf16 dots
 # (`WindowTiles.fp8_dot`, order) and the Mosaic GPU one (`attention_window_mgpu.DEQUANT`'s layout).
-FP8_VARIANTS = ("triton", "triton bf16", "mgpu")
+# "mgpu shared": the Mosaic GPU pass 1 with two warpgroups sharing each block's dequantization (`FP8_SPLIT`)
+FP8_VARIANTS = ("triton", "triton bf16", "mgpu", "mgpu shared")
 
 
 def summarize_window_fp8(env: Env, bw: float | None) -> None:
@@ -947,8 +948,8 @@ def main(argv: list[str]) -> int:
                                                                (1, contexts[0]), (1, contexts[1]), (many, contexts[1])))
     if "window_fp8" in sections:
         # fp8 pools: the shipped Triton pass 1 (f16 dots), with bf16 dots, and the Mosaic GPU one (codes
-        # dequantized to bf16 in shared memory, one compute warpgroup a CTA; its own bits), 1- and 16-row windows,
-        # 1 stream at every context and 16 streams at the first two.
+        # dequantized to bf16 in shared memory, one compute warpgroup a CTA, or two sharing it; its own bits), 1- and
+        # 16-row windows, 1 stream at every context and 16 streams at the first two.
         print("== window_fp8: fp8 pools, Triton against Mosaic GPU pass 1, 1- and 16-row windows", flush=True)
         many = 16 if gpu else 2
         for streams, ctxs in ((1, contexts), (many, contexts[:2])):
@@ -958,10 +959,14 @@ def main(argv: list[str]) -> int:
                         base = decode_for(True) if rows == 1 else window_for(True)
                         if variant == "triton bf16":
                             base = dataclasses.replace(base, fp8_dot="bfloat16")
-                        elif variant == "mgpu":
+                        elif variant.startswith("mgpu"):
                             base = dataclasses.replace(base, impl="mgpu", chunk=awm.CHUNK, partials=awm.PARTIALS)
-                        bench_window(env, streams=streams, rows=rows, context=ctx, fp8=True, tiles=base,
-                                     impls=("kernel",), tag=f"wf8 {variant}")
+                        awm.FP8_SPLIT = variant == "mgpu shared"  # read when the chain is traced
+                        try:
+                            bench_window(env, streams=streams, rows=rows, context=ctx, fp8=True, tiles=base,
+                                         impls=("kernel",), tag=f"wf8 {variant}")
+                        finally:
+                            awm.FP8_SPLIT = False
     if "fp8_tiles_sweep" in sections:
         # The fp8 pool's 1-row decode at 32K under FP8_DECODE_SWEEP's candidate tiles (session 22, 689943d).
         print("== fp8_tiles_sweep: 1-row fp8 decode, shipped tiles and candidates", flush=True)

@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh hundred-second|hundred-first|hundredth|ninety-ninth|ninety-eighth|ninety-seventh|ninety-sixth|ninety-fifth|ninety-fourth|ninety-third|ninety-second|ninety-first|ninetieth|eighty-ninth|eighty-eighth|eighty-seventh|eighty-sixth|eighty-fifth|eighty-fourth|eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh hundred-third|hundred-second|hundred-first|hundredth|ninety-ninth|ninety-eighth|ninety-seventh|ninety-sixth|ninety-fifth|ninety-fourth|ninety-third|ninety-second|ninety-first|ninetieth|eighty-ninth|eighty-eighth|eighty-seventh|eighty-sixth|eighty-fifth|eighty-fourth|eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -80,9 +80,11 @@ case "$stage" in
     done ;;
   hundred-second)
     # Prepared in session 25, not run (~9 min): what that session could not time. The window gpu tests (fresh_jit's
-    # ping-pong and 8-bit dequant checks, test_gpu_27b_fp8_pool's step bits with f16 dots, the merge row splits,
-    # the strict xfail of fp8 bf16 dots), the 16-row tail at the shipped row-split rule, then the tables
-    # (fp8 16-row windows in three Triton programs).
+    # ping-pong and 8-bit dequant checks, test_gpu_27b_fp8_pool's step bits with f16 dots and FP8_SPLIT's bits, the
+    # merge row splits, the strict xfail of fp8 bf16 dots), the 16-row tail at the shipped row-split rule, the
+    # issue's tables (fp8 16-row windows in three Triton programs). Then hundred-third: if FP8_SPLIT's 16-row
+    # windows come within 1.3x of a 1-row decode near Triton's, it is the way to ship fp8 pools on Mosaic GPU (a
+    # change of the fp8 bits: the engine's gates).
     gpu_pytest 240 window 26 tests/test_attention.py tests/test_attention_window_mgpu.py -k "window or gpu_27b"
     timeout 130 python3 -m pallas_kernels.bench attention --sections merge_variants --budget-s 110 --trace /tmp/vtrace \
       --json "$out/attention_merge_variants.json" 2>&1 | tee "$out/attention_merge_variants.log" \
@@ -90,6 +92,11 @@ case "$stage" in
     timeout 170 python3 -m pallas_kernels.bench attention --sections decode,window --budget-s 150 --trace /tmp/dtrace \
       --json "$out/attention_decode_window.json" 2>&1 | tee "$out/attention_decode_window.log" \
       | grep -E "^copy|FAILED" ; sed -n '/^###/,$p' "$out/attention_decode_window.log" | head -60 ;;
+  hundred-third)
+    # Prepared in session 25, not run (~4 min): window_fp8 with "mgpu shared" (attention_window_mgpu.FP8_SPLIT).
+    timeout 220 python3 -m pallas_kernels.bench attention --sections window_fp8 --budget-s 200 --trace /tmp/ftrace \
+      --json "$out/attention_window_fp8.json" 2>&1 | tee "$out/attention_window_fp8.log" | grep -E "^copy|FAILED" ; \
+      grep -A10 "^### window_fp8" "$out/attention_window_fp8.log" ;;
   hundred-first)
     # Session 25, last ~7 min: which merge launch choices keep a 16-row window's bits compiled (hundredth found the
     # fp8 bf16-dot window's bits changed by the rows split), then the window gpu tests at the new merge_rows rule.
