@@ -201,6 +201,17 @@ def bench_window(env: Env, *, streams: int, rows: int, context: int, fp8: bool, 
     return out
 
 
+def bench_window_with(flag: str, value, env: Env, **kw):
+    """`bench_window` with `attention_window_mgpu.<flag>` (a module flag read when the chain is traced) set to
+    `value` for the call, then restored."""
+    old = getattr(awm, flag)
+    setattr(awm, flag, value)
+    try:
+        return bench_window(env, **kw)
+    finally:
+        setattr(awm, flag, old)
+
+
 @guarded
 def bench_cudnn_decode(env: Env, *, streams: int, rows: int, context: int):
     """cuDNN over contiguous bf16 K/V of the same context (no paging, no tree mask: a lower bound on its work)."""
@@ -919,12 +930,8 @@ def main(argv: list[str]) -> int:
                                                        else WINDOW_MGPU_CHUNKS):
             for rows, variant in ((1, ""), *((16, v) for v in WINDOW_MGPU_VARIANTS)):
                 tiles = dataclasses.replace(base, chunk=chunk, row_block=64 if variant == " split" else None)
-                awm.PING_PONG = variant == " ping-pong"  # read when the chain is traced
-                try:
-                    bench_window(env, streams=streams, rows=rows, context=ctx, fp8=False, tiles=tiles,
-                                 impls=("kernel",), tag=f"wmv {chunk}{variant}")
-                finally:
-                    awm.PING_PONG = False
+                bench_window_with("PING_PONG", variant == " ping-pong", env, streams=streams, rows=rows, context=ctx,
+                                  fp8=False, tiles=tiles, impls=("kernel",), tag=f"wmv {chunk}{variant}")
     many = 16 if gpu else 2
 
     def mgpu_order_sweep(tag: str, field: str, values, cases) -> None:
@@ -961,12 +968,8 @@ def main(argv: list[str]) -> int:
                             base = dataclasses.replace(base, fp8_dot="bfloat16")
                         elif variant.startswith("mgpu"):
                             base = dataclasses.replace(base, impl="mgpu", chunk=awm.CHUNK, partials=awm.PARTIALS)
-                        awm.FP8_SPLIT = variant == "mgpu shared"  # read when the chain is traced
-                        try:
-                            bench_window(env, streams=streams, rows=rows, context=ctx, fp8=True, tiles=base,
-                                         impls=("kernel",), tag=f"wf8 {variant}")
-                        finally:
-                            awm.FP8_SPLIT = False
+                        bench_window_with("FP8_SPLIT", variant == "mgpu shared", env, streams=streams, rows=rows,
+                                          context=ctx, fp8=True, tiles=base, impls=("kernel",), tag=f"wf8 {variant}")
     if "fp8_tiles_sweep" in sections:
         # The fp8 pool's 1-row decode at 32K under FP8_DECODE_SWEEP's candidate tiles (session 22, 689943d).
         print("== fp8_tiles_sweep: 1-row fp8 decode, shipped tiles and candidates", flush=True)
