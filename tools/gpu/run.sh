@@ -45,6 +45,14 @@ sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=short \
   grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_fp8_$3.log" | cut -c1-300 | tail -4
 }
 
+# bench attention --trace over the sections $2 (comma-separated) within $1 s: the rows in $out/attention_$3.json and
+# .log; prints the copy lines, failures and the summary tables.
+attn_sections() {
+  timeout "$1" python3 -m pallas_kernels.bench attention --sections "$2" --budget-s $(($1 - 20)) --trace "/tmp/trace_$3" \
+    --json "$out/attention_$3.json" 2>&1 | tee "$out/attention_$3.log" | grep -E "^copy|FAILED"
+  sed -n '/^###/,$p' "$out/attention_$3.log" | head -60
+}
+
 # The 16-row window's tile variants (row_block 64 / 32 beside the shipped tiles and the other walk).
 attention_window16() {
   timeout 200 python3 -m pallas_kernels.bench attention --sections window16 --budget-s 180 \
@@ -86,17 +94,11 @@ case "$stage" in
     # windows come within 1.3x of a 1-row decode near Triton's, it is the way to ship fp8 pools on Mosaic GPU (a
     # change of the fp8 bits: the engine's gates).
     gpu_pytest 240 window 26 tests/test_attention.py tests/test_attention_window_mgpu.py -k "window or gpu_27b"
-    timeout 130 python3 -m pallas_kernels.bench attention --sections merge_variants --budget-s 110 --trace /tmp/vtrace \
-      --json "$out/attention_merge_variants.json" 2>&1 | tee "$out/attention_merge_variants.log" \
-      | grep -E "^copy|FAILED" ; grep -A8 "^### merge_variants" "$out/attention_merge_variants.log"
-    timeout 170 python3 -m pallas_kernels.bench attention --sections decode,window --budget-s 150 --trace /tmp/dtrace \
-      --json "$out/attention_decode_window.json" 2>&1 | tee "$out/attention_decode_window.log" \
-      | grep -E "^copy|FAILED" ; sed -n '/^###/,$p' "$out/attention_decode_window.log" | head -60 ;;
+    attn_sections 130 merge_variants merge_variants
+    attn_sections 170 decode,window decode_window ;;
   hundred-third)
     # Prepared in session 25, not run (~4 min): window_fp8 with "mgpu shared" (attention_window_mgpu.FP8_SPLIT).
-    timeout 220 python3 -m pallas_kernels.bench attention --sections window_fp8 --budget-s 200 --trace /tmp/ftrace \
-      --json "$out/attention_window_fp8.json" 2>&1 | tee "$out/attention_window_fp8.log" | grep -E "^copy|FAILED" ; \
-      grep -A10 "^### window_fp8" "$out/attention_window_fp8.log" ;;
+    attn_sections 220 window_fp8 window_fp8 ;;
   hundred-first)
     # Session 25, last ~7 min: which merge launch choices keep a 16-row window's bits compiled (hundredth found the
     # fp8 bf16-dot window's bits changed by the rows split), then the window gpu tests at the new merge_rows rule.
