@@ -152,8 +152,8 @@ class WindowTiles:
     row_block: int | None = None
     merge_block_d: int | None = None  # head-dim columns per merge program (None: enough programs to fill the GPU)
     # Packed rows per merge program (None: `merge_rows`' rule; else a power of two, at least 16): a window's rows
-    # split over programs of their own, each merging its rows alone, so that a program's partials fit the early
-    # merge (`merge_early`). A row's operations do not change with the rows beside it.
+    # split over programs of their own, each merging its rows alone, so that a call with few (stream, KV head,
+    # column block) programs spreads its merge over more. A row's operations do not change with the rows beside it.
     merge_block_rows: int | None = None
     merge_unroll: int | None = None  # chunk partials loaded per merge loop step (None: fit registers)
     merge_num_warps: int = 4
@@ -295,6 +295,11 @@ def _pow2(n: int) -> int:
 def _padded_rows(n: int) -> int:
     """Rows an MMA tile holds for n rows (packed query rows, window keys): a power of two, at least 16."""
     return max(16, _pow2(n))
+
+
+def _row_parts(real_rows: int, rows: int) -> int:
+    """Programs of `rows` packed rows that hold `real_rows` real ones: none of padding rows alone is run."""
+    return -(-real_rows // rows)
 
 
 def _pow2_floor(n: int) -> int:
@@ -974,7 +979,7 @@ def _pass_one(q: jax.Array, pool: KVPool, page_table: jax.Array, tiles: WindowTi
     max_keys = page_table.shape[1] * ps
     n_chunks = -(-max_keys // tiles.chunk)
     rb = min(tiles.row_block or mrows, mrows)
-    parts = -(-(r * (hq // pool.k.shape[0])) // rb)  # programs of padding rows alone are not run
+    parts = _row_parts(r * (hq // pool.k.shape[0]), rb)
     warps, stages = window_launch(tiles, mrows=rb, head_dim=d, kv_dtype=pool.k.dtype, cdt=cdt)
     per_head = pl.BlockSpec((None, pool.num_pages, ps, d), lambda i, j, c: (j // parts, 0, 0, 0))
     per_head_scale = pl.BlockSpec((None, pool.num_pages, ps), lambda i, j, c: (j // parts, 0, 0))
@@ -1157,7 +1162,7 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
         entries = merge_entries(max_keys=max_keys, chunk=tiles.chunk, fold=tiles.fold if grouped else None,
                                 fold_here=fold_here)
         mb = merge_rows(tiles, mrows=mrows, programs=s * hkv * (d // bd))
-        parts = -(-(r * group) // mb)  # (programs of padding rows alone are not run)
+        parts = _row_parts(r * group, mb)
         kernel = functools.partial(_window_merge_kernel, fp8=fp8, scale=scale, r=r, group=group, mrows=mb,
                                    parts=parts, rp=rp, max_keys=max_keys, chunk=tiles.chunk,
                                    fold=tiles.fold if grouped else None, fold_here=fold_here, unroll=unroll,

@@ -154,7 +154,7 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
     fp8 = bool(scales)
     s_count, hkv, qrows, d = qp.shape
     assert parts in (1, qrows // WG_ROWS), (parts, qrows)
-    fp8_split = fp8_split and fp8
+    assert fp8 or not fp8_split
     assert not scales or (len(scales) == 2 and (parts == qrows // WG_ROWS if not fp8_split
                                                 else parts == 1 and qrows == 2 * WG_ROWS)), (len(scales), parts, qrows)
     wgs = qrows // WG_ROWS // parts  # compute warpgroups a CTA
@@ -505,9 +505,10 @@ def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cach
     warpgroups = qp.shape[2] // WG_ROWS
     real_rows = r * (hq // hkv)
     fp8_split = pool.fp8 and tiles.fp8_split
-    if fp8_split and qp.shape[3] % 128:
-        raise ValueError(f"WindowMgpuTiles.fp8_split needs a head dim that is a multiple of 128; got {qp.shape[3]}")
     if fp8_split:  # two warpgroups a CTA, the second on padding queries where the rows fit one
+        if qp.shape[3] % 128:
+            raise ValueError(f"WindowMgpuTiles.fp8_split needs a head dim that is a multiple of 128; got "
+                             f"{qp.shape[3]}")
         qp = jnp.pad(qp, ((0, 0), (0, 0), (0, (2 - warpgroups) * WG_ROWS), (0, 0)))
         operands = operands[:2] + (qp,) + operands[3:]
         warpgroups = 2
