@@ -97,7 +97,10 @@ case "$stage" in
     attn_sections 130 merge_variants merge_variants
     attn_sections 170 decode,window decode_window ;;
   hundred-third)
-    # Prepared in session 25, not run (~4 min): window_fp8 with "mgpu shared" (attention_window_mgpu.FP8_SPLIT).
+    # Prepared in session 25, run in session 26 (~8 min): the Mosaic GPU window tests (hundred-second's pytest ran
+    # out of time before them: fresh_jit's ping-pong and 8-bit dequant checks, test_gpu_27b_fp8_pool's step bits
+    # with f16 dots and FP8_SPLIT's bits), then window_fp8 with "mgpu shared" (attention_window_mgpu.FP8_SPLIT).
+    gpu_pytest 200 window_mgpu 10 tests/test_attention_window_mgpu.py
     attn_sections 220 window_fp8 window_fp8 ;;
   hundred-first)
     # Session 25, last ~7 min: which merge launch choices keep a 16-row window's bits compiled (hundredth found the
