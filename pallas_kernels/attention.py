@@ -739,7 +739,8 @@ def _merge_early(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref
             carry = add(carry, entries[c], c < n_live)
     l, acc = _row(carry[0]), carry[1]
     m_committed, m_base = _row(m_column), _row(base_column)
-    return _add_window_keys(l, acc, m_committed, m_base, q, operands, scale=scale, cdt=cdt, logits_w=logits_w)
+    return _add_window_keys(l, acc, m_committed, m_base, q, operands, r=r, scale=scale, cdt=cdt,
+                            logits_w=logits_w)
 
 
 def _window_operands(g, parents_ref, kw_ref, vw_ref, ksw_ref, vsw_ref, *, real, r: int, group: int, rp: int,
@@ -771,8 +772,24 @@ def _window_logits(q, operands, *, scale: float, cdt):
     return jnp.where(visible, logits_w, -jnp.inf)
 
 
-def _add_window_keys(l, acc, m_committed, m_base, q, operands, *, scale: float, cdt, logits_w=None):
-    """The committed keys' folded (l [M], acc [M, BD]) relative to m_base, with the window's own keys
+def _window_key_sum(p: jax.Array, r: int) -> jax.Array:
+    """sum_j p[:, j] over the window's r keys (p [M, RP] >= 0, zero where a row does not see the key), added one
+    key at a time in key order -> [M]. Each key's column is taken out by a masked sum (the key's value and zeros:
+    exact in any order). A plain sum over the columns adds in the order of the register layout, which Triton picks
+    from the merge program's rows and head-dim columns (an MMA with the columns split over the warps at 16 rows,
+    kept in one warp at 32, a wgmma at 128: offline sm_90 compile, session 26): those launch choices, which
+    `merge_launch` makes from the number of streams, then changed a row's bits (1 output of 393216 on the H200,
+    session 25). A row sees no key past its own node, so it gets the same bits from any window that holds its
+    path (the zeros after add exactly)."""
+    cols = jnp.arange(p.shape[1])[None, :]
+    total = jnp.sum(jnp.where(cols == 0, p, 0.0), axis=1)
+    for j in range(1, min(r, p.shape[1])):
+        total = total + jnp.sum(jnp.where(cols == j, p, 0.0), axis=1)
+    return total
+
+
+def _add_window_keys(l, acc, m_committed, m_base, q, operands, *, r: int, scale: float, cdt, logits_w=None):
+    """The committed keys' folded (l [M], acc [M, BD]) relative to m_base, with the window's r own keys
     (`_window_operands`; their `_window_logits` if already computed) added last -> the output rows [M, BD] fp32.
     q [M, D] cdt."""
     visible, _, vw, _, vsw = operands
@@ -783,7 +800,7 @@ def _add_window_keys(l, acc, m_committed, m_base, q, operands, *, scale: float, 
     m_total = jnp.where(m_total == -jnp.inf, 0.0, m_total)
     alpha = jnp.where(m_committed == -jnp.inf, 0.0, jnp.exp(m_base - m_total))  # no committed keys: l, acc are 0
     p = jnp.exp(logits_w - m_total[:, None])
-    l = l * alpha + jnp.sum(p, axis=1)
+    l = l * alpha + _window_key_sum(p, r)
     acc = acc * alpha[:, None] + _pv(p, vw, vsw, visible, cdt)
     return acc / jnp.where(l > 0, l, 1.0)[:, None]
 
@@ -793,7 +810,7 @@ def _with_window_keys(l, acc, m_committed, m_base, q, real, g, parents_ref, kw_r
     """`_add_window_keys` with its operands loaded here, after the fold."""
     operands = _window_operands(g, parents_ref, kw_ref, vw_ref, ksw_ref, vsw_ref, real=real, r=r, group=group,
                                 rp=rp, first_row=first_row, mrows=q.shape[0])
-    return _add_window_keys(l, acc, m_committed, m_base, q, operands, scale=scale, cdt=cdt)
+    return _add_window_keys(l, acc, m_committed, m_base, q, operands, r=r, scale=scale, cdt=cdt)
 
 
 # ----------------------------------------------------------------------------------------------------------------

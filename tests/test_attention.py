@@ -782,33 +782,13 @@ def test_window_gpu_27b(dtype, fp8_dot, r):
     tiles = dataclasses.replace(shipped_window_tiles(dtype == kq.FP8, 40), fp8_dot=fp8_dot)
     got = _window_on_gpu_checked(rng, case, scale, tiles)
     # Launch choices (page walk, stages, the merge's unroll, head-dim and row splits) leave the bits alone, compiled.
-    # (fp8 with bf16 dots, not a shipped setting, keeps the merge's head-dim split apart:
-    # test_window_gpu_27b_fp8_bf16_dot_merge_columns.)
-    launch = dataclasses.replace(tiles, walk="page", num_stages=2, merge_unroll=3)
-    if not (dtype == kq.FP8 and fp8_dot == "bfloat16"):
-        launch = dataclasses.replace(launch, merge_block_d=64)
+    # (The merge's rows and columns change the register layout of its window-key sum, which `_window_key_sum`
+    # keeps out of the order: before it, fp8 with bf16 dots changed 1 output of 393216, session 25.)
+    launch = dataclasses.replace(tiles, walk="page", num_stages=2, merge_unroll=3, merge_block_d=64)
     assert np.array_equal(bits(run_window(*case, scale=scale, interpret=False, tiles=launch)), bits(got))
     for rows in (16, 32, 128):  # the merge's rows in programs of their own (a launch choice)
         split = dataclasses.replace(tiles, merge_block_rows=rows)
         assert np.array_equal(bits(run_window(*case, scale=scale, interpret=False, tiles=split)), bits(got)), rows
-
-
-@GPU
-@pytest.mark.xfail(strict=True, reason="on the H200 (session 25) one of the 16-row window's 393216 outputs changed "
-                   "bits between the merge's 32- and 64-column programs with fp8 pools and bf16 dots (not the shipped "
-                   "fp8_dot); the cause is not found")
-def test_window_gpu_27b_fp8_bf16_dot_merge_columns():
-    """fp8 pools with bf16 dots: the merge's head-dim columns a program (a launch choice, which `merge_launch`
-    picks from the stream count) should leave the bits alone, as they do for bf16 pools and fp8 with f16 dots."""
-    rng = np.random.default_rng(30)
-    tree16 = TREE + list(range(6, 15))
-    chain16 = list(range(-1, 15))
-    case = window_case(rng, s=4, r=16, pmax=40, num_pages=200, dtype=kq.FP8, cache_lens=[0, 100, 1537, 2560],
-                       parents=[tree16, chain16, tree16, chain16], **BIG)
-    tiles = dataclasses.replace(shipped_window_tiles(True, 40), fp8_dot="bfloat16")
-    got = run_window(*case, scale=1 / 16, interpret=False, tiles=tiles)
-    other = run_window(*case, scale=1 / 16, interpret=False, tiles=dataclasses.replace(tiles, merge_block_d=64))
-    assert np.array_equal(bits(other), bits(got))
 
 
 @GPU

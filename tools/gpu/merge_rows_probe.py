@@ -5,13 +5,19 @@ at 19000 keys of a 32K table) with the merge's rows whole and its loads in a loo
 of the merge's other launch choices (rows a program, early or loop loads, head-dim columns), and prints how many
 output elements differ from the reference.
 
-    python tools/gpu/merge_rows_probe.py
+`--sums` (session 26) instead runs 16-row tree windows at 4 streams over three draws of the inputs, for bf16 over
+the Mosaic GPU pass 1 and fp8 with f16 or bf16 dots, with the merge's window-key sum in key order (shipped,
+`attention._window_key_sum`) and as a plain sum over the columns (its order the register layout's, as before
+session 26), and prints the changed outputs of each of the merge's row and column splits against its rows whole.
+
+    python tools/gpu/merge_rows_probe.py [--sums]
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -62,5 +68,46 @@ def main() -> None:
         print(f"{name}, {label}: " + "; ".join(cells), flush=True)
 
 
+def lane_sum(p, r):
+    """The merge's window-key sum before session 26: a sum over the columns, in the register layout's order."""
+    del r
+    return jnp.sum(p, axis=1)
+
+
+def sums() -> None:
+    tree16 = TREE + list(range(6, 15))
+    configs = {"bf16 mgpu": (jnp.bfloat16, "bfloat16", True), "fp8 f16 dots": (kq.FP8, "float16", False),
+               "fp8 bf16 dots": (kq.FP8, "bfloat16", False)}
+    splits = [dict(merge_block_rows=16), dict(merge_block_rows=32), dict(merge_block_d=64),
+              dict(merge_block_rows=32, merge_block_d=32)]
+    ordered = at._window_key_sum
+    for label, (dtype, fp8_dot, mgpu) in configs.items():
+        rng = np.random.default_rng(41)
+        cases = [window_case(rng, r=16, dtype=dtype, **dict(BIG, s=4, pmax=40, num_pages=200,
+                                                            cache_lens=[0, 100, 1537, 2560],
+                                                            parents=[tree16, list(range(-1, 15))] * 2))
+                 for _ in range(3)]
+        pool = cases[0][4]
+        tiles = (at.model_window_tiles(jnp.bfloat16, pool, 24, max_keys=40 * 64, interpret=False) if mgpu
+                 else dataclasses.replace(at.window_tiles(page_size=64, max_keys=40 * 64, head_dim=256,
+                                                          fp8=pool.fp8), fp8_dot=fp8_dot))
+        for sum_name, fn in (("key order", ordered), ("lanes", lane_sum)):
+            at._window_key_sum = fn  # read at tracing: each run traces anew
+
+            def run(**change):
+                call = jax.jit(functools.partial(at.window, scale=1 / 16, interpret=False,
+                                                 tiles=dataclasses.replace(tiles, **change)))
+                return [np.asarray(call(*case)).view(np.uint16) for case in cases]
+
+            want = run(merge_block_rows=128)
+            cells = []
+            for change in splits:
+                got = run(**change)
+                changed = sum(int((g != w).sum()) for g, w in zip(got, want))
+                cells.append(f"{change}: {changed}")
+            print(f"{label}, sum in {sum_name}, {3 * want[0].size} outputs: " + "; ".join(cells), flush=True)
+        at._window_key_sum = ordered
+
+
 if __name__ == "__main__":
-    main()
+    sums() if "--sums" in sys.argv[1:] else main()
