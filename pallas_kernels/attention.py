@@ -619,7 +619,8 @@ def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_re
                          chunk: int, fold: int | None, fold_here: bool, unroll: int, max_block: int, early: bool,
                          cdt):
     # cache_len_ref [S]; parents_ref [R]; q_ref [R*Hq, D]; kw_ref [R*Hkv, D], vw_ref [R*Hkv, BD] the window's
-    # rows as stored (fp8 codes or pool dtype; row j*Hkv + g is window key j of KV head g); m_ref [NC, M] the chunk
+    # rows as stored (fp8 codes widened to cdt, `_window_rows_for_merge`; row j*Hkv + g is window key j of KV
+    # head g); m_ref [NC, M] the chunk
     # maxima; l_ref, acc_ref [N, M], [N, M, BD]: the chunk partials (fold None, or fold_here: this program folds
     # the groups of `fold` chunks itself) or the fold pass's group partials; fp8: ksw_ref, vsw_ref [R*Hkv];
     # output o_ref [M, BD]. early: `_merge_early` (every load issued before the first one is waited on). M =
@@ -823,7 +824,7 @@ def _window_ticket_kernel(cache_len_ref, parents_ref, pt_ref, q_ref, kw_ref, vw_
                           max_keys: int, page_size: int, tiles: WindowTiles, unroll: int, max_block: int,
                           interpret: bool, cdt):
     # cache_len_ref [S]; parents_ref [R]; pt_ref [Pmax]; q_ref [R*Hq, D]; kw_ref, vw_ref [R*Hkv, D] the window's
-    # rows as stored; k_ref, v_ref [P, page, D] (this KV head); fp8: ks_ref, vs_ref [P, page], ksw_ref, vsw_ref
+    # rows as stored (fp8 codes widened, `_window_rows_for_merge`); k_ref, v_ref [P, page, D] (this KV head); fp8: ks_ref, vs_ref [P, page], ksw_ref, vsw_ref
     # [R*Hkv]; tickets_in_ref (aliased to tickets_ref, zeros). Outputs, for packed rows part*MB .. part*MB + MB - 1
     # (MB = mrows): m_ref, l_ref [NC, MB] and acc_ref [NC, MB, D] the chunk partials; mg_ref, lg_ref [G, MB],
     # accg_ref [G, MB, D] the group partials, each relative to its group's max; o_ref [MB, D]; tickets_ref
@@ -1175,7 +1176,7 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
     n_parts = l.shape[2]
 
     with jax.named_scope("attn_window_merge"):
-        kw, vw, scales = _window_rows_as_stored(k_win, v_win, pool, interpret)
+        kw, vw, scales = _window_rows_for_merge(k_win, v_win, pool, cdt, interpret)
         entries = merge_entries(max_keys=max_keys, chunk=tiles.chunk, fold=tiles.fold if grouped else None,
                                 fold_here=fold_here)
         mb = merge_rows(tiles, mrows=mrows, programs=s * hkv * (d // bd))
@@ -1220,6 +1221,19 @@ def _window_rows_as_stored(k_win: jax.Array, v_win: jax.Array, pool: KVPool, int
     return k_win.astype(pool.k.dtype), v_win.astype(pool.k.dtype), []
 
 
+def _window_rows_for_merge(k_win: jax.Array, v_win: jax.Array, pool: KVPool, cdt, interpret: bool):
+    """`_window_rows_as_stored` with fp8 codes widened to the compute dtype cdt (exact), as the merge takes them.
+    Codes widened inside the kernel made Triton lay the window dots' K dimension out four elements a thread (its
+    8-bit operand layout), which permutes K inside an mma.sync but not inside a wgmma, and the MMA follows the
+    merge program's rows: its row and column splits, which `merge_launch` picks from the stream count, then
+    changed the outputs' bits (7 of 1179648 with f16 dots, `merge_rows_probe.py --sums` on the H200, session 26;
+    offline sm_90 compile: kWidth 4 against the bf16 pools' 2)."""
+    kw, vw, scales = _window_rows_as_stored(k_win, v_win, pool, interpret)
+    if pool.fp8:
+        kw, vw = kw.astype(cdt), vw.astype(cdt)
+    return kw, vw, scales
+
+
 def _window_tickets(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array, pool: KVPool,
                     page_table: jax.Array, cache_len: jax.Array, *, scale: float, tiles: WindowTiles,
                     interpret: bool) -> jax.Array:
@@ -1233,7 +1247,7 @@ def _window_tickets(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: j
     nc = groups * tiles.fold
     _, unroll = merge_launch(tiles, streams=s, hkv=hkv, mrows=rb, head_dim=d, groups=groups)
     max_block = min(nc, _pow2_floor(max(1, 4096 // rb)))
-    kw, vw, win_scales = _window_rows_as_stored(k_win, v_win, pool, interpret)
+    kw, vw, win_scales = _window_rows_for_merge(k_win, v_win, pool, one.cdt, interpret)
 
     def rows_of(c_dim: int, *tail):  # an output's block: this (stream, KV head)'s entries for the part's rows
         return pl.BlockSpec((None, None, c_dim, rb, *tail), lambda i, j, c: (i, j // parts, 0, j % parts,

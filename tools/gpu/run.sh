@@ -106,8 +106,15 @@ case "$stage" in
     gpu_pytest 130 window 8 tests/test_attention.py -k "test_window_gpu_27b"
     gpu_pytest 100 window_mgpu 4 tests/test_attention_window_mgpu.py -k "fp8_pool" ;;
   hundred-fifth)
-    # Session 26 (~4 min): the engine's gpu gates after the merge's window-key sum changed the windows' bits.
-    gpu_pytest 220 engine 10 tests/test_engine_gpu.py ;;
+    # Session 26 (~9 min): hundred-fourth found the fp8 flips in the merge's MMA (codes widened in the kernel: K four
+    # elements a thread in mma.sync, not in wgmma), not in the window-key sum. With the window's fp8 rows widened
+    # before the merge (`_window_rows_for_merge`): the probe, the window gpu tests (tickets included), the engine's
+    # gpu gates (the fp8 windows' bits changed), then the 16-row tail's launches (the merge's cost with the sum in
+    # key order).
+    timeout 110 python3 tools/gpu/merge_rows_probe.py --sums 2>&1 | tee "$out/merge_sums_probe.log" | cut -c1-600
+    gpu_pytest 110 window 9 tests/test_attention.py -k "test_window_gpu_27b or tickets_gpu"
+    gpu_pytest 200 engine 10 tests/test_engine_gpu.py
+    attn_sections 120 merge_variants merge_variants ;;
   hundred-third)
     # Prepared in session 25, run in session 26 (~8 min): the Mosaic GPU window tests (hundred-second's pytest ran
     # out of time before them: fresh_jit's ping-pong and 8-bit dequant checks, test_gpu_27b_fp8_pool's step bits
