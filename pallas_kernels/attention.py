@@ -618,12 +618,11 @@ def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_re
                          fp8: bool, scale: float, r: int, group: int, mrows: int, parts: int, rp: int, max_keys: int,
                          chunk: int, fold: int | None, fold_here: bool, unroll: int, max_block: int, early: bool,
                          cdt):
-    # cache_len_ref [S]; parents_ref [R]; q_ref [R*Hq, D]; kw_ref [R*Hkv, D], vw_ref [R*Hkv, BD] the window's
-    # rows as stored (fp8 codes widened to cdt, `_window_rows_for_merge`; row j*Hkv + g is window key j of KV
-    # head g); m_ref [NC, M] the chunk
-    # maxima; l_ref, acc_ref [N, M], [N, M, BD]: the chunk partials (fold None, or fold_here: this program folds
-    # the groups of `fold` chunks itself) or the fold pass's group partials; fp8: ksw_ref, vsw_ref [R*Hkv];
-    # output o_ref [M, BD]. early: `_merge_early` (every load issued before the first one is waited on). M =
+    # cache_len_ref [S]; parents_ref [R]; q_ref [R*Hq, D]; kw_ref [R*Hkv, D], vw_ref [R*Hkv, BD] the window's rows as
+    # stored (fp8 codes widened to cdt, `_window_rows_for_merge`; row j*Hkv + g is window key j of KV head g); m_ref
+    # [NC, M] the chunk maxima; l_ref, acc_ref [N, M], [N, M, BD]: the chunk partials (fold None, or fold_here: this
+    # program folds the groups of `fold` chunks itself) or the fold pass's group partials; fp8: ksw_ref, vsw_ref
+    # [R*Hkv]; output o_ref [M, BD]. early: `_merge_early` (every load issued before the first one is waited on). M =
     # mrows: the program's packed rows, part * mrows ... of the KV head's (axis 1 of the grid is KV head x parts).
     if fp8:
         ksw_ref, vsw_ref, o_ref = refs
@@ -778,10 +777,11 @@ def _window_key_sum(p: jax.Array, r: int) -> jax.Array:
     key at a time in key order -> [M]. Each key's column is taken out by a masked sum (the key's value and zeros:
     exact in any order). A plain sum over the columns adds in the order of the register layout, which Triton picks
     from the merge program's rows and head-dim columns (an MMA with the columns split over the warps at 16 rows,
-    kept in one warp at 32, a wgmma at 128: offline sm_90 compile, session 26): those launch choices, which
-    `merge_launch` makes from the number of streams, then changed a row's bits (1 output of 393216 on the H200,
-    session 25). A row sees no key past its own node, so it gets the same bits from any window that holds its
-    path (the zeros after add exactly)."""
+    kept in one warp at 32, a wgmma at 128: offline sm_90 compile, session 26), and those launch choices follow
+    the number of streams (`merge_launch`, `merge_rows`). So the order is fixed here by construction; on the H200
+    the plain sum changed no output across the splits (`merge_rows_probe.py --sums`, session 26: the flips there
+    came from the dots, `_window_rows_for_merge`). A row sees no key past its own node, so it gets the same bits
+    from any window that holds its path (the zeros after add exactly)."""
     cols = jnp.arange(p.shape[1])[None, :]
     total = jnp.sum(jnp.where(cols == 0, p, 0.0), axis=1)
     for j in range(1, min(r, p.shape[1])):
@@ -823,13 +823,13 @@ def _window_ticket_kernel(cache_len_ref, parents_ref, pt_ref, q_ref, kw_ref, vw_
                           fp8: bool, scale: float, r: int, group: int, mrows: int, parts: int, rp: int,
                           max_keys: int, page_size: int, tiles: WindowTiles, unroll: int, max_block: int,
                           interpret: bool, cdt):
-    # cache_len_ref [S]; parents_ref [R]; pt_ref [Pmax]; q_ref [R*Hq, D]; kw_ref, vw_ref [R*Hkv, D] the window's
-    # rows as stored (fp8 codes widened, `_window_rows_for_merge`); k_ref, v_ref [P, page, D] (this KV head); fp8: ks_ref, vs_ref [P, page], ksw_ref, vsw_ref
-    # [R*Hkv]; tickets_in_ref (aliased to tickets_ref, zeros). Outputs, for packed rows part*MB .. part*MB + MB - 1
-    # (MB = mrows): m_ref, l_ref [NC, MB] and acc_ref [NC, MB, D] the chunk partials; mg_ref, lg_ref [G, MB],
-    # accg_ref [G, MB, D] the group partials, each relative to its group's max; o_ref [MB, D]; tickets_ref
-    # [S, Hkv*parts, G + 1] int32: per (stream, KV head x part) one counter a group of `fold` chunks, then one for
-    # the groups.
+    # cache_len_ref [S]; parents_ref [R]; pt_ref [Pmax]; q_ref [R*Hq, D]; kw_ref, vw_ref [R*Hkv, D] the window's rows as
+    # stored (fp8 codes widened, `_window_rows_for_merge`); k_ref, v_ref [P, page, D] (this KV head); fp8: ks_ref,
+    # vs_ref [P, page], ksw_ref, vsw_ref [R*Hkv]; tickets_in_ref (aliased to tickets_ref, zeros). Outputs, for packed
+    # rows part*MB .. part*MB + MB - 1 (MB = mrows): m_ref, l_ref [NC, MB] and acc_ref [NC, MB, D] the chunk partials;
+    # mg_ref, lg_ref [G, MB], accg_ref [G, MB, D] the group partials, each relative to its group's max; o_ref [MB, D];
+    # tickets_ref [S, Hkv*parts, G + 1] int32: per (stream, KV head x part) one counter a group of `fold` chunks, then
+    # one for the groups.
     if fp8:
         ks_ref, vs_ref, ksw_ref, vsw_ref, _, m_ref, l_ref, acc_ref, mg_ref, lg_ref, accg_ref, o_ref, tickets_ref = refs
     else:

@@ -1,9 +1,10 @@
 """Which merge launch choices keep a 16-row window's bits, compiled? A probe, not a test.
 
-For pools and pass 1s (bf16 over the Mosaic GPU pass 1 or the Triton one, fp8 with f16 or bf16 dots) it runs a 16-row tree window at the 27B shape (4 streams, contexts 0 / 100 / 1537 / 2560, and 1 stream
-at 19000 keys of a 32K table) with the merge's rows whole and its loads in a loop (the reference), then with each
-of the merge's other launch choices (rows a program, early or loop loads, head-dim columns), and prints how many
-output elements differ from the reference.
+For pools and pass 1s (bf16 over the Mosaic GPU pass 1 or the Triton one, fp8 with f16 or bf16 dots) it runs a
+16-row tree window at the 27B shape (4 streams, contexts 0 / 100 / 1537 / 2560, and 1 stream at 19000 keys of a 32K
+table) with the merge's rows whole and its loads in a loop (the reference), then with each of the merge's other
+launch choices (rows a program, early or loop loads, head-dim columns), and prints how many output elements differ
+from the reference.
 
 `--sums` (session 26) instead runs 16-row tree windows at 4 streams over three draws of the inputs, for bf16 over
 the Mosaic GPU pass 1 and fp8 with f16 or bf16 dots, with the merge's window-key sum in key order (shipped,
