@@ -444,7 +444,7 @@ PING_PONG = False
 # `WindowMgpuTiles.fp8_split` for the calls `attention.window` makes (a launch choice: same bits, H200 session 26).
 # Off, and FP8 with it: session 26 (`bench attention --sections window_fp8 --trace`, "mgpu shared", bf16 partials)
 # timed its 16-row windows at 1.06-1.21x its 1-row decode (64.5 µs at 1 stream and 32K, against the Triton pass 1's
-# 135.8), but that decode at 1.55-2.35x the Triton one's (56.6 against 36.4 µs at 32K).
+# 135.8), but that decode at 1.49-2.35x the Triton one's (56.6 against 36.4 µs at 32K).
 FP8_SPLIT = False
 # `WindowMgpuTiles.dequant` for the calls `attention.window` makes (a launch choice: same bits). The 8-bit layout
 # since session 21: `bench attention --sections window_fp8 --trace` (session 20's code, run at 99e6c09, kernels
