@@ -117,10 +117,7 @@ class WindowTiles:
     # "bfloat16": fp8 codes widened to bf16 (exact), P·vs rounded to bf16. "float16": codes widened to f16 (exact,
     # and a native conversion on sm_90, where e4m3 -> bf16 is not), q rounded to f16 (exact for bf16 queries of
     # magnitude 2^-14 .. 65504, which RMS-normed queries are), P·(vs / block max of vs) rounded to f16 (3 more
-    # mantissa bits than bf16; the block max is applied to the fp32 product). Only fp8 pools read this. (Known
-    # defect of "bfloat16", which no model ships for fp8 pools: on the H200, session 25, one output of a 16-row
-    # window changed bits with the merge's head-dim split, a launch choice that follows the stream count;
-    # `test_window_gpu_27b_fp8_bf16_dot_merge_columns`, strict xfail.)
+    # mantissa bits than bf16; the block max is applied to the fp32 product). Only fp8 pools read this.
     fp8_dot: str = "bfloat16"
     # block_k < page: "page" walks a page's blocks in an inner loop after reading its index once; "flat" runs one
     # loop over blocks and reads the page index per block (one loop for Triton to pipeline). Same bits.
@@ -1209,29 +1206,22 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
     return _unpack_rows(out, r, hq)
 
 
-def _window_rows_as_stored(k_win: jax.Array, v_win: jax.Array, pool: KVPool, interpret: bool):
-    """The window's own K and V rows as the pool will store them -> (kw, vw [S, R, Hkv, D], [k scales, v scales]
-    each [S, R*Hkv] for fp8 pools, else [])."""
+def _window_rows_for_merge(k_win: jax.Array, v_win: jax.Array, pool: KVPool, cdt, interpret: bool):
+    """The window's own K and V rows as the pool will store them, as the merge takes them -> (kw, vw [S, R, Hkv, D],
+    [k scales, v scales] each [S, R*Hkv] for fp8 pools, else []). fp8 pools: the codes widened to the compute dtype
+    cdt (exact). Codes widened inside the kernel made Triton lay the window dots' K dimension out four elements a
+    thread (its 8-bit operand layout), which permutes K inside an mma.sync but not inside a wgmma, and the MMA
+    follows the merge program's rows: its row and column splits, which `merge_launch` picks from the stream count,
+    then changed the outputs' bits (7 of 1179648 with f16 dots, `merge_rows_probe.py --sums` on the H200, session
+    26; offline sm_90 compile: kWidth 4 against the bf16 pools' 2)."""
     s, r, hkv, _ = k_win.shape
     if pool.fp8:
         # The write kernel's own quantizer, so a drafted key has the bits its committed self will have (K and V
         # in one launch: rows are quantized independently).
         codes, row_scales = kv_quant.quantize(jnp.stack([k_win, v_win]), interpret=interpret)
-        return codes[0], codes[1], [row_scales[0].reshape(s, r * hkv), row_scales[1].reshape(s, r * hkv)]
+        return (codes[0].astype(cdt), codes[1].astype(cdt),
+                [row_scales[0].reshape(s, r * hkv), row_scales[1].reshape(s, r * hkv)])
     return k_win.astype(pool.k.dtype), v_win.astype(pool.k.dtype), []
-
-
-def _window_rows_for_merge(k_win: jax.Array, v_win: jax.Array, pool: KVPool, cdt, interpret: bool):
-    """`_window_rows_as_stored` with fp8 codes widened to the compute dtype cdt (exact), as the merge takes them.
-    Codes widened inside the kernel made Triton lay the window dots' K dimension out four elements a thread (its
-    8-bit operand layout), which permutes K inside an mma.sync but not inside a wgmma, and the MMA follows the
-    merge program's rows: its row and column splits, which `merge_launch` picks from the stream count, then
-    changed the outputs' bits (7 of 1179648 with f16 dots, `merge_rows_probe.py --sums` on the H200, session 26;
-    offline sm_90 compile: kWidth 4 against the bf16 pools' 2)."""
-    kw, vw, scales = _window_rows_as_stored(k_win, v_win, pool, interpret)
-    if pool.fp8:
-        kw, vw = kw.astype(cdt), vw.astype(cdt)
-    return kw, vw, scales
 
 
 def _window_tickets(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array, pool: KVPool,

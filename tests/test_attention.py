@@ -782,8 +782,8 @@ def test_window_gpu_27b(dtype, fp8_dot, r):
     tiles = dataclasses.replace(shipped_window_tiles(dtype == kq.FP8, 40), fp8_dot=fp8_dot)
     got = _window_on_gpu_checked(rng, case, scale, tiles)
     # Launch choices (page walk, stages, the merge's unroll, head-dim and row splits) leave the bits alone, compiled.
-    # (The merge's rows and columns change the register layout of its window-key sum, which `_window_key_sum`
-    # keeps out of the order: before it, fp8 with bf16 dots changed 1 output of 393216, session 25.)
+    # (The merge's rows and columns change the MMA Triton gives its window dots, which took fp8 codes widened in
+    # the kernel in another K order: before `_window_rows_for_merge`, fp8 windows changed a few outputs, session 26.)
     launch = dataclasses.replace(tiles, walk="page", num_stages=2, merge_unroll=3, merge_block_d=64)
     assert np.array_equal(bits(run_window(*case, scale=scale, interpret=False, tiles=launch)), bits(got))
     for rows in (16, 32, 128):  # the merge's rows in programs of their own (a launch choice)
