@@ -91,3 +91,25 @@ def pallas_call(kernel: Callable, **options) -> Callable:
 def cached_calls() -> int:
     """How many distinct kernel calls the table holds (tests)."""
     return len(_JITTED)
+
+
+@contextlib.contextmanager
+def triton_modules(render: Callable):
+    """Within the block, each Triton module Pallas lowers (jax's Pallas-to-Triton lowering, whichever GPU it
+    targets) goes through render(module) as it is made, and the results are appended to the list this yields:
+    what the tests and tools read of the IR a call hands XLA."""
+    from jax._src.pallas.triton import lowering
+
+    seen: list = []
+    original = lowering.lower_jaxpr_to_triton_module
+
+    def keep(*args, **kwargs):
+        result = original(*args, **kwargs)
+        seen.append(render(result.module))
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = keep
+    try:
+        yield seen
+    finally:
+        lowering.lower_jaxpr_to_triton_module = original

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import qmm
+from pallas_kernels import calls, qmm
 from pallas_kernels.qweight import QuantizedWeight, dequantize_numpy, quantize_numpy
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -488,17 +488,7 @@ def test_sweep_labels_name_every_switch():
 
 def _triton_ir(fn, *args) -> str:
     """The Triton IR Pallas hands XLA for the single kernel in fn(*args), lowered for an H200 on this CPU."""
-    from jax._src.pallas.triton import lowering as triton_lowering
-    seen = []
-    orig = triton_lowering.lower_jaxpr_to_triton_module
-
-    def capture(*a, **kw):
-        out = orig(*a, **kw)
-        seen.append(out.module.operation.get_asm(enable_debug_info=False))
-        return out
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(triton_lowering, "lower_jaxpr_to_triton_module", capture)
+    with calls.triton_modules(lambda module: module.operation.get_asm(enable_debug_info=False)) as seen:
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     assert len(seen) == 1
     return seen[0]

@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels import rownorm
+from pallas_kernels import calls, rownorm
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
@@ -248,20 +248,14 @@ def _triton_programs(monkeypatch, fn, *avals) -> tuple[list[str], list[str]]:
 
     monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info",
                         lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
-    programs = []
-    lower_module = registration.lowering.lower_jaxpr_to_triton_module
-
-    def capture(*args, **kwargs):
-        result = lower_module(*args, **kwargs)
-        module = result.module
+    def canonical(module):
         with module.context:
             copy = ir.Module.parse(module.operation.get_asm(enable_debug_info=False))
             passmanager.PassManager.parse("builtin.module(canonicalize,cse)").run(copy.operation)
-            programs.append(copy.operation.get_asm(enable_debug_info=False))
-        return result
+            return copy.operation.get_asm(enable_debug_info=False)
 
-    monkeypatch.setattr(registration.lowering, "lower_jaxpr_to_triton_module", capture)
-    text = jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+    with calls.triton_modules(canonical) as programs:
+        text = jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
     launches = re.findall(r"@__gpu\$xla\.gpu\.triton\(.*?grid_x = (\d+)", text)
     return programs, launches
 

@@ -28,28 +28,18 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import attention as at
+from pallas_kernels import calls
 from pallas_kernels import kv_quant as kq
 
 
 def capture(fn, *args) -> list[tuple[str, int, int, str]]:
     """fn(*args) lowered for CUDA on an abstract H200 -> [(name, num_warps, num_stages, TTIR generic asm)]."""
-    from jax._src.pallas.triton import gpu_info, lowering
+    from jax._src.pallas.triton import gpu_info
 
     target = gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
     gpu_info.registry[jax.devices()[0].device_kind] = lambda: target
-    modules = []
-    original = lowering.lower_jaxpr_to_triton_module
-
-    def keep(*a, **k):
-        result = original(*a, **k)
-        modules.append(result.module.operation.get_asm(print_generic_op_form=True))
-        return result
-
-    lowering.lower_jaxpr_to_triton_module = keep
-    try:
+    with calls.triton_modules(lambda module: module.operation.get_asm(print_generic_op_form=True)) as modules:
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    finally:
-        lowering.lower_jaxpr_to_triton_module = original
     # Each launch's warps and stages by kernel name, in the order of the text (kernels of one name in lowering order
     # is assumed where a name repeats).
     launches = collections.defaultdict(list)
