@@ -130,16 +130,18 @@ def test_fp8_pool_partials_are_the_bf16_pass_over_its_dequantized_keys():
 
 
 def test_fp8_dequant_layouts_give_the_same_bits(monkeypatch):
-    """The codes dequantized in the 8-bit MMA layout (128 columns a step; a launch choice) give the partials of the
-    shipped layout, bit for bit (head dim 128, so the 8-bit layout's steps are taken)."""
+    """The codes dequantized in the MMA's layout (64 columns a step; a launch choice) give the partials of the
+    shipped 8-bit MMA operand layout (128 columns a step), bit for bit (head dim 128, so the 8-bit layout's steps
+    are taken). (Until session 26 this set the shipped value and compared the shipped layout with itself.)"""
     rng = np.random.default_rng(69)
     case = window_case(rng, r=3, dtype=kq.FP8, **dict(CASE, d=128, s=2, cache_lens=[300, 37], parents=[TREE, CHAIN]))
     q, kw, vw, par, pool, table, cache_len = case
+    assert awm.DEQUANT == "wgmma_8bit"
     shipped = partials(q, pool, table, cache_len)
-    monkeypatch.setattr(awm, "DEQUANT", "wgmma_8bit")  # read at tracing: `fresh_jit`
-    eight = fresh_jit(at.window_partials)(
+    monkeypatch.setattr(awm, "DEQUANT", "wgmma")  # read at tracing: `fresh_jit`
+    mma_layout = fresh_jit(at.window_partials)(
         q, pool, table, cache_len, scale=SCALE, tiles=TILES, interpret=True)
-    for a_all, b_all in zip(eight, shipped):
+    for a_all, b_all in zip(mma_layout, shipped):
         for a, b in zip(_live_rows(a_all, cache_len, 128, 6), _live_rows(b_all, cache_len, 128, 6)):
             assert np.array_equal(bits(a), bits(b))
 
