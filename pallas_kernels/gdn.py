@@ -26,6 +26,7 @@ from jax.experimental.pallas import triton as pt
 from pallas_kernels.calls import pallas_call
 
 CHUNK = 64
+QK_NORM_EPS = 1e-6  # the q/k l2 norm's epsilon (the model's `ops.l2norm`)
 _HI = jax.lax.Precision.HIGHEST
 
 
@@ -318,6 +319,42 @@ def conv_step_reference(m: jax.Array, conv_pool: jax.Array, slot: jax.Array, wei
     u = _conv_taps(taps, weight)
     new_hist = jnp.concatenate([hist, m.astype(hist.dtype)], axis=1)[:, 1:]  # the commit's casts
     return u.astype(m.dtype), conv_pool.at[slot].set(new_hist)
+
+
+def _gates(b: jax.Array, a: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """beta = sigmoid(b) and g = -exp(A_log) softplus(a + dt_bias), both fp32, from the projection's b and a."""
+    beta = jax.nn.sigmoid(b.astype(_F32))
+    g = -jnp.exp(a_log.astype(_F32)) * jax.nn.softplus(a.astype(_F32) + dt_bias.astype(_F32))
+    return beta, g
+
+
+def decode_prep_reference(y: jax.Array, parents: jax.Array | None, conv_pool: jax.Array, slot: jax.Array,
+                   weight: jax.Array, a_log: jax.Array, dt_bias: jax.Array, *, hk: int, dk: int, hv: int, dv: int
+                   ) -> tuple[jax.Array, ...]:
+    """Verify or step rows' inputs to the recurrence, from the GDN in-projection's output.
+
+    y [S, R, N] in the activation dtype, columns q (hk dk) | k (hk dk) | v (hv dv) | z (hv dv) | b (hv) | a (hv);
+    parents [S, R] for a verify window, or None for the serial step (R = 1: the conv pool takes the row, as
+    `conv_step_reference`, and streams on slot 0 get g = beta = 0, the identity update); conv_pool [N, K-1, C] with
+    C = 2 hk dk + hv dv; slot [S]; weight [C, K]; a_log, dt_bias [hv].
+    -> (q, k [S, R, hk, dk] in y.dtype (l2-normed over dk, q then times dk^-1/2), v, z [S, R, hv, dv] in y.dtype,
+    g, beta [S, R, hv] fp32), and the conv pool after them for the step."""
+    s, r = y.shape[:2]
+    kd, vd = hk * dk, hv * dv
+    c = 2 * kd + vd
+    m, z = y[..., :c], y[..., c:c + vd].reshape(s, r, hv, dv)
+    beta, g = _gates(y[..., c + vd:c + vd + hv], y[..., c + vd + hv:c + vd + 2 * hv], a_log, dt_bias)
+    if parents is None:
+        u, conv_pool = conv_step_reference(m, conv_pool, slot, weight)
+        live = (slot > 0)[:, None, None]
+        beta, g = jnp.where(live, beta, 0.0), jnp.where(live, g, 0.0)
+    else:
+        u = conv_window_reference(m, parents, conv_pool, slot, weight)
+    qk = u[..., :2 * kd].reshape(s, r, 2 * hk, dk).astype(_F32)
+    qk = qk * jax.lax.rsqrt(jnp.sum(qk * qk, axis=-1, keepdims=True) + QK_NORM_EPS)
+    q = (qk[:, :, :hk] * (dk ** -0.5)).astype(y.dtype)
+    out = (q, qk[:, :, hk:].astype(y.dtype), u[..., 2 * kd:].reshape(s, r, hv, dv), z, g, beta)
+    return out if parents is not None else (*out, conv_pool)
 
 
 # ================================================================================================================
@@ -1169,3 +1206,137 @@ def conv_step(m: jax.Array, conv_pool: jax.Array, slot: jax.Array, weight: jax.A
     if m.shape[1] != 1:
         raise ValueError(f"gdn.conv_step: one row per stream (m [S, 1, C]), got {m.shape}")
     return conv_step_reference(m, conv_pool, slot, weight)
+
+
+# The verify and step rows' preparation in one launch. Between the in-projection and the recurrence a GDN layer of
+# a decode round ran six XLA fusions and the q/k norm kernel (the H200 trace of session 18, one stream: gates, q/k
+# conv, l2 norm, q scale, v conv and z, conv pool update; 10.2 µs and 7 launches a layer). `decode_prep` computes the
+# same values in one kernel, for the serial step and for verify windows alike: one body, whose only difference
+# between the two is where a tap is read from and whether the pool takes the row, so a window row has the bits of
+# the serial step that would compute it. One warp a program: the step updates the conv pool in place, and a
+# vector shorter than the warps' threads is held by several threads; within one warp a replica's load of a
+# history row is issued before any lane's store over it, across warps it need not be.
+
+DECODE_PREP_WARPS = 1
+
+
+def _decode_prep_kernel(*refs, hk: int, hv: int, dk: int, dv: int, kw: int, step: bool):
+    """Program (stream s, row r, key head h): q and k of head h, and v, z, g, beta of its hv / hk value heads.
+    refs: y [S, R, N]; parents [S, R] (windows only); slot [S]; pool [N, K-1, C]; weight [C, K]; a_log, dt_bias
+    [hv]; outputs q, k [S, R, hk, dk], v, z [S, R, hv, dv], g, beta [S, R, hv]; the pool again (step only,
+    aliased)."""
+    if step:
+        y_ref, slot_ref, pool_ref, w_ref, alog_ref, dtb_ref, q_ref, k_ref, v_ref, z_ref, g_ref, beta_ref, \
+            pool_out_ref = refs
+    else:
+        y_ref, parents_ref, slot_ref, pool_ref, w_ref, alog_ref, dtb_ref, q_ref, k_ref, v_ref, z_ref, g_ref, \
+            beta_ref = refs
+    s, r, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    slot = slot_ref[s]
+    dtype = y_ref.dtype
+    kd, vd = hk * dk, hv * dv
+    c = 2 * kd + vd
+    group = hv // hk
+    # The tap at distance d = 1..K-1: window row `anc` when >= 0, else history row `idx` of the slot
+    # (`_ancestor_rows`'s walk; the step's taps are all history).
+    sources = []
+    cur, back = r, jnp.int32(0)
+    for d in range(1, kw):
+        if step:
+            sources.append((None, kw - 1 - d))
+            continue
+        par = jnp.where(cur >= 0, parents_ref[s, jnp.maximum(cur, 0)], -1)
+        back = jnp.where(cur < 0, back + 1, back)
+        back = jnp.where((cur >= 0) & (par < 0), 1, back)
+        cur = par
+        sources.append((cur, jnp.clip(kw - 1 - back, 0, kw - 2)))
+
+    def conv(c0: int | jax.Array, n: int) -> jax.Array:
+        """silu(conv) of channels [c0, c0 + n) in y.dtype: `_conv_taps`'s expression, taps oldest first."""
+        cols = pl.ds(c0, n)
+        row = y_ref[s, r, cols]
+        taps, olds = [row], []
+        for anc, idx in sources:
+            old = pool_ref[slot, idx, cols]
+            olds.append(old)
+            tap = old.astype(dtype)
+            if anc is not None:
+                tap = jnp.where(anc >= 0, y_ref[s, jnp.maximum(anc, 0), cols], tap)
+            taps.append(tap)
+        taps = taps[::-1]
+        acc = taps[0].astype(_F32) * w_ref[cols, 0].astype(_F32)
+        for j in range(1, kw):
+            acc = acc + taps[j].astype(_F32) * w_ref[cols, j].astype(_F32)
+        if step:  # the new history: the old one's rows 1..K-2 (read oldest last above), then the row
+            olds = olds[::-1]
+            for i in range(kw - 2):
+                pool_out_ref[slot, i, cols] = olds[i + 1]
+            pool_out_ref[slot, kw - 2, cols] = row.astype(pool_out_ref.dtype)
+        return jax.nn.silu(acc).astype(dtype)
+
+    for which, out_ref, c0 in ((0, q_ref, h * dk), (1, k_ref, kd + h * dk)):
+        x = conv(c0, dk).astype(_F32)
+        x = x * jax.lax.rsqrt(jnp.sum(x * x) + QK_NORM_EPS)
+        if which == 0:
+            x = x * (dk ** -0.5)
+        out_ref[s, r, h, :] = x.astype(dtype)
+    live = slot > 0
+    for j in range(group):
+        head = h * group + j
+        v_ref[s, r, head, :] = conv(2 * kd + head * dv, dv)
+        z_ref[s, r, head, :] = y_ref[s, r, pl.ds(c + head * dv, dv)]
+        beta, g = _gates(y_ref[s, r, c + vd + head], y_ref[s, r, c + vd + hv + head], alog_ref[head],
+                         dtb_ref[head])
+        if step:
+            beta, g = jnp.where(live, beta, 0.0), jnp.where(live, g, 0.0)
+        beta_ref[s, r, head] = beta
+        g_ref[s, r, head] = g
+
+
+def decode_prep(y: jax.Array, parents: jax.Array | None, conv_pool: jax.Array, slot: jax.Array, weight: jax.Array,
+         a_log: jax.Array, dt_bias: jax.Array, *, hk: int, dk: int, hv: int, dv: int, interpret: bool = False
+         ) -> tuple[jax.Array, ...]:
+    """Same contract as `decode_prep_reference`, one launch, grid (stream, row, key head). For the step (parents None)
+    the conv pool is updated in place (pass it donated); a window only reads it. Every value is computed in the
+    program of its own row from that row, its ancestors and its slot, so a row's bits do not depend on the other
+    rows or streams of the call, and a window row's equal the serial step's over the same history."""
+    if y.ndim != 3:
+        raise ValueError(f"gdn.decode_prep: y must be [S, R, N], got {y.shape}")
+    s, r, n = y.shape
+    kd, vd = hk * dk, hv * dv
+    c = 2 * kd + vd
+    if n != c + vd + 2 * hv:
+        raise ValueError(f"gdn.decode_prep: y's last axis must hold q, k, v, z, b, a = {c + vd + 2 * hv} columns for "
+                         f"hk={hk}, dk={dk}, hv={hv}, dv={dv}, got {n}")
+    if hv % hk:
+        raise ValueError(f"gdn.decode_prep: value heads ({hv}) must be a multiple of key heads ({hk})")
+    if not (_is_pow2(dk) and _is_pow2(dv)):
+        raise ValueError(f"gdn.decode_prep: the kernel needs dk and dv to be powers of two >= 16, got {dk}, {dv}; use "
+                         f"decode_prep_reference for other head sizes")
+    _check_conv("decode_prep", jax.ShapeDtypeStruct((s, r, c), y.dtype), conv_pool, slot)
+    _check_weight("decode_prep", weight, conv_pool)
+    for label, x in (("a_log", a_log), ("dt_bias", dt_bias)):
+        if x.shape != (hv,):
+            raise ValueError(f"gdn.decode_prep: {label} must be [hv] = ({hv},), got {x.shape}")
+    step = parents is None
+    if step and r != 1:
+        raise ValueError(f"gdn.decode_prep: the serial step (parents None) takes one row per stream, got {r}")
+    if not step and (parents.shape != (s, r) or not jnp.issubdtype(parents.dtype, jnp.integer)):
+        raise ValueError(f"gdn.decode_prep: parents must be an integer array [S, R] = {(s, r)}, got {parents.dtype} "
+                         f"{parents.shape}")
+    out_shape = [jax.ShapeDtypeStruct((s, r, hk, dk), y.dtype)] * 2 + [
+        jax.ShapeDtypeStruct((s, r, hv, dv), y.dtype)] * 2 + [jax.ShapeDtypeStruct((s, r, hv), _F32)] * 2
+    slot = slot.astype(jnp.int32)
+    tail = (conv_pool, weight, a_log, dt_bias)
+    operands = (y, slot, *tail) if step else (y, parents.astype(jnp.int32), slot, *tail)
+    out = pallas_call(
+        functools.partial(_decode_prep_kernel, hk=hk, hv=hv, dk=dk, dv=dv, kw=weight.shape[1], step=step),
+        out_shape=tuple(out_shape + ([jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype)] if step else [])),
+        grid=(s, r, hk),
+        input_output_aliases={2: 6} if step else {},
+        compiler_params=pt.CompilerParams(num_warps=DECODE_PREP_WARPS),
+        interpret=interpret,
+        name="gdn_decode_prep",
+    )(*operands)
+    q, k, v, z, g, beta = out[:6]
+    return (q, k, v, z, g, beta) if not step else (q, k, v, z, g, beta, out[6])

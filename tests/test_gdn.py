@@ -617,6 +617,116 @@ def test_entry_points_reject_bad_inputs():
         gdn.conv_step(jnp.zeros((1, 2, 8)), jnp.zeros((1, 3, 8)), slot, jnp.zeros((8, 4)))
 
 
+# ------------------------------------------------------------------------------------------------------------
+# Decode rows' preparation (conv, q/k norm, gates in one launch)
+# ------------------------------------------------------------------------------------------------------------
+
+prep_k = jax.jit(functools.partial(gdn.decode_prep, interpret=INTERPRET), static_argnames=("hk", "dk", "hv", "dv"))
+prep_ref = jax.jit(gdn.decode_prep_reference, static_argnames=("hk", "dk", "hv", "dv"))
+PREP_NAMES = ("q", "k", "v", "z", "g", "beta", "conv_pool")
+
+
+def _prep_case(rng, shape, streams: int, rows: int, dtype, pool_dtype=None, slots=None):
+    """The in-projection's output y [S, R, N], a conv pool with 2 spare slots, distinct slots, conv weight and
+    gate parameters at the model's scales; -> (y, pool, slot, weight, a_log, dt_bias)."""
+    hk, hv, dk, dv = shape["hk"], shape["hv"], shape["dk"], shape["dv"]
+    c = 2 * hk * dk + hv * dv
+    y = jnp.asarray(rng.normal(size=(streams, rows, c + hv * dv + 2 * hv)), dtype)
+    pool = jnp.asarray(rng.normal(size=(streams + 2, 3, c)), pool_dtype or dtype)
+    slot = jnp.asarray(rng.permutation(streams + 2)[:streams] if slots is None else slots, jnp.int32)
+    weight = jnp.asarray(rng.normal(size=(c, 4)) * 0.5, jnp.float32)
+    a_log = jnp.asarray(rng.uniform(-1, 1, size=hv), jnp.float32)
+    dt_bias = jnp.asarray(rng.normal(size=hv), jnp.float32)
+    return y, pool, slot, weight, a_log, dt_bias
+
+
+def _dims(shape):
+    return dict(hk=shape["hk"], dk=shape["dk"], hv=shape["hv"], dv=shape["dv"])
+
+
+def _check_prep_against_reference(shape, dtype, pool_dtype):
+    rng = np.random.default_rng(40)
+    parents = jnp.asarray([TREES[n] for n in TREES], jnp.int32)
+    y, pool, slot, w, a_log, dt_bias = _prep_case(rng, shape, 4, 8, dtype, pool_dtype)
+    window = prep_k(y, parents, pool, slot, w, a_log, dt_bias, **_dims(shape))
+    step_y = y[:, :1]
+    step_slot = slot.at[1].set(0)  # a dead stream: its g and beta must be 0
+    step = prep_k(step_y, None, pool, step_slot, w, a_log, dt_bias, **_dims(shape))
+    for out, ref in ((window, prep_ref(y, parents, pool, slot, w, a_log, dt_bias, **_dims(shape))),
+                     (step, prep_ref(step_y, None, pool, step_slot, w, a_log, dt_bias, **_dims(shape)))):
+        assert len(out) == len(ref)
+        for name, a, b in zip(PREP_NAMES, out, ref):
+            assert a.shape == b.shape and a.dtype == b.dtype, name
+            if name in ("z", "conv_pool"):  # copies
+                assert np.array_equal(np.asarray(a), np.asarray(b)), name
+            else:  # fp32 arithmetic in another order, then (q, k, v) one rounding to y.dtype
+                tol = F32_TOL if dtype == jnp.float32 or name in ("g", "beta") else BF16_OUT_TOL
+                assert _rel(a, b) < tol, name
+    assert np.all(np.asarray(step[4])[1] == 0) and np.all(np.asarray(step[5])[1] == 0), "dead stream's g, beta"
+    assert np.all(np.asarray(step[5])[[0, 2, 3]] > 0), "live streams' beta"
+
+
+@pytest.mark.parametrize("dtype,pool_dtype", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16),
+                                              (jnp.bfloat16, jnp.float32)])
+def test_decode_prep_matches_reference(dtype, pool_dtype):
+    _check_prep_against_reference(SMALL, dtype, pool_dtype)
+
+
+def _check_prep_serial_equals_windows(shape, dtype, streams: int = 3, rows: int = 5):
+    """Serial steps (each updating the pool) give, bit for bit, the rows of one chain window over the first
+    step's pool, the rows of tree windows whose paths are those chains, and each stream alone."""
+    rng = np.random.default_rng(41)
+    y, pool, slot, w, a_log, dt_bias = _prep_case(rng, shape, streams, rows, dtype)
+    dims = _dims(shape)
+    cur, serial = pool, []
+    for t in range(rows):
+        alone = prep_k(y[1:2, t:t + 1], None, cur, slot[1:2], w, a_log, dt_bias, **dims)
+        *out, cur = prep_k(y[:, t:t + 1], None, cur, slot, w, a_log, dt_bias, **dims)
+        serial.append(out)
+        for name, a, b in zip(PREP_NAMES, alone[:6], out):
+            assert np.array_equal(np.asarray(a)[0], np.asarray(b)[1]), f"row {t}: {name} alone != among others"
+    serial = [np.concatenate([np.asarray(o[i]) for o in serial], axis=1) for i in range(6)]
+    chain = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32) - 1, (streams, rows))
+    # the same chain inside a tree: the chain's rows at even indices, a fork of dead ends between them
+    tree_rows = 2 * rows
+    tree = np.full((streams, tree_rows), -1, np.int32)
+    for t in range(rows):
+        tree[:, 2 * t] = 2 * (t - 1) if t else -1
+        tree[:, 2 * t + 1] = 2 * t
+    y_tree = jnp.repeat(y, 2, axis=1)
+    for parents, yy, pick in ((chain, y, slice(None)), (jnp.asarray(tree), y_tree, slice(0, None, 2))):
+        window = prep_k(yy, parents, pool, slot, w, a_log, dt_bias, **dims)
+        for name, a, b in zip(PREP_NAMES, window, serial):
+            assert np.array_equal(np.asarray(a)[:, pick], b), f"{name}: window rows != serial steps"
+    committed = gdn.conv_commit(y[..., :pool.shape[2]], chain + 1, jnp.full((streams,), rows, jnp.int32), pool, slot)
+    assert np.array_equal(np.asarray(cur), np.asarray(committed)), "serial pool != commit of the chain"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_prep_serial_steps_equal_windows_bitwise(dtype):
+    _check_prep_serial_equals_windows(SMALL, dtype)
+
+
+def test_decode_prep_rejects_bad_inputs():
+    rng = np.random.default_rng(42)
+    y, pool, slot, w, a_log, dt_bias = _prep_case(rng, SMALL, 2, 3, jnp.float32)
+    dims = _dims(SMALL)
+    with pytest.raises(ValueError, match="columns"):
+        gdn.decode_prep(y[..., 1:], jnp.zeros((2, 3), jnp.int32), pool, slot, w, a_log, dt_bias, **dims)
+    with pytest.raises(ValueError, match="one row per stream"):
+        gdn.decode_prep(y, None, pool, slot, w, a_log, dt_bias, **dims)
+    with pytest.raises(ValueError, match="parents must be"):
+        gdn.decode_prep(y, jnp.zeros((2,), jnp.int32), pool, slot, w, a_log, dt_bias, **dims)
+    with pytest.raises(ValueError, match="weight must be"):
+        gdn.decode_prep(y, jnp.zeros((2, 3), jnp.int32), pool, slot, w[:, :3], a_log, dt_bias, **dims)
+    with pytest.raises(ValueError, match="a_log must be"):
+        gdn.decode_prep(y, jnp.zeros((2, 3), jnp.int32), pool, slot, w, a_log[:2], dt_bias, **dims)
+    odd = dict(SMALL, dk=12)
+    with pytest.raises(ValueError, match="powers of two"):
+        gdn.decode_prep(*_prep_case(rng, odd, 2, 3, jnp.float32)[:1], jnp.zeros((2, 3), jnp.int32),
+                        *_prep_case(rng, odd, 2, 3, jnp.float32)[1:], **_dims(odd))
+
+
 def test_kernels_lower_to_triton_at_27b_heads(monkeypatch):
     """Cross-lowers the three kernels for an H200 on this CPU machine: catches primitives the Triton lowering
     rejects without a GPU (it stops before Triton's own compile, which only the `gpu` tests reach)."""
@@ -650,6 +760,13 @@ def test_kernels_lower_to_triton_at_27b_heads(monkeypatch):
     for tiles in (gdn.WindowTiles(), gdn.WindowTiles(block_v=16, num_warps=1)):
         text = lower(functools.partial(gdn.step, tiles=tiles), qk(1), qk(1), vv(1), gb(1), gb(1), pool, per_stream)
         assert "__gpu$xla.gpu.triton" in text
+    c = 2 * hk * dk + hv * dv
+    ys = lambda rows: sds((s, rows, c + hv * dv + 2 * hv), bf)
+    prep_tail = (sds((n, 3, c), bf), per_stream, sds((c, 4), f), sds((hv,), f), sds((hv,), f))
+    prep = functools.partial(gdn.decode_prep, hk=hk, dk=dk, hv=hv, dv=dv)
+    for text in (lower(prep, ys(r), sds((s, r), i), *prep_tail),  # a window
+                 lower(lambda y, *a: prep(y, None, *a), ys(1), *prep_tail)):  # the step
+        assert text.count("__gpu$xla.gpu.triton") == 1
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -757,3 +874,10 @@ def test_gpu_window_16_rows_alone_vs_among_others():
     v = case[1][2]
     _poison_allocator(v.shape, v.dtype)
     _check_window_alone_vs_among_others(case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,pool_dtype", [(jnp.bfloat16, jnp.bfloat16), (jnp.float32, jnp.float32)])
+def test_gpu_decode_prep_27b_heads(dtype, pool_dtype):
+    _check_prep_against_reference(BIG, dtype, pool_dtype)
+    _check_prep_serial_equals_windows(BIG, dtype)
