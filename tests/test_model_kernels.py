@@ -56,9 +56,10 @@ def test_27b_decode_program_launch_budget(h200_lowering):
     """The 27B decode program (first 4 layers: 3 GDN + 1 attention) lowered for an H200 on this CPU: every Pallas
     call counted, so a change that adds launches to a decode round shows here. A layer: 4 quantized projections
     (the GDN's in/out, the MLP's gate+up and down; attention's qkv and o) and 2 RMS norms, plus the mixer's own:
-    GDN gated norm, one q/k l2norm and the fused step; attention q-norm, k-norm, the KV write and the window's
-    merge (its pass 1 is a Mosaic GPU kernel, `attention.WINDOW_IMPL`). Then the final norm and the lm_head. With
-    `x_natural` decode tiles, no transpose of x precedes a projection."""
+    GDN gated norm, the rows' prep (`gdn.decode_prep`: conv, q/k l2 norm, gates) and the fused step; attention
+    q-norm, k-norm, the KV write and the window's merge (its pass 1 is a Mosaic GPU kernel,
+    `attention.WINDOW_IMPL`). Then the final norm and the lm_head. With `x_natural` decode tiles, no transpose of x
+    precedes a projection."""
     from qwen_jax import programs as P
     from qwen_jax.synthetic import random_params, synthetic_config
     cfg = synthetic_config("27b", 4)
@@ -75,7 +76,8 @@ def test_27b_decode_program_launch_budget(h200_lowering):
     gdn_layer, attn_layer = 4 + 2 + 3, 4 + 2 + 4
     assert text.count("__gpu$xla.gpu.triton") == 3 * gdn_layer + attn_layer + 2
     assert text.count("custom_call @mosaic_gpu") == 1  # the attention layer's window pass 1
-    assert (kinds.count("qmm"), kinds.count("rownorm")) == (4 * 4 + 1, 3 * 4 + 4 + 1)
+    assert (kinds.count("qmm"), kinds.count("rownorm")) == (4 * 4 + 1, 3 * 3 + 4 + 1)
+    assert kinds.count("gdn") == 3 * 2  # gdn_decode_prep and gdn_step
     from pallas_kernels import qmm
     if qmm.DECODE_TILES.x_natural:
         assert "qmm_decode/transpose" not in lowered.as_text(debug_info=True)

@@ -51,9 +51,14 @@ def prompt_pass(x, p, rec_pool, conv_pool, batch, cfg: TextConfig, backend: Back
 
 def window_pass(x, p, rec_pool, conv_pool, window, cfg: TextConfig, backend: Backend):
     """Verify-window rows (states read-only): x [S, R, H] -> (y, kept) where kept is what commit replays."""
-    m, z, beta, g = project(x, p, backend, prompt=False)
-    u = ops.conv_window(backend, m, window.parents, conv_pool, window.slot, p["conv"])
-    q, k, v = split_qkv(u, cfg, backend)
+    if ops.decode_prep_applies(backend, p["in_proj"], cfg):
+        y = linear(x, p["in_proj"].weight, backend, prompt=False)
+        q, k, v, z, g, beta = ops.gdn_decode_prep(backend, y, window.parents, conv_pool, window.slot, p, cfg)
+        m = y[..., :p["in_proj"].sizes[0]]
+    else:
+        m, z, beta, g = project(x, p, backend, prompt=False)
+        u = ops.conv_window(backend, m, window.parents, conv_pool, window.slot, p["conv"])
+        q, k, v = split_qkv(u, cfg, backend)
     o = ops.gdn_window(backend, q, k, v, g, beta, window.parents, rec_pool, window.slot)
     kept = {"m": m, "k": k, "v": v, "g": g, "beta": beta}
     return finish(o, z, p, cfg, backend, prompt=False), kept
@@ -62,12 +67,17 @@ def window_pass(x, p, rec_pool, conv_pool, window, cfg: TextConfig, backend: Bac
 def step_pass(x, p, rec_pool, conv_pool, window, cfg: TextConfig, backend: Backend):
     """A serial step (one row per stream, states updated in place): x [S, 1, H] -> (y, rec_pool, conv_pool),
     bit for bit `window_pass` with parents [[-1]] followed by `commit` of the row. Dummy streams (slot 0) leave
-    the recurrent state of slot 0 unchanged (g = beta = 0 makes the update the identity)."""
-    m, z, beta, g = project(x, p, backend, prompt=False)
-    u, conv_pool = ops.conv_step(backend, m, conv_pool, window.slot, p["conv"])
-    q, k, v = split_qkv(u, cfg, backend)
-    live = (window.slot > 0)[:, None, None]
-    beta, g = jnp.where(live, beta, 0.0), jnp.where(live, g, 0.0)
+    the recurrent state of slot 0 unchanged (g = beta = 0 makes the update the identity). With kernels, the
+    rows between the in-projection and the recurrence are one `gdn.decode_prep` launch in both passes."""
+    if ops.decode_prep_applies(backend, p["in_proj"], cfg):
+        y = linear(x, p["in_proj"].weight, backend, prompt=False)
+        q, k, v, z, g, beta, conv_pool = ops.gdn_decode_prep(backend, y, None, conv_pool, window.slot, p, cfg)
+    else:
+        m, z, beta, g = project(x, p, backend, prompt=False)
+        u, conv_pool = ops.conv_step(backend, m, conv_pool, window.slot, p["conv"])
+        q, k, v = split_qkv(u, cfg, backend)
+        live = (window.slot > 0)[:, None, None]
+        beta, g = jnp.where(live, beta, 0.0), jnp.where(live, g, 0.0)
     o, rec_pool = ops.gdn_step(backend, q, k, v, g, beta, rec_pool, window.slot)
     return finish(o, z, p, cfg, backend, prompt=False), rec_pool, conv_pool
 

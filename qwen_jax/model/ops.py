@@ -104,6 +104,7 @@ class Padded(typing.NamedTuple):
         return self.rows.dtype
 
 
+DECODE_PREP = True  # verify and step rows take `gdn.decode_prep` where it applies (`decode_prep_applies`)
 PAD_AT_NORM = True  # norms feeding a decode qmm write its padded rows (`pad_rows`); False: the qmm pads them
 
 
@@ -185,6 +186,23 @@ def gdn_commit(backend: Backend, *args):
 def gdn_step(backend: Backend, *args):
     """Serial decode step: (o, rec_pool) bit for bit gdn_window with parents [[-1]] + gdn_commit of the row."""
     return _pick(backend, gdn_k, "step")(*args)
+
+
+def decode_prep_applies(backend: Backend, in_proj, cfg) -> bool:
+    """Whether verify and step rows take `gdn.decode_prep` (kernels on, the in-projection one fused matmul of
+    q|k|v, z, b, a, power-of-two head sizes); otherwise the model's separate conv, norm and gate ops."""
+    c = 2 * cfg.key_dim + cfg.value_dim
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    return (DECODE_PREP and backend.kernels and isinstance(in_proj, Fused)
+            and in_proj.sizes == (c, cfg.value_dim, cfg.linear_num_value_heads, cfg.linear_num_value_heads)
+            and all(n >= 16 and n & (n - 1) == 0 for n in (dk, dv)))
+
+
+def gdn_decode_prep(backend: Backend, y: jax.Array, parents, conv_pool: jax.Array, slot: jax.Array, p: dict, cfg):
+    """`gdn.decode_prep` of the in-projection's output y [S, R, N] with the layer's conv and gate parameters."""
+    return gdn_k.decode_prep(y, parents, conv_pool, slot, p["conv"], p["A_log"], p["dt_bias"],
+                             hk=cfg.linear_num_key_heads, dk=cfg.linear_key_head_dim,
+                             hv=cfg.linear_num_value_heads, dv=cfg.linear_value_head_dim, interpret=backend.interpret)
 
 
 def conv_prompt(backend: Backend, *args):
