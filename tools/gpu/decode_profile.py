@@ -54,6 +54,9 @@ def run(args) -> None:
     if args.mgpu_compute_wgs:
         qmm_mgpu.COMPUTE_WGS, qmm_mgpu.CTA_N = args.mgpu_compute_wgs, qmm_mgpu.TILE_N * args.mgpu_compute_wgs
         print(f"Mosaic GPU decode kernel: {qmm_mgpu.COMPUTE_WGS} compute warpgroups")
+    if args.no_decode_prep:
+        from qwen_jax.model import ops
+        ops.DECODE_PREP = False
     if args.no_pad_at_norm:
         from qwen_jax.model import ops
         ops.PAD_AT_NORM = False
@@ -239,6 +242,8 @@ def main(argv=None) -> int:
                     help="qmm_mgpu.CONVERSION (how the kernel turns 4-bit weights into the MMA's operand)")
     ap.add_argument("--mgpu-compute-wgs", type=int, default=None,
                     help="qmm_mgpu.COMPUTE_WGS (compute warpgroups a CTA of the Mosaic GPU decode kernel)")
+    ap.add_argument("--no-decode-prep", action="store_true",
+                    help="qwen_jax.model.ops.DECODE_PREP off: GDN rows take the separate conv, l2 norm and gate ops")
     ap.add_argument("--no-pad-at-norm", action="store_true",
                     help="qwen_jax.model.ops.PAD_AT_NORM off: the decode qmm pads the norms' rows itself")
     ap.add_argument("--streams", type=int, default=1)

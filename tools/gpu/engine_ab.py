@@ -1,12 +1,14 @@
 """Decode variants of the 27B engine side by side in one process: the synthetic weights are built once, then each
 variant sets the Mosaic GPU decode kernel's knobs (qmm_mgpu.STAGES, WIDE_ROWS, NARROW_ROWS, ROUNDING,
-CONVERSION, COMPUTE_WGS) and the window's pass 1 chunk (attention_window_mgpu.CHUNK: its bits change with it),
-compiles its programs and runs the
+CONVERSION, COMPUTE_WGS), the window's pass 1 chunk (attention_window_mgpu.CHUNK: its bits change with it) and
+whether GDN rows take `gdn.decode_prep` (qwen_jax.model.ops.DECODE_PREP, prep=0|1; its bits differ from the separate
+ops'), compiles its programs and runs the
 bench's pipelined decode (`qwen_jax.engine.bench.run`, prompt timing off). Only speed is compared: the depth and the
 piece heights change no row's bits (tests/test_qmm_mgpu.py); the conversion changes the weights' rounding.
 
     python tools/gpu/engine_ab.py --streams 1,16,64 --variants "stages=4,wide=16;stages=4;stages=6;stages=8"
     python tools/gpu/engine_ab.py --streams 1,16 --context 1024,8192 --variants "chunk=512;chunk=1024"
+    python tools/gpu/engine_ab.py --streams 1,16 --variants "prep=1;prep=0;prep=1;prep=0"
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import argparse
 import time
 
 # A variant's knob -> (the pallas_kernels module holding it, its attribute there).
-KNOBS = {"stages": ("qmm_mgpu", "STAGES"), "wide": ("qmm_mgpu", "WIDE_ROWS"), "narrow": ("qmm_mgpu", "NARROW_ROWS"),
-         "round": ("qmm_mgpu", "ROUNDING"), "conv": ("qmm_mgpu", "CONVERSION"), "wgs": ("qmm_mgpu", "COMPUTE_WGS"),
-         "chunk": ("attention_window_mgpu", "CHUNK")}
+KNOBS = {"stages": ("pallas_kernels.qmm_mgpu", "STAGES"), "wide": ("pallas_kernels.qmm_mgpu", "WIDE_ROWS"),
+         "narrow": ("pallas_kernels.qmm_mgpu", "NARROW_ROWS"), "round": ("pallas_kernels.qmm_mgpu", "ROUNDING"),
+         "conv": ("pallas_kernels.qmm_mgpu", "CONVERSION"), "wgs": ("pallas_kernels.qmm_mgpu", "COMPUTE_WGS"),
+         "chunk": ("pallas_kernels.attention_window_mgpu", "CHUNK"), "prep": ("qwen_jax.model.ops", "DECODE_PREP")}
 
 
 def parse_variants(text: str) -> list[dict]:
@@ -29,6 +32,8 @@ def parse_variants(text: str) -> list[dict]:
             if key not in KNOBS or not value:
                 raise ValueError(f"--variants: {item!r} is not one of {sorted(KNOBS)}=VALUE")
             v[key] = int(value) if value.isdigit() else value
+            if key == "prep":
+                v[key] = bool(v[key])
         out.append(v)
     return out
 
@@ -58,7 +63,7 @@ def main() -> None:
     t0 = time.perf_counter()
     params, cfg = bench.synthetic_params("27b", dtype="bfloat16", layers=args.layers)
     print(f"synthetic 27b built in {time.perf_counter() - t0:.1f} s", flush=True)
-    homes = {k: (importlib.import_module(f"pallas_kernels.{m}"), a) for k, (m, a) in KNOBS.items()}
+    homes = {k: (importlib.import_module(m), a) for k, (m, a) in KNOBS.items()}
     shipped = {k: getattr(mod, a) for k, (mod, a) in homes.items()}
     rows = []
     for v in variants:
@@ -79,11 +84,11 @@ def main() -> None:
             print(f"{knobs} @ {ctx} ctx: " + ", ".join(f"{s} streams {fps[s]:.1f} fwd/s" for s in streams)
                   + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
     print("\n| stages | widest piece | narrowest piece | rounding | conversion | compute warpgroups | window chunk | "
-          "context | " + " | ".join(f"{s} streams (fwd/s)" for s in streams) + " |")
-    print("|---|---|---|---|---|---|---|---|" + "---|" * len(streams))
+          "decode prep | context | " + " | ".join(f"{s} streams (fwd/s)" for s in streams) + " |")
+    print("|---|---|---|---|---|---|---|---|---|" + "---|" * len(streams))
     for knobs, ctx, fps in rows:
         print(f"| {knobs['stages']} | {knobs['wide']} | {knobs['narrow']} | {knobs['round']} | {knobs['conv']} | "
-              f"{knobs['wgs']} | {knobs['chunk']} | {ctx} | "
+              f"{knobs['wgs']} | {knobs['chunk']} | {knobs['prep']} | {ctx} | "
               + " | ".join(f"{fps[s]:.1f}" for s in streams) + " |")
 
 
