@@ -13,9 +13,16 @@ from qwen_jax.model.ops import Backend, linear, linear_split
 
 
 def project(x, p, rope_positions, cfg: TextConfig, backend: Backend, *, prompt: bool):
-    """x [S, T, H] -> q [S, T, Hq, D], gate [S, T, Hq*D], k, v [S, T, Hkv, D] (post-norm, post-RoPE)."""
+    """x [S, T, H] -> q [S, T, Hq, D], gate [S, T, Hq*D], k, v [S, T, Hkv, D] (post-norm, post-RoPE). Verify and step
+    rows with kernels: the norms and rotations in one `attn_prep` launch."""
     s, t = x.shape[:2]
     d = cfg.head_dim
+    ang = rope_angles(rope_positions, cfg)  # [S, T, rd/2]
+    if not prompt and ops.attn_prep_applies(backend, p["qkv"], cfg):
+        y = linear(x, p["qkv"].weight, backend, prompt=False)
+        q, k, v = ops.attn_prep(backend, y, p, jnp.cos(ang), jnp.sin(ang), cfg)
+        gate = y[..., :cfg.num_heads * 2 * d].reshape(s, t, cfg.num_heads, 2 * d)[..., d:]
+        return q, gate.reshape(s, t, cfg.num_heads * d), k, v
     qg, k, v = linear_split(x, p["qkv"], backend, prompt=prompt)
     qg = qg.reshape(s, t, cfg.num_heads, 2 * d)
     q, gate = qg[..., :d], qg[..., d:].reshape(s, t, cfg.num_heads * d)
@@ -23,7 +30,6 @@ def project(x, p, rope_positions, cfg: TextConfig, backend: Backend, *, prompt: 
     v = v.reshape(s, t, cfg.num_kv_heads, d)
     q = ops.rms_norm(backend, q, p["q_norm"], cfg.rms_norm_eps)
     k = ops.rms_norm(backend, k, p["k_norm"], cfg.rms_norm_eps)
-    ang = rope_angles(rope_positions, cfg)  # [S, T, rd/2]
     return apply_rope(q, ang, cfg.rotary_dim), gate, apply_rope(k, ang, cfg.rotary_dim), v
 
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import attention as attn_k
+from pallas_kernels import attn_prep as attn_prep_k
 from pallas_kernels import gdn as gdn_k
 from pallas_kernels import kv_quant
 from pallas_kernels import qmm as qmm_k
@@ -104,6 +105,7 @@ class Padded(typing.NamedTuple):
         return self.rows.dtype
 
 
+ATTN_PREP = True  # attention layers' verify and step rows take `attn_prep.prep` where it applies (`attn_prep_applies`)
 DECODE_PREP = True  # verify and step rows take `gdn.decode_prep` where it applies (`decode_prep_applies`)
 PAD_AT_NORM = True  # norms feeding a decode qmm write its padded rows (`pad_rows`); False: the qmm pads them
 
@@ -203,6 +205,22 @@ def gdn_decode_prep(backend: Backend, y: jax.Array, parents, conv_pool: jax.Arra
     return gdn_k.decode_prep(y, parents, conv_pool, slot, p["conv"], p["A_log"], p["dt_bias"],
                              hk=cfg.linear_num_key_heads, dk=cfg.linear_key_head_dim,
                              hv=cfg.linear_num_value_heads, dv=cfg.linear_value_head_dim, interpret=backend.interpret)
+
+
+def attn_prep_applies(backend: Backend, qkv, cfg) -> bool:
+    """Whether an attention layer's verify and step rows take `attn_prep.prep` (kernels on, the qkv projection one
+    fused matmul of q|gate, k, v, power-of-two head and rotary dims); otherwise the model's norm and RoPE ops."""
+    d, rd = cfg.head_dim, cfg.rotary_dim
+    return (ATTN_PREP and backend.kernels and isinstance(qkv, Fused)
+            and qkv.sizes == (cfg.num_heads * 2 * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d)
+            and all(n >= 2 and n & (n - 1) == 0 for n in (d, rd)) and rd <= d)
+
+
+def attn_prep(backend: Backend, y: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, cfg):
+    """`attn_prep.prep` of the qkv projection's output y [S, R, N] with the layer's q and k norm weights."""
+    return attn_prep_k.prep(y, p["q_norm"], p["k_norm"], cos, sin, hq=cfg.num_heads, hkv=cfg.num_kv_heads,
+                            d=cfg.head_dim, rotary_dim=cfg.rotary_dim, eps=cfg.rms_norm_eps,
+                            interpret=backend.interpret)
 
 
 def conv_prompt(backend: Backend, *args):

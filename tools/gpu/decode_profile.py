@@ -56,7 +56,7 @@ def run(args) -> None:
         print(f"Mosaic GPU decode kernel: {qmm_mgpu.COMPUTE_WGS} compute warpgroups")
     if args.no_decode_prep:
         from qwen_jax.model import ops
-        ops.DECODE_PREP = False
+        ops.DECODE_PREP = ops.ATTN_PREP = False
     if args.no_pad_at_norm:
         from qwen_jax.model import ops
         ops.PAD_AT_NORM = False
@@ -243,7 +243,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mgpu-compute-wgs", type=int, default=None,
                     help="qmm_mgpu.COMPUTE_WGS (compute warpgroups a CTA of the Mosaic GPU decode kernel)")
     ap.add_argument("--no-decode-prep", action="store_true",
-                    help="qwen_jax.model.ops.DECODE_PREP off: GDN rows take the separate conv, l2 norm and gate ops")
+                    help="qwen_jax.model.ops.DECODE_PREP and ATTN_PREP off: GDN rows take the separate conv, l2 norm "
+                         "and gate ops, attention rows the separate norms and RoPE")
     ap.add_argument("--no-pad-at-norm", action="store_true",
                     help="qwen_jax.model.ops.PAD_AT_NORM off: the decode qmm pads the norms' rows itself")
     ap.add_argument("--streams", type=int, default=1)

@@ -1,14 +1,14 @@
 """Decode variants of the 27B engine side by side in one process: the synthetic weights are built once, then each
 variant sets the Mosaic GPU decode kernel's knobs (qmm_mgpu.STAGES, WIDE_ROWS, NARROW_ROWS, ROUNDING,
 CONVERSION, COMPUTE_WGS), the window's pass 1 chunk (attention_window_mgpu.CHUNK: its bits change with it) and
-whether GDN rows take `gdn.decode_prep` (qwen_jax.model.ops.DECODE_PREP, prep=0|1; its bits differ from the separate
-ops'), compiles its programs and runs the
+whether GDN rows take `gdn.decode_prep` (qwen_jax.model.ops.DECODE_PREP, prep=0|1) and attention rows `attn_prep`
+(ATTN_PREP, aprep=0|1; the bits of both differ from the separate ops'), compiles its programs and runs the
 bench's pipelined decode (`qwen_jax.engine.bench.run`, prompt timing off). Only speed is compared: the depth and the
 piece heights change no row's bits (tests/test_qmm_mgpu.py); the conversion changes the weights' rounding.
 
     python tools/gpu/engine_ab.py --streams 1,16,64 --variants "stages=4,wide=16;stages=4;stages=6;stages=8"
     python tools/gpu/engine_ab.py --streams 1,16 --context 1024,8192 --variants "chunk=512;chunk=1024"
-    python tools/gpu/engine_ab.py --streams 1,16 --variants "prep=1;prep=0;prep=1;prep=0"
+    python tools/gpu/engine_ab.py --streams 1,16 --variants "prep=1,aprep=1;prep=0,aprep=0;prep=1,aprep=1"
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import time
 KNOBS = {"stages": ("pallas_kernels.qmm_mgpu", "STAGES"), "wide": ("pallas_kernels.qmm_mgpu", "WIDE_ROWS"),
          "narrow": ("pallas_kernels.qmm_mgpu", "NARROW_ROWS"), "round": ("pallas_kernels.qmm_mgpu", "ROUNDING"),
          "conv": ("pallas_kernels.qmm_mgpu", "CONVERSION"), "wgs": ("pallas_kernels.qmm_mgpu", "COMPUTE_WGS"),
-         "chunk": ("pallas_kernels.attention_window_mgpu", "CHUNK"), "prep": ("qwen_jax.model.ops", "DECODE_PREP")}
+         "chunk": ("pallas_kernels.attention_window_mgpu", "CHUNK"), "prep": ("qwen_jax.model.ops", "DECODE_PREP"),
+         "aprep": ("qwen_jax.model.ops", "ATTN_PREP")}
 
 
 def parse_variants(text: str) -> list[dict]:
@@ -32,7 +33,7 @@ def parse_variants(text: str) -> list[dict]:
             if key not in KNOBS or not value:
                 raise ValueError(f"--variants: {item!r} is not one of {sorted(KNOBS)}=VALUE")
             v[key] = int(value) if value.isdigit() else value
-            if key == "prep":
+            if key in ("prep", "aprep"):
                 v[key] = bool(v[key])
         out.append(v)
     return out
@@ -84,11 +85,11 @@ def main() -> None:
             print(f"{knobs} @ {ctx} ctx: " + ", ".join(f"{s} streams {fps[s]:.1f} fwd/s" for s in streams)
                   + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
     print("\n| stages | widest piece | narrowest piece | rounding | conversion | compute warpgroups | window chunk | "
-          "decode prep | context | " + " | ".join(f"{s} streams (fwd/s)" for s in streams) + " |")
-    print("|---|---|---|---|---|---|---|---|---|" + "---|" * len(streams))
+          "decode prep | attention prep | context | " + " | ".join(f"{s} streams (fwd/s)" for s in streams) + " |")
+    print("|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(streams))
     for knobs, ctx, fps in rows:
         print(f"| {knobs['stages']} | {knobs['wide']} | {knobs['narrow']} | {knobs['round']} | {knobs['conv']} | "
-              f"{knobs['wgs']} | {knobs['chunk']} | {knobs['prep']} | {ctx} | "
+              f"{knobs['wgs']} | {knobs['chunk']} | {knobs['prep']} | {knobs['aprep']} | {ctx} | "
               + " | ".join(f"{fps[s]:.1f}" for s in streams) + " |")
 
 

@@ -106,10 +106,11 @@ case "$stage" in
     gpu_pytest 130 window 8 tests/test_attention.py -k "test_window_gpu_27b"
     gpu_pytest 100 window_mgpu 4 tests/test_attention_window_mgpu.py -k "fp8_pool" ;;
   hundred-eighth)
-    # Session 27 (~8 min): GDN verify and step rows in one launch (`gdn.decode_prep`): its gpu tests at the 27B heads
-    # (reference, serial steps == chain and tree windows, alone == among others), the engine's gpu gates (every
-    # decode path's bits are new), then the 1-stream round traced with it on and off (device busy, launches).
-    gpu_pytest 110 prep 8 tests/test_gdn.py -k "gpu_decode_prep or gpu_step_27b"
+    # Session 27 (~8 min): GDN verify and step rows in one launch (`gdn.decode_prep`), attention rows' q/k norms and
+    # RoPE in one (`attn_prep`): their gpu tests at the 27B heads (reference, serial steps == chain and tree windows,
+    # alone == among others), the engine's gpu gates (every decode path's bits are new), then the 1-stream round
+    # traced with both on and both off (device busy, launches).
+    gpu_pytest 110 prep 10 tests/test_gdn.py tests/test_attn_prep.py -k "gpu_decode_prep or gpu_step_27b or gpu_attn"
     gpu_pytest 200 engine 10 tests/test_engine_gpu.py
     for v in on off; do
       flag=$([ $v = off ] && echo --no-decode-prep)
@@ -119,8 +120,9 @@ case "$stage" in
       gzip -f "$out/round_$v.hlo.txt"
     done ;;
   hundred-ninth)
-    # Session 27 (~6 min): decode forwards/s with `gdn.decode_prep` on and off, alternated in one process.
-    timeout 330 python3 tools/gpu/engine_ab.py --streams 1,16 --rounds 32 --variants "prep=1;prep=0;prep=1;prep=0" \
+    # Session 27 (~6 min): decode forwards/s with both preps on, both off, then each alone, in one process.
+    timeout 330 python3 tools/gpu/engine_ab.py --streams 1,16 --rounds 32 \
+      --variants "prep=1,aprep=1;prep=0,aprep=0;prep=1,aprep=1;prep=0,aprep=0;prep=1,aprep=0" \
       2>&1 | tee "$out/engine_ab_prep.log" | tail -9 ;;
   hundred-seventh)
     # Prepared in session 26, not run (~8 min): the issue's decode and window tables at the fp8 merge fix (fp8 16-row

@@ -1,0 +1,133 @@
+"""The attention layers' verify and step rows between the qkv projection and the window: q/k RMS norm and partial
+rotate-half RoPE in one launch.
+
+Without it a gated attention layer of a decode round runs, after its projection, the q and k norms (one row-norm
+kernel each) and XLA fusions for the q, k and v slices and the two rotations (each a concatenation). `prep` takes
+the projection's output y [S, R, N] whole (columns: per query head [q D | gate D], then k, then v) and writes q and k
+normed and rotated, and v, for every (stream, row, head) in one program each. The gate stays in y, where the
+output's sigmoid multiply reads it.
+
+The math is `prep_reference`'s, which is the model's own path (`ops.rms_norm`, then `layers.apply_rope`): normalise
+in fp32 (the sum of squares times the fp32-rounded 1/D, as XLA emits jnp.mean), times the fp32 multiplier, round to
+the activation dtype; rotate the first rotary_dim dims of that in fp32 and round again. The kernel's sums run in
+another order (pieces of D added in sequence, each reduced by Triton), so the two agree to fp32 rounding before the
+casts. Each program reads one row and writes one row, so a row's bits never depend on the other rows or streams.
+
+Shapes: y [S, R, Hq 2D + 2 Hkv D]; q_weight, k_weight [D] fp32; cos, sin [S, R, rotary_dim / 2] fp32 (of the
+rows' RoPE angles, shared by every layer); D and rotary_dim powers of two, rotary_dim <= D.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.calls import pallas_call
+
+_F32 = jnp.float32
+WARPS = 1
+
+
+def _pieces(d: int, rd: int) -> list[tuple[int, int]]:
+    """[0, D) as power-of-two pieces (start, size): the two halves of the rotary dims, then doubling blocks."""
+    half = rd // 2
+    out = [(0, half), (half, half)]
+    start = rd
+    while start < d:
+        out.append((start, start))
+        start *= 2
+    return out
+
+
+def _check(y: jax.Array, q_weight: jax.Array, k_weight: jax.Array, cos: jax.Array, sin: jax.Array, *, hq: int,
+           hkv: int, d: int, rotary_dim: int) -> None:
+    if y.ndim != 3:
+        raise ValueError(f"attn_prep: y must be [S, R, N], got {y.shape}")
+    s, r, n = y.shape
+    if n != hq * 2 * d + 2 * hkv * d:
+        raise ValueError(f"attn_prep: y's last axis must hold q|gate, k, v = {hq * 2 * d + 2 * hkv * d} columns for "
+                         f"hq={hq}, hkv={hkv}, d={d}, got {n}")
+    if d < 2 or d & (d - 1) or rotary_dim < 2 or rotary_dim & (rotary_dim - 1) or rotary_dim > d:
+        raise ValueError(f"attn_prep: d ({d}) and rotary_dim ({rotary_dim}) must be powers of two, rotary_dim <= d")
+    for label, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w.shape != (d,):
+            raise ValueError(f"attn_prep: {label} must be [D] = ({d},), got {w.shape}")
+    for label, a in (("cos", cos), ("sin", sin)):
+        if a.shape != (s, r, rotary_dim // 2):
+            raise ValueError(f"attn_prep: {label} must be [S, R, rotary_dim / 2] = {(s, r, rotary_dim // 2)}, "
+                             f"got {a.shape}")
+
+
+def prep_reference(y: jax.Array, q_weight: jax.Array, k_weight: jax.Array, cos: jax.Array, sin: jax.Array, *,
+                   hq: int, hkv: int, d: int, rotary_dim: int, eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """-> q [S, R, Hq, D], k, v [S, R, Hkv, D] in y.dtype (see the module docstring)."""
+    _check(y, q_weight, k_weight, cos, sin, hq=hq, hkv=hkv, d=d, rotary_dim=rotary_dim)
+    s, r, _ = y.shape
+    q = y[..., :hq * 2 * d].reshape(s, r, hq, 2 * d)[..., :d]
+    k = y[..., hq * 2 * d:hq * 2 * d + hkv * d].reshape(s, r, hkv, d)
+    v = y[..., hq * 2 * d + hkv * d:].reshape(s, r, hkv, d)
+    half = rotary_dim // 2
+    c, sn = (jnp.concatenate([a, a], axis=-1)[:, :, None, :] for a in (cos, sin))
+
+    def norm_rope(x, w):
+        xf = x.astype(_F32)
+        n = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps) * w).astype(y.dtype)
+        xr = n[..., :rotary_dim].astype(_F32)
+        rotated = jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
+        return jnp.concatenate([(xr * c + rotated * sn).astype(y.dtype), n[..., rotary_dim:]], axis=-1)
+
+    return norm_rope(q, q_weight), norm_rope(k, k_weight), v
+
+
+def _kernel(y_ref, qw_ref, kw_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref, *, hq: int, hkv: int, d: int, rd: int,
+            eps: float):
+    """Program (stream s, row r, head j): query head j for j < Hq, else KV head j - Hq (k, and v copied)."""
+    s, r, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    dtype = y_ref.dtype
+    is_q = j < hq
+    kv = jnp.maximum(j - hq, 0)
+    base = jnp.where(is_q, j * 2 * d, hq * 2 * d + kv * d)
+    pieces = _pieces(d, rd)
+    xs = [y_ref[s, r, pl.ds(base + a, n)].astype(_F32) for a, n in pieces]
+    ws = [jnp.where(is_q, qw_ref[pl.ds(a, n)], kw_ref[pl.ds(a, n)]).astype(_F32) for a, n in pieces]
+    c, sn = cos_ref[s, r, :], sin_ref[s, r, :]
+    total = jnp.sum(xs[0] * xs[0])
+    for x in xs[1:]:
+        total = total + jnp.sum(x * x)
+    inv = jax.lax.rsqrt(total * np.float32(1.0 / d) + eps)
+    ns = [((x * inv) * w).astype(dtype) for x, w in zip(xs, ws)]
+    lo, hi = ns[0].astype(_F32), ns[1].astype(_F32)
+    outs = [(lo * c - hi * sn).astype(dtype), (hi * c + lo * sn).astype(dtype)] + ns[2:]
+
+    @pl.when(is_q)
+    def _():
+        for (a, n), o in zip(pieces, outs):
+            q_ref[s, r, j, pl.ds(a, n)] = o
+
+    @pl.when(jnp.logical_not(is_q))
+    def _():
+        for (a, n), o in zip(pieces, outs):
+            k_ref[s, r, kv, pl.ds(a, n)] = o
+        v_ref[s, r, kv, :] = y_ref[s, r, pl.ds(hq * 2 * d + hkv * d + kv * d, d)]
+
+
+def prep(y: jax.Array, q_weight: jax.Array, k_weight: jax.Array, cos: jax.Array, sin: jax.Array, *, hq: int,
+         hkv: int, d: int, rotary_dim: int, eps: float, interpret: bool = False
+         ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`prep_reference` in one launch, grid (stream, row, Hq + Hkv heads)."""
+    _check(y, q_weight, k_weight, cos, sin, hq=hq, hkv=hkv, d=d, rotary_dim=rotary_dim)
+    s, r, _ = y.shape
+    return pallas_call(
+        functools.partial(_kernel, hq=hq, hkv=hkv, d=d, rd=rotary_dim, eps=float(eps)),
+        out_shape=(jax.ShapeDtypeStruct((s, r, hq, d), y.dtype), jax.ShapeDtypeStruct((s, r, hkv, d), y.dtype),
+                   jax.ShapeDtypeStruct((s, r, hkv, d), y.dtype)),
+        grid=(s, r, hq + hkv),
+        compiler_params=plgpu.CompilerParams(num_warps=WARPS),
+        interpret=interpret,
+        name="attn_prep",
+    )(y, q_weight, k_weight, cos.astype(_F32), sin.astype(_F32))
