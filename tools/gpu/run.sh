@@ -120,7 +120,7 @@ case "$stage" in
       gzip -f "$out/round_$v.hlo.txt"
     done ;;
   hundred-ninth)
-    # Session 27 (~6 min): decode forwards/s with both preps on, both off, then each alone, in one process.
+    # Session 27 (~6 min): decode forwards/s with both preps on and off, alternated, then the GDN one alone.
     timeout 330 python3 tools/gpu/engine_ab.py --streams 1,16 --rounds 32 \
       --variants "prep=1,aprep=1;prep=0,aprep=0;prep=1,aprep=1;prep=0,aprep=0;prep=1,aprep=0" \
       2>&1 | tee "$out/engine_ab_prep.log" | tail -9 ;;
