@@ -1221,7 +1221,9 @@ DECODE_PREP_WARPS = 1
 
 
 def _decode_prep_kernel(*refs, hk: int, hv: int, dk: int, dv: int, kw: int, step: bool):
-    """Program (stream s, row r, key head h): q and k of head h, and v, z, g, beta of its hv / hk value heads.
+    """Program (stream s, row r, key head h, part p): part 0 makes q and k of head h, part p > 0 v, z, g and beta of
+    value head h hv / hk + p - 1 (the parts side by side: H200 trace, session 27, one program a key head doing all
+    of them took 6.7 µs a call at one stream).
     refs: y [S, R, N]; parents [S, R] (windows only); slot [S]; pool [N, K-1, C]; weight [C, K]; a_log, dt_bias
     [hv]; outputs q, k [S, R, hk, dk], v, z [S, R, hv, dv], g, beta [S, R, hv]; the pool again (step only,
     aliased)."""
@@ -1274,20 +1276,26 @@ def _decode_prep_kernel(*refs, hk: int, hv: int, dk: int, dv: int, kw: int, step
             pool_out_ref[slot, kw - 2, cols] = row.astype(pool_out_ref.dtype)
         return jax.nn.silu(acc).astype(dtype)
 
-    for which, out_ref, c0 in ((0, q_ref, h * dk), (1, k_ref, kd + h * dk)):
-        x = conv(c0, dk).astype(_F32)
-        x = x * jax.lax.rsqrt(jnp.sum(x * x) + QK_NORM_EPS)
-        if which == 0:
-            x = x * (dk ** -0.5)
-        out_ref[s, r, h, :] = x.astype(dtype)
-    live = slot > 0
-    for j in range(group):
-        head = h * group + j
+    part = pl.program_id(3)
+
+    @pl.when(part == 0)
+    def _():
+        for which, out_ref, c0 in ((0, q_ref, h * dk), (1, k_ref, kd + h * dk)):
+            x = conv(c0, dk).astype(_F32)
+            x = x * jax.lax.rsqrt(jnp.sum(x * x) + QK_NORM_EPS)
+            if which == 0:
+                x = x * (dk ** -0.5)
+            out_ref[s, r, h, :] = x.astype(dtype)
+
+    @pl.when(part > 0)
+    def _():
+        head = h * group + part - 1
         v_ref[s, r, head, :] = conv(2 * kd + head * dv, dv)
         z_ref[s, r, head, :] = y_ref[s, r, pl.ds(c + head * dv, dv)]
         beta, g = _gates(y_ref[s, r, c + vd + head], y_ref[s, r, c + vd + hv + head], alog_ref[head],
                          dtb_ref[head])
         if step:
+            live = slot > 0
             beta, g = jnp.where(live, beta, 0.0), jnp.where(live, g, 0.0)
         beta_ref[s, r, head] = beta
         g_ref[s, r, head] = g
@@ -1296,7 +1304,8 @@ def _decode_prep_kernel(*refs, hk: int, hv: int, dk: int, dv: int, kw: int, step
 def decode_prep(y: jax.Array, parents: jax.Array | None, conv_pool: jax.Array, slot: jax.Array, weight: jax.Array,
          a_log: jax.Array, dt_bias: jax.Array, *, hk: int, dk: int, hv: int, dv: int, interpret: bool = False
          ) -> tuple[jax.Array, ...]:
-    """Same contract as `decode_prep_reference`, one launch, grid (stream, row, key head). For the step (parents None)
+    """Same contract as `decode_prep_reference`, one launch, grid (stream, row, key head, its q/k or one of its value
+    heads). For the step (parents None)
     the conv pool is updated in place (pass it donated); a window only reads it. Every value is computed in the
     program of its own row from that row, its ancestors and its slot, so a row's bits do not depend on the other
     rows or streams of the call, and a window row's equal the serial step's over the same history."""
@@ -1332,7 +1341,7 @@ def decode_prep(y: jax.Array, parents: jax.Array | None, conv_pool: jax.Array, s
     out = pallas_call(
         functools.partial(_decode_prep_kernel, hk=hk, hv=hv, dk=dk, dv=dv, kw=weight.shape[1], step=step),
         out_shape=tuple(out_shape + ([jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype)] if step else [])),
-        grid=(s, r, hk),
+        grid=(s, r, hk, 1 + hv // hk),
         input_output_aliases={2: 6} if step else {},
         compiler_params=pt.CompilerParams(num_warps=DECODE_PREP_WARPS),
         interpret=interpret,
