@@ -135,10 +135,11 @@ case "$stage" in
     timeout 250 python3 tools/gpu/engine_ab.py --streams 1,16 --rounds 32 \
       --variants "prep=1,aprep=1;prep=0,aprep=0;prep=1,aprep=1" 2>&1 | tee "$out/engine_ab_prep.log" | tail -8 ;;
   hundred-eighth)
-    # Session 27 (~8 min): GDN verify and step rows in one launch (`gdn.decode_prep`), attention rows' q/k norms and
-    # RoPE in one (`attn_prep`): their gpu tests at the 27B heads (reference, serial steps == chain and tree windows,
-    # alone == among others), the engine's gpu gates (every decode path's bits are new), then the 1-stream round
-    # traced with both on and both off (device busy, launches).
+    # Session 27, attempted once: the machine stopped answering and was given back (no output); hundred-tenth to
+    # hundred-thirteenth ran its parts. ~8 min: GDN verify and step rows in one launch (`gdn.decode_prep`),
+    # attention rows' q/k norms and RoPE in one (`attn_prep`): their gpu tests at the 27B heads (reference, serial
+    # steps == chain and tree windows, alone == among others), the engine's gpu gates (every decode path's bits are
+    # new), then the 1-stream round traced with both on and both off (device busy, launches).
     gpu_pytest 110 prep 10 tests/test_gdn.py tests/test_attn_prep.py -k "gpu_decode_prep or gpu_step_27b or gpu_attn"
     gpu_pytest 200 engine 10 tests/test_engine_gpu.py
     for v in on off; do
@@ -149,7 +150,8 @@ case "$stage" in
       gzip -f "$out/round_$v.hlo.txt"
     done ;;
   hundred-ninth)
-    # Session 27 (~6 min): decode forwards/s with both preps on and off, alternated, then the GDN one alone.
+    # Prepared in session 27, not run (hundred-eleventh ran a shorter form). ~6 min: decode forwards/s with both preps
+    # on and off, alternated, then the GDN one alone.
     timeout 330 python3 tools/gpu/engine_ab.py --streams 1,16 --rounds 32 \
       --variants "prep=1,aprep=1;prep=0,aprep=0;prep=1,aprep=1;prep=0,aprep=0;prep=1,aprep=0" \
       2>&1 | tee "$out/engine_ab_prep.log" | tail -9 ;;
