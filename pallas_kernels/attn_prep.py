@@ -44,6 +44,11 @@ def _pieces(d: int, rd: int) -> list[tuple[int, int]]:
     return out
 
 
+def supports(d: int, rotary_dim: int) -> bool:
+    """Whether `prep` takes these dims: D and rotary_dim powers of two (at least 2), rotary_dim <= D."""
+    return all(n >= 2 and n & (n - 1) == 0 for n in (d, rotary_dim)) and rotary_dim <= d
+
+
 def _check(y: jax.Array, q_weight: jax.Array, k_weight: jax.Array, cos: jax.Array, sin: jax.Array, *, hq: int,
            hkv: int, d: int, rotary_dim: int) -> None:
     if y.ndim != 3:
@@ -52,7 +57,7 @@ def _check(y: jax.Array, q_weight: jax.Array, k_weight: jax.Array, cos: jax.Arra
     if n != hq * 2 * d + 2 * hkv * d:
         raise ValueError(f"attn_prep: y's last axis must hold q|gate, k, v = {hq * 2 * d + 2 * hkv * d} columns for "
                          f"hq={hq}, hkv={hkv}, d={d}, got {n}")
-    if d < 2 or d & (d - 1) or rotary_dim < 2 or rotary_dim & (rotary_dim - 1) or rotary_dim > d:
+    if not supports(d, rotary_dim):
         raise ValueError(f"attn_prep: d ({d}) and rotary_dim ({rotary_dim}) must be powers of two, rotary_dim <= d")
     for label, w in (("q_weight", q_weight), ("k_weight", k_weight)):
         if w.shape != (d,):

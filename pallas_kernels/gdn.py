@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pt
 
 from pallas_kernels.calls import pallas_call
+from pallas_kernels.rownorm import l2norm_reference
 
 CHUNK = 64
 QK_NORM_EPS = 1e-6  # the q/k l2 norm's epsilon (the model's `ops.l2norm`)
@@ -200,16 +201,18 @@ def step_reference(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta:
 # Causal depthwise conv (+ SiLU) in front of the recurrence
 # ----------------------------------------------------------------------------------------------------------------
 
-def _conv_taps(taps: list, weight: jax.Array) -> jax.Array:
-    """taps: K arrays [..., C] in the inputs' dtype, oldest first; weight [C, K] -> silu(sum_j weight[:, j] taps[j])
-    [..., C] in fp32, the products added in tap order. Every conv entry point (prompt, window, step) computes this
-    same elementwise expression, so a row's conv has the same bits whichever pass computes it, and XLA fuses it
-    into its consumers with no transpose of the weight or concatenation of the taps (on the H200, session 14, the
-    step's earlier form cost a transpose and a concatenation launch a GDN layer)."""
-    wf = weight.astype(jnp.float32)
-    acc = taps[0].astype(jnp.float32) * wf[:, 0]
+def _conv_taps(taps: list, weight: jax.Array | list) -> jax.Array:
+    """taps: K arrays [..., C] in the inputs' dtype, oldest first; weight [C, K], or its K columns [C] as loaded
+    (`decode_prep`'s kernel) -> silu(sum_j weight[:, j] taps[j]) [..., C] in fp32, the products added in tap order.
+    Every conv entry point (prompt, window, step, decode_prep) computes this same elementwise expression, so a
+    row's conv has the same bits whichever pass computes it, and XLA fuses it into its consumers with no transpose
+    of the weight or concatenation of the taps (on the H200, session 14, the step's earlier form cost a transpose
+    and a concatenation launch a GDN layer)."""
+    cols = ([w.astype(_F32) for w in weight] if isinstance(weight, list)
+            else [weight.astype(_F32)[:, j] for j in range(len(taps))])
+    acc = taps[0].astype(_F32) * cols[0]
     for j in range(1, len(taps)):
-        acc = acc + taps[j].astype(jnp.float32) * wf[:, j]
+        acc = acc + taps[j].astype(_F32) * cols[j]
     return jax.nn.silu(acc)
 
 
@@ -256,22 +259,25 @@ def _conv_prompt(m, hist, conv_pool, slot, weight, start, lengths):
     return u, conv_pool.at[slot].set(new_hist.astype(conv_pool.dtype))
 
 
-def _ancestor_rows(parents: jax.Array, depth_needed: int) -> tuple[jax.Array, jax.Array]:
-    """For each node r and distance d in 1..depth_needed: the ancestor index (or -1) and, once the path runs out,
-    how far into the committed history it reaches. parents [R] -> (anc [D, R], back [D, R])."""
-    r = parents.shape[0]
-    anc = []
-    cur = jnp.arange(r)
-    back = jnp.zeros((r,), jnp.int32)
-    backs = []
+def _ancestor_walk(node, parent_of, depth_needed: int) -> list[tuple[jax.Array, jax.Array]]:
+    """For node(s) `node` (an int32 array or scalar) and distance d in 1..depth_needed: (the ancestor index or -1,
+    once the path has run out how far into the committed history it reaches). parent_of(i) -> the parent of the
+    valid node index i (a gather over all rows in `_ancestor_rows`, a scalar load in `decode_prep`'s kernel)."""
+    out = []
+    cur, back = node, jnp.zeros_like(node)
     for _ in range(depth_needed):
-        par = jnp.where(cur >= 0, parents[jnp.maximum(cur, 0)], -1)
+        par = jnp.where(cur >= 0, parent_of(jnp.maximum(cur, 0)), -1)
         back = jnp.where(cur < 0, back + 1, back)
         back = jnp.where((cur >= 0) & (par < 0), 1, back)
         cur = par
-        anc.append(cur)
-        backs.append(back)
-    return jnp.stack(anc), jnp.stack(backs)
+        out.append((cur, back))
+    return out
+
+
+def _ancestor_rows(parents: jax.Array, depth_needed: int) -> tuple[jax.Array, jax.Array]:
+    """`_ancestor_walk` of every node r of parents [R] -> (anc [D, R], back [D, R])."""
+    walk = _ancestor_walk(jnp.arange(parents.shape[0], dtype=jnp.int32), lambda i: parents[i], depth_needed)
+    return jnp.stack([a for a, _ in walk]), jnp.stack([b for _, b in walk])
 
 
 def conv_window_reference(m: jax.Array, parents: jax.Array, conv_pool: jax.Array, slot: jax.Array,
@@ -321,8 +327,9 @@ def conv_step_reference(m: jax.Array, conv_pool: jax.Array, slot: jax.Array, wei
     return u.astype(m.dtype), conv_pool.at[slot].set(new_hist)
 
 
-def _gates(b: jax.Array, a: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """beta = sigmoid(b) and g = -exp(A_log) softplus(a + dt_bias), both fp32, from the projection's b and a."""
+def gates(b: jax.Array, a: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """beta = sigmoid(b) and g = -exp(A_log) softplus(a + dt_bias), both fp32, from the projection's b and a (the
+    model's `gdn.project` and `decode_prep` alike)."""
     beta = jax.nn.sigmoid(b.astype(_F32))
     g = -jnp.exp(a_log.astype(_F32)) * jax.nn.softplus(a.astype(_F32) + dt_bias.astype(_F32))
     return beta, g
@@ -343,15 +350,14 @@ def decode_prep_reference(y: jax.Array, parents: jax.Array | None, conv_pool: ja
     kd, vd = hk * dk, hv * dv
     c = 2 * kd + vd
     m, z = y[..., :c], y[..., c:c + vd].reshape(s, r, hv, dv)
-    beta, g = _gates(y[..., c + vd:c + vd + hv], y[..., c + vd + hv:c + vd + 2 * hv], a_log, dt_bias)
+    beta, g = gates(y[..., c + vd:c + vd + hv], y[..., c + vd + hv:c + vd + 2 * hv], a_log, dt_bias)
     if parents is None:
         u, conv_pool = conv_step_reference(m, conv_pool, slot, weight)
         live = (slot > 0)[:, None, None]
         beta, g = jnp.where(live, beta, 0.0), jnp.where(live, g, 0.0)
     else:
         u = conv_window_reference(m, parents, conv_pool, slot, weight)
-    qk = u[..., :2 * kd].reshape(s, r, 2 * hk, dk).astype(_F32)
-    qk = qk * jax.lax.rsqrt(jnp.sum(qk * qk, axis=-1, keepdims=True) + QK_NORM_EPS)
+    qk = l2norm_reference(u[..., :2 * kd].reshape(s, r, 2 * hk, dk), QK_NORM_EPS)
     q = (qk[:, :, :hk] * (dk ** -0.5)).astype(y.dtype)
     out = (q, qk[:, :, hk:].astype(y.dtype), u[..., 2 * kd:].reshape(s, r, hv, dv), z, g, beta)
     return out if parents is not None else (*out, conv_pool)
@@ -1240,18 +1246,12 @@ def _decode_prep_kernel(*refs, hk: int, hv: int, dk: int, dv: int, kw: int, step
     c = 2 * kd + vd
     group = hv // hk
     # The tap at distance d = 1..K-1: window row `anc` when >= 0, else history row `idx` of the slot
-    # (`_ancestor_rows`'s walk; the step's taps are all history).
-    sources = []
-    cur, back = r, jnp.int32(0)
-    for d in range(1, kw):
-        if step:
-            sources.append((None, kw - 1 - d))
-            continue
-        par = jnp.where(cur >= 0, parents_ref[s, jnp.maximum(cur, 0)], -1)
-        back = jnp.where(cur < 0, back + 1, back)
-        back = jnp.where((cur >= 0) & (par < 0), 1, back)
-        cur = par
-        sources.append((cur, jnp.clip(kw - 1 - back, 0, kw - 2)))
+    # (`_ancestor_walk`; the step's taps are all history).
+    if step:
+        sources = [(None, kw - 1 - d) for d in range(1, kw)]
+    else:
+        sources = [(anc, jnp.clip(kw - 1 - back, 0, kw - 2))
+                   for anc, back in _ancestor_walk(r, lambda i: parents_ref[s, i], kw - 1)]
 
     def conv(c0: int | jax.Array, n: int) -> jax.Array:
         """silu(conv) of channels [c0, c0 + n) in y.dtype: `_conv_taps`'s expression, taps oldest first."""
@@ -1265,16 +1265,13 @@ def _decode_prep_kernel(*refs, hk: int, hv: int, dk: int, dv: int, kw: int, step
             if anc is not None:
                 tap = jnp.where(anc >= 0, y_ref[s, jnp.maximum(anc, 0), cols], tap)
             taps.append(tap)
-        taps = taps[::-1]
-        acc = taps[0].astype(_F32) * w_ref[cols, 0].astype(_F32)
-        for j in range(1, kw):
-            acc = acc + taps[j].astype(_F32) * w_ref[cols, j].astype(_F32)
+        u = _conv_taps(taps[::-1], [w_ref[cols, j] for j in range(kw)])
         if step:  # the new history: the old one's rows 1..K-2 (read oldest last above), then the row
             olds = olds[::-1]
             for i in range(kw - 2):
                 pool_out_ref[slot, i, cols] = olds[i + 1]
             pool_out_ref[slot, kw - 2, cols] = row.astype(pool_out_ref.dtype)
-        return jax.nn.silu(acc).astype(dtype)
+        return u.astype(dtype)
 
     part = pl.program_id(3)
 
@@ -1292,13 +1289,18 @@ def _decode_prep_kernel(*refs, hk: int, hv: int, dk: int, dv: int, kw: int, step
         head = h * group + part - 1
         v_ref[s, r, head, :] = conv(2 * kd + head * dv, dv)
         z_ref[s, r, head, :] = y_ref[s, r, pl.ds(c + head * dv, dv)]
-        beta, g = _gates(y_ref[s, r, c + vd + head], y_ref[s, r, c + vd + hv + head], alog_ref[head],
+        beta, g = gates(y_ref[s, r, c + vd + head], y_ref[s, r, c + vd + hv + head], alog_ref[head],
                          dtb_ref[head])
         if step:
             live = slot > 0
             beta, g = jnp.where(live, beta, 0.0), jnp.where(live, g, 0.0)
         beta_ref[s, r, head] = beta
         g_ref[s, r, head] = g
+
+
+def decode_prep_supports(hk: int, dk: int, hv: int, dv: int) -> bool:
+    """Whether `decode_prep` takes these heads: dk and dv powers of two >= 16, hv a multiple of hk."""
+    return _is_pow2(dk) and _is_pow2(dv) and hv % hk == 0
 
 
 def decode_prep(y: jax.Array, parents: jax.Array | None, conv_pool: jax.Array, slot: jax.Array, weight: jax.Array,
@@ -1317,11 +1319,10 @@ def decode_prep(y: jax.Array, parents: jax.Array | None, conv_pool: jax.Array, s
     if n != c + vd + 2 * hv:
         raise ValueError(f"gdn.decode_prep: y's last axis must hold q, k, v, z, b, a = {c + vd + 2 * hv} columns for "
                          f"hk={hk}, dk={dk}, hv={hv}, dv={dv}, got {n}")
-    if hv % hk:
-        raise ValueError(f"gdn.decode_prep: value heads ({hv}) must be a multiple of key heads ({hk})")
-    if not (_is_pow2(dk) and _is_pow2(dv)):
-        raise ValueError(f"gdn.decode_prep: the kernel needs dk and dv to be powers of two >= 16, got {dk}, {dv}; use "
-                         f"decode_prep_reference for other head sizes")
+    if not decode_prep_supports(hk, dk, hv, dv):
+        raise ValueError(f"gdn.decode_prep: the kernel needs dk and dv to be powers of two >= 16 and value heads a "
+                         f"multiple of key heads, got dk={dk}, dv={dv}, hk={hk}, hv={hv}; use decode_prep_reference "
+                         f"for other heads")
     _check_conv("decode_prep", jax.ShapeDtypeStruct((s, r, c), y.dtype), conv_pool, slot)
     _check_weight("decode_prep", weight, conv_pool)
     for label, x in (("a_log", a_log), ("dt_bias", dt_bias)):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import gdn as gdn_k
 from qwen_jax.config import TextConfig
 from qwen_jax.model import ops
 from qwen_jax.model.ops import Backend, linear, linear_split
@@ -14,8 +15,7 @@ from qwen_jax.model.ops import Backend, linear, linear_split
 def project(x: jax.Array, p: dict, backend: Backend, *, prompt: bool):
     """x [S, T, H] -> (m [S, T, C] pre-conv, z, beta [S, T, Hv] fp32, g [S, T, Hv] fp32)."""
     m, z, b, a = linear_split(x, p["in_proj"], backend, prompt=prompt)
-    beta = jax.nn.sigmoid(b.astype(jnp.float32))
-    g = -jnp.exp(p["A_log"]) * jax.nn.softplus(a.astype(jnp.float32) + p["dt_bias"])
+    beta, g = gdn_k.gates(b, a, p["A_log"], p["dt_bias"])
     return m, z, beta, g
 
 

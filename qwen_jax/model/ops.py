@@ -194,10 +194,10 @@ def decode_prep_applies(backend: Backend, in_proj, cfg) -> bool:
     """Whether verify and step rows take `gdn.decode_prep` (kernels on, the in-projection one fused matmul of
     q|k|v, z, b, a, power-of-two head sizes); otherwise the model's separate conv, norm and gate ops."""
     c = 2 * cfg.key_dim + cfg.value_dim
-    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     return (DECODE_PREP and backend.kernels and isinstance(in_proj, Fused)
             and in_proj.sizes == (c, cfg.value_dim, cfg.linear_num_value_heads, cfg.linear_num_value_heads)
-            and all(n >= 16 and n & (n - 1) == 0 for n in (dk, dv)))
+            and gdn_k.decode_prep_supports(cfg.linear_num_key_heads, cfg.linear_key_head_dim,
+                                           cfg.linear_num_value_heads, cfg.linear_value_head_dim))
 
 
 def gdn_decode_prep(backend: Backend, y: jax.Array, parents, conv_pool: jax.Array, slot: jax.Array, p: dict, cfg):
@@ -210,10 +210,10 @@ def gdn_decode_prep(backend: Backend, y: jax.Array, parents, conv_pool: jax.Arra
 def attn_prep_applies(backend: Backend, qkv, cfg) -> bool:
     """Whether an attention layer's verify and step rows take `attn_prep.prep` (kernels on, the qkv projection one
     fused matmul of q|gate, k, v, power-of-two head and rotary dims); otherwise the model's norm and RoPE ops."""
-    d, rd = cfg.head_dim, cfg.rotary_dim
+    d = cfg.head_dim
     return (ATTN_PREP and backend.kernels and isinstance(qkv, Fused)
             and qkv.sizes == (cfg.num_heads * 2 * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d)
-            and all(n >= 2 and n & (n - 1) == 0 for n in (d, rd)) and rd <= d)
+            and attn_prep_k.supports(d, cfg.rotary_dim))
 
 
 def attn_prep(backend: Backend, y: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, cfg):
@@ -265,7 +265,7 @@ def gated_rms_norm(backend: Backend, x: jax.Array, gate: jax.Array, weight: jax.
 
 def l2norm(backend: Backend, x: jax.Array) -> jax.Array:
     """x * rsqrt(sum(x^2) + 1e-6) over the last axis, fp32 out (GDN's q/k)."""
-    return _pick(backend, rownorm_k, "l2norm")(x, 1e-6)
+    return _pick(backend, rownorm_k, "l2norm")(x, gdn_k.QK_NORM_EPS)
 
 
 def kv_write(backend: Backend, *args):
