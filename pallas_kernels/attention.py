@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -100,6 +101,35 @@ def window_reference(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: 
 
 _LOG2E = math.log2(math.e)
 SMEM_BYTES = 227 * 1024  # shared memory a program may use on the H100/H200 (sm_90)
+# The most chunks a stream's committed keys make where they are cut shorter than `WindowTiles.chunk`
+# (`WindowTiles.short_chunk`): 8, one group of the fold (`WindowTiles.fold`), so a short context never needs it.
+SHORT_CHUNKS = 8
+# `WindowTiles.short_chunk` in the shipped tiles (`window_tiles`): two of the Mosaic GPU pass 1's 64-key blocks.
+SHORT_CHUNK = 128
+
+
+def stream_chunking(n_keys, chunk: int, short_chunk: int | None):
+    """(keys a chunk, chunks) of a stream with n_keys committed keys (an int32 scalar >= 0, traced inside a kernel
+    or not): chunks of `chunk`, or with short_chunk the least of short_chunk, 2 short_chunk, ... chunk that cuts
+    n_keys into at most SHORT_CHUNKS (else `chunk`). Only min / max / multiply / divide on scalars, so the Triton and
+    Mosaic GPU kernels and XLA all compute it alike."""
+    size = chunk
+    if short_chunk is not None and short_chunk < chunk:
+        size, step = short_chunk, short_chunk
+        while step < chunk:  # thresholds rise, so once a factor is 1 every later one is too
+            size = size * (1 + lax.clamp(0, n_keys - SHORT_CHUNKS * step, 1))
+            step *= 2
+    size = jnp.asarray(size, jnp.int32)
+    return size, lax.div(n_keys + size - 1, size)
+
+
+def table_chunks(max_keys: int, chunk: int, short_chunk: int | None) -> int:
+    """The most chunks any stream of a table of max_keys keys makes (`stream_chunking`): the chunk programs of a
+    call and the partials a merge may add."""
+    n = -(-max_keys // chunk)
+    if short_chunk is None or short_chunk >= chunk:
+        return n
+    return max(n, min(SHORT_CHUNKS, -(-max_keys // short_chunk)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +144,12 @@ class WindowTiles:
     # (docs/kernels/attention.md).
     block_k: int = 32  # keys per online-softmax step
     chunk: int = 512  # keys per partial (m, l, acc); partials are folded one at a time in chunk order
+    # Short contexts (order): None, every stream's keys in chunks of `chunk`; else a stream of n committed keys cuts
+    # them into chunks of the least power-of-two multiple of short_chunk, up to `chunk`, that leaves at most
+    # SHORT_CHUNKS of them (`stream_chunking`). A function of the stream's own context, so a row's bits still follow
+    # only its stream; what it buys is programs: a 1K-key context at chunk 1024 is one program a KV head, four on
+    # the whole GPU at one stream, each walking its keys alone.
+    short_chunk: int | None = None
     # "bfloat16": fp8 codes widened to bf16 (exact), P·vs rounded to bf16. "float16": codes widened to f16 (exact,
     # and a native conversion on sm_90, where e4m3 -> bf16 is not), q rounded to f16 (exact for bf16 queries of
     # magnitude 2^-14 .. 65504, which RMS-normed queries are), P·(vs / block max of vs) rounded to f16 (3 more
@@ -208,7 +244,7 @@ def window_tiles(*, page_size: int, max_keys: int, head_dim: int, fp8: bool) -> 
     """The shipped verify/decode tiles: the one place they are chosen. Arguments are fixed for a model and cache
     layout (page size, page-table width x page size, head dim, KV dtype), never the streams or rows of a call,
     so the reduction order they set is the same in every program of the engine."""
-    del page_size, max_keys, head_dim  # measured best so far (docs/kernels/attention.md, sessions 7 and 8)
+    del max_keys, head_dim  # measured best so far (docs/kernels/attention.md, sessions 7 and 8)
     # fp8: f16 dots (codes widened natively) with the flat walk: 1-row decode 62.9 / 92.0 / 168.6 µs at 4K / 32K /
     # 128K against 80.5 / 115.5 / 213.2 with bf16 dots and the page walk. Packed rows split in programs of 32
     # (windows of more than 5 rows; a 1-row window's 6 packed rows are one block either way): the 16-row window
@@ -221,7 +257,11 @@ def window_tiles(*, page_size: int, max_keys: int, head_dim: int, fp8: bool) -> 
     # dots (tools/gpu/run.sh eighty-sixth). f16 again since: that run's window_fp8 (kernels alone, traced) decoded
     # 1 stream at 4K / 32K / 128K in 24.1 / 39.3 / 114.3 µs against 29.1 / 40.5 / 124.6 with bf16 dots, 16 streams
     # at 32K in 395.6 against 459.7 (at 4K 70.8 against 68.2); its 16-row windows were 2-6 % slower.
-    return WindowTiles(fp8_dot="float16", row_block=32) if fp8 else WindowTiles()
+    # Short contexts in short chunks (session 28): at one stream a 1K-key decode ran one chunk program a KV head
+    # (21.4 µs a layer in the 27B round at 1K context, session 18, where its keys' bytes take ~1 µs).
+    tiles = WindowTiles(fp8_dot="float16", row_block=32) if fp8 else WindowTiles()
+    short = max(SHORT_CHUNK, page_size)
+    return dataclasses.replace(tiles, short_chunk=short if short < tiles.chunk else None)
 
 
 # Which pass 1 a window call without explicit tiles runs: "auto" (the Mosaic GPU pass 1 for bf16 pools compiled
@@ -435,23 +475,24 @@ def _window_chunk_kernel(cache_len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, fp8:
     s, gp, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     g, part = gp // parts, gp % parts
     n_keys = jnp.minimum(cache_len_ref[s], max_keys)
-    chunk_start = c * tiles.chunk
+    size, n_chunks = stream_chunking(n_keys, tiles.chunk, tiles.short_chunk)
 
-    @pl.when(chunk_start < n_keys)
+    @pl.when(c < n_chunks)
     def _():
         idx, real = _packed_rows(mrows, r, q_ref.shape[0] // r, group, g, part * mrows)
         m, l, acc = _chunk_partial(q_ref[idx].astype(cdt), pt_ref, k_ref, v_ref, ks_ref, vs_ref,
-                                   chunk_start=chunk_start, n_keys=n_keys, scale=scale, page_size=page_size,
-                                   tiles=tiles, cdt=cdt)
+                                   chunk_start=c * size, span=size, n_keys=n_keys, scale=scale,
+                                   page_size=page_size, tiles=tiles, cdt=cdt)
         plgpu.store(m_ref, m, mask=real)
         plgpu.store(l_ref, l, mask=real)
         plgpu.store(acc_ref, acc, mask=real[:, None])
 
 
-def _chunk_partial(q, pt_ref, k_ref, v_ref, ks_ref, vs_ref, *, chunk_start, n_keys, scale: float, page_size: int,
-                   tiles: WindowTiles, cdt):
+def _chunk_partial(q, pt_ref, k_ref, v_ref, ks_ref, vs_ref, *, chunk_start, span, n_keys, scale: float,
+                   page_size: int, tiles: WindowTiles, cdt):
     """One chunk's online-softmax partial (m [M], l [M], acc [M, D], relative to m) for packed query rows q
-    [M, D] over the committed keys chunk_start .. chunk_start + chunk - 1 below n_keys."""
+    [M, D] over the committed keys chunk_start .. chunk_start + span - 1 below n_keys (span: the stream's chunk,
+    `stream_chunking`)."""
     mrows, bk = q.shape[0], tiles.block_k
 
     def step(carry, first, k, v, ks, vs):
@@ -461,7 +502,7 @@ def _chunk_partial(q, pt_ref, k_ref, v_ref, ks_ref, vs_ref, *, chunk_start, n_ke
     init = (jnp.full((mrows,), -jnp.inf, jnp.float32), jnp.zeros((mrows,), jnp.float32),
             jnp.zeros((mrows, q.shape[1]), jnp.float32))
     return _walk_pages(init, step, pt_ref, k_ref, v_ref, ks_ref, vs_ref, first_key=chunk_start, n_keys=n_keys,
-                       span=tiles.chunk, block_k=bk, page_size=page_size, walk=tiles.walk)
+                       span=span, block_k=bk, page_size=page_size, walk=tiles.walk)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -590,11 +631,12 @@ def _fold_groups_in_order(l_ref, acc_ref, m_ref, *, n_chunks, real, m_base, fold
 # ----------------------------------------------------------------------------------------------------------------
 
 def _window_fold_kernel(cache_len_ref, m_ref, l_ref, acc_ref, lg_ref, accg_ref, *, r: int, hq: int, group: int,
-                        mrows: int, max_keys: int, chunk: int, fold: int, unroll: int, max_block: int):
+                        mrows: int, max_keys: int, chunk: int, short_chunk: int | None, fold: int, unroll: int,
+                        max_block: int):
     # m_ref, l_ref [NC, M], acc_ref [NC, M, BD]: this (stream, KV head)'s chunk partials; outputs lg_ref [M],
     # accg_ref [M, BD]: group j's partial relative to the committed max (written for live groups and real rows).
     s, g, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    n_chunks = (jnp.minimum(cache_len_ref[s], max_keys) + chunk - 1) // chunk
+    n_chunks = stream_chunking(jnp.minimum(cache_len_ref[s], max_keys), chunk, short_chunk)[1]
 
     @pl.when(j * fold < n_chunks)
     def _():
@@ -613,8 +655,8 @@ def _window_fold_kernel(cache_len_ref, m_ref, l_ref, acc_ref, lg_ref, accg_ref, 
 
 def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref, acc_ref, *refs,
                          fp8: bool, scale: float, r: int, group: int, mrows: int, parts: int, rp: int, max_keys: int,
-                         chunk: int, fold: int | None, fold_here: bool, unroll: int, max_block: int, early: bool,
-                         cdt):
+                         chunk: int, short_chunk: int | None, fold: int | None, fold_here: bool, unroll: int,
+                         max_block: int, early: bool, cdt):
     # cache_len_ref [S]; parents_ref [R]; q_ref [R*Hq, D]; kw_ref [R*Hkv, D], vw_ref [R*Hkv, BD] the window's rows as
     # stored (fp8 codes widened to cdt, `_window_rows_for_merge`; row j*Hkv + g is window key j of KV head g); m_ref
     # [NC, M] the chunk maxima; l_ref, acc_ref [N, M], [N, M, BD]: the chunk partials (fold None, or fold_here: this
@@ -631,10 +673,10 @@ def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_re
     if early:
         o_ref[...] = _merge_early(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref, acc_ref, ksw_ref,
                                   vsw_ref, s=s, g=g, first=first, scale=scale, r=r, group=group, mrows=mrows, rp=rp,
-                                  max_keys=max_keys, chunk=chunk, fold=fold, fold_here=fold_here,
-                                  cdt=cdt).astype(o_ref.dtype)
+                                  max_keys=max_keys, chunk=chunk, short_chunk=short_chunk, fold=fold,
+                                  fold_here=fold_here, cdt=cdt).astype(o_ref.dtype)
         return
-    n_chunks = (jnp.minimum(cache_len_ref[s], max_keys) + chunk - 1) // chunk
+    n_chunks = stream_chunking(jnp.minimum(cache_len_ref[s], max_keys), chunk, short_chunk)[1]
     idx, real = _packed_rows(mrows, r, q_ref.shape[0] // r, group, g, first)
     q = q_ref[idx].astype(cdt)  # (loaded first: it does not wait on the partials)
     bd = acc_ref.shape[2]
@@ -658,15 +700,15 @@ def _window_merge_kernel(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_re
                                    cdt=cdt).astype(o_ref.dtype)
 
 
-def merge_entries(*, max_keys: int, chunk: int, fold: int | None, fold_here: bool) -> int:
+def merge_entries(*, max_keys: int, chunk: int, short_chunk: int | None, fold: int | None, fold_here: bool) -> int:
     """Partials a merge program may add: the table's chunks (fold None or fold_here), else its groups."""
-    chunks = -(-max_keys // chunk)
+    chunks = table_chunks(max_keys, chunk, short_chunk)
     return chunks if fold is None or fold_here else -(-chunks // fold)
 
 
 def _merge_early(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref, acc_ref, ksw_ref, vsw_ref, *, s,
                  g, first, scale: float, r: int, group: int, mrows: int, rp: int, max_keys: int, chunk: int,
-                 fold: int | None, fold_here: bool, cdt):
+                 short_chunk: int | None, fold: int | None, fold_here: bool, cdt):
     """The merge with every load issued first: the stream's context length, the query rows, the window's operands,
     the chunk maxima and each of the table's partials (`merge_entries`), none masked by the context (only by the
     real rows, which the program id fixes), so no load waits on another's result. Partials past the context are
@@ -683,7 +725,8 @@ def _merge_early(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref
     operands = _window_operands(g, parents_ref, kw_ref, vw_ref, ksw_ref, vsw_ref, real=real, r=r, group=group,
                                 rp=rp, first_row=first, mrows=mrows)
     weighted = fold is None or fold_here
-    n_entries = merge_entries(max_keys=max_keys, chunk=chunk, fold=fold, fold_here=fold_here)
+    n_entries = merge_entries(max_keys=max_keys, chunk=chunk, short_chunk=short_chunk, fold=fold,
+                              fold_here=fold_here)
     entries = [_load_entry(l_ref, acc_ref, m_ref if weighted else None, jnp.int32(c), real)
                for c in range(n_entries)]
     if not weighted:  # group partials: the chunk maxima apart
@@ -702,7 +745,7 @@ def _merge_early(cache_len_ref, parents_ref, q_ref, kw_ref, vw_ref, m_ref, l_ref
     operands = tuple(held(x) for x in operands)
     logits_w = _window_logits(q, operands, scale=scale, cdt=cdt)
 
-    n_chunks = (jnp.minimum(n_len, max_keys) + chunk - 1) // chunk
+    n_chunks = stream_chunking(jnp.minimum(n_len, max_keys), chunk, short_chunk)[1]
     # Per-row values (l, maxima, the committed max) as [M, 1] columns (`_load_entry`).
     if weighted:
         # The maximum of the loaded entries' maxima, one column at a time (exact in any order): derived from the
@@ -835,7 +878,7 @@ def _window_ticket_kernel(cache_len_ref, parents_ref, pt_ref, q_ref, kw_ref, vw_
     s, gp, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     g, part = gp // parts, gp % parts
     n_keys = jnp.minimum(cache_len_ref[s], max_keys)
-    n_chunks = (n_keys + tiles.chunk - 1) // tiles.chunk
+    size, n_chunks = stream_chunking(n_keys, tiles.chunk, tiles.short_chunk)
     n_groups = (n_chunks + tiles.fold - 1) // tiles.fold
     idx, real = _packed_rows(mrows, r, q_ref.shape[0] // r, group, g, part * mrows)
     q = q_ref[idx].astype(cdt)
@@ -843,7 +886,7 @@ def _window_ticket_kernel(cache_len_ref, parents_ref, pt_ref, q_ref, kw_ref, vw_
 
     @pl.when(c < n_chunks)
     def _():
-        m, l, acc = _chunk_partial(q, pt_ref, k_ref, v_ref, ks_ref, vs_ref, chunk_start=c * tiles.chunk,
+        m, l, acc = _chunk_partial(q, pt_ref, k_ref, v_ref, ks_ref, vs_ref, chunk_start=c * size, span=size,
                                    n_keys=n_keys, scale=scale, page_size=page_size, tiles=tiles, cdt=cdt)
         plgpu.store(m_ref.at[c], m, mask=real)
         plgpu.store(l_ref.at[c], l, mask=real)
@@ -992,14 +1035,14 @@ def _pass_one(q: jax.Array, pool: KVPool, page_table: jax.Array, tiles: WindowTi
     mrows = _padded_rows(r * (hq // pool.k.shape[0]))
     cdt = _compute_dtype(q.dtype, pool, tiles.fp8_dot)
     max_keys = page_table.shape[1] * ps
-    n_chunks = -(-max_keys // tiles.chunk)
+    n_chunks = table_chunks(max_keys, tiles.chunk, tiles.short_chunk)
     rb = min(tiles.row_block or mrows, mrows)
     parts = _row_parts(r * (hq // pool.k.shape[0]), rb)
     warps, stages = window_launch(tiles, mrows=rb, head_dim=d, kv_dtype=pool.k.dtype, cdt=cdt)
     per_head = pl.BlockSpec((None, pool.num_pages, ps, d), lambda i, j, c: (j // parts, 0, 0, 0))
     per_head_scale = pl.BlockSpec((None, pool.num_pages, ps), lambda i, j, c: (j // parts, 0, 0))
-    return _PassOne(mrows, rb, parts, n_chunks, max_keys, _pad_table(page_table, n_chunks * tiles.chunk, ps), cdt,
-                    warps, stages, [per_head, per_head] + ([per_head_scale, per_head_scale] if pool.fp8 else []))
+    table = _pad_table(page_table, -(-max_keys // tiles.chunk) * tiles.chunk, ps)  # (short chunks divide chunk)
+    return _PassOne(mrows, rb, parts, n_chunks, max_keys, table, cdt, warps, stages, [per_head, per_head] + ([per_head_scale, per_head_scale] if pool.fp8 else []))
 
 
 def _pool_operands(pool: KVPool) -> list[jax.Array]:
@@ -1020,7 +1063,8 @@ def window_impl(q_dtype, pool: KVPool, num_heads: int, tiles: WindowTiles, inter
     from pallas_kernels import attention_window_mgpu as awm  # (it imports this module)
     if pool.fp8 and not awm.FP8:
         return "triton"
-    why = awm.unsupported(q_dtype, pool, num_heads // pool.k.shape[0], chunk=tiles.chunk, stages=tiles.num_stages)
+    why = awm.unsupported(q_dtype, pool, num_heads // pool.k.shape[0], chunk=tiles.chunk, stages=tiles.num_stages,
+                          short_chunk=tiles.short_chunk)
     return "triton" if why else "mgpu"
 
 
@@ -1044,6 +1088,7 @@ def _mgpu_pass_one(q: jax.Array, pool: KVPool, tiles: WindowTiles, interpret) ->
         return False
     from pallas_kernels import attention_window_mgpu as awm
     why = awm.unsupported(q.dtype, pool, q.shape[2] // pool.k.shape[0], chunk=tiles.chunk, stages=tiles.num_stages,
+                          short_chunk=tiles.short_chunk,
                           interpret=bool(interpret))
     if why:
         raise ValueError(f"WindowTiles.impl='mgpu': the Mosaic GPU pass 1 needs {why}")
@@ -1079,7 +1124,7 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
     if _mgpu_pass_one(q, pool, tiles, interpret):
         from pallas_kernels import attention_window_mgpu as awm
         return awm.window_partials_mgpu(q, pool, one.page_table, cache_len, scale=scale, chunk=tiles.chunk,
-                                        n_chunks=one.n_chunks, nc_pad=nc_pad, max_keys=one.max_keys,
+                                        short_chunk=tiles.short_chunk, n_chunks=one.n_chunks, nc_pad=nc_pad, max_keys=one.max_keys,
                                         tiles=awm.WindowMgpuTiles(stages=tiles.num_stages,
                                                                   split_rows=_split_rows(tiles, one, s, hkv),
                                                                   ping_pong=awm.PING_PONG, dequant=awm.DEQUANT,
@@ -1141,20 +1186,20 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
     max_keys = page_table.shape[1] * pool.page_size
     bd, unroll = merge_launch(tiles, streams=s, hkv=hkv, mrows=mrows, head_dim=d)
     cache_len = cache_len.astype(jnp.int32)
-    table_chunks = -(-max_keys // tiles.chunk)  # fixed for a model and layout
-    grouped = table_chunks > tiles.fold
+    n_table = table_chunks(max_keys, tiles.chunk, tiles.short_chunk)  # fixed for a model and layout
+    grouped = n_table > tiles.fold
     m, l, acc = window_partials(q, pool, page_table, cache_len, scale=scale, tiles=tiles, interpret=interpret,
                                 pad_chunks_to=tiles.fold if grouped else unroll)
     nc_pad = m.shape[2]
     max_block = min(nc_pad, _pow2_floor(max(1, 4096 // mrows)))
     q_rows = q.reshape(s, r * hq, d)  # free: rows picked inside the kernels
-    fold_here = grouped and fold_in_merge(tiles, streams=s, hkv=hkv, chunks=table_chunks)
+    fold_here = grouped and fold_in_merge(tiles, streams=s, hkv=hkv, chunks=n_table)
     if grouped and not fold_here:
         groups = nc_pad // tiles.fold
         with jax.named_scope("attn_window_fold"):
             bdf, unroll_f = merge_launch(tiles, streams=s, hkv=hkv, mrows=mrows, head_dim=d, groups=groups)
             kernel = functools.partial(_window_fold_kernel, r=r, hq=hq, group=group, mrows=mrows, max_keys=max_keys,
-                                       chunk=tiles.chunk, fold=tiles.fold, unroll=unroll_f, max_block=max_block)
+                                       chunk=tiles.chunk, short_chunk=tiles.short_chunk, fold=tiles.fold, unroll=unroll_f, max_block=max_block)
             maxima = pl.BlockSpec((None, None, nc_pad, mrows), lambda i, j, c, e: (i, j, 0, 0))
             l, acc = pallas_call(
                 kernel,
@@ -1174,12 +1219,13 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
 
     with jax.named_scope("attn_window_merge"):
         kw, vw, scales = _window_rows_for_merge(k_win, v_win, pool, cdt, interpret)
-        entries = merge_entries(max_keys=max_keys, chunk=tiles.chunk, fold=tiles.fold if grouped else None,
-                                fold_here=fold_here)
+        entries = merge_entries(max_keys=max_keys, chunk=tiles.chunk, short_chunk=tiles.short_chunk,
+                                fold=tiles.fold if grouped else None, fold_here=fold_here)
         mb = merge_rows(tiles, mrows=mrows, programs=s * hkv * (d // bd))
         parts = _row_parts(r * group, mb)
         kernel = functools.partial(_window_merge_kernel, fp8=fp8, scale=scale, r=r, group=group, mrows=mb,
                                    parts=parts, rp=rp, max_keys=max_keys, chunk=tiles.chunk,
+                                   short_chunk=tiles.short_chunk,
                                    fold=tiles.fold if grouped else None, fold_here=fold_here, unroll=unroll,
                                    max_block=max_block, cdt=cdt,
                                    early=merge_early(tiles, mrows=mb, bd=bd, entries=entries))
@@ -1324,6 +1370,11 @@ def _check_window(q, k_win, v_win, parents, pool: KVPool, page_table, cache_len,
     if tiles.chunk % tiles.block_k or tiles.chunk % pool.page_size:
         raise ValueError(f"WindowTiles.chunk={tiles.chunk} must be a multiple of block_k={tiles.block_k} and of "
                          f"the page size {pool.page_size}")
+    sc = tiles.short_chunk
+    if sc is not None and (sc < 1 or sc % tiles.block_k or sc % pool.page_size or tiles.chunk % sc
+                           or (tiles.chunk // sc) & (tiles.chunk // sc - 1)):
+        raise ValueError(f"WindowTiles.short_chunk={sc} must be a multiple of block_k={tiles.block_k} and of the "
+                         f"page size {pool.page_size}, and chunk={tiles.chunk} a power-of-two multiple of it")
     if tiles.row_block is not None and (tiles.row_block < 16 or tiles.row_block & (tiles.row_block - 1)):
         raise ValueError(f"WindowTiles.row_block={tiles.row_block} must be a power of two >= 16")
     if tiles.fold < 1 or tiles.fold & (tiles.fold - 1):

@@ -32,7 +32,8 @@ natural-log units (the partial is exp(s scale - m) summed), for the chunks below
 chunks are left unwritten, and so are rows past R G rounded up to 8 (rows written past R G hold the padding rows'
 values; the merge reads only real rows).
 
-Exactness: key block b of chunk c always covers absolute keys [c chunk + b 64, c chunk + (b + 1) 64), every block
+Exactness: key block b of chunk c always covers absolute keys [c C + b 64, c C + (b + 1) 64), C the stream's chunk
+(`chunk`, or for a short context a shorter one its context picks: `attention.stream_chunking`), every block
 runs the same operations (keys at or past the context masked to -inf on the raw S), and a row's S, max, sum and
 P V are computed from that row alone (wgmma reduces over d per row, the softmax reductions are per row), so a row's
 partial depends only on its own query, its stream's keys and the chunk grid: not on the other rows of the window
@@ -70,7 +71,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.attention import SMEM_BYTES, _padded_rows, mgpu_operands
+from pallas_kernels.attention import SMEM_BYTES, _padded_rows, mgpu_operands, stream_chunking
 from pallas_kernels.attention_mgpu import (COMPUTE_REGISTERS, MEMORY_REGISTERS, WG_ROWS, _div, _transforms, add_pv,
                                            feed_slots, online_softmax, online_start)
 from pallas_kernels.kv_quant import KVPool
@@ -138,7 +139,8 @@ def pack_queries(q: jax.Array, hkv: int) -> jax.Array:
 
 
 def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: jax.Array, v: jax.Array,
-                 *scales: jax.Array, scale: float, chunk: int, n_chunks: int, nc_pad: int, real_rows: int,
+                 *scales: jax.Array, scale: float, chunk: int, short_chunk: int | None, n_chunks: int,
+                 nc_pad: int, real_rows: int,
                  mrows: int, max_keys: int, stages: int, parts: int, ping_pong: bool, partials: str = "float32",
                  dequant: str = "wgmma", fp8_split: bool = False,
                  interpret: bool | plgpu.InterpretGPUParams = False
@@ -162,7 +164,6 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
     bk = BLOCK_K
     span = min(bk, ps)  # keys one copy moves: a page, or a block's part of one
     copies = bk // span  # copies a block (pages shorter than a block)
-    per_chunk = chunk // bk
     # Rows a CTA stores: its real rows rounded up to 8 (a 1-row window stores 8 rows of partials, not 64; a 16-row
     # window at 6 heads a KV head 96, not 128). Static per CTA kind: with parts, every part but the last stores 64.
     round8 = lambda n: -(-n // 8) * 8
@@ -195,8 +196,9 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
         wg = lax.axis_index("wg")
         row0 = part * cta_rows  # the CTA's first packed row
         n_keys = lax.min(len_gmem[s], jnp.int32(max_keys))
-        first = c * chunk
-        n_blocks = lax.clamp(0, _div(lax.max(n_keys - first, 0) + bk - 1, bk), per_chunk)
+        size = stream_chunking(n_keys, chunk, short_chunk)[0]  # the stream's chunk (`attention.stream_chunking`)
+        first = c * size
+        n_blocks = lax.clamp(0, _div(lax.max(n_keys - first, 0) + bk - 1, bk), _div(size, bk))
 
         def store(rows: int):
             # The CTA's first `rows` rows of partials, one TMA each for O (bf16: one a warpgroup's tile it touches),
@@ -465,7 +467,7 @@ PARTIALS = "bfloat16"
 
 
 def unsupported(q_dtype, pool: KVPool, group: int, *, chunk: int, stages: int | None = None,
-                interpret: bool = False) -> str | None:
+                interpret: bool = False, short_chunk: int | None = None) -> str | None:
     """Why a model's window calls cannot run the Mosaic GPU pass 1 (None: they can), from the model and cache
     layout alone: a window of up to MAX_WINDOW_ROWS rows must fit, so that every call of the model (a serial step
     or a drafted window) runs the same pass 1."""
@@ -479,6 +481,8 @@ def unsupported(q_dtype, pool: KVPool, group: int, *, chunk: int, stages: int | 
         return f"pages of a multiple of {BLOCK_K} keys, or of 8..{BLOCK_K} keys dividing it; got {ps}"
     if chunk % BLOCK_K:
         return f"a chunk that is a multiple of {BLOCK_K} keys; got {chunk}"
+    if short_chunk is not None and short_chunk % BLOCK_K:
+        return f"a short chunk that is a multiple of {BLOCK_K} keys; got {short_chunk}"
     if compute_warpgroups(MAX_WINDOW_ROWS * group) > 2:
         return (f"at most {2 * WG_ROWS} packed rows ({MAX_WINDOW_ROWS} window rows x {group} query heads a KV head "
                 f"is {MAX_WINDOW_ROWS * group})")
@@ -490,10 +494,11 @@ def unsupported(q_dtype, pool: KVPool, group: int, *, chunk: int, stages: int | 
     return None
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "chunk", "n_chunks", "nc_pad", "max_keys", "tiles",
-                                             "partials", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "chunk", "short_chunk", "n_chunks", "nc_pad", "max_keys",
+                                             "tiles", "partials", "interpret"))
 def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len: jax.Array, *, scale: float,
                          chunk: int, n_chunks: int, nc_pad: int, max_keys: int, tiles: WindowMgpuTiles,
+                         short_chunk: int | None = None,
                          partials: str = "float32", interpret: bool | plgpu.InterpretGPUParams = False):
     """`attention.window_partials` on Mosaic GPU (the caller checked the model with `unsupported`): q [S, R, Hq, D]
     bf16; page_table [S, Pmax'] covering n_chunks chunks of `chunk` keys; cache_len [S] -> m, l [S, Hkv, nc_pad, M]
@@ -521,7 +526,7 @@ def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cach
                              f"of shared memory, more than {SMEM_BYTES}")
     # fp8 without fp8_split: one compute warpgroup a CTA
     parts = warpgroups if not fp8_split and (tiles.split_rows or pool.fp8) else 1
-    static = dict(scale=scale, chunk=chunk, n_chunks=n_chunks, nc_pad=nc_pad, real_rows=real_rows,
+    static = dict(scale=scale, chunk=chunk, short_chunk=short_chunk, n_chunks=n_chunks, nc_pad=nc_pad, real_rows=real_rows,
                   mrows=_padded_rows(real_rows), max_keys=max_keys,
                   stages=stages_for(tiles, warpgroups // parts), parts=parts, ping_pong=tiles.ping_pong,
                   partials=partials, dequant=tiles.dequant, fp8_split=fp8_split)

@@ -276,6 +276,55 @@ def test_window_fold_pass_bits(dtype):
     assert np.array_equal(bits(moved[2]), bits(batch[2]))
 
 
+def picked_chunk(n: int, chunk: int, short_chunk: int, short_chunks: int) -> int:
+    """`WindowTiles.short_chunk`'s rule, written out: the least of short_chunk, 2 short_chunk, ... chunk that cuts n
+    keys into at most short_chunks chunks, else chunk."""
+    size = short_chunk
+    while size < chunk and n > short_chunks * size:
+        size *= 2
+    return size
+
+
+def test_stream_chunking_follows_the_rule():
+    n = jnp.arange(0, 20000, dtype=jnp.int32)
+    for chunk, short in ((1024, 128), (512, 128), (64, 16), (512, None), (128, 128)):
+        size, count = jax.jit(jax.vmap(lambda x: at.stream_chunking(x, chunk, short)))(n)
+        want = np.array([chunk if short is None else picked_chunk(int(x), chunk, short, at.SHORT_CHUNKS)
+                         for x in np.asarray(n)])
+        assert np.array_equal(np.asarray(size), want), (chunk, short)
+        assert np.array_equal(np.asarray(count), -(-np.asarray(n) // want)), (chunk, short)
+        # the table's width covers every stream's chunks
+        for max_keys in (64, 1000, 4096, 16384):
+            live = np.asarray(n) <= max_keys
+            assert at.table_chunks(max_keys, chunk, short) >= np.asarray(count)[live].max(), (chunk, short, max_keys)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
+def test_window_short_chunks_are_the_fixed_chunks_they_pick(dtype):
+    """WindowTiles.short_chunk: each stream's keys in the chunk its own context picks (16, 32 or 64 keys here, at
+    most SHORT_CHUNKS of them), a row's bits those of that chunk fixed for the whole call; right against float64."""
+    rng = np.random.default_rng(29)
+    tiles = dataclasses.replace(SMALL_TILES, chunk=64, short_chunk=16)
+    lens = [0, 5, 100, 200, 300, 384]
+    case = window_case(rng, r=7, dtype=dtype, s=len(lens), pmax=48, num_pages=300, cache_lens=lens,
+                       parents=[TREE, CHAIN, TREE, CHAIN, TREE, CHAIN], **SMALL)
+    q, kw, vw, par, pool, table, cache_len = case
+    scale = SMALL["d"] ** -0.5
+    batch = run_window(*case, scale=scale, interpret=True, tiles=tiles)
+    assert rel_err(batch, np_window(*case, scale)) < 1e-2
+    picks = [picked_chunk(n, 64, 16, at.SHORT_CHUNKS) for n in lens]
+    assert picks[1:] == [16, 16, 32, 64, 64]
+    for i, size in enumerate(picks):
+        one = (q[i:i + 1], kw[i:i + 1], vw[i:i + 1], par[i:i + 1], pool, table[i:i + 1], cache_len[i:i + 1])
+        fixed = run_window(*one, scale=scale, interpret=True, tiles=dataclasses.replace(tiles, chunk=size,
+                                                                                         short_chunk=None))
+        assert np.array_equal(bits(fixed[0]), bits(batch[i])), (lens[i], size)
+    # the 384-key stream's chunks of 64 are the plain tiles' own: short contexts alone change
+    plain = run_window(*case, scale=scale, interpret=True, tiles=dataclasses.replace(tiles, short_chunk=None))
+    assert np.array_equal(bits(plain[-1]), bits(batch[-1]))
+    assert not np.array_equal(bits(plain[2]), bits(batch[2]))
+
+
 # 16-key chunks folded in pairs over a table of 12 pages of 8 (6 chunks, padded to 4 groups), every context short
 # of it: 70 keys (5 chunks: groups of 2, 2 and a last one of 1), 13 (one chunk), none, 40 (3 chunks: a full group
 # and a last one of 1), 24 (one full group).

@@ -198,6 +198,23 @@ def test_row_bits_ignore_window_streams_table_width_and_stages():
     assert np.array_equal(bits(step[:, 0]), bits(batch[:, 0]))
 
 
+def test_short_chunks_are_the_fixed_chunks_they_pick(monkeypatch):
+    """WindowTiles.short_chunk on the Mosaic GPU pass 1: with at most 2 chunks a stream (SHORT_CHUNKS patched), 37
+    and 128 keys cut in 64-key chunks and 300 in 256-key ones; each row has the bits of its stream alone at that
+    chunk fixed (through the fold pass or not)."""
+    monkeypatch.setattr(at, "SHORT_CHUNKS", 2)
+    rng = np.random.default_rng(67)
+    q, kw, vw, par, pool, table, cache_len = window_case(rng, r=7, dtype=jnp.bfloat16, **CASE)
+    tiles = dataclasses.replace(TILES, chunk=256, short_chunk=64)
+    go = fresh_jit(run, static=("tiles", "interpret"))
+    batch = go(q, kw, vw, par, pool, table, cache_len, tiles=tiles)
+    assert rel_err(batch, np_window(q, kw, vw, par, pool, table, cache_len, SCALE)) < 1e-2
+    for i, size in ((1, 64), (2, 64), (3, 256)):
+        alone = go(q[i:i + 1], kw[i:i + 1], vw[i:i + 1], par[i:i + 1], pool, table[i:i + 1], cache_len[i:i + 1],
+                   tiles=dataclasses.replace(tiles, chunk=size, short_chunk=None))
+        assert np.array_equal(bits(alone[0]), bits(batch[i])), size
+
+
 def test_two_compute_warpgroups_give_a_row_the_bits_of_one(monkeypatch):
     """72 packed rows (9 window rows x 8 query heads a KV head) run two compute warpgroups; each row's chunk
     partials have the bits the same query gets alone in a 1-row window (one warpgroup), and the window is right."""
@@ -426,6 +443,32 @@ def test_gpu_27b_windows(monkeypatch):
     turns = fresh_jit(at.window)(
         *case, scale=SCALE, interpret=False, tiles=shipped)
     assert np.array_equal(bits(turns), bits(got))
+
+
+@GPU
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_gpu_27b_short_chunks(kv):
+    """The model's tiles at the 27B shape over a 32K-key table (chunk 1024 for Mosaic GPU bf16 pools, 512 for the
+    Triton fp8 pass 1; short contexts in chunks of 128 and up): 1- and 16-row windows of 1000, 2500, 4000, 7000
+    and 30000 keys, each stream right against float64 and with the bits of itself alone at the chunk its context
+    picks, fixed for the call."""
+    rng = np.random.default_rng(72)
+    lens = [1000, 2500, 4000, 7000, 30000]
+    for r in (1, 16):
+        case = _gpu_case(rng, r, lens, 512, kq.FP8 if kv == "fp8" else jnp.bfloat16)
+        q, kw, vw, par, pool, table, cache_len = case
+        shipped = at.model_window_tiles(jnp.bfloat16, pool, 24, max_keys=512 * 64, interpret=False)
+        assert shipped.short_chunk == at.SHORT_CHUNK and shipped.impl == ("mgpu" if kv == "bf16" else "triton")
+        got = run(*case, tiles=shipped, interpret=False)
+        assert rel_err(got, np_window(*case, SCALE)) < 1e-2
+        for i, n in enumerate(lens):
+            size = 128
+            while size < shipped.chunk and n > at.SHORT_CHUNKS * size:
+                size *= 2
+            alone = run(q[i:i + 1], kw[i:i + 1], vw[i:i + 1], par[i:i + 1], pool, table[i:i + 1],
+                        cache_len[i:i + 1], tiles=dataclasses.replace(shipped, chunk=size, short_chunk=None),
+                        interpret=False)
+            assert np.array_equal(bits(alone[0]), bits(got[i])), (kv, r, n, size)
 
 
 @GPU

@@ -886,6 +886,17 @@ def main(argv: list[str]) -> int:
         if gpu:
             for ctx in contexts[:2]:
                 bench_cudnn_decode(env, streams=16, rows=16, context=ctx)
+    if "short_chunks" in sections:
+        # Short contexts in short chunks (`WindowTiles.short_chunk`, order) against every context in `chunk`-key
+        # chunks: 1 and 16 streams, 1- and 16-row windows, 1K-8K keys, alternated a context at a time.
+        print("== short_chunks: the shipped tiles (short contexts in short chunks) vs fixed chunks", flush=True)
+        for fp8 in (False, True):
+            for streams, rows in ((1, 1), (1, 16), (16, 1)):
+                for ctx in ((64, 256) if args.smoke else (1024, 2048, 4096, 8192)):
+                    shipped = decode_for(fp8) if rows == 1 else window_for(fp8)
+                    for tag, tiles in (("short", shipped), ("fixed", dataclasses.replace(shipped, short_chunk=None))):
+                        bench_window(env, streams=streams, rows=rows, context=ctx, fp8=fp8, tiles=tiles,
+                                     impls=("kernel",), tag=tag)
     if "window16" in sections:
         # 16-row windows (128 packed rows a KV head), 1 stream: the shipped tiles against the other page walk (a
         # launch choice: same bits) and chunk programs of 64 and 32 packed rows (row_block: order; offline, the

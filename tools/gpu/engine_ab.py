@@ -9,6 +9,7 @@ piece heights change no row's bits (tests/test_qmm_mgpu.py); the conversion chan
     python tools/gpu/engine_ab.py --streams 1,16,64 --variants "stages=4,wide=16;stages=4;stages=6;stages=8"
     python tools/gpu/engine_ab.py --streams 1,16 --context 1024,8192 --variants "chunk=512;chunk=1024"
     python tools/gpu/engine_ab.py --streams 1,16 --variants "prep=1,aprep=1;prep=0,aprep=0;prep=1,aprep=1"
+    python tools/gpu/engine_ab.py --streams 1,16 --context 1024,4096 --variants "short=65536;short=128"
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ KNOBS = {"stages": ("pallas_kernels.qmm_mgpu", "STAGES"), "wide": ("pallas_kerne
          "narrow": ("pallas_kernels.qmm_mgpu", "NARROW_ROWS"), "round": ("pallas_kernels.qmm_mgpu", "ROUNDING"),
          "conv": ("pallas_kernels.qmm_mgpu", "CONVERSION"), "wgs": ("pallas_kernels.qmm_mgpu", "COMPUTE_WGS"),
          "chunk": ("pallas_kernels.attention_window_mgpu", "CHUNK"), "prep": ("qwen_jax.model.ops", "DECODE_PREP"),
-         "aprep": ("qwen_jax.model.ops", "ATTN_PREP")}
+         "aprep": ("qwen_jax.model.ops", "ATTN_PREP"),
+         # attention.SHORT_CHUNK: short contexts' chunk (`WindowTiles.short_chunk`); one at least the pass's chunk
+         # (short=65536) keeps every context in whole chunks, as before session 28 (bits differ between the two)
+         "short": ("pallas_kernels.attention", "SHORT_CHUNK")}
 
 
 def parse_variants(text: str) -> list[dict]:

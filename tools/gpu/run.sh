@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh hundred-fourteenth|hundred-thirteenth|hundred-twelfth|hundred-eleventh|hundred-tenth|hundred-ninth|hundred-eighth|hundred-seventh|hundred-sixth|hundred-fifth|hundred-fourth|hundred-third|hundred-second|hundred-first|hundredth|ninety-ninth|ninety-eighth|ninety-seventh|ninety-sixth|ninety-fifth|ninety-fourth|ninety-third|ninety-second|ninety-first|ninetieth|eighty-ninth|eighty-eighth|eighty-seventh|eighty-sixth|eighty-fifth|eighty-fourth|eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh hundred-sixteenth|hundred-fifteenth|hundred-fourteenth|hundred-thirteenth|hundred-twelfth|hundred-eleventh|hundred-tenth|hundred-ninth|hundred-eighth|hundred-seventh|hundred-sixth|hundred-fifth|hundred-fourth|hundred-third|hundred-second|hundred-first|hundredth|ninety-ninth|ninety-eighth|ninety-seventh|ninety-sixth|ninety-fifth|ninety-fourth|ninety-third|ninety-second|ninety-first|ninetieth|eighty-ninth|eighty-eighth|eighty-seventh|eighty-sixth|eighty-fifth|eighty-fourth|eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -105,6 +105,20 @@ case "$stage" in
     timeout 200 python3 tools/gpu/merge_rows_probe.py --sums 2>&1 | tee "$out/merge_sums_probe.log" | cut -c1-600
     gpu_pytest 130 window 8 tests/test_attention.py -k "test_window_gpu_27b"
     gpu_pytest 100 window_mgpu 4 tests/test_attention_window_mgpu.py -k "fp8_pool" ;;
+  hundred-fifteenth)
+    # Session 28 (~8 min): short contexts in short chunks (WindowTiles.short_chunk): the new gpu test, the window
+    # gpu tests, every engine gate, then the windows at 1K-8K keys with short chunks and fixed ones alternated.
+    gpu_pytest 170 short 14 tests/test_attention_window_mgpu.py tests/test_attention.py \
+      -k "short_chunks or gpu_27b_windows or gpu_27b_fp8_pool or window_gpu_27b or fold_in_merge_gpu"
+    gpu_pytest 170 engine 10 tests/test_engine_gpu.py
+    timeout 150 python3 -m pallas_kernels.bench attention --sections short_chunks --budget-s 135 --trace /tmp/trace_sc \
+      --json "$out/attention_short.json" 2>&1 | tee "$out/attention_short.log" | grep -E "^copy|FAILED" ;;
+  hundred-sixteenth)
+    # Session 28 (~7 min): forwards/s with short chunks off / on alternated (1K and 4K context), then the bench.
+    timeout 200 python3 tools/gpu/engine_ab.py --streams 1,16 --rounds 32 --context 1024,4096 \
+      --variants "short=65536;short=128;short=65536;short=128" 2>&1 | tee "$out/engine_ab_short.log" | tail -14
+    timeout 220 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths 4096 --rounds 32 \
+      --no-compile-timing --compile-cache "" 2>&1 | tee "$out/bench_27b.log" | tail -5 ;;
   hundred-fourteenth)
     # Prepared in session 27, not run (~9 min): at the preps' final form (decode_prep in parts), the rest of the
     # engine's gpu gates (chunk cuts, pools in place, fixed shapes), forwards/s with both preps on and off alternated,
