@@ -897,6 +897,22 @@ def main(argv: list[str]) -> int:
                     for tag, tiles in (("short", shipped), ("fixed", dataclasses.replace(shipped, short_chunk=None))):
                         bench_window(env, streams=streams, rows=rows, context=ctx, fp8=fp8, tiles=tiles,
                                      impls=("kernel",), tag=tag)
+    if "short_rule" in sections:
+        # The short-chunk rule's chunk count (attention.SHORT_CHUNKS, order: read when a call is traced) over bf16
+        # pools: every context in whole chunks, at most 8 chunks, at most 4, alternated a context at a time.
+        print("== short_rule: fixed chunks vs SHORT_CHUNKS 8 vs 4 (bf16)", flush=True)
+        shipped_count = at.SHORT_CHUNKS
+        for streams, rows in ((1, 1), (16, 1), (1, 16)):
+            for ctx in ((64, 256) if args.smoke else (1024, 2048, 4096)):
+                shipped = decode_for(False) if rows == 1 else window_for(False)
+                for tag, count in (("fixed", None), ("short8", 8), ("short4", 4)):
+                    at.SHORT_CHUNKS = count or shipped_count
+                    try:
+                        bench_window(env, streams=streams, rows=rows, context=ctx, fp8=False, impls=("kernel",),
+                                     tiles=shipped if count else dataclasses.replace(shipped, short_chunk=None),
+                                     tag=tag)
+                    finally:
+                        at.SHORT_CHUNKS = shipped_count
     if "window16" in sections:
         # 16-row windows (128 packed rows a KV head), 1 stream: the shipped tiles against the other page walk (a
         # launch choice: same bits) and chunk programs of 64 and 32 packed rows (row_block: order; offline, the
