@@ -57,6 +57,10 @@ def run(args) -> None:
     if args.no_decode_prep:
         from qwen_jax.model import ops
         ops.DECODE_PREP = ops.ATTN_PREP = False
+    if args.short_chunk:
+        from pallas_kernels import attention
+        attention.SHORT_CHUNK = args.short_chunk
+        print(f"attention: short contexts' chunk {attention.SHORT_CHUNK} (at least the pass's chunk: none)")
     if args.no_pad_at_norm:
         from qwen_jax.model import ops
         ops.PAD_AT_NORM = False
@@ -245,6 +249,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-decode-prep", action="store_true",
                     help="qwen_jax.model.ops.DECODE_PREP and ATTN_PREP off: GDN rows take the separate conv, l2 norm "
                          "and gate ops, attention rows the separate norms and RoPE")
+    ap.add_argument("--short-chunk", type=int, default=None,
+                    help="pallas_kernels.attention.SHORT_CHUNK (short contexts' chunk; 65536: every context in whole "
+                         "chunks, as before session 28)")
     ap.add_argument("--no-pad-at-norm", action="store_true",
                     help="qwen_jax.model.ops.PAD_AT_NORM off: the decode qmm pads the norms' rows itself")
     ap.add_argument("--streams", type=int, default=1)
