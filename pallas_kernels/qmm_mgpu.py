@@ -243,6 +243,33 @@ def _pieces_written(n: int, k: int, block_groups: int, sms: int) -> np.ndarray:
     return np.arange(counts.max())[:, None] < counts[None, :]
 
 
+def written_columns(n: int, k: int, block_groups: int, sms: int) -> np.ndarray:
+    """[P, N] bool: whether piece p of output column j was written (the rest hold whatever the buffer held)."""
+    return np.repeat(_pieces_written(n, k, block_groups, sms), CTA_N, axis=1)[:, :n]
+
+
+def qmm_parts(x: jax.Array, w: QuantizedWeight, *, rows: int, interpret: bool = False
+              ) -> tuple[jax.Array, np.ndarray]:
+    """The decode kernel's output before its epilogue, for a consumer that sums it itself (`swiglu`): x bf16
+    [M <= rows, K] (padded to `rows`, a piece height) -> (pieces [P, N, rows] fp32, written [P, N] bool). Summing
+    the written pieces in piece order in fp32 and rounding to bf16 gives `qmm_decode`'s output (its rows < M).
+    The shipped knobs (CONVERSION, LAYOUT, STAGES, the shape's block_groups) as `qmm_decode` takes them."""
+    w.validate("qmm_mgpu weight")
+    _check(x, w, rows)
+    n, k = w.shape
+    bg = block_groups_for(k)
+    st, bt = (w.scales_t, w.biases_t) if w.scales_t is not None and w.biases_t is not None else (w.scales.T,
+                                                                                                 w.biases.T)
+    q = w.words if w.lanes else to_lane_words(w.words)
+    if CONVERSION != "words" or LAYOUT != "rows":
+        raise ValueError(f"qmm_mgpu.qmm_parts: the 'words' conversion in the 'rows' layout only; got "
+                         f"{CONVERSION!r}, {LAYOUT!r}")
+    xp = jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
+    parts = _partials(xp, q, st, bt, stages=stages_for(rows, STAGES, bg), block_groups=bg, sms=SMS,
+                      interpret=interpret, conversion="words", layout="rows", n=n)
+    return parts, written_columns(n, k, bg, SMS)
+
+
 # bf16x2 of one weight pair from a lane word (see CONVERSION): byte j of the word holds the pair's fields (low
 # nibble first); prmt puts byte j of w in the low half and byte j of w >> 4 in the high half, lop3 keeps each half's
 # low nibble and ORs in 0x4300 (bf16 128 + q, exact), sub takes 128 away (exact), and the FMA rounds q s + b once.
@@ -563,7 +590,7 @@ def _decode(x: jax.Array, q: jax.Array, st: jax.Array, bt: jax.Array | None, *, 
     parts = _partials(xp, q, st, bt, stages=stages, block_groups=block_groups, sms=sms, interpret=interpret,
                       conversion=conversion, layout=layout, n=n)
     # pieces a tile did not have were never written: select zeros there (a select, so garbage cannot leak)
-    valid = np.repeat(_pieces_written(n, k, block_groups, sms), CTA_N, axis=1)[:, :n]
+    valid = written_columns(n, k, block_groups, sms)
     parts = jnp.where(jnp.asarray(valid)[:, :, None], parts, 0.0)
     total = parts[0]
     for i in range(1, parts.shape[0]):  # one fixed sequence of adds for every element

@@ -383,6 +383,8 @@ def test_27b_decode_program_lowers_with_it(h200_lowering, monkeypatch):
     text = _decode_program_text(4)
     assert text.count("mosaic_gpu") >= 5
     assert "qmm_4b_g64" not in text
+    # the MLP's activation reads the gate/up pieces itself (`ops.swiglu`; one Triton module, shared by the layers)
+    assert 'name = "swiglu"' in text
 
 
 def _mosaic_modules(text: str) -> list[str]:

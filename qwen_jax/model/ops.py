@@ -19,6 +19,7 @@ from pallas_kernels import kv_quant
 from pallas_kernels import qmm as qmm_k
 from pallas_kernels import qmm_mgpu
 from pallas_kernels import rownorm as rownorm_k
+from pallas_kernels import swiglu as swiglu_k
 from pallas_kernels.qweight import QuantizedWeight
 
 _HI = jax.lax.Precision.HIGHEST
@@ -107,6 +108,8 @@ class Padded(typing.NamedTuple):
 
 ATTN_PREP = True  # attention layers' verify and step rows take `attn_prep.prep` where it applies (`attn_prep_applies`)
 DECODE_PREP = True  # verify and step rows take `gdn.decode_prep` where it applies (`decode_prep_applies`)
+# The MLP's decode rows take `swiglu.swiglu` between their projections where it applies (`swiglu_applies`)
+SWIGLU = True
 PAD_AT_NORM = True  # norms feeding a decode qmm write its padded rows (`pad_rows`); False: the qmm pads them
 
 
@@ -221,6 +224,38 @@ def attn_prep(backend: Backend, y: jax.Array, p: dict, cos: jax.Array, sin: jax.
     return attn_prep_k.prep(y, p["q_norm"], p["k_norm"], cos, sin, hq=cfg.num_heads, hkv=cfg.num_kv_heads,
                             d=cfg.head_dim, rotary_dim=cfg.rotary_dim, eps=cfg.rms_norm_eps,
                             interpret=backend.interpret)
+
+
+def swiglu_applies(backend: Backend, x, gate_up, *, prompt: bool) -> bool:
+    """Whether an MLP's decode rows take `swiglu.swiglu` on the gate/up projection's pieces (kernels on, a decode
+    call, gate and up one fused matmul of equal halves on the Mosaic GPU decode qmm); otherwise the projection's
+    own epilogue and the model's activation."""
+    if not (SWIGLU and backend.kernels and not prompt and isinstance(gate_up, Fused) and len(gate_up.sizes) == 2
+            and gate_up.sizes[0] == gate_up.sizes[1]):
+        return False
+    rows = x.rows if isinstance(x, Padded) else x.reshape(-1, x.shape[-1])
+    return rows.shape[0] > 0 and qmm_k.decode_on_mgpu(rows, gate_up.weight, backend.interpret)
+
+
+def swiglu(backend: Backend, x, gate_up):
+    """silu(gate) x up of an MLP's decode rows x [..., D] (or `Padded`), the projection's pieces summed in the
+    kernel (`swiglu.swiglu`), one launch a piece of rows (`qmm_mgpu.pieces`) -> `Padded` rows for the down
+    projection (its live rows first, zeros after), or [..., N] where no row is padding."""
+    lead = x.lead if isinstance(x, Padded) else x.shape[:-1]
+    rows = x.rows if isinstance(x, Padded) else x.reshape(-1, x.shape[-1])
+    m = math.prod(lead)
+    heights = qmm_mgpu.pieces(rows.shape[0])
+    out, start = [], 0
+    for r in heights:
+        piece = rows[start:start + r]
+        parts, written = qmm_mgpu.qmm_parts(piece, gate_up.weight, rows=r, interpret=backend.interpret)
+        out.append(swiglu_k.swiglu(parts, jnp.asarray(written), live=max(1, min(r, m - start)),
+                                   interpret=backend.interpret))
+        start += r
+    act = jnp.concatenate(out, axis=0) if len(out) > 1 else out[0]
+    if act.shape[0] > m:
+        return Padded(act, lead)
+    return act.reshape(*lead, act.shape[-1])
 
 
 def conv_prompt(backend: Backend, *args):

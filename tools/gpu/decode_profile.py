@@ -57,6 +57,10 @@ def run(args) -> None:
     if args.no_decode_prep:
         from qwen_jax.model import ops
         ops.DECODE_PREP = ops.ATTN_PREP = False
+    if args.no_swiglu:
+        from qwen_jax.model import ops
+        ops.SWIGLU = False
+        print("the MLP's decode rows take the projection's epilogue and XLA's activation (no swiglu kernel)")
     if args.short_chunk:
         from pallas_kernels import attention
         attention.SHORT_CHUNK = args.short_chunk
@@ -249,6 +253,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-decode-prep", action="store_true",
                     help="qwen_jax.model.ops.DECODE_PREP and ATTN_PREP off: GDN rows take the separate conv, l2 norm "
                          "and gate ops, attention rows the separate norms and RoPE")
+    ap.add_argument("--no-swiglu", action="store_true",
+                    help="qwen_jax.model.ops.SWIGLU off: the MLP's decode rows without the swiglu kernel")
     ap.add_argument("--short-chunk", type=int, default=None,
                     help="pallas_kernels.attention.SHORT_CHUNK (short contexts' chunk; 65536: every context in whole "
                          "chunks, as before session 28)")
