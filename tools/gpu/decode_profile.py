@@ -54,21 +54,21 @@ def run(args) -> None:
     if args.mgpu_compute_wgs:
         qmm_mgpu.COMPUTE_WGS, qmm_mgpu.CTA_N = args.mgpu_compute_wgs, qmm_mgpu.TILE_N * args.mgpu_compute_wgs
         print(f"Mosaic GPU decode kernel: {qmm_mgpu.COMPUTE_WGS} compute warpgroups")
-    if args.no_decode_prep:
-        from qwen_jax.model import ops
-        ops.DECODE_PREP = ops.ATTN_PREP = False
-    if args.no_swiglu:
-        from qwen_jax.model import ops
-        ops.SWIGLU = False
-        print("the MLP's decode rows take the projection's epilogue and XLA's activation (no swiglu kernel)")
-    if args.short_chunk:
-        from pallas_kernels import attention
-        attention.SHORT_CHUNK = args.short_chunk
-        print(f"attention: short contexts' chunk {attention.SHORT_CHUNK} (at least the pass's chunk: none)")
-    if args.no_pad_at_norm:
-        from qwen_jax.model import ops
-        ops.PAD_AT_NORM = False
-        print("norms feeding the decode qmm write unpadded rows")
+    from pallas_kernels import attention
+    from qwen_jax.model import ops
+    # the model's switches: (flag set, what it does, the assignment)
+    for on, what, apply in (
+            (args.no_decode_prep, "GDN and attention rows without their prep kernels",
+             lambda: setattr(ops, "DECODE_PREP", False) or setattr(ops, "ATTN_PREP", False)),
+            (args.no_swiglu, "the MLP's decode rows take the projection's epilogue and XLA's activation",
+             lambda: setattr(ops, "SWIGLU", False)),
+            (args.short_chunk, f"attention: short contexts' chunk {args.short_chunk} (at least the pass's: none)",
+             lambda: setattr(attention, "SHORT_CHUNK", args.short_chunk)),
+            (args.no_pad_at_norm, "norms feeding the decode qmm write unpadded rows",
+             lambda: setattr(ops, "PAD_AT_NORM", False))):
+        if on:
+            apply()
+            print(what)
     if args.mgpu_rounding:
         qmm_mgpu.ROUNDING = args.mgpu_rounding
         print(f"Mosaic GPU decode kernel: output rounding kept by {qmm_mgpu.ROUNDING}")
