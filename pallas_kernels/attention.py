@@ -1047,7 +1047,8 @@ def _pass_one(q: jax.Array, pool: KVPool, page_table: jax.Array, tiles: WindowTi
     per_head = pl.BlockSpec((None, pool.num_pages, ps, d), lambda i, j, c: (j // parts, 0, 0, 0))
     per_head_scale = pl.BlockSpec((None, pool.num_pages, ps), lambda i, j, c: (j // parts, 0, 0))
     table = _pad_table(page_table, -(-max_keys // tiles.chunk) * tiles.chunk, ps)  # (short chunks divide chunk)
-    return _PassOne(mrows, rb, parts, n_chunks, max_keys, table, cdt, warps, stages, [per_head, per_head] + ([per_head_scale, per_head_scale] if pool.fp8 else []))
+    return _PassOne(mrows, rb, parts, n_chunks, max_keys, table, cdt, warps, stages,
+                    [per_head, per_head] + ([per_head_scale, per_head_scale] if pool.fp8 else []))
 
 
 def _pool_operands(pool: KVPool) -> list[jax.Array]:
@@ -1129,7 +1130,8 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
     if _mgpu_pass_one(q, pool, tiles, interpret):
         from pallas_kernels import attention_window_mgpu as awm
         return awm.window_partials_mgpu(q, pool, one.page_table, cache_len, scale=scale, chunk=tiles.chunk,
-                                        short_chunk=tiles.short_chunk, n_chunks=one.n_chunks, nc_pad=nc_pad, max_keys=one.max_keys,
+                                        short_chunk=tiles.short_chunk, n_chunks=one.n_chunks, nc_pad=nc_pad,
+                                        max_keys=one.max_keys,
                                         tiles=awm.WindowMgpuTiles(stages=tiles.num_stages,
                                                                   split_rows=_split_rows(tiles, one, s, hkv),
                                                                   ping_pong=awm.PING_PONG, dequant=awm.DEQUANT,
@@ -1206,7 +1208,8 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
         with jax.named_scope("attn_window_fold"):
             bdf, unroll_f = merge_launch(tiles, streams=s, hkv=hkv, mrows=mrows, head_dim=d, groups=groups)
             kernel = functools.partial(_window_fold_kernel, r=r, hq=hq, group=group, mrows=mrows, max_keys=max_keys,
-                                       chunk=tiles.chunk, short_chunk=tiles.short_chunk, fold=tiles.fold, unroll=unroll_f, max_block=max_block)
+                                       chunk=tiles.chunk, short_chunk=tiles.short_chunk, fold=tiles.fold,
+                                       unroll=unroll_f, max_block=max_block)
             maxima = pl.BlockSpec((None, None, nc_pad, mrows), lambda i, j, c, e: (i, j, 0, 0))
             l, acc = pallas_call(
                 kernel,

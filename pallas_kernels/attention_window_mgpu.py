@@ -526,7 +526,8 @@ def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cach
                              f"of shared memory, more than {SMEM_BYTES}")
     # fp8 without fp8_split: one compute warpgroup a CTA
     parts = warpgroups if not fp8_split and (tiles.split_rows or pool.fp8) else 1
-    static = dict(scale=scale, chunk=chunk, short_chunk=short_chunk, n_chunks=n_chunks, nc_pad=nc_pad, real_rows=real_rows,
+    static = dict(scale=scale, chunk=chunk, short_chunk=short_chunk, n_chunks=n_chunks, nc_pad=nc_pad,
+                  real_rows=real_rows,
                   mrows=_padded_rows(real_rows), max_keys=max_keys,
                   stages=stages_for(tiles, warpgroups // parts), parts=parts, ping_pong=tiles.ping_pong,
                   partials=partials, dequant=tiles.dequant, fp8_split=fp8_split)

@@ -152,13 +152,17 @@ def pieces(m: int) -> tuple[int, ...]:
     return tuple(out + [next(r for r in PIECE_ROWS if NARROW_ROWS <= r and r >= rest)]) if m > 0 else ()
 
 
+def row_pieces(heights: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(first row, height) of each piece of `heights` (`pieces`), in order."""
+    return list(zip(np.cumsum((0,) + heights[:-1]).tolist(), heights))
+
+
 @functools.partial(jax.jit, static_argnames=("interpret", "heights", "rounding"))
 def _rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool, heights: tuple[int, ...], rounding: str
           ) -> jax.Array:
     # One program (see `qmm_decode` on eager calls).
-    starts = np.cumsum((0,) + heights[:-1])
     return jnp.concatenate([qmm_decode(x[i:i + r], w, interpret=interpret, rows=r, rounding=rounding)
-                            for i, r in zip(starts.tolist(), heights)], axis=0)
+                            for i, r in row_pieces(heights)], axis=0)
 
 
 def _check(x: jax.Array, w: QuantizedWeight, rows: int) -> None:
@@ -248,26 +252,26 @@ def written_columns(n: int, k: int, block_groups: int, sms: int) -> np.ndarray:
     return np.repeat(_pieces_written(n, k, block_groups, sms), CTA_N, axis=1)[:, :n]
 
 
+def sum_pieces(load, n_pieces: int) -> jax.Array:
+    """The pieces' fp32 sum in the one fixed order every consumer of the kernel's output uses: load(p) -> (piece p's
+    values, whether they were written); a piece a tile did not have is selected as 0.0 (a select, so garbage
+    cannot leak), then added."""
+    vals, ok = load(0)
+    total = jnp.where(ok, vals, 0.0)
+    for p in range(1, n_pieces):
+        vals, ok = load(p)
+        total = total + jnp.where(ok, vals, 0.0)
+    return total
+
+
 def qmm_parts(x: jax.Array, w: QuantizedWeight, *, rows: int, interpret: bool = False
               ) -> tuple[jax.Array, np.ndarray]:
-    """The decode kernel's output before its epilogue, for a consumer that sums it itself (`swiglu`): x bf16
-    [M <= rows, K] (padded to `rows`, a piece height) -> (pieces [P, N, rows] fp32, written [P, N] bool). Summing
-    the written pieces in piece order in fp32 and rounding to bf16 gives `qmm_decode`'s output (its rows < M).
-    The shipped knobs (CONVERSION, LAYOUT, STAGES, the shape's block_groups) as `qmm_decode` takes them."""
-    w.validate("qmm_mgpu weight")
-    _check(x, w, rows)
+    """`qmm_decode` before its epilogue, for a consumer that sums the pieces itself (`swiglu`): x bf16 [M <= rows,
+    K] -> (pieces [P, N, rows] fp32, written [P, N] bool); `sum_pieces` of them, rounded to bf16, is `qmm_decode`'s
+    output (its rows < M)."""
     n, k = w.shape
-    bg = block_groups_for(k)
-    st, bt = (w.scales_t, w.biases_t) if w.scales_t is not None and w.biases_t is not None else (w.scales.T,
-                                                                                                 w.biases.T)
-    q = w.words if w.lanes else to_lane_words(w.words)
-    if CONVERSION != "words" or LAYOUT != "rows":
-        raise ValueError(f"qmm_mgpu.qmm_parts: the 'words' conversion in the 'rows' layout only; got "
-                         f"{CONVERSION!r}, {LAYOUT!r}")
-    xp = jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
-    parts = _partials(xp, q, st, bt, stages=stages_for(rows, STAGES, bg), block_groups=bg, sms=SMS,
-                      interpret=interpret, conversion="words", layout="rows", n=n)
-    return parts, written_columns(n, k, bg, SMS)
+    return (qmm_decode(x, w, rows=rows, interpret=interpret, epilogue=False),
+            written_columns(n, k, block_groups_for(k), SMS))
 
 
 # bf16x2 of one weight pair from a lane word (see CONVERSION): byte j of the word holds the pair's fields (low
@@ -532,8 +536,9 @@ def block_groups_for(k: int) -> int:
 def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_groups: int | None = None,
                transposed: tuple[jax.Array, jax.Array] | None = None,
                conversion: str | None = None, interpret: bool = False, rows: int = ROWS,
-               rounding: str | None = None, layout: str | None = None) -> jax.Array:
-    """x bf16 [M <= rows, K] -> y bf16 [M, N] (see the module docstring); rows: the piece height x is padded to
+               rounding: str | None = None, layout: str | None = None, epilogue: bool = True) -> jax.Array:
+    """x bf16 [M <= rows, K] -> y bf16 [M, N] (see the module docstring; epilogue False: the kernel's pieces
+    [P, N, rows] as it wrote them, `qmm_parts`); rows: the piece height x is padded to
     (PIECE_ROWS; the MMA's N). block_groups: None for the shape-derived
     `block_groups_for` (a caller that overrides must keep it fixed per weight shape). transposed: the scales and
     biases as [G, N], made once beforehand (default: the weight's `scales_t`, `biases_t` where it has them; else
@@ -575,26 +580,25 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     if layout == "tiles":
         operands = (*tile_layout(q, *transposed, bg), None)
     return _decode(x, *operands, stages=stages_for(rows, stages, bg), block_groups=bg, conversion=conversion,
-                   sms=SMS, interpret=interpret, rows=rows, rounding=rounding, layout=layout, n=n)
+                   sms=SMS, interpret=interpret, rows=rows, rounding=rounding, layout=layout, n=n,
+                   epilogue=epilogue)
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "conversion", "sms", "interpret", "rows",
-                                             "rounding", "layout", "n"))
+                                             "rounding", "layout", "n", "epilogue"))
 def _decode(x: jax.Array, q: jax.Array, st: jax.Array, bt: jax.Array | None, *, stages: int, block_groups: int,
-            conversion: str, sms: int, interpret: bool, rows: int, rounding: str, layout: str, n: int
-            ) -> jax.Array:
+            conversion: str, sms: int, interpret: bool, rows: int, rounding: str, layout: str, n: int,
+            epilogue: bool = True) -> jax.Array:
     # One program around the kernel: called eagerly, separate dispatches of the small ops around an interpreted
     # kernel deadlocked the CPU client now and then (the interpreter's callbacks dispatch jax ops themselves).
     m, k = x.shape
     xp = jnp.pad(x, ((0, rows - m), (0, 0)))
     parts = _partials(xp, q, st, bt, stages=stages, block_groups=block_groups, sms=sms, interpret=interpret,
                       conversion=conversion, layout=layout, n=n)
-    # pieces a tile did not have were never written: select zeros there (a select, so garbage cannot leak)
-    valid = written_columns(n, k, block_groups, sms)
-    parts = jnp.where(jnp.asarray(valid)[:, :, None], parts, 0.0)
-    total = parts[0]
-    for i in range(1, parts.shape[0]):  # one fixed sequence of adds for every element
-        total = total + parts[i]
+    if not epilogue:
+        return parts
+    valid = jnp.asarray(written_columns(n, k, block_groups, sms))
+    total = sum_pieces(lambda i: (parts[i], valid[i][:, None]), parts.shape[0])
     # The rounding to x.dtype must happen in every program: under XLA's default excess precision a consumer that
     # widens the result again (log-softmax, the MLP's activation) may be fused with this conversion and skip it,
     # in some programs and not others (on the H200 the stream-bucket gate failed so: row 0 of lm_head + log-softmax

@@ -27,32 +27,22 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.calls import pallas_call
+from pallas_kernels.qmm_mgpu import sum_pieces
 
 BLOCK_N = 128  # columns a program (of each half)
 WARPS = 4
 
 
-def _sum_pieces(load, n_pieces: int):
-    """The pieces added in order, as `qmm_mgpu._decode` adds them: load(p) -> (values, written)."""
-    vals, ok = load(0)
-    total = jnp.where(ok, vals, 0.0)
-    for p in range(1, n_pieces):
-        vals, ok = load(p)
-        total = total + jnp.where(ok, vals, 0.0)
-    return total.astype(jnp.bfloat16)
-
-
-def _act(gate, up):
-    """silu(gate) x up in fp32 from bf16 halves, rounded to bf16 (`layers.mlp`)."""
-    g = gate.astype(jnp.float32)
-    return (jax.nn.silu(g) * up.astype(jnp.float32)).astype(jnp.bfloat16)
+def activation(gate: jax.Array, up: jax.Array, dtype) -> jax.Array:
+    """silu(gate) x up in fp32, rounded to dtype: the model's MLP activation (`layers.mlp` calls it too)."""
+    return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
 
 
 def reference(parts: jax.Array, valid: jax.Array, *, live: int) -> jax.Array:
     p, n2, r = parts.shape
     n = n2 // 2
-    total = _sum_pieces(lambda i: (parts[i], valid[i][:, None]), p)  # [2N, R]
-    act = _act(total[:n], total[n:]).T  # [R, N]
+    total = sum_pieces(lambda i: (parts[i], valid[i][:, None]), p).astype(jnp.bfloat16)  # [2N, R]
+    act = activation(total[:n], total[n:], jnp.bfloat16).T  # [R, N]
     return jnp.where((jnp.arange(r) < live)[:, None], act, jnp.zeros_like(act))
 
 
@@ -70,9 +60,9 @@ def _kernel(valid_ref, parts_ref, o_ref, *, n: int, n_pieces: int, live: int):
             vals = plgpu.load(parts_ref.at[p, pl.ds(first + j * BLOCK_N, BLOCK_N), :],
                               mask=in_n[:, None], other=0.0)
             return vals, ok[:, None]
-        return _sum_pieces(load, n_pieces)
+        return sum_pieces(load, n_pieces).astype(jnp.bfloat16)
 
-    act = _act(half(0), half(n)).T  # [R, BLOCK_N]
+    act = activation(half(0), half(n), jnp.bfloat16).T  # [R, BLOCK_N]
     act = jnp.where((jnp.arange(r) < live)[:, None], act, jnp.zeros_like(act))
     plgpu.store(o_ref.at[:, pl.ds(j * BLOCK_N, BLOCK_N)], act, mask=in_n[None, :])
 

@@ -886,33 +886,32 @@ def main(argv: list[str]) -> int:
         if gpu:
             for ctx in contexts[:2]:
                 bench_cudnn_decode(env, streams=16, rows=16, context=ctx)
-    if "short_chunks" in sections:
-        # Short contexts in short chunks (`WindowTiles.short_chunk`, order) against every context in `chunk`-key
-        # chunks: 1 and 16 streams, 1- and 16-row windows, 1K-8K keys, alternated a context at a time.
-        print("== short_chunks: the shipped tiles (short contexts in short chunks) vs fixed chunks", flush=True)
-        for fp8 in (False, True):
-            for streams, rows in ((1, 1), (1, 16), (16, 1)):
-                for ctx in ((64, 256) if args.smoke else (1024, 2048, 4096, 8192)):
-                    shipped = decode_for(fp8) if rows == 1 else window_for(fp8)
-                    for tag, tiles in (("short", shipped), ("fixed", dataclasses.replace(shipped, short_chunk=None))):
-                        bench_window(env, streams=streams, rows=rows, context=ctx, fp8=fp8, tiles=tiles,
-                                     impls=("kernel",), tag=tag)
-    if "short_rule" in sections:
-        # The short-chunk rule's chunk count (attention.SHORT_CHUNKS, order: read when a call is traced) over bf16
-        # pools: every context in whole chunks, at most 8 chunks, at most 4, alternated a context at a time.
-        print("== short_rule: fixed chunks vs SHORT_CHUNKS 8 vs 4 (bf16)", flush=True)
+    def bench_short(tag_counts, fp8s, shapes, contexts):
+        # The window's shipped tiles with short contexts in short chunks (`WindowTiles.short_chunk`, order) at each
+        # of `tag_counts`' chunk counts (attention.SHORT_CHUNKS, read when a call is traced; None: every context in
+        # whole chunks), alternated a context at a time.
         shipped_count = at.SHORT_CHUNKS
-        for streams, rows in ((1, 1), (16, 1), (1, 16)):
-            for ctx in ((64, 256) if args.smoke else (1024, 2048, 4096)):
-                shipped = decode_for(False) if rows == 1 else window_for(False)
-                for tag, count in (("fixed", None), ("short8", 8), ("short4", 4)):
-                    at.SHORT_CHUNKS = count or shipped_count
-                    try:
-                        bench_window(env, streams=streams, rows=rows, context=ctx, fp8=False, impls=("kernel",),
-                                     tiles=shipped if count else dataclasses.replace(shipped, short_chunk=None),
-                                     tag=tag)
-                    finally:
-                        at.SHORT_CHUNKS = shipped_count
+        for fp8 in fp8s:
+            for streams, rows in shapes:
+                for ctx in ((64, 256) if args.smoke else contexts):
+                    shipped = decode_for(fp8) if rows == 1 else window_for(fp8)
+                    for tag, count in tag_counts:
+                        at.SHORT_CHUNKS = count or shipped_count
+                        try:
+                            bench_window(env, streams=streams, rows=rows, context=ctx, fp8=fp8, impls=("kernel",),
+                                         tiles=shipped if count else dataclasses.replace(shipped, short_chunk=None),
+                                         tag=tag)
+                        finally:
+                            at.SHORT_CHUNKS = shipped_count
+
+    if "short_chunks" in sections:
+        print("== short_chunks: the shipped tiles (short contexts in short chunks) vs fixed chunks", flush=True)
+        bench_short((("short", at.SHORT_CHUNKS), ("fixed", None)), (False, True), ((1, 1), (1, 16), (16, 1)),
+                    (1024, 2048, 4096, 8192))
+    if "short_rule" in sections:
+        print("== short_rule: fixed chunks vs SHORT_CHUNKS 8 vs 4 (bf16)", flush=True)
+        bench_short((("fixed", None), ("short8", 8), ("short4", 4)), (False,), ((1, 1), (16, 1), (1, 16)),
+                    (1024, 2048, 4096))
     if "window16" in sections:
         # 16-row windows (128 packed rows a KV head), 1 stream: the shipped tiles against the other page walk (a
         # launch choice: same bits) and chunk programs of 64 and 32 packed rows (row_block: order; offline, the

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import swiglu as swiglu_k
 from qwen_jax.config import TextConfig
 from qwen_jax.model import ops
 from qwen_jax.model.ops import Backend, linear, linear_split
@@ -15,8 +16,7 @@ def mlp(x: jax.Array, p: dict, backend: Backend, *, prompt: bool) -> jax.Array:
     if ops.swiglu_applies(backend, x, p["gate_up"], prompt=prompt):  # decode rows: the activation in one kernel
         return linear(ops.swiglu(backend, x, p["gate_up"]), p["down"], backend, prompt=prompt)
     gate, up = linear_split(x, p["gate_up"], backend, prompt=prompt)
-    act = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
-    return linear(act, p["down"], backend, prompt=prompt)
+    return linear(swiglu_k.activation(gate, up, x.dtype), p["down"], backend, prompt=prompt)
 
 
 def rope_angles(positions: jax.Array, cfg: TextConfig) -> jax.Array:

@@ -244,14 +244,11 @@ def swiglu(backend: Backend, x, gate_up):
     lead = x.lead if isinstance(x, Padded) else x.shape[:-1]
     rows = x.rows if isinstance(x, Padded) else x.reshape(-1, x.shape[-1])
     m = math.prod(lead)
-    heights = qmm_mgpu.pieces(rows.shape[0])
-    out, start = [], 0
-    for r in heights:
-        piece = rows[start:start + r]
-        parts, written = qmm_mgpu.qmm_parts(piece, gate_up.weight, rows=r, interpret=backend.interpret)
-        out.append(swiglu_k.swiglu(parts, jnp.asarray(written), live=max(1, min(r, m - start)),
-                                   interpret=backend.interpret))
-        start += r
+    out = []
+    for start, r in qmm_mgpu.row_pieces(qmm_mgpu.pieces(rows.shape[0])):
+        parts, written = qmm_mgpu.qmm_parts(rows[start:start + r], gate_up.weight, rows=r,
+                                            interpret=backend.interpret)
+        out.append(swiglu_k.swiglu(parts, jnp.asarray(written), live=min(r, m - start), interpret=backend.interpret))
     act = jnp.concatenate(out, axis=0) if len(out) > 1 else out[0]
     if act.shape[0] > m:
         return Padded(act, lead)

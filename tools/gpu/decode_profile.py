@@ -56,19 +56,18 @@ def run(args) -> None:
         print(f"Mosaic GPU decode kernel: {qmm_mgpu.COMPUTE_WGS} compute warpgroups")
     from pallas_kernels import attention
     from qwen_jax.model import ops
-    # the model's switches: (flag set, what it does, the assignment)
-    for on, what, apply in (
-            (args.no_decode_prep, "GDN and attention rows without their prep kernels",
-             lambda: setattr(ops, "DECODE_PREP", False) or setattr(ops, "ATTN_PREP", False)),
-            (args.no_swiglu, "the MLP's decode rows take the projection's epilogue and XLA's activation",
-             lambda: setattr(ops, "SWIGLU", False)),
-            (args.short_chunk, f"attention: short contexts' chunk {args.short_chunk} (at least the pass's: none)",
-             lambda: setattr(attention, "SHORT_CHUNK", args.short_chunk)),
-            (args.no_pad_at_norm, "norms feeding the decode qmm write unpadded rows",
-             lambda: setattr(ops, "PAD_AT_NORM", False))):
-        if on:
-            apply()
-            print(what)
+    if args.no_decode_prep:
+        ops.DECODE_PREP = ops.ATTN_PREP = False
+        print("GDN and attention rows without their prep kernels")
+    if args.no_swiglu:
+        ops.SWIGLU = False
+        print("the MLP's decode rows take the projection's epilogue and XLA's activation")
+    if args.short_chunk:
+        attention.SHORT_CHUNK = args.short_chunk
+        print(f"attention: short contexts' chunk {args.short_chunk} (at least the pass's: none)")
+    if args.no_pad_at_norm:
+        ops.PAD_AT_NORM = False
+        print("norms feeding the decode qmm write unpadded rows")
     if args.mgpu_rounding:
         qmm_mgpu.ROUNDING = args.mgpu_rounding
         print(f"Mosaic GPU decode kernel: output rounding kept by {qmm_mgpu.ROUNDING}")
