@@ -87,6 +87,7 @@ CASES = {
     "gdn_window_s1_r16": lambda: gdn_window_case(1, 16, gdn.WindowTiles()),
     "gdn_step_s16": lambda: gdn_step_case(16, gdn.WindowTiles()),
     "qmm_5120x17408_m1": lambda: qmm_case(5120, 17408),
+    "qmm_5120x34816_m1": lambda: qmm_case(5120, 34816),
     "qmm_17408x5120_m1": lambda: qmm_case(17408, 5120),
 }
 

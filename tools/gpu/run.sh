@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh hundred-twentieth|hundred-nineteenth|hundred-eighteenth|hundred-seventeenth|hundred-sixteenth|hundred-fifteenth|hundred-fourteenth|hundred-thirteenth|hundred-twelfth|hundred-eleventh|hundred-tenth|hundred-ninth|hundred-eighth|hundred-seventh|hundred-sixth|hundred-fifth|hundred-fourth|hundred-third|hundred-second|hundred-first|hundredth|ninety-ninth|ninety-eighth|ninety-seventh|ninety-sixth|ninety-fifth|ninety-fourth|ninety-third|ninety-second|ninety-first|ninetieth|eighty-ninth|eighty-eighth|eighty-seventh|eighty-sixth|eighty-fifth|eighty-fourth|eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh hundred-twenty-first|hundred-twentieth|hundred-nineteenth|hundred-eighteenth|hundred-seventeenth|hundred-sixteenth|hundred-fifteenth|hundred-fourteenth|hundred-thirteenth|hundred-twelfth|hundred-eleventh|hundred-tenth|hundred-ninth|hundred-eighth|hundred-seventh|hundred-sixth|hundred-fifth|hundred-fourth|hundred-third|hundred-second|hundred-first|hundredth|ninety-ninth|ninety-eighth|ninety-seventh|ninety-sixth|ninety-fifth|ninety-fourth|ninety-third|ninety-second|ninety-first|ninetieth|eighty-ninth|eighty-eighth|eighty-seventh|eighty-sixth|eighty-fifth|eighty-fourth|eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -113,6 +113,25 @@ case "$stage" in
     gpu_pytest 170 engine 10 tests/test_engine_gpu.py
     timeout 150 python3 -m pallas_kernels.bench attention --sections short_chunks --budget-s 135 --trace /tmp/trace_sc \
       --json "$out/attention_short.json" 2>&1 | tee "$out/attention_short.log" | grep -E "^copy|FAILED" ;;
+  hundred-twenty-first)
+    # Session 29 (~4 min): where the Mosaic GPU decode qmm's step goes. Nsight Compute's warp-state samples per SASS
+    # instruction and by opcode for the MLP's gate/up kernel (5120 -> 34816, M = 1), its stall reasons per issued
+    # instruction, then the kernel alone with and without its compute at 16 and 8 rows (traced).
+    timeout -s INT 120 ncu --profile-from-start off --clock-control none --kernel-name regex:"mosaic|qmm" \
+      --section SourceCounters --section WarpStateStats --section SchedulerStats --section SpeedOfLight \
+      --export "$out/qmm_sass" python3 tools/gpu/kernel_ncu.py --cases qmm_5120x34816_m1 > "$out/sass_run.log" 2>&1
+    tail -3 "$out/sass_run.log"
+    ncu --import "$out/qmm_sass.ncu-rep" --page source --csv --print-source sass > "$out/qmm_sass.csv" 2> "$out/sass_page.err"
+    ncu --import "$out/qmm_sass.ncu-rep" --page details > "$out/qmm_details.txt" 2>&1
+    tail -3 "$out/sass_page.err"
+    python3 tools/gpu/sass_stalls.py "$out/qmm_sass.csv" --top 30 > "$out/qmm_stalls.txt"
+    cut -c1-180 "$out/qmm_stalls.txt" | head -75
+    grep -E "Duration|DRAM Throughput|Registers Per|Warp Cycles Per Issued|Issue Slots Busy|No Eligible|Issued Warp|Active Warps|Eligible Warps|Stall" \
+      "$out/qmm_details.txt" | cut -c1-150 | head -30
+    for r in 16 8; do
+      timeout 100 python3 tools/gpu/mgpu_probe.py --shapes 5120x34816,17408x5120,5120x6144 --rows $r \
+        --probes words,words_no_compute --trace /tmp/probe_$r 2>&1 | tee "$out/probe_$r.txt" | grep -v "^WARNING"
+    done ;;
   hundred-twentieth)
     # Session 28, the last ~5 min of device time: the MLP's activation kernel (swiglu: the gate/up pieces summed,
     # SwiGLU'd and padded for the down projection in one launch): its gpu test, every engine gate, then the
@@ -1070,22 +1089,7 @@ awm.CHUNK = $c; sys.argv = ['qwen_jax', 'bench', '--synthetic', '27b', '--stream
     tail -3 "$out/sass_run.log"
     ncu --import "$out/qmm_sass.ncu-rep" --page source --csv --print-source sass > "$out/qmm_sass.csv" 2> "$out/sass_page.err"
     tail -3 "$out/sass_page.err"
-    python3 - "$out/qmm_sass.csv" <<'PY'
-import csv, sys
-rows = [r for r in csv.reader(open(sys.argv[1], errors="replace")) if len(r) > 3]
-head = rows[0]
-print(len(rows) - 1, "instructions; columns:", " | ".join(head)[:1500])
-col = next((i for i, h in enumerate(head) if "Sampling (All" in h), None)
-if col is None:
-    sys.exit("no stall-sampling column")
-num = lambda x: float(x.replace(",", "") or 0) if x.replace(",", "").replace(".", "").isdigit() else 0.0
-total = sum(num(r[col]) for r in rows[1:]) or 1
-src = next((i for i, h in enumerate(head) if h.strip().lower() == "source"), 1)
-keep = [i for i, h in enumerate(head) if "stall" in h.lower() or "Sampling" in h]
-for r in sorted(rows[1:], key=lambda r: -num(r[col]))[:40]:
-    extra = " ".join(f"{head[i][:18]}={r[i]}" for i in keep if i != col and num(r[i]) > 0)[:200]
-    print(f"{100 * num(r[col]) / total:5.1f}%  {r[src][:70]:70s}  {extra}")
-PY
+    python3 tools/gpu/sass_stalls.py "$out/qmm_sass.csv"
     ;;
   stalls)
     # Session 10: what the warps of the qmm decode kernel and the GDN step / window wait on (Nsight Compute's stall
