@@ -765,6 +765,22 @@ def _matmul_call(x: jax.Array, wd: jax.Array, out_dtype, tiles: Tiles, interpret
 _to_lanes = jax.jit(to_lane_words)  # a new array: the natural words live on until the caller drops its params
 
 
+def _subnormal(w: QuantizedWeight, abstract: bool) -> QuantizedWeight:
+    """w (with raw scales_t, biases_t) with the "subnormal" conversion's rows in their place (`qmm_mgpu.
+    subnormal_scales`) and its row scale where some row needs one; w unchanged where they would not be exact (the
+    kernel then takes the "words" conversion for it). Reads two scalars back from the device per weight."""
+    n = w.out_features
+    if abstract:  # lowering without a device: the common form (no row scale)
+        return dataclasses.replace(w, subnormal=True)
+    s_up, b_down, row_scale, exact = qmm_mgpu.subnormal_scales(w.scales_t, w.biases_t)
+    if not bool(exact):
+        return w
+    needed = bool(jnp.any(row_scale != 1.0))
+    assert row_scale.shape == (1, n)
+    return dataclasses.replace(w, scales_t=s_up, biases_t=b_down, subnormal=True,
+                               row_scale=row_scale if needed else None)
+
+
 def decode_layout(params, x_dtype=jnp.bfloat16):
     """params with every packed weight the Mosaic GPU decode kernel takes given its scales and biases transposed
     (`QuantizedWeight.scales_t`, `biases_t`: made once here, 1/8 of the 4-bit weights' bytes more memory) and, under
@@ -784,7 +800,9 @@ def decode_layout(params, x_dtype=jnp.bfloat16):
         abstract = isinstance(w.words, jax.ShapeDtypeStruct)  # abstract params (lowering without a device)
         t = lambda a: jax.ShapeDtypeStruct(a.shape[::-1], a.dtype) if abstract else jnp.asarray(a.T)
         w = dataclasses.replace(w, scales_t=t(w.scales), biases_t=t(w.biases))
-        if qmm_mgpu.CONVERSION == "words" and not w.lanes:
+        if qmm_mgpu.CONVERSION == "subnormal":
+            w = _subnormal(w, abstract)
+        if qmm_mgpu.CONVERSION in qmm_mgpu.LANE_CONVERSIONS and not w.lanes:
             w = dataclasses.replace(w, words=w.words if abstract else _to_lanes(w.words), lanes=True)
         return w
 

@@ -91,8 +91,17 @@ SMS = 132  # the H200's; chunks of work are spread over this many persistent CTA
 # - "nibbles" (sessions 6-12): the natural words viewed as uint4, loaded in the MMA's layout (one byte, two weights,
 #   a shared-memory load: 64 loads a thread a step), XOR 8 read as signed int4 (Mosaic GPU's int4 -> bf16
 #   conversion), + 8, then s q + b as bf16 ops. "unsigned": the same with the fields converted as unsigned.
+# - "subnormal" (session 29): the "words" loads with three instructions a pair instead of four. The pair's fields
+#   masked into the low bits of each half (prmt, and) are the bf16 subnormals q 2^-133, exactly; one bf16x2 FMA with
+#   the scale row made s 2^(133 - d) and the bias b 2^-d once at load (`subnormal_scales`) gives RN(q s + b) 2^-d, the
+#   "words" weight scaled by a power of two (d = 0 unless a row's scales reach 2^-5, where s 2^133 would leave bf16's
+#   range). The MMA's fp32 sums of scaled products are the unscaled sums scaled, so the stored pieces, multiplied
+#   back by 2^d (`row_scale`, only where some d > 0), are the "words" pieces bit for bit away from fp32's
+#   underflow. Needs bf16 FMAs that keep subnormal inputs (sm_90's do: the gpu tests compare it with "words").
 CONVERSION = "words"
-CONVERSIONS = ("words", "nibbles", "unsigned")
+CONVERSIONS = ("words", "subnormal", "nibbles", "unsigned")
+LANE_CONVERSIONS = ("words", "subnormal")  # the conversions that read lane-ordered words
+SUBNORMAL_EXP = 133  # a bf16 with exponent field 0 and mantissa field q is q * 2^-133
 # Where a pipeline step's weight block lies in memory: "rows" (the weight's own [N, K / 8] words: a step's
 # [CTA_N, 8 G'] block is CTA_N runs of 128 bytes, K / 2 bytes apart, and its scale and bias rows are 2 G' runs of
 # 256 bytes of [G, N]) or "tiles" (`tile_layout`: each step's words one contiguous block, 24 KB at CTA_N 192, its
@@ -274,6 +283,29 @@ def qmm_parts(x: jax.Array, w: QuantizedWeight, *, rows: int, interpret: bool = 
             written_columns(n, k, block_groups_for(k), SMS))
 
 
+def _pow2(e: jax.Array) -> jax.Array:
+    """2.0 ** e as fp32, exactly, for int32 e in [-126, 127] (built from its bits: XLA's exp2 need not be exact)."""
+    return lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
+
+
+@jax.jit
+def subnormal_scales(scales_t: jax.Array, biases_t: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The "subnormal" conversion's scale and bias rows (CONVERSIONS): s, b [G, N] bf16 -> (s 2^(133 - d), b 2^-d
+    [G, N] bf16, 2^d [1, N] fp32, exact). d, per output column, is the least d >= 0 that keeps the column's largest
+    s 2^(133 - d) in bf16's range. exact (a bool scalar): every scaled value scales back to its source, so nothing
+    left bf16's normal range (false only for scales or biases near 2^-126 or 2^122; the kernel must not use them)."""
+    s, b = scales_t.astype(jnp.float32), biases_t.astype(jnp.float32)
+    _, e = jnp.frexp(jnp.max(jnp.abs(s), axis=0))  # max |s| < 2^e
+    d = jnp.clip(e.astype(jnp.int32) + SUBNORMAL_EXP - 128, 0, 127)
+    # 2^133 = 2^66 2^67, each in fp32's range; the barriers keep XLA from folding the two factors into one (inf)
+    half = jnp.float32(2.0 ** 66)
+    s_up = (lax.optimization_barrier(s * half) * _pow2(67 - d)).astype(jnp.bfloat16)
+    b_down = (b * _pow2(-d)).astype(jnp.bfloat16)
+    exact = (jnp.all(lax.optimization_barrier(s_up.astype(jnp.float32) * _pow2(d - 67)) / half == s)
+             & jnp.all(b_down.astype(jnp.float32) * _pow2(d) == b) & jnp.all(d < 127))
+    return s_up, b_down, _pow2(d)[None, :], exact
+
+
 # bf16x2 of one weight pair from a lane word (see CONVERSION): byte j of the word holds the pair's fields (low
 # nibble first); prmt puts byte j of w in the low half and byte j of w >> 4 in the high half, lop3 keeps each half's
 # low nibble and ORs in 0x4300 (bf16 128 + q, exact), sub takes 128 away (exact), and the FMA rounds q s + b once.
@@ -285,6 +317,14 @@ sub.bf16x2 t, t, c;
 fma.rn.bf16x2 $0, t, $3, $4; }}"""
 
 
+# The "subnormal" conversion's pair: the same bytes, each half's low nibble kept (q 2^-133 as a bf16 subnormal), and
+# the FMA with the shifted scale and bias rows.
+_SUBNORMAL_PAIR_PTX = """{{ .reg .b32 t;
+prmt.b32 t, $1, $2, {sel:#06x};
+and.b32 t, t, 0x000F000F;
+fma.rn.bf16x2 $0, t, $3, $4; }}"""
+
+
 def _splat_pair(reg) -> ir.Value:
     """A vector<1 x bf16> register -> i32 holding the value in both halves (a bf16x2 operand)."""
     i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
@@ -292,10 +332,12 @@ def _splat_pair(reg) -> ir.Value:
     return arith.ori(half, arith.shli(half, arith.constant(i32, 16)))
 
 
-def _lane_dequant(block_groups: int, transforms: tuple):
+def _lane_dequant(block_groups: int, transforms: tuple, subnormal: bool = False):
     """inline_mgpu function (words ref [TILE_N, 8 G] of lane words in shared memory, G scale rows, G bias rows, each
     [TILE_N] in the MMA's row layout) -> bf16 A tile [TILE_N, 64 G] in the MMA's register layout: s q + b rounded
-    once. A thread's lane words are its A registers' weights in order (`to_lane_words`), so no value crosses lanes."""
+    once. A thread's lane words are its A registers' weights in order (`to_lane_words`), so no value crosses lanes.
+    subnormal: the "subnormal" conversion (scale and bias rows from `subnormal_scales`)."""
+    ptx = _SUBNORMAL_PAIR_PTX if subnormal else _PAIR_PTX
     row = plgpu.Layout.WGMMA.reduce(1)
     swizzle = next(t.swizzle for t in transforms if isinstance(t, plgpu.SwizzleTransform))
 
@@ -319,7 +361,7 @@ def _lane_dequant(block_groups: int, transforms: tuple):
                     w = vector.extract(both, dynamic_position=[], static_position=[h])
                     hi = arith.shrui(w, arith.constant(i32, 4))
                     for j in range(4):
-                        out = llvm.inline_asm(i32, [w, hi, s2, b2], _PAIR_PTX.format(sel=0xF0F0 | (j + 4) << 8 | j),
+                        out = llvm.inline_asm(i32, [w, hi, s2, b2], ptx.format(sel=0xF0F0 | (j + 4) << 8 | j),
                                               "=r,r,r,r,r")
                         regs[0, 8 * g + 4 * h + j, 0, 0, half, 0, 0, 0, 0] = mgpu.utils.bitcast(out, pair_ty)
         return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
@@ -327,33 +369,36 @@ def _lane_dequant(block_groups: int, transforms: tuple):
     return dequant
 
 
-def _lane_dequant_jnp(words: jax.Array, s_rows, b_rows) -> jax.Array:
-    """`_lane_dequant`'s values by jnp (interpret mode): lane words [R, 8 G] -> bf16 [R, 64 G]."""
+def _lane_dequant_jnp(words: jax.Array, s_rows, b_rows, subnormal: bool = False) -> jax.Array:
+    """`_lane_dequant`'s values by jnp (interpret mode): lane words [R, 8 G] -> bf16 [R, 64 G]. subnormal: the rows
+    are `subnormal_scales`' (q 2^-133 times s 2^(133 - d) is q s 2^-d, exact in fp32)."""
     q = unpack(from_lane_words(words), 4).astype(jnp.float32)
     r = q.shape[0]
     q = q.reshape(r, len(s_rows), GROUP)
     s = jnp.stack(s_rows, axis=1).astype(jnp.float32)[:, :, None]
+    if subnormal:
+        s = lax.optimization_barrier(s * jnp.float32(2.0 ** -66)) * jnp.float32(2.0 ** (66 - SUBNORMAL_EXP))
     b = jnp.broadcast_to(jnp.stack(b_rows, axis=1).astype(jnp.float32)[:, :, None], q.shape)
     return add_rounded_once_to_bf16(q * s, b).reshape(r, -1)
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "sms", "interpret", "conversion", "probe",
                                              "layout", "n"))
-def _partials(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None, *, stages: int, block_groups: int,
-              sms: int, interpret: bool, conversion: str = "words", probe: str | None = None, layout: str = "rows",
-              n: int | None = None) -> jax.Array:
+def _partials(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None, rs: jax.Array | None = None, *,
+              stages: int, block_groups: int, sms: int, interpret: bool, conversion: str = "words",
+              probe: str | None = None, layout: str = "rows", n: int | None = None) -> jax.Array:
     """`_kernel_call`, through the lowering cache (`_PARTIALS`) when compiled for the GPU."""
     kw = dict(stages=stages, block_groups=block_groups, sms=sms, conversion=conversion, probe=probe, layout=layout,
-              n=n)
-    args = (xp, qw, st) if layout == "tiles" else (xp, qw, st, bt)
+              n=n, row_scale=rs is not None)
+    args = ((xp, qw, st) if layout == "tiles" else (xp, qw, st, bt)) + (() if rs is None else (rs,))
     if interpret:
         return _kernel_call(*args, interpret=True, **kw)
     return _PARTIALS(*args, **kw)[0]
 
 
-def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None = None, *, stages: int,
-                 block_groups: int, sms: int, interpret: bool, conversion: str = "words", probe: str | None = None,
-                 layout: str = "rows", n: int | None = None) -> jax.Array:
+def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, stages: int, block_groups: int,
+                 sms: int, interpret: bool, conversion: str = "words", probe: str | None = None, layout: str = "rows",
+                 n: int | None = None, row_scale: bool = False) -> jax.Array:
     """The kernel (`flat_schedule`): xp [R, K] bf16 (x padded to a piece height R, PIECE_ROWS); layout "rows": qw
     the weight as lane words uint32 [N, K / 8] (conversion "words") or as uint4 [N, K] (the others), st, bt [G, N]
     bf16; layout "tiles" (`tile_layout`, conversion "words"): qw the lane words [tiles L CTA_N, 8 G'] with each
@@ -361,16 +406,22 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
     n the weight's N -> fp32 pieces [P, N, R] (only those `_pieces_written` marks are written). Each CTA runs one
     pipeline over its S steps, so the memory warpgroup never waits at a tile's edge; a step's MMAs go into a fresh
     accumulator whose value the compute warpgroup adds to its running fp32 sum (restarted where a tile starts), and
-    the sum is stored where the tile or the chunk ends."""
+    the sum is stored where the tile or the chunk ends. row_scale: a last operand rs [1, N] fp32 (the "subnormal"
+    conversion's 2^d, `subnormal_scales`) multiplies each stored sum's rows."""
     rows, k = xp.shape
     tiled = layout == "tiles"
-    assert layout in LAYOUTS and (not tiled or (conversion == "words" and bt is None and n is not None)), layout
+    rest = list(rest)
+    rs = rest.pop() if row_scale else None
+    bt = None if tiled else rest.pop(0)
+    assert not rest and (not row_scale or conversion == "subnormal"), (len(rest), row_scale, conversion)
+    assert layout in LAYOUTS and (not tiled or (conversion in LANE_CONVERSIONS and n is not None)), layout
     n = n if tiled else qw.shape[0]
     block_k = GROUP * block_groups
     length, per_cta, ctas, counts = flat_schedule(n, k, block_groups, sms)
     pieces = int(counts.max())
     total = -(-n // CTA_N) * length
-    words = conversion == "words"
+    words = conversion in LANE_CONVERSIONS
+    subnormal = conversion == "subnormal"
     q_block = (CTA_N, block_k // 8) if words else (CTA_N, block_k)
     q_transforms = _smem_transforms(block_k // 8, 32, "lhs") if words else _smem_transforms(block_k, 4, "lhs")
     x_transforms = _smem_transforms(GROUP, 16, "rhs")
@@ -381,14 +432,13 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
     # "no_compute" also applies to the other conversions.
     assert conversion in CONVERSIONS and probe in (None, "no_xor", "no_affine", "no_load", "no_compute"), probe
     assert probe in (None, "no_compute") or conversion == "nibbles", (probe, conversion)
-    dequant = _lane_dequant(block_groups, q_transforms) if words and not interpret else None
+    dequant = _lane_dequant(block_groups, q_transforms, subnormal) if words and not interpret else None
 
     def kernel(x_gmem, q_gmem, s_gmem, *refs):
-        if tiled:
-            out_gmem, out_smem, *a_smem = refs
-            b_gmem = None
-        else:
-            b_gmem, out_gmem, out_smem, *a_smem = refs
+        refs = list(refs)
+        b_gmem = None if tiled else refs.pop(0)
+        rs_gmem = refs.pop(0) if row_scale else None
+        out_gmem, out_smem, *a_smem = refs
         cta = lax.axis_index("cta")
 
         def locate(i):  # step i of this CTA -> (tile, step within the tile's K); past the end: the last step again
@@ -409,6 +459,8 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
                      plgpu.BlockSpec(q_block, lambda i: locate(i), transforms=q_transforms, memory_space=plgpu.SMEM),
                      plgpu.BlockSpec((block_groups, CTA_N), lambda i: locate(i)[::-1], memory_space=plgpu.SMEM),
                      plgpu.BlockSpec((block_groups, CTA_N), lambda i: locate(i)[::-1], memory_space=plgpu.SMEM)]
+        if row_scale:  # the tile's 2^d row, copied with each step
+            specs.append(plgpu.BlockSpec((1, CTA_N), lambda i: (0, locate(i)[0]), memory_space=plgpu.SMEM))
 
         def pipeline(body, context):
             return plgpu.emit_pipeline_warp_specialized(
@@ -416,7 +468,8 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
                 max_concurrent_steps=stages, compute_context=context, in_specs=specs)
 
         ignore = lambda *_, **__: None
-        operands = (x_gmem, q_gmem, s_gmem) if tiled else (x_gmem, q_gmem, s_gmem, b_gmem)
+        operands = ((x_gmem, q_gmem, s_gmem) + (() if tiled else (b_gmem,))
+                    + ((rs_gmem,) if row_scale else ()))
 
         @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*operands),
                            collective_axes="wg")
@@ -432,7 +485,7 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
                     s_rows = [s_smem[j, wg_slice] for j in range(block_groups)]
                     b_rows = [(s_smem if tiled else b_smem)[(block_groups if tiled else 0) + j, wg_slice]
                               for j in range(block_groups)]
-                    a = (_lane_dequant_jnp(q_smem[wg_slice], s_rows, b_rows) if interpret
+                    a = (_lane_dequant_jnp(q_smem[wg_slice], s_rows, b_rows, subnormal) if interpret
                          else dequant(q_smem.at[wg_slice], s_rows, b_rows))
                     return [a[:, j * GROUP:(j + 1) * GROUP] for j in range(block_groups)]
                 # "nibbles"/"unsigned": q XOR 8 read as signed int4 is q - 8 (Mosaic GPU's fast int4 -> bf16
@@ -455,7 +508,10 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
 
             def body(idx, x_smem, q_smem, s_smem, *rest):
                 (i,) = idx
-                b_smem, carry = (None, rest[0]) if tiled else rest
+                rest = list(rest)
+                carry = rest.pop()
+                b_smem = None if tiled else rest.pop(0)
+                rs_smem = rest.pop(0) if row_scale else None
                 f = cta * per_cta + i
                 tile, ks = locate(i)
                 if probe == "no_compute":
@@ -484,7 +540,8 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
                 @pl.when((f < total) & ((ks == length - 1) | (i == per_cta - 1)))
                 def _store():
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store has read out_smem
-                    out_smem[wg] = carry
+                    out_smem[wg] = (carry if rs_smem is None
+                                    else carry * lax.broadcast_in_dim(rs_smem[0, wg_slice], (TILE_N, rows), (0,)))
                     plgpu.commit_smem()
                     piece = cta - _div(tile * length, per_cta)
                     plgpu.copy_smem_to_gmem(out_smem.at[wg],
@@ -503,7 +560,7 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | No
         scratch_types=[plgpu.SMEM((COMPUTE_WGS, TILE_N, rows), jnp.float32)]
         + ([plgpu.SMEM((COMPUTE_WGS, TILE_N, GROUP), jnp.bfloat16, transforms=a_transforms)] if interpret else []),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
-    return call(xp, qw, st) if tiled else call(xp, qw, st, bt)
+    return call(xp, qw, st, *(() if tiled else (bt,)), *(() if rs is None else (rs,)))
 
 
 # The lowering cache (`mgpu_lowering`): the kernel's custom call lowered once a process per operand shapes and
@@ -544,8 +601,11 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     biases as [G, N], made once beforehand (default: the weight's `scales_t`, `biases_t` where it has them; else
     each call transposes them: for 5120 -> 34816 that is 22 MB of extra traffic beside the weight's 89 MB, 0.85 ms a
     27B forward). conversion: CONVERSIONS (None for CONVERSION); "words" reads lane-ordered words (`w.lanes`,
-    made once by `qmm.decode_layout`; else each call repacks them), the others natural ones (else each call
-    restores that order).
+    made once by `qmm.decode_layout`; else each call repacks them), "subnormal" reads them too with the scale
+    and bias rows `subnormal_scales` makes (`w.subnormal`, made once by `qmm.decode_layout`; else each call
+    makes them), the others natural ones (else each call restores that order). conversion None under CONVERSION
+    "subnormal" takes "words" for a weight whose transposed scales were laid out without it (`decode_layout`
+    keeps them so where the shifted rows would not be exact).
     interpret: Mosaic GPU's interpreter on the CPU. rounding: how the output keeps its rounding (ROUNDINGS; None for
     ROUNDING). layout: where a step's blocks lie (LAYOUTS; None for LAYOUT; "tiles" needs the "words" conversion
     and here re-lays the weight every call)."""
@@ -555,17 +615,26 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     bg = block_groups_for(k) if block_groups is None else block_groups
     if bg < 1 or (k // GROUP) % bg:
         raise ValueError(f"qmm_mgpu: block_groups={bg} must divide K's {k // GROUP} groups")
-    if transposed is None and w.scales_t is not None and w.biases_t is not None:
-        transposed = (w.scales_t, w.biases_t)
-    if transposed is None:
-        transposed = (w.scales.T, w.biases.T)
-    elif tuple(t.shape for t in transposed) != 2 * ((k // GROUP, n),):
-        raise ValueError(f"qmm_mgpu: transposed scales and biases must be [{k // GROUP}, {n}], got "
-                         f"{[tuple(t.shape) for t in transposed]}")
-    conversion = CONVERSION if conversion is None else conversion
+    if conversion is None:
+        conversion = CONVERSION
+        if conversion == "subnormal" and transposed is None and w.scales_t is not None and not w.subnormal:
+            conversion = "words"
     if conversion not in CONVERSIONS:
         raise ValueError(f"qmm_mgpu: conversion {conversion!r} is not one of {CONVERSIONS}")
-    if conversion == "words":
+    row_scale = None
+    if transposed is None and w.subnormal and conversion == "subnormal":
+        transposed, row_scale = (w.scales_t, w.biases_t), w.row_scale
+    else:
+        if transposed is None and w.scales_t is not None and not w.subnormal:
+            transposed = (w.scales_t, w.biases_t)
+        if transposed is None:
+            transposed = (w.scales.T, w.biases.T)
+        elif tuple(t.shape for t in transposed) != 2 * ((k // GROUP, n),):
+            raise ValueError(f"qmm_mgpu: transposed scales and biases must be [{k // GROUP}, {n}], got "
+                             f"{[tuple(t.shape) for t in transposed]}")
+        if conversion == "subnormal":
+            *transposed, row_scale, _ = subnormal_scales(*transposed)
+    if conversion in LANE_CONVERSIONS:
         q = w.words if w.lanes else to_lane_words(w.words)
     else:
         q = lax.bitcast_convert_type(natural_words(w), jnp.uint4).reshape(n, k)
@@ -573,27 +642,28 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     if rounding not in ROUNDINGS:
         raise ValueError(f"qmm_mgpu: rounding {rounding!r} is not one of {ROUNDINGS}")
     layout = LAYOUT if layout is None else layout
-    if layout not in LAYOUTS or (layout == "tiles" and conversion != "words"):
-        raise ValueError(f"qmm_mgpu: layout {layout!r} must be one of {LAYOUTS} ('tiles' with the 'words' "
-                         f"conversion)")
+    if layout not in LAYOUTS or (layout == "tiles" and conversion not in LANE_CONVERSIONS):
+        raise ValueError(f"qmm_mgpu: layout {layout!r} must be one of {LAYOUTS} ('tiles' with the conversions "
+                         f"{LANE_CONVERSIONS})")
     operands = (q, *transposed)
     if layout == "tiles":
         operands = (*tile_layout(q, *transposed, bg), None)
-    return _decode(x, *operands, stages=stages_for(rows, stages, bg), block_groups=bg, conversion=conversion,
+    return _decode(x, *operands, row_scale, stages=stages_for(rows, stages, bg), block_groups=bg, conversion=conversion,
                    sms=SMS, interpret=interpret, rows=rows, rounding=rounding, layout=layout, n=n,
                    epilogue=epilogue)
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "conversion", "sms", "interpret", "rows",
                                              "rounding", "layout", "n", "epilogue"))
-def _decode(x: jax.Array, q: jax.Array, st: jax.Array, bt: jax.Array | None, *, stages: int, block_groups: int,
+def _decode(x: jax.Array, q: jax.Array, st: jax.Array, bt: jax.Array | None, rs: jax.Array | None = None, *,
+            stages: int, block_groups: int,
             conversion: str, sms: int, interpret: bool, rows: int, rounding: str, layout: str, n: int,
             epilogue: bool = True) -> jax.Array:
     # One program around the kernel: called eagerly, separate dispatches of the small ops around an interpreted
     # kernel deadlocked the CPU client now and then (the interpreter's callbacks dispatch jax ops themselves).
     m, k = x.shape
     xp = jnp.pad(x, ((0, rows - m), (0, 0)))
-    parts = _partials(xp, q, st, bt, stages=stages, block_groups=block_groups, sms=sms, interpret=interpret,
+    parts = _partials(xp, q, st, bt, rs, stages=stages, block_groups=block_groups, sms=sms, interpret=interpret,
                       conversion=conversion, layout=layout, n=n)
     if not epilogue:
         return parts

@@ -38,6 +38,11 @@ class QuantizedWeight:
     # natural order. Readers that want natural order call `natural_words`; the decode kernel and the prompt
     # path's dequantization pass read lane order directly.
     lanes: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # Whether scales_t / biases_t hold the Mosaic GPU decode kernel's "subnormal" copies (`qmm_mgpu.subnormal_scales`,
+    # made once by `pallas_kernels.qmm.decode_layout`: s 2^(133 - d), b 2^-d per output row) instead of s and b;
+    # row_scale: [1, N] fp32 2^d, present only where some row has d > 0.
+    subnormal: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    row_scale: jax.Array | None = None
 
     @property
     def out_features(self) -> int:
@@ -70,6 +75,11 @@ class QuantizedWeight:
         for part, arr in (("scales_t", self.scales_t), ("biases_t", self.biases_t)):
             if arr is not None and tuple(arr.shape) != want[::-1]:
                 raise ValueError(f"{name}: {part} shape {tuple(arr.shape)} is not the transpose of {want}")
+        if self.row_scale is not None and (not self.subnormal or tuple(self.row_scale.shape) != (1, n)):
+            raise ValueError(f"{name}: row_scale must be [1, {n}] beside subnormal scales, got "
+                             f"{tuple(self.row_scale.shape)} (subnormal={self.subnormal})")
+        if self.subnormal and self.scales_t is None:
+            raise ValueError(f"{name}: subnormal scales need scales_t and biases_t")
         if self.lanes and (self.bits != 4 or k % 64):
             raise ValueError(f"{name}: lane-ordered words need 4 bits and K a multiple of 64, got {self.bits} bits, "
                              f"K={k}")

@@ -587,3 +587,82 @@ def test_norms_write_the_decode_qmm_padding(monkeypatch):
     monkeypatch.setattr(ops, "PAD_AT_NORM", True)
     monkeypatch.setattr(qmm, "DECODE_IMPL", "triton")
     assert ops.pad_rows(be, x, fused, prompt=False) is None
+
+
+def _wide_scale_weight(rng, n: int, k: int):
+    """A weight whose scales span 2^-12 .. 2^2 by output row (rows past the first third need the "subnormal"
+    conversion's row scale: their s 2^133 would leave bf16's range), biases near -8 s."""
+    spread = np.exp2(rng.uniform(-12, 2, size=(n, 1))) * rng.uniform(0.5, 1.0, size=(n, k // 64))
+    spread[: n // 3] = np.minimum(spread[: n // 3], 0.03)
+    scales = jnp.asarray(spread, jnp.bfloat16)
+    biases = (-8.0 * scales.astype(jnp.float32)
+              + jnp.asarray(rng.normal(size=(n, k // 64)) * 1e-2 * spread)).astype(jnp.bfloat16)
+    words = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
+    return QuantizedWeight(jnp.asarray(words), scales, biases, 4, 64)
+
+
+def test_subnormal_scales_are_exact_powers_of_two():
+    """`subnormal_scales`: per column the least shift d >= 0 that keeps s 2^(133 - d) in bf16's range; the shifted
+    scales and biases are their sources times powers of two exactly; a bias near bf16's least normal makes the
+    result inexact (the kernel must then keep the "words" conversion)."""
+    rng = np.random.default_rng(4100)
+    w = _wide_scale_weight(rng, 96, 512)
+    s, b = w.scales.T, w.biases.T
+    s_up, b_down, row_scale, exact = qmm_mgpu.subnormal_scales(s, b)
+    assert bool(exact) and row_scale.shape == (1, 96)
+    s64, b64 = (np.asarray(a.astype(jnp.float32), np.float64) for a in (s, b))
+    d = np.log2(np.asarray(row_scale[0], np.float64))
+    assert np.all(d == np.round(d)) and d.min() == 0 and d.max() > 0
+    up = np.asarray(s_up.astype(jnp.float32), np.float64)
+    np.testing.assert_array_equal(up, s64 * 2.0 ** (133 - d))
+    np.testing.assert_array_equal(np.asarray(b_down.astype(jnp.float32), np.float64), b64 * 2.0 ** -d)
+    assert np.all(up.max(axis=0) <= float(jnp.finfo(jnp.bfloat16).max))
+    assert np.all((d == 0) | (up.max(axis=0) * 2 > float(jnp.finfo(jnp.bfloat16).max)))  # least d
+    tiny = b.at[3, int(np.argmax(d))].set(jnp.bfloat16(2.0 ** -125))  # shifted below the least normal
+    assert not bool(qmm_mgpu.subnormal_scales(s, tiny)[3])
+
+
+def _subnormal_same_bits(n: int, k: int, *, interpret: bool, rows_cases=(1, 16)):
+    """The "subnormal" conversion gives the "words" conversion's bits, for weights with and without row scales,
+    laid out once (`decode_layout`) or shifted per call."""
+    from pallas_kernels import qmm
+    rng = np.random.default_rng(4200 + n + k)
+    for w in (_small_weight(rng, n, k), _wide_scale_weight(rng, n, k)):
+        words = jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, interpret=interpret, conversion="words"))
+        sub = jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, interpret=interpret, conversion="subnormal"))
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(qmm, "DECODE_IMPL", "mgpu")
+            mp.setattr(qmm_mgpu, "CONVERSION", "subnormal")
+            laid = qmm.decode_layout({"w": w})["w"]
+            assert laid.subnormal and laid.lanes
+            default = jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, interpret=interpret))
+            for m in rows_cases:
+                x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+                want = np.asarray(words(x, w)).view(np.uint16)
+                for what, got in (("per call", sub(x, w)), ("laid out", default(x, laid))):
+                    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), want, err_msg=f"{what}, M={m}")
+    assert laid.row_scale is not None  # the wide-scale weight needed its row scale
+
+
+def test_interpreter_subnormal_conversion_same_bits():
+    _subnormal_same_bits(200, 512, interpret=True, rows_cases=(3,))
+
+
+def test_subnormal_lowers_for_the_h200():
+    """The "subnormal" conversion lowers with and without its row scale operand (and in the "tiles" layout)."""
+    sds = jax.ShapeDtypeStruct
+    for k, n in ((5120, 34816), (17408, 5120)):
+        aw = _abstract_weight(n, k)
+        g = k // 64
+        laid = QuantizedWeight(aw.words, aw.scales, aw.biases, 4, 64, sds((g, n), jnp.bfloat16),
+                               sds((g, n), jnp.bfloat16), lanes=True, subnormal=True)
+        for w, kw in ((laid, {}), (aw, {}), (laid, dict(layout="tiles"))):
+            text = jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, conversion="subnormal", **kw)).trace(
+                sds((1, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
+            assert "mosaic_gpu" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", [(5120, 34816), (17408, 5120), (5120, 6144), (128, 392)])
+def test_gpu_subnormal_conversion_same_bits(k, n):
+    _subnormal_same_bits(n, k, interpret=False, rows_cases=(1, 5, 16, 64))

@@ -537,13 +537,13 @@ def _sweep(args, t_start: float) -> dict:
                 one = functools.partial(qmm_mgpu.qmm_decode, rows=rows, **kw)
                 fn = (lambda x, w, transposed=None, one=one, rows=rows: jnp.concatenate(
                     [one(x[i:i + rows], w, transposed=transposed) for i in range(0, x.shape[0], rows)]))
-                bare = [dataclasses.replace(w, words=natural_words(w), lanes=False, scales_t=None, biases_t=None)
-                        for w in ws]
+                bare = [dataclasses.replace(w, words=natural_words(w), lanes=False, scales_t=None, biases_t=None,
+                                            subnormal=False, row_scale=None) for w in ws]
                 arg_sets = [(x, w) for w in bare]
                 if pre:  # as decode_layout leaves them for the variant's conversion
                     fn = lambda x, w, st, bt, fn=fn: fn(x, w, transposed=(st, bt))
                     laid = [dataclasses.replace(w, words=jax.jit(to_lane_words)(w.words), lanes=True)
-                            if kw.get("conversion", qmm_mgpu.CONVERSION) == "words" else w for w in bare]
+                            if kw.get("conversion", qmm_mgpu.CONVERSION) in qmm_mgpu.LANE_CONVERSIONS else w for w in bare]
                     arg_sets = [(x, w, w.scales.T, w.biases.T) for w in laid]
                 label = "mosaic gpu " + ",".join(f"{key}={val}" for key, val in variant.items())
                 jobs.append(Job("decode", (k, n), m, label, 1, fn, False, arg_sets,

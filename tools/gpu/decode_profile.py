@@ -245,7 +245,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mgpu-stages", type=int, default=None, help="qmm_mgpu.STAGES (the Mosaic GPU kernel's depth)")
     ap.add_argument("--mgpu-rounding", choices=("barrier", "reduce_precision"), default=None,
                     help="qmm_mgpu.ROUNDING (how the kernel's output keeps its rounding)")
-    ap.add_argument("--mgpu-conversion", choices=("words", "nibbles", "unsigned"), default=None,
+    ap.add_argument("--mgpu-conversion", choices=("words", "subnormal", "nibbles", "unsigned"), default=None,
                     help="qmm_mgpu.CONVERSION (how the kernel turns 4-bit weights into the MMA's operand)")
     ap.add_argument("--mgpu-compute-wgs", type=int, default=None,
                     help="qmm_mgpu.COMPUTE_WGS (compute warpgroups a CTA of the Mosaic GPU decode kernel)")

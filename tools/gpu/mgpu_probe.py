@@ -1,7 +1,7 @@
 """Where the Mosaic GPU decode qmm's time goes (pallas_kernels/qmm_mgpu.py): times the kernel with parts of its
 pipeline step left out (`_partials`'s `probe`, under the "nibbles" conversion: wrong numbers, timing only) at the
 27B's decode shapes, scales and biases transposed beforehand. "full" is the "nibbles" kernel whole, "words" and
-"unsigned" the other conversions whole, "tiles" the words conversion reading the "tiles" layout (`tile_layout`),
+"subnormal" and "unsigned" the other conversions whole (subnormal without a row scale), "tiles" the words conversion reading the "tiles" layout (`tile_layout`),
 "words_no_compute" / "tiles_no_compute" their copies alone. With MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=DIR in the environment Mosaic GPU
 writes each compiled kernel's PTX/SASS there.
 
@@ -55,14 +55,14 @@ def main() -> None:
         for probe in args.probes.split(","):
             base, _, p = probe.partition("_no_")
             p = "no_" + p if p else None
-            if base not in ("words", "unsigned", "tiles"):
+            if base not in ("words", "subnormal", "unsigned", "tiles"):
                 base, p = "nibbles", None if probe == "full" else probe
             conversion = "words" if base == "tiles" else base
             layout = "tiles" if base == "tiles" else "rows"
             if layout == "tiles":
                 ops, ss, bs = [t[0] for t in tiled], [t[1] for t in tiled], [None] * copies
             else:
-                ops, ss, bs = (words if conversion == "words" else q4s), sts, bts
+                ops, ss, bs = (words if conversion in qmm_mgpu.LANE_CONVERSIONS else q4s), sts, bts
 
             @jax.jit
             def chain(xp, q4s, sts, bts, conversion=conversion, p=p, layout=layout):
