@@ -98,10 +98,14 @@ SMS = 132  # the H200's; chunks of work are spread over this many persistent CTA
 #   range). The MMA's fp32 sums of scaled products are the unscaled sums scaled, so the stored pieces, multiplied
 #   back by 2^d (`row_scale`, only where some d > 0), are the "words" pieces bit for bit away from fp32's
 #   underflow. Needs bf16 FMAs that keep subnormal inputs (sm_90's do: the gpu tests compare it with "words").
-CONVERSION = "words"
+CONVERSION = "subnormal"
 CONVERSIONS = ("words", "subnormal", "nibbles", "unsigned")
 LANE_CONVERSIONS = ("words", "subnormal")  # the conversions that read lane-ordered words
 SUBNORMAL_EXP = 133  # a bf16 with exponent field 0 and mantissa field q is q * 2^-133
+# How a compute warpgroup loads its lane words: Mosaic GPU's staggered plan (True; each thread's 8-byte loads go
+# to rotating registers to spread shared-memory banks, then 16 selects a step put them in place: seen in the SASS,
+# session 29) or each in place (False). Same values either way.
+STAGGERED_LOADS = True
 # Where a pipeline step's weight block lies in memory: "rows" (the weight's own [N, K / 8] words: a step's
 # [CTA_N, 8 G'] block is CTA_N runs of 128 bytes, K / 2 bytes apart, and its scale and bias rows are 2 G' runs of
 # 256 bytes of [G, N]) or "tiles" (`tile_layout`: each step's words one contiguous block, 24 KB at CTA_N 192, its
@@ -187,13 +191,14 @@ def _check(x: jax.Array, w: QuantizedWeight, rows: int) -> None:
 SMEM_BYTES = 227 * 1024  # the H200's shared memory a CTA may take
 
 
-def stages_for(rows: int, stages: int, block_groups: int = BLOCK_GROUPS) -> int:
+def stages_for(rows: int, stages: int, block_groups: int = BLOCK_GROUPS, row_scale: bool = False) -> int:
     """Pipeline stages for a piece height: as many of `stages` as fit in SMEM_BYTES beside the output tile (fp32
     [COMPUTE_WGS, TILE_N, rows]). A stage holds x [rows, block_k] bf16, the weight tile [CTA_N, block_k] int4 and
-    its scale and bias rows: at 4 groups a step and 3 compute warpgroups 7 stages fit at 8 rows, 6 at 16, 4 at 32,
-    3 at 64. The stage count changes no bits (only how far the copies run ahead)."""
+    its scale and bias rows (and, with row_scale, the "subnormal" conversion's fp32 row scale): at 4 groups a step
+    and 3 compute warpgroups 7 stages fit at 8 rows, 6 at 16, 4 at 32, 3 at 64. The stage count changes no bits
+    (only how far the copies run ahead)."""
     block_k = GROUP * block_groups
-    stage = rows * block_k * 2 + CTA_N * block_k // 2 + 2 * block_groups * CTA_N * 2
+    stage = rows * block_k * 2 + CTA_N * block_k // 2 + 2 * block_groups * CTA_N * 2 + row_scale * CTA_N * 4
     fit = (SMEM_BYTES - COMPUTE_WGS * TILE_N * rows * 4) // stage
     return max(1, min(stages, fit))
 
@@ -309,34 +314,41 @@ def subnormal_scales(scales_t: jax.Array, biases_t: jax.Array) -> tuple[jax.Arra
 # bf16x2 of one weight pair from a lane word (see CONVERSION): byte j of the word holds the pair's fields (low
 # nibble first); prmt puts byte j of w in the low half and byte j of w >> 4 in the high half, lop3 keeps each half's
 # low nibble and ORs in 0x4300 (bf16 128 + q, exact), sub takes 128 away (exact), and the FMA rounds q s + b once.
-_PAIR_PTX = """{{ .reg .b32 t, c;
+# The scale and bias come as bf16 halves ($3, $4) splatted here: ptxas folds the splats into the FMA's operand
+# selectors (.H0_H0), where a splat built outside the asm cost an integer multiply each (session 29).
+_PAIR_PTX = """{{ .reg .b32 t, c, s, b;
 prmt.b32 t, $1, $2, {sel:#06x};
 lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
 mov.b32 c, 0x43004300;
 sub.bf16x2 t, t, c;
-fma.rn.bf16x2 $0, t, $3, $4; }}"""
+mov.b32 s, {{$3, $3}};
+mov.b32 b, {{$4, $4}};
+fma.rn.bf16x2 $0, t, s, b; }}"""
 
 
 # The "subnormal" conversion's pair: the same bytes, each half's low nibble kept (q 2^-133 as a bf16 subnormal), and
 # the FMA with the shifted scale and bias rows.
-_SUBNORMAL_PAIR_PTX = """{{ .reg .b32 t;
+_SUBNORMAL_PAIR_PTX = """{{ .reg .b32 t, s, b;
 prmt.b32 t, $1, $2, {sel:#06x};
 and.b32 t, t, 0x000F000F;
-fma.rn.bf16x2 $0, t, $3, $4; }}"""
+mov.b32 s, {{$3, $3}};
+mov.b32 b, {{$4, $4}};
+fma.rn.bf16x2 $0, t, s, b; }}"""
 
 
-def _splat_pair(reg) -> ir.Value:
-    """A vector<1 x bf16> register -> i32 holding the value in both halves (a bf16x2 operand)."""
-    i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
-    half = arith.extui(i32, arith.bitcast(i16, vector.extract(reg, dynamic_position=[], static_position=[0])))
-    return arith.ori(half, arith.shli(half, arith.constant(i32, 16)))
+def _half(reg) -> ir.Value:
+    """A vector<1 x bf16> register -> its i16 bits (a b16 operand of the pair's PTX)."""
+    i16 = ir.IntegerType.get_signless(16)
+    return arith.bitcast(i16, vector.extract(reg, dynamic_position=[], static_position=[0]))
 
 
-def _lane_dequant(block_groups: int, transforms: tuple, subnormal: bool = False):
+def _lane_dequant(block_groups: int, transforms: tuple, subnormal: bool = False, staggered: bool = True):
     """inline_mgpu function (words ref [TILE_N, 8 G] of lane words in shared memory, G scale rows, G bias rows, each
     [TILE_N] in the MMA's row layout) -> bf16 A tile [TILE_N, 64 G] in the MMA's register layout: s q + b rounded
     once. A thread's lane words are its A registers' weights in order (`to_lane_words`), so no value crosses lanes.
-    subnormal: the "subnormal" conversion (scale and bias rows from `subnormal_scales`)."""
+    subnormal: the "subnormal" conversion (scale and bias rows from `subnormal_scales`). staggered: the words'
+    loads as Mosaic GPU plans them against bank conflicts (each load then blended into place with selects), or
+    each lane's words loaded in place (STAGGERED_LOADS)."""
     ptx = _SUBNORMAL_PAIR_PTX if subnormal else _PAIR_PTX
     row = plgpu.Layout.WGMMA.reduce(1)
     swizzle = next(t.swizzle for t in transforms if isinstance(t, plgpu.SwizzleTransform))
@@ -347,22 +359,22 @@ def _lane_dequant(block_groups: int, transforms: tuple, subnormal: bool = False)
     def dequant(_, words_ref, s_rows, b_rows):
         i32 = ir.IntegerType.get_signless(32)
         pair_ty = ir.VectorType.get((2,), ir.BF16Type.get())
-        words = mgpu.FragmentedArray.load_tiled(words_ref, swizzle=swizzle, is_signed=False,
+        words = mgpu.FragmentedArray.load_tiled(words_ref, swizzle=swizzle, is_signed=False, optimized=staggered,
                                                 layout=mgpu.WGMMA_LAYOUT)
         # registers: [.., column tile, .., .., row half, ..]; a u32 column tile is one group's 8 words, a bf16
         # column tile 8 weights, each a vector of the lane's 2 adjacent columns
         regs = np.empty(mgpu.WGMMA_LAYOUT.registers_shape((TILE_N, GROUP * block_groups)), dtype=object)
         for g in range(block_groups):
             for half in range(2):
-                s2 = _splat_pair(s_rows[g].registers[0, 0, half, 0, 0])
-                b2 = _splat_pair(b_rows[g].registers[0, 0, half, 0, 0])
+                s2 = _half(s_rows[g].registers[0, 0, half, 0, 0])
+                b2 = _half(b_rows[g].registers[0, 0, half, 0, 0])
                 both = words.registers[0, g, 0, 0, half, 0, 0, 0, 0]
                 for h in range(2):
                     w = vector.extract(both, dynamic_position=[], static_position=[h])
                     hi = arith.shrui(w, arith.constant(i32, 4))
                     for j in range(4):
                         out = llvm.inline_asm(i32, [w, hi, s2, b2], ptx.format(sel=0xF0F0 | (j + 4) << 8 | j),
-                                              "=r,r,r,r,r")
+                                              "=r,r,r,h,h")
                         regs[0, 8 * g + 4 * h + j, 0, 0, half, 0, 0, 0, 0] = mgpu.utils.bitcast(out, pair_ty)
         return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
@@ -383,13 +395,14 @@ def _lane_dequant_jnp(words: jax.Array, s_rows, b_rows, subnormal: bool = False)
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "sms", "interpret", "conversion", "probe",
-                                             "layout", "n"))
+                                             "layout", "n", "staggered"))
 def _partials(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None, rs: jax.Array | None = None, *,
               stages: int, block_groups: int, sms: int, interpret: bool, conversion: str = "words",
-              probe: str | None = None, layout: str = "rows", n: int | None = None) -> jax.Array:
+              probe: str | None = None, layout: str = "rows", n: int | None = None, staggered: bool = True
+              ) -> jax.Array:
     """`_kernel_call`, through the lowering cache (`_PARTIALS`) when compiled for the GPU."""
     kw = dict(stages=stages, block_groups=block_groups, sms=sms, conversion=conversion, probe=probe, layout=layout,
-              n=n, row_scale=rs is not None)
+              n=n, row_scale=rs is not None, staggered=staggered)
     args = ((xp, qw, st) if layout == "tiles" else (xp, qw, st, bt)) + (() if rs is None else (rs,))
     if interpret:
         return _kernel_call(*args, interpret=True, **kw)
@@ -398,7 +411,7 @@ def _partials(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None,
 
 def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, stages: int, block_groups: int,
                  sms: int, interpret: bool, conversion: str = "words", probe: str | None = None, layout: str = "rows",
-                 n: int | None = None, row_scale: bool = False) -> jax.Array:
+                 n: int | None = None, row_scale: bool = False, staggered: bool = True) -> jax.Array:
     """The kernel (`flat_schedule`): xp [R, K] bf16 (x padded to a piece height R, PIECE_ROWS); layout "rows": qw
     the weight as lane words uint32 [N, K / 8] (conversion "words") or as uint4 [N, K] (the others), st, bt [G, N]
     bf16; layout "tiles" (`tile_layout`, conversion "words"): qw the lane words [tiles L CTA_N, 8 G'] with each
@@ -432,7 +445,7 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, 
     # "no_compute" also applies to the other conversions.
     assert conversion in CONVERSIONS and probe in (None, "no_xor", "no_affine", "no_load", "no_compute"), probe
     assert probe in (None, "no_compute") or conversion == "nibbles", (probe, conversion)
-    dequant = _lane_dequant(block_groups, q_transforms, subnormal) if words and not interpret else None
+    dequant = _lane_dequant(block_groups, q_transforms, subnormal, staggered) if words and not interpret else None
 
     def kernel(x_gmem, q_gmem, s_gmem, *refs):
         refs = list(refs)
@@ -648,23 +661,23 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     operands = (q, *transposed)
     if layout == "tiles":
         operands = (*tile_layout(q, *transposed, bg), None)
-    return _decode(x, *operands, row_scale, stages=stages_for(rows, stages, bg), block_groups=bg, conversion=conversion,
+    return _decode(x, *operands, row_scale, stages=stages_for(rows, stages, bg, row_scale is not None), block_groups=bg, conversion=conversion,
                    sms=SMS, interpret=interpret, rows=rows, rounding=rounding, layout=layout, n=n,
+                   staggered=STAGGERED_LOADS,
                    epilogue=epilogue)
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "conversion", "sms", "interpret", "rows",
-                                             "rounding", "layout", "n", "epilogue"))
+                                             "rounding", "layout", "n", "epilogue", "staggered"))
 def _decode(x: jax.Array, q: jax.Array, st: jax.Array, bt: jax.Array | None, rs: jax.Array | None = None, *,
-            stages: int, block_groups: int,
-            conversion: str, sms: int, interpret: bool, rows: int, rounding: str, layout: str, n: int,
-            epilogue: bool = True) -> jax.Array:
+            stages: int, block_groups: int, conversion: str, sms: int, interpret: bool, rows: int, rounding: str,
+            layout: str, n: int, epilogue: bool = True, staggered: bool = True) -> jax.Array:
     # One program around the kernel: called eagerly, separate dispatches of the small ops around an interpreted
     # kernel deadlocked the CPU client now and then (the interpreter's callbacks dispatch jax ops themselves).
     m, k = x.shape
     xp = jnp.pad(x, ((0, rows - m), (0, 0)))
     parts = _partials(xp, q, st, bt, rs, stages=stages, block_groups=block_groups, sms=sms, interpret=interpret,
-                      conversion=conversion, layout=layout, n=n)
+                      conversion=conversion, layout=layout, n=n, staggered=staggered)
     if not epilogue:
         return parts
     valid = jnp.asarray(written_columns(n, k, block_groups, sms))

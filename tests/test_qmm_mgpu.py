@@ -462,6 +462,7 @@ def test_decode_layout_transposes_once_same_bits(monkeypatch):
     monkeypatch.setattr(qmm, "DECODE_IMPL", "triton")
     assert qmm.decode_layout(params) is params
     monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
+    monkeypatch.setattr(qmm_mgpu, "CONVERSION", "words")  # (the "subnormal" rows: test_interpreter_subnormal_...)
     laid = qmm.decode_layout(params)
     w = laid["a"]
     np.testing.assert_array_equal(np.asarray(w.scales_t), np.asarray(params["a"].scales).T)
@@ -665,4 +666,26 @@ def test_subnormal_lowers_for_the_h200():
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n", [(5120, 34816), (17408, 5120), (5120, 6144), (128, 392)])
 def test_gpu_subnormal_conversion_same_bits(k, n):
-    _subnormal_same_bits(n, k, interpret=False, rows_cases=(1, 5, 16, 64))
+    _subnormal_same_bits(n, k, interpret=False, rows_cases=(1, 5, 16))
+
+
+def test_unstaggered_loads_lower_for_the_h200(monkeypatch):
+    monkeypatch.setattr(qmm_mgpu, "STAGGERED_LOADS", False)
+    sds = jax.ShapeDtypeStruct
+    for conversion in qmm_mgpu.LANE_CONVERSIONS:
+        text = jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, conversion=conversion)).trace(
+            sds((1, 5120), jnp.bfloat16), _abstract_weight(34816, 5120)).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("conversion", ["words", "subnormal"])
+def test_gpu_unstaggered_loads_same_bits(conversion, monkeypatch):
+    """The lane words loaded in place (STAGGERED_LOADS False) give the staggered loads' bits."""
+    rng = np.random.default_rng(4300)
+    w = _wide_scale_weight(rng, 5120, 17408)
+    x = jnp.asarray(rng.normal(size=(16, 17408)), jnp.bfloat16)
+    run = lambda: np.asarray(qmm_mgpu.qmm_decode(x, w, conversion=conversion)).view(np.uint16)
+    want = run()
+    monkeypatch.setattr(qmm_mgpu, "STAGGERED_LOADS", False)
+    np.testing.assert_array_equal(run(), want)
