@@ -104,8 +104,8 @@ LANE_CONVERSIONS = ("words", "subnormal")  # the conversions that read lane-orde
 SUBNORMAL_EXP = 133  # a bf16 with exponent field 0 and mantissa field q is q * 2^-133
 # How a compute warpgroup loads its lane words: Mosaic GPU's staggered plan (True; each thread's 8-byte loads go
 # to rotating registers to spread shared-memory banks, then 16 selects a step put them in place: seen in the SASS,
-# session 29) or each in place (False). Same values either way.
-STAGGERED_LOADS = True
+# session 29) or each in place (False). Same values either way (`test_gpu_unstaggered_loads_same_bits`).
+STAGGERED_LOADS = False
 # Where a pipeline step's weight block lies in memory: "rows" (the weight's own [N, K / 8] words: a step's
 # [CTA_N, 8 G'] block is CTA_N runs of 128 bytes, K / 2 bytes apart, and its scale and bias rows are 2 G' runs of
 # 256 bytes of [G, N]) or "tiles" (`tile_layout`: each step's words one contiguous block, 24 KB at CTA_N 192, its

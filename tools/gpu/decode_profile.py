@@ -73,9 +73,9 @@ def run(args) -> None:
         print(f"Mosaic GPU decode kernel: output rounding kept by {qmm_mgpu.ROUNDING}")
     if args.mgpu_conversion:
         qmm_mgpu.CONVERSION = args.mgpu_conversion
-    if args.unstaggered_loads:
-        qmm_mgpu.STAGGERED_LOADS = False
-        print("Mosaic GPU decode kernel: lane words loaded in place (not staggered)")
+    if args.staggered_loads is not None:
+        qmm_mgpu.STAGGERED_LOADS = bool(args.staggered_loads)
+        print(f"Mosaic GPU decode kernel: lane words' loads staggered: {qmm_mgpu.STAGGERED_LOADS}")
         print(f"Mosaic GPU decode kernel: {qmm_mgpu.CONVERSION} conversion")
     if args.synthetic:
         from qwen_jax.engine.bench import synthetic_params
@@ -250,8 +250,8 @@ def main(argv=None) -> int:
                     help="qmm_mgpu.ROUNDING (how the kernel's output keeps its rounding)")
     ap.add_argument("--mgpu-conversion", choices=("words", "subnormal", "nibbles", "unsigned"), default=None,
                     help="qmm_mgpu.CONVERSION (how the kernel turns 4-bit weights into the MMA's operand)")
-    ap.add_argument("--unstaggered-loads", action="store_true",
-                    help="qmm_mgpu.STAGGERED_LOADS False (the lane words loaded in place)")
+    ap.add_argument("--staggered-loads", type=int, choices=(0, 1), default=None,
+                    help="qmm_mgpu.STAGGERED_LOADS (1: the lane words' loads staggered, 0: in place)")
     ap.add_argument("--mgpu-compute-wgs", type=int, default=None,
                     help="qmm_mgpu.COMPUTE_WGS (compute warpgroups a CTA of the Mosaic GPU decode kernel)")
     ap.add_argument("--no-decode-prep", action="store_true",

@@ -31,9 +31,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=qmm_mgpu.ROWS, help="x's rows (a piece height)")
     ap.add_argument("--trace", metavar="DIR", help="also time the kernel alone: the median duration of its launches "
                     "in a jax.profiler trace of one chain (the chain's µs include the ops that order the calls)")
-    ap.add_argument("--unstaggered", action="store_true",
-                    help="the lane words loaded in place (qmm_mgpu.STAGGERED_LOADS False) for the conversions that "
-                    "read them")
+    ap.add_argument("--staggered", type=int, default=int(qmm_mgpu.STAGGERED_LOADS),
+                    help="1: the lane words' loads staggered, 0: in place (qmm_mgpu.STAGGERED_LOADS)")
     ap.add_argument("--compute-wgs", type=int, default=qmm_mgpu.COMPUTE_WGS,
                     help="compute warpgroups a CTA (qmm_mgpu.COMPUTE_WGS; CTA_N follows)")
     args = ap.parse_args()
@@ -75,7 +74,7 @@ def main() -> None:
                     out = qmm_mgpu._partials(xp, q4s[i], sts[i], bts[i], stages=args.stages, sms=qmm_mgpu.SMS,
                                              block_groups=args.block_groups, interpret=False,
                                              conversion=conversion, probe=p, layout=layout, n=n,
-                                             staggered=not args.unstaggered)
+                                             staggered=bool(args.staggered))
                     total = total + out[0, 0, 0]
                     xp = xp.at[0, 0].set(total.astype(xp.dtype))  # orders the calls
                 return total
