@@ -385,6 +385,8 @@ def test_27b_decode_program_lowers_with_it(h200_lowering, monkeypatch):
     assert "qmm_4b_g64" not in text
     # the MLP's activation reads the gate/up pieces itself (`ops.swiglu`; one Triton module, shared by the layers)
     assert 'name = "swiglu"' in text
+    # the output projections' residual adds read their pieces too (`ops.add_residual`)
+    assert 'name = "residual_add"' in text
 
 
 def _mosaic_modules(text: str) -> list[str]:

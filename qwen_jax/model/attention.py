@@ -37,7 +37,7 @@ def finish(o, gate, p, cfg: TextConfig, backend: Backend, *, prompt: bool):
     s, t = o.shape[:2]
     o = o.reshape(s, t, cfg.num_heads * cfg.head_dim)
     o = (o.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(o.dtype)
-    return linear(o, p["o"], backend, prompt=prompt)
+    return ops.project(o, p["o"], backend, prompt=prompt)
 
 
 def prompt_pass(x, p, pool, batch, cfg: TextConfig, backend: Backend):

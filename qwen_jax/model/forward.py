@@ -133,10 +133,10 @@ def _layers(params, state: ModelState, x, cfg: TextConfig, run_gdn, run_attn, ta
                 y, kv[ai], k = run_attn(h, layer["attn"], kv[ai])
                 ai += 1
             kept.append(k)
-            x = x + y
+            x = ops.add_residual(backend, x, y)
             h = ops.rms_norm(backend, x, layer["post_norm"], cfg.rms_norm_eps, then=layer["mlp"]["gate_up"],
                              prompt=prompt)
-            x = x + mlp(h, layer["mlp"], backend, prompt=prompt)
+            x = ops.add_residual(backend, x, mlp(h, layer["mlp"], backend, prompt=prompt))
             if i in taps:
                 tapped.append(x)
     return x, ModelState(tuple(kv), tuple(rec), tuple(conv)), kept, tapped

@@ -36,8 +36,8 @@ def finish(o: jax.Array, z: jax.Array, p: dict, cfg: TextConfig, backend: Backen
     s, t = o.shape[:2]
     z = z.reshape(s, t, cfg.linear_num_value_heads, cfg.linear_value_head_dim)
     y = ops.gated_rms_norm(backend, o, z, p["norm"], cfg.rms_norm_eps, then=p["out"], prompt=prompt)
-    return linear(y if isinstance(y, ops.Padded) else y.reshape(s, t, cfg.value_dim), p["out"], backend,
-                  prompt=prompt)
+    return ops.project(y if isinstance(y, ops.Padded) else y.reshape(s, t, cfg.value_dim), p["out"], backend,
+                       prompt=prompt)
 
 
 def prompt_pass(x, p, rec_pool, conv_pool, batch, cfg: TextConfig, backend: Backend):

@@ -14,7 +14,7 @@ from qwen_jax.model.ops import Backend, linear, linear_split
 
 def mlp(x: jax.Array, p: dict, backend: Backend, *, prompt: bool) -> jax.Array:
     if ops.swiglu_applies(backend, x, p["gate_up"], prompt=prompt):  # decode rows: the activation in one kernel
-        return linear(ops.swiglu(backend, x, p["gate_up"]), p["down"], backend, prompt=prompt)
+        return ops.project(ops.swiglu(backend, x, p["gate_up"]), p["down"], backend, prompt=prompt)
     gate, up = linear_split(x, p["gate_up"], backend, prompt=prompt)
     return linear(swiglu_k.activation(gate, up, x.dtype), p["down"], backend, prompt=prompt)
 

@@ -18,6 +18,7 @@ from pallas_kernels import gdn as gdn_k
 from pallas_kernels import kv_quant
 from pallas_kernels import qmm as qmm_k
 from pallas_kernels import qmm_mgpu
+from pallas_kernels import residual as residual_k
 from pallas_kernels import rownorm as rownorm_k
 from pallas_kernels import swiglu as swiglu_k
 from pallas_kernels.qweight import QuantizedWeight
@@ -110,6 +111,9 @@ ATTN_PREP = True  # attention layers' verify and step rows take `attn_prep.prep`
 DECODE_PREP = True  # verify and step rows take `gdn.decode_prep` where it applies (`decode_prep_applies`)
 # The MLP's decode rows take `swiglu.swiglu` between their projections where it applies (`swiglu_applies`)
 SWIGLU = True
+# The output projections' decode rows reach the residual as `Deferred` and take `residual.residual_add` there
+# (`project`, `add_residual`)
+RESIDUAL = True
 PAD_AT_NORM = True  # norms feeding a decode qmm write its padded rows (`pad_rows`); False: the qmm pads them
 
 
@@ -253,6 +257,54 @@ def swiglu(backend: Backend, x, gate_up):
     if act.shape[0] > m:
         return Padded(act, lead)
     return act.reshape(*lead, act.shape[-1])
+
+
+class Deferred(typing.NamedTuple):
+    """An output projection's decode rows not yet multiplied: `linear(h, w)` for `add_residual` to add to the
+    residual stream in one kernel with the projection's epilogue (`residual.residual_add`). Made by `project`
+    only where that applies; nothing but `add_residual` reads it."""
+    h: typing.Any  # [..., K] or `Padded`
+    w: QuantizedWeight
+
+
+def project(h, w, backend: Backend, *, prompt: bool):
+    """An output projection whose result only the residual add reads: `Deferred` where `add_residual` can take
+    the decode qmm's pieces itself (RESIDUAL, kernels on, a decode call of bf16 rows that the Mosaic GPU decode qmm
+    takes whole, w one packed weight), else `linear(h, w)`."""
+    rows = h.rows if isinstance(h, Padded) else h.reshape(-1, h.shape[-1])
+    if (RESIDUAL and backend.kernels and not prompt and isinstance(w, QuantizedWeight) and rows.shape[0] > 0
+            and rows.dtype == jnp.bfloat16 and qmm_k.decode_on_mgpu(rows, w, backend.interpret)):
+        return Deferred(h, w)
+    return linear(h, w, backend, prompt=prompt)
+
+
+def materialize(backend: Backend, y) -> jax.Array:
+    """y itself, or a `Deferred` projection multiplied out (`linear`): for readers other than the residual add."""
+    if not isinstance(y, Deferred):
+        return y
+    return linear(y.h, y.w, backend, prompt=False)
+
+
+def add_residual(backend: Backend, x: jax.Array, y) -> jax.Array:
+    """x + y for the residual stream x [..., N]; y an array or a `Deferred` projection, whose pieces
+    `residual.residual_add` sums, rounds and adds (the same operations as `x + linear(h, w)`), one launch a piece
+    of rows (`qmm_mgpu.pieces`)."""
+    if not isinstance(y, Deferred):
+        return x + y
+    if x.dtype != jnp.bfloat16:
+        return x + materialize(backend, y)
+    h = y.h
+    rows = h.rows if isinstance(h, Padded) else h.reshape(-1, h.shape[-1])
+    x2 = x.reshape(-1, x.shape[-1])
+    m = x2.shape[0]
+    out = []
+    for start, r in qmm_mgpu.row_pieces(qmm_mgpu.pieces(rows.shape[0])):
+        if start >= m:
+            break
+        parts, written = qmm_mgpu.qmm_parts(rows[start:start + r], y.w, rows=r, interpret=backend.interpret)
+        out.append(residual_k.residual_add(parts, jnp.asarray(written), x2[start:start + r],
+                                           interpret=backend.interpret))
+    return (jnp.concatenate(out, axis=0) if len(out) > 1 else out[0]).reshape(x.shape)
 
 
 def conv_prompt(backend: Backend, *args):

@@ -73,6 +73,10 @@ def run(args) -> None:
         print(f"Mosaic GPU decode kernel: output rounding kept by {qmm_mgpu.ROUNDING}")
     if args.mgpu_conversion:
         qmm_mgpu.CONVERSION = args.mgpu_conversion
+    if args.no_residual:
+        from qwen_jax.model import ops
+        ops.RESIDUAL = False
+        print("the output projections' residual adds as XLA fusions")
     if args.staggered_loads is not None:
         qmm_mgpu.STAGGERED_LOADS = bool(args.staggered_loads)
         print(f"Mosaic GPU decode kernel: lane words' loads staggered: {qmm_mgpu.STAGGERED_LOADS}")
@@ -250,6 +254,8 @@ def main(argv=None) -> int:
                     help="qmm_mgpu.ROUNDING (how the kernel's output keeps its rounding)")
     ap.add_argument("--mgpu-conversion", choices=("words", "subnormal", "nibbles", "unsigned"), default=None,
                     help="qmm_mgpu.CONVERSION (how the kernel turns 4-bit weights into the MMA's operand)")
+    ap.add_argument("--no-residual", action="store_true",
+                    help="ops.RESIDUAL False (the output projections' residual adds as XLA fusions)")
     ap.add_argument("--staggered-loads", type=int, choices=(0, 1), default=None,
                     help="qmm_mgpu.STAGGERED_LOADS (1: the lane words' loads staggered, 0: in place)")
     ap.add_argument("--mgpu-compute-wgs", type=int, default=None,

@@ -84,7 +84,7 @@ def ops_alone(cfg, params, backend, dtype) -> None:
     lay = params["layers"]
     cases = {
         "rms_norm (model)": lambda x: ops.rms_norm(backend, x, lay[0]["input_norm"], t.rms_norm_eps),
-        "mlp": lambda x: mlp(x, lay[0]["mlp"], backend, prompt=False),
+        "mlp": lambda x: ops.materialize(backend, mlp(x, lay[0]["mlp"], backend, prompt=False)),
         "lm_head": lambda x: ops.linear(x, params["embed"] if params["lm_head"] is None else params["lm_head"],
                                         backend, prompt=False),
         "log_softmax+logprobs": lambda x: sampling.logprobs(

@@ -1,0 +1,88 @@
+"""The residual stream's decode rows after an output projection: the Mosaic GPU decode qmm's pieces summed, rounded,
+and added to the residual, in one launch.
+
+Without it XLA fuses the projection's epilogue (the pieces [P, N, R] summed in piece order, rounded to bf16) with
+the residual add into one loop fusion per projection. Its reads follow the pieces' row-minor layout, and the 128
+such fusions of a one-stream 27B round (the output projection and the MLP's down projection of each layer) took
+about 440 µs, 3.4 µs a call (BENCHMARKS.md, engine, session 29). Here, as in `swiglu`, each program takes a block
+of columns whole: [BN, R] tiles of every piece, each row of a column contiguous.
+
+Math (`reference`): per column and row, the pieces added in piece order as `qmm_mgpu._decode` adds them (a piece
+the tile never wrote selected as 0.0, then added), the sum rounded to bf16, then added to the residual row in
+fp32 and rounded to bf16. Two bf16 values' fp32 sum rounded to bf16 is their correctly rounded sum, so this is the
+model's `x + y` in bf16 whatever way XLA adds. Each output element reads only its own column and row, so a row's
+bits never depend on the others.
+
+Shapes: parts [P, N, R] fp32, valid [P, N] bool (`qmm_mgpu.qmm_parts`), x [M, N] bf16 with M <= R (the live rows
+of the piece) -> x + y [M, N] bf16.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.calls import pallas_call
+from pallas_kernels.qmm_mgpu import sum_pieces
+
+BLOCK_N = 128  # columns a program
+WARPS = 4
+
+
+def add(x: jax.Array, y: jax.Array) -> jax.Array:
+    """x + y for bf16 x, y, rounded once (their fp32 sum is exact or rounds away only what the bf16 rounding
+    drops): the kernel's and the reference's add."""
+    return (x.astype(jnp.float32) + y.astype(jnp.float32)).astype(x.dtype)
+
+
+def reference(parts: jax.Array, valid: jax.Array, x: jax.Array) -> jax.Array:
+    p, n, r = parts.shape
+    total = sum_pieces(lambda i: (parts[i], valid[i][:, None]), p).astype(x.dtype)  # [N, R]
+    return add(x, total[:, :x.shape[0]].T)
+
+
+def _kernel(valid_ref, parts_ref, x_ref, o_ref, *, n: int, n_pieces: int, r: int, m: int):
+    # valid_ref [P, N] int8; parts_ref [P, N, R] fp32; x_ref, o_ref [M, N] bf16: this program's BLOCK_N columns,
+    # the M live rows as the first of R (the rest masked).
+    j = pl.program_id(0)
+    cols = j * BLOCK_N + jnp.arange(BLOCK_N)
+    in_n = cols < n
+
+    def load(p):
+        p = jnp.int32(p)
+        ok = plgpu.load(valid_ref.at[p, pl.ds(j * BLOCK_N, BLOCK_N)], mask=in_n, other=0) != 0
+        vals = plgpu.load(parts_ref.at[p, pl.ds(j * BLOCK_N, BLOCK_N), :], mask=in_n[:, None], other=0.0)
+        return vals, ok[:, None]
+
+    y = sum_pieces(load, n_pieces).astype(o_ref.dtype).T  # [R, BLOCK_N]
+    mask = (jnp.arange(r) < m)[:, None] & in_n[None, :]
+    x = plgpu.load(x_ref.at[pl.ds(0, r), pl.ds(j * BLOCK_N, BLOCK_N)], mask=mask, other=0.0)
+    plgpu.store(o_ref.at[pl.ds(0, r), pl.ds(j * BLOCK_N, BLOCK_N)], add(x, y), mask=mask)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def residual_add(parts: jax.Array, valid: jax.Array, x: jax.Array, *, interpret: bool = False) -> jax.Array:
+    """parts [P, N, R] fp32, valid [P, N] bool, x [M, N] bf16 (M <= R) -> [M, N] bf16 (`reference`'s values)."""
+    p, n, r = parts.shape
+    m = x.shape[0]
+    if (valid.shape != (p, n) or r & (r - 1) or x.ndim != 2 or x.shape[1] != n or not 0 < m <= r
+            or x.dtype != jnp.bfloat16):
+        raise ValueError(f"residual_add: parts [P, N, R] (R a power of two), valid [P, N] and bf16 x [M <= R, N]; "
+                         f"got {parts.shape}, {valid.shape}, {x.dtype} {x.shape}")
+    kernel = functools.partial(_kernel, n=n, n_pieces=p, r=r, m=m)
+    with jax.named_scope("residual_add"):
+        return pallas_call(
+            kernel,
+            grid=(pl.cdiv(n, BLOCK_N),),
+            in_specs=[pl.BlockSpec((p, n), lambda j: (0, 0)), pl.BlockSpec((p, n, r), lambda j: (0, 0, 0)),
+                      pl.BlockSpec((m, n), lambda j: (0, 0))],
+            out_specs=pl.BlockSpec((m, n), lambda j: (0, 0)),
+            out_shape=jax.ShapeDtypeStruct((m, n), x.dtype),
+            interpret=interpret,
+            compiler_params=plgpu.CompilerParams(num_warps=WARPS, num_stages=1),
+            name="residual_add",
+        )(valid.astype(jnp.int8), parts, x)

@@ -1,0 +1,115 @@
+"""The residual add after an output projection's decode rows (pallas_kernels/residual.py): against its reference bit
+for bit (interpret mode), against the model's own path (the decode qmm's epilogue, then `x + y`) on the Mosaic GPU
+interpreter, a row alone against the same row among others and in every piece height; `gpu`: compiled at the 27B's
+down projection (17408 -> 5120)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import qmm, qmm_mgpu
+from pallas_kernels import residual as rs
+from pallas_kernels.qweight import QuantizedWeight
+from qwen_jax.model import ops
+from qwen_jax.model.ops import Backend, Deferred, Padded
+
+INTERPRET = jax.default_backend() != "gpu"
+
+
+def bits(x):
+    return np.asarray(x).view(np.uint16)
+
+
+@pytest.mark.parametrize("p,n,r,m", [(2, 200, 16, 1), (3, 256, 8, 8), (1, 384, 64, 37), (4, 96, 32, 20)])
+def test_residual_add_matches_reference_bitwise(p, n, r, m):
+    """Unwritten pieces hold NaN: selected away, never summed; the residual rows are m <= R."""
+    rng = np.random.default_rng(600 + n)
+    valid = jnp.asarray(rng.random((p, n)) > 0.3).at[0].set(True)
+    parts = jnp.where(valid[:, :, None], jnp.asarray(rng.standard_normal((p, n, r)) * 3, jnp.float32), jnp.nan)
+    x = jnp.asarray(rng.standard_normal((m, n)) * 4, jnp.bfloat16)
+    got = rs.residual_add(parts, valid, x, interpret=INTERPRET)
+    want = rs.reference(parts, valid, x)
+    assert got.shape == (m, n) and got.dtype == jnp.bfloat16
+    assert np.array_equal(bits(got), bits(want)) and np.all(np.isfinite(np.asarray(got, np.float32)))
+    # the reference is the model's bf16 add of the rounded sum
+    total = qmm_mgpu.sum_pieces(lambda i: (parts[i], valid[i][:, None]), p).astype(jnp.bfloat16)[:, :m].T
+    assert np.array_equal(bits(want), bits(x + total))
+
+
+def test_residual_add_rejects_bad_inputs():
+    parts = jnp.zeros((2, 64, 16), jnp.float32)
+    valid = jnp.ones((2, 64), bool)
+    with pytest.raises(ValueError, match="M <= R"):
+        rs.residual_add(parts, valid, jnp.zeros((17, 64), jnp.bfloat16), interpret=True)
+    with pytest.raises(ValueError, match="valid"):
+        rs.residual_add(parts, jnp.ones((2, 32), bool), jnp.zeros((1, 64), jnp.bfloat16), interpret=True)
+    with pytest.raises(ValueError, match="bf16"):
+        rs.residual_add(parts, valid, jnp.zeros((1, 64), jnp.float32), interpret=True)
+
+
+def _weight(rng, n: int, k: int) -> QuantizedWeight:
+    words = rng.integers(0, 2**32, size=(n, k // 8), dtype=np.uint32)
+    scales = jnp.asarray(rng.uniform(0.002, 0.02, size=(n, k // 64)), jnp.bfloat16)
+    biases = jnp.asarray(rng.normal(size=(n, k // 64)) * 0.01, jnp.bfloat16)
+    return qmm.decode_layout(QuantizedWeight(jnp.asarray(words), scales, biases, 4, 64))
+
+
+def test_residual_add_is_the_model_add_on_the_interpreter(monkeypatch):
+    """With the Mosaic GPU decode qmm (its interpreter): `project` defers a decode projection and `add_residual`
+    gives the bits of `x + linear(h, w)` (the same operations in the same order), for plain and `Padded` rows; a
+    row alone has the bits it has among 20 (a 32-row piece); a prompt call or an fp32 residual take the plain
+    path."""
+    monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
+    rng = np.random.default_rng(610)
+    backend = Backend(kernels=True, interpret=True)
+    w = _weight(rng, 192, 256)
+    h = jnp.asarray(rng.normal(size=(20, 256)), jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(20, 192)) * 3, jnp.bfloat16)
+    y = ops.project(h, w, backend, prompt=False)
+    assert isinstance(y, Deferred)
+    assert not isinstance(ops.project(h, w, backend, prompt=True), Deferred)
+    want = x + ops.linear(h, w, backend, prompt=False)
+    got = ops.add_residual(backend, x, y)
+    assert got.shape == x.shape and np.array_equal(bits(got), bits(want))
+    assert np.array_equal(bits(ops.materialize(backend, y)), bits(ops.linear(h, w, backend, prompt=False)))
+    alone = ops.add_residual(backend, x[7:8], ops.project(h[7:8], w, backend, prompt=False))
+    assert np.array_equal(bits(alone[0]), bits(got[7]))
+    padded = Padded(jnp.pad(h[:3], ((0, 13), (0, 0))), (3,))
+    assert np.array_equal(bits(ops.add_residual(backend, x[:3], ops.project(padded, w, backend, prompt=False))),
+                          bits(want[:3]))
+    x32 = x.astype(jnp.float32)
+    assert np.array_equal(np.asarray(ops.add_residual(backend, x32, y)),
+                          np.asarray(x32 + ops.linear(h, w, backend, prompt=False)))
+
+
+def test_residual_add_lowers_for_h200(h200_lowering):
+    sds = jax.ShapeDtypeStruct
+    for m in (1, 13):
+        text = jax.jit(rs.residual_add).trace(sds((6, 5120, 16), jnp.float32), sds((6, 5120), jnp.bool_),
+                                              sds((m, 5120), jnp.bfloat16)).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.gpu
+def test_gpu_residual_add_27b():
+    """The 27B's down projection on the H200: the kernel's rows bit for bit its reference's and the model's
+    unfused `x + linear(h, w)`; a row's bits the same alone, among 16 rows and in a 64-row piece (pieces 64 + 16
+    for 70 rows)."""
+    rng = np.random.default_rng(620)
+    backend = Backend(kernels=True, interpret=False)
+    w = _weight(rng, 5120, 17408)
+    h = jnp.asarray(rng.normal(size=(70, 17408)), jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(70, 5120)) * 3, jnp.bfloat16)
+    parts, written = qmm_mgpu.qmm_parts(h[:16], w, rows=16)
+    kernel = rs.residual_add(parts, jnp.asarray(written), x[:16])
+    assert np.array_equal(bits(kernel), bits(rs.reference(parts, jnp.asarray(written), x[:16])))
+    many = ops.add_residual(backend, x, ops.project(h, w, backend, prompt=False))
+    unfused = jax.jit(lambda x, h: x + ops.linear(h, w, backend, prompt=False))(x, h)
+    assert np.array_equal(bits(many), bits(unfused))
+    for lo, hi in ((3, 4), (0, 16)):
+        part = ops.add_residual(backend, x[lo:hi], ops.project(h[lo:hi], w, backend, prompt=False))
+        assert np.array_equal(bits(part), bits(many[lo:hi])), (lo, hi)
