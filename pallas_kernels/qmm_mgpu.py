@@ -16,11 +16,12 @@ CTA (at most `SMS`), and each CTA runs one pipeline over its chunk, so no CTA wa
 left part-empty. A tile's K is summed in pieces, one for each chunk that touches it; the pieces are added in one
 fixed order afterwards (pieces a tile lacks are selected away).
 
-Arithmetic (`CONVERSION`, "words" since session 13): the words come in the kernel's lane order (`to_lane_words`,
-made once at load by `qmm.decode_layout`), so a compute warpgroup loads its [64, 256] tile as uint32 words in the
-MMA's register layout and each lane's two words hold exactly its weight pairs; each bf16 pair is built in inline PTX
-(prmt, lop3, sub, and one bf16x2 FMA: s q + b rounded once, MLX's dequantization) as the wgmma A operand in
-registers. x [R, K] (rows padded to the piece height R) is the B operand, read transposed from shared memory. A
+Arithmetic (`CONVERSION`, "subnormal" since session 29, "words" in sessions 13-28): the words come in the kernel's
+lane order (`to_lane_words`, made once at load by `qmm.decode_layout`), so a compute warpgroup loads its [64, 256]
+tile as uint32 words in the MMA's register layout and each lane's two words hold exactly its weight pairs; each bf16
+pair is built in inline PTX as the wgmma A operand in registers: "words" with prmt, lop3 (bf16 128 + q), sub and one
+bf16x2 FMA (s q + b rounded once, MLX's dequantization); "subnormal" with prmt, and (the bf16 subnormal q 2^-133)
+and the FMA against scale and bias rows shifted once at load (`subnormal_scales`), the same bits. x [R, K] (rows padded to the piece height R) is the B operand, read transposed from shared memory. A
 step's MMAs go into a fresh fp32 accumulator whose value is added to the warpgroup's running fp32 sum (restarted
 where a tile starts); the sum is stored where the tile or the chunk ends. ("nibbles", sessions 6-12: the natural
 words viewed as uint4, loaded a byte a pair, XOR 8 read as signed int4, + 8, s q + b as bf16 ops; "unsigned": the
@@ -37,7 +38,8 @@ from its consumers, see `_decode`), the default decode kernel since session 11. 
 13): isolated at M = 1, 73-93 % of copy on the two big 27B shapes, 48-81 % on the others; 1.1-1.9x the Triton
 tiles at M = 16 and 3.5-6.3x at 64-256 rows. With 3 compute warpgroups (session 14; timed from a profiler trace):
 the kernel alone 34.9 us at 5120 -> 34816 (2.9 TB/s) where its copies alone take 27; in the 27B decode program 5.6
-of a one-stream round's 8.3 ms of kernels, at ~60 % of copy.
+of a one-stream round's 8.3 ms of kernels, at ~60 % of copy. With the "subnormal" conversion (session 29): 32.5 us
+at 5120 -> 34816; 5.2 of a one-stream round's 6.9 ms of device work.
 """
 from __future__ import annotations
 
