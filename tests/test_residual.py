@@ -15,20 +15,16 @@ from pallas_kernels import residual as rs
 from pallas_kernels.qweight import QuantizedWeight
 from qwen_jax.model import ops
 from qwen_jax.model.ops import Backend, Deferred, Padded
+from tests.test_swiglu import bits, random_pieces
 
 INTERPRET = jax.default_backend() != "gpu"
-
-
-def bits(x):
-    return np.asarray(x).view(np.uint16)
 
 
 @pytest.mark.parametrize("p,n,r,m", [(2, 200, 16, 1), (3, 256, 8, 8), (1, 384, 64, 37), (4, 96, 32, 20)])
 def test_residual_add_matches_reference_bitwise(p, n, r, m):
     """Unwritten pieces hold NaN: selected away, never summed; the residual rows are m <= R."""
     rng = np.random.default_rng(600 + n)
-    valid = jnp.asarray(rng.random((p, n)) > 0.3).at[0].set(True)
-    parts = jnp.where(valid[:, :, None], jnp.asarray(rng.standard_normal((p, n, r)) * 3, jnp.float32), jnp.nan)
+    parts, valid = random_pieces(rng, p, n, r)
     x = jnp.asarray(rng.standard_normal((m, n)) * 4, jnp.bfloat16)
     got = rs.residual_add(parts, valid, x, interpret=INTERPRET)
     want = rs.reference(parts, valid, x)

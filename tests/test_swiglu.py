@@ -25,12 +25,18 @@ def bits(x):
     return np.asarray(x).view(np.uint16)
 
 
+def random_pieces(rng, p: int, n: int, r: int) -> tuple[jax.Array, jax.Array]:
+    """Decode qmm pieces [P, N, R] as a reader of them gets them: (parts, valid), piece 0 written everywhere, the
+    others at random, NaN in every unwritten piece (a reader must select them away, never sum them)."""
+    valid = jnp.asarray(rng.random((p, n)) > 0.3).at[0].set(True)
+    parts = jnp.where(valid[:, :, None], jnp.asarray(rng.standard_normal((p, n, r)) * 3, jnp.float32), jnp.nan)
+    return parts, valid
+
+
 @pytest.mark.parametrize("p,n,r,live", [(2, 200, 16, 1), (3, 256, 8, 8), (1, 384, 64, 37), (4, 96, 32, 20)])
 def test_swiglu_matches_reference_bitwise(p, n, r, live):
     """Unwritten pieces hold NaN: selected away, never summed."""
-    rng = np.random.default_rng(500 + n)
-    valid = jnp.asarray(rng.random((p, 2 * n)) > 0.3).at[0].set(True)
-    parts = jnp.where(valid[:, :, None], jnp.asarray(rng.standard_normal((p, 2 * n, r)) * 3, jnp.float32), jnp.nan)
+    parts, valid = random_pieces(np.random.default_rng(500 + n), p, 2 * n, r)
     got = sw.swiglu(parts, valid, live=live, interpret=INTERPRET)
     want = sw.reference(parts, valid, live=live)
     assert got.shape == (r, n) and got.dtype == jnp.bfloat16

@@ -34,6 +34,20 @@ gpu_pytest() {
   grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_$name.log" | cut -c1-200 | tail -"$lines"
 }
 
+# The bench at the 27B's shapes (bf16 KV, 1 and 16 streams, a 4K prompt) into $out/bench_27b.log. $1: the time
+# limit (s); $2: the lines of its tail to print.
+bench_27b() {
+  timeout "$1" python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths 4096 --rounds 32 \
+    --no-compile-timing --compile-cache "" 2>&1 | tee "$out/bench_27b.log" | tail -"$2"
+}
+
+# The one-stream 27B round (1K context) traced into $out/profile$2.txt. $1: the time limit (s); $2: a flag of
+# decode_profile.py ("" for none); $3: the events to print besides the round's (a grep alternation).
+profile_round() {
+  timeout "$1" python3 tools/gpu/decode_profile.py --synthetic 27b --streams 1 --rounds 16 --trace /tmp/trace_pr \
+    --profiled 0 $2 2>&1 | tee "$out/profile$2.txt" | grep -E "trace:|device-bound|pipelined|  ($3)" | head -7
+}
+
 # The engine's fp8 gate (concurrent == solo, fp8 pools) with the window's fp8 dots forced to one dtype. $1: the
 # dtype (WindowTiles.fp8_dot); $2: the time limit (s); $3: the log's name. Prints the result lines.
 fp8_gate_with_dots() {
@@ -119,13 +133,8 @@ case "$stage" in
     # on and off, then the bench.
     gpu_pytest 70 residual 3 tests/test_residual.py
     gpu_pytest 200 engine 10 tests/test_engine_gpu.py
-    for v in "" --no-residual; do
-      timeout 70 python3 tools/gpu/decode_profile.py --synthetic 27b --streams 1 --rounds 16 --trace /tmp/trace_r \
-        --profiled 0 $v 2>&1 | tee "$out/profile$v.txt" \
-        | grep -E "trace:|device-bound|pipelined|  (kernel_mosaic|residual_add|loop_add)" | head -7
-    done
-    timeout 170 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths 4096 --rounds 32 \
-      --no-compile-timing --compile-cache "" 2>&1 | tee "$out/bench_27b.log" | tail -3 ;;
+    for v in "" --no-residual; do profile_round 70 "$v" "kernel_mosaic|residual_add|loop_add"; done
+    bench_27b 170 3 ;;
   hundred-twenty-fourth)
     # Session 29, the last ~8 min of device time: the decode qmm alone with its lane words' loads staggered and in
     # place (the default now) and at 8 groups a step; the engine's gates at today's defaults; the bench.
@@ -136,8 +145,7 @@ case "$stage" in
     timeout 80 python3 tools/gpu/mgpu_probe.py --block-groups 8 --stages 3 --shapes 5120x34816,17408x5120 \
       --probes subnormal --trace /tmp/probe_bg 2>&1 | tee "$out/probe_bg8.txt" | grep -E "^ +[0-9]+x|failed" | cut -c1-200
     gpu_pytest 130 engine 10 tests/test_engine_gpu.py
-    timeout 220 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths 4096 --rounds 32 \
-      --no-compile-timing --compile-cache "" 2>&1 | tee "$out/bench_27b.log" | tail -3 ;;
+    bench_27b 220 3 ;;
   hundred-twenty-third)
     # Session 29 (~8 min): "subnormal" the default, its splats folded into the FMA (PTX halves): the gpu tests
     # (subnormal and words bits with row scales, unstaggered loads, piece heights, swiglu), the kernel alone with the
@@ -150,13 +158,8 @@ case "$stage" in
         | tee "$out/probe$v.txt" | grep -E "^ +[0-9]+x"
     done
     tar czf "$out/ptx.tgz" /tmp/ptx*/*.ptx 2>/dev/null
-    for v in --staggered-loads=1 --staggered-loads=0; do
-      timeout 100 python3 tools/gpu/decode_profile.py --synthetic 27b --streams 1 --rounds 16 --trace /tmp/trace_p \
-        --profiled 0 $v 2>&1 | tee "$out/profile$v.txt" \
-        | grep -E "trace:|device-bound|pipelined|  (qmm|kernel_mosaic)" | head -5
-    done
-    timeout 220 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths 4096 --rounds 32 \
-      --no-compile-timing --compile-cache "" 2>&1 | tee "$out/bench_27b.log" | tail -5 ;;
+    for v in --staggered-loads=1 --staggered-loads=0; do profile_round 100 "$v" "qmm|kernel_mosaic"; done
+    bench_27b 220 5 ;;
   hundred-twenty-second)
     # Session 29 (~8 min): the decode qmm's "subnormal" conversion (3 instructions a weight pair instead of 4):
     # its gpu tests (the oracle, rows, and the "words" bits with and without row scales), the kernel alone beside
@@ -176,11 +179,7 @@ for f in sorted(os.listdir("/tmp/sass")):
     print(f[:60], len(text), dict(ops.most_common()))
 PY
     mkdir -p "$out/sass" && find /tmp/sass -size -3M -type f -exec cp {} "$out/sass/" \;
-    for c in words subnormal; do
-      timeout 100 python3 tools/gpu/decode_profile.py --synthetic 27b --streams 1 --rounds 16 --trace /tmp/trace_$c \
-        --profiled 0 --mgpu-conversion $c 2>&1 | tee "$out/profile_$c.txt" \
-        | grep -E "trace:|device-bound|pipelined|  (qmm|xla|kernel_mosaic)" | head -6
-    done
+    for c in words subnormal; do profile_round 100 "--mgpu-conversion=$c" "qmm|xla|kernel_mosaic"; done
     timeout -s INT 150 python3 -c "import sys, pytest; from pallas_kernels import qmm_mgpu; \
       qmm_mgpu.CONVERSION = 'subnormal'; sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider \
       --tb=short tests/test_engine_gpu.py > "$out/gpu_tests_engine.log" 2>&1
