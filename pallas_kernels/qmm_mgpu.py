@@ -21,9 +21,10 @@ lane order (`to_lane_words`, made once at load by `qmm.decode_layout`), so a com
 tile as uint32 words in the MMA's register layout and each lane's two words hold exactly its weight pairs; each bf16
 pair is built in inline PTX as the wgmma A operand in registers: "words" with prmt, lop3 (bf16 128 + q), sub and one
 bf16x2 FMA (s q + b rounded once, MLX's dequantization); "subnormal" with prmt, and (the bf16 subnormal q 2^-133)
-and the FMA against scale and bias rows shifted once at load (`subnormal_scales`), the same bits. x [R, K] (rows padded to the piece height R) is the B operand, read transposed from shared memory. A
-step's MMAs go into a fresh fp32 accumulator whose value is added to the warpgroup's running fp32 sum (restarted
-where a tile starts); the sum is stored where the tile or the chunk ends. ("nibbles", sessions 6-12: the natural
+and the FMA against scale and bias rows shifted once at load (`subnormal_scales`), the same bits. x [R, K] (rows
+padded to the piece height R) is the B operand, read transposed from shared memory. A step's MMAs go into a fresh
+fp32 accumulator whose value is added to the warpgroup's running fp32 sum (restarted where a tile starts); the sum
+is stored where the tile or the chunk ends. ("nibbles", sessions 6-12: the natural
 words viewed as uint4, loaded a byte a pair, XOR 8 read as signed int4, + 8, s q + b as bf16 ops; "unsigned": the
 fields converted as unsigned.)
 
@@ -663,10 +664,9 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     operands = (q, *transposed)
     if layout == "tiles":
         operands = (*tile_layout(q, *transposed, bg), None)
-    return _decode(x, *operands, row_scale, stages=stages_for(rows, stages, bg, row_scale is not None), block_groups=bg, conversion=conversion,
-                   sms=SMS, interpret=interpret, rows=rows, rounding=rounding, layout=layout, n=n,
-                   staggered=STAGGERED_LOADS,
-                   epilogue=epilogue)
+    return _decode(x, *operands, row_scale, stages=stages_for(rows, stages, bg, row_scale is not None),
+                   block_groups=bg, conversion=conversion, sms=SMS, interpret=interpret, rows=rows, rounding=rounding,
+                   layout=layout, n=n, staggered=STAGGERED_LOADS, epilogue=epilogue)
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "conversion", "sms", "interpret", "rows",

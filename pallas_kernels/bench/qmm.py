@@ -542,8 +542,9 @@ def _sweep(args, t_start: float) -> dict:
                 arg_sets = [(x, w) for w in bare]
                 if pre:  # as decode_layout leaves them for the variant's conversion
                     fn = lambda x, w, st, bt, fn=fn: fn(x, w, transposed=(st, bt))
-                    laid = [dataclasses.replace(w, words=jax.jit(to_lane_words)(w.words), lanes=True)
-                            if kw.get("conversion", qmm_mgpu.CONVERSION) in qmm_mgpu.LANE_CONVERSIONS else w for w in bare]
+                    lane = kw.get("conversion", qmm_mgpu.CONVERSION) in qmm_mgpu.LANE_CONVERSIONS
+                    laid = [dataclasses.replace(w, words=jax.jit(to_lane_words)(w.words), lanes=True) if lane else w
+                            for w in bare]
                     arg_sets = [(x, w, w.scales.T, w.biases.T) for w in laid]
                 label = "mosaic gpu " + ",".join(f"{key}={val}" for key, val in variant.items())
                 jobs.append(Job("decode", (k, n), m, label, 1, fn, False, arg_sets,

@@ -1,9 +1,10 @@
 """Where the Mosaic GPU decode qmm's time goes (pallas_kernels/qmm_mgpu.py): times the kernel with parts of its
 pipeline step left out (`_partials`'s `probe`, under the "nibbles" conversion: wrong numbers, timing only) at the
-27B's decode shapes, scales and biases transposed beforehand. "full" is the "nibbles" kernel whole, "words" and
-"subnormal" and "unsigned" the other conversions whole (subnormal without a row scale), "tiles" the words conversion reading the "tiles" layout (`tile_layout`),
-"words_no_compute" / "tiles_no_compute" their copies alone. With MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=DIR in the environment Mosaic GPU
-writes each compiled kernel's PTX/SASS there.
+27B's decode shapes, scales and biases transposed beforehand. "full" is the "nibbles" kernel whole; "words",
+"subnormal" and "unsigned" the other conversions whole (subnormal without a row scale); "tiles" the words conversion
+reading the "tiles" layout (`tile_layout`); "words_no_compute" / "tiles_no_compute" their copies alone. With
+MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=DIR in the environment Mosaic GPU writes each compiled kernel's PTX there
+(its SASS too with MOSAIC_GPU_DUMP_SASS=1 where nvdisasm is installed).
 
     python3 tools/gpu/mgpu_probe.py [--shapes 5120x34816,17408x5120] [--probes full,no_xor,...]
 """
