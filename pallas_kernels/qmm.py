@@ -783,11 +783,12 @@ def _subnormal(w: QuantizedWeight, abstract: bool) -> QuantizedWeight:
 
 def decode_layout(params, x_dtype=jnp.bfloat16):
     """params with every packed weight the Mosaic GPU decode kernel takes given its scales and biases transposed
-    (`QuantizedWeight.scales_t`, `biases_t`: made once here, 1/8 of the 4-bit weights' bytes more memory) and, under
-    its "words" conversion, its words in the kernel's lane order (`lanes`: the same bytes permuted, in place of the
+    (`QuantizedWeight.scales_t`, `biases_t`: made once here, 1/8 of the 4-bit weights' bytes more memory; under the
+    "subnormal" conversion the shifted rows that conversion reads, `_subnormal`) and, under the "words" and
+    "subnormal" conversions, its words in the kernel's lane order (`lanes`: the same bytes permuted, in place of the
     natural order; the prompt path's dequantization pass reads them too) when the decode calls go to it
     (`decode_impl()` is "mgpu") with activations of x_dtype (the model's dtype: fp32 activations stay on the Triton
-    kernels, so their weights are left alone); otherwise params unchanged. Same values, so the same bits either
+    kernels, so their weights are left alone); otherwise params unchanged. The kernel's bits are the same either
     way."""
     if decode_impl() != "mgpu":
         return params
