@@ -768,15 +768,13 @@ _to_lanes = jax.jit(to_lane_words)  # a new array: the natural words live on unt
 def _subnormal(w: QuantizedWeight, abstract: bool) -> QuantizedWeight:
     """w (with raw scales_t, biases_t) with the "subnormal" conversion's rows in their place (`qmm_mgpu.
     subnormal_scales`) and its row scale where some row needs one; w unchanged where they would not be exact (the
-    kernel then takes the "words" conversion for it). Reads two scalars back from the device per weight."""
-    n = w.out_features
+    kernel then takes the "words" conversion for it). Reads two flags back from the device per weight."""
     if abstract:  # lowering without a device: the common form (no row scale)
         return dataclasses.replace(w, subnormal=True)
     s_up, b_down, row_scale, exact = qmm_mgpu.subnormal_scales(w.scales_t, w.biases_t)
-    if not bool(exact):
+    exact, needed = jax.device_get((exact, jnp.any(row_scale != 1.0)))
+    if not exact:
         return w
-    needed = bool(jnp.any(row_scale != 1.0))
-    assert row_scale.shape == (1, n)
     return dataclasses.replace(w, scales_t=s_up, biases_t=b_down, subnormal=True,
                                row_scale=row_scale if needed else None)
 

@@ -296,6 +296,15 @@ def _pow2(e: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
 
 
+def _times_pow2(x: jax.Array, e) -> jax.Array:
+    """fp32 x times 2^e for integer e (an int or an int32 array broadcasting with x) in [-252, 254], as two factors
+    each in fp32's range, exact wherever x 2^e is a normal fp32. The barrier keeps XLA from folding the two factors
+    into one (2^133 is inf in fp32, 2^-133 subnormal)."""
+    e = jnp.asarray(e, jnp.int32)
+    lo = e // 2
+    return lax.optimization_barrier(x * _pow2(lo)) * _pow2(e - lo)
+
+
 @jax.jit
 def subnormal_scales(scales_t: jax.Array, biases_t: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The "subnormal" conversion's scale and bias rows (CONVERSIONS): s, b [G, N] bf16 -> (s 2^(133 - d), b 2^-d
@@ -305,11 +314,9 @@ def subnormal_scales(scales_t: jax.Array, biases_t: jax.Array) -> tuple[jax.Arra
     s, b = scales_t.astype(jnp.float32), biases_t.astype(jnp.float32)
     _, e = jnp.frexp(jnp.max(jnp.abs(s), axis=0))  # max |s| < 2^e
     d = jnp.clip(e.astype(jnp.int32) + SUBNORMAL_EXP - 128, 0, 127)
-    # 2^133 = 2^66 2^67, each in fp32's range; the barriers keep XLA from folding the two factors into one (inf)
-    half = jnp.float32(2.0 ** 66)
-    s_up = (lax.optimization_barrier(s * half) * _pow2(67 - d)).astype(jnp.bfloat16)
+    s_up = _times_pow2(s, SUBNORMAL_EXP - d).astype(jnp.bfloat16)
     b_down = (b * _pow2(-d)).astype(jnp.bfloat16)
-    exact = (jnp.all(lax.optimization_barrier(s_up.astype(jnp.float32) * _pow2(d - 67)) / half == s)
+    exact = (jnp.all(_times_pow2(s_up.astype(jnp.float32), d - SUBNORMAL_EXP) == s)
              & jnp.all(b_down.astype(jnp.float32) * _pow2(d) == b) & jnp.all(d < 127))
     return s_up, b_down, _pow2(d)[None, :], exact
 
@@ -392,7 +399,7 @@ def _lane_dequant_jnp(words: jax.Array, s_rows, b_rows, subnormal: bool = False)
     q = q.reshape(r, len(s_rows), GROUP)
     s = jnp.stack(s_rows, axis=1).astype(jnp.float32)[:, :, None]
     if subnormal:
-        s = lax.optimization_barrier(s * jnp.float32(2.0 ** -66)) * jnp.float32(2.0 ** (66 - SUBNORMAL_EXP))
+        s = _times_pow2(s, -SUBNORMAL_EXP)
     b = jnp.broadcast_to(jnp.stack(b_rows, axis=1).astype(jnp.float32)[:, :, None], q.shape)
     return add_rounded_once_to_bf16(q * s, b).reshape(r, -1)
 

@@ -296,11 +296,8 @@ def add_residual(backend: Backend, x: jax.Array, y) -> jax.Array:
     h = y.h
     rows = h.rows if isinstance(h, Padded) else h.reshape(-1, h.shape[-1])
     x2 = x.reshape(-1, x.shape[-1])
-    m = x2.shape[0]
     out = []
     for start, r in qmm_mgpu.row_pieces(qmm_mgpu.pieces(rows.shape[0])):
-        if start >= m:
-            break
         parts, written = qmm_mgpu.qmm_parts(rows[start:start + r], y.w, rows=r, interpret=backend.interpret)
         out.append(residual_k.residual_add(parts, jnp.asarray(written), x2[start:start + r],
                                            interpret=backend.interpret))

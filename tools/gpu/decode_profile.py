@@ -73,14 +73,13 @@ def run(args) -> None:
         print(f"Mosaic GPU decode kernel: output rounding kept by {qmm_mgpu.ROUNDING}")
     if args.mgpu_conversion:
         qmm_mgpu.CONVERSION = args.mgpu_conversion
-    if args.no_residual:
-        from qwen_jax.model import ops
-        ops.RESIDUAL = False
-        print("the output projections' residual adds as XLA fusions")
+        print(f"Mosaic GPU decode kernel: {qmm_mgpu.CONVERSION} conversion")
     if args.staggered_loads is not None:
         qmm_mgpu.STAGGERED_LOADS = bool(args.staggered_loads)
         print(f"Mosaic GPU decode kernel: lane words' loads staggered: {qmm_mgpu.STAGGERED_LOADS}")
-        print(f"Mosaic GPU decode kernel: {qmm_mgpu.CONVERSION} conversion")
+    if args.no_residual:
+        ops.RESIDUAL = False
+        print("the output projections' residual adds as XLA fusions")
     if args.synthetic:
         from qwen_jax.engine.bench import synthetic_params
         params, cfg = synthetic_params(args.synthetic, dtype="bfloat16", layers=args.layers)
