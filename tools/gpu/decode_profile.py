@@ -77,6 +77,9 @@ def run(args) -> None:
     if args.staggered_loads is not None:
         qmm_mgpu.STAGGERED_LOADS = bool(args.staggered_loads)
         print(f"Mosaic GPU decode kernel: lane words' loads staggered: {qmm_mgpu.STAGGERED_LOADS}")
+    if args.accumulate:
+        qmm_mgpu.ACCUMULATE = args.accumulate
+        print(f"Mosaic GPU decode kernel: a tile's K summed by {qmm_mgpu.ACCUMULATE}")
     if args.no_residual:
         ops.RESIDUAL = False
         print("the output projections' residual adds as XLA fusions")
@@ -255,6 +258,8 @@ def main(argv=None) -> int:
                     help="qmm_mgpu.CONVERSION (how the kernel turns 4-bit weights into the MMA's operand)")
     ap.add_argument("--no-residual", action="store_true",
                     help="ops.RESIDUAL False (the output projections' residual adds as XLA fusions)")
+    ap.add_argument("--accumulate", choices=("step", "chain"), default=None,
+                    help="qmm_mgpu.ACCUMULATE (how the decode kernel sums a tile's K)")
     ap.add_argument("--staggered-loads", type=int, choices=(0, 1), default=None,
                     help="qmm_mgpu.STAGGERED_LOADS (1: the lane words' loads staggered, 0: in place)")
     ap.add_argument("--mgpu-compute-wgs", type=int, default=None,
