@@ -125,15 +125,6 @@ LAYOUTS = ("rows", "tiles")
 # to 912 fusions (1775 to 1534 launches a round) and its pipelined round from 13.3 to 11.2 ms.
 ROUNDING = "reduce_precision"
 ROUNDINGS = ("barrier", "reduce_precision")
-# How a compute warpgroup sums a tile's K (sets the model's bits; a function of the weight's shape either way):
-# - "step" (sessions 6-29): each step's MMAs go into a fresh accumulator, waited at the step's end and added to the
-#   warpgroup's running fp32 sum; the step's buffers go back to the memory warpgroup when it returns, so a step's
-#   conversion and its MMAs never overlap the next step's.
-# - "chain" (session 30): the MMAs accumulate into one accumulator that lives across steps (zeroed where a tile's sum
-#   has been stored); a step waits only for the previous step's MMAs, and its buffers go back one step late
-#   (`delay_release`), so the tensor cores run a step's MMAs while the warps convert the next step's weights.
-ACCUMULATE = "step"
-ACCUMULATES = ("step", "chain")
 
 
 def _unsupported(x: jax.Array, w: QuantizedWeight) -> str | None:
@@ -414,14 +405,14 @@ def _lane_dequant_jnp(words: jax.Array, s_rows, b_rows, subnormal: bool = False)
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "sms", "interpret", "conversion", "probe",
-                                             "layout", "n", "staggered", "accumulate"))
+                                             "layout", "n", "staggered"))
 def _partials(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None, rs: jax.Array | None = None, *,
               stages: int, block_groups: int, sms: int, interpret: bool, conversion: str = "words",
-              probe: str | None = None, layout: str = "rows", n: int | None = None, staggered: bool = True,
-              accumulate: str = "step") -> jax.Array:
+              probe: str | None = None, layout: str = "rows", n: int | None = None, staggered: bool = True
+              ) -> jax.Array:
     """`_kernel_call`, through the lowering cache (`_PARTIALS`) when compiled for the GPU."""
     kw = dict(stages=stages, block_groups=block_groups, sms=sms, conversion=conversion, probe=probe, layout=layout,
-              n=n, row_scale=rs is not None, staggered=staggered, accumulate=accumulate)
+              n=n, row_scale=rs is not None, staggered=staggered)
     args = ((xp, qw, st) if layout == "tiles" else (xp, qw, st, bt)) + (() if rs is None else (rs,))
     if interpret:
         return _kernel_call(*args, interpret=True, **kw)
@@ -430,8 +421,7 @@ def _partials(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None,
 
 def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, stages: int, block_groups: int,
                  sms: int, interpret: bool, conversion: str = "words", probe: str | None = None, layout: str = "rows",
-                 n: int | None = None, row_scale: bool = False, staggered: bool = True, accumulate: str = "step"
-                 ) -> jax.Array:
+                 n: int | None = None, row_scale: bool = False, staggered: bool = True) -> jax.Array:
     """The kernel (`flat_schedule`): xp [R, K] bf16 (x padded to a piece height R, PIECE_ROWS); layout "rows": qw
     the weight as lane words uint32 [N, K / 8] (conversion "words") or as uint4 [N, K] (the others), st, bt [G, N]
     bf16; layout "tiles" (`tile_layout`, conversion "words"): qw the lane words [tiles L CTA_N, 8 G'] with each
@@ -440,11 +430,8 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, 
     pipeline over its S steps, so the memory warpgroup never waits at a tile's edge; a step's MMAs go into a fresh
     accumulator whose value the compute warpgroup adds to its running fp32 sum (restarted where a tile starts), and
     the sum is stored where the tile or the chunk ends. row_scale: a last operand rs [1, N] fp32 (the "subnormal"
-    conversion's 2^d, `subnormal_scales`) multiplies each stored sum's rows. accumulate: ACCUMULATES ("chain": the
-    MMAs add into one accumulator across steps, each step's buffers released a step late)."""
+    conversion's 2^d, `subnormal_scales`) multiplies each stored sum's rows."""
     rows, k = xp.shape
-    assert accumulate in ACCUMULATES, accumulate
-    chain = accumulate == "chain"
     tiled = layout == "tiles"
     rest = list(rest)
     rs = rest.pop() if row_scale else None
@@ -455,9 +442,6 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, 
     block_k = GROUP * block_groups
     length, per_cta, ctas, counts = flat_schedule(n, k, block_groups, sms)
     pieces = int(counts.max())
-    # the chain releases a step's buffers a step late where a CTA has two steps and two stages (else it waits for
-    # each step's MMAs, as "step" does: a lone step's sum is the same either way)
-    late = int(chain and min(stages, per_cta) > 1)
     total = -(-n // CTA_N) * length
     words = conversion in LANE_CONVERSIONS
     subnormal = conversion == "subnormal"
@@ -488,18 +472,18 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, 
             return lax.min(cta * per_cta + i, jnp.int32(total - 1)), 0
 
         x_spec = plgpu.BlockSpec((rows, block_k), lambda i: (0, locate(i)[1]), transforms=x_transforms,
-                                 memory_space=plgpu.SMEM, delay_release=late)
+                                 memory_space=plgpu.SMEM)
         if tiled:
             specs = [x_spec,
-                     plgpu.BlockSpec(q_block, step_block, transforms=q_transforms, memory_space=plgpu.SMEM, delay_release=late),
-                     plgpu.BlockSpec((2 * block_groups, CTA_N), step_block, memory_space=plgpu.SMEM, delay_release=late)]
+                     plgpu.BlockSpec(q_block, step_block, transforms=q_transforms, memory_space=plgpu.SMEM),
+                     plgpu.BlockSpec((2 * block_groups, CTA_N), step_block, memory_space=plgpu.SMEM)]
         else:
             specs = [x_spec,
-                     plgpu.BlockSpec(q_block, lambda i: locate(i), transforms=q_transforms, memory_space=plgpu.SMEM, delay_release=late),
-                     plgpu.BlockSpec((block_groups, CTA_N), lambda i: locate(i)[::-1], memory_space=plgpu.SMEM, delay_release=late),
-                     plgpu.BlockSpec((block_groups, CTA_N), lambda i: locate(i)[::-1], memory_space=plgpu.SMEM, delay_release=late)]
+                     plgpu.BlockSpec(q_block, lambda i: locate(i), transforms=q_transforms, memory_space=plgpu.SMEM),
+                     plgpu.BlockSpec((block_groups, CTA_N), lambda i: locate(i)[::-1], memory_space=plgpu.SMEM),
+                     plgpu.BlockSpec((block_groups, CTA_N), lambda i: locate(i)[::-1], memory_space=plgpu.SMEM)]
         if row_scale:  # the tile's 2^d row, copied with each step
-            specs.append(plgpu.BlockSpec((1, CTA_N), lambda i: (0, locate(i)[0]), memory_space=plgpu.SMEM, delay_release=late))
+            specs.append(plgpu.BlockSpec((1, CTA_N), lambda i: (0, locate(i)[0]), memory_space=plgpu.SMEM))
 
         def pipeline(body, context):
             return plgpu.emit_pipeline_warp_specialized(
@@ -517,15 +501,7 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, 
             wg_slice = pl.ds(wg * TILE_N, TILE_N)
 
             def context(run):
-                if not chain or interpret:
-                    run(jnp.zeros((TILE_N, rows), jnp.float32))
-                    return
-
-                def scope(acc):
-                    acc[...] = jnp.zeros((TILE_N, rows), jnp.float32)
-                    run(acc)
-                    plgpu.wgmma_wait(0)  # a padded last step's MMAs (never stored) end before the kernel does
-                pl.run_scoped(scope, plgpu.ACC((TILE_N, rows), jnp.float32))
+                run(jnp.zeros((TILE_N, rows), jnp.float32))
 
             def a_tiles(q_smem, s_smem, b_smem):  # the step's A operand, one [TILE_N, GROUP] tile a group
                 if words:
@@ -561,60 +537,39 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, 
                 rs_smem = rest.pop(0) if row_scale else None
                 f = cta * per_cta + i
                 tile, ks = locate(i)
-                ends = (f < total) & ((ks == length - 1) | (i == per_cta - 1))  # a tile's or the chunk's last step
-
-                def store(value):
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store has read out_smem
-                    out_smem[wg] = (value if rs_smem is None
-                                    else value * lax.broadcast_in_dim(rs_smem[0, wg_slice], (TILE_N, rows), (0,)))
-                    plgpu.commit_smem()
-                    piece = cta - _div(tile * length, per_cta)
-                    plgpu.copy_smem_to_gmem(out_smem.at[wg],
-                                            out_gmem.at[piece, pl.ds(tile * CTA_N, CTA_N)].at[wg_slice])
-
-                def issue(acc):  # the step's MMAs into acc
-                    for j, a in enumerate(a_tiles(q_smem, s_smem, b_smem)):
-                        if interpret:
-                            a_smem[0][wg] = a
-                            plgpu.commit_smem()
-                            a = a_smem[0].at[wg]
-                        plgpu.wgmma(acc, a, x_smem.at[:, pl.ds(j * GROUP, GROUP)].transpose((1, 0)))
-                        if interpret:
-                            plgpu.wgmma_wait(0)
-
-                if chain and not interpret:
-                    acc = carry
-                    if probe != "no_compute":
-                        issue(acc)
-                        # the previous step's MMAs are done (its buffers are released after this body returns); this
-                        # step's run on while the next step converts (each wgmma is one commit group)
-                        plgpu.wgmma_wait(block_groups * late)
-
-                    @pl.when(ends)
-                    def _store_and_restart():
-                        store(acc[...])
-                        acc[...] = jnp.zeros((TILE_N, rows), jnp.float32)
-
-                    return acc
                 if probe == "no_compute":
                     step = carry
                 else:
+                    tiles = a_tiles(q_smem, s_smem, b_smem)
+
                     def mmas(acc):
-                        issue(acc)
+                        for j, a in enumerate(tiles):
+                            if interpret:
+                                a_smem[0][wg] = a
+                                plgpu.commit_smem()
+                                a = a_smem[0].at[wg]
+                            plgpu.wgmma(acc, a, x_smem.at[:, pl.ds(j * GROUP, GROUP)].transpose((1, 0)))
+                            if interpret:
+                                plgpu.wgmma_wait(0)
                         return acc[...]  # waits for the MMAs: the stage's buffers are handed back after the body
 
                     step = pl.run_scoped(mmas, plgpu.ACC((TILE_N, rows), jnp.float32))
-                if chain:  # the interpreter's twin of the chain (its ACC takes no stores): restart after a store
-                    carry = carry + step
-                    pl.when(ends)(lambda: store(carry))
-                    return carry * lax.broadcast(jnp.where(ends, 0.0, 1.0).astype(jnp.float32), (TILE_N, rows))
                 # restart where a tile starts: carry x 0 (no select: Mosaic GPU's warpgroup lowering broadcasts no
                 # scalar predicate). A non-finite carry could only come from non-finite x in the same rows, whose
                 # outputs are non-finite anyway, so no row's bits depend on another's.
                 keep = jnp.where((ks == 0) | (i == 0), 0.0, 1.0).astype(jnp.float32)
                 carry = carry * lax.broadcast(keep, (TILE_N, rows)) + step
 
-                pl.when(ends)(lambda: store(carry))
+                @pl.when((f < total) & ((ks == length - 1) | (i == per_cta - 1)))
+                def _store():
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store has read out_smem
+                    out_smem[wg] = (carry if rs_smem is None
+                                    else carry * lax.broadcast_in_dim(rs_smem[0, wg_slice], (TILE_N, rows), (0,)))
+                    plgpu.commit_smem()
+                    piece = cta - _div(tile * length, per_cta)
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg],
+                                            out_gmem.at[piece, pl.ds(tile * CTA_N, CTA_N)].at[wg_slice])
+
                 return carry
 
             pipeline(body, context)(*operands, allocations=allocs)
@@ -718,21 +673,20 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
         operands = (*tile_layout(q, *transposed, bg), None)
     return _decode(x, *operands, row_scale, stages=stages_for(rows, stages, bg, row_scale is not None),
                    block_groups=bg, conversion=conversion, sms=SMS, interpret=interpret, rows=rows, rounding=rounding,
-                   layout=layout, n=n, staggered=STAGGERED_LOADS, epilogue=epilogue, accumulate=ACCUMULATE)
+                   layout=layout, n=n, staggered=STAGGERED_LOADS, epilogue=epilogue)
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "conversion", "sms", "interpret", "rows",
-                                             "rounding", "layout", "n", "epilogue", "staggered", "accumulate"))
+                                             "rounding", "layout", "n", "epilogue", "staggered"))
 def _decode(x: jax.Array, q: jax.Array, st: jax.Array, bt: jax.Array | None, rs: jax.Array | None = None, *,
             stages: int, block_groups: int, conversion: str, sms: int, interpret: bool, rows: int, rounding: str,
-            layout: str, n: int, epilogue: bool = True, staggered: bool = True, accumulate: str = "step"
-            ) -> jax.Array:
+            layout: str, n: int, epilogue: bool = True, staggered: bool = True) -> jax.Array:
     # One program around the kernel: called eagerly, separate dispatches of the small ops around an interpreted
     # kernel deadlocked the CPU client now and then (the interpreter's callbacks dispatch jax ops themselves).
     m, k = x.shape
     xp = jnp.pad(x, ((0, rows - m), (0, 0)))
     parts = _partials(xp, q, st, bt, rs, stages=stages, block_groups=block_groups, sms=sms, interpret=interpret,
-                      conversion=conversion, layout=layout, n=n, staggered=staggered, accumulate=accumulate)
+                      conversion=conversion, layout=layout, n=n, staggered=staggered)
     if not epilogue:
         return parts
     valid = jnp.asarray(written_columns(n, k, block_groups, sms))

@@ -691,39 +691,3 @@ def test_gpu_unstaggered_loads_same_bits(conversion, monkeypatch):
     want = run()
     monkeypatch.setattr(qmm_mgpu, "STAGGERED_LOADS", False)
     np.testing.assert_array_equal(run(), want)
-
-
-def test_chain_lowers_for_the_h200(monkeypatch):
-    """The "chain" accumulation (ACCUMULATES: one accumulator across steps, buffers released a step late) lowers at
-    every piece height, at the 27B's shapes and at a one-step tile (no late release there)."""
-    monkeypatch.setattr(qmm_mgpu, "ACCUMULATE", "chain")
-    sds = jax.ShapeDtypeStruct
-    for k, n in ((5120, 34816), (17408, 5120), (128, 512)):
-        for rows in qmm_mgpu.PIECE_ROWS:
-            text = jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, rows=rows)).trace(
-                sds((rows, k), jnp.bfloat16), _abstract_weight(n, k)).lower(lowering_platforms=("cuda",)).as_text()
-            assert "mosaic_gpu" in text, (k, n, rows)
-
-
-@pytest.mark.parametrize("n,k,sms", [(200, 1024, 3), (384, 512, 4), (256, 128, None)])
-def test_interpreter_chain_matches_oracle_and_rows_are_invariant(n, k, sms, monkeypatch):
-    """The chain's schedule in the interpreter (its twin of the accumulator: restarted after each store): tiles
-    summed in pieces across CTAs, a last tile past N, one-step tiles."""
-    monkeypatch.setattr(qmm_mgpu, "ACCUMULATE", "chain")
-    if sms is not None:
-        monkeypatch.setattr(qmm_mgpu, "SMS", sms)
-    _check_oracle_and_rows(n, k, interpret=True, rows=(0, 15))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("accumulate", ["step", "chain"])
-@pytest.mark.parametrize("k,n", [(5120, 34816), (17408, 5120), (5120, 6144), (128, 512), (128, 392)])
-def test_gpu_accumulates_oracle_rows_pieces_and_stages(k, n, accumulate, monkeypatch):
-    """Each way of summing a tile's K: right against the oracle, a row's bits the same alone, among others, in 8-
-    and 64-row pieces, and at 2 stages as at the default depth."""
-    monkeypatch.setattr(qmm_mgpu, "ACCUMULATE", accumulate)
-    _check_oracle_and_rows(n, k, interpret=False)
-    for rows in (8, 64):
-        w, x, wide = _wide_pieces_same_bits(n, k, rows, interpret=False)
-    shallow = qmm_mgpu.qmm_decode(x[:16], w, stages=2)
-    np.testing.assert_array_equal(np.asarray(shallow).view(np.uint16), wide[:16].view(np.uint16))

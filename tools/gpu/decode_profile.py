@@ -48,6 +48,9 @@ def run(args) -> None:
     if args.qmm_decode_impl:
         qmm.DECODE_IMPL = args.qmm_decode_impl
         print(f"qmm decode implementation: {qmm.DECODE_IMPL}")
+    if args.narrow_rows:
+        qmm_mgpu.NARROW_ROWS = args.narrow_rows
+        print(f"Mosaic GPU decode kernel: pieces of at least {qmm_mgpu.NARROW_ROWS} rows")
     if args.mgpu_stages:
         qmm_mgpu.STAGES = args.mgpu_stages
         print(f"Mosaic GPU decode kernel: {qmm_mgpu.STAGES} stages")
@@ -77,9 +80,6 @@ def run(args) -> None:
     if args.staggered_loads is not None:
         qmm_mgpu.STAGGERED_LOADS = bool(args.staggered_loads)
         print(f"Mosaic GPU decode kernel: lane words' loads staggered: {qmm_mgpu.STAGGERED_LOADS}")
-    if args.accumulate:
-        qmm_mgpu.ACCUMULATE = args.accumulate
-        print(f"Mosaic GPU decode kernel: a tile's K summed by {qmm_mgpu.ACCUMULATE}")
     if args.no_residual:
         ops.RESIDUAL = False
         print("the output projections' residual adds as XLA fusions")
@@ -251,6 +251,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-tiles", default="", metavar="FIELD=V,...",
                     help="override fields of qmm.DECODE_TILES (A/B), e.g. x_natural=1 or prefetch=1,lop3=1")
     ap.add_argument("--qmm-decode-impl", choices=("triton", "mgpu"), default=None)
+    ap.add_argument("--narrow-rows", type=int, default=None, choices=(8, 16),
+                    help="qmm_mgpu.NARROW_ROWS (the least piece height: 8 carries half the x bytes a step)")
     ap.add_argument("--mgpu-stages", type=int, default=None, help="qmm_mgpu.STAGES (the Mosaic GPU kernel's depth)")
     ap.add_argument("--mgpu-rounding", choices=("barrier", "reduce_precision"), default=None,
                     help="qmm_mgpu.ROUNDING (how the kernel's output keeps its rounding)")
@@ -258,8 +260,6 @@ def main(argv=None) -> int:
                     help="qmm_mgpu.CONVERSION (how the kernel turns 4-bit weights into the MMA's operand)")
     ap.add_argument("--no-residual", action="store_true",
                     help="ops.RESIDUAL False (the output projections' residual adds as XLA fusions)")
-    ap.add_argument("--accumulate", choices=("step", "chain"), default=None,
-                    help="qmm_mgpu.ACCUMULATE (how the decode kernel sums a tile's K)")
     ap.add_argument("--staggered-loads", type=int, choices=(0, 1), default=None,
                     help="qmm_mgpu.STAGGERED_LOADS (1: the lane words' loads staggered, 0: in place)")
     ap.add_argument("--mgpu-compute-wgs", type=int, default=None,

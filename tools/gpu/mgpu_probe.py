@@ -34,15 +34,13 @@ def main() -> None:
                     "in a jax.profiler trace of one chain (the chain's µs include the ops that order the calls)")
     ap.add_argument("--staggered", type=int, default=int(qmm_mgpu.STAGGERED_LOADS),
                     help="1: the lane words' loads staggered, 0: in place (qmm_mgpu.STAGGERED_LOADS)")
-    ap.add_argument("--accumulate", default=qmm_mgpu.ACCUMULATE,
-                    help="comma-separated ways to sum a tile's K (qmm_mgpu.ACCUMULATES), each probe run under each")
     ap.add_argument("--compute-wgs", type=int, default=qmm_mgpu.COMPUTE_WGS,
                     help="compute warpgroups a CTA (qmm_mgpu.COMPUTE_WGS; CTA_N follows)")
     args = ap.parse_args()
     qmm_mgpu.COMPUTE_WGS, qmm_mgpu.CTA_N = args.compute_wgs, qmm_mgpu.TILE_N * args.compute_wgs
     print(f"device: {jax.devices()[0].device_kind}; stages {args.stages}, {args.block_groups} groups a step, "
           f"{args.rows} rows, {args.compute_wgs} compute warpgroups")
-    print(f"{'shape':>12} | {'probe/accumulate':>16} | {'CTAs':>6} | {'us':>8} | {'TB/s':>5}")
+    print(f"{'shape':>12} | {'probe':>10} | {'CTAs':>6} | {'us':>8} | {'TB/s':>5}")
     for shape in args.shapes.split(","):
         k, n = map(int, shape.split("x"))
         g = k // 64
@@ -57,7 +55,7 @@ def main() -> None:
         bts = [bt + i for i in range(copies)]
         xp = jax.random.normal(jax.random.key(1), (args.rows, k), jnp.bfloat16)
         tiled = [qmm_mgpu.tile_layout(w, s, b, args.block_groups) for w, s, b in zip(words, sts, bts)]
-        for probe, accumulate in [(p, a) for p in args.probes.split(",") for a in args.accumulate.split(",")]:
+        for probe in args.probes.split(","):
             base, _, p = probe.partition("_no_")
             p = "no_" + p if p else None
             if base not in ("words", "subnormal", "unsigned", "tiles"):
@@ -70,14 +68,14 @@ def main() -> None:
                 ops, ss, bs = (words if conversion in qmm_mgpu.LANE_CONVERSIONS else q4s), sts, bts
 
             @jax.jit
-            def chain(xp, q4s, sts, bts, conversion=conversion, p=p, layout=layout, accumulate=accumulate):
+            def chain(xp, q4s, sts, bts, conversion=conversion, p=p, layout=layout):
                 total = jnp.zeros((), jnp.float32)
                 for r in range(args.reps):
                     i = r % copies
                     out = qmm_mgpu._partials(xp, q4s[i], sts[i], bts[i], stages=args.stages, sms=qmm_mgpu.SMS,
                                              block_groups=args.block_groups, interpret=False,
                                              conversion=conversion, probe=p, layout=layout, n=n,
-                                             staggered=bool(args.staggered), accumulate=accumulate)
+                                             staggered=bool(args.staggered))
                     total = total + out[0, 0, 0]
                     xp = xp.at[0, 0].set(total.astype(xp.dtype))  # orders the calls
                 return total
@@ -92,7 +90,7 @@ def main() -> None:
                 ctas = qmm_mgpu.flat_schedule(n, k, args.block_groups)[2]
                 alone = ""
                 if args.trace:
-                    where = f"{args.trace}/{shape}_{probe}_{accumulate}"
+                    where = f"{args.trace}/{shape}_{probe}"
                     with jax.profiler.trace(where, create_perfetto_trace=True):
                         chain(xp, ops, ss, bs).block_until_ready()
                     durs = sorted(float(e["dur"]) for e in device_events(where) or []
@@ -101,11 +99,10 @@ def main() -> None:
                         us = durs[len(durs) // 2]
                         alone = f" | alone {us:8.2f} us {nbytes / us / 1e6:5.2f} TB/s ({len(durs)} launches)"
                     shutil.rmtree(where, ignore_errors=True)
-                label = f"{probe}/{accumulate}"
-                print(f"{shape:>12} | {label:>16} | {ctas:>6} | {best:8.2f} | {nbytes / best / 1e6:5.2f}{alone}",
+                print(f"{shape:>12} | {probe:>10} | {ctas:>6} | {best:8.2f} | {nbytes / best / 1e6:5.2f}{alone}",
                       flush=True)
             except Exception as e:  # noqa: BLE001 -- report and go on to the next probe
-                print(f"{shape:>12} | {probe}/{accumulate} | failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                print(f"{shape:>12} | {probe:>10} | failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
 if __name__ == "__main__":

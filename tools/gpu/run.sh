@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh hundred-twenty-seventh|hundred-twenty-sixth|hundred-twenty-fifth|hundred-twenty-fourth|hundred-twenty-third|hundred-twenty-second|hundred-twenty-first|hundred-twentieth|hundred-nineteenth|hundred-eighteenth|hundred-seventeenth|hundred-sixteenth|hundred-fifteenth|hundred-fourteenth|hundred-thirteenth|hundred-twelfth|hundred-eleventh|hundred-tenth|hundred-ninth|hundred-eighth|hundred-seventh|hundred-sixth|hundred-fifth|hundred-fourth|hundred-third|hundred-second|hundred-first|hundredth|ninety-ninth|ninety-eighth|ninety-seventh|ninety-sixth|ninety-fifth|ninety-fourth|ninety-third|ninety-second|ninety-first|ninetieth|eighty-ninth|eighty-eighth|eighty-seventh|eighty-sixth|eighty-fifth|eighty-fourth|eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh hundred-twenty-eighth|hundred-twenty-seventh|hundred-twenty-sixth|hundred-twenty-fifth|hundred-twenty-fourth|hundred-twenty-third|hundred-twenty-second|hundred-twenty-first|hundred-twentieth|hundred-nineteenth|hundred-eighteenth|hundred-seventeenth|hundred-sixteenth|hundred-fifteenth|hundred-fourteenth|hundred-thirteenth|hundred-twelfth|hundred-eleventh|hundred-tenth|hundred-ninth|hundred-eighth|hundred-seventh|hundred-sixth|hundred-fifth|hundred-fourth|hundred-third|hundred-second|hundred-first|hundredth|ninety-ninth|ninety-eighth|ninety-seventh|ninety-sixth|ninety-fifth|ninety-fourth|ninety-third|ninety-second|ninety-first|ninetieth|eighty-ninth|eighty-eighth|eighty-seventh|eighty-sixth|eighty-fifth|eighty-fourth|eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -127,10 +127,26 @@ case "$stage" in
     gpu_pytest 170 engine 10 tests/test_engine_gpu.py
     timeout 150 python3 -m pallas_kernels.bench attention --sections short_chunks --budget-s 135 --trace /tmp/trace_sc \
       --json "$out/attention_short.json" 2>&1 | tee "$out/attention_short.log" | grep -E "^copy|FAILED" ;;
+  hundred-twenty-eighth)
+    # Session 30 (~8 min): the decode qmm's pipeline depth and piece height: the kernel alone at 16 rows (4-6
+    # stages) and 8 rows (4-7 stages), then the one-stream round traced at today's defaults, at the most stages that
+    # fit, with 8-row pieces, and both.
+    for r in 16 8; do
+      for st in 4 5 6 $([ $r = 8 ] && echo 7); do
+        timeout 75 python3 tools/gpu/mgpu_probe.py --rows $r --stages $st --probes subnormal --trace /tmp/probe_d \
+          --shapes 5120x34816,17408x5120,5120x6144,5120x16480 2>&1 | tee "$out/probe_r${r}_s$st.txt" \
+          | grep -E "^ +[0-9]+x|failed" | sed "s/^/r$r s$st /" | cut -c1-200
+      done
+    done
+    for v in "" --mgpu-stages=7 --narrow-rows=8 "--narrow-rows=8 --mgpu-stages=7"; do
+      profile_round 80 "$v" "kernel_mosaic"
+    done ;;
   hundred-twenty-seventh)
     # Session 30 (~8 min): the decode qmm's "chain" accumulation (one accumulator across steps, buffers released a
     # step late) against "step": the kernel alone at 16 and 8 rows (PTX kept, for ptxas's warnings offline), the gpu
-    # tests of both (oracle, rows, pieces, stages), the one-stream round traced under each.
+    # tests of both (oracle, rows, pieces, stages), the one-stream round traced under each. Measured at 4f17792:
+    # right bits, slower at every shape (ptxas put every A fragment in the same registers and waited after each
+    # wgmma); removed.
     mkdir -p /tmp/ptxc
     MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=/tmp/ptxc timeout 150 python3 tools/gpu/mgpu_probe.py --accumulate step,chain \
       --shapes 5120x34816,17408x5120,5120x6144,6144x5120,5120x16480 --probes subnormal --trace /tmp/probe_acc 2>&1 \
