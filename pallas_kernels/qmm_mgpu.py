@@ -68,11 +68,13 @@ ROWS = 16  # x rows a call carries (the MMA's N); M <= ROWS
 # `test_gpu_wide_pieces_same_bits` (session 12), so the cut is free to follow M. On the H200 (session 12, 5120->17408)
 # 64-row pieces took 30 us at M = 64 against 75 in 16-row pieces, 134 against 265 at M = 256; at M = 16 a 32-row
 # piece costs what a 16-row one does and a 64-row one 1.3x. None: 16-row pieces only.
-# PIECE_ROWS: the piece heights the kernel takes. NARROW_ROWS: the least height `pieces` cuts (8: calls of up to 8
-# rows, the one-stream decode among them, carry half the x bytes a step; a row's bits are the same as in 16-row pieces
-# on the H200, session 13, but the engine showed no gain beyond noise, so 16 as in sessions 6-12).
+# PIECE_ROWS: the piece heights the kernel takes. NARROW_ROWS: the least height `pieces` cuts. 8 since session 30:
+# calls of up to 8 rows, the one-stream decode among them, carry half the x bytes a step and run MMAs of half the N;
+# a row's bits are the same as in 16-row pieces on the H200 (`test_gpu_wide_pieces_same_bits`). Session 13 saw no
+# gain beyond noise with the "words" conversion; with "subnormal" the kernel alone took 31.0 against 32.3 us at
+# 5120 -> 34816 and the traced one-stream round's qmm 4962 against 5132 us (session 30). 16 in sessions 6-29.
 WIDE_ROWS: int | None = 64
-NARROW_ROWS = 16
+NARROW_ROWS = 8
 PIECE_ROWS = (8, 16, 32, 64)
 GROUP = 64
 TILE_N = 64  # output features a compute warpgroup

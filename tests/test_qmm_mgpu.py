@@ -188,13 +188,15 @@ def test_interpreter_wide_pieces_same_bits(rows):
 
 
 def test_piece_policy(monkeypatch):
-    """Pieces of WIDE_ROWS (64) while more is left, then the least height that holds the rest; 16-row pieces only
-    where WIDE_ROWS is None; a WIDE_ROWS the kernel does not take and a piece height out of PIECE_ROWS are
-    ValueErrors; 64-row pieces run 3 stages (shared memory), the others as asked."""
-    assert qmm_mgpu.WIDE_ROWS == 64
-    cases = {1: (16,), 16: (16,), 17: (32,), 32: (32,), 33: (64,), 64: (64,), 65: (64, 16), 100: (64, 64),
-             256: (64,) * 4, 257: (64,) * 4 + (16,), 0: ()}
+    """Pieces of WIDE_ROWS (64) while more is left, then the least height, NARROW_ROWS (8) or more, that holds the
+    rest; 16-row pieces only where WIDE_ROWS is None; a WIDE_ROWS the kernel does not take and a piece height out of
+    PIECE_ROWS are ValueErrors; 64-row pieces run 3 stages (shared memory), the others as asked."""
+    assert qmm_mgpu.WIDE_ROWS == 64 and qmm_mgpu.NARROW_ROWS == 8
+    cases = {1: (8,), 8: (8,), 9: (16,), 16: (16,), 17: (32,), 32: (32,), 33: (64,), 64: (64,), 65: (64, 8),
+             73: (64, 16), 100: (64, 64), 256: (64,) * 4, 257: (64,) * 4 + (8,), 0: ()}
     assert {m: qmm_mgpu.pieces(m) for m in cases} == cases
+    monkeypatch.setattr(qmm_mgpu, "NARROW_ROWS", 16)
+    assert [qmm_mgpu.pieces(m) for m in (1, 16, 65)] == [(16,), (16,), (64, 16)]
     monkeypatch.setattr(qmm_mgpu, "WIDE_ROWS", 32)
     assert qmm_mgpu.pieces(80) == (32, 32, 16)
     monkeypatch.setattr(qmm_mgpu, "WIDE_ROWS", None)
@@ -562,7 +564,7 @@ def test_norms_write_the_decode_qmm_padding(monkeypatch):
     x = jnp.asarray(rng.normal(size=(3, 1, 512)), jnp.bfloat16)
     nw = jnp.asarray(1.0 + 0.1 * rng.normal(size=512), jnp.float32)
     padded = ops.rms_norm(be, x, nw, 1e-6, then=fused)
-    assert isinstance(padded, ops.Padded) and padded.rows.shape == (16, 512) and padded.shape == (3, 1, 512)
+    assert isinstance(padded, ops.Padded) and padded.rows.shape == (8, 512) and padded.shape == (3, 1, 512)
     plain = ops.rms_norm(be, x, nw, 1e-6)
     for got, want in zip(ops.linear_split(padded, fused, be, prompt=False),
                          ops.linear_split(plain, fused, be, prompt=False)):
@@ -574,14 +576,16 @@ def test_norms_write_the_decode_qmm_padding(monkeypatch):
     out_w = _small_weight(rng, 256, 512)
     gw = jnp.asarray(1.0 + 0.1 * rng.normal(size=128), jnp.float32)
     gp = ops.gated_rms_norm(be, o, z, gw, 1e-6, then=out_w)
-    assert isinstance(gp, ops.Padded) and gp.rows.shape == (16, 512) and gp.shape == (3, 1, 512)
+    assert isinstance(gp, ops.Padded) and gp.rows.shape == (8, 512) and gp.shape == (3, 1, 512)
     want = ops.linear(ops.gated_rms_norm(be, o, z, gw, 1e-6).reshape(3, 1, 512), out_w, be, prompt=False)
     np.testing.assert_array_equal(np.asarray(ops.linear(gp, out_w, be, prompt=False)).view(np.uint16),
                                   np.asarray(want).view(np.uint16))
     # where nothing is padded
     assert ops.pad_rows(be, x, fused, prompt=True) is None
     assert ops.pad_rows(ops.Backend(), x, fused, prompt=False) is None
+    assert ops.pad_rows(be, jnp.zeros((8, 512), jnp.bfloat16), fused, prompt=False) is None
     assert ops.pad_rows(be, jnp.zeros((16, 512), jnp.bfloat16), fused, prompt=False) is None
+    assert ops.pad_rows(be, jnp.zeros((9, 512), jnp.bfloat16), fused, prompt=False) == 16
     assert ops.pad_rows(be, jnp.zeros((17, 512), jnp.bfloat16), fused, prompt=False) == 32
     assert ops.pad_rows(be, x, _small_weight(rng, 128, 512, bits=8), prompt=False) is None
     assert not isinstance(ops.rms_norm(be, x, nw, 1e-6, then=fused, prompt=True), ops.Padded)
