@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pt
 
 from pallas_kernels.calls import pallas_call
+from pallas_kernels.qmm_mgpu import sum_pieces
 from pallas_kernels.rownorm import l2norm_reference
 
 CHUNK = 64
@@ -335,17 +336,37 @@ def gates(b: jax.Array, a: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> t
     return beta, g
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["parts", "valid"], meta_fields=["lead"])
+@dataclasses.dataclass(frozen=True)
+class Pieces:
+    """The in-projection's decode rows before its epilogue, for `decode_prep` to finish itself: the Mosaic GPU
+    decode qmm's pieces (`qmm_mgpu.qmm_parts`) parts [P, N, R] fp32 and valid [P, N] bool, of live rows lead = (S,
+    Rw) stream-major (S Rw <= R). Their values are y [S, Rw, N] = the pieces summed in piece order (`sum_pieces`),
+    rounded to bf16: `linear`'s output bit for bit."""
+    parts: jax.Array
+    valid: jax.Array
+    lead: tuple[int, int]
+
+    def materialize(self) -> jax.Array:
+        s, r = self.lead
+        total = sum_pieces(lambda i: (self.parts[i], self.valid[i][:, None]), self.parts.shape[0])
+        return total[:, :s * r].T.astype(jnp.bfloat16).reshape(s, r, -1)
+
+
 def decode_prep_reference(y: jax.Array, parents: jax.Array | None, conv_pool: jax.Array, slot: jax.Array,
                    weight: jax.Array, a_log: jax.Array, dt_bias: jax.Array, *, hk: int, dk: int, hv: int, dv: int
                    ) -> tuple[jax.Array, ...]:
     """Verify or step rows' inputs to the recurrence, from the GDN in-projection's output.
 
-    y [S, R, N] in the activation dtype, columns q (hk dk) | k (hk dk) | v (hv dv) | z (hv dv) | b (hv) | a (hv);
+    y [S, R, N] in the activation dtype (or `Pieces` of it), columns q (hk dk) | k (hk dk) | v (hv dv) | z (hv dv) |
+    b (hv) | a (hv);
     parents [S, R] for a verify window, or None for the serial step (R = 1: the conv pool takes the row, as
     `conv_step_reference`, and streams on slot 0 get g = beta = 0, the identity update); conv_pool [N, K-1, C] with
     C = 2 hk dk + hv dv; slot [S]; weight [C, K]; a_log, dt_bias [hv].
     -> (q, k [S, R, hk, dk] in y.dtype (l2-normed over dk, q then times dk^-1/2), v, z [S, R, hv, dv] in y.dtype,
     g, beta [S, R, hv] fp32), and the conv pool after them for the step."""
+    if isinstance(y, Pieces):
+        y = y.materialize()
     s, r = y.shape[:2]
     kd, vd = hk * dk, hv * dv
     c = 2 * kd + vd
@@ -1226,22 +1247,35 @@ def conv_step(m: jax.Array, conv_pool: jax.Array, slot: jax.Array, weight: jax.A
 DECODE_PREP_WARPS = 1
 
 
-def _decode_prep_kernel(*refs, hk: int, hv: int, dk: int, dv: int, kw: int, step: bool):
+def _decode_prep_kernel(*refs, hk: int, hv: int, dk: int, dv: int, kw: int, step: bool, pieces: int, rows: int):
     """Program (stream s, row r, key head h, part p): part 0 makes q and k of head h, part p > 0 v, z, g and beta of
     value head h hv / hk + p - 1 (the parts side by side: H200 trace, session 27, one program a key head doing all
     of them took 6.7 µs a call at one stream).
-    refs: y [S, R, N]; parents [S, R] (windows only); slot [S]; pool [N, K-1, C]; weight [C, K]; a_log, dt_bias
-    [hv]; outputs q, k [S, R, hk, dk], v, z [S, R, hv, dv], g, beta [S, R, hv]; the pool again (step only,
-    aliased)."""
+    refs: y [S, R, N] (pieces 0), or `Pieces`' valid [P, N] int8 and parts [P, N, R'] fp32 (pieces P: y's row
+    (s, r) is the pieces' row s R + r, summed and rounded here as `Pieces` says; rows = R); parents [S, R] (windows
+    only); slot [S]; pool [N, K-1, C]; weight [C, K]; a_log, dt_bias [hv]; outputs q, k [S, R, hk, dk], v, z [S, R,
+    hv, dv], g, beta [S, R, hv]; the pool again (step only, aliased)."""
+    if pieces:
+        valid_ref, parts_ref, *refs = refs
     if step:
-        y_ref, slot_ref, pool_ref, w_ref, alog_ref, dtb_ref, q_ref, k_ref, v_ref, z_ref, g_ref, beta_ref, \
+        *ys, slot_ref, pool_ref, w_ref, alog_ref, dtb_ref, q_ref, k_ref, v_ref, z_ref, g_ref, beta_ref, \
             pool_out_ref = refs
     else:
-        y_ref, parents_ref, slot_ref, pool_ref, w_ref, alog_ref, dtb_ref, q_ref, k_ref, v_ref, z_ref, g_ref, \
+        *ys, parents_ref, slot_ref, pool_ref, w_ref, alog_ref, dtb_ref, q_ref, k_ref, v_ref, z_ref, g_ref, \
             beta_ref = refs
     s, r, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slot_ref[s]
-    dtype = y_ref.dtype
+    dtype = q_ref.dtype
+    if not pieces:
+        (y_ref,) = ys
+
+    def y_at(i, cols):
+        """y[s, i, cols]: read, or the pieces' sum rounded (`Pieces`)."""
+        if not pieces:
+            return y_ref[s, i, cols]
+        row = s * rows + i
+        return sum_pieces(lambda p: (parts_ref[p, cols, row], valid_ref[p, cols] != 0), pieces).astype(dtype)
+
     kd, vd = hk * dk, hv * dv
     c = 2 * kd + vd
     group = hv // hk
@@ -1256,14 +1290,14 @@ def _decode_prep_kernel(*refs, hk: int, hv: int, dk: int, dv: int, kw: int, step
     def conv(c0: int | jax.Array, n: int) -> jax.Array:
         """silu(conv) of channels [c0, c0 + n) in y.dtype: `_conv_taps`'s expression, taps oldest first."""
         cols = pl.ds(c0, n)
-        row = y_ref[s, r, cols]
+        row = y_at(r, cols)
         taps, olds = [row], []
         for anc, idx in sources:
             old = pool_ref[slot, idx, cols]
             olds.append(old)
             tap = old.astype(dtype)
             if anc is not None:
-                tap = jnp.where(anc >= 0, y_ref[s, jnp.maximum(anc, 0), cols], tap)
+                tap = jnp.where(anc >= 0, y_at(jnp.maximum(anc, 0), cols), tap)
             taps.append(tap)
         u = _conv_taps(taps[::-1], [w_ref[cols, j] for j in range(kw)])
         if step:  # the new history: the old one's rows 1..K-2 (read oldest last above), then the row
@@ -1288,9 +1322,8 @@ def _decode_prep_kernel(*refs, hk: int, hv: int, dk: int, dv: int, kw: int, step
     def _():
         head = h * group + part - 1
         v_ref[s, r, head, :] = conv(2 * kd + head * dv, dv)
-        z_ref[s, r, head, :] = y_ref[s, r, pl.ds(c + head * dv, dv)]
-        beta, g = gates(y_ref[s, r, c + vd + head], y_ref[s, r, c + vd + hv + head], alog_ref[head],
-                         dtb_ref[head])
+        z_ref[s, r, head, :] = y_at(r, pl.ds(c + head * dv, dv))
+        beta, g = gates(y_at(r, c + vd + head), y_at(r, c + vd + hv + head), alog_ref[head], dtb_ref[head])
         if step:
             live = slot > 0
             beta, g = jnp.where(live, beta, 0.0), jnp.where(live, g, 0.0)
@@ -1311,9 +1344,19 @@ def decode_prep(y: jax.Array, parents: jax.Array | None, conv_pool: jax.Array, s
     the conv pool is updated in place (pass it donated); a window only reads it. Every value is computed in the
     program of its own row from that row, its ancestors and its slot, so a row's bits do not depend on the other
     rows or streams of the call, and a window row's equal the serial step's over the same history."""
-    if y.ndim != 3:
+    pieces = isinstance(y, Pieces)
+    if pieces:
+        if (y.parts.ndim != 3 or y.valid.shape != y.parts.shape[:2] or y.parts.dtype != _F32
+                or len(y.lead) != 2 or y.lead[0] * y.lead[1] > y.parts.shape[2]):
+            raise ValueError(f"gdn.decode_prep: Pieces must hold fp32 parts [P, N, R], valid [P, N] and S Rw <= R live "
+                             f"rows, got {y.parts.dtype} {y.parts.shape}, {y.valid.shape}, lead {y.lead}")
+        shape = (*y.lead, y.parts.shape[1])
+    elif y.ndim != 3:
         raise ValueError(f"gdn.decode_prep: y must be [S, R, N], got {y.shape}")
-    s, r, n = y.shape
+    else:
+        shape = y.shape
+    s, r, n = shape
+    dtype = jnp.bfloat16 if pieces else y.dtype
     kd, vd = hk * dk, hv * dv
     c = 2 * kd + vd
     if n != c + vd + 2 * hv:
@@ -1323,7 +1366,7 @@ def decode_prep(y: jax.Array, parents: jax.Array | None, conv_pool: jax.Array, s
         raise ValueError(f"gdn.decode_prep: the kernel needs dk and dv to be powers of two >= 16 and value heads a "
                          f"multiple of key heads, got dk={dk}, dv={dv}, hk={hk}, hv={hv}; use decode_prep_reference "
                          f"for other heads")
-    _check_conv("decode_prep", jax.ShapeDtypeStruct((s, r, c), y.dtype), conv_pool, slot)
+    _check_conv("decode_prep", jax.ShapeDtypeStruct((s, r, c), dtype), conv_pool, slot)
     _check_weight("decode_prep", weight, conv_pool)
     for label, x in (("a_log", a_log), ("dt_bias", dt_bias)):
         if x.shape != (hv,):
@@ -1334,16 +1377,18 @@ def decode_prep(y: jax.Array, parents: jax.Array | None, conv_pool: jax.Array, s
     if not step and (parents.shape != (s, r) or not jnp.issubdtype(parents.dtype, jnp.integer)):
         raise ValueError(f"gdn.decode_prep: parents must be an integer array [S, R] = {(s, r)}, got {parents.dtype} "
                          f"{parents.shape}")
-    out_shape = [jax.ShapeDtypeStruct((s, r, hk, dk), y.dtype)] * 2 + [
-        jax.ShapeDtypeStruct((s, r, hv, dv), y.dtype)] * 2 + [jax.ShapeDtypeStruct((s, r, hv), _F32)] * 2
+    out_shape = [jax.ShapeDtypeStruct((s, r, hk, dk), dtype)] * 2 + [
+        jax.ShapeDtypeStruct((s, r, hv, dv), dtype)] * 2 + [jax.ShapeDtypeStruct((s, r, hv), _F32)] * 2
     slot = slot.astype(jnp.int32)
     tail = (conv_pool, weight, a_log, dt_bias)
-    operands = (y, slot, *tail) if step else (y, parents.astype(jnp.int32), slot, *tail)
+    ys = (y.valid.astype(jnp.int8), y.parts) if pieces else (y,)
+    operands = (*ys, slot, *tail) if step else (*ys, parents.astype(jnp.int32), slot, *tail)
     out = pallas_call(
-        functools.partial(_decode_prep_kernel, hk=hk, hv=hv, dk=dk, dv=dv, kw=weight.shape[1], step=step),
+        functools.partial(_decode_prep_kernel, hk=hk, hv=hv, dk=dk, dv=dv, kw=weight.shape[1], step=step,
+                          pieces=y.parts.shape[0] if pieces else 0, rows=r),
         out_shape=tuple(out_shape + ([jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype)] if step else [])),
         grid=(s, r, hk, 1 + hv // hk),
-        input_output_aliases={2: 6} if step else {},
+        input_output_aliases={len(ys) + 1: 6} if step else {},
         compiler_params=pt.CompilerParams(num_warps=DECODE_PREP_WARPS),
         interpret=interpret,
         name="gdn_decode_prep",

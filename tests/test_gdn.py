@@ -710,6 +710,38 @@ def test_decode_prep_serial_steps_equal_windows_bitwise(dtype):
     _check_prep_serial_equals_windows(SMALL, dtype)
 
 
+def _check_prep_reads_pieces(shape, r: int):
+    """`gdn.Pieces` (the in-projection's decode qmm pieces, summed and rounded in the kernel): the bits of the same
+    call on their materialized y, for the serial step (3 streams in an r-row piece, the pool updated alike) and a
+    tree window (2 streams x 4 rows); unwritten pieces hold NaN and must be selected away."""
+    from tests.test_swiglu import random_pieces
+    rng = np.random.default_rng(43)
+    dims = _dims(shape)
+    _, pool, slot, w, a_log, dt_bias = _prep_case(rng, shape, 3, 1, jnp.bfloat16)
+    n = 2 * shape["hk"] * shape["dk"] + 2 * shape["hv"] * shape["dv"] + 2 * shape["hv"]
+    parts, valid = random_pieces(rng, 3, n, r)
+    cases = ((gdn.Pieces(parts, valid, (3, 1)), None, slot),
+             (gdn.Pieces(parts, valid, (2, 4)), jnp.asarray([TREES["fork"][:4]] * 2, jnp.int32), slot[:2]))
+    for pieces, parents, sl in cases:
+        y = pieces.materialize()
+        assert y.shape == (*pieces.lead, n) and y.dtype == jnp.bfloat16
+        assert np.all(np.isfinite(np.asarray(y, np.float32)))
+        got = prep_k(pieces, parents, pool, sl, w, a_log, dt_bias, **dims)
+        want = prep_k(y, parents, pool, sl, w, a_log, dt_bias, **dims)
+        assert len(got) == len(want) == (7 if parents is None else 6)
+        for name, a, b in zip(PREP_NAMES, got, want):
+            assert a.shape == b.shape and np.array_equal(np.asarray(a), np.asarray(b)), name
+        for name, a, b in zip(PREP_NAMES, prep_ref(pieces, parents, pool, sl, w, a_log, dt_bias, **dims),
+                              prep_ref(y, parents, pool, sl, w, a_log, dt_bias, **dims)):
+            assert np.array_equal(np.asarray(a), np.asarray(b)), name
+    with pytest.raises(ValueError, match="live rows"):
+        gdn.decode_prep(gdn.Pieces(parts, valid, (3, r)), None, pool, slot, w, a_log, dt_bias, **dims)
+
+
+def test_decode_prep_reads_pieces_bitwise():
+    _check_prep_reads_pieces(SMALL, 8)
+
+
 def test_decode_prep_rejects_bad_inputs():
     rng = np.random.default_rng(42)
     y, pool, slot, w, a_log, dt_bias = _prep_case(rng, SMALL, 2, 3, jnp.float32)
@@ -884,3 +916,9 @@ def test_gpu_window_16_rows_alone_vs_among_others():
 def test_gpu_decode_prep_27b_heads(dtype, pool_dtype):
     _check_prep_against_reference(BIG, dtype, pool_dtype)
     _check_prep_serial_equals_windows(BIG, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("r", [8, 16])
+def test_gpu_decode_prep_reads_pieces_27b_heads(r):
+    _check_prep_reads_pieces(BIG, r)

@@ -157,7 +157,29 @@ def test_fused_step_equals_verify_then_commit_bitwise(setup, dtype, kernels):
     pool), for two live streams beside a dummy one (slot 0), over several steps. kernels=True runs the Pallas
     kernels in interpret mode (the fused GDN step launch); the reference path is verify + commit itself."""
     cfg, params, toks, _, _, _, _ = setup
-    BE = M.Backend(kernels=kernels, interpret=kernels)
+    _fused_step_equals_verify_then_commit(cfg, params, toks, dtype, kernels)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_step_on_the_decode_qmm_pieces_equals_verify_then_commit_bitwise(monkeypatch):
+    """The same compiled on the GPU with the tiny 4-bit checkpoint's projections on the Mosaic GPU decode qmm,
+    where the step's GDN prep reads the in-projection's pieces (`ops.project_pieces`, checked to be taken) and the
+    window's its materialized output. (On the CPU the Mosaic GPU interpreter takes ~2 min for it: the pieces'
+    reader is checked there at the kernel (`test_gdn.py`) and at `project_pieces` (`test_residual.py`).)"""
+    from qwen_jax.checkpoint import load_checkpoint
+    from qwen_jax.model import ops
+    from tests.conftest import CAPTURES
+    taken = []
+    project_pieces = ops.project_pieces
+    monkeypatch.setattr(ops, "project_pieces", lambda *a: taken.append(project_pieces(*a)) or taken[-1])
+    ck = load_checkpoint(CAPTURES / "tiny-mlx-4bit", dtype=jnp.bfloat16)
+    toks = np.random.default_rng(1).integers(0, ck.config.text.vocab_size, size=150)
+    _fused_step_equals_verify_then_commit(ck.config, ck.params, toks, jnp.bfloat16, True, interpret=False)
+    assert taken and all(t is not None for t in taken)
+
+
+def _fused_step_equals_verify_then_commit(cfg, params, toks, dtype, kernels: bool, interpret: bool | None = None):
+    BE = M.Backend(kernels=kernels, interpret=kernels if interpret is None else interpret)
     prefill = jax.jit(lambda p, s, b: M.prefill(p, s, b, cfg, BE)[:2])
     verify = jax.jit(lambda p, s, w: M.verify(p, s, w, cfg, BE)[:2])
     commit = jax.jit(lambda s, k, w, pa, n: M.commit(s, k, w, pa, n, cfg, BE))

@@ -81,6 +81,29 @@ def test_residual_add_is_the_model_add_on_the_interpreter(monkeypatch):
                           np.asarray(x32 + ops.linear(h, w, backend, prompt=False)))
 
 
+def test_project_pieces_is_the_projection_on_the_interpreter(monkeypatch):
+    """`ops.project_pieces` (the GDN in-projection's decode rows as `gdn.Pieces` for the prep kernel): its values are
+    `linear(x, w)`'s bit for bit, for plain and `Padded` rows of [S, R] streams; None where the rows need two
+    pieces, where PREP_PIECES is off, off the Mosaic GPU kernel, or for rows that are not bf16."""
+    monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
+    rng = np.random.default_rng(620)
+    backend = Backend(kernels=True, interpret=True)
+    w = _weight(rng, 192, 256)
+    x = jnp.asarray(rng.normal(size=(3, 2, 256)), jnp.bfloat16)
+    want = bits(ops.linear(x, w, backend, prompt=False))
+    for rows in (x, Padded(jnp.pad(x.reshape(6, 256), ((0, 2), (0, 0))), (3, 2))):
+        got = ops.project_pieces(rows, w, backend)
+        assert got.lead == (3, 2) and got.parts.shape[2] == 8
+        assert np.array_equal(bits(got.materialize()), want)
+    assert ops.project_pieces(jnp.zeros((5, 13, 256), jnp.bfloat16), w, backend) is None  # 65 rows: (64, 8)
+    assert ops.project_pieces(x.astype(jnp.float32), w, backend) is None
+    monkeypatch.setattr(ops, "PREP_PIECES", False)
+    assert ops.project_pieces(x, w, backend) is None
+    monkeypatch.setattr(ops, "PREP_PIECES", True)
+    monkeypatch.setattr(qmm, "DECODE_IMPL", "triton")
+    assert ops.project_pieces(x, w, backend) is None
+
+
 def test_residual_add_lowers_for_h200(h200_lowering):
     sds = jax.ShapeDtypeStruct
     for m in (1, 13):

@@ -68,9 +68,12 @@ def step_pass(x, p, rec_pool, conv_pool, window, cfg: TextConfig, backend: Backe
     """A serial step (one row per stream, states updated in place): x [S, 1, H] -> (y, rec_pool, conv_pool),
     bit for bit `window_pass` with parents [[-1]] followed by `commit` of the row. Dummy streams (slot 0) leave
     the recurrent state of slot 0 unchanged (g = beta = 0 makes the update the identity). With kernels, the
-    rows between the in-projection and the recurrence are one `gdn.decode_prep` launch in both passes."""
+    rows between the in-projection and the recurrence are one `gdn.decode_prep` launch in both passes; here it takes
+    the in-projection's decode qmm pieces where it can (`ops.project_pieces`: the same bits as its output)."""
     if ops.decode_prep_applies(backend, p["in_proj"], cfg):
-        y = linear(x, p["in_proj"].weight, backend, prompt=False)
+        y = ops.project_pieces(x, p["in_proj"].weight, backend)
+        if y is None:
+            y = linear(x, p["in_proj"].weight, backend, prompt=False)
         q, k, v, z, g, beta, conv_pool = ops.gdn_decode_prep(backend, y, None, conv_pool, window.slot, p, cfg)
     else:
         m, z, beta, g = project(x, p, backend, prompt=False)
