@@ -101,7 +101,7 @@ def test_swiglu_lowers_for_h200(h200_lowering):
 def test_gpu_swiglu_27b():
     """The 27B's MLP shape on the H200: the kernel's rows bit for bit its reference's (the pieces as the decode
     qmm wrote them) and within bf16 rounding of the model's unfused path; a row's bits the same alone, among 16
-    rows and in a 64-row piece (pieces 64 + 16 for 70 rows)."""
+    rows and in a 64-row piece (pieces 64 + 8 for 70 rows: `qmm_mgpu.pieces`)."""
     rng = np.random.default_rng(520)
     backend = Backend(kernels=True, interpret=False)
     gate_up = _gate_up(rng, 17408, 5120)
@@ -110,7 +110,7 @@ def test_gpu_swiglu_27b():
     kernel = sw.swiglu(parts, jnp.asarray(written), live=16)
     assert np.array_equal(bits(kernel), bits(sw.reference(parts, jnp.asarray(written), live=16)))
     many = ops.swiglu(backend, x, gate_up)
-    assert many.rows.shape == (80, 17408)
+    assert many.rows.shape == (sum(qmm_mgpu.pieces(70)), 17408) == (72, 17408)
     want = np.asarray(_unfused(backend, x, gate_up), np.float32)
     got = np.asarray(many.rows[:70], np.float32)
     assert np.max(np.abs(got - want) / (np.abs(want) + 1e-2)) < 2 ** -6
