@@ -5,7 +5,9 @@ Without it a gated attention layer of a decode round runs, after its projection,
 kernel each) and XLA fusions for the q, k and v slices and the two rotations (each a concatenation). `prep` takes
 the projection's output y [S, R, N] whole (columns: per query head [q D | gate D], then k, then v) and writes q and k
 normed and rotated, and v, for every (stream, row, head) in one program each. The gate stays in y, where the
-output's sigmoid multiply reads it.
+output's sigmoid multiply reads it. Given the projection's decode qmm pieces instead (`qmm_mgpu.Pieces`), it sums and
+rounds y's columns itself (the projection's epilogue, `piece_row`) and writes the gate [S, R, Hq D] too, so no
+launch sits between the qmm and it.
 
 The math is `prep_reference`'s, which is the model's own path (`ops.rms_norm`, then `layers.apply_rope`): normalise
 in fp32 (the sum of squares times the fp32-rounded 1/D, as XLA emits jnp.mean), times the fp32 multiplier, round to
@@ -28,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.calls import pallas_call
+from pallas_kernels.qmm_mgpu import Pieces, piece_row
 
 _F32 = jnp.float32
 WARPS = 1
@@ -49,11 +52,15 @@ def supports(d: int, rotary_dim: int) -> bool:
     return all(n >= 2 and n & (n - 1) == 0 for n in (d, rotary_dim)) and rotary_dim <= d
 
 
-def _check(y: jax.Array, q_weight: jax.Array, k_weight: jax.Array, cos: jax.Array, sin: jax.Array, *, hq: int,
-           hkv: int, d: int, rotary_dim: int) -> None:
-    if y.ndim != 3:
+def _check(y, q_weight: jax.Array, k_weight: jax.Array, cos: jax.Array, sin: jax.Array, *, hq: int,
+           hkv: int, d: int, rotary_dim: int) -> tuple[int, int, int]:
+    if isinstance(y, Pieces):
+        shape = y.check("attn_prep", 2)
+    elif y.ndim != 3:
         raise ValueError(f"attn_prep: y must be [S, R, N], got {y.shape}")
-    s, r, n = y.shape
+    else:
+        shape = y.shape
+    s, r, n = shape
     if n != hq * 2 * d + 2 * hkv * d:
         raise ValueError(f"attn_prep: y's last axis must hold q|gate, k, v = {hq * 2 * d + 2 * hkv * d} columns for "
                          f"hq={hq}, hkv={hkv}, d={d}, got {n}")
@@ -66,12 +73,17 @@ def _check(y: jax.Array, q_weight: jax.Array, k_weight: jax.Array, cos: jax.Arra
         if a.shape != (s, r, rotary_dim // 2):
             raise ValueError(f"attn_prep: {label} must be [S, R, rotary_dim / 2] = {(s, r, rotary_dim // 2)}, "
                              f"got {a.shape}")
+    return shape
 
 
 def prep_reference(y: jax.Array, q_weight: jax.Array, k_weight: jax.Array, cos: jax.Array, sin: jax.Array, *,
                    hq: int, hkv: int, d: int, rotary_dim: int, eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """-> q [S, R, Hq, D], k, v [S, R, Hkv, D] in y.dtype (see the module docstring)."""
+    """-> q [S, R, Hq, D], k, v [S, R, Hkv, D] in y.dtype (see the module docstring); for `Pieces` y also the gate
+    [S, R, Hq D]."""
     _check(y, q_weight, k_weight, cos, sin, hq=hq, hkv=hkv, d=d, rotary_dim=rotary_dim)
+    pieces = isinstance(y, Pieces)
+    if pieces:
+        y = y.materialize()
     s, r, _ = y.shape
     q = y[..., :hq * 2 * d].reshape(s, r, hq, 2 * d)[..., :d]
     k = y[..., hq * 2 * d:hq * 2 * d + hkv * d].reshape(s, r, hkv, d)
@@ -86,20 +98,38 @@ def prep_reference(y: jax.Array, q_weight: jax.Array, k_weight: jax.Array, cos: 
         rotated = jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
         return jnp.concatenate([(xr * c + rotated * sn).astype(y.dtype), n[..., rotary_dim:]], axis=-1)
 
-    return norm_rope(q, q_weight), norm_rope(k, k_weight), v
+    out = norm_rope(q, q_weight), norm_rope(k, k_weight), v
+    return out + (gate_of(y, hq, d),) if pieces else out
 
 
-def _kernel(y_ref, qw_ref, kw_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref, *, hq: int, hkv: int, d: int, rd: int,
-            eps: float):
-    """Program (stream s, row r, head j): query head j for j < Hq, else KV head j - Hq (k, and v copied)."""
+def gate_of(y: jax.Array, hq: int, d: int) -> jax.Array:
+    """The output gate [S, R, Hq D] in y [S, R, N] (per query head [q D | gate D])."""
+    s, r, _ = y.shape
+    return y[..., :hq * 2 * d].reshape(s, r, hq, 2 * d)[..., d:].reshape(s, r, hq * d)
+
+
+def _kernel(*refs, hq: int, hkv: int, d: int, rd: int, eps: float, n_pieces: int, rows: int):
+    """Program (stream s, row r, head j): query head j for j < Hq (and its gate, from pieces), else KV head j - Hq
+    (k, and v copied). refs: y [S, R, N] (n_pieces 0) or `Pieces`' valid [P, N] int8 and parts [P, N, R'] (P pieces,
+    y's row (s, r) their row s R + r with rows = R); the weights, cos, sin; q, k, v (and the gate, from pieces)."""
+    if n_pieces:
+        valid_ref, parts_ref, qw_ref, kw_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref, gate_ref = refs
+    else:
+        y_ref, qw_ref, kw_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref = refs
     s, r, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    dtype = y_ref.dtype
+    dtype = q_ref.dtype
+
+    def y_at(cols):
+        if n_pieces:
+            return piece_row(parts_ref, valid_ref, n_pieces, s * rows + r, cols, dtype)
+        return y_ref[s, r, cols]
+
     is_q = j < hq
     kv = jnp.maximum(j - hq, 0)
     base = jnp.where(is_q, j * 2 * d, hq * 2 * d + kv * d)
-    pieces = _pieces(d, rd)
-    xs = [y_ref[s, r, pl.ds(base + a, n)].astype(_F32) for a, n in pieces]
-    ws = [jnp.where(is_q, qw_ref[pl.ds(a, n)], kw_ref[pl.ds(a, n)]).astype(_F32) for a, n in pieces]
+    spans = _pieces(d, rd)
+    xs = [y_at(pl.ds(base + a, n)).astype(_F32) for a, n in spans]
+    ws = [jnp.where(is_q, qw_ref[pl.ds(a, n)], kw_ref[pl.ds(a, n)]).astype(_F32) for a, n in spans]
     c, sn = cos_ref[s, r, :], sin_ref[s, r, :]
     total = jnp.sum(xs[0] * xs[0])
     for x in xs[1:]:
@@ -111,28 +141,35 @@ def _kernel(y_ref, qw_ref, kw_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref, *, hq:
 
     @pl.when(is_q)
     def _():
-        for (a, n), o in zip(pieces, outs):
+        for (a, n), o in zip(spans, outs):
             q_ref[s, r, j, pl.ds(a, n)] = o
+        if n_pieces:
+            gate_ref[s, r, pl.ds(j * d, d)] = y_at(pl.ds(j * 2 * d + d, d))
 
     @pl.when(jnp.logical_not(is_q))
     def _():
-        for (a, n), o in zip(pieces, outs):
+        for (a, n), o in zip(spans, outs):
             k_ref[s, r, kv, pl.ds(a, n)] = o
-        v_ref[s, r, kv, :] = y_ref[s, r, pl.ds(hq * 2 * d + hkv * d + kv * d, d)]
+        v_ref[s, r, kv, :] = y_at(pl.ds(hq * 2 * d + hkv * d + kv * d, d))
 
 
-def prep(y: jax.Array, q_weight: jax.Array, k_weight: jax.Array, cos: jax.Array, sin: jax.Array, *, hq: int,
-         hkv: int, d: int, rotary_dim: int, eps: float, interpret: bool = False
-         ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`prep_reference` in one launch, grid (stream, row, Hq + Hkv heads)."""
-    _check(y, q_weight, k_weight, cos, sin, hq=hq, hkv=hkv, d=d, rotary_dim=rotary_dim)
-    s, r, _ = y.shape
+def prep(y, q_weight: jax.Array, k_weight: jax.Array, cos: jax.Array, sin: jax.Array, *, hq: int,
+         hkv: int, d: int, rotary_dim: int, eps: float, interpret: bool = False) -> tuple[jax.Array, ...]:
+    """`prep_reference` in one launch, grid (stream, row, Hq + Hkv heads); y an array or `Pieces`."""
+    s, r, _ = _check(y, q_weight, k_weight, cos, sin, hq=hq, hkv=hkv, d=d, rotary_dim=rotary_dim)
+    pieces = isinstance(y, Pieces)
+    dtype = jnp.bfloat16 if pieces else y.dtype
+    out_shape = (jax.ShapeDtypeStruct((s, r, hq, d), dtype), jax.ShapeDtypeStruct((s, r, hkv, d), dtype),
+                 jax.ShapeDtypeStruct((s, r, hkv, d), dtype))
+    if pieces:
+        out_shape += (jax.ShapeDtypeStruct((s, r, hq * d), dtype),)
+    ys = (y.valid.astype(jnp.int8), y.parts) if pieces else (y,)
     return pallas_call(
-        functools.partial(_kernel, hq=hq, hkv=hkv, d=d, rd=rotary_dim, eps=float(eps)),
-        out_shape=(jax.ShapeDtypeStruct((s, r, hq, d), y.dtype), jax.ShapeDtypeStruct((s, r, hkv, d), y.dtype),
-                   jax.ShapeDtypeStruct((s, r, hkv, d), y.dtype)),
+        functools.partial(_kernel, hq=hq, hkv=hkv, d=d, rd=rotary_dim, eps=float(eps),
+                          n_pieces=y.parts.shape[0] if pieces else 0, rows=r),
+        out_shape=out_shape,
         grid=(s, r, hq + hkv),
         compiler_params=plgpu.CompilerParams(num_warps=WARPS),
         interpret=interpret,
         name="attn_prep",
-    )(y, q_weight, k_weight, cos.astype(_F32), sin.astype(_F32))
+    )(*ys, q_weight, k_weight, cos.astype(_F32), sin.astype(_F32))

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pt
 
 from pallas_kernels.calls import pallas_call
-from pallas_kernels.qmm_mgpu import sum_pieces
+from pallas_kernels.qmm_mgpu import Pieces, piece_row
 from pallas_kernels.rownorm import l2norm_reference
 
 CHUNK = 64
@@ -336,29 +336,12 @@ def gates(b: jax.Array, a: jax.Array, a_log: jax.Array, dt_bias: jax.Array) -> t
     return beta, g
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["parts", "valid"], meta_fields=["lead"])
-@dataclasses.dataclass(frozen=True)
-class Pieces:
-    """The in-projection's decode rows before its epilogue, for `decode_prep` to finish itself: the Mosaic GPU
-    decode qmm's pieces (`qmm_mgpu.qmm_parts`) parts [P, N, R] fp32 and valid [P, N] bool, of live rows lead = (S,
-    Rw) stream-major (S Rw <= R). Their values are y [S, Rw, N] = the pieces summed in piece order (`sum_pieces`),
-    rounded to bf16: `linear`'s output bit for bit."""
-    parts: jax.Array
-    valid: jax.Array
-    lead: tuple[int, int]
-
-    def materialize(self) -> jax.Array:
-        s, r = self.lead
-        total = sum_pieces(lambda i: (self.parts[i], self.valid[i][:, None]), self.parts.shape[0])
-        return total[:, :s * r].T.astype(jnp.bfloat16).reshape(s, r, -1)
-
-
 def decode_prep_reference(y: jax.Array, parents: jax.Array | None, conv_pool: jax.Array, slot: jax.Array,
                    weight: jax.Array, a_log: jax.Array, dt_bias: jax.Array, *, hk: int, dk: int, hv: int, dv: int
                    ) -> tuple[jax.Array, ...]:
     """Verify or step rows' inputs to the recurrence, from the GDN in-projection's output.
 
-    y [S, R, N] in the activation dtype (or `Pieces` of it), columns q (hk dk) | k (hk dk) | v (hv dv) | z (hv dv) |
+    y [S, R, N] in the activation dtype (or `qmm_mgpu.Pieces` of it), columns q (hk dk) | k (hk dk) | v (hv dv) | z (hv dv) |
     b (hv) | a (hv);
     parents [S, R] for a verify window, or None for the serial step (R = 1: the conv pool takes the row, as
     `conv_step_reference`, and streams on slot 0 get g = beta = 0, the identity update); conv_pool [N, K-1, C] with
@@ -1251,8 +1234,8 @@ def _decode_prep_kernel(*refs, hk: int, hv: int, dk: int, dv: int, kw: int, step
     """Program (stream s, row r, key head h, part p): part 0 makes q and k of head h, part p > 0 v, z, g and beta of
     value head h hv / hk + p - 1 (the parts side by side: H200 trace, session 27, one program a key head doing all
     of them took 6.7 µs a call at one stream).
-    refs: y [S, R, N] (pieces 0), or `Pieces`' valid [P, N] int8 and parts [P, N, R'] fp32 (pieces P: y's row
-    (s, r) is the pieces' row s R + r, summed and rounded here as `Pieces` says; rows = R); parents [S, R] (windows
+    refs: y [S, R, N] (pieces 0), or `qmm_mgpu.Pieces`' valid [P, N] int8 and parts [P, N, R'] fp32 (pieces P:
+    y's row (s, r) is the pieces' row s R + r, `piece_row`; rows = R); parents [S, R] (windows
     only); slot [S]; pool [N, K-1, C]; weight [C, K]; a_log, dt_bias [hv]; outputs q, k [S, R, hk, dk], v, z [S, R,
     hv, dv], g, beta [S, R, hv]; the pool again (step only, aliased)."""
     if pieces:
@@ -1273,8 +1256,7 @@ def _decode_prep_kernel(*refs, hk: int, hv: int, dk: int, dv: int, kw: int, step
         """y[s, i, cols]: read, or the pieces' sum rounded (`Pieces`)."""
         if not pieces:
             return y_ref[s, i, cols]
-        row = s * rows + i
-        return sum_pieces(lambda p: (parts_ref[p, cols, row], valid_ref[p, cols] != 0), pieces).astype(dtype)
+        return piece_row(parts_ref, valid_ref, pieces, s * rows + i, cols, dtype)
 
     kd, vd = hk * dk, hv * dv
     c = 2 * kd + vd
@@ -1346,11 +1328,7 @@ def decode_prep(y: jax.Array, parents: jax.Array | None, conv_pool: jax.Array, s
     rows or streams of the call, and a window row's equal the serial step's over the same history."""
     pieces = isinstance(y, Pieces)
     if pieces:
-        if (y.parts.ndim != 3 or y.valid.shape != y.parts.shape[:2] or y.parts.dtype != _F32
-                or len(y.lead) != 2 or y.lead[0] * y.lead[1] > y.parts.shape[2]):
-            raise ValueError(f"gdn.decode_prep: Pieces must hold fp32 parts [P, N, R], valid [P, N] and S Rw <= R live "
-                             f"rows, got {y.parts.dtype} {y.parts.shape}, {y.valid.shape}, lead {y.lead}")
-        shape = (*y.lead, y.parts.shape[1])
+        shape = y.check("gdn.decode_prep", 2)
     elif y.ndim != 3:
         raise ValueError(f"gdn.decode_prep: y must be [S, R, N], got {y.shape}")
     else:

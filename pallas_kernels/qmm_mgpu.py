@@ -44,6 +44,7 @@ at 5120 -> 34816; 5.2 of a one-stream round's 6.9 ms of device work.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -281,6 +282,38 @@ def sum_pieces(load, n_pieces: int) -> jax.Array:
         vals, ok = load(p)
         total = total + jnp.where(ok, vals, 0.0)
     return total
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["parts", "valid"], meta_fields=["lead"])
+@dataclasses.dataclass(frozen=True)
+class Pieces:
+    """A projection's decode rows before their epilogue, for a kernel that finishes them itself (`piece_row`): the
+    pieces `qmm_parts` gives, parts [P, N, R] fp32 and valid [P, N] bool, of live rows lead (their leading shape,
+    row-major: prod(lead) <= R). Their values are y [*lead, N] = the pieces summed in piece order (`sum_pieces`),
+    rounded to bf16: the projection's output bit for bit."""
+    parts: jax.Array
+    valid: jax.Array
+    lead: tuple[int, ...]
+
+    def materialize(self) -> jax.Array:
+        m = int(np.prod(self.lead))
+        total = sum_pieces(lambda i: (self.parts[i], self.valid[i][:, None]), self.parts.shape[0])
+        return total[:, :m].T.astype(jnp.bfloat16).reshape(*self.lead, -1)
+
+    def check(self, who: str, dims: int) -> tuple[int, ...]:
+        """The rows' shape (*lead, N), or a ValueError naming `who` (a kernel taking `dims` leading axes)."""
+        p = self.parts
+        if (p.ndim != 3 or self.valid.shape != p.shape[:2] or p.dtype != jnp.float32 or len(self.lead) != dims
+                or int(np.prod(self.lead)) > p.shape[2]):
+            raise ValueError(f"{who}: Pieces must hold fp32 parts [P, N, R], valid [P, N] and {dims} leading axes of "
+                             f"at most R live rows, got {p.dtype} {p.shape}, {self.valid.shape}, lead {self.lead}")
+        return (*self.lead, p.shape[1])
+
+
+def piece_row(parts_ref, valid_ref, n_pieces: int, row, cols, dtype) -> jax.Array:
+    """Inside a Triton kernel: row `row`'s columns `cols` (an index or a `pl.ds`) of `Pieces`' values, from refs
+    of its valid [P, N] (int8) and parts [P, N, R]: summed in piece order (`sum_pieces`), rounded to dtype."""
+    return sum_pieces(lambda p: (parts_ref[p, cols, row], valid_ref[p, cols] != 0), n_pieces).astype(dtype)
 
 
 def qmm_parts(x: jax.Array, w: QuantizedWeight, *, rows: int, interpret: bool = False

@@ -77,6 +77,35 @@ def test_attn_prep_matches_reference_model_ops_and_float64(dims, dtype):
     _check(dims, dtype)
 
 
+def _check_pieces(dims, r: int):
+    """`qmm_mgpu.Pieces` (the qkv projection's decode qmm pieces, summed and rounded in the kernel): q, k, v the bits
+    of the same call on their materialized y, and the gate y's gate columns, for 3 streams x 2 rows in an r-row
+    piece; unwritten pieces hold NaN and must be selected away; the reference agrees."""
+    from pallas_kernels.qmm_mgpu import Pieces
+    from tests.test_swiglu import random_pieces
+    rng = np.random.default_rng(7)
+    s, rows = 3, 2
+    y0, qw, kw, cos, sin, _ = _case(rng, dims, s, rows, jnp.bfloat16)
+    parts, valid = random_pieces(rng, 3, y0.shape[-1], r)
+    pieces = Pieces(parts, valid, (s, rows))
+    y = pieces.materialize()
+    got = _run(dims, pieces, qw, kw, cos, sin)
+    want = _run(dims, y, qw, kw, cos, sin) + (ap.gate_of(y, dims["hq"], dims["d"]),)
+    assert len(got) == 4 and got[3].shape == (s, rows, dims["hq"] * dims["d"])
+    for name, a, b in zip(("q", "k", "v", "gate"), got, want):
+        assert a.dtype == jnp.bfloat16 and np.array_equal(np.asarray(a), np.asarray(b)), name
+    ref = ap.prep_reference(pieces, qw, kw, cos, sin, eps=EPS, **dims)
+    for name, a, b in zip(("q", "k", "v", "gate"), ref, ap.prep_reference(y, qw, kw, cos, sin, eps=EPS, **dims)
+                          + (ap.gate_of(y, dims["hq"], dims["d"]),)):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), name
+    with pytest.raises(ValueError, match="live rows"):
+        ap.prep(Pieces(parts, valid, (s, r)), qw, kw, cos, sin, eps=EPS, **dims)
+
+
+def test_attn_prep_reads_pieces_bitwise():
+    _check_pieces(TINY, 8)
+
+
 def test_attn_prep_rejects_bad_inputs():
     rng = np.random.default_rng(6)
     y, qw, kw, cos, sin, _ = _case(rng, TINY, 1, 2, jnp.float32)
@@ -104,3 +133,9 @@ def test_attn_prep_lowers_for_h200(h200_lowering):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gpu_attn_prep_27b(dtype):
     _check(BIG, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("r", [8, 16])
+def test_gpu_attn_prep_reads_pieces_27b(r):
+    _check_pieces(BIG, r)

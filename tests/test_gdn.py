@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import gdn
+from pallas_kernels import gdn, qmm_mgpu
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
@@ -711,7 +711,7 @@ def test_decode_prep_serial_steps_equal_windows_bitwise(dtype):
 
 
 def _check_prep_reads_pieces(shape, r: int):
-    """`gdn.Pieces` (the in-projection's decode qmm pieces, summed and rounded in the kernel): the bits of the same
+    """`qmm_mgpu.Pieces` (the in-projection's decode qmm pieces, summed and rounded in the kernel): the bits of the same
     call on their materialized y, for the serial step (3 streams in an r-row piece, the pool updated alike) and a
     tree window (2 streams x 4 rows); unwritten pieces hold NaN and must be selected away."""
     from tests.test_swiglu import random_pieces
@@ -720,8 +720,8 @@ def _check_prep_reads_pieces(shape, r: int):
     _, pool, slot, w, a_log, dt_bias = _prep_case(rng, shape, 3, 1, jnp.bfloat16)
     n = 2 * shape["hk"] * shape["dk"] + 2 * shape["hv"] * shape["dv"] + 2 * shape["hv"]
     parts, valid = random_pieces(rng, 3, n, r)
-    cases = ((gdn.Pieces(parts, valid, (3, 1)), None, slot),
-             (gdn.Pieces(parts, valid, (2, 4)), jnp.asarray([TREES["fork"][:4]] * 2, jnp.int32), slot[:2]))
+    cases = ((qmm_mgpu.Pieces(parts, valid, (3, 1)), None, slot),
+             (qmm_mgpu.Pieces(parts, valid, (2, 4)), jnp.asarray([TREES["fork"][:4]] * 2, jnp.int32), slot[:2]))
     for pieces, parents, sl in cases:
         y = pieces.materialize()
         assert y.shape == (*pieces.lead, n) and y.dtype == jnp.bfloat16
@@ -735,7 +735,7 @@ def _check_prep_reads_pieces(shape, r: int):
                               prep_ref(y, parents, pool, sl, w, a_log, dt_bias, **dims)):
             assert np.array_equal(np.asarray(a), np.asarray(b)), name
     with pytest.raises(ValueError, match="live rows"):
-        gdn.decode_prep(gdn.Pieces(parts, valid, (3, r)), None, pool, slot, w, a_log, dt_bias, **dims)
+        gdn.decode_prep(qmm_mgpu.Pieces(parts, valid, (3, r)), None, pool, slot, w, a_log, dt_bias, **dims)
 
 
 def test_decode_prep_reads_pieces_bitwise():

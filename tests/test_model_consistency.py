@@ -164,8 +164,10 @@ def test_fused_step_equals_verify_then_commit_bitwise(setup, dtype, kernels):
 def test_gpu_fused_step_on_the_decode_qmm_pieces_equals_verify_then_commit_bitwise(monkeypatch):
     """The same compiled on the GPU with the tiny 4-bit checkpoint's projections on the Mosaic GPU decode qmm,
     where the step's GDN prep reads the in-projection's pieces (`ops.project_pieces`, checked to be taken) and the
-    window's its materialized output. (On the CPU the Mosaic GPU interpreter takes ~2 min for it: the pieces'
-    reader is checked there at the kernel (`test_gdn.py`) and at `project_pieces` (`test_residual.py`).)"""
+    window's its materialized output (both attention preps read pieces); and the step's logits with the preps on
+    the materialized outputs (PREP_PIECES off), bit for bit. (On the CPU the Mosaic GPU interpreter takes ~2 min
+    for it: the pieces' readers are checked there at the kernels (`test_gdn.py`, `test_attn_prep.py`) and at
+    `project_pieces` (`test_residual.py`).)"""
     from qwen_jax.checkpoint import load_checkpoint
     from qwen_jax.model import ops
     from tests.conftest import CAPTURES
@@ -174,8 +176,12 @@ def test_gpu_fused_step_on_the_decode_qmm_pieces_equals_verify_then_commit_bitwi
     monkeypatch.setattr(ops, "project_pieces", lambda *a: taken.append(project_pieces(*a)) or taken[-1])
     ck = load_checkpoint(CAPTURES / "tiny-mlx-4bit", dtype=jnp.bfloat16)
     toks = np.random.default_rng(1).integers(0, ck.config.text.vocab_size, size=150)
-    _fused_step_equals_verify_then_commit(ck.config, ck.params, toks, jnp.bfloat16, True, interpret=False)
+    on = _fused_step_equals_verify_then_commit(ck.config, ck.params, toks, jnp.bfloat16, True, interpret=False)
     assert taken and all(t is not None for t in taken)
+    monkeypatch.setattr(ops, "PREP_PIECES", False)  # the preps on the materialized outputs: the same bits
+    off = _fused_step_equals_verify_then_commit(ck.config, ck.params, toks, jnp.bfloat16, True, interpret=False)
+    for a, b in zip(on, off):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
 def _fused_step_equals_verify_then_commit(cfg, params, toks, dtype, kernels: bool, interpret: bool | None = None):
@@ -195,6 +201,7 @@ def _fused_step_equals_verify_then_commit(cfg, params, toks, dtype, kernels: boo
     cache = np.array(lens + [0])
     slots = [1, 2, 0]
     cur = toks[100:103]
+    logits = []
     for _ in range(3):
         w = M.make_window(cur[:, None], [[-1]] * 3, cache, slots, tables)
         la, ka = verify(p, a, w)
@@ -211,3 +218,5 @@ def _fused_step_equals_verify_then_commit(cfg, params, toks, dtype, kernels: boo
             np.testing.assert_array_equal(xa, xb)
         cur = np.argmax(np.asarray(lb)[:, 0], axis=-1)
         cache = cache + np.array([1, 1, 0])
+        logits.append(np.asarray(lb))
+    return logits

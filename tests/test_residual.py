@@ -82,7 +82,7 @@ def test_residual_add_is_the_model_add_on_the_interpreter(monkeypatch):
 
 
 def test_project_pieces_is_the_projection_on_the_interpreter(monkeypatch):
-    """`ops.project_pieces` (the GDN in-projection's decode rows as `gdn.Pieces` for the prep kernel): its values are
+    """`ops.project_pieces` (a projection's decode rows as `qmm_mgpu.Pieces` for the prep kernels): its values are
     `linear(x, w)`'s bit for bit, for plain and `Padded` rows of [S, R] streams; None where the rows need two
     pieces, where PREP_PIECES is off, off the Mosaic GPU kernel, or for rows that are not bf16."""
     monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")

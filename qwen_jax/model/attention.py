@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import attn_prep as attn_prep_k
 from qwen_jax.config import TextConfig
 from qwen_jax.model import ops
 from qwen_jax.model.layers import apply_rope, rope_angles
@@ -14,15 +15,19 @@ from qwen_jax.model.ops import Backend, linear, linear_split
 
 def project(x, p, rope_positions, cfg: TextConfig, backend: Backend, *, prompt: bool):
     """x [S, T, H] -> q [S, T, Hq, D], gate [S, T, Hq*D], k, v [S, T, Hkv, D] (post-norm, post-RoPE). Verify and step
-    rows with kernels: the norms and rotations in one `attn_prep` launch."""
+    rows with kernels: the norms and rotations in one `attn_prep` launch, which also finishes the projection's decode
+    qmm pieces where it can (`ops.project_pieces`)."""
     s, t = x.shape[:2]
     d = cfg.head_dim
     ang = rope_angles(rope_positions, cfg)  # [S, T, rd/2]
     if not prompt and ops.attn_prep_applies(backend, p["qkv"], cfg):
+        pieces = ops.project_pieces(x, p["qkv"].weight, backend)  # the prep finishes the qmm's pieces itself
+        if pieces is not None:
+            q, k, v, gate = ops.attn_prep(backend, pieces, p, jnp.cos(ang), jnp.sin(ang), cfg)
+            return q, gate, k, v
         y = linear(x, p["qkv"].weight, backend, prompt=False)
         q, k, v = ops.attn_prep(backend, y, p, jnp.cos(ang), jnp.sin(ang), cfg)
-        gate = y[..., :cfg.num_heads * 2 * d].reshape(s, t, cfg.num_heads, 2 * d)[..., d:]
-        return q, gate.reshape(s, t, cfg.num_heads * d), k, v
+        return q, attn_prep_k.gate_of(y, cfg.num_heads, d), k, v
     qg, k, v = linear_split(x, p["qkv"], backend, prompt=prompt)
     qg = qg.reshape(s, t, cfg.num_heads, 2 * d)
     q, gate = qg[..., :d], qg[..., d:].reshape(s, t, cfg.num_heads * d)

@@ -115,8 +115,9 @@ SWIGLU = True
 # (`project`, `add_residual`)
 RESIDUAL = True
 PAD_AT_NORM = True  # norms feeding a decode qmm write its padded rows (`pad_rows`); False: the qmm pads them
-# The serial step's GDN in-projection reaches `gdn.decode_prep` as the decode qmm's pieces, which the prep sums and
-# rounds itself (`project_pieces`), in place of XLA's epilogue fusion between them
+# Decode rows' projections reach their prep kernels as the decode qmm's pieces, which the prep sums and rounds
+# itself (`project_pieces`), in place of XLA's epilogue fusion between them: the serial step's GDN in-projection
+# (`gdn.decode_prep`) and the attention layers' qkv projection (`attn_prep.prep`, steps and windows)
 PREP_PIECES = True
 
 
@@ -164,8 +165,8 @@ def linear(x: jax.Array, w, backend: Backend, *, prompt: bool) -> jax.Array:
     return y.reshape(*lead, y.shape[-1])
 
 
-def project_pieces(x, w, backend: Backend) -> gdn_k.Pieces | None:
-    """`linear(x, w)` of decode rows x [S, R, K] (or `Padded`) before its epilogue, as `gdn.Pieces` for a kernel
+def project_pieces(x, w, backend: Backend) -> qmm_mgpu.Pieces | None:
+    """`linear(x, w)` of decode rows x [S, R, K] (or `Padded`) before its epilogue, as `qmm_mgpu.Pieces` for a kernel
     that sums and rounds them itself (the same operations as the epilogue): where PREP_PIECES is on and the Mosaic
     GPU decode qmm takes the rows whole in one piece (`qmm_mgpu.pieces`); else None."""
     rows = x.rows if isinstance(x, Padded) else x.reshape(-1, x.shape[-1])
@@ -178,7 +179,7 @@ def project_pieces(x, w, backend: Backend) -> gdn_k.Pieces | None:
     if len(heights) != 1 or rows.shape[0] > heights[0]:
         return None
     parts, written = qmm_mgpu.qmm_parts(rows, w, rows=heights[0], interpret=backend.interpret)
-    return gdn_k.Pieces(parts, jnp.asarray(written), lead)
+    return qmm_mgpu.Pieces(parts, jnp.asarray(written), lead)
 
 
 def embed(w, ids: jax.Array, dtype, backend: Backend) -> jax.Array:
@@ -228,7 +229,7 @@ def decode_prep_applies(backend: Backend, in_proj, cfg) -> bool:
 
 
 def gdn_decode_prep(backend: Backend, y, parents, conv_pool: jax.Array, slot: jax.Array, p: dict, cfg):
-    """`gdn.decode_prep` of the in-projection's output y [S, R, N] (or its `gdn.Pieces`) with the layer's conv and
+    """`gdn.decode_prep` of the in-projection's output y [S, R, N] (or its `qmm_mgpu.Pieces`) with the layer's conv and
     gate parameters."""
     return gdn_k.decode_prep(y, parents, conv_pool, slot, p["conv"], p["A_log"], p["dt_bias"],
                              hk=cfg.linear_num_key_heads, dk=cfg.linear_key_head_dim,

@@ -82,7 +82,7 @@ def run(args) -> None:
         print(f"Mosaic GPU decode kernel: lane words' loads staggered: {qmm_mgpu.STAGGERED_LOADS}")
     if args.no_prep_pieces:
         ops.PREP_PIECES = False
-        print("the GDN prep reads the in-projection's output (its epilogue an XLA fusion)")
+        print("the GDN and attention preps read their projection's output (its epilogue an XLA fusion)")
     if args.no_residual:
         ops.RESIDUAL = False
         print("the output projections' residual adds as XLA fusions")
@@ -255,7 +255,7 @@ def main(argv=None) -> int:
                     help="override fields of qmm.DECODE_TILES (A/B), e.g. x_natural=1 or prefetch=1,lop3=1")
     ap.add_argument("--qmm-decode-impl", choices=("triton", "mgpu"), default=None)
     ap.add_argument("--no-prep-pieces", action="store_true",
-                    help="ops.PREP_PIECES off: the serial step's GDN prep reads the in-projection's materialized output")
+                    help="ops.PREP_PIECES off: the GDN and attention preps read their projection's materialized output")
     ap.add_argument("--narrow-rows", type=int, default=None, choices=(8, 16),
                     help="qmm_mgpu.NARROW_ROWS (the least piece height: 8 carries half the x bytes a step)")
     ap.add_argument("--mgpu-stages", type=int, default=None, help="qmm_mgpu.STAGES (the Mosaic GPU kernel's depth)")
