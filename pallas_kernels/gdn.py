@@ -341,8 +341,8 @@ def decode_prep_reference(y: jax.Array, parents: jax.Array | None, conv_pool: ja
                    ) -> tuple[jax.Array, ...]:
     """Verify or step rows' inputs to the recurrence, from the GDN in-projection's output.
 
-    y [S, R, N] in the activation dtype (or `qmm_mgpu.Pieces` of it), columns q (hk dk) | k (hk dk) | v (hv dv) | z (hv dv) |
-    b (hv) | a (hv);
+    y [S, R, N] in the activation dtype (or `qmm_mgpu.Pieces` of it), columns q (hk dk) | k (hk dk) | v (hv dv) |
+    z (hv dv) | b (hv) | a (hv);
     parents [S, R] for a verify window, or None for the serial step (R = 1: the conv pool takes the row, as
     `conv_step_reference`, and streams on slot 0 get g = beta = 0, the identity update); conv_pool [N, K-1, C] with
     C = 2 hk dk + hv dv; slot [S]; weight [C, K]; a_log, dt_bias [hv].
@@ -1235,9 +1235,9 @@ def _decode_prep_kernel(*refs, hk: int, hv: int, dk: int, dv: int, kw: int, step
     value head h hv / hk + p - 1 (the parts side by side: H200 trace, session 27, one program a key head doing all
     of them took 6.7 µs a call at one stream).
     refs: y [S, R, N] (pieces 0), or `qmm_mgpu.Pieces`' valid [P, N] int8 and parts [P, N, R'] fp32 (pieces P:
-    y's row (s, r) is the pieces' row s R + r, `piece_row`; rows = R); parents [S, R] (windows
-    only); slot [S]; pool [N, K-1, C]; weight [C, K]; a_log, dt_bias [hv]; outputs q, k [S, R, hk, dk], v, z [S, R,
-    hv, dv], g, beta [S, R, hv]; the pool again (step only, aliased)."""
+    y's row (s, r) is the pieces' row s R + r, `piece_row`; rows = R); parents [S, R] (windows only); slot [S]; pool
+    [N, K-1, C]; weight [C, K]; a_log, dt_bias [hv]; outputs q, k [S, R, hk, dk], v, z [S, R, hv, dv], g, beta [S, R,
+    hv]; the pool again (step only, aliased)."""
     if pieces:
         valid_ref, parts_ref, *refs = refs
     if step:
