@@ -104,6 +104,33 @@ def test_project_pieces_is_the_projection_on_the_interpreter(monkeypatch):
     assert ops.project_pieces(x, w, backend) is None
 
 
+def test_attention_gate_writes_the_o_projection_padding(monkeypatch):
+    """The attention output's gate writes the o projection's padded rows (`attention.finish`, `ops.Padded`) on the
+    Mosaic GPU interpreter: the residual after it has the bits it has with the qmm padding the rows itself
+    (PAD_AT_NORM off), for 3 streams x 2 rows; the `Padded` rows pass an optimization barrier as they are (the
+    serial step's barrier around an attention layer's output)."""
+    import types
+    from qwen_jax.model import attention
+    monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
+    rng = np.random.default_rng(630)
+    backend = Backend(kernels=True, interpret=True)
+    cfg = types.SimpleNamespace(num_heads=2, head_dim=128)
+    p = {"o": _weight(rng, 192, 256)}
+    o = jnp.asarray(rng.normal(size=(3, 2, 2, 128)), jnp.bfloat16)
+    gate = jnp.asarray(rng.normal(size=(3, 2, 256)), jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(3, 2, 192)) * 3, jnp.bfloat16)
+    y = attention.finish(o, gate, p, cfg, backend, prompt=False)
+    assert isinstance(y, Deferred) and isinstance(y.h, Padded) and y.h.rows.shape == (8, 256)
+    assert not np.any(bits(y.h.rows[6:]))
+    barred = jax.lax.optimization_barrier(y)
+    assert isinstance(barred.h, Padded) and barred.h.lead == (3, 2)
+    got = ops.add_residual(backend, x, barred)
+    monkeypatch.setattr(ops, "PAD_AT_NORM", False)
+    plain = attention.finish(o, gate, p, cfg, backend, prompt=False)
+    assert not isinstance(plain.h, Padded)
+    assert np.array_equal(bits(got), bits(ops.add_residual(backend, x, plain)))
+
+
 def test_residual_add_lowers_for_h200(h200_lowering):
     sds = jax.ShapeDtypeStruct
     for m in (1, 13):

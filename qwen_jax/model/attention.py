@@ -39,10 +39,17 @@ def project(x, p, rope_positions, cfg: TextConfig, backend: Backend, *, prompt: 
 
 
 def finish(o, gate, p, cfg: TextConfig, backend: Backend, *, prompt: bool):
+    """The sigmoid gate, then o_proj. Where the projection's decode qmm pads its rows (`ops.pad_rows`), the gate's
+    fusion writes them padded (`ops.Padded`: zeros past the live rows, 0 x sigmoid(0)), so no pad launch sits
+    between it and the qmm; the live rows' operations are the same."""
     s, t = o.shape[:2]
     o = o.reshape(s, t, cfg.num_heads * cfg.head_dim)
+    r = ops.pad_rows(backend, o, p["o"], prompt=prompt)
+    if r is not None:
+        pad = lambda a: jnp.pad(a.reshape(s * t, -1), ((0, r - s * t), (0, 0)))
+        o, gate = pad(o), pad(gate)
     o = (o.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(o.dtype)
-    return ops.project(o, p["o"], backend, prompt=prompt)
+    return ops.project(o if r is None else ops.Padded(o, (s, t)), p["o"], backend, prompt=prompt)
 
 
 def prompt_pass(x, p, pool, batch, cfg: TextConfig, backend: Backend):

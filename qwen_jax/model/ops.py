@@ -5,6 +5,7 @@ otherwise (CPU, `--no-kernels`, verification)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from collections.abc import Sequence
@@ -90,11 +91,14 @@ def parts(w) -> tuple:
     return (w,)
 
 
-class Padded(typing.NamedTuple):
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["rows"], meta_fields=["lead"])
+@dataclasses.dataclass(frozen=True)
+class Padded:
     """A norm's output held for the projection that reads it, padded: `rows` [R, D], whose first prod(lead) rows are
     the live ones and the rest zeros, R the rows the decode qmm would pad them to (`pad_rows`), so the qmm reads
     them as they are and the program has no pad of its own between the norm kernel and the qmm (one launch fewer
-    a projection). `linear` / `linear_split` take it where they take x [..., D]."""
+    a projection). `linear` / `linear_split` take it where they take x [..., D]. A pytree whose only leaf is rows
+    (lead is static), so it passes through `optimization_barrier` and jit as it is."""
     rows: jax.Array
     lead: tuple[int, ...]
 
@@ -114,7 +118,9 @@ SWIGLU = True
 # The output projections' decode rows reach the residual as `Deferred` and take `residual.residual_add` there
 # (`project`, `add_residual`)
 RESIDUAL = True
-PAD_AT_NORM = True  # norms feeding a decode qmm write its padded rows (`pad_rows`); False: the qmm pads them
+# Norms (and the attention output's gate) feeding a decode qmm write its padded rows (`pad_rows`); False: the qmm
+# pads them
+PAD_AT_NORM = True
 # Decode rows' projections reach their prep kernels as the decode qmm's pieces, which the prep sums and rounds
 # itself (`project_pieces`), in place of XLA's epilogue fusion between them: the serial step's GDN in-projection
 # (`gdn.decode_prep`) and the attention layers' qkv projection (`attn_prep.prep`, steps and windows)
