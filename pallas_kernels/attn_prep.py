@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.calls import pallas_call
-from pallas_kernels.qmm_mgpu import Pieces, piece_row
+from pallas_kernels.qmm_mgpu import Pieces, piece_row, rows_operands, rows_shape
 
 _F32 = jnp.float32
 WARPS = 1
@@ -53,13 +53,8 @@ def supports(d: int, rotary_dim: int) -> bool:
 
 
 def _check(y, q_weight: jax.Array, k_weight: jax.Array, cos: jax.Array, sin: jax.Array, *, hq: int,
-           hkv: int, d: int, rotary_dim: int) -> tuple[int, int, int]:
-    if isinstance(y, Pieces):
-        shape = y.check("attn_prep", 2)
-    elif y.ndim != 3:
-        raise ValueError(f"attn_prep: y must be [S, R, N], got {y.shape}")
-    else:
-        shape = y.shape
+           hkv: int, d: int, rotary_dim: int) -> tuple[tuple[int, ...], jnp.dtype]:
+    shape, dtype = rows_shape(y, "attn_prep")
     s, r, n = shape
     if n != hq * 2 * d + 2 * hkv * d:
         raise ValueError(f"attn_prep: y's last axis must hold q|gate, k, v = {hq * 2 * d + 2 * hkv * d} columns for "
@@ -73,7 +68,7 @@ def _check(y, q_weight: jax.Array, k_weight: jax.Array, cos: jax.Array, sin: jax
         if a.shape != (s, r, rotary_dim // 2):
             raise ValueError(f"attn_prep: {label} must be [S, R, rotary_dim / 2] = {(s, r, rotary_dim // 2)}, "
                              f"got {a.shape}")
-    return shape
+    return shape, dtype
 
 
 def prep_reference(y: jax.Array, q_weight: jax.Array, k_weight: jax.Array, cos: jax.Array, sin: jax.Array, *,
@@ -156,17 +151,14 @@ def _kernel(*refs, hq: int, hkv: int, d: int, rd: int, eps: float, n_pieces: int
 def prep(y, q_weight: jax.Array, k_weight: jax.Array, cos: jax.Array, sin: jax.Array, *, hq: int,
          hkv: int, d: int, rotary_dim: int, eps: float, interpret: bool = False) -> tuple[jax.Array, ...]:
     """`prep_reference` in one launch, grid (stream, row, Hq + Hkv heads); y an array or `Pieces`."""
-    s, r, _ = _check(y, q_weight, k_weight, cos, sin, hq=hq, hkv=hkv, d=d, rotary_dim=rotary_dim)
-    pieces = isinstance(y, Pieces)
-    dtype = jnp.bfloat16 if pieces else y.dtype
+    (s, r, _), dtype = _check(y, q_weight, k_weight, cos, sin, hq=hq, hkv=hkv, d=d, rotary_dim=rotary_dim)
+    ys, n_pieces = rows_operands(y)
     out_shape = (jax.ShapeDtypeStruct((s, r, hq, d), dtype), jax.ShapeDtypeStruct((s, r, hkv, d), dtype),
                  jax.ShapeDtypeStruct((s, r, hkv, d), dtype))
-    if pieces:
+    if n_pieces:
         out_shape += (jax.ShapeDtypeStruct((s, r, hq * d), dtype),)
-    ys = (y.valid.astype(jnp.int8), y.parts) if pieces else (y,)
     return pallas_call(
-        functools.partial(_kernel, hq=hq, hkv=hkv, d=d, rd=rotary_dim, eps=float(eps),
-                          n_pieces=y.parts.shape[0] if pieces else 0, rows=r),
+        functools.partial(_kernel, hq=hq, hkv=hkv, d=d, rd=rotary_dim, eps=float(eps), n_pieces=n_pieces, rows=r),
         out_shape=out_shape,
         grid=(s, r, hq + hkv),
         compiler_params=plgpu.CompilerParams(num_warps=WARPS),

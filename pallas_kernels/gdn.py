@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pt
 
 from pallas_kernels.calls import pallas_call
-from pallas_kernels.qmm_mgpu import Pieces, piece_row
+from pallas_kernels.qmm_mgpu import Pieces, piece_row, rows_operands, rows_shape
 from pallas_kernels.rownorm import l2norm_reference
 
 CHUNK = 64
@@ -1230,15 +1230,15 @@ def conv_step(m: jax.Array, conv_pool: jax.Array, slot: jax.Array, weight: jax.A
 DECODE_PREP_WARPS = 1
 
 
-def _decode_prep_kernel(*refs, hk: int, hv: int, dk: int, dv: int, kw: int, step: bool, pieces: int, rows: int):
+def _decode_prep_kernel(*refs, hk: int, hv: int, dk: int, dv: int, kw: int, step: bool, n_pieces: int, rows: int):
     """Program (stream s, row r, key head h, part p): part 0 makes q and k of head h, part p > 0 v, z, g and beta of
     value head h hv / hk + p - 1 (the parts side by side: H200 trace, session 27, one program a key head doing all
     of them took 6.7 µs a call at one stream).
-    refs: y [S, R, N] (pieces 0), or `qmm_mgpu.Pieces`' valid [P, N] int8 and parts [P, N, R'] fp32 (pieces P:
+    refs: y [S, R, N] (n_pieces 0), or `qmm_mgpu.Pieces`' valid [P, N] int8 and parts [P, N, R'] fp32 (n_pieces P:
     y's row (s, r) is the pieces' row s R + r, `piece_row`; rows = R); parents [S, R] (windows only); slot [S]; pool
     [N, K-1, C]; weight [C, K]; a_log, dt_bias [hv]; outputs q, k [S, R, hk, dk], v, z [S, R, hv, dv], g, beta [S, R,
     hv]; the pool again (step only, aliased)."""
-    if pieces:
+    if n_pieces:
         valid_ref, parts_ref, *refs = refs
     if step:
         *ys, slot_ref, pool_ref, w_ref, alog_ref, dtb_ref, q_ref, k_ref, v_ref, z_ref, g_ref, beta_ref, \
@@ -1249,14 +1249,14 @@ def _decode_prep_kernel(*refs, hk: int, hv: int, dk: int, dv: int, kw: int, step
     s, r, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = slot_ref[s]
     dtype = q_ref.dtype
-    if not pieces:
+    if not n_pieces:
         (y_ref,) = ys
 
     def y_at(i, cols):
         """y[s, i, cols]: read, or the pieces' sum rounded (`Pieces`)."""
-        if not pieces:
+        if not n_pieces:
             return y_ref[s, i, cols]
-        return piece_row(parts_ref, valid_ref, pieces, s * rows + i, cols, dtype)
+        return piece_row(parts_ref, valid_ref, n_pieces, s * rows + i, cols, dtype)
 
     kd, vd = hk * dk, hv * dv
     c = 2 * kd + vd
@@ -1326,15 +1326,7 @@ def decode_prep(y: jax.Array, parents: jax.Array | None, conv_pool: jax.Array, s
     the conv pool is updated in place (pass it donated); a window only reads it. Every value is computed in the
     program of its own row from that row, its ancestors and its slot, so a row's bits do not depend on the other
     rows or streams of the call, and a window row's equal the serial step's over the same history."""
-    pieces = isinstance(y, Pieces)
-    if pieces:
-        shape = y.check("gdn.decode_prep", 2)
-    elif y.ndim != 3:
-        raise ValueError(f"gdn.decode_prep: y must be [S, R, N], got {y.shape}")
-    else:
-        shape = y.shape
-    s, r, n = shape
-    dtype = jnp.bfloat16 if pieces else y.dtype
+    (s, r, n), dtype = rows_shape(y, "gdn.decode_prep")
     kd, vd = hk * dk, hv * dv
     c = 2 * kd + vd
     if n != c + vd + 2 * hv:
@@ -1359,11 +1351,11 @@ def decode_prep(y: jax.Array, parents: jax.Array | None, conv_pool: jax.Array, s
         jax.ShapeDtypeStruct((s, r, hv, dv), dtype)] * 2 + [jax.ShapeDtypeStruct((s, r, hv), _F32)] * 2
     slot = slot.astype(jnp.int32)
     tail = (conv_pool, weight, a_log, dt_bias)
-    ys = (y.valid.astype(jnp.int8), y.parts) if pieces else (y,)
+    ys, n_pieces = rows_operands(y)
     operands = (*ys, slot, *tail) if step else (*ys, parents.astype(jnp.int32), slot, *tail)
     out = pallas_call(
         functools.partial(_decode_prep_kernel, hk=hk, hv=hv, dk=dk, dv=dv, kw=weight.shape[1], step=step,
-                          pieces=y.parts.shape[0] if pieces else 0, rows=r),
+                          n_pieces=n_pieces, rows=r),
         out_shape=tuple(out_shape + ([jax.ShapeDtypeStruct(conv_pool.shape, conv_pool.dtype)] if step else [])),
         grid=(s, r, hk, 1 + hv // hk),
         input_output_aliases={len(ys) + 1: 6} if step else {},

@@ -316,6 +316,24 @@ def piece_row(parts_ref, valid_ref, n_pieces: int, row, cols, dtype) -> jax.Arra
     return sum_pieces(lambda p: (parts_ref[p, cols, row], valid_ref[p, cols] != 0), n_pieces).astype(dtype)
 
 
+def rows_shape(y, who: str) -> tuple[tuple[int, ...], jnp.dtype]:
+    """For a Triton kernel reading rows y [S, R, N] or their `Pieces`: (y's shape, its dtype), or a ValueError
+    naming `who`."""
+    if isinstance(y, Pieces):
+        return y.check(who, 2), jnp.dtype(jnp.bfloat16)
+    if y.ndim != 3:
+        raise ValueError(f"{who}: y must be [S, R, N], got {y.shape}")
+    return y.shape, y.dtype
+
+
+def rows_operands(y) -> tuple[tuple[jax.Array, ...], int]:
+    """The operands that stand for y [S, R, N] in such a kernel's call and P for `piece_row`: (y,) and 0, or the
+    pieces' valid [P, N] as int8 and parts, and P."""
+    if isinstance(y, Pieces):
+        return (y.valid.astype(jnp.int8), y.parts), y.parts.shape[0]
+    return (y,), 0
+
+
 def qmm_parts(x: jax.Array, w: QuantizedWeight, *, rows: int, interpret: bool = False
               ) -> tuple[jax.Array, np.ndarray]:
     """`qmm_decode` before its epilogue, for a consumer that sums the pieces itself (`swiglu`): x bf16 [M <= rows,

@@ -111,6 +111,14 @@ class Padded:
         return self.rows.dtype
 
 
+def rows_of(x) -> tuple[jax.Array, tuple[int, ...]]:
+    """x [..., D] or `Padded` -> (its rows as the decode qmm reads them [M or R, D], the leading shape of its live
+    rows)."""
+    if isinstance(x, Padded):
+        return x.rows, tuple(x.lead)
+    return x.reshape(-1, x.shape[-1]), tuple(x.shape[:-1])
+
+
 ATTN_PREP = True  # attention layers' verify and step rows take `attn_prep.prep` where it applies (`attn_prep_applies`)
 DECODE_PREP = True  # verify and step rows take `gdn.decode_prep` where it applies (`decode_prep_applies`)
 # The MLP's decode rows take `swiglu.swiglu` between their projections where it applies (`swiglu_applies`)
@@ -175,8 +183,7 @@ def project_pieces(x, w, backend: Backend) -> qmm_mgpu.Pieces | None:
     """`linear(x, w)` of decode rows x [S, R, K] (or `Padded`) before its epilogue, as `qmm_mgpu.Pieces` for a kernel
     that sums and rounds them itself (the same operations as the epilogue): where PREP_PIECES is on and the Mosaic
     GPU decode qmm takes the rows whole in one piece (`qmm_mgpu.pieces`); else None."""
-    rows = x.rows if isinstance(x, Padded) else x.reshape(-1, x.shape[-1])
-    lead = tuple(x.lead if isinstance(x, Padded) else x.shape[:-1])
+    rows, lead = rows_of(x)
     m = math.prod(lead)
     if not (PREP_PIECES and backend.kernels and isinstance(w, QuantizedWeight) and len(lead) == 2 and m > 0
             and rows.dtype == jnp.bfloat16 and qmm_k.decode_on_mgpu(rows, w, backend.interpret)):
@@ -265,7 +272,7 @@ def swiglu_applies(backend: Backend, x, gate_up, *, prompt: bool) -> bool:
     if not (SWIGLU and backend.kernels and not prompt and isinstance(gate_up, Fused) and len(gate_up.sizes) == 2
             and gate_up.sizes[0] == gate_up.sizes[1]):
         return False
-    rows = x.rows if isinstance(x, Padded) else x.reshape(-1, x.shape[-1])
+    rows, _ = rows_of(x)
     return rows.shape[0] > 0 and qmm_k.decode_on_mgpu(rows, gate_up.weight, backend.interpret)
 
 
@@ -273,8 +280,7 @@ def swiglu(backend: Backend, x, gate_up):
     """silu(gate) x up of an MLP's decode rows x [..., D] (or `Padded`), the projection's pieces summed in the
     kernel (`swiglu.swiglu`), one launch a piece of rows (`qmm_mgpu.pieces`) -> `Padded` rows for the down
     projection (its live rows first, zeros after), or [..., N] where no row is padding."""
-    lead = x.lead if isinstance(x, Padded) else x.shape[:-1]
-    rows = x.rows if isinstance(x, Padded) else x.reshape(-1, x.shape[-1])
+    rows, lead = rows_of(x)
     m = math.prod(lead)
     out = []
     for start, r in qmm_mgpu.row_pieces(qmm_mgpu.pieces(rows.shape[0])):
@@ -299,7 +305,7 @@ def project(h, w, backend: Backend, *, prompt: bool):
     """An output projection whose result only the residual add reads: `Deferred` where `add_residual` can take
     the decode qmm's pieces itself (RESIDUAL, kernels on, a decode call of bf16 rows that the Mosaic GPU decode qmm
     takes whole, w one packed weight), else `linear(h, w)`."""
-    rows = h.rows if isinstance(h, Padded) else h.reshape(-1, h.shape[-1])
+    rows, _ = rows_of(h)
     if (RESIDUAL and backend.kernels and not prompt and isinstance(w, QuantizedWeight) and rows.shape[0] > 0
             and rows.dtype == jnp.bfloat16 and qmm_k.decode_on_mgpu(rows, w, backend.interpret)):
         return Deferred(h, w)
@@ -321,8 +327,7 @@ def add_residual(backend: Backend, x: jax.Array, y) -> jax.Array:
         return x + y
     if x.dtype != jnp.bfloat16:
         return x + materialize(backend, y)
-    h = y.h
-    rows = h.rows if isinstance(h, Padded) else h.reshape(-1, h.shape[-1])
+    rows, _ = rows_of(y.h)
     x2 = x.reshape(-1, x.shape[-1])
     out = []
     for start, r in qmm_mgpu.row_pieces(qmm_mgpu.pieces(rows.shape[0])):
