@@ -54,6 +54,9 @@ def run(args) -> None:
     if args.mgpu_stages:
         qmm_mgpu.STAGES = args.mgpu_stages
         print(f"Mosaic GPU decode kernel: {qmm_mgpu.STAGES} stages")
+    if args.mgpu_block_groups:
+        qmm_mgpu.BLOCK_GROUPS = args.mgpu_block_groups
+        print(f"Mosaic GPU decode kernel: up to {qmm_mgpu.BLOCK_GROUPS} groups a step")
     if args.mgpu_compute_wgs:
         qmm_mgpu.COMPUTE_WGS, qmm_mgpu.CTA_N = args.mgpu_compute_wgs, qmm_mgpu.TILE_N * args.mgpu_compute_wgs
         print(f"Mosaic GPU decode kernel: {qmm_mgpu.COMPUTE_WGS} compute warpgroups")
@@ -259,6 +262,8 @@ def main(argv=None) -> int:
     ap.add_argument("--narrow-rows", type=int, default=None, choices=(8, 16),
                     help="qmm_mgpu.NARROW_ROWS (the least piece height: 8 carries half the x bytes a step)")
     ap.add_argument("--mgpu-stages", type=int, default=None, help="qmm_mgpu.STAGES (the Mosaic GPU kernel's depth)")
+    ap.add_argument("--mgpu-block-groups", type=int, default=None,
+                    help="qmm_mgpu.BLOCK_GROUPS (groups of K a pipeline step carries; changes the sums' bits)")
     ap.add_argument("--mgpu-rounding", choices=("barrier", "reduce_precision"), default=None,
                     help="qmm_mgpu.ROUNDING (how the kernel's output keeps its rounding)")
     ap.add_argument("--mgpu-conversion", choices=("words", "subnormal", "nibbles", "unsigned"), default=None,

@@ -38,7 +38,9 @@ def main() -> None:
                     help="compute warpgroups a CTA (qmm_mgpu.COMPUTE_WGS; CTA_N follows)")
     args = ap.parse_args()
     qmm_mgpu.COMPUTE_WGS, qmm_mgpu.CTA_N = args.compute_wgs, qmm_mgpu.TILE_N * args.compute_wgs
-    print(f"device: {jax.devices()[0].device_kind}; stages {args.stages}, {args.block_groups} groups a step, "
+    # at most args.stages: as many as fit in shared memory beside the output tile (the engine's choice)
+    stages = qmm_mgpu.stages_for(args.rows, args.stages, args.block_groups)
+    print(f"device: {jax.devices()[0].device_kind}; stages {stages}, {args.block_groups} groups a step, "
           f"{args.rows} rows, {args.compute_wgs} compute warpgroups")
     print(f"{'shape':>12} | {'probe':>10} | {'CTAs':>6} | {'us':>8} | {'TB/s':>5}")
     for shape in args.shapes.split(","):
@@ -72,7 +74,7 @@ def main() -> None:
                 total = jnp.zeros((), jnp.float32)
                 for r in range(args.reps):
                     i = r % copies
-                    out = qmm_mgpu._partials(xp, q4s[i], sts[i], bts[i], stages=args.stages, sms=qmm_mgpu.SMS,
+                    out = qmm_mgpu._partials(xp, q4s[i], sts[i], bts[i], stages=stages, sms=qmm_mgpu.SMS,
                                              block_groups=args.block_groups, interpret=False,
                                              conversion=conversion, probe=p, layout=layout, n=n,
                                              staggered=bool(args.staggered))
