@@ -458,22 +458,15 @@ def _lane_dequant_jnp(words: jax.Array, s_rows, b_rows, subnormal: bool = False)
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "sms", "interpret", "conversion", "probe",
-                                             "layout", "n", "staggered", "prefetch_steps"))
-def _partials(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None, rs: jax.Array | None = None,
-              nxt: tuple[jax.Array, jax.Array, jax.Array] | None = None, *,
+                                             "layout", "n", "staggered"))
+def _partials(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None, rs: jax.Array | None = None, *,
               stages: int, block_groups: int, sms: int, interpret: bool, conversion: str = "words",
-              probe: str | None = None, layout: str = "rows", n: int | None = None, staggered: bool = True,
-              prefetch_steps: int = 0) -> jax.Array:
-    """`_kernel_call`, through the lowering cache (`_PARTIALS`) when compiled for the GPU. nxt: the next decode
-    call's lane words and scale and bias rows, whose first `prefetch_steps` blocks a CTA asks L2 for."""
-    prefetch = None
-    if nxt is not None and prefetch_steps > 0:
-        nn, nk = nxt[0].shape[0], nxt[0].shape[1] * 8
-        prefetch = (nn, nk, block_groups_for(nk), prefetch_steps)
+              probe: str | None = None, layout: str = "rows", n: int | None = None, staggered: bool = True
+              ) -> jax.Array:
+    """`_kernel_call`, through the lowering cache (`_PARTIALS`) when compiled for the GPU."""
     kw = dict(stages=stages, block_groups=block_groups, sms=sms, conversion=conversion, probe=probe, layout=layout,
-              n=n, row_scale=rs is not None, staggered=staggered, prefetch=prefetch)
-    args = (((xp, qw, st) if layout == "tiles" else (xp, qw, st, bt)) + (() if rs is None else (rs,))
-            + (tuple(nxt) if prefetch else ()))
+              n=n, row_scale=rs is not None, staggered=staggered)
+    args = ((xp, qw, st) if layout == "tiles" else (xp, qw, st, bt)) + (() if rs is None else (rs,))
     if interpret:
         return _kernel_call(*args, interpret=True, **kw)
     return _PARTIALS(*args, **kw)[0]
@@ -481,8 +474,7 @@ def _partials(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None,
 
 def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, stages: int, block_groups: int,
                  sms: int, interpret: bool, conversion: str = "words", probe: str | None = None, layout: str = "rows",
-                 n: int | None = None, row_scale: bool = False, staggered: bool = True,
-                 prefetch: tuple[int, int, int, int] | None = None) -> jax.Array:
+                 n: int | None = None, row_scale: bool = False, staggered: bool = True) -> jax.Array:
     """The kernel (`flat_schedule`): xp [R, K] bf16 (x padded to a piece height R, PIECE_ROWS); layout "rows": qw
     the weight as lane words uint32 [N, K / 8] (conversion "words") or as uint4 [N, K] (the others), st, bt [G, N]
     bf16; layout "tiles" (`tile_layout`, conversion "words"): qw the lane words [tiles L CTA_N, 8 G'] with each
@@ -491,14 +483,10 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, 
     pipeline over its S steps, so the memory warpgroup never waits at a tile's edge; a step's MMAs go into a fresh
     accumulator whose value the compute warpgroup adds to its running fp32 sum (restarted where a tile starts), and
     the sum is stored where the tile or the chunk ends. row_scale: a last operand rs [1, N] fp32 (the "subnormal"
-    conversion's 2^d, `subnormal_scales`) multiplies each stored sum's rows. prefetch (N', K', G', steps): three
-    last operands, the next decode call's weight ("rows" layout: lane words [N', K' / 8], scale and bias rows
-    [K' / 64, N']), of which each CTA asks L2 for the first `steps` blocks that CTA of the next call will copy, when
-    its own last step begins (`PREFETCH`; no values change)."""
+    conversion's 2^d, `subnormal_scales`) multiplies each stored sum's rows."""
     rows, k = xp.shape
     tiled = layout == "tiles"
     rest = list(rest)
-    nxt = [rest.pop(-3), rest.pop(-2), rest.pop(-1)] if prefetch else []
     rs = rest.pop() if row_scale else None
     bt = None if tiled else rest.pop(0)
     assert not rest and (not row_scale or conversion == "subnormal"), (len(rest), row_scale, conversion)
@@ -526,7 +514,6 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, 
         refs = list(refs)
         b_gmem = None if tiled else refs.pop(0)
         rs_gmem = refs.pop(0) if row_scale else None
-        next_gmem = [refs.pop(0) for _ in nxt]
         out_gmem, out_smem, *a_smem = refs
         cta = lax.axis_index("cta")
 
@@ -603,8 +590,6 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, 
                 rs_smem = rest.pop(0) if row_scale else None
                 f = cta * per_cta + i
                 tile, ks = locate(i)
-                if next_gmem and not interpret:
-                    pl.when((i == per_cta - 1) & (wg == 0))(lambda: _prefetch_blocks(cta, *next_gmem, prefetch, sms))
                 if probe == "no_compute":
                     step = carry
                 else:
@@ -651,24 +636,7 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, 
         scratch_types=[plgpu.SMEM((COMPUTE_WGS, TILE_N, rows), jnp.float32)]
         + ([plgpu.SMEM((COMPUTE_WGS, TILE_N, GROUP), jnp.bfloat16, transforms=a_transforms)] if interpret else []),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
-    return call(xp, qw, st, *(() if tiled else (bt,)), *(() if rs is None else (rs,)), *nxt)
-
-
-def _prefetch_blocks(cta, q_gmem, s_gmem, b_gmem, prefetch: tuple[int, int, int, int], sms: int) -> None:
-    """Ask L2 for the first `steps` blocks (words, scale rows, bias rows) that CTA `cta` of a decode call on the
-    weight of shape prefetch[:2] ("rows" layout, prefetch[2] groups a step) will copy (`flat_schedule`)."""
-    n, k, bg, steps = prefetch
-    length, per_cta, _, _ = flat_schedule(n, k, bg, sms)
-    total = -(-n // CTA_N) * length
-    words = GROUP * bg // 8
-    for j in range(min(steps, per_cta)):
-        f = cta * per_cta + j
-        ok = f < total
-        f = lax.min(f, jnp.int32(total - 1))
-        tile, ks = _div(f, length), lax.rem(f, jnp.int32(length))
-        plgpu.async_prefetch(q_gmem.at[pl.ds(tile * CTA_N, CTA_N), pl.ds(ks * words, words)], predicate=ok)
-        for t in (s_gmem, b_gmem):
-            plgpu.async_prefetch(t.at[pl.ds(ks * bg, bg), pl.ds(tile * CTA_N, CTA_N)], predicate=ok)
+    return call(xp, qw, st, *(() if tiled else (bt,)), *(() if rs is None else (rs,)))
 
 
 # The lowering cache (`mgpu_lowering`): the kernel's custom call lowered once a process per operand shapes and

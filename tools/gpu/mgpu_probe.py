@@ -34,10 +34,6 @@ def main() -> None:
                     "in a jax.profiler trace of one chain (the chain's µs include the ops that order the calls)")
     ap.add_argument("--staggered", type=int, default=int(qmm_mgpu.STAGGERED_LOADS),
                     help="1: the lane words' loads staggered, 0: in place (qmm_mgpu.STAGGERED_LOADS)")
-    ap.add_argument("--prefetch", default="0", help="comma-separated step counts: each call asks L2 for the first "
-                    "N blocks a CTA of the next call (the next weight copy) will copy, at its own last step (0: none)")
-    ap.add_argument("--copies", type=int, default=0, help="weight copies the chain cycles through (0: enough to "
-                    "overflow L2 twice; 1: a weight that fits stays in L2 from call to call)")
     ap.add_argument("--compute-wgs", type=int, default=qmm_mgpu.COMPUTE_WGS,
                     help="compute warpgroups a CTA (qmm_mgpu.COMPUTE_WGS; CTA_N follows)")
     args = ap.parse_args()
@@ -51,7 +47,7 @@ def main() -> None:
         k, n = map(int, shape.split("x"))
         g = k // 64
         nbytes = n * k // 2 + 4 * n * g
-        copies = args.copies or max(1, -(-2 * L2_BYTES // nbytes))
+        copies = max(1, -(-2 * L2_BYTES // nbytes))
         keys = jax.random.split(jax.random.key(0), copies)
         words = [jax.random.bits(kk, (n, k // 8), jnp.uint32) for kk in keys]
         q4s = [lax.bitcast_convert_type(w, jnp.uint4).reshape(n, k) for w in words]
@@ -61,7 +57,7 @@ def main() -> None:
         bts = [bt + i for i in range(copies)]
         xp = jax.random.normal(jax.random.key(1), (args.rows, k), jnp.bfloat16)
         tiled = [qmm_mgpu.tile_layout(w, s, b, args.block_groups) for w, s, b in zip(words, sts, bts)]
-        for probe, pf in [(p, int(f)) for p in args.probes.split(",") for f in args.prefetch.split(",")]:
+        for probe in args.probes.split(","):
             base, _, p = probe.partition("_no_")
             p = "no_" + p if p else None
             if base not in ("words", "subnormal", "unsigned", "tiles"):
@@ -74,13 +70,11 @@ def main() -> None:
                 ops, ss, bs = (words if conversion in qmm_mgpu.LANE_CONVERSIONS else q4s), sts, bts
 
             @jax.jit
-            def chain(xp, q4s, sts, bts, conversion=conversion, p=p, layout=layout, pf=pf):
+            def chain(xp, q4s, sts, bts, conversion=conversion, p=p, layout=layout):
                 total = jnp.zeros((), jnp.float32)
                 for r in range(args.reps):
-                    i, j = r % copies, (r + 1) % copies
-                    nxt = (q4s[j], sts[j], bts[j]) if pf else None
-                    out = qmm_mgpu._partials(xp, q4s[i], sts[i], bts[i], None, nxt, prefetch_steps=pf,
-                                             stages=stages, sms=qmm_mgpu.SMS,
+                    i = r % copies
+                    out = qmm_mgpu._partials(xp, q4s[i], sts[i], bts[i], stages=stages, sms=qmm_mgpu.SMS,
                                              block_groups=args.block_groups, interpret=False,
                                              conversion=conversion, probe=p, layout=layout, n=n,
                                              staggered=bool(args.staggered))
@@ -98,7 +92,7 @@ def main() -> None:
                 ctas = qmm_mgpu.flat_schedule(n, k, args.block_groups)[2]
                 alone = ""
                 if args.trace:
-                    where = f"{args.trace}/{shape}_{probe}_{pf}"
+                    where = f"{args.trace}/{shape}_{probe}"
                     with jax.profiler.trace(where, create_perfetto_trace=True):
                         chain(xp, ops, ss, bs).block_until_ready()
                     durs = sorted(float(e["dur"]) for e in device_events(where) or []
@@ -107,7 +101,7 @@ def main() -> None:
                         us = durs[len(durs) // 2]
                         alone = f" | alone {us:8.2f} us {nbytes / us / 1e6:5.2f} TB/s ({len(durs)} launches)"
                     shutil.rmtree(where, ignore_errors=True)
-                print(f"{shape:>12} | {probe + (f'+pf{pf}' if pf else ''):>10} | {ctas:>6} | {best:8.2f} | {nbytes / best / 1e6:5.2f}{alone}",
+                print(f"{shape:>12} | {probe:>10} | {ctas:>6} | {best:8.2f} | {nbytes / best / 1e6:5.2f}{alone}",
                       flush=True)
             except Exception as e:  # noqa: BLE001 -- report and go on to the next probe
                 print(f"{shape:>12} | {probe:>10} | failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
