@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh hundred-thirty-fourth|hundred-thirty-third|hundred-thirty-second|hundred-thirty-first|hundred-thirtieth|hundred-twenty-ninth|hundred-twenty-eighth|hundred-twenty-seventh|hundred-twenty-sixth|hundred-twenty-fifth|hundred-twenty-fourth|hundred-twenty-third|hundred-twenty-second|hundred-twenty-first|hundred-twentieth|hundred-nineteenth|hundred-eighteenth|hundred-seventeenth|hundred-sixteenth|hundred-fifteenth|hundred-fourteenth|hundred-thirteenth|hundred-twelfth|hundred-eleventh|hundred-tenth|hundred-ninth|hundred-eighth|hundred-seventh|hundred-sixth|hundred-fifth|hundred-fourth|hundred-third|hundred-second|hundred-first|hundredth|ninety-ninth|ninety-eighth|ninety-seventh|ninety-sixth|ninety-fifth|ninety-fourth|ninety-third|ninety-second|ninety-first|ninetieth|eighty-ninth|eighty-eighth|eighty-seventh|eighty-sixth|eighty-fifth|eighty-fourth|eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh hundred-thirty-fifth|hundred-thirty-fourth|hundred-thirty-third|hundred-thirty-second|hundred-thirty-first|hundred-thirtieth|hundred-twenty-ninth|hundred-twenty-eighth|hundred-twenty-seventh|hundred-twenty-sixth|hundred-twenty-fifth|hundred-twenty-fourth|hundred-twenty-third|hundred-twenty-second|hundred-twenty-first|hundred-twentieth|hundred-nineteenth|hundred-eighteenth|hundred-seventeenth|hundred-sixteenth|hundred-fifteenth|hundred-fourteenth|hundred-thirteenth|hundred-twelfth|hundred-eleventh|hundred-tenth|hundred-ninth|hundred-eighth|hundred-seventh|hundred-sixth|hundred-fifth|hundred-fourth|hundred-third|hundred-second|hundred-first|hundredth|ninety-ninth|ninety-eighth|ninety-seventh|ninety-sixth|ninety-fifth|ninety-fourth|ninety-third|ninety-second|ninety-first|ninetieth|eighty-ninth|eighty-eighth|eighty-seventh|eighty-sixth|eighty-fifth|eighty-fourth|eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -45,7 +45,7 @@ bench_27b() {
 # decode_profile.py ("" for none); $3: the events to print besides the round's (a grep alternation).
 profile_round() {
   timeout "$1" python3 tools/gpu/decode_profile.py --synthetic 27b --streams 1 --rounds 16 --trace /tmp/trace_pr \
-    --profiled 0 $2 2>&1 | tee "$out/profile$2.txt" | grep -E "trace:|device-bound|pipelined|  ($3)" | head -7
+    --profiled 0 $2 2>&1 | tee "$out/profile$(echo "$2" | tr -c 'a-zA-Z0-9_\n-' '_').txt" | grep -E "trace:|device-bound|pipelined|  ($3)" | head -7
 }
 
 # The engine's fp8 gate (concurrent == solo, fp8 pools) with the window's fp8 dots forced to one dtype. $1: the
@@ -127,6 +127,18 @@ case "$stage" in
     gpu_pytest 170 engine 10 tests/test_engine_gpu.py
     timeout 150 python3 -m pallas_kernels.bench attention --sections short_chunks --budget-s 135 --trace /tmp/trace_sc \
       --json "$out/attention_short.json" 2>&1 | tee "$out/attention_short.log" | grep -E "^copy|FAILED" ;;
+  hundred-thirty-fifth)
+    # Session 31 (~3 min, at 4481dc8): the decode qmm alone, each call asking L2 for the first 0/2/4/8 blocks of
+    # each CTA of the next call (the next weight copy of the chain) at its own last step; then a weight that stays
+    # in L2 from call to call (one copy: the most such a prefetch could give at the shapes that fit). At most
+    # 0.5-0.8 us at the two smallest shapes, none at the others: the option was removed (daa3f88), so this stage
+    # needs 4481dc8.
+    timeout 150 python3 tools/gpu/mgpu_probe.py --rows 8 --probes subnormal --prefetch 0,2,4,8 --trace /tmp/probe_pf \
+      --shapes 5120x6144,6144x5120,17408x5120,5120x16480,5120x34816 2>&1 | tee "$out/probe_pf.txt" \
+      | grep -E "^ +[0-9]+x|failed" | cut -c1-200
+    timeout 60 python3 tools/gpu/mgpu_probe.py --rows 8 --probes subnormal --copies 1 --trace /tmp/probe_l2 \
+      --shapes 5120x6144,6144x5120,17408x5120 2>&1 | tee "$out/probe_l2.txt" | grep -E "^ +[0-9]+x|failed" \
+      | sed "s/^/in L2 /" | cut -c1-200 ;;
   hundred-thirty-fourth)
     # Session 31 (~6 min): the 3 engine gates session 30 could not run after the gate began writing the o
     # projection's padding (1224e62), with the other 4 again; then the decode qmm alone at 8 groups a step (3 stages
