@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import rownorm
 from pallas_kernels.calls import pallas_call
 from pallas_kernels.qmm_mgpu import sum_pieces
 
@@ -85,3 +86,95 @@ def residual_add(parts: jax.Array, valid: jax.Array, x: jax.Array, *, interpret:
             compiler_params=plgpu.CompilerParams(num_warps=WARPS, num_stages=1),
             name="residual_add",
         )(valid.astype(jnp.int8), parts, x)
+
+
+# ------------------------------------------------------------------------------------------------ with the norm
+
+
+def reference_norm(parts: jax.Array, valid: jax.Array, x: jax.Array, weight: jax.Array, eps: float, out_rows: int
+                   ) -> tuple[jax.Array, jax.Array]:
+    """(x + y as `reference`, rms_norm of it [out_rows, N] with zero rows past M): the residual add and the norm
+    that reads it."""
+    h = reference(parts, valid, x)
+    return h, jnp.pad(rownorm.rms_norm_reference(h, weight, eps), ((0, out_rows - x.shape[0]), (0, 0)))
+
+
+def _norm_kernel(valid_ref, parts_ref, x_ref, w_ref, _, o_ref, h_ref, count_ref, *, n: int, n_pieces: int, r: int,
+                 m: int, out_rows: int, eps: float, tiles: rownorm.RowTiles, interpret: bool):
+    # As `_kernel` for this program's BLOCK_N columns of x + y (o_ref [M, N]), with the norm's padding rows
+    # M .. out_rows of h_ref [out_rows, N] (the norm of a zero row: 0 x weight). Then the last program to finish
+    # (count_ref [1] int32, zero on entry and left zero) normalises rows 0 .. M of o_ref into h_ref with
+    # `rownorm.norm_block`, the rms_norm kernel's own body and tiles, so the same bits as that kernel.
+    j = pl.program_id(0)
+    cols = j * BLOCK_N + jnp.arange(BLOCK_N)
+    in_n = cols < n
+
+    def load(p):
+        p = jnp.int32(p)
+        ok = plgpu.load(valid_ref.at[p, pl.ds(j * BLOCK_N, BLOCK_N)], mask=in_n, other=0) != 0
+        vals = plgpu.load(parts_ref.at[p, pl.ds(j * BLOCK_N, BLOCK_N), :], mask=in_n[:, None], other=0.0)
+        return vals, ok[:, None]
+
+    y = sum_pieces(load, n_pieces).astype(o_ref.dtype).T  # [R, BLOCK_N]
+    row = jnp.arange(r)[:, None]
+    mask = (row < m) & in_n[None, :]
+    block = (pl.ds(0, r), pl.ds(j * BLOCK_N, BLOCK_N))
+    x = plgpu.load(x_ref.at[block], mask=mask, other=0.0)
+    plgpu.store(o_ref.at[block], add(x, y), mask=mask)
+    if out_rows > m:
+        w = plgpu.load(w_ref.at[pl.ds(j * BLOCK_N, BLOCK_N)], mask=in_n, other=0.0).astype(jnp.float32)
+        pad = (jnp.zeros((r, BLOCK_N), jnp.float32) * w[None, :]).astype(h_ref.dtype)
+        plgpu.store(h_ref.at[block], pad, mask=(row >= m) & (row < out_rows) & in_n[None, :])
+    if not interpret:
+        plgpu.debug_barrier()  # every thread's stores before the release of the count
+    done = plgpu.atomic_add(count_ref, (jnp.int32(0),), jnp.int32(1))  # acquire-release, GPU scope
+
+    @pl.when(done == pl.num_programs(0) - 1)
+    def _last():
+        # The count's acquire (one thread's, then this barrier) orders the other programs' stores of o_ref before
+        # these loads of it, in the PTX memory model (the acquire at GPU scope also drops this SM's stale L1 lines).
+        if not interpret:
+            plgpu.debug_barrier()
+        for row0 in range(0, m, tiles.block_rows):
+            rownorm.norm_block(o_ref, None, w_ref, h_ref, row0, m, m, kind="rms", d=n, eps=eps, tiles=tiles,
+                               io_dtype=o_ref.dtype)
+        plgpu.atomic_add(count_ref, (jnp.int32(0),), jnp.asarray(-pl.num_programs(0), jnp.int32))  # back to zero for the next call
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "out_rows", "interpret"))
+def residual_add_norm(parts: jax.Array, valid: jax.Array, x: jax.Array, weight: jax.Array, count: jax.Array, *,
+                      eps: float, out_rows: int | None = None, interpret: bool = False
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`residual_add` and the `rownorm.rms_norm` that reads its result, in one launch: parts [P, N, R] fp32, valid
+    [P, N] bool, x [M, N] bf16 (M <= R), weight [N], count [1] int32 zero (a launch counter: give each call the
+    previous call's returned one) -> (x + y [M, N], its norm [out_rows, N] with zero rows past M as `rms_norm(...,
+    out_rows=out_rows)` writes them (out_rows None: M), count, zero again). Each value is the unfused kernels' bit
+    for bit (`reference_norm`'s up to the norm's summation order)."""
+    p, n, r = parts.shape
+    m = x.shape[0]
+    out_rows = m if out_rows is None else out_rows
+    if (valid.shape != (p, n) or r & (r - 1) or x.ndim != 2 or x.shape[1] != n or not 0 < m <= r
+            or x.dtype != jnp.bfloat16):
+        raise ValueError(f"residual_add_norm: parts [P, N, R] (R a power of two), valid [P, N] and bf16 x [M <= R, "
+                         f"N]; got {parts.shape}, {valid.shape}, {x.dtype} {x.shape}")
+    if weight.shape != (n,) or count.shape != (1,) or count.dtype != jnp.int32 or not m <= out_rows <= r:
+        raise ValueError(f"residual_add_norm: weight [{n}], count int32 [1], M <= out_rows <= R; got "
+                         f"{weight.shape}, {count.dtype} {count.shape}, out_rows={out_rows}")
+    tiles = rownorm.tiles_for(n)
+    kernel = functools.partial(_norm_kernel, n=n, n_pieces=p, r=r, m=m, out_rows=out_rows, eps=float(eps),
+                               tiles=tiles, interpret=interpret)
+    whole = lambda *shape: pl.BlockSpec(shape, lambda j: (0,) * len(shape))
+    with jax.named_scope("residual_add_norm"):
+        return pallas_call(
+            kernel,
+            grid=(pl.cdiv(n, BLOCK_N),),
+            in_specs=[whole(p, n), whole(p, n, r), whole(m, n), whole(n), whole(1)],
+            out_specs=[whole(m, n), whole(out_rows, n), whole(1)],
+            out_shape=[jax.ShapeDtypeStruct((m, n), x.dtype), jax.ShapeDtypeStruct((out_rows, n), x.dtype),
+                       jax.ShapeDtypeStruct((1,), jnp.int32)],
+            input_output_aliases={4: 2},
+            interpret=interpret,
+            # the norm's own warps: its row reductions then lower as rms_norm's do
+            compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=1),
+            name="residual_add_norm",
+        )(valid.astype(jnp.int8), parts, x, weight, count)

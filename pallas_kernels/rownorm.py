@@ -93,11 +93,20 @@ def _norm_kernel(n_ref, *refs, kind: str, d: int, eps: float, tiles: RowTiles, i
     x_ref = refs[0]
     gate_ref = refs[1] if kind == "gated" else None
     weight_ref = refs[-2] if kind in ("rms", "gated") else None
+    norm_block(x_ref, gate_ref, weight_ref, o_ref, pl.program_id(0) * tiles.block_rows, n_ref[0], n_ref[1],
+               kind=kind, d=d, eps=eps, tiles=tiles, io_dtype=io_dtype)
+
+
+def norm_block(x_ref, gate_ref, weight_ref, o_ref, row0, live_rows, written_rows, *, kind: str, d: int, eps: float,
+               tiles: RowTiles, io_dtype) -> None:
+    """One program's block of rows: rows row0 .. row0 + block_rows of o_ref get the norm of x_ref's rows, those at
+    or past live_rows read as zeros, those at or past written_rows left unwritten. The kernels' one body: another
+    kernel that calls it with the same tiles (and num_warps) reduces each row in the same order, so gives it the
+    same bits."""
     bn, c = tiles.block_rows, tiles.chunk
-    row0 = pl.program_id(0) * bn
     rows = pl.ds(row0, bn)
     row = row0 + jax.lax.broadcasted_iota(jnp.int32, (bn, c), 0)
-    live, written = row < n_ref[0], row < n_ref[1]
+    live, written = row < live_rows, row < written_rows
     cols = [pl.ds(j * c, c) for j in range(d // c)]
 
     xs = [plgpu.load(x_ref.at[rows, col], mask=live, other=0).astype(_F32) for col in cols]

@@ -165,23 +165,30 @@ def test_gpu_fused_step_on_the_decode_qmm_pieces_equals_verify_then_commit_bitwi
     """The same compiled on the GPU with the tiny 4-bit checkpoint's projections on the Mosaic GPU decode qmm,
     where the step's GDN prep reads the in-projection's pieces (`ops.project_pieces`, checked to be taken) and the
     window's its materialized output (both attention preps read pieces); and the step's logits with the preps on
-    the materialized outputs (PREP_PIECES off), bit for bit. (On the CPU the Mosaic GPU interpreter takes ~2 min
-    for it: the pieces' readers are checked there at the kernels (`test_gdn.py`, `test_attn_prep.py`) and at
-    `project_pieces` (`test_residual.py`).)"""
+    the materialized outputs (PREP_PIECES off), bit for bit. The residual adds run with the norms after them
+    (`residual.residual_add_norm`, checked to be taken); with them apart (RESIDUAL_NORM off) the logits are the
+    same bits too. (On the CPU the Mosaic GPU interpreter takes ~2 min for it: the pieces' readers are checked there
+    at the kernels (`test_gdn.py`, `test_attn_prep.py`) and at `project_pieces` and `add_residual_norm`
+    (`test_residual.py`).)"""
+    from pallas_kernels import residual
     from qwen_jax.checkpoint import load_checkpoint
     from qwen_jax.model import ops
     from tests.conftest import CAPTURES
-    taken = []
+    taken, fused = [], []
     project_pieces = ops.project_pieces
     monkeypatch.setattr(ops, "project_pieces", lambda *a: taken.append(project_pieces(*a)) or taken[-1])
+    add_norm = residual.residual_add_norm
+    monkeypatch.setattr(residual, "residual_add_norm", lambda *a, **k: fused.append(1) or add_norm(*a, **k))
     ck = load_checkpoint(CAPTURES / "tiny-mlx-4bit", dtype=jnp.bfloat16)
     toks = np.random.default_rng(1).integers(0, ck.config.text.vocab_size, size=150)
     on = _fused_step_equals_verify_then_commit(ck.config, ck.params, toks, jnp.bfloat16, True, interpret=False)
-    assert taken and all(t is not None for t in taken)
-    monkeypatch.setattr(ops, "PREP_PIECES", False)  # the preps on the materialized outputs: the same bits
-    off = _fused_step_equals_verify_then_commit(ck.config, ck.params, toks, jnp.bfloat16, True, interpret=False)
-    for a, b in zip(on, off):
-        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert taken and all(t is not None for t in taken) and fused
+    for switch in ("PREP_PIECES", "RESIDUAL_NORM"):  # the preps on the materialized outputs; the adds apart
+        monkeypatch.setattr(ops, switch, False)
+        off = _fused_step_equals_verify_then_commit(ck.config, ck.params, toks, jnp.bfloat16, True, interpret=False)
+        for a, b in zip(on, off):
+            np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+        monkeypatch.setattr(ops, switch, True)
 
 
 def _fused_step_equals_verify_then_commit(cfg, params, toks, dtype, kernels: bool, interpret: bool | None = None):

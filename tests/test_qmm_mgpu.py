@@ -387,8 +387,10 @@ def test_27b_decode_program_lowers_with_it(h200_lowering, monkeypatch):
     assert "qmm_4b_g64" not in text
     # the MLP's activation reads the gate/up pieces itself (`ops.swiglu`; one Triton module, shared by the layers)
     assert 'name = "swiglu"' in text
-    # the output projections' residual adds read their pieces too (`ops.add_residual`)
-    assert 'name = "residual_add"' in text
+    # the output projections' residual adds read their pieces too, each with the norm after it in the same launch
+    # (`ops.add_residual_norm`): the post-attention norm, the next layer's input norm and the final norm
+    assert text.count('name = "residual_add_norm"') >= 1 and 'name = "residual_add"' not in text
+    assert text.count("residual_add_norm") >= 8
 
 
 def _mosaic_modules(text: str) -> list[str]:

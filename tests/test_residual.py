@@ -1,9 +1,12 @@
 """The residual add after an output projection's decode rows (pallas_kernels/residual.py): against its reference bit
 for bit (interpret mode), against the model's own path (the decode qmm's epilogue, then `x + y`) on the Mosaic GPU
 interpreter, a row alone against the same row among others and in every piece height; `gpu`: compiled at the 27B's
-down projection (17408 -> 5120)."""
+down projection (17408 -> 5120). The add with the norm that reads it (`residual_add_norm`): the unfused kernels'
+bits, in interpret mode, on the Mosaic GPU interpreter through `ops.add_residual_norm`, and compiled on the H200."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -159,3 +162,122 @@ def test_gpu_residual_add_27b():
     for lo, hi in ((3, 4), (0, 16)):
         part = ops.add_residual(backend, x[lo:hi], ops.project(h[lo:hi], w, backend, prompt=False))
         assert np.array_equal(bits(part), bits(many[lo:hi])), (lo, hi)
+
+
+@pytest.mark.parametrize("p,n,r,m,out_rows", [(2, 200, 16, 1, 16), (3, 256, 8, 8, 8), (2, 320, 8, 3, 8),
+                                              (4, 96, 32, 20, 32), (1, 5120, 8, 1, 8)])
+def test_residual_add_norm_is_the_two_kernels_bitwise(p, n, r, m, out_rows):
+    """x + y as `residual_add`, its norm as `rownorm.rms_norm(..., out_rows)` (zero rows past M included), bit for
+    bit; the launch counter comes back zero."""
+    from pallas_kernels import rownorm
+    rng = np.random.default_rng(700 + n)
+    parts, valid = random_pieces(rng, p, n, r)
+    x = jnp.asarray(rng.standard_normal((m, n)) * 4, jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal(n), jnp.float32)
+    total, h, count = rs.residual_add_norm(parts, valid, x, w, jnp.zeros((1,), jnp.int32), eps=1e-6,
+                                           out_rows=out_rows, interpret=INTERPRET)
+    want = rs.residual_add(parts, valid, x, interpret=INTERPRET)
+    assert np.array_equal(bits(total), bits(want))
+    assert np.array_equal(bits(h), bits(rownorm.rms_norm(want, w, 1e-6, interpret=INTERPRET, out_rows=out_rows)))
+    assert h.shape == (out_rows, n) and np.asarray(count).tolist() == [0]
+    ref_total, ref_h = rs.reference_norm(parts, valid, x, w, 1e-6, out_rows)
+    assert np.array_equal(bits(total), bits(ref_total))
+    np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(ref_h, np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_residual_add_norm_rejects_bad_inputs():
+    parts = jnp.zeros((2, 64, 8), jnp.float32)
+    valid = jnp.ones((2, 64), bool)
+    x = jnp.zeros((2, 64), jnp.bfloat16)
+    zero = jnp.zeros((1,), jnp.int32)
+    with pytest.raises(ValueError, match="weight"):
+        rs.residual_add_norm(parts, valid, x, jnp.ones(32), zero, eps=1e-6, interpret=True)
+    with pytest.raises(ValueError, match="count"):
+        rs.residual_add_norm(parts, valid, x, jnp.ones(64), jnp.zeros((2,), jnp.int32), eps=1e-6, interpret=True)
+    with pytest.raises(ValueError, match="out_rows"):
+        rs.residual_add_norm(parts, valid, x, jnp.ones(64), zero, eps=1e-6, out_rows=16, interpret=True)
+    with pytest.raises(ValueError, match="M <= R"):
+        rs.residual_add_norm(parts, valid, jnp.zeros((9, 64), jnp.bfloat16), jnp.ones(64), zero, eps=1e-6,
+                             interpret=True)
+
+
+def test_add_residual_norm_is_the_two_ops_on_the_interpreter(monkeypatch):
+    """`ops.add_residual_norm` on the Mosaic GPU interpreter: for a `Deferred` projection of 1 and 3 x 2 live rows
+    (plain and `Padded` h) it takes the fused kernel and gives `add_residual` then `rms_norm`'s bits (the norm
+    padded for the next projection, `Padded`, or not); 16 rows (past RESIDUAL_NORM_ROWS), an fp32 residual and a
+    plain y take the two ops; the counter it threads comes back zero."""
+    monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
+    taken = []
+    fused = rs.residual_add_norm
+    monkeypatch.setattr(rs, "residual_add_norm", lambda *a, **k: taken.append(1) or fused(*a, **k))
+    rng = np.random.default_rng(640)
+    backend = Backend(kernels=True, interpret=True)
+    w, nxt = _weight(rng, 192, 256), _weight(rng, 256, 192)
+    norm = jnp.asarray(rng.normal(size=192), jnp.float32)
+    for lead, then, expect in (((1,), nxt, True), ((3, 2), nxt, True), ((3, 2), None, True), ((16,), nxt, False)):
+        h = jnp.asarray(rng.normal(size=(*lead, 256)), jnp.bfloat16)
+        x = jnp.asarray(rng.normal(size=(*lead, 192)) * 3, jnp.bfloat16)
+        y = ops.project(h, w, backend, prompt=False)
+        assert isinstance(y, Deferred)
+        taken.clear()
+        got_x, got_h, count = ops.add_residual_norm(backend, x, y, norm, 1e-6, then=then, prompt=False, count=None)
+        assert bool(taken) == expect, lead
+        want_x = ops.add_residual(backend, x, y)
+        want_h = ops.rms_norm(backend, want_x, norm, 1e-6, then=then, prompt=False)
+        assert type(got_h) is type(want_h) and got_h.shape == want_h.shape
+        assert np.array_equal(bits(got_x), bits(want_x))
+        assert np.array_equal(bits(ops.rows_of(got_h)[0]), bits(ops.rows_of(want_h)[0]))
+        if expect:
+            assert np.asarray(count).tolist() == [0]
+    taken.clear()
+    x32 = x.astype(jnp.float32)
+    ops.add_residual_norm(backend, x32[:1], ops.project(h[:1], w, backend, prompt=False), norm, 1e-6, then=nxt,
+                          prompt=False, count=None)
+    ops.add_residual_norm(backend, x[:1], x[:1], norm, 1e-6, then=nxt, prompt=False, count=None)
+    assert not taken
+
+
+def test_residual_add_norm_lowers_for_h200(h200_lowering):
+    sds = jax.ShapeDtypeStruct
+    for m, out_rows in ((1, 8), (8, 8)):
+        text = jax.jit(functools.partial(rs.residual_add_norm, eps=1e-6, out_rows=out_rows)).trace(
+            sds((6, 5120, 8), jnp.float32), sds((6, 5120), jnp.bool_), sds((m, 5120), jnp.bfloat16),
+            sds((5120,), jnp.float32), sds((1,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.gpu
+def test_gpu_residual_add_norm_27b():
+    """The 27B's down projection and a 5120-wide norm on the H200: the fused kernel's sum and norm bit for bit the
+    two kernels' (`residual_add`, `rownorm.rms_norm(..., out_rows=8)`), at 1 and 8 live rows of an 8-row piece, the
+    counter zero after each call and after 20 calls chained through it."""
+    from pallas_kernels import rownorm
+    rng = np.random.default_rng(650)
+    w = _weight(rng, 5120, 17408)
+    norm = jnp.asarray(rng.normal(size=5120), jnp.float32)
+    h = jnp.asarray(rng.normal(size=(8, 17408)), jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(8, 5120)) * 3, jnp.bfloat16)
+    parts, written = qmm_mgpu.qmm_parts(h, w, rows=8)
+    valid = jnp.asarray(written)
+    for m in (1, 8):
+        total, out, count = rs.residual_add_norm(parts, valid, x[:m], norm, jnp.zeros((1,), jnp.int32), eps=1e-6,
+                                                 out_rows=8)
+        want = rs.residual_add(parts, valid, x[:m])
+        assert np.array_equal(bits(total), bits(want)), m
+        assert np.array_equal(bits(out), bits(rownorm.rms_norm(want, norm, 1e-6, out_rows=8))), m
+        assert np.asarray(count).tolist() == [0]
+
+    @jax.jit
+    def chained(x):
+        count = jnp.zeros((1,), jnp.int32)
+        for _ in range(20):
+            x, _, count = rs.residual_add_norm(parts, valid, x, norm, count, eps=1e-6, out_rows=8)
+        return x, count
+
+    def unfused(x):
+        for _ in range(20):
+            x = rs.residual_add(parts, valid, x)
+        return x
+
+    got, count = chained(x[:1])
+    assert np.array_equal(bits(got), bits(jax.jit(unfused)(x[:1]))) and np.asarray(count).tolist() == [0]

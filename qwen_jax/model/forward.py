@@ -108,38 +108,59 @@ def _embed(params, state: ModelState, tokens: jax.Array, backend: Backend) -> ja
     return embed(params["embed"], tokens, dtype, backend)
 
 
-def _head(params, h: jax.Array, cfg: TextConfig, backend: Backend, *, prompt: bool) -> jax.Array:
-    """Final norm and lm_head (the embedding when tied) -> fp32 logits."""
-    w = params["embed"] if params["lm_head"] is None else params["lm_head"]
-    h = ops.rms_norm(backend, h, params["norm"], cfg.rms_norm_eps, then=w, prompt=prompt)
+def _head_weight(params):
+    return params["embed"] if params["lm_head"] is None else params["lm_head"]
+
+
+def _head(params, x: jax.Array, cfg: TextConfig, backend: Backend, *, prompt: bool, h=None) -> jax.Array:
+    """Final norm and lm_head (the embedding when tied) -> fp32 logits. h: the final norm of x, where the last
+    residual add made it (`_layers` with head)."""
+    w = _head_weight(params)
+    if h is None:
+        h = ops.rms_norm(backend, x, params["norm"], cfg.rms_norm_eps, then=w, prompt=prompt)
     return linear(h, w, backend, prompt=prompt).astype(jnp.float32)
 
 
+def _in_proj(layer, cfg: TextConfig, i: int):
+    return layer["gdn"]["in_proj"] if cfg.layer_types[i] == LAYER_GDN else layer["attn"]["qkv"]
+
+
 def _layers(params, state: ModelState, x, cfg: TextConfig, run_gdn, run_attn, taps: tuple[int, ...],
-            backend: Backend, prompt: bool):
-    """The decoder stack, dispatching on the explicit layer schedule. Returns (x, new pools, kept, tap rows)."""
+            backend: Backend, prompt: bool, head: bool = False):
+    """The decoder stack, dispatching on the explicit layer schedule. Returns (x, its final norm for the lm_head
+    if head else None, new pools, kept, tap rows). Each residual add goes with the norm that reads its result
+    (`ops.add_residual_norm`): the MLP's, the next layer's input norm, and with head the final norm."""
     rec, conv, kv = list(state.rec), list(state.conv), list(state.kv)
     kept, tapped = [], []
     gi = ai = 0
-    for i, layer in enumerate(params["layers"]):
+    count = h = None
+    layers = params["layers"]
+    eps = cfg.rms_norm_eps
+    for i, layer in enumerate(layers):
         with jax.named_scope(f"layer{i}"):
-            gdn_layer = cfg.layer_types[i] == LAYER_GDN
-            proj = layer["gdn"]["in_proj"] if gdn_layer else layer["attn"]["qkv"]
-            h = ops.rms_norm(backend, x, layer["input_norm"], cfg.rms_norm_eps, then=proj, prompt=prompt)
-            if gdn_layer:
+            if h is None:
+                h = ops.rms_norm(backend, x, layer["input_norm"], eps, then=_in_proj(layer, cfg, i), prompt=prompt)
+            if cfg.layer_types[i] == LAYER_GDN:
                 y, rec[gi], conv[gi], k = run_gdn(h, layer["gdn"], rec[gi], conv[gi])
                 gi += 1
             else:
                 y, kv[ai], k = run_attn(h, layer["attn"], kv[ai])
                 ai += 1
             kept.append(k)
-            x = ops.add_residual(backend, x, y)
-            h = ops.rms_norm(backend, x, layer["post_norm"], cfg.rms_norm_eps, then=layer["mlp"]["gate_up"],
-                             prompt=prompt)
-            x = ops.add_residual(backend, x, mlp(h, layer["mlp"], backend, prompt=prompt))
+            x, h, count = ops.add_residual_norm(backend, x, y, layer["post_norm"], eps,
+                                                then=layer["mlp"]["gate_up"], prompt=prompt, count=count)
+            y = mlp(h, layer["mlp"], backend, prompt=prompt)
+            if i + 1 < len(layers):
+                norm, then = layers[i + 1]["input_norm"], _in_proj(layers[i + 1], cfg, i + 1)
+            else:
+                norm, then = (params["norm"], _head_weight(params)) if head else (None, None)
+            if norm is None:
+                x, h = ops.add_residual(backend, x, y), None
+            else:
+                x, h, count = ops.add_residual_norm(backend, x, y, norm, eps, then=then, prompt=prompt, count=count)
             if i in taps:
                 tapped.append(x)
-    return x, ModelState(tuple(kv), tuple(rec), tuple(conv)), kept, tapped
+    return x, h, ModelState(tuple(kv), tuple(rec), tuple(conv)), kept, tapped
 
 
 def prefill(params, state: ModelState, batch: PrefillBatch, cfg: ModelConfig, backend: Backend, *,
@@ -157,7 +178,7 @@ def prefill(params, state: ModelState, batch: PrefillBatch, cfg: ModelConfig, ba
         y, pool = attn_mixer.prompt_pass(h, p, pool, batch, t, backend)
         return y, pool, None
 
-    x, state, _, tapped = _layers(params, state, x, t, run_gdn, run_attn, taps, backend, True)
+    x, _, state, _, tapped = _layers(params, state, x, t, run_gdn, run_attn, taps, backend, True)
     if not all_logits:
         last = jnp.maximum(batch.lengths - 1, 0)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]
@@ -180,8 +201,8 @@ def verify(params, state: ModelState, window: VerifyWindow, cfg: ModelConfig, ba
         y, k = attn_mixer.window_pass(h, p, pool, window, t, backend)
         return y, pool, k
 
-    x, _, kept, tapped = _layers(params, state, x, t, run_gdn, run_attn, taps, backend, False)
-    logits = _head(params, x, t, backend, prompt=False)
+    x, h, _, kept, tapped = _layers(params, state, x, t, run_gdn, run_attn, taps, backend, False, head=True)
+    logits = _head(params, x, t, backend, prompt=False, h=h)
     return logits, tuple(kept), (jnp.stack(tapped, axis=2) if tapped else None)
 
 
@@ -215,8 +236,8 @@ def step(params, state: ModelState, window: VerifyWindow, cfg: ModelConfig, back
         y, k, pool = jax.lax.optimization_barrier((y, k, pool))
         return y, attn_mixer.commit(k, pool, window, path, path_len, backend), None
 
-    x, state, _, _ = _layers(params, state, x, t, run_gdn, run_attn, (), backend, False)
-    return _head(params, x, t, backend, prompt=False), state
+    x, h, state, _, _ = _layers(params, state, x, t, run_gdn, run_attn, (), backend, False, head=True)
+    return _head(params, x, t, backend, prompt=False, h=h), state
 
 
 def commit(state: ModelState, kept, window: VerifyWindow, path: jax.Array, path_len: jax.Array, cfg: ModelConfig,

@@ -126,6 +126,11 @@ SWIGLU = True
 # The output projections' decode rows reach the residual as `Deferred` and take `residual.residual_add` there
 # (`project`, `add_residual`)
 RESIDUAL = True
+# The residual add after a decode projection and the norm that reads its result run as one launch
+# (`residual.residual_add_norm`, `add_residual_norm`) for up to RESIDUAL_NORM_ROWS live rows (its last program
+# normalises every row alone)
+RESIDUAL_NORM = True
+RESIDUAL_NORM_ROWS = 8
 # Norms (and the attention output's gate) feeding a decode qmm write its padded rows (`pad_rows`); False: the qmm
 # pads them
 PAD_AT_NORM = True
@@ -335,6 +340,28 @@ def add_residual(backend: Backend, x: jax.Array, y) -> jax.Array:
         out.append(residual_k.residual_add(parts, jnp.asarray(written), x2[start:start + r],
                                            interpret=backend.interpret))
     return (jnp.concatenate(out, axis=0) if len(out) > 1 else out[0]).reshape(x.shape)
+
+
+def add_residual_norm(backend: Backend, x: jax.Array, y, weight: jax.Array, eps: float, *, then, prompt: bool,
+                      count: jax.Array | None):
+    """(x + y, `rms_norm(x + y, weight, eps, then=then)`, count): `add_residual` and the norm that reads its result,
+    in one launch (`residual.residual_add_norm`, the same bits) where y is a `Deferred` projection of bf16 rows in
+    one piece of at most RESIDUAL_NORM_ROWS live rows; else the two ops. count: the fused kernel's launch counter,
+    [1] int32 zero: None before a program's first such call, then the one the last call returned."""
+    m = math.prod(x.shape[:-1])
+    if (RESIDUAL_NORM and isinstance(y, Deferred) and x.dtype == jnp.bfloat16 and 0 < m <= RESIDUAL_NORM_ROWS):
+        rows, _ = rows_of(y.h)
+        heights = qmm_mgpu.pieces(rows.shape[0])
+        if len(heights) == 1:
+            r = pad_rows(backend, x, then, prompt=prompt)
+            parts, written = qmm_mgpu.qmm_parts(rows, y.w, rows=heights[0], interpret=backend.interpret)
+            count = jnp.zeros((1,), jnp.int32) if count is None else count
+            total, h, count = residual_k.residual_add_norm(
+                parts, jnp.asarray(written), x.reshape(m, x.shape[-1]), weight, count, eps=eps,
+                out_rows=r or m, interpret=backend.interpret)
+            return (total.reshape(x.shape), Padded(h, x.shape[:-1]) if r else h.reshape(x.shape), count)
+    x = add_residual(backend, x, y)
+    return x, rms_norm(backend, x, weight, eps, then=then, prompt=prompt), count
 
 
 def conv_prompt(backend: Backend, *args):
