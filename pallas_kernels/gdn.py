@@ -25,6 +25,7 @@ from jax.experimental.pallas import triton as pt
 
 from pallas_kernels.calls import pallas_call
 from pallas_kernels.qmm_mgpu import Pieces, piece_row, rows_operands, rows_shape
+from pallas_kernels import rownorm
 from pallas_kernels.rownorm import l2norm_reference
 
 CHUNK = 64
@@ -1154,6 +1155,88 @@ def step(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array
         interpret=interpret,
         name="gdn_step",
     )(q, k, v, g, beta, slot.astype(jnp.int32), rec_pool)
+
+
+def _step_norm_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, slot_ref, pool_ref, z_ref, w_ref, _,
+                      o_ref, pool_out_ref, y_ref, count_ref, *, group, block_v, dv, hv, streams, out_rows, eps,
+                      tiles: rownorm.RowTiles, interpret):
+    """`_step_kernel`'s row (o into o_ref [S Hv, dv], a row a stream and value head), then GDN's output norm of it:
+    the last of a head's dv / block_v programs to count itself in (count_ref [S Hv] int32, zero on entry and left
+    zero) normalises the head's row into y_ref [out_rows Hv, dv] with `rownorm.norm_block` over the row's block as
+    the gated_rms_norm kernel's program takes it (its tiles and warps: the same bits); the stream-0 programs write
+    the padding rows (streams past S) as that kernel writes them (the norm of a zero row, gate zero)."""
+    s, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cols = pl.ds(j * block_v, block_v)
+    slot = slot_ref[s]
+    state = _row_update(pool_ref[slot, h, :, cols], k_ref[s, 0, h // group, :].astype(_F32),
+                        v_ref[s, 0, h, cols].astype(_F32), g_ref[s, 0, h], beta_ref[s, 0, h])
+    row = s * hv + h
+    o_ref[row, cols] = _row_output(state, q_ref[s, 0, h // group, :].astype(_F32)).astype(o_ref.dtype)
+    pool_out_ref[slot, h, :, cols] = state
+    io = o_ref.dtype
+    if out_rows > streams:
+        @pl.when(s == 0)
+        def _padding():
+            w = w_ref[cols].astype(io).astype(_F32)
+            zero = ((w * 0.0).astype(io).astype(_F32) * 0.0).astype(io)  # (w n) silu(gate) at n = gate = 0
+            for t in range(streams, out_rows):
+                y_ref[t * hv + h, cols] = zero
+    if not interpret:
+        pt.debug_barrier()  # every thread's stores before the release of the count
+    done = pt.atomic_add(count_ref, (row,), jnp.int32(1))  # acquire-release, GPU scope
+
+    blocks = dv // block_v
+
+    @pl.when(done == blocks - 1)
+    def _last():
+        if not interpret:
+            pt.debug_barrier()
+        n = streams * hv
+        rownorm.norm_block(o_ref, z_ref, w_ref, y_ref, (row // tiles.block_rows) * tiles.block_rows, n, n,
+                           kind="gated", d=dv, eps=eps, tiles=tiles, io_dtype=io, only_row=row)
+        pt.atomic_add(count_ref, (row,), jnp.int32(-blocks))  # zero for the next call
+
+
+def step_norm_supports(dv: int, tiles: WindowTiles = WindowTiles()) -> bool:
+    """Whether `step_norm` can run the output norm in the step's launch: the norm's warps (`rownorm.tiles_for(dv)`)
+    are the step's, so each keeps its bits."""
+    return rownorm.tiles_for(dv).num_warps == tiles.num_warps and _is_pow2(min(tiles.block_v, dv))
+
+
+def step_norm(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, rec_pool: jax.Array,
+              slot: jax.Array, z: jax.Array, weight: jax.Array, count: jax.Array, *, eps: float,
+              out_rows: int | None = None, interpret: bool = False, tiles: WindowTiles = WindowTiles()
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`step` and GDN's output norm of its o (`rownorm.gated_rms_norm(o, z, weight, eps, out_rows=out_rows Hv)`) in
+    one launch: z [S, 1, Hv, dv] the gate, weight [dv], count int32 [>= S Hv] zero (a launch counter: give each
+    call the previous call's returned one) -> (y [out_rows Hv, dv] (out_rows None: S) with zero rows past S Hv,
+    rec_pool, count, zero again). y's bits are the two kernels', the pool's `step`'s."""
+    _check_rows("step_norm", q, k, v, g, beta, rec_pool, slot)
+    s, r, hk, _ = k.shape
+    hv, dv = v.shape[2], v.shape[3]
+    out_rows = s if out_rows is None else out_rows
+    if r != 1 or z.shape != v.shape or weight.shape != (dv,) or count.ndim != 1 or count.shape[0] < s * hv:
+        raise ValueError(f"gdn.step_norm: one row a stream, z like v {v.shape}, weight [{dv}], count [>= {s * hv}]; "
+                         f"got {r} rows, z {z.shape}, weight {weight.shape}, count {count.shape}")
+    if count.dtype != jnp.int32 or out_rows < s or not step_norm_supports(dv, tiles):
+        raise ValueError(f"gdn.step_norm: count int32 ({count.dtype}), out_rows >= S ({out_rows}), the norm's "
+                         f"warps the step's ({tiles.num_warps})")
+    bv = _block_v(tiles.block_v, dv, "step")
+    kernel = functools.partial(_step_norm_kernel, group=hv // hk, block_v=bv, dv=dv, hv=hv, streams=s,
+                               out_rows=out_rows,
+                               eps=float(eps), tiles=rownorm.tiles_for(dv), interpret=interpret)
+    o, rec_pool, y, count = pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((s * hv, dv), v.dtype), jax.ShapeDtypeStruct(rec_pool.shape, _F32),
+                   jax.ShapeDtypeStruct((out_rows * hv, dv), v.dtype), jax.ShapeDtypeStruct(count.shape, jnp.int32)),
+        grid=(s, hv, dv // bv),
+        input_output_aliases={6: 1, 9: 3},
+        compiler_params=pt.CompilerParams(num_warps=tiles.num_warps),
+        interpret=interpret,
+        name="gdn_step_norm",
+    )(q, k, v, g, beta, slot.astype(jnp.int32), rec_pool, z.reshape(s * hv, dv), weight, count)
+    del o  # the norm's input, read back within the launch
+    return y, rec_pool, count
 
 
 # The conv in front of the recurrence stays plain jnp: XLA fuses each of these into one or two memory-bound

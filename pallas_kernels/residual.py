@@ -103,7 +103,7 @@ def _norm_kernel(valid_ref, parts_ref, x_ref, w_ref, _, o_ref, h_ref, count_ref,
                  m: int, out_rows: int, eps: float, tiles: rownorm.RowTiles, interpret: bool):
     # As `_kernel` for this program's BLOCK_N columns of x + y (o_ref [M, N]), with the norm's padding rows
     # M .. out_rows of h_ref [out_rows, N] (the norm of a zero row: 0 x weight). Then the last program to finish
-    # (count_ref [1] int32, zero on entry and left zero) normalises rows 0 .. M of o_ref into h_ref with
+    # (count_ref[0] int32, zero on entry and left zero) normalises rows 0 .. M of o_ref into h_ref with
     # `rownorm.norm_block`, the rms_norm kernel's own body and tiles, so the same bits as that kernel.
     j = pl.program_id(0)
     cols = j * BLOCK_N + jnp.arange(BLOCK_N)
@@ -146,8 +146,8 @@ def residual_add_norm(parts: jax.Array, valid: jax.Array, x: jax.Array, weight: 
                       eps: float, out_rows: int | None = None, interpret: bool = False
                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`residual_add` and the `rownorm.rms_norm` that reads its result, in one launch: parts [P, N, R] fp32, valid
-    [P, N] bool, x [M, N] bf16 (M <= R), weight [N], count [1] int32 zero (a launch counter: give each call the
-    previous call's returned one) -> (x + y [M, N], its norm [out_rows, N] with zero rows past M as `rms_norm(...,
+    [P, N] bool, x [M, N] bf16 (M <= R), weight [N], count int32 [>= 1] zero (launch counters, the first used:
+    give each call the previous call's returned ones) -> (x + y [M, N], its norm [out_rows, N] with zero rows past M as `rms_norm(...,
     out_rows=out_rows)` writes them (out_rows None: M), count, zero again). Each value is the unfused kernels' bit
     for bit (`reference_norm`'s up to the norm's summation order)."""
     p, n, r = parts.shape
@@ -157,8 +157,8 @@ def residual_add_norm(parts: jax.Array, valid: jax.Array, x: jax.Array, weight: 
             or x.dtype != jnp.bfloat16):
         raise ValueError(f"residual_add_norm: parts [P, N, R] (R a power of two), valid [P, N] and bf16 x [M <= R, "
                          f"N]; got {parts.shape}, {valid.shape}, {x.dtype} {x.shape}")
-    if weight.shape != (n,) or count.shape != (1,) or count.dtype != jnp.int32 or not m <= out_rows <= r:
-        raise ValueError(f"residual_add_norm: weight [{n}], count int32 [1], M <= out_rows <= R; got "
+    if weight.shape != (n,) or count.ndim != 1 or count.dtype != jnp.int32 or not m <= out_rows <= r:
+        raise ValueError(f"residual_add_norm: weight [{n}], count int32 [>= 1], M <= out_rows <= R; got "
                          f"{weight.shape}, {count.dtype} {count.shape}, out_rows={out_rows}")
     tiles = rownorm.tiles_for(n)
     kernel = functools.partial(_norm_kernel, n=n, n_pieces=p, r=r, m=m, out_rows=out_rows, eps=float(eps),
@@ -168,10 +168,10 @@ def residual_add_norm(parts: jax.Array, valid: jax.Array, x: jax.Array, weight: 
         return pallas_call(
             kernel,
             grid=(pl.cdiv(n, BLOCK_N),),
-            in_specs=[whole(p, n), whole(p, n, r), whole(m, n), whole(n), whole(1)],
-            out_specs=[whole(m, n), whole(out_rows, n), whole(1)],
+            in_specs=[whole(p, n), whole(p, n, r), whole(m, n), whole(n), whole(*count.shape)],
+            out_specs=[whole(m, n), whole(out_rows, n), whole(*count.shape)],
             out_shape=[jax.ShapeDtypeStruct((m, n), x.dtype), jax.ShapeDtypeStruct((out_rows, n), x.dtype),
-                       jax.ShapeDtypeStruct((1,), jnp.int32)],
+                       jax.ShapeDtypeStruct(count.shape, jnp.int32)],
             input_output_aliases={4: 2},
             interpret=interpret,
             # the norm's own warps: its row reductions then lower as rms_norm's do

@@ -98,15 +98,18 @@ def _norm_kernel(n_ref, *refs, kind: str, d: int, eps: float, tiles: RowTiles, i
 
 
 def norm_block(x_ref, gate_ref, weight_ref, o_ref, row0, live_rows, written_rows, *, kind: str, d: int, eps: float,
-               tiles: RowTiles, io_dtype) -> None:
+               tiles: RowTiles, io_dtype, only_row=None) -> None:
     """One program's block of rows: rows row0 .. row0 + block_rows of o_ref get the norm of x_ref's rows, those at
     or past live_rows read as zeros, those at or past written_rows left unwritten. The kernels' one body: another
     kernel that calls it with the same tiles (and num_warps) reduces each row in the same order, so gives it the
-    same bits."""
+    same bits. only_row: store that row of the block alone (each row's values depend on that row only, so the
+    block's other rows may hold anything)."""
     bn, c = tiles.block_rows, tiles.chunk
     rows = pl.ds(row0, bn)
     row = row0 + jax.lax.broadcasted_iota(jnp.int32, (bn, c), 0)
     live, written = row < live_rows, row < written_rows
+    if only_row is not None:
+        written = written & (row == only_row)
     cols = [pl.ds(j * c, c) for j in range(d // c)]
 
     xs = [plgpu.load(x_ref.at[rows, col], mask=live, other=0).astype(_F32) for col in cols]

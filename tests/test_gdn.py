@@ -432,6 +432,57 @@ def _step_equals_window_commit(rng, shape, streams: int, tiles):
     return (q, k, v, g, beta), pool, slot, o, new
 
 
+def _check_step_norm(shape, streams: int, out_rows: int, dtype, tiles=gdn.WindowTiles()):
+    """`gdn.step_norm` == `gdn.step` then `rownorm.gated_rms_norm(o, z, w, eps, out_rows=out_rows Hv)`, bit for bit
+    (the padding rows too), the pool `step`'s, the counters zero again, and the same from a second call chained
+    through them."""
+    from pallas_kernels import rownorm
+    rng = np.random.default_rng(40 + streams)
+    (q, k, v, g, beta), pool, slot = _step_case(rng, shape, streams, 1, dtype)
+    z = jnp.asarray(rng.normal(size=v.shape), dtype)
+    w = jnp.asarray(rng.normal(size=shape["dv"]), jnp.float32)
+    count = jnp.zeros((streams * shape["hv"] + 3,), jnp.int32)
+    fused = jax.jit(functools.partial(gdn.step_norm, eps=1e-6, out_rows=out_rows, interpret=INTERPRET, tiles=tiles))
+    o, new = _jit(gdn.step, tiles=tiles)(q, k, v, g, beta, pool, slot)
+    norm = jax.jit(functools.partial(rownorm.gated_rms_norm, eps=1e-6, interpret=INTERPRET,
+                                     out_rows=out_rows * shape["hv"]))
+    for _ in range(2):
+        y, new_f, count = fused(q, k, v, g, beta, pool, slot, z, w, count)
+        assert np.array_equal(np.asarray(new_f), np.asarray(new))
+        assert np.array_equal(np.asarray(y).view(np.uint16 if dtype == jnp.bfloat16 else np.uint32),
+                              np.asarray(norm(o, z, w)).view(np.uint16 if dtype == jnp.bfloat16 else np.uint32))
+        assert not np.any(np.asarray(count))
+
+
+@pytest.mark.parametrize("streams,out_rows,dtype", [(1, 8, jnp.bfloat16), (3, 8, jnp.bfloat16), (2, 2, jnp.float32)])
+def test_step_norm_is_step_then_gated_norm_bitwise(streams, out_rows, dtype):
+    _check_step_norm(dict(hk=2, hv=4, dk=32, dv=128), streams, out_rows, dtype)
+
+
+def test_step_norm_rejects_bad_inputs():
+    rng = np.random.default_rng(50)
+    (q, k, v, g, beta), pool, slot = _step_case(rng, SMALL, 2, 1, jnp.bfloat16)
+    w, count = jnp.ones(SMALL["dv"]), jnp.zeros((8,), jnp.int32)
+    with pytest.raises(ValueError, match="count"):
+        gdn.step_norm(q, k, v, g, beta, pool, slot, v, w, count[:7], eps=1e-6, interpret=True)
+    with pytest.raises(ValueError, match="z like v"):
+        gdn.step_norm(q, k, v, g, beta, pool, slot, v[..., :16], w, count, eps=1e-6, interpret=True)
+    with pytest.raises(ValueError, match="out_rows"):
+        gdn.step_norm(q, k, v, g, beta, pool, slot, v, w, count, eps=1e-6, out_rows=1, interpret=True)
+    assert not gdn.step_norm_supports(128, gdn.WindowTiles(num_warps=2))
+
+
+def test_step_norm_lowers_for_h200(h200_lowering):
+    sds = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    text = jax.jit(functools.partial(gdn.step_norm, eps=1e-6, out_rows=8)).trace(
+        sds((1, 1, 16, 128), bf), sds((1, 1, 16, 128), bf), sds((1, 1, 48, 128), bf), sds((1, 1, 48), jnp.float32),
+        sds((1, 1, 48), jnp.float32), sds((4, 48, 128, 128), jnp.float32), sds((1,), jnp.int32),
+        sds((1, 1, 48, 128), bf), sds((128,), jnp.float32), sds((48,), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
+
+
 def test_step_reference_equals_window_and_commit_references_bitwise():
     """The references are what the engine runs without kernels (CPU): the same property must hold there."""
     rng = np.random.default_rng(31)
@@ -886,6 +937,12 @@ def test_gpu_window_and_commit_27b_heads():
 @pytest.mark.parametrize("streams", [1, 3, 16])
 def test_gpu_step_27b_heads(streams):
     _check_step(BIG, streams, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("streams", [1, 3, 8])
+def test_gpu_step_norm_27b_heads(streams):
+    _check_step_norm(BIG, streams, 8, jnp.bfloat16)
 
 
 @pytest.mark.gpu

@@ -166,8 +166,8 @@ def test_gpu_fused_step_on_the_decode_qmm_pieces_equals_verify_then_commit_bitwi
     where the step's GDN prep reads the in-projection's pieces (`ops.project_pieces`, checked to be taken) and the
     window's its materialized output (both attention preps read pieces); and the step's logits with the preps on
     the materialized outputs (PREP_PIECES off), bit for bit. The residual adds run with the norms after them
-    (`residual.residual_add_norm`, checked to be taken); with them apart (RESIDUAL_NORM off) the logits are the
-    same bits too. (On the CPU the Mosaic GPU interpreter takes ~2 min for it: the pieces' readers are checked there
+    (`residual.residual_add_norm`, checked to be taken) and the GDN steps with their output norms (`gdn.step_norm`);
+    with either apart (RESIDUAL_NORM, STEP_NORM off) the logits are the same bits too. (On the CPU the Mosaic GPU interpreter takes ~2 min for it: the pieces' readers are checked there
     at the kernels (`test_gdn.py`, `test_attn_prep.py`) and at `project_pieces` and `add_residual_norm`
     (`test_residual.py`).)"""
     from pallas_kernels import residual
@@ -179,11 +179,15 @@ def test_gpu_fused_step_on_the_decode_qmm_pieces_equals_verify_then_commit_bitwi
     monkeypatch.setattr(ops, "project_pieces", lambda *a: taken.append(project_pieces(*a)) or taken[-1])
     add_norm = residual.residual_add_norm
     monkeypatch.setattr(residual, "residual_add_norm", lambda *a, **k: fused.append(1) or add_norm(*a, **k))
+    from pallas_kernels import gdn
+    step_norm = gdn.step_norm
+    monkeypatch.setattr(gdn, "step_norm", lambda *a, **k: fused.append(2) or step_norm(*a, **k))
     ck = load_checkpoint(CAPTURES / "tiny-mlx-4bit", dtype=jnp.bfloat16)
     toks = np.random.default_rng(1).integers(0, ck.config.text.vocab_size, size=150)
     on = _fused_step_equals_verify_then_commit(ck.config, ck.params, toks, jnp.bfloat16, True, interpret=False)
-    assert taken and all(t is not None for t in taken) and fused
-    for switch in ("PREP_PIECES", "RESIDUAL_NORM"):  # the preps on the materialized outputs; the adds apart
+    assert taken and all(t is not None for t in taken) and set(fused) == {1, 2}
+    # the preps on the materialized outputs; the adds apart from their norms; the GDN step apart from its norm
+    for switch in ("PREP_PIECES", "RESIDUAL_NORM", "STEP_NORM"):
         monkeypatch.setattr(ops, switch, False)
         off = _fused_step_equals_verify_then_commit(ck.config, ck.params, toks, jnp.bfloat16, True, interpret=False)
         for a, b in zip(on, off):

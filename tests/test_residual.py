@@ -193,7 +193,7 @@ def test_residual_add_norm_rejects_bad_inputs():
     with pytest.raises(ValueError, match="weight"):
         rs.residual_add_norm(parts, valid, x, jnp.ones(32), zero, eps=1e-6, interpret=True)
     with pytest.raises(ValueError, match="count"):
-        rs.residual_add_norm(parts, valid, x, jnp.ones(64), jnp.zeros((2,), jnp.int32), eps=1e-6, interpret=True)
+        rs.residual_add_norm(parts, valid, x, jnp.ones(64), jnp.zeros((1,), jnp.float32), eps=1e-6, interpret=True)
     with pytest.raises(ValueError, match="out_rows"):
         rs.residual_add_norm(parts, valid, x, jnp.ones(64), zero, eps=1e-6, out_rows=16, interpret=True)
     with pytest.raises(ValueError, match="M <= R"):
@@ -205,7 +205,7 @@ def test_add_residual_norm_is_the_two_ops_on_the_interpreter(monkeypatch):
     """`ops.add_residual_norm` on the Mosaic GPU interpreter: for a `Deferred` projection of 1 and 3 x 2 live rows
     (plain and `Padded` h) it takes the fused kernel and gives `add_residual` then `rms_norm`'s bits (the norm
     padded for the next projection, `Padded`, or not); 16 rows (past RESIDUAL_NORM_ROWS), an fp32 residual and a
-    plain y take the two ops; the counter it threads comes back zero."""
+    plain y take the two ops (and make no counters); the counters it threads come back zero."""
     monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
     taken = []
     fused = rs.residual_add_norm
@@ -220,21 +220,24 @@ def test_add_residual_norm_is_the_two_ops_on_the_interpreter(monkeypatch):
         y = ops.project(h, w, backend, prompt=False)
         assert isinstance(y, Deferred)
         taken.clear()
-        got_x, got_h, count = ops.add_residual_norm(backend, x, y, norm, 1e-6, then=then, prompt=False, count=None)
+        counter = ops.LaunchCount(4)
+        got_x, got_h = ops.add_residual_norm(backend, x, y, norm, 1e-6, then=then, prompt=False, counter=counter)
         assert bool(taken) == expect, lead
         want_x = ops.add_residual(backend, x, y)
         want_h = ops.rms_norm(backend, want_x, norm, 1e-6, then=then, prompt=False)
         assert type(got_h) is type(want_h) and got_h.shape == want_h.shape
         assert np.array_equal(bits(got_x), bits(want_x))
         assert np.array_equal(bits(ops.rows_of(got_h)[0]), bits(ops.rows_of(want_h)[0]))
+        assert (counter.value is not None) == expect
         if expect:
-            assert np.asarray(count).tolist() == [0]
+            assert np.asarray(counter.value).tolist() == [0] * 4
     taken.clear()
     x32 = x.astype(jnp.float32)
+    counter = ops.LaunchCount(1)
     ops.add_residual_norm(backend, x32[:1], ops.project(h[:1], w, backend, prompt=False), norm, 1e-6, then=nxt,
-                          prompt=False, count=None)
-    ops.add_residual_norm(backend, x[:1], x[:1], norm, 1e-6, then=nxt, prompt=False, count=None)
-    assert not taken
+                          prompt=False, counter=counter)
+    ops.add_residual_norm(backend, x[:1], x[:1], norm, 1e-6, then=nxt, prompt=False, counter=counter)
+    assert not taken and counter.value is None
 
 
 def test_residual_add_norm_lowers_for_h200(h200_lowering):

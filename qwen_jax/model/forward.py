@@ -133,7 +133,8 @@ def _layers(params, state: ModelState, x, cfg: TextConfig, run_gdn, run_attn, ta
     rec, conv, kv = list(state.rec), list(state.conv), list(state.kv)
     kept, tapped = [], []
     gi = ai = 0
-    count = h = None
+    h = None
+    counter = ops.LaunchCount(max(1, x.size // x.shape[-1] * cfg.linear_num_value_heads))
     layers = params["layers"]
     eps = cfg.rms_norm_eps
     for i, layer in enumerate(layers):
@@ -141,14 +142,14 @@ def _layers(params, state: ModelState, x, cfg: TextConfig, run_gdn, run_attn, ta
             if h is None:
                 h = ops.rms_norm(backend, x, layer["input_norm"], eps, then=_in_proj(layer, cfg, i), prompt=prompt)
             if cfg.layer_types[i] == LAYER_GDN:
-                y, rec[gi], conv[gi], k = run_gdn(h, layer["gdn"], rec[gi], conv[gi])
+                y, rec[gi], conv[gi], k = run_gdn(h, layer["gdn"], rec[gi], conv[gi], counter)
                 gi += 1
             else:
                 y, kv[ai], k = run_attn(h, layer["attn"], kv[ai])
                 ai += 1
             kept.append(k)
-            x, h, count = ops.add_residual_norm(backend, x, y, layer["post_norm"], eps,
-                                                then=layer["mlp"]["gate_up"], prompt=prompt, count=count)
+            x, h = ops.add_residual_norm(backend, x, y, layer["post_norm"], eps, then=layer["mlp"]["gate_up"],
+                                         prompt=prompt, counter=counter)
             y = mlp(h, layer["mlp"], backend, prompt=prompt)
             if i + 1 < len(layers):
                 norm, then = layers[i + 1]["input_norm"], _in_proj(layers[i + 1], cfg, i + 1)
@@ -157,7 +158,7 @@ def _layers(params, state: ModelState, x, cfg: TextConfig, run_gdn, run_attn, ta
             if norm is None:
                 x, h = ops.add_residual(backend, x, y), None
             else:
-                x, h, count = ops.add_residual_norm(backend, x, y, norm, eps, then=then, prompt=prompt, count=count)
+                x, h = ops.add_residual_norm(backend, x, y, norm, eps, then=then, prompt=prompt, counter=counter)
             if i in taps:
                 tapped.append(x)
     return x, h, ModelState(tuple(kv), tuple(rec), tuple(conv)), kept, tapped
@@ -170,7 +171,7 @@ def prefill(params, state: ModelState, batch: PrefillBatch, cfg: ModelConfig, ba
     t = cfg.text
     x = _embed(params, state, batch.tokens, backend)
 
-    def run_gdn(h, p, rec, conv):
+    def run_gdn(h, p, rec, conv, _):
         y, rec, conv = gdn_mixer.prompt_pass(h, p, rec, conv, batch, t, backend)
         return y, rec, conv, None
 
@@ -193,7 +194,7 @@ def verify(params, state: ModelState, window: VerifyWindow, cfg: ModelConfig, ba
     t = cfg.text
     x = _embed(params, state, window.tokens, backend)
 
-    def run_gdn(h, p, rec, conv):
+    def run_gdn(h, p, rec, conv, _):
         y, k = gdn_mixer.window_pass(h, p, rec, conv, window, t, backend)
         return y, rec, conv, k
 
@@ -226,8 +227,8 @@ def step(params, state: ModelState, window: VerifyWindow, cfg: ModelConfig, back
         return logits, commit(state, kept, window, path, path_len, cfg, backend)
     x = _embed(params, state, window.tokens, backend)
 
-    def run_gdn(h, p, rec, conv):
-        y, rec, conv = gdn_mixer.step_pass(h, p, rec, conv, window, t, backend)
+    def run_gdn(h, p, rec, conv, counter):
+        y, rec, conv = gdn_mixer.step_pass(h, p, rec, conv, window, t, backend, counter)
         return y, rec, conv, None
 
     def run_attn(h, p, pool):

@@ -64,12 +64,14 @@ def window_pass(x, p, rec_pool, conv_pool, window, cfg: TextConfig, backend: Bac
     return finish(o, z, p, cfg, backend, prompt=False), kept
 
 
-def step_pass(x, p, rec_pool, conv_pool, window, cfg: TextConfig, backend: Backend):
+def step_pass(x, p, rec_pool, conv_pool, window, cfg: TextConfig, backend: Backend, counter=None):
     """A serial step (one row per stream, states updated in place): x [S, 1, H] -> (y, rec_pool, conv_pool),
     bit for bit `window_pass` with parents [[-1]] followed by `commit` of the row. Dummy streams (slot 0) leave
     the recurrent state of slot 0 unchanged (g = beta = 0 makes the update the identity). With kernels, the
     rows between the in-projection and the recurrence are one `gdn.decode_prep` launch in both passes; here it takes
-    the in-projection's decode qmm pieces where it can (`ops.project_pieces`: the same bits as its output)."""
+    the in-projection's decode qmm pieces where it can (`ops.project_pieces`: the same bits as its output), and the
+    recurrence and the output norm are one launch (`ops.gdn_step_norm`, the same bits; counter: the program's
+    `ops.LaunchCount`)."""
     if ops.decode_prep_applies(backend, p["in_proj"], cfg):
         y = ops.project_pieces(x, p["in_proj"].weight, backend)
         if y is None:
@@ -81,6 +83,12 @@ def step_pass(x, p, rec_pool, conv_pool, window, cfg: TextConfig, backend: Backe
         q, k, v = split_qkv(u, cfg, backend)
         live = (window.slot > 0)[:, None, None]
         beta, g = jnp.where(live, beta, 0.0), jnp.where(live, g, 0.0)
+    z = z.reshape(v.shape)
+    normed = ops.gdn_step_norm(backend, q, k, v, g, beta, rec_pool, window.slot, z, p["norm"], cfg.rms_norm_eps,
+                               then=p["out"], counter=counter)
+    if normed is not None:
+        y, rec_pool = normed
+        return ops.project(y, p["out"], backend, prompt=False), rec_pool, conv_pool
     o, rec_pool = ops.gdn_step(backend, q, k, v, g, beta, rec_pool, window.slot)
     return finish(o, z, p, cfg, backend, prompt=False), rec_pool, conv_pool
 

@@ -131,6 +131,8 @@ RESIDUAL = True
 # normalises every row alone)
 RESIDUAL_NORM = True
 RESIDUAL_NORM_ROWS = 8
+# The serial step's GDN recurrence and its output norm run as one launch (`gdn.step_norm`, `gdn_step_norm`)
+STEP_NORM = True
 # Norms (and the attention output's gate) feeding a decode qmm write its padded rows (`pad_rows`); False: the qmm
 # pads them
 PAD_AT_NORM = True
@@ -342,12 +344,31 @@ def add_residual(backend: Backend, x: jax.Array, y) -> jax.Array:
     return (jnp.concatenate(out, axis=0) if len(out) > 1 else out[0]).reshape(x.shape)
 
 
+class LaunchCount:
+    """A program's launch counters for the kernels whose last program to finish does the rest of the work
+    (`residual.residual_add_norm`, `gdn.step_norm`): int32 [size] zeros, made at the first use (none if no such
+    kernel runs) and threaded from call to call, each call returning them zero again. Trace-time state of one
+    forward (`forward._layers` makes one)."""
+
+    def __init__(self, size: int):
+        self.size, self.value = size, None
+
+    def take(self, need: int) -> jax.Array:
+        if need > self.size:
+            raise ValueError(f"LaunchCount: {need} counters asked of {self.size}")
+        if self.value is None:
+            self.value = jnp.zeros((self.size,), jnp.int32)
+        return self.value
+
+    def give(self, value: jax.Array) -> None:
+        self.value = value
+
+
 def add_residual_norm(backend: Backend, x: jax.Array, y, weight: jax.Array, eps: float, *, then, prompt: bool,
-                      count: jax.Array | None):
-    """(x + y, `rms_norm(x + y, weight, eps, then=then)`, count): `add_residual` and the norm that reads its result,
-    in one launch (`residual.residual_add_norm`, the same bits) where y is a `Deferred` projection of bf16 rows in
-    one piece of at most RESIDUAL_NORM_ROWS live rows; else the two ops. count: the fused kernel's launch counter,
-    [1] int32 zero: None before a program's first such call, then the one the last call returned."""
+                      counter: LaunchCount):
+    """(x + y, `rms_norm(x + y, weight, eps, then=then)`): `add_residual` and the norm that reads its result, in one
+    launch (`residual.residual_add_norm`, the same bits) where y is a `Deferred` projection of bf16 rows in one piece
+    of at most RESIDUAL_NORM_ROWS live rows; else the two ops. counter: the program's launch counters."""
     m = math.prod(x.shape[:-1])
     if (RESIDUAL_NORM and isinstance(y, Deferred) and x.dtype == jnp.bfloat16 and 0 < m <= RESIDUAL_NORM_ROWS):
         rows, _ = rows_of(y.h)
@@ -355,13 +376,29 @@ def add_residual_norm(backend: Backend, x: jax.Array, y, weight: jax.Array, eps:
         if len(heights) == 1:
             r = pad_rows(backend, x, then, prompt=prompt)
             parts, written = qmm_mgpu.qmm_parts(rows, y.w, rows=heights[0], interpret=backend.interpret)
-            count = jnp.zeros((1,), jnp.int32) if count is None else count
             total, h, count = residual_k.residual_add_norm(
-                parts, jnp.asarray(written), x.reshape(m, x.shape[-1]), weight, count, eps=eps,
+                parts, jnp.asarray(written), x.reshape(m, x.shape[-1]), weight, counter.take(1), eps=eps,
                 out_rows=r or m, interpret=backend.interpret)
-            return (total.reshape(x.shape), Padded(h, x.shape[:-1]) if r else h.reshape(x.shape), count)
+            counter.give(count)
+            return total.reshape(x.shape), Padded(h, x.shape[:-1]) if r else h.reshape(x.shape)
     x = add_residual(backend, x, y)
-    return x, rms_norm(backend, x, weight, eps, then=then, prompt=prompt), count
+    return x, rms_norm(backend, x, weight, eps, then=then, prompt=prompt)
+
+
+def gdn_step_norm(backend: Backend, q, k, v, g, beta, rec_pool, slot, z, weight, eps: float, *, then,
+                  counter: LaunchCount | None):
+    """(y, rec_pool): `gdn_step` and GDN's output norm of its o (`gated_rms_norm(o, z, weight, eps, then=then)`,
+    y as that returns it) in one launch (`gdn.step_norm`, the same bits) where kernels are on (STEP_NORM); None
+    where not."""
+    s, _, hv, dv = v.shape
+    if not (STEP_NORM and backend.kernels and counter is not None and gdn_k.step_norm_supports(dv)):
+        return None
+    joined = jax.ShapeDtypeStruct((s, 1, hv * dv), v.dtype)
+    r = pad_rows(backend, joined, then, prompt=False)
+    y, rec_pool, count = gdn_k.step_norm(q, k, v, g, beta, rec_pool, slot, z, weight, counter.take(s * hv),
+                                         eps=eps, out_rows=r or s, interpret=backend.interpret)
+    counter.give(count)
+    return (Padded(y.reshape(r, hv * dv), (s, 1)) if r else y.reshape(s, 1, hv * dv)), rec_pool
 
 
 def conv_prompt(backend: Backend, *args):
