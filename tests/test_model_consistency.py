@@ -151,13 +151,22 @@ def test_fp8_kv_window_equals_serial_steps(setup):
         s = commit(s, k1, w1, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32))
 
 
-@pytest.mark.parametrize("dtype,kernels", [(jnp.float32, False), (jnp.float32, True), (jnp.bfloat16, True)])
-def test_fused_step_equals_verify_then_commit_bitwise(setup, dtype, kernels):
+@pytest.mark.parametrize("dtype,kernels,step_norm", [(jnp.float32, False, False), (jnp.float32, True, False),
+                                                     (jnp.bfloat16, True, False), (jnp.bfloat16, True, True)])
+def test_fused_step_equals_verify_then_commit_bitwise(setup, dtype, kernels, step_norm, monkeypatch):
     """The decode program's fused step ≡ a one-row verify + commit of the row, bit for bit (logits and every
     pool), for two live streams beside a dummy one (slot 0), over several steps. kernels=True runs the Pallas
-    kernels in interpret mode (the fused GDN step launch); the reference path is verify + commit itself."""
+    kernels in interpret mode (the fused GDN step launch; with step_norm, the step and its output norm in one
+    launch, `gdn.step_norm`, checked to be taken); the reference path is verify + commit itself."""
+    from pallas_kernels import gdn
+    from qwen_jax.model import ops
     cfg, params, toks, _, _, _, _ = setup
+    monkeypatch.setattr(ops, "STEP_NORM", step_norm)
+    taken = []
+    fused = gdn.step_norm
+    monkeypatch.setattr(gdn, "step_norm", lambda *a, **k: taken.append(1) or fused(*a, **k))
     _fused_step_equals_verify_then_commit(cfg, params, toks, dtype, kernels)
+    assert bool(taken) == step_norm
 
 
 @pytest.mark.gpu
@@ -166,10 +175,10 @@ def test_gpu_fused_step_on_the_decode_qmm_pieces_equals_verify_then_commit_bitwi
     where the step's GDN prep reads the in-projection's pieces (`ops.project_pieces`, checked to be taken) and the
     window's its materialized output (both attention preps read pieces); and the step's logits with the preps on
     the materialized outputs (PREP_PIECES off), bit for bit. The residual adds run with the norms after them
-    (`residual.residual_add_norm`, checked to be taken) and the GDN steps with their output norms (`gdn.step_norm`);
-    with either apart (RESIDUAL_NORM, STEP_NORM off) the logits are the same bits too. (On the CPU the Mosaic GPU interpreter takes ~2 min for it: the pieces' readers are checked there
-    at the kernels (`test_gdn.py`, `test_attn_prep.py`) and at `project_pieces` and `add_residual_norm`
-    (`test_residual.py`).)"""
+    (`residual.residual_add_norm`, checked to be taken) and the GDN steps with their output norms (`gdn.step_norm`,
+    STEP_NORM on here); with either apart (RESIDUAL_NORM, STEP_NORM off) the logits are the same bits too. (On the
+    CPU the Mosaic GPU interpreter takes ~2 min for it: the pieces' readers are checked there at the kernels
+    (`test_gdn.py`, `test_attn_prep.py`) and at `project_pieces` and `add_residual_norm` (`test_residual.py`).)"""
     from pallas_kernels import residual
     from qwen_jax.checkpoint import load_checkpoint
     from qwen_jax.model import ops
@@ -184,6 +193,7 @@ def test_gpu_fused_step_on_the_decode_qmm_pieces_equals_verify_then_commit_bitwi
     monkeypatch.setattr(gdn, "step_norm", lambda *a, **k: fused.append(2) or step_norm(*a, **k))
     ck = load_checkpoint(CAPTURES / "tiny-mlx-4bit", dtype=jnp.bfloat16)
     toks = np.random.default_rng(1).integers(0, ck.config.text.vocab_size, size=150)
+    monkeypatch.setattr(ops, "STEP_NORM", True)
     on = _fused_step_equals_verify_then_commit(ck.config, ck.params, toks, jnp.bfloat16, True, interpret=False)
     assert taken and all(t is not None for t in taken) and set(fused) == {1, 2}
     # the preps on the materialized outputs; the adds apart from their norms; the GDN step apart from its norm

@@ -131,8 +131,11 @@ RESIDUAL = True
 # normalises every row alone)
 RESIDUAL_NORM = True
 RESIDUAL_NORM_ROWS = 8
-# The serial step's GDN recurrence and its output norm run as one launch (`gdn.step_norm`, `gdn_step_norm`)
-STEP_NORM = True
+# The serial step's GDN recurrence and its output norm run as one launch (`gdn.step_norm`, `gdn_step_norm`). Off
+# until it has run on the H200: its bits match the two kernels' in interpret mode and on the CPU model tests, but
+# its gpu tests, the engine gates with it and its timing are `tools/gpu/run.sh hundred-thirty-seventh`, not yet run
+# (session 31 had no device left).
+STEP_NORM = False
 # Norms (and the attention output's gate) feeding a decode qmm write its padded rows (`pad_rows`); False: the qmm
 # pads them
 PAD_AT_NORM = True

@@ -86,9 +86,9 @@ def run(args) -> None:
     if args.no_prep_pieces:
         ops.PREP_PIECES = False
         print("the GDN and attention preps read their projection's output (its epilogue an XLA fusion)")
-    if args.no_step_norm:
-        ops.STEP_NORM = False
-        print("the GDN step and its output norm as separate launches")
+    if args.step_norm:
+        ops.STEP_NORM = True
+        print("the GDN step and its output norm in one launch")
     if args.no_residual_norm:
         ops.RESIDUAL_NORM = False
         print("the residual adds and the norms after them as separate launches")
@@ -274,8 +274,8 @@ def main(argv=None) -> int:
                     help="qmm_mgpu.ROUNDING (how the kernel's output keeps its rounding)")
     ap.add_argument("--mgpu-conversion", choices=("words", "subnormal", "nibbles", "unsigned"), default=None,
                     help="qmm_mgpu.CONVERSION (how the kernel turns 4-bit weights into the MMA's operand)")
-    ap.add_argument("--no-step-norm", action="store_true",
-                    help="ops.STEP_NORM False (the serial step's GDN recurrence and its output norm two launches)")
+    ap.add_argument("--step-norm", action="store_true",
+                    help="ops.STEP_NORM True (the serial step's GDN recurrence and its output norm one launch)")
     ap.add_argument("--no-residual-norm", action="store_true",
                     help="ops.RESIDUAL_NORM False (each residual add and the norm after it two launches)")
     ap.add_argument("--no-residual", action="store_true",

@@ -128,13 +128,21 @@ case "$stage" in
     timeout 150 python3 -m pallas_kernels.bench attention --sections short_chunks --budget-s 135 --trace /tmp/trace_sc \
       --json "$out/attention_short.json" 2>&1 | tee "$out/attention_short.log" | grep -E "^copy|FAILED" ;;
   hundred-thirty-seventh)
-    # Session 31 (~9 min, the last device time): the serial step's GDN recurrence with its output norm in one launch
-    # (gdn.step_norm, ops.STEP_NORM): its gpu tests at the 27B's heads, the tiny 4-bit model's step == verify +
-    # commit and == with the fused launches off, every engine gate, the round traced with and without, the bench.
+    # Prepared in session 31 (no device was left to run it; ~9 min): the serial step's GDN recurrence with its
+    # output norm in one launch (gdn.step_norm, ops.STEP_NORM, off by default until this passes): its gpu tests at
+    # the 27B's heads, the tiny 4-bit model's step == verify + commit and == with each fused launch off, every engine
+    # gate with it on, the round traced without and with it, then the bench with it on. If the gates pass and the
+    # round is faster, turn STEP_NORM on.
     gpu_pytest 120 stepnorm 8 tests/test_gdn.py tests/test_model_consistency.py -k "step_norm or pieces"
-    gpu_pytest 260 engine 10 tests/test_engine_gpu.py
-    for v in "" --no-step-norm; do profile_round 60 "$v" "kernel_mosaic|gdn_step|rownorm_gated"; done
-    bench_27b 130 3 ;;
+    timeout -s INT 260 python3 -c "import sys, pytest; from qwen_jax.model import ops; ops.STEP_NORM = True; \
+      sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
+      > "$out/gpu_tests_engine.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_engine.log" | cut -c1-200 | tail -10
+    for v in "" --step-norm; do profile_round 60 "$v" "kernel_mosaic|gdn_step|rownorm_gated"; done
+    timeout 130 python3 -c "import runpy, sys; from qwen_jax.model import ops; ops.STEP_NORM = True; \
+      sys.argv = ['qwen_jax'] + sys.argv[1:]; runpy.run_module('qwen_jax', run_name='__main__')" bench \
+      --synthetic 27b --streams 1,16 --prompt-lengths 4096 --rounds 32 --no-compile-timing --compile-cache "" 2>&1 \
+      | tee "$out/bench_27b.log" | tail -3 ;;
   hundred-thirty-sixth)
     # Session 31 (~7 min): each residual add with the norm after it in one launch (residual.residual_add_norm,
     # ops.RESIDUAL_NORM): its gpu tests (the 27B's down projection and 5120-wide norm, bit for bit the two kernels),
