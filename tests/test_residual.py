@@ -204,9 +204,12 @@ def test_residual_add_norm_rejects_bad_inputs():
 def test_add_residual_norm_is_the_two_ops_on_the_interpreter(monkeypatch):
     """`ops.add_residual_norm` on the Mosaic GPU interpreter: for a `Deferred` projection of 1 and 3 x 2 live rows
     (plain and `Padded` h) it takes the fused kernel and gives `add_residual` then `rms_norm`'s bits (the norm
-    padded for the next projection, `Padded`, or not); 16 rows (past RESIDUAL_NORM_ROWS), an fp32 residual and a
-    plain y take the two ops (and make no counters); the counters it threads come back zero."""
+    padded for the next projection, `Padded`, or not; RESIDUAL_NORM_ROWS raised to 8 for it); 16 rows (past it), an
+    fp32 residual and a plain y take the two ops (and make no counters); the counters it threads come back zero.
+    At the default RESIDUAL_NORM_ROWS (1) two rows take the two ops."""
     monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
+    default_rows = ops.RESIDUAL_NORM_ROWS
+    monkeypatch.setattr(ops, "RESIDUAL_NORM_ROWS", 8)
     taken = []
     fused = rs.residual_add_norm
     monkeypatch.setattr(rs, "residual_add_norm", lambda *a, **k: taken.append(1) or fused(*a, **k))
@@ -238,6 +241,13 @@ def test_add_residual_norm_is_the_two_ops_on_the_interpreter(monkeypatch):
                           prompt=False, counter=counter)
     ops.add_residual_norm(backend, x[:1], x[:1], norm, 1e-6, then=nxt, prompt=False, counter=counter)
     assert not taken and counter.value is None
+    monkeypatch.setattr(ops, "RESIDUAL_NORM_ROWS", default_rows)
+    ops.add_residual_norm(backend, x[:2], ops.project(h[:2], w, backend, prompt=False), norm, 1e-6, then=nxt,
+                          prompt=False, counter=counter)
+    assert not taken
+    ops.add_residual_norm(backend, x[:1], ops.project(h[:1], w, backend, prompt=False), norm, 1e-6, then=nxt,
+                          prompt=False, counter=counter)
+    assert taken
 
 
 def test_residual_add_norm_lowers_for_h200(h200_lowering):

@@ -127,10 +127,12 @@ SWIGLU = True
 # (`project`, `add_residual`)
 RESIDUAL = True
 # The residual add after a decode projection and the norm that reads its result run as one launch
-# (`residual.residual_add_norm`, `add_residual_norm`) for up to RESIDUAL_NORM_ROWS live rows (its last program
-# normalises every row alone)
+# (`residual.residual_add_norm`, `add_residual_norm`) for up to RESIDUAL_NORM_ROWS live rows. Its last program
+# normalises the rows one after another (a 5120-wide row is one block of the norm's tiles), ~1.9 us of serial tail
+# a row, where the separate norm runs its rows in parallel programs: timed at one row only (BENCHMARKS.md, engine,
+# session 31), so one row (the one-stream decode) until more are measured.
 RESIDUAL_NORM = True
-RESIDUAL_NORM_ROWS = 8
+RESIDUAL_NORM_ROWS = 1
 # The serial step's GDN recurrence and its output norm run as one launch (`gdn.step_norm`, `gdn_step_norm`). Off
 # until it has run on the H200: its bits match the two kernels' in interpret mode and on the CPU model tests, but
 # its gpu tests, the engine gates with it and its timing are `tools/gpu/run.sh hundred-thirty-seventh`, not yet run
