@@ -45,9 +45,10 @@ def reference(parts: jax.Array, valid: jax.Array, x: jax.Array) -> jax.Array:
     return add(x, total[:, :x.shape[0]].T)
 
 
-def _kernel(valid_ref, parts_ref, x_ref, o_ref, *, n: int, n_pieces: int, r: int, m: int):
-    # valid_ref [P, N] int8; parts_ref [P, N, R] fp32; x_ref, o_ref [M, N] bf16: this program's BLOCK_N columns,
-    # the M live rows as the first of R (the rest masked).
+def _add_block(valid_ref, parts_ref, x_ref, o_ref, *, n: int, n_pieces: int, r: int, m: int):
+    """This program's BLOCK_N columns of x + y: valid_ref [P, N] int8; parts_ref [P, N, R] fp32; x_ref, o_ref
+    [M, N] bf16, the M live rows as the first of R (the rest masked). -> (the columns' mask [BLOCK_N], the block's
+    rows [R, 1], the block's slices)."""
     j = pl.program_id(0)
     cols = j * BLOCK_N + jnp.arange(BLOCK_N)
     in_n = cols < n
@@ -59,9 +60,16 @@ def _kernel(valid_ref, parts_ref, x_ref, o_ref, *, n: int, n_pieces: int, r: int
         return vals, ok[:, None]
 
     y = sum_pieces(load, n_pieces).astype(o_ref.dtype).T  # [R, BLOCK_N]
-    mask = (jnp.arange(r) < m)[:, None] & in_n[None, :]
-    x = plgpu.load(x_ref.at[pl.ds(0, r), pl.ds(j * BLOCK_N, BLOCK_N)], mask=mask, other=0.0)
-    plgpu.store(o_ref.at[pl.ds(0, r), pl.ds(j * BLOCK_N, BLOCK_N)], add(x, y), mask=mask)
+    row = jnp.arange(r)[:, None]
+    mask = (row < m) & in_n[None, :]
+    block = (pl.ds(0, r), pl.ds(j * BLOCK_N, BLOCK_N))
+    x = plgpu.load(x_ref.at[block], mask=mask, other=0.0)
+    plgpu.store(o_ref.at[block], add(x, y), mask=mask)
+    return in_n, row, block
+
+
+def _kernel(valid_ref, parts_ref, x_ref, o_ref, *, n: int, n_pieces: int, r: int, m: int):
+    _add_block(valid_ref, parts_ref, x_ref, o_ref, n=n, n_pieces=n_pieces, r=r, m=m)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -105,24 +113,9 @@ def _norm_kernel(valid_ref, parts_ref, x_ref, w_ref, _, o_ref, h_ref, count_ref,
     # M .. out_rows of h_ref [out_rows, N] (the norm of a zero row: 0 x weight). Then the last program to finish
     # (count_ref[0] int32, zero on entry and left zero) normalises rows 0 .. M of o_ref into h_ref with
     # `rownorm.norm_block`, the rms_norm kernel's own body and tiles, so the same bits as that kernel.
-    j = pl.program_id(0)
-    cols = j * BLOCK_N + jnp.arange(BLOCK_N)
-    in_n = cols < n
-
-    def load(p):
-        p = jnp.int32(p)
-        ok = plgpu.load(valid_ref.at[p, pl.ds(j * BLOCK_N, BLOCK_N)], mask=in_n, other=0) != 0
-        vals = plgpu.load(parts_ref.at[p, pl.ds(j * BLOCK_N, BLOCK_N), :], mask=in_n[:, None], other=0.0)
-        return vals, ok[:, None]
-
-    y = sum_pieces(load, n_pieces).astype(o_ref.dtype).T  # [R, BLOCK_N]
-    row = jnp.arange(r)[:, None]
-    mask = (row < m) & in_n[None, :]
-    block = (pl.ds(0, r), pl.ds(j * BLOCK_N, BLOCK_N))
-    x = plgpu.load(x_ref.at[block], mask=mask, other=0.0)
-    plgpu.store(o_ref.at[block], add(x, y), mask=mask)
+    in_n, row, block = _add_block(valid_ref, parts_ref, x_ref, o_ref, n=n, n_pieces=n_pieces, r=r, m=m)
     if out_rows > m:
-        w = plgpu.load(w_ref.at[pl.ds(j * BLOCK_N, BLOCK_N)], mask=in_n, other=0.0).astype(jnp.float32)
+        w = plgpu.load(w_ref.at[block[1]], mask=in_n, other=0.0).astype(jnp.float32)
         pad = (jnp.zeros((r, BLOCK_N), jnp.float32) * w[None, :]).astype(h_ref.dtype)
         plgpu.store(h_ref.at[block], pad, mask=(row >= m) & (row < out_rows) & in_n[None, :])
     if not interpret:
