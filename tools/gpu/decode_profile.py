@@ -86,6 +86,9 @@ def run(args) -> None:
     if args.no_prep_pieces:
         ops.PREP_PIECES = False
         print("the GDN and attention preps read their projection's output (its epilogue an XLA fusion)")
+    if args.residual_norm_rows:
+        ops.RESIDUAL_NORM_ROWS = args.residual_norm_rows
+        print(f"the residual add and its norm in one launch up to {ops.RESIDUAL_NORM_ROWS} rows")
     if args.step_norm:
         ops.STEP_NORM = True
         print("the GDN step and its output norm in one launch")
@@ -274,6 +277,8 @@ def main(argv=None) -> int:
                     help="qmm_mgpu.ROUNDING (how the kernel's output keeps its rounding)")
     ap.add_argument("--mgpu-conversion", choices=("words", "subnormal", "nibbles", "unsigned"), default=None,
                     help="qmm_mgpu.CONVERSION (how the kernel turns 4-bit weights into the MMA's operand)")
+    ap.add_argument("--residual-norm-rows", type=int, default=None,
+                    help="ops.RESIDUAL_NORM_ROWS (live rows up to which a residual add and its norm are one launch)")
     ap.add_argument("--step-norm", action="store_true",
                     help="ops.STEP_NORM True (the serial step's GDN recurrence and its output norm one launch)")
     ap.add_argument("--no-residual-norm", action="store_true",

@@ -131,14 +131,21 @@ case "$stage" in
     # Prepared in session 31 (no device was left to run it; ~9 min): the serial step's GDN recurrence with its
     # output norm in one launch (gdn.step_norm, ops.STEP_NORM, off by default until this passes): its gpu tests at
     # the 27B's heads, the tiny 4-bit model's step == verify + commit and == with each fused launch off, every engine
-    # gate with it on, the round traced without and with it, then the bench with it on. If the gates pass and the
-    # round is faster, turn STEP_NORM on.
+    # gate with it on, the round traced without and with it, the residual add with its norm at 4 streams (fused up
+    # to 1 row, the default, or 4), then the bench with STEP_NORM on. If the gates pass and the round is faster,
+    # turn STEP_NORM on; set RESIDUAL_NORM_ROWS from the 4-stream rounds.
     gpu_pytest 120 stepnorm 8 tests/test_gdn.py tests/test_model_consistency.py -k "step_norm or pieces"
     timeout -s INT 260 python3 -c "import sys, pytest; from qwen_jax.model import ops; ops.STEP_NORM = True; \
       sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
       > "$out/gpu_tests_engine.log" 2>&1
     grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_engine.log" | cut -c1-200 | tail -10
     for v in "" --step-norm; do profile_round 60 "$v" "kernel_mosaic|gdn_step|rownorm_gated"; done
+    # the residual add with its norm at 4 streams (the fused tail normalises rows one after another): 1 (off) / 4
+    for n in 1 4; do
+      timeout 60 python3 tools/gpu/decode_profile.py --synthetic 27b --streams 4 --rounds 16 --trace /tmp/trace_rn \
+        --profiled 0 --residual-norm-rows $n 2>&1 | tee "$out/profile_s4_rn$n.txt" \
+        | grep -E "trace:|device-bound|  (residual_add|rownorm_rms)" | head -5
+    done
     timeout 130 python3 -c "import runpy, sys; from qwen_jax.model import ops; ops.STEP_NORM = True; \
       sys.argv = ['qwen_jax'] + sys.argv[1:]; runpy.run_module('qwen_jax', run_name='__main__')" bench \
       --synthetic 27b --streams 1,16 --prompt-lengths 4096 --rounds 32 --no-compile-timing --compile-cache "" 2>&1 \
