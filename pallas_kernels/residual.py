@@ -23,6 +23,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -45,11 +46,10 @@ def reference(parts: jax.Array, valid: jax.Array, x: jax.Array) -> jax.Array:
     return add(x, total[:, :x.shape[0]].T)
 
 
-def _add_block(valid_ref, parts_ref, x_ref, o_ref, *, n: int, n_pieces: int, r: int, m: int):
-    """This program's BLOCK_N columns of x + y: valid_ref [P, N] int8; parts_ref [P, N, R] fp32; x_ref, o_ref
+def _add_block(valid_ref, parts_ref, x_ref, o_ref, j, *, n: int, n_pieces: int, r: int, m: int):
+    """Column block j's BLOCK_N columns of x + y: valid_ref [P, N] int8; parts_ref [P, N, R] fp32; x_ref, o_ref
     [M, N] bf16, the M live rows as the first of R (the rest masked). -> (the columns' mask [BLOCK_N], the block's
     rows [R, 1], the block's slices)."""
-    j = pl.program_id(0)
     cols = j * BLOCK_N + jnp.arange(BLOCK_N)
     in_n = cols < n
 
@@ -69,7 +69,7 @@ def _add_block(valid_ref, parts_ref, x_ref, o_ref, *, n: int, n_pieces: int, r: 
 
 
 def _kernel(valid_ref, parts_ref, x_ref, o_ref, *, n: int, n_pieces: int, r: int, m: int):
-    _add_block(valid_ref, parts_ref, x_ref, o_ref, n=n, n_pieces=n_pieces, r=r, m=m)
+    _add_block(valid_ref, parts_ref, x_ref, o_ref, pl.program_id(0), n=n, n_pieces=n_pieces, r=r, m=m)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -108,41 +108,79 @@ def reference_norm(parts: jax.Array, valid: jax.Array, x: jax.Array, weight: jax
 
 
 def _norm_kernel(valid_ref, parts_ref, x_ref, w_ref, _, o_ref, h_ref, count_ref, *, n: int, n_pieces: int, r: int,
-                 m: int, out_rows: int, eps: float, tiles: rownorm.RowTiles, interpret: bool):
-    # As `_kernel` for this program's BLOCK_N columns of x + y (o_ref [M, N]), with the norm's padding rows
-    # M .. out_rows of h_ref [out_rows, N] (the norm of a zero row: 0 x weight). Then the last program to finish
-    # (count_ref[0] int32, zero on entry and left zero) normalises rows 0 .. M of o_ref into h_ref with
-    # `rownorm.norm_block`, the rms_norm kernel's own body and tiles, so the same bits as that kernel.
-    in_n, row, block = _add_block(valid_ref, parts_ref, x_ref, o_ref, n=n, n_pieces=n_pieces, r=r, m=m)
-    if out_rows > m:
-        w = plgpu.load(w_ref.at[block[1]], mask=in_n, other=0.0).astype(jnp.float32)
-        pad = (jnp.zeros((r, BLOCK_N), jnp.float32) * w[None, :]).astype(h_ref.dtype)
-        plgpu.store(h_ref.at[block], pad, mask=(row >= m) & (row < out_rows) & in_n[None, :])
-    if not interpret:
-        plgpu.debug_barrier()  # every thread's stores before the release of the count
-    done = plgpu.atomic_add(count_ref, (jnp.int32(0),), jnp.int32(1))  # acquire-release, GPU scope
+                 m: int, out_rows: int, eps: float, tiles: rownorm.RowTiles, tail: str, blocks: int,
+                 interpret: bool):
+    # Programs 0 .. blocks - 1: `_kernel`'s BLOCK_N columns of x + y (o_ref [M, N]) and the norm's padding rows
+    # M .. out_rows of h_ref [out_rows, N] (the norm of a zero row: 0 x weight), then each counts itself in
+    # (count_ref[0] int32, zero on entry and left zero). The norm of rows 0 .. M of o_ref into h_ref, with
+    # `rownorm.norm_block` (the rms_norm kernel's own body and tiles, so its bits): tail "last", by the last of
+    # those programs to count in, a block of rows after another; tail "rows", by programs blocks .. blocks +
+    # cdiv(M, block_rows) - 1, a block of rows each, once the count shows every column block written.
+    j = pl.program_id(0)
+    zero = (jnp.int32(0),)
 
-    @pl.when(done == pl.num_programs(0) - 1)
-    def _last():
-        # The count's acquire (one thread's, then this barrier) orders the other programs' stores of o_ref before
+    def add():
+        in_n, row, block = _add_block(valid_ref, parts_ref, x_ref, o_ref, j, n=n, n_pieces=n_pieces, r=r, m=m)
+        if out_rows > m:
+            w = plgpu.load(w_ref.at[block[1]], mask=in_n, other=0.0).astype(jnp.float32)
+            pad = (jnp.zeros((r, BLOCK_N), jnp.float32) * w[None, :]).astype(h_ref.dtype)
+            plgpu.store(h_ref.at[block], pad, mask=(row >= m) & (row < out_rows) & in_n[None, :])
+        if not interpret:
+            plgpu.debug_barrier()  # every thread's stores before the release of the count
+        return plgpu.atomic_add(count_ref, zero, jnp.int32(1))  # acquire-release, GPU scope
+
+    def norm(row0):
+        # The count's acquire (one thread's, then this barrier) orders the add programs' stores of o_ref before
         # these loads of it, in the PTX memory model (the acquire at GPU scope also drops this SM's stale L1 lines).
         if not interpret:
             plgpu.debug_barrier()
-        for row0 in range(0, m, tiles.block_rows):
-            rownorm.norm_block(o_ref, None, w_ref, h_ref, row0, m, m, kind="rms", d=n, eps=eps, tiles=tiles,
-                               io_dtype=o_ref.dtype)
-        plgpu.atomic_add(count_ref, (jnp.int32(0),), jnp.asarray(-pl.num_programs(0), jnp.int32))  # back to zero for the next call
+        rownorm.norm_block(o_ref, None, w_ref, h_ref, row0, m, m, kind="rms", d=n, eps=eps, tiles=tiles,
+                           io_dtype=o_ref.dtype)
+
+    if tail == "last":
+        done = add()
+
+        @pl.when(done == blocks - 1)
+        def _last():
+            for row0 in range(0, m, tiles.block_rows):
+                norm(row0)
+            plgpu.atomic_add(count_ref, zero, jnp.int32(-blocks))  # zero for the next call
+        return
+    norms = pl.cdiv(m, tiles.block_rows)
+
+    @pl.when(j < blocks)
+    def _add():
+        add()
+
+    @pl.when(j >= blocks)
+    def _norm():
+        # Wait until every add program has counted in: they are the grid's first programs, dispatched before these
+        # (and in interpret mode run before them), and the grid fits the GPU at once.
+        # (the read is an atomic add of zero; its index and value come from the carry: a loop body may not close
+        # over arrays in interpret mode)
+        lax.while_loop(lambda c: c < blocks, lambda c: plgpu.atomic_add(count_ref, (c - c,), c - c), jnp.int32(0))
+        norm((j - blocks) * tiles.block_rows)
+        done = plgpu.atomic_add(count_ref, zero, jnp.int32(1))
+
+        @pl.when(done == blocks + norms - 1)
+        def _reset():
+            plgpu.atomic_add(count_ref, zero, jnp.int32(-(blocks + norms)))  # zero for the next call
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "out_rows", "interpret"))
+TAILS = ("last", "rows")
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "out_rows", "tail", "interpret"))
 def residual_add_norm(parts: jax.Array, valid: jax.Array, x: jax.Array, weight: jax.Array, count: jax.Array, *,
-                      eps: float, out_rows: int | None = None, interpret: bool = False
+                      eps: float, out_rows: int | None = None, tail: str = "last", interpret: bool = False
                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`residual_add` and the `rownorm.rms_norm` that reads its result, in one launch: parts [P, N, R] fp32, valid
     [P, N] bool, x [M, N] bf16 (M <= R), weight [N], count int32 [>= 1] zero (launch counters, the first used:
-    give each call the previous call's returned ones) -> (x + y [M, N], its norm [out_rows, N] with zero rows past M as `rms_norm(...,
-    out_rows=out_rows)` writes them (out_rows None: M), count, zero again). Each value is the unfused kernels' bit
-    for bit (`reference_norm`'s up to the norm's summation order)."""
+    give each call the previous call's returned ones) -> (x + y [M, N], its norm [out_rows, N] with zero rows past
+    M as `rms_norm(..., out_rows=out_rows)` writes them (out_rows None: M), count, zero again). Each value is the
+    unfused kernels' bit for bit (`reference_norm`'s up to the norm's summation order). tail (TAILS): who
+    normalises once the sum is written: "last", the last add program to finish, the rows one after another;
+    "rows", programs of their own, a block of rows each, in parallel."""
     p, n, r = parts.shape
     m = x.shape[0]
     out_rows = m if out_rows is None else out_rows
@@ -153,14 +191,17 @@ def residual_add_norm(parts: jax.Array, valid: jax.Array, x: jax.Array, weight: 
     if weight.shape != (n,) or count.ndim != 1 or count.dtype != jnp.int32 or not m <= out_rows <= r:
         raise ValueError(f"residual_add_norm: weight [{n}], count int32 [>= 1], M <= out_rows <= R; got "
                          f"{weight.shape}, {count.dtype} {count.shape}, out_rows={out_rows}")
+    if tail not in TAILS:
+        raise ValueError(f"residual_add_norm: tail {tail!r} is not one of {TAILS}")
     tiles = rownorm.tiles_for(n)
+    blocks = pl.cdiv(n, BLOCK_N)
     kernel = functools.partial(_norm_kernel, n=n, n_pieces=p, r=r, m=m, out_rows=out_rows, eps=float(eps),
-                               tiles=tiles, interpret=interpret)
+                               tiles=tiles, tail=tail, blocks=blocks, interpret=interpret)
     whole = lambda *shape: pl.BlockSpec(shape, lambda j: (0,) * len(shape))
     with jax.named_scope("residual_add_norm"):
         return pallas_call(
             kernel,
-            grid=(pl.cdiv(n, BLOCK_N),),
+            grid=(blocks + (pl.cdiv(m, tiles.block_rows) if tail == "rows" else 0),),
             in_specs=[whole(p, n), whole(p, n, r), whole(m, n), whole(n), whole(*count.shape)],
             out_specs=[whole(m, n), whole(out_rows, n), whole(*count.shape)],
             out_shape=[jax.ShapeDtypeStruct((m, n), x.dtype), jax.ShapeDtypeStruct((out_rows, n), x.dtype),

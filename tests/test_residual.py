@@ -164,18 +164,19 @@ def test_gpu_residual_add_27b():
         assert np.array_equal(bits(part), bits(many[lo:hi])), (lo, hi)
 
 
+@pytest.mark.parametrize("tail", rs.TAILS)
 @pytest.mark.parametrize("p,n,r,m,out_rows", [(2, 200, 16, 1, 16), (3, 256, 8, 8, 8), (2, 320, 8, 3, 8),
-                                              (4, 96, 32, 20, 32), (1, 5120, 8, 1, 8)])
-def test_residual_add_norm_is_the_two_kernels_bitwise(p, n, r, m, out_rows):
+                                              (4, 96, 32, 20, 32), (1, 5120, 8, 1, 8), (2, 5120, 16, 5, 16)])
+def test_residual_add_norm_is_the_two_kernels_bitwise(p, n, r, m, out_rows, tail):
     """x + y as `residual_add`, its norm as `rownorm.rms_norm(..., out_rows)` (zero rows past M included), bit for
-    bit; the launch counter comes back zero."""
+    bit, with either tail; the launch counter comes back zero."""
     from pallas_kernels import rownorm
     rng = np.random.default_rng(700 + n)
     parts, valid = random_pieces(rng, p, n, r)
     x = jnp.asarray(rng.standard_normal((m, n)) * 4, jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal(n), jnp.float32)
     total, h, count = rs.residual_add_norm(parts, valid, x, w, jnp.zeros((1,), jnp.int32), eps=1e-6,
-                                           out_rows=out_rows, interpret=INTERPRET)
+                                           out_rows=out_rows, tail=tail, interpret=INTERPRET)
     want = rs.residual_add(parts, valid, x, interpret=INTERPRET)
     assert np.array_equal(bits(total), bits(want))
     assert np.array_equal(bits(h), bits(rownorm.rms_norm(want, w, 1e-6, interpret=INTERPRET, out_rows=out_rows)))
@@ -199,9 +200,12 @@ def test_residual_add_norm_rejects_bad_inputs():
     with pytest.raises(ValueError, match="M <= R"):
         rs.residual_add_norm(parts, valid, jnp.zeros((9, 64), jnp.bfloat16), jnp.ones(64), zero, eps=1e-6,
                              interpret=True)
+    with pytest.raises(ValueError, match="tail"):
+        rs.residual_add_norm(parts, valid, x, jnp.ones(64), zero, eps=1e-6, tail="first", interpret=True)
 
 
-def test_add_residual_norm_is_the_two_ops_on_the_interpreter(monkeypatch):
+@pytest.mark.parametrize("tail", rs.TAILS)
+def test_add_residual_norm_is_the_two_ops_on_the_interpreter(monkeypatch, tail):
     """`ops.add_residual_norm` on the Mosaic GPU interpreter: for a `Deferred` projection of 1 and 3 x 2 live rows
     (plain and `Padded` h) it takes the fused kernel and gives `add_residual` then `rms_norm`'s bits (the norm
     padded for the next projection, `Padded`, or not; RESIDUAL_NORM_ROWS raised to 8 for it); 16 rows (past it), an
@@ -210,6 +214,7 @@ def test_add_residual_norm_is_the_two_ops_on_the_interpreter(monkeypatch):
     monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
     default_rows = ops.RESIDUAL_NORM_ROWS
     monkeypatch.setattr(ops, "RESIDUAL_NORM_ROWS", 8)
+    monkeypatch.setattr(ops, "RESIDUAL_NORM_TAIL", tail)
     taken = []
     fused = rs.residual_add_norm
     monkeypatch.setattr(rs, "residual_add_norm", lambda *a, **k: taken.append(1) or fused(*a, **k))
@@ -250,41 +255,45 @@ def test_add_residual_norm_is_the_two_ops_on_the_interpreter(monkeypatch):
     assert taken
 
 
-def test_residual_add_norm_lowers_for_h200(h200_lowering):
+@pytest.mark.parametrize("tail", rs.TAILS)
+def test_residual_add_norm_lowers_for_h200(h200_lowering, tail):
     sds = jax.ShapeDtypeStruct
-    for m, out_rows in ((1, 8), (8, 8)):
-        text = jax.jit(functools.partial(rs.residual_add_norm, eps=1e-6, out_rows=out_rows)).trace(
-            sds((6, 5120, 8), jnp.float32), sds((6, 5120), jnp.bool_), sds((m, 5120), jnp.bfloat16),
+    for m, r in ((1, 8), (8, 8), (16, 16)):
+        text = jax.jit(functools.partial(rs.residual_add_norm, eps=1e-6, out_rows=r, tail=tail)).trace(
+            sds((6, 5120, r), jnp.float32), sds((6, 5120), jnp.bool_), sds((m, 5120), jnp.bfloat16),
             sds((5120,), jnp.float32), sds((1,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == 1
 
 
 @pytest.mark.gpu
-def test_gpu_residual_add_norm_27b():
+@pytest.mark.parametrize("tail", rs.TAILS)
+def test_gpu_residual_add_norm_27b(tail):
     """The 27B's down projection and a 5120-wide norm on the H200: the fused kernel's sum and norm bit for bit the
-    two kernels' (`residual_add`, `rownorm.rms_norm(..., out_rows=8)`), at 1 and 8 live rows of an 8-row piece, the
-    counter zero after each call and after 20 calls chained through it."""
+    two kernels' (`residual_add`, `rownorm.rms_norm(..., out_rows=R)`), at 1 and 8 live rows of an 8-row piece
+    and 16 of a 16-row one, the counter zero after each call and after 20 calls chained through it."""
     from pallas_kernels import rownorm
     rng = np.random.default_rng(650)
     w = _weight(rng, 5120, 17408)
     norm = jnp.asarray(rng.normal(size=5120), jnp.float32)
-    h = jnp.asarray(rng.normal(size=(8, 17408)), jnp.bfloat16)
-    x = jnp.asarray(rng.normal(size=(8, 5120)) * 3, jnp.bfloat16)
-    parts, written = qmm_mgpu.qmm_parts(h, w, rows=8)
-    valid = jnp.asarray(written)
-    for m in (1, 8):
+    h = jnp.asarray(rng.normal(size=(16, 17408)), jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(16, 5120)) * 3, jnp.bfloat16)
+    for m, r in ((1, 8), (8, 8), (16, 16)):
+        parts, written = qmm_mgpu.qmm_parts(h[:r], w, rows=r)
+        valid = jnp.asarray(written)
         total, out, count = rs.residual_add_norm(parts, valid, x[:m], norm, jnp.zeros((1,), jnp.int32), eps=1e-6,
-                                                 out_rows=8)
+                                                 out_rows=r, tail=tail)
         want = rs.residual_add(parts, valid, x[:m])
         assert np.array_equal(bits(total), bits(want)), m
-        assert np.array_equal(bits(out), bits(rownorm.rms_norm(want, norm, 1e-6, out_rows=8))), m
+        assert np.array_equal(bits(out), bits(rownorm.rms_norm(want, norm, 1e-6, out_rows=r))), m
         assert np.asarray(count).tolist() == [0]
+    parts, written = qmm_mgpu.qmm_parts(h[:8], w, rows=8)
+    valid = jnp.asarray(written)
 
     @jax.jit
     def chained(x):
         count = jnp.zeros((1,), jnp.int32)
         for _ in range(20):
-            x, _, count = rs.residual_add_norm(parts, valid, x, norm, count, eps=1e-6, out_rows=8)
+            x, _, count = rs.residual_add_norm(parts, valid, x, norm, count, eps=1e-6, out_rows=8, tail=tail)
         return x, count
 
     def unfused(x):

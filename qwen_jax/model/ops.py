@@ -133,6 +133,10 @@ RESIDUAL = True
 # session 31), so one row (the one-stream decode) until more are measured.
 RESIDUAL_NORM = True
 RESIDUAL_NORM_ROWS = 1
+# Who normalises in that launch (`residual.TAILS`): "last", the last add program, the rows one after another (timed
+# at one row, shipped); "rows", programs of their own that wait for the add programs, a row each in parallel
+# (prepared in session 31 for more rows; not yet run on the H200: `tools/gpu/run.sh hundred-thirty-seventh`)
+RESIDUAL_NORM_TAIL = "last"
 # The serial step's GDN recurrence and its output norm run as one launch (`gdn.step_norm`, `gdn_step_norm`). Off
 # until it has run on the H200: its bits match the two kernels' in interpret mode and on the CPU model tests, but
 # its gpu tests, the engine gates with it and its timing are `tools/gpu/run.sh hundred-thirty-seventh`, not yet run
@@ -383,7 +387,7 @@ def add_residual_norm(backend: Backend, x: jax.Array, y, weight: jax.Array, eps:
             parts, written = qmm_mgpu.qmm_parts(rows, y.w, rows=heights[0], interpret=backend.interpret)
             total, h, count = residual_k.residual_add_norm(
                 parts, jnp.asarray(written), x.reshape(m, x.shape[-1]), weight, counter.take(1), eps=eps,
-                out_rows=r or m, interpret=backend.interpret)
+                out_rows=r or m, tail=RESIDUAL_NORM_TAIL, interpret=backend.interpret)
             counter.give(count)
             return total.reshape(x.shape), Padded(h, x.shape[:-1]) if r else h.reshape(x.shape)
     x = add_residual(backend, x, y)

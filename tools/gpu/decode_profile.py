@@ -89,6 +89,9 @@ def run(args) -> None:
     if args.residual_norm_rows:
         ops.RESIDUAL_NORM_ROWS = args.residual_norm_rows
         print(f"the residual add and its norm in one launch up to {ops.RESIDUAL_NORM_ROWS} rows")
+    if args.residual_norm_tail:
+        ops.RESIDUAL_NORM_TAIL = args.residual_norm_tail
+        print(f"the fused residual norm's tail: {ops.RESIDUAL_NORM_TAIL}")
     if args.step_norm:
         ops.STEP_NORM = True
         print("the GDN step and its output norm in one launch")
@@ -279,6 +282,8 @@ def main(argv=None) -> int:
                     help="qmm_mgpu.CONVERSION (how the kernel turns 4-bit weights into the MMA's operand)")
     ap.add_argument("--residual-norm-rows", type=int, default=None,
                     help="ops.RESIDUAL_NORM_ROWS (live rows up to which a residual add and its norm are one launch)")
+    ap.add_argument("--residual-norm-tail", choices=("last", "rows"), default=None,
+                    help="ops.RESIDUAL_NORM_TAIL (who normalises in the fused residual add's launch)")
     ap.add_argument("--step-norm", action="store_true",
                     help="ops.STEP_NORM True (the serial step's GDN recurrence and its output norm one launch)")
     ap.add_argument("--no-residual-norm", action="store_true",

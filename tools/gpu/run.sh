@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh hundred-thirty-seventh|hundred-thirty-sixth|hundred-thirty-fifth|hundred-thirty-fourth|hundred-thirty-third|hundred-thirty-second|hundred-thirty-first|hundred-thirtieth|hundred-twenty-ninth|hundred-twenty-eighth|hundred-twenty-seventh|hundred-twenty-sixth|hundred-twenty-fifth|hundred-twenty-fourth|hundred-twenty-third|hundred-twenty-second|hundred-twenty-first|hundred-twentieth|hundred-nineteenth|hundred-eighteenth|hundred-seventeenth|hundred-sixteenth|hundred-fifteenth|hundred-fourteenth|hundred-thirteenth|hundred-twelfth|hundred-eleventh|hundred-tenth|hundred-ninth|hundred-eighth|hundred-seventh|hundred-sixth|hundred-fifth|hundred-fourth|hundred-third|hundred-second|hundred-first|hundredth|ninety-ninth|ninety-eighth|ninety-seventh|ninety-sixth|ninety-fifth|ninety-fourth|ninety-third|ninety-second|ninety-first|ninetieth|eighty-ninth|eighty-eighth|eighty-seventh|eighty-sixth|eighty-fifth|eighty-fourth|eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh hundred-thirty-eighth|hundred-thirty-seventh|hundred-thirty-sixth|hundred-thirty-fifth|hundred-thirty-fourth|hundred-thirty-third|hundred-thirty-second|hundred-thirty-first|hundred-thirtieth|hundred-twenty-ninth|hundred-twenty-eighth|hundred-twenty-seventh|hundred-twenty-sixth|hundred-twenty-fifth|hundred-twenty-fourth|hundred-twenty-third|hundred-twenty-second|hundred-twenty-first|hundred-twentieth|hundred-nineteenth|hundred-eighteenth|hundred-seventeenth|hundred-sixteenth|hundred-fifteenth|hundred-fourteenth|hundred-thirteenth|hundred-twelfth|hundred-eleventh|hundred-tenth|hundred-ninth|hundred-eighth|hundred-seventh|hundred-sixth|hundred-fifth|hundred-fourth|hundred-third|hundred-second|hundred-first|hundredth|ninety-ninth|ninety-eighth|ninety-seventh|ninety-sixth|ninety-fifth|ninety-fourth|ninety-third|ninety-second|ninety-first|ninetieth|eighty-ninth|eighty-eighth|eighty-seventh|eighty-sixth|eighty-fifth|eighty-fourth|eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -127,25 +127,36 @@ case "$stage" in
     gpu_pytest 170 engine 10 tests/test_engine_gpu.py
     timeout 150 python3 -m pallas_kernels.bench attention --sections short_chunks --budget-s 135 --trace /tmp/trace_sc \
       --json "$out/attention_short.json" 2>&1 | tee "$out/attention_short.log" | grep -E "^copy|FAILED" ;;
+  hundred-thirty-eighth)
+    # Prepared in session 31 (not run; ~8 min): the fused residual add's norm on programs of its own, a row each
+    # (residual.residual_add_norm tail "rows", ops.RESIDUAL_NORM_TAIL; they wait on the add programs' count), for
+    # more than one row: its gpu tests (both tails at 1, 8 and 16 rows), every engine gate with it up to 16 rows,
+    # then 4 and 16 streams traced with the add and norm apart beyond one row (the default) and fused up to 16.
+    # If the gates pass and the rounds are faster, make "rows" the tail and raise RESIDUAL_NORM_ROWS.
+    gpu_pytest 100 rows 6 tests/test_residual.py -k "norm"
+    timeout -s INT 200 python3 -c "import sys, pytest; from qwen_jax.model import ops; ops.RESIDUAL_NORM_TAIL = 'rows'; \
+      ops.RESIDUAL_NORM_ROWS = 16; sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=short \
+      tests/test_engine_gpu.py > "$out/gpu_tests_engine.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_engine.log" | cut -c1-200 | tail -10
+    for st in 4 16; do
+      for v in "" "--residual-norm-rows 16 --residual-norm-tail rows"; do
+        timeout 60 python3 tools/gpu/decode_profile.py --synthetic 27b --streams $st --rounds 16 --trace /tmp/trace_rn \
+          --profiled 0 $v 2>&1 | tee "$out/profile_s${st}_$(echo "$v" | tr -c 'a-z0-9\n' '_').txt" \
+          | grep -E "trace:|device-bound|pipelined|  (residual_add|rownorm_rms)" | sed "s/^/s$st /" | head -6
+      done
+    done ;;
   hundred-thirty-seventh)
     # Prepared in session 31 (no device was left to run it; ~9 min): the serial step's GDN recurrence with its
     # output norm in one launch (gdn.step_norm, ops.STEP_NORM, off by default until this passes): its gpu tests at
     # the 27B's heads, the tiny 4-bit model's step == verify + commit and == with each fused launch off, every engine
-    # gate with it on, the round traced without and with it, the residual add with its norm at 4 streams (fused up
-    # to 1 row, the default, or 4), then the bench with STEP_NORM on. If the gates pass and the round is faster,
-    # turn STEP_NORM on; set RESIDUAL_NORM_ROWS from the 4-stream rounds.
+    # gate with it on, the round traced without and with it, then the bench with STEP_NORM on. If the gates pass
+    # and the round is faster, turn STEP_NORM on.
     gpu_pytest 120 stepnorm 8 tests/test_gdn.py tests/test_model_consistency.py -k "step_norm or pieces"
     timeout -s INT 260 python3 -c "import sys, pytest; from qwen_jax.model import ops; ops.STEP_NORM = True; \
       sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=short tests/test_engine_gpu.py \
       > "$out/gpu_tests_engine.log" 2>&1
     grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_engine.log" | cut -c1-200 | tail -10
     for v in "" --step-norm; do profile_round 60 "$v" "kernel_mosaic|gdn_step|rownorm_gated"; done
-    # the residual add with its norm at 4 streams (the fused tail normalises rows one after another): 1 (off) / 4
-    for n in 1 4; do
-      timeout 60 python3 tools/gpu/decode_profile.py --synthetic 27b --streams 4 --rounds 16 --trace /tmp/trace_rn \
-        --profiled 0 --residual-norm-rows $n 2>&1 | tee "$out/profile_s4_rn$n.txt" \
-        | grep -E "trace:|device-bound|  (residual_add|rownorm_rms)" | head -5
-    done
     timeout 130 python3 -c "import runpy, sys; from qwen_jax.model import ops; ops.STEP_NORM = True; \
       sys.argv = ['qwen_jax'] + sys.argv[1:]; runpy.run_module('qwen_jax', run_name='__main__')" bench \
       --synthetic 27b --streams 1,16 --prompt-lengths 4096 --rounds 32 --no-compile-timing --compile-cache "" 2>&1 \
