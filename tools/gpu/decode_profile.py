@@ -45,62 +45,48 @@ def run(args) -> None:
     if args.decode_tiles:  # A/B of qmm's decode tiles in the whole program (e.g. prefetch=1,lop3=1)
         qmm.DECODE_TILES = qmm.replace_tiles(qmm.DECODE_TILES, args.decode_tiles)
         print(f"decode tiles: {qmm.DECODE_TILES}")
-    if args.qmm_decode_impl:
-        qmm.DECODE_IMPL = args.qmm_decode_impl
-        print(f"qmm decode implementation: {qmm.DECODE_IMPL}")
-    if args.narrow_rows:
-        qmm_mgpu.NARROW_ROWS = args.narrow_rows
-        print(f"Mosaic GPU decode kernel: pieces of at least {qmm_mgpu.NARROW_ROWS} rows")
-    if args.mgpu_stages:
-        qmm_mgpu.STAGES = args.mgpu_stages
-        print(f"Mosaic GPU decode kernel: {qmm_mgpu.STAGES} stages")
-    if args.mgpu_block_groups:
-        qmm_mgpu.BLOCK_GROUPS = args.mgpu_block_groups
-        print(f"Mosaic GPU decode kernel: up to {qmm_mgpu.BLOCK_GROUPS} groups a step")
+    from pallas_kernels import attention
+    from qwen_jax.model import ops
     if args.mgpu_compute_wgs:
         qmm_mgpu.COMPUTE_WGS, qmm_mgpu.CTA_N = args.mgpu_compute_wgs, qmm_mgpu.TILE_N * args.mgpu_compute_wgs
         print(f"Mosaic GPU decode kernel: {qmm_mgpu.COMPUTE_WGS} compute warpgroups")
-    from pallas_kernels import attention
-    from qwen_jax.model import ops
     if args.no_decode_prep:
         ops.DECODE_PREP = ops.ATTN_PREP = False
         print("GDN and attention rows without their prep kernels")
-    if args.no_swiglu:
-        ops.SWIGLU = False
-        print("the MLP's decode rows take the projection's epilogue and XLA's activation")
-    if args.short_chunk:
-        attention.SHORT_CHUNK = args.short_chunk
-        print(f"attention: short contexts' chunk {args.short_chunk} (at least the pass's: none)")
-    if args.no_pad_at_norm:
-        ops.PAD_AT_NORM = False
-        print("norms feeding the decode qmm write unpadded rows")
-    if args.mgpu_rounding:
-        qmm_mgpu.ROUNDING = args.mgpu_rounding
-        print(f"Mosaic GPU decode kernel: output rounding kept by {qmm_mgpu.ROUNDING}")
-    if args.mgpu_conversion:
-        qmm_mgpu.CONVERSION = args.mgpu_conversion
-        print(f"Mosaic GPU decode kernel: {qmm_mgpu.CONVERSION} conversion")
-    if args.staggered_loads is not None:
-        qmm_mgpu.STAGGERED_LOADS = bool(args.staggered_loads)
-        print(f"Mosaic GPU decode kernel: lane words' loads staggered: {qmm_mgpu.STAGGERED_LOADS}")
-    if args.no_prep_pieces:
-        ops.PREP_PIECES = False
-        print("the GDN and attention preps read their projection's output (its epilogue an XLA fusion)")
-    if args.residual_norm_rows:
-        ops.RESIDUAL_NORM_ROWS = args.residual_norm_rows
-        print(f"the residual add and its norm in one launch up to {ops.RESIDUAL_NORM_ROWS} rows")
-    if args.residual_norm_tail:
-        ops.RESIDUAL_NORM_TAIL = args.residual_norm_tail
-        print(f"the fused residual norm's tail: {ops.RESIDUAL_NORM_TAIL}")
-    if args.step_norm:
-        ops.STEP_NORM = True
-        print("the GDN step and its output norm in one launch")
-    if args.no_residual_norm:
-        ops.RESIDUAL_NORM = False
-        print("the residual adds and the norms after them as separate launches")
-    if args.no_residual:
-        ops.RESIDUAL = False
-        print("the output projections' residual adds as XLA fusions")
+    a = args
+    switches = [  # (given, module, attribute, value, what it does)
+        (a.qmm_decode_impl, qmm, "DECODE_IMPL", a.qmm_decode_impl, f"qmm decode implementation: {a.qmm_decode_impl}"),
+        (a.narrow_rows, qmm_mgpu, "NARROW_ROWS", a.narrow_rows,
+         f"Mosaic GPU decode kernel: pieces of at least {a.narrow_rows} rows"),
+        (a.mgpu_stages, qmm_mgpu, "STAGES", a.mgpu_stages, f"Mosaic GPU decode kernel: {a.mgpu_stages} stages"),
+        (a.mgpu_block_groups, qmm_mgpu, "BLOCK_GROUPS", a.mgpu_block_groups,
+         f"Mosaic GPU decode kernel: up to {a.mgpu_block_groups} groups a step"),
+        (a.mgpu_rounding, qmm_mgpu, "ROUNDING", a.mgpu_rounding,
+         f"Mosaic GPU decode kernel: output rounding kept by {a.mgpu_rounding}"),
+        (a.mgpu_conversion, qmm_mgpu, "CONVERSION", a.mgpu_conversion,
+         f"Mosaic GPU decode kernel: {a.mgpu_conversion} conversion"),
+        (a.staggered_loads is not None, qmm_mgpu, "STAGGERED_LOADS", bool(a.staggered_loads),
+         f"Mosaic GPU decode kernel: lane words' loads staggered: {bool(a.staggered_loads)}"),
+        (a.short_chunk, attention, "SHORT_CHUNK", a.short_chunk,
+         f"attention: short contexts' chunk {a.short_chunk} (at least the pass's: none)"),
+        (a.no_swiglu, ops, "SWIGLU", False,
+         "the MLP's decode rows take the projection's epilogue and XLA's activation"),
+        (a.no_pad_at_norm, ops, "PAD_AT_NORM", False, "norms feeding the decode qmm write unpadded rows"),
+        (a.no_prep_pieces, ops, "PREP_PIECES", False,
+         "the GDN and attention preps read their projection's output (its epilogue an XLA fusion)"),
+        (a.residual_norm_rows, ops, "RESIDUAL_NORM_ROWS", a.residual_norm_rows,
+         f"the residual add and its norm in one launch up to {a.residual_norm_rows} rows"),
+        (a.residual_norm_tail, ops, "RESIDUAL_NORM_TAIL", a.residual_norm_tail,
+         f"the fused residual norm's tail: {a.residual_norm_tail}"),
+        (a.step_norm, ops, "STEP_NORM", True, "the GDN step and its output norm in one launch"),
+        (a.no_residual_norm, ops, "RESIDUAL_NORM", False,
+         "the residual adds and the norms after them as separate launches"),
+        (a.no_residual, ops, "RESIDUAL", False, "the output projections' residual adds as XLA fusions"),
+    ]
+    for given, module, name, value, what in switches:
+        if given:
+            setattr(module, name, value)
+            print(what)
     if args.synthetic:
         from qwen_jax.engine.bench import synthetic_params
         params, cfg = synthetic_params(args.synthetic, dtype="bfloat16", layers=args.layers)
