@@ -24,9 +24,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pt
 
 from pallas_kernels.calls import pallas_call
-from pallas_kernels.qmm_mgpu import Pieces, piece_row, rows_operands, rows_shape
 from pallas_kernels import rownorm
-from pallas_kernels.rownorm import l2norm_reference
+from pallas_kernels.qmm_mgpu import Pieces, piece_row, rows_operands, rows_shape
 
 CHUNK = 64
 QK_NORM_EPS = 1e-6  # the q/k l2 norm's epsilon (the model's `ops.l2norm`)
@@ -362,7 +361,7 @@ def decode_prep_reference(y: jax.Array, parents: jax.Array | None, conv_pool: ja
         beta, g = jnp.where(live, beta, 0.0), jnp.where(live, g, 0.0)
     else:
         u = conv_window_reference(m, parents, conv_pool, slot, weight)
-    qk = l2norm_reference(u[..., :2 * kd].reshape(s, r, 2 * hk, dk), QK_NORM_EPS)
+    qk = rownorm.l2norm_reference(u[..., :2 * kd].reshape(s, r, 2 * hk, dk), QK_NORM_EPS)
     q = (qk[:, :, :hk] * (dk ** -0.5)).astype(y.dtype)
     out = (q, qk[:, :, hk:].astype(y.dtype), u[..., 2 * kd:].reshape(s, r, hv, dv), z, g, beta)
     return out if parents is not None else (*out, conv_pool)
@@ -844,11 +843,19 @@ def _step_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, slot_ref, pool_ref, o_ref
     -> o [S, 1, Hv, dv], pool_out. Straight-line: no step list, no loop, no restart reload of the state."""
     s, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(j * block_v, block_v)
+    o_ref[s, 0, h, cols] = _step_row(q_ref, k_ref, v_ref, g_ref, beta_ref, slot_ref, pool_ref, pool_out_ref,
+                                     s, h, cols, group).astype(o_ref.dtype)
+
+
+def _step_row(q_ref, k_ref, v_ref, g_ref, beta_ref, slot_ref, pool_ref, pool_out_ref, s, h, cols, group):
+    """The serial step of stream s, value head h, dv columns cols: the state slice updated and written back, and the
+    row's output (fp32) returned; `_step_kernel`'s and `_step_norm_kernel`'s one arithmetic."""
     slot = slot_ref[s]
     state = _row_update(pool_ref[slot, h, :, cols], k_ref[s, 0, h // group, :].astype(_F32),
                         v_ref[s, 0, h, cols].astype(_F32), g_ref[s, 0, h], beta_ref[s, 0, h])
-    o_ref[s, 0, h, cols] = _row_output(state, q_ref[s, 0, h // group, :].astype(_F32)).astype(o_ref.dtype)
+    out = _row_output(state, q_ref[s, 0, h // group, :].astype(_F32))
     pool_out_ref[slot, h, :, cols] = state
+    return out
 
 
 def _tree_schedule(parents: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -1167,12 +1174,9 @@ def _step_norm_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, slot_ref, pool_ref, 
     the padding rows (streams past S) as that kernel writes them (the norm of a zero row, gate zero)."""
     s, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(j * block_v, block_v)
-    slot = slot_ref[s]
-    state = _row_update(pool_ref[slot, h, :, cols], k_ref[s, 0, h // group, :].astype(_F32),
-                        v_ref[s, 0, h, cols].astype(_F32), g_ref[s, 0, h], beta_ref[s, 0, h])
     row = s * hv + h
-    o_ref[row, cols] = _row_output(state, q_ref[s, 0, h // group, :].astype(_F32)).astype(o_ref.dtype)
-    pool_out_ref[slot, h, :, cols] = state
+    o_ref[row, cols] = _step_row(q_ref, k_ref, v_ref, g_ref, beta_ref, slot_ref, pool_ref, pool_out_ref,
+                                 s, h, cols, group).astype(o_ref.dtype)
     io = o_ref.dtype
     if out_rows > streams:
         @pl.when(s == 0)
@@ -1181,16 +1185,12 @@ def _step_norm_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, slot_ref, pool_ref, 
             zero = ((w * 0.0).astype(io).astype(_F32) * 0.0).astype(io)  # (w n) silu(gate) at n = gate = 0
             for t in range(streams, out_rows):
                 y_ref[t * hv + h, cols] = zero
-    if not interpret:
-        pt.debug_barrier()  # every thread's stores before the release of the count
-    done = pt.atomic_add(count_ref, (row,), jnp.int32(1))  # acquire-release, GPU scope
-
+    done = rownorm.count_in(count_ref, row, interpret)
     blocks = dv // block_v
 
     @pl.when(done == blocks - 1)
     def _last():
-        if not interpret:
-            pt.debug_barrier()
+        rownorm.counted_in(interpret)
         n = streams * hv
         rownorm.norm_block(o_ref, z_ref, w_ref, y_ref, (row // tiles.block_rows) * tiles.block_rows, n, n,
                            kind="gated", d=dv, eps=eps, tiles=tiles, io_dtype=io, only_row=row)
@@ -1223,8 +1223,7 @@ def step_norm(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
                          f"warps the step's ({tiles.num_warps})")
     bv = _block_v(tiles.block_v, dv, "step")
     kernel = functools.partial(_step_norm_kernel, group=hv // hk, block_v=bv, dv=dv, hv=hv, streams=s,
-                               out_rows=out_rows,
-                               eps=float(eps), tiles=rownorm.tiles_for(dv), interpret=interpret)
+                               out_rows=out_rows, eps=float(eps), tiles=rownorm.tiles_for(dv), interpret=interpret)
     o, rec_pool, y, count = pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((s * hv, dv), v.dtype), jax.ShapeDtypeStruct(rec_pool.shape, _F32),

@@ -125,15 +125,10 @@ def _norm_kernel(valid_ref, parts_ref, x_ref, w_ref, _, o_ref, h_ref, count_ref,
             w = plgpu.load(w_ref.at[block[1]], mask=in_n, other=0.0).astype(jnp.float32)
             pad = (jnp.zeros((r, BLOCK_N), jnp.float32) * w[None, :]).astype(h_ref.dtype)
             plgpu.store(h_ref.at[block], pad, mask=(row >= m) & (row < out_rows) & in_n[None, :])
-        if not interpret:
-            plgpu.debug_barrier()  # every thread's stores before the release of the count
-        return plgpu.atomic_add(count_ref, zero, jnp.int32(1))  # acquire-release, GPU scope
+        return rownorm.count_in(count_ref, 0, interpret)
 
     def norm(row0):
-        # The count's acquire (one thread's, then this barrier) orders the add programs' stores of o_ref before
-        # these loads of it, in the PTX memory model (the acquire at GPU scope also drops this SM's stale L1 lines).
-        if not interpret:
-            plgpu.debug_barrier()
+        rownorm.counted_in(interpret)
         rownorm.norm_block(o_ref, None, w_ref, h_ref, row0, m, m, kind="rms", d=n, eps=eps, tiles=tiles,
                            io_dtype=o_ref.dtype)
 
@@ -160,7 +155,7 @@ def _norm_kernel(valid_ref, parts_ref, x_ref, w_ref, _, o_ref, h_ref, count_ref,
         # over arrays in interpret mode)
         lax.while_loop(lambda c: c < blocks, lambda c: plgpu.atomic_add(count_ref, (c - c,), c - c), jnp.int32(0))
         norm((j - blocks) * tiles.block_rows)
-        done = plgpu.atomic_add(count_ref, zero, jnp.int32(1))
+        done = rownorm.count_in(count_ref, 0, interpret)
 
         @pl.when(done == blocks + norms - 1)
         def _reset():

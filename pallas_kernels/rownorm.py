@@ -97,6 +97,23 @@ def _norm_kernel(n_ref, *refs, kind: str, d: int, eps: float, tiles: RowTiles, i
                kind=kind, d=d, eps=eps, tiles=tiles, io_dtype=io_dtype)
 
 
+def count_in(count_ref, index, interpret: bool) -> jax.Array:
+    """For a kernel whose last program to finish a piece of work goes on with it (a norm over what they all
+    wrote): count this program in on count_ref[index] (int32) after all its threads' stores, acquire-release at GPU
+    scope (one thread's atomic, after a barrier) -> the count before it."""
+    if not interpret:
+        plgpu.debug_barrier()  # every thread's stores before the release of the count
+    return plgpu.atomic_add(count_ref, (jnp.asarray(index, jnp.int32),), jnp.int32(1))
+
+
+def counted_in(interpret: bool) -> None:
+    """After a `count_in` (or an atomic read of the count) that showed every program in: the barrier that extends
+    that one thread's acquire to the program's other threads, so their loads see the other programs' stores in the
+    PTX memory model (the acquire at GPU scope also drops this SM's stale L1 lines)."""
+    if not interpret:
+        plgpu.debug_barrier()
+
+
 def norm_block(x_ref, gate_ref, weight_ref, o_ref, row0, live_rows, written_rows, *, kind: str, d: int, eps: float,
                tiles: RowTiles, io_dtype, only_row=None) -> None:
     """One program's block of rows: rows row0 .. row0 + block_rows of o_ref get the norm of x_ref's rows, those at
