@@ -19,7 +19,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.calls import pallas_call
 from pallas_kernels import kv_quant
-from pallas_kernels.kv_quant import KVPool, as_stored, gather_stream
+from pallas_kernels.kv_quant import KVPool, as_stored, check_v_layout, gather_stream
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -394,12 +394,25 @@ def _online_step(carry, q, k, v, ks, vs, visible, scale: float, cdt):
     return m_new, l, acc
 
 
+def _v_rows(v_ref, page, rows, v_keys: bool) -> jax.Array:
+    """Value rows `rows` (a pl.ds of keys) of one page as [keys, D]: v_ref [P, page, D], or [P, D, page] where
+    v_keys (`KVPool.v_layout` "keys"), whose block is loaded with the keys contiguous and transposed as a value."""
+    return v_ref[page, :, rows].T if v_keys else v_ref[page, rows, :]
+
+
+def _v_pages(v_ref, pages, block_k: int, v_keys: bool) -> jax.Array:
+    """Whole pages `pages` [n] of v_ref (as `_v_rows`) as [n * page, D] rows."""
+    if v_keys:
+        return jnp.concatenate([v_ref[pages[i]].T for i in range(pages.shape[0])], axis=0)
+    return v_ref[pages].reshape(block_k, v_ref.shape[-1])
+
+
 def _walk_pages(carry, step, pt_ref, k_ref, v_ref, ks_ref, vs_ref, *, first_key, n_keys, span: int,
-                block_k: int, page_size: int, walk: str = "page"):
+                block_k: int, page_size: int, walk: str = "page", v_keys: bool = False):
     """Fold step(carry, first, k, v, ks, vs) over the key blocks of [first_key, first_key + span) that hold keys
     < n_keys, in order (the same blocks in the same order for either `walk`). first_key and span are multiples of
     max(block_k, page_size) where page_size > block_k.
-    k_ref, v_ref [P, page, D]; ks_ref, vs_ref [P, page] or None; pt_ref [Pmax]."""
+    k_ref, v_ref [P, page, D] (v_keys: v_ref [P, D, page]); ks_ref, vs_ref [P, page] or None; pt_ref [Pmax]."""
     d = k_ref.shape[-1]
     if block_k >= page_size:
         n = block_k // page_size
@@ -408,7 +421,7 @@ def _walk_pages(carry, step, pt_ref, k_ref, v_ref, ks_ref, vs_ref, *, first_key,
             first = first_key + b * block_k
             pages = pt_ref[pl.ds(first // page_size, n)]
             k = k_ref[pages].reshape(block_k, d)
-            v = v_ref[pages].reshape(block_k, d)
+            v = _v_pages(v_ref, pages, block_k, v_keys)
             ks = None if ks_ref is None else ks_ref[pages].reshape(block_k)
             vs = None if vs_ref is None else vs_ref[pages].reshape(block_k)
             return step(carry, first, k, v, ks, vs)
@@ -424,7 +437,7 @@ def _walk_pages(carry, step, pt_ref, k_ref, v_ref, ks_ref, vs_ref, *, first_key,
             page, rows = pt_ref[logical], pl.ds(first - logical * page_size, block_k)
             ks = None if ks_ref is None else ks_ref[page, rows]
             vs = None if vs_ref is None else vs_ref[page, rows]
-            return step(carry, first, k_ref[page, rows, :], v_ref[page, rows, :], ks, vs)
+            return step(carry, first, k_ref[page, rows, :], _v_rows(v_ref, page, rows, v_keys), ks, vs)
 
         n_blocks = jnp.clip((n_keys - first_key + block_k - 1) // block_k, 0, span // block_k)
         return jax.lax.fori_loop(0, n_blocks, flat_body, carry)
@@ -439,7 +452,8 @@ def _walk_pages(carry, step, pt_ref, k_ref, v_ref, ks_ref, vs_ref, *, first_key,
             rows = pl.ds(b * block_k, block_k)
             ks = None if ks_ref is None else ks_ref[page, rows]
             vs = None if vs_ref is None else vs_ref[page, rows]
-            return step(carry, page_first + b * block_k, k_ref[page, rows, :], v_ref[page, rows, :], ks, vs)
+            return step(carry, page_first + b * block_k, k_ref[page, rows, :], _v_rows(v_ref, page, rows, v_keys),
+                        ks, vs)
 
         n_blocks = jnp.clip((n_keys - page_first + block_k - 1) // block_k, 0, per_page)
         return jax.lax.fori_loop(0, n_blocks, body, carry)
@@ -462,8 +476,10 @@ def _packed_rows(mrows: int, r: int, hq: int, group: int, g, first=0) -> tuple[j
 # ----------------------------------------------------------------------------------------------------------------
 
 def _window_chunk_kernel(cache_len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, fp8: bool, scale: float, r: int,
-                         group: int, mrows: int, parts: int, max_keys: int, page_size: int, tiles: WindowTiles, cdt):
-    # cache_len_ref [S]; pt_ref [Pmax]; q_ref [R*Hq, D] (this stream); k_ref, v_ref [P, page, D] (this KV head);
+                         group: int, mrows: int, parts: int, max_keys: int, page_size: int, tiles: WindowTiles, cdt,
+                         v_keys: bool = False):
+    # cache_len_ref [S]; pt_ref [Pmax]; q_ref [R*Hq, D] (this stream); k_ref, v_ref [P, page, D] (this KV head;
+    # v_keys: v_ref [P, D, page]);
     # fp8: ks_ref, vs_ref [P, page]; outputs m_ref, l_ref [MB], acc_ref [MB, D] fp32: this chunk's partial
     # relative to its own max for packed rows part*MB .. part*MB + MB - 1 (mrows = MB; axis 1 of the grid is
     # KV head x parts); rows r*G + h, rows past R*G left unwritten.
@@ -482,14 +498,14 @@ def _window_chunk_kernel(cache_len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, fp8:
         idx, real = _packed_rows(mrows, r, q_ref.shape[0] // r, group, g, part * mrows)
         m, l, acc = _chunk_partial(q_ref[idx].astype(cdt), pt_ref, k_ref, v_ref, ks_ref, vs_ref,
                                    chunk_start=c * size, span=size, n_keys=n_keys, scale=scale,
-                                   page_size=page_size, tiles=tiles, cdt=cdt)
+                                   page_size=page_size, tiles=tiles, cdt=cdt, v_keys=v_keys)
         plgpu.store(m_ref, m, mask=real)
         plgpu.store(l_ref, l, mask=real)
         plgpu.store(acc_ref, acc, mask=real[:, None])
 
 
 def _chunk_partial(q, pt_ref, k_ref, v_ref, ks_ref, vs_ref, *, chunk_start, span, n_keys, scale: float,
-                   page_size: int, tiles: WindowTiles, cdt):
+                   page_size: int, tiles: WindowTiles, cdt, v_keys: bool = False):
     """One chunk's online-softmax partial (m [M], l [M], acc [M, D], relative to m) for packed query rows q
     [M, D] over the committed keys chunk_start .. chunk_start + span - 1 below n_keys (span: the stream's chunk,
     `stream_chunking`)."""
@@ -502,7 +518,7 @@ def _chunk_partial(q, pt_ref, k_ref, v_ref, ks_ref, vs_ref, *, chunk_start, span
     init = (jnp.full((mrows,), -jnp.inf, jnp.float32), jnp.zeros((mrows,), jnp.float32),
             jnp.zeros((mrows, q.shape[1]), jnp.float32))
     return _walk_pages(init, step, pt_ref, k_ref, v_ref, ks_ref, vs_ref, first_key=chunk_start, n_keys=n_keys,
-                       span=span, block_k=bk, page_size=page_size, walk=tiles.walk)
+                       span=span, block_k=bk, page_size=page_size, walk=tiles.walk, v_keys=v_keys)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -862,9 +878,10 @@ def _with_window_keys(l, acc, m_committed, m_base, q, real, g, parents_ref, kw_r
 def _window_ticket_kernel(cache_len_ref, parents_ref, pt_ref, q_ref, kw_ref, vw_ref, k_ref, v_ref, *refs,
                           fp8: bool, scale: float, r: int, group: int, mrows: int, parts: int, rp: int,
                           max_keys: int, page_size: int, tiles: WindowTiles, unroll: int, max_block: int,
-                          interpret: bool, cdt):
+                          interpret: bool, cdt, v_keys: bool = False):
     # cache_len_ref [S]; parents_ref [R]; pt_ref [Pmax]; q_ref [R*Hq, D]; kw_ref, vw_ref [R*Hkv, D] the window's rows as
-    # stored (fp8 codes widened, `_window_rows_for_merge`); k_ref, v_ref [P, page, D] (this KV head); fp8: ks_ref,
+    # stored (fp8 codes widened, `_window_rows_for_merge`); k_ref, v_ref [P, page, D] (this KV head; v_keys: v_ref
+    # [P, D, page]); fp8: ks_ref,
     # vs_ref [P, page], ksw_ref, vsw_ref [R*Hkv]; tickets_in_ref (aliased to tickets_ref, zeros). Outputs, for packed
     # rows part*MB .. part*MB + MB - 1 (MB = mrows): m_ref, l_ref [NC, MB] and acc_ref [NC, MB, D] the chunk partials;
     # mg_ref, lg_ref [G, MB], accg_ref [G, MB, D] the group partials, each relative to its group's max; o_ref [MB, D];
@@ -887,7 +904,8 @@ def _window_ticket_kernel(cache_len_ref, parents_ref, pt_ref, q_ref, kw_ref, vw_
     @pl.when(c < n_chunks)
     def _():
         m, l, acc = _chunk_partial(q, pt_ref, k_ref, v_ref, ks_ref, vs_ref, chunk_start=c * size, span=size,
-                                   n_keys=n_keys, scale=scale, page_size=page_size, tiles=tiles, cdt=cdt)
+                                   n_keys=n_keys, scale=scale, page_size=page_size, tiles=tiles, cdt=cdt,
+                                   v_keys=v_keys)
         plgpu.store(m_ref.at[c], m, mask=real)
         plgpu.store(l_ref.at[c], l, mask=real)
         plgpu.store(acc_ref.at[c], acc, mask=real[:, None])
@@ -1045,10 +1063,11 @@ def _pass_one(q: jax.Array, pool: KVPool, page_table: jax.Array, tiles: WindowTi
     parts = _row_parts(r * (hq // pool.k.shape[0]), rb)
     warps, stages = window_launch(tiles, mrows=rb, head_dim=d, kv_dtype=pool.k.dtype, cdt=cdt)
     per_head = pl.BlockSpec((None, pool.num_pages, ps, d), lambda i, j, c: (j // parts, 0, 0, 0))
+    per_head_v = pl.BlockSpec((None,) + pool.v.shape[1:], lambda i, j, c: (j // parts, 0, 0, 0))
     per_head_scale = pl.BlockSpec((None, pool.num_pages, ps), lambda i, j, c: (j // parts, 0, 0))
     table = _pad_table(page_table, -(-max_keys // tiles.chunk) * tiles.chunk, ps)  # (short chunks divide chunk)
     return _PassOne(mrows, rb, parts, n_chunks, max_keys, table, cdt, warps, stages,
-                    [per_head, per_head] + ([per_head_scale, per_head_scale] if pool.fp8 else []))
+                    [per_head, per_head_v] + ([per_head_scale, per_head_scale] if pool.fp8 else []))
 
 
 def _pool_operands(pool: KVPool) -> list[jax.Array]:
@@ -1139,7 +1158,8 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
                                         partials=tiles.partials, interpret=interpret)
 
     with jax.named_scope("attn_window_chunks"):
-        kernel = functools.partial(_window_chunk_kernel, fp8=pool.fp8, scale=scale, r=r, group=hq // hkv, mrows=rb,
+        kernel = functools.partial(_window_chunk_kernel, fp8=pool.fp8, v_keys=pool.keys_major, scale=scale, r=r,
+                                   group=hq // hkv, mrows=rb,
                                    parts=parts, max_keys=one.max_keys, page_size=pool.page_size, tiles=tiles,
                                    cdt=one.cdt)
         return pallas_call(
@@ -1309,7 +1329,8 @@ def _window_tickets(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: j
     operands = ([cache_len.astype(jnp.int32), parents.astype(jnp.int32), one.page_table, q.reshape(s, r * hq, d),
                  kw.reshape(s, r * hkv, d), vw.reshape(s, r * hkv, d), *_pool_operands(pool), *win_scales,
                  jnp.zeros((s, hkv * parts, groups + 1), jnp.int32)])
-    kernel = functools.partial(_window_ticket_kernel, fp8=pool.fp8, scale=scale, r=r, group=hq // hkv, mrows=rb,
+    kernel = functools.partial(_window_ticket_kernel, fp8=pool.fp8, v_keys=pool.keys_major, scale=scale, r=r,
+                               group=hq // hkv, mrows=rb,
                                parts=parts, rp=_padded_rows(r), max_keys=one.max_keys, page_size=pool.page_size,
                                tiles=tiles, unroll=unroll, max_block=max_block, interpret=interpret, cdt=one.cdt)
     f32 = jnp.float32
@@ -1337,8 +1358,7 @@ def _window_tickets(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: j
 
 
 def _check_pool(pool: KVPool, d: int) -> None:
-    if pool.k.ndim != 4 or pool.k.shape != pool.v.shape:
-        raise ValueError(f"pool.k and pool.v must both be [Hkv, P, page, D]; got {pool.k.shape}, {pool.v.shape}")
+    check_v_layout(pool)
     if pool.k.shape[3] != d:
         raise ValueError(f"queries have head dim {d} but the pool holds {pool.k.shape[3]}")
     ps = pool.page_size
@@ -1426,9 +1446,11 @@ def _check_window(q, k_win, v_win, parents, pool: KVPool, page_table, cache_len,
 # ----------------------------------------------------------------------------------------------------------------
 
 def _prompt_kernel(start_ref, lengths_ref, pt_ref, q_ref, k_ref, v_ref, *refs, fp8: bool, contiguous: bool,
-                   scale: float, max_keys: int, page_size: int, n_q_blocks: int, tiles: PromptTiles, cdt):
+                   scale: float, max_keys: int, page_size: int, n_q_blocks: int, tiles: PromptTiles, cdt,
+                   v_keys: bool = False):
     # start_ref, lengths_ref [S]; pt_ref [Pmax]; q_ref [BQ, D] (one query head, rows of one tile);
-    # k_ref, v_ref: contiguous [L, D] (this stream's keys of the head's KV head), else the pool's [P, page, D];
+    # k_ref, v_ref: contiguous [L, D] (this stream's keys of the head's KV head), else the pool's [P, page, D]
+    # (v_keys: v_ref [P, D, page]);
     # fp8: ks_ref, vs_ref [L] or [P, page]; o_ref [BQ, D].
     if fp8:
         ks_ref, vs_ref, o_ref = refs
@@ -1461,14 +1483,14 @@ def _prompt_kernel(start_ref, lengths_ref, pt_ref, q_ref, k_ref, v_ref, *refs, f
             first = b * bk
             if bk >= page_size:
                 pages = pt_ref[pl.ds(first // page_size, bk // page_size)]
-                return (k_ref[pages].reshape(bk, d), v_ref[pages].reshape(bk, d),
+                return (k_ref[pages].reshape(bk, d), _v_pages(v_ref, pages, bk, v_keys),
                         None if ks_ref is None else ks_ref[pages].reshape(bk),
                         None if vs_ref is None else vs_ref[pages].reshape(bk))
             # (first - page*size rather than %: the Triton lowering of a signed % inside the loop fails)
             logical = first // page_size
             page, blk = pt_ref[logical], pl.ds(first - logical * page_size, bk)
-            return (k_ref[page, blk, :], v_ref[page, blk, :], None if ks_ref is None else ks_ref[page, blk],
-                    None if vs_ref is None else vs_ref[page, blk])
+            return (k_ref[page, blk, :], _v_rows(v_ref, page, blk, v_keys),
+                    None if ks_ref is None else ks_ref[page, blk], None if vs_ref is None else vs_ref[page, blk])
 
         last_key = jnp.minimum(start + jnp.minimum(t0 + bq, length) - 1, max_keys - 1)
         n_blocks = last_key // bk + 1
@@ -1498,7 +1520,7 @@ def _contiguous_keys(pool: KVPool, page_table: jax.Array) -> list[jax.Array]:
         y = x[:, page_table]  # [Hkv, S, Pmax, page(, D)]
         return y.reshape(x.shape[0], s, pmax * pool.page_size, *x.shape[3:])
 
-    return [rows(pool.k), rows(pool.v)] + ([rows(pool.k_scale), rows(pool.v_scale)] if pool.fp8 else [])
+    return [rows(pool.k), rows(pool.v_rows())] + ([rows(pool.k_scale), rows(pool.v_scale)] if pool.fp8 else [])
 
 
 def check_prompt_rows(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, lengths: jax.Array
@@ -1557,18 +1579,19 @@ def prompt(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, 
     ps, fp8 = pool.page_size, pool.fp8
     max_keys = page_table.shape[1] * ps
     page_table = _pad_table(page_table, -(-max_keys // tiles.block_k) * tiles.block_k, ps)
-    kernel = functools.partial(_prompt_kernel, fp8=fp8, contiguous=tiles.contiguous, scale=scale,
-                               max_keys=max_keys, page_size=ps, n_q_blocks=n_q_blocks, tiles=tiles,
+    kernel = functools.partial(_prompt_kernel, fp8=fp8, contiguous=tiles.contiguous,
+                               v_keys=pool.keys_major and not tiles.contiguous, scale=scale, max_keys=max_keys, page_size=ps, n_q_blocks=n_q_blocks, tiles=tiles,
                                cdt=_compute_dtype(q.dtype, pool, tiles.fp8_dot))
     if tiles.contiguous:
         with jax.named_scope("attn_prompt_gather"):
             kv = _contiguous_keys(pool, page_table)
         n_keys = kv[0].shape[2]
-        kv_spec = pl.BlockSpec((None, None, n_keys, d), lambda h, i, b: (h // group, b, 0, 0))
+        kv_spec = v_spec = pl.BlockSpec((None, None, n_keys, d), lambda h, i, b: (h // group, b, 0, 0))
         kv_scale = pl.BlockSpec((None, None, n_keys), lambda h, i, b: (h // group, b, 0))
     else:
         kv = [pool.k, pool.v] + ([pool.k_scale, pool.v_scale] if fp8 else [])
         kv_spec = pl.BlockSpec((None, pool.num_pages, ps, d), lambda h, i, b: (h // group, 0, 0, 0))
+        v_spec = pl.BlockSpec((None,) + pool.v.shape[1:], lambda h, i, b: (h // group, 0, 0, 0))
         kv_scale = pl.BlockSpec((None, pool.num_pages, ps), lambda h, i, b: (h // group, 0, 0))
     # Grid axis 0 varies fastest at launch: the G heads sharing a KV head run side by side and share its blocks
     # through L2.
@@ -1579,7 +1602,7 @@ def prompt(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, 
             grid=(hq, n_q_blocks, s),
             in_specs=[pl.BlockSpec((s,), lambda h, i, b: (0,)), pl.BlockSpec((s,), lambda h, i, b: (0,)),
                       pl.BlockSpec((None, page_table.shape[1]), lambda h, i, b: (b, 0)),
-                      q_spec, kv_spec, kv_spec] + ([kv_scale, kv_scale] if fp8 else []),
+                      q_spec, kv_spec, v_spec] + ([kv_scale, kv_scale] if fp8 else []),
             out_specs=q_spec,
             out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
             interpret=interpret,

@@ -474,6 +474,8 @@ def unsupported(q_dtype, pool: KVPool, group: int, *, chunk: int, stages: int | 
     d = pool.k.shape[-1]
     if not mgpu_operands(q_dtype, pool):
         return f"bf16 queries over a bf16 or fp8 pool only; got q {jnp.dtype(q_dtype)}, pool {pool.k.dtype}"
+    if pool.keys_major:
+        return "an fp8 pool with v by rows (KVPool.v_layout 'rows'): its dequantization reads V's codes by keys"
     if d % 64 or d > 256:
         return f"a head dim that is a multiple of 64, at most 256; got {d}"
     ps = pool.page_size

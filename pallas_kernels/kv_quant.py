@@ -3,6 +3,10 @@
 Pool layout per attention layer (Hkv KV heads, P pages of `page_size` rows, head dim D):
     k, v        [Hkv, P, page_size, D]   bf16/fp32, or float8_e4m3fn
     k_scale, v_scale [Hkv, P, page_size] fp32 (fp8 pools only): one scale per (position, KV head) = amax / 448
+An fp8 pool may hold v key-major instead (`KVPool.v_layout` "keys": v [Hkv, P, D, page_size], a head dimension's
+keys contiguous in a page). P V contracts over the keys, and an 8-bit MMA operand needs its contraction dimension
+contiguous: Hopper's ldmatrix has no 8-bit transpose, so over the row layout the Triton pass 1 reads V's codes a
+byte at a time (`FP8_V_LAYOUT`). The stored values are the same in either layout.
 A stream's page table [Pmax] int32 maps its logical page i (positions i*page_size ...) to a physical page.
 Page 0 is the engine's dummy page: nothing reads it as a real key. Rows marked invalid, or whose position falls
 outside the page table, are not written at all (an earlier version sent them all to page 0 row 0, a scatter with
@@ -26,13 +30,24 @@ FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
 
 
+V_LAYOUTS = ("rows", "keys")
+# The layout `empty_pool` gives an fp8 pool's v (prepared, not yet run on the H200: "rows" until its gpu tests and
+# the engine's gates pass with "keys" and `bench attention --sections v_layout` times it). The offline sm_90
+# compile of the fp8 pass 1 at 32K (`tools/offline/triton_sm90.py --fp8 --v-layout rows|keys`, pip Triton 3.6,
+# a lead, not XLA's Triton): a 1-row window's 32-key step is 720 SASS instructions with "rows", 64 of them
+# single-byte shared loads of V, at 168 registers; 625 with "keys", no byte loads, at 140 registers. A 16-row
+# window's (32-row programs): 1131 at 213 registers against 1034 at 173.
+FP8_V_LAYOUT = "rows"
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVPool:
     k: jax.Array  # [Hkv, P, page_size, D]
-    v: jax.Array  # [Hkv, P, page_size, D]
+    v: jax.Array  # [Hkv, P, page_size, D]; v_layout "keys": [Hkv, P, D, page_size]
     k_scale: jax.Array | None = None  # [Hkv, P, page_size] fp32 when fp8
     v_scale: jax.Array | None = None
+    v_layout: str = dataclasses.field(default="rows", metadata=dict(static=True))  # V_LAYOUTS
 
     @property
     def fp8(self) -> bool:
@@ -46,13 +61,45 @@ class KVPool:
     def num_pages(self) -> int:
         return self.k.shape[1]
 
+    @property
+    def keys_major(self) -> bool:
+        return self.v_layout == "keys"
 
-def empty_pool(num_kv_heads: int, num_pages: int, page_size: int, head_dim: int, dtype) -> KVPool:
+    def v_rows(self) -> jax.Array:
+        """v as [Hkv, P, page_size, D] whatever its layout (a transpose for "keys": for references and gathers,
+        not for kernels)."""
+        return jnp.swapaxes(self.v, 2, 3) if self.keys_major else self.v
+
+    def replace(self, k, v, k_scale=None, v_scale=None) -> "KVPool":
+        """The same kind of pool (layout kept) over new arrays."""
+        return KVPool(k, v, k_scale, v_scale, self.v_layout)
+
+
+def with_v_layout(pool: KVPool, layout: str) -> KVPool:
+    """pool with v in `layout` (V_LAYOUTS; "keys" for fp8 pools only): the same stored values, moved."""
+    if layout not in V_LAYOUTS:
+        raise ValueError(f"v_layout must be one of {V_LAYOUTS}; got {layout!r}")
+    if layout == pool.v_layout:
+        return pool
+    if layout == "keys" and not pool.fp8:
+        raise ValueError("v_layout 'keys' is for fp8 pools (their 8-bit V codes); bf16 and fp32 pools keep 'rows'")
+    return KVPool(pool.k, jnp.swapaxes(pool.v, 2, 3), pool.k_scale, pool.v_scale, layout)
+
+
+def empty_pool(num_kv_heads: int, num_pages: int, page_size: int, head_dim: int, dtype,
+               v_layout: str | None = None) -> KVPool:
+    """Zeroed pool; v_layout (fp8 pools; None: FP8_V_LAYOUT) as `with_v_layout`."""
     shape = (num_kv_heads, num_pages, page_size, head_dim)
     if jnp.dtype(dtype) == jnp.dtype(FP8):
+        layout = FP8_V_LAYOUT if v_layout is None else v_layout
+        if layout not in V_LAYOUTS:
+            raise ValueError(f"v_layout must be one of {V_LAYOUTS}; got {layout!r}")
+        v_shape = shape[:2] + shape[:1:-1] if layout == "keys" else shape
         # Separate buffers for every leaf: programs donate the pool, and one buffer can't be donated twice.
-        return KVPool(jnp.zeros(shape, FP8), jnp.zeros(shape, FP8), jnp.zeros(shape[:3], jnp.float32),
-                      jnp.zeros(shape[:3], jnp.float32))
+        return KVPool(jnp.zeros(shape, FP8), jnp.zeros(v_shape, FP8), jnp.zeros(shape[:3], jnp.float32),
+                      jnp.zeros(shape[:3], jnp.float32), layout)
+    if v_layout not in (None, "rows"):
+        raise ValueError("v_layout 'keys' is for fp8 pools (their 8-bit V codes); bf16 and fp32 pools keep 'rows'")
     return KVPool(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
@@ -116,8 +163,10 @@ def write_reference(pool: KVPool, k_new: jax.Array, v_new: jax.Array, page_table
     if pool.fp8:
         kc, ks = quantize_reference(kf)
         vc, vs = quantize_reference(vf)
-        return KVPool(put(pool.k, kc), put(pool.v, vc), put(pool.k_scale, ks), put(pool.v_scale, vs))
-    return KVPool(put(pool.k, kf), put(pool.v, vf))
+        v = put(pool.v_rows(), vc)
+        return pool.replace(put(pool.k, kc), jnp.swapaxes(v, 2, 3) if pool.keys_major else v,
+                            put(pool.k_scale, ks), put(pool.v_scale, vs))
+    return pool.replace(put(pool.k, kf), put(pool.v, vf))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -176,9 +225,10 @@ def quantize(x: jax.Array, *, interpret: bool = False) -> tuple[jax.Array, jax.A
 
 
 def _write_kernel(page_table_ref, positions_ref, valid_ref, k_new_ref, v_new_ref, *refs,
-                  page_size: int, num_pages: int, fp8: bool, interpret: bool):
+                  page_size: int, num_pages: int, fp8: bool, keys_major: bool, interpret: bool):
     # page_table_ref [Pmax] (this stream); positions_ref, valid_ref [T] (this stream); k_new_ref, v_new_ref [D]
-    # (this row and KV head). refs: the aliased pool inputs (unread), then the outputs, all [Hkv, P, page(, D)].
+    # (this row and KV head). refs: the aliased pool inputs (unread), then the outputs, all [Hkv, P, page(, D)]
+    # (keys_major: v's [Hkv, P, D, page]; the row is a column of its page).
     outs = refs[len(refs) // 2:]
     t, g = pl.program_id(1), pl.program_id(2)
     pos = positions_ref[t]
@@ -191,12 +241,15 @@ def _write_kernel(page_table_ref, positions_ref, valid_ref, k_new_ref, v_new_ref
         row = pos % page_size
         # A corrupt page table must not turn into a write outside the pool.
         page = jnp.clip(page, 0, num_pages - 1)
-        for x_ref, dst, scale_dst in ((k_new_ref, outs[0], outs[2] if fp8 else None),
-                                      (v_new_ref, outs[1], outs[3] if fp8 else None)):
+        for x_ref, dst, scale_dst, column in ((k_new_ref, outs[0], outs[2] if fp8 else None, False),
+                                              (v_new_ref, outs[1], outs[3] if fp8 else None, keys_major)):
             x = x_ref[...].astype(jnp.float32)
             if fp8:
                 codes, scale = quantize_in_kernel(x[None, :], interpret)
-                dst[g, page, row, :] = codes[0]
+                if column:
+                    dst[g, page, :, pl.ds(row, 1)] = codes[0][:, None]
+                else:
+                    dst[g, page, row, :] = codes[0]
                 scale_dst[g, page, pl.ds(row, 1)] = scale
             else:
                 dst[g, page, row, :] = x.astype(dst.dtype)
@@ -213,7 +266,7 @@ def write(pool: KVPool, k_new: jax.Array, v_new: jax.Array, page_table: jax.Arra
     fp8 = pool.fp8
     pool_arrays = [pool.k, pool.v] + ([pool.k_scale, pool.v_scale] if fp8 else [])
     kernel = functools.partial(_write_kernel, page_size=pool.page_size, num_pages=pool.num_pages, fp8=fp8,
-                               interpret=interpret)
+                               keys_major=pool.keys_major, interpret=interpret)
     whole = [pl.BlockSpec(a.shape, lambda i, j, g, n=a.ndim: (0,) * n) for a in pool_arrays]
     row_spec = pl.BlockSpec((None, None, None, d), lambda i, j, g: (i, j, g, 0))
     stream_spec = lambda width: pl.BlockSpec((None, width), lambda i, j, g: (i, 0))  # noqa: E731
@@ -230,7 +283,7 @@ def write(pool: KVPool, k_new: jax.Array, v_new: jax.Array, page_table: jax.Arra
         name="kv_write_fp8" if fp8 else "kv_write",
     )(page_table.astype(jnp.int32), positions.astype(jnp.int32), valid.astype(jnp.int32), k_new, v_new,
       *pool_arrays)
-    return KVPool(*outs)
+    return pool.replace(*outs)
 
 
 def _check_write(pool: KVPool, k_new, v_new, page_table, positions, valid) -> tuple[int, int, int, int]:
@@ -248,7 +301,21 @@ def _check_write(pool: KVPool, k_new, v_new, page_table, positions, valid) -> tu
         raise ValueError(f"positions and valid must be [S, T] = {(s, t)}; got {positions.shape}, {valid.shape}")
     if pool.fp8 and (pool.k_scale is None or pool.v_scale is None):
         raise ValueError("an fp8 pool needs k_scale and v_scale (build it with empty_pool)")
+    check_v_layout(pool)
     return s, t, hkv, d
+
+
+def check_v_layout(pool: KVPool) -> None:
+    """ValueError unless pool.v has the shape its layout says (beside k [Hkv, P, page, D])."""
+    if pool.v_layout not in V_LAYOUTS:
+        raise ValueError(f"pool.v_layout must be one of {V_LAYOUTS}; got {pool.v_layout!r}")
+    if pool.keys_major and not pool.fp8:
+        raise ValueError("v_layout 'keys' is for fp8 pools (their 8-bit V codes); bf16 and fp32 pools keep 'rows'")
+    want = pool.k.shape[:2] + pool.k.shape[:1:-1] if pool.keys_major else pool.k.shape
+    if pool.k.ndim != 4 or pool.v.shape != want:
+        lay = "[Hkv, P, D, page]" if pool.keys_major else "[Hkv, P, page, D]"
+        raise ValueError(f"pool.k must be [Hkv, P, page, D] and pool.v (v_layout {pool.v_layout!r}) {lay}; got "
+                         f"{pool.k.shape}, {pool.v.shape}")
 
 
 def gather_stream(pool: KVPool, page_table: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -260,4 +327,4 @@ def gather_stream(pool: KVPool, page_table: jax.Array) -> tuple[jax.Array, jax.A
             rows = rows * scale[:, page_table][..., None]
         hkv, pm, ps, d = rows.shape
         return jnp.moveaxis(rows.reshape(hkv, pm * ps, d), 0, 1)
-    return one(pool.k, pool.k_scale), one(pool.v, pool.v_scale)
+    return one(pool.k, pool.k_scale), one(pool.v_rows(), pool.v_scale)

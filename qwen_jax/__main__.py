@@ -200,9 +200,11 @@ def cmd_bench(args) -> int:
         params, cfg = ck.params, ck.config
     if not args.compile_timing and args.compile_cache:
         _cache(args)
-    from pallas_kernels import qmm, qmm_mgpu
+    from pallas_kernels import kv_quant, qmm, qmm_mgpu
     shipped_impl, shipped_decode = qmm.PROMPT_IMPL, qmm.DECODE_IMPL
     shipped_mgpu = qmm_mgpu.STAGES, qmm_mgpu.WIDE_ROWS
+    shipped_layout = kv_quant.FP8_V_LAYOUT
+    kv_quant.FP8_V_LAYOUT = args.fp8_v_layout or shipped_layout  # read when the pools are made
     qmm.PROMPT_IMPL = args.qmm_prompt_impl or shipped_impl  # read when the prompt programs are traced
     qmm.DECODE_IMPL = args.qmm_decode_impl or shipped_decode  # ... and the decode ones
     qmm_mgpu.STAGES = args.mgpu_stages or qmm_mgpu.STAGES
@@ -210,6 +212,8 @@ def cmd_bench(args) -> int:
     log(f"qmm prompt implementation: {qmm.PROMPT_IMPL}, decode: {qmm.decode_impl()}"
         + (f" (stages {qmm_mgpu.STAGES}, pieces of up to {qmm_mgpu.WIDE_ROWS} rows)"
            if qmm.decode_impl() == "mgpu" else ""))
+    if args.kv_cache == "fp8":
+        log(f"fp8 KV cache, V {'key-major' if kv_quant.FP8_V_LAYOUT == 'keys' else 'by rows'}")
     try:
         res = bench.run(params, cfg, backend=_backend(args), dtype=args.dtype, kv_cache=args.kv_cache,
                         streams=streams, prompt_lengths=lengths, context=args.context, rounds=args.rounds,
@@ -222,8 +226,10 @@ def cmd_bench(args) -> int:
         used, qmm.PROMPT_IMPL = qmm.PROMPT_IMPL, shipped_impl
         used_decode, qmm.DECODE_IMPL = qmm.decode_impl(), shipped_decode
         used_mgpu, (qmm_mgpu.STAGES, qmm_mgpu.WIDE_ROWS) = (qmm_mgpu.STAGES, qmm_mgpu.WIDE_ROWS), shipped_mgpu
+        used_layout, kv_quant.FP8_V_LAYOUT = kv_quant.FP8_V_LAYOUT, shipped_layout
     print(json.dumps(dict(res.as_dict(), qmm_prompt_impl=used, qmm_decode_impl=used_decode,
-                          mgpu_stages=used_mgpu[0], mgpu_wide_rows=used_mgpu[1])) if args.json
+                          mgpu_stages=used_mgpu[0], mgpu_wide_rows=used_mgpu[1],
+                          fp8_v_layout=used_layout if args.kv_cache == "fp8" else None)) if args.json
           else "\n".join(res.lines()))
     return 0
 
@@ -293,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "beside it)")
     be.add_argument("--max-chunk", type=int, default=4096, help="prompt chunk rows")
     be.add_argument("--kv-cache", choices=("bf16", "fp8"), default="bf16")
+    be.add_argument("--fp8-v-layout", choices=("rows", "keys"), default=None,
+                    help="an fp8 cache's V layout: by rows, or key-major (default: the shipped one, "
+                         "pallas_kernels/kv_quant.py FP8_V_LAYOUT; the same values and bits either way)")
     be.add_argument("--logprobs", type=int, default=0, help="top logprobs computed every round (the server's cost)")
     be.add_argument("--no-compile-timing", dest="compile_timing", action="store_false",
                     help="compile once with --compile-cache instead of timing cold and warm compiles")

@@ -666,6 +666,44 @@ def test_page_layouts_give_the_same_bits(dtype):
     assert rel_err(outs[2], np_prompt(qp, pool32, table32, start, lengths, scale)) < 1e-2
 
 
+def test_fp8_v_keys_major_gives_the_same_bits():
+    """An fp8 pool holding v key-major (`KVPool.v_layout` "keys") gives the bits of the same pool by rows: windows
+    over both walks, both tails and both fp8 dots, pages smaller than a key block (whole pages gathered) and larger,
+    prompts paged and copied contiguous."""
+    rng = np.random.default_rng(16)
+    layouts = same_keys_two_page_sizes(rng, kq.FP8, s=3, context=96, hkv=2, d=32)
+    scale = 32 ** -0.5
+    q = jnp.asarray(rng.standard_normal((3, 7, 4, 32)), jnp.bfloat16)
+    kw = jnp.asarray(rng.standard_normal((3, 7, 2, 32)), jnp.bfloat16)
+    vw = jnp.asarray(rng.standard_normal((3, 7, 2, 32)), jnp.bfloat16)
+    par = jnp.asarray([TREE, CHAIN, TREE], jnp.int32)
+    cache_len = jnp.asarray([90, 33, 64], jnp.int32)
+    qp = jnp.asarray(rng.standard_normal((3, 20, 4, 32)), jnp.bfloat16)
+    start, lengths = jnp.asarray([70, 0, 41], jnp.int32), jnp.asarray([20, 20, 13], jnp.int32)
+    base = at.WindowTiles(block_k=16, chunk=64, merge_block_d=16, merge_unroll=2)
+    windows = [base, dataclasses.replace(base, walk="page"), dataclasses.replace(base, fp8_dot="float16"),
+               dataclasses.replace(base, chunk=32, fold=2, tail="tickets")]
+    prompts = [at.PromptTiles(block_q=16, block_k=16, contiguous=c) for c in (False, True)]
+    for pool, table in layouts:  # pages of 8 (a 16-key block gathers two) and of 32
+        keys = kq.with_v_layout(pool, "keys")
+        assert keys.v.shape == pool.v.shape[:2] + pool.v.shape[:1:-1]
+        for tiles in windows:
+            rows = run_window(q, kw, vw, par, pool, table, cache_len, scale=scale, interpret=True, tiles=tiles)
+            moved = run_window(q, kw, vw, par, keys, table, cache_len, scale=scale, interpret=True, tiles=tiles)
+            assert np.array_equal(bits(rows), bits(moved)), (pool.page_size, tiles)
+        for tiles in prompts:
+            rows = run_prompt(qp, pool, table, start, lengths, scale=scale, interpret=True, tiles=tiles)
+            moved = run_prompt(qp, keys, table, start, lengths, scale=scale, interpret=True, tiles=tiles)
+            assert np.array_equal(bits(rows), bits(moved)), (pool.page_size, tiles)
+        assert rel_err(moved, np_prompt(qp, pool, table, start, lengths, scale)) < 1e-2
+        ref = window_reference(q, kw, vw, par, keys, table, cache_len, scale=scale)
+        assert np.array_equal(bits(ref), bits(window_reference(q, kw, vw, par, pool, table, cache_len, scale=scale)))
+    (pool, table), _ = layouts
+    with pytest.raises(ValueError, match="v_layout"):  # a rows-shaped v (pages of 8, D 32) that says "keys"
+        bad = kq.KVPool(pool.k, pool.v, pool.k_scale, pool.v_scale, "keys")
+        at.window(q, kw, vw, par, bad, table, cache_len, scale=scale, interpret=True, tiles=base)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # fp8 with f16 dots: values of very different sizes side by side (the f16 path takes V's scales relative to the
 # block max, so small rows next to large ones are where it could lose what bf16 keeps)
@@ -759,11 +797,13 @@ def triton_calls(fn, *args) -> int:
 def test_kernels_lower_to_triton_at_27b_shape(h200_lowering):
     """Lowers the shipped tiles and the bench's candidates (window, prompt) and the KV write to Triton IR for an
     H200, on the CPU (jax's own lowering, no Triton compile): an op the Triton lowering lacks fails here rather
-    than in a device run. Shared memory and register limits are only found by the compile (see the test above)."""
+    than in a device run. Shared memory and register limits are only found by the compile (see the test above).
+    fp8 pools in both V layouts (`KVPool.v_layout`)."""
     sds = jax.ShapeDtypeStruct
-    for kv in (jnp.bfloat16, kq.FP8):
-        pool = kq.KVPool(sds((4, 300, 64, 256), kv), sds((4, 300, 64, 256), kv),
-                         *((sds((4, 300, 64), jnp.float32),) * 2 if kv == kq.FP8 else ()))
+    for kv, v_layout in ((jnp.bfloat16, "rows"), (kq.FP8, "rows"), (kq.FP8, "keys")):
+        v_shape = (4, 300, 256, 64) if v_layout == "keys" else (4, 300, 64, 256)
+        pool = kq.KVPool(sds((4, 300, 64, 256), kv), sds(v_shape, kv),
+                         *((sds((4, 300, 64), jnp.float32),) * 2 if kv == kq.FP8 else ()), v_layout=v_layout)
         for tiles in [None] + list(dict.fromkeys(gpu_window_configs())):
             for s, r, pmax in ((1, 1, 2048), (4, 16, 40)):
                 fn = functools.partial(at.window, scale=1 / 16, tiles=tiles)
@@ -921,6 +961,40 @@ def test_prompt_gpu_27b(dtype, fp8_dot):
     second = run_prompt(rest, pool, table[:1], start[:1] + 200, jnp.asarray([312], jnp.int32), scale=scale,
                         interpret=False, tiles=tiles)
     assert np.array_equal(bits(jnp.concatenate([first[0, :200], second[0, :312]])), bits(got[0]))
+
+
+@GPU
+@pytest.mark.parametrize("r", [1, 16])
+def test_fp8_v_keys_major_gpu_27b(r):
+    """Compiled at the 27B's heads over fp8 pools: v key-major (`KVPool.v_layout` "keys") gives the row layout's
+    bits, for the shipped window (f16 dots; 1- and 16-row windows over 4 streams, and one stream over a 32K table)
+    and for the Triton prompt through the pool (the Mosaic GPU prompt copies the same dequantized rows either way,
+    test_attention_mgpu)."""
+    rng = np.random.default_rng(34)
+    tree16 = TREE + list(range(6, 15))
+    chain16 = list(range(-1, 15))
+    case = window_case(rng, s=4, r=r, pmax=40, num_pages=200, dtype=kq.FP8, cache_lens=[0, 100, 1537, 2560],
+                       parents=[tree16, chain16, tree16, chain16], **BIG)
+    q, kw, vw, par, pool, table, cl = case
+    keys = kq.with_v_layout(pool, "keys")
+    scale = 1 / 16
+    tiles = shipped_window_tiles(True, 40)
+    got = run_window(*case, scale=scale, interpret=False, tiles=tiles)
+    assert rel_err(got, np_window(*case, scale)) < 1e-2
+    moved = run_window(q, kw, vw, par, keys, table, cl, scale=scale, interpret=False, tiles=tiles)
+    assert np.array_equal(bits(moved), bits(got))
+    long_table = jnp.asarray(rng.integers(1, 200, size=(1, 512)), jnp.int32)  # pages read more than once
+    long = [run_window(q[2:3], kw[2:3], vw[2:3], par[2:3], p, long_table, jnp.asarray([30000], jnp.int32),
+                       scale=scale, interpret=False, tiles=shipped_window_tiles(True, 512)) for p in (pool, keys)]
+    assert np.array_equal(bits(long[0]), bits(long[1]))
+    if r == 1:
+        qp = jnp.asarray(rng.standard_normal((2, 256, 24, 256)), jnp.bfloat16)
+        start, lengths = jnp.asarray([700, 0], jnp.int32), jnp.asarray([256, 200], jnp.int32)
+        prompt_tiles = dataclasses.replace(shipped_prompt_tiles(True, 40), impl="triton", contiguous=False)
+        outs = [run_prompt(qp, p, table[:2], start, lengths, scale=scale, interpret=False, tiles=prompt_tiles)
+                for p in (pool, keys)]
+        assert np.array_equal(bits(outs[0]), bits(outs[1]))
+        assert rel_err(outs[1], np_prompt(qp, pool, table[:2], start, lengths, scale)) < 1e-2
 
 
 @GPU

@@ -172,6 +172,17 @@ def test_fp8_pool_runs_the_bf16_kernel_over_its_dequantized_values():
     assert np.array_equal(bits(routed), bits(got))
 
 
+def test_fp8_pool_with_v_keys_major_copies_the_same_rows():
+    """An fp8 pool holding v key-major (`KVPool.v_layout` "keys") reaches the kernel as the same dequantized rows,
+    bit for bit, so the call's bits are the row layout's."""
+    rng = np.random.default_rng(49)
+    _, pool, table, _, _ = prompt_case(rng, dtype=kq.FP8, **CASE)
+    rows = am.dequantized_keys(pool, table)
+    moved = am.dequantized_keys(kq.with_v_layout(pool, "keys"), table)
+    for a, b in zip(rows, moved):
+        assert a.shape == b.shape and np.array_equal(bits(a), bits(b))
+
+
 def test_prompt_routes_bf16_and_fp8_to_mgpu_and_fp32_to_triton():
     rng = np.random.default_rng(44)
     case = prompt_case(rng, dtype=jnp.bfloat16, **CASE)

@@ -314,6 +314,10 @@ def test_window_impl_follows_the_model_not_the_call(monkeypatch):
     monkeypatch.setattr(awm, "FP8", True)  # fp8 pools on the Mosaic GPU pass 1 under "auto"
     assert at.window_impl(jnp.bfloat16, fp8, 24, shipped, interpret=False) == "mgpu"
     assert at.window_impl(jnp.bfloat16, fp8, 24, shipped, interpret=True) == "triton"
+    # v key-major (kv_quant.KVPool.v_layout "keys"): the Triton pass 1, whose P V reads those codes by keys.
+    fp8_keys = kq.KVPool(fp8.k, sds((4, 600, 256, 64), kq.FP8), v_layout="keys")
+    assert "v_layout" in awm.unsupported(jnp.bfloat16, fp8_keys, 6, chunk=awm.CHUNK)
+    assert at.window_impl(jnp.bfloat16, fp8_keys, 24, shipped, interpret=False) == "triton"
     monkeypatch.setattr(awm, "FP8", False)
     # A model's tiles: the Mosaic GPU pass 1 at its own chunk and partials; the Triton one at window_tiles' chunk
     # (fp32 partials).

@@ -30,12 +30,17 @@ def _params(dtype):
 
 
 @pytest.mark.parametrize("dtype,fixed,kv_cache", [("bfloat16", False, "bf16"), ("float32", False, "bf16"),
-                                                   ("bfloat16", True, "bf16"), ("bfloat16", False, "fp8")])
-def test_concurrent_equals_solo_on_gpu(dtype, fixed, kv_cache):
+                                                   ("bfloat16", True, "bf16"), ("bfloat16", False, "fp8"),
+                                                   ("bfloat16", False, "fp8-vkeys")])
+def test_concurrent_equals_solo_on_gpu(dtype, fixed, kv_cache, monkeypatch):
     """fixed=True: mapped lanes, one decode bucket of 16; fixed=False: the batched policy (lanes in one forward,
     decode buckets 1..16; the default here since session 10), which failed on the H200 in session 2 (see
     programs.BATCHED_BY_DEFAULT and tools/gpu/rowinv_probe.py); kv_cache "fp8": e4m3 pools with the window's pass 1
-    the model's default picks for them."""
+    the model's default picks for them; "fp8-vkeys": the same with v key-major (`kv_quant.FP8_V_LAYOUT`)."""
+    from pallas_kernels import kv_quant
+    if kv_cache == "fp8-vkeys":
+        monkeypatch.setattr(kv_quant, "FP8_V_LAYOUT", "keys")
+        kv_cache = "fp8"
     ck = _params(dtype)
     backend = Backend.default()
     assert backend.kernels and P.row_invariant(ck.params, backend)
@@ -47,6 +52,7 @@ def test_concurrent_equals_solo_on_gpu(dtype, fixed, kv_cache):
                buckets=buckets, prefill_step=64, max_logprobs=3, progress=False)
     e.start()
     try:
+        assert all(pool.v_layout == kv_quant.FP8_V_LAYOUT for pool in e.programs.state.kv) or kv_cache == "bf16"
         reqs = _requests(0)
         solo = _solo(e, reqs)  # one stream: the smallest lane and decode buckets
         with P.CompileWatch() as watch:

@@ -92,6 +92,29 @@ def test_write_kernel_bits_equal_numpy_quantizer(dtype):
     assert_pool_bits(kq.write_reference(pool, *args), want)
 
 
+def test_write_into_a_keys_major_v_stores_the_same_bytes():
+    """An fp8 pool with v key-major (`KVPool.v_layout` "keys", v [Hkv, P, D, page]): the kernel and the reference
+    write the bytes the row layout holds, moved, and the layout survives the write."""
+    rng = np.random.default_rng(5)
+    pool = random_pool(rng, 2, 12, 8, 32, kq.FP8)
+    args = write_case(rng, s=3, t=7, hkv=2, d=32, num_pages=12, page_size=8, pmax=3)
+    want = expected_pool(pool, *args)
+    want["v"] = np.swapaxes(want["v"], 2, 3)
+    keys = kq.with_v_layout(pool, "keys")
+    assert keys.v.shape == (2, 12, 32, 8) and keys.keys_major
+    for got in (_write(keys, *args, interpret=True), kq.write_reference(keys, *args)):
+        assert got.v_layout == "keys"
+        assert_pool_bits(got, want)
+    empty = kq.empty_pool(2, 5, 8, 32, kq.FP8, v_layout="keys")
+    assert empty.v.shape == (2, 5, 32, 8) and empty.keys_major
+    with pytest.raises(ValueError, match="fp8"):
+        kq.with_v_layout(random_pool(rng, 2, 6, 8, 32, jnp.bfloat16), "keys")
+    with pytest.raises(ValueError, match="v_layout"):
+        kq.empty_pool(2, 5, 8, 32, kq.FP8, v_layout="cols")
+    with pytest.raises(ValueError, match="v_layout"):  # a rows-shaped v that says "keys"
+        kq.write(kq.KVPool(pool.k, pool.v, pool.k_scale, pool.v_scale, "keys"), *args, interpret=True)
+
+
 def test_quantize_reference_equals_numpy():
     rng = np.random.default_rng(2)
     x = rng.standard_normal((64, 256)).astype(np.float32) * rng.uniform(1e-3, 1e3, size=(64, 1)).astype(np.float32)
@@ -116,10 +139,14 @@ def test_write_rejects_bad_shapes():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
-def test_write_kernel_gpu_27b_shape(dtype):
+@pytest.mark.parametrize("dtype,v_layout", [(jnp.bfloat16, "rows"), (kq.FP8, "rows"), (kq.FP8, "keys")],
+                         ids=["bf16", "fp8", "fp8-vkeys"])
+def test_write_kernel_gpu_27b_shape(dtype, v_layout):
     rng = np.random.default_rng(4)
     pool = random_pool(rng, 4, 40, 64, 256, dtype)
     args = write_case(rng, s=4, t=37, hkv=4, d=256, num_pages=40, page_size=64, pmax=9)
     want = expected_pool(pool, *args)
+    if v_layout == "keys":
+        pool = kq.with_v_layout(pool, "keys")
+        want["v"] = np.swapaxes(want["v"], 2, 3)
     assert_pool_bits(_write(pool, *args, interpret=False), want)

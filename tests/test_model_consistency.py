@@ -132,12 +132,17 @@ def test_streams_batched_equal_streams_alone(setup):
         np.testing.assert_allclose(np.asarray(lw[i]), np.asarray(li[0]), atol=TOL, rtol=0)
 
 
-def test_fp8_kv_window_equals_serial_steps(setup):
+@pytest.mark.parametrize("v_layout", ["rows", "keys"])
+def test_fp8_kv_window_equals_serial_steps(setup, v_layout, monkeypatch):
     """With an e4m3 KV cache the window's own rows are seen as they will be stored, so a chain window's rows
-    equal serial steps (each of which reads the committed, quantized rows)."""
+    equal serial steps (each of which reads the committed, quantized rows); with v by rows or key-major
+    (`kv_quant.FP8_V_LAYOUT`, which the model's pools follow)."""
+    from pallas_kernels import kv_quant
     cfg, params, toks, prefill, verify, commit, _ = setup
+    monkeypatch.setattr(kv_quant, "FP8_V_LAYOUT", v_layout)
     st = M.init_state(cfg.text, num_slots=2, num_pages=12, page_size=16, dtype=jnp.float32,
                       kv_dtype=jnp.float8_e4m3fn)
+    assert all(pool.v_layout == v_layout for pool in st.kv)
     p0 = 20
     _, st = prefill(params, st, M.make_prefill_batch(toks[None, :p0], [0], [p0], [1], _pt(1)), False)
     r = 4

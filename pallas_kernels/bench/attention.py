@@ -53,7 +53,8 @@ def kv_bytes(keys: int, fp8: bool) -> int:
     return keys * per_key
 
 
-def make_pool(key, num_pages: int, page_size: int, fp8: bool) -> kq.KVPool:
+def make_pool(key, num_pages: int, page_size: int, fp8: bool, v_layout: str = "rows") -> kq.KVPool:
+    """Random keys and values; fp8 pools quantized, with v in `v_layout` (`kv_quant.KVPool.v_layout`)."""
     shape = (HKV, num_pages, page_size, D)
     k1, k2 = jax.random.split(key)
 
@@ -63,7 +64,7 @@ def make_pool(key, num_pages: int, page_size: int, fp8: bool) -> kq.KVPool:
         v = jax.random.normal(k2, shape, jnp.float32)
         if fp8:
             (kc, ks), (vc, vs) = kq.quantize_reference(k), kq.quantize_reference(v)
-            return kq.KVPool(kc, vc, ks, vs)
+            return kq.with_v_layout(kq.KVPool(kc, vc, ks, vs), v_layout)
         return kq.KVPool(k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
 
     return build(k1, k2)
@@ -135,13 +136,14 @@ def guarded(fn):
 # window / decode
 # ---------------------------------------------------------------------------------------------------------------
 
-def window_inputs(env: Env, *, streams: int, rows: int, context: int, fp8: bool, page_size: int | None = None):
+def window_inputs(env: Env, *, streams: int, rows: int, context: int, fp8: bool, page_size: int | None = None,
+                  v_layout: str = "rows"):
     ps = page_size or env.page_size
     pages = -(-context // ps)
     sets = max(1, min(8, ROTATE_BYTES // max(1, kv_bytes(context * streams, fp8))))
     rng = np.random.default_rng(context + streams + rows)
     tables = page_tables(rng, sets, streams, pages)
-    pool = make_pool(jax.random.key(1), sets * streams * pages + 1, ps, fp8)
+    pool = make_pool(jax.random.key(1), sets * streams * pages + 1, ps, fp8, v_layout)
     tree = np.array([-1] + [(r - 1) // 2 for r in range(1, rows)], np.int32)  # a binary tree
 
     def one(i):
@@ -173,9 +175,11 @@ def _window_ref_step(pool, q, kw, vw, par, table, cache_len):
 
 @guarded
 def bench_window(env: Env, *, streams: int, rows: int, context: int, fp8: bool, impls=("kernel", "xla"),
-                 tiles: at.WindowTiles | None = None, page_size: int | None = None, tag: str = ""):
+                 tiles: at.WindowTiles | None = None, page_size: int | None = None, tag: str = "",
+                 v_layout: str = "rows"):
     tiles = tiles or at.WindowTiles()
-    pool, varying = window_inputs(env, streams=streams, rows=rows, context=context, fp8=fp8, page_size=page_size)
+    pool, varying = window_inputs(env, streams=streams, rows=rows, context=context, fp8=fp8, page_size=page_size,
+                                  v_layout=v_layout)
     nbytes = kv_bytes(context * streams, fp8)
     out = {}
     for impl in impls:
@@ -241,9 +245,11 @@ def prompt_flops(rows: int, prefix: int) -> float:
 
 @guarded
 def bench_prompt(env: Env, *, rows: int, prefix: int, fp8: bool, impls=("kernel", "xla"),
-                 tiles: at.PromptTiles | None = None, tag: str = "", mgpu_tiles: am.PromptMgpuTiles | None = None):
+                 tiles: at.PromptTiles | None = None, tag: str = "", mgpu_tiles: am.PromptMgpuTiles | None = None,
+                 v_layout: str = "rows"):
     """impls: "kernel" (attention.prompt with `tiles`), "mgpu" (attention_mgpu.prompt_mgpu with `mgpu_tiles`),
-    "xla" (the jnp reference). Each call includes the contiguous copy of the stream's keys."""
+    "xla" (the jnp reference). Each call includes the contiguous copy of the stream's keys. v_layout: an fp8
+    pool's (`kv_quant.KVPool.v_layout`)."""
     tiles = tiles or at.PromptTiles()
     mgpu_tiles = mgpu_tiles or am.PromptMgpuTiles()
     ps = env.page_size
@@ -251,7 +257,7 @@ def bench_prompt(env: Env, *, rows: int, prefix: int, fp8: bool, impls=("kernel"
     sets = 2
     rng = np.random.default_rng(prefix + rows)
     tables = page_tables(rng, sets, 1, pages)
-    pool = make_pool(jax.random.key(2), sets * pages + 1, ps, fp8)
+    pool = make_pool(jax.random.key(2), sets * pages + 1, ps, fp8, v_layout)
     varying = [(jax.random.normal(jax.random.key(200 + i), (1, rows, HQ, D), jnp.bfloat16), jnp.asarray(tables[i]),
                 jnp.asarray([prefix], jnp.int32), jnp.asarray([rows], jnp.int32)) for i in range(sets)]
     flops = prompt_flops(rows, prefix)
@@ -269,7 +275,8 @@ def bench_prompt(env: Env, *, rows: int, prefix: int, fp8: bool, impls=("kernel"
                 return at.prompt_reference(q, pool, table, start, lengths, scale=SCALE)
         us = amortised_us(env, step, (pool,), varying, slow=True)
         out[impl] = us
-        record(env, section="prompt", tag=tag, impl=impl, kv="fp8" if fp8 else "bf16", rows=rows, prefix=prefix,
+        record(env, section="prompt", tag=tag, impl=impl, kv=f"fp8 v {v_layout}" if fp8 else "bf16", rows=rows,
+               prefix=prefix,
                tiles={"kernel": str(dataclasses.astuple(tiles)), "mgpu": str(dataclasses.astuple(mgpu_tiles))}.get(
                    impl, ""), us=us, tflops=flops / us / 1e6)
     del pool
@@ -474,6 +481,13 @@ def summarize_window_fp8(env: Env, bw: float | None) -> None:
                  "target <= 1.3", fp8=True)
 
 
+def summarize_v_layout(env: Env, bw: float | None) -> None:
+    _ratio_table(env, bw, "vl ", kq.V_LAYOUTS,
+                 "v_layout: fp8 pool, the shipped pass 1, µs {how}, v by rows against key-major "
+                 f"(`KVPool.v_layout`); 1-row % of the {bw or math.nan:.2f} TB/s copy over fp8 bytes; 16-row / "
+                 "1-row target <= 1.3", fp8=True)
+
+
 # decode_sweep: the fp8 pool's 1-row decode (Triton pass 1) under candidate tiles, one stream, kernels alone, split
 # pass 1 / fold / merge. "launch" rows keep the shipped bits; "order" rows would change them once.
 FP8_DECODE_SWEEP = (
@@ -542,12 +556,12 @@ def summarize_window_mgpu(env: Env, bw: float | None) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 @guarded
-def bench_write(env: Env, *, streams: int, rows: int, fp8: bool):
+def bench_write(env: Env, *, streams: int, rows: int, fp8: bool, v_layout: str = "rows"):
     ps = env.page_size
     pages = -(-rows // ps) + 1
     rng = np.random.default_rng(rows)
     tables = page_tables(rng, 1, streams, pages)[0]
-    pool = make_pool(jax.random.key(3), streams * pages + 1, ps, fp8)
+    pool = make_pool(jax.random.key(3), streams * pages + 1, ps, fp8, v_layout)
     k = jax.random.normal(jax.random.key(4), (streams, rows, HKV, D), jnp.bfloat16)
     v = jax.random.normal(jax.random.key(5), (streams, rows, HKV, D), jnp.bfloat16)
     positions = jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32) + 5, (streams, rows))
@@ -563,8 +577,8 @@ def bench_write(env: Env, *, streams: int, rows: int, fp8: bool):
 
         us = time_us(call, [(k, v, jnp.asarray(tables), positions, valid)], warmup=2, iters=10)
         pool = state["pool"]
-        record(env, section="write", tag="", impl=impl, kv="fp8" if fp8 else "bf16", streams=streams, rows=rows,
-               us=us)
+        record(env, section="write", tag="", impl=impl, kv=f"fp8 v {v_layout}" if fp8 else "bf16", streams=streams,
+               rows=rows, us=us)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -794,6 +808,7 @@ def main(argv: list[str]) -> int:
                          "merge_variants (the tail's launch choices for 16-row windows), "
                          "window_partials (fp32 against bf16 O partials, 1- and 16-row windows), "
                          "window_fp8 (fp8 pools: the Triton pass 1 against the Mosaic GPU one), "
+                         "v_layout (fp8 pools: v by rows against key-major, windows, prompt and write), "
                          "tune (sweep tiles/page sizes first, then use the winners), decode, prompt, window, window16, write, "
                          "xla (plain-XLA reference rows)")
     ap.add_argument("--json", default=None, help="write every measured row here")
@@ -996,6 +1011,26 @@ def main(argv: list[str]) -> int:
                             base = dataclasses.replace(base, impl="mgpu", chunk=awm.CHUNK, partials=awm.PARTIALS)
                         bench_window_with("FP8_SPLIT", variant == "mgpu shared", env, streams=streams, rows=rows,
                                           context=ctx, fp8=True, tiles=base, impls=("kernel",), tag=f"wf8 {variant}")
+    if "v_layout" in sections:
+        # An fp8 pool's v by rows (shipped) against key-major (`kv_quant.KVPool.v_layout` "keys"): the shipped
+        # pass 1 (Triton for fp8 pools), 1- and 16-row windows, 1 stream at every context and 16 at the first two;
+        # then the prompt (the Mosaic GPU kernel over the dequantized copy, whose gather moves V) and the write.
+        print("== v_layout: fp8 pools, v by rows against key-major", flush=True)
+        many = 16 if gpu else 2
+        for streams, ctxs in ((1, contexts), (many, contexts[:2])):
+            for ctx in ctxs:
+                for rows in (1, 16):
+                    for layout in kq.V_LAYOUTS:
+                        bench_window(env, streams=streams, rows=rows, context=ctx, fp8=True, impls=("kernel",),
+                                     tiles=decode_for(True) if rows == 1 else window_for(True), tag=f"vl {layout}",
+                                     v_layout=layout)
+        for prefix in (0, contexts[1]):
+            for layout in kq.V_LAYOUTS:
+                bench_prompt(env, rows=32 if args.smoke else 4096, prefix=prefix, fp8=True,
+                             impls=("mgpu",) if gpu else ("kernel",), tag=f"vlp {layout}", v_layout=layout)
+        for layout in kq.V_LAYOUTS:
+            bench_write(env, streams=1, rows=32 if args.smoke else 4096, fp8=True, v_layout=layout)
+            bench_write(env, streams=many, rows=1, fp8=True, v_layout=layout)
     if "fp8_tiles_sweep" in sections:
         # The fp8 pool's 1-row decode at 32K under FP8_DECODE_SWEEP's candidate tiles (session 22, 689943d).
         print("== fp8_tiles_sweep: 1-row fp8 decode, shipped tiles and candidates", flush=True)
@@ -1066,6 +1101,7 @@ def main(argv: list[str]) -> int:
     summarize_window_mgpu_variants(env, bw)
     summarize_window_partials(env, bw)
     summarize_window_fp8(env, bw)
+    summarize_v_layout(env, bw)
     summarize_merge_variants(env)
     summarize_decode_sweep(env, bw)
     return 0

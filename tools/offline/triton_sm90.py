@@ -55,6 +55,19 @@ def capture(fn, *args) -> list[tuple[str, int, int, str]]:
     return out
 
 
+def main_loop(sass: str) -> collections.Counter:
+    """The instructions (full opcodes) between the target and the source of the SASS's longest backward branch:
+    a key-block loop's body, once."""
+    code = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in
+            re.finditer(r"/\*([0-9a-f]{4})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)([^;]*)", sass)]
+    loops = [(int(t.group(1), 16), at_) for at_, op, rest in code if op == "BRA"
+             for t in [re.search(r"0x([0-9a-f]+)", rest)] if t and int(t.group(1), 16) < at_]
+    if not loops:
+        return collections.Counter()
+    first, last = max(loops, key=lambda span: span[1] - span[0])
+    return collections.Counter(op for at_, op, _ in code if first <= at_ <= last)
+
+
 def compile_sm90(ttir: str, warps: int, stages: int, keep: str | None, label: str) -> None:
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
@@ -96,6 +109,11 @@ def compile_sm90(ttir: str, warps: int, stages: int, keep: str | None, label: st
           f"{' '.join(re.findall(r'REG:\d+|STACK:\d+', usage))}; MMA (version, warps) {mmas}, kWidth {kwidth}; "
           f"row sums over {dict(sums)}; SASS {sum(ops.values())} instructions ({ops['BAR']} BAR, "
           f"{ops['HMMA']} HMMA, {ops['HGMMA']} HGMMA, {ops['F2FP']} F2FP, {ops['MUFU']} MUFU)", flush=True)
+    loop = main_loop(sass)
+    if loop:
+        print(f"  main loop: {sum(loop.values())} instructions a trip ({loop['LDS.U8']} LDS.U8, "
+              f"{sum(n for op, n in loop.items() if op.startswith('LDS'))} LDS*, {loop['BAR.SYNC.DEFER_BLOCKING']} BAR, "
+              f"{sum(n for op, n in loop.items() if op.startswith('HMMA'))} HMMA)", flush=True)
 
 
 def main() -> None:
@@ -107,12 +125,17 @@ def main() -> None:
     ap.add_argument("--tiles", action="append", default=[], metavar="FIELD=VALUE",
                     help="a WindowTiles field over window_tiles' (ints and None parsed)")
     ap.add_argument("--keep", metavar="DIR", help="write each kernel's TTIR, TTGIR and SASS here")
+    ap.add_argument("--v-layout", choices=kq.V_LAYOUTS, default="rows",
+                    help="an fp8 pool's V layout (kv_quant.KVPool.v_layout; 'keys': v [Hkv, P, D, page])")
     args = ap.parse_args()
     sds = jax.ShapeDtypeStruct
     kv = kq.FP8 if args.fp8 else jnp.bfloat16
-    pool = kq.KVPool(sds((4, args.streams * args.pages + 8, 64, 256), kv),
-                     sds((4, args.streams * args.pages + 8, 64, 256), kv),
-                     *((sds((4, args.streams * args.pages + 8, 64), jnp.float32),) * 2 if args.fp8 else ()))
+    pages = args.streams * args.pages + 8
+    if args.v_layout == "keys" and not args.fp8:
+        ap.error("--v-layout keys is for fp8 pools (--fp8)")
+    pool = kq.KVPool(sds((4, pages, 64, 256), kv),
+                     sds((4, pages, 256, 64) if args.v_layout == "keys" else (4, pages, 64, 256), kv),
+                     *((sds((4, pages, 64), jnp.float32),) * 2 if args.fp8 else ()), v_layout=args.v_layout)
     change = {}
     for item in args.tiles:
         field, value = item.split("=", 1)
