@@ -155,6 +155,14 @@ class WindowTiles:
     # magnitude 2^-14 .. 65504, which RMS-normed queries are), P·(vs / block max of vs) rounded to f16 (3 more
     # mantissa bits than bf16; the block max is applied to the fp32 product). Only fp8 pools read this.
     fp8_dot: str = "bfloat16"
+    # fp8 pools with f16 dots (order): what V's scales are taken relative to. "block": each row's max over the
+    # block's keys it sees, which multiplies the block's P V product before it joins the running O (`_pv`). "chunk":
+    # the largest scale among the chunk's committed keys, read once before the walk (`_chunk_v_max`); each block's
+    # P V then accumulates into the running O inside the MMA, and that max multiplies the chunk's partial once. A
+    # function of the stream's committed keys alone, like the block's. The Triton pass 1 only (the prompt kernel
+    # keeps "block"). Offline sm_90 (pip Triton 3.6, V key-major): the 1-row step 625 -> 510 SASS instructions,
+    # 140 -> 128 registers (tools/offline/triton_sm90.py --fp8 --v-layout keys --tiles fp8_v_max=chunk).
+    fp8_v_max: str = "block"
     # block_k < page: "page" walks a page's blocks in an inner loop after reading its index once; "flat" runs one
     # loop over blocks and reads the page index per block (one loop for Triton to pipeline). Same bits.
     walk: str = "flat"  # flat since session 7: 1-row decode 48.9 / 81.6 / 193.5 µs at 4K / 32K / 128K vs 57.5 / 80.6 / 201.2
@@ -240,6 +248,11 @@ class PromptTiles:
     impl: str = "triton"
 
 
+# `WindowTiles.fp8_v_max` of the shipped fp8 tiles (prepared, not yet run on the H200: "block" until its gpu tests
+# and the engine's fp8 gate pass with "chunk" and `bench attention --sections v_layout` times it).
+FP8_V_MAX = "block"
+
+
 def window_tiles(*, page_size: int, max_keys: int, head_dim: int, fp8: bool) -> WindowTiles:
     """The shipped verify/decode tiles: the one place they are chosen. Arguments are fixed for a model and cache
     layout (page size, page-table width x page size, head dim, KV dtype), never the streams or rows of a call,
@@ -259,7 +272,7 @@ def window_tiles(*, page_size: int, max_keys: int, head_dim: int, fp8: bool) -> 
     # at 32K in 395.6 against 459.7 (at 4K 70.8 against 68.2); its 16-row windows were 2-6 % slower.
     # Short contexts in short chunks (session 28): at one stream a 1K-key decode ran one chunk program a KV head
     # (21.4 µs a layer in the 27B round at 1K context, session 18, where its keys' bytes take ~1 µs).
-    tiles = WindowTiles(fp8_dot="float16", row_block=32) if fp8 else WindowTiles()
+    tiles = WindowTiles(fp8_dot="float16", row_block=32, fp8_v_max=FP8_V_MAX) if fp8 else WindowTiles()
     short = max(SHORT_CHUNK, page_size)
     return dataclasses.replace(tiles, short_chunk=short if short < tiles.chunk else None)
 
@@ -378,9 +391,11 @@ def _pv(p: jax.Array, v: jax.Array, vs: jax.Array | None, visible: jax.Array | N
     return _dot((p * vs[None, :]).astype(cdt), v.astype(cdt))
 
 
-def _online_step(carry, q, k, v, ks, vs, visible, scale: float, cdt):
+def _online_step(carry, q, k, v, ks, vs, visible, scale: float, cdt, v_inv=None):
     """One online-softmax step over a key block. carry (m [M], l [M], acc [M, D]) fp32; q [M, D] cdt;
-    k, v [BK, D]; ks, vs [BK] or None; visible [M, BK] bool or None (all visible)."""
+    k, v [BK, D]; ks, vs [BK] or None; visible [M, BK] bool or None (all visible). v_inv (f16 dots over an fp8
+    pool, `WindowTiles.fp8_v_max` "chunk"): 1 / the chunk's largest V scale, by which P·vs is taken, the product
+    accumulated into acc as it stands (the caller multiplies the chunk's acc by that max)."""
     m, l, acc = carry
     logits = _dot(q, k.astype(cdt).T)
     logits = logits * (ks[None, :] * scale if ks is not None else scale)
@@ -390,6 +405,9 @@ def _online_step(carry, q, k, v, ks, vs, visible, scale: float, cdt):
     alpha = jnp.exp(m - m_new)
     p = jnp.exp(logits - m_new[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
+    if v_inv is not None:
+        seen = vs[None, :] if visible is None else jnp.where(visible, vs[None, :], 0.0)
+        return m_new, l, acc * alpha[:, None] + _dot((p * (seen * v_inv)).astype(cdt), v.astype(cdt))
     acc = acc * alpha[:, None] + _pv(p, v, vs, visible, cdt)
     return m_new, l, acc
 
@@ -510,15 +528,36 @@ def _chunk_partial(q, pt_ref, k_ref, v_ref, ks_ref, vs_ref, *, chunk_start, span
     [M, D] over the committed keys chunk_start .. chunk_start + span - 1 below n_keys (span: the stream's chunk,
     `stream_chunking`)."""
     mrows, bk = q.shape[0], tiles.block_k
+    v_max = (_chunk_v_max(pt_ref, vs_ref, chunk_start=chunk_start, span=span, n_keys=n_keys, chunk=tiles.chunk,
+                          page_size=page_size) if _chunk_scaled(tiles, vs_ref is not None, cdt) else None)
 
     def step(carry, first, k, v, ks, vs):
         visible = jnp.broadcast_to((first + jnp.arange(bk) < n_keys)[None, :], (mrows, bk))
-        return _online_step(carry, q, k, v, ks, vs, visible, scale, cdt)
+        return _online_step(carry, q, k, v, ks, vs, visible, scale, cdt, None if v_max is None else 1.0 / v_max)
 
     init = (jnp.full((mrows,), -jnp.inf, jnp.float32), jnp.zeros((mrows,), jnp.float32),
             jnp.zeros((mrows, q.shape[1]), jnp.float32))
-    return _walk_pages(init, step, pt_ref, k_ref, v_ref, ks_ref, vs_ref, first_key=chunk_start, n_keys=n_keys,
-                       span=span, block_k=bk, page_size=page_size, walk=tiles.walk, v_keys=v_keys)
+    m, l, acc = _walk_pages(init, step, pt_ref, k_ref, v_ref, ks_ref, vs_ref, first_key=chunk_start, n_keys=n_keys,
+                            span=span, block_k=bk, page_size=page_size, walk=tiles.walk, v_keys=v_keys)
+    return m, l, acc if v_max is None else acc * v_max
+
+
+def _chunk_scaled(tiles: WindowTiles, fp8: bool, cdt) -> bool:
+    """Whether pass 1 takes V's scales relative to the chunk's max (`WindowTiles.fp8_v_max`)."""
+    return fp8 and cdt == jnp.float16 and tiles.fp8_v_max == "chunk"
+
+
+def _chunk_v_max(pt_ref, vs_ref, *, chunk_start, span, n_keys, chunk: int, page_size: int):
+    """The largest V scale among the committed keys (< n_keys) of the chunk [chunk_start, chunk_start + span)
+    (span <= chunk), 1 where that is 0 or there are none: from those keys alone. Reads the pages of `chunk` keys
+    from the chunk's first (`_pass_one` widens the table by a chunk, so they are in it)."""
+    n = max(1, chunk // page_size)
+    first_page = chunk_start // page_size
+    pages = pt_ref[pl.ds(first_page, n)]
+    key = (first_page + jnp.arange(n))[:, None] * page_size + jnp.arange(page_size)[None, :]
+    live = (key >= chunk_start) & (key < chunk_start + span) & (key < n_keys)
+    top = jnp.max(jnp.where(live, vs_ref[pages], 0.0))
+    return jnp.where(top > 0, top, 1.0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1065,7 +1104,10 @@ def _pass_one(q: jax.Array, pool: KVPool, page_table: jax.Array, tiles: WindowTi
     per_head = pl.BlockSpec((None, pool.num_pages, ps, d), lambda i, j, c: (j // parts, 0, 0, 0))
     per_head_v = pl.BlockSpec((None,) + pool.v.shape[1:], lambda i, j, c: (j // parts, 0, 0, 0))
     per_head_scale = pl.BlockSpec((None, pool.num_pages, ps), lambda i, j, c: (j // parts, 0, 0))
-    table = _pad_table(page_table, -(-max_keys // tiles.chunk) * tiles.chunk, ps)  # (short chunks divide chunk)
+    # (Short chunks divide chunk. A chunk's V max, `_chunk_v_max`, reads a whole chunk's pages from any chunk start
+    # below max_keys: one chunk more.)
+    extra = tiles.chunk if _chunk_scaled(tiles, pool.fp8, cdt) else 0
+    table = _pad_table(page_table, -(-max_keys // tiles.chunk) * tiles.chunk + extra, ps)
     return _PassOne(mrows, rb, parts, n_chunks, max_keys, table, cdt, warps, stages,
                     [per_head, per_head_v] + ([per_head_scale, per_head_scale] if pool.fp8 else []))
 
@@ -1419,6 +1461,8 @@ def _check_window(q, k_win, v_win, parents, pool: KVPool, page_table, cache_len,
         raise ValueError(f"WindowTiles.merge_unroll={tiles.merge_unroll} must be >= 1")
     if tiles.fp8_dot not in ("bfloat16", "float16"):
         raise ValueError(f"WindowTiles.fp8_dot must be 'bfloat16' or 'float16'; got {tiles.fp8_dot!r}")
+    if tiles.fp8_v_max not in ("block", "chunk"):
+        raise ValueError(f"WindowTiles.fp8_v_max must be 'block' or 'chunk'; got {tiles.fp8_v_max!r}")
     if tiles.impl not in ("triton", "mgpu"):
         raise ValueError(f"WindowTiles.impl must be 'triton' or 'mgpu'; got {tiles.impl!r}")
     if tiles.partials not in ("float32", "bfloat16"):
@@ -1580,7 +1624,8 @@ def prompt(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, 
     max_keys = page_table.shape[1] * ps
     page_table = _pad_table(page_table, -(-max_keys // tiles.block_k) * tiles.block_k, ps)
     kernel = functools.partial(_prompt_kernel, fp8=fp8, contiguous=tiles.contiguous,
-                               v_keys=pool.keys_major and not tiles.contiguous, scale=scale, max_keys=max_keys, page_size=ps, n_q_blocks=n_q_blocks, tiles=tiles,
+                               v_keys=pool.keys_major and not tiles.contiguous, scale=scale, max_keys=max_keys,
+                               page_size=ps, n_q_blocks=n_q_blocks, tiles=tiles,
                                cdt=_compute_dtype(q.dtype, pool, tiles.fp8_dot))
     if tiles.contiguous:
         with jax.named_scope("attn_prompt_gather"):

@@ -218,16 +218,18 @@ def test_window_row_bits_ignore_other_streams_table_width_and_merge_split(dtype)
     assert not np.array_equal(bits(moved[0]), bits(batch[0]))
 
 
-@pytest.mark.parametrize("dtype,fp8_dot", DTYPES[:3], ids=DTYPE_IDS[:3])
-def test_window_row_bits_ignore_stale_slots_and_unseen_window_rows(dtype, fp8_dot):
+@pytest.mark.parametrize("dtype,fp8_dot,v_max", [(*d, "block") for d in DTYPES[:3]] + [(kq.FP8, "float16", "chunk")],
+                         ids=DTYPE_IDS[:3] + ["fp8-f16dot-chunkmax"])
+def test_window_row_bits_ignore_stale_slots_and_unseen_window_rows(dtype, fp8_dot, v_max):
     """What a row cannot see never reaches its bits: slots past each stream's context (stale keys a reused page
     still holds) and the pages no table holds rewritten with values 100x larger, and the window's leaf (node 6 of
     TREE, on no other row's path) scaled up 100x. Large values are the test: under fp8 their scales would top any
-    block max taken over keys a row does not see (the f16 dots' normalisation, before session 21)."""
+    block max taken over keys a row does not see (the f16 dots' normalisation, before session 21), or the chunk's
+    max (`WindowTiles.fp8_v_max` "chunk")."""
     rng = np.random.default_rng(17)
     q, kw, vw, par, pool, table, cache_len = window_case(rng, r=7, dtype=dtype, **SMALL_WINDOW)
     scale = SMALL["d"] ** -0.5
-    tiles = dataclasses.replace(SMALL_TILES, fp8_dot=fp8_dot)
+    tiles = dataclasses.replace(SMALL_TILES, fp8_dot=fp8_dot, fp8_v_max=v_max)
     clean = run_window(q, kw, vw, par, pool, table, cache_len, scale=scale, interpret=True, tiles=tiles)
     ps = SMALL["page_size"]
     seen = np.zeros(pool.k.shape[1:3], bool)  # [P, page]: slots holding a key some stream sees
@@ -639,16 +641,24 @@ def same_keys_two_page_sizes(rng, dtype, *, s, context, hkv, d, page_sizes=(8, 3
     return out
 
 
+def layout_calls(rng):
+    """Three streams' window rows (q, k_win, v_win, parents, cache_len: 7-row trees and a chain over 90 / 33 / 64
+    keys) and prompt rows (q, start, lengths) over `same_keys_two_page_sizes`' 96-key contexts (4 / 2 heads, d 32)."""
+    window = (jnp.asarray(rng.standard_normal((3, 7, 4, 32)), jnp.bfloat16),
+              jnp.asarray(rng.standard_normal((3, 7, 2, 32)), jnp.bfloat16),
+              jnp.asarray(rng.standard_normal((3, 7, 2, 32)), jnp.bfloat16),
+              jnp.asarray([TREE, CHAIN, TREE], jnp.int32), jnp.asarray([90, 33, 64], jnp.int32))
+    prompt = (jnp.asarray(rng.standard_normal((3, 20, 4, 32)), jnp.bfloat16), jnp.asarray([70, 0, 41], jnp.int32),
+              jnp.asarray([20, 20, 13], jnp.int32))
+    return window, prompt
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
 def test_page_layouts_give_the_same_bits(dtype):
     rng = np.random.default_rng(13)
     (pool8, table8), (pool32, table32) = same_keys_two_page_sizes(rng, dtype, s=3, context=96, hkv=2, d=32)
     scale = 32 ** -0.5
-    q = jnp.asarray(rng.standard_normal((3, 7, 4, 32)), jnp.bfloat16)
-    kw = jnp.asarray(rng.standard_normal((3, 7, 2, 32)), jnp.bfloat16)
-    vw = jnp.asarray(rng.standard_normal((3, 7, 2, 32)), jnp.bfloat16)
-    par = jnp.asarray([TREE, CHAIN, TREE], jnp.int32)
-    cache_len = jnp.asarray([90, 33, 64], jnp.int32)
+    (q, kw, vw, par, cache_len), (qp, start, lengths) = layout_calls(rng)
     tiles = at.WindowTiles(block_k=16, chunk=64, merge_block_d=16, merge_unroll=2)
     a = run_window(q, kw, vw, par, pool8, table8, cache_len, scale=scale, interpret=True, tiles=tiles)
     b = run_window(q, kw, vw, par, pool32, table32, cache_len, scale=scale, interpret=True, tiles=tiles)
@@ -657,8 +667,6 @@ def test_page_layouts_give_the_same_bits(dtype):
     assert np.array_equal(bits(a), bits(b)) and np.array_equal(bits(paged), bits(b))
     assert rel_err(b, np_window(q, kw, vw, par, pool32, table32, cache_len, scale)) < 1e-2
 
-    qp = jnp.asarray(rng.standard_normal((3, 20, 4, 32)), jnp.bfloat16)
-    start, lengths = jnp.asarray([70, 0, 41], jnp.int32), jnp.asarray([20, 20, 13], jnp.int32)
     outs = [run_prompt(qp, pool, table, start, lengths, scale=scale, interpret=True,
                        tiles=at.PromptTiles(block_q=16, block_k=16, contiguous=contiguous))
             for pool, table, contiguous in ((pool8, table8, True), (pool8, table8, False), (pool32, table32, False))]
@@ -673,13 +681,7 @@ def test_fp8_v_keys_major_gives_the_same_bits():
     rng = np.random.default_rng(16)
     layouts = same_keys_two_page_sizes(rng, kq.FP8, s=3, context=96, hkv=2, d=32)
     scale = 32 ** -0.5
-    q = jnp.asarray(rng.standard_normal((3, 7, 4, 32)), jnp.bfloat16)
-    kw = jnp.asarray(rng.standard_normal((3, 7, 2, 32)), jnp.bfloat16)
-    vw = jnp.asarray(rng.standard_normal((3, 7, 2, 32)), jnp.bfloat16)
-    par = jnp.asarray([TREE, CHAIN, TREE], jnp.int32)
-    cache_len = jnp.asarray([90, 33, 64], jnp.int32)
-    qp = jnp.asarray(rng.standard_normal((3, 20, 4, 32)), jnp.bfloat16)
-    start, lengths = jnp.asarray([70, 0, 41], jnp.int32), jnp.asarray([20, 20, 13], jnp.int32)
+    (q, kw, vw, par, cache_len), (qp, start, lengths) = layout_calls(rng)
     base = at.WindowTiles(block_k=16, chunk=64, merge_block_d=16, merge_unroll=2)
     windows = [base, dataclasses.replace(base, walk="page"), dataclasses.replace(base, fp8_dot="float16"),
                dataclasses.replace(base, chunk=32, fold=2, tail="tickets")]
@@ -708,6 +710,53 @@ def test_fp8_v_keys_major_gives_the_same_bits():
 # fp8 with f16 dots: values of very different sizes side by side (the f16 path takes V's scales relative to the
 # block max, so small rows next to large ones are where it could lose what bf16 keeps)
 # ---------------------------------------------------------------------------------------------------------------
+
+def test_fp8_chunk_v_max():
+    """WindowTiles.fp8_v_max "chunk" (f16 dots over an fp8 pool, V's scales taken relative to the chunk's largest,
+    the P V products accumulated in the running O): right against float64, over values of mixed magnitude too; not
+    the "block" bits (another order); a row's bits free of other streams, of the table width (the chunk's scales
+    read through a wider table) and of the merge's split; a short chunk the chunk it picks, fixed; the tickets
+    tail's one-group stream the two-pass merge."""
+    rng = np.random.default_rng(19)
+    tiles = dataclasses.replace(SMALL_TILES, fp8_dot="float16", fp8_v_max="chunk")
+    scale = SMALL["d"] ** -0.5
+    for rows in (7, 1):
+        case = window_case(rng, r=rows, dtype=kq.FP8, **SMALL_WINDOW)
+        got = run_window(*case, scale=scale, interpret=True, tiles=tiles)
+        assert rel_err(got, np_window(*case, scale)) < 1e-2
+    q, kw, vw, par, pool, table, cache_len = case = window_case(rng, r=7, dtype=kq.FP8, **SMALL_WINDOW)
+    batch = run_window(*case, scale=scale, interpret=True, tiles=tiles)
+    block = run_window(*case, scale=scale, interpret=True, tiles=dataclasses.replace(tiles, fp8_v_max="block"))
+    assert not np.array_equal(bits(batch), bits(block))
+    wide = jnp.concatenate([table[2:3], scattered_tables(rng, 1, 7, 48)], axis=1)
+    alone = run_window(q[2:3], kw[2:3], vw[2:3], par[2:3], pool, wide, cache_len[2:3], scale=scale, interpret=True,
+                       tiles=tiles)
+    assert np.array_equal(bits(alone[0]), bits(batch[2]))
+    split = run_window(*case, scale=scale, interpret=True, tiles=dataclasses.replace(tiles, merge_block_d=32))
+    assert np.array_equal(bits(split), bits(batch))
+    # Short chunks: 70 keys in chunks of 16 (its pick) within a table of 64-key chunks, against 16 fixed.
+    short = dataclasses.replace(tiles, chunk=64, short_chunk=16)
+    lens = jnp.asarray([70, 43, 0, 9, 72], jnp.int32)
+    mixed = run_window(q, kw, vw, par, pool, table, lens, scale=scale, interpret=True, tiles=short)
+    fixed = run_window(q[:1], kw[:1], vw[:1], par[:1], pool, table[:1], lens[:1], scale=scale, interpret=True,
+                       tiles=dataclasses.replace(short, chunk=16, short_chunk=None))
+    assert np.array_equal(bits(fixed[0]), bits(mixed[0]))
+    assert rel_err(mixed, np_window(q, kw, vw, par, pool, table, lens, scale)) < 1e-2
+    tickets = run_window(*case, scale=scale, interpret=True, tiles=dataclasses.replace(tiles, fold=2, tail="tickets"))
+    assert rel_err(tickets, np_window(*case, scale)) < 1e-2
+    assert np.array_equal(bits(tickets[:4]), bits(batch[:4]))  # at most 2 chunks: one group
+    # values of mixed magnitude (V rows 10^-3 .. 10^3 apart): the chunk's max against the block's
+    sizes = 10.0 ** rng.uniform(-3, 3, size=pool.v.shape[:3] + (1,))
+    vc, vs = kq.quantize_reference(jnp.asarray(rng.standard_normal(pool.v.shape) * sizes, jnp.float32))
+    mixed_pool = kq.KVPool(pool.k, vc, pool.k_scale, vs)
+    want = np_window(q, kw, vw, par, mixed_pool, table, cache_len, scale)
+    for v_max in ("block", "chunk"):
+        got = run_window(q, kw, vw, par, mixed_pool, table, cache_len, scale=scale, interpret=True,
+                         tiles=dataclasses.replace(tiles, fp8_v_max=v_max))
+        assert rel_err(got, want) < 1e-2, v_max
+    with pytest.raises(ValueError, match="fp8_v_max"):
+        run_window(*case, scale=scale, interpret=True, tiles=dataclasses.replace(tiles, fp8_v_max="row"))
+
 
 def test_fp8_f16_dot_keeps_rows_of_mixed_magnitude():
     rng = np.random.default_rng(14)
@@ -758,6 +807,7 @@ def gpu_window_configs():
         out += [tiles for _, tiles in bench.DECODE_COMPARE]
         out += [dataclasses.replace(shipped_window_tiles(fp8, 2048), row_block=rb) for rb in (64, 32)]  # window16
         out.append(dataclasses.replace(shipped_window_tiles(fp8, 40), fold=2, tail="tickets"))  # its gpu test
+        out += [dataclasses.replace(shipped_window_tiles(fp8, pmax), fp8_v_max="chunk") for pmax in (40, 512)]
     return out
 
 
@@ -845,6 +895,15 @@ GPU_DTYPES = DTYPES[:3]
 GPU_DTYPE_IDS = DTYPE_IDS[:3]
 
 
+def big_window_case(rng, r: int, dtype):
+    """4 streams at the 27B's heads over 0 / 100 / 1537 / 2560 committed keys of a 40-page table, r-row windows:
+    trees and chains of up to 16 rows."""
+    tree16 = TREE + list(range(6, 15))
+    chain16 = list(range(-1, 15))
+    return window_case(rng, s=4, r=r, pmax=40, num_pages=200, dtype=dtype, cache_lens=[0, 100, 1537, 2560],
+                       parents=[tree16, chain16, tree16, chain16], **BIG)
+
+
 def _window_on_gpu_checked(rng, case, scale, tiles):
     """The window compiled for the device: against float64, and stream 2 alone with a wider table (more chunk
     programs) bit for bit the same. -> the batch output."""
@@ -863,10 +922,7 @@ def _window_on_gpu_checked(rng, case, scale, tiles):
 @pytest.mark.parametrize("r", [1, 16])
 def test_window_gpu_27b(dtype, fp8_dot, r):
     rng = np.random.default_rng(30)
-    tree16 = TREE + list(range(6, 15))
-    chain16 = list(range(-1, 15))
-    case = window_case(rng, s=4, r=r, pmax=40, num_pages=200, dtype=dtype, cache_lens=[0, 100, 1537, 2560],
-                       parents=[tree16, chain16, tree16, chain16], **BIG)
+    case = big_window_case(rng, r, dtype)
     scale = 1 / 16
     tiles = dataclasses.replace(shipped_window_tiles(dtype == kq.FP8, 40), fp8_dot=fp8_dot)
     got = _window_on_gpu_checked(rng, case, scale, tiles)
@@ -971,10 +1027,7 @@ def test_fp8_v_keys_major_gpu_27b(r):
     and for the Triton prompt through the pool (the Mosaic GPU prompt copies the same dequantized rows either way,
     test_attention_mgpu)."""
     rng = np.random.default_rng(34)
-    tree16 = TREE + list(range(6, 15))
-    chain16 = list(range(-1, 15))
-    case = window_case(rng, s=4, r=r, pmax=40, num_pages=200, dtype=kq.FP8, cache_lens=[0, 100, 1537, 2560],
-                       parents=[tree16, chain16, tree16, chain16], **BIG)
+    case = big_window_case(rng, r, kq.FP8)
     q, kw, vw, par, pool, table, cl = case
     keys = kq.with_v_layout(pool, "keys")
     scale = 1 / 16
@@ -995,6 +1048,26 @@ def test_fp8_v_keys_major_gpu_27b(r):
                 for p in (pool, keys)]
         assert np.array_equal(bits(outs[0]), bits(outs[1]))
         assert rel_err(outs[1], np_prompt(qp, pool, table[:2], start, lengths, scale)) < 1e-2
+
+
+@GPU
+@pytest.mark.parametrize("r", [1, 16])
+def test_fp8_chunk_v_max_gpu_27b(r):
+    """Compiled at the 27B's heads over an fp8 pool with V key-major: the shipped fp8 tiles with `fp8_v_max`
+    "chunk" right against float64, stream 2 alone with a wider table the same bits, launch choices (the page walk,
+    stages, the merge's columns and rows) the same bits, the tickets tail right."""
+    rng = np.random.default_rng(35)
+    case = big_window_case(rng, r, kq.FP8)
+    q, kw, vw, par, pool, table, cl = case
+    case = (q, kw, vw, par, kq.with_v_layout(pool, "keys"), table, cl)
+    scale = 1 / 16
+    tiles = dataclasses.replace(shipped_window_tiles(True, 40), fp8_v_max="chunk")
+    got = _window_on_gpu_checked(rng, case, scale, tiles)
+    for launch in (dict(walk="page", num_stages=2), dict(merge_block_d=64), dict(merge_block_rows=16)):
+        other = run_window(*case, scale=scale, interpret=False, tiles=dataclasses.replace(tiles, **launch))
+        assert np.array_equal(bits(other), bits(got)), launch
+    tickets = run_window(*case, scale=scale, interpret=False, tiles=dataclasses.replace(tiles, fold=2, tail="tickets"))
+    assert rel_err(tickets, np_window(*case, scale)) < 1e-2
 
 
 @GPU

@@ -481,11 +481,16 @@ def summarize_window_fp8(env: Env, bw: float | None) -> None:
                  "target <= 1.3", fp8=True)
 
 
+# v_layout's fp8 pass 1s: (name, `KVPool.v_layout`, `WindowTiles.fp8_v_max`) over the shipped tiles.
+V_VARIANTS = (("rows", "rows", "block"), ("keys", "keys", "block"), ("keys chunk max", "keys", "chunk"))
+
+
 def summarize_v_layout(env: Env, bw: float | None) -> None:
-    _ratio_table(env, bw, "vl ", kq.V_LAYOUTS,
-                 "v_layout: fp8 pool, the shipped pass 1, µs {how}, v by rows against key-major "
-                 f"(`KVPool.v_layout`); 1-row % of the {bw or math.nan:.2f} TB/s copy over fp8 bytes; 16-row / "
-                 "1-row target <= 1.3", fp8=True)
+    _ratio_table(env, bw, "vl ", tuple(name for name, _, _ in V_VARIANTS),
+                 "v_layout: fp8 pool, the shipped pass 1, µs {how}: v by rows (shipped), key-major "
+                 "(`KVPool.v_layout`), and key-major with V's scales relative to the chunk's max "
+                 f"(`WindowTiles.fp8_v_max`); 1-row % of the {bw or math.nan:.2f} TB/s copy over fp8 bytes; "
+                 "16-row / 1-row target <= 1.3", fp8=True)
 
 
 # decode_sweep: the fp8 pool's 1-row decode (Triton pass 1) under candidate tiles, one stream, kernels alone, split
@@ -808,7 +813,8 @@ def main(argv: list[str]) -> int:
                          "merge_variants (the tail's launch choices for 16-row windows), "
                          "window_partials (fp32 against bf16 O partials, 1- and 16-row windows), "
                          "window_fp8 (fp8 pools: the Triton pass 1 against the Mosaic GPU one), "
-                         "v_layout (fp8 pools: v by rows against key-major, windows, prompt and write), "
+                         "v_layout (fp8 pools: v by rows against key-major, and V's scales by the chunk's max; "
+                         "windows, prompt and write), "
                          "tune (sweep tiles/page sizes first, then use the winners), decode, prompt, window, window16, write, "
                          "xla (plain-XLA reference rows)")
     ap.add_argument("--json", default=None, help="write every measured row here")
@@ -1012,18 +1018,20 @@ def main(argv: list[str]) -> int:
                         bench_window_with("FP8_SPLIT", variant == "mgpu shared", env, streams=streams, rows=rows,
                                           context=ctx, fp8=True, tiles=base, impls=("kernel",), tag=f"wf8 {variant}")
     if "v_layout" in sections:
-        # An fp8 pool's v by rows (shipped) against key-major (`kv_quant.KVPool.v_layout` "keys"): the shipped
-        # pass 1 (Triton for fp8 pools), 1- and 16-row windows, 1 stream at every context and 16 at the first two;
-        # then the prompt (the Mosaic GPU kernel over the dequantized copy, whose gather moves V) and the write.
+        # An fp8 pool's v by rows (shipped) against key-major (`kv_quant.KVPool.v_layout` "keys"), and key-major
+        # with `WindowTiles.fp8_v_max` "chunk" (order): the shipped pass 1 (Triton for fp8 pools), 1- and 16-row
+        # windows, 1 stream at every context and 16 at the first two; then the prompt (the Mosaic GPU kernel over
+        # the dequantized copy, whose gather moves V) and the write, by layout.
         print("== v_layout: fp8 pools, v by rows against key-major", flush=True)
         many = 16 if gpu else 2
         for streams, ctxs in ((1, contexts), (many, contexts[:2])):
             for ctx in ctxs:
                 for rows in (1, 16):
-                    for layout in kq.V_LAYOUTS:
+                    for name, layout, v_max in V_VARIANTS:
+                        tiles = dataclasses.replace(decode_for(True) if rows == 1 else window_for(True),
+                                                    fp8_v_max=v_max)
                         bench_window(env, streams=streams, rows=rows, context=ctx, fp8=True, impls=("kernel",),
-                                     tiles=decode_for(True) if rows == 1 else window_for(True), tag=f"vl {layout}",
-                                     v_layout=layout)
+                                     tiles=tiles, tag=f"vl {name}", v_layout=layout)
         for prefix in (0, contexts[1]):
             for layout in kq.V_LAYOUTS:
                 bench_prompt(env, rows=32 if args.smoke else 4096, prefix=prefix, fp8=True,

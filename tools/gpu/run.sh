@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh hundred-thirty-ninth|hundred-thirty-eighth|hundred-thirty-seventh|hundred-thirty-sixth|hundred-thirty-fifth|hundred-thirty-fourth|hundred-thirty-third|hundred-thirty-second|hundred-thirty-first|hundred-thirtieth|hundred-twenty-ninth|hundred-twenty-eighth|hundred-twenty-seventh|hundred-twenty-sixth|hundred-twenty-fifth|hundred-twenty-fourth|hundred-twenty-third|hundred-twenty-second|hundred-twenty-first|hundred-twentieth|hundred-nineteenth|hundred-eighteenth|hundred-seventeenth|hundred-sixteenth|hundred-fifteenth|hundred-fourteenth|hundred-thirteenth|hundred-twelfth|hundred-eleventh|hundred-tenth|hundred-ninth|hundred-eighth|hundred-seventh|hundred-sixth|hundred-fifth|hundred-fourth|hundred-third|hundred-second|hundred-first|hundredth|ninety-ninth|ninety-eighth|ninety-seventh|ninety-sixth|ninety-fifth|ninety-fourth|ninety-third|ninety-second|ninety-first|ninetieth|eighty-ninth|eighty-eighth|eighty-seventh|eighty-sixth|eighty-fifth|eighty-fourth|eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh hundred-fortieth|hundred-thirty-ninth|hundred-thirty-eighth|hundred-thirty-seventh|hundred-thirty-sixth|hundred-thirty-fifth|hundred-thirty-fourth|hundred-thirty-third|hundred-thirty-second|hundred-thirty-first|hundred-thirtieth|hundred-twenty-ninth|hundred-twenty-eighth|hundred-twenty-seventh|hundred-twenty-sixth|hundred-twenty-fifth|hundred-twenty-fourth|hundred-twenty-third|hundred-twenty-second|hundred-twenty-first|hundred-twentieth|hundred-nineteenth|hundred-eighteenth|hundred-seventeenth|hundred-sixteenth|hundred-fifteenth|hundred-fourteenth|hundred-thirteenth|hundred-twelfth|hundred-eleventh|hundred-tenth|hundred-ninth|hundred-eighth|hundred-seventh|hundred-sixth|hundred-fifth|hundred-fourth|hundred-third|hundred-second|hundred-first|hundredth|ninety-ninth|ninety-eighth|ninety-seventh|ninety-sixth|ninety-fifth|ninety-fourth|ninety-third|ninety-second|ninety-first|ninetieth|eighty-ninth|eighty-eighth|eighty-seventh|eighty-sixth|eighty-fifth|eighty-fourth|eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -127,15 +127,22 @@ case "$stage" in
     gpu_pytest 170 engine 10 tests/test_engine_gpu.py
     timeout 150 python3 -m pallas_kernels.bench attention --sections short_chunks --budget-s 135 --trace /tmp/trace_sc \
       --json "$out/attention_short.json" 2>&1 | tee "$out/attention_short.log" | grep -E "^copy|FAILED" ;;
+  hundred-fortieth)
+    # Prepared in session 32 (not run; ~8 min), after hundred-thirty-ninth: bench attention --sections v_layout,
+    # kernels alone: the fp8 pass 1 over V by rows (shipped), key-major, and key-major with V's scales relative to
+    # the chunk's max, 1- and 16-row windows at 1 stream (4K / 32K / 128K) and 16 streams (4K / 32K); then the fp8
+    # prompt and the write by layout. Ship what its gates passed and what is faster (kv_quant.FP8_V_LAYOUT,
+    # attention.FP8_V_MAX).
+    attn_sections 470 v_layout v_layout ;;
   hundred-thirty-ninth)
-    # Prepared in session 32 (no device lent; ~8 min): an fp8 pool's V key-major (kv_quant.KVPool.v_layout "keys",
-    # FP8_V_LAYOUT, "rows" by default until this passes). Its gpu tests (the write kernel's bytes, the 27B's windows
-    # at 1 and 16 rows and a 30K-key stream, and the Triton prompt, bit for bit the row layout), the engine's fp8 gate
-    # with it, then bench attention --sections v_layout (both layouts' windows, the fp8 prompt and the write,
-    # kernels alone). If the bits hold and the windows are faster, make "keys" FP8_V_LAYOUT.
-    gpu_pytest 200 vkeys 10 tests/test_attention.py tests/test_kv_quant.py -k "keys_major or write_kernel_gpu"
-    gpu_pytest 120 engine_vkeys 4 tests/test_engine_gpu.py -k "vkeys or fp8"
-    attn_sections 250 v_layout v_layout ;;
+    # Prepared in session 32 (no device lent; ~6 min): an fp8 pool's V key-major (kv_quant.KVPool.v_layout "keys",
+    # FP8_V_LAYOUT, "rows" by default) and V's scales relative to the chunk's max (WindowTiles.fp8_v_max "chunk",
+    # attention.FP8_V_MAX, "block" by default). Their gpu tests: the write kernel's bytes; the 27B's windows at 1
+    # and 16 rows and a 30K-key stream, and the Triton prompt, key-major bit for bit the row layout; the chunk max
+    # right against float64, its bits free of other streams, the table width and launch choices. Then the engine's
+    # fp8 gates: as shipped, key-major, key-major with the chunk max.
+    gpu_pytest 240 vkeys 14 tests/test_attention.py tests/test_kv_quant.py -k "keys_major or chunk_v_max or write_kernel_gpu"
+    gpu_pytest 150 engine_vkeys 5 tests/test_engine_gpu.py -k "fp8" ;;
   hundred-thirty-eighth)
     # Prepared in session 31 (not run; ~8 min): the fused residual add's norm on programs of its own, a row each
     # (residual.residual_add_norm tail "rows", ops.RESIDUAL_NORM_TAIL; they wait on the add programs' count), for
