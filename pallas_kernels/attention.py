@@ -421,7 +421,7 @@ def _v_rows(v_ref, page, rows, v_keys: bool) -> jax.Array:
 def _v_pages(v_ref, pages, block_k: int, v_keys: bool) -> jax.Array:
     """Whole pages `pages` [n] of v_ref (as `_v_rows`) as [n * page, D] rows."""
     if v_keys:
-        return jnp.concatenate([v_ref[pages[i]].T for i in range(pages.shape[0])], axis=0)
+        return jnp.swapaxes(v_ref[pages], 1, 2).reshape(block_k, v_ref.shape[-2])
     return v_ref[pages].reshape(block_k, v_ref.shape[-1])
 
 

@@ -808,6 +808,7 @@ def gpu_window_configs():
         out += [dataclasses.replace(shipped_window_tiles(fp8, 2048), row_block=rb) for rb in (64, 32)]  # window16
         out.append(dataclasses.replace(shipped_window_tiles(fp8, 40), fold=2, tail="tickets"))  # its gpu test
         out += [dataclasses.replace(shipped_window_tiles(fp8, pmax), fp8_v_max="chunk") for pmax in (40, 512)]
+        out.append(dataclasses.replace(shipped_window_tiles(fp8, 512), fp8_v_max="chunk", block_k=64))  # v_layout
     return out
 
 
@@ -885,6 +886,17 @@ def test_kernels_lower_to_triton_at_27b_shape(h200_lowering):
         rows = sds((4, 37, 4, 256), jnp.bfloat16)
         assert triton_calls(kq.write, pool, rows, rows, sds((4, 9), jnp.int32), sds((4, 37), jnp.int32),
                             sds((4, 37), jnp.bool_))
+    # V key-major over pages smaller than a key block (two 16-key pages a 32-key block, `attention._v_pages`).
+    small = kq.KVPool(sds((4, 300, 16, 256), kq.FP8), sds((4, 300, 256, 16), kq.FP8),
+                      *(sds((4, 300, 16), jnp.float32),) * 2, v_layout="keys")
+    tiles = at.WindowTiles(block_k=32, chunk=512, fp8_dot="float16", fp8_v_max="chunk")
+    assert triton_calls(functools.partial(at.window, scale=1 / 16, tiles=tiles), sds((1, 1, 24, 256), jnp.bfloat16),
+                        sds((1, 1, 4, 256), jnp.bfloat16), sds((1, 1, 4, 256), jnp.bfloat16), sds((1, 1), jnp.int32),
+                        small, sds((1, 64), jnp.int32), sds((1,), jnp.int32))
+    prompt_tiles = at.PromptTiles(block_q=64, block_k=32, contiguous=False, fp8_dot="float16")
+    assert triton_calls(functools.partial(at.prompt, scale=1 / 16, tiles=prompt_tiles),
+                        sds((1, 128, 24, 256), jnp.bfloat16), small, sds((1, 24), jnp.int32), sds((1,), jnp.int32),
+                        sds((1,), jnp.int32))
 
 
 # ---------------------------------------------------------------------------------------------------------------
