@@ -70,7 +70,7 @@ class KVPool:
         not for kernels)."""
         return jnp.swapaxes(self.v, 2, 3) if self.keys_major else self.v
 
-    def replace(self, k, v, k_scale=None, v_scale=None) -> "KVPool":
+    def with_arrays(self, k, v, k_scale=None, v_scale=None) -> "KVPool":
         """The same kind of pool (layout kept) over new arrays."""
         return KVPool(k, v, k_scale, v_scale, self.v_layout)
 
@@ -164,9 +164,9 @@ def write_reference(pool: KVPool, k_new: jax.Array, v_new: jax.Array, page_table
         kc, ks = quantize_reference(kf)
         vc, vs = quantize_reference(vf)
         v = put(pool.v_rows(), vc)
-        return pool.replace(put(pool.k, kc), jnp.swapaxes(v, 2, 3) if pool.keys_major else v,
+        return pool.with_arrays(put(pool.k, kc), jnp.swapaxes(v, 2, 3) if pool.keys_major else v,
                             put(pool.k_scale, ks), put(pool.v_scale, vs))
-    return pool.replace(put(pool.k, kf), put(pool.v, vf))
+    return pool.with_arrays(put(pool.k, kf), put(pool.v, vf))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -283,7 +283,7 @@ def write(pool: KVPool, k_new: jax.Array, v_new: jax.Array, page_table: jax.Arra
         name="kv_write_fp8" if fp8 else "kv_write",
     )(page_table.astype(jnp.int32), positions.astype(jnp.int32), valid.astype(jnp.int32), k_new, v_new,
       *pool_arrays)
-    return pool.replace(*outs)
+    return pool.with_arrays(*outs)
 
 
 def _check_write(pool: KVPool, k_new, v_new, page_table, positions, valid) -> tuple[int, int, int, int]:
