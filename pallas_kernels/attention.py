@@ -160,7 +160,7 @@ class WindowTiles:
     # the largest scale among the chunk's committed keys, read once before the walk (`_chunk_v_max`); each block's
     # P V then accumulates into the running O inside the MMA, and that max multiplies the chunk's partial once. A
     # function of the stream's committed keys alone, like the block's. The Triton pass 1 only (the prompt kernel
-    # keeps "block"). Offline sm_90 (pip Triton 3.6, V key-major): the 1-row step 625 -> 510 SASS instructions,
+    # keeps "block"). Offline sm_90 (pip Triton 3.6, V key-major): the 1-row step 625 -> 495 SASS instructions,
     # 140 -> 128 registers (tools/offline/triton_sm90.py --fp8 --v-layout keys --tiles fp8_v_max=chunk).
     fp8_v_max: str = "block"
     # block_k < page: "page" walks a page's blocks in an inner loop after reading its index once; "flat" runs one
