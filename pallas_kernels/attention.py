@@ -1560,11 +1560,11 @@ def _contiguous_keys(pool: KVPool, page_table: jax.Array) -> list[jax.Array]:
     """Each stream's pages copied into rows: k, v [Hkv, S, L, D] (+ fp8 scales [Hkv, S, L]), L = Pmax*page."""
     s, pmax = page_table.shape
 
-    def rows(x):
-        y = x[:, page_table]  # [Hkv, S, Pmax, page(, D)]
-        return y.reshape(x.shape[0], s, pmax * pool.page_size, *x.shape[3:])
+    def rows(y):  # [Hkv, S, Pmax, page(, D)]
+        return y.reshape(y.shape[0], s, pmax * pool.page_size, *y.shape[4:])
 
-    return [rows(pool.k), rows(pool.v_rows())] + ([rows(pool.k_scale), rows(pool.v_scale)] if pool.fp8 else [])
+    return ([rows(pool.k[:, page_table]), rows(pool.v_pages(page_table))]
+            + ([rows(pool.k_scale[:, page_table]), rows(pool.v_scale[:, page_table])] if pool.fp8 else []))
 
 
 def check_prompt_rows(q: jax.Array, pool: KVPool, page_table: jax.Array, start: jax.Array, lengths: jax.Array

@@ -65,10 +65,11 @@ class KVPool:
     def keys_major(self) -> bool:
         return self.v_layout == "keys"
 
-    def v_rows(self) -> jax.Array:
-        """v as [Hkv, P, page_size, D] whatever its layout (a transpose for "keys": for references and gathers,
-        not for kernels)."""
-        return jnp.swapaxes(self.v, 2, 3) if self.keys_major else self.v
+    def v_pages(self, pages: jax.Array) -> jax.Array:
+        """The pages `pages` (an int array of any shape) of v as rows, [Hkv, *pages.shape, page_size, D], whatever
+        its layout: gathered first, so a key-major pool moves only those pages."""
+        v = self.v[:, pages]
+        return jnp.swapaxes(v, -1, -2) if self.keys_major else v
 
     def with_arrays(self, k, v, k_scale=None, v_scale=None) -> "KVPool":
         """The same kind of pool (layout kept) over new arrays."""
@@ -163,9 +164,10 @@ def write_reference(pool: KVPool, k_new: jax.Array, v_new: jax.Array, page_table
     if pool.fp8:
         kc, ks = quantize_reference(kf)
         vc, vs = quantize_reference(vf)
-        v = put(pool.v_rows(), vc)
-        return pool.with_arrays(put(pool.k, kc), jnp.swapaxes(v, 2, 3) if pool.keys_major else v,
-                            put(pool.k_scale, ks), put(pool.v_scale, vs))
+        # key-major: slot (p, r) is v[:, p, :, r], whose indexed shape puts the rows first
+        v = (pool.v.at[:, p, :, r].set(jnp.moveaxis(vc, 1, 0), mode="drop") if pool.keys_major
+             else put(pool.v, vc))
+        return pool.with_arrays(put(pool.k, kc), v, put(pool.k_scale, ks), put(pool.v_scale, vs))
     return pool.with_arrays(put(pool.k, kf), put(pool.v, vf))
 
 
@@ -320,11 +322,10 @@ def check_v_layout(pool: KVPool) -> None:
 
 def gather_stream(pool: KVPool, page_table: jax.Array) -> tuple[jax.Array, jax.Array]:
     """All of a stream's pages in logical order, fp32: page_table [Pmax] -> (k, v) [Pmax*page, Hkv, D]."""
-    def one(x, scale):
-        rows = x[:, page_table]  # [Hkv, Pmax, page, D]
+    def one(rows, scale):  # rows [Hkv, Pmax, page, D]
         rows = rows.astype(jnp.float32)
         if scale is not None:
             rows = rows * scale[:, page_table][..., None]
         hkv, pm, ps, d = rows.shape
         return jnp.moveaxis(rows.reshape(hkv, pm * ps, d), 0, 1)
-    return one(pool.k, pool.k_scale), one(pool.v_rows(), pool.v_scale)
+    return one(pool.k[:, page_table], pool.k_scale), one(pool.v_pages(page_table), pool.v_scale)
