@@ -4,7 +4,9 @@ The call is lowered for an abstract H200 on the CPU (jax's own Pallas-to-Triton 
 `test_kernels_lower_to_triton_at_27b_shape` does); each Triton kernel's TTIR is captured from the lowering and
 compiled for sm_90 by pip's Triton (which need not be the Triton XLA bundles: a lead, not a measurement). For each
 kernel it prints the MMAs' layouts (version, warps, kWidth), its reductions' layouts, shared memory, registers,
-spills and a SASS instruction count; `--keep DIR` writes the TTIR, TTGIR and SASS there.
+spills and a SASS instruction count, then its main loop's instructions a trip (the longest backward branch's body:
+pass 1's key-block step); `--keep DIR` writes the TTIR, TTGIR and SASS there. `--v-layout keys` gives the fp8 pool
+V key-major (`kv_quant.KVPool.v_layout`).
 
     pip install --target /tmp/tri36 triton==3.6.0
     PYTHONPATH=/tmp/tri36:$PWD python tools/offline/triton_sm90.py --fp8 --streams 4 --rows 16 --pages 40 \\
