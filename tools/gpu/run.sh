@@ -131,9 +131,8 @@ case "$stage" in
     # Prepared in session 32 (not run; ~8 min), after hundred-thirty-ninth: bench attention --sections v_layout,
     # kernels alone: the fp8 pass 1 over V by rows (shipped), key-major, and key-major with V's scales relative to
     # the chunk's max (at 32- and 64-key blocks), 1- and 16-row windows at 1 stream (4K / 32K / 128K) and 16
-    # streams (4K / 32K); then the fp8
-    # prompt and the write by layout. Ship what its gates passed and what is faster (kv_quant.FP8_V_LAYOUT,
-    # attention.FP8_V_MAX).
+    # streams (4K / 32K); then the fp8 prompt and the write by layout. Ship what its gates passed and what is
+    # faster (kv_quant.FP8_V_LAYOUT, attention.FP8_V_MAX).
     attn_sections 470 v_layout v_layout ;;
   hundred-thirty-ninth)
     # Prepared in session 32 (no device lent; ~6 min): an fp8 pool's V key-major (kv_quant.KVPool.v_layout "keys",
