@@ -76,14 +76,24 @@ class KVPool:
         return KVPool(k, v, k_scale, v_scale, self.v_layout)
 
 
-def with_v_layout(pool: KVPool, layout: str) -> KVPool:
-    """pool with v in `layout` (V_LAYOUTS; "keys" for fp8 pools only): the same stored values, moved."""
+def _check_layout(layout: str, fp8: bool) -> None:
+    """ValueError unless `layout` is one of V_LAYOUTS that a pool of this kind may hold."""
     if layout not in V_LAYOUTS:
         raise ValueError(f"v_layout must be one of {V_LAYOUTS}; got {layout!r}")
+    if layout == "keys" and not fp8:
+        raise ValueError("v_layout 'keys' is for fp8 pools (their 8-bit V codes); bf16 and fp32 pools keep 'rows'")
+
+
+def _v_shape(k_shape: tuple[int, ...], layout: str) -> tuple[int, ...]:
+    """v's shape in `layout` beside k [Hkv, P, page, D]."""
+    return k_shape[:2] + k_shape[:1:-1] if layout == "keys" else k_shape
+
+
+def with_v_layout(pool: KVPool, layout: str) -> KVPool:
+    """pool with v in `layout` (V_LAYOUTS; "keys" for fp8 pools only): the same stored values, moved."""
+    _check_layout(layout, pool.fp8)
     if layout == pool.v_layout:
         return pool
-    if layout == "keys" and not pool.fp8:
-        raise ValueError("v_layout 'keys' is for fp8 pools (their 8-bit V codes); bf16 and fp32 pools keep 'rows'")
     return KVPool(pool.k, jnp.swapaxes(pool.v, 2, 3), pool.k_scale, pool.v_scale, layout)
 
 
@@ -91,16 +101,13 @@ def empty_pool(num_kv_heads: int, num_pages: int, page_size: int, head_dim: int,
                v_layout: str | None = None) -> KVPool:
     """Zeroed pool; v_layout (fp8 pools; None: FP8_V_LAYOUT) as `with_v_layout`."""
     shape = (num_kv_heads, num_pages, page_size, head_dim)
-    if jnp.dtype(dtype) == jnp.dtype(FP8):
-        layout = FP8_V_LAYOUT if v_layout is None else v_layout
-        if layout not in V_LAYOUTS:
-            raise ValueError(f"v_layout must be one of {V_LAYOUTS}; got {layout!r}")
-        v_shape = shape[:2] + shape[:1:-1] if layout == "keys" else shape
+    fp8 = jnp.dtype(dtype) == jnp.dtype(FP8)
+    layout = (FP8_V_LAYOUT if fp8 else "rows") if v_layout is None else v_layout
+    _check_layout(layout, fp8)
+    if fp8:
         # Separate buffers for every leaf: programs donate the pool, and one buffer can't be donated twice.
-        return KVPool(jnp.zeros(shape, FP8), jnp.zeros(v_shape, FP8), jnp.zeros(shape[:3], jnp.float32),
-                      jnp.zeros(shape[:3], jnp.float32), layout)
-    if v_layout not in (None, "rows"):
-        raise ValueError("v_layout 'keys' is for fp8 pools (their 8-bit V codes); bf16 and fp32 pools keep 'rows'")
+        return KVPool(jnp.zeros(shape, FP8), jnp.zeros(_v_shape(shape, layout), FP8),
+                      jnp.zeros(shape[:3], jnp.float32), jnp.zeros(shape[:3], jnp.float32), layout)
     return KVPool(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
@@ -309,12 +316,8 @@ def _check_write(pool: KVPool, k_new, v_new, page_table, positions, valid) -> tu
 
 def check_v_layout(pool: KVPool) -> None:
     """ValueError unless pool.v has the shape its layout says (beside k [Hkv, P, page, D])."""
-    if pool.v_layout not in V_LAYOUTS:
-        raise ValueError(f"pool.v_layout must be one of {V_LAYOUTS}; got {pool.v_layout!r}")
-    if pool.keys_major and not pool.fp8:
-        raise ValueError("v_layout 'keys' is for fp8 pools (their 8-bit V codes); bf16 and fp32 pools keep 'rows'")
-    want = pool.k.shape[:2] + pool.k.shape[:1:-1] if pool.keys_major else pool.k.shape
-    if pool.k.ndim != 4 or pool.v.shape != want:
+    _check_layout(pool.v_layout, pool.fp8)
+    if pool.k.ndim != 4 or pool.v.shape != _v_shape(pool.k.shape, pool.v_layout):
         lay = "[Hkv, P, D, page]" if pool.keys_major else "[Hkv, P, page, D]"
         raise ValueError(f"pool.k must be [Hkv, P, page, D] and pool.v (v_layout {pool.v_layout!r}) {lay}; got "
                          f"{pool.k.shape}, {pool.v.shape}")
