@@ -374,6 +374,12 @@ def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.dot(a, b, precision=precision, preferred_element_type=jnp.float32)
 
 
+def _seen_scales(vs: jax.Array, visible: jax.Array | None) -> jax.Array:
+    """V's scales vs [BK] as each row sees them: [1 or M, BK], zero at keys the row does not see (a stale slot's
+    scale must never reach a row's bits)."""
+    return vs[None, :] if visible is None else jnp.where(visible, vs[None, :], 0.0)
+
+
 def _pv(p: jax.Array, v: jax.Array, vs: jax.Array | None, visible: jax.Array | None, cdt) -> jax.Array:
     """sum_j p[m, j] * vs[j] * v[j, :] in fp32: p [M, BK] fp32; v [BK, D]; vs [BK] or None; visible [M, BK] bool
     or None (all visible) -> [M, D]. f16 operands (fp8 pools only) take vs relative to the row's max over the keys
@@ -384,7 +390,7 @@ def _pv(p: jax.Array, v: jax.Array, vs: jax.Array | None, visible: jax.Array | N
     if vs is None:
         return _dot(p.astype(cdt), v.astype(cdt))
     if cdt == jnp.float16:
-        seen = vs[None, :] if visible is None else jnp.where(visible, vs[None, :], 0.0)
+        seen = _seen_scales(vs, visible)
         top = jnp.max(seen, axis=1)
         top = jnp.where(top > 0, top, 1.0)
         return _dot((p * (seen / top[:, None])).astype(cdt), v.astype(cdt)) * top[:, None]
@@ -406,7 +412,7 @@ def _online_step(carry, q, k, v, ks, vs, visible, scale: float, cdt, v_inv=None)
     p = jnp.exp(logits - m_new[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
     if v_inv is not None:
-        seen = vs[None, :] if visible is None else jnp.where(visible, vs[None, :], 0.0)
+        seen = _seen_scales(vs, visible)
         return m_new, l, acc * alpha[:, None] + _dot((p * (seen * v_inv)).astype(cdt), v.astype(cdt))
     acc = acc * alpha[:, None] + _pv(p, v, vs, visible, cdt)
     return m_new, l, acc
