@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh hundred-fortieth|hundred-thirty-ninth|hundred-thirty-eighth|hundred-thirty-seventh|hundred-thirty-sixth|hundred-thirty-fifth|hundred-thirty-fourth|hundred-thirty-third|hundred-thirty-second|hundred-thirty-first|hundred-thirtieth|hundred-twenty-ninth|hundred-twenty-eighth|hundred-twenty-seventh|hundred-twenty-sixth|hundred-twenty-fifth|hundred-twenty-fourth|hundred-twenty-third|hundred-twenty-second|hundred-twenty-first|hundred-twentieth|hundred-nineteenth|hundred-eighteenth|hundred-seventeenth|hundred-sixteenth|hundred-fifteenth|hundred-fourteenth|hundred-thirteenth|hundred-twelfth|hundred-eleventh|hundred-tenth|hundred-ninth|hundred-eighth|hundred-seventh|hundred-sixth|hundred-fifth|hundred-fourth|hundred-third|hundred-second|hundred-first|hundredth|ninety-ninth|ninety-eighth|ninety-seventh|ninety-sixth|ninety-fifth|ninety-fourth|ninety-third|ninety-second|ninety-first|ninetieth|eighty-ninth|eighty-eighth|eighty-seventh|eighty-sixth|eighty-fifth|eighty-fourth|eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh hundred-forty-second|hundred-forty-first|hundred-fortieth|hundred-thirty-ninth|hundred-thirty-eighth|hundred-thirty-seventh|hundred-thirty-sixth|hundred-thirty-fifth|hundred-thirty-fourth|hundred-thirty-third|hundred-thirty-second|hundred-thirty-first|hundred-thirtieth|hundred-twenty-ninth|hundred-twenty-eighth|hundred-twenty-seventh|hundred-twenty-sixth|hundred-twenty-fifth|hundred-twenty-fourth|hundred-twenty-third|hundred-twenty-second|hundred-twenty-first|hundred-twentieth|hundred-nineteenth|hundred-eighteenth|hundred-seventeenth|hundred-sixteenth|hundred-fifteenth|hundred-fourteenth|hundred-thirteenth|hundred-twelfth|hundred-eleventh|hundred-tenth|hundred-ninth|hundred-eighth|hundred-seventh|hundred-sixth|hundred-fifth|hundred-fourth|hundred-third|hundred-second|hundred-first|hundredth|ninety-ninth|ninety-eighth|ninety-seventh|ninety-sixth|ninety-fifth|ninety-fourth|ninety-third|ninety-second|ninety-first|ninetieth|eighty-ninth|eighty-eighth|eighty-seventh|eighty-sixth|eighty-fifth|eighty-fourth|eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -127,6 +127,31 @@ case "$stage" in
     gpu_pytest 170 engine 10 tests/test_engine_gpu.py
     timeout 150 python3 -m pallas_kernels.bench attention --sections short_chunks --budget-s 135 --trace /tmp/trace_sc \
       --json "$out/attention_short.json" 2>&1 | tee "$out/attention_short.log" | grep -E "^copy|FAILED" ;;
+  hundred-forty-first)
+    # Session 33 (~9 min): the gates of the four prepared changes in one call (sessions 31-32's stages 137-139,
+    # trimmed). Their gpu tests: fp8 V key-major and the chunk max (kv_quant.FP8_V_LAYOUT, attention.FP8_V_MAX), the
+    # serial step's GDN with its norm (ops.STEP_NORM), the residual add's norm on programs of their own
+    # (ops.RESIDUAL_NORM_TAIL "rows", RESIDUAL_NORM_ROWS 16). Then every engine gate with STEP_NORM and the rows tail
+    # on together (the fp8-vkeys gates set the V layout and max themselves). Timing is hundred-forty-second's.
+    gpu_pytest 200 vkeys 14 tests/test_attention.py tests/test_kv_quant.py -k "keys_major or chunk_v_max or write_kernel_gpu"
+    gpu_pytest 100 stepnorm 8 tests/test_gdn.py tests/test_model_consistency.py -k "step_norm or pieces"
+    gpu_pytest 80 rows 6 tests/test_residual.py -k "norm"
+    timeout -s INT 190 python3 -c "import sys, pytest; from qwen_jax.model import ops; ops.STEP_NORM = True; \
+      ops.RESIDUAL_NORM_TAIL = 'rows'; ops.RESIDUAL_NORM_ROWS = 16; sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v \
+      -p no:cacheprovider --tb=short tests/test_engine_gpu.py > "$out/gpu_tests_engine.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_engine.log" | cut -c1-200 | tail -14 ;;
+  hundred-forty-second)
+    # Session 33 (~9.5 min): the timing of hundred-forty-first's changes. The fp8 pass 1 by V layout (bench
+    # attention --sections v_layout, as far as 250 s go: one stream's 4K / 32K / 128K first), then the round traced at
+    # 1 and 16 streams as shipped and with STEP_NORM and the rows tail (16 rows) on.
+    attn_sections 270 v_layout v_layout
+    for st in 1 16; do
+      for v in "" "--step-norm --residual-norm-rows 16 --residual-norm-tail rows"; do
+        timeout 70 python3 tools/gpu/decode_profile.py --synthetic 27b --streams $st --rounds 16 --trace /tmp/trace_sn \
+          --profiled 0 $v 2>&1 | tee "$out/profile_s${st}_$(echo "$v" | tr -c 'a-z0-9\n' '_').txt" \
+          | grep -E "trace:|device-bound|pipelined|  (residual_add|rownorm_rms|rownorm_gated|gdn_step)" | sed "s/^/s$st /" | head -8
+      done
+    done ;;
   hundred-fortieth)
     # Prepared in session 32 (not run; ~8 min), after hundred-thirty-ninth: bench attention --sections v_layout,
     # kernels alone: the fp8 pass 1 over V by rows (shipped), key-major, and key-major with V's scales relative to
