@@ -7,7 +7,9 @@ the projection's output y [S, R, N] whole (columns: per query head [q D | gate D
 normed and rotated, and v, for every (stream, row, head) in one program each. The gate stays in y, where the
 output's sigmoid multiply reads it. Given the projection's decode qmm pieces instead (`qmm_mgpu.Pieces`), it sums and
 rounds y's columns itself (the projection's epilogue, `piece_row`) and writes the gate [S, R, Hq D] too, so no
-launch sits between the qmm and it.
+launch sits between the qmm and it. Given `packed_rows` M, it also writes q packed as the Mosaic GPU window pass 1
+reads it (`attention_window_mgpu.pack_queries`: [S, Hkv, M, D], KV head g's row r G + h query head g G + h of row r,
+zeros after R G), so no pad launch sits between it and the window either.
 
 The math is `prep_reference`'s, which is the model's own path (`ops.rms_norm`, then `layers.apply_rope`): normalise
 in fp32 (the sum of squares times the fp32-rounded 1/D, as XLA emits jnp.mean), times the fp32 multiplier, round to
@@ -103,15 +105,20 @@ def gate_of(y: jax.Array, hq: int, d: int) -> jax.Array:
     return y[..., :hq * 2 * d].reshape(s, r, hq, 2 * d)[..., d:].reshape(s, r, hq * d)
 
 
-def _kernel(*refs, hq: int, hkv: int, d: int, rd: int, eps: float, n_pieces: int, rows: int):
-    """Program (stream s, row r, head j): query head j for j < Hq (and its gate, from pieces), else KV head j - Hq
-    (k, and v copied). refs: y [S, R, N] (n_pieces 0) or `Pieces`' valid [P, N] int8 and parts [P, N, R'] (P pieces,
-    y's row (s, r) their row s R + r with rows = R); the weights, cos, sin; q, k, v (and the gate, from pieces)."""
+def _kernel(*refs, hq: int, hkv: int, d: int, rd: int, eps: float, n_pieces: int, rows: int,
+            packed_rows: int | None):
+    """Program (stream s, row r, head j): query head j for j < Hq (and its gate, from pieces; and its packed row),
+    else KV head j - Hq (k, and v copied; and its share of the packed q's zero rows). refs: y [S, R, N] (n_pieces 0)
+    or `Pieces`' valid [P, N] int8 and parts [P, N, R'] (P pieces, y's row (s, r) their row s R + r with rows = R);
+    the weights, cos, sin; q, k, v (and the gate, from pieces; and the packed q, with packed_rows)."""
+    qp_ref = refs[-1] if packed_rows else None
+    refs = refs[:-1] if packed_rows else refs
     if n_pieces:
         valid_ref, parts_ref, qw_ref, kw_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref, gate_ref = refs
     else:
         y_ref, qw_ref, kw_ref, cos_ref, sin_ref, q_ref, k_ref, v_ref = refs
     s, r, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    group = hq // hkv
     dtype = q_ref.dtype
 
     def y_at(cols):
@@ -138,6 +145,8 @@ def _kernel(*refs, hq: int, hkv: int, d: int, rd: int, eps: float, n_pieces: int
     def _():
         for (a, n), o in zip(spans, outs):
             q_ref[s, r, j, pl.ds(a, n)] = o
+            if packed_rows:
+                qp_ref[s, j // group, r * group + j % group, pl.ds(a, n)] = o
         if n_pieces:
             gate_ref[s, r, pl.ds(j * d, d)] = y_at(pl.ds(j * 2 * d + d, d))
 
@@ -146,19 +155,37 @@ def _kernel(*refs, hq: int, hkv: int, d: int, rd: int, eps: float, n_pieces: int
         for (a, n), o in zip(spans, outs):
             k_ref[s, r, kv, pl.ds(a, n)] = o
         v_ref[s, r, kv, :] = y_at(pl.ds(hq * 2 * d + hkv * d + kv * d, d))
+        if packed_rows:  # KV head kv's zero rows R G + r + R i (i = 0, 1, ...) below packed_rows
+            zeros = jnp.zeros((d,), dtype)
+            live = rows * group
+            for i in range(-(-(packed_rows - live) // rows)):
+                if live + rows * (i + 1) <= packed_rows:  # every row r has this one
+                    qp_ref[s, kv, live + r + rows * i, :] = zeros
+                else:
+                    @pl.when(live + r + rows * i < packed_rows)
+                    def _():
+                        qp_ref[s, kv, live + r + rows * i, :] = zeros
 
 
 def prep(y, q_weight: jax.Array, k_weight: jax.Array, cos: jax.Array, sin: jax.Array, *, hq: int,
-         hkv: int, d: int, rotary_dim: int, eps: float, interpret: bool = False) -> tuple[jax.Array, ...]:
-    """`prep_reference` in one launch, grid (stream, row, Hq + Hkv heads); y an array or `Pieces`."""
+         hkv: int, d: int, rotary_dim: int, eps: float, packed_rows: int | None = None,
+         interpret: bool = False) -> tuple[jax.Array, ...]:
+    """`prep_reference` in one launch, grid (stream, row, Hq + Hkv heads); y an array or `Pieces`. packed_rows M:
+    q packed for the Mosaic GPU window pass 1 ([S, Hkv, M, D], M >= R Hq / Hkv) comes last, after the gate."""
     (s, r, _), dtype = _check(y, q_weight, k_weight, cos, sin, hq=hq, hkv=hkv, d=d, rotary_dim=rotary_dim)
+    if packed_rows is not None and packed_rows < r * (hq // hkv):
+        raise ValueError(f"attn_prep: packed_rows ({packed_rows}) must hold the window's R * Hq / Hkv = "
+                         f"{r * (hq // hkv)} packed query rows")
     ys, n_pieces = rows_operands(y)
     out_shape = (jax.ShapeDtypeStruct((s, r, hq, d), dtype), jax.ShapeDtypeStruct((s, r, hkv, d), dtype),
                  jax.ShapeDtypeStruct((s, r, hkv, d), dtype))
     if n_pieces:
         out_shape += (jax.ShapeDtypeStruct((s, r, hq * d), dtype),)
+    if packed_rows:
+        out_shape += (jax.ShapeDtypeStruct((s, hkv, packed_rows, d), dtype),)
     return pallas_call(
-        functools.partial(_kernel, hq=hq, hkv=hkv, d=d, rd=rotary_dim, eps=float(eps), n_pieces=n_pieces, rows=r),
+        functools.partial(_kernel, hq=hq, hkv=hkv, d=d, rd=rotary_dim, eps=float(eps), n_pieces=n_pieces, rows=r,
+                          packed_rows=packed_rows),
         out_shape=out_shape,
         grid=(s, r, hq + hkv),
         compiler_params=plgpu.CompilerParams(num_warps=WARPS),

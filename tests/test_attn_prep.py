@@ -106,6 +106,34 @@ def test_attn_prep_reads_pieces_bitwise():
     _check_pieces(TINY, 8)
 
 
+@pytest.mark.parametrize("dims,r,packed_rows", [(TINY, 4, 16), (TINY, 3, 64), (BIG, 1, 64), (BIG, 16, 128)],
+                         ids=["tiny-4", "tiny-3", "27b-1", "27b-16"])
+def test_attn_prep_packs_q_for_the_window(dims, r, packed_rows):
+    """packed_rows: the packed q is `attention_window_mgpu.pack_queries` of the call's own q, bit for bit, zero rows
+    included (in 27B-1 58 of a KV head's 64 rows are zero, in tiny-3 3 rows of the last share are not written by
+    every row's program), from an array and from pieces; q, k, v and the gate are the call's without it."""
+    from pallas_kernels import attention_window_mgpu as awm
+    from pallas_kernels.qmm_mgpu import Pieces
+    from tests.test_swiglu import random_pieces
+    rng = np.random.default_rng(9)
+    s = 2
+    y, qw, kw, cos, sin, _ = _case(rng, dims, s, r, jnp.bfloat16)
+    parts, valid = random_pieces(rng, 3, y.shape[-1], 8 * -(-s * r // 8))
+    for src in (y, Pieces(parts, valid, (s, r))):
+        plain = _run(dims, src, qw, kw, cos, sin)
+        got = _run(dict(dims, packed_rows=packed_rows), src, qw, kw, cos, sin)
+        assert len(got) == len(plain) + 1
+        for a, b in zip(got, plain):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+        live = r * dims["hq"] // dims["hkv"]  # pack_queries pads to whole warpgroups: its live rows, then zeros
+        want = jnp.zeros((s, dims["hkv"], packed_rows, dims["d"]), jnp.bfloat16).at[:, :, :live].set(
+            awm.pack_queries(plain[0], dims["hkv"])[:, :, :live])
+        assert got[-1].shape == want.shape and np.array_equal(np.asarray(got[-1]).view(np.uint16),
+                                                              np.asarray(want).view(np.uint16))
+    with pytest.raises(ValueError, match="packed_rows"):
+        ap.prep(y, qw, kw, cos, sin, eps=EPS, packed_rows=r * dims["hq"] // dims["hkv"] - 1, **dims)
+
+
 def test_attn_prep_rejects_bad_inputs():
     rng = np.random.default_rng(6)
     y, qw, kw, cos, sin, _ = _case(rng, TINY, 1, 2, jnp.float32)
