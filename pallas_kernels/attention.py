@@ -1177,9 +1177,24 @@ def _split_rows(tiles: WindowTiles, one: _PassOne, streams: int, hkv: int) -> bo
     return one.mrows > awm.WG_ROWS and streams * hkv * one.n_chunks <= awm.SPLIT_MAX_CTAS
 
 
+def packed_query_rows(q_shape: tuple[int, ...], q_dtype, pool: KVPool, page_table_width: int, *,
+                      interpret: bool) -> int | None:
+    """The packed rows a model's window call over queries [S, R, Hq, D] reads q in where its pass 1 is the Mosaic GPU
+    one (`attention_window_mgpu.pack_queries`): its caller can write q that way itself (`attn_prep`'s packed_rows)
+    and hand it to `window` as q_packed. None where the call's pass 1 takes q as it is, or pads it again (fp8
+    pools split over two warpgroups)."""
+    tiles = model_window_tiles(q_dtype, pool, q_shape[2], max_keys=page_table_width * pool.page_size,
+                               interpret=interpret)
+    if tiles.tail == "tickets" or not _mgpu_pass_one(jax.ShapeDtypeStruct(q_shape, q_dtype), pool, tiles,
+                                                       interpret):
+        return None
+    from pallas_kernels import attention_window_mgpu as awm
+    return None if pool.fp8 and awm.FP8_SPLIT else awm.packed_rows(q_shape, pool.k.shape[0])
+
+
 def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len: jax.Array, *, scale: float,
-                    tiles: WindowTiles, interpret: bool = False, pad_chunks_to: int = 1
-                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    tiles: WindowTiles, interpret: bool = False, pad_chunks_to: int = 1,
+                    q_packed: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Pass 1 of `window` alone (window calls it; the bench times it apart from the merge): one program per
     (stream, KV head, chunk) writes the chunk's partial for the real packed rows; entries of chunks at or past the
     stream's context and of padding rows are left unwritten. tiles.impl "mgpu" runs it on Mosaic GPU for bf16 calls
@@ -1187,7 +1202,8 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
 
     q [S, R, Hq, D]; page_table [S, Pmax]; cache_len [S] -> m, l [S, Hkv, NC, M] fp32 and acc [S, Hkv, NC, M, D]
     (fp32, or bf16 from the Mosaic GPU pass 1 with tiles.partials "bfloat16"),
-    NC = the chunk count over the table rounded up to a power of two (and to pad_chunks_to), M packed rows
+    NC = the chunk count over the table rounded up to a power of two (and to pad_chunks_to), M packed rows.
+    q_packed: q as the Mosaic GPU pass 1 packs it (`packed_query_rows`), which it then reads; other pass 1s read q.
     """
     s, r, hq, d = q.shape
     hkv = pool.k.shape[0]
@@ -1203,7 +1219,7 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
                                                                   split_rows=_split_rows(tiles, one, s, hkv),
                                                                   ping_pong=awm.PING_PONG, dequant=awm.DEQUANT,
                                                                   fp8_split=awm.FP8_SPLIT),
-                                        partials=tiles.partials, interpret=interpret)
+                                        partials=tiles.partials, q_packed=q_packed, interpret=interpret)
 
     with jax.named_scope("attn_window_chunks"):
         kernel = functools.partial(_window_chunk_kernel, fp8=pool.fp8, v_keys=pool.keys_major, scale=scale, r=r,
@@ -1232,7 +1248,7 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
 
 def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array, pool: KVPool,
            page_table: jax.Array, cache_len: jax.Array, *, scale: float, interpret: bool = False,
-           tiles: WindowTiles | None = None) -> jax.Array:
+           tiles: WindowTiles | None = None, q_packed: jax.Array | None = None) -> jax.Array:
     """Same contract as window_reference. Pass 1 streams the committed keys of each (stream, KV head) in chunks of
     `tiles.chunk` keys, one program each, and writes per-chunk partials; pass 2 folds them in chunk order and
     adds the window's own keys last (they sit after every committed key). On a table of more than `tiles.fold`
@@ -1243,7 +1259,8 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
     nor on the launch fields. tiles=None: `model_window_tiles` for this pool and table.
 
     q [S, R, Hq, D]; k_win, v_win [S, R, Hkv, D]; parents [S, R]; page_table [S, Pmax]; cache_len [S]
-    -> o [S, R, Hq, D] in q.dtype
+    -> o [S, R, Hq, D] in q.dtype. q_packed: q packed for the Mosaic GPU pass 1 (`packed_query_rows`), the same
+    values, so the same bits.
     """
     if tiles is None:
         tiles = model_window_tiles(q.dtype, pool, q.shape[2], max_keys=page_table.shape[-1] * pool.page_size,
@@ -1267,7 +1284,7 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
                             fold=tiles.fold if grouped else None, fold_here=fold_here)
     bd, unroll = merge_launch(tiles, streams=s, hkv=hkv, mrows=mrows, head_dim=d, entries=entries)
     m, l, acc = window_partials(q, pool, page_table, cache_len, scale=scale, tiles=tiles, interpret=interpret,
-                                pad_chunks_to=tiles.fold if grouped else unroll)
+                                pad_chunks_to=tiles.fold if grouped else unroll, q_packed=q_packed)
     nc_pad = m.shape[2]
     max_block = min(nc_pad, _pow2_floor(max(1, 4096 // mrows)))
     q_rows = q.reshape(s, r * hq, d)  # free: rows picked inside the kernels

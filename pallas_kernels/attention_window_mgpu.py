@@ -128,13 +128,29 @@ def smem_bytes(*, wgs: int, stages: int, head_dim: int, interpret: bool = False,
     return q + max(kv, out + ml) + p + dequantized
 
 
+def packed_rows(q_shape: tuple[int, ...], hkv: int) -> int:
+    """The rows of `pack_queries`' output for queries of shape [S, R, Hq, D]."""
+    _, r, hq, _ = q_shape
+    return compute_warpgroups(r * (hq // hkv)) * WG_ROWS
+
+
+def check_packed(q_packed: jax.Array, q: jax.Array, hkv: int) -> jax.Array:
+    """q_packed as `pack_queries(q, hkv)` lays it out (shape and dtype; its values are the caller's word)."""
+    s, _, _, d = q.shape
+    want = (s, hkv, packed_rows(q.shape, hkv), d)
+    if q_packed.shape != want or q_packed.dtype != q.dtype:
+        raise ValueError(f"q_packed must be pack_queries(q)'s {want} {q.dtype}; got {q_packed.shape} "
+                         f"{q_packed.dtype}")
+    return q_packed
+
+
 def pack_queries(q: jax.Array, hkv: int) -> jax.Array:
     """q [S, R, Hq, D] -> [S, Hkv, W * 64, D]: KV head g's packed rows m = r G + h (query head g G + h of window row
     r, as `attention._packed_rows`), zeros past R G up to the compute warpgroups' rows."""
     s, r, hq, d = q.shape
     group = hq // hkv
     packed = jnp.moveaxis(q.reshape(s, r, hkv, group, d), 2, 1).reshape(s, hkv, r * group, d)
-    rows = compute_warpgroups(r * group) * WG_ROWS
+    rows = packed_rows(q.shape, hkv)
     return jnp.pad(packed, ((0, 0), (0, 0), (0, rows - r * group), (0, 0)))
 
 
@@ -500,14 +516,15 @@ def unsupported(q_dtype, pool: KVPool, group: int, *, chunk: int, stages: int | 
                                              "tiles", "partials", "interpret"))
 def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len: jax.Array, *, scale: float,
                          chunk: int, n_chunks: int, nc_pad: int, max_keys: int, tiles: WindowMgpuTiles,
-                         short_chunk: int | None = None,
+                         short_chunk: int | None = None, q_packed: jax.Array | None = None,
                          partials: str = "float32", interpret: bool | plgpu.InterpretGPUParams = False):
     """`attention.window_partials` on Mosaic GPU (the caller checked the model with `unsupported`): q [S, R, Hq, D]
     bf16; page_table [S, Pmax'] covering n_chunks chunks of `chunk` keys; cache_len [S] -> m, l [S, Hkv, nc_pad, M]
-    fp32, acc [S, Hkv, nc_pad, M, D] in `partials` ("float32" or "bfloat16"), M = attention._padded_rows(R G)."""
+    fp32, acc [S, Hkv, nc_pad, M, D] in `partials` ("float32" or "bfloat16"), M = attention._padded_rows(R G).
+    q_packed: `pack_queries(q, Hkv)` made by the caller (`attn_prep` writes it), read in its place."""
     _, r, hq, _ = q.shape
     hkv = pool.k.shape[0]
-    qp = pack_queries(q, hkv)
+    qp = pack_queries(q, hkv) if q_packed is None else check_packed(q_packed, q, hkv)
     operands = (cache_len.astype(jnp.int32), page_table.astype(jnp.int32), qp, pool.k, pool.v)  # the kernel's order
     if pool.fp8:
         operands += (pool.k_scale, pool.v_scale)

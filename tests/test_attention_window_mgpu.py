@@ -293,6 +293,10 @@ def test_routing_and_validation():
         at.window(*bf16, scale=SCALE, interpret=True, tiles=dataclasses.replace(TILES, tail="tickets"))
     with pytest.raises(ValueError, match="chunk"):
         at.window(*bf16, scale=SCALE, interpret=True, tiles=dataclasses.replace(TILES, chunk=96))
+    packed = awm.pack_queries(bf16[0], bf16[4].k.shape[0])
+    for bad in (packed[:, :, :16], packed.astype(jnp.float32)):  # q_packed as pack_queries lays it out, or an error
+        with pytest.raises(ValueError, match="q_packed"):
+            at.window(*bf16, scale=SCALE, interpret=True, tiles=TILES, q_packed=bad)
     small_d = window_case(rng, r=3, dtype=jnp.bfloat16, **dict(CASE, d=32, s=2, cache_lens=[30, 7],
                                                                parents=[TREE, CHAIN]))
     with pytest.raises(ValueError, match="head dim"):

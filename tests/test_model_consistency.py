@@ -181,7 +181,8 @@ def test_gpu_fused_step_on_the_decode_qmm_pieces_equals_verify_then_commit_bitwi
     window's its materialized output (both attention preps read pieces); and the step's logits with the preps on
     the materialized outputs (PREP_PIECES off), bit for bit. The residual adds run with the norms after them
     (`residual.residual_add_norm`, checked to be taken) and the GDN steps with their output norms (`gdn.step_norm`,
-    STEP_NORM on here); with either apart (RESIDUAL_NORM, STEP_NORM off) the logits are the same bits too. (On the
+    STEP_NORM on here); with either apart (RESIDUAL_NORM, STEP_NORM off), and with the window packing its queries
+    itself rather than the attention prep (PACK_QUERIES off), the logits are the same bits too. (On the
     CPU the Mosaic GPU interpreter takes ~2 min for it: the pieces' readers are checked there at the kernels
     (`test_gdn.py`, `test_attn_prep.py`) and at `project_pieces` and `add_residual_norm` (`test_residual.py`).)"""
     from pallas_kernels import residual
@@ -203,7 +204,7 @@ def test_gpu_fused_step_on_the_decode_qmm_pieces_equals_verify_then_commit_bitwi
     on = _fused_step_equals_verify_then_commit(ck.config, ck.params, toks, jnp.bfloat16, True, interpret=False)
     assert taken and all(t is not None for t in taken) and set(fused) == {1, 2}
     # the preps on the materialized outputs; the adds apart from their norms; the GDN step apart from its norm
-    for switch in ("PREP_PIECES", "RESIDUAL_NORM", "STEP_NORM"):
+    for switch in ("PREP_PIECES", "RESIDUAL_NORM", "STEP_NORM", "PACK_QUERIES"):
         monkeypatch.setattr(ops, switch, False)
         off = _fused_step_equals_verify_then_commit(ck.config, ck.params, toks, jnp.bfloat16, True, interpret=False)
         for a, b in zip(on, off):

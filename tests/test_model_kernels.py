@@ -78,6 +78,7 @@ def test_27b_decode_program_launch_budget(h200_lowering):
     assert text.count("custom_call @mosaic_gpu") == 1  # the attention layer's window pass 1
     assert (kinds.count("qmm"), kinds.count("rownorm")) == (4 * 4 + 1, 3 * 3 + 2 + 1)
     assert text.count('name = "attn_prep"') == 1  # the q and k norms and their RoPE
+    assert "-> tensor<1x4x64x256xbf16>" not in text  # the prep packs q for the pass 1 (`ops.PACK_QUERIES`): no pad
     assert kinds.count("gdn") == 3 * 2  # gdn_decode_prep and gdn_step
     from pallas_kernels import qmm
     if qmm.DECODE_TILES.x_natural:
@@ -126,3 +127,39 @@ def test_kernel_calls_shared_same_bits(mlx4):
             runner = Runner(ck.params, ck.config, dtype=jnp.float32, backend=KERNELS, max_len=128)
             outs.append(np.asarray(runner.prefill(ids, all_logits=True)))
     np.testing.assert_array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+
+
+def test_attention_window_pass_reads_q_packed_by_the_prep(monkeypatch):
+    """`ops.PACK_QUERIES`: a tiny 4-bit attention layer's window rows (bf16, kernels in interpret mode, the window's
+    pass 1 forced onto Mosaic GPU's interpreter) take q packed by `attn_prep` (checked to be asked for), and the
+    layer's output and kept K/V are the bits of the same pass with q packed by the window itself, for 3 streams at
+    1 row and 1 stream at a 4-row tree."""
+    from pallas_kernels import attention as at
+    from pallas_kernels import attn_prep as ap
+    from qwen_jax.config import LAYER_GDN
+    from qwen_jax.model import attention as attn_mixer
+    from qwen_jax.model import ops
+    monkeypatch.setattr(at, "WINDOW_IMPL", "mgpu")
+    ck = load_checkpoint(CAPTURES / "tiny-mlx-4bit", dtype=jnp.bfloat16)
+    cfg = ck.config.text
+    layer = next(lay["attn"] for i, lay in enumerate(ck.params["layers"]) if cfg.layer_types[i] != LAYER_GDN)
+    rng = np.random.default_rng(11)
+    pool = M.init_state(cfg, num_slots=4, num_pages=24, page_size=16, dtype=jnp.bfloat16).kv[0]
+    pool = pool.with_arrays(*(jnp.asarray(rng.normal(size=a.shape), a.dtype) for a in (pool.k, pool.v)))
+    asked = []
+    prep = ap.prep
+    monkeypatch.setattr(ap, "prep", lambda *a, **k: asked.append(k.get("packed_rows")) or prep(*a, **k))
+    for parents, cache_len in (([[-1]] * 3, [5, 40, 17]), ([[-1, 0, 0, 1]], [33])):
+        s, t = len(parents), len(parents[0])
+        table = np.arange(1, 1 + 5 * s, dtype=np.int32).reshape(s, 5)
+        window = M.make_window(np.zeros((s, t)), parents, cache_len, np.arange(1, s + 1), table)
+        x = jnp.asarray(rng.normal(size=(s, t, cfg.hidden_size)), jnp.bfloat16)
+        outs = []
+        for on in (True, False):
+            monkeypatch.setattr(ops, "PACK_QUERIES", on)
+            asked.clear()
+            outs.append(jax.jit(lambda x, p, pool, w: attn_mixer.window_pass(x, p, pool, w, cfg, KERNELS))(
+                x, layer, pool, window))
+            assert asked == ([64] if on else [None])
+        for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+            assert np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))

@@ -13,21 +13,25 @@ from qwen_jax.model.layers import apply_rope, rope_angles
 from qwen_jax.model.ops import Backend, linear, linear_split
 
 
-def project(x, p, rope_positions, cfg: TextConfig, backend: Backend, *, prompt: bool):
-    """x [S, T, H] -> q [S, T, Hq, D], gate [S, T, Hq*D], k, v [S, T, Hkv, D] (post-norm, post-RoPE). Verify and step
-    rows with kernels: the norms and rotations in one `attn_prep` launch, which also finishes the projection's decode
-    qmm pieces where it can (`ops.project_pieces`)."""
+def project(x, p, rope_positions, cfg: TextConfig, backend: Backend, *, prompt: bool, pool=None, page_table=None):
+    """x [S, T, H] -> q [S, T, Hq, D], gate [S, T, Hq*D], k, v [S, T, Hkv, D] (post-norm, post-RoPE), and q packed
+    for the window's pass 1 or None (window rows: the pool and page table given). Verify and step rows with kernels:
+    the norms and rotations in one `attn_prep` launch, which also finishes the projection's decode qmm pieces where
+    it can (`ops.project_pieces`) and writes the packed q where the window reads it (`ops.window_packed_rows`)."""
     s, t = x.shape[:2]
     d = cfg.head_dim
     ang = rope_angles(rope_positions, cfg)  # [S, T, rd/2]
     if not prompt and ops.attn_prep_applies(backend, p["qkv"], cfg):
+        rows = None if pool is None else ops.window_packed_rows(backend, (s, t, cfg.num_heads, d), x.dtype, pool,
+                                                                page_table)
         pieces = ops.project_pieces(x, p["qkv"].weight, backend)  # the prep finishes the qmm's pieces itself
         if pieces is not None:
-            q, k, v, gate = ops.attn_prep(backend, pieces, p, jnp.cos(ang), jnp.sin(ang), cfg)
-            return q, gate, k, v
-        y = linear(x, p["qkv"].weight, backend, prompt=False)
-        q, k, v = ops.attn_prep(backend, y, p, jnp.cos(ang), jnp.sin(ang), cfg)
-        return q, attn_prep_k.gate_of(y, cfg.num_heads, d), k, v
+            q, k, v, gate, *packed = ops.attn_prep(backend, pieces, p, jnp.cos(ang), jnp.sin(ang), cfg, rows)
+        else:
+            y = linear(x, p["qkv"].weight, backend, prompt=False)
+            q, k, v, *packed = ops.attn_prep(backend, y, p, jnp.cos(ang), jnp.sin(ang), cfg, rows)
+            gate = attn_prep_k.gate_of(y, cfg.num_heads, d)
+        return q, gate, k, v, (packed[0] if packed else None)
     qg, k, v = linear_split(x, p["qkv"], backend, prompt=prompt)
     qg = qg.reshape(s, t, cfg.num_heads, 2 * d)
     q, gate = qg[..., :d], qg[..., d:].reshape(s, t, cfg.num_heads * d)
@@ -35,7 +39,7 @@ def project(x, p, rope_positions, cfg: TextConfig, backend: Backend, *, prompt: 
     v = v.reshape(s, t, cfg.num_kv_heads, d)
     q = ops.rms_norm(backend, q, p["q_norm"], cfg.rms_norm_eps)
     k = ops.rms_norm(backend, k, p["k_norm"], cfg.rms_norm_eps)
-    return apply_rope(q, ang, cfg.rotary_dim), gate, apply_rope(k, ang, cfg.rotary_dim), v
+    return apply_rope(q, ang, cfg.rotary_dim), gate, apply_rope(k, ang, cfg.rotary_dim), v, None
 
 
 def finish(o, gate, p, cfg: TextConfig, backend: Backend, *, prompt: bool):
@@ -53,7 +57,7 @@ def finish(o, gate, p, cfg: TextConfig, backend: Backend, *, prompt: bool):
 
 
 def prompt_pass(x, p, pool, batch, cfg: TextConfig, backend: Backend):
-    q, gate, k, v = project(x, p, batch.rope_positions, cfg, backend, prompt=True)
+    q, gate, k, v, _ = project(x, p, batch.rope_positions, cfg, backend, prompt=True)
     t = x.shape[1]
     rows = jnp.arange(t)[None, :]
     positions = batch.start[:, None] + rows
@@ -65,9 +69,10 @@ def prompt_pass(x, p, pool, batch, cfg: TextConfig, backend: Backend):
 
 
 def window_pass(x, p, pool, window, cfg: TextConfig, backend: Backend):
-    q, gate, k, v = project(x, p, window.rope_positions, cfg, backend, prompt=False)
+    q, gate, k, v, q_packed = project(x, p, window.rope_positions, cfg, backend, prompt=False, pool=pool,
+                                      page_table=window.page_table)
     o = ops.attention_window(backend, q, k, v, window.parents, pool, window.page_table, window.cache_len,
-                             scale=cfg.head_dim ** -0.5)
+                             scale=cfg.head_dim ** -0.5, q_packed=q_packed)
     return finish(o, gate, p, cfg, backend, prompt=False), {"k": k, "v": v}
 
 

@@ -274,11 +274,26 @@ def attn_prep_applies(backend: Backend, qkv, cfg) -> bool:
             and attn_prep_k.supports(d, cfg.rotary_dim))
 
 
-def attn_prep(backend: Backend, y: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, cfg):
-    """`attn_prep.prep` of the qkv projection's output y [S, R, N] with the layer's q and k norm weights."""
+def attn_prep(backend: Backend, y: jax.Array, p: dict, cos: jax.Array, sin: jax.Array, cfg,
+              packed_rows: int | None = None):
+    """`attn_prep.prep` of the qkv projection's output y [S, R, N] with the layer's q and k norm weights (and q
+    packed for the window's pass 1 too, with packed_rows: `window_packed_rows`)."""
     return attn_prep_k.prep(y, p["q_norm"], p["k_norm"], cos, sin, hq=cfg.num_heads, hkv=cfg.num_kv_heads,
                             d=cfg.head_dim, rotary_dim=cfg.rotary_dim, eps=cfg.rms_norm_eps,
-                            interpret=backend.interpret)
+                            packed_rows=packed_rows, interpret=backend.interpret)
+
+
+# The attention prep writes q packed as the Mosaic GPU window pass 1 reads it, so no pad launch sits between them.
+PACK_QUERIES = True
+
+
+def window_packed_rows(backend: Backend, q_shape: tuple[int, ...], q_dtype, pool, page_table) -> int | None:
+    """The packed rows (`attention.packed_query_rows`) in which `attn_prep` writes an attention layer's window
+    queries [S, R, Hq, D] for its window call, or None where that call reads q as it is (PACK_QUERIES off, no
+    kernels, a pass 1 other than the Mosaic GPU one)."""
+    if not (PACK_QUERIES and backend.kernels):
+        return None
+    return attn_k.packed_query_rows(q_shape, q_dtype, pool, page_table.shape[-1], interpret=backend.interpret)
 
 
 def swiglu_applies(backend: Backend, x, gate_up, *, prompt: bool) -> bool:
@@ -463,5 +478,8 @@ def attention_prompt(backend: Backend, *args, scale: float):
     return _pick(backend, attn_k, "prompt")(*args, scale=scale)
 
 
-def attention_window(backend: Backend, *args, scale: float):
-    return _pick(backend, attn_k, "window")(*args, scale=scale)
+def attention_window(backend: Backend, *args, scale: float, q_packed: jax.Array | None = None):
+    """q_packed (kernels only): q as `attn_prep` packed it for the Mosaic GPU pass 1 (`window_packed_rows`)."""
+    if q_packed is None:
+        return _pick(backend, attn_k, "window")(*args, scale=scale)
+    return attn_k.window(*args, scale=scale, q_packed=q_packed, interpret=backend.interpret)
