@@ -200,6 +200,7 @@ def test_gpu_fused_step_on_the_decode_qmm_pieces_equals_verify_then_commit_bitwi
     ck = load_checkpoint(CAPTURES / "tiny-mlx-4bit", dtype=jnp.bfloat16)
     toks = np.random.default_rng(1).integers(0, ck.config.text.vocab_size, size=150)
     monkeypatch.setattr(ops, "STEP_NORM", True)
+    monkeypatch.setattr(ops, "PACK_QUERIES", True)
     monkeypatch.setattr(ops, "RESIDUAL_NORM_ROWS", 8)  # the fused add and norm at the test's 3 streams too
     on = _fused_step_equals_verify_then_commit(ck.config, ck.params, toks, jnp.bfloat16, True, interpret=False)
     assert taken and all(t is not None for t in taken) and set(fused) == {1, 2}

@@ -52,7 +52,7 @@ def test_kernels_tree_window_matches_reference_ops(mlx4):
     np.testing.assert_allclose(outs[1], outs[0], atol=1e-4, rtol=0)
 
 
-def test_27b_decode_program_launch_budget(h200_lowering):
+def test_27b_decode_program_launch_budget(h200_lowering, monkeypatch):
     """The 27B decode program (first 4 layers: 3 GDN + 1 attention) lowered for an H200 on this CPU: every Pallas
     call counted, so a change that adds launches to a decode round shows here. A layer: 4 quantized projections
     (the GDN's in/out, the MLP's gate+up and down; attention's qkv and o) and 2 RMS norms, plus the mixer's own:
@@ -61,7 +61,9 @@ def test_27b_decode_program_launch_budget(h200_lowering):
     kernel, `attention.WINDOW_IMPL`). Then the final norm and the lm_head. With `x_natural` decode tiles, no
     transpose of x precedes a projection."""
     from qwen_jax import programs as P
+    from qwen_jax.model import ops
     from qwen_jax.synthetic import random_params, synthetic_config
+    monkeypatch.setattr(ops, "PACK_QUERIES", True)
     cfg = synthetic_config("27b", 4)
     params = jax.eval_shape(lambda k: random_params(cfg.text, k, dtype=jnp.bfloat16, quant=cfg.quantization),
                             jax.random.key(0))

@@ -283,8 +283,9 @@ def attn_prep(backend: Backend, y: jax.Array, p: dict, cos: jax.Array, sin: jax.
                             packed_rows=packed_rows, interpret=backend.interpret)
 
 
-# The attention prep writes q packed as the Mosaic GPU window pass 1 reads it, so no pad launch sits between them.
-PACK_QUERIES = True
+# The attention prep writes q packed as the Mosaic GPU window pass 1 reads it, so no pad launch sits between them
+# (off until the H200 has run its gates: `tools/gpu/run.sh hundred-forty-first`).
+PACK_QUERIES = False
 
 
 def window_packed_rows(backend: Backend, q_shape: tuple[int, ...], q_dtype, pool, page_table) -> int | None:

@@ -131,25 +131,28 @@ case "$stage" in
     # Session 33 (~9 min): the gates of the four prepared changes in one call (sessions 31-32's stages 137-139,
     # trimmed). Their gpu tests: fp8 V key-major and the chunk max (kv_quant.FP8_V_LAYOUT, attention.FP8_V_MAX), the
     # serial step's GDN with its norm (ops.STEP_NORM), the residual add's norm on programs of their own
-    # (ops.RESIDUAL_NORM_TAIL "rows", RESIDUAL_NORM_ROWS 16). Then every engine gate with STEP_NORM and the rows tail
-    # on together (the fp8-vkeys gates set the V layout and max themselves). Timing is hundred-forty-second's.
+    # (ops.RESIDUAL_NORM_TAIL "rows", RESIDUAL_NORM_ROWS 16), the tiny model's step with q packed by the attention
+    # prep (ops.PACK_QUERIES) and with each of these apart. Then every engine gate with STEP_NORM, the rows tail and
+    # PACK_QUERIES on together (the fp8-vkeys gates set the V layout and max themselves). Timing is
+    # hundred-forty-second's.
     gpu_pytest 200 vkeys 14 tests/test_attention.py tests/test_kv_quant.py -k "keys_major or chunk_v_max or write_kernel_gpu"
     gpu_pytest 100 stepnorm 8 tests/test_gdn.py tests/test_model_consistency.py -k "step_norm or pieces"
     gpu_pytest 80 rows 6 tests/test_residual.py -k "norm"
     timeout -s INT 190 python3 -c "import sys, pytest; from qwen_jax.model import ops; ops.STEP_NORM = True; \
-      ops.RESIDUAL_NORM_TAIL = 'rows'; ops.RESIDUAL_NORM_ROWS = 16; sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v \
+      ops.RESIDUAL_NORM_TAIL = 'rows'; ops.RESIDUAL_NORM_ROWS = 16; ops.PACK_QUERIES = True; sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v \
       -p no:cacheprovider --tb=short tests/test_engine_gpu.py > "$out/gpu_tests_engine.log" 2>&1
     grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_engine.log" | cut -c1-200 | tail -14 ;;
   hundred-forty-second)
     # Session 33 (~9.5 min): the timing of hundred-forty-first's changes. The fp8 pass 1 by V layout (bench
     # attention --sections v_layout, as far as 250 s go: one stream's 4K / 32K / 128K first), then the round traced at
-    # 1 and 16 streams as shipped and with STEP_NORM and the rows tail (16 rows) on.
+    # 1 and 16 streams as shipped and with STEP_NORM, the rows tail (16 rows) and PACK_QUERIES on.
     attn_sections 270 v_layout v_layout
     for st in 1 16; do
-      for v in "" "--step-norm --residual-norm-rows 16 --residual-norm-tail rows"; do
+      for v in "" "--step-norm --residual-norm-rows 16 --residual-norm-tail rows --pack-queries"; do
         timeout 70 python3 tools/gpu/decode_profile.py --synthetic 27b --streams $st --rounds 16 --trace /tmp/trace_sn \
           --profiled 0 $v 2>&1 | tee "$out/profile_s${st}_$(echo "$v" | tr -c 'a-z0-9\n' '_').txt" \
-          | grep -E "trace:|device-bound|pipelined|  (residual_add|rownorm_rms|rownorm_gated|gdn_step)" | sed "s/^/s$st /" | head -8
+          | grep -E "trace:|events|device-bound|pipelined|  (residual_add|rownorm_rms|rownorm_gated|gdn_step|attn_prep)" \
+          | sed "s/^/s$st /" | head -10
       done
     done ;;
   hundred-fortieth)
