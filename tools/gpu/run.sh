@@ -135,10 +135,10 @@ case "$stage" in
     # prep (ops.PACK_QUERIES) and with each of these apart. Then every engine gate with STEP_NORM, the rows tail and
     # PACK_QUERIES on together (the fp8-vkeys gates set the V layout and max themselves). Timing is
     # hundred-forty-second's.
-    gpu_pytest 200 vkeys 14 tests/test_attention.py tests/test_kv_quant.py -k "keys_major or chunk_v_max or write_kernel_gpu"
-    gpu_pytest 100 stepnorm 8 tests/test_gdn.py tests/test_model_consistency.py -k "step_norm or pieces"
-    gpu_pytest 80 rows 6 tests/test_residual.py -k "norm"
-    timeout -s INT 190 python3 -c "import sys, pytest; from qwen_jax.model import ops; ops.STEP_NORM = True; \
+    gpu_pytest 170 vkeys 14 tests/test_attention.py tests/test_kv_quant.py -k "keys_major or chunk_v_max or write_kernel_gpu"
+    gpu_pytest 130 stepnorm 8 tests/test_gdn.py tests/test_model_consistency.py -k "step_norm or pieces"
+    gpu_pytest 70 rows 6 tests/test_residual.py -k "norm"
+    timeout -s INT 200 python3 -c "import sys, pytest; from qwen_jax.model import ops; ops.STEP_NORM = True; \
       ops.RESIDUAL_NORM_TAIL = 'rows'; ops.RESIDUAL_NORM_ROWS = 16; ops.PACK_QUERIES = True; sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v \
       -p no:cacheprovider --tb=short tests/test_engine_gpu.py > "$out/gpu_tests_engine.log" 2>&1
     grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_engine.log" | cut -c1-200 | tail -14 ;;
