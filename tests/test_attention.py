@@ -36,14 +36,14 @@ def np_stored(x: np.ndarray, dtype) -> np.ndarray:
 
 
 def np_stream_keys(pool: kq.KVPool, pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A stream's keys and values in logical order, float64: [Pmax * page, Hkv, D]."""
-    def one(x, scale):
-        rows = np.asarray(x.astype(jnp.float32))[:, pages].astype(np.float64)  # [Hkv, Pmax, page, D]
+    """A stream's keys and values in logical order, float64: [Pmax * page, Hkv, D] (v in either layout)."""
+    def one(x, scale):  # x [Hkv, Pmax, page, D]
+        rows = np.asarray(x.astype(jnp.float32)).astype(np.float64)
         if scale is not None:
             rows = rows * np.asarray(scale)[:, pages][..., None]
         hkv, pm, ps, d = rows.shape
         return np.moveaxis(rows.reshape(hkv, pm * ps, d), 0, 1)
-    return one(pool.k, pool.k_scale), one(pool.v, pool.v_scale)
+    return one(pool.k[:, pages], pool.k_scale), one(pool.v_pages(jnp.asarray(pages)), pool.v_scale)
 
 
 def np_attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray, scale: float) -> np.ndarray:
@@ -700,6 +700,8 @@ def test_fp8_v_keys_major_gives_the_same_bits():
         assert rel_err(moved, np_prompt(qp, pool, table, start, lengths, scale)) < 1e-2
         ref = window_reference(q, kw, vw, par, keys, table, cache_len, scale=scale)
         assert np.array_equal(bits(ref), bits(window_reference(q, kw, vw, par, pool, table, cache_len, scale=scale)))
+        assert np.array_equal(np_window(q, kw, vw, par, keys, table, cache_len, scale),  # the float64 oracle's
+                              np_window(q, kw, vw, par, pool, table, cache_len, scale))  # reading of either layout
     (pool, table), _ = layouts
     with pytest.raises(ValueError, match="v_layout"):  # a rows-shaped v (pages of 8, D 32) that says "keys"
         bad = kq.KVPool(pool.k, pool.v, pool.k_scale, pool.v_scale, "keys")

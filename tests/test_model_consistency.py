@@ -167,6 +167,7 @@ def test_fused_step_equals_verify_then_commit_bitwise(setup, dtype, kernels, ste
     from qwen_jax.model import ops
     cfg, params, toks, _, _, _, _ = setup
     monkeypatch.setattr(ops, "STEP_NORM", step_norm)
+    monkeypatch.setattr(ops, "STEP_NORM_ROWS", 8)  # at the test's 3 streams too
     taken = []
     fused = gdn.step_norm
     monkeypatch.setattr(gdn, "step_norm", lambda *a, **k: taken.append(1) or fused(*a, **k))
@@ -202,6 +203,7 @@ def test_gpu_fused_step_on_the_decode_qmm_pieces_equals_verify_then_commit_bitwi
     monkeypatch.setattr(ops, "STEP_NORM", True)
     monkeypatch.setattr(ops, "PACK_QUERIES", True)
     monkeypatch.setattr(ops, "RESIDUAL_NORM_ROWS", 8)  # the fused add and norm at the test's 3 streams too
+    monkeypatch.setattr(ops, "STEP_NORM_ROWS", 8)  # and the step with its norm
     on = _fused_step_equals_verify_then_commit(ck.config, ck.params, toks, jnp.bfloat16, True, interpret=False)
     assert taken and all(t is not None for t in taken) and set(fused) == {1, 2}
     # the preps on the materialized outputs; the adds apart from their norms; the GDN step apart from its norm

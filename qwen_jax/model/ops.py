@@ -134,14 +134,16 @@ RESIDUAL = True
 RESIDUAL_NORM = True
 RESIDUAL_NORM_ROWS = 1
 # Who normalises in that launch (`residual.TAILS`): "last", the last add program, the rows one after another (timed
-# at one row, shipped); "rows", programs of their own that wait for the add programs, a row each in parallel
-# (prepared in session 31 for more rows; not yet run on the H200: `tools/gpu/run.sh hundred-thirty-seventh`)
+# at one row, shipped); "rows", programs of their own that wait for the add programs, a row each in parallel. Its
+# gates pass, but it is the slower tail at both counts timed (session 33, BENCHMARKS.md engine: 661 against 535 us
+# a one-stream round, 744 against the separate launches' 631 at 16 streams), so "last" stays.
 RESIDUAL_NORM_TAIL = "last"
-# The serial step's GDN recurrence and its output norm run as one launch (`gdn.step_norm`, `gdn_step_norm`). Off
-# until it has run on the H200: its bits match the two kernels' in interpret mode and on the CPU model tests, but
-# its gpu tests, the engine gates with it and its timing are `tools/gpu/run.sh hundred-thirty-seventh`, not yet run
-# (session 31 had no device left).
-STEP_NORM = False
+# The serial step's GDN recurrence and its output norm run as one launch (`gdn.step_norm`, `gdn_step_norm`) for up
+# to STEP_NORM_ROWS streams, the same bits as the two launches. Timed in session 33: 336 against 349 us a
+# one-stream round and 48 launches fewer; 1638 against 1506 us at 16 streams (the head's last program normalises
+# after the others), so one stream only.
+STEP_NORM = True
+STEP_NORM_ROWS = 1
 # Norms (and the attention output's gate) feeding a decode qmm write its padded rows (`pad_rows`); False: the qmm
 # pads them
 PAD_AT_NORM = True
@@ -284,8 +286,8 @@ def attn_prep(backend: Backend, y: jax.Array, p: dict, cos: jax.Array, sin: jax.
 
 
 # The attention prep writes q packed as the Mosaic GPU window pass 1 reads it, so no pad launch sits between them
-# (off until the H200 has run its gates: `tools/gpu/run.sh hundred-forty-first`).
-PACK_QUERIES = False
+# (session 33: 16 launches a round fewer, the pad's 19.3 us gone for 6.6 more in the prep, at one stream).
+PACK_QUERIES = True
 
 
 def window_packed_rows(backend: Backend, q_shape: tuple[int, ...], q_dtype, pool, page_table) -> int | None:
@@ -413,10 +415,11 @@ def add_residual_norm(backend: Backend, x: jax.Array, y, weight: jax.Array, eps:
 def gdn_step_norm(backend: Backend, q, k, v, g, beta, rec_pool, slot, z, weight, eps: float, *, then,
                   counter: LaunchCount | None):
     """(y, rec_pool): `gdn_step` and GDN's output norm of its o (`gated_rms_norm(o, z, weight, eps, then=then)`,
-    y as that returns it) in one launch (`gdn.step_norm`, the same bits) where kernels are on (STEP_NORM); None
-    where not."""
+    y as that returns it) in one launch (`gdn.step_norm`, the same bits) where kernels are on (STEP_NORM) for up to
+    STEP_NORM_ROWS streams; None where not."""
     s, _, hv, dv = v.shape
-    if not (STEP_NORM and backend.kernels and counter is not None and gdn_k.step_norm_supports(dv)):
+    if not (STEP_NORM and backend.kernels and counter is not None and s <= STEP_NORM_ROWS
+            and gdn_k.step_norm_supports(dv)):
         return None
     joined = jax.ShapeDtypeStruct((s, 1, hv * dv), v.dtype)
     r = pad_rows(backend, joined, then, prompt=False)

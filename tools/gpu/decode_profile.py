@@ -80,6 +80,8 @@ def run(args) -> None:
          f"the fused residual norm's tail: {a.residual_norm_tail}"),
         (a.step_norm, ops, "STEP_NORM", True, "the GDN step and its output norm in one launch"),
         (a.pack_queries, ops, "PACK_QUERIES", True, "the attention prep packs q for the window's pass 1"),
+        (a.no_step_norm, ops, "STEP_NORM", False, "the GDN step and its output norm as two launches"),
+        (a.no_pack_queries, ops, "PACK_QUERIES", False, "the window packs q itself (an XLA pad)"),
         (a.no_residual_norm, ops, "RESIDUAL_NORM", False,
          "the residual adds and the norms after them as separate launches"),
         (a.no_residual, ops, "RESIDUAL", False, "the output projections' residual adds as XLA fusions"),
@@ -275,6 +277,8 @@ def main(argv=None) -> int:
                     help="ops.STEP_NORM True (the serial step's GDN recurrence and its output norm one launch)")
     ap.add_argument("--pack-queries", action="store_true",
                     help="ops.PACK_QUERIES True (the attention prep writes q packed for the window's Mosaic GPU pass 1)")
+    ap.add_argument("--no-step-norm", action="store_true", help="ops.STEP_NORM False")
+    ap.add_argument("--no-pack-queries", action="store_true", help="ops.PACK_QUERIES False")
     ap.add_argument("--no-residual-norm", action="store_true",
                     help="ops.RESIDUAL_NORM False (each residual add and the norm after it two launches)")
     ap.add_argument("--no-residual", action="store_true",
