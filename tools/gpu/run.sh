@@ -159,7 +159,10 @@ case "$stage" in
   hundred-forty-second)
     # Session 33 (~9.5 min): the timing of hundred-forty-first's changes. The fp8 pass 1 by V layout (bench
     # attention --sections v_layout, as far as 250 s go: one stream's 4K / 32K / 128K first), then the round traced at
-    # 1 and 16 streams as shipped and with STEP_NORM, the rows tail (16 rows) and PACK_QUERIES on.
+    # 1 and 16 streams as shipped and with STEP_NORM, the rows tail (16 rows) and PACK_QUERIES on. (Session 33 ran it
+    # with, in the same call, `bench attention --sections v_layout --budget-s 180` without a trace, whose logs took
+    # the stage's file names, and the bench with those three switches on; a third call traced one stream with
+    # PYTHONPATH=$PWD as shipped, with the three, and with --pack-queries alone, then ran the bench at the defaults.)
     attn_sections 270 v_layout v_layout
     for st in 1 16; do
       for v in "" "--step-norm --residual-norm-rows 16 --residual-norm-tail rows --pack-queries"; do
