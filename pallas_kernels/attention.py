@@ -1181,15 +1181,14 @@ def packed_query_rows(q_shape: tuple[int, ...], q_dtype, pool: KVPool, page_tabl
                       interpret: bool) -> int | None:
     """The packed rows a model's window call over queries [S, R, Hq, D] reads q in where its pass 1 is the Mosaic GPU
     one (`attention_window_mgpu.pack_queries`): its caller can write q that way itself (`attn_prep`'s packed_rows)
-    and hand it to `window` as q_packed. None where the call's pass 1 takes q as it is, or pads it again (fp8
-    pools split over two warpgroups)."""
+    and hand it to `window` as q_packed. None where the call's pass 1 takes q as it is."""
     tiles = model_window_tiles(q_dtype, pool, q_shape[2], max_keys=page_table_width * pool.page_size,
                                interpret=interpret)
     if tiles.tail == "tickets" or not _mgpu_pass_one(jax.ShapeDtypeStruct(q_shape, q_dtype), pool, tiles,
                                                        interpret):
         return None
     from pallas_kernels import attention_window_mgpu as awm
-    return None if pool.fp8 and awm.FP8_SPLIT else awm.packed_rows(q_shape, pool.k.shape[0])
+    return awm.packed_rows(q_shape, pool.k.shape[0])
 
 
 def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len: jax.Array, *, scale: float,

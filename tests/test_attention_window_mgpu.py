@@ -151,8 +151,8 @@ def test_fp8_split_dequantization_gives_the_same_bits(monkeypatch):
     into the shared bf16 tiles. The partials are those of one warpgroup a CTA, bit for bit, for a 3-row window (its
     rows fit one warpgroup: the second computes on padding queries) and a 9-row one (72 rows over both), in either
     dequantization layout, with no races; the window is right against float64. Head dim 128: the halves are whole
-    layout steps. At head dim 256 fp32 partials ask for more shared memory than a CTA has: an error naming the
-    option."""
+    layout steps; q packed by the caller (`q_packed`) gives the same bits. At head dim 256 fp32 partials ask for more
+    shared memory than a CTA has: an error naming the option."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     rng = np.random.default_rng(77)
     two = dict(hq=16, cache_lens=[300, 70], parents=[TREE + [6, 7], list(range(-1, 8))])
@@ -171,6 +171,12 @@ def test_fp8_split_dequantization_gives_the_same_bits(monkeypatch):
             for a_all, b_all in zip(got, want):
                 for a, b in zip(_live_rows(a_all, cache_len, 128, rows), _live_rows(b_all, cache_len, 128, rows)):
                     assert np.array_equal(bits(a), bits(b)), (r, dequant)
+        # q packed by the caller (the model's attention prep) is padded to the second warpgroup the same way
+        packed = at.window_partials(q, pool, table, cache_len, scale=SCALE, tiles=TILES, interpret=True,
+                                    q_packed=awm.pack_queries(q, pool.k.shape[0]))
+        for a_all, b_all in zip(packed, got):
+            for a, b in zip(_live_rows(a_all, cache_len, 128, rows), _live_rows(b_all, cache_len, 128, rows)):
+                assert np.array_equal(bits(a), bits(b)), r
         assert rel_err(fresh_jit(at.window)(*case, scale=SCALE, interpret=True, tiles=TILES),
                        np_window(*case, SCALE)) < 1e-2
     wide = window_case(rng, r=3, dtype=kq.FP8, **dict(CASE, d=256, s=2, cache_lens=[300, 37], parents=[TREE, CHAIN]))
