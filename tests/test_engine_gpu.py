@@ -32,14 +32,20 @@ def _params(dtype):
 @pytest.mark.parametrize("dtype,fixed,kv_cache", [("bfloat16", False, "bf16"), ("float32", False, "bf16"),
                                                    ("bfloat16", True, "bf16"), ("bfloat16", False, "fp8"),
                                                    ("bfloat16", False, "fp8-vkeys"),
-                                                   ("bfloat16", False, "fp8-vkeys-chunkmax")])
+                                                   ("bfloat16", False, "fp8-vkeys-chunkmax"),
+                                                   ("bfloat16", False, "bf16-pdl")])
 def test_concurrent_equals_solo_on_gpu(dtype, fixed, kv_cache, monkeypatch):
     """fixed=True: mapped lanes, one decode bucket of 16; fixed=False: the batched policy (lanes in one forward,
     decode buckets 1..16; the default here since session 10), which failed on the H200 in session 2 (see
     programs.BATCHED_BY_DEFAULT and tools/gpu/rowinv_probe.py); kv_cache "fp8": e4m3 pools with the window's pass 1
     the model's default picks for them; "fp8-vkeys": the same with v key-major (`kv_quant.FP8_V_LAYOUT`);
-    "-chunkmax": and V's scales relative to the chunk's max (`attention.FP8_V_MAX`)."""
-    from pallas_kernels import attention, kv_quant
+    "-chunkmax": and V's scales relative to the chunk's max (`attention.FP8_V_MAX`); "bf16-pdl": the projections
+    launched as dependents of the kernels before them (`qmm_mgpu.PDL_STEPS`, `pdl.TRIGGER`)."""
+    from pallas_kernels import attention, kv_quant, pdl, qmm_mgpu
+    if kv_cache == "bf16-pdl":
+        monkeypatch.setattr(qmm_mgpu, "PDL_STEPS", 4)
+        monkeypatch.setattr(pdl, "TRIGGER", True)
+        kv_cache = "bf16"
     if kv_cache.startswith("fp8-vkeys"):
         monkeypatch.setattr(kv_quant, "FP8_V_LAYOUT", "keys")
         monkeypatch.setattr(attention, "FP8_V_MAX", "chunk" if kv_cache.endswith("chunkmax") else "block")

@@ -697,3 +697,91 @@ def test_gpu_unstaggered_loads_same_bits(conversion, monkeypatch):
     want = run()
     monkeypatch.setattr(qmm_mgpu, "STAGGERED_LOADS", False)
     np.testing.assert_array_equal(run(), want)
+
+
+def test_dependent_launch_lowers_for_the_h200():
+    """`PDL_STEPS` > 0: the kernel's module asks for a programmatic dependent launch, waits on the grids before it
+    and asks L2 for its first blocks; at 0 it holds none of these. A negative count is a ValueError."""
+    sds = jax.ShapeDtypeStruct
+    k, n = 17408, 5120
+    lower = lambda steps: jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, rows=8, pdl_steps=steps)).trace(
+        sds((1, k), jnp.bfloat16), _abstract_weight(n, k)).lower(lowering_platforms=("cuda",)).as_text()
+    on, off = lower(4), lower(0)
+    for what in ("mosaic_gpu.uses_pdl", "griddepcontrol.wait", "cp.async.bulk.prefetch.tensor"):
+        assert what in on and what not in off, what
+    with pytest.raises(ValueError, match="pdl_steps"):
+        jax.eval_shape(lambda x, w: qmm_mgpu.qmm_decode(x, w, pdl_steps=-1), sds((1, k), jnp.bfloat16),
+                       _abstract_weight(n, k))
+
+
+def test_27b_decode_program_dependent_launch(h200_lowering, monkeypatch):
+    """With `PDL_STEPS` and `pdl.TRIGGER` on, the 27B decode program (4 layers) launches every projection with PDL
+    (the window's pass 1 without), and exactly the Triton kernels that come right before a projection (the norms,
+    the residual add with its norm, the GDN step with its norm, the MLP's activation) let a dependent start; off,
+    nothing does either."""
+    import re
+
+    from jax.interpreters import mlir
+
+    from pallas_kernels import calls, pdl, qmm
+    from tests.test_model_kernels import _decode_program_text
+    monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
+
+    def launches():
+        with calls.sharing(False):  # one custom call a launch
+            text = _decode_program_text(4)
+        found = []
+        ctx = mlir.make_ir_context()
+        ctx.allow_unregistered_dialects = True
+        with ctx:
+            program = mlir.ir.Module.parse(text)  # held: the operations below live in it
+            for call in qmm_mgpu.custom_calls(program.operation):
+                attrs = " ".join(str(call.attributes[a]) for a in call.attributes)
+                name = re.findall(r'name = \\?"([a-z0-9_]+)', attrs)
+                found.append(("mosaic" if "mosaic_gpu" in str(call.attributes["call_target_name"]) else name[0],
+                              "mosaic_gpu.uses_pdl" in attrs, "griddepcontrol.launch_dependents" in attrs))
+        return found
+
+    plain = launches()
+    assert not any(pdl_ or trig for _, pdl_, trig in plain)
+    monkeypatch.setattr(qmm_mgpu, "PDL_STEPS", 4)
+    monkeypatch.setattr(pdl, "TRIGGER", True)
+    found = launches()
+    assert sorted(k for k, _, _ in found) == sorted(k for k, _, _ in plain)
+    mosaic = [p for k, p, _ in found if k == "mosaic"]
+    # every projection's kernel (one a distinct shape: the calls of a shape share a function); the window's pass 1
+    assert (mosaic.count(True), mosaic.count(False)) == (6, 1)
+    triggering = {k for k, _, t in found if t}
+    assert triggering == {"rownorm_rms", "residual_add_norm", "swiglu", "gdn_step_norm"}
+    assert all(t for k, _, t in found if k in triggering)
+
+
+@pytest.mark.gpu
+def test_gpu_dependent_launch_same_bits(monkeypatch):
+    """With programmatic dependent launch (`PDL_STEPS`, `pdl.TRIGGER`) each projection of a chain norm -> projection
+    -> norm -> ... at the 27B's shapes, started while the norm that writes its x still runs, has the bits of the
+    plain launches: its weight prefetch reads nothing the norm writes, and it reads x after the wait."""
+    from pallas_kernels import pdl, qmm, rownorm
+    rng = np.random.default_rng(3900)
+    monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
+    chain = [(5120, 6144), (6144, 5120), (5120, 34816), (34816 // 2, 5120)]
+    ws = [qmm.decode_layout({"w": _small_weight(rng, n, k)})["w"] for k, n in chain]
+    norm_w = [jnp.asarray(rng.uniform(0.5, 1.5, size=(k,)), jnp.bfloat16) for k, _ in chain]
+    h = jnp.asarray(rng.normal(size=(3, 5120)), jnp.bfloat16)
+
+    def run(h, ws, norm_w):
+        out = []
+        for w, nw in zip(ws, norm_w):
+            x = rownorm.rms_norm(h[:, :w.in_features], nw, 1e-6, out_rows=8)  # the projection's 8-row piece
+            y = qmm_mgpu.qmm_decode(x, w, rows=8)
+            out.append(y)
+            h = y[:3]
+        return out
+
+    plain = [np.asarray(y).view(np.uint16) for y in jax.jit(run)(h, ws, norm_w)]
+    monkeypatch.setattr(qmm_mgpu, "PDL_STEPS", 4)
+    monkeypatch.setattr(pdl, "TRIGGER", True)
+    for _ in range(3):
+        got = jax.jit(run)(h, ws, norm_w)
+        for i, (a, b) in enumerate(zip(got, plain)):
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint16), b, err_msg=f"projection {i}")
