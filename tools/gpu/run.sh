@@ -165,7 +165,7 @@ case "$stage" in
     # Prepared in session 33 (~7 min): the defaults session 33 shipped (ops.PACK_QUERIES; ops.STEP_NORM up to one
     # stream), which no call ran as a whole: every engine gate at the defaults, the one-stream round traced, then the
     # bench.
-    gpu_pytest 220 engine 12 tests/test_engine_gpu.py
+    gpu_pytest 220 engine 12 tests/test_engine_gpu.py -k "not pdl"  # (the bf16-pdl gate: hundred-forty-fifth)
     profile_round 60 "" "kernel_mosaic|gdn_step|rownorm_gated|attn_prep|residual_add"
     bench_27b 140 4 ;;
   hundred-forty-third)
