@@ -640,7 +640,7 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, 
             if pdl_steps and not interpret:
                 pl.when(wg == 0)(lambda: _prefetch_blocks(
                     cta, q_gmem, s_gmem, b_gmem, rs_gmem, n=n, k=k, block_groups=block_groups, sms=sms,
-                    steps=pdl_steps))
+                    steps=pdl_steps, q_width=q_block[1]))
                 plgpu.griddepcontrol_wait()  # (PDL_STEPS) the kernels before this one are done: x may be read
             pipeline(body, context)(*operands, allocations=allocs)
 
@@ -657,20 +657,20 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, 
 
 
 def _prefetch_blocks(cta, q_gmem, s_gmem, b_gmem, rs_gmem, *, n: int, k: int, block_groups: int, sms: int,
-                     steps: int) -> None:
+                     steps: int, q_width: int) -> None:
     """Ask L2 for the blocks CTA `cta`'s first `steps` pipeline steps copy (`flat_schedule`, "rows" layout): its
-    lane words [CTA_N, 8 G'], scale and bias rows [G', CTA_N] and (rs_gmem not None) the tile's 2^d row; x is not
-    among them. Steps past the weight's end ask for nothing."""
+    weight block [CTA_N, q_width] (lane words, or a natural conversion's nibbles), scale and bias rows [G', CTA_N]
+    and (rs_gmem not None) its first step's tile's 2^d row; x is not among them. Steps past the weight's end ask
+    for nothing."""
     length, per_cta, _, _ = flat_schedule(n, k, block_groups, sms)
     total = -(-n // CTA_N) * length
-    words = GROUP * block_groups // 8
     for j in range(min(steps, per_cta)):
         f = cta * per_cta + j
         ok = f < total
         f = lax.min(f, jnp.int32(total - 1))
         tile, ks = _div(f, length), lax.rem(f, jnp.int32(length))
         cols = pl.ds(tile * CTA_N, CTA_N)
-        plgpu.async_prefetch(q_gmem.at[cols, pl.ds(ks * words, words)], predicate=ok)
+        plgpu.async_prefetch(q_gmem.at[cols, pl.ds(ks * q_width, q_width)], predicate=ok)
         for t in (s_gmem, b_gmem):
             plgpu.async_prefetch(t.at[pl.ds(ks * block_groups, block_groups), cols], predicate=ok)
         if rs_gmem is not None and j == 0:
