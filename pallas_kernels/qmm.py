@@ -598,9 +598,10 @@ def _bf16_pair(v: jax.Array) -> jax.Array:
 
 
 def _dequant_pass_kernel(w_ref, s_ref, b_ref, o_ref, *, n: int, bn: int, bc: int, words_per_group: int,
-                         interpret: bool, lanes: bool = False):
+                         interpret: bool, lanes: bool = False, halves: bool = False):
     # w_ref uint32 [N, C] (eight 4-bit fields a word); s_ref, b_ref bf16 [N, G]; o_ref uint32 [N, 4C]: word c's
-    # weights 2i and 2i + 1 in o[:, 4c + i] (low half first).
+    # weights 2i and 2i + 1 in o[:, 4c + i] (low half first); with halves (lane words in that order: pair i is
+    # fields i and i + 4), its pair i.
     rows = pl.ds(pl.program_id(0) * bn, bn)
     row_ok = (pl.program_id(0) * bn + jnp.arange(bn, dtype=jnp.int32)) < n
     words = plt.load(w_ref.at[rows, pl.ds(pl.program_id(1) * bc, bc)],
@@ -621,7 +622,8 @@ def _dequant_pass_kernel(w_ref, s_ref, b_ref, o_ref, *, n: int, bn: int, bc: int
             return jax.lax.bitcast_convert_type(w, jnp.uint16).astype(jnp.uint32)
 
         ws = [weight(f) for f in range(8)]
-        outs = [ws[2 * i] | (ws[2 * i + 1] << jnp.uint32(16)) for i in range(4)]
+        second = (lambda i: i + 4) if halves else (lambda i: 2 * i + 1)
+        outs = [ws[i if halves else 2 * i] | (ws[second(i)] << jnp.uint32(16)) for i in range(4)]
     else:
         # Output i = weights (2i, 2i + 1) of each word: p = fields (j, j + 4) and p' = fields (j + 1, j + 5) as
         # bf16 128 + q (lop3, j = 2i mod 4), prmt takes both low halves (i < 2) or both high halves (i >= 2), then
@@ -633,11 +635,15 @@ def _dequant_pass_kernel(w_ref, s_ref, b_ref, o_ref, *, n: int, bn: int, bc: int
         outs = []
         for i in range(4):
             j = 2 * i % 4
+            if halves:  # the pair is fields (i, i + 4) already: one lop3
+                fields = [f"shr.u32 t, $1, {4 * i};", f"lop3.b32 $0, t, {lop}"] if i else [f"lop3.b32 $0, $1, {lop}"]
+            else:
+                fields = [*([f"shr.u32 t, $1, {4 * j};", f"lop3.b32 p, t, {lop}"] if j else
+                            [f"lop3.b32 p, $1, {lop}"]),
+                          f"shr.u32 t, $1, {4 * j + 4};", f"lop3.b32 q, t, {lop}",
+                          f"prmt.b32 $0, p, q, {0x5410 if i < 2 else 0x7632:#06x};"]
             asm = ["{ .reg .b32 p, q, t, one, m128;", "mov.b32 one, 0x3F803F80;", "mov.b32 m128, 0xC300C300;",
-                   *([f"shr.u32 t, $1, {4 * j};", f"lop3.b32 p, t, {lop}"] if j else [f"lop3.b32 p, $1, {lop}"]),
-                   f"shr.u32 t, $1, {4 * j + 4};", f"lop3.b32 q, t, {lop}",
-                   f"prmt.b32 $0, p, q, {0x5410 if i < 2 else 0x7632:#06x};",
-                   "fma.rn.bf16x2 $0, $0, one, m128;", "fma.rn.bf16x2 $0, $0, $2, $3; }"]
+                   *fields, "fma.rn.bf16x2 $0, $0, one, m128;", "fma.rn.bf16x2 $0, $0, $2, $3; }"]
             out, = plt.elementwise_inline_asm(" ".join(asm), args=args, constraints="=r,r,r,r", pack=1,
                                               result_shape_dtypes=[jax.ShapeDtypeStruct((bn, bc), jnp.int32)])
             outs.append(jax.lax.bitcast_convert_type(out, jnp.uint32))
@@ -668,7 +674,7 @@ def dequant_pass(w: QuantizedWeight, *, interpret: bool = False, rows: int = DEQ
     bc = _dequant_pass_words(c, words)
     bn = rows
     kernel = functools.partial(_dequant_pass_kernel, n=n, bn=bn, bc=bc, words_per_group=w.group_size // 8,
-                               interpret=bool(interpret), lanes=w.lanes)
+                               interpret=bool(interpret), lanes=w.lanes, halves=w.halves)
     out = pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((n, 4 * c), jnp.uint32),
@@ -762,7 +768,8 @@ def _matmul_call(x: jax.Array, wd: jax.Array, out_dtype, tiles: Tiles, interpret
     return _sum_splits(y, out_dtype) if split else y
 
 
-_to_lanes = jax.jit(to_lane_words)  # a new array: the natural words live on until the caller drops its params
+# a new array: the natural words live on until the caller drops its params
+_to_lanes = jax.jit(to_lane_words, static_argnames=("halves",))
 
 
 def _subnormal(w: QuantizedWeight, abstract: bool) -> QuantizedWeight:
@@ -782,9 +789,10 @@ def _subnormal(w: QuantizedWeight, abstract: bool) -> QuantizedWeight:
 def decode_layout(params, x_dtype=jnp.bfloat16):
     """params with every packed weight the Mosaic GPU decode kernel takes given its scales and biases transposed
     (`QuantizedWeight.scales_t`, `biases_t`: made once here, 1/8 of the 4-bit weights' bytes more memory; under the
-    "subnormal" conversion the shifted rows that conversion reads, `_subnormal`) and, under the "words" and
-    "subnormal" conversions, its words in the kernel's lane order (`lanes`: the same bytes permuted, in place of the
-    natural order; the prompt path's dequantization pass reads them too) when the decode calls go to it
+    "subnormal" and "halves" conversions the shifted rows they read, `_subnormal`) and, under the lane conversions,
+    its words in the kernel's lane order (`lanes`: the same fields permuted, in place of the natural order; under
+    "halves" that conversion's order, `halves`; the prompt path's dequantization pass reads them too) when the
+    decode calls go to it
     (`decode_impl()` is "mgpu") with activations of x_dtype (the model's dtype: fp32 activations stay on the Triton
     kernels, so their weights are left alone); otherwise params unchanged. The kernel's bits are the same either
     way."""
@@ -799,10 +807,13 @@ def decode_layout(params, x_dtype=jnp.bfloat16):
         abstract = isinstance(w.words, jax.ShapeDtypeStruct)  # abstract params (lowering without a device)
         t = lambda a: jax.ShapeDtypeStruct(a.shape[::-1], a.dtype) if abstract else jnp.asarray(a.T)
         w = dataclasses.replace(w, scales_t=t(w.scales), biases_t=t(w.biases))
-        if qmm_mgpu.CONVERSION == "subnormal":
+        if qmm_mgpu.CONVERSION in qmm_mgpu.SUBNORMAL_CONVERSIONS:
             w = _subnormal(w, abstract)
         if qmm_mgpu.CONVERSION in qmm_mgpu.LANE_CONVERSIONS and not w.lanes:
-            w = dataclasses.replace(w, words=w.words if abstract else _to_lanes(w.words), lanes=True)
+            # the halves order only beside the shifted rows: a weight without them takes "words" (the pair order)
+            halves = qmm_mgpu.CONVERSION == "halves" and w.subnormal
+            w = dataclasses.replace(w, words=w.words if abstract else _to_lanes(w.words, halves=halves), lanes=True,
+                                    halves=halves)
         return w
 
     return jax.tree_util.tree_map(one, params, is_leaf=lambda v: isinstance(v, QuantizedWeight))

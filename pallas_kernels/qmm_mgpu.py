@@ -21,8 +21,9 @@ lane order (`to_lane_words`, made once at load by `qmm.decode_layout`), so a com
 tile as uint32 words in the MMA's register layout and each lane's two words hold exactly its weight pairs; each bf16
 pair is built in inline PTX as the wgmma A operand in registers: "words" with prmt, lop3 (bf16 128 + q), sub and one
 bf16x2 FMA (s q + b rounded once, MLX's dequantization); "subnormal" with prmt, and (the bf16 subnormal q 2^-133)
-and the FMA against scale and bias rows shifted once at load (`subnormal_scales`), the same bits. x [R, K] (rows
-padded to the piece height R) is the B operand, read transposed from shared memory. A step's MMAs go into a fresh
+and the FMA against scale and bias rows shifted once at load (`subnormal_scales`), the same bits; "halves"
+(prepared in session 34) with one and a pair over words whose pairs lie in the words' two 16-bit halves. x [R, K]
+(rows padded to the piece height R) is the B operand, read transposed from shared memory. A step's MMAs go into a fresh
 fp32 accumulator whose value is added to the warpgroup's running fp32 sum (restarted where a tile starts); the sum
 is stored where the tile or the chunk ends. ("nibbles", sessions 6-12: the natural
 words viewed as uint4, loaded a byte a pair, XOR 8 read as signed int4, + 8, s q + b as bf16 ops; "unsigned": the
@@ -104,9 +105,19 @@ SMS = 132  # the H200's; chunks of work are spread over this many persistent CTA
 #   range). The MMA's fp32 sums of scaled products are the unscaled sums scaled, so the stored pieces, multiplied
 #   back by 2^d (`row_scale`, only where some d > 0), are the "words" pieces bit for bit away from fp32's
 #   underflow. Needs bf16 FMAs that keep subnormal inputs (sm_90's do: the gpu tests compare it with "words").
+# - "halves" (session 34, prepared): "subnormal" with two instructions a pair. The lane words come with each pair's
+#   first field in the word's low 16 bits and its second in the high 16 (`to_lane_words(halves=True)`, made once
+#   by `qmm.decode_layout`): pair j of a word is nibbles (j, j + 4). Pairs 0 and 2 are one and with 0x000F000F (of
+#   w, of w >> 8): q 2^-133 in each half, as "subnormal". Pairs 1 and 3 are one and with 0x00F000F0: q sits in bits
+#   4-7 of each half, where the top one is the exponent's lowest bit, and that bf16 is exactly q 2^-129 for every q
+#   (for q >= 8 the exponent field is 1: 2^-126 + (q - 8) 2^-129 = q 2^-129). Their FMA takes the scale 2^-4
+#   lower (s 2^(129 - d), exact), so every product is the "subnormal" one and the FMA the same: its bits. Per
+#   word: one shift, four ands, four FMAs, against a shift and four prmt, and and FMA (64 prmt a step fewer, 8 bf16
+#   multiplies for the lower scales more).
 CONVERSION = "subnormal"
-CONVERSIONS = ("words", "subnormal", "nibbles", "unsigned")
-LANE_CONVERSIONS = ("words", "subnormal")  # the conversions that read lane-ordered words
+CONVERSIONS = ("words", "subnormal", "halves", "nibbles", "unsigned")
+LANE_CONVERSIONS = ("words", "subnormal", "halves")  # the conversions that read lane-ordered words
+SUBNORMAL_CONVERSIONS = ("subnormal", "halves")  # the conversions that read `subnormal_scales`' rows
 SUBNORMAL_EXP = 133  # a bf16 with exponent field 0 and mantissa field q is q * 2^-133
 # How a compute warpgroup loads its lane words: Mosaic GPU's staggered plan (True; each thread's 8-byte loads go
 # to rotating registers to spread shared-memory banks, then 16 selects a step put them in place: seen in the SASS,
@@ -415,13 +426,26 @@ def _half(reg) -> ir.Value:
     return arith.bitcast(i16, vector.extract(reg, dynamic_position=[], static_position=[0]))
 
 
-def _lane_dequant(block_groups: int, transforms: tuple, subnormal: bool = False, staggered: bool = True):
+# The "halves" conversion's pair: one mask (0x000F000F or 0x00F000F0) of a word, then the FMA with the scale (for
+# 0x00F000F0 the scale row 2^-4 lower) and bias rows of "subnormal".
+_HALVES_PAIR_PTX = """{{ .reg .b32 t, s, b;
+and.b32 t, $1, {mask:#010x};
+mov.b32 s, {{$2, $2}};
+mov.b32 b, {{$3, $3}};
+fma.rn.bf16x2 $0, t, s, b; }}"""
+# A scale half 2^-4 lower (exact: the "subnormal" rows are far above bf16's smallest normal).
+_SIXTEENTH_PTX = "{ .reg .b16 c; mov.b16 c, 0x3D80; mul.rn.bf16 $0, $1, c; }"
+
+
+def _lane_dequant(block_groups: int, transforms: tuple, subnormal: bool = False, staggered: bool = True,
+                  halves: bool = False):
     """inline_mgpu function (words ref [TILE_N, 8 G] of lane words in shared memory, G scale rows, G bias rows, each
     [TILE_N] in the MMA's row layout) -> bf16 A tile [TILE_N, 64 G] in the MMA's register layout: s q + b rounded
     once. A thread's lane words are its A registers' weights in order (`to_lane_words`), so no value crosses lanes.
     subnormal: the "subnormal" conversion (scale and bias rows from `subnormal_scales`). staggered: the words'
     loads as Mosaic GPU plans them against bank conflicts (each load then blended into place with selects), or
-    each lane's words loaded in place (STAGGERED_LOADS)."""
+    each lane's words loaded in place (STAGGERED_LOADS). halves: the "halves" conversion (words in that order, the
+    "subnormal" rows)."""
     ptx = _SUBNORMAL_PAIR_PTX if subnormal else _PAIR_PTX
     row = plgpu.Layout.WGMMA.reduce(1)
     swizzle = next(t.swizzle for t in transforms if isinstance(t, plgpu.SwizzleTransform))
@@ -442,22 +466,32 @@ def _lane_dequant(block_groups: int, transforms: tuple, subnormal: bool = False,
                 s2 = _half(s_rows[g].registers[0, 0, half, 0, 0])
                 b2 = _half(b_rows[g].registers[0, 0, half, 0, 0])
                 both = words.registers[0, g, 0, 0, half, 0, 0, 0, 0]
+                if halves:
+                    s16 = llvm.inline_asm(s2.type, [s2], _SIXTEENTH_PTX, "=h,h")
                 for h in range(2):
                     w = vector.extract(both, dynamic_position=[], static_position=[h])
-                    hi = arith.shrui(w, arith.constant(i32, 4))
-                    for j in range(4):
-                        out = llvm.inline_asm(i32, [w, hi, s2, b2], ptx.format(sel=0xF0F0 | (j + 4) << 8 | j),
-                                              "=r,r,r,h,h")
+                    if halves:  # pair j: (w or w >> 8) and one of two masks
+                        w8 = arith.shrui(w, arith.constant(i32, 8))
+                        outs = [llvm.inline_asm(i32, [w8 if j >= 2 else w, s16 if j % 2 else s2, b2],
+                                                _HALVES_PAIR_PTX.format(mask=0x00F000F0 if j % 2 else 0x000F000F),
+                                                "=r,r,h,h") for j in range(4)]
+                    else:
+                        hi = arith.shrui(w, arith.constant(i32, 4))
+                        outs = [llvm.inline_asm(i32, [w, hi, s2, b2], ptx.format(sel=0xF0F0 | (j + 4) << 8 | j),
+                                                "=r,r,r,h,h") for j in range(4)]
+                    for j, out in enumerate(outs):
                         regs[0, 8 * g + 4 * h + j, 0, 0, half, 0, 0, 0, 0] = mgpu.utils.bitcast(out, pair_ty)
         return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
     return dequant
 
 
-def _lane_dequant_jnp(words: jax.Array, s_rows, b_rows, subnormal: bool = False) -> jax.Array:
-    """`_lane_dequant`'s values by jnp (interpret mode): lane words [R, 8 G] -> bf16 [R, 64 G]. subnormal: the rows
-    are `subnormal_scales`' (q 2^-133 times s 2^(133 - d) is q s 2^-d, exact in fp32)."""
-    q = unpack(from_lane_words(words), 4).astype(jnp.float32)
+def _lane_dequant_jnp(words: jax.Array, s_rows, b_rows, subnormal: bool = False, halves: bool = False
+                      ) -> jax.Array:
+    """`_lane_dequant`'s values by jnp (interpret mode): lane words [R, 8 G] (halves: in that order) -> bf16
+    [R, 64 G]. subnormal: the rows are `subnormal_scales`' (q 2^-133 times s 2^(133 - d) is q s 2^-d, exact in
+    fp32)."""
+    q = unpack(from_lane_words(words, halves=halves), 4).astype(jnp.float32)
     r = q.shape[0]
     q = q.reshape(r, len(s_rows), GROUP)
     s = jnp.stack(s_rows, axis=1).astype(jnp.float32)[:, :, None]
@@ -500,7 +534,7 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, 
     rest = list(rest)
     rs = rest.pop() if row_scale else None
     bt = None if tiled else rest.pop(0)
-    assert not rest and (not row_scale or conversion == "subnormal"), (len(rest), row_scale, conversion)
+    assert not rest and (not row_scale or conversion in SUBNORMAL_CONVERSIONS), (len(rest), row_scale, conversion)
     assert layout in LAYOUTS and (not tiled or (conversion in LANE_CONVERSIONS and n is not None)), layout
     assert pdl_steps >= 0 and not (pdl_steps and tiled), (pdl_steps, layout)
     n = n if tiled else qw.shape[0]
@@ -509,7 +543,8 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, 
     pieces = int(counts.max())
     total = -(-n // CTA_N) * length
     words = conversion in LANE_CONVERSIONS
-    subnormal = conversion == "subnormal"
+    subnormal = conversion in SUBNORMAL_CONVERSIONS
+    halves = conversion == "halves"
     q_block = (CTA_N, block_k // 8) if words else (CTA_N, block_k)
     q_transforms = _smem_transforms(block_k // 8, 32, "lhs") if words else _smem_transforms(block_k, 4, "lhs")
     x_transforms = _smem_transforms(GROUP, 16, "rhs")
@@ -520,7 +555,8 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, 
     # "no_compute" also applies to the other conversions.
     assert conversion in CONVERSIONS and probe in (None, "no_xor", "no_affine", "no_load", "no_compute"), probe
     assert probe in (None, "no_compute") or conversion == "nibbles", (probe, conversion)
-    dequant = _lane_dequant(block_groups, q_transforms, subnormal, staggered) if words and not interpret else None
+    dequant = (_lane_dequant(block_groups, q_transforms, subnormal, staggered, halves) if words and not interpret
+               else None)
 
     def kernel(x_gmem, q_gmem, s_gmem, *refs):
         refs = list(refs)
@@ -573,7 +609,7 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, 
                     s_rows = [s_smem[j, wg_slice] for j in range(block_groups)]
                     b_rows = [(s_smem if tiled else b_smem)[(block_groups if tiled else 0) + j, wg_slice]
                               for j in range(block_groups)]
-                    a = (_lane_dequant_jnp(q_smem[wg_slice], s_rows, b_rows, subnormal) if interpret
+                    a = (_lane_dequant_jnp(q_smem[wg_slice], s_rows, b_rows, subnormal, halves) if interpret
                          else dequant(q_smem.at[wg_slice], s_rows, b_rows))
                     return [a[:, j * GROUP:(j + 1) * GROUP] for j in range(block_groups)]
                 # "nibbles"/"unsigned": q XOR 8 read as signed int4 is q - 8 (Mosaic GPU's fast int4 -> bf16
@@ -696,6 +732,22 @@ _LOWERED = _PARTIALS.lowered  # (the tools clear it between variants)
 custom_calls = mgpu_lowering.custom_calls
 
 
+def _default_conversion(w: QuantizedWeight, transposed) -> str:
+    """The conversion a call without one takes: CONVERSION, except that a weight laid out by `qmm.decode_layout`
+    decides where CONVERSION would repack it every call. Its transposed scales without the shifted rows
+    (`decode_layout` keeps them so where those would not be exact): "words". Lane words in the halves order
+    (`w.halves`): "halves"; in the pair order under CONVERSION "halves": "subnormal". All give the same bits."""
+    conversion = CONVERSION
+    if conversion in SUBNORMAL_CONVERSIONS and transposed is None and w.scales_t is not None and not w.subnormal:
+        return "words"
+    if w.lanes and conversion in LANE_CONVERSIONS:
+        if w.halves:
+            return "halves"
+        if conversion == "halves":
+            return "subnormal"
+    return conversion
+
+
 def block_groups_for(k: int) -> int:
     """Groups a pipeline step carries: BLOCK_GROUPS, or the largest power of two below it dividing K's groups."""
     bg = BLOCK_GROUPS
@@ -718,9 +770,9 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     27B forward). conversion: CONVERSIONS (None for CONVERSION); "words" reads lane-ordered words (`w.lanes`,
     made once by `qmm.decode_layout`; else each call repacks them), "subnormal" reads them too with the scale
     and bias rows `subnormal_scales` makes (`w.subnormal`, made once by `qmm.decode_layout`; else each call
-    makes them), the others natural ones (else each call restores that order). conversion None under CONVERSION
-    "subnormal" takes "words" for a weight whose transposed scales were laid out without it (`decode_layout`
-    keeps them so where the shifted rows would not be exact).
+    makes them), "halves" the same rows with the words in its own lane order (`w.halves`), the others natural ones
+    (else each call restores that order). conversion None: `_default_conversion`, CONVERSION as the weight's
+    layout allows.
     interpret: Mosaic GPU's interpreter on the CPU. rounding: how the output keeps its rounding (ROUNDINGS; None for
     ROUNDING). layout: where a step's blocks lie (LAYOUTS; None for LAYOUT; "tiles" needs the "words" conversion
     and here re-lays the weight every call). pdl_steps: programmatic dependent launch (PDL_STEPS; None for it;
@@ -732,13 +784,11 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     if bg < 1 or (k // GROUP) % bg:
         raise ValueError(f"qmm_mgpu: block_groups={bg} must divide K's {k // GROUP} groups")
     if conversion is None:
-        conversion = CONVERSION
-        if conversion == "subnormal" and transposed is None and w.scales_t is not None and not w.subnormal:
-            conversion = "words"
+        conversion = _default_conversion(w, transposed)
     if conversion not in CONVERSIONS:
         raise ValueError(f"qmm_mgpu: conversion {conversion!r} is not one of {CONVERSIONS}")
     row_scale = None
-    if transposed is None and w.subnormal and conversion == "subnormal":
+    if transposed is None and w.subnormal and conversion in SUBNORMAL_CONVERSIONS:
         transposed, row_scale = (w.scales_t, w.biases_t), w.row_scale
     else:
         if transposed is None and w.scales_t is not None and not w.subnormal:
@@ -748,10 +798,11 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
         elif tuple(t.shape for t in transposed) != 2 * ((k // GROUP, n),):
             raise ValueError(f"qmm_mgpu: transposed scales and biases must be [{k // GROUP}, {n}], got "
                              f"{[tuple(t.shape) for t in transposed]}")
-        if conversion == "subnormal":
+        if conversion in SUBNORMAL_CONVERSIONS:
             *transposed, row_scale, _ = subnormal_scales(*transposed)
     if conversion in LANE_CONVERSIONS:
-        q = w.words if w.lanes else to_lane_words(w.words)
+        halves = conversion == "halves"
+        q = w.words if w.lanes and w.halves == halves else to_lane_words(natural_words(w), halves=halves)
     else:
         q = lax.bitcast_convert_type(natural_words(w), jnp.uint4).reshape(n, k)
     rounding = ROUNDING if rounding is None else rounding

@@ -38,6 +38,10 @@ class QuantizedWeight:
     # natural order. Readers that want natural order call `natural_words`; the decode kernel and the prompt
     # path's dequantization pass read lane order directly.
     lanes: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    # With lanes: whether each lane word holds its four pairs' first fields in its low 16 bits and their second
+    # fields in its high 16 bits (`to_lane_words(halves=True)`, the "halves" conversion's order) instead of a pair
+    # a byte.
+    halves: bool = dataclasses.field(default=False, metadata=dict(static=True))
     # Whether scales_t / biases_t hold the Mosaic GPU decode kernel's "subnormal" copies (`qmm_mgpu.subnormal_scales`,
     # made once by `pallas_kernels.qmm.decode_layout`: s 2^(133 - d), b 2^-d per output row) instead of s and b;
     # row_scale: [1, N] fp32 2^d, present only where some row has d > 0.
@@ -80,6 +84,8 @@ class QuantizedWeight:
                              f"{tuple(self.row_scale.shape)} (subnormal={self.subnormal})")
         if self.subnormal and self.scales_t is None:
             raise ValueError(f"{name}: subnormal scales need scales_t and biases_t")
+        if self.halves and not self.lanes:
+            raise ValueError(f"{name}: the halves order is an order of lane words (lanes=True)")
         if self.lanes and (self.bits != 4 or k % 64):
             raise ValueError(f"{name}: lane-ordered words need 4 bits and K a multiple of 64, got {self.bits} bits, "
                              f"K={k}")
@@ -87,25 +93,44 @@ class QuantizedWeight:
 
 def natural_words(w: QuantizedWeight) -> jax.Array:
     """w's words in MLX's natural field order (undoing `to_lane_words` where w holds lane order)."""
-    return from_lane_words(w.words) if w.lanes else w.words
+    return from_lane_words(w.words, halves=w.halves) if w.lanes else w.words
 
 
-def to_lane_words(words: jax.Array) -> jax.Array:
-    """4-bit words uint32 [N, K / 8] (groups of 64 columns = 8 words) -> the same bytes in the order the Mosaic GPU
+def to_lane_words(words: jax.Array, halves: bool = False) -> jax.Array:
+    """4-bit words uint32 [N, K / 8] (groups of 64 columns = 8 words) -> the same fields in the order the Mosaic GPU
     decode kernel's lanes read them. A byte holds two adjacent columns; in a group, byte q of word 4h + j (columns
     32h + 8j + 2q and + 1) moves to byte j of word 2q + h. The MMA's register layout gives lane q of a row the column
     pairs 2q + 8t (t = 0..7) of each group, and loads its words 2q and 2q + 1: after the repack those two words hold
-    exactly its pairs, in order."""
+    exactly its pairs, in order. halves: then, within each word, pair j's two fields (nibbles 2j, 2j + 1) move to
+    nibbles j and j + 4, so the low 16 bits hold the four pairs' first fields and the high 16 bits their second
+    fields (the "halves" conversion: a pair is one mask away from a bf16x2)."""
     n, c = words.shape
     b = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(n, c // 8, 2, 4, 4)  # [n, group, h, j, q]
-    return jax.lax.bitcast_convert_type(b.transpose(0, 1, 4, 2, 3).reshape(n, c, 4), jnp.uint32)
+    lanes = jax.lax.bitcast_convert_type(b.transpose(0, 1, 4, 2, 3).reshape(n, c, 4), jnp.uint32)
+    return _nibbles(lanes, _HALVES) if halves else lanes
 
 
-def from_lane_words(lanes: jax.Array) -> jax.Array:
-    """The inverse of `to_lane_words`."""
+def from_lane_words(lanes: jax.Array, halves: bool = False) -> jax.Array:
+    """The inverse of `to_lane_words` (of the same order)."""
+    if halves:
+        lanes = _nibbles(lanes, _HALVES_INVERSE)
     n, c = lanes.shape
     b = jax.lax.bitcast_convert_type(lanes, jnp.uint8).reshape(n, c // 8, 4, 2, 4)  # [n, group, q, h, j]
     return jax.lax.bitcast_convert_type(b.transpose(0, 1, 3, 4, 2).reshape(n, c, 4), jnp.uint32)
+
+
+# The halves order's nibble permutation: new nibble i takes old nibble _HALVES[i] (pair j = old nibbles 2j, 2j + 1
+# -> new nibbles j, j + 4).
+_HALVES = (0, 2, 4, 6, 1, 3, 5, 7)
+_HALVES_INVERSE = tuple(int(i) for i in np.argsort(_HALVES))
+
+
+def _nibbles(words: jax.Array, source: tuple[int, ...]) -> jax.Array:
+    """uint32 words with nibble i of each word taken from nibble source[i] of the same word."""
+    out = jnp.zeros_like(words)
+    for i, j in enumerate(source):
+        out = out | (((words >> jnp.uint32(4 * j)) & jnp.uint32(15)) << jnp.uint32(4 * i))
+    return out
 
 
 def add_rounded_once_to_bf16(a: jax.Array, b: jax.Array) -> jax.Array:

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import qmm_mgpu
-from pallas_kernels.qweight import QuantizedWeight, dequantize_numpy, from_lane_words, to_lane_words
+from pallas_kernels.qweight import (QuantizedWeight, dequantize_numpy, from_lane_words, natural_words,
+                                    to_lane_words)
 from tests.test_qmm import HALF_TOL
 
 SHAPES_27B = ((5120, 34816), (17408, 5120), (5120, 6144), (6144, 5120), (5120, 16480), (5120, 248320))
@@ -497,9 +498,12 @@ def _lane_readers_same_values(interpret: bool):
     from pallas_kernels import qmm
     rng = np.random.default_rng(3900)
     w = _small_weight(rng, 24, 384)
-    lw = dataclasses.replace(w, words=to_lane_words(w.words), lanes=True)
     same = lambda a, b, what: np.testing.assert_array_equal(np.asarray(a).view(np.uint16),
                                                             np.asarray(b).view(np.uint16), err_msg=what)  # bf16 bits
+    hw = dataclasses.replace(w, words=to_lane_words(w.words, halves=True), lanes=True, halves=True)
+    same(qmm.dequant_pass(hw, interpret=interpret), qmm.dequant_pass(w, interpret=interpret), "pass, halves")
+    assert np.array_equal(np.asarray(natural_words(hw)), np.asarray(w.words))
+    lw = dataclasses.replace(w, words=to_lane_words(w.words), lanes=True)
     same(qmm.dequant_pass(lw, interpret=interpret), qmm.dequant_pass(w, interpret=interpret), "dequant pass")
     if not interpret:
         return
@@ -520,10 +524,11 @@ def test_lane_dequant_pass_lowers_for_the_h200(h200_lowering):
     from pallas_kernels import qmm
     sds = jax.ShapeDtypeStruct
     for k, n in ((5120, 17408), (17408, 5120), (384, 24)):
-        w = QuantizedWeight(sds((n, k // 8), jnp.uint32), sds((n, k // 64), jnp.bfloat16),
-                            sds((n, k // 64), jnp.bfloat16), 4, 64, lanes=True)
-        text = jax.jit(qmm.dequant_pass).trace(w).lower(lowering_platforms=("cuda",)).as_text()
-        assert "triton" in text.lower(), (k, n)
+        for halves in (False, True):
+            w = QuantizedWeight(sds((n, k // 8), jnp.uint32), sds((n, k // 64), jnp.bfloat16),
+                                sds((n, k // 64), jnp.bfloat16), 4, 64, lanes=True, halves=halves)
+            text = jax.jit(qmm.dequant_pass).trace(w).lower(lowering_platforms=("cuda",)).as_text()
+            assert "triton" in text.lower(), (k, n, halves)
 
 
 @pytest.mark.gpu
@@ -631,19 +636,19 @@ def test_subnormal_scales_are_exact_powers_of_two():
     assert not bool(qmm_mgpu.subnormal_scales(s, tiny)[3])
 
 
-def _subnormal_same_bits(n: int, k: int, *, interpret: bool, rows_cases=(1, 16)):
-    """The "subnormal" conversion gives the "words" conversion's bits, for weights with and without row scales,
-    laid out once (`decode_layout`) or shifted per call."""
+def _subnormal_same_bits(n: int, k: int, *, interpret: bool, rows_cases=(1, 16), conversion="subnormal"):
+    """The "subnormal" (or "halves") conversion gives the "words" conversion's bits, for weights with and without
+    row scales, laid out once (`decode_layout`) or shifted (and its words repacked) per call."""
     from pallas_kernels import qmm
     rng = np.random.default_rng(4200 + n + k)
     for w in (_small_weight(rng, n, k), _wide_scale_weight(rng, n, k)):
         words = jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, interpret=interpret, conversion="words"))
-        sub = jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, interpret=interpret, conversion="subnormal"))
+        sub = jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, interpret=interpret, conversion=conversion))
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(qmm, "DECODE_IMPL", "mgpu")
-            mp.setattr(qmm_mgpu, "CONVERSION", "subnormal")
+            mp.setattr(qmm_mgpu, "CONVERSION", conversion)
             laid = qmm.decode_layout({"w": w})["w"]
-            assert laid.subnormal and laid.lanes
+            assert laid.subnormal and laid.lanes and laid.halves == (conversion == "halves")
             default = jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, interpret=interpret))
             for m in rows_cases:
                 x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
@@ -653,28 +658,55 @@ def _subnormal_same_bits(n: int, k: int, *, interpret: bool, rows_cases=(1, 16))
     assert laid.row_scale is not None  # the wide-scale weight needed its row scale
 
 
-def test_interpreter_subnormal_conversion_same_bits():
-    _subnormal_same_bits(200, 512, interpret=True, rows_cases=(3,))
+@pytest.mark.parametrize("conversion", qmm_mgpu.SUBNORMAL_CONVERSIONS)
+def test_interpreter_subnormal_conversion_same_bits(conversion):
+    _subnormal_same_bits(200, 512, interpret=True, rows_cases=(3,), conversion=conversion)
+
+
+def test_halves_pairs_are_one_mask_away():
+    """The "halves" conversion's arithmetic, bit by bit in numpy: in a halves-ordered lane word, pair j's two
+    fields are nibbles j and j + 4; masked in place (pairs 1 and 3 after nothing, 2 and 3 after a shift of 8) each
+    16-bit half read as a bf16 is exactly q 2^-133 (mask 0x000F000F) or q 2^-129 (0x00F000F0: for q >= 8 the top
+    field bit is the exponent's lowest), and those are the pair-order words' fields."""
+    rng = np.random.default_rng(4300)
+    words = jnp.asarray(rng.integers(0, 2**32, size=(3, 16), dtype=np.uint32))
+    pairs, halves = np.asarray(to_lane_words(words)), np.asarray(to_lane_words(words, halves=True))
+    as_bf16 = lambda u16: np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(u16, jnp.uint16), jnp.bfloat16),
+                                     np.float64)
+    for j in range(4):
+        w = halves >> np.uint32(8) if j >= 2 else halves
+        masked = w & np.uint32(0x00F000F0 if j % 2 else 0x000F000F)
+        for e in range(2):  # low half: the pair's first field; high half: its second
+            value = as_bf16((masked >> np.uint32(16 * e)) & np.uint32(0xFFFF))
+            q = ((pairs >> np.uint32(8 * j + 4 * e)) & np.uint32(15)).astype(np.float64)
+            np.testing.assert_array_equal(value, q * 2.0 ** (-129 if j % 2 else -133), err_msg=(j, e))
+    np.testing.assert_array_equal(np.asarray(from_lane_words(jnp.asarray(halves), halves=True)), np.asarray(words))
 
 
 def test_subnormal_lowers_for_the_h200():
-    """The "subnormal" conversion lowers with and without its row scale operand (and in the "tiles" layout)."""
+    """The "subnormal" and "halves" conversions lower with and without their row scale operand (and in the "tiles"
+    layout)."""
     sds = jax.ShapeDtypeStruct
     for k, n in ((5120, 34816), (17408, 5120)):
         aw = _abstract_weight(n, k)
         g = k // 64
-        laid = QuantizedWeight(aw.words, aw.scales, aw.biases, 4, 64, sds((g, n), jnp.bfloat16),
-                               sds((g, n), jnp.bfloat16), lanes=True, subnormal=True)
-        for w, kw in ((laid, {}), (aw, {}), (laid, dict(layout="tiles"))):
-            text = jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, conversion="subnormal", **kw)).trace(
-                sds((1, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
-            assert "mosaic_gpu" in text
+        for conversion in qmm_mgpu.SUBNORMAL_CONVERSIONS:
+            laid = QuantizedWeight(aw.words, aw.scales, aw.biases, 4, 64, sds((g, n), jnp.bfloat16),
+                                   sds((g, n), jnp.bfloat16), lanes=True, subnormal=True,
+                                   halves=conversion == "halves")
+            for w, kw in ((laid, {}), (aw, {}), (laid, dict(layout="tiles"))):
+                text = jax.jit(lambda x, w: qmm_mgpu.qmm_decode(x, w, conversion=conversion, **kw)).trace(
+                    sds((1, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
+                assert "mosaic_gpu" in text
+                # "halves": one mask a pair and no byte permutes; "subnormal": a prmt a pair
+                assert ("prmt" in text) == (conversion == "subnormal"), conversion
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("conversion", qmm_mgpu.SUBNORMAL_CONVERSIONS)
 @pytest.mark.parametrize("k,n", [(5120, 34816), (17408, 5120), (5120, 6144), (128, 392)])
-def test_gpu_subnormal_conversion_same_bits(k, n):
-    _subnormal_same_bits(n, k, interpret=False, rows_cases=(1, 5, 16))
+def test_gpu_subnormal_conversion_same_bits(k, n, conversion):
+    _subnormal_same_bits(n, k, interpret=False, rows_cases=(1, 5, 16), conversion=conversion)
 
 
 def test_unstaggered_loads_lower_for_the_h200(monkeypatch):

@@ -49,8 +49,8 @@ class Fused:
 
 def _fusable(a, b) -> bool:
     if isinstance(a, QuantizedWeight) and isinstance(b, QuantizedWeight):
-        return ((a.bits, a.group_size, a.in_features, a.scales.dtype, a.biases.dtype, a.lanes) ==
-                (b.bits, b.group_size, b.in_features, b.scales.dtype, b.biases.dtype, b.lanes))
+        return ((a.bits, a.group_size, a.in_features, a.scales.dtype, a.biases.dtype, a.lanes, a.halves) ==
+                (b.bits, b.group_size, b.in_features, b.scales.dtype, b.biases.dtype, b.lanes, b.halves))
     if isinstance(a, QuantizedWeight) or isinstance(b, QuantizedWeight):
         return False
     return a.shape[1] == b.shape[1] and jnp.dtype(a.dtype) == jnp.dtype(b.dtype)
@@ -61,7 +61,7 @@ def _concat(ws: Sequence) -> Fused:
     if isinstance(ws[0], QuantizedWeight):
         cat = lambda name: jnp.concatenate([getattr(w, name) for w in ws], axis=0)
         return Fused(QuantizedWeight(cat("words"), cat("scales"), cat("biases"), ws[0].bits, ws[0].group_size,
-                                     lanes=ws[0].lanes), sizes)
+                                     lanes=ws[0].lanes, halves=ws[0].halves), sizes)
     return Fused(jnp.concatenate(ws, axis=0), sizes)
 
 

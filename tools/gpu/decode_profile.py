@@ -270,7 +270,8 @@ def main(argv=None) -> int:
                     help="qmm_mgpu.BLOCK_GROUPS (groups of K a pipeline step carries; changes the sums' bits)")
     ap.add_argument("--mgpu-rounding", choices=("barrier", "reduce_precision"), default=None,
                     help="qmm_mgpu.ROUNDING (how the kernel's output keeps its rounding)")
-    ap.add_argument("--mgpu-conversion", choices=("words", "subnormal", "nibbles", "unsigned"), default=None,
+    ap.add_argument("--mgpu-conversion", choices=("words", "subnormal", "halves", "nibbles", "unsigned"),
+                    default=None,
                     help="qmm_mgpu.CONVERSION (how the kernel turns 4-bit weights into the MMA's operand)")
     ap.add_argument("--residual-norm-rows", type=int, default=None,
                     help="ops.RESIDUAL_NORM_ROWS (live rows up to which a residual add and its norm are one launch)")

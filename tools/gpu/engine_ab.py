@@ -93,7 +93,8 @@ def main() -> None:
             print(f"{knobs} @ {ctx} ctx: " + ", ".join(f"{s} streams {fps[s]:.1f} fwd/s" for s in streams)
                   + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
     print("\n| stages | widest piece | narrowest piece | rounding | conversion | compute warpgroups | window chunk | "
-          "decode prep | attention prep | PDL steps, trigger | context | " + " | ".join(f"{s} streams (fwd/s)" for s in streams) + " |")
+          "decode prep | attention prep | PDL steps, trigger | context | "
+          + " | ".join(f"{s} streams (fwd/s)" for s in streams) + " |")
     print("|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(streams))
     for knobs, ctx, fps in rows:
         print(f"| {knobs['stages']} | {knobs['wide']} | {knobs['narrow']} | {knobs['round']} | {knobs['conv']} | "

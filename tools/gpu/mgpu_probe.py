@@ -60,7 +60,7 @@ def main() -> None:
         for probe in args.probes.split(","):
             base, _, p = probe.partition("_no_")
             p = "no_" + p if p else None
-            if base not in ("words", "subnormal", "unsigned", "tiles"):
+            if base not in ("words", "subnormal", "halves", "unsigned", "tiles"):
                 base, p = "nibbles", None if probe == "full" else probe
             conversion = "words" if base == "tiles" else base
             layout = "tiles" if base == "tiles" else "rows"

@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh hundred-forty-sixth|hundred-forty-fifth|hundred-forty-fourth|hundred-forty-third|hundred-forty-second|hundred-forty-first|hundred-fortieth|hundred-thirty-ninth|hundred-thirty-eighth|hundred-thirty-seventh|hundred-thirty-sixth|hundred-thirty-fifth|hundred-thirty-fourth|hundred-thirty-third|hundred-thirty-second|hundred-thirty-first|hundred-thirtieth|hundred-twenty-ninth|hundred-twenty-eighth|hundred-twenty-seventh|hundred-twenty-sixth|hundred-twenty-fifth|hundred-twenty-fourth|hundred-twenty-third|hundred-twenty-second|hundred-twenty-first|hundred-twentieth|hundred-nineteenth|hundred-eighteenth|hundred-seventeenth|hundred-sixteenth|hundred-fifteenth|hundred-fourteenth|hundred-thirteenth|hundred-twelfth|hundred-eleventh|hundred-tenth|hundred-ninth|hundred-eighth|hundred-seventh|hundred-sixth|hundred-fifth|hundred-fourth|hundred-third|hundred-second|hundred-first|hundredth|ninety-ninth|ninety-eighth|ninety-seventh|ninety-sixth|ninety-fifth|ninety-fourth|ninety-third|ninety-second|ninety-first|ninetieth|eighty-ninth|eighty-eighth|eighty-seventh|eighty-sixth|eighty-fifth|eighty-fourth|eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh hundred-forty-seventh|hundred-forty-sixth|hundred-forty-fifth|hundred-forty-fourth|hundred-forty-third|hundred-forty-second|hundred-forty-first|hundred-fortieth|hundred-thirty-ninth|hundred-thirty-eighth|hundred-thirty-seventh|hundred-thirty-sixth|hundred-thirty-fifth|hundred-thirty-fourth|hundred-thirty-third|hundred-thirty-second|hundred-thirty-first|hundred-thirtieth|hundred-twenty-ninth|hundred-twenty-eighth|hundred-twenty-seventh|hundred-twenty-sixth|hundred-twenty-fifth|hundred-twenty-fourth|hundred-twenty-third|hundred-twenty-second|hundred-twenty-first|hundred-twentieth|hundred-nineteenth|hundred-eighteenth|hundred-seventeenth|hundred-sixteenth|hundred-fifteenth|hundred-fourteenth|hundred-thirteenth|hundred-twelfth|hundred-eleventh|hundred-tenth|hundred-ninth|hundred-eighth|hundred-seventh|hundred-sixth|hundred-fifth|hundred-fourth|hundred-third|hundred-second|hundred-first|hundredth|ninety-ninth|ninety-eighth|ninety-seventh|ninety-sixth|ninety-fifth|ninety-fourth|ninety-third|ninety-second|ninety-first|ninetieth|eighty-ninth|eighty-eighth|eighty-seventh|eighty-sixth|eighty-fifth|eighty-fourth|eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -156,11 +156,25 @@ case "$stage" in
       profile_round 60 "$v" "kernel_mosaic|residual_add_norm|swiglu|gdn_step"
     done ;;
   hundred-forty-sixth)
-    # Prepared in session 34 (~4.5 min): the engine's decode forwards/s with and without programmatic dependent
-    # launch, alternated in one process (the synthetic 27B built once; each variant compiles its programs).
-    timeout 270 python3 tools/gpu/engine_ab.py --streams 1,16 --rounds 32 \
-      --variants "pdl=0,trigger=0;pdl=4,trigger=1;pdl=8,trigger=1;pdl=0,trigger=0;pdl=4,trigger=1" 2>&1 \
-      | tee "$out/engine_ab_pdl.log" | tail -9 ;;
+    # Prepared in session 34 (~5 min): the engine's decode forwards/s with and without programmatic dependent
+    # launch and with the "halves" conversion, alternated in one process (the synthetic 27B built once; each
+    # variant lays out its weights and compiles its programs). Run after hundred-forty-fifth and -seventh.
+    timeout 290 python3 tools/gpu/engine_ab.py --streams 1,16 --rounds 32 --variants \
+      "pdl=0,trigger=0;pdl=4,trigger=1;conv=halves;pdl=4,trigger=1,conv=halves;pdl=0,trigger=0;pdl=8,trigger=1" \
+      2>&1 | tee "$out/engine_ab_pdl.log" | tail -10 ;;
+  hundred-forty-seventh)
+    # Prepared in session 34 (~7.5 min): the decode qmm's "halves" conversion (qmm_mgpu.CONVERSION "halves": lane
+    # words with each pair's fields in the word's two 16-bit halves, two instructions a pair; the bits of
+    # "subnormal"). Its gpu tests (the oracle and row invariance, "words"' bits at 1/5/16 rows with and without row
+    # scales, the prompt path's dequantization pass on that order), the kernel alone against "subnormal" at 8-row
+    # pieces (alternated), then the one-stream round traced as shipped and with it.
+    gpu_pytest 200 halves 14 tests/test_qmm_mgpu.py -k "halves or lane_order"
+    timeout 170 python3 tools/gpu/mgpu_probe.py --rows 8 --probes subnormal,halves,subnormal,halves \
+      --shapes 5120x34816,17408x5120,5120x6144,6144x5120,5120x16480 --trace /tmp/trace_halves 2>&1 \
+      | tee "$out/mgpu_halves.log" | tail -21
+    for v in "" "--mgpu-conversion halves"; do
+      profile_round 55 "$v" "kernel_mosaic"
+    done ;;
   hundred-forty-fourth)
     # Prepared in session 33 (~7 min): the defaults session 33 shipped (ops.PACK_QUERIES; ops.STEP_NORM up to one
     # stream), which no call ran as a whole: every engine gate at the defaults, the one-stream round traced, then the
