@@ -622,8 +622,8 @@ def _dequant_pass_kernel(w_ref, s_ref, b_ref, o_ref, *, n: int, bn: int, bc: int
             return jax.lax.bitcast_convert_type(w, jnp.uint16).astype(jnp.uint32)
 
         ws = [weight(f) for f in range(8)]
-        second = (lambda i: i + 4) if halves else (lambda i: 2 * i + 1)
-        outs = [ws[i if halves else 2 * i] | (ws[second(i)] << jnp.uint32(16)) for i in range(4)]
+        pair = (lambda i: (i, i + 4)) if halves else (lambda i: (2 * i, 2 * i + 1))  # output i's two fields
+        outs = [ws[pair(i)[0]] | (ws[pair(i)[1]] << jnp.uint32(16)) for i in range(4)]
     else:
         # Output i = weights (2i, 2i + 1) of each word: p = fields (j, j + 4) and p' = fields (j + 1, j + 5) as
         # bf16 128 + q (lop3, j = 2i mod 4), prmt takes both low halves (i < 2) or both high halves (i >= 2), then

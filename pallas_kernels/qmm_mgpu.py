@@ -675,8 +675,8 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, 
 
             if pdl_steps and not interpret:
                 pl.when(wg == 0)(lambda: _prefetch_blocks(
-                    cta, q_gmem, s_gmem, b_gmem, rs_gmem, n=n, k=k, block_groups=block_groups, sms=sms,
-                    steps=pdl_steps, q_width=q_block[1]))
+                    locate, lambda j: cta * per_cta + j < total, q_gmem, s_gmem, b_gmem, rs_gmem,
+                    steps=min(pdl_steps, per_cta), block_groups=block_groups, q_width=q_block[1]))
                 plgpu.griddepcontrol_wait()  # (PDL_STEPS) the kernels before this one are done: x may be read
             pipeline(body, context)(*operands, allocations=allocs)
 
@@ -692,19 +692,15 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, 
     return call(xp, qw, st, *(() if tiled else (bt,)), *(() if rs is None else (rs,)))
 
 
-def _prefetch_blocks(cta, q_gmem, s_gmem, b_gmem, rs_gmem, *, n: int, k: int, block_groups: int, sms: int,
-                     steps: int, q_width: int) -> None:
-    """Ask L2 for the blocks CTA `cta`'s first `steps` pipeline steps copy (`flat_schedule`, "rows" layout): its
-    weight block [CTA_N, q_width] (lane words, or a natural conversion's nibbles), scale and bias rows [G', CTA_N]
-    and (rs_gmem not None) its first step's tile's 2^d row; x is not among them. Steps past the weight's end ask
-    for nothing."""
-    length, per_cta, _, _ = flat_schedule(n, k, block_groups, sms)
-    total = -(-n // CTA_N) * length
-    for j in range(min(steps, per_cta)):
-        f = cta * per_cta + j
-        ok = f < total
-        f = lax.min(f, jnp.int32(total - 1))
-        tile, ks = _div(f, length), lax.rem(f, jnp.int32(length))
+def _prefetch_blocks(locate, live, q_gmem, s_gmem, b_gmem, rs_gmem, *, steps: int, block_groups: int,
+                     q_width: int) -> None:
+    """Ask L2 for the blocks a CTA's first `steps` pipeline steps copy ("rows" layout; locate(j): step j's (tile,
+    step within the tile's K), as the kernel's index maps take it; live(j): whether step j is within the weight):
+    its weight block [CTA_N, q_width] (lane words, or a natural conversion's nibbles), scale and bias rows
+    [G', CTA_N] and (rs_gmem not None) its first step's tile's 2^d row; x is not among them."""
+    for j in range(steps):
+        tile, ks = locate(j)
+        ok = live(j)
         cols = pl.ds(tile * CTA_N, CTA_N)
         plgpu.async_prefetch(q_gmem.at[cols, pl.ds(ks * q_width, q_width)], predicate=ok)
         for t in (s_gmem, b_gmem):
