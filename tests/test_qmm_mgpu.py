@@ -1,6 +1,8 @@
 """The experimental Mosaic GPU decode qmm (`pallas_kernels/qmm_mgpu.py`): it lowers for an H200 on the CPU at the
 27B's decode shapes and runs in Mosaic GPU's interpreter at small ones; the compiled kernel's numbers and row
 invariance are checked on the device (`-m gpu`)."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -394,34 +396,41 @@ def test_27b_decode_program_lowers_with_it(h200_lowering, monkeypatch):
     assert text.count("residual_add_norm") >= 8
 
 
-def _mosaic_modules(text: str) -> list[str]:
-    """The Mosaic GPU kernels of a lowered program, each as its module's text without debug info and with the
-    per-process kernel counter (`dump_basename`) blanked."""
-    import re
-
+def _custom_calls(text: str, fact) -> list:
+    """`fact(call)` for each custom call of a lowered program, parsed in a fresh MLIR context that knows Mosaic GPU
+    (the calls live only while their module does, so what is kept must be read out here)."""
     from jax.experimental.mosaic import gpu as mgpu
     from jax.interpreters import mlir
     ctx = mlir.make_ir_context()
     ctx.allow_unregistered_dialects = True
     mgpu.dialect.register_dialect(ctx)
-    found = []
     with ctx:
         program = mlir.ir.Module.parse(text)  # held: the operations below live in it
-        for call in qmm_mgpu.custom_calls(program.operation):
-            if "mosaic_gpu" in str(call.attributes["call_target_name"]):
-                raw = mlir.ir.DictAttr(call.attributes["mhlo.backend_config"])["module"]
-                kernel = mlir.ir.Module.parse(bytes(mlir.ir.StringAttr(raw).value_bytes))
-                found.append(re.sub(r'dump_basename = "[^"]*"', "dump_basename",
-                                    kernel.operation.get_asm(enable_debug_info=False)))
-    return found
+        return [fact(call) for call in qmm_mgpu.custom_calls(program.operation)]
+
+
+def _is_mosaic(call) -> bool:
+    return "mosaic_gpu" in str(call.attributes["call_target_name"])
+
+
+def _mosaic_modules(text: str) -> list[str]:
+    """The Mosaic GPU kernels of a lowered program, each as its module's text without debug info and with the
+    per-process kernel counter (`dump_basename`) blanked."""
+    from jax.interpreters import mlir
+
+    def module(call):
+        if not _is_mosaic(call):
+            return None
+        raw = mlir.ir.DictAttr(call.attributes["mhlo.backend_config"])["module"]
+        kernel = mlir.ir.Module.parse(bytes(mlir.ir.StringAttr(raw).value_bytes))
+        return re.sub(r'dump_basename = "[^"]*"', "dump_basename", kernel.operation.get_asm(enable_debug_info=False))
+    return [m for m in _custom_calls(text, module) if m is not None]
 
 
 def test_lowering_cache_same_program(h200_lowering, monkeypatch):
     """With the lowering cache the 27B decode program is the uncached one outside the Mosaic GPU kernels' bytes,
     and each kernel's module is the same but for the per-process counter and locations; two programs share their
     kernels' hashes (compiled once a process), which the uncached lowering does not."""
-    import re
-
     from pallas_kernels import qmm
     from tests.test_model_kernels import _decode_program_text
     monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
@@ -751,28 +760,18 @@ def test_27b_decode_program_dependent_launch(h200_lowering, monkeypatch):
     (the window's pass 1 without), and exactly the Triton kernels that come right before a projection (the norms,
     the residual add with its norm, the GDN step with its norm, the MLP's activation) let a dependent start; off,
     nothing does either."""
-    import re
-
-    from jax.interpreters import mlir
-
     from pallas_kernels import calls, pdl, qmm
     from tests.test_model_kernels import _decode_program_text
     monkeypatch.setattr(qmm, "DECODE_IMPL", "mgpu")
 
+    def launch(call):
+        attrs = " ".join(str(call.attributes[a]) for a in call.attributes)
+        name = "mosaic" if _is_mosaic(call) else re.findall(r'name = \\?"([a-z0-9_]+)', attrs)[0]
+        return name, "mosaic_gpu.uses_pdl" in attrs, "griddepcontrol.launch_dependents" in attrs
+
     def launches():
         with calls.sharing(False):  # one custom call a launch
-            text = _decode_program_text(4)
-        found = []
-        ctx = mlir.make_ir_context()
-        ctx.allow_unregistered_dialects = True
-        with ctx:
-            program = mlir.ir.Module.parse(text)  # held: the operations below live in it
-            for call in qmm_mgpu.custom_calls(program.operation):
-                attrs = " ".join(str(call.attributes[a]) for a in call.attributes)
-                name = re.findall(r'name = \\?"([a-z0-9_]+)', attrs)
-                found.append(("mosaic" if "mosaic_gpu" in str(call.attributes["call_target_name"]) else name[0],
-                              "mosaic_gpu.uses_pdl" in attrs, "griddepcontrol.launch_dependents" in attrs))
-        return found
+            return _custom_calls(_decode_program_text(4), launch)
 
     plain = launches()
     assert not any(pdl_ or trig for _, pdl_, trig in plain)
