@@ -248,9 +248,10 @@ class PromptTiles:
     impl: str = "triton"
 
 
-# `WindowTiles.fp8_v_max` of the shipped fp8 tiles (prepared, not yet run on the H200: "block" until its gpu tests
-# and the engine's fp8 gate pass with "chunk" and `bench attention --sections v_layout` times it).
-FP8_V_MAX = "block"
+# `WindowTiles.fp8_v_max` of the shipped fp8 tiles: "chunk" since session 36 (H100, run.sh hundred-forty-third: its
+# gpu tests and the engine's fp8 gate pass; with key-major V the 16-row window's pass 1 at one stream took 106 µs at
+# 32K and 395 µs at 128K against 136 and 509 with "block", the 1-row window 36.5 / 117.5 µs against 37.6 / 118.9).
+FP8_V_MAX = "chunk"
 
 
 def window_tiles(*, page_size: int, max_keys: int, head_dim: int, fp8: bool) -> WindowTiles:

@@ -31,13 +31,14 @@ FP8_MAX = 448.0
 
 
 V_LAYOUTS = ("rows", "keys")
-# The layout `empty_pool` gives an fp8 pool's v (prepared, not yet run on the H200: "rows" until its gpu tests and
-# the engine's gates pass with "keys" and `bench attention --sections v_layout` times it). The offline sm_90
+# The layout `empty_pool` gives an fp8 pool's v: "keys" since session 36 (H100, run.sh hundred-forty-third: its gpu
+# tests and the engine's fp8 gates pass; with attention.FP8_V_MAX "chunk" the pass 1 is 1.5-29 % faster than "rows",
+# the engine's fp8 decode the same, 120.7 / 90.3 forwards/s at 1 / 16 streams against 120.6 / 89.9). The offline sm_90
 # compile of the fp8 pass 1 at 32K (`tools/offline/triton_sm90.py --fp8 --v-layout rows|keys`, pip Triton 3.6,
 # a lead, not XLA's Triton): a 1-row window's 32-key step is 720 SASS instructions with "rows", 64 of them
 # single-byte shared loads of V, at 168 registers; 625 with "keys", no byte loads, at 140 registers. A 16-row
 # window's (32-row programs): 1131 at 213 registers against 1034 at 173.
-FP8_V_LAYOUT = "rows"
+FP8_V_LAYOUT = "keys"
 
 
 @jax.tree_util.register_dataclass

@@ -105,16 +105,19 @@ SMS = 132  # the H200's; chunks of work are spread over this many persistent CTA
 #   range). The MMA's fp32 sums of scaled products are the unscaled sums scaled, so the stored pieces, multiplied
 #   back by 2^d (`row_scale`, only where some d > 0), are the "words" pieces bit for bit away from fp32's
 #   underflow. Needs bf16 FMAs that keep subnormal inputs (sm_90's do: the gpu tests compare it with "words").
-# - "halves" (session 34, prepared): "subnormal" with two instructions a pair. The lane words come with each pair's
-#   first field in the word's low 16 bits and its second in the high 16 (`to_lane_words(halves=True)`, made once
-#   by `qmm.decode_layout`): pair j of a word is nibbles (j, j + 4). Pairs 0 and 2 are one and with 0x000F000F (of
-#   w, of w >> 8): q 2^-133 in each half, as "subnormal". Pairs 1 and 3 are one and with 0x00F000F0: q sits in bits
-#   4-7 of each half, where the top one is the exponent's lowest bit, and that bf16 is exactly q 2^-129 for every q
+# - "halves" (session 34; the default since session 36): "subnormal" with two instructions a pair. The lane words
+#   come with each pair's first field in the word's low 16 bits and its second in the high 16
+#   (`to_lane_words(halves=True)`, made once by `qmm.decode_layout`): pair j of a word is nibbles (j, j + 4).
+#   Pairs 0 and 2 are one and with 0x000F000F (of w, of w >> 8): q 2^-133 in each half, as "subnormal". Pairs 1
+#   and 3 are one and with 0x00F000F0: q sits in bits 4-7 of each half, where the top one is the exponent's lowest
+#   bit, and that bf16 is exactly q 2^-129 for every q
 #   (for q >= 8 the exponent field is 1: 2^-126 + (q - 8) 2^-129 = q 2^-129). Their FMA takes the scale 2^-4
 #   lower (s 2^(129 - d), exact), so every product is the "subnormal" one and the FMA the same: its bits. Per
 #   word: one shift, four ands, four FMAs, against a shift and four prmt, and and FMA (64 prmt a step fewer, 8 bf16
-#   multiplies for the lower scales more).
-CONVERSION = "subnormal"
+#   multiplies for the lower scales more). On the H100 (session 36, run.sh hundred-forty-seventh, -sixth): the kernel
+#   alone 1-6 % faster at the 27B's five shapes (8 rows), the one-stream round's qmm 6561 -> 6439 µs, the engine's
+#   one stream 123.4 forwards/s against 121.5 / 121.6 with "subnormal" in the same process.
+CONVERSION = "halves"
 CONVERSIONS = ("words", "subnormal", "halves", "nibbles", "unsigned")
 LANE_CONVERSIONS = ("words", "subnormal", "halves")  # the conversions that read lane-ordered words
 SUBNORMAL_CONVERSIONS = ("subnormal", "halves")  # the conversions that read `subnormal_scales`' rows
@@ -137,7 +140,9 @@ LAYOUTS = ("rows", "tiles")
 # blocks of its first PDL_STEPS steps (words, scale and bias rows: nothing an earlier kernel writes) and waits
 # (`griddepcontrol.wait`: the earlier kernels done, their writes visible) before its pipeline reads x or it
 # writes anything. Session 19's form waited before any copy and the round did not move. 0: launched as any
-# kernel. Compiled kernels only (the interpreter has no grid dependencies); the "rows" layout only.
+# kernel. Compiled kernels only (the interpreter has no grid dependencies); the "rows" layout only. Measured on the
+# H100 (session 36, run.sh hundred-forty-fifth, -sixth): same bits, but slower: the device-bound one-stream round
+# 8.33 ms plain, 8.68 at 4 steps, 8.78 at 8; the engine's one stream 121.5 forwards/s plain, 116.8 at 4, 114.5 at 8.
 PDL_STEPS = 0
 # How the summed fp32 output keeps its rounding to x.dtype in every program (see `_decode`): "barrier" (the
 # conversion behind an optimization barrier, so nothing fuses across it; sessions 7-11) or "reduce_precision" (the
