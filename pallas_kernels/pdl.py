@@ -14,7 +14,9 @@ projection (the norms, the residual add with its norm, the GDN step with its nor
 it first thing, through `program_id`, when `TRIGGER` is on. It changes nothing for a kernel launched without PDL
 (the Triton kernels XLA launches, the other Mosaic GPU kernels), and no value: it is a scheduling hint.
 
-Both are off by default until the H200 times them (`tools/gpu/run.sh hundred-forty-fifth`).
+Both are off. Session 36 timed them on an H100 (`tools/gpu/run.sh hundred-forty-fifth`, `hundred-forty-sixth`): the
+same bits, but the one-stream round 4-6 % slower (121.5 forwards/s plain, 116.8 at 4 steps, 114.5 at 8). One H200
+timing (`hundred-forty-sixth`) decides whether they stay or go.
 """
 
 from __future__ import annotations

@@ -809,7 +809,8 @@ def gpu_window_configs():
         out += [tiles for _, tiles in bench.DECODE_COMPARE]
         out += [dataclasses.replace(shipped_window_tiles(fp8, 2048), row_block=rb) for rb in (64, 32)]  # window16
         out.append(dataclasses.replace(shipped_window_tiles(fp8, 40), fold=2, tail="tickets"))  # its gpu test
-        out += [dataclasses.replace(shipped_window_tiles(fp8, pmax), fp8_v_max="chunk") for pmax in (40, 512)]
+        out += [dataclasses.replace(shipped_window_tiles(fp8, pmax), fp8_v_max=vmax)  # v_layout's block and chunk
+                for pmax in (40, 512) for vmax in ("block", "chunk")]
         out.append(dataclasses.replace(shipped_window_tiles(fp8, 512), fp8_v_max="chunk", block_k=64))  # v_layout
     return out
 

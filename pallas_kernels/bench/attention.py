@@ -53,8 +53,15 @@ def kv_bytes(keys: int, fp8: bool) -> int:
     return keys * per_key
 
 
-def make_pool(key, num_pages: int, page_size: int, fp8: bool, v_layout: str = "rows") -> kq.KVPool:
-    """Random keys and values; fp8 pools quantized, with v in `v_layout` (`kv_quant.KVPool.v_layout`)."""
+def shipped_layout(v_layout: str | None) -> str:
+    """An fp8 pool's v layout: `v_layout`, or the one the model's pools take (`kv_quant.FP8_V_LAYOUT`) when None."""
+    return kq.FP8_V_LAYOUT if v_layout is None else v_layout
+
+
+def make_pool(key, num_pages: int, page_size: int, fp8: bool, v_layout: str | None = None) -> kq.KVPool:
+    """Random keys and values; fp8 pools quantized, with v in `v_layout` (`kv_quant.KVPool.v_layout`; None: the
+    model's)."""
+    v_layout = shipped_layout(v_layout)
     shape = (HKV, num_pages, page_size, D)
     k1, k2 = jax.random.split(key)
 
@@ -137,7 +144,7 @@ def guarded(fn):
 # ---------------------------------------------------------------------------------------------------------------
 
 def window_inputs(env: Env, *, streams: int, rows: int, context: int, fp8: bool, page_size: int | None = None,
-                  v_layout: str = "rows"):
+                  v_layout: str | None = None):
     ps = page_size or env.page_size
     pages = -(-context // ps)
     sets = max(1, min(8, ROTATE_BYTES // max(1, kv_bytes(context * streams, fp8))))
@@ -176,7 +183,7 @@ def _window_ref_step(pool, q, kw, vw, par, table, cache_len):
 @guarded
 def bench_window(env: Env, *, streams: int, rows: int, context: int, fp8: bool, impls=("kernel", "xla"),
                  tiles: at.WindowTiles | None = None, page_size: int | None = None, tag: str = "",
-                 v_layout: str = "rows"):
+                 v_layout: str | None = None):
     tiles = tiles or at.WindowTiles()
     pool, varying = window_inputs(env, streams=streams, rows=rows, context=context, fp8=fp8, page_size=page_size,
                                   v_layout=v_layout)
@@ -246,12 +253,13 @@ def prompt_flops(rows: int, prefix: int) -> float:
 @guarded
 def bench_prompt(env: Env, *, rows: int, prefix: int, fp8: bool, impls=("kernel", "xla"),
                  tiles: at.PromptTiles | None = None, tag: str = "", mgpu_tiles: am.PromptMgpuTiles | None = None,
-                 v_layout: str = "rows"):
+                 v_layout: str | None = None):
     """impls: "kernel" (attention.prompt with `tiles`), "mgpu" (attention_mgpu.prompt_mgpu with `mgpu_tiles`),
     "xla" (the jnp reference). Each call includes the contiguous copy of the stream's keys. v_layout: an fp8
     pool's (`kv_quant.KVPool.v_layout`)."""
     tiles = tiles or at.PromptTiles()
     mgpu_tiles = mgpu_tiles or am.PromptMgpuTiles()
+    v_layout = shipped_layout(v_layout)
     ps = env.page_size
     pages = -(-(prefix + rows) // ps)
     sets = 2
@@ -481,18 +489,20 @@ def summarize_window_fp8(env: Env, bw: float | None) -> None:
                  "target <= 1.3", fp8=True)
 
 
-# v_layout's fp8 pass 1s: (name, `KVPool.v_layout`, changes to the shipped tiles). The last two change the bits
-# (order): `WindowTiles.fp8_v_max` "chunk", and that with 64-key blocks (offline sm_90: 400 SASS instructions a 32
+# v_layout's fp8 pass 1s: (name, `KVPool.v_layout`, changes to the shipped tiles; "keys chunk max" ships since
+# session 36). The chunk max's bits are not the block max's (order): `WindowTiles.fp8_v_max` "chunk", and that with
+# 64-key blocks (offline sm_90: 400 SASS instructions a 32
 # keys against 495 at 32-key blocks, 139 registers against 128).
-V_VARIANTS = (("rows", "rows", {}), ("keys", "keys", {}), ("keys chunk max", "keys", dict(fp8_v_max="chunk")),
+V_VARIANTS = (("rows", "rows", dict(fp8_v_max="block")), ("keys", "keys", dict(fp8_v_max="block")),
+              ("keys chunk max", "keys", dict(fp8_v_max="chunk")),
               ("keys chunk max bk64", "keys", dict(fp8_v_max="chunk", block_k=64)))
 
 
 def summarize_v_layout(env: Env, bw: float | None) -> None:
     _ratio_table(env, bw, "vl ", tuple(name for name, _, _ in V_VARIANTS),
-                 "v_layout: fp8 pool, the shipped pass 1, µs {how}: v by rows (shipped), key-major "
+                 "v_layout: fp8 pool, the shipped pass 1, µs {how}: v by rows, key-major "
                  "(`KVPool.v_layout`), and key-major with V's scales relative to the chunk's max "
-                 f"(`WindowTiles.fp8_v_max`); 1-row % of the {bw or math.nan:.2f} TB/s copy over fp8 bytes; "
+                 f"(`WindowTiles.fp8_v_max`; shipped); 1-row % of the {bw or math.nan:.2f} TB/s copy over fp8 bytes; "
                  "16-row / 1-row target <= 1.3", fp8=True)
 
 
@@ -564,7 +574,8 @@ def summarize_window_mgpu(env: Env, bw: float | None) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 @guarded
-def bench_write(env: Env, *, streams: int, rows: int, fp8: bool, v_layout: str = "rows"):
+def bench_write(env: Env, *, streams: int, rows: int, fp8: bool, v_layout: str | None = None):
+    v_layout = shipped_layout(v_layout)
     ps = env.page_size
     pages = -(-rows // ps) + 1
     rng = np.random.default_rng(rows)
@@ -871,9 +882,10 @@ def main(argv: list[str]) -> int:
     def decode_for(fp8: bool) -> at.WindowTiles:  # the shipped tiles of each KV dtype, unless a sweep chose
         if tuned:
             return decode_tiles
-        kv = jax.ShapeDtypeStruct((HKV, 1, page, D), kq.FP8 if fp8 else jnp.bfloat16)  # pass 1 as the engine picks
-        return at.model_window_tiles(jnp.bfloat16, kq.KVPool(kv, kv), HQ, max_keys=contexts[-1],
-                                     interpret=env.interpret)
+        kv = jnp.zeros((HKV, 1, page, D), kq.FP8 if fp8 else jnp.bfloat16)  # pass 1 as the engine picks it,
+        pool = kq.KVPool(kv, kv)                                             # for the model's pool layout
+        return at.model_window_tiles(jnp.bfloat16, kq.with_v_layout(pool, kq.FP8_V_LAYOUT) if fp8 else pool, HQ,
+                                     max_keys=contexts[-1], interpret=env.interpret)
 
     def window_for(fp8: bool) -> at.WindowTiles:  # 128 packed rows: 8 warps, 2 stages (shared memory)
         return dataclasses.replace(decode_for(fp8), num_warps=None, num_stages=None)
@@ -1021,8 +1033,8 @@ def main(argv: list[str]) -> int:
                         bench_window_with("FP8_SPLIT", variant == "mgpu shared", env, streams=streams, rows=rows,
                                           context=ctx, fp8=True, tiles=base, impls=("kernel",), tag=f"wf8 {variant}")
     if "v_layout" in sections:
-        # An fp8 pool's v by rows (shipped) against key-major (`kv_quant.KVPool.v_layout` "keys"), and key-major
-        # with `WindowTiles.fp8_v_max` "chunk" (order): the shipped pass 1 (Triton for fp8 pools), 1- and 16-row
+        # An fp8 pool's v by rows against key-major (`kv_quant.KVPool.v_layout` "keys"), and key-major with
+        # `WindowTiles.fp8_v_max` "chunk" (order; shipped): the shipped pass 1 (Triton for fp8 pools), 1- and 16-row
         # windows, 1 stream at every context and 16 at the first two; then the prompt (the Mosaic GPU kernel over
         # the dequantized copy, whose gather moves V) and the write, by layout.
         print("== v_layout: fp8 pools, v by rows against key-major", flush=True)
