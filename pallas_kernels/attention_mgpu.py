@@ -92,10 +92,11 @@ def smem_bytes(tiles: PromptMgpuTiles, head_dim: int, *, interpret: bool = False
     return q + kv + p
 
 
-def _transforms(cols: int) -> tuple:
-    """Tiling and swizzle of a bf16 shared-memory tile with rows of `cols` elements (a wgmma operand)."""
-    swizzle = plgpu.find_swizzle(cols * 16)
-    return plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle)
+def _transforms(cols: int, bits: int = 16) -> tuple:
+    """Tiling and swizzle of a shared-memory tile with rows of `cols` elements of `bits` bits (bf16 by default; 8
+    for e4m3 codes), a wgmma operand."""
+    swizzle = plgpu.find_swizzle(cols * bits)
+    return plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)
 
 
 def _div(a: jax.Array, b: int) -> jax.Array:
@@ -126,14 +127,17 @@ def online_start(d: int) -> tuple:
             plgpu.layout_cast(jnp.full((WG_ROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
 
 
-def online_softmax(logits: jax.Array, acc: jax.Array, m: jax.Array, l: jax.Array, c: float) -> tuple:
+def online_softmax(logits: jax.Array, acc: jax.Array, m: jax.Array, l: jax.Array, c: float, *,
+                   rescale: jax.Array | None = None, p_dtype=jnp.bfloat16) -> tuple:
     """One key block's online-softmax update in log2 units (p = 2^(s c - m)): logits [64, bk] fp32 (masked keys
-    -inf), O acc [64, d], m, l [64] -> (O rescaled to the new max, the new m and l, P [64, bk] rounded to bf16)."""
+    -inf), O acc [64, d], m, l [64] -> (O rescaled to the new max, the new m and l, P [64, bk] in p_dtype).
+    rescale [64]: a further factor O takes with the max's (None: none)."""
     m_new = jnp.maximum(m, logits.max(axis=1) * c)
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(logits * c - lax.broadcast_in_dim(m_new, logits.shape, [0]))
     l = l * alpha + p.sum(axis=1)
-    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m_new, l, p.astype(jnp.bfloat16)
+    factor = alpha if rescale is None else alpha * rescale
+    return acc * lax.broadcast_in_dim(factor, acc.shape, [0]), m_new, l, p.astype(p_dtype)
 
 
 def add_pv(acc: jax.Array, p16: jax.Array, v_tile, p_tile, *, then) -> jax.Array:

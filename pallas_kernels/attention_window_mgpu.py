@@ -55,6 +55,19 @@ bit for bit the bf16 pass 1's over a pool holding the dequantized values. On the
 windows 1.4-1.5x faster than the Triton pass 1 and the 1-row decode 1.6-2.5x slower (the dequantization is the
 bottleneck), so `FP8` keeps it off "auto"; explicit impl="mgpu" runs it.
 
+fp8 pools with V key-major (`KVPool.v_layout` "keys", pages of a multiple of 64 keys; session 36, prepared, not
+yet run on a GPU): no dequantization. An 8-bit wgmma needs both operands K-major: Q [rows, d] and a K block
+[keys, d] are, and a key-major V page [d, keys] is V^T with the keys (P V's contraction) contiguous, so the slots
+hold the codes as stored and both MMAs read them. q comes in two e4m3 parts (`split_queries`: a power-of-two row
+scale, hi, lo), S = (q_hi + q_lo) K^T in fp32 (two MMAs into one accumulator; e4m3 products are exact), times the
+keys' scales and the row's 1 / scale. V's scales go into P: P' = P vs 256 / vm in [0, 256], vm the largest V scale
+among the chunk's keys so far (masked keys count 0; O is rescaled by vm / vm_new with the softmax's alpha), split
+into two e4m3 parts through shared memory (8 KB a block; a register e4m3 A operand fails Mosaic GPU's layout
+inference on jax 0.11.2) and two MMAs with V^T; the partial is O vm / 256. Its own order: a row's bits depend on its
+query, its stream's keys and the chunk grid alone, as above. The arithmetic error, modelled in numpy
+(`tools/offline/fp8_mma_numerics.py`), is the bf16 pool's (~1e-3 of a row's largest output), far below what fp8
+storage itself moves. "auto" keeps fp8 pools on the Triton pass 1 (`FP8`) until the H200 times it.
+
 Interpret mode (CPU, `plgpu.InterpretGPUParams`): as `attention_mgpu`, P goes through shared memory for the P V
 wgmma and P V lands in a fresh accumulator added to O.
 """
@@ -114,15 +127,21 @@ def stages_for(tiles: WindowMgpuTiles, wgs: int) -> int:
 
 
 def smem_bytes(*, wgs: int, stages: int, head_dim: int, interpret: bool = False, fp8: bool = False,
-               bf16_out: bool = False) -> int:
+               bf16_out: bool = False, e4m3: bool = False) -> int:
     """Shared memory a CTA asks for: the Q tiles, the K/V slots (which the O partials and their m and l reuse; fp8
     pools with bf16 partials keep no fp32 O tile there, their O going over the Q tiles), interpret mode's P tiles,
     and for fp8 pools the slots' scales and the block's K and V dequantized to bf16 (barriers aside: the lowering
-    found 112 more bytes than this)."""
+    found 112 more bytes than this). e4m3 (an fp8 pool with v key-major): q's two e4m3 parts and row scales, the
+    slots' codes and scales, an O tile of the partials' dtype, P's two e4m3 parts."""
+    ml = 2 * wgs * WG_ROWS * 4
+    if e4m3:
+        q = wgs * WG_ROWS * (2 * head_dim + 4)
+        kv = stages * 2 * BLOCK_K * (head_dim + 4)
+        out = wgs * WG_ROWS * head_dim * (2 if bf16_out else 4)
+        return q + max(kv, out + ml) + 2 * wgs * WG_ROWS * BLOCK_K
     q = wgs * WG_ROWS * head_dim * 2
     kv = stages * 2 * BLOCK_K * (head_dim + 4 if fp8 else head_dim * 2)
     out = 0 if fp8 and bf16_out else wgs * WG_ROWS * head_dim * 4
-    ml = 2 * wgs * WG_ROWS * 4
     p = wgs * WG_ROWS * BLOCK_K * 2 if interpret else 0
     dequantized = 2 * BLOCK_K * head_dim * 2 if fp8 else 0
     return q + max(kv, out + ml) + p + dequantized
@@ -142,6 +161,22 @@ def check_packed(q_packed: jax.Array, q: jax.Array, hkv: int) -> jax.Array:
         raise ValueError(f"q_packed must be pack_queries(q)'s {want} {q.dtype}; got {q_packed.shape} "
                          f"{q_packed.dtype}")
     return q_packed
+
+
+def split_queries(qp: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Packed queries [..., D] bf16 -> (hi, lo) e4m3 [..., D] and 1 / row scale [...] fp32 for the e4m3 pass 1:
+    each row times the power of two 2^e that brings its largest |value| to at most 448 (e in [-126, 126]; 0 for a
+    zero row), hi = e4m3(row 2^e), lo = e4m3(row 2^e - hi). Exact scalings; a row's parts follow from that row."""
+    x = qp.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    e = jnp.where(amax > 0, jnp.floor(jnp.log2(448.0 / jnp.where(amax > 0, amax, 1.0))), 0.0)
+    e = jnp.clip(e, -126, 126).astype(jnp.int32)
+    # (log2's rounding near a power of two, either way; a product with a power of two is exact)
+    e = jnp.where(amax * jnp.ldexp(jnp.float32(1), e) > 448.0, e - 1, e)
+    e = jnp.where((amax > 0) & (e < 126) & (amax * jnp.ldexp(jnp.float32(1), e + 1) <= 448.0), e + 1, e)
+    y = x * jnp.ldexp(jnp.float32(1), e)[..., None]
+    hi = y.astype(jnp.float8_e4m3fn)
+    return hi, (y - hi.astype(jnp.float32)).astype(jnp.float8_e4m3fn), jnp.ldexp(jnp.float32(1), -e)
 
 
 def pack_queries(q: jax.Array, hkv: int) -> jax.Array:
@@ -167,19 +202,24 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
     [S, Hkv, nc_pad, mrows, D] in `partials` (fp32 or bf16; rows past R G rounded up to 8 unwritten). Grid (chunk x
     part, KV head, stream): parts 1, a CTA runs all W warpgroups' rows; parts W, a CTA runs warpgroup `part`'s 64
     rows. fp8_split (fp8 pools, two warpgroups a CTA, parts 1): each warpgroup dequantizes half of every block.
+    dequant "e4m3" (fp8 pools with v key-major: v [Hkv, P, D, page], pages of a multiple of 64 keys): no
+    dequantization, both MMAs read e4m3 operands; qp is then q's high e4m3 part and scales = (k_scale, v_scale, q's
+    low part [S, Hkv, W 64, D] e4m3, 1 / q's row scale [S, Hkv, W 64] fp32) (`split_queries`).
     """
     bf16_out = partials == "bfloat16"
     fp8 = bool(scales)
+    e4m3 = dequant == "e4m3"
     s_count, hkv, qrows, d = qp.shape
     assert parts in (1, qrows // WG_ROWS), (parts, qrows)
     assert fp8 or not fp8_split
-    assert not scales or (len(scales) == 2 and (parts == qrows // WG_ROWS if not fp8_split
+    assert not scales or (len(scales) == (4 if e4m3 else 2) and (parts == qrows // WG_ROWS if not fp8_split
                                                 else parts == 1 and qrows == 2 * WG_ROWS)), (len(scales), parts, qrows)
     wgs = qrows // WG_ROWS // parts  # compute warpgroups a CTA
     ps = k.shape[2]
     bk = BLOCK_K
     span = min(bk, ps)  # keys one copy moves: a page, or a block's part of one
     copies = bk // span  # copies a block (pages shorter than a block)
+    assert not e4m3 or (fp8 and not fp8_split and copies == 1 and v.shape[2] == d), (ps, v.shape)
     # Rows a CTA stores: its real rows rounded up to 8 (a 1-row window stores 8 rows of partials, not 64; a 16-row
     # window at 6 heads a KV head 96, not 128). Static per CTA kind: with parts, every part but the last stores 64.
     round8 = lambda n: -(-n // 8) * 8
@@ -190,7 +230,13 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
     c_log2 = scale * _LOG2E
 
     def kernel(len_gmem, pt_gmem, q_gmem, k_gmem, v_gmem, *refs):
-        if fp8:
+        qlo_smem = qinv_smem = plo_smem = None
+        if e4m3:
+            (ks_gmem, vs_gmem, qlo_gmem, qinv_gmem, m_gmem, l_gmem, acc_gmem, q_smem, qlo_smem, qinv_smem, union,
+             p_smem, plo_smem, *bars) = refs
+            (k_smem, v_smem, ks_smem, vs_smem), (out_smem, ml_smem) = union
+            kb_smem = vb_smem = None
+        elif fp8:
             ks_gmem, vs_gmem, m_gmem, l_gmem, acc_gmem, q_smem, union, p_smem, kb_smem, vb_smem, *bars = refs
             (k_smem, v_smem, ks_smem, vs_smem), outs = union
             out_smem, ml_smem = (None, *outs) if bf16_out else outs
@@ -219,7 +265,7 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
         def store(rows: int):
             # The CTA's first `rows` rows of partials, one TMA each for O (bf16: one a warpgroup's tile it touches),
             # m and l (one warpgroup issues them).
-            if bf16_out:  # (a warpgroup's 64 rows in its query tile)
+            if bf16_out and not e4m3:  # (a warpgroup's 64 rows in its query tile)
                 for w in range(-(-rows // WG_ROWS)):
                     n = min(WG_ROWS, rows - w * WG_ROWS)
                     plgpu.copy_smem_to_gmem(q_smem.at[w, pl.ds(0, n)],
@@ -292,7 +338,11 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
             if wgs == 2:
                 plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
             qt = q_smem.at[wg]
-            plgpu.copy_gmem_to_smem(q_gmem.at[s, g, pl.ds(row0 + wg * WG_ROWS, WG_ROWS)], qt, q_ready.at[wg])
+            mine = pl.ds(row0 + wg * WG_ROWS, WG_ROWS)
+            plgpu.copy_gmem_to_smem(q_gmem.at[s, g, mine], qt, q_ready.at[wg])
+            if e4m3:  # q's low part and its rows' scale beside the high part
+                plgpu.copy_gmem_to_smem(qlo_gmem.at[s, g, mine], qlo_smem.at[wg], q_ready.at[wg])
+                plgpu.copy_gmem_to_smem(qinv_gmem.at[s, g, mine], qinv_smem.at[wg], q_ready.at[wg])
             plgpu.barrier_wait(q_ready.at[wg])
             plgpu.barrier_wait(k_ready.at[0])
             return qt
@@ -341,9 +391,64 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                     plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l
 
+            def step_e4m3(b, carry):
+                # Both MMAs on e4m3 operands as stored. S = (q_hi + q_lo) K^T over the codes (each product exact
+                # in fp32), times the keys' scales and the row's 1 / q scale. V's scales enter P: the running vm
+                # is the largest V scale among the chunk's keys so far (masked keys count 0), O is kept in units
+                # of vm / 256 (rescaled with the max when vm grows), and P' = P vs 256 / vm, in [0, 256], goes
+                # through shared memory in two e4m3 parts, each an MMA with V^T's key-major codes.
+                acc, m, l, vm = carry
+                slot = lax.rem(b, stages)
+                live = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, bk), 1, layout=plgpu.Layout.WGMMA) < (
+                    n_keys - (first + b * bk))
+                cols = lambda ref: lax.broadcast_in_dim(plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0)),
+                                                        (WG_ROWS, bk), [1])
+                k_scale = cols(ks_smem.at[slot])
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, qt, k_smem.at[slot].T)
+                    plgpu.wgmma(acc_ref, qlo_smem.at[wg], k_smem.at[slot].T)
+                    return acc_ref[...]
+
+                raw = pl.run_scoped(qk, plgpu.ACC((WG_ROWS, bk), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                logits = jnp.where(live, raw * k_scale * lax.broadcast_in_dim(q_inv, (WG_ROWS, bk), [0]), -jnp.inf)
+                plgpu.barrier_wait(v_ready.at[slot])
+                v_scale = jnp.where(live, cols(vs_smem.at[slot]), 0.0)
+                vm_new = jnp.maximum(vm, v_scale.max(axis=1))
+                ratio = jnp.where(vm_new > 0, vm / vm_new, 1.0)
+                acc, m_new, l, p = online_softmax(logits, acc, m, l, c_log2, rescale=ratio, p_dtype=jnp.float32)
+                p = p * v_scale * lax.broadcast_in_dim(jnp.where(vm_new > 0, 256.0 / vm_new, 0.0), (WG_ROWS, bk),
+                                                       [0])
+                p_hi = p.astype(v.dtype)
+                p_smem[wg] = p_hi
+                plo_smem[wg] = (p - p_hi.astype(jnp.float32)).astype(v.dtype)
+                plgpu.commit_smem()
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot].T)
+                    plgpu.wgmma(acc_ref, plo_smem.at[wg], v_smem.at[slot].T)
+
+                    @pl.when(b + 1 < n_blocks)
+                    def _():
+                        plgpu.barrier_wait(k_ready.at[lax.rem(b + 1, stages)])
+
+                if interpret:  # (the interpreter's wgmma starts from zero: P V added to O)
+                    acc = acc + pl.run_scoped(lambda r: (pv(r), r[...])[1], plgpu.ACC(acc.shape, jnp.float32))
+                else:
+                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l, vm_new
+
             if ping_pong:
                 pl.when(wg == 1)(take_turn)
-            acc, m, l = lax.fori_loop(0, n_blocks, step, online_start(d))
+            if e4m3:
+                q_inv = plgpu.load(qinv_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+                vm0 = plgpu.layout_cast(jnp.full((WG_ROWS,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+                acc, m, l, vm = lax.fori_loop(0, n_blocks, step_e4m3, (*online_start(d), vm0))
+                acc = acc * lax.broadcast_in_dim(vm * (1 / 256), acc.shape, [0])
+            else:
+                acc, m, l = lax.fori_loop(0, n_blocks, step, online_start(d))
             if ping_pong:
                 pl.when(wg == 0)(take_turn)
             # The O partials go over the K/V slots: every compute warpgroup has read its last block first (the
@@ -352,10 +457,10 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                 plgpu.barrier_arrive(drained)
                 plgpu.barrier_wait(drained)
             mine = pl.ds(wg * WG_ROWS, WG_ROWS)
-            if bf16_out:
+            if bf16_out and not e4m3:
                 qt[...] = acc.astype(jnp.bfloat16)  # over the warpgroup's queries: its last S = Q K^T has been read
             else:
-                out_smem[mine] = acc
+                out_smem[mine] = acc.astype(out_smem.dtype)
             finish(mine, m, l)
 
         pl.when((n_blocks > 0) & (wg < wgs))(_compute)
@@ -385,7 +490,9 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                         page = pt_gmem[s, logical]
                         within = slice(None) if span == ps else pl.ds(pos - logical * ps, span)
                         part = slice(None) if copies == 1 else pl.ds(j * span, span)
-                        plgpu.copy_gmem_to_smem(src.at[g, page, within], dst.at[slot, part], ready.at[slot])
+                        # (e4m3: V key-major, [D, page] a page; its keys the minor dimension)
+                        at = (g, page, slice(None), within) if e4m3 and src is v_gmem else (g, page, within)
+                        plgpu.copy_gmem_to_smem(src.at[at], dst.at[slot, part], ready.at[slot])
                         if fp8:  # the keys' scales on the same barrier
                             plgpu.copy_gmem_to_smem(src_scale.at[g, page, within], dst_scale.at[slot, part],
                                                     ready.at[slot])
@@ -393,7 +500,17 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
             feed_slots(fetch, n_blocks, stages, [free for *_, free in kv])
 
     qd = _transforms(d)
-    if fp8:  # codes and scales as stored (read into registers, not by the MMA), and the two dequantized tiles
+    if e4m3:  # codes and scales as stored, read by the MMAs (V^T key-major); q's two parts, P's two parts
+        f8 = k.dtype
+        kv_slots = (plgpu.SMEM((stages, bk, d), f8, transforms=_transforms(d, 8)),
+                    plgpu.SMEM((stages, d, bk), f8, transforms=_transforms(bk, 8)),
+                    plgpu.SMEM((stages, bk), jnp.float32), plgpu.SMEM((stages, bk), jnp.float32))
+        outs = (plgpu.SMEM((cta_rows, d), jnp.dtype(partials)), plgpu.SMEM((2, cta_rows), jnp.float32))
+        p_tiles = (plgpu.SMEM((wgs, WG_ROWS, bk), f8, transforms=_transforms(bk, 8)),) * 2
+        smem = (plgpu.SMEM((wgs, WG_ROWS, d), f8, transforms=_transforms(d, 8)),
+                plgpu.SMEM((wgs, WG_ROWS, d), f8, transforms=_transforms(d, 8)),
+                plgpu.SMEM((wgs, WG_ROWS), jnp.float32), plgpu.RefUnion(kv_slots, outs), *p_tiles)
+    elif fp8:  # codes and scales as stored (read into registers, not by the MMA), and the two dequantized tiles
         kv_slots = (plgpu.SMEM((stages, bk, d), k.dtype),
                     plgpu.SMEM((stages, bk, d), v.dtype),
                     plgpu.SMEM((stages, bk), jnp.float32), plgpu.SMEM((stages, bk), jnp.float32))
@@ -402,12 +519,13 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
         kv_slots = (plgpu.SMEM((stages, bk, d), jnp.bfloat16, transforms=qd),
                     plgpu.SMEM((stages, bk, d), jnp.bfloat16, transforms=qd))
         dequantized = ()
-    q_tile = plgpu.SMEM((wgs, WG_ROWS, d), jnp.bfloat16, transforms=qd)
-    p_tile = plgpu.SMEM((wgs, WG_ROWS, bk), jnp.bfloat16, transforms=_transforms(bk)) if interpret else None
-    outs = (plgpu.SMEM((2, cta_rows), jnp.float32),)  # m and l; and the fp32 O tile but for fp8 bf16 partials
-    if not (fp8 and bf16_out):
-        outs = (plgpu.SMEM((cta_rows, d), jnp.float32), *outs)
-    smem = (q_tile, plgpu.RefUnion(kv_slots, outs), p_tile, *dequantized)
+    if not e4m3:
+        q_tile = plgpu.SMEM((wgs, WG_ROWS, d), jnp.bfloat16, transforms=qd)
+        p_tile = plgpu.SMEM((wgs, WG_ROWS, bk), jnp.bfloat16, transforms=_transforms(bk)) if interpret else None
+        outs = (plgpu.SMEM((2, cta_rows), jnp.float32),)  # m and l; and the fp32 O tile but for fp8 bf16 partials
+        if not (fp8 and bf16_out):
+            outs = (plgpu.SMEM((cta_rows, d), jnp.float32), *outs)
+        smem = (q_tile, plgpu.RefUnion(kv_slots, outs), p_tile, *dequantized)
     f32 = jnp.float32
     call = plgpu.kernel(
         kernel,
@@ -421,7 +539,7 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                        plgpu.Barrier(num_arrivals=copies * (2 if fp8 else 1), num_barriers=stages),
                        plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
                        plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-                       plgpu.Barrier(num_barriers=wgs),
+                       plgpu.Barrier(num_arrivals=3 if e4m3 else 1, num_barriers=wgs),
                        plgpu.Barrier(num_arrivals=wgs),
                        plgpu.Barrier(num_arrivals=wgs),
                        plgpu.Barrier(num_arrivals=wgs),
@@ -490,11 +608,11 @@ def unsupported(q_dtype, pool: KVPool, group: int, *, chunk: int, stages: int | 
     d = pool.k.shape[-1]
     if not mgpu_operands(q_dtype, pool):
         return f"bf16 queries over a bf16 or fp8 pool only; got q {jnp.dtype(q_dtype)}, pool {pool.k.dtype}"
-    if pool.keys_major:
-        return "an fp8 pool with v by rows (KVPool.v_layout 'rows'): its dequantization reads V's codes by keys"
     if d % 64 or d > 256:
         return f"a head dim that is a multiple of 64, at most 256; got {d}"
     ps = pool.page_size
+    if pool.keys_major and ps % BLOCK_K:
+        return f"pages of a multiple of {BLOCK_K} keys for an fp8 pool with v key-major; got {ps}"
     if ps % BLOCK_K and (BLOCK_K % ps or ps < 8):
         return f"pages of a multiple of {BLOCK_K} keys, or of 8..{BLOCK_K} keys dividing it; got {ps}"
     if chunk % BLOCK_K:
@@ -506,7 +624,7 @@ def unsupported(q_dtype, pool: KVPool, group: int, *, chunk: int, stages: int | 
                 f"is {MAX_WINDOW_ROWS * group})")
     for wgs in (1,) if pool.fp8 else range(1, compute_warpgroups(MAX_WINDOW_ROWS * group) + 1):
         n = stages or stages_for(WindowMgpuTiles(), wgs)
-        need = smem_bytes(wgs=wgs, stages=n, head_dim=d, interpret=interpret, fp8=pool.fp8)
+        need = smem_bytes(wgs=wgs, stages=n, head_dim=d, interpret=interpret, fp8=pool.fp8, e4m3=pool.keys_major)
         if n < 1 or need > SMEM_BYTES:
             return f"{n} K/V stages with {wgs} compute warpgroups at head dim {d} need {need} bytes of shared memory"
     return None
@@ -528,9 +646,13 @@ def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cach
     operands = (cache_len.astype(jnp.int32), page_table.astype(jnp.int32), qp, pool.k, pool.v)  # the kernel's order
     if pool.fp8:
         operands += (pool.k_scale, pool.v_scale)
+    e4m3 = pool.keys_major  # V key-major: both MMAs on the codes (`_kernel_call`'s dequant "e4m3")
+    if e4m3:
+        q_hi, q_lo, q_inv = split_queries(qp)
+        operands = operands[:2] + (q_hi,) + operands[3:] + (q_lo, q_inv)
     warpgroups = qp.shape[2] // WG_ROWS
     real_rows = r * (hq // hkv)
-    fp8_split = pool.fp8 and tiles.fp8_split
+    fp8_split = pool.fp8 and tiles.fp8_split and not e4m3
     if fp8_split:  # two warpgroups a CTA, the second on padding queries where the rows fit one
         if qp.shape[3] % 128:
             raise ValueError(f"WindowMgpuTiles.fp8_split needs a head dim that is a multiple of 128; got "
@@ -549,7 +671,7 @@ def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cach
                   real_rows=real_rows,
                   mrows=_padded_rows(real_rows), max_keys=max_keys,
                   stages=stages_for(tiles, warpgroups // parts), parts=parts, ping_pong=tiles.ping_pong,
-                  partials=partials, dequant=tiles.dequant, fp8_split=fp8_split)
+                  partials=partials, dequant="e4m3" if e4m3 else tiles.dequant, fp8_split=fp8_split)
     with jax.named_scope("attn_window_chunks_mgpu"):
         if interpret:
             return _kernel_call(*operands, interpret=interpret, **static)

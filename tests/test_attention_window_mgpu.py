@@ -185,6 +185,59 @@ def test_fp8_split_dequantization_gives_the_same_bits(monkeypatch):
                                       tiles=dataclasses.replace(TILES, partials="float32"))
 
 
+def test_split_queries_are_exact_scalings_of_each_row():
+    """The e4m3 pass 1's queries: each row scaled by a power of two to a largest |value| in (224, 448] (a zero row
+    by 1), its high part the e4m3 rounding of that, the low part the e4m3 rounding of the rest; hi + lo carries
+    the row to about bf16's precision, and a row's parts follow from it alone."""
+    rng = np.random.default_rng(90)
+    q = rng.standard_normal((3, 2, 64, 64)) * np.exp(rng.uniform(-30, 30, (3, 2, 64, 1)))
+    q[0, 0, 5] = 0
+    q[1, 1, 7] = 448 / 2 ** 3  # a row whose largest value lands exactly on 448
+    q = jnp.asarray(q, jnp.bfloat16)
+    hi, lo, inv = awm.split_queries(q)
+    x = np.asarray(q.astype(jnp.float32), np.float64)
+    scale = 1 / np.asarray(inv, np.float64)
+    assert np.all(np.log2(scale) == np.round(np.log2(scale)))  # powers of two
+    amax = np.abs(x).max(-1) * scale
+    live = np.abs(x).max(-1) > 0
+    assert np.all(amax[live] <= 448) and np.all(amax[live] > 224) and np.all(scale[~live] == 1)
+    h, lw = (np.asarray(a.astype(jnp.float32), np.float64) for a in (hi, lo))
+    y = x * scale[..., None]
+    assert np.array_equal(h, np.asarray(jnp.asarray(y, jnp.float32).astype(kq.FP8).astype(jnp.float32)))
+    assert np.all(np.abs(h + lw - y) <= 2.0 ** -8 * np.abs(y).max(-1, keepdims=True))
+    alone = awm.split_queries(q[2:3, 1:2])
+    assert all(np.array_equal(bits(a[0, 0]), bits(b[2, 1])) for a, b in zip(alone, (hi, lo, inv)))
+
+
+def test_fp8_keys_major_pool_runs_both_mmas_on_the_codes():
+    """An fp8 pool with v key-major (`KVPool.v_layout` "keys", 64-key pages) on the Mosaic GPU pass 1: no
+    dequantization, q and P' each in two e4m3 parts (its own order). Right against float64 (as close as the pass 1
+    over V by rows, which dequantizes), a stream alone has its bits among others and with its table widened, the
+    1-row step row 0's bits, and K/V stages change nothing; a 72-row window runs in two CTAs."""
+    rng = np.random.default_rng(91)
+    pages64 = dict(CASE, page_size=64, pmax=6, num_pages=40)
+    two = dict(hq=16, s=2, cache_lens=[300, 70], parents=[TREE + [6, 7], list(range(-1, 8))])
+    for r, heads in ((7, {}), (9, two)):
+        case = window_case(rng, r=r, dtype=kq.FP8, **dict(pages64, **heads))
+        q, kw, vw, par, pool, table, cache_len = case
+        keys = kq.with_v_layout(pool, "keys")
+        assert awm.unsupported(jnp.bfloat16, keys, q.shape[2] // 2, chunk=128) is None
+        batch = run(q, kw, vw, par, keys, table, cache_len)
+        want = np_window(*case, SCALE)
+        assert rel_err(batch, want) < 1e-2
+        assert rel_err(batch, want) < 2 * rel_err(run(*case), want)  # the dequantizing pass 1 over V by rows
+        s = len(cache_len) - 1
+        wide = jnp.concatenate([table[s:s + 1], scattered_tables(rng, 1, 4, 40)], axis=1)
+        for stages in (None, 1):
+            alone = run(q[s:], kw[s:], vw[s:], par[s:], keys, wide, cache_len[s:],
+                        tiles=dataclasses.replace(TILES, num_stages=stages))
+            assert np.array_equal(bits(alone[0]), bits(batch[s])), (r, stages)
+        step = run(q[:, :1], kw[:, :1], vw[:, :1], par[:, :1], keys, table, cache_len)
+        assert np.array_equal(bits(step[:, 0]), bits(batch[:, 0])), r
+    small = kq.with_v_layout(window_case(rng, r=1, dtype=kq.FP8, **CASE)[4], "keys")  # 16-key pages
+    assert "multiple of 64" in awm.unsupported(jnp.bfloat16, small, 2, chunk=128)
+
+
 def test_row_bits_ignore_window_streams_table_width_and_stages():
     rng = np.random.default_rng(61)
     q, kw, vw, par, pool, table, cache_len = window_case(rng, r=7, dtype=jnp.bfloat16, **CASE)
@@ -324,10 +377,10 @@ def test_window_impl_follows_the_model_not_the_call(monkeypatch):
     monkeypatch.setattr(awm, "FP8", True)  # fp8 pools on the Mosaic GPU pass 1 under "auto"
     assert at.window_impl(jnp.bfloat16, fp8, 24, shipped, interpret=False) == "mgpu"
     assert at.window_impl(jnp.bfloat16, fp8, 24, shipped, interpret=True) == "triton"
-    # v key-major (kv_quant.KVPool.v_layout "keys"): the Triton pass 1, whose P V reads those codes by keys.
+    # v key-major (kv_quant.KVPool.v_layout "keys"): the Mosaic GPU pass 1 takes it too (both MMAs on the codes).
     fp8_keys = kq.KVPool(fp8.k, sds((4, 600, 256, 64), kq.FP8), v_layout="keys")
-    assert "v_layout" in awm.unsupported(jnp.bfloat16, fp8_keys, 6, chunk=awm.CHUNK)
-    assert at.window_impl(jnp.bfloat16, fp8_keys, 24, shipped, interpret=False) == "triton"
+    assert awm.unsupported(jnp.bfloat16, fp8_keys, 6, chunk=awm.CHUNK) is None
+    assert at.window_impl(jnp.bfloat16, fp8_keys, 24, shipped, interpret=False) == "mgpu"
     monkeypatch.setattr(awm, "FP8", False)
     # A model's tiles: the Mosaic GPU pass 1 at its own chunk and partials; the Triton one at window_tiles' chunk
     # (fp32 partials).
@@ -374,15 +427,17 @@ def test_rows_split_on_small_grids_only():
 # 27B shape: lowered for sm_90 on the CPU; compiled on the H200 (-m gpu)
 # ---------------------------------------------------------------------------------------------------------------
 
-def _mosaic_calls_at_27b(rows: int, *, fp8: bool = False, page: int = 64, **change) -> int:
+def _mosaic_calls_at_27b(rows: int, *, fp8: bool = False, page: int = 64, v_keys: bool = False, **change) -> int:
     """`custom_call @mosaic_gpu`s in a window call of `rows` rows lowered for sm_90 on this CPU at the 27B shape
     (2 streams, tables of 36864 keys), its tiles the Mosaic GPU pass 1's with `change`; a bf16 or fp8 pool of
-    `page`-key pages."""
+    `page`-key pages (v_keys: fp8, V key-major)."""
     sds = jax.ShapeDtypeStruct
     pages = 600 * 64 // page
     if fp8:
-        pool = kq.KVPool(sds((4, pages, page, 256), kq.FP8), sds((4, pages, page, 256), kq.FP8),
-                         sds((4, pages, page), jnp.float32), sds((4, pages, page), jnp.float32))
+        pool = kq.KVPool(sds((4, pages, page, 256), kq.FP8),
+                         sds((4, pages, 256, page) if v_keys else (4, pages, page, 256), kq.FP8),
+                         sds((4, pages, page), jnp.float32), sds((4, pages, page), jnp.float32),
+                         "keys" if v_keys else "rows")
     else:
         pool = kq.KVPool(sds((4, pages, page, 256), jnp.bfloat16), sds((4, pages, page, 256), jnp.bfloat16))
     tiles = dataclasses.replace(at.window_tiles(page_size=page, max_keys=576 * 64, head_dim=256, fp8=fp8),
@@ -405,7 +460,8 @@ def test_lowers_for_sm90_at_27b_shape(rows, stages, h200_lowering):
 @pytest.mark.parametrize("variant", ["split", "ping_pong", "chunk 2048", "fp32 partials", "bf16 partials",
                                      "bf16 partials split", "bf16 partials 1 row", "fp8", "fp8 1 row",
                                      "fp8 16-key pages", "fp8 fp32 partials", "fp8 8-bit dequant",
-                                     "fp8 shared 8-bit dequant", "fp8 shared 8-bit dequant 1 row"])
+                                     "fp8 shared 8-bit dequant", "fp8 shared 8-bit dequant 1 row", "fp8 e4m3",
+                                     "fp8 e4m3 1 row", "fp8 e4m3 fp32 partials"])
 def test_variants_lower_for_sm90_at_27b_shape(variant, h200_lowering, monkeypatch):
     """The 16-row window's launch variants (a CTA a warpgroup, two warpgroups taking turns), a 2048-key chunk and
     either partials dtype, and fp8 pools (64- and 16-key pages; two warpgroups sharing the dequantization, FP8_SPLIT)
@@ -415,10 +471,10 @@ def test_variants_lower_for_sm90_at_27b_shape(variant, h200_lowering, monkeypatc
     monkeypatch.setattr(awm, "FP8_SPLIT", "shared" in variant)
     monkeypatch.setattr(awm._PARTIALS, "lowered", {})
     partials = {"fp32 partials": "float32"}.get(variant, "bfloat16" if "bf16" in variant else awm.PARTIALS)
-    if variant == "fp8 fp32 partials":
+    if variant in ("fp8 fp32 partials", "fp8 e4m3 fp32 partials"):
         partials = "float32"
     assert _mosaic_calls_at_27b(1 if "1 row" in variant else 16, fp8="fp8" in variant,
-                                page=16 if "16-key" in variant else 64,
+                                page=16 if "16-key" in variant else 64, v_keys="e4m3" in variant,
                                 row_block=64 if "split" in variant else None,
                                 chunk=2048 if variant == "chunk 2048" else awm.CHUNK, partials=partials) == 1
 
@@ -504,6 +560,32 @@ def test_gpu_27b_bf16_partials_are_the_fp32_ones_rounded():
                 assert np.array_equal(bits(a), bits(b)), (rows, rb)
     got = run(*case, tiles=dataclasses.replace(base, partials="bfloat16"), interpret=False)
     assert rel_err(got, np_window(*case, SCALE)) < 1e-2
+
+
+@GPU
+def test_gpu_27b_fp8_keys_major_e4m3():
+    """On the H200 at the 27B shape: an fp8 pool with v key-major on the Mosaic GPU pass 1 (both MMAs on the e4m3
+    codes; 1- and 16-row windows): right against float64 and within the Triton fp8 window's distance of it; the
+    1-row step has row 0's bits, a stream alone its bits among others, and 1 K/V stage the default's."""
+    rng = np.random.default_rng(74)
+    case = _gpu_case(rng, 16, [5000, 1111, 64], 80, dtype=kq.FP8)
+    q, kw, vw, par, pool, table, cache_len = case
+    keys = kq.with_v_layout(pool, "keys")
+    base = dataclasses.replace(at.model_window_tiles(jnp.bfloat16, keys, 24, max_keys=80 * 64, interpret=False),
+                               impl="mgpu", partials="bfloat16")
+    got = run(q, kw, vw, par, keys, table, cache_len, tiles=base, interpret=False)
+    want = np_window(*case, SCALE)
+    triton = run(*case, tiles=at.window_tiles(page_size=64, max_keys=80 * 64, head_dim=256, fp8=True),
+                 interpret=False)
+    assert rel_err(got, want) < 1e-2
+    assert rel_err(got, want) < 2 * max(rel_err(triton, want), 1e-3)
+    step = run(q[:, :1], kw[:, :1], vw[:, :1], par[:, :1], keys, table, cache_len, tiles=base, interpret=False)
+    assert np.array_equal(bits(step[:, 0]), bits(got[:, 0]))
+    alone = run(q[1:2], kw[1:2], vw[1:2], par[1:2], keys, table[1:2], cache_len[1:2], tiles=base, interpret=False)
+    assert np.array_equal(bits(alone[0]), bits(got[1]))
+    one_stage = run(q, kw, vw, par, keys, table, cache_len, tiles=dataclasses.replace(base, num_stages=1),
+                    interpret=False)
+    assert np.array_equal(bits(one_stage), bits(got))
 
 
 @GPU

@@ -477,9 +477,11 @@ def summarize_window_partials(env: Env, bw: float | None) -> None:
 
 
 # window_fp8's pass 1 variants: the shipped Triton one (f16 dots), the Triton one with bf16 dots
-# (`WindowTiles.fp8_dot`, order) and the Mosaic GPU one (`attention_window_mgpu.DEQUANT`'s layout).
-# "mgpu shared": the Mosaic GPU pass 1 with two warpgroups sharing each block's dequantization (`FP8_SPLIT`)
-FP8_VARIANTS = ("triton", "triton bf16", "mgpu", "mgpu shared")
+# (`WindowTiles.fp8_dot`, order) and the Mosaic GPU one over V by rows (`attention_window_mgpu.DEQUANT`'s layout).
+# "mgpu shared": the Mosaic GPU pass 1 with two warpgroups sharing each block's dequantization (`FP8_SPLIT`).
+# "mgpu e4m3": the Mosaic GPU pass 1 over V key-major, both MMAs on the e4m3 codes (its own order).
+FP8_VARIANTS = ("triton", "triton bf16", "mgpu", "mgpu shared", "mgpu e4m3")
+FP8_VARIANT_LAYOUT = {"mgpu": "rows", "mgpu shared": "rows", "mgpu e4m3": "keys"}  # else the model's
 
 
 def summarize_window_fp8(env: Env, bw: float | None) -> None:
@@ -1017,8 +1019,9 @@ def main(argv: list[str]) -> int:
                                                                (1, contexts[0]), (1, contexts[1]), (many, contexts[1])))
     if "window_fp8" in sections:
         # fp8 pools: the shipped Triton pass 1 (f16 dots), with bf16 dots, and the Mosaic GPU one (codes
-        # dequantized to bf16 in shared memory, one compute warpgroup a CTA, or two sharing it; its own bits), 1- and
-        # 16-row windows, 1 stream at every context and 16 streams at the first two.
+        # dequantized to bf16 in shared memory, one compute warpgroup a CTA, or two sharing it; or, over V
+        # key-major, both MMAs on the codes; its own bits), 1- and 16-row windows, 1 stream at every context and 16
+        # streams at the first two.
         print("== window_fp8: fp8 pools, Triton against Mosaic GPU pass 1, 1- and 16-row windows", flush=True)
         many = 16 if gpu else 2
         for streams, ctxs in ((1, contexts), (many, contexts[:2])):
@@ -1031,7 +1034,8 @@ def main(argv: list[str]) -> int:
                         elif variant.startswith("mgpu"):
                             base = dataclasses.replace(base, impl="mgpu", chunk=awm.CHUNK, partials=awm.PARTIALS)
                         bench_window_with("FP8_SPLIT", variant == "mgpu shared", env, streams=streams, rows=rows,
-                                          context=ctx, fp8=True, tiles=base, impls=("kernel",), tag=f"wf8 {variant}")
+                                          context=ctx, fp8=True, tiles=base, impls=("kernel",), tag=f"wf8 {variant}",
+                                          v_layout=FP8_VARIANT_LAYOUT.get(variant))
     if "v_layout" in sections:
         # An fp8 pool's v by rows against key-major (`kv_quant.KVPool.v_layout` "keys"), and key-major with
         # `WindowTiles.fp8_v_max` "chunk" (order; shipped): the shipped pass 1 (Triton for fp8 pools), 1- and 16-row
