@@ -66,7 +66,8 @@ into two e4m3 parts through shared memory (8 KB a block; a register e4m3 A opera
 inference on jax 0.11.2) and two MMAs with V^T; the partial is O vm / 256. Its own order: a row's bits depend on its
 query, its stream's keys and the chunk grid alone, as above. The arithmetic error, modelled in numpy
 (`tools/offline/fp8_mma_numerics.py`), is the bf16 pool's (~1e-3 of a row's largest output), far below what fp8
-storage itself moves. "auto" keeps fp8 pools on the Triton pass 1 (`FP8`) until the H200 times it.
+storage itself moves. A 16-row window's two warpgroups share a CTA's slots as for bf16 pools (split_rows, a launch
+choice, as there; no ping-pong). "auto" keeps fp8 pools on the Triton pass 1 (`FP8`) until the H200 times it.
 
 Interpret mode (CPU, `plgpu.InterpretGPUParams`): as `attention_mgpu`, P goes through shared memory for the P V
 wgmma and P V lands in a fresh accumulator added to O.
@@ -212,8 +213,9 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
     s_count, hkv, qrows, d = qp.shape
     assert parts in (1, qrows // WG_ROWS), (parts, qrows)
     assert fp8 or not fp8_split
-    assert not scales or (len(scales) == (4 if e4m3 else 2) and (parts == qrows // WG_ROWS if not fp8_split
-                                                else parts == 1 and qrows == 2 * WG_ROWS)), (len(scales), parts, qrows)
+    assert not scales or (len(scales) == (4 if e4m3 else 2) and (
+        e4m3 or (parts == qrows // WG_ROWS if not fp8_split else parts == 1 and qrows == 2 * WG_ROWS))), (
+        len(scales), parts, qrows)
     wgs = qrows // WG_ROWS // parts  # compute warpgroups a CTA
     ps = k.shape[2]
     bk = BLOCK_K
@@ -225,7 +227,7 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
     round8 = lambda n: -(-n // 8) * 8
     cta_rows = wgs * WG_ROWS
     last_rows = round8(real_rows - (parts - 1) * cta_rows)
-    ping_pong = ping_pong and wgs == 2
+    ping_pong = ping_pong and wgs == 2 and not e4m3  # (the e4m3 step takes no turns)
     assert 0 < last_rows <= cta_rows and (parts - 1) * cta_rows + last_rows <= mrows, (real_rows, mrows, parts)
     c_log2 = scale * _LOG2E
 
@@ -622,7 +624,8 @@ def unsupported(q_dtype, pool: KVPool, group: int, *, chunk: int, stages: int | 
     if compute_warpgroups(MAX_WINDOW_ROWS * group) > 2:
         return (f"at most {2 * WG_ROWS} packed rows ({MAX_WINDOW_ROWS} window rows x {group} query heads a KV head "
                 f"is {MAX_WINDOW_ROWS * group})")
-    for wgs in (1,) if pool.fp8 else range(1, compute_warpgroups(MAX_WINDOW_ROWS * group) + 1):
+    one_wg = pool.fp8 and not pool.keys_major  # (dequantizing fp8 pools: one compute warpgroup a CTA)
+    for wgs in (1,) if one_wg else range(1, compute_warpgroups(MAX_WINDOW_ROWS * group) + 1):
         n = stages or stages_for(WindowMgpuTiles(), wgs)
         need = smem_bytes(wgs=wgs, stages=n, head_dim=d, interpret=interpret, fp8=pool.fp8, e4m3=pool.keys_major)
         if n < 1 or need > SMEM_BYTES:
@@ -666,7 +669,8 @@ def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cach
             raise ValueError(f"WindowMgpuTiles.fp8_split: two warpgroups with {partials} partials need {need} bytes "
                              f"of shared memory, more than {SMEM_BYTES}")
     # fp8 without fp8_split: one compute warpgroup a CTA
-    parts = warpgroups if not fp8_split and (tiles.split_rows or pool.fp8) else 1
+    # (fp8 pools dequantizing V by rows: one compute warpgroup a CTA; e4m3 ones split as bf16 ones, a launch choice)
+    parts = warpgroups if not fp8_split and (tiles.split_rows or (pool.fp8 and not e4m3)) else 1
     static = dict(scale=scale, chunk=chunk, short_chunk=short_chunk, n_chunks=n_chunks, nc_pad=nc_pad,
                   real_rows=real_rows,
                   mrows=_padded_rows(real_rows), max_keys=max_keys,

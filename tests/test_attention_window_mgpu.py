@@ -213,7 +213,8 @@ def test_fp8_keys_major_pool_runs_both_mmas_on_the_codes():
     """An fp8 pool with v key-major (`KVPool.v_layout` "keys", 64-key pages) on the Mosaic GPU pass 1: no
     dequantization, q and P' each in two e4m3 parts (its own order). Right against float64 (as close as the pass 1
     over V by rows, which dequantizes), a stream alone has its bits among others and with its table widened, the
-    1-row step row 0's bits, and K/V stages change nothing; a 72-row window runs in two CTAs."""
+    1-row step row 0's bits, and K/V stages change nothing; a 72-row window's two warpgroups in one CTA or two
+    (split_rows) give the same bits."""
     rng = np.random.default_rng(91)
     pages64 = dict(CASE, page_size=64, pmax=6, num_pages=40)
     two = dict(hq=16, s=2, cache_lens=[300, 70], parents=[TREE + [6, 7], list(range(-1, 8))])
@@ -234,6 +235,9 @@ def test_fp8_keys_major_pool_runs_both_mmas_on_the_codes():
             assert np.array_equal(bits(alone[0]), bits(batch[s])), (r, stages)
         step = run(q[:, :1], kw[:, :1], vw[:, :1], par[:, :1], keys, table, cache_len)
         assert np.array_equal(bits(step[:, 0]), bits(batch[:, 0])), r
+        if r == 9:  # 72 rows: both warpgroups in one CTA or each in its own (split_rows, as this small grid runs)
+            whole = run(q, kw, vw, par, keys, table, cache_len, tiles=dataclasses.replace(TILES, row_block=128))
+            assert np.array_equal(bits(whole), bits(batch))
     small = kq.with_v_layout(window_case(rng, r=1, dtype=kq.FP8, **CASE)[4], "keys")  # 16-key pages
     assert "multiple of 64" in awm.unsupported(jnp.bfloat16, small, 2, chunk=128)
 
@@ -461,7 +465,7 @@ def test_lowers_for_sm90_at_27b_shape(rows, stages, h200_lowering):
                                      "bf16 partials split", "bf16 partials 1 row", "fp8", "fp8 1 row",
                                      "fp8 16-key pages", "fp8 fp32 partials", "fp8 8-bit dequant",
                                      "fp8 shared 8-bit dequant", "fp8 shared 8-bit dequant 1 row", "fp8 e4m3",
-                                     "fp8 e4m3 1 row", "fp8 e4m3 fp32 partials"])
+                                     "fp8 e4m3 1 row", "fp8 e4m3 fp32 partials", "fp8 e4m3 split"])
 def test_variants_lower_for_sm90_at_27b_shape(variant, h200_lowering, monkeypatch):
     """The 16-row window's launch variants (a CTA a warpgroup, two warpgroups taking turns), a 2048-key chunk and
     either partials dtype, and fp8 pools (64- and 16-key pages; two warpgroups sharing the dequantization, FP8_SPLIT)
