@@ -149,18 +149,20 @@ def add_pv(acc: jax.Array, p16: jax.Array, v_tile, p_tile, *, then) -> jax.Array
         p_tile[...] = p16
         plgpu.commit_smem()
 
-        def fresh(acc_ref):
-            plgpu.wgmma(acc_ref, p_tile, v_tile)
-            then()
-            return acc_ref[...]
-
-        return acc + pl.run_scoped(fresh, plgpu.ACC(acc.shape, jnp.float32))
-
     def pv(acc_ref):
-        plgpu.wgmma(acc_ref, p16, v_tile)
+        plgpu.wgmma(acc_ref, p16 if p_tile is None else p_tile, v_tile)
         then()
 
-    return pl.run_state(pv)(plgpu.ACC.init(acc))
+    return accumulate(acc, pv, fresh=p_tile is not None)
+
+
+def accumulate(acc: jax.Array, issue, *, fresh: bool) -> jax.Array:
+    """acc [64, n] fp32 plus the wgmmas issue(acc_ref) issues: accumulated into acc itself, or (fresh: interpret
+    mode, whose wgmma starts from zero) into a fresh accumulator then added to acc."""
+    if fresh:
+        return acc + pl.run_scoped(lambda acc_ref: (issue(acc_ref), acc_ref[...])[1],
+                                   plgpu.ACC(acc.shape, jnp.float32))
+    return pl.run_state(issue)(plgpu.ACC.init(acc))
 
 
 def _kernel_call(start: jax.Array, lengths: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,

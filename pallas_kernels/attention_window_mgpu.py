@@ -86,7 +86,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.attention import SMEM_BYTES, _padded_rows, mgpu_operands, stream_chunking
-from pallas_kernels.attention_mgpu import (COMPUTE_REGISTERS, MEMORY_REGISTERS, WG_ROWS, _div, _transforms, add_pv,
+from pallas_kernels.attention_mgpu import (COMPUTE_REGISTERS, MEMORY_REGISTERS, WG_ROWS, _div, _transforms, accumulate,
+                                           add_pv,
                                            feed_slots, online_softmax, online_start)
 from pallas_kernels.kv_quant import KVPool
 from pallas_kernels.mgpu_lowering import CachedKernel
@@ -170,11 +171,10 @@ def split_queries(qp: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     zero row), hi = e4m3(row 2^e), lo = e4m3(row 2^e - hi). Exact scalings; a row's parts follow from that row."""
     x = qp.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=-1)
-    e = jnp.where(amax > 0, jnp.floor(jnp.log2(448.0 / jnp.where(amax > 0, amax, 1.0))), 0.0)
-    e = jnp.clip(e, -126, 126).astype(jnp.int32)
-    # (log2's rounding near a power of two, either way; a product with a power of two is exact)
-    e = jnp.where(amax * jnp.ldexp(jnp.float32(1), e) > 448.0, e - 1, e)
-    e = jnp.where((amax > 0) & (e < 126) & (amax * jnp.ldexp(jnp.float32(1), e + 1) <= 448.0), e + 1, e)
+    # amax = f 2^k, f in [0.5, 1) (exactly): 448 = 0.875 2^9, so f 2^(k + e) <= 448 at most for e = 9 - k where
+    # f <= 0.875, else 8 - k
+    f, k = jnp.frexp(amax)
+    e = jnp.where(amax > 0, jnp.clip(jnp.where(f <= 0.875, 9 - k, 8 - k), -126, 126), 0)
     y = x * jnp.ldexp(jnp.float32(1), e)[..., None]
     hi = y.astype(jnp.float8_e4m3fn)
     return hi, (y - hi.astype(jnp.float32)).astype(jnp.float8_e4m3fn), jnp.ldexp(jnp.float32(1), -e)
@@ -435,10 +435,7 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                     def _():
                         plgpu.barrier_wait(k_ready.at[lax.rem(b + 1, stages)])
 
-                if interpret:  # (the interpreter's wgmma starts from zero: P V added to O)
-                    acc = acc + pl.run_scoped(lambda r: (pv(r), r[...])[1], plgpu.ACC(acc.shape, jnp.float32))
-                else:
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                acc = accumulate(acc, pv, fresh=bool(interpret))
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l, vm_new
 
@@ -602,6 +599,12 @@ FP8 = False
 PARTIALS = "bfloat16"
 
 
+def _dequantizes(pool: KVPool) -> bool:
+    """Whether the pass 1 dequantizes this pool's blocks (fp8, V by rows): then one compute warpgroup a CTA (parts =
+    warpgroups), unless two share the dequantization (fp8_split). e4m3 pools split rows as bf16 ones do."""
+    return pool.fp8 and not pool.keys_major
+
+
 def unsupported(q_dtype, pool: KVPool, group: int, *, chunk: int, stages: int | None = None,
                 interpret: bool = False, short_chunk: int | None = None) -> str | None:
     """Why a model's window calls cannot run the Mosaic GPU pass 1 (None: they can), from the model and cache
@@ -624,8 +627,7 @@ def unsupported(q_dtype, pool: KVPool, group: int, *, chunk: int, stages: int | 
     if compute_warpgroups(MAX_WINDOW_ROWS * group) > 2:
         return (f"at most {2 * WG_ROWS} packed rows ({MAX_WINDOW_ROWS} window rows x {group} query heads a KV head "
                 f"is {MAX_WINDOW_ROWS * group})")
-    one_wg = pool.fp8 and not pool.keys_major  # (dequantizing fp8 pools: one compute warpgroup a CTA)
-    for wgs in (1,) if one_wg else range(1, compute_warpgroups(MAX_WINDOW_ROWS * group) + 1):
+    for wgs in (1,) if _dequantizes(pool) else range(1, compute_warpgroups(MAX_WINDOW_ROWS * group) + 1):
         n = stages or stages_for(WindowMgpuTiles(), wgs)
         need = smem_bytes(wgs=wgs, stages=n, head_dim=d, interpret=interpret, fp8=pool.fp8, e4m3=pool.keys_major)
         if n < 1 or need > SMEM_BYTES:
@@ -669,8 +671,7 @@ def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cach
             raise ValueError(f"WindowMgpuTiles.fp8_split: two warpgroups with {partials} partials need {need} bytes "
                              f"of shared memory, more than {SMEM_BYTES}")
     # fp8 without fp8_split: one compute warpgroup a CTA
-    # (fp8 pools dequantizing V by rows: one compute warpgroup a CTA; e4m3 ones split as bf16 ones, a launch choice)
-    parts = warpgroups if not fp8_split and (tiles.split_rows or (pool.fp8 and not e4m3)) else 1
+    parts = warpgroups if not fp8_split and (tiles.split_rows or _dequantizes(pool)) else 1
     static = dict(scale=scale, chunk=chunk, short_chunk=short_chunk, n_chunks=n_chunks, nc_pad=nc_pad,
                   real_rows=real_rows,
                   mrows=_padded_rows(real_rows), max_keys=max_keys,

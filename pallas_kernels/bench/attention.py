@@ -884,10 +884,11 @@ def main(argv: list[str]) -> int:
     def decode_for(fp8: bool) -> at.WindowTiles:  # the shipped tiles of each KV dtype, unless a sweep chose
         if tuned:
             return decode_tiles
-        kv = jnp.zeros((HKV, 1, page, D), kq.FP8 if fp8 else jnp.bfloat16)  # pass 1 as the engine picks it,
-        pool = kq.KVPool(kv, kv)                                             # for the model's pool layout
-        return at.model_window_tiles(jnp.bfloat16, kq.with_v_layout(pool, kq.FP8_V_LAYOUT) if fp8 else pool, HQ,
-                                     max_keys=contexts[-1], interpret=env.interpret)
+        sds = jax.ShapeDtypeStruct  # pass 1 as the engine picks it, for the model's pool layout
+        kv = sds((HKV, 1, page, D), kq.FP8 if fp8 else jnp.bfloat16)
+        keys = fp8 and kq.FP8_V_LAYOUT == "keys"
+        pool = kq.KVPool(kv, sds((HKV, 1, D, page), kq.FP8) if keys else kv, v_layout="keys" if keys else "rows")
+        return at.model_window_tiles(jnp.bfloat16, pool, HQ, max_keys=contexts[-1], interpret=env.interpret)
 
     def window_for(fp8: bool) -> at.WindowTiles:  # 128 packed rows: 8 warps, 2 stages (shared memory)
         return dataclasses.replace(decode_for(fp8), num_warps=None, num_stages=None)
