@@ -200,11 +200,13 @@ def cmd_bench(args) -> int:
         params, cfg = ck.params, ck.config
     if not args.compile_timing and args.compile_cache:
         _cache(args)
-    from pallas_kernels import kv_quant, qmm, qmm_mgpu
+    from pallas_kernels import attention_window_mgpu as awm, kv_quant, qmm, qmm_mgpu
     shipped_impl, shipped_decode = qmm.PROMPT_IMPL, qmm.DECODE_IMPL
     shipped_mgpu = qmm_mgpu.STAGES, qmm_mgpu.WIDE_ROWS
     shipped_layout = kv_quant.FP8_V_LAYOUT
     kv_quant.FP8_V_LAYOUT = args.fp8_v_layout or shipped_layout  # read when the pools are made
+    shipped_window = awm.FP8
+    awm.FP8 = shipped_window if args.fp8_window is None else args.fp8_window == "mgpu"  # read when traced
     qmm.PROMPT_IMPL = args.qmm_prompt_impl or shipped_impl  # read when the prompt programs are traced
     qmm.DECODE_IMPL = args.qmm_decode_impl or shipped_decode  # ... and the decode ones
     qmm_mgpu.STAGES = args.mgpu_stages or qmm_mgpu.STAGES
@@ -213,7 +215,8 @@ def cmd_bench(args) -> int:
         + (f" (stages {qmm_mgpu.STAGES}, pieces of up to {qmm_mgpu.WIDE_ROWS} rows)"
            if qmm.decode_impl() == "mgpu" else ""))
     if args.kv_cache == "fp8":
-        log(f"fp8 KV cache, V {'key-major' if kv_quant.FP8_V_LAYOUT == 'keys' else 'by rows'}")
+        log(f"fp8 KV cache, V {'key-major' if kv_quant.FP8_V_LAYOUT == 'keys' else 'by rows'}, window pass 1 "
+            f"{'Mosaic GPU' if awm.FP8 else 'Triton'}")
     try:
         res = bench.run(params, cfg, backend=_backend(args), dtype=args.dtype, kv_cache=args.kv_cache,
                         streams=streams, prompt_lengths=lengths, context=args.context, rounds=args.rounds,
@@ -227,9 +230,12 @@ def cmd_bench(args) -> int:
         used_decode, qmm.DECODE_IMPL = qmm.decode_impl(), shipped_decode
         used_mgpu, (qmm_mgpu.STAGES, qmm_mgpu.WIDE_ROWS) = (qmm_mgpu.STAGES, qmm_mgpu.WIDE_ROWS), shipped_mgpu
         used_layout, kv_quant.FP8_V_LAYOUT = kv_quant.FP8_V_LAYOUT, shipped_layout
+        used_window, awm.FP8 = ("mgpu" if awm.FP8 else "triton"), shipped_window
+    fp8 = args.kv_cache == "fp8"
     print(json.dumps(dict(res.as_dict(), qmm_prompt_impl=used, qmm_decode_impl=used_decode,
                           mgpu_stages=used_mgpu[0], mgpu_wide_rows=used_mgpu[1],
-                          fp8_v_layout=used_layout if args.kv_cache == "fp8" else None)) if args.json
+                          fp8_v_layout=used_layout if fp8 else None, fp8_window=used_window if fp8 else None))
+          if args.json
           else "\n".join(res.lines()))
     return 0
 
@@ -302,6 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--fp8-v-layout", choices=("rows", "keys"), default=None,
                     help="an fp8 cache's V layout: by rows, or key-major (default: the shipped one, "
                          "pallas_kernels/kv_quant.py FP8_V_LAYOUT; the same values and bits either way)")
+    be.add_argument("--fp8-window", choices=("triton", "mgpu"), default=None,
+                    help="an fp8 cache's window pass 1 (default: the shipped one, pallas_kernels/"
+                         "attention_window_mgpu.py FP8). mgpu over V key-major runs both MMAs on the e4m3 codes; "
+                         "the two differ in the last bits of decode rows")
     be.add_argument("--logprobs", type=int, default=0, help="top logprobs computed every round (the server's cost)")
     be.add_argument("--no-compile-timing", dest="compile_timing", action="store_false",
                     help="compile once with --compile-cache instead of timing cold and warm compiles")

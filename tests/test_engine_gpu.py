@@ -33,19 +33,24 @@ def _params(dtype):
                                                    ("bfloat16", True, "bf16"), ("bfloat16", False, "fp8"),
                                                    ("bfloat16", False, "fp8-vkeys"),
                                                    ("bfloat16", False, "fp8-vkeys-chunkmax"),
+                                                   ("bfloat16", False, "fp8-vkeys-chunkmax-e4m3"),
                                                    ("bfloat16", False, "bf16-pdl")])
 def test_concurrent_equals_solo_on_gpu(dtype, fixed, kv_cache, monkeypatch):
     """fixed=True: mapped lanes, one decode bucket of 16; fixed=False: the batched policy (lanes in one forward,
     decode buckets 1..16; the default here since session 10), which failed on the H200 in session 2 (see
     programs.BATCHED_BY_DEFAULT and tools/gpu/rowinv_probe.py); kv_cache "fp8": e4m3 pools with the window's pass 1
     the model's default picks for them; "fp8-vkeys": the same with v key-major (`kv_quant.FP8_V_LAYOUT`);
-    "-chunkmax": and V's scales relative to the chunk's max (`attention.FP8_V_MAX`); "bf16-pdl": the projections
+    "-chunkmax": and V's scales relative to the chunk's max (`attention.FP8_V_MAX`); "-e4m3": and the Mosaic GPU
+    pass 1 with both MMAs on the e4m3 codes (`attention_window_mgpu.FP8`); "bf16-pdl": the projections
     launched as dependents of the kernels before them (`qmm_mgpu.PDL_STEPS`, `pdl.TRIGGER`)."""
-    from pallas_kernels import attention, kv_quant, pdl, qmm_mgpu
+    from pallas_kernels import attention, attention_window_mgpu, kv_quant, pdl, qmm_mgpu
     if kv_cache == "bf16-pdl":
         monkeypatch.setattr(qmm_mgpu, "PDL_STEPS", 4)
         monkeypatch.setattr(pdl, "TRIGGER", True)
         kv_cache = "bf16"
+    if kv_cache.endswith("-e4m3"):
+        monkeypatch.setattr(attention_window_mgpu, "FP8", True)
+        kv_cache = kv_cache.removesuffix("-e4m3")
     if kv_cache.startswith("fp8-vkeys"):
         monkeypatch.setattr(kv_quant, "FP8_V_LAYOUT", "keys")
         monkeypatch.setattr(attention, "FP8_V_MAX", "chunk" if kv_cache.endswith("chunkmax") else "block")
@@ -62,6 +67,11 @@ def test_concurrent_equals_solo_on_gpu(dtype, fixed, kv_cache, monkeypatch):
     e.start()
     try:
         assert all(pool.v_layout == kv_quant.FP8_V_LAYOUT for pool in e.programs.state.kv) or kv_cache == "bf16"
+        if attention_window_mgpu.FP8:  # the gate is the Mosaic GPU pass 1's, not a fallback's
+            pool = e.programs.state.kv[0]
+            tiles = attention.model_window_tiles(jnp.bfloat16, pool, ck.config.text.num_heads,
+                                                 max_keys=512, interpret=False)
+            assert tiles.impl == "mgpu" and pool.keys_major, tiles
         reqs = _requests(0)
         solo = _solo(e, reqs)  # one stream: the smallest lane and decode buckets
         with P.CompileWatch() as watch:
