@@ -1135,7 +1135,7 @@ def window_impl(q_dtype, pool: KVPool, num_heads: int, tiles: WindowTiles, inter
     if interpret or tiles.tail != "passes":
         return "triton"
     from pallas_kernels import attention_window_mgpu as awm  # (it imports this module)
-    if pool.fp8 and not awm.FP8:
+    if pool.fp8 and not (awm.FP8 and pool.keys_major):  # (the dequantizing pass over V by rows: explicit only)
         return "triton"
     why = awm.unsupported(q_dtype, pool, num_heads // pool.k.shape[0], chunk=tiles.chunk, stages=tiles.num_stages,
                           short_chunk=tiles.short_chunk)

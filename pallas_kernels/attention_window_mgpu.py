@@ -68,6 +68,7 @@ query, its stream's keys and the chunk grid alone, as above. The arithmetic erro
 (`tools/offline/fp8_mma_numerics.py`), is the bf16 pool's (~1e-3 of a row's largest output), far below what fp8
 storage itself moves. A 16-row window's two warpgroups share a CTA's slots as for bf16 pools (split_rows, a launch
 choice, as there; no ping-pong). "auto" keeps fp8 pools on the Triton pass 1 (`FP8`) until the H200 times it.
+fp8 pools with V by rows stay on the Triton pass 1 under "auto" either way.
 
 Interpret mode (CPU, `plgpu.InterpretGPUParams`): as `attention_mgpu`, P goes through shared memory for the P V
 wgmma and P V lands in a fresh accumulator added to O.
@@ -586,10 +587,12 @@ FP8_SPLIT = False
 # alone) timed it faster at every point, 1-row decode 48.3 / 51.7 / 174.6 µs at 4K / 32K / 128K against 54.1 / 59.4 /
 # 200.5 in the MMA layout, 16-row windows 51.8 / 103.2 / 357.3 against 60.6 / 122.7 / 430.3.
 DEQUANT = "wgmma_8bit"
-# Whether "auto" (`attention.WINDOW_IMPL`) gives fp8 pools this pass 1 (the codes dequantized to bf16 in shared
-# memory a block at a time, one compute warpgroup a CTA); explicit impl="mgpu" runs it either way. Off: session 20
-# (`bench attention --sections window_fp8 --trace`, kernels alone) timed its 1-row decode at 54.2 / 60.0 / 200.6 µs
-# at 4K / 32K / 128K against the Triton pass 1's 22.1 / 37.3 / 111.8 (its 16-row windows 1.4-1.5x faster).
+# Whether "auto" (`attention.WINDOW_IMPL`) gives fp8 pools with V key-major this pass 1 (both MMAs on the e4m3
+# codes); explicit impl="mgpu" runs it either way. Off until the H200 times it (`tools/gpu/run.sh
+# hundred-fifty-first`). fp8 pools with V by rows never take it under "auto": there this pass 1 dequantizes the codes
+# to bf16 in shared memory a block at a time, and session 20 (`bench attention --sections window_fp8 --trace`,
+# kernels alone) timed its 1-row decode at 54.2 / 60.0 / 200.6 µs at 4K / 32K / 128K against the Triton pass 1's
+# 22.1 / 37.3 / 111.8 (its 16-row windows 1.4-1.5x faster).
 FP8 = False
 # The dtype of the O partials in a model's window calls (`attention.WindowTiles.partials`, order): bf16, the fp32
 # sums rounded once, half the bytes pass 1 writes and the fold pass or merge reads back. Session 20

@@ -215,8 +215,9 @@ def cmd_bench(args) -> int:
         + (f" (stages {qmm_mgpu.STAGES}, pieces of up to {qmm_mgpu.WIDE_ROWS} rows)"
            if qmm.decode_impl() == "mgpu" else ""))
     if args.kv_cache == "fp8":
-        log(f"fp8 KV cache, V {'key-major' if kv_quant.FP8_V_LAYOUT == 'keys' else 'by rows'}, window pass 1 "
-            f"{'Mosaic GPU' if awm.FP8 else 'Triton'}")
+        keys = kv_quant.FP8_V_LAYOUT == "keys"
+        log(f"fp8 KV cache, V {'key-major' if keys else 'by rows'}, window pass 1 "
+            f"{'Mosaic GPU e4m3' if awm.FP8 and keys else 'Triton'}")
     try:
         res = bench.run(params, cfg, backend=_backend(args), dtype=args.dtype, kv_cache=args.kv_cache,
                         streams=streams, prompt_lengths=lengths, context=args.context, rounds=args.rounds,
@@ -310,8 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "pallas_kernels/kv_quant.py FP8_V_LAYOUT; the same values and bits either way)")
     be.add_argument("--fp8-window", choices=("triton", "mgpu"), default=None,
                     help="an fp8 cache's window pass 1 (default: the shipped one, pallas_kernels/"
-                         "attention_window_mgpu.py FP8). mgpu over V key-major runs both MMAs on the e4m3 codes; "
-                         "the two differ in the last bits of decode rows")
+                         "attention_window_mgpu.py FP8): mgpu = the Mosaic GPU one with both MMAs on the e4m3 codes, "
+                         "for V key-major (V by rows keeps Triton); the two differ in the last bits of decode rows")
     be.add_argument("--logprobs", type=int, default=0, help="top logprobs computed every round (the server's cost)")
     be.add_argument("--no-compile-timing", dest="compile_timing", action="store_false",
                     help="compile once with --compile-cache instead of timing cold and warm compiles")

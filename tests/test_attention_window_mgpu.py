@@ -367,24 +367,24 @@ def test_routing_and_validation():
 
 
 def test_window_impl_follows_the_model_not_the_call(monkeypatch):
-    """WINDOW_IMPL "auto": the Mosaic GPU pass 1 for a bf16 27B-shaped model compiled for a GPU; the Triton one in
-    interpret mode, for fp8 pools, and for a model whose 16-row windows would not fit two compute warpgroups (the
-    choice never looks at a call's rows)."""
+    """WINDOW_IMPL "auto": the Mosaic GPU pass 1 for a bf16 27B-shaped model compiled for a GPU (and, with FP8, for
+    an fp8 pool with V key-major); the Triton one in interpret mode, for fp8 pools with V by rows, and for a model
+    whose 16-row windows would not fit two compute warpgroups (the choice never looks at a call's rows)."""
     sds = jax.ShapeDtypeStruct
     bf16 = kq.KVPool(sds((4, 600, 64, 256), jnp.bfloat16), sds((4, 600, 64, 256), jnp.bfloat16))
     fp8 = kq.KVPool(sds((4, 600, 64, 256), kq.FP8), sds((4, 600, 64, 256), kq.FP8))
     shipped = at.window_tiles(page_size=64, max_keys=600 * 64, head_dim=256, fp8=False)
     assert at.window_impl(jnp.bfloat16, bf16, 24, shipped, interpret=False) == "mgpu"
     assert at.window_impl(jnp.bfloat16, bf16, 24, shipped, interpret=True) == "triton"
-    assert at.window_impl(jnp.bfloat16, fp8, 24, shipped, interpret=False) == ("mgpu" if awm.FP8 else "triton")
-    assert at.window_impl(jnp.bfloat16, bf16, 64, shipped, interpret=False) == "triton"  # 16 heads a KV head
-    monkeypatch.setattr(awm, "FP8", True)  # fp8 pools on the Mosaic GPU pass 1 under "auto"
-    assert at.window_impl(jnp.bfloat16, fp8, 24, shipped, interpret=False) == "mgpu"
-    assert at.window_impl(jnp.bfloat16, fp8, 24, shipped, interpret=True) == "triton"
-    # v key-major (kv_quant.KVPool.v_layout "keys"): the Mosaic GPU pass 1 takes it too (both MMAs on the codes).
-    fp8_keys = kq.KVPool(fp8.k, sds((4, 600, 256, 64), kq.FP8), v_layout="keys")
+    fp8_keys = kq.KVPool(fp8.k, sds((4, 600, 256, 64), kq.FP8), v_layout="keys")  # (KVPool.v_layout "keys")
     assert awm.unsupported(jnp.bfloat16, fp8_keys, 6, chunk=awm.CHUNK) is None
+    assert at.window_impl(jnp.bfloat16, fp8, 24, shipped, interpret=False) == "triton"
+    assert at.window_impl(jnp.bfloat16, fp8_keys, 24, shipped, interpret=False) == ("mgpu" if awm.FP8 else "triton")
+    assert at.window_impl(jnp.bfloat16, bf16, 64, shipped, interpret=False) == "triton"  # 16 heads a KV head
+    monkeypatch.setattr(awm, "FP8", True)  # fp8 pools with V key-major on the e4m3 pass 1 under "auto" ...
     assert at.window_impl(jnp.bfloat16, fp8_keys, 24, shipped, interpret=False) == "mgpu"
+    assert at.window_impl(jnp.bfloat16, fp8_keys, 24, shipped, interpret=True) == "triton"
+    assert at.window_impl(jnp.bfloat16, fp8, 24, shipped, interpret=False) == "triton"  # ... never the dequantizing
     monkeypatch.setattr(awm, "FP8", False)
     # A model's tiles: the Mosaic GPU pass 1 at its own chunk and partials; the Triton one at window_tiles' chunk
     # (fp32 partials).
@@ -394,9 +394,9 @@ def test_window_impl_follows_the_model_not_the_call(monkeypatch):
     assert at.model_window_tiles(jnp.bfloat16, fp8, 24, max_keys=600 * 64, interpret=False) == dataclasses.replace(
         at.window_tiles(page_size=64, max_keys=600 * 64, head_dim=256, fp8=True), impl="triton")
     monkeypatch.setattr(awm, "FP8", True)
-    assert at.model_window_tiles(jnp.bfloat16, fp8, 24, max_keys=600 * 64, interpret=False) == dataclasses.replace(
-        at.window_tiles(page_size=64, max_keys=600 * 64, head_dim=256, fp8=True), impl="mgpu", chunk=2048,
-        partials=awm.PARTIALS)
+    assert at.model_window_tiles(jnp.bfloat16, fp8_keys, 24, max_keys=600 * 64, interpret=False) == (
+        dataclasses.replace(at.window_tiles(page_size=64, max_keys=600 * 64, head_dim=256, fp8=True), impl="mgpu",
+                            chunk=2048, partials=awm.PARTIALS))
     monkeypatch.setattr(awm, "FP8", False)
     monkeypatch.setattr(at, "WINDOW_IMPL", "triton")
     assert at.window_impl(jnp.bfloat16, bf16, 24, shipped, interpret=False) == "triton"
