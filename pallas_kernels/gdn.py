@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pt
 
 from pallas_kernels.calls import pallas_call
-from pallas_kernels import pdl, rownorm
+from pallas_kernels import rownorm
 from pallas_kernels.qmm_mgpu import Pieces, piece_row, rows_operands, rows_shape
 
 CHUNK = 64
@@ -1166,14 +1166,13 @@ def step(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array
 
 def _step_norm_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, slot_ref, pool_ref, z_ref, w_ref, _,
                       o_ref, pool_out_ref, y_ref, count_ref, *, group, block_v, dv, hv, streams, out_rows, eps,
-                      tiles: rownorm.RowTiles, interpret, trigger: bool = False):
+                      tiles: rownorm.RowTiles, interpret):
     """`_step_kernel`'s row (o into o_ref [S Hv, dv], a row a stream and value head), then GDN's output norm of it:
     the last of a head's dv / block_v programs to count itself in (count_ref [S Hv] int32, zero on entry and left
     zero) normalises the head's row into y_ref [out_rows Hv, dv] with `rownorm.norm_block` over the row's block as
     the gated_rms_norm kernel's program takes it (its tiles and warps: the same bits); the stream-0 programs write
-    the padding rows (streams past S) as that kernel writes them (the norm of a zero row, gate zero). trigger:
-    `pdl`."""
-    s, h, j = pdl.program_id(0, trigger), pl.program_id(1), pl.program_id(2)
+    the padding rows (streams past S) as that kernel writes them (the norm of a zero row, gate zero)."""
+    s, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cols = pl.ds(j * block_v, block_v)
     row = s * hv + h
     o_ref[row, cols] = _step_row(q_ref, k_ref, v_ref, g_ref, beta_ref, slot_ref, pool_ref, pool_out_ref,
@@ -1224,8 +1223,7 @@ def step_norm(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
                          f"warps the step's ({tiles.num_warps})")
     bv = _block_v(tiles.block_v, dv, "step")
     kernel = functools.partial(_step_norm_kernel, group=hv // hk, block_v=bv, dv=dv, hv=hv, streams=s,
-                               out_rows=out_rows, eps=float(eps), tiles=rownorm.tiles_for(dv), interpret=interpret,
-                               trigger=pdl.trigger_for(interpret))
+                               out_rows=out_rows, eps=float(eps), tiles=rownorm.tiles_for(dv), interpret=interpret)
     o, rec_pool, y, count = pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((s * hv, dv), v.dtype), jax.ShapeDtypeStruct(rec_pool.shape, _F32),

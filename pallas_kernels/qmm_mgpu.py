@@ -134,16 +134,6 @@ STAGGERED_LOADS = False
 # so only `qmm_decode(layout="tiles")` uses it, re-laying the weight each call.
 LAYOUT = "rows"
 LAYOUTS = ("rows", "tiles")
-# Programmatic dependent launch (`pdl`; a launch choice, same bits): with PDL_STEPS > 0 the kernel is launched so
-# that its CTAs may become resident while the kernel before it in the stream still runs (once that kernel's CTAs
-# have all executed `griddepcontrol.launch_dependents`: `pdl.TRIGGER`). Each CTA then asks L2 for the weight
-# blocks of its first PDL_STEPS steps (words, scale and bias rows: nothing an earlier kernel writes) and waits
-# (`griddepcontrol.wait`: the earlier kernels done, their writes visible) before its pipeline reads x or it
-# writes anything. Session 19's form waited before any copy and the round did not move. 0: launched as any
-# kernel. Compiled kernels only (the interpreter has no grid dependencies); the "rows" layout only. Measured on the
-# H100 (session 36, run.sh hundred-forty-fifth, -sixth): same bits, but slower: the device-bound one-stream round
-# 8.33 ms plain, 8.68 at 4 steps, 8.78 at 8; the engine's one stream 121.5 forwards/s plain, 116.8 at 4, 114.5 at 8.
-PDL_STEPS = 0
 # How the summed fp32 output keeps its rounding to x.dtype in every program (see `_decode`): "barrier" (the
 # conversion behind an optimization barrier, so nothing fuses across it; sessions 7-11) or "reduce_precision" (the
 # value rounded to x.dtype's precision by an op XLA keeps, then converted: a consumer that skips the conversion
@@ -179,7 +169,7 @@ def qmm_rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool = False) -> ja
     depend on which piece it rides in), outputs concatenated. Every piece re-reads the weight."""
     if x.shape[0] == 0:
         return jnp.zeros((0, w.out_features), x.dtype)
-    return _rows(x, w, interpret=interpret, heights=pieces(x.shape[0]), rounding=ROUNDING, pdl_steps=PDL_STEPS)
+    return _rows(x, w, interpret=interpret, heights=pieces(x.shape[0]), rounding=ROUNDING)
 
 
 def pieces(m: int) -> tuple[int, ...]:
@@ -200,13 +190,11 @@ def row_pieces(heights: tuple[int, ...]) -> list[tuple[int, int]]:
     return list(zip(np.cumsum((0,) + heights[:-1]).tolist(), heights))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "heights", "rounding", "pdl_steps"))
-def _rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool, heights: tuple[int, ...], rounding: str,
-          pdl_steps: int = 0) -> jax.Array:
-    # One program (see `qmm_decode` on eager calls). pdl_steps: PDL_STEPS, as a static argument (a global read
-    # while tracing would be kept by this function's trace cache).
-    return jnp.concatenate([qmm_decode(x[i:i + r], w, interpret=interpret, rows=r, rounding=rounding,
-                                      pdl_steps=pdl_steps)
+@functools.partial(jax.jit, static_argnames=("interpret", "heights", "rounding"))
+def _rows(x: jax.Array, w: QuantizedWeight, *, interpret: bool, heights: tuple[int, ...], rounding: str
+          ) -> jax.Array:
+    # One program (see `qmm_decode` on eager calls).
+    return jnp.concatenate([qmm_decode(x[i:i + r], w, interpret=interpret, rows=r, rounding=rounding)
                             for i, r in row_pieces(heights)], axis=0)
 
 
@@ -507,14 +495,14 @@ def _lane_dequant_jnp(words: jax.Array, s_rows, b_rows, subnormal: bool = False,
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "sms", "interpret", "conversion", "probe",
-                                             "layout", "n", "staggered", "pdl_steps"))
+                                             "layout", "n", "staggered"))
 def _partials(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None, rs: jax.Array | None = None, *,
               stages: int, block_groups: int, sms: int, interpret: bool, conversion: str = "words",
-              probe: str | None = None, layout: str = "rows", n: int | None = None, staggered: bool = True,
-              pdl_steps: int = 0) -> jax.Array:
+              probe: str | None = None, layout: str = "rows", n: int | None = None, staggered: bool = True
+              ) -> jax.Array:
     """`_kernel_call`, through the lowering cache (`_PARTIALS`) when compiled for the GPU."""
     kw = dict(stages=stages, block_groups=block_groups, sms=sms, conversion=conversion, probe=probe, layout=layout,
-              n=n, row_scale=rs is not None, staggered=staggered, pdl_steps=pdl_steps)
+              n=n, row_scale=rs is not None, staggered=staggered)
     args = ((xp, qw, st) if layout == "tiles" else (xp, qw, st, bt)) + (() if rs is None else (rs,))
     if interpret:
         return _kernel_call(*args, interpret=True, **kw)
@@ -523,8 +511,7 @@ def _partials(xp: jax.Array, qw: jax.Array, st: jax.Array, bt: jax.Array | None,
 
 def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, stages: int, block_groups: int,
                  sms: int, interpret: bool, conversion: str = "words", probe: str | None = None, layout: str = "rows",
-                 n: int | None = None, row_scale: bool = False, staggered: bool = True, pdl_steps: int = 0
-                 ) -> jax.Array:
+                 n: int | None = None, row_scale: bool = False, staggered: bool = True) -> jax.Array:
     """The kernel (`flat_schedule`): xp [R, K] bf16 (x padded to a piece height R, PIECE_ROWS); layout "rows": qw
     the weight as lane words uint32 [N, K / 8] (conversion "words") or as uint4 [N, K] (the others), st, bt [G, N]
     bf16; layout "tiles" (`tile_layout`, conversion "words"): qw the lane words [tiles L CTA_N, 8 G'] with each
@@ -533,7 +520,7 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, 
     pipeline over its S steps, so the memory warpgroup never waits at a tile's edge; a step's MMAs go into a fresh
     accumulator whose value the compute warpgroup adds to its running fp32 sum (restarted where a tile starts), and
     the sum is stored where the tile or the chunk ends. row_scale: a last operand rs [1, N] fp32 (the "subnormal"
-    conversion's 2^d, `subnormal_scales`) multiplies each stored sum's rows. pdl_steps: PDL_STEPS."""
+    conversion's 2^d, `subnormal_scales`) multiplies each stored sum's rows."""
     rows, k = xp.shape
     tiled = layout == "tiles"
     rest = list(rest)
@@ -541,7 +528,6 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, 
     bt = None if tiled else rest.pop(0)
     assert not rest and (not row_scale or conversion in SUBNORMAL_CONVERSIONS), (len(rest), row_scale, conversion)
     assert layout in LAYOUTS and (not tiled or (conversion in LANE_CONVERSIONS and n is not None)), layout
-    assert pdl_steps >= 0 and not (pdl_steps and tiled), (pdl_steps, layout)
     n = n if tiled else qw.shape[0]
     block_k = GROUP * block_groups
     length, per_cta, ctas, counts = flat_schedule(n, k, block_groups, sms)
@@ -678,11 +664,6 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, 
 
                 return carry
 
-            if pdl_steps and not interpret:
-                pl.when(wg == 0)(lambda: _prefetch_blocks(
-                    locate, lambda j: cta * per_cta + j < total, q_gmem, s_gmem, b_gmem, rs_gmem,
-                    steps=min(pdl_steps, per_cta), block_groups=block_groups, q_width=q_block[1]))
-                plgpu.griddepcontrol_wait()  # (PDL_STEPS) the kernels before this one are done: x may be read
             pipeline(body, context)(*operands, allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0)
@@ -695,23 +676,6 @@ def _kernel_call(xp: jax.Array, qw: jax.Array, st: jax.Array, *rest: jax.Array, 
         + ([plgpu.SMEM((COMPUTE_WGS, TILE_N, GROUP), jnp.bfloat16, transforms=a_transforms)] if interpret else []),
         interpret=plgpu.InterpretGPUParams() if interpret else None)
     return call(xp, qw, st, *(() if tiled else (bt,)), *(() if rs is None else (rs,)))
-
-
-def _prefetch_blocks(locate, live, q_gmem, s_gmem, b_gmem, rs_gmem, *, steps: int, block_groups: int,
-                     q_width: int) -> None:
-    """Ask L2 for the blocks a CTA's first `steps` pipeline steps copy ("rows" layout; locate(j): step j's (tile,
-    step within the tile's K), as the kernel's index maps take it; live(j): whether step j is within the weight):
-    its weight block [CTA_N, q_width] (lane words, or a natural conversion's nibbles), scale and bias rows
-    [G', CTA_N] and (rs_gmem not None) its first step's tile's 2^d row; x is not among them."""
-    for j in range(steps):
-        tile, ks = locate(j)
-        ok = live(j)
-        cols = pl.ds(tile * CTA_N, CTA_N)
-        plgpu.async_prefetch(q_gmem.at[cols, pl.ds(ks * q_width, q_width)], predicate=ok)
-        for t in (s_gmem, b_gmem):
-            plgpu.async_prefetch(t.at[pl.ds(ks * block_groups, block_groups), cols], predicate=ok)
-        if rs_gmem is not None and j == 0:
-            plgpu.async_prefetch(rs_gmem.at[pl.ds(0, 1), cols], predicate=ok)
 
 
 # The lowering cache (`mgpu_lowering`): the kernel's custom call lowered once a process per operand shapes and
@@ -760,8 +724,7 @@ def block_groups_for(k: int) -> int:
 def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_groups: int | None = None,
                transposed: tuple[jax.Array, jax.Array] | None = None,
                conversion: str | None = None, interpret: bool = False, rows: int = ROWS,
-               rounding: str | None = None, layout: str | None = None, epilogue: bool = True,
-               pdl_steps: int | None = None) -> jax.Array:
+               rounding: str | None = None, layout: str | None = None, epilogue: bool = True) -> jax.Array:
     """x bf16 [M <= rows, K] -> y bf16 [M, N] (see the module docstring; epilogue False: the kernel's pieces
     [P, N, rows] as it wrote them, `qmm_parts`); rows: the piece height x is padded to
     (PIECE_ROWS; the MMA's N). block_groups: None for the shape-derived
@@ -776,8 +739,7 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     layout allows.
     interpret: Mosaic GPU's interpreter on the CPU. rounding: how the output keeps its rounding (ROUNDINGS; None for
     ROUNDING). layout: where a step's blocks lie (LAYOUTS; None for LAYOUT; "tiles" needs the "words" conversion
-    and here re-lays the weight every call). pdl_steps: programmatic dependent launch (PDL_STEPS; None for it;
-    the "tiles" layout runs without it)."""
+    and here re-lays the weight every call)."""
     w.validate("qmm_mgpu weight")
     _check(x, w, rows)
     n, k = w.shape
@@ -813,29 +775,25 @@ def qmm_decode(x: jax.Array, w: QuantizedWeight, *, stages: int = STAGES, block_
     if layout not in LAYOUTS or (layout == "tiles" and conversion not in LANE_CONVERSIONS):
         raise ValueError(f"qmm_mgpu: layout {layout!r} must be one of {LAYOUTS} ('tiles' with the conversions "
                          f"{LANE_CONVERSIONS})")
-    pdl_steps = PDL_STEPS if pdl_steps is None else pdl_steps
-    if not isinstance(pdl_steps, int) or pdl_steps < 0:
-        raise ValueError(f"qmm_mgpu: pdl_steps must be an int >= 0, got {pdl_steps!r}")
     operands = (q, *transposed)
     if layout == "tiles":
-        pdl_steps = 0
         operands = (*tile_layout(q, *transposed, bg), None)
     return _decode(x, *operands, row_scale, stages=stages_for(rows, stages, bg, row_scale is not None),
                    block_groups=bg, conversion=conversion, sms=SMS, interpret=interpret, rows=rows, rounding=rounding,
-                   layout=layout, n=n, staggered=STAGGERED_LOADS, epilogue=epilogue, pdl_steps=pdl_steps)
+                   layout=layout, n=n, staggered=STAGGERED_LOADS, epilogue=epilogue)
 
 
 @functools.partial(jax.jit, static_argnames=("stages", "block_groups", "conversion", "sms", "interpret", "rows",
-                                             "rounding", "layout", "n", "epilogue", "staggered", "pdl_steps"))
+                                             "rounding", "layout", "n", "epilogue", "staggered"))
 def _decode(x: jax.Array, q: jax.Array, st: jax.Array, bt: jax.Array | None, rs: jax.Array | None = None, *,
             stages: int, block_groups: int, conversion: str, sms: int, interpret: bool, rows: int, rounding: str,
-            layout: str, n: int, epilogue: bool = True, staggered: bool = True, pdl_steps: int = 0) -> jax.Array:
+            layout: str, n: int, epilogue: bool = True, staggered: bool = True) -> jax.Array:
     # One program around the kernel: called eagerly, separate dispatches of the small ops around an interpreted
     # kernel deadlocked the CPU client now and then (the interpreter's callbacks dispatch jax ops themselves).
     m, k = x.shape
     xp = jnp.pad(x, ((0, rows - m), (0, 0)))
     parts = _partials(xp, q, st, bt, rs, stages=stages, block_groups=block_groups, sms=sms, interpret=interpret,
-                      conversion=conversion, layout=layout, n=n, staggered=staggered, pdl_steps=pdl_steps)
+                      conversion=conversion, layout=layout, n=n, staggered=staggered)
     if not epilogue:
         return parts
     valid = jnp.asarray(written_columns(n, k, block_groups, sms))

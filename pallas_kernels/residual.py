@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import pdl, rownorm
+from pallas_kernels import rownorm
 from pallas_kernels.calls import pallas_call
 from pallas_kernels.qmm_mgpu import sum_pieces
 
@@ -109,15 +109,14 @@ def reference_norm(parts: jax.Array, valid: jax.Array, x: jax.Array, weight: jax
 
 def _norm_kernel(valid_ref, parts_ref, x_ref, w_ref, _, o_ref, h_ref, count_ref, *, n: int, n_pieces: int, r: int,
                  m: int, out_rows: int, eps: float, tiles: rownorm.RowTiles, tail: str, blocks: int,
-                 interpret: bool, trigger: bool = False):
+                 interpret: bool):
     # Programs 0 .. blocks - 1: `_kernel`'s BLOCK_N columns of x + y (o_ref [M, N]) and the norm's padding rows
     # M .. out_rows of h_ref [out_rows, N] (the norm of a zero row: 0 x weight), then each counts itself in
     # (count_ref[0] int32, zero on entry and left zero). The norm of rows 0 .. M of o_ref into h_ref, with
     # `rownorm.norm_block` (the rms_norm kernel's own body and tiles, so its bits): tail "last", by the last of
     # those programs to count in, a block of rows after another; tail "rows", by programs blocks .. blocks +
-    # cdiv(M, block_rows) - 1, a block of rows each, once the count shows every column block written. trigger:
-    # `pdl`.
-    j = pdl.program_id(0, trigger)
+    # cdiv(M, block_rows) - 1, a block of rows each, once the count shows every column block written.
+    j = pl.program_id(0)
     zero = (jnp.int32(0),)
 
     def add():
@@ -166,6 +165,7 @@ def _norm_kernel(valid_ref, parts_ref, x_ref, w_ref, _, o_ref, h_ref, count_ref,
 TAILS = ("last", "rows")
 
 
+@functools.partial(jax.jit, static_argnames=("eps", "out_rows", "tail", "interpret"))
 def residual_add_norm(parts: jax.Array, valid: jax.Array, x: jax.Array, weight: jax.Array, count: jax.Array, *,
                       eps: float, out_rows: int | None = None, tail: str = "last", interpret: bool = False
                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -176,13 +176,6 @@ def residual_add_norm(parts: jax.Array, valid: jax.Array, x: jax.Array, weight: 
     unfused kernels' bit for bit (`reference_norm`'s up to the norm's summation order). tail (TAILS): who
     normalises once the sum is written: "last", the last add program to finish, the rows one after another;
     "rows", programs of their own, a block of rows each, in parallel."""
-    return _residual_add_norm(parts, valid, x, weight, count, eps=eps, out_rows=out_rows, tail=tail,
-                              interpret=interpret, trigger=pdl.trigger_for(interpret))
-
-
-@functools.partial(jax.jit, static_argnames=("eps", "out_rows", "tail", "interpret", "trigger"))
-def _residual_add_norm(parts, valid, x, weight, count, *, eps, out_rows, tail, interpret, trigger):
-    # (trigger: `pdl.TRIGGER` read outside the jit, whose trace cache would keep a value read inside)
     p, n, r = parts.shape
     m = x.shape[0]
     out_rows = m if out_rows is None else out_rows
@@ -198,8 +191,7 @@ def _residual_add_norm(parts, valid, x, weight, count, *, eps, out_rows, tail, i
     tiles = rownorm.tiles_for(n)
     blocks = pl.cdiv(n, BLOCK_N)
     kernel = functools.partial(_norm_kernel, n=n, n_pieces=p, r=r, m=m, out_rows=out_rows, eps=float(eps),
-                               tiles=tiles, tail=tail, blocks=blocks, interpret=interpret,
-                               trigger=trigger)
+                               tiles=tiles, tail=tail, blocks=blocks, interpret=interpret)
     whole = lambda *shape: pl.BlockSpec(shape, lambda j: (0,) * len(shape))
     with jax.named_scope("residual_add_norm"):
         return pallas_call(

@@ -31,7 +31,6 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import pdl
 from pallas_kernels.calls import pallas_call
 
 _F32 = jnp.float32
@@ -87,14 +86,14 @@ def l2norm_reference(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 # ------------------------------------------------------------------------------------------------ kernel
 
 
-def _norm_kernel(n_ref, *refs, kind: str, d: int, eps: float, tiles: RowTiles, io_dtype, trigger: bool = False):
+def _norm_kernel(n_ref, *refs, kind: str, d: int, eps: float, tiles: RowTiles, io_dtype):
     # n_ref [2] int32: live rows N, output rows R >= N (rows N..R-1 are written as the norm of a zero row: zeros).
-    # refs: x_ref [N, D]; gate_ref [N, D] (gated); weight_ref [D] (rms, gated); o_ref [R, D]. trigger: `pdl`.
+    # refs: x_ref [N, D]; gate_ref [N, D] (gated); weight_ref [D] (rms, gated); o_ref [R, D].
     o_ref = refs[-1]
     x_ref = refs[0]
     gate_ref = refs[1] if kind == "gated" else None
     weight_ref = refs[-2] if kind in ("rms", "gated") else None
-    norm_block(x_ref, gate_ref, weight_ref, o_ref, pdl.program_id(0, trigger) * tiles.block_rows, n_ref[0], n_ref[1],
+    norm_block(x_ref, gate_ref, weight_ref, o_ref, pl.program_id(0) * tiles.block_rows, n_ref[0], n_ref[1],
                kind=kind, d=d, eps=eps, tiles=tiles, io_dtype=io_dtype)
 
 
@@ -201,8 +200,7 @@ def _call(kind: str, x: jax.Array, gate: jax.Array | None, weight: jax.Array | N
     r = n if out_rows is None else out_rows
     operands = [a.reshape(n, d) for a in (x, gate) if a is not None] + ([] if weight is None else [weight])
     # A fresh partial per call: jax#40847 reuses a stale jaxpr when one kernel function meets several grids.
-    kernel = functools.partial(_norm_kernel, kind=kind, d=d, eps=float(eps), tiles=tiles, io_dtype=x.dtype,
-                               trigger=pdl.trigger_for(interpret))
+    kernel = functools.partial(_norm_kernel, kind=kind, d=d, eps=float(eps), tiles=tiles, io_dtype=x.dtype)
     with jax.named_scope(f"rownorm_{kind}"):
         out = pallas_call(
             kernel,

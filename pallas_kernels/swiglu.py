@@ -26,7 +26,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import pdl
 from pallas_kernels.calls import pallas_call
 from pallas_kernels.qmm_mgpu import sum_pieces
 
@@ -47,10 +46,9 @@ def reference(parts: jax.Array, valid: jax.Array, *, live: int) -> jax.Array:
     return jnp.where((jnp.arange(r) < live)[:, None], act, jnp.zeros_like(act))
 
 
-def _kernel(valid_ref, parts_ref, o_ref, *, n: int, n_pieces: int, live: int, trigger: bool = False):
+def _kernel(valid_ref, parts_ref, o_ref, *, n: int, n_pieces: int, live: int):
     # valid_ref [P, 2N] int8; parts_ref [P, 2N, R] fp32; o_ref [R, N] bf16: this program's BLOCK_N columns.
-    # trigger: `pdl`.
-    j = pdl.program_id(0, trigger)
+    j = pl.program_id(0)
     r = o_ref.shape[0]
     cols = j * BLOCK_N + jnp.arange(BLOCK_N)
     in_n = cols < n
@@ -69,20 +67,15 @@ def _kernel(valid_ref, parts_ref, o_ref, *, n: int, n_pieces: int, live: int, tr
     plgpu.store(o_ref.at[:, pl.ds(j * BLOCK_N, BLOCK_N)], act, mask=in_n[None, :])
 
 
+@functools.partial(jax.jit, static_argnames=("live", "interpret"))
 def swiglu(parts: jax.Array, valid: jax.Array, *, live: int, interpret: bool = False) -> jax.Array:
     """parts [P, 2N, R] fp32, valid [P, 2N] bool -> act [R, N] bf16 (`reference`'s values; rows >= live zero)."""
-    return _swiglu(parts, valid, live=live, interpret=interpret, trigger=pdl.trigger_for(interpret))
-
-
-@functools.partial(jax.jit, static_argnames=("live", "interpret", "trigger"))
-def _swiglu(parts: jax.Array, valid: jax.Array, *, live: int, interpret: bool, trigger: bool) -> jax.Array:
-    # (trigger: `pdl.TRIGGER` read outside the jit, whose trace cache would keep a value read inside)
     p, n2, r = parts.shape
     if n2 % 2 or valid.shape != (p, n2) or r & (r - 1) or not 0 < live <= r:
         raise ValueError(f"swiglu: parts [P, 2N, R] (R a power of two), valid [P, 2N] and 0 < live <= R; got "
                          f"{parts.shape}, {valid.shape}, live={live}")
     n = n2 // 2
-    kernel = functools.partial(_kernel, n=n, n_pieces=p, live=live, trigger=trigger)
+    kernel = functools.partial(_kernel, n=n, n_pieces=p, live=live)
     with jax.named_scope("swiglu"):
         return pallas_call(
             kernel,

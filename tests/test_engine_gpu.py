@@ -33,21 +33,15 @@ def _params(dtype):
                                                    ("bfloat16", True, "bf16"), ("bfloat16", False, "fp8"),
                                                    ("bfloat16", False, "fp8-vkeys"),
                                                    ("bfloat16", False, "fp8-vkeys-chunkmax"),
-                                                   ("bfloat16", False, "fp8-vkeys-chunkmax-e4m3"),
-                                                   ("bfloat16", False, "bf16-pdl")])
+                                                   ("bfloat16", False, "fp8-vkeys-chunkmax-e4m3")])
 def test_concurrent_equals_solo_on_gpu(dtype, fixed, kv_cache, monkeypatch):
     """fixed=True: mapped lanes, one decode bucket of 16; fixed=False: the batched policy (lanes in one forward,
     decode buckets 1..16; the default here since session 10), which failed on the H200 in session 2 (see
     programs.BATCHED_BY_DEFAULT and tools/gpu/rowinv_probe.py); kv_cache "fp8": e4m3 pools with the window's pass 1
     the model's default picks for them; "fp8-vkeys": the same with v key-major (`kv_quant.FP8_V_LAYOUT`);
     "-chunkmax": and V's scales relative to the chunk's max (`attention.FP8_V_MAX`); "-e4m3": and the Mosaic GPU
-    pass 1 with both MMAs on the e4m3 codes (`attention_window_mgpu.FP8`); "bf16-pdl": the projections
-    launched as dependents of the kernels before them (`qmm_mgpu.PDL_STEPS`, `pdl.TRIGGER`)."""
-    from pallas_kernels import attention, attention_window_mgpu, kv_quant, pdl, qmm_mgpu
-    if kv_cache == "bf16-pdl":
-        monkeypatch.setattr(qmm_mgpu, "PDL_STEPS", 4)
-        monkeypatch.setattr(pdl, "TRIGGER", True)
-        kv_cache = "bf16"
+    pass 1 with both MMAs on the e4m3 codes (`attention_window_mgpu.FP8`)."""
+    from pallas_kernels import attention, attention_window_mgpu, kv_quant
     if kv_cache.endswith("-e4m3"):
         monkeypatch.setattr(attention_window_mgpu, "FP8", True)
         kv_cache = kv_cache.removesuffix("-e4m3")

@@ -41,7 +41,7 @@ def run(args) -> None:
     from qwen_jax import programs as P
     from qwen_jax import sampling
     from qwen_jax.model import Backend
-    from pallas_kernels import pdl, qmm, qmm_mgpu
+    from pallas_kernels import qmm, qmm_mgpu
     if args.decode_tiles:  # A/B of qmm's decode tiles in the whole program (e.g. prefetch=1,lop3=1)
         qmm.DECODE_TILES = qmm.replace_tiles(qmm.DECODE_TILES, args.decode_tiles)
         print(f"decode tiles: {qmm.DECODE_TILES}")
@@ -85,9 +85,6 @@ def run(args) -> None:
         (a.no_residual_norm, ops, "RESIDUAL_NORM", False,
          "the residual adds and the norms after them as separate launches"),
         (a.no_residual, ops, "RESIDUAL", False, "the output projections' residual adds as XLA fusions"),
-        (a.pdl_steps, qmm_mgpu, "PDL_STEPS", a.pdl_steps,
-         f"the decode projections launched as dependents, {a.pdl_steps} steps' weights asked of L2 before the wait"),
-        (a.pdl_steps, pdl, "TRIGGER", True, "the kernels before them let dependents start"),
     ]
     for given, module, name, value, what in switches:
         if given:
@@ -287,9 +284,6 @@ def main(argv=None) -> int:
                     help="ops.RESIDUAL_NORM False (each residual add and the norm after it two launches)")
     ap.add_argument("--no-residual", action="store_true",
                     help="ops.RESIDUAL False (the output projections' residual adds as XLA fusions)")
-    ap.add_argument("--pdl-steps", type=int, default=0,
-                    help="qmm_mgpu.PDL_STEPS (and pdl.TRIGGER on): the decode projections launched as dependents of "
-                         "the kernels before them, this many steps' weights asked of L2 before they wait")
     ap.add_argument("--staggered-loads", type=int, choices=(0, 1), default=None,
                     help="qmm_mgpu.STAGGERED_LOADS (1: the lane words' loads staggered, 0: in place)")
     ap.add_argument("--mgpu-compute-wgs", type=int, default=None,

@@ -10,7 +10,6 @@ piece heights change no row's bits (tests/test_qmm_mgpu.py); the conversion chan
     python tools/gpu/engine_ab.py --streams 1,16 --context 1024,8192 --variants "chunk=512;chunk=1024"
     python tools/gpu/engine_ab.py --streams 1,16 --variants "prep=1,aprep=1;prep=0,aprep=0;prep=1,aprep=1"
     python tools/gpu/engine_ab.py --streams 1,16 --context 1024,4096 --variants "short=65536;short=128"
-    python tools/gpu/engine_ab.py --streams 1,16 --variants "pdl=0,trigger=0;pdl=4,trigger=1;pdl=0,trigger=0"
 """
 
 from __future__ import annotations
@@ -26,10 +25,7 @@ KNOBS = {"stages": ("pallas_kernels.qmm_mgpu", "STAGES"), "wide": ("pallas_kerne
          "aprep": ("qwen_jax.model.ops", "ATTN_PREP"),
          # attention.SHORT_CHUNK: short contexts' chunk (`WindowTiles.short_chunk`); one at least the pass's chunk
          # (short=65536) keeps every context in whole chunks, as before session 28 (bits differ between the two)
-         "short": ("pallas_kernels.attention", "SHORT_CHUNK"),
-         # programmatic dependent launch: the decode projections' weight steps asked of L2 before their wait
-         # (qmm_mgpu.PDL_STEPS, 0 off) and the kernels before them letting dependents start (pdl.TRIGGER, 0/1)
-         "pdl": ("pallas_kernels.qmm_mgpu", "PDL_STEPS"), "trigger": ("pallas_kernels.pdl", "TRIGGER")}
+         "short": ("pallas_kernels.attention", "SHORT_CHUNK")}
 
 
 def parse_variants(text: str) -> list[dict]:
@@ -56,7 +52,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (a CPU smoke run)")
     ap.add_argument("--variants", required=True,
                     help="';'-separated, each 'stages=N,wide=N,narrow=N,round=barrier|reduce_precision,"
-                         "conv=words|nibbles,wgs=N,chunk=N,pdl=N,trigger=0|1' (each optional)")
+                         "conv=words|nibbles,wgs=N,chunk=N' (each optional)")
     args = ap.parse_args()
     variants = parse_variants(args.variants)
     streams = tuple(int(s) for s in args.streams.split(","))
@@ -93,13 +89,11 @@ def main() -> None:
             print(f"{knobs} @ {ctx} ctx: " + ", ".join(f"{s} streams {fps[s]:.1f} fwd/s" for s in streams)
                   + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
     print("\n| stages | widest piece | narrowest piece | rounding | conversion | compute warpgroups | window chunk | "
-          "decode prep | attention prep | PDL steps, trigger | context | "
-          + " | ".join(f"{s} streams (fwd/s)" for s in streams) + " |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(streams))
+          "decode prep | attention prep | context | " + " | ".join(f"{s} streams (fwd/s)" for s in streams) + " |")
+    print("|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(streams))
     for knobs, ctx, fps in rows:
         print(f"| {knobs['stages']} | {knobs['wide']} | {knobs['narrow']} | {knobs['round']} | {knobs['conv']} | "
-              f"{knobs['wgs']} | {knobs['chunk']} | {knobs['prep']} | {knobs['aprep']} | "
-              f"{knobs['pdl']}, {int(bool(knobs['trigger']))} | {ctx} | "
+              f"{knobs['wgs']} | {knobs['chunk']} | {knobs['prep']} | {knobs['aprep']} | {ctx} | "
               + " | ".join(f"{fps[s]:.1f}" for s in streams) + " |")
 
 

@@ -6,7 +6,7 @@
 # then call run with carry [".whl"] and a command such as `bash tools/gpu/run.sh tests` (each stage fits ~9 min).
 # Logs go to $OUT (or ./gpu-out); the last lines printed are the summary.
 set -uo pipefail
-stage=${1:?usage: tools/gpu/run.sh hundred-fifty-second|hundred-fifty-first|hundred-fiftieth|hundred-forty-ninth|hundred-forty-eighth|hundred-forty-seventh|hundred-forty-sixth|hundred-forty-fifth|hundred-forty-fourth|hundred-forty-third|hundred-forty-second|hundred-forty-first|hundred-fortieth|hundred-thirty-ninth|hundred-thirty-eighth|hundred-thirty-seventh|hundred-thirty-sixth|hundred-thirty-fifth|hundred-thirty-fourth|hundred-thirty-third|hundred-thirty-second|hundred-thirty-first|hundred-thirtieth|hundred-twenty-ninth|hundred-twenty-eighth|hundred-twenty-seventh|hundred-twenty-sixth|hundred-twenty-fifth|hundred-twenty-fourth|hundred-twenty-third|hundred-twenty-second|hundred-twenty-first|hundred-twentieth|hundred-nineteenth|hundred-eighteenth|hundred-seventeenth|hundred-sixteenth|hundred-fifteenth|hundred-fourteenth|hundred-thirteenth|hundred-twelfth|hundred-eleventh|hundred-tenth|hundred-ninth|hundred-eighth|hundred-seventh|hundred-sixth|hundred-fifth|hundred-fourth|hundred-third|hundred-second|hundred-first|hundredth|ninety-ninth|ninety-eighth|ninety-seventh|ninety-sixth|ninety-fifth|ninety-fourth|ninety-third|ninety-second|ninety-first|ninetieth|eighty-ninth|eighty-eighth|eighty-seventh|eighty-sixth|eighty-fifth|eighty-fourth|eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
+stage=${1:?usage: tools/gpu/run.sh hundred-fifty-second|hundred-fifty-first|hundred-fiftieth|hundred-forty-ninth|hundred-forty-eighth|hundred-forty-seventh|hundred-forty-fourth|hundred-forty-third|hundred-forty-second|hundred-forty-first|hundred-fortieth|hundred-thirty-ninth|hundred-thirty-eighth|hundred-thirty-seventh|hundred-thirty-sixth|hundred-thirty-fifth|hundred-thirty-fourth|hundred-thirty-third|hundred-thirty-second|hundred-thirty-first|hundred-thirtieth|hundred-twenty-ninth|hundred-twenty-eighth|hundred-twenty-seventh|hundred-twenty-sixth|hundred-twenty-fifth|hundred-twenty-fourth|hundred-twenty-third|hundred-twenty-second|hundred-twenty-first|hundred-twentieth|hundred-nineteenth|hundred-eighteenth|hundred-seventeenth|hundred-sixteenth|hundred-fifteenth|hundred-fourteenth|hundred-thirteenth|hundred-twelfth|hundred-eleventh|hundred-tenth|hundred-ninth|hundred-eighth|hundred-seventh|hundred-sixth|hundred-fifth|hundred-fourth|hundred-third|hundred-second|hundred-first|hundredth|ninety-ninth|ninety-eighth|ninety-seventh|ninety-sixth|ninety-fifth|ninety-fourth|ninety-third|ninety-second|ninety-first|ninetieth|eighty-ninth|eighty-eighth|eighty-seventh|eighty-sixth|eighty-fifth|eighty-fourth|eighty-third|eighty-second|eighty-first|eightieth|seventy-ninth|seventy-eighth|seventy-seventh|seventy-sixth|seventy-second|seventy-first|seventieth|sixty-ninth|sixty-eighth|sixty-seventh|sixty-sixth|sixty-fifth|sixty-fourth|sixty-third|sixty-second|sixty-first|sixtieth|fifty-ninth|fifty-eighth|fifty-seventh|fifty-sixth|fifty-fifth|fifty-fourth|fifty-first|fiftieth|forty-ninth|forty-eighth|forty-seventh|forty-fifth|forty-sixth|forty-fourth|forty-third|forty-second|forty-first|fortieth|thirty-ninth|thirty-eighth|thirty-seventh|thirty-sixth|thirty-fifth|thirty-fourth|thirty-third|thirty-second|thirty-first|thirtieth|twenty-ninth|twenty-eighth|twenty-seventh|split-prep|scale-words|sass-stalls|twenty-sixth|stalls|twenty-fifth|twenty-fourth|twenty-second|twenty-third|twenty-first|twentieth|ncu|sixteenth|seventeenth|eighteenth|nineteenth|conv-profile|fifteenth|thirteenth|fourteenth|twelfth|eleventh|seventh|eighth|ninth|tenth|window16|mgpu|mgpu4|mgpu5|mgpu-bisect|mgpu-bisect-n|mgpu-probe|first|second|third|fourth|fifth|sixth|tests|rowinv|launch|qmm-ab|prompt-ab|profile|engine|server|qmm-sweep|attention-compare|qmm|gdn|attention}
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -180,26 +180,6 @@ case "$stage" in
     # Prepared in session 36 (~9 min): the gpu suite's matmul, GDN and norm half at session 36's defaults.
     gpu_pytest 280 suite_qmm 12 tests/test_qmm.py tests/test_qmm_mgpu.py tests/test_swiglu.py
     gpu_pytest 250 suite_gdn 12 tests/test_gdn.py tests/test_residual.py tests/test_rownorm.py ;;
-  hundred-forty-fifth)
-    # Prepared in session 34 (~6.5 min): programmatic dependent launch of the decode projections
-    # (pallas_kernels/pdl.py: qmm_mgpu.PDL_STEPS, pdl.TRIGGER; both off as shipped). First its gpu tests: a chain of
-    # norm -> projection at the 27B's shapes with the plain bits; the tiny model's step with it (bits); the engine's
-    # concurrent == solo with it. Then the one-stream round traced plain, at 4 and at 8 steps asked of L2. With PDL
-    # a projection's traced span starts while the kernel before it runs, so the qmm kernels' sum grows by their
-    # waits: read the round's busy time (the union of the kernels' spans) and the device-bound round instead.
-    gpu_pytest 200 pdl 10 tests/test_qmm_mgpu.py::test_gpu_dependent_launch_same_bits \
-      "tests/test_engine_gpu.py::test_concurrent_equals_solo_on_gpu[bfloat16-False-bf16-pdl]" \
-      tests/test_model_consistency.py::test_gpu_fused_step_on_the_decode_qmm_pieces_equals_verify_then_commit_bitwise
-    for v in "" "--pdl-steps 4" "--pdl-steps 8"; do
-      profile_round 60 "$v" "kernel_mosaic|residual_add_norm|swiglu|gdn_step"
-    done ;;
-  hundred-forty-sixth)
-    # Prepared in session 34 (~5 min): the engine's decode forwards/s with and without programmatic dependent
-    # launch and with the "halves" conversion, alternated in one process (the synthetic 27B built once; each
-    # variant lays out its weights and compiles its programs). Run after hundred-forty-fifth and -seventh.
-    timeout 290 python3 tools/gpu/engine_ab.py --streams 1,16 --rounds 32 --variants \
-      "pdl=0,trigger=0;pdl=4,trigger=1;conv=halves;pdl=4,trigger=1,conv=halves;pdl=0,trigger=0;pdl=8,trigger=1" \
-      2>&1 | tee "$out/engine_ab_pdl.log" | tail -10 ;;
   hundred-forty-seventh)
     # Prepared in session 34 (~7.5 min): the decode qmm's "halves" conversion (qmm_mgpu.CONVERSION "halves": lane
     # words with each pair's fields in the word's two 16-bit halves, two instructions a pair; the bits of
@@ -217,7 +197,7 @@ case "$stage" in
     # Prepared in session 33 (~7 min): the defaults session 33 shipped (ops.PACK_QUERIES; ops.STEP_NORM up to one
     # stream), which no call ran as a whole: every engine gate at the defaults, the one-stream round traced, then the
     # bench.
-    gpu_pytest 220 engine 12 tests/test_engine_gpu.py -k "not pdl"  # (the bf16-pdl gate: hundred-forty-fifth)
+    gpu_pytest 220 engine 12 tests/test_engine_gpu.py
     profile_round 60 "" "kernel_mosaic|gdn_step|rownorm_gated|attn_prep|residual_add"
     bench_27b 140 4 ;;
   hundred-forty-third)
