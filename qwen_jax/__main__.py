@@ -157,6 +157,9 @@ def cmd_eval(args) -> int:
     tok = _tokenizer(args, required=True)
     ids = _eval_tokens(args, tok)
     context = args.context or args.max_model_len
+    from pallas_kernels import attention_window_mgpu as awm
+    shipped_window = awm.FP8
+    awm.FP8 = _fp8_window(args, shipped_window)
     try:
         if args.what == "ppl":
             res = evaluate.perplexity(ck.params, ck.config, ids, backend=_backend(args), dtype=args.dtype,
@@ -165,14 +168,22 @@ def cmd_eval(args) -> int:
                     f"{res.tokens / res.seconds:.1f} tok/s")
         else:
             res = evaluate.kv_agreement(ck.params, ck.config, ids, backend=_backend(args), dtype=args.dtype,
-                                        context=context, chunk=args.chunk)
-            line = (f"fp8 vs bf16 KV over {res.tokens} tokens: top-1 agreement {res.top1_agreement:.4f}, "
+                                        context=context, chunk=args.chunk, path=args.path, rows=args.window_rows)
+            line = (f"fp8 vs bf16 KV over {res.tokens} tokens ({res.path} path): "
+                    f"top-1 agreement {res.top1_agreement:.4f}, "
                     f"mean KL {res.mean_kl:.3e} nats (max {res.max_kl:.3e}), "
                     f"ppl bf16 {res.ppl_bf16:.4f} / fp8 {res.ppl_fp8:.4f}")
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    finally:
+        awm.FP8 = shipped_window
     print(json.dumps(res.as_dict()) if args.json else line)
     return 0
+
+
+def _fp8_window(args, shipped: bool) -> bool:
+    """`attention_window_mgpu.FP8` for --fp8-window (read when the programs are traced)."""
+    return shipped if args.fp8_window is None else args.fp8_window == "mgpu"
 
 
 def cmd_bench(args) -> int:
@@ -206,7 +217,7 @@ def cmd_bench(args) -> int:
     shipped_layout = kv_quant.FP8_V_LAYOUT
     kv_quant.FP8_V_LAYOUT = args.fp8_v_layout or shipped_layout  # read when the pools are made
     shipped_window = awm.FP8
-    awm.FP8 = shipped_window if args.fp8_window is None else args.fp8_window == "mgpu"  # read when traced
+    awm.FP8 = _fp8_window(args, shipped_window)
     qmm.PROMPT_IMPL = args.qmm_prompt_impl or shipped_impl  # read when the prompt programs are traced
     qmm.DECODE_IMPL = args.qmm_decode_impl or shipped_decode  # ... and the decode ones
     qmm_mgpu.STAGES = args.mgpu_stages or qmm_mgpu.STAGES
@@ -254,6 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--max-model-len", type=int, default=4096, help="context capacity to allocate")
         sp.add_argument("--no-kernels", action="store_true", help="plain-jnp references instead of Pallas kernels")
 
+    def fp8_window(sp):
+        sp.add_argument("--fp8-window", choices=("triton", "mgpu"), default=None,
+                        help="an fp8 cache's window pass 1 (default: the shipped one, pallas_kernels/"
+                             "attention_window_mgpu.py FP8): mgpu = the Mosaic GPU one with both MMAs on the e4m3 "
+                             "codes, for V key-major (V by rows keeps Triton); the two differ in the last bits of "
+                             "decode rows")
+
     def cache(sp):
         sp.add_argument("--compile-cache", default=DEFAULT_CACHE_DIR,
                         help="persistent compilation cache dir ('' = off; env QWEN_JAX_CACHE_DIR)")
@@ -287,6 +305,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tokens per window, each scored from an empty cache (default --max-model-len)")
     ev.add_argument("--chunk", type=int, default=512, help="prompt rows per compiled call (multiple of 64)")
     ev.add_argument("--kv-cache", choices=("bf16", "fp8"), default="bf16", help="ppl: KV cache dtype")
+    ev.add_argument("--path", choices=("prompt", "decode"), default="prompt",
+                    help="kv: read the caches through prompt chunks, or through the decode path's verify windows "
+                         "(chains of --window-rows teacher-forced tokens, each committed before the next)")
+    ev.add_argument("--window-rows", type=int, default=16, help="kv --path decode: rows a verify window (1..16)")
+    fp8_window(ev)
     ev.add_argument("--max-tokens", type=int, help="score at most this many tokens of the text")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     ev.set_defaults(fn=cmd_eval)
@@ -309,10 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--fp8-v-layout", choices=("rows", "keys"), default=None,
                     help="an fp8 cache's V layout: by rows, or key-major (default: the shipped one, "
                          "pallas_kernels/kv_quant.py FP8_V_LAYOUT; the same values and bits either way)")
-    be.add_argument("--fp8-window", choices=("triton", "mgpu"), default=None,
-                    help="an fp8 cache's window pass 1 (default: the shipped one, pallas_kernels/"
-                         "attention_window_mgpu.py FP8): mgpu = the Mosaic GPU one with both MMAs on the e4m3 codes, "
-                         "for V key-major (V by rows keeps Triton); the two differ in the last bits of decode rows")
+    fp8_window(be)
     be.add_argument("--logprobs", type=int, default=0, help="top logprobs computed every round (the server's cost)")
     be.add_argument("--no-compile-timing", dest="compile_timing", action="store_false",
                     help="compile once with --compile-cache instead of timing cold and warm compiles")

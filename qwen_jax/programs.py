@@ -420,6 +420,16 @@ def score_program(cfg: ModelConfig, backend: M.Backend) -> Callable:
     return program
 
 
+def _compare(logits_ref: jax.Array, logits_test: jax.Array, targets: jax.Array):
+    """logits [T, V] of the same rows from two states, targets [T] -> (kl [T] = KL(p_ref || p_test), top-1 agree
+    [T], target logprob ref [T], test [T])."""
+    ref, test = jax.nn.log_softmax(logits_ref, axis=-1), jax.nn.log_softmax(logits_test, axis=-1)
+    kl = jnp.sum(jnp.exp(ref) * (ref - test), axis=-1)
+    agree = jnp.argmax(ref, axis=-1) == jnp.argmax(test, axis=-1)
+    tgt = targets[:, None]
+    return kl, agree, jnp.take_along_axis(ref, tgt, axis=1)[:, 0], jnp.take_along_axis(test, tgt, axis=1)[:, 0]
+
+
 def kv_compare_program(cfg: ModelConfig, backend: M.Backend) -> Callable:
     """The same chunk through two states that differ only in their KV pools' dtype: (params, state_ref,
     state_test, batch, targets) -> (state_ref, state_test, kl [T] = KL(p_ref || p_test), top-1 agree [T],
@@ -431,14 +441,26 @@ def kv_compare_program(cfg: ModelConfig, backend: M.Backend) -> Callable:
         for st in (state_ref, state_test):
             logits, st, _ = M.prefill(params, st, batch, cfg, backend, all_logits=True)
             states.append(st)
-            out.append(jax.nn.log_softmax(logits[0], axis=-1))
-        ref, test = out
-        kl = jnp.sum(jnp.exp(ref) * (ref - test), axis=-1)
-        agree = jnp.argmax(ref, axis=-1) == jnp.argmax(test, axis=-1)
-        tgt = targets[:, None]
-        lp_ref = jnp.take_along_axis(ref, tgt, axis=1)[:, 0]
-        lp_test = jnp.take_along_axis(test, tgt, axis=1)[:, 0]
-        return states[0], states[1], kl, agree, lp_ref, lp_test
+            out.append(logits[0])
+        return states[0], states[1], *_compare(*out, targets)
+
+    return program
+
+
+def kv_compare_window_program(cfg: ModelConfig, backend: M.Backend) -> Callable:
+    """`kv_compare_program` through the decode path: a teacher-forced chain window of one stream (the verify
+    program's attention and GDN window kernels, the bits of serial steps) through both states, then the commit of
+    its real rows: (params, state_ref, state_test, window [1 x R], targets [R], path [1, R], path_len [1]) ->
+    the same outputs, [R] each."""
+
+    def program(params, state_ref, state_test, window, targets, path, path_len):
+        out = []
+        states = []
+        for st in (state_ref, state_test):
+            logits, kept, _ = M.verify(params, st, window, cfg, backend)
+            states.append(M.commit(st, kept, window, path, path_len, cfg, backend))
+            out.append(logits[0])
+        return states[0], states[1], *_compare(*out, targets)
 
     return program
 

@@ -21,6 +21,15 @@ def _ids(name):
     return REFS[f"{name}.prompt_ids"].tolist()
 
 
+def _hf_nll(name: str) -> float:
+    """HF transformers' mean NLL of a captured text's next tokens, from its float32 logits."""
+    ids = _ids(name)
+    logits = REFS[f"{name}.logits"].astype(np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    return float(-np.mean(logp[np.arange(len(ids) - 1), ids[1:]]))
+
+
 def test_logits_writes_float32_t_by_vocab(tmp_path):
     out = tmp_path / "logits.npy"
     ids = _ids("short")
@@ -56,13 +65,8 @@ def test_eval_ppl_matches_hf_logits(tmp_path, capsys):
     assert main(["eval", "ppl", "--model", TINY, "--dtype", "float32", "--text", str(path), "--chunk", "128",
                  "--json", "--max-model-len", "512"] + NO_CACHE) == 0
     res = json.loads(capsys.readouterr().out)
-    ids = _ids("long")  # the text's tokens (captures/refs/prompts.json)
-    logits = REFS["long.logits"].astype(np.float64)
-    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
-        - logits.max(-1, keepdims=True)
-    nll = -np.mean(logp[np.arange(len(ids) - 1), ids[1:]])
-    assert res["tokens"] == len(ids) - 1
-    assert abs(res["nll"] - nll) <= 1e-4  # HF logits agree to 1e-4 (tests/test_peer_captures.py)
+    assert res["tokens"] == len(_ids("long")) - 1  # the text's tokens (captures/refs/prompts.json)
+    assert abs(res["nll"] - _hf_nll("long")) <= 1e-4  # HF logits agree to 1e-4 (tests/test_peer_captures.py)
 
 
 def test_eval_kv_reports_agreement(capsys):
@@ -72,6 +76,24 @@ def test_eval_kv_reports_agreement(capsys):
     assert res["tokens"] > 200
     # e4m3 keeps ~2 significant digits per key/value row: the next-token distributions barely move
     assert res["top1_agreement"] >= 0.9 and 0 <= res["mean_kl"] <= 1e-2 and res["max_kl"] >= res["mean_kl"]
+
+
+def test_eval_kv_through_decode_windows_matches_hf_logits(tmp_path, capsys):
+    """--path decode: the text as chain verify windows of 16 rows (the last one shorter), each committed before
+    the next. Through the float32 cache the mean NLL is HF transformers' (every row sees its whole prefix at its
+    position), and the fp8 cache read by the decode attention moves the distributions as little as in prompts."""
+    path = tmp_path / "long.txt"
+    path.write_text(PROMPTS["long"]["text"], encoding="utf-8")
+    ids = _ids("long")
+    assert (len(ids) - 1) % 16
+    assert main(["eval", "kv", "--model", TINY, "--dtype", "float32", "--text", str(path), "--path", "decode",
+                 "--json", "--max-model-len", "512"] + NO_CACHE) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["path"] == "decode" and res["tokens"] == len(ids) - 1
+    assert abs(np.log(res["ppl_bf16"]) - _hf_nll("long")) <= 1e-4
+    assert res["top1_agreement"] >= 0.9 and 0 <= res["mean_kl"] <= 1e-2
+    with pytest.raises(SystemExit, match="--window-rows must be in 1..16"):
+        main(["eval", "kv", "--model", TINY, "--path", "decode", "--window-rows", "17"] + NO_CACHE)
 
 
 def test_bench_runs_small(capsys):
@@ -112,3 +134,14 @@ def test_bench_mgpu_knobs_are_scoped(capsys):
         with pytest.raises(SystemExit):
             main(["bench", "--model", TINY, flag, bad])
         assert flag in capsys.readouterr().err
+
+
+def test_fp8_window_flag_is_scoped(capsys):
+    """--fp8-window reaches the run (recorded beside an fp8 cache) and the shipped choice is back afterwards."""
+    from pallas_kernels import attention_window_mgpu as awm
+    shipped = awm.FP8
+    other = "triton" if shipped else "mgpu"
+    assert main(["bench", "--model", TINY, "--streams", "", "--prompt-lengths", "64", "--max-chunk", "64",
+                 "--kv-cache", "fp8", "--no-compile-timing", "--json", "--fp8-window", other] + NO_CACHE) == 0
+    assert json.loads(capsys.readouterr().out)["fp8_window"] == other
+    assert awm.FP8 == shipped

@@ -3,6 +3,11 @@
 A token sequence is cut into windows of `context` tokens, each scored from a fresh state (position 0); a window
 runs as prompt chunks of `chunk` rows (one compiled program) through the same prefill the engine uses. Row i of
 a window predicts token i + 1, so a window of W tokens scores W - 1 predictions.
+
+The KV agreement can also run through the decode path (`kv_agreement(path="decode")`): each window as chain
+verify windows of `rows` teacher-forced tokens, each committed before the next. Those are the window kernels a
+served stream's every token goes through (a drafted window's rows have the serial steps' bits), where the fp8
+cache is read by the decode attention rather than the prompt's.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ class KvResult:
     ppl_bf16: float
     ppl_fp8: float
     seconds: float
+    path: str = "prompt"  # the kernels the cache was read through: prompt chunks or decode windows
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -101,23 +107,53 @@ def perplexity(params, cfg, tokens, *, backend, dtype: str = "bfloat16", kv_cach
     return PplResult(count, nll, math.exp(nll), time.perf_counter() - t0)
 
 
+KV_PATHS = ("prompt", "decode")
+MAX_WINDOW_ROWS = 16  # the verify program's widest window (`programs.Buckets`)
+_SLOT = 1  # the stream's GDN slot (slot 0 is the dummies')
+
+
+def _decode_windows(window: np.ndarray, rows: int, page_table: np.ndarray, layout: P.Layout):
+    """(chain verify window [1 x rows], targets [rows], path [1, rows], path_len [1], real rows) for each run of
+    `rows` of a window's W - 1 scored rows, at the positions the earlier runs committed."""
+    scored = len(window) - 1
+    for start in range(0, scored, rows):
+        n = min(rows, scored - start)
+        win = P.tree_window(layout, 1, rows, [window[start:start + n]], [list(range(-1, n - 1))], [start], [_SLOT],
+                            [page_table])
+        targets = np.zeros(rows, np.int32)
+        targets[:n] = window[start + 1:start + n + 1]
+        yield win, targets, np.arange(rows, dtype=np.int32)[None], np.array([n], np.int32), n
+
+
 def kv_agreement(params, cfg, tokens, *, backend, dtype: str = "bfloat16", context: int = 4096,
-                 chunk: int = 512) -> KvResult:
-    """Teacher-forced fp8 (e4m3) KV cache against the compute-dtype cache, on the same tokens and weights."""
+                 chunk: int = 512, path: str = "prompt", rows: int = MAX_WINDOW_ROWS) -> KvResult:
+    """Teacher-forced fp8 (e4m3) KV cache against the compute-dtype cache, on the same tokens and weights.
+    path "prompt": each window as prompt chunks of `chunk` rows; "decode": as chain verify windows of `rows`
+    (`_decode_windows`), each window from fresh states."""
+    if path not in KV_PATHS:
+        raise ValueError(f"path must be one of {KV_PATHS}, got {path!r}")
+    if path == "decode" and not 1 <= rows <= MAX_WINDOW_ROWS:
+        raise ValueError(f"--window-rows must be in 1..{MAX_WINDOW_ROWS}, got {rows}")
     tokens = np.asarray(tokens, np.int32)
     _check(tokens, context, chunk)
     ref_layout = _layout(context, dtype, "bf16")
     test_layout = _layout(context, dtype, "fp8")
     ref, test = _state(cfg, ref_layout), _state(cfg, test_layout)
     page_table = np.arange(1, ref_layout.pages_per_stream + 1, dtype=np.int32)
-    fn = jax.jit(P.kv_compare_program(cfg, backend), donate_argnums=(1, 2))
-    example = next(_chunks(tokens[:2], chunk, page_table, ref_layout))
-    exe = fn.lower(params, ref, test, example[0], example[1]).compile()
+    if path == "prompt":
+        fn = jax.jit(P.kv_compare_program(cfg, backend), donate_argnums=(1, 2))
+        runs = lambda window: ((args, n) for *args, n in _chunks(window, chunk, page_table, ref_layout))
+    else:
+        fn = jax.jit(P.kv_compare_window_program(cfg, backend), donate_argnums=(1, 2))
+        runs = lambda window: ((args, n) for *args, n in _decode_windows(window, rows, page_table, ref_layout))
+    exe = fn.lower(params, ref, test, *next(runs(tokens[:2]))[0]).compile()
     t0 = time.perf_counter()
     kls, agree, nll_ref, nll_test = [], [], 0.0, 0.0
-    for window in _windows(tokens, context):
-        for batch, targets, n in _chunks(window, chunk, page_table, ref_layout):
-            ref, test, kl, ag, lp_ref, lp_test = exe(params, ref, test, batch, targets)
+    for i, window in enumerate(_windows(tokens, context)):
+        if path == "decode" and i:  # (a chain window reads its slot's GDN state: each window from zeros)
+            ref, test = _state(cfg, ref_layout), _state(cfg, test_layout)
+        for args, n in runs(window):
+            ref, test, kl, ag, lp_ref, lp_test = exe(params, ref, test, *args)
             kls.append(np.asarray(kl, np.float64)[:n])
             agree.append(np.asarray(ag)[:n])
             nll_ref -= float(np.asarray(lp_ref, np.float64)[:n].sum())
@@ -125,7 +161,7 @@ def kv_agreement(params, cfg, tokens, *, backend, dtype: str = "bfloat16", conte
     kl = np.concatenate(kls)
     n = len(kl)
     return KvResult(n, float(np.concatenate(agree).mean()), float(kl.mean()), float(kl.max()),
-                    math.exp(nll_ref / n), math.exp(nll_test / n), time.perf_counter() - t0)
+                    math.exp(nll_ref / n), math.exp(nll_test / n), time.perf_counter() - t0, path)
 
 
 # Used by `eval kv` when no --text is given: plain prose written for this purpose.

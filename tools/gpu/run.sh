@@ -153,12 +153,17 @@ case "$stage" in
     attn_sections 300 window_fp8 e4m3
     ;;
   hundred-fifty-second)
-    # Prepared in session 37 (~9 min; after hundred-fifty-first): the e4m3 pass 1 in the engine. Its
-    # concurrent == solo gate (the tiny 4-bit model, fp8 pools key-major with the chunk max, awm.FP8 on), then the
-    # engine's fp8 decode at 32K of context, the Triton pass 1 (shipped), then e4m3.
-    gpu_pytest 200 engine_e4m3 6 tests/test_engine_gpu.py -k "chunkmax"
+    # Prepared in session 37 (~9.5 min; after hundred-fifty-first): the e4m3 pass 1 in the engine. Its
+    # concurrent == solo gate (the tiny 4-bit model, fp8 pools key-major with the chunk max, awm.FP8 on); the fp8
+    # cache against bf16 through the decode path's windows on the tiny 4-bit model, by pass 1 (`eval kv --path
+    # decode`); then the engine's fp8 decode at 32K of context, the Triton pass 1 (shipped), then e4m3.
+    gpu_pytest 180 engine_e4m3 6 tests/test_engine_gpu.py -k "chunkmax"
     for w in triton mgpu; do
-      timeout 150 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths "" --context 32768 \
+      timeout 60 python3 -m qwen_jax eval kv --model captures/tiny-mlx-4bit --path decode --fp8-window $w \
+        --compile-cache "" 2>&1 | tee -a "$out/eval_kv_decode.log" | tail -1
+    done
+    for w in triton mgpu; do
+      timeout 130 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths "" --context 32768 \
         --rounds 32 --kv-cache fp8 --fp8-window $w --no-compile-timing --compile-cache "" 2>&1 \
         | tee -a "$out/bench_27b_fp8_window.log" | grep -E "window|decode"
     done ;;
