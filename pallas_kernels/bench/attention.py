@@ -476,12 +476,14 @@ def summarize_window_partials(env: Env, bw: float | None) -> None:
                  f"target <= 1.3; copy {bw or math.nan:.2f} TB/s; by kernel: pass 1 / fold / merge")
 
 
-# window_fp8's pass 1 variants: the shipped Triton one (f16 dots), the Triton one with bf16 dots
-# (`WindowTiles.fp8_dot`, order) and the Mosaic GPU one over V by rows (`attention_window_mgpu.DEQUANT`'s layout).
-# "mgpu shared": the Mosaic GPU pass 1 with two warpgroups sharing each block's dequantization (`FP8_SPLIT`).
-# "mgpu e4m3": the Mosaic GPU pass 1 over V key-major, both MMAs on the e4m3 codes (its own order).
-FP8_VARIANTS = ("triton", "triton bf16", "mgpu", "mgpu shared", "mgpu e4m3")
-FP8_VARIANT_LAYOUT = {"mgpu": "rows", "mgpu shared": "rows", "mgpu e4m3": "keys"}  # else the model's
+# window_fp8's pass 1 variants: the shipped Triton one (f16 dots); "mgpu e4m3", the Mosaic GPU one over V
+# key-major with both MMAs on the e4m3 codes (its own order), at its default K/V stages and at the most that fit
+# ("deep": an e4m3 block is half a bf16 one's bytes, so 5 stages fit one compute warpgroup and 4 two, against the
+# 3 and 2 `stages_for` gives; a launch choice, the same bits); and the Mosaic GPU one over V by rows (dequantizing).
+# Session 26 last timed the Triton pass 1 with bf16 dots and FP8_SPLIT, both slower (BENCHMARKS.md).
+FP8_VARIANTS = ("triton", "mgpu e4m3", "mgpu e4m3 deep", "mgpu")
+FP8_VARIANT_LAYOUT = {"mgpu": "rows", "mgpu e4m3": "keys", "mgpu e4m3 deep": "keys"}  # else the model's
+E4M3_DEEP_STAGES = {1: 5, 2: 4}  # compute warpgroups a CTA -> K/V stages (`attention_window_mgpu.smem_bytes`)
 
 
 def summarize_window_fp8(env: Env, bw: float | None) -> None:
@@ -1019,10 +1021,9 @@ def main(argv: list[str]) -> int:
         mgpu_order_sweep("wpd", "partials", PARTIALS_DTYPES, ((1, contexts[-1]), (many, contexts[0]),
                                                                (1, contexts[0]), (1, contexts[1]), (many, contexts[1])))
     if "window_fp8" in sections:
-        # fp8 pools: the shipped Triton pass 1 (f16 dots), with bf16 dots, and the Mosaic GPU one (codes
-        # dequantized to bf16 in shared memory, one compute warpgroup a CTA, or two sharing it; or, over V
-        # key-major, both MMAs on the codes; its own bits), 1- and 16-row windows, 1 stream at every context and 16
-        # streams at the first two.
+        # fp8 pools: the shipped Triton pass 1 (f16 dots) and the Mosaic GPU one (over V key-major both MMAs on
+        # the codes, its own bits, at two depths; over V by rows the codes dequantized to bf16 in shared memory),
+        # 1- and 16-row windows, 1 stream at every context and 16 streams at the first two.
         print("== window_fp8: fp8 pools, Triton against Mosaic GPU pass 1, 1- and 16-row windows", flush=True)
         many = 16 if gpu else 2
         for streams, ctxs in ((1, contexts), (many, contexts[:2])):
@@ -1030,13 +1031,12 @@ def main(argv: list[str]) -> int:
                 for variant in FP8_VARIANTS:
                     for rows in (1, 16):
                         base = decode_for(True) if rows == 1 else window_for(True)
-                        if variant == "triton bf16":
-                            base = dataclasses.replace(base, fp8_dot="bfloat16")
-                        elif variant.startswith("mgpu"):
+                        if variant.startswith("mgpu"):
                             base = dataclasses.replace(base, impl="mgpu", chunk=awm.CHUNK, partials=awm.PARTIALS)
-                        bench_window_with("FP8_SPLIT", variant == "mgpu shared", env, streams=streams, rows=rows,
-                                          context=ctx, fp8=True, tiles=base, impls=("kernel",), tag=f"wf8 {variant}",
-                                          v_layout=FP8_VARIANT_LAYOUT.get(variant))
+                        if variant.endswith("deep"):  # (16-row windows: 4, whether split_rows splits them)
+                            base = dataclasses.replace(base, num_stages=E4M3_DEEP_STAGES[1 if rows == 1 else 2])
+                        bench_window(env, streams=streams, rows=rows, context=ctx, fp8=True, tiles=base,
+                                     impls=("kernel",), tag=f"wf8 {variant}", v_layout=FP8_VARIANT_LAYOUT.get(variant))
     if "v_layout" in sections:
         # An fp8 pool's v by rows against key-major (`kv_quant.KVPool.v_layout` "keys"), and key-major with
         # `WindowTiles.fp8_v_max` "chunk" (order; shipped): the shipped pass 1 (Triton for fp8 pools), 1- and 16-row
