@@ -14,9 +14,17 @@ every other chunk's part from global memory and adds all of them in chunk order 
 numpy's ordered sum bit for bit, every call (`--calls` of them, fresh inputs each, the same semaphores). Timed: the
 kernel per call, and the same kernel without the tail (the last CTA stores its part like the others).
 
+`--gather` (session 37): how the last CTA reads the others' parts. "registers" (session 24's): one load into
+registers after another; "tma": every part copied into shared memory at once (one barrier, chunks - 1 arrivals),
+then summed from there, the way a tail in the window's pass 1 would read 31 bf16 partials of [8, 256] (128 KiB).
+`--dtype bfloat16` stores the parts in bf16 (the pass 1's partials' dtype) and sums them in fp32. `--trace DIR` times
+the kernel alone from a profiler trace (the tail's own cost, without the host's dispatch that session 24's host
+timing carried), with the tail and without it.
+
 On a CPU the kernels are only lowered for sm_90 (jax 0.11.2's interpreter rejects `get_global`).
 
     python tools/gpu/tail_probe.py [--chunks 32] [--groups 4] [--rows 8] [--d 256] [--store generic,tma]
+        [--gather registers,tma] [--dtype float32|bfloat16] [--trace DIR]
 """
 
 from __future__ import annotations
@@ -32,13 +40,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
-def tail_call(groups: int, chunks: int, rows: int, d: int, store: str, tail: bool):
-    """x [groups, chunks, rows, d] fp32 -> (part [groups, chunks, rows, d], o [groups, rows, d])."""
+def tail_call(groups: int, chunks: int, rows: int, d: int, store: str, tail: bool, gather: str = "registers",
+              dtype=jnp.float32):
+    """x [groups, chunks, rows, d] fp32 -> (part [groups, chunks, rows, d] dtype, o [groups, rows, d] fp32)."""
+    last = chunks - 1
 
-    def kernel(x_gmem, part_gmem, o_gmem, tile):
+    def kernel(x_gmem, part_gmem, o_gmem, tile, parts_smem, gathered):
         g = lax.axis_index("groups")
         c = lax.axis_index("chunks")
-        part = x_gmem[g, c] * 2.0 + c.astype(jnp.float32)
+        part = (x_gmem[g, c] * 2.0 + c.astype(jnp.float32)).astype(dtype)
         if store == "tma":
             tile[...] = part
             plgpu.commit_smem()
@@ -49,7 +59,6 @@ def tail_call(groups: int, chunks: int, rows: int, d: int, store: str, tail: boo
         if not tail:
             return
         sems = pl.get_global(plgpu.SemaphoreType.REGULAR((groups,)))
-        last = chunks - 1
 
         @pl.when(c < last)
         def _():
@@ -59,18 +68,36 @@ def tail_call(groups: int, chunks: int, rows: int, d: int, store: str, tail: boo
         @pl.when(c == last)
         def _():
             plgpu.semaphore_wait(sems.at[g], last, memory_scope="gpu")
-            total = part_gmem[g, 0]
+            if gather == "tma":
+                for k in range(last):
+                    plgpu.copy_gmem_to_smem(part_gmem.at[g, k], parts_smem.at[k], gathered)
+                plgpu.barrier_wait(gathered)
+                load = lambda k: parts_smem[k].astype(jnp.float32)
+            else:
+                load = lambda k: part_gmem[g, k].astype(jnp.float32)
+            total = load(0)
             for k in range(1, last):
-                total = total + part_gmem[g, k]
-            o_gmem[g] = total + part
+                total = total + load(k)
+            o_gmem[g] = total + part.astype(jnp.float32)
 
-    f32 = jnp.float32
+    gathers = max(chunks - 1, 1) if gather == "tma" else 1
     return plgpu.kernel(
-        kernel, out_type=(jax.ShapeDtypeStruct((groups, chunks, rows, d), f32),
-                          jax.ShapeDtypeStruct((groups, rows, d), f32)),
+        kernel, out_type=(jax.ShapeDtypeStruct((groups, chunks, rows, d), dtype),
+                          jax.ShapeDtypeStruct((groups, rows, d), jnp.float32)),
         grid=(groups, chunks), grid_names=("groups", "chunks"),
-        scratch_types=(plgpu.SMEM((rows, d), f32),),
-        kernel_name=f"tail_probe_{store}_{'tail' if tail else 'plain'}")
+        scratch_types=(plgpu.SMEM((rows, d), dtype), plgpu.SMEM((gathers, rows, d), dtype),
+                       plgpu.Barrier(num_arrivals=gathers)),
+        kernel_name=f"tail_probe_{store}_{gather}_{'tail' if tail else 'plain'}")
+
+
+def _want(x: np.ndarray, chunks: int, dtype) -> np.ndarray:
+    """numpy's ordered sum of the parts as the kernel rounds them (dtype), in fp32."""
+    parts = x * np.float32(2.0) + np.arange(chunks, dtype=np.float32)[None, :, None, None]
+    parts = np.asarray(jnp.asarray(parts).astype(dtype).astype(jnp.float32))
+    want = parts[:, 0].copy()
+    for k in range(1, chunks - 1):
+        want = want + parts[:, k]
+    return want + parts[:, chunks - 1]
 
 
 def main() -> None:
@@ -80,45 +107,56 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8)
     ap.add_argument("--d", type=int, default=256)
     ap.add_argument("--store", default="generic,tma")
+    ap.add_argument("--gather", default="registers", help="registers,tma: how the last CTA reads the parts")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="the parts' dtype")
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--trace", metavar="DIR", help="time the kernel alone from a profiler trace under DIR")
     args = ap.parse_args()
     gpu = jax.devices()[0].platform == "gpu"
+    dtype = jnp.dtype(args.dtype)
     shape = (args.groups, args.chunks, args.rows, args.d)
     for store in args.store.split(","):
-        call = tail_call(args.groups, args.chunks, args.rows, args.d, store, tail=True)
-        if not gpu:
-            text = jax.jit(call).trace(jax.ShapeDtypeStruct(shape, jnp.float32)).lower(
-                lowering_platforms=("cuda",)).as_text()
-            print(f"{store}: lowered for sm_90 ({text.count('custom_call @mosaic_gpu')} Mosaic GPU call)")
-            continue
-        fn = jax.jit(call)
-        bad = 0
-        try:
-            for i in range(args.calls):
-                x = jax.random.normal(jax.random.key(i), shape, jnp.float32)
-                _, o = fn(x)
-                xs = np.asarray(x)
-                parts = xs * np.float32(2.0) + np.arange(args.chunks, dtype=np.float32)[None, :, None, None]
-                want = parts[:, 0].copy()
-                for k in range(1, args.chunks):
-                    want = want + parts[:, k]
-                bad += not np.array_equal(np.asarray(o).view(np.uint32), want.view(np.uint32))
-        except Exception as e:  # noqa: BLE001 - a probe reports what failed and goes on
-            print(f"{store}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:300]}")
-            continue
-        times = {}
-        for tail in (True, False):
-            f = jax.jit(tail_call(args.groups, args.chunks, args.rows, args.d, store, tail=tail))
-            for _ in range(5):
-                jax.block_until_ready(f(x))
-            t0 = time.perf_counter()
-            for _ in range(100):
-                y = f(x)
-            jax.block_until_ready(y)
-            times[tail] = (time.perf_counter() - t0) / 100 * 1e6
-        print(f"{store}: {args.calls - bad} of {args.calls} calls equal to numpy's ordered sum bit for bit; "
-              f"{times[True]:.1f} µs a call with the tail, {times[False]:.1f} without ({args.groups} groups x "
-              f"{args.chunks} chunks of [{args.rows}, {args.d}])")
+        for gather in args.gather.split(","):
+            name = f"{store} stores, {gather} gather, {args.dtype} parts"
+            if gather == "tma" and (args.chunks - 1) * args.rows * args.d * dtype.itemsize > 200 * 1024:
+                print(f"{name}: skipped (the parts exceed shared memory)")
+                continue
+            call = tail_call(args.groups, args.chunks, args.rows, args.d, store, True, gather, dtype)
+            if not gpu:
+                text = jax.jit(call).trace(jax.ShapeDtypeStruct(shape, jnp.float32)).lower(
+                    lowering_platforms=("cuda",)).as_text()
+                print(f"{name}: lowered for sm_90 ({text.count('custom_call @mosaic_gpu')} Mosaic GPU call)")
+                continue
+            fn = jax.jit(call)
+            bad = 0
+            try:
+                for i in range(args.calls):
+                    x = jax.random.normal(jax.random.key(i), shape, jnp.float32)
+                    _, o = fn(x)
+                    want = _want(np.asarray(x), args.chunks, dtype)
+                    bad += not np.array_equal(np.asarray(o).view(np.uint32), want.view(np.uint32))
+            except Exception as e:  # noqa: BLE001 - a probe reports what failed and goes on
+                print(f"{name}: FAILED {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                continue
+            times = {}
+            for tail in (True, False):
+                f = jax.jit(tail_call(args.groups, args.chunks, args.rows, args.d, store, tail, gather, dtype))
+                if args.trace:
+                    from pallas_kernels.bench.common import traced_us
+                    times[tail] = traced_us(lambda: [f(x) for _ in range(20)], args.trace, per=20,
+                                            prefix="")[0]
+                    continue
+                for _ in range(5):
+                    jax.block_until_ready(f(x))
+                t0 = time.perf_counter()
+                for _ in range(100):
+                    y = f(x)
+                jax.block_until_ready(y)
+                times[tail] = (time.perf_counter() - t0) / 100 * 1e6
+            how = "the kernel alone (trace)" if args.trace else "a call, host-timed"
+            print(f"{name}: {args.calls - bad} of {args.calls} calls equal to numpy's ordered sum bit for bit; "
+                  f"{times[True]:.2f} µs with the tail, {times[False]:.2f} without, {how} ({args.groups} groups x "
+                  f"{args.chunks} chunks of [{args.rows}, {args.d}])")
 
 
 if __name__ == "__main__":
