@@ -1217,8 +1217,7 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
                                         max_keys=one.max_keys,
                                         tiles=awm.WindowMgpuTiles(stages=tiles.num_stages,
                                                                   split_rows=_split_rows(tiles, one, s, hkv),
-                                                                  ping_pong=awm.PING_PONG, dequant=awm.DEQUANT,
-                                                                  fp8_split=awm.FP8_SPLIT),
+                                                                  ping_pong=awm.PING_PONG, dequant=awm.DEQUANT),
                                         partials=tiles.partials, q_packed=q_packed, interpret=interpret)
 
     with jax.named_scope("attn_window_chunks"):

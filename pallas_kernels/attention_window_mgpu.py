@@ -53,7 +53,9 @@ rounded, into two swizzled bf16 tiles before its MMAs (then releases the slot); 
 two-warpgroup window runs as split_rows). Elementwise per key, so the exactness above holds, and the partials are
 bit for bit the bf16 pass 1's over a pool holding the dequantized values. On the H200 (session 20) it ran 16-row
 windows 1.4-1.5x faster than the Triton pass 1 and the 1-row decode 1.6-2.5x slower (the dequantization is the
-bottleneck), so `FP8` keeps it off "auto"; explicit impl="mgpu" runs it.
+bottleneck), so `FP8` keeps it off "auto"; explicit impl="mgpu" runs it. Two compute warpgroups a CTA sharing
+each block's dequantization (the second on padding queries for a 1-row decode) gave the same bits and ran that decode
+at 1.49-2.35x the Triton pass 1's (H200, session 26); it was removed in session 37 (docs/kernels/attention.md, run 19).
 
 fp8 pools with V key-major (`KVPool.v_layout` "keys", pages of a multiple of 64 keys; session 36, prepared, not
 yet run on a GPU): no dequantization. An 8-bit wgmma needs both operands K-major: Q [rows, d] and a K block
@@ -113,11 +115,6 @@ class WindowMgpuTiles:
     # layout, 64 columns a step, codes loaded two bytes at a time; "wgmma_8bit": the 8-bit MMA operand layout, 128
     # columns a step, four bytes a load (10-19 % faster on the H200, session 21: `DEQUANT`).
     dequant: str = "wgmma"
-    # fp8 pools: two compute warpgroups a CTA share each block's dequantization, each converting half the head dim
-    # into the shared bf16 tiles (a barrier of both before their MMAs read them); a window whose rows fit one
-    # warpgroup gets a second that computes on padding queries and stores nothing. Same values in the tiles, so the
-    # same bits; a 16-row window's rows in one CTA dequantize each block once instead of once a warpgroup.
-    fp8_split: bool = False
 
 
 def compute_warpgroups(packed_rows: int) -> int:
@@ -130,21 +127,20 @@ def stages_for(tiles: WindowMgpuTiles, wgs: int) -> int:
 
 
 def smem_bytes(*, wgs: int, stages: int, head_dim: int, interpret: bool = False, fp8: bool = False,
-               bf16_out: bool = False, e4m3: bool = False) -> int:
-    """Shared memory a CTA asks for: the Q tiles, the K/V slots (which the O partials and their m and l reuse; fp8
-    pools with bf16 partials keep no fp32 O tile there, their O going over the Q tiles), interpret mode's P tiles,
-    and for fp8 pools the slots' scales and the block's K and V dequantized to bf16 (barriers aside: the lowering
-    found 112 more bytes than this). e4m3 (an fp8 pool with v key-major): q's two e4m3 parts and row scales, the
-    slots' codes and scales, an O tile of the partials' dtype, P's two e4m3 parts."""
+               e4m3: bool = False) -> int:
+    """Shared memory a CTA asks for with fp32 partials (bf16 ones need no more): the Q tiles, the K/V slots (which
+    the O partials and their m and l reuse), interpret mode's P tiles, and for fp8 pools the slots' scales and the
+    block's K and V dequantized to bf16 (barriers aside: the lowering found 112 more bytes than this). e4m3 (an fp8
+    pool with v key-major): q's two e4m3 parts and row scales, the slots' codes and scales, an O tile, P's two e4m3
+    parts."""
     ml = 2 * wgs * WG_ROWS * 4
+    out = wgs * WG_ROWS * head_dim * 4
     if e4m3:
         q = wgs * WG_ROWS * (2 * head_dim + 4)
         kv = stages * 2 * BLOCK_K * (head_dim + 4)
-        out = wgs * WG_ROWS * head_dim * (2 if bf16_out else 4)
         return q + max(kv, out + ml) + 2 * wgs * WG_ROWS * BLOCK_K
     q = wgs * WG_ROWS * head_dim * 2
     kv = stages * 2 * BLOCK_K * (head_dim + 4 if fp8 else head_dim * 2)
-    out = 0 if fp8 and bf16_out else wgs * WG_ROWS * head_dim * 4
     p = wgs * WG_ROWS * BLOCK_K * 2 if interpret else 0
     dequantized = 2 * BLOCK_K * head_dim * 2 if fp8 else 0
     return q + max(kv, out + ml) + p + dequantized
@@ -195,15 +191,14 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                  *scales: jax.Array, scale: float, chunk: int, short_chunk: int | None, n_chunks: int,
                  nc_pad: int, real_rows: int,
                  mrows: int, max_keys: int, stages: int, parts: int, ping_pong: bool, partials: str = "float32",
-                 dequant: str = "wgmma", fp8_split: bool = False,
-                 interpret: bool | plgpu.InterpretGPUParams = False
+                 dequant: str = "wgmma", interpret: bool | plgpu.InterpretGPUParams = False
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """qp [S, Hkv, W 64, D] bf16 (`pack_queries`: real_rows = R G of them real); k, v [Hkv, P, page, D] bf16, or
     e4m3 codes with scales = (k_scale, v_scale) [Hkv, P, page] fp32 (one compute warpgroup a CTA: parts = W);
     page_table [S, Pmax'] int32 covering n_chunks chunks; cache_len [S] int32 -> m, l [S, Hkv, nc_pad, mrows], acc
     [S, Hkv, nc_pad, mrows, D] in `partials` (fp32 or bf16; rows past R G rounded up to 8 unwritten). Grid (chunk x
     part, KV head, stream): parts 1, a CTA runs all W warpgroups' rows; parts W, a CTA runs warpgroup `part`'s 64
-    rows. fp8_split (fp8 pools, two warpgroups a CTA, parts 1): each warpgroup dequantizes half of every block.
+    rows.
     dequant "e4m3" (fp8 pools with v key-major: v [Hkv, P, D, page], pages of a multiple of 64 keys): no
     dequantization, both MMAs read e4m3 operands; qp is then q's high e4m3 part and scales = (k_scale, v_scale, q's
     low part [S, Hkv, W 64, D] e4m3, 1 / q's row scale [S, Hkv, W 64] fp32) (`split_queries`).
@@ -213,16 +208,14 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
     e4m3 = dequant == "e4m3"
     s_count, hkv, qrows, d = qp.shape
     assert parts in (1, qrows // WG_ROWS), (parts, qrows)
-    assert fp8 or not fp8_split
-    assert not scales or (len(scales) == (4 if e4m3 else 2) and (
-        e4m3 or (parts == qrows // WG_ROWS if not fp8_split else parts == 1 and qrows == 2 * WG_ROWS))), (
+    assert not scales or (len(scales) == (4 if e4m3 else 2) and (e4m3 or parts == qrows // WG_ROWS)), (
         len(scales), parts, qrows)
     wgs = qrows // WG_ROWS // parts  # compute warpgroups a CTA
     ps = k.shape[2]
     bk = BLOCK_K
     span = min(bk, ps)  # keys one copy moves: a page, or a block's part of one
     copies = bk // span  # copies a block (pages shorter than a block)
-    assert not e4m3 or (fp8 and not fp8_split and copies == 1 and v.shape[2] == d), (ps, v.shape)
+    assert not e4m3 or (fp8 and copies == 1 and v.shape[2] == d), (ps, v.shape)
     # Rows a CTA stores: its real rows rounded up to 8 (a 1-row window stores 8 rows of partials, not 64; a 16-row
     # window at 6 heads a KV head 96, not 128). Static per CTA kind: with parts, every part but the last stores 64.
     round8 = lambda n: -(-n // 8) * 8
@@ -247,7 +240,7 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
             m_gmem, l_gmem, acc_gmem, q_smem, union, p_smem, *bars = refs
             (k_smem, v_smem), (out_smem, ml_smem) = union
             ks_gmem = vs_gmem = ks_smem = vs_smem = kb_smem = vb_smem = None
-        k_ready, v_ready, k_free, v_free, q_ready, drained, written, schedule, kb_full, vb_full = bars
+        k_ready, v_ready, k_free, v_free, q_ready, drained, written, schedule = bars
         # len_gmem [S]; pt_gmem [S, Pmax']; q_gmem [S, Hkv, W 64, D]; k_gmem, v_gmem [Hkv, P, page, D]; outputs
         # m_gmem, l_gmem [S, Hkv, NC, M], acc_gmem [S, Hkv, NC, M, D]. q_smem [wgs, 64, D]; union: the K / V slots
         # [stages, 64, D] bf16, later the CTA's O partials [wgs 64, D] and their (m, l) [2, wgs 64] fp32;
@@ -300,34 +293,19 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                     pl.when(part < parts - 1)(functools.partial(store, cta_rows))
                     pl.when(part == parts - 1)(functools.partial(store, last_rows))
 
-        # (fp8_split: each warpgroup's half of the columns whole steps; 64-column steps where 128 would make one)
-        eight_bit = dequant == "wgmma_8bit" and d % (256 if fp8_split else 128) == 0
+        eight_bit = dequant == "wgmma_8bit" and d % 128 == 0  # (64-column steps where 128 would not divide d)
         layout, step = (plgpu.Layout.WGMMA_8BIT, 128) if eight_bit else (plgpu.Layout.WGMMA, 64)
-        steps = d // step
-        assert not fp8_split or steps % 2 == 0, (d, step)
 
-        def dequantize(codes, scales_row, into, full):
+        def dequantize(codes, scales_row, into):
             # A block's e4m3 codes [64, D] times their keys' scales [64] -> bf16 [64, D] in `into`, `step` columns
             # at a time in `dequant`'s register layout (a key a row): each value the correctly rounded bf16 of
-            # code x scale, from that key alone, whatever the layout or the warpgroup. fp8_split: this warpgroup's
-            # half of the columns, then both warpgroups meet on `full` before either reads the tile.
+            # code x scale, from that key alone, whatever the layout.
             row_scale = lax.broadcast_in_dim(plgpu.load(scales_row, layout=layout.reduce(1)), (bk, step), [0])
-
-            def convert(first, count):
-                for j in range(first, first + count):
-                    cols = pl.ds(j * step, step)
-                    x = plgpu.load(codes.at[:, cols], layout=layout)
-                    into[:, cols] = (x.astype(jnp.float32) * row_scale).astype(jnp.bfloat16)
-
-            if fp8_split:
-                for w in range(2):
-                    pl.when(wg == w)(functools.partial(convert, w * steps // 2, steps // 2))
-            else:
-                convert(0, steps)
+            for j in range(d // step):
+                cols = pl.ds(j * step, step)
+                x = plgpu.load(codes.at[:, cols], layout=layout)
+                into[:, cols] = (x.astype(jnp.float32) * row_scale).astype(jnp.bfloat16)
             plgpu.commit_smem()  # (a warpgroup barrier too: every lane has read the codes)
-            if fp8_split:
-                plgpu.barrier_arrive(full)
-                plgpu.barrier_wait(full)
 
         def take_turn():
             # With ping_pong the k-th turn of one compute warpgroup meets the k-th of the other; warpgroup 1 takes
@@ -357,7 +335,7 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                 acc, m, l = carry
                 slot = lax.rem(b, stages)
                 if fp8:  # the codes -> bf16 operands; the slot is free again once they are read
-                    dequantize(k_smem.at[slot], ks_smem.at[slot], kb_smem, kb_full)
+                    dequantize(k_smem.at[slot], ks_smem.at[slot], kb_smem)
                     plgpu.barrier_arrive(k_free.at[slot])
                 k_tile = kb_smem if fp8 else k_smem.at[slot]
 
@@ -380,7 +358,7 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                 if ping_pong:
                     plgpu.barrier_wait(schedule)
                 if fp8:
-                    dequantize(v_smem.at[slot], vs_smem.at[slot], vb_smem, vb_full)
+                    dequantize(v_smem.at[slot], vs_smem.at[slot], vb_smem)
                     plgpu.barrier_arrive(v_free.at[slot])
 
                 def wait_next_keys():
@@ -542,8 +520,6 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                        plgpu.Barrier(num_arrivals=3 if e4m3 else 1, num_barriers=wgs),
                        plgpu.Barrier(num_arrivals=wgs),
                        plgpu.Barrier(num_arrivals=wgs),
-                       plgpu.Barrier(num_arrivals=wgs),
-                       plgpu.Barrier(num_arrivals=wgs),  # fp8_split: a block's dequantized K, then V, complete
                        plgpu.Barrier(num_arrivals=wgs)),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=(interpret if isinstance(interpret, plgpu.InterpretGPUParams)
@@ -577,11 +553,6 @@ SPLIT_MAX_CTAS = 64
 # window_mgpu_variants timed it within 1 % of the shipped schedule in 13 of 15 windows (2048-key chunks at 32K:
 # 66.9 against 68.5 µs; 1024 at 16 streams: 688 against 681).
 PING_PONG = False
-# `WindowMgpuTiles.fp8_split` for the calls `attention.window` makes (a launch choice: same bits, H200 session 26).
-# Off, and FP8 with it: session 26 (`bench attention --sections window_fp8 --trace`, "mgpu shared", bf16 partials)
-# timed its 16-row windows at 1.06-1.21x its 1-row decode (64.5 µs at 1 stream and 32K, against the Triton pass 1's
-# 135.8), but that decode at 1.49-2.35x the Triton one's (56.6 against 36.4 µs at 32K).
-FP8_SPLIT = False
 # `WindowMgpuTiles.dequant` for the calls `attention.window` makes (a launch choice: same bits). The 8-bit layout
 # since session 21: `bench attention --sections window_fp8 --trace` (session 20's code, run at 99e6c09, kernels
 # alone) timed it faster at every point, 1-row decode 48.3 / 51.7 / 174.6 µs at 4K / 32K / 128K against 54.1 / 59.4 /
@@ -604,7 +575,7 @@ PARTIALS = "bfloat16"
 
 def _dequantizes(pool: KVPool) -> bool:
     """Whether the pass 1 dequantizes this pool's blocks (fp8, V by rows): then one compute warpgroup a CTA (parts =
-    warpgroups), unless two share the dequantization (fp8_split). e4m3 pools split rows as bf16 ones do."""
+    warpgroups). e4m3 pools split rows as bf16 ones do."""
     return pool.fp8 and not pool.keys_major
 
 
@@ -660,26 +631,12 @@ def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cach
         operands = operands[:2] + (q_hi,) + operands[3:] + (q_lo, q_inv)
     warpgroups = qp.shape[2] // WG_ROWS
     real_rows = r * (hq // hkv)
-    fp8_split = pool.fp8 and tiles.fp8_split and not e4m3
-    if fp8_split:  # two warpgroups a CTA, the second on padding queries where the rows fit one
-        if qp.shape[3] % 128:
-            raise ValueError(f"WindowMgpuTiles.fp8_split needs a head dim that is a multiple of 128; got "
-                             f"{qp.shape[3]}")
-        qp = jnp.pad(qp, ((0, 0), (0, 0), (0, (2 - warpgroups) * WG_ROWS), (0, 0)))
-        operands = operands[:2] + (qp,) + operands[3:]
-        warpgroups = 2
-        need = smem_bytes(wgs=2, stages=stages_for(tiles, 2), head_dim=qp.shape[3], interpret=bool(interpret),
-                          fp8=True, bf16_out=partials == "bfloat16")
-        if need > SMEM_BYTES:
-            raise ValueError(f"WindowMgpuTiles.fp8_split: two warpgroups with {partials} partials need {need} bytes "
-                             f"of shared memory, more than {SMEM_BYTES}")
-    # fp8 without fp8_split: one compute warpgroup a CTA
-    parts = warpgroups if not fp8_split and (tiles.split_rows or _dequantizes(pool)) else 1
+    parts = warpgroups if tiles.split_rows or _dequantizes(pool) else 1
     static = dict(scale=scale, chunk=chunk, short_chunk=short_chunk, n_chunks=n_chunks, nc_pad=nc_pad,
                   real_rows=real_rows,
                   mrows=_padded_rows(real_rows), max_keys=max_keys,
                   stages=stages_for(tiles, warpgroups // parts), parts=parts, ping_pong=tiles.ping_pong,
-                  partials=partials, dequant="e4m3" if e4m3 else tiles.dequant, fp8_split=fp8_split)
+                  partials=partials, dequant="e4m3" if e4m3 else tiles.dequant)
     with jax.named_scope("attn_window_chunks_mgpu"):
         if interpret:
             return _kernel_call(*operands, interpret=interpret, **static)

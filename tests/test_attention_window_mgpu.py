@@ -146,45 +146,6 @@ def test_fp8_dequant_layouts_give_the_same_bits(monkeypatch):
             assert np.array_equal(bits(a), bits(b))
 
 
-def test_fp8_split_dequantization_gives_the_same_bits(monkeypatch):
-    """fp8_split (`FP8_SPLIT`, a launch choice): two compute warpgroups a CTA each dequantize half of every block
-    into the shared bf16 tiles. The partials are those of one warpgroup a CTA, bit for bit, for a 3-row window (its
-    rows fit one warpgroup: the second computes on padding queries) and a 9-row one (72 rows over both), in either
-    dequantization layout, with no races; the window is right against float64. Head dim 128: the halves are whole
-    layout steps; q packed by the caller (`q_packed`) gives the same bits. At head dim 256 fp32 partials ask for more
-    shared memory than a CTA has: an error naming the option."""
-    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-    rng = np.random.default_rng(77)
-    two = dict(hq=16, cache_lens=[300, 70], parents=[TREE + [6, 7], list(range(-1, 8))])
-    for r, heads in ((3, dict(cache_lens=[300, 37], parents=[TREE, CHAIN])), (9, two)):
-        case = window_case(rng, r=r, dtype=kq.FP8, **dict(CASE, d=128, s=2, **heads))
-        q, kw, vw, par, pool, table, cache_len = case
-        rows = r * (heads.get("hq", SMALL["hq"]) // SMALL["hkv"])
-        for dequant in ("wgmma", "wgmma_8bit"):
-            monkeypatch.setattr(awm, "DEQUANT", dequant)  # read at tracing: `fresh_jit`
-            monkeypatch.setattr(awm, "FP8_SPLIT", False)
-            want = fresh_jit(at.window_partials)(q, pool, table, cache_len, scale=SCALE, tiles=TILES, interpret=True)
-            monkeypatch.setattr(awm, "FP8_SPLIT", True)
-            got = at.window_partials(q, pool, table, cache_len, scale=SCALE, tiles=TILES,
-                                     interpret=plgpu.InterpretGPUParams(detect_races=True))
-            assert not gpu_callbacks.get_races().races_found, (r, dequant)
-            for a_all, b_all in zip(got, want):
-                for a, b in zip(_live_rows(a_all, cache_len, 128, rows), _live_rows(b_all, cache_len, 128, rows)):
-                    assert np.array_equal(bits(a), bits(b)), (r, dequant)
-        # q packed by the caller (the model's attention prep) is padded to the second warpgroup the same way
-        packed = at.window_partials(q, pool, table, cache_len, scale=SCALE, tiles=TILES, interpret=True,
-                                    q_packed=awm.pack_queries(q, pool.k.shape[0]))
-        for a_all, b_all in zip(packed, got):
-            for a, b in zip(_live_rows(a_all, cache_len, 128, rows), _live_rows(b_all, cache_len, 128, rows)):
-                assert np.array_equal(bits(a), bits(b)), r
-        assert rel_err(fresh_jit(at.window)(*case, scale=SCALE, interpret=True, tiles=TILES),
-                       np_window(*case, SCALE)) < 1e-2
-    wide = window_case(rng, r=3, dtype=kq.FP8, **dict(CASE, d=256, s=2, cache_lens=[300, 37], parents=[TREE, CHAIN]))
-    with pytest.raises(ValueError, match="fp8_split"):  # (raised while tracing, before the kernel runs)
-        fresh_jit(at.window_partials)(wide[0], wide[4], wide[5], wide[6], scale=SCALE, interpret=True,
-                                      tiles=dataclasses.replace(TILES, partials="float32"))
-
-
 def test_split_queries_are_exact_scalings_of_each_row():
     """The e4m3 pass 1's queries: each row scaled by a power of two to a largest |value| in (224, 448] (a zero row
     by 1), its high part the e4m3 rounding of that, the low part the e4m3 rounding of the rest; hi + lo carries
@@ -463,16 +424,14 @@ def test_lowers_for_sm90_at_27b_shape(rows, stages, h200_lowering):
 
 @pytest.mark.parametrize("variant", ["split", "ping_pong", "chunk 2048", "fp32 partials", "bf16 partials",
                                      "bf16 partials split", "bf16 partials 1 row", "fp8", "fp8 1 row",
-                                     "fp8 16-key pages", "fp8 fp32 partials", "fp8 8-bit dequant",
-                                     "fp8 shared 8-bit dequant", "fp8 shared 8-bit dequant 1 row", "fp8 e4m3",
+                                     "fp8 16-key pages", "fp8 fp32 partials", "fp8 8-bit dequant", "fp8 e4m3",
                                      "fp8 e4m3 1 row", "fp8 e4m3 fp32 partials", "fp8 e4m3 split"])
 def test_variants_lower_for_sm90_at_27b_shape(variant, h200_lowering, monkeypatch):
     """The 16-row window's launch variants (a CTA a warpgroup, two warpgroups taking turns), a 2048-key chunk and
-    either partials dtype, and fp8 pools (64- and 16-key pages; two warpgroups sharing the dequantization, FP8_SPLIT)
-    lower for sm_90 at the 27B shape."""
+    either partials dtype, and fp8 pools (64- and 16-key pages, V by rows and key-major) lower for sm_90 at the 27B
+    shape."""
     monkeypatch.setattr(awm, "PING_PONG", variant == "ping_pong")
     monkeypatch.setattr(awm, "DEQUANT", "wgmma_8bit" if "8-bit" in variant else "wgmma")
-    monkeypatch.setattr(awm, "FP8_SPLIT", "shared" in variant)
     monkeypatch.setattr(awm._PARTIALS, "lowered", {})
     partials = {"fp32 partials": "float32"}.get(variant, "bfloat16" if "bf16" in variant else awm.PARTIALS)
     if variant in ("fp8 fp32 partials", "fp8 e4m3 fp32 partials"):
@@ -596,8 +555,7 @@ def test_gpu_27b_fp8_keys_major_e4m3():
 def test_gpu_27b_fp8_pool(monkeypatch):
     """On the H200 at the 27B shape: an fp8 pool on the Mosaic GPU pass 1 gives, bit for bit, the bf16 pass 1's
     partials over its dequantized keys (1- and 16-row windows), a window right against float64 and the Triton fp8
-    window, and the 1-row step row 0's bits; the 8-bit dequantization layout and two warpgroups sharing the
-    dequantization (FP8_SPLIT) the same bits."""
+    window, and the 1-row step row 0's bits; the codes dequantized in the MMA's layout the same bits."""
     rng = np.random.default_rng(73)
     case = _gpu_case(rng, 16, [5000, 1111, 64], 80, dtype=kq.FP8)
     q, kw, vw, par, pool, table, cache_len = case
@@ -628,20 +586,6 @@ def test_gpu_27b_fp8_pool(monkeypatch):
     monkeypatch.setattr(awm, "DEQUANT", "wgmma")  # read at tracing: `fresh_jit`
     mma_layout = fresh_jit(at.window)(*case, scale=SCALE, interpret=False, tiles=base)
     assert np.array_equal(bits(mma_layout), bits(got))
-    monkeypatch.setattr(awm, "DEQUANT", "wgmma_8bit")
-    # Two warpgroups sharing each block's dequantization (FP8_SPLIT, a launch choice): the same bits, 1 and 16 rows.
-    # With bf16 partials: two warpgroups' fp32 partials do not fit a CTA's shared memory at this shape (the
-    # kernel's ValueError, on the H200 in session 26).
-    half = dataclasses.replace(base, partials="bfloat16")
-    one = fresh_jit(at.window)(*case, scale=SCALE, interpret=False, tiles=half)
-    one_step = fresh_jit(at.window)(q[:, :1], kw[:, :1], vw[:, :1], par[:, :1], pool, table, cache_len,
-                                    scale=SCALE, interpret=False, tiles=half)
-    monkeypatch.setattr(awm, "FP8_SPLIT", True)
-    shared = fresh_jit(at.window)(*case, scale=SCALE, interpret=False, tiles=half)
-    assert np.array_equal(bits(shared), bits(one))
-    shared_step = fresh_jit(at.window)(q[:, :1], kw[:, :1], vw[:, :1], par[:, :1], pool, table, cache_len,
-                                       scale=SCALE, interpret=False, tiles=half)
-    assert np.array_equal(bits(shared_step), bits(one_step))
 
 
 @GPU
