@@ -30,7 +30,6 @@ On a CPU the kernels are only lowered for sm_90 (jax 0.11.2's interpreter reject
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +37,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.bench.common import time_us, traced_us
 
 
 def tail_call(groups: int, chunks: int, rows: int, d: int, store: str, tail: bool, gather: str = "registers",
@@ -142,17 +143,9 @@ def main() -> None:
             for tail in (True, False):
                 f = jax.jit(tail_call(args.groups, args.chunks, args.rows, args.d, store, tail, gather, dtype))
                 if args.trace:
-                    from pallas_kernels.bench.common import traced_us
-                    times[tail] = traced_us(lambda: [f(x) for _ in range(20)], args.trace, per=20,
-                                            prefix="")[0]
-                    continue
-                for _ in range(5):
-                    jax.block_until_ready(f(x))
-                t0 = time.perf_counter()
-                for _ in range(100):
-                    y = f(x)
-                jax.block_until_ready(y)
-                times[tail] = (time.perf_counter() - t0) / 100 * 1e6
+                    times[tail] = traced_us(lambda: [f(x) for _ in range(20)], args.trace, per=20, prefix="")[0]
+                else:
+                    times[tail] = time_us(f, [(x,)], warmup=5, iters=100)
             how = "the kernel alone (trace)" if args.trace else "a call, host-timed"
             print(f"{name}: {args.calls - bad} of {args.calls} calls equal to numpy's ordered sum bit for bit; "
                   f"{times[True]:.2f} µs with the tail, {times[False]:.2f} without, {how} ({args.groups} groups x "
