@@ -152,6 +152,8 @@ def cmd_eval(args) -> int:
     from qwen_jax.engine import evaluate
     if args.what == "ppl" and args.text is None:
         raise SystemExit("error: eval ppl needs --text FILE")
+    if args.what == "ppl" and args.path != "prompt":
+        raise SystemExit("error: --path decode is for eval kv (eval ppl reads its cache through prompt chunks)")
     _cache(args)
     ck = _checkpoint(args)
     tok = _tokenizer(args, required=True)

@@ -94,6 +94,8 @@ def test_eval_kv_through_decode_windows_matches_hf_logits(tmp_path, capsys):
     assert res["top1_agreement"] >= 0.9 and 0 <= res["mean_kl"] <= 1e-2
     with pytest.raises(SystemExit, match="--window-rows must be in 1..16"):
         main(["eval", "kv", "--model", TINY, "--path", "decode", "--window-rows", "17"] + NO_CACHE)
+    with pytest.raises(SystemExit, match="--path decode is for eval kv"):
+        main(["eval", "ppl", "--model", TINY, "--text", str(path), "--path", "decode"] + NO_CACHE)
 
 
 def test_bench_runs_small(capsys):
