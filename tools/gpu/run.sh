@@ -170,11 +170,11 @@ case "$stage" in
     # decode`); then the engine's fp8 decode at 32K of context, the Triton pass 1 (shipped), then e4m3.
     gpu_pytest 180 engine_e4m3 6 tests/test_engine_gpu.py -k "chunkmax"
     for w in triton mgpu; do
-      timeout 60 python3 -m qwen_jax eval kv --model captures/tiny-mlx-4bit --path decode --fp8-window $w \
-        --compile-cache "" 2>&1 | tee -a "$out/eval_kv_decode.log" | tail -1
+      timeout 80 python3 -m qwen_jax eval kv --model captures/tiny-mlx-4bit --path decode --fp8-window $w \
+        --max-tokens 400 --compile-cache "" 2>&1 | tee -a "$out/eval_kv_decode.log" | tail -1
     done
     for w in triton mgpu; do
-      timeout 130 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths "" --context 32768 \
+      timeout 120 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths "" --context 32768 \
         --rounds 32 --kv-cache fp8 --fp8-window $w --no-compile-timing --compile-cache "" 2>&1 \
         | tee -a "$out/bench_27b_fp8_window.log" | grep -E "window|decode"
     done ;;
