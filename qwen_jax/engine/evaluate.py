@@ -108,7 +108,7 @@ def perplexity(params, cfg, tokens, *, backend, dtype: str = "bfloat16", kv_cach
 
 
 KV_PATHS = ("prompt", "decode")
-MAX_WINDOW_ROWS = 16  # the verify program's widest window (`programs.Buckets`)
+MAX_WINDOW_ROWS = 16  # the widest verify window the attention kernels take (`attention.window`: 1..16 rows)
 _SLOT = 1  # the stream's GDN slot (slot 0 is the dummies')
 
 
