@@ -328,6 +328,18 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
             plgpu.barrier_wait(k_ready.at[0])
             return qt
 
+        def live_keys(b):
+            # [64, bk]: which of block b's keys lie before the context's end (the rest take -inf in S, and in the
+            # e4m3 step a V scale of 0), the same select in every block
+            col = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, bk), 1, layout=plgpu.Layout.WGMMA)
+            return col < n_keys - (first + b * bk)
+
+        def wait_next_keys(b):
+            # Block b + 1's K slot filled (issued behind block b's P V MMAs, before they are waited on)
+            @pl.when(b + 1 < n_blocks)
+            def _():
+                plgpu.barrier_wait(k_ready.at[lax.rem(b + 1, stages)])
+
         def _compute():
             qt = start()
 
@@ -349,8 +361,7 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                     plgpu.barrier_arrive(k_free.at[slot])
                 # Every block takes the same select on the raw S (keys at or past the context: -inf), so a
                 # visible logit meets the same operations in every block.
-                col = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, bk), 1, layout=plgpu.Layout.WGMMA)
-                logits = jnp.where(col < n_keys - (first + b * bk), logits, -jnp.inf)
+                logits = jnp.where(live_keys(b), logits, -jnp.inf)
                 acc, m_new, l, p16 = online_softmax(logits, acc, m, l, c_log2)
                 if ping_pong:
                     plgpu.barrier_arrive(schedule)
@@ -361,13 +372,8 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                     dequantize(v_smem.at[slot], vs_smem.at[slot], vb_smem)
                     plgpu.barrier_arrive(v_free.at[slot])
 
-                def wait_next_keys():
-                    @pl.when(b + 1 < n_blocks)
-                    def _():
-                        plgpu.barrier_wait(k_ready.at[lax.rem(b + 1, stages)])
-
                 acc = add_pv(acc, p16, vb_smem if fp8 else v_smem.at[slot], p_smem.at[wg] if interpret else None,
-                             then=wait_next_keys)
+                             then=functools.partial(wait_next_keys, b))
                 if not fp8:
                     plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l
@@ -380,8 +386,7 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                 # through shared memory in two e4m3 parts, each an MMA with V^T's key-major codes.
                 acc, m, l, vm = carry
                 slot = lax.rem(b, stages)
-                live = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, bk), 1, layout=plgpu.Layout.WGMMA) < (
-                    n_keys - (first + b * bk))
+                live = live_keys(b)
                 cols = lambda ref: lax.broadcast_in_dim(plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(0)),
                                                         (WG_ROWS, bk), [1])
                 k_scale = cols(ks_smem.at[slot])
@@ -409,10 +414,7 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                 def pv(acc_ref):
                     plgpu.wgmma(acc_ref, p_smem.at[wg], v_smem.at[slot].T)
                     plgpu.wgmma(acc_ref, plo_smem.at[wg], v_smem.at[slot].T)
-
-                    @pl.when(b + 1 < n_blocks)
-                    def _():
-                        plgpu.barrier_wait(k_ready.at[lax.rem(b + 1, stages)])
+                    wait_next_keys(b)
 
                 acc = accumulate(acc, pv, fresh=bool(interpret))
                 plgpu.barrier_arrive(v_free.at[slot])
