@@ -4,7 +4,9 @@ PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 # CPU suite workers (pytest-xdist): one a core, at most 4; a test file stays on one worker (its module fixtures,
-# a server or a compiled engine, start once).
+# a server or a compiled engine, start once). A worker that dies (a segfault in native code) is not replaced: under
+# --dist loadfile, pytest-xdist 3.8's replacement worker can wait forever for work (a CI run sat at 94 % until its
+# 90-minute limit), so the run stops there, naming the test the worker died in.
 JOBS ?= auto
 
 .PHONY: venv test serve gpu-test check-captures clean-venv
@@ -19,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 test: venv
-	"$(PY)" -m pytest -q -n $(JOBS) --maxprocesses 4 --dist loadfile $(PYTEST_ARGS)
+	"$(PY)" -m pytest -q -n $(JOBS) --maxprocesses 4 --dist loadfile --max-worker-restart 0 $(PYTEST_ARGS)
 
 serve: venv
 	"$(PY)" -m server $(ARGS)

@@ -1,5 +1,8 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,11 @@ if CPU_SUITE:
     # finishes (a CI run hung in test_attention_mgpu; with PJRT_NPROC=1 that test hangs every time here). A CTA
     # has at most 4 warpgroups and the interpreter runs one CTA at a time, so 16 threads leave room.
     os.environ.setdefault("PJRT_NPROC", str(max(16, os.cpu_count() or 1)))
+    # The persistent compilation cache's default directory (engine.DEFAULT_CACHE_DIR, read at import) is one of this
+    # run's own, shared by its workers and the servers they start (the environment is inherited), never ~/.cache.
+    if "QWEN_JAX_CACHE_DIR" not in os.environ:
+        os.environ["QWEN_JAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="qwen-jax-test-cache-")
+        atexit.register(shutil.rmtree, os.environ["QWEN_JAX_CACHE_DIR"], ignore_errors=True)
 
 
 def _interpreter_spawns_without_dispatch() -> None:
@@ -57,6 +65,18 @@ CAPTURES = ROOT / "captures"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+
+
+@pytest.fixture(autouse=True)
+def _compilation_cache_stays_in_its_test():
+    """A test that turns the persistent compilation cache on (the CLI and the engine do, by default) turns it back
+    off when it ends, so later tests in the same worker compile as they would alone."""
+    import jax
+    before = jax.config.jax_compilation_cache_dir
+    yield
+    if jax.config.jax_compilation_cache_dir != before:
+        from qwen_jax import programs
+        programs.enable_compilation_cache(before)
 
 
 @pytest.fixture
