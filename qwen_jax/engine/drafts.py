@@ -1,0 +1,86 @@
+"""Copy drafts: a stream's next tokens guessed from its own history (prompt lookup).
+
+Not used by the engine yet: a verify window's rows are not the serial steps' bits today (the attention adds a
+window's own keys after the committed keys' fold, so a row's sum order depends on how many of its keys are
+committed; docs/kernels/attention.md, session 38, and `test_window_rows_equal_serial_steps`), and drafting must
+change nothing but speed. The engine's side (chain windows, acceptance, commit, delivery) waits for that.
+
+When the last `n` tokens of a stream (prompt + reply, the pending token included) occurred earlier in that
+history, the tokens that followed the earlier occurrence are a good guess for what follows now: code being edited,
+a document quoted back, a list repeated with changes. The engine is to verify such a guess as a chain window
+(`[pending] + drafts`, one forward for all its rows), sample every row with the keyed sampler at its absolute
+position and keep the rows up to the first draft that differs from the sample of the row before it. Then what a
+stream produces is what serial decoding produces, and the drafts only decide how many tokens one forward yields.
+
+The index keys every (n - 1)-gram of the history by where it ends; an n-gram match is an (n - 1)-gram occurrence
+followed by the same token. Both questions the engine asks are then one dictionary lookup:
+- `may_propose()` while the stream's newest token is still on the device: did the last n - 1 known tokens occur
+  earlier with a token after them? (If so, the pending token is likely that token, and the engine fetches it.)
+- `propose(limit)` with the whole history known: the continuation of the latest earlier occurrence of the last n
+  tokens that has `limit` tokens after it, else of the one with the most (the earliest).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+MIN_MATCH = 8  # tokens that must repeat before a copy is proposed
+SCAN = 64  # the most recent occurrences of a key looked at (a long run of one token has thousands)
+
+
+class CopyIndex:
+    def __init__(self, tokens: Iterable[int] = (), *, n: int = MIN_MATCH):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+            raise ValueError(f"copy drafts: the match length must be an integer >= 2, got {n!r}")
+        self.n = n
+        self.tokens: list[int] = []
+        self._ends: dict[tuple[int, ...], list[int]] = {}  # (n - 1)-gram -> the positions just past each occurrence
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def append(self, token: int) -> None:
+        self.tokens.append(int(token))
+        end = len(self.tokens)
+        k = self.n - 1
+        if end >= k:
+            self._ends.setdefault(tuple(self.tokens[end - k:]), []).append(end)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        for t in tokens:
+            self.append(t)
+
+    def may_propose(self) -> bool:
+        """Whether the last n - 1 tokens occurred earlier with a token after them (the suffix itself excluded)."""
+        k = self.n - 1
+        if len(self.tokens) < k + 1:
+            return False
+        ends = self._ends.get(tuple(self.tokens[-k:]), ())
+        return len(ends) >= 2  # the last entry is the suffix itself
+
+    def propose(self, limit: int) -> list[int]:
+        """Up to `limit` tokens copied from after an earlier occurrence of the last n tokens ([] when none)."""
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"copy drafts: limit must be a non-negative integer, got {limit!r}")
+        size, k = len(self.tokens), self.n - 1
+        if limit == 0 or size < self.n + 1:
+            return []
+        last = self.tokens[-1]
+        ends = self._ends.get(tuple(self.tokens[size - 1 - k:size - 1]), ())
+        best = None  # (tokens after the match, -its position)
+        for end in reversed(ends[-SCAN:]):
+            # end: just past an (n - 1)-gram equal to the one before the last token; the match needs the same
+            # token after it, and something after that (the current suffix ends at size - 1 and has nothing).
+            if end >= size - 1 or self.tokens[end] != last:
+                continue
+            after = min(size - end - 1, limit)
+            if after == limit:
+                best = (after, end)
+                break
+            if best is None or after > best[0]:
+                best = (after, end)
+        if best is None:
+            return []
+        after, end = best
+        return self.tokens[end + 1:end + 1 + after]
