@@ -13,6 +13,9 @@ Programs (each one XLA executable per bucket):
                           path; the host picks one per call (no device-side branch to wait for).
   verify  [streams x rows] a drafted window (chain or tree) per stream, states read-only; samples every row and
                           returns the per-layer rows `commit` replays. Only compiled for `Buckets.window_rows`.
+  draft   [streams x rows] a copy-draft chain window per stream (`model.verify(chain=True)`): writes the chain's
+                          K/V, every row attends as the serial step at its position would, samples every row and
+                          returns the rows `commit` replays. Only compiled for `Buckets.chain_rows`.
   commit  [streams x rows] writes each stream's accepted path into its state.
   score / kv_compare      teacher-forced evaluation chunks (`python -m qwen_jax eval`).
 
@@ -108,7 +111,8 @@ class Buckets:
     smallest for every row bucket and the others only up to `multi_lane_rows` rows (None: all), since a call of
     several long chunks is no cheaper than one chunk at a time and each shape costs a compile; decode_streams:
     stream buckets of the decode (and verify) programs; window_rows: verify/commit row buckets for drafting
-    (compiled for every decode stream bucket); logprobs: the top-n every sampling program computes (0 = none).
+    (compiled for every decode stream bucket); chain_rows: draft/commit row buckets for copy drafts (likewise);
+    logprobs: the top-n every sampling program computes (0 = none).
     One variant per bucket: computing logprobs only in some rounds would switch a stream between programs."""
     prompt_rows: tuple[int, ...]
     prompt_lanes: tuple[int, ...]
@@ -117,12 +121,13 @@ class Buckets:
     packing: Packing = Packing.MAPPED
     logprobs: int = 0
     multi_lane_rows: int | None = None
+    chain_rows: tuple[int, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "packing", Packing(self.packing))
-        for name in ("prompt_rows", "prompt_lanes", "decode_streams", "window_rows"):
+        for name in ("prompt_rows", "prompt_lanes", "decode_streams", "window_rows", "chain_rows"):
             vals = tuple(sorted(set(int(v) for v in getattr(self, name))))
-            if name != "window_rows" and not vals:
+            if name not in ("window_rows", "chain_rows") and not vals:
                 raise ValueError(f"buckets: {name} is empty")
             if any(v < 1 for v in vals):
                 raise ValueError(f"buckets: {name} must be positive, got {vals}")
@@ -152,6 +157,9 @@ class Buckets:
 
     def window_bucket(self, streams: int, rows: int) -> tuple[int, int]:
         return self.decode_bucket(streams), _fit(self.window_rows, rows, "window rows")
+
+    def chain_bucket(self, streams: int, rows: int) -> tuple[int, int]:
+        return self.decode_bucket(streams), _fit(self.chain_rows, rows, "chain rows")
 
 
 def _fit(options: tuple[int, ...], n: int, what: str) -> int:
@@ -200,7 +208,8 @@ BATCHED_BY_DEFAULT = True
 
 
 def default_buckets(params, backend: M.Backend, *, parallel: int, max_chunk: int = 4096, logprobs: int = 0,
-                    window_rows: tuple[int, ...] = (), fixed_shapes: bool | None = None) -> Buckets:
+                    window_rows: tuple[int, ...] = (), fixed_shapes: bool | None = None,
+                    chain_rows: tuple[int, ...] = ()) -> Buckets:
     """The engine's default shapes. fixed_shapes (default: unless `BATCHED_BY_DEFAULT` and `row_invariant`):
     prompt lanes mapped through the one-lane forward and a single decode bucket of `parallel` streams, so no
     row's computation changes shape with the load (module docstring); otherwise batched lanes and power-of-two
@@ -211,8 +220,9 @@ def default_buckets(params, backend: M.Backend, *, parallel: int, max_chunk: int
         fixed_shapes = not (BATCHED_BY_DEFAULT and row_invariant(params, backend))
     if not fixed_shapes:
         return Buckets(rows, tuple(sorted({1, min(4, parallel)})), pow2_buckets(1, parallel), window_rows,
-                       Packing.BATCHED, logprobs, multi_lane_rows=256)
-    return Buckets(rows, (min(4, parallel),), (parallel,), window_rows, Packing.MAPPED, logprobs)
+                       Packing.BATCHED, logprobs, multi_lane_rows=256, chain_rows=chain_rows)
+    return Buckets(rows, (min(4, parallel),), (parallel,), window_rows, Packing.MAPPED, logprobs,
+                   chain_rows=chain_rows)
 
 
 # ---------------------------------------------------------------------------------------------- host batches
@@ -398,6 +408,21 @@ def verify_program(cfg: ModelConfig, backend: M.Backend, top_n: int, taps: tuple
     return program
 
 
+def draft_program(cfg: ModelConfig, backend: M.Backend, top_n: int) -> Callable:
+    """(params, state, window [S x R] of chains, sample params [S*R]) -> (state with the chains' K/V written,
+    tokens [S, R], logprobs or None, kept): `verify_program` with every row computed as the serial step at its
+    position (`model.verify(chain=True)`), so its tokens and logprobs are the serial ones."""
+
+    def program(params, state, window, sp):
+        with jax.named_scope("draft"):
+            logits, kept, _, state = M.verify(params, state, window, cfg, backend, chain=True)
+        s, r = window.tokens.shape
+        tokens, lp = _sample(logits.reshape(s * r, -1), sp, top_n)
+        return state, tokens.reshape(s, r), lp, kept
+
+    return program
+
+
 def commit_program(cfg: ModelConfig, backend: M.Backend) -> Callable:
     """(state, kept, window, path [S, R] root-first node indices, path_len [S]) -> state."""
 
@@ -539,6 +564,7 @@ class Programs:
             **{kind: jax.jit(decode_program(cfg, self.backend, top_n, path), donate_argnums=(1, 2))
                for kind, path in DECODE_KINDS.items()},
             "verify": jax.jit(verify_program(cfg, self.backend, top_n)),
+            "draft": jax.jit(draft_program(cfg, self.backend, top_n), donate_argnums=1),
             "commit": jax.jit(commit_program(cfg, self.backend), donate_argnums=0),
         }
 
@@ -565,7 +591,7 @@ class Programs:
         if kind in DECODE_KINDS:
             return (decode_window(lay, s, [], [], [], []), sample_params([], [], s))
         window = tree_window(lay, s, t, [], [], [], [], [])
-        if kind == "verify":
+        if kind in ("verify", "draft"):
             return (window, sample_params([], [], s * t))
         kept = jax.eval_shape(lambda p, st, w, sp: self._fns["verify"](p, st, w, sp)[2], self.params, self.state,
                               window, sample_params([], [], s * t))
@@ -576,8 +602,8 @@ class Programs:
         keys = [("prompt", shape) for shape in b.prompt_shapes]
         keys += [(kind, (s, 1)) for kind in DECODE_KINDS for s in b.decode_streams]
         for s in b.decode_streams:
-            for r in b.window_rows:
-                keys += [("verify", (s, r)), ("commit", (s, r))]
+            keys += [("verify", (s, r)) for r in b.window_rows] + [("draft", (s, r)) for r in b.chain_rows]
+            keys += [("commit", (s, r)) for r in sorted(set(b.window_rows) | set(b.chain_rows))]
         return keys
 
     def compile(self, keys: Sequence[tuple[str, tuple[int, int]]] | None = None, *, progress: bool = False,
@@ -676,6 +702,13 @@ class Programs:
         """-> (Sampled with tokens [S, R], kept (device rows for `commit`))."""
         exe = self._get(("verify", window.tokens.shape))
         tokens, lp, kept, _ = exe(self.params, self.state, window, sp)
+        return self._host(tokens, lp), kept
+
+    def draft(self, window: M.VerifyWindow, sp: sampling.SampleParams):
+        """A copy-draft chain window (`draft_program`; the state takes the chains' K/V) -> (Sampled with tokens
+        [S, R], kept (device rows for `commit`))."""
+        exe = self._get(("draft", window.tokens.shape))
+        self.state, tokens, lp, kept = exe(self.params, self.state, window, sp)
         return self._host(tokens, lp), kept
 
     def commit(self, kept, window: M.VerifyWindow, path: np.ndarray, path_len: np.ndarray) -> None:

@@ -58,7 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--drafter", metavar="DIR", default=None,
                    help="speculative drafter checkpoint (not available yet: the server refuses to start with it)")
     d.add_argument("--no-drafts", action="store_true",
-                   help="serial decoding only (today's behaviour; accepted so scripts can pin it)")
+                   help="serial decoding only (the default for now; accepted so scripts can pin it)")
+    d.add_argument("--copy-drafts", action="store_true",
+                   help="copy drafts: a stream whose last tokens repeat an earlier stretch of its prompt or reply "
+                        "verifies the tokens that followed it in one forward (replies stay the serial ones token "
+                        "for token; needs the row-invariant kernels, so refused with --no-kernels or on the CPU)")
 
     s = p.add_argument_group("scheduling")
     s.add_argument("--parallel", type=_positive, default=16, metavar="N",
@@ -118,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         loaded = build_engine(model=args.model, synthetic=args.synthetic, dtype=args.dtype, kv_cache=args.kv_cache,
                               max_model_len=args.max_model_len, parallel=args.parallel, max_queued=args.max_queued,
                               no_kernels=args.no_kernels, max_logprobs=args.max_logprobs,
-                              progress=not args.no_progress, shapes=args.shapes, decode_kernel=args.decode_kernel)
+                              progress=not args.no_progress, shapes=args.shapes, decode_kernel=args.decode_kernel,
+                              copy_drafts=args.copy_drafts)
     except ValueError as e:  # checkpoint and config errors are ValueErrors with a message for the user
         print(f"error: {e}", file=sys.stderr)
         return 2

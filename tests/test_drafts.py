@@ -1,8 +1,33 @@
-"""Copy drafts: the index's proposals (qwen_jax.engine.drafts)."""
+"""Copy drafts: the index's proposals (qwen_jax.engine.drafts); the draft program's chain rows ≡ one-row windows
+bit for bit (`model.verify(chain=True)`); and the engine's drafting on captures/tiny-mlx-4bit with the Pallas
+kernels in interpret mode (the row-invariant path drafting needs; the reference path is refused).
 
+The tiny checkpoint's random weights rarely repeat themselves, so the engine tests draft with oracles in the
+index's place. One proposes tokens the model never picks (every window keeps only its first row); the others
+propose the reply's next tokens with one of them changed, at an offset that moves from round to round, so windows
+are kept whole, in part and not at all. Every token then comes from a chain window, cut differently by each
+oracle, and the replies must be the same bits. That the chain rows are the fused serial step's bits is the
+device's gate (`tests/test_engine_gpu.py::test_drafted_equals_serial_on_gpu`): on this CPU the interpreted fused
+GDN step and the one-row window + commit part ways on some inputs (docs/kernels/attention.md, session 38)."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+from qwen_jax import programs as P
+from qwen_jax.checkpoint import load_checkpoint
+from qwen_jax.engine import stream as stream_mod
+from qwen_jax.engine.api import GenerationRequest, SamplingOptions
 from qwen_jax.engine.drafts import CopyIndex
+from qwen_jax.engine.engine import Engine
+from qwen_jax.model import Backend
+from tests.conftest import CAPTURES
+from tests.test_engine import _baseline
+
+MODEL = CAPTURES / "tiny-mlx-4bit"
+TIMEOUT = 600
 
 
 def test_propose_copies_what_followed_the_last_match():
@@ -41,3 +66,179 @@ def test_copy_index_errors():
         CopyIndex(n=1)
     with pytest.raises(ValueError, match="limit"):
         CopyIndex([1, 2, 3]).propose(-1)
+
+
+# ------------------------------------------------------------------------------------------------ the model
+
+
+def test_chain_rows_equal_one_row_windows():
+    """`verify(chain=True)` over a chain of 6 rows (padded to 8, beside a dummy stream) gives each row the logits of
+    a one-row verify at its position after the rows before it were committed, bit for bit; the chain's commit of
+    its first 4 rows leaves the state those one-row commits leave."""
+    import jax
+
+    from qwen_jax import model as M
+    ck = load_checkpoint(MODEL, dtype=jnp.bfloat16, progress=False)
+    cfg, params = ck.config, ck.params
+    be = Backend(kernels=True, interpret=True)
+    prefill = jax.jit(lambda p, s, b: M.prefill(p, s, b, cfg, be)[:2])
+    verify = jax.jit(lambda p, s, w, c: M.verify(p, s, w, cfg, be, chain=c), static_argnums=3)
+    commit = jax.jit(lambda s, k, w, pa, n: M.commit(s, k, w, pa, n, cfg, be))
+    rng = np.random.default_rng(4)
+    toks = rng.integers(0, cfg.text.vocab_size, size=80)
+    table = np.array([[1, 2], [0, 0]], np.int32)
+    state = M.init_state(cfg.text, num_slots=3, num_pages=4, page_size=64, dtype=jnp.bfloat16)
+    _, state = prefill(params, state, M.make_prefill_batch(toks[None, :60], [0], [60], [1], table[:1]))
+    n, rows, keep = 6, 8, 4
+    parents = [list(range(-1, n - 1)) + [-1] * (rows - n), [-1] * rows]
+    chain = M.make_window(np.stack([np.r_[toks[60:60 + n], [0, 0]], np.zeros(rows, np.int64)]), parents, [60, 0],
+                          [1, 0], table)
+    logits, kept, _, drafted = verify(params, state, chain, True)
+    drafted = commit(drafted, kept, chain, jnp.asarray([list(range(keep)) + [0] * (rows - keep), [0] * rows]),
+                     jnp.asarray([keep, 0]))
+    serial = state
+    for r in range(n):
+        one = M.make_window(np.array([[toks[60 + r]], [0]]), [[-1], [-1]], [60 + r, 0], [1, 0], table)
+        lr, kr, _ = verify(params, serial, one, False)
+        assert np.array_equal(np.asarray(lr[0, 0]), np.asarray(logits[0, r])), f"row {r}"
+        serial = commit(serial, kr, one, jnp.zeros((2, 1), jnp.int32), jnp.asarray([1, 0]))
+        if r + 1 == keep:
+            kept_serial = serial
+    for name in ("rec", "conv"):
+        for a, b in zip(getattr(drafted, name), getattr(kept_serial, name)):
+            assert np.array_equal(np.asarray(a[1]), np.asarray(b[1])), name  # slot 1 (slot 0 is scratch)
+    for a, b in zip(drafted.kv, kept_serial.kv):  # positions 0 .. 63 and 64 .. 60 + keep - 1 (the rest unread)
+        for x, y in ((a.k, b.k), (a.v, b.v)):
+            x, y = np.asarray(x), np.asarray(y)
+            live = 60 + keep - 64
+            assert np.array_equal(x[:, 1], y[:, 1]) and np.array_equal(x[:, 2, :live], y[:, 2, :live])
+
+
+# ------------------------------------------------------------------------------------------------ the engine
+
+
+class OracleCopies:
+    """CopyIndex's interface over a known reply: proposes its next tokens, the one at offset (tokens so far) %
+    period changed (no change when that offset is past the proposal); with no reply, tokens that are never right
+    (ids past the reply vocabulary's top, so every window keeps its first row only)."""
+
+    def __init__(self, tokens, replies: dict, vocab: int, period: int, limit: int):
+        self.prompt = tuple(int(t) for t in tokens)
+        self.tokens = list(self.prompt)
+        self.reply = replies.get(self.prompt)
+        self.vocab, self.period, self.limit = vocab, period, limit
+
+    def append(self, token):
+        self.tokens.append(int(token))
+
+    def may_propose(self) -> bool:
+        return True
+
+    def propose(self, limit: int) -> list[int]:
+        limit = min(limit, self.limit)
+        done = len(self.tokens) - len(self.prompt)  # reply tokens decided, the pending one included
+        if self.reply is None:
+            return [self.vocab - 1 - (done + i) % 7 for i in range(limit)]
+        out = list(self.reply[done:done + limit])
+        bad = done % self.period
+        if bad < len(out):
+            out[bad] = (out[bad] + 1) % self.vocab
+        return out
+
+
+def _request(prompt, seed, **kw):
+    sampled = seed is not None
+    opts = SamplingOptions(temperature=0.9, top_k=30, top_p=0.95, seed=seed) if sampled else SamplingOptions()
+    return GenerationRequest(tuple(prompt), sampling=opts, ignore_eos=True, logprobs=2 if sampled else None, **kw)
+
+
+@pytest.fixture(scope="module")
+def eng():
+    ck = load_checkpoint(MODEL, dtype=jnp.bfloat16, progress=False)
+    backend = Backend(kernels=True, interpret=True)
+    buckets = P.Buckets(prompt_rows=(64,), prompt_lanes=(1,), decode_streams=(2,), chain_rows=(8,),
+                        packing=P.Packing.BATCHED, logprobs=2)
+    e = Engine(ck.params, ck.config, None, dtype="bfloat16", max_model_len=192, parallel=2, max_queued=8,
+               backend=backend, buckets=buckets, max_logprobs=2, progress=False, copy_drafts=True, draft_rows=8)
+    e.start()
+    yield e
+    e.shutdown()
+
+
+def _oracle(monkeypatch, eng, replies, period, limit=16):
+    monkeypatch.setattr(stream_mod, "CopyIndex",
+                        lambda tokens: OracleCopies(tokens, replies, eng.vocab_size, period, limit))
+
+
+def _prompts():
+    rng = np.random.default_rng(3)
+    base = [int(t) for t in rng.integers(0, 500, size=12)]
+    return [base * 4, [int(t) for t in rng.integers(0, 500, size=70)]]
+
+
+def _same(a, b):
+    assert (a.token_ids, a.logprobs, a.finish_reason) == (b.token_ids, b.logprobs, b.finish_reason)
+
+
+def test_drafted_replies_do_not_depend_on_the_drafts(eng, monkeypatch):
+    """Each request drafted three ways (drafts never right; right but for one token every 5th or 3rd round, at most
+    7 or 4 a window): the same tokens and logprobs, windows kept whole, in part and not at all, every reply
+    max_tokens long, and the pools back to baseline."""
+    reqs = [_request(p, seed, max_tokens=n) for p in _prompts() for seed, n in ((None, 30), (11, 27))]
+    replies = {}
+    _oracle(monkeypatch, eng, replies, 5)
+    first = [eng.submit(r).result(TIMEOUT) for r in reqs]
+    for r, a in zip(reqs, first):
+        assert a.finish_reason == "length" and len(a.token_ids) == r.max_tokens
+        replies[r.prompt_ids] = a.token_ids
+    _baseline(eng)
+    for period, limit in ((5, 16), (3, 4)):
+        _oracle(monkeypatch, eng, replies, period, limit)
+        before = eng.stats()
+        again = [eng.submit(r).result(TIMEOUT) for r in reqs]
+        after = eng.stats()
+        for a, b in zip(first, again):
+            _same(a, b)
+        accepted = after.draft_accepted_total - before.draft_accepted_total
+        assert 0 < accepted < after.draft_proposed_total - before.draft_proposed_total
+        _baseline(eng)
+
+
+def test_drafted_streams_beside_a_serial_one(eng, monkeypatch):
+    """Two drafted streams and a serial one (`draft` False) at once: each as it was alone."""
+    reqs = [_request(p, seed, max_tokens=20) for p, seed in zip(_prompts(), (None, 5))]
+    serial_req = dataclasses.replace(_request(_prompts()[1], 9, max_tokens=20), draft=False)
+    replies = {}
+    _oracle(monkeypatch, eng, replies, 4)
+    alone = [eng.submit(r).result(TIMEOUT) for r in reqs]
+    for r, a in zip(reqs, alone):
+        replies[r.prompt_ids] = a.token_ids
+    serial = eng.submit(serial_req).result(TIMEOUT)
+    handles = [eng.submit(reqs[0]), eng.submit(serial_req), eng.submit(reqs[1])]
+    together = [h.result(TIMEOUT) for h in handles]
+    for a, b in zip([alone[0], serial, alone[1]], together):
+        _same(a, b)
+    _baseline(eng)
+
+
+def test_a_stop_inside_a_window_ends_the_reply_there(eng, monkeypatch):
+    replies = {}
+    _oracle(monkeypatch, eng, replies, 6)
+    prompt = _prompts()[1]
+    full = eng.submit(_request(prompt, None, max_tokens=30)).result(TIMEOUT)
+    replies[tuple(prompt)] = full.token_ids
+    stop = full.token_ids[12]
+    cut = full.token_ids.index(stop) + 1
+    got = eng.submit(_request(prompt, None, max_tokens=30, stop_token_ids=(stop,))).result(TIMEOUT)
+    assert got.token_ids == full.token_ids[:cut] and got.finish_reason == "stop"
+    _baseline(eng)
+
+
+def test_copy_drafts_refused_where_rows_are_not_invariant():
+    ck = load_checkpoint(CAPTURES / "tiny", dtype=jnp.float32, progress=False)
+    with pytest.raises(ValueError, match="copy_drafts"):
+        Engine(ck.params, ck.config, None, dtype="float32", max_model_len=128, parallel=2, backend=Backend(),
+               progress=False, copy_drafts=True)
+    with pytest.raises(ValueError, match="draft_rows"):
+        Engine(ck.params, ck.config, None, dtype="float32", max_model_len=128, parallel=2, backend=Backend(),
+               progress=False, draft_rows=17)

@@ -5,6 +5,8 @@ which must hold from the kernels' row invariance alone: concurrent ≡ solo, chu
 row's bits the same in every stream bucket. The batched policy failed here in session 2 and holds since
 session 3 (programs.BATCHED_BY_DEFAULT)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,6 +75,41 @@ def test_concurrent_equals_solo_on_gpu(dtype, fixed, kv_cache, monkeypatch):
         _check_same(solo, together)
         _baseline(e)
         assert (watch.traces, watch.compiles) == (0, 0)
+    finally:
+        e.shutdown()
+
+
+@pytest.mark.parametrize("kv_cache", ["bf16", "fp8"])
+def test_drafted_equals_serial_on_gpu(kv_cache, monkeypatch):
+    """Copy drafts (`copy_drafts`, the draft program's chain windows of up to 16 rows) against serial decoding
+    (`draft` False: the fused decode step), token for token and logprob for logprob, greedy and seeded-sampled,
+    alone and two drafted streams beside a serial one; drafts from an oracle in the index's place (the serial
+    reply with one token changed every 5th round, tests/test_drafts.py), so windows are kept whole, in part and
+    not at all; no compile while serving."""
+    from qwen_jax.engine import stream as stream_mod
+    from tests.test_drafts import OracleCopies, _prompts, _request
+    ck = _params("bfloat16")
+    e = Engine(ck.params, ck.config, None, dtype="bfloat16", kv_cache=kv_cache, max_model_len=512, parallel=4,
+               max_logprobs=2, progress=False, copy_drafts=True)
+    replies = {}
+    monkeypatch.setattr(stream_mod, "CopyIndex", lambda tokens: OracleCopies(tokens, replies, e.vocab_size, 5, 16))
+    e.start()
+    try:
+        reqs = [_request(p, seed, max_tokens=n) for p in _prompts() for seed, n in ((None, 40), (11, 37))]
+        serial = [e.submit(dataclasses.replace(r, draft=False)).result(120) for r in reqs]
+        for r, a in zip(reqs, serial):
+            replies[r.prompt_ids] = a.token_ids
+        before = e.stats()
+        with P.CompileWatch() as watch:
+            drafted = [e.submit(r).result(120) for r in reqs]
+            handles = [e.submit(reqs[0]), e.submit(dataclasses.replace(reqs[1], draft=False)), e.submit(reqs[3])]
+            together = [h.result(120) for h in handles]
+        after = e.stats()
+        for a, b in zip(serial + [serial[0], serial[1], serial[3]], drafted + together):
+            assert (a.token_ids, a.logprobs, a.finish_reason) == (b.token_ids, b.logprobs, b.finish_reason)
+        assert 0 < after.draft_accepted_total - before.draft_accepted_total
+        assert (watch.traces, watch.compiles) == (0, 0)
+        _baseline(e)
     finally:
         e.shutdown()
 

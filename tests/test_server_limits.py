@@ -190,7 +190,8 @@ def _cli(*args, timeout=60):
 
 def test_help_documents_every_flag():
     out = _cli("--help").stdout
-    for flag in ("--model", "--drafter", "--no-drafts", "--host", "--port", "--max-model-len", "--parallel",
+    for flag in ("--model", "--drafter", "--no-drafts", "--copy-drafts", "--host", "--port", "--max-model-len",
+                 "--parallel",
                  "--kv-cache", "--dtype", "--api-key", "--max-queued", "--served-model-name", "--max-tokens",
                  "--max-request-bytes", "--synthetic", "--max-logprobs", "--no-kernels", "--shapes", "--decode-kernel",
                  "QWEN_JAX_API_KEY",
@@ -218,6 +219,11 @@ def test_cli_refusals():
     assert r.returncode == 2 and "--shapes" in r.stderr
     r = _cli("--decode-kernel", "cutlass")
     assert r.returncode == 2 and "--decode-kernel" in r.stderr
+    # Copy drafts need the row-invariant kernels (drafted replies must be the serial ones): refused on the CPU path.
+    r = _cli("--copy-drafts", "--no-kernels", "--no-progress")
+    assert r.returncode == 2 and "--copy-drafts" in r.stderr, r.stderr
+    r = _cli("--copy-drafts", "--no-drafts")
+    assert r.returncode == 2 and "not allowed with" in r.stderr
 
 
 def test_decode_kernel_choice(monkeypatch):

@@ -1,15 +1,14 @@
 """Copy drafts: a stream's next tokens guessed from its own history (prompt lookup).
 
-Not used by the engine yet: a verify window's rows are not the serial steps' bits today (the attention adds a
-window's own keys after the committed keys' fold, so a row's sum order depends on how many of its keys are
-committed; docs/kernels/attention.md, session 38, and `test_window_rows_equal_serial_steps`), and drafting must
-change nothing but speed. The engine's side (chain windows, acceptance, commit, delivery) waits for that.
+The engine's `copy_drafts` (off by default) uses it: `Engine._window_call` verifies the proposals as chain
+windows in the draft program, whose rows are computed as the serial steps at their positions
+(`model.verify(chain=True)`), so drafting changes nothing but speed.
 
 When the last `n` tokens of a stream (prompt + reply, the pending token included) occurred earlier in that
 history, the tokens that followed the earlier occurrence are a good guess for what follows now: code being edited,
-a document quoted back, a list repeated with changes. The engine is to verify such a guess as a chain window
-(`[pending] + drafts`, one forward for all its rows), sample every row with the keyed sampler at its absolute
-position and keep the rows up to the first draft that differs from the sample of the row before it. Then what a
+a document quoted back, a list repeated with changes. The engine verifies such a guess as a chain window
+(`[pending] + drafts`, one forward for all its rows), samples every row with the keyed sampler at its absolute
+position and keeps the rows up to the first draft that differs from the sample of the row before it. Then what a
 stream produces is what serial decoding produces, and the drafts only decide how many tokens one forward yields.
 
 The index keys every (n - 1)-gram of the history by where it ends; an n-gram match is an (n - 1)-gram occurrence

@@ -8,7 +8,11 @@ A round of the scheduler (one loop iteration):
   3. one prompt call: the next chunk of one or more prompting streams (chunks cut on the 64-grid of
      absolute positions, at most `prefill_step` rows a lane while other streams decode, so they keep going);
      a lane whose prompt ends there yields its first token at once;
-  4. one decode call for every decoding stream: verify + commit the pending token, sample the next. Decode calls
+  4. copy drafts (`copy_drafts`, qwen_jax.engine.drafts): a stream whose recent tokens repeat an earlier stretch of
+     its history verifies the tokens that followed it as a chain window (one draft call for all such streams,
+     then one commit of each stream's accepted rows), and may take several tokens from one forward; those streams
+     sit out this round's decode call;
+  5. one decode call for every (other) decoding stream: verify + commit the pending token, sample the next. Decode calls
      are pipelined: a call is dispatched before the previous call's tokens reach the host (each row reads its
      input token on the device, where the slot's previous call left it: programs.FROM_LAST), and only then is
      the previous call fetched and its tokens delivered (events, detokenization, stop strings), so the device
@@ -25,7 +29,13 @@ streams in it (and, if it consumed the donated pools, every running stream, on f
 Exactness: a request's tokens do not depend on what else runs (programs docstring): its prompt chunks are cut on
 the grid whatever the lane count or bucket, each row is sampled with the keyed sampler at its absolute position,
 and the seed of a request without one comes from its prompt (sampling.derive_seed), so replies reproduce.
-Drafting is not in yet: `GenerationRequest.draft` is accepted and every request decodes serially.
+Drafting: copy drafts when the engine has `copy_drafts` on (off by default; DFlash block drafts are not in yet).
+A chain window's rows are sampled with the same keyed rule at their own positions and accepted up to the first
+draft that differs from its predecessor row's sample, so a drafted reply is the serial one token for token,
+provided each row's logits have the bits of the serial step at its position. The draft program computes each row's
+attention as that step's (`model.verify(chain=True)`); the rest holds where every op is row-invariant
+(`programs.row_invariant`: the kernels on quantized weights), and drafting is refused elsewhere.
+`GenerationRequest.draft` False keeps a request serial.
 """
 
 from __future__ import annotations
@@ -49,6 +59,11 @@ from qwen_jax.engine.stream import Phase, Stream
 
 log = logging.getLogger(__name__)
 
+# Copy drafts: the verify window's rows (the pending token and up to DRAFT_ROWS - 1 drafts); the largest
+# window the programs compile (a 16-row window is one attention call per layer either way).
+DRAFT_ROWS = 16
+MAX_DRAFT_ROWS = 16
+
 DEFAULT_CACHE_DIR = os.environ.get("QWEN_JAX_CACHE_DIR", str(Path.home() / ".cache" / "qwen_jax" / "jax"))
 
 
@@ -71,13 +86,15 @@ class Engine:
                  max_queued: int = 64, backend=None, page_size: int = 64, num_pages: int | None = None,
                  buckets: P.Buckets | None = None, max_prefill_chunk: int = 4096, prefill_step: int = 1024,
                  max_logprobs: int = 0, seed_salt: str = "", fixed_shapes: bool | None = None,
-                 progress: bool = True):
+                 progress: bool = True, copy_drafts: bool = False, draft_rows: int = DRAFT_ROWS):
         from qwen_jax.model import Backend
         for name, v, lo in (("max_model_len", max_model_len, 2), ("parallel", parallel, 1),
                             ("max_queued", max_queued, 0), ("page_size", page_size, 1),
                             ("max_prefill_chunk", max_prefill_chunk, P.GRID), ("prefill_step", prefill_step, P.GRID)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        if isinstance(draft_rows, bool) or not isinstance(draft_rows, int) or not 2 <= draft_rows <= MAX_DRAFT_ROWS:
+            raise ValueError(f"draft_rows must be an integer in [2, {MAX_DRAFT_ROWS}], got {draft_rows!r}")
         if prefill_step % P.GRID or max_prefill_chunk % P.GRID:
             raise ValueError(f"max_prefill_chunk and prefill_step must be multiples of {P.GRID}")
         self.model_config = config
@@ -99,15 +116,25 @@ class Engine:
                              "would depend on the rows beside it with this backend and weights (only the Pallas "
                              "qmm kernel on quantized weights is row-invariant), so concurrent replies could "
                              "differ from solo ones; use fixed shapes")
+        if copy_drafts and not P.row_invariant(params, self.backend):
+            raise ValueError("copy_drafts (the server's --copy-drafts): a drafted window's rows would not have the "
+                             "bits of serial steps with this backend and weights (only the Pallas kernels on "
+                             "quantized weights compute a row alone), so drafted replies could differ from serial "
+                             "ones; run without drafts")
         if buckets is None:
             buckets = P.default_buckets(params, self.backend, parallel=parallel,
                                         max_chunk=min(max_prefill_chunk, P.pages_for(max_model_len, P.GRID) * P.GRID),
-                                        logprobs=max_logprobs, fixed_shapes=fixed_shapes)
+                                        logprobs=max_logprobs, fixed_shapes=fixed_shapes,
+                                        chain_rows=(draft_rows,) if copy_drafts else ())
+        if copy_drafts and not buckets.chain_rows:
+            raise ValueError("copy_drafts: the buckets compile no chain window (chain_rows is empty)")
         if buckets.logprobs < max_logprobs:
             raise ValueError(f"buckets compute {buckets.logprobs} top logprobs; max_logprobs={max_logprobs}")
         if buckets.decode_streams[-1] < parallel:
             raise ValueError(f"the largest decode bucket ({buckets.decode_streams[-1]}) is below parallel={parallel}")
         self.buckets = buckets
+        self.copy_drafts = copy_drafts
+        self.draft_rows = buckets.chain_rows[-1] if copy_drafts else 1
         # "batched" (power-of-two decode buckets, prompts packed in lanes) or "fixed" (one shape whatever the load)
         self.shape_policy = "batched" if buckets.packing is P.Packing.BATCHED else "fixed"
         self.chunk_cap = min(buckets.prompt_rows[-1], max_prefill_chunk)
@@ -127,7 +154,7 @@ class Engine:
         self._inflight: collections.deque[tuple[list[Stream], object]] = collections.deque()  # decode calls
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._counters = {"prompt": 0, "generation": 0}
+        self._counters = {"prompt": 0, "generation": 0, "draft_proposed": 0, "draft_accepted": 0}
         self.compile_times: dict = {}
 
     @classmethod
@@ -261,7 +288,9 @@ class Engine:
             return EngineStats(running=len(self._running), waiting=self._n_waiting, free_pages=self._pages.free,
                                total_pages=self._pages.total, free_slots=self._slots.free,
                                total_slots=self._slots.total, prompt_tokens_total=self._counters["prompt"],
-                               generation_tokens_total=self._counters["generation"])
+                               generation_tokens_total=self._counters["generation"],
+                               draft_proposed_total=self._counters["draft_proposed"],
+                               draft_accepted_total=self._counters["draft_accepted"])
 
     # ------------------------------------------------------------------------------------------ scheduler
 
@@ -290,7 +319,11 @@ class Engine:
         if any(s.phase is Phase.PROMPT for s in self._running):
             self._land(keep=0)
             self._prompt_call()
-        dispatched = self._decode_call()
+        drafted: set[Stream] = set()
+        if self.copy_drafts and any(self._may_draft(s) for s in self._running):
+            self._land(keep=0)  # the pending tokens, to look them up and to put them first in the windows
+            drafted = self._window_call()
+        dispatched = self._decode_call(skip=drafted)
         self._land(keep=1 if dispatched else 0)  # one call stays in flight while there is more to do
 
     def _cancel_now(self, handle: RequestHandle) -> None:
@@ -331,7 +364,8 @@ class Engine:
                                 sampling_rule=self._sampling_rule(req),
                                 stop_ids=frozenset(req.stop_token_ids) | (frozenset() if req.ignore_eos
                                                                           else self.stop_ids),
-                                max_model_len=self.max_model_len, tokenizer=self.tokenizer)
+                                max_model_len=self.max_model_len, tokenizer=self.tokenizer,
+                                copy_drafts=self.copy_drafts)
             except Exception as e:
                 self._slots.give_back(slot)
                 self._pages.give_back(pages)
@@ -431,9 +465,10 @@ class Engine:
             return False
         return True
 
-    def _decode_call(self) -> bool:
-        """Dispatch one decode call for every decoding stream not yet at its last token. -> whether it did."""
-        streams = [s for s in self._running if s.phase is Phase.DECODE and not s.finishing]
+    def _decode_call(self, skip: set | frozenset = frozenset()) -> bool:
+        """Dispatch one decode call for every decoding stream not yet at its last token (but those in `skip`, whose
+        window this round decided their tokens). -> whether it did."""
+        streams = [s for s in self._running if s.phase is Phase.DECODE and not s.finishing and s not in skip]
         if not streams:
             return False
         n = self.buckets.decode_bucket(len(streams))
@@ -448,6 +483,7 @@ class Engine:
             return False
         for s in streams:
             s.next_input = None  # from now on the device feeds the slot's last sampled token
+            s.inflight += 1
             s.cache_len += 1
             s.sampled += 1
             s.finishing = (s.sampled >= s.request.max_tokens or s.prompt_len + s.sampled >= self.max_model_len)
@@ -458,6 +494,8 @@ class Engine:
         """Fetch the oldest decode calls in flight, leaving `keep`, and deliver their tokens in order."""
         while len(self._inflight) > keep:
             streams, pending = self._inflight.popleft()
+            for s in streams:
+                s.inflight -= 1
             try:
                 out = self.programs.fetch(pending)
             except Exception as e:
@@ -466,3 +504,68 @@ class Engine:
             for i, s in enumerate(streams):
                 if s in self._running:  # not ended meanwhile (cancel, stop id or string, error): else dropped
                     self._deliver(s, int(out.tokens[i]), out, i)
+
+    # ------------------------------------------------------------------------------------------ copy drafts
+
+    def _may_draft(self, s: Stream) -> bool:
+        """Whether a decoding stream may have a copy to verify this round: its history known on the host (the
+        pending token included, or not yet when a decode call is in flight) repeats an earlier stretch."""
+        if s.copies is None or s.phase is not Phase.DECODE or s.finishing or s.budget() < 2:
+            return False
+        if s.inflight:
+            return s.copies.may_propose()
+        return bool(s.copies.propose(1))
+
+    def _window_call(self) -> set:
+        """One draft call over the streams that have a copy to try (no decode call in flight: their pending token
+        is the last one decided; `programs.draft_program`, each row computed as the serial step at its position),
+        then one commit of each stream's accepted rows, then their tokens. -> the streams it ran."""
+        tries = []
+        for s in self._running:
+            if not self._may_draft(s):
+                continue
+            drafts = s.copies.propose(min(self.draft_rows, s.budget()) - 1)
+            if drafts:
+                tries.append((s, [s.generated[-1]] + drafts))
+        if not tries:
+            return set()
+        streams = [s for s, _ in tries]
+        n, rows = self.buckets.chain_bucket(len(tries), max(len(t) for _, t in tries))
+        window = P.tree_window(self.layout, n, rows, [t for _, t in tries],
+                               [list(range(-1, len(t) - 1)) for _, t in tries], [s.cache_len for s in streams],
+                               [s.slot for s in streams], [s.page_table for s in streams])
+        # Row r of a stream samples the token at position cache_len + r + 1 (the serial step's rule); the rows
+        # past a stream's window repeat its last position (their draws are never read).
+        reqs, positions = [], []
+        for s, t in tries:
+            reqs += [s.sampling] * rows
+            positions += [s.cache_len + min(r, len(t) - 1) + 1 for r in range(rows)]
+        sp = P.sample_params(reqs, positions, n * rows)
+        try:
+            out, kept = self.programs.draft(window, sp)
+            path = np.zeros((n, rows), np.int32)
+            path_len = np.zeros(n, np.int32)
+            for i, (s, t) in enumerate(tries):
+                took = 1  # row 0, the pending token, always stands; row r stands while draft r is row r-1's sample
+                while took < len(t) and int(out.tokens[i, took - 1]) == t[took]:
+                    took += 1
+                path[i, :took] = np.arange(took)
+                path_len[i] = took
+            self.programs.commit(kept, window, path, path_len)
+        except Exception as e:
+            self._program_failed(streams, e)
+            return set(streams)
+        with self._lock:
+            self._counters["draft_proposed"] += sum(len(t) - 1 for _, t in tries)
+            self._counters["draft_accepted"] += int(path_len.sum()) - len(tries)
+        for i, s in enumerate(streams):
+            took = int(path_len[i])
+            s.cache_len += took
+            s.sampled += took
+            s.next_input = int(out.tokens[i, took - 1])
+            s.finishing = s.budget() <= 0
+            for r in range(took):
+                if s not in self._running:
+                    break  # a stop id or string ended it: the rest of its window is dropped
+                self._deliver(s, int(out.tokens[i, r]), out, i * rows + r)
+        return set(streams)

@@ -9,6 +9,7 @@ import numpy as np
 
 from qwen_jax import sampling
 from qwen_jax.engine.api import GenerationRequest, TokenEvent, TokenLogprob
+from qwen_jax.engine.drafts import CopyIndex
 from qwen_jax.engine.handle import RequestHandle
 from qwen_jax.engine.text import Detokenizer, StopStrings
 
@@ -20,7 +21,8 @@ class Phase(enum.Enum):
 
 class Stream:
     def __init__(self, handle: RequestHandle, *, slot: int, pages: list[int], pages_per_stream: int,
-                 sampling_rule: sampling.RequestSampling, stop_ids: frozenset[int], max_model_len: int, tokenizer):
+                 sampling_rule: sampling.RequestSampling, stop_ids: frozenset[int], max_model_len: int, tokenizer,
+                 copy_drafts: bool = False):
         req: GenerationRequest = handle.request
         self.handle = handle
         self.request = req
@@ -38,6 +40,9 @@ class Stream:
         self.next_input: int | None = None  # the next decode call's input when the host has it (after a prompt)
         self.sampled = 0  # tokens sampled so far, including decode calls still in flight
         self.finishing = False  # max_tokens or the context end comes with its last sampled token: no more calls
+        self.inflight = 0  # decode calls dispatched and not yet fetched
+        # prompt + decided tokens, indexed for copy drafts (None: this stream decodes serially)
+        self.copies = CopyIndex(req.prompt_ids) if copy_drafts and req.draft else None
         self.generated: list[int] = []
         self.detok = Detokenizer(tokenizer, skip_special_tokens=req.skip_special_tokens) if tokenizer else None
         self.stops = StopStrings(req.stop)
@@ -51,9 +56,15 @@ class Stream:
         chunk but the last ends on the grid and the next one starts on it)."""
         return self.prefilled, min(self.prompt_len - self.prefilled, cap)
 
+    def budget(self) -> int:
+        """Tokens this stream may still sample (max_tokens and the context end)."""
+        return min(self.request.max_tokens - self.sampled, self.max_model_len - self.prompt_len - self.sampled)
+
     def token_event(self, token: int, logprob: TokenLogprob | None) -> TokenEvent:
         """Record a decided token and return its event (finish_reason set when this token ends the reply)."""
         self.generated.append(token)
+        if self.copies is not None:
+            self.copies.append(token)
         finish = None
         if token in self.stop_ids:
             finish = "stop"  # the stop token's own text is not part of the reply; what was held back is

@@ -76,6 +76,31 @@ def window_pass(x, p, pool, window, cfg: TextConfig, backend: Backend):
     return finish(o, gate, p, cfg, backend, prompt=False), {"k": k, "v": v}
 
 
+def chain_valid(window):
+    """[S, R] the rows of each stream's chain: row 0 and every row whose parent is the row before it (the rows a
+    chain is padded with hang off the root's parent), of live streams (slot > 0)."""
+    r = window.parents.shape[1]
+    return (window.parents == jnp.arange(r)[None, :] - 1) & (window.slot[:, None] > 0)
+
+
+def chain_pass(x, p, pool, window, cfg: TextConfig, backend: Backend):
+    """A chain window's rows as the serial steps they stand for (drafted ≡ serial): each row's K/V is written at
+    its position first, then row r of a stream attends as a stream of its own, over cache_len + r committed keys
+    with its own key as its one window key, which is what the serial step at that position does (`window_pass`
+    over one row). A window of several rows would add its own keys after the committed keys' fold, another order
+    (docs/kernels/attention.md, session 38). The cost: each row reads its whole context. -> (y, pool with the
+    chain's K/V written, kept rows for `commit`)."""
+    q, gate, k, v, _ = project(x, p, window.rope_positions, cfg, backend, prompt=False)
+    s, r = q.shape[:2]
+    positions = window.cache_len[:, None] + jnp.arange(r)[None, :]
+    pool = ops.kv_write(backend, pool, k, v, window.page_table, positions, chain_valid(window))
+    one = lambda a: a.reshape((s * r, 1) + a.shape[2:])
+    o = ops.attention_window(backend, one(q), one(k), one(v), jnp.full((s * r, 1), -1, jnp.int32), pool,
+                             jnp.repeat(window.page_table, r, axis=0), positions.reshape(s * r),
+                             scale=cfg.head_dim ** -0.5)
+    return finish(o.reshape(q.shape), gate, p, cfg, backend, prompt=False), pool, {"k": k, "v": v}
+
+
 def commit(kept, pool, window, path, path_len, backend: Backend):
     """Write the accepted path's K/V rows at positions cache_len, cache_len + 1, ..."""
     r = path.shape[1]

@@ -189,8 +189,12 @@ def prefill(params, state: ModelState, batch: PrefillBatch, cfg: ModelConfig, ba
 
 
 def verify(params, state: ModelState, window: VerifyWindow, cfg: ModelConfig, backend: Backend, *,
-           taps: tuple[int, ...] = ()):
-    """-> (logits [S, R, V] fp32, kept (per-layer rows for commit), taps [S, R, n, H] or None). State unchanged."""
+           taps: tuple[int, ...] = (), chain: bool = False):
+    """-> (logits [S, R, V] fp32, kept (per-layer rows for commit), taps [S, R, n, H] or None), and with chain the
+    state. State unchanged, except with chain: each stream's window is a chain (padded with rows off the root's
+    parent), its K/V rows are written at their positions and every row attends as the serial step at its position
+    would (`attention.chain_pass`), so its bits are the serial steps' (drafted ≡ serial); the K/V past the
+    accepted rows are never read (cache_len) and later overwritten. -> (logits, kept, taps, state)."""
     t = cfg.text
     x = _embed(params, state, window.tokens, backend)
 
@@ -199,12 +203,15 @@ def verify(params, state: ModelState, window: VerifyWindow, cfg: ModelConfig, ba
         return y, rec, conv, k
 
     def run_attn(h, p, pool):
+        if chain:
+            return attn_mixer.chain_pass(h, p, pool, window, t, backend)
         y, k = attn_mixer.window_pass(h, p, pool, window, t, backend)
         return y, pool, k
 
-    x, h, _, kept, tapped = _layers(params, state, x, t, run_gdn, run_attn, taps, backend, False, head=True)
+    x, h, new, kept, tapped = _layers(params, state, x, t, run_gdn, run_attn, taps, backend, False, head=True)
     logits = _head(params, x, t, backend, prompt=False, h=h)
-    return logits, tuple(kept), (jnp.stack(tapped, axis=2) if tapped else None)
+    out = logits, tuple(kept), (jnp.stack(tapped, axis=2) if tapped else None)
+    return out + (new,) if chain else out
 
 
 def step(params, state: ModelState, window: VerifyWindow, cfg: ModelConfig, backend: Backend):
