@@ -93,10 +93,12 @@ def chain_pass(x, p, pool, window, cfg: TextConfig, backend: Backend):
     q, gate, k, v, _ = project(x, p, window.rope_positions, cfg, backend, prompt=False)
     s, r = q.shape[:2]
     positions = window.cache_len[:, None] + jnp.arange(r)[None, :]
-    pool = ops.kv_write(backend, pool, k, v, window.page_table, positions, chain_valid(window))
+    valid = chain_valid(window)
+    pool = ops.kv_write(backend, pool, k, v, window.page_table, positions, valid)
     one = lambda a: a.reshape((s * r, 1) + a.shape[2:])
+    # Padding rows and dummy streams attend to no committed key (their outputs are never read).
     o = ops.attention_window(backend, one(q), one(k), one(v), jnp.full((s * r, 1), -1, jnp.int32), pool,
-                             jnp.repeat(window.page_table, r, axis=0), positions.reshape(s * r),
+                             jnp.repeat(window.page_table, r, axis=0), jnp.where(valid, positions, 0).reshape(s * r),
                              scale=cfg.head_dim ** -0.5)
     return finish(o.reshape(q.shape), gate, p, cfg, backend, prompt=False), pool, {"k": k, "v": v}
 
