@@ -26,7 +26,7 @@ def progs():
     ck = load_checkpoint(CAPTURES / "tiny", dtype=jnp.float32, progress=False)
     layout = P.Layout(PAGE, TABLE, 6 * TABLE + 1, 6, "float32")
     buckets = P.Buckets(prompt_rows=(64, 128), prompt_lanes=(4,), decode_streams=(4,), window_rows=(3,),
-                        packing=P.Packing.MAPPED, logprobs=4)
+                        packing=P.Packing.MAPPED, logprobs=4, chain_rows=(3,))
     pr = P.Programs(ck.params, ck.config, layout, buckets, BE)
     pr.compile()
     return pr
@@ -198,5 +198,5 @@ def test_decode_programs_have_no_device_branch(progs):
 
 def test_pools_are_updated_in_place(progs):
     copies = pool_copies(progs)
-    assert set(copies) >= {("prompt", (4, 64)), ("decode", (4, 1)), ("commit", (4, 3))}
+    assert set(copies) >= {("prompt", (4, 64)), ("decode", (4, 1)), ("draft", (4, 3)), ("commit", (4, 3))}
     assert all(n == 0 for n in copies.values()), copies
