@@ -8,8 +8,8 @@ propose the reply's next tokens with one of them changed, at an offset that move
 are kept whole, in part and not at all. Every token then comes from a chain window, cut differently by each
 oracle, and the replies must be the same bits. That the chain rows are the fused serial step's bits is the
 device's gate (`tests/test_engine_gpu.py::test_drafted_equals_serial_on_gpu`): on this CPU the interpreted fused
-GDN step and the one-row window + commit part ways on some inputs, where XLA:CPU contracts a multiply-add into an
-FMA in one and not the other (`tools/step_probe.py`; docs/kernels/attention.md, session 38)."""
+GDN step and the one-row window + commit part ways on some inputs, XLA:CPU compiling the interpreted kernels'
+arithmetic differently in the two programs (`tools/step_probe.py`; docs/kernels/attention.md, session 38)."""
 
 import dataclasses
 

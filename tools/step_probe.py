@@ -5,8 +5,8 @@ tokens (seeded), then --steps positions, each run both ways from the same state;
 logits and the live slot's state agree. Session 38 found, on the CPU, position 74 of seed 3's 70-token prompt
 (tests/test_drafts.py's second prompt, the reply of its seeded request) differing at layer 0: the GDN step's output
 against the window's, for the same inputs and state. Called eagerly, the two kernels agree on that input with
-XLA_FLAGS=--xla_cpu_max_isa=AVX (no FMA) and not with the machine's AVX2 + FMA, so XLA:CPU contracts a multiply
-and an add differently in the two kernels' code.
+XLA_FLAGS=--xla_cpu_max_isa=AVX (no FMA) and not with the machine's AVX2 + FMA; inside the model's programs they
+differ either way (XLA:CPU compiles interpreted kernels with the program around them).
 
     python tools/step_probe.py [--prompt-seed 3] [--steps 8]
 """
