@@ -60,9 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-drafts", action="store_true",
                    help="serial decoding only (the default for now; accepted so scripts can pin it)")
     d.add_argument("--copy-drafts", action="store_true",
-                   help="copy drafts: a stream whose last tokens repeat an earlier stretch of its prompt or reply "
-                        "verifies the tokens that followed it in one forward (replies stay the serial ones token "
-                        "for token; needs the row-invariant kernels, so refused with --no-kernels or on the CPU)")
+                   help="copy drafts (off by default): a stream whose last tokens repeat an earlier stretch of its "
+                        "prompt or reply verifies the tokens that followed it in one forward, each row computed as "
+                        "the serial step at its position (not yet checked against serial decoding on a GPU); needs "
+                        "the row-invariant kernels, so refused with --no-kernels or on the CPU")
 
     s = p.add_argument_group("scheduling")
     s.add_argument("--parallel", type=_positive, default=16, metavar="N",

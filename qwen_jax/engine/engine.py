@@ -59,8 +59,8 @@ from qwen_jax.engine.stream import Phase, Stream
 
 log = logging.getLogger(__name__)
 
-# Copy drafts: the verify window's rows (the pending token and up to DRAFT_ROWS - 1 drafts); the largest
-# window the programs compile (a 16-row window is one attention call per layer either way).
+# Copy drafts: a chain window's rows by default (the pending token and up to DRAFT_ROWS - 1 drafts), and the most
+# an engine may ask for (the decode path's largest window; each row of a chain reads its whole context).
 DRAFT_ROWS = 16
 MAX_DRAFT_ROWS = 16
 
@@ -486,7 +486,7 @@ class Engine:
             s.inflight += 1
             s.cache_len += 1
             s.sampled += 1
-            s.finishing = (s.sampled >= s.request.max_tokens or s.prompt_len + s.sampled >= self.max_model_len)
+            s.finishing = s.budget() <= 0
         self._inflight.append((streams, pending))
         return True
 
@@ -507,10 +507,15 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------ copy drafts
 
+    @staticmethod
+    def _draftable(s: Stream) -> bool:
+        """A decoding stream with copy drafts on and room for a window of two rows."""
+        return s.copies is not None and s.phase is Phase.DECODE and not s.finishing and s.budget() >= 2
+
     def _may_draft(self, s: Stream) -> bool:
         """Whether a decoding stream may have a copy to verify this round: its history known on the host (the
         pending token included, or not yet when a decode call is in flight) repeats an earlier stretch."""
-        if s.copies is None or s.phase is not Phase.DECODE or s.finishing or s.budget() < 2:
+        if not self._draftable(s):
             return False
         if s.inflight:
             return s.copies.may_propose()
@@ -522,7 +527,7 @@ class Engine:
         then one commit of each stream's accepted rows, then their tokens. -> the streams it ran."""
         tries = []
         for s in self._running:
-            if not self._may_draft(s):
+            if not self._draftable(s):
                 continue
             drafts = s.copies.propose(min(self.draft_rows, s.budget()) - 1)
             if drafts:
