@@ -197,6 +197,7 @@ def cmd_bench(args) -> int:
             args.streams = "1,16" if args.synthetic else "1,2,4,8,16"
         streams = bench._parse_sizes(args.streams, "--streams")
         lengths = bench._parse_sizes(args.prompt_lengths, "--prompt-lengths") if args.prompt_lengths else ()
+        draft_rows = bench._parse_sizes(args.draft_rows, "--draft-rows") if args.draft_rows else ()
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     log = (lambda m: print(m, file=sys.stderr))
@@ -236,7 +237,7 @@ def cmd_bench(args) -> int:
                         streams=streams, prompt_lengths=lengths, context=args.context, rounds=args.rounds,
                         repeats=args.repeats,
                         max_chunk=args.max_chunk, compile_timing=args.compile_timing, warm=not args.no_warm,
-                        logprobs=args.logprobs, progress=sys.stderr.isatty(), log=log)
+                        logprobs=args.logprobs, progress=sys.stderr.isatty(), draft_rows=draft_rows, log=log)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     finally:
@@ -336,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "pallas_kernels/kv_quant.py FP8_V_LAYOUT; the same values and bits either way)")
     fp8_window(be)
     be.add_argument("--logprobs", type=int, default=0, help="top logprobs computed every round (the server's cost)")
+    be.add_argument("--draft-rows", default="",
+                    help="copy-draft chain windows to time, rows comma-separated (e.g. 2,4,8,16; at most 16): ms a "
+                         "window (draft + commit) at each stream count and --context, beside the decode round")
     be.add_argument("--no-compile-timing", dest="compile_timing", action="store_false",
                     help="compile once with --compile-cache instead of timing cold and warm compiles")
     be.add_argument("--no-warm", action="store_true", help="time the cold compile only")

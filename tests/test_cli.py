@@ -109,6 +109,22 @@ def test_bench_runs_small(capsys):
     assert res["qmm_prompt_impl"] == qmm.PROMPT_IMPL
 
 
+def test_bench_draft_windows(capsys):
+    """--draft-rows times chain windows at each stream count beside the decode round; bad values are refused."""
+    assert main(["bench", "--model", TINY, "--streams", "1", "--prompt-lengths", "", "--rounds", "2",
+                 "--repeats", "1", "--context", "64", "--draft-rows", "3", "--no-compile-timing", "--json"]
+                + NO_CACHE) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert list(res["draft_window_ms"]) == ["1"] and list(res["draft_window_ms"]["1"]) == ["3"]
+    assert res["draft_window_ms"]["1"]["3"] > 0 and res["decode_forwards_per_s"]["1"] > 0
+    for bad, msg in (("17", "at most 16"), ("0", "positive"), ("2,x", "comma-separated")):
+        with pytest.raises(SystemExit, match=msg):
+            main(["bench", "--model", TINY, "--streams", "1", "--prompt-lengths", "", "--draft-rows", bad]
+                 + NO_CACHE)
+    with pytest.raises(SystemExit, match="--draft-rows needs --streams"):
+        main(["bench", "--model", TINY, "--streams", "", "--prompt-lengths", "64", "--draft-rows", "2"] + NO_CACHE)
+
+
 @pytest.mark.parametrize("flag,attr,choices", [("--qmm-prompt-impl", "PROMPT_IMPL", ("fused", "dequant")),
                                                  ("--qmm-decode-impl", "DECODE_IMPL", ("triton", "mgpu"))])
 def test_bench_qmm_impl_flags_are_scoped(capsys, flag, attr, choices):

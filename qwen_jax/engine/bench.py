@@ -5,7 +5,11 @@ another), after one untimed pass -> tokens/s. Decode: S streams at `context` cac
 calls (verify + commit + sampling, every call's tokens read back to the host, pipelined as the scheduler runs
 them: each call dispatched before the previous one is fetched) after a few untimed ones, timed `repeats` times ->
 forwards/s (rounds/s, the median of the repeats; every repeat's figure is kept, since a host-bound round moves
-from run to run) and tokens/s (S x forwards/s). Compile: every program of the run, first against an empty
+from run to run) and tokens/s (S x forwards/s). Draft windows (`draft_rows`, the copy drafts' cost curve): S streams
+at `context`, each round one chain window of R rows (`programs.draft_program`, every row computed as the serial
+step at its position) and one commit of all R rows, run as the engine runs them (not pipelined: the window's
+tokens decide the commit) -> ms a window and its ratio to the decode round at the same S (a window of R rows pays
+when it yields more tokens than that ratio; every row accepted yields R). Compile: every program of the run, first against an empty
 persistent cache (cold), then again from that cache (warm).
 
 Cached K/V and GDN states are zeros rather than a real prefix: the cost of a round depends on the context length,
@@ -34,6 +38,7 @@ class BenchResult:
     compile_warm_s: float | None = None
     programs: int = 0
     context: int = 0
+    draft_window_ms: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)  # streams -> rows -> ms
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -51,6 +56,11 @@ class BenchResult:
                       else "")
             out.append(f"decode {s:>2} streams @ {self.context} ctx: {v:8.1f} forwards/s "
                        f"{self.decode_tokens_per_s[s]:9.1f} tok/s{spread}")
+        for s, by_rows in self.draft_window_ms.items():
+            fps = self.decode_forwards_per_s.get(s)
+            for r, ms in by_rows.items():
+                ratio = f" = {ms * fps / 1000:.2f} decode rounds" if fps else ""
+                out.append(f"draft  {s:>2} streams x {r:>2} rows @ {self.context} ctx: {ms:8.2f} ms a window{ratio}")
         return out
 
 
@@ -67,11 +77,15 @@ def _parse_sizes(text: str, what: str) -> tuple[int, ...]:
 def run(params, cfg, *, backend, dtype: str = "bfloat16", kv_cache: str = "bf16", streams=(1, 16),
         prompt_lengths=(4096,), context: int = 1024, rounds: int = 64, repeats: int = 3, max_chunk: int = 4096,
         compile_timing: bool = True, warm: bool = True, logprobs: int = 0, progress: bool = True,
-        log=print) -> BenchResult:
+        draft_rows=(), log=print) -> BenchResult:
     if max_chunk % P.GRID or max_chunk < P.GRID:
         raise ValueError(f"--max-chunk must be a positive multiple of {P.GRID}, got {max_chunk}")
     if rounds < 1 or context < 1 or repeats < 1:
         raise ValueError("--rounds, --repeats and --context must be positive")
+    if draft_rows and not streams:
+        raise ValueError("--draft-rows needs --streams (the windows run at each stream count)")
+    if any(r > 16 for r in draft_rows):
+        raise ValueError(f"--draft-rows must be at most 16, got {','.join(map(str, draft_rows))}")
     page = 64
     packing = P.Packing.BATCHED if P.row_invariant(params, backend) else P.Packing.MAPPED
     rows = tuple(sorted({min(P.pages_for(n, P.GRID) * P.GRID, max_chunk) for n in prompt_lengths}))
@@ -82,15 +96,17 @@ def run(params, cfg, *, backend, dtype: str = "bfloat16", kv_cache: str = "bf16"
         lay = P.Layout(page, pp, pp + 1, 2, dtype, kv_cache)
         jobs.append(("prompt", lay, P.Buckets(rows, (1,), (1,), packing=packing, logprobs=logprobs)))
     if streams:
-        dp = P.pages_for(context + rounds + 8, page)
+        dp = P.pages_for(context + rounds * max((1, *draft_rows)) + 8, page)
         lay = P.Layout(page, dp, max(streams) * dp + 1, max(streams) + 1, dtype, kv_cache)
-        jobs.append(("decode", lay, P.Buckets((P.GRID,), (1,), tuple(streams), packing=packing, logprobs=logprobs)))
+        jobs.append(("decode", lay, P.Buckets((P.GRID,), (1,), tuple(streams), packing=packing, logprobs=logprobs,
+                                              chain_rows=tuple(draft_rows))))
 
     def build():
         out = {}
         for kind, lay, b in jobs:
             progs = P.Programs(params, cfg, lay, b, backend)
-            keys = [k for k in progs.bucket_keys() if k[0] == kind]
+            keys = [k for k in progs.bucket_keys()
+                    if k[0] == kind or (kind == "decode" and k[0] in ("draft", "commit"))]
             out[kind] = (progs, keys)
         return out
 
@@ -163,7 +179,45 @@ def run(params, cfg, *, backend, dtype: str = "bfloat16", kv_cache: str = "bf16"
             result.decode_repeats[s] = reps
             log(f"decode {s} streams: {fps:.1f} forwards/s, {fps * s:.1f} tok/s (repeats: "
                 + ", ".join(f"{x:.1f}" for x in reps) + ")")
+            for r in sorted(set(draft_rows)):
+                ms = draft_windows(progs, tables, context, greedy, r, rounds, repeats, vocab, rng)
+                result.draft_window_ms.setdefault(s, {})[r] = ms
+                log(f"draft {s} streams x {r} rows: {ms:.2f} ms a window ({ms * fps / 1000:.2f} decode rounds)")
     return result
+
+
+def draft_windows(progs, tables, context: int, rule, rows: int, rounds: int, repeats: int, vocab: int,
+                  rng) -> float:
+    """`rounds` chain windows of `rows` rows for streams in slots 1..S from `context` cached tokens, each drafted
+    and then committed whole before the next (as the engine's draft round), after two untimed ones; timed
+    `repeats` times -> ms a window (the median)."""
+    s = len(tables)
+    chain = list(range(-1, rows - 1))
+
+    def windows(n: int) -> None:
+        cache_len = [context] * s
+        for _ in range(n):
+            toks = [list(rng.integers(0, vocab, size=rows)) for _ in range(s)]
+            window = P.tree_window(progs.layout, s, rows, toks, [chain] * s, cache_len, list(range(1, s + 1)),
+                                   tables)
+            positions = [c + r + 1 for c in cache_len for r in range(rows)]
+            _, kept = progs.draft(window, P.sample_params([rule] * (s * rows), positions, s * rows))
+            progs.commit(kept, window, np.tile(np.arange(rows, dtype=np.int32), (s, 1)), np.full(s, rows, np.int32))
+            cache_len = [c + rows for c in cache_len]
+        jax_block(progs.state)
+
+    windows(2)
+    reps = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        windows(rounds)
+        reps.append((time.perf_counter() - t0) * 1000 / rounds)
+    return float(np.median(reps))
+
+
+def jax_block(tree) -> None:
+    import jax
+    jax.block_until_ready(tree)
 
 
 def pipelined_decode(progs, tables, cache_len: list[int], rule, rounds: int, first_tokens=None) -> None:
