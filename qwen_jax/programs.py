@@ -17,6 +17,8 @@ Programs (each one XLA executable per bucket):
                           K/V, every row attends as the serial step at its position would, samples every row and
                           returns the rows `commit` replays. Only compiled for `Buckets.chain_rows`.
   commit  [streams x rows] writes each stream's accepted path into its state.
+  slot_copy               copies one GDN slot's recurrent states and conv windows to another (the prompt cache
+                          keeps and restores them). Only compiled with `Buckets.slot_copy`.
   score / kv_compare      teacher-forced evaluation chunks (`python -m qwen_jax eval`).
 
 Batches are the model's own pytrees (`PrefillBatch`, `VerifyWindow`) holding numpy arrays built on the host by
@@ -112,7 +114,8 @@ class Buckets:
     several long chunks is no cheaper than one chunk at a time and each shape costs a compile; decode_streams:
     stream buckets of the decode (and verify) programs; window_rows: verify/commit row buckets for drafting
     (compiled for every decode stream bucket); chain_rows: draft/commit row buckets for copy drafts (likewise);
-    logprobs: the top-n every sampling program computes (0 = none).
+    logprobs: the top-n every sampling program computes (0 = none); slot_copy: compile the slot copy (a prompt
+    cache).
     One variant per bucket: computing logprobs only in some rounds would switch a stream between programs."""
     prompt_rows: tuple[int, ...]
     prompt_lanes: tuple[int, ...]
@@ -122,6 +125,7 @@ class Buckets:
     logprobs: int = 0
     multi_lane_rows: int | None = None
     chain_rows: tuple[int, ...] = ()
+    slot_copy: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "packing", Packing(self.packing))
@@ -209,7 +213,7 @@ BATCHED_BY_DEFAULT = True
 
 def default_buckets(params, backend: M.Backend, *, parallel: int, max_chunk: int = 4096, logprobs: int = 0,
                     window_rows: tuple[int, ...] = (), fixed_shapes: bool | None = None,
-                    chain_rows: tuple[int, ...] = ()) -> Buckets:
+                    chain_rows: tuple[int, ...] = (), slot_copy: bool = False) -> Buckets:
     """The engine's default shapes. fixed_shapes (default: unless `BATCHED_BY_DEFAULT` and `row_invariant`):
     prompt lanes mapped through the one-lane forward and a single decode bucket of `parallel` streams, so no
     row's computation changes shape with the load (module docstring); otherwise batched lanes and power-of-two
@@ -220,9 +224,9 @@ def default_buckets(params, backend: M.Backend, *, parallel: int, max_chunk: int
         fixed_shapes = not (BATCHED_BY_DEFAULT and row_invariant(params, backend))
     if not fixed_shapes:
         return Buckets(rows, tuple(sorted({1, min(4, parallel)})), pow2_buckets(1, parallel), window_rows,
-                       Packing.BATCHED, logprobs, multi_lane_rows=256, chain_rows=chain_rows)
+                       Packing.BATCHED, logprobs, multi_lane_rows=256, chain_rows=chain_rows, slot_copy=slot_copy)
     return Buckets(rows, (min(4, parallel),), (parallel,), window_rows, Packing.MAPPED, logprobs,
-                   chain_rows=chain_rows)
+                   chain_rows=chain_rows, slot_copy=slot_copy)
 
 
 # ---------------------------------------------------------------------------------------------- host batches
@@ -432,6 +436,18 @@ def commit_program(cfg: ModelConfig, backend: M.Backend) -> Callable:
     return program
 
 
+def slot_copy_program() -> Callable:
+    """(state, src, dst) -> state with slot dst's recurrent states and conv windows set to slot src's."""
+
+    def program(state, src, dst):
+        def copy(x):
+            return x.at[dst].set(x[src])
+
+        return dataclasses.replace(state, rec=tuple(map(copy, state.rec)), conv=tuple(map(copy, state.conv)))
+
+    return program
+
+
 def score_program(cfg: ModelConfig, backend: M.Backend) -> Callable:
     """Teacher-forced chunk of one stream: (params, state, batch [1 x T], targets [T]) -> (state,
     logprob of each target [T], argmax [T])."""
@@ -566,6 +582,7 @@ class Programs:
             "verify": jax.jit(verify_program(cfg, self.backend, top_n)),
             "draft": jax.jit(draft_program(cfg, self.backend, top_n), donate_argnums=1),
             "commit": jax.jit(commit_program(cfg, self.backend), donate_argnums=0),
+            "slot_copy": jax.jit(slot_copy_program(), donate_argnums=0),
         }
 
     def fresh_state(self) -> M.ModelState:
@@ -604,6 +621,8 @@ class Programs:
         for s in b.decode_streams:
             keys += [("verify", (s, r)) for r in b.window_rows] + [("draft", (s, r)) for r in b.chain_rows]
             keys += [("commit", (s, r)) for r in sorted(set(b.window_rows) | set(b.chain_rows))]
+        if b.slot_copy:
+            keys.append(("slot_copy", (1, 1)))
         return keys
 
     def compile(self, keys: Sequence[tuple[str, tuple[int, int]]] | None = None, *, progress: bool = False,
@@ -624,6 +643,8 @@ class Programs:
 
         def lower(key):
             kind, shape = key
+            if kind == "slot_copy":
+                return self._fns[kind].lower(self.state, np.int32(0), np.int32(0))
             args = self._example(kind, shape)
             if kind == "commit":
                 return self._fns[kind].lower(self.state, *args)
@@ -710,6 +731,11 @@ class Programs:
         exe = self._get(("draft", window.tokens.shape))
         self.state, tokens, lp, kept = exe(self.params, self.state, window, sp)
         return self._host(tokens, lp), kept
+
+    def slot_copy(self, src: int, dst: int) -> None:
+        """Slot dst's GDN states and conv windows become slot src's (dispatched; ordered before later calls)."""
+        exe = self._get(("slot_copy", (1, 1)))
+        self.state = exe(self.state, np.int32(src), np.int32(dst))
 
     def commit(self, kept, window: M.VerifyWindow, path: np.ndarray, path_len: np.ndarray) -> None:
         exe = self._get(("commit", window.tokens.shape))

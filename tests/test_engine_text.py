@@ -69,3 +69,13 @@ def test_index_pool_hands_out_and_takes_back():
     assert pool.free == 4 and pool.take(4) == [1, 2, 3, 4]
     with pytest.raises(AssertionError):
         pool.give_back([1, 1])
+    pool.share([2, 3])  # a second holder: the index is free once both gave it back
+    assert pool.holders(2) == 2 and pool.holders(1) == 1
+    pool.give_back([1, 2, 3])
+    assert pool.free == 1 and pool.holders(2) == 1
+    pool.give_back([2, 3])
+    assert pool.free == 3
+    with pytest.raises(AssertionError):
+        pool.share([2])
+    with pytest.raises(AssertionError):
+        pool.give_back([4, 4])

@@ -54,6 +54,7 @@ from qwen_jax.config import ModelConfig
 from qwen_jax.engine.api import (ContextLengthExceeded, EngineOverloaded, EngineStats, GenerationRequest, TokenEvent,
                                  TokenLogprob)
 from qwen_jax.engine.handle import RequestHandle
+from qwen_jax.engine.prefix import PrefixCache, user_marker
 from qwen_jax.engine.state import IndexPool
 from qwen_jax.engine.stream import Phase, Stream
 
@@ -86,13 +87,16 @@ class Engine:
                  max_queued: int = 64, backend=None, page_size: int = 64, num_pages: int | None = None,
                  buckets: P.Buckets | None = None, max_prefill_chunk: int = 4096, prefill_step: int = 1024,
                  max_logprobs: int = 0, seed_salt: str = "", fixed_shapes: bool | None = None,
-                 progress: bool = True, copy_drafts: bool = False, draft_rows: int = DRAFT_ROWS):
+                 progress: bool = True, copy_drafts: bool = False, draft_rows: int = DRAFT_ROWS,
+                 prompt_cache: int = 0):
         from qwen_jax.model import Backend
         for name, v, lo in (("max_model_len", max_model_len, 2), ("parallel", parallel, 1),
                             ("max_queued", max_queued, 0), ("page_size", page_size, 1),
                             ("max_prefill_chunk", max_prefill_chunk, P.GRID), ("prefill_step", prefill_step, P.GRID)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        if isinstance(prompt_cache, bool) or not isinstance(prompt_cache, int) or prompt_cache < 0:
+            raise ValueError(f"prompt_cache must be an integer >= 0 (kept prompt states), got {prompt_cache!r}")
         if isinstance(draft_rows, bool) or not isinstance(draft_rows, int) or not 2 <= draft_rows <= MAX_DRAFT_ROWS:
             raise ValueError(f"draft_rows must be an integer in [2, {MAX_DRAFT_ROWS}], got {draft_rows!r}")
         if prefill_step % P.GRID or max_prefill_chunk % P.GRID:
@@ -110,7 +114,8 @@ class Engine:
         pages_per_stream = P.pages_for(max_model_len, page_size)
         if num_pages is None:
             num_pages = parallel * pages_per_stream + 1
-        self.layout = P.Layout(page_size, pages_per_stream, num_pages, parallel + 1, dtype, kv_cache)
+        # GDN slots: 0 the dummy, 1..parallel the streams', then the prompt cache's kept states
+        self.layout = P.Layout(page_size, pages_per_stream, num_pages, parallel + 1 + prompt_cache, dtype, kv_cache)
         if buckets is None and fixed_shapes is False and not P.row_invariant(params, self.backend):
             raise ValueError("batched shapes (fixed_shapes=False; the server's --shapes batched): a row's bits "
                              "would depend on the rows beside it with this backend and weights (only the Pallas "
@@ -125,9 +130,12 @@ class Engine:
             buckets = P.default_buckets(params, self.backend, parallel=parallel,
                                         max_chunk=min(max_prefill_chunk, P.pages_for(max_model_len, P.GRID) * P.GRID),
                                         logprobs=max_logprobs, fixed_shapes=fixed_shapes,
-                                        chain_rows=(draft_rows,) if copy_drafts else ())
+                                        chain_rows=(draft_rows,) if copy_drafts else (),
+                                        slot_copy=prompt_cache > 0)
         if copy_drafts and not buckets.chain_rows:
             raise ValueError("copy_drafts: the buckets compile no chain window (chain_rows is empty)")
+        if prompt_cache and not buckets.slot_copy:
+            raise ValueError("prompt_cache: the buckets compile no slot copy (slot_copy is False)")
         if buckets.logprobs < max_logprobs:
             raise ValueError(f"buckets compute {buckets.logprobs} top logprobs; max_logprobs={max_logprobs}")
         if buckets.decode_streams[-1] < parallel:
@@ -155,6 +163,9 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._counters = {"prompt": 0, "generation": 0, "draft_proposed": 0, "draft_accepted": 0}
+        # Kept prompt states (qwen_jax.engine.prefix), on grid points that are whole pages
+        self._cache = (PrefixCache(range(parallel + 1, parallel + 1 + prompt_cache), max(P.GRID, page_size),
+                                   user_marker(tokenizer)) if prompt_cache else None)
         self.compile_times: dict = {}
 
     @classmethod
@@ -290,7 +301,25 @@ class Engine:
                                total_slots=self._slots.total, prompt_tokens_total=self._counters["prompt"],
                                generation_tokens_total=self._counters["generation"],
                                draft_proposed_total=self._counters["draft_proposed"],
-                               draft_accepted_total=self._counters["draft_accepted"])
+                               draft_accepted_total=self._counters["draft_accepted"],
+                               prompt_cache_entries=len(self._cache.entries) if self._cache else 0,
+                               prompt_cache_hits_total=self._cache.hits if self._cache else 0,
+                               prompt_cache_hit_tokens_total=self._cache.hit_tokens if self._cache else 0)
+
+    def clear_prompt_cache(self) -> int:
+        """Drop every kept prompt state (their slots and pages are free again) -> how many there were. Safe from
+        any thread: streams resumed from an entry hold their own share of its pages."""
+        with self._lock:
+            return self._drop_entries()
+
+    def _drop_entries(self) -> int:
+        """(Lock held.) Drop every prompt cache entry."""
+        if self._cache is None:
+            return 0
+        n = len(self._cache.entries)
+        for e in list(self._cache.entries):
+            self._pages.give_back(self._cache.remove(e))
+        return n
 
     # ------------------------------------------------------------------------------------------ scheduler
 
@@ -352,27 +381,90 @@ class Engine:
             slot = self._slots.take(1)
             if slot is None:
                 return
-            pages = self._pages.take(self._reserve(req))
-            if pages is None:
-                self._slots.give_back(slot)
-                return
+            prompt = np.asarray(req.prompt_ids, np.int32)
             with self._lock:
+                entry = self._cache.lookup(prompt) if self._cache is not None else None
+                shared = entry.pages if entry is not None else []
+                pages = self._take_pages(self._reserve(req) - len(shared), keep=entry)
+                if pages is None:
+                    self._slots.give_back(slot)
+                    return
                 self._waiting.popleft()
                 self._n_waiting -= 1
+                if entry is not None:
+                    self._pages.share(shared)
+                    self._cache.hit(entry)
+            pages = shared + pages
+            try:
+                if entry is not None:
+                    self.programs.slot_copy(entry.slot, slot[0])
+            except Exception as e:
+                self._release(slot, pages)
+                self._program_failed([], e)
+                handle._push(TokenEvent((), "", finish_reason="error", error=f"{type(e).__name__}: {e}"))
+                continue
             try:
                 stream = Stream(handle, slot=slot[0], pages=pages, pages_per_stream=self.layout.pages_per_stream,
                                 sampling_rule=self._sampling_rule(req),
                                 stop_ids=frozenset(req.stop_token_ids) | (frozenset() if req.ignore_eos
                                                                           else self.stop_ids),
                                 max_model_len=self.max_model_len, tokenizer=self.tokenizer,
-                                copy_drafts=self.copy_drafts)
+                                copy_drafts=self.copy_drafts, resumed=len(entry) if entry is not None else 0)
+                if self._cache is not None:
+                    stream.keep_at = self._cache.keep_points(prompt, after=stream.prefilled)
             except Exception as e:
-                self._slots.give_back(slot)
-                self._pages.give_back(pages)
+                self._release(slot, pages)
                 handle._push(TokenEvent((), "", finish_reason="error", error=f"{type(e).__name__}: {e}"))
                 continue
+            handle.cached_tokens = stream.prefilled
             with self._lock:
                 self._running.append(stream)
+
+    def _release(self, slot: list[int], pages: list[int]) -> None:
+        with self._lock:
+            self._slots.give_back(slot)
+            self._pages.give_back(pages)
+
+    def _take_pages(self, n: int, keep=None) -> list[int] | None:
+        """(Lock held.) n free KV pages, evicting prompt cache entries (never `keep`) when that makes them fit; None
+        (nothing evicted) when it would not."""
+        got = self._pages.take(n)
+        if got is not None or self._cache is None:
+            return got
+        # pages only entries hold (evicting them all frees these)
+        held = collections.Counter(p for e in self._cache.entries if e is not keep for p in e.pages)
+        freeable = sum(1 for p, k in held.items() if self._pages.holders(p) == k)
+        if self._pages.free + freeable < n:
+            return None
+        while self._pages.free < n:
+            self._pages.give_back(self._cache.remove(self._cache.victim(keep)))
+        return self._pages.take(n)
+
+    def _keep(self, stream: Stream, n: int) -> None:
+        """Keep the stream's state after its first n prompt tokens (its prompt pass has just reached n) in the
+        prompt cache: a kept slot (the least worth keeping entry gives its own up when none is free) takes a copy
+        of the stream's GDN slot, and the entry takes a share of the pages of positions 0 .. n - 1."""
+        tokens = stream.prompt[:n]
+        with self._lock:
+            if self._cache.find(tokens) is not None:
+                return  # kept meanwhile by another stream with the same prefix
+            slot = self._cache.take_slot()
+            if slot is None:
+                victim = self._cache.victim()
+                if victim is None:
+                    return
+                self._pages.give_back(self._cache.remove(victim))
+                slot = self._cache.take_slot()
+        try:
+            self.programs.slot_copy(stream.slot, slot)
+        except Exception:
+            with self._lock:
+                self._cache.give_slot(slot)
+            raise
+        pages = stream.pages[:n // self.layout.page_size]
+        with self._lock:
+            self._pages.share(pages)
+            self._cache.add(tokens, slot, pages)
 
     def _end(self, stream: Stream, event: TokenEvent) -> None:
         """Release a stream's slot and pages, then hand its last event over."""
@@ -394,6 +486,8 @@ class Engine:
             self._fail(s, exc)
         if self.programs.state_lost():
             self.programs.reset_state()
+            with self._lock:
+                self._drop_entries()  # their states were in the lost pools
             self._inflight.clear()  # computed on the lost pools
             for s in list(self._running):
                 self._fail(s, RuntimeError("the state pools were lost to another request's failure; retry"))
@@ -451,6 +545,13 @@ class Engine:
             self._counters["prompt"] += sum(n for _, _, n in lanes)
         for i, (s, start, n) in enumerate(lanes):
             s.prefilled = start + n
+            if s.keep_at and s.prefilled == s.keep_at[0]:
+                s.keep_at.pop(0)
+                try:
+                    self._keep(s, s.prefilled)
+                except Exception as e:
+                    self._program_failed([s], e)
+                    continue
             if s.prefilled == s.prompt_len:
                 s.phase = Phase.DECODE
                 s.cache_len = s.prompt_len

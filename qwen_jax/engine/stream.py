@@ -22,7 +22,7 @@ class Phase(enum.Enum):
 class Stream:
     def __init__(self, handle: RequestHandle, *, slot: int, pages: list[int], pages_per_stream: int,
                  sampling_rule: sampling.RequestSampling, stop_ids: frozenset[int], max_model_len: int, tokenizer,
-                 copy_drafts: bool = False):
+                 copy_drafts: bool = False, resumed: int = 0):
         req: GenerationRequest = handle.request
         self.handle = handle
         self.request = req
@@ -35,7 +35,8 @@ class Stream:
         self.stop_ids = stop_ids
         self.max_model_len = max_model_len
         self.phase = Phase.PROMPT
-        self.prefilled = 0  # prompt rows in the cache
+        self.prefilled = resumed  # prompt rows in the cache (a resumed prompt starts with a kept prefix's)
+        self.keep_at: list[int] = []  # prompt lengths whose states the prompt cache keeps (ascending)
         self.cache_len = 0  # positions in the cache (prompt + committed reply tokens)
         self.next_input: int | None = None  # the next decode call's input when the host has it (after a prompt)
         self.sampled = 0  # tokens sampled so far, including decode calls still in flight
@@ -53,8 +54,9 @@ class Stream:
 
     def next_chunk(self, cap: int) -> tuple[int, int]:
         """(start, length) of the next prompt chunk of at most `cap` rows (cap a multiple of the grid, so every
-        chunk but the last ends on the grid and the next one starts on it)."""
-        return self.prefilled, min(self.prompt_len - self.prefilled, cap)
+        chunk but the last ends on the grid and the next one starts on it), ending at the next keep point."""
+        end = min(self.prompt_len, self.prefilled + cap, *self.keep_at[:1])
+        return self.prefilled, end - self.prefilled
 
     def budget(self) -> int:
         """Tokens this stream may still sample (max_tokens and the context end)."""
