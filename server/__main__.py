@@ -17,14 +17,20 @@ from server.loading import DECODE_KERNELS, EMBEDDED_MODEL, REPO_ROOT, SHAPES
 API_KEY_ENV = "QWEN_JAX_API_KEY"
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _int_at_least(lo: int, what: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {what} integer, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"expected a {what} integer, got {value}")
+        return value
+    return parse
+
+
+_positive = _int_at_least(1, "positive")
+_non_negative = _int_at_least(0, "non-negative")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quantized matmul kernel for decode rows: 'auto' (default) is the Mosaic GPU kernel on a GPU "
                         "(fastest decode; compiled again at every start), 'triton' the Triton kernel (starts faster "
                         "from the compilation cache), 'mgpu' the Mosaic GPU kernel (GPU only)")
+    s.add_argument("--prompt-cache", type=_non_negative, default=4, metavar="N",
+                   help="prompt states kept for reuse (default 4; 0 = off): a prompt that extends a kept one (a "
+                        "shared system prompt, an earlier turn) runs only its rest, with the same reply bits as run "
+                        "whole. Each keeps one GDN state slot and shares KV pages until a request needs them; "
+                        "usage.prompt_tokens_details.cached_tokens says how many tokens were resumed")
     s.add_argument("--max-queued", type=_positive, default=64, metavar="N",
                    help="requests allowed to wait for admission; beyond it requests get 503 + Retry-After "
                         "(default 64)")
@@ -124,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                               max_model_len=args.max_model_len, parallel=args.parallel, max_queued=args.max_queued,
                               no_kernels=args.no_kernels, max_logprobs=args.max_logprobs,
                               progress=not args.no_progress, shapes=args.shapes, decode_kernel=args.decode_kernel,
-                              copy_drafts=args.copy_drafts)
+                              copy_drafts=args.copy_drafts, prompt_cache=args.prompt_cache)
     except ValueError as e:  # checkpoint and config errors are ValueErrors with a message for the user
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -153,6 +153,10 @@ def build_app(serving: Serving, *, api_key: str | None = None,
     async def detokenize(request: Request):
         return reply(await serving.detokenize(_parse(P.DetokenizeRequest, await request.body())))
 
+    @app.post("/reset_prefix_cache", dependencies=guarded)
+    async def reset_prefix_cache():
+        return JSONResponse(serving.reset_prompt_cache())
+
     @app.get("/health")
     async def health():
         return JSONResponse(serving.health())

@@ -55,7 +55,8 @@ class Loaded:
 
 def build_engine(*, model: str | None, synthetic: str | None, dtype: str, kv_cache: str, max_model_len: int,
                  parallel: int, max_queued: int, no_kernels: bool, max_logprobs: int, progress: bool,
-                 shapes: str = "auto", decode_kernel: str = "auto", copy_drafts: bool = False) -> Loaded:
+                 shapes: str = "auto", decode_kernel: str = "auto", copy_drafts: bool = False,
+                 prompt_cache: int = 0) -> Loaded:
     """Raises ValueError with a message for the user (bad dir, bad config, bad shape name, `--shapes batched`
     where rows are not computed independently of the batch, a decode kernel this machine lacks). shapes: "auto",
     "fixed" or "batched" (SHAPES); decode_kernel: DECODE_KERNELS."""
@@ -66,7 +67,7 @@ def build_engine(*, model: str | None, synthetic: str | None, dtype: str, kv_cac
     backend = Backend(kernels=False) if no_kernels else None
     common = dict(dtype=dtype, kv_cache=kv_cache, max_model_len=max_model_len, parallel=parallel,
                   max_queued=max_queued, backend=backend, progress=progress, max_logprobs=max_logprobs,
-                  fixed_shapes=fixed_shapes(shapes), copy_drafts=copy_drafts)
+                  fixed_shapes=fixed_shapes(shapes), copy_drafts=copy_drafts, prompt_cache=prompt_cache)
     if synthetic is not None:
         from qwen_jax import programs
         from qwen_jax.engine.bench import synthetic_params

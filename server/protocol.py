@@ -262,10 +262,15 @@ class DetokenizeResponse(BaseModel):
 
 # ----------------------------------------------------------------------------------------------- responses
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens resumed from the prompt cache (not run again)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(BaseModel):

@@ -121,9 +121,10 @@ class _Run:
         if self.finish_reason in ("stop", "length") and h.finish_time is not None:
             self.metrics.e2e.observe(h.finish_time - h.arrival_time)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict:
         p, c = self.handle.prompt_tokens, self.handle.completion_tokens
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": self.handle.cached_tokens}}
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,11 @@ class Serving:
         s = self.engine.stats()
         return {"status": "ok", "model": self.model_name, "max_model_len": self.max_model_len,
                 "running": s.running, "waiting": s.waiting, "free_pages": s.free_pages, "total_pages": s.total_pages,
-                "free_slots": s.free_slots, "total_slots": s.total_slots}
+                "free_slots": s.free_slots, "total_slots": s.total_slots,
+                "prompt_cache_entries": s.prompt_cache_entries}
+
+    def reset_prompt_cache(self) -> dict[str, Any]:
+        return {"cleared": self.engine.clear_prompt_cache()}
 
     async def tokenize(self, req: P.TokenizeCompletionRequest | P.TokenizeChatRequest) -> P.TokenizeResponse:
         self.check_model(req.model)

@@ -15,6 +15,7 @@ import pytest
 from qwen_jax import programs as P
 from qwen_jax import sampling
 from qwen_jax.checkpoint import load_checkpoint, load_tokenizer
+from qwen_jax.engine.api import GenerationRequest, SamplingOptions
 from qwen_jax.engine.engine import Engine
 from qwen_jax.model import Backend
 from tests.conftest import CAPTURES
@@ -109,6 +110,49 @@ def test_drafted_equals_serial_on_gpu(kv_cache, monkeypatch):
             assert (a.token_ids, a.logprobs, a.finish_reason) == (b.token_ids, b.logprobs, b.finish_reason)
         assert 0 < after.draft_accepted_total - before.draft_accepted_total
         assert (watch.traces, watch.compiles) == (0, 0)
+        _baseline(e)
+    finally:
+        e.shutdown()
+
+
+@pytest.mark.parametrize("kv_cache", ["bf16", "fp8"])
+def test_resumed_equals_fresh_on_gpu(kv_cache):
+    """The prompt cache (`prompt_cache`) on the device's kernels, batched shapes: prompts that extend a kept one
+    (the same prefix with other endings, the same prompt again, a follow-up of prompt + reply + more) resume from
+    it, alone and four together, and give token for token and logprob for logprob what they give with the cache
+    emptied before each; no compile while serving."""
+    ck = _params("bfloat16")
+    e = Engine(ck.params, ck.config, None, dtype="bfloat16", kv_cache=kv_cache, max_model_len=1024, parallel=8,
+               max_logprobs=2, progress=False, prompt_cache=4, prefill_step=128)
+    e.start()
+    try:
+        rng = np.random.default_rng(21)
+        shared = [int(t) for t in rng.integers(0, 490, size=300)]
+        reqs = [GenerationRequest(tuple(shared + [int(t) for t in rng.integers(0, 490, size=n)]), max_tokens=24,
+                                  sampling=SamplingOptions() if i % 2 == 0 else
+                                  SamplingOptions(temperature=0.9, top_p=0.95, seed=40 + i),
+                                  ignore_eos=True, logprobs=2) for i, n in enumerate((1, 40, 100, 7))]
+        fresh = []
+        for r in reqs:
+            e.clear_prompt_cache()
+            fresh.append(e.submit(r).result(120))
+        first = fresh[0]
+        follow = dataclasses.replace(reqs[0], prompt_ids=reqs[0].prompt_ids + first.token_ids + (5, 6, 7))
+        e.clear_prompt_cache()
+        fresh_follow = e.submit(follow).result(120)
+        e.submit(reqs[0]).result(120)  # 301 tokens: keeps 256 (within the shared 300)
+        with P.CompileWatch() as watch:
+            handles = [e.submit(r) for r in reqs[1:]]  # three resumed together
+            together = [h.result(120) for h in handles]
+            again = e.submit(reqs[0])
+            h_follow = e.submit(follow)
+            solo = [again.result(120), h_follow.result(120)]
+        # the follow-up resumes from the state its own fresh run kept at 320
+        assert [h.cached_tokens for h in handles + [again, h_follow]] == [256] * 4 + [320]
+        for a, b in zip(fresh[1:] + [fresh[0], fresh_follow], together + solo):
+            assert (a.token_ids, a.logprobs, a.finish_reason) == (b.token_ids, b.logprobs, b.finish_reason)
+        assert (watch.traces, watch.compiles) == (0, 0)
+        e.clear_prompt_cache()
         _baseline(e)
     finally:
         e.shutdown()

@@ -346,6 +346,33 @@ def test_metrics(http, model):
         - metric(before, "qwen_jax:inter_token_latency_seconds_count") == 6
 
 
+def test_prompt_cache_resumes_a_repeated_prompt(http, model):
+    """The server keeps prompt states by default (--prompt-cache 4): the same long prompt again resumes from one
+    (usage.prompt_tokens_details.cached_tokens, the prefix_cache metrics) with the same reply and logprobs;
+    /reset_prefix_cache drops the kept states and gives their pages back."""
+    messages = [{"role": "system", "content": "Answer in the voice of a ship's log. " * 12}] + MESSAGES
+    body = {"model": model, "messages": messages, "max_tokens": 8, "temperature": 0.8, "seed": 3, "logprobs": True}
+    http.post("/reset_prefix_cache")
+    idle = wait_idle(http, http.get("/health").json())
+    before = http.get("/metrics").text
+    first = http.post("/v1/chat/completions", json=body).json()
+    prompt = first["usage"]["prompt_tokens"]
+    assert prompt > 128 and first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    second = http.post("/v1/chat/completions", json=body).json()
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (prompt - 1) // 64 * 64
+    assert second["choices"][0]["message"] == first["choices"][0]["message"]
+    assert second["choices"][0]["logprobs"] == first["choices"][0]["logprobs"]
+    m = http.get("/metrics").text
+    assert metric(m, "qwen_jax:prefix_cache_hits_total") - metric(before, "qwen_jax:prefix_cache_hits_total") == cached
+    assert metric(m, "qwen_jax:prefix_cache_queries_total") \
+        - metric(before, "qwen_jax:prefix_cache_queries_total") == 2 * prompt
+    assert http.get("/health").json()["prompt_cache_entries"] >= 1
+    assert http.post("/reset_prefix_cache").json()["cleared"] >= 1
+    h = wait_idle(http, idle)
+    assert h["free_pages"] == idle["free_pages"] and h["prompt_cache_entries"] == 0
+
+
 # ---------------------------------------------------------------------------------------------------- errors
 
 CHAT = "/v1/chat/completions"

@@ -75,6 +75,7 @@ class EngineStats:
     prompt_cache_entries: int = 0  # kept prompt states (each holds a kept GDN slot and shares KV pages)
     prompt_cache_hits_total: int = 0  # requests resumed from a kept prompt state
     prompt_cache_hit_tokens_total: int = 0  # prompt tokens those requests did not run
+    prompt_cache_queried_tokens_total: int = 0  # prompt tokens of every request started with the cache on
 
 
 # The Engine class (qwen_jax/engine/engine.py) implements this contract:

@@ -162,7 +162,7 @@ class Engine:
         self._inflight: collections.deque[tuple[list[Stream], object]] = collections.deque()  # decode calls
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._counters = {"prompt": 0, "generation": 0, "draft_proposed": 0, "draft_accepted": 0}
+        self._counters = {"prompt": 0, "generation": 0, "draft_proposed": 0, "draft_accepted": 0, "cache_queried": 0}
         # Kept prompt states (qwen_jax.engine.prefix), on grid points that are whole pages
         self._cache = (PrefixCache(range(parallel + 1, parallel + 1 + prompt_cache), max(P.GRID, page_size),
                                    user_marker(tokenizer)) if prompt_cache else None)
@@ -304,7 +304,8 @@ class Engine:
                                draft_accepted_total=self._counters["draft_accepted"],
                                prompt_cache_entries=len(self._cache.entries) if self._cache else 0,
                                prompt_cache_hits_total=self._cache.hits if self._cache else 0,
-                               prompt_cache_hit_tokens_total=self._cache.hit_tokens if self._cache else 0)
+                               prompt_cache_hit_tokens_total=self._cache.hit_tokens if self._cache else 0,
+                               prompt_cache_queried_tokens_total=self._counters["cache_queried"])
 
     def clear_prompt_cache(self) -> int:
         """Drop every kept prompt state (their slots and pages are free again) -> how many there were. Safe from
@@ -391,6 +392,8 @@ class Engine:
                     return
                 self._waiting.popleft()
                 self._n_waiting -= 1
+                if self._cache is not None:
+                    self._counters["cache_queried"] += len(prompt)
                 if entry is not None:
                     self._pages.share(shared)
                     self._cache.hit(entry)
