@@ -26,7 +26,7 @@ def progs():
     ck = load_checkpoint(CAPTURES / "tiny", dtype=jnp.float32, progress=False)
     layout = P.Layout(PAGE, TABLE, 6 * TABLE + 1, 6, "float32")
     buckets = P.Buckets(prompt_rows=(64, 128), prompt_lanes=(4,), decode_streams=(4,), window_rows=(3,),
-                        packing=P.Packing.MAPPED, logprobs=4, chain_rows=(3,))
+                        packing=P.Packing.MAPPED, logprobs=4, chain_rows=(3,), slot_copy=True)
     pr = P.Programs(ck.params, ck.config, layout, buckets, BE)
     pr.compile()
     return pr
@@ -186,6 +186,30 @@ def pool_copies(pr) -> dict:
     return {key: len(lines) for key, lines in pr.pool_copies().items()}
 
 
+def test_slot_copy(progs):
+    """`slot_copy` sets one slot's GDN states and conv windows to another's, leaving every other slot and the K/V
+    pools as they were."""
+    import dataclasses
+
+    import jax
+
+    def by_slot(x):  # a different value in every slot
+        return x + jnp.arange(x.shape[0], dtype=x.dtype).reshape((-1,) + (1,) * (x.ndim - 1))
+
+    saved = progs.state
+    progs.state = dataclasses.replace(jax.tree.map(jnp.copy, saved), rec=tuple(map(by_slot, saved.rec)),
+                                      conv=tuple(map(by_slot, saved.conv)))
+    bumped = jax.tree.map(np.asarray, progs.state)
+    progs.slot_copy(2, 5)
+    after = jax.tree.map(np.asarray, progs.state)
+    for b, a in zip(bumped.rec + bumped.conv, after.rec + after.conv):
+        assert not np.array_equal(b[5], b[2])
+        assert np.array_equal(a[5], b[2]) and np.array_equal(np.delete(a, 5, 0), np.delete(b, 5, 0))
+    for b, a in zip(jax.tree.leaves(bumped.kv), jax.tree.leaves(after.kv)):
+        assert np.array_equal(a, b)
+    progs.state = saved
+
+
 def test_decode_programs_have_no_device_branch(progs):
     """The decode variants fix their sampling path when tracing ("decode" plain, "decode_sorted" sorted), so
     neither holds a conditional, whose predicate the GPU host would have to read back mid-program (that would
@@ -198,5 +222,6 @@ def test_decode_programs_have_no_device_branch(progs):
 
 def test_pools_are_updated_in_place(progs):
     copies = pool_copies(progs)
-    assert set(copies) >= {("prompt", (4, 64)), ("decode", (4, 1)), ("draft", (4, 3)), ("commit", (4, 3))}
+    assert set(copies) >= {("prompt", (4, 64)), ("decode", (4, 1)), ("draft", (4, 3)), ("commit", (4, 3)),
+                           ("slot_copy", (1, 1))}
     assert all(n == 0 for n in copies.values()), copies
