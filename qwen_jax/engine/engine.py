@@ -4,10 +4,14 @@ rounds of compiled programs (qwen_jax.programs). Plain Python; it packs host arr
 A round of the scheduler (one loop iteration):
   1. take new requests and cancellations (a queued request that is cancelled never starts);
   2. admit queued requests in arrival order while a GDN slot and the request's KV pages are free (pages for its
-     prompt plus max_tokens, capped at the context, are reserved up front, so a running stream never runs out);
+     prompt plus max_tokens, capped at the context, are reserved up front, so a running stream never runs out;
+     kept prompt states give theirs up when that makes a request fit). With the prompt cache on
+     (`prompt_cache`, qwen_jax.engine.prefix), a prompt that extends a kept prefix starts past it: its slot takes
+     a copy of the kept GDN state and its page table begins with the kept prefix's pages (shared, never written);
   3. one prompt call: the next chunk of one or more prompting streams (chunks cut on the 64-grid of
      absolute positions, at most `prefill_step` rows a lane while other streams decode, so they keep going);
-     a lane whose prompt ends there yields its first token at once;
+     a lane whose prompt ends there yields its first token at once; a chunk also ends at each of the prompt's keep
+     points, and the state there is kept (a kept slot takes a copy; the entry shares the pages);
   4. copy drafts (`copy_drafts`, qwen_jax.engine.drafts): a stream whose recent tokens repeat an earlier stretch of
      its history verifies the tokens that followed it as a chain window (one draft call for all such streams,
      then one commit of each stream's accepted rows), and may take several tokens from one forward; those streams
