@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     for what in ("draft", "decode"):
         for traced in (False, True):
             if traced:
-                jax.profiler.start_trace(f"{args.trace}_{what}")
+                jax.profiler.start_trace(f"{args.trace}_{what}", create_perfetto_trace=True)
             if what == "draft":
                 bench.draft_windows(progs, [table], args.context, rule, args.rows, args.windows, 1, 400, rng)
             else:
