@@ -15,7 +15,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=2)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--windows", type=int, default=4, help="traced windows")
-    ap.add_argument("--trace", default="/tmp/trace_draft")
+    ap.add_argument("--trace", default="/tmp/trace_draft", help="trace dir prefix ('' = no trace)")
     args = ap.parse_args(argv)
     from qwen_jax import programs as P
     from qwen_jax import sampling
@@ -32,19 +32,26 @@ def main(argv=None) -> int:
     rule = sampling.RequestSampling(seed=0, temperature=0.0)
     table = np.arange(1, dp + 1, dtype=np.int32)
     rng = np.random.default_rng(0)
+    import time
     for what in ("draft", "decode"):
-        for traced in (False, True):
+        for traced in (False, True) if args.trace else (False,):
             if traced:
                 jax.profiler.start_trace(f"{args.trace}_{what}", create_perfetto_trace=True)
+            t0 = time.perf_counter()
             if what == "draft":
                 bench.draft_windows(progs, [table], args.context, rule, args.rows, args.windows, 1, 400, rng)
             else:
                 bench.pipelined_decode(progs, [table], [args.context], rule, args.windows, first_tokens=[1])
             jax.block_until_ready(progs.state)
+            if not traced:
+                n = args.windows + (2 if what == "draft" else 0)
+                print(f"{what}: {(time.perf_counter() - t0) * 1e3 / n:.2f} ms a "
+                      f"{'window' if what == 'draft' else 'round'} (untraced, {n})")
             if traced:
                 jax.profiler.stop_trace()
-        print(f"=== {what} ({args.rows if what == 'draft' else 1} rows), per window / round")
-        summarize_trace(f"{args.trace}_{what}", args.windows + (2 if what == "draft" else 0))
+        if args.trace:
+            print(f"=== {what} ({args.rows if what == 'draft' else 1} rows), per window / round")
+            summarize_trace(f"{args.trace}_{what}", args.windows + (2 if what == "draft" else 0))
     return 0
 
 
