@@ -14,8 +14,10 @@ Programs (each one XLA executable per bucket):
   verify  [streams x rows] a drafted window (chain or tree) per stream, states read-only; samples every row and
                           returns the per-layer rows `commit` replays. Only compiled for `Buckets.window_rows`.
   draft   [streams x rows] a copy-draft chain window per stream (`model.verify(chain=True)`): writes the chain's
-                          K/V, every row attends as the serial step at its position would, samples every row and
-                          returns the rows `commit` replays. Only compiled for `Buckets.chain_rows`.
+                          K/V, every row attends as the serial step at its position would, samples every row,
+                          accepts each chain up to its first draft that is not its predecessor row's sample, and
+                          commits the accepted rows: one program a window, no host round trip between sampling
+                          and commit. Only compiled for `Buckets.chain_rows`.
   commit  [streams x rows] writes each stream's accepted path into its state.
   slot_copy               copies one GDN slot's recurrent states and conv windows to another (the prompt cache
                           keeps and restores them). Only compiled with `Buckets.slot_copy`.
@@ -412,17 +414,35 @@ def verify_program(cfg: ModelConfig, backend: M.Backend, top_n: int, taps: tuple
     return program
 
 
+def chain_accepted(window: M.VerifyWindow, tokens: jax.Array) -> jax.Array:
+    """Rows of each chain that stand, [S] int32: row 0 (the pending token) always, then row r while it is a chain
+    row (parent r - 1; padding rows hang off the root's parent) whose token is row r - 1's sample. Dummy streams
+    (slot 0): none."""
+    s, r = window.tokens.shape
+    rows = jnp.arange(1, r, dtype=jnp.int32)
+    hit = (window.tokens[:, 1:] == tokens[:, :-1]) & (window.parents[:, 1:] == rows - 1)
+    took = 1 + jnp.sum(jnp.cumprod(hit.astype(jnp.int32), axis=1), axis=1, dtype=jnp.int32)
+    return jnp.where(window.slot == 0, 0, took)
+
+
 def draft_program(cfg: ModelConfig, backend: M.Backend, top_n: int) -> Callable:
-    """(params, state, window [S x R] of chains, sample params [S*R]) -> (state with the chains' K/V written,
-    tokens [S, R], logprobs or None, kept): `verify_program` with every row computed as the serial step at its
-    position (`model.verify(chain=True)`), so its tokens and logprobs are the serial ones."""
+    """(params, state, window [S x R] of chains, sample params [S*R]) -> (state with the accepted rows committed,
+    tokens [S, R], logprobs or None, accepted rows [S]): `verify_program` with every row computed as the serial
+    step at its position (`model.verify(chain=True)`), so its tokens and logprobs are the serial ones; then each
+    chain's accepted rows (`chain_accepted`) committed. Rows past them leave K/V past the committed length, which
+    nothing reads and the next write there replaces."""
 
     def program(params, state, window, sp):
         with jax.named_scope("draft"):
             logits, kept, _, state = M.verify(params, state, window, cfg, backend, chain=True)
         s, r = window.tokens.shape
         tokens, lp = _sample(logits.reshape(s * r, -1), sp, top_n)
-        return state, tokens.reshape(s, r), lp, kept
+        tokens = tokens.reshape(s, r)
+        took = chain_accepted(window, tokens)
+        with jax.named_scope("commit"):
+            path = jnp.broadcast_to(jnp.arange(r, dtype=jnp.int32), (s, r))
+            state = M.commit(state, kept, window, path, took, cfg, backend)
+        return state, tokens, lp, took
 
     return program
 
@@ -620,7 +640,7 @@ class Programs:
         keys += [(kind, (s, 1)) for kind in DECODE_KINDS for s in b.decode_streams]
         for s in b.decode_streams:
             keys += [("verify", (s, r)) for r in b.window_rows] + [("draft", (s, r)) for r in b.chain_rows]
-            keys += [("commit", (s, r)) for r in sorted(set(b.window_rows) | set(b.chain_rows))]
+            keys += [("commit", (s, r)) for r in b.window_rows]
         if b.slot_copy:
             keys.append(("slot_copy", (1, 1)))
         return keys
@@ -726,11 +746,12 @@ class Programs:
         return self._host(tokens, lp), kept
 
     def draft(self, window: M.VerifyWindow, sp: sampling.SampleParams):
-        """A copy-draft chain window (`draft_program`; the state takes the chains' K/V) -> (Sampled with tokens
-        [S, R], kept (device rows for `commit`))."""
+        """A copy-draft chain window (`draft_program`: sampled, accepted and committed in one call) -> (Sampled with
+        tokens [S, R], accepted rows [S] on the host)."""
         exe = self._get(("draft", window.tokens.shape))
-        self.state, tokens, lp, kept = exe(self.params, self.state, window, sp)
-        return self._host(tokens, lp), kept
+        self.state, tokens, lp, took = exe(self.params, self.state, window, sp)
+        took.copy_to_host_async()
+        return self._host(tokens, lp), np.asarray(took)
 
     def slot_copy(self, src: int, dst: int) -> None:
         """Slot dst's GDN states and conv windows become slot src's (dispatched; ordered before later calls)."""

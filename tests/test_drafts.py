@@ -69,6 +69,19 @@ def test_copy_index_errors():
         CopyIndex([1, 2, 3]).propose(-1)
 
 
+def test_chain_accepted():
+    """The draft program's acceptance: row 0 always; row r while it is a chain row whose token is row r - 1's
+    sample; padding rows (hanging off the root's parent) and dummy streams (slot 0) never."""
+    lay = P.Layout(64, 4, 9, 4)
+    tokens = [[5, 6, 7, 8], [5, 6, 7], [5, 6], [5, 9, 7, 8]]
+    window = P.tree_window(lay, 5, 4, tokens, [list(range(-1, len(t) - 1)) for t in tokens], [10] * 4,
+                           [1, 2, 3, 1], [np.arange(1, 5, dtype=np.int32)] * 4)
+    sampled = np.array([[6, 7, 8, 1], [6, 7, 7, 7], [6, 7, 7, 7], [6, 7, 8, 1], [0, 0, 0, 0]], np.int32)
+    assert P.chain_accepted(window, sampled).tolist() == [4, 3, 2, 1, 0]
+    sampled[0, 1] = 3  # row 2's token (7) is not row 1's sample: rows 0-1 stand
+    assert P.chain_accepted(window, sampled).tolist()[0] == 2
+
+
 # ------------------------------------------------------------------------------------------------ the model
 
 

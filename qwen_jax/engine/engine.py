@@ -655,16 +655,8 @@ class Engine:
             positions += [s.cache_len + min(r, len(t) - 1) + 1 for r in range(rows)]
         sp = P.sample_params(reqs, positions, n * rows)
         try:
-            out, kept = self.programs.draft(window, sp)
-            path = np.zeros((n, rows), np.int32)
-            path_len = np.zeros(n, np.int32)
-            for i, (s, t) in enumerate(tries):
-                took = 1  # row 0, the pending token, always stands; row r stands while draft r is row r-1's sample
-                while took < len(t) and int(out.tokens[i, took - 1]) == t[took]:
-                    took += 1
-                path[i, :took] = np.arange(took)
-                path_len[i] = took
-            self.programs.commit(kept, window, path, path_len)
+            # Row 0, the pending token, always stands; row r while draft r is row r - 1's sample (on the device)
+            out, path_len = self.programs.draft(window, sp)
         except Exception as e:
             self._program_failed(streams, e)
             return set(streams)
