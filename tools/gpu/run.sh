@@ -159,18 +159,14 @@ case "$stage" in
     attn_sections 200 window_fp8 e4m3
     ;;
   hundred-sixtieth)
-    # Prepared in session 39 (~4 min): does XLA's command buffers (CUDA graphs) cut the host's enqueue of a
-    # ~1200-kernel program? Session 39 found a copy-draft window host-bound (busy 7.1 of 20 ms); session 12 saw
-    # command buffers make the decode round's enqueue worse (9.6 ms), before the Mosaic GPU kernels. The one-stream
-    # decode round (host enqueue onto an idle device, device-bound and pipelined rounds) and a 4-row chain window,
-    # by default and with command buffers on for every thunk kind.
-    for flags in "" "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1"; do
-      echo "XLA_FLAGS=$flags"
-      XLA_FLAGS="$flags" timeout 110 python3 tools/gpu/decode_profile.py --synthetic 27b --streams 1 --rounds 32 \
-        --profiled 0 2>&1 | tee -a "$out/cmdbuf_decode.log" | grep -E "round|enqueue|command-buffer"
-      XLA_FLAGS="$flags" timeout 100 python3 tools/gpu/draft_profile.py --rows 4 --windows 8 --trace "" 2>&1 \
-        | tee -a "$out/cmdbuf_draft.log" | grep -E "a window|a round"
-    done ;;
+    # Prepared in session 39 (~4 min): the fused draft window (acceptance and commit in the draft program). Its
+    # gate against the serial step (bf16), then one stream's 4- and 16-row windows at 1K beside the decode round
+    # (session 39 before the fusion: 23.63 / 24.22 ms against 6.41).
+    gpu_pytest 150 drafts_bf16 6 tests/test_engine_gpu.py -k "drafted and bf16"
+    timeout 150 python3 -m qwen_jax bench --synthetic 27b --streams 1 --prompt-lengths "" --context 1024 \
+      --rounds 16 --draft-rows 4,16 --no-compile-timing --compile-cache "" 2>&1 | tee "$out/bench_27b_draft.log" \
+      | grep -E "^decode|^draft "
+    ;;
   hundred-fifty-ninth)
     # Prepared in session 39 (~7 min): the engine's two exactness gates not yet run on the device. The prompt cache
     # (resumed == fresh, bf16 and fp8 caches), then copy drafts (drafted == serial, bf16 and fp8).
