@@ -69,7 +69,7 @@ from pallas_kernels.qweight import QuantizedWeight
 from qwen_jax import model as M
 from qwen_jax import sampling
 from qwen_jax.config import ModelConfig
-from qwen_jax.model.forward import kv_dtype_for
+from qwen_jax.model.forward import kv_dtype_for, text_rope_positions
 
 GRID = 64  # prompt chunks start on this grid of absolute positions (the GDN chunk; attention key blocks)
 
@@ -426,23 +426,41 @@ def chain_accepted(window: M.VerifyWindow, tokens: jax.Array) -> jax.Array:
 
 
 def draft_program(cfg: ModelConfig, backend: M.Backend, top_n: int) -> Callable:
-    """(params, state, window [S x R] of chains, sample params [S*R]) -> (state with the accepted rows committed,
-    tokens [S, R], logprobs or None, accepted rows [S]): `verify_program` with every row computed as the serial
-    step at its position (`model.verify(chain=True)`), so its tokens and logprobs are the serial ones; then each
-    chain's accepted rows (`chain_accepted`) committed. Rows past them leave K/V past the committed length, which
-    nothing reads and the next write there replaces."""
+    """(params, state, last [slots], lens [slots], window [S x R] of chains, sample params [S*R]) -> (state with
+    the accepted rows committed, last, lens, tokens [S, R], logprobs or None, accepted rows [S]): `verify_program`
+    with every row computed as the serial step at its position (`model.verify(chain=True)`), so its tokens and
+    logprobs are the serial ones; then each chain's accepted rows (`chain_accepted`) committed. Rows past them
+    leave K/V past the committed length, which nothing reads and the next write there replaces.
 
-    def program(params, state, window, sp):
+    Where each stream stands may come from the device instead of the host, so a window can be enqueued before the
+    previous one's tokens are fetched: a token of `FROM_LAST` reads the slot's `last` (its newest sampled token:
+    the previous decode call's or window's), and a cache_len below 0 reads the slot's `lens` (its committed length
+    after the slot's previous window), with the rope positions and the sampling positions (each row draws at its
+    position + 1) computed here from it. Every window writes back each slot's committed length and newest sample
+    (dummy streams into slot 0, never read)."""
+
+    def program(params, state, last, lens, window, sp):
+        s, r = window.tokens.shape
+        from_dev = window.cache_len < 0
+        cache_len = jnp.where(from_dev, lens[window.slot], window.cache_len)
+        pos = cache_len[:, None] + M.window_depth(window.parents) - 1
+        window = dataclasses.replace(
+            window, tokens=jnp.where(window.tokens < 0, last[window.slot][:, None], window.tokens),
+            cache_len=cache_len,
+            rope_positions=jnp.where(from_dev[None, :, None], text_rope_positions(pos),
+                                     window.rope_positions))
+        sp = dataclasses.replace(sp, position=jnp.where(jnp.repeat(from_dev, r), (pos + 1).reshape(-1), sp.position))
         with jax.named_scope("draft"):
             logits, kept, _, state = M.verify(params, state, window, cfg, backend, chain=True)
-        s, r = window.tokens.shape
         tokens, lp = _sample(logits.reshape(s * r, -1), sp, top_n)
         tokens = tokens.reshape(s, r)
         took = chain_accepted(window, tokens)
         with jax.named_scope("commit"):
             path = jnp.broadcast_to(jnp.arange(r, dtype=jnp.int32), (s, r))
             state = M.commit(state, kept, window, path, took, cfg, backend)
-        return state, tokens, lp, took
+        newest = jnp.take_along_axis(tokens, jnp.maximum(took - 1, 0)[:, None], axis=1)[:, 0]
+        return (state, last.at[window.slot].set(newest), lens.at[window.slot].set(cache_len + took), tokens, lp,
+                took)
 
     return program
 
@@ -593,6 +611,7 @@ class Programs:
         self.params, self.cfg, self.layout, self.buckets = params, cfg, layout, buckets
         self.state = self.fresh_state()
         self.last = self._fresh_last()  # [slots] int32: each slot's last sampled token (decode_program)
+        self.lens = self._fresh_last()  # [slots] int32: each slot's committed length after a window (draft_program)
         self._exe: dict[tuple, object] = {}
         top_n = buckets.logprobs
         self._fns = {
@@ -600,7 +619,7 @@ class Programs:
             **{kind: jax.jit(decode_program(cfg, self.backend, top_n, path), donate_argnums=(1, 2))
                for kind, path in DECODE_KINDS.items()},
             "verify": jax.jit(verify_program(cfg, self.backend, top_n)),
-            "draft": jax.jit(draft_program(cfg, self.backend, top_n), donate_argnums=1),
+            "draft": jax.jit(draft_program(cfg, self.backend, top_n), donate_argnums=(1, 2, 3)),
             "commit": jax.jit(commit_program(cfg, self.backend), donate_argnums=0),
             "slot_copy": jax.jit(slot_copy_program(), donate_argnums=0),
         }
@@ -613,11 +632,12 @@ class Programs:
 
     def state_lost(self) -> bool:
         """True when a failed program consumed the donated pools (callers then `reset_state`)."""
-        return any(x.is_deleted() for x in jax.tree.leaves((self.state, self.last)))
+        return any(x.is_deleted() for x in jax.tree.leaves((self.state, self.last, self.lens)))
 
     def reset_state(self) -> None:
         self.state = self.fresh_state()
         self.last = self._fresh_last()
+        self.lens = self._fresh_last()
 
     # Example host inputs per bucket: lowering needs only their shapes and dtypes.
     def _example(self, kind: str, shape: tuple[int, int]):
@@ -670,6 +690,8 @@ class Programs:
                 return self._fns[kind].lower(self.state, *args)
             if kind in DECODE_KINDS:
                 return self._fns[kind].lower(self.params, self.state, self.last, *_abstract(args))
+            if kind == "draft":
+                return self._fns[kind].lower(self.params, self.state, self.last, self.lens, *_abstract(args))
             return self._fns[kind].lower(self.params, self.state, *_abstract(args))
 
         def build(key, lowered, t0):
@@ -748,9 +770,20 @@ class Programs:
     def draft(self, window: M.VerifyWindow, sp: sampling.SampleParams):
         """A copy-draft chain window (`draft_program`: sampled, accepted and committed in one call) -> (Sampled with
         tokens [S, R], accepted rows [S] on the host)."""
+        return self.fetch_draft(self.draft_async(window, sp))
+
+    def draft_async(self, window: M.VerifyWindow, sp: sampling.SampleParams):
+        """Dispatch a draft window and return at once (an opaque handle for `fetch_draft`); its tokens, cache
+        lengths and positions may come from the device (`draft_program`)."""
         exe = self._get(("draft", window.tokens.shape))
-        self.state, tokens, lp, took = exe(self.params, self.state, window, sp)
-        took.copy_to_host_async()
+        self.state, self.last, self.lens, tokens, lp, took = exe(self.params, self.state, self.last, self.lens,
+                                                                 window, sp)
+        for a in jax.tree.leaves((tokens, lp, took)):
+            a.copy_to_host_async()
+        return tokens, lp, took
+
+    def fetch_draft(self, pending):
+        tokens, lp, took = pending
         return self._host(tokens, lp), np.asarray(took)
 
     def slot_copy(self, src: int, dst: int) -> None:

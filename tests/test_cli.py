@@ -117,6 +117,7 @@ def test_bench_draft_windows(capsys):
     res = json.loads(capsys.readouterr().out)
     assert list(res["draft_window_ms"]) == ["1"] and list(res["draft_window_ms"]["1"]) == ["3"]
     assert res["draft_window_ms"]["1"]["3"] > 0 and res["decode_forwards_per_s"]["1"] > 0
+    assert res["draft_pipelined_ms"]["1"]["3"] > 0  # the same windows enqueued back to back
     for bad, msg in (("17", "at most 16"), ("0", "positive"), ("2,x", "comma-separated")):
         with pytest.raises(SystemExit, match=msg):
             main(["bench", "--model", TINY, "--streams", "1", "--prompt-lengths", "", "--draft-rows", bad]

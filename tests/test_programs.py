@@ -131,6 +131,44 @@ def test_verify_and_commit_agree_with_serial_steps(progs):
         np.testing.assert_allclose(a, b, atol=TOL, rtol=0)
 
 
+def test_draft_windows_from_the_device_equal_the_host_ones(progs):
+    """Chain windows whose first token and lengths come from the device (`FROM_LAST`, cache_len -1: windows
+    enqueued before the previous one is fetched) give the tokens, logprobs, accepted rows and slot state of the same
+    windows built on the host from each fetched result. The drafts follow a serial run of the same prompt, one of
+    them wrong, so windows keep all, some or one of their rows; seeded sampling, whose draws depend on the
+    positions."""
+    rng = np.random.default_rng(4)
+    prompt = rng.integers(0, 490, size=70)
+    (first, *_), _ = _prefill(progs, prompt, [128], 3, 0, 0, rng, SAMPLED)
+    serial, pending, pos = [int(first)], int(first), 70
+    for _ in range(12):  # the serial continuation: the drafts' source
+        out = progs.decode(P.decode_window(progs.layout, 4, [pending], [pos], [3], [_table(3)]),
+                           P.sample_params([SAMPLED], [pos + 1], 4))
+        pending, pos = int(out.tokens[0]), pos + 1
+        serial.append(pending)
+    results = {}
+    for slot, from_device in ((1, False), (2, True)):
+        (tok0, *_), _ = _prefill(progs, prompt, [128], slot, 0, 0, rng, SAMPLED)
+        assert int(tok0) == serial[0]
+        pending, cache_len, done, got = int(tok0), 70, 0, []
+        for k in range(4):
+            drafts = serial[done + 1:done + 3]
+            if k == 1:
+                drafts = [drafts[0], (drafts[1] + 1) % 490]  # the second draft wrong: rows 0-1 stand
+            row0 = P.FROM_LAST if from_device and k else pending
+            cl = -1 if from_device and k else cache_len
+            window = P.tree_window(progs.layout, 4, 3, [[row0] + drafts], [[-1, 0, 1]], [cl], [slot], [_table(slot)])
+            sp = P.sample_params([SAMPLED] * 3, [cache_len + r + 1 for r in range(3)], 12)
+            out, took = progs.draft(window, sp)
+            took = int(took[0])
+            got.append((out.tokens[0].tolist(), out.logprob[:3].tolist(), out.top_logprobs[:3].tolist(), took))
+            pending, cache_len, done = int(out.tokens[0, took - 1]), cache_len + took, done + took
+        results[slot] = got, _slot_state(progs, slot, cache_len), cache_len
+    assert [g[3] for g in results[1][0]] == [3, 2, 3, 3]
+    assert results[1][0] == results[2][0] and results[1][2] == results[2][2] == 70 + 11
+    assert _same(results[1][1], results[2][1])
+
+
 def test_steady_state_never_compiles(progs):
     rng = np.random.default_rng(3)
     with P.CompileWatch() as watch:

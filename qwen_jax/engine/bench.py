@@ -39,6 +39,7 @@ class BenchResult:
     programs: int = 0
     context: int = 0
     draft_window_ms: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)  # streams -> rows -> ms
+    draft_pipelined_ms: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)  # likewise
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -59,8 +60,12 @@ class BenchResult:
         for s, by_rows in self.draft_window_ms.items():
             fps = self.decode_forwards_per_s.get(s)
             for r, ms in by_rows.items():
-                ratio = f" = {ms * fps / 1000:.2f} decode rounds" if fps else ""
-                out.append(f"draft  {s:>2} streams x {r:>2} rows @ {self.context} ctx: {ms:8.2f} ms a window{ratio}")
+                for what, v in (("", ms), (", pipelined", self.draft_pipelined_ms.get(s, {}).get(r))):
+                    if v is None:
+                        continue
+                    ratio = f" = {v * fps / 1000:.2f} decode rounds" if fps else ""
+                    out.append(f"draft  {s:>2} streams x {r:>2} rows @ {self.context} ctx: {v:8.2f} ms a "
+                               f"window{ratio}{what}")
         return out
 
 
@@ -180,30 +185,50 @@ def run(params, cfg, *, backend, dtype: str = "bfloat16", kv_cache: str = "bf16"
             log(f"decode {s} streams: {fps:.1f} forwards/s, {fps * s:.1f} tok/s (repeats: "
                 + ", ".join(f"{x:.1f}" for x in reps) + ")")
             for r in sorted(set(draft_rows)):
-                ms = draft_windows(progs, tables, context, greedy, r, rounds, repeats, vocab, rng)
-                result.draft_window_ms.setdefault(s, {})[r] = ms
-                log(f"draft {s} streams x {r} rows: {ms:.2f} ms a window ({ms * fps / 1000:.2f} decode rounds)")
+                for pipelined, into in ((False, result.draft_window_ms), (True, result.draft_pipelined_ms)):
+                    ms = draft_windows(progs, tables, context, greedy, r, rounds, repeats, vocab, rng, pipelined)
+                    into.setdefault(s, {})[r] = ms
+                    log(f"draft {s} streams x {r} rows{', pipelined' if pipelined else ''}: {ms:.2f} ms a window "
+                        f"({ms * fps / 1000:.2f} decode rounds)")
     return result
 
 
 def draft_windows(progs, tables, context: int, rule, rows: int, rounds: int, repeats: int, vocab: int,
-                  rng) -> float:
-    """`rounds` chain windows of `rows` rows for streams in slots 1..S from `context` cached tokens, each as the
-    engine's draft round runs it (the window's tokens on the host before the next one is built), after two
-    untimed ones; timed `repeats` times -> ms a window (the median). The drafts are random tokens, so a window
-    mostly keeps its first row only; what it costs does not depend on how many it keeps."""
+                  rng, pipelined: bool = False) -> float:
+    """`rounds` chain windows of `rows` rows for streams in slots 1..S from `context` cached tokens, after two
+    untimed ones; timed `repeats` times -> ms a window (the median). As the engine's draft round runs them (each
+    window's tokens on the host before the next one is built), or `pipelined`: each window after the first takes
+    its first token and its streams' lengths from the device (`programs.draft_program`) and is enqueued before the
+    previous one is fetched. The drafts are random tokens, so a window mostly keeps its first row only; what it
+    costs does not depend on how many it keeps."""
     s = len(tables)
     chain = list(range(-1, rows - 1))
 
     def windows(n: int) -> None:
         cache_len = [context] * s
-        for _ in range(n):
+        prev = None
+        for k in range(n):
             toks = [list(rng.integers(0, vocab, size=rows)) for _ in range(s)]
-            window = P.tree_window(progs.layout, s, rows, toks, [chain] * s, cache_len, list(range(1, s + 1)),
-                                   tables)
-            positions = [c + r + 1 for c in cache_len for r in range(rows)]
-            _, took = progs.draft(window, P.sample_params([rule] * (s * rows), positions, s * rows))
-            cache_len = [c + int(k) for c, k in zip(cache_len, took)]
+            if pipelined and k:
+                for t in toks:
+                    t[0] = P.FROM_LAST
+                window = P.tree_window(progs.layout, s, rows, toks, [chain] * s, [-1] * s, list(range(1, s + 1)),
+                                       tables)
+                sp = P.sample_params([rule] * (s * rows), [0] * (s * rows), s * rows)
+            else:
+                window = P.tree_window(progs.layout, s, rows, toks, [chain] * s, cache_len, list(range(1, s + 1)),
+                                       tables)
+                positions = [c + r + 1 for c in cache_len for r in range(rows)]
+                sp = P.sample_params([rule] * (s * rows), positions, s * rows)
+            cur = progs.draft_async(window, sp)
+            if not pipelined:
+                _, took = progs.fetch_draft(cur)
+                cache_len = [c + int(k) for c, k in zip(cache_len, took)]
+            elif prev is not None:
+                progs.fetch_draft(prev)
+            prev = cur
+        if pipelined and prev is not None:
+            progs.fetch_draft(prev)
         jax_block(progs.state)
 
     windows(2)

@@ -160,8 +160,9 @@ case "$stage" in
     ;;
   hundred-sixtieth)
     # Prepared in session 39 (~4 min): the fused draft window (acceptance and commit in the draft program). Its
-    # gate against the serial step (bf16), then one stream's 4- and 16-row windows at 1K beside the decode round
-    # (session 39 before the fusion: 23.63 / 24.22 ms against 6.41).
+    # gate against the serial step (bf16), then one stream's 4- and 16-row windows at 1K beside the decode round,
+    # as the engine runs them and pipelined (first token and lengths from the device, each window enqueued before
+    # the previous one is fetched); session 39 before the fusion: 23.63 / 24.22 ms against 6.41.
     gpu_pytest 150 drafts_bf16 6 tests/test_engine_gpu.py -k "drafted and bf16"
     timeout 150 python3 -m qwen_jax bench --synthetic 27b --streams 1 --prompt-lengths "" --context 1024 \
       --rounds 16 --draft-rows 4,16 --no-compile-timing --compile-cache "" 2>&1 | tee "$out/bench_27b_draft.log" \
