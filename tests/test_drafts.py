@@ -62,6 +62,17 @@ def test_periodic_history_copies_its_period():
     assert idx.propose(7) == [5, 6, 7, 5, 6, 7, 5]
 
 
+def test_propose_after_assumed_tokens_leaves_the_index():
+    base = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2, 3, 4, 5]
+    idx = CopyIndex(base, n=4)
+    ends = {k: list(v) for k, v in idx._ends.items()}
+    assert idx.propose_after([6, 7], 3) == [8, 9, 10]  # as if 6 7 had been appended
+    assert idx.propose_after([], 2) == idx.propose(2) == [6, 7]
+    assert idx.tokens == base and idx._ends == ends
+    full = CopyIndex(base + [6, 7], n=4)
+    assert idx.propose_after([6, 7], 5) == full.propose(5)
+
+
 def test_copy_index_errors():
     with pytest.raises(ValueError, match="match length"):
         CopyIndex(n=1)
@@ -148,6 +159,14 @@ class OracleCopies:
     def may_propose(self) -> bool:
         return True
 
+    def propose_after(self, assumed, limit: int) -> list[int]:
+        size = len(self.tokens)
+        self.tokens += [int(t) for t in assumed]
+        try:
+            return self.propose(limit)
+        finally:
+            del self.tokens[size:]
+
     def propose(self, limit: int) -> list[int]:
         limit = min(limit, self.limit)
         done = len(self.tokens) - len(self.prompt)  # reply tokens decided, the pending one included
@@ -197,7 +216,9 @@ def _same(a, b):
 def test_drafted_replies_do_not_depend_on_the_drafts(eng, monkeypatch):
     """Each request drafted three ways (drafts never right; right but for one token every 5th or 3rd round, at most
     7 or 4 a window): the same tokens and logprobs, windows kept whole, in part and not at all, every reply
-    max_tokens long, and the pools back to baseline."""
+    max_tokens long, and the pools back to baseline. Windows are enqueued behind a stream's previous window (its
+    first token and length on the device, its drafts guessed past what that window may yield) and the guesses
+    come out right and wrong."""
     reqs = [_request(p, seed, max_tokens=n) for p in _prompts() for seed, n in ((None, 30), (11, 27))]
     replies = {}
     _oracle(monkeypatch, eng, replies, 5)
@@ -208,13 +229,15 @@ def test_drafted_replies_do_not_depend_on_the_drafts(eng, monkeypatch):
     _baseline(eng)
     for period, limit in ((5, 16), (3, 4)):
         _oracle(monkeypatch, eng, replies, period, limit)
-        before = eng.stats()
+        before, windows = eng.stats(), dict(eng._counters)
         again = [eng.submit(r).result(TIMEOUT) for r in reqs]
         after = eng.stats()
         for a, b in zip(first, again):
             _same(a, b)
         accepted = after.draft_accepted_total - before.draft_accepted_total
         assert 0 < accepted < after.draft_proposed_total - before.draft_proposed_total
+        chained = eng._counters["draft_windows_chained"] - windows["draft_windows_chained"]
+        assert 0 < chained < eng._counters["draft_windows"] - windows["draft_windows"]
         _baseline(eng)
 
 

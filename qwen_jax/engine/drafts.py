@@ -50,6 +50,30 @@ class CopyIndex:
         for t in tokens:
             self.append(t)
 
+    def truncate(self, size: int) -> None:
+        """Drop the tokens past the first `size` (undoes `extend`)."""
+        k = self.n - 1
+        while len(self.tokens) > size:
+            end = len(self.tokens)
+            if end >= k:
+                key = tuple(self.tokens[end - k:])
+                self._ends[key].pop()
+                if not self._ends[key]:
+                    del self._ends[key]
+            self.tokens.pop()
+
+    def propose_after(self, assumed: list[int], limit: int) -> list[int]:
+        """`propose(limit)` as if `assumed` followed the history (tokens of calls still on the device, taken as
+        right); the index is left as it was."""
+        if not assumed:
+            return self.propose(limit)
+        size = len(self.tokens)
+        self.extend(assumed)
+        try:
+            return self.propose(limit)
+        finally:
+            self.truncate(size)
+
     def may_propose(self) -> bool:
         """Whether the last n - 1 tokens occurred earlier with a token after them (the suffix itself excluded)."""
         k = self.n - 1

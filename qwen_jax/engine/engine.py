@@ -45,6 +45,7 @@ attention as that step's (`model.verify(chain=True)`); the rest holds where ever
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import threading
@@ -166,7 +167,9 @@ class Engine:
         self._inflight: collections.deque[tuple[list[Stream], object]] = collections.deque()  # decode calls
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._counters = {"prompt": 0, "generation": 0, "draft_proposed": 0, "draft_accepted": 0, "cache_queried": 0}
+        self._counters = {"prompt": 0, "generation": 0, "draft_proposed": 0, "draft_accepted": 0, "cache_queried": 0,
+                          "draft_windows": 0, "draft_windows_chained": 0}  # the last two: windows dispatched, and
+        # those that took a stream's first token and length from the device (enqueued behind its previous window)
         # Kept prompt states (qwen_jax.engine.prefix), on grid points that are whole pages
         self._cache = (PrefixCache(range(parallel + 1, parallel + 1 + prompt_cache), max(P.GRID, page_size),
                                    user_marker(tokenizer)) if prompt_cache else None)
@@ -354,11 +357,19 @@ class Engine:
             self._land(keep=0)
             self._prompt_call()
         drafted: set[Stream] = set()
-        if self.copy_drafts and any(self._may_draft(s) for s in self._running):
-            self._land(keep=0)  # the pending tokens, to look them up and to put them first in the windows
+        if self.copy_drafts:
+            if any(self._may_draft(s) for s in self._running if not s.drafting):
+                self._land(keep=0)  # a stream starts drafting from its whole history, the pending token included
             drafted = self._window_call()
+            if any(s.drafting and s not in drafted for s in self._running):
+                # A stream whose copy ran out decodes again, from a length the host must know: its windows land.
+                self._land(keep=0)
+                for s in self._running:
+                    if s not in drafted:
+                        s.drafting = False
         dispatched = self._decode_call(skip=drafted)
-        self._land(keep=1 if dispatched else 0)  # one call stays in flight while there is more to do
+        # This round's calls stay in flight while there is more to do; older ones are fetched and delivered.
+        self._land(keep=int(bool(drafted)) + int(dispatched))
 
     def _cancel_now(self, handle: RequestHandle) -> None:
         with self._lock:
@@ -599,9 +610,13 @@ class Engine:
         return True
 
     def _land(self, keep: int) -> None:
-        """Fetch the oldest decode calls in flight, leaving `keep`, and deliver their tokens in order."""
+        """Fetch the oldest calls in flight (decode calls and draft windows), leaving `keep`, and deliver their
+        tokens in order."""
         while len(self._inflight) > keep:
             streams, pending = self._inflight.popleft()
+            if isinstance(pending, _Window):
+                self._land_window(streams, pending)
+                continue
             for s in streams:
                 s.inflight -= 1
             try:
@@ -621,8 +636,9 @@ class Engine:
         return s.copies is not None and s.phase is Phase.DECODE and not s.finishing and s.budget() >= 2
 
     def _may_draft(self, s: Stream) -> bool:
-        """Whether a decoding stream may have a copy to verify this round: its history known on the host (the
-        pending token included, or not yet when a decode call is in flight) repeats an earlier stretch."""
+        """Whether a decoding stream that is not drafting may have a copy to verify this round: its history known
+        on the host (the pending token included, or not yet when a decode call is in flight) repeats an earlier
+        stretch."""
         if not self._draftable(s):
             return False
         if s.inflight:
@@ -630,47 +646,101 @@ class Engine:
         return bool(s.copies.propose(1))
 
     def _window_call(self) -> set:
-        """One draft call over the streams that have a copy to try (no decode call in flight: their pending token
-        is the last one decided; `programs.draft_program`, each row computed as the serial step at its position),
-        then one commit of each stream's accepted rows, then their tokens. -> the streams it ran."""
+        """One draft window call (`programs.draft_program`: each row computed as the serial step at its position,
+        acceptance and commit on the device) over the streams that have a copy to try, dispatched without waiting.
+
+        A stream with nothing in flight starts its window from what the host knows: its pending token and length.
+        A drafting stream whose previous window is still on the device takes its first token and its length from
+        the device, and its drafts from its history followed by what that window yields if every draft in it
+        stands and its last sample is the copy's next token (`Stream.assumed`); when that guess is wrong the
+        window still yields its first row's token, as a decode step would. A stream is left out when its copy
+        runs out, or when a window of its own in flight is known to have gone another way (its guess is then
+        stale). -> the streams it ran."""
         tries = []
         for s in self._running:
-            if not self._draftable(s):
+            if not self._draftable(s) or (s.inflight and not s.drafting):
                 continue
-            drafts = s.copies.propose(min(self.draft_rows, s.budget()) - 1)
-            if drafts:
-                tries.append((s, [s.generated[-1]] + drafts))
+            if s.inflight and not all(ok for _, ok in s.windows):
+                continue
+            rows = min(self.draft_rows, s.budget())
+            got = s.copies.propose_after(s.assumed(), rows)  # rows - 1 drafts, then the guess of the last sample
+            if not got:
+                continue
+            k = min(rows - 1, len(got) - 1) or 1  # the last token proposed is kept as the guess when it can be
+            drafts, guess = got[:k], got[k:k + 1]
+            tries.append((s, drafts, guess))
         if not tries:
             return set()
-        streams = [s for s, _ in tries]
-        n, rows = self.buckets.chain_bucket(len(tries), max(len(t) for _, t in tries))
-        window = P.tree_window(self.layout, n, rows, [t for _, t in tries],
-                               [list(range(-1, len(t) - 1)) for _, t in tries], [s.cache_len for s in streams],
-                               [s.slot for s in streams], [s.page_table for s in streams])
-        # Row r of a stream samples the token at position cache_len + r + 1 (the serial step's rule); the rows
-        # past a stream's window repeat its last position (their draws are never read).
-        reqs, positions = [], []
-        for s, t in tries:
+        streams = [s for s, _, _ in tries]
+        n, rows = self.buckets.chain_bucket(len(tries), max(1 + len(d) for _, d, _ in tries))
+        chains, lens, reqs, positions = [], [], [], []
+        for s, d, _ in tries:
+            first = P.FROM_LAST if s.inflight else s.generated[-1]
+            chains.append([first] + d)
+            lens.append(-1 if s.inflight else s.cache_len)
             reqs += [s.sampling] * rows
-            positions += [s.cache_len + min(r, len(t) - 1) + 1 for r in range(rows)]
+            # Row r samples the token at position cache_len + r + 1 (the serial step's rule; with the length on the
+            # device, the program computes it); rows past the window repeat the last (never read).
+            base = 0 if s.inflight else s.cache_len
+            positions += [base + min(r, len(d)) + 1 for r in range(rows)]
+        window = P.tree_window(self.layout, n, rows, chains, [list(range(-1, len(c) - 1)) for c in chains], lens,
+                               [s.slot for s in streams], [s.page_table for s in streams])
         sp = P.sample_params(reqs, positions, n * rows)
         try:
-            # Row 0, the pending token, always stands; row r while draft r is row r - 1's sample (on the device)
-            out, path_len = self.programs.draft(window, sp)
+            pending = self.programs.draft_async(window, sp)
         except Exception as e:
+            self._land(keep=0)
             self._program_failed(streams, e)
             return set(streams)
         with self._lock:
-            self._counters["draft_proposed"] += sum(len(t) - 1 for _, t in tries)
-            self._counters["draft_accepted"] += int(path_len.sum()) - len(tries)
-        for i, s in enumerate(streams):
-            took = int(path_len[i])
-            s.cache_len += took
-            s.sampled += took
-            s.next_input = int(out.tokens[i, took - 1])
+            self._counters["draft_windows"] += 1
+            self._counters["draft_windows_chained"] += int(any(s.inflight for s in streams))
+        for s, d, guess in tries:
+            s.drafting = True
+            s.inflight += 1
+            s.next_input = None
+            s.windows.append((d + guess, len(guess) == 1))
+            s.cache_len += 1 + len(d)  # as if every draft stands (the most it can take); corrected on landing
+            s.sampled += 1 + len(d)
             s.finishing = s.budget() <= 0
-            for r in range(took):
+        self._inflight.append((streams, _Window(pending, rows, [1 + len(d) for _, d, _ in tries])))
+        return set(streams)
+
+    def _land_window(self, streams: list[Stream], w: "_Window") -> None:
+        """Fetch a draft window and deliver each stream's accepted rows' samples; correct the lengths that its
+        dispatch took as if every draft stood."""
+        for s in streams:
+            s.inflight -= 1
+        try:
+            out, took = self.programs.fetch_draft(w.pending)
+        except Exception as e:
+            self._program_failed([s for s in streams if s in self._running], e)
+            return
+        with self._lock:
+            self._counters["draft_proposed"] += sum(n - 1 for n in w.real)
+            self._counters["draft_accepted"] += int(took[:len(streams)].sum()) - len(streams)
+        for i, s in enumerate(streams):
+            if s not in self._running:
+                continue  # ended meanwhile: its window's tokens are dropped
+            k, n = int(took[i]), w.real[i]
+            s.cache_len -= n - k
+            s.sampled -= n - k
+            s.finishing = s.budget() <= 0
+            assumed, _ = s.windows.popleft()
+            yielded = [int(t) for t in out.tokens[i, :k]]
+            if yielded != assumed:  # windows dispatched after this one guessed from what it did not yield
+                s.windows = collections.deque((a, False) for a, _ in s.windows)
+            if not s.inflight:
+                s.next_input = yielded[-1]
+            for r, t in enumerate(yielded):
                 if s not in self._running:
                     break  # a stop id or string ended it: the rest of its window is dropped
-                self._deliver(s, int(out.tokens[i, r]), out, i * rows + r)
-        return set(streams)
+                self._deliver(s, t, out, i * w.rows + r)
+
+
+@dataclasses.dataclass
+class _Window:
+    """A draft window call in flight: the program's pending outputs, its row bucket, each stream's real rows."""
+    pending: object
+    rows: int
+    real: list[int]

@@ -3,6 +3,7 @@ does to its reply (stop ids, stop strings, max tokens, context end)."""
 
 from __future__ import annotations
 
+import collections
 import enum
 
 import numpy as np
@@ -41,7 +42,11 @@ class Stream:
         self.next_input: int | None = None  # the next decode call's input when the host has it (after a prompt)
         self.sampled = 0  # tokens sampled so far, including decode calls still in flight
         self.finishing = False  # max_tokens or the context end comes with its last sampled token: no more calls
-        self.inflight = 0  # decode calls dispatched and not yet fetched
+        self.inflight = 0  # decode calls or draft windows dispatched and not yet fetched
+        self.drafting = False  # in copy-draft windows (its calls in flight, if any, are windows)
+        # per draft window in flight: what it yields if every draft stands and its last sample is the copy's next
+        # token, and whether that guess still stands (False once an earlier window went another way)
+        self.windows: collections.deque[tuple[list[int], bool]] = collections.deque()
         # prompt + decided tokens, indexed for copy drafts (None: this stream decodes serially)
         self.copies = CopyIndex(req.prompt_ids) if copy_drafts and req.draft else None
         self.generated: list[int] = []
@@ -57,6 +62,10 @@ class Stream:
         chunk but the last ends on the grid and the next one starts on it), ending at the next keep point."""
         end = min(self.prompt_len, self.prefilled + cap, *self.keep_at[:1])
         return self.prefilled, end - self.prefilled
+
+    def assumed(self) -> list[int]:
+        """The tokens the draft windows in flight are guessed to yield, in order."""
+        return [t for yielded, _ in self.windows for t in yielded]
 
     def budget(self) -> int:
         """Tokens this stream may still sample (max_tokens and the context end)."""
