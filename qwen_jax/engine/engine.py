@@ -14,8 +14,10 @@ A round of the scheduler (one loop iteration):
      points, and the state there is kept (a kept slot takes a copy; the entry shares the pages);
   4. copy drafts (`copy_drafts`, qwen_jax.engine.drafts): a stream whose recent tokens repeat an earlier stretch of
      its history verifies the tokens that followed it as a chain window (one draft call for all such streams,
-     then one commit of each stream's accepted rows), and may take several tokens from one forward; those streams
-     sit out this round's decode call;
+     acceptance and commit on the device), and may take several tokens from one forward; those streams sit out
+     this round's decode call. Windows are pipelined like decode calls: a drafting stream's next window is
+     dispatched behind its previous one, its first token and length read on the device and its drafts guessed
+     past what the previous window yields if it stands (`_window_call`);
   5. one decode call for every (other) decoding stream: verify + commit the pending token, sample the next. Decode calls
      are pipelined: a call is dispatched before the previous call's tokens reach the host (each row reads its
      input token on the device, where the slot's previous call left it: programs.FROM_LAST), and only then is
