@@ -431,7 +431,8 @@ class Engine:
                                 max_model_len=self.max_model_len, tokenizer=self.tokenizer,
                                 copy_drafts=self.copy_drafts, resumed=len(entry) if entry is not None else 0)
                 if self._cache is not None:
-                    stream.keep_at = self._cache.keep_points(prompt, after=stream.prefilled)
+                    with self._lock:
+                        stream.keep_at = self._cache.keep_points(prompt, after=stream.prefilled)
             except Exception as e:
                 self._release(slot, pages)
                 handle._push(TokenEvent((), "", finish_reason="error", error=f"{type(e).__name__}: {e}"))
