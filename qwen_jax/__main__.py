@@ -339,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--logprobs", type=int, default=0, help="top logprobs computed every round (the server's cost)")
     be.add_argument("--draft-rows", default="",
                     help="copy-draft chain windows to time, rows comma-separated (e.g. 2,4,8,16; at most 16): ms a "
-                         "window (draft + commit) at each stream count and --context, beside the decode round")
+                         "window (drafted, accepted and committed in one call; fetched one by one, then enqueued "
+                         "back to back) at each stream count and --context, beside the decode round")
     be.add_argument("--no-compile-timing", dest="compile_timing", action="store_false",
                     help="compile once with --compile-cache instead of timing cold and warm compiles")
     be.add_argument("--no-warm", action="store_true", help="time the cold compile only")

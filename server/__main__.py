@@ -68,9 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--copy-drafts", action="store_true",
                    help="copy drafts (off by default): a stream whose last tokens repeat an earlier stretch of its "
                         "prompt or reply verifies the tokens that followed it in one forward, each row computed as "
-                        "the serial step at its position (replies equal serial decoding's; not yet faster on the 27B, see "
-                        "BENCHMARKS.md); needs "
-                        "the row-invariant kernels, so refused with --no-kernels or on the CPU")
+                        "the serial step at its position (replies equal serial decoding's; not yet faster on the "
+                        "27B, see BENCHMARKS.md); needs the row-invariant kernels, so refused with --no-kernels or "
+                        "on the CPU")
 
     s = p.add_argument_group("scheduling")
     s.add_argument("--parallel", type=_positive, default=16, metavar="N",

@@ -6,10 +6,10 @@ calls (verify + commit + sampling, every call's tokens read back to the host, pi
 them: each call dispatched before the previous one is fetched) after a few untimed ones, timed `repeats` times ->
 forwards/s (rounds/s, the median of the repeats; every repeat's figure is kept, since a host-bound round moves
 from run to run) and tokens/s (S x forwards/s). Draft windows (`draft_rows`, the copy drafts' cost curve): S streams
-at `context`, each round one chain window of R rows (`programs.draft_program`, every row computed as the serial
-step at its position) and one commit of all R rows, run as the engine runs them (not pipelined: the window's
-tokens decide the commit) -> ms a window and its ratio to the decode round at the same S (a window of R rows pays
-when it yields more tokens than that ratio; every row accepted yields R). Compile: every program of the run, first against an empty
+at `context`, chain windows of R rows (`programs.draft_program`: every row computed as the serial step at its
+position, accepted and committed in the same call), each fetched before the next is built, then again enqueued
+back to back (`draft_windows`) -> ms a window and its ratio to the decode round at the same S (a window of R rows
+pays when it yields more tokens than that ratio; every row accepted yields R). Compile: every program of the run, first against an empty
 persistent cache (cold), then again from that cache (warm).
 
 Cached K/V and GDN states are zeros rather than a real prefix: the cost of a round depends on the context length,
@@ -110,8 +110,7 @@ def run(params, cfg, *, backend, dtype: str = "bfloat16", kv_cache: str = "bf16"
         out = {}
         for kind, lay, b in jobs:
             progs = P.Programs(params, cfg, lay, b, backend)
-            keys = [k for k in progs.bucket_keys()
-                    if k[0] == kind or (kind == "decode" and k[0] in ("draft", "commit"))]
+            keys = [k for k in progs.bucket_keys() if k[0] == kind or (kind == "decode" and k[0] == "draft")]
             out[kind] = (progs, keys)
         return out
 
@@ -201,6 +200,7 @@ def draft_windows(progs, tables, context: int, rule, rows: int, rounds: int, rep
     its first token and its streams' lengths from the device (`programs.draft_program`) and is enqueued before the
     previous one is fetched. The drafts are random tokens, so a window mostly keeps its first row only; what it
     costs does not depend on how many it keeps."""
+    import jax
     s = len(tables)
     chain = list(range(-1, rows - 1))
 
@@ -229,7 +229,7 @@ def draft_windows(progs, tables, context: int, rule, rows: int, rounds: int, rep
             prev = cur
         if pipelined and prev is not None:
             progs.fetch_draft(prev)
-        jax_block(progs.state)
+        jax.block_until_ready(progs.state)
 
     windows(2)
     reps = []
@@ -238,11 +238,6 @@ def draft_windows(progs, tables, context: int, rule, rows: int, rounds: int, rep
         windows(rounds)
         reps.append((time.perf_counter() - t0) * 1000 / rounds)
     return float(np.median(reps))
-
-
-def jax_block(tree) -> None:
-    import jax
-    jax.block_until_ready(tree)
 
 
 def pipelined_decode(progs, tables, cache_len: list[int], rule, rounds: int, first_tokens=None) -> None:

@@ -169,9 +169,10 @@ class Engine:
         self._inflight: collections.deque[tuple[list[Stream], object]] = collections.deque()  # decode calls
         self._stop = False
         self._thread: threading.Thread | None = None
+        # draft_windows: windows dispatched; draft_windows_chained: those enqueued behind a stream's previous
+        # window (its first token and length from the device)
         self._counters = {"prompt": 0, "generation": 0, "draft_proposed": 0, "draft_accepted": 0, "cache_queried": 0,
-                          "draft_windows": 0, "draft_windows_chained": 0}  # the last two: windows dispatched, and
-        # those that took a stream's first token and length from the device (enqueued behind its previous window)
+                          "draft_windows": 0, "draft_windows_chained": 0}
         # Kept prompt states (qwen_jax.engine.prefix), on grid points that are whole pages
         self._cache = (PrefixCache(range(parallel + 1, parallel + 1 + prompt_cache), max(P.GRID, page_size),
                                    user_marker(tokenizer)) if prompt_cache else None)
