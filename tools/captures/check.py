@@ -2,9 +2,11 @@
 
   HF transformers float32 on captures/tiny, prompt "long"   vs captures/refs/hf-tiny-f32.npz
   mlx-lm float32 on captures/tiny-mlx-4bit, prompt "short"  vs captures/refs/mlx-tiny-mlx-4bit-f32.npz
+  dflash on captures/tiny + captures/tiny-dflash, float32: the direct drafter calls and dflash_generate on "chat"
+                                                           vs captures/refs/dflash-tiny-f32.npz
 
 Passes when every logits / gen_logits entry is within the tool's tolerance (TOLERANCE), prompt_ids and gen_ids are
-equal. Exit 1 otherwise.
+equal (for dflash: every float array within the HF tolerance, every integer array equal). Exit 1 otherwise.
 Usage: python check.py [CAPTURES_DIR]
 
 Why the HF tolerance is 1e-4 (it was 1e-5 until session 12): torch's float32 CPU kernels sum in an order that depends
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+import make_dflash
 import refs_hf
 import refs_mlx
 
@@ -47,6 +50,31 @@ def compare(label: str, fresh: dict, committed_path: Path, prompt: str, toleranc
     return ok
 
 
+def compare_all(label: str, fresh: dict, committed_path: Path, tolerance: float) -> bool:
+    """Every array of `fresh` (but meta) against the committed npz: floats within tolerance (NaN where the committed
+    one has NaN), integers equal."""
+    committed = np.load(committed_path)
+    ok = True
+    for name in sorted(k for k in fresh if k != "meta"):
+        a, b = fresh[name], committed[name]
+        if a.shape != b.shape:
+            print(f"{label} {name}: shape {a.shape} != committed {b.shape}")
+            ok = False
+        elif np.issubdtype(b.dtype, np.floating):
+            same_nan = np.array_equal(np.isnan(a), np.isnan(b))
+            delta = float(np.nanmax(np.abs(a - b))) if np.isfinite(b).any() else 0.0
+            passed = same_nan and delta <= tolerance
+            if not passed or name.endswith((".logits", ".cache_k")):
+                verdict = "ok" if passed else "FAIL"
+                print(f"{label} {name}: max |delta| = {delta:.3g} ({verdict}, tolerance {tolerance:g})")
+            ok &= passed
+        elif not np.array_equal(a, b):
+            print(f"{label} {name}: DIFFERENT")
+            ok = False
+    print(f"{label}: {sum(1 for k in fresh if k != 'meta')} arrays compared")
+    return ok
+
+
 def main(captures_dir: str) -> int:
     root = Path(captures_dir)
     refs = root / "refs"
@@ -55,6 +83,8 @@ def main(captures_dir: str) -> int:
     ok = compare("hf-tiny-f32", hf, refs / "hf-tiny-f32.npz", "long", TOLERANCE["hf"])
     mlx = refs_mlx.main(str(root / "tiny-mlx-4bit"), prompts, "", only=["short"])
     ok &= compare("mlx-tiny-mlx-4bit-f32", mlx, refs / "mlx-tiny-mlx-4bit-f32.npz", "short", TOLERANCE["mlx"])
+    dflash = make_dflash.capture(str(root / "tiny"), str(root / "tiny-dflash"), prompts, "", only=["chat"])
+    ok &= compare_all("dflash-tiny-f32", dflash, refs / "dflash-tiny-f32.npz", TOLERANCE["hf"])
     print("captures check:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

@@ -44,6 +44,9 @@ mkdir -p "$refs"
 "$py" refs_mlx.py "$cap/tiny-mlx-4bit" "$refs/prompts.json" "$refs/mlx-tiny-mlx-4bit-f32.npz"
 "$py" refs_mlx.py "$cap/tiny-mlx-8bit" "$refs/prompts.json" "$refs/mlx-tiny-mlx-8bit-f32.npz"
 
+echo "== DFlash drafter and its references (dflash.model on transformers)"
+"$py" make_dflash.py "$cap/tiny" "$cap/tiny-dflash" "$refs/prompts.json" "$refs/dflash-tiny-f32.npz"
+
 echo "== agreement between references"
 "$py" agreement.py "$cap"
 

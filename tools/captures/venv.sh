@@ -1,5 +1,6 @@
 # Sourced by make_all.sh and check.sh: ensure_venv creates tools/captures/.venv311 (Python 3.11.7, CPU torch from
-# /opt/wheels, then requirements.txt) if it is missing or was built from a different requirements.txt.
+# /opt/wheels, then requirements.txt, then requirements-nodeps.txt without dependencies) if it is missing or was
+# built from different requirement files.
 
 captures_tools_dir="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 captures_venv="$captures_tools_dir/.venv311"
@@ -21,7 +22,8 @@ find_python311() {
 ensure_venv() {
     local stamp="$captures_venv/.requirements.sha256"
     local want
-    want="$(sha256sum "$captures_tools_dir/requirements.txt" | cut -d' ' -f1)"
+    want="$(cat "$captures_tools_dir/requirements.txt" "$captures_tools_dir/requirements-nodeps.txt" | sha256sum \
+        | cut -d' ' -f1)"
     if [ -x "$captures_venv/bin/python" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
         return 0
     fi
@@ -36,5 +38,7 @@ ensure_venv() {
     # multi-GB CUDA build from PyPI.
     "${pip[@]}" "$(grep -E '^torch==' "$captures_tools_dir/requirements.txt")"
     "${pip[@]}" -r "$captures_tools_dir/requirements.txt"
+    # dflash pins tqdm==4.70.0 and wants datasets/requests; its model.py needs none of them (see the file).
+    "${pip[@]}" --no-deps -r "$captures_tools_dir/requirements-nodeps.txt"
     echo "$want" > "$stamp"
 }
