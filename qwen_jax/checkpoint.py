@@ -13,6 +13,13 @@ Params layout (norm weights are the effective fp32 multipliers, i.e. 1 + w for H
 W is a dense [out, in] array in the compute dtype or a packed `QuantizedWeight` (never dequantized at load).
 F(...) is `model.ops.fuse` of the projections that read the same input: one weight concatenated along `out`
 (one matmul), or the tuple of the parts when their formats differ.
+
+A DFlash drafter dir (`load_dflash`: z-lab `DFlashDraftModel`, bare HF keys `fc.weight`, `layers.{i}.…`; an MLX
+conversion with `.scales` / `.biases` is read the same way) gives (norms are plain `x·w` multipliers, not shifted):
+    {"fc": W[H, n·H], "hidden_norm": f32[H], "norm": f32[H], "layers": tuple of
+     {"input_norm", "post_norm", "mlp": {"gate_up": F(gate, up), "down"},
+      "attn": {"q": W, "kv": F(k, v), "o": W, "q_norm": f32[D], "k_norm": f32[D]}}}
+q apart from k|v because the context rows need only k and v (`model.dflash`).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import ml_dtypes
 import numpy as np
 
 from pallas_kernels.qweight import QuantizedWeight
-from qwen_jax.config import LAYER_GDN, ModelConfig, load_config
+from qwen_jax.config import LAYER_GDN, DFlashConfig, ModelConfig, TextConfig, load_config, load_dflash_config
 from qwen_jax.model.ops import fuse
 
 
@@ -171,9 +178,10 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 
 class _Builder:
-    def __init__(self, cfg: ModelConfig, idx: SafetensorsIndex, names: dict[str, str], fmt: str, dtype, bar):
+    def __init__(self, cfg: ModelConfig | DFlashConfig, idx: SafetensorsIndex, names: dict[str, str], fmt: str, dtype,
+                 bar, shapes: dict[str, tuple[int, int]] | None = None):
         self.cfg, self.idx, self.names, self.fmt, self.dtype, self.bar = cfg, idx, names, fmt, dtype, bar
-        self.shapes = _expected_shapes(cfg)
+        self.shapes = _expected_shapes(cfg) if shapes is None else shapes
         self.used: set[str] = set()
 
     def _raw(self, key: str) -> np.ndarray:
@@ -304,6 +312,60 @@ def load_checkpoint(model_dir: str | os.PathLike, *, dtype=jnp.bfloat16, progres
         raise CheckpointError(f"checkpoint has tensors the config does not explain: {', '.join(unused[:5])}"
                               + (" ..." if len(unused) > 5 else ""))
     return LoadedCheckpoint(cfg, params, fmt, aside)
+
+
+@dataclass
+class LoadedDraft:
+    config: DFlashConfig
+    params: dict[str, Any]
+
+
+def _dflash_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, int]]:
+    h, d = cfg.hidden_size, cfg.head_dim
+    shapes = {"fc": (h, cfg.num_taps * h)}
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}"
+        shapes.update({
+            f"{p}.self_attn.q_proj": (cfg.num_heads * d, h), f"{p}.self_attn.k_proj": (cfg.num_kv_heads * d, h),
+            f"{p}.self_attn.v_proj": (cfg.num_kv_heads * d, h), f"{p}.self_attn.o_proj": (h, cfg.num_heads * d),
+            f"{p}.mlp.gate_proj": (cfg.intermediate_size, h), f"{p}.mlp.up_proj": (cfg.intermediate_size, h),
+            f"{p}.mlp.down_proj": (h, cfg.intermediate_size),
+        })
+    return shapes
+
+
+def load_dflash(model_dir: str | os.PathLike, *, target: TextConfig | None = None, dtype=jnp.bfloat16
+                ) -> LoadedDraft:
+    """Read a DFlash drafter dir (config.json + safetensors). With `target`, the config is checked against the
+    target it will run on (`config.check_dflash_fits`). `dtype`: the compute dtype dense weights are cast to."""
+    d = Path(model_dir)
+    if not d.is_dir():
+        raise CheckpointError(f"{d}: not a directory (pass a DFlash drafter dir)")
+    cfg = load_dflash_config(d, target)
+    idx = SafetensorsIndex(d)
+    names = {name: name for name in idx.refs}
+    b = _Builder(cfg, idx, names, "hf", jnp.dtype(dtype), None, shapes=_dflash_shapes(cfg))
+    h, hd = cfg.hidden_size, cfg.head_dim
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}"
+        sa = f"{p}.self_attn"
+        layers.append({
+            "input_norm": b.vector(f"{p}.input_layernorm.weight", h),
+            "post_norm": b.vector(f"{p}.post_attention_layernorm.weight", h),
+            "mlp": {"gate_up": fuse([b.linear(f"{p}.mlp.gate_proj"), b.linear(f"{p}.mlp.up_proj")]),
+                    "down": b.linear(f"{p}.mlp.down_proj")},
+            "attn": {"q": b.linear(f"{sa}.q_proj"), "kv": fuse([b.linear(f"{sa}.k_proj"), b.linear(f"{sa}.v_proj")]),
+                     "o": b.linear(f"{sa}.o_proj"), "q_norm": b.vector(f"{sa}.q_norm.weight", hd),
+                     "k_norm": b.vector(f"{sa}.k_norm.weight", hd)},
+        })
+    params = {"fc": b.linear("fc"), "hidden_norm": b.vector("hidden_norm.weight", h),
+              "norm": b.vector("norm.weight", h), "layers": tuple(layers)}
+    unused = sorted(set(names) - b.used)
+    if unused:
+        raise CheckpointError(f"{d}: drafter checkpoint has tensors a DFlashDraftModel does not have: "
+                              f"{', '.join(unused[:5])}" + (" ..." if len(unused) > 5 else ""))
+    return LoadedDraft(cfg, params)
 
 
 def load_tokenizer(model_dir: str | os.PathLike):

@@ -2,7 +2,8 @@
 
 Accepted: HF `Qwen3_5ForConditionalGeneration` (`model_type` `qwen3_5`, fields under `text_config`),
 `Qwen3_5ForCausalLM` (`qwen3_5_text`, fields at the top level), and MLX conversions of either (the same fields
-plus a `quantization` / `quantization_config` block with per-module overrides).
+plus a `quantization` / `quantization_config` block with per-module overrides). Also the config of a z-lab DFlash
+block drafter (`DFlashConfig`, `load_dflash_config`).
 """
 
 from __future__ import annotations
@@ -272,3 +273,169 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{gpath}: not valid JSON ({e})") from None
     return parse_config(raw, gen)
+
+
+# --- DFlash block drafter (z-lab `DFlashDraftModel`; model_spec Part C) ---------------------------------------------
+
+DFLASH_ARCH = "DFlashDraftModel"
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashConfig:
+    """A DFlash drafter: a Qwen3 decoder stack over the target's embeddings, conditioned on the target's hidden
+    states at `target_layer_ids` and read out through the target's lm_head. Static under jit."""
+    hidden_size: int  # = the target's hidden size
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float  # full-head rotate-half RoPE (no partial rotary, no M-RoPE, no scaling)
+    block_size: int  # rows a draft call runs: the anchor, then block_size - 1 mask rows (the drafts)
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]  # strictly increasing target layers whose outputs are the context features
+    num_target_layers: int | None = None
+    input_embedding_scale: float = 1.0  # the block's target embeddings are multiplied by this
+    output_multiplier: float = 1.0  # and the logits by this
+    final_logit_softcapping: float | None = None  # then cap * tanh(logits / cap) where set
+    quantization: QuantConfig | None = None
+    quant_overrides: tuple[tuple[str, QuantConfig | None], ...] = ()
+
+    def quant_for(self, module_path: str) -> QuantConfig | None:
+        for path, q in self.quant_overrides:
+            if path == module_path:
+                return q
+        return self.quantization
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """dflash's `build_target_layer_ids`: one tap in the middle, else evenly from layer 1 to layer L - 3."""
+    if num_draft_layers == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers))
+
+
+def parse_dflash_config(raw: dict[str, Any], target: TextConfig | None = None) -> DFlashConfig:
+    """A DFlash drafter's config.json. Values that dflash reads from `dflash_config` are looked up there first,
+    then at the top level, with dflash's defaults (block_size 16, target_layer_ids from num_target_layers).
+    Raises ConfigError naming the field for what is not supported (DFlash2, sliding-window or causal attention,
+    RoPE scaling, biases) and, with `target`, for a drafter that does not fit it."""
+    where = "the drafter's config"
+    extra = raw.get("dflash_config") or {}
+    if not isinstance(extra, dict):
+        raise ConfigError(f"config.json: `dflash_config` must be an object, got {extra!r}")
+
+    def draft_value(key: str, default: Any = None) -> Any:
+        return extra.get(key, raw.get(key, default))
+
+    archs = raw.get("architectures") or []
+    if "DFlash2DraftModel" in archs or any(draft_value(k) for k in ("conv_kernel_size", "selector_rank")):
+        raise ConfigError("config.json: `architectures` DFlash2DraftModel (dynamic convolutions and a candidate "
+                          "selector) is not supported, only DFlashDraftModel")
+    if archs and DFLASH_ARCH not in archs:
+        raise ConfigError(f"config.json: `architectures` {archs} is not a DFlash drafter (expected {DFLASH_ARCH!r})")
+    n_layers = _int(raw, "num_hidden_layers", where)
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        # Qwen3Config's rule when the file has no layer_types: sliding layers from max_window_layers on.
+        sliding = raw.get("use_sliding_window") and raw.get("sliding_window") is not None
+        window_from = int(raw.get("max_window_layers", 28))
+        layer_types = ["sliding_attention" if sliding and i >= window_from else LAYER_ATTN for i in range(n_layers)]
+    if len(layer_types) != n_layers or any(t != LAYER_ATTN for t in layer_types):
+        raise ConfigError(f"config.json: `layer_types` {list(layer_types)} is not supported: the drafter's "
+                          f"{n_layers} layers must all be {LAYER_ATTN!r} (no sliding window)")
+    if raw.get("is_causal"):
+        raise ConfigError("config.json: `is_causal` true is not supported (the block attends non-causally)")
+    if raw.get("attention_bias"):
+        raise ConfigError("config.json: `attention_bias` true is not supported")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"config.json: `hidden_act` {raw['hidden_act']!r} is not supported (only 'silu')")
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = raw.get(key)
+        if rope is None:
+            continue
+        if not isinstance(rope, dict):
+            raise ConfigError(f"config.json: `{key}` must be an object, got {rope!r}")
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default" or float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise ConfigError(f"config.json: `{key}` {rope} is not supported (only default full-head RoPE)")
+    rope_theta = float((raw.get("rope_parameters") or {}).get("rope_theta", raw.get("rope_theta", 10000.0)))
+
+    heads, kv_heads = _int(raw, "num_attention_heads", where), _int(raw, "num_key_value_heads", where)
+    if heads % kv_heads:
+        raise ConfigError(f"config.json: `num_attention_heads` {heads} is not a multiple of `num_key_value_heads` "
+                          f"{kv_heads}")
+    num_target = draft_value("num_target_layers")
+    ids = draft_value("target_layer_ids")
+    if ids is None:
+        if num_target is None:
+            raise ConfigError("config.json: neither `target_layer_ids` nor `num_target_layers` is given")
+        ids = default_target_layer_ids(int(num_target), n_layers)
+    ids = tuple(int(i) for i in ids)
+    if not ids or any(b <= a for a, b in zip(ids, ids[1:])) or ids[0] < 0:
+        raise ConfigError(f"config.json: `target_layer_ids` {list(ids)} must be non-negative and strictly increasing "
+                          "(the taps are concatenated in target layer order)")
+    mask = draft_value("mask_token_id")
+    if mask is None or isinstance(mask, bool) or not isinstance(mask, int) or mask < 0:
+        raise ConfigError(f"config.json: `mask_token_id` must be a token id (in `dflash_config`), got {mask!r}")
+    block = draft_value("block_size", 16)
+    if isinstance(block, bool) or not isinstance(block, int) or block < 2:
+        raise ConfigError(f"config.json: `block_size` must be an integer >= 2, got {block!r}")
+    softcap = draft_value("final_logit_softcapping")
+    quant, overrides = _quant_block(raw)
+    cfg = DFlashConfig(
+        hidden_size=_int(raw, "hidden_size", where),
+        num_layers=n_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=_int(raw, "head_dim", where),
+        intermediate_size=_int(raw, "intermediate_size", where),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        block_size=block,
+        mask_token_id=mask,
+        target_layer_ids=ids,
+        num_target_layers=None if num_target is None else int(num_target),
+        input_embedding_scale=float(draft_value("input_embedding_scale", 1.0)),
+        output_multiplier=float(draft_value("output_multiplier", 1.0)),
+        final_logit_softcapping=float(softcap) if softcap is not None and float(softcap) > 0 else None,
+        quantization=quant,
+        quant_overrides=overrides,
+    )
+    if target is not None:
+        check_dflash_fits(cfg, target)
+    return cfg
+
+
+def check_dflash_fits(cfg: DFlashConfig, target: TextConfig) -> None:
+    """Raise ConfigError naming the field where the drafter cannot run on `target`."""
+    if cfg.hidden_size != target.hidden_size:
+        raise ConfigError(f"config.json: the drafter's `hidden_size` {cfg.hidden_size} differs from the target's "
+                          f"{target.hidden_size} (it reads the target's embeddings and feeds its lm_head)")
+    if cfg.target_layer_ids[-1] >= target.num_layers:
+        raise ConfigError(f"config.json: `target_layer_ids` {list(cfg.target_layer_ids)} reach past the target's "
+                          f"{target.num_layers} layers")
+    if cfg.num_target_layers is not None and cfg.num_target_layers != target.num_layers:
+        raise ConfigError(f"config.json: `num_target_layers` {cfg.num_target_layers} differs from the target's "
+                          f"{target.num_layers} layers (a drafter made for another target)")
+    if cfg.mask_token_id >= target.vocab_size:
+        raise ConfigError(f"config.json: `mask_token_id` {cfg.mask_token_id} is outside the target's vocabulary of "
+                          f"{target.vocab_size}")
+
+
+def load_dflash_config(model_dir: str | Path, target: TextConfig | None = None) -> DFlashConfig:
+    d = Path(model_dir)
+    path = d / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{d}: no config.json (pass a DFlash drafter dir)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    return parse_dflash_config(raw, target)
