@@ -212,6 +212,22 @@ def cmd_bench(args) -> int:
     else:
         ck = _checkpoint(args)
         params, cfg = ck.params, ck.config
+    drafter = None
+    if args.drafter is not None:
+        import jax.numpy as jnp
+        dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
+        try:
+            if args.drafter == "synthetic":
+                import jax
+
+                from qwen_jax.synthetic import synthetic_drafter
+                drafter = synthetic_drafter(cfg.text, jax.random.key(1), dtype=dtype)
+            else:
+                from qwen_jax.checkpoint import load_dflash
+                d = load_dflash(args.drafter, target=cfg.text, dtype=dtype)
+                drafter = (d.params, d.config)
+        except ValueError as e:
+            raise SystemExit(f"error: --drafter: {e}") from None
     if not args.compile_timing and args.compile_cache:
         _cache(args)
     from pallas_kernels import attention_window_mgpu as awm, kv_quant, qmm, qmm_mgpu
@@ -237,7 +253,8 @@ def cmd_bench(args) -> int:
                         streams=streams, prompt_lengths=lengths, context=args.context, rounds=args.rounds,
                         repeats=args.repeats,
                         max_chunk=args.max_chunk, compile_timing=args.compile_timing, warm=not args.no_warm,
-                        logprobs=args.logprobs, progress=sys.stderr.isatty(), draft_rows=draft_rows, log=log)
+                        logprobs=args.logprobs, progress=sys.stderr.isatty(), draft_rows=draft_rows,
+                        drafter=drafter, log=log)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     finally:
@@ -341,6 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="copy-draft chain windows to time, rows comma-separated (e.g. 2,4,8,16; at most 16): ms a "
                          "window (drafted, accepted and committed in one call; fetched one by one, then enqueued "
                          "back to back) at each stream count and --context, beside the decode round")
+    be.add_argument("--drafter", metavar="DIR|synthetic", default=None,
+                    help="time --draft-rows as DFlash block-draft windows instead: the drafter's next block made on "
+                         "the device after each window (a drafter dir, or 'synthetic': random bf16 weights at the "
+                         "27B drafter's shapes)")
     be.add_argument("--no-compile-timing", dest="compile_timing", action="store_false",
                     help="compile once with --compile-cache instead of timing cold and warm compiles")
     be.add_argument("--no-warm", action="store_true", help="time the cold compile only")

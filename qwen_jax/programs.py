@@ -22,6 +22,9 @@ Programs (each one XLA executable per bucket):
   slot_copy               copies one GDN slot's recurrent states and conv windows to another (the prompt cache
                           keeps and restores them). Only compiled with `Buckets.slot_copy`.
   score / kv_compare      teacher-forced evaluation chunks (`python -m qwen_jax eval`).
+With a DFlash drafter (`Programs(drafter=)`), prompt, draft and slot_copy also take the drafter's params and
+state: each prompt chunk and each window feeds the drafter the target's taps of its committed rows and drafts
+the slot's next block on the device, which the next window reads (qwen_jax.dflash_programs).
 
 Batches are the model's own pytrees (`PrefillBatch`, `VerifyWindow`) holding numpy arrays built on the host by
 `prompt_batch` / `decode_window` / `tree_window`; the engine never builds jnp graphs.
@@ -334,7 +337,7 @@ class Sampled:
     top_logprobs: np.ndarray | None = None
 
 
-def _sample(logits: jax.Array, sp: sampling.SampleParams, top_n: int, path: str | None = None):
+def sample_rows(logits: jax.Array, sp: sampling.SampleParams, top_n: int, path: str | None = None):
     """logits [N, V] -> tokens [N] (+ (logprob [N], top ids [N, n], top logprobs [N, n]) when top_n > 0)."""
     tokens = sampling.sample(logits, sp, path)
     if top_n == 0:
@@ -342,41 +345,50 @@ def _sample(logits: jax.Array, sp: sampling.SampleParams, top_n: int, path: str 
     return tokens, sampling.logprobs(logits, tokens, top_n)
 
 
-def _prompt_lanes_batched(params, state, batch: M.PrefillBatch, cfg: ModelConfig, backend: M.Backend):
-    logits, state, _ = M.prefill(params, state, batch, cfg, backend)
-    return logits, state
+def _prompt_lanes_batched(params, state, batch: M.PrefillBatch, cfg: ModelConfig, backend: M.Backend,
+                          taps: tuple[int, ...] = ()):
+    return M.prefill(params, state, batch, cfg, backend, taps=taps)
 
 
-def _prompt_lanes_mapped(params, state, batch: M.PrefillBatch, cfg: ModelConfig, backend: M.Backend):
-    """Every lane through the one-lane forward, in order; an empty lane (length 0) is skipped."""
+def _prompt_lanes_mapped(params, state, batch: M.PrefillBatch, cfg: ModelConfig, backend: M.Backend,
+                         taps: tuple[int, ...] = ()):
+    """Every lane through the one-lane forward, in order; an empty lane (length 0) is skipped (its taps zeros)."""
     vocab = cfg.text.vocab_size
     lanes = dataclasses.replace(batch, rope_positions=jnp.moveaxis(batch.rope_positions, 1, 0))
+    dtype = M.compute_dtype(state)
+    tap_shape = (batch.tokens.shape[1], len(taps), cfg.text.hidden_size)
 
     def lane(state, one):
         one = jax.tree.map(lambda x: x[None], one)
         one = dataclasses.replace(one, rope_positions=jnp.moveaxis(one.rope_positions, 0, 1))
 
         def run(state):
-            logits, state, _ = M.prefill(params, state, one, cfg, backend)
-            return state, logits[0]
+            logits, state, tapped = M.prefill(params, state, one, cfg, backend, taps=taps)
+            return state, (logits[0], tapped[0] if taps else None)
 
         def skip(state):
-            return state, jnp.zeros((vocab,), jnp.float32)
+            return state, (jnp.zeros((vocab,), jnp.float32), jnp.zeros(tap_shape, dtype) if taps else None)
 
         return jax.lax.cond(one.lengths[0] > 0, run, skip, state)
 
-    state, logits = jax.lax.scan(lane, state, lanes)
-    return logits, state
+    state, (logits, tapped) = jax.lax.scan(lane, state, lanes)
+    return logits, state, tapped
+
+
+def prompt_lanes(packing: Packing) -> Callable:
+    """The prompt call's forward for a packing: (params, state, batch, cfg, backend, taps=()) -> (logits [S, V] of
+    each lane's last real row, state, taps [S, T, n, H] or None)."""
+    return _prompt_lanes_batched if packing == Packing.BATCHED else _prompt_lanes_mapped
 
 
 def prompt_program(cfg: ModelConfig, backend: M.Backend, packing: Packing, top_n: int) -> Callable:
     """(params, state, batch [S x T], sample params [S]) -> (state, tokens [S], logprobs or None)."""
-    lanes_fn = _prompt_lanes_batched if packing == Packing.BATCHED else _prompt_lanes_mapped
+    lanes_fn = prompt_lanes(packing)
 
     def program(params, state, batch, sp):
         with jax.named_scope("prompt"):
-            logits, state = lanes_fn(params, state, batch, cfg, backend)
-        tokens, lp = _sample(logits, sp, top_n)
+            logits, state, _ = lanes_fn(params, state, batch, cfg, backend)
+        tokens, lp = sample_rows(logits, sp, top_n)
         return state, tokens, lp
 
     return program
@@ -394,7 +406,7 @@ def decode_program(cfg: ModelConfig, backend: M.Backend, top_n: int, path: str) 
         fed = jnp.where(window.tokens < 0, last[window.slot][:, None], window.tokens)
         with jax.named_scope("step"):
             logits, state = M.step(params, state, dataclasses.replace(window, tokens=fed), cfg, backend)
-        tokens, lp = _sample(logits[:, 0], sp, top_n, path)
+        tokens, lp = sample_rows(logits[:, 0], sp, top_n, path)
         return state, last.at[window.slot].set(tokens), tokens, lp
 
     return program
@@ -408,7 +420,7 @@ def verify_program(cfg: ModelConfig, backend: M.Backend, top_n: int, taps: tuple
         with jax.named_scope("verify"):
             logits, kept, tapped = M.verify(params, state, window, cfg, backend, taps=taps)
         s, r = window.tokens.shape
-        tokens, lp = _sample(logits.reshape(s * r, -1), sp, top_n)
+        tokens, lp = sample_rows(logits.reshape(s * r, -1), sp, top_n)
         return tokens.reshape(s, r), lp, kept, tapped
 
     return program
@@ -440,29 +452,52 @@ def draft_program(cfg: ModelConfig, backend: M.Backend, top_n: int) -> Callable:
     (dummy streams into slot 0, never read)."""
 
     def program(params, state, last, lens, window, sp):
-        s, r = window.tokens.shape
-        from_dev = window.cache_len < 0
-        cache_len = jnp.where(from_dev, lens[window.slot], window.cache_len)
-        pos = cache_len[:, None] + M.window_depth(window.parents) - 1
-        window = dataclasses.replace(
-            window, tokens=jnp.where(window.tokens < 0, last[window.slot][:, None], window.tokens),
-            cache_len=cache_len,
-            rope_positions=jnp.where(from_dev[None, :, None], text_rope_positions(pos),
-                                     window.rope_positions))
-        sp = dataclasses.replace(sp, position=jnp.where(jnp.repeat(from_dev, r), (pos + 1).reshape(-1), sp.position))
-        with jax.named_scope("draft"):
-            logits, kept, _, state = M.verify(params, state, window, cfg, backend, chain=True)
-        tokens, lp = _sample(logits.reshape(s * r, -1), sp, top_n)
-        tokens = tokens.reshape(s, r)
-        took = chain_accepted(window, tokens)
-        with jax.named_scope("commit"):
-            path = jnp.broadcast_to(jnp.arange(r, dtype=jnp.int32), (s, r))
-            state = M.commit(state, kept, window, path, took, cfg, backend)
-        newest = jnp.take_along_axis(tokens, jnp.maximum(took - 1, 0)[:, None], axis=1)[:, 0]
-        return (state, last.at[window.slot].set(newest), lens.at[window.slot].set(cache_len + took), tokens, lp,
-                took)
+        w = chain_window(params, state, last, lens, window, sp, cfg, backend, top_n)
+        return w.state, w.last, w.lens, w.tokens, w.logprobs, w.took
 
     return program
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainWindow:
+    """What `chain_window` hands back (traced arrays): the state with the accepted rows committed, the slots' last
+    samples and committed lengths, tokens [S, R] and logprobs, accepted rows [S], each stream's committed length
+    before the window [S] and its newest sample [S], and the rows' taps [S, R, n, H] (or None)."""
+    state: M.ModelState
+    last: jax.Array
+    lens: jax.Array
+    tokens: jax.Array
+    logprobs: tuple | None
+    took: jax.Array
+    cache_len: jax.Array
+    newest: jax.Array
+    taps: jax.Array | None
+
+
+def chain_window(params, state, last, lens, window: M.VerifyWindow, sp, cfg: ModelConfig, backend: M.Backend,
+                 top_n: int, taps: tuple[int, ...] = ()) -> ChainWindow:
+    """The body of `draft_program` (inside a jitted program): tokens and lengths from the device where the window
+    says so, the chain's rows as serial steps, sampling, acceptance and commit."""
+    s, r = window.tokens.shape
+    from_dev = window.cache_len < 0
+    cache_len = jnp.where(from_dev, lens[window.slot], window.cache_len)
+    pos = cache_len[:, None] + M.window_depth(window.parents) - 1
+    window = dataclasses.replace(
+        window, tokens=jnp.where(window.tokens < 0, last[window.slot][:, None], window.tokens),
+        cache_len=cache_len,
+        rope_positions=jnp.where(from_dev[None, :, None], text_rope_positions(pos), window.rope_positions))
+    sp = dataclasses.replace(sp, position=jnp.where(jnp.repeat(from_dev, r), (pos + 1).reshape(-1), sp.position))
+    with jax.named_scope("draft"):
+        logits, kept, tapped, state = M.verify(params, state, window, cfg, backend, taps=taps, chain=True)
+    tokens, lp = sample_rows(logits.reshape(s * r, -1), sp, top_n)
+    tokens = tokens.reshape(s, r)
+    took = chain_accepted(window, tokens)
+    with jax.named_scope("commit"):
+        path = jnp.broadcast_to(jnp.arange(r, dtype=jnp.int32), (s, r))
+        state = M.commit(state, kept, window, path, took, cfg, backend)
+    newest = jnp.take_along_axis(tokens, jnp.maximum(took - 1, 0)[:, None], axis=1)[:, 0]
+    return ChainWindow(state, last.at[window.slot].set(newest), lens.at[window.slot].set(cache_len + took), tokens,
+                       lp, took, cache_len, newest, tapped)
 
 
 def commit_program(cfg: ModelConfig, backend: M.Backend) -> Callable:
@@ -604,38 +639,72 @@ class Programs:
     """The compiled bucket set over one params pytree and one set of state pools (owned here, donated to every
     program that writes it). Not thread-safe: one caller (the scheduler thread) at a time."""
 
-    def __init__(self, params, cfg: ModelConfig, layout: Layout, buckets: Buckets, backend: M.Backend | None = None):
+    def __init__(self, params, cfg: ModelConfig, layout: Layout, buckets: Buckets, backend: M.Backend | None = None,
+                 drafter=None):
+        """drafter: a `dflash_programs.Drafter` (DFlash block drafts: the prompt and draft programs take its params
+        and state too, `dflash_programs`), or None."""
+        from qwen_jax import dflash_programs as D  # it builds on this module
         self.backend = backend or M.Backend.default()
         if self.backend.kernels:  # the Mosaic GPU decode kernel's scale layout, where it is on (same bits)
             params = qmm.decode_layout(params, layout.jnp_dtype)
         self.params, self.cfg, self.layout, self.buckets = params, cfg, layout, buckets
+        self.drafter = drafter
+        self.dparams = None
+        if drafter is not None:
+            if buckets.chain_rows and buckets.chain_rows[-1] > drafter.cfg.block_size:
+                raise ValueError(f"chain windows of {buckets.chain_rows[-1]} rows exceed the drafter's block of "
+                                 f"{drafter.cfg.block_size}")
+            if buckets.prompt_rows[-1] > drafter.window:
+                raise ValueError(f"prompt chunks of {buckets.prompt_rows[-1]} rows exceed the draft window of "
+                                 f"{drafter.window}")
+            self.dparams = qmm.decode_layout(drafter.params, layout.jnp_dtype) if self.backend.kernels else \
+                drafter.params
         self.state = self.fresh_state()
+        self.dstate = self._fresh_dstate()
         self.last = self._fresh_last()  # [slots] int32: each slot's last sampled token (decode_program)
         self.lens = self._fresh_last()  # [slots] int32: each slot's committed length after a window (draft_program)
         self._exe: dict[tuple, object] = {}
         top_n = buckets.logprobs
+        be = self.backend
         self._fns = {
-            "prompt": jax.jit(prompt_program(cfg, self.backend, buckets.packing, top_n), donate_argnums=1),
-            **{kind: jax.jit(decode_program(cfg, self.backend, top_n, path), donate_argnums=(1, 2))
+            **{kind: jax.jit(decode_program(cfg, be, top_n, path), donate_argnums=(1, 2))
                for kind, path in DECODE_KINDS.items()},
-            "verify": jax.jit(verify_program(cfg, self.backend, top_n)),
-            "draft": jax.jit(draft_program(cfg, self.backend, top_n), donate_argnums=(1, 2, 3)),
-            "commit": jax.jit(commit_program(cfg, self.backend), donate_argnums=0),
-            "slot_copy": jax.jit(slot_copy_program(), donate_argnums=0),
+            "verify": jax.jit(verify_program(cfg, be, top_n)),
+            "commit": jax.jit(commit_program(cfg, be), donate_argnums=0),
         }
+        if drafter is None:
+            self._fns |= {
+                "prompt": jax.jit(prompt_program(cfg, be, buckets.packing, top_n), donate_argnums=1),
+                "draft": jax.jit(draft_program(cfg, be, top_n), donate_argnums=(1, 2, 3)),
+                "slot_copy": jax.jit(slot_copy_program(), donate_argnums=0),
+            }
+        else:
+            dc = drafter.cfg
+            self._fns |= {
+                "prompt": jax.jit(D.prompt_program(cfg, dc, be, buckets.packing, top_n), donate_argnums=(2, 3)),
+                "draft": jax.jit(D.window_program(cfg, dc, be, top_n), donate_argnums=(2, 3, 4, 5)),
+                "slot_copy": jax.jit(D.slot_copy_program(), donate_argnums=(0, 1)),
+            }
 
     def fresh_state(self) -> M.ModelState:
         return init_pools(self.cfg, self.layout)
+
+    def _fresh_dstate(self):
+        if self.drafter is None:
+            return None
+        from qwen_jax import dflash_programs as D
+        return D.init_draft_state(self.drafter, self.layout.num_slots, self.layout.jnp_dtype)
 
     def _fresh_last(self) -> jax.Array:
         return jnp.zeros((self.layout.num_slots,), jnp.int32)
 
     def state_lost(self) -> bool:
         """True when a failed program consumed the donated pools (callers then `reset_state`)."""
-        return any(x.is_deleted() for x in jax.tree.leaves((self.state, self.last, self.lens)))
+        return any(x.is_deleted() for x in jax.tree.leaves((self.state, self.dstate, self.last, self.lens)))
 
     def reset_state(self) -> None:
         self.state = self.fresh_state()
+        self.dstate = self._fresh_dstate()
         self.last = self._fresh_last()
         self.lens = self._fresh_last()
 
@@ -683,16 +752,19 @@ class Programs:
 
         def lower(key):
             kind, shape = key
+            fn = self._fns[kind]
             if kind == "slot_copy":
-                return self._fns[kind].lower(self.state, np.int32(0), np.int32(0))
+                return fn.lower(*self._with_draft_state(self.state), np.int32(0), np.int32(0))
             args = self._example(kind, shape)
             if kind == "commit":
-                return self._fns[kind].lower(self.state, *args)
+                return fn.lower(self.state, *args)
             if kind in DECODE_KINDS:
-                return self._fns[kind].lower(self.params, self.state, self.last, *_abstract(args))
+                return fn.lower(self.params, self.state, self.last, *_abstract(args))
             if kind == "draft":
-                return self._fns[kind].lower(self.params, self.state, self.last, self.lens, *_abstract(args))
-            return self._fns[kind].lower(self.params, self.state, *_abstract(args))
+                return fn.lower(*self._with_drafter(self.state), self.last, self.lens, *_abstract(args))
+            if kind == "prompt":
+                return fn.lower(*self._with_drafter(self.state), *_abstract(args))
+            return fn.lower(self.params, self.state, *_abstract(args))
 
         def build(key, lowered, t0):
             exe = lowered.compile()
@@ -724,6 +796,16 @@ class Programs:
                       if " copy(" in ln and any(f"[{s}]" in ln for s in shapes)]
                 for key, exe in self._exe.items()}
 
+    def _with_draft_state(self, state) -> tuple:
+        """The state arguments of the programs the drafter changes: (state,) or (state, draft state)."""
+        return (state,) if self.drafter is None else (state, self.dstate)
+
+    def _with_drafter(self, state) -> tuple:
+        """The leading arguments of the prompt and draft programs: params and state, and the drafter's."""
+        if self.drafter is None:
+            return self.params, state
+        return self.params, self.dparams, state, self.dstate
+
     def _get(self, key):
         try:
             return self._exe[key]
@@ -740,7 +822,11 @@ class Programs:
 
     def prompt(self, batch: M.PrefillBatch, sp: sampling.SampleParams) -> Sampled:
         exe = self._get(("prompt", batch.tokens.shape))
-        self.state, tokens, lp = exe(self.params, self.state, batch, sp)
+        out = exe(*self._with_drafter(self.state), batch, sp)
+        if self.drafter is None:
+            self.state, tokens, lp = out
+        else:
+            self.state, self.dstate, tokens, lp = out
         return self._host(tokens, lp)
 
     def decode(self, window: M.VerifyWindow, sp: sampling.SampleParams) -> Sampled:
@@ -776,8 +862,11 @@ class Programs:
         """Dispatch a draft window and return at once (an opaque handle for `fetch_draft`); its tokens, cache
         lengths and positions may come from the device (`draft_program`)."""
         exe = self._get(("draft", window.tokens.shape))
-        self.state, self.last, self.lens, tokens, lp, took = exe(self.params, self.state, self.last, self.lens,
-                                                                 window, sp)
+        out = exe(*self._with_drafter(self.state), self.last, self.lens, window, sp)
+        if self.drafter is None:
+            self.state, self.last, self.lens, tokens, lp, took = out
+        else:
+            self.state, self.dstate, self.last, self.lens, tokens, lp, took = out
         for a in jax.tree.leaves((tokens, lp, took)):
             a.copy_to_host_async()
         return tokens, lp, took
@@ -789,7 +878,11 @@ class Programs:
     def slot_copy(self, src: int, dst: int) -> None:
         """Slot dst's GDN states and conv windows become slot src's (dispatched; ordered before later calls)."""
         exe = self._get(("slot_copy", (1, 1)))
-        self.state = exe(self.state, np.int32(src), np.int32(dst))
+        out = exe(*self._with_draft_state(self.state), np.int32(src), np.int32(dst))
+        if self.drafter is None:
+            self.state = out
+        else:
+            self.state, self.dstate = out
 
     def commit(self, kept, window: M.VerifyWindow, path: np.ndarray, path_len: np.ndarray) -> None:
         exe = self._get(("commit", window.tokens.shape))

@@ -110,3 +110,35 @@ def random_params(cfg: TextConfig, key: jax.Array, *, dtype=jnp.bfloat16, quant:
         lambda: _dense(keys, t.vocab_size, h, dtype, 1.0))
     return {"embed": embed(), "norm": norm(h), "lm_head": None if t.tie_word_embeddings else lin(t.vocab_size, h),
             "layers": tuple(layers)}
+
+
+# The 27B's DFlash drafter (model_spec C.1: z-lab's Qwen3.5-27B drafter config), for `bench --drafter synthetic`.
+QWEN35_27B_DFLASH = dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=5120, num_hidden_layers=5,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=17408,
+                         rope_theta=1e7, rms_norm_eps=1e-6, vocab_size=248320, num_target_layers=64, block_size=16,
+                         dflash_config={"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]})
+
+
+def synthetic_drafter(target: TextConfig, key: jax.Array, *, dtype=jnp.bfloat16):
+    """Random dense weights at the 27B drafter's shapes (bf16, as z-lab ships it), checked against `target`.
+    -> (params in `checkpoint.load_dflash`'s layout, DFlashConfig)."""
+    from qwen_jax.config import parse_dflash_config
+    cfg = parse_dflash_config(QWEN35_27B_DFLASH, target)
+    keys = _Keys(key)
+    h, hd = cfg.hidden_size, cfg.head_dim
+
+    def lin(n, k):
+        return _dense(keys, n, k, dtype, k ** -0.5)
+
+    def norm(n):
+        return 1.0 + 0.1 * jax.random.normal(keys(), (n,), jnp.float32)
+
+    layers = tuple({"input_norm": norm(h), "post_norm": norm(h),
+                    "mlp": {"gate_up": fuse([lin(cfg.intermediate_size, h), lin(cfg.intermediate_size, h)]),
+                            "down": lin(h, cfg.intermediate_size)},
+                    "attn": {"q": lin(cfg.num_heads * hd, h),
+                             "kv": fuse([lin(cfg.num_kv_heads * hd, h), lin(cfg.num_kv_heads * hd, h)]),
+                             "o": lin(h, cfg.num_heads * hd), "q_norm": norm(hd), "k_norm": norm(hd)}}
+                   for _ in range(cfg.num_layers))
+    params = {"fc": lin(h, cfg.num_taps * h), "hidden_norm": norm(h), "norm": norm(h), "layers": layers}
+    return params, cfg

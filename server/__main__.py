@@ -62,7 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plain-jnp reference ops instead of the Pallas kernels (the default on CPU anyway)")
     d = m.add_mutually_exclusive_group()
     d.add_argument("--drafter", metavar="DIR", default=None,
-                   help="speculative drafter checkpoint (not available yet: the server refuses to start with it)")
+                   help="a DFlash block drafter checkpoint dir for the model (z-lab DFlashDraftModel; bf16 or MLX "
+                        "quantized): each round every stream verifies the drafter's next block as a chain window, "
+                        "each row computed as the serial step at its position, so replies equal serial decoding's; "
+                        "needs the row-invariant kernels, so refused with --no-kernels or on the CPU"),
     d.add_argument("--no-drafts", action="store_true",
                    help="serial decoding only (the default for now; accepted so scripts can pin it)")
     d.add_argument("--copy-drafts", action="store_true",
@@ -112,16 +115,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.drafter is not None:
-        print("error: --drafter: speculative drafting is not available in this build yet; run without it "
-              "(or with --no-drafts)", file=sys.stderr)
-        return 2
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     if not 0 <= args.max_logprobs <= 20:
         print("error: --max-logprobs must be in [0, 20]", file=sys.stderr)
         return 2
-    if args.model is not None and not Path(args.model).is_dir():
-        print(f"error: --model {args.model}: not a directory", file=sys.stderr)
+    for flag, path in (("--model", args.model), ("--drafter", args.drafter)):
+        if path is not None and not Path(path).is_dir():
+            print(f"error: {flag} {path}: not a directory", file=sys.stderr)
+            return 2
+    if args.drafter is not None and args.synthetic is not None:
+        print("error: --drafter: a drafter needs a checkpoint's model, not --synthetic", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -136,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                               max_model_len=args.max_model_len, parallel=args.parallel, max_queued=args.max_queued,
                               no_kernels=args.no_kernels, max_logprobs=args.max_logprobs,
                               progress=not args.no_progress, shapes=args.shapes, decode_kernel=args.decode_kernel,
-                              copy_drafts=args.copy_drafts, prompt_cache=args.prompt_cache)
+                              copy_drafts=args.copy_drafts, drafter=args.drafter, prompt_cache=args.prompt_cache)
     except ValueError as e:  # checkpoint and config errors are ValueErrors with a message for the user
         print(f"error: {e}", file=sys.stderr)
         return 2

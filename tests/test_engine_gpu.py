@@ -116,6 +116,59 @@ def test_drafted_equals_serial_on_gpu(kv_cache, monkeypatch):
 
 
 @pytest.mark.parametrize("kv_cache", ["bf16", "fp8"])
+def test_block_drafted_equals_serial_on_gpu(kv_cache, monkeypatch):
+    """DFlash block drafts (`drafter`: captures/tiny-dflash, blocks of 4; drafts made and read on the device)
+    against serial decoding, token for token and logprob for logprob, greedy and seeded-sampled, alone and beside a
+    serial stream: first with the tiny random drafter's own drafts (windows nearly always cut after their first
+    row), then with an oracle's in their place (each stream's serial reply with every 5th position changed, by its
+    slot: windows kept whole, in part and not at all); no compile while serving."""
+    from qwen_jax import dflash_programs as D
+    from qwen_jax.checkpoint import load_dflash
+    from tests.test_drafts import _prompts, _request
+    ck = _params("bfloat16")
+    drafter = load_dflash(CAPTURES / "tiny-dflash", target=ck.config.text, dtype=jnp.bfloat16)
+    reqs = [_request(p, seed, max_tokens=n) for p in _prompts() for seed, n in ((None, 40), (11, 37))]
+    table = np.zeros((len(reqs) + 1, 512), np.int32)  # the oracle's drafts by slot and absolute position
+    serial = None
+    for oracle in (False, True):
+        if oracle:
+            def propose(logits, slot, anchor_position, t=jnp.asarray(table)):
+                pos = anchor_position[:, None] + 1 + jnp.arange(logits.shape[1])[None, :]
+                return t[slot[:, None], jnp.clip(pos, 0, t.shape[1] - 1)]
+            monkeypatch.setattr(D, "propose", propose)
+        e = Engine(ck.params, ck.config, None, dtype="bfloat16", kv_cache=kv_cache, max_model_len=512,
+                   parallel=len(reqs), max_logprobs=2, progress=False, drafter=drafter)
+        e.start()
+        try:
+            if serial is None:
+                serial = [e.submit(dataclasses.replace(r, draft=False)).result(120) for r in reqs]
+                for i, (r, a) in enumerate(zip(reqs, serial)):
+                    reply = np.asarray(r.prompt_ids + a.token_ids, np.int32)
+                    table[i + 1, :len(reply)] = reply  # the lowest free slots in submission order: 1, 2, ...
+                    table[i + 1, np.arange(512) % 5 == 3] += 1
+            before = e.stats()
+            with P.CompileWatch() as watch:
+                if oracle:  # all at once, each on its own slot
+                    drafted = [h.result(120) for h in [e.submit(r) for r in reqs]]
+                else:
+                    drafted = [e.submit(r).result(120) for r in reqs]
+                    handles = [e.submit(reqs[0]), e.submit(dataclasses.replace(reqs[1], draft=False)),
+                               e.submit(reqs[3])]
+                    drafted += [h.result(120) for h in handles]
+            after = e.stats()
+            want = serial + ([] if oracle else [serial[0], serial[1], serial[3]])
+            for a, b in zip(want, drafted, strict=True):
+                assert (a.token_ids, a.logprobs, a.finish_reason) == (b.token_ids, b.logprobs, b.finish_reason)
+            proposed = after.draft_proposed_total - before.draft_proposed_total
+            accepted = after.draft_accepted_total - before.draft_accepted_total
+            assert proposed > 0 and (not oracle or 0 < accepted < proposed)
+            assert (watch.traces, watch.compiles) == (0, 0)
+            _baseline(e)
+        finally:
+            e.shutdown()
+
+
+@pytest.mark.parametrize("kv_cache", ["bf16", "fp8"])
 def test_resumed_equals_fresh_on_gpu(kv_cache):
     """The prompt cache (`prompt_cache`) on the device's kernels, batched shapes: prompts that extend a kept one
     (the same prefix with other endings, the same prompt again, a follow-up of prompt + reply + more) resume from

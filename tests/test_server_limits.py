@@ -205,7 +205,10 @@ def test_help_documents_every_flag():
 
 def test_cli_refusals():
     r = _cli("--drafter", "/nowhere")
-    assert r.returncode == 2 and "drafting is not available" in r.stderr
+    assert r.returncode == 2 and "--drafter /nowhere: not a directory" in r.stderr
+    # Block drafts need the row-invariant kernels too.
+    r = _cli("--drafter", "captures/tiny-dflash", "--no-kernels", "--no-progress")
+    assert r.returncode == 2 and "--drafter" in r.stderr, r.stderr
     r = _cli("--drafter", "x", "--no-drafts")
     assert r.returncode == 2 and "not allowed with" in r.stderr
     r = _cli("--model", "/definitely/not/here")

@@ -40,6 +40,7 @@ class BenchResult:
     context: int = 0
     draft_window_ms: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)  # streams -> rows -> ms
     draft_pipelined_ms: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)  # likewise
+    block_drafts: bool = False  # the windows were DFlash windows (the drafter run after each)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -64,7 +65,8 @@ class BenchResult:
                     if v is None:
                         continue
                     ratio = f" = {v * fps / 1000:.2f} decode rounds" if fps else ""
-                    out.append(f"draft  {s:>2} streams x {r:>2} rows @ {self.context} ctx: {v:8.2f} ms a "
+                    kind = "block " if self.block_drafts else "draft  "
+                    out.append(f"{kind}{s:>2} streams x {r:>2} rows @ {self.context} ctx: {v:8.2f} ms a "
                                f"window{ratio}{what}")
         return out
 
@@ -82,7 +84,7 @@ def _parse_sizes(text: str, what: str) -> tuple[int, ...]:
 def run(params, cfg, *, backend, dtype: str = "bfloat16", kv_cache: str = "bf16", streams=(1, 16),
         prompt_lengths=(4096,), context: int = 1024, rounds: int = 64, repeats: int = 3, max_chunk: int = 4096,
         compile_timing: bool = True, warm: bool = True, logprobs: int = 0, progress: bool = True,
-        draft_rows=(), log=print) -> BenchResult:
+        draft_rows=(), drafter=None, log=print) -> BenchResult:
     if max_chunk % P.GRID or max_chunk < P.GRID:
         raise ValueError(f"--max-chunk must be a positive multiple of {P.GRID}, got {max_chunk}")
     if rounds < 1 or context < 1 or repeats < 1:
@@ -91,10 +93,14 @@ def run(params, cfg, *, backend, dtype: str = "bfloat16", kv_cache: str = "bf16"
         raise ValueError("--draft-rows needs --streams (the windows run at each stream count)")
     if any(r > 16 for r in draft_rows):
         raise ValueError(f"--draft-rows must be at most 16, got {','.join(map(str, draft_rows))}")
+    if drafter is not None and not draft_rows:
+        raise ValueError("--drafter times draft windows: give --draft-rows")
+    if drafter is not None and max(draft_rows) > drafter[1].block_size:
+        raise ValueError(f"--draft-rows: the drafter's block holds {drafter[1].block_size} rows")
     page = 64
     packing = P.Packing.BATCHED if P.row_invariant(params, backend) else P.Packing.MAPPED
     rows = tuple(sorted({min(P.pages_for(n, P.GRID) * P.GRID, max_chunk) for n in prompt_lengths}))
-    result = BenchResult(context=context)
+    result = BenchResult(context=context, block_drafts=drafter is not None)
     jobs = []
     if prompt_lengths:
         pp = P.pages_for(max(prompt_lengths), page)
@@ -107,9 +113,11 @@ def run(params, cfg, *, backend, dtype: str = "bfloat16", kv_cache: str = "bf16"
                                               chain_rows=tuple(draft_rows))))
 
     def build():
+        from qwen_jax import dflash_programs as D
         out = {}
         for kind, lay, b in jobs:
-            progs = P.Programs(params, cfg, lay, b, backend)
+            block = D.Drafter(*drafter, D.DRAFT_WINDOW) if drafter is not None and kind == "decode" else None
+            progs = P.Programs(params, cfg, lay, b, backend, drafter=block)
             keys = [k for k in progs.bucket_keys() if k[0] == kind or (kind == "decode" and k[0] == "draft")]
             out[kind] = (progs, keys)
         return out
@@ -185,21 +193,25 @@ def run(params, cfg, *, backend, dtype: str = "bfloat16", kv_cache: str = "bf16"
                 + ", ".join(f"{x:.1f}" for x in reps) + ")")
             for r in sorted(set(draft_rows)):
                 for pipelined, into in ((False, result.draft_window_ms), (True, result.draft_pipelined_ms)):
-                    ms = draft_windows(progs, tables, context, greedy, r, rounds, repeats, vocab, rng, pipelined)
+                    ms = draft_windows(progs, tables, context, greedy, r, rounds, repeats, vocab, rng, pipelined,
+                                       block=drafter is not None)
                     into.setdefault(s, {})[r] = ms
-                    log(f"draft {s} streams x {r} rows{', pipelined' if pipelined else ''}: {ms:.2f} ms a window "
+                    log(f"draft {s} streams x {r} rows{', pipelined' if pipelined else ''}"
+                        f"{', block drafts' if drafter is not None else ''}: {ms:.2f} ms a window "
                         f"({ms * fps / 1000:.2f} decode rounds)")
     return result
 
 
 def draft_windows(progs, tables, context: int, rule, rows: int, rounds: int, repeats: int, vocab: int,
-                  rng, pipelined: bool = False) -> float:
+                  rng, pipelined: bool = False, block: bool = False) -> float:
     """`rounds` chain windows of `rows` rows for streams in slots 1..S from `context` cached tokens, after two
     untimed ones; timed `repeats` times -> ms a window (the median). As the engine's draft round runs them (each
     window's tokens on the host before the next one is built), or `pipelined`: each window after the first takes
     its first token and its streams' lengths from the device (`programs.draft_program`) and is enqueued before the
     previous one is fetched. The drafts are random tokens, so a window mostly keeps its first row only; what it
-    costs does not depend on how many it keeps."""
+    costs does not depend on how many it keeps. `block`: DFlash windows (programs with a drafter), whose drafts
+    the drafter made on the device after the previous window (`dflash_programs.FROM_DRAFT`)."""
+    from qwen_jax import dflash_programs as D
     import jax
     s = len(tables)
     chain = list(range(-1, rows - 1))
@@ -209,6 +221,8 @@ def draft_windows(progs, tables, context: int, rule, rows: int, rounds: int, rep
         prev = None
         for k in range(n):
             toks = [list(rng.integers(0, vocab, size=rows)) for _ in range(s)]
+            if block:
+                toks = [t[:1] + [D.FROM_DRAFT] * (rows - 1) for t in toks]
             if pipelined and k:
                 for t in toks:
                     t[0] = P.FROM_LAST

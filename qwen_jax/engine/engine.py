@@ -35,8 +35,11 @@ streams in it (and, if it consumed the donated pools, every running stream, on f
 Exactness: a request's tokens do not depend on what else runs (programs docstring): its prompt chunks are cut on
 the grid whatever the lane count or bucket, each row is sampled with the keyed sampler at its absolute position,
 and the seed of a request without one comes from its prompt (sampling.derive_seed), so replies reproduce.
-Drafting: copy drafts when the engine has `copy_drafts` on (off by default; DFlash block drafts are not in yet).
-A chain window's rows are sampled with the same keyed rule at their own positions and accepted up to the first
+Drafting: copy drafts when the engine has `copy_drafts` on (off by default), or DFlash block drafts with a
+`drafter` (qwen_jax.dflash_programs): every drafting stream then runs a chain window each round, the pending token
+and the drafter's next block, which the drafter made on the device after the stream's previous call, so its windows
+are enqueued back to back like decode calls (no guesses: each reads its first token, length and drafts on the
+device). A chain window's rows are sampled with the same keyed rule at their own positions and accepted up to the first
 draft that differs from its predecessor row's sample, so a drafted reply is the serial one token for token,
 provided each row's logits have the bits of the serial step at its position. The draft program computes each row's
 attention as that step's (`model.verify(chain=True)`); the rest holds where every op is row-invariant
@@ -55,6 +58,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qwen_jax import dflash_programs as D
 from qwen_jax import programs as P
 from qwen_jax import sampling
 from qwen_jax.config import ModelConfig
@@ -95,7 +99,7 @@ class Engine:
                  buckets: P.Buckets | None = None, max_prefill_chunk: int = 4096, prefill_step: int = 1024,
                  max_logprobs: int = 0, seed_salt: str = "", fixed_shapes: bool | None = None,
                  progress: bool = True, copy_drafts: bool = False, draft_rows: int = DRAFT_ROWS,
-                 prompt_cache: int = 0):
+                 prompt_cache: int = 0, drafter=None):
         from qwen_jax.model import Backend
         for name, v, lo in (("max_model_len", max_model_len, 2), ("parallel", parallel, 1),
                             ("max_queued", max_queued, 0), ("page_size", page_size, 1),
@@ -128,19 +132,28 @@ class Engine:
                              "would depend on the rows beside it with this backend and weights (only the Pallas "
                              "qmm kernel on quantized weights is row-invariant), so concurrent replies could "
                              "differ from solo ones; use fixed shapes")
-        if copy_drafts and not P.row_invariant(params, self.backend):
-            raise ValueError("copy_drafts (the server's --copy-drafts): a drafted window's rows would not have the "
-                             "bits of serial steps with this backend and weights (only the Pallas kernels on "
-                             "quantized weights compute a row alone), so drafted replies could differ from serial "
-                             "ones; run without drafts")
+        for name, on in (("copy_drafts (the server's --copy-drafts)", copy_drafts),
+                         ("drafter (the server's --drafter)", drafter is not None)):
+            if on and not P.row_invariant(params, self.backend):
+                raise ValueError(f"{name}: a drafted window's rows would not have the bits of serial steps with this "
+                                 "backend and weights (only the Pallas kernels on quantized weights compute a row "
+                                 "alone), so drafted replies could differ from serial ones; run without drafts")
+        if copy_drafts and drafter is not None:
+            raise ValueError("copy_drafts and drafter: pick one source of drafts")
+        if drafter is not None:
+            # The window's rows: the pending token and up to block_size - 1 of the drafter's proposals.
+            draft_rows = min(draft_rows, drafter.config.block_size)
+            if draft_rows < 2:
+                raise ValueError(f"drafter: a block of {drafter.config.block_size} rows drafts nothing")
+        drafting = copy_drafts or drafter is not None
         if buckets is None:
             buckets = P.default_buckets(params, self.backend, parallel=parallel,
                                         max_chunk=min(max_prefill_chunk, P.pages_for(max_model_len, P.GRID) * P.GRID),
                                         logprobs=max_logprobs, fixed_shapes=fixed_shapes,
-                                        chain_rows=(draft_rows,) if copy_drafts else (),
+                                        chain_rows=(draft_rows,) if drafting else (),
                                         slot_copy=prompt_cache > 0)
-        if copy_drafts and not buckets.chain_rows:
-            raise ValueError("copy_drafts: the buckets compile no chain window (chain_rows is empty)")
+        if drafting and not buckets.chain_rows:
+            raise ValueError("copy_drafts / drafter: the buckets compile no chain window (chain_rows is empty)")
         if prompt_cache and not buckets.slot_copy:
             raise ValueError("prompt_cache: the buckets compile no slot copy (slot_copy is False)")
         if buckets.logprobs < max_logprobs:
@@ -149,12 +162,18 @@ class Engine:
             raise ValueError(f"the largest decode bucket ({buckets.decode_streams[-1]}) is below parallel={parallel}")
         self.buckets = buckets
         self.copy_drafts = copy_drafts
-        self.draft_rows = buckets.chain_rows[-1] if copy_drafts else 1
+        self.drafter = None
+        if drafter is not None:
+            # Its draft cache keeps the newest DRAFT_WINDOW positions of each slot (more where a prompt chunk is
+            # longer: a chunk's rows go in together), not more than a context holds.
+            window = max(min(D.DRAFT_WINDOW, self.layout.max_len), buckets.prompt_rows[-1])
+            self.drafter = D.Drafter(drafter.params, drafter.config, window)
+        self.draft_rows = buckets.chain_rows[-1] if drafting else 1
         # "batched" (power-of-two decode buckets, prompts packed in lanes) or "fixed" (one shape whatever the load)
         self.shape_policy = "batched" if buckets.packing is P.Packing.BATCHED else "fixed"
         self.chunk_cap = min(buckets.prompt_rows[-1], max_prefill_chunk)
         self.step_cap = min(self.chunk_cap, prefill_step)
-        self.programs = P.Programs(params, config, self.layout, buckets, self.backend)
+        self.programs = P.Programs(params, config, self.layout, buckets, self.backend, drafter=self.drafter)
         self.stop_ids = frozenset(config.eos_token_ids)
         self.vocab_size = config.text.vocab_size
         self._pages = IndexPool(num_pages, "KV pages")
@@ -182,12 +201,13 @@ class Engine:
     def from_checkpoint(cls, model_dir: str, *, dtype: str = "bfloat16", kv_cache: str = "bf16",
                         max_model_len: int = 4096, parallel: int = 16, max_queued: int = 64, backend=None,
                         progress: bool = True, compile_cache: str | None = DEFAULT_CACHE_DIR, max_logprobs: int = 20,
-                        **kwargs) -> "Engine":
+                        drafter: str | None = None, **kwargs) -> "Engine":
         """Load a checkpoint dir (weights, tokenizer, generation_config EOS ids) into an engine. compile_cache:
-        the persistent compilation cache dir (None: off); default $QWEN_JAX_CACHE_DIR or ~/.cache/qwen_jax/jax."""
+        the persistent compilation cache dir (None: off); default $QWEN_JAX_CACHE_DIR or ~/.cache/qwen_jax/jax.
+        drafter: a DFlash drafter dir (block drafts), checked against the model."""
         import jax.numpy as jnp
 
-        from qwen_jax.checkpoint import load_checkpoint, load_tokenizer
+        from qwen_jax.checkpoint import load_checkpoint, load_dflash, load_tokenizer
         if dtype not in ("bfloat16", "float32"):
             raise ValueError(f"dtype must be bfloat16 or float32, got {dtype!r}")
         if compile_cache:
@@ -195,6 +215,9 @@ class Engine:
         ck = load_checkpoint(model_dir, dtype=jnp.float32 if dtype == "float32" else jnp.bfloat16,
                              progress=progress or None)
         tokenizer = load_tokenizer(model_dir)
+        if drafter is not None:
+            kwargs["drafter"] = load_dflash(drafter, target=ck.config.text,
+                                            dtype=jnp.float32 if dtype == "float32" else jnp.bfloat16)
         return cls(ck.params, ck.config, tokenizer, model_name=Path(model_dir).resolve().name, dtype=dtype,
                    kv_cache=kv_cache, max_model_len=max_model_len, parallel=parallel, max_queued=max_queued,
                    backend=backend, progress=progress, max_logprobs=max_logprobs, **kwargs)
@@ -360,8 +383,8 @@ class Engine:
             self._land(keep=0)
             self._prompt_call()
         drafted: set[Stream] = set()
-        if self.copy_drafts:
-            if any(self._may_draft(s) for s in self._running if not s.drafting):
+        if self.copy_drafts or self.drafter is not None:
+            if self.copy_drafts and any(self._may_draft(s) for s in self._running if not s.drafting):
                 self._land(keep=0)  # a stream starts drafting from its whole history, the pending token included
             drafted = self._window_call()
             if any(s.drafting and s not in drafted for s in self._running):
@@ -430,7 +453,8 @@ class Engine:
                                 stop_ids=frozenset(req.stop_token_ids) | (frozenset() if req.ignore_eos
                                                                           else self.stop_ids),
                                 max_model_len=self.max_model_len, tokenizer=self.tokenizer,
-                                copy_drafts=self.copy_drafts, resumed=len(entry) if entry is not None else 0)
+                                copy_drafts=self.copy_drafts, block_drafts=self.drafter is not None,
+                                resumed=len(entry) if entry is not None else 0)
                 if self._cache is not None:
                     with self._lock:
                         stream.keep_at = self._cache.keep_points(prompt, after=stream.prefilled)
@@ -636,8 +660,9 @@ class Engine:
 
     @staticmethod
     def _draftable(s: Stream) -> bool:
-        """A decoding stream with copy drafts on and room for a window of two rows."""
-        return s.copies is not None and s.phase is Phase.DECODE and not s.finishing and s.budget() >= 2
+        """A decoding stream with drafts on (copy or block drafts) and room for a window of two rows."""
+        return ((s.copies is not None or s.block_drafts) and s.phase is Phase.DECODE and not s.finishing
+                and s.budget() >= 2)
 
     def _may_draft(self, s: Stream) -> bool:
         """Whether a decoding stream that is not drafting may have a copy to verify this round: its history known
@@ -664,9 +689,13 @@ class Engine:
         for s in self._running:
             if not self._draftable(s) or (s.inflight and not s.drafting):
                 continue
+            rows = min(self.draft_rows, s.budget())
+            if s.block_drafts:
+                # Block drafts: the drafter's proposals, on the device where the slot's previous call left them.
+                tries.append((s, [D.FROM_DRAFT] * (rows - 1), None))
+                continue
             if s.inflight and not all(ok for _, ok in s.windows):
                 continue
-            rows = min(self.draft_rows, s.budget())
             got = s.copies.propose_after(s.assumed(), rows)  # rows - 1 drafts, then the guess of the last sample
             if not got:
                 continue
@@ -703,7 +732,7 @@ class Engine:
             s.drafting = True
             s.inflight += 1
             s.next_input = None
-            s.windows.append((d + guess, len(guess) == 1))
+            s.windows.append((None, True) if guess is None else (d + guess, len(guess) == 1))
             s.cache_len += 1 + len(d)  # as if every draft stands (the most it can take); corrected on landing
             s.sampled += 1 + len(d)
             s.finishing = s.budget() <= 0
@@ -732,7 +761,7 @@ class Engine:
             s.finishing = s.budget() <= 0
             assumed, _ = s.windows.popleft()
             yielded = [int(t) for t in out.tokens[i, :k]]
-            if yielded != assumed:  # windows dispatched after this one guessed from what it did not yield
+            if assumed is not None and yielded != assumed:  # later windows guessed from what it did not yield
                 s.windows = collections.deque((a, False) for a, _ in s.windows)
             if not s.inflight:
                 s.next_input = yielded[-1]

@@ -23,7 +23,7 @@ class Phase(enum.Enum):
 class Stream:
     def __init__(self, handle: RequestHandle, *, slot: int, pages: list[int], pages_per_stream: int,
                  sampling_rule: sampling.RequestSampling, stop_ids: frozenset[int], max_model_len: int, tokenizer,
-                 copy_drafts: bool = False, resumed: int = 0):
+                 copy_drafts: bool = False, block_drafts: bool = False, resumed: int = 0):
         req: GenerationRequest = handle.request
         self.handle = handle
         self.request = req
@@ -43,12 +43,14 @@ class Stream:
         self.sampled = 0  # tokens sampled so far, including decode calls still in flight
         self.finishing = False  # max_tokens or the context end comes with its last sampled token: no more calls
         self.inflight = 0  # decode calls or draft windows dispatched and not yet fetched
-        self.drafting = False  # in copy-draft windows (its calls in flight, if any, are windows)
+        self.drafting = False  # in draft windows (its calls in flight, if any, are windows)
         # per draft window in flight: what it yields if every draft stands and its last sample is the copy's next
         # token, and whether that guess still stands (False once an earlier window went another way)
         self.windows: collections.deque[tuple[list[int], bool]] = collections.deque()
         # prompt + decided tokens, indexed for copy drafts (None: this stream decodes serially)
         self.copies = CopyIndex(req.prompt_ids) if copy_drafts and req.draft else None
+        # drafts from the engine's DFlash drafter, on the device (qwen_jax.dflash_programs)
+        self.block_drafts = block_drafts and req.draft
         self.generated: list[int] = []
         self.detok = Detokenizer(tokenizer, skip_special_tokens=req.skip_special_tokens) if tokenizer else None
         self.stops = StopStrings(req.stop)

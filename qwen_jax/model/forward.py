@@ -102,10 +102,14 @@ def init_state(cfg: TextConfig, *, num_slots: int, num_pages: int, page_size: in
     return ModelState(kv, rec, conv)
 
 
+def compute_dtype(state: ModelState):
+    """The compute dtype: the conv windows' (an fp8 KV pool stores another)."""
+    return state.conv[0].dtype if state.conv else state.kv[0].k.dtype
+
+
 def _embed(params, state: ModelState, tokens: jax.Array, backend: Backend) -> jax.Array:
-    """Token rows in the compute dtype (the pools' dtype)."""
-    dtype = state.conv[0].dtype if state.conv else state.kv[0].k.dtype
-    return embed(params["embed"], tokens, dtype, backend)
+    """Token rows in the compute dtype."""
+    return embed(params["embed"], tokens, compute_dtype(state), backend)
 
 
 def _head_weight(params):

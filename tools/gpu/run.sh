@@ -158,6 +158,15 @@ case "$stage" in
     gpu_pytest 100 e4m3 6 tests/test_attention_window_mgpu.py -k "e4m3"
     attn_sections 200 window_fp8 e4m3
     ;;
+  hundred-sixty-first)
+    # Prepared in session 40 (~6 min): DFlash block drafts. The gate (drafted = serial with the tiny random drafter
+    # and with an oracle's drafts, bf16 and fp8), then the 27B's block windows with a synthetic bf16 drafter at the
+    # 27B drafter's shapes (5 layers, blocks of 16), beside the decode round and copy-draft windows of the same rows.
+    gpu_pytest 240 block_drafts 6 tests/test_engine_gpu.py -k "block_drafted"
+    timeout 200 python3 -m qwen_jax bench --synthetic 27b --streams 1 --prompt-lengths "" --context 1024 \
+      --rounds 16 --draft-rows 4,16 --drafter synthetic --no-compile-timing --compile-cache "" 2>&1 \
+      | tee "$out/bench_27b_block.log" | grep -E "^decode|^block "
+    ;;
   hundred-sixtieth)
     # Prepared in session 39 (~4 min): the fused draft window (acceptance and commit in the draft program). Its
     # gate against the serial step (bf16), then one stream's 4- and 16-row windows at 1K beside the decode round,

@@ -1,0 +1,188 @@
+"""DFlash block drafts in the programs and the engine (qwen_jax.dflash_programs): the drafter runs on the device
+after each prompt chunk and each window, and the next window reads its drafts there.
+
+Programs, on the reference path in float32 against dflash 0.1.0's greedy loop (captures/refs/dflash-tiny-f32.npz,
+the tiny drafter captures/tiny-dflash): the same tokens, and at every step where dflash drafted a whole block, the
+same drafts. The engine, on captures/tiny-mlx-4bit with the kernels in interpret mode (the row-invariant path
+drafting needs): replies drafted by the random tiny drafter (windows nearly always cut after their first row) and
+by an oracle that proposes the reply itself with one token in `PERIOD` wrong (windows kept whole, in part, not at
+all) are the same bits, alone and beside other streams, with the pools back to baseline. As in tests/test_drafts.py,
+drafted replies are compared with drafted replies here; that chain rows are the serial step's bits is the device's
+gate (tests/test_engine_gpu.py), the interpreted fused step on this CPU rounding apart from a one-row window."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qwen_jax import dflash_programs as D
+from qwen_jax import programs as P
+from qwen_jax import sampling
+from qwen_jax.checkpoint import load_checkpoint, load_dflash
+from qwen_jax.engine.api import GenerationRequest, SamplingOptions
+from qwen_jax.engine.engine import Engine
+from qwen_jax.model import Backend
+from tests.conftest import CAPTURES
+from tests.test_engine import _baseline
+
+REF = CAPTURES / "refs" / "dflash-tiny-f32.npz"
+DRAFTER = CAPTURES / "tiny-dflash"
+MODEL = CAPTURES / "tiny-mlx-4bit"
+TIMEOUT = 600
+PERIOD = 5
+
+
+# --- programs against dflash's loop ------------------------------------------------------------------------------
+
+
+def test_windows_draft_what_dflash_drafts():
+    """Prompt call, then back-to-back windows whose first token, length and drafts all come from the device: every
+    prompt's greedy tokens are dflash_generate's, and so are the drafts at each of its whole-block steps."""
+    target = load_checkpoint(CAPTURES / "tiny", dtype=jnp.float32, progress=False)
+    drafter = load_dflash(DRAFTER, target=target.config.text, dtype=jnp.float32)
+    b = drafter.config.block_size
+    layout = P.Layout(64, 8, 9, 2, "float32", "bf16")
+    buckets = P.Buckets(prompt_rows=(64,), prompt_lanes=(1,), decode_streams=(1,), chain_rows=(b,))
+    pr = P.Programs(target.params, target.config, layout, buckets, Backend(), drafter=D.Drafter(
+        drafter.params, drafter.config, 512))
+    pr.compile([("prompt", (1, 64)), ("draft", (1, b))])
+    z = np.load(REF)
+    greedy = sampling.RequestSampling(seed=0, temperature=0.0)
+    for name in ("short", "long", "repeat", "chat"):
+        pr.reset_state()
+        prompt = z[f"gen.{name}.prompt_ids"].tolist()
+        want = z[f"gen.{name}.gen_ids"].tolist()
+        table = np.arange(1, 9, dtype=np.int32)
+        for c0 in range(0, len(prompt), 64):
+            chunk = prompt[c0:c0 + 64]
+            out = pr.prompt(P.prompt_batch(layout, 1, 64, [P.PromptChunk(chunk, c0, 1, table)]),
+                            P.sample_params([greedy], [c0 + len(chunk)], 1))
+        got = [int(out.tokens[0])]
+        start, steps = len(prompt), {}
+        while len(got) < len(want):
+            drafts = np.asarray(pr.dstate.drafts[1])
+            first = got[-1] if not steps else P.FROM_LAST
+            window = P.tree_window(layout, 1, b, [[first] + [D.FROM_DRAFT] * (b - 1)], [list(range(-1, b - 1))],
+                                   [start if not steps else -1], [1], [table])
+            sampled, took = pr.draft(window, P.sample_params([greedy] * b, [start + r + 1 for r in range(b)], b))
+            k = int(took[0])
+            steps[start] = drafts.tolist()
+            got += sampled.tokens[0, :k].tolist()
+            start += k
+        assert got[:len(want)] == want, name
+        whole = [i for i, s in enumerate(z[f"gen.{name}.block_start"]) if s + b <= len(prompt) + len(want)]
+        assert whole, name
+        for i in whole:
+            s = int(z[f"gen.{name}.block_start"][i])
+            assert steps[s] == z[f"gen.{name}.block_ids"][i, 1:].tolist(), (name, s)
+
+
+# --- the engine ----------------------------------------------------------------------------------------------------
+
+
+def _engine(**kw):
+    ck = load_checkpoint(MODEL, dtype=jnp.bfloat16, progress=False)
+    drafter = load_dflash(DRAFTER, target=ck.config.text, dtype=jnp.bfloat16)
+    buckets = P.Buckets(prompt_rows=(64,), prompt_lanes=(1,), decode_streams=(2,), chain_rows=(4,),
+                        packing=P.Packing.BATCHED, logprobs=2, slot_copy=kw.get("prompt_cache", 0) > 0)
+    e = Engine(ck.params, ck.config, None, dtype="bfloat16", max_model_len=192, parallel=2, max_queued=8,
+               backend=Backend(kernels=True, interpret=True), buckets=buckets, max_logprobs=2, progress=False,
+               drafter=drafter, **kw)
+    e.start()
+    return e
+
+
+def _prompts():
+    rng = np.random.default_rng(5)
+    return [[int(t) for t in rng.integers(0, 500, size=n)] for n in (40, 70)]
+
+
+def _request(prompt, seed, **kw):
+    sampled = seed is not None
+    opts = SamplingOptions(temperature=0.9, top_k=30, top_p=0.95, seed=seed) if sampled else SamplingOptions()
+    return GenerationRequest(tuple(prompt), sampling=opts, ignore_eos=True, logprobs=2 if sampled else None, **kw)
+
+
+def _same(a, b):
+    assert (a.token_ids, a.logprobs, a.finish_reason) == (b.token_ids, b.logprobs, b.finish_reason)
+
+
+@pytest.fixture(scope="module")
+def drafted():
+    """Replies drafted by the random tiny drafter: each prompt greedy and seeded, alone."""
+    e = _engine()
+    reqs = [_request(p, seed, max_tokens=n) for p in _prompts() for seed, n in ((None, 30), (7, 27))]
+    before = e.stats()
+    replies = [e.submit(r).result(TIMEOUT) for r in reqs]
+    after = e.stats()
+    counters = dict(e._counters)
+    yield e, reqs, replies, (after.draft_proposed_total - before.draft_proposed_total,
+                             after.draft_accepted_total - before.draft_accepted_total, counters)
+    e.shutdown()
+
+
+def test_random_drafts_run_every_token_through_windows(drafted):
+    e, reqs, replies, (proposed, accepted, counters) = drafted
+    for r, a in zip(reqs, replies):
+        assert a.finish_reason == "length" and len(a.token_ids) == r.max_tokens
+    assert proposed > 0 and accepted < proposed
+    assert counters["draft_windows_chained"] > 0  # windows enqueued behind the previous one
+    _baseline(e)
+
+
+def test_concurrent_drafted_equals_solo(drafted):
+    """The four requests at once, and a serial one (`draft` False) beside them."""
+    e, reqs, replies, _ = drafted
+    serial_req = dataclasses.replace(reqs[1], draft=False)
+    handles = [e.submit(r) for r in reqs] + [e.submit(serial_req)]
+    together = [h.result(TIMEOUT) for h in handles]
+    for a, b in zip(replies, together):
+        _same(a, b)
+    assert together[-1].finish_reason == "length"
+    _baseline(e)
+
+
+def test_oracle_drafts_equal_random_ones(drafted, monkeypatch):
+    """An engine whose drafts are each reply's own next tokens, one position in PERIOD changed: windows kept whole,
+    in part and not at all; the same replies, bit for bit."""
+    _, reqs, replies, _ = drafted
+    for r, a in zip(reqs, replies):
+        reply = np.asarray(list(r.prompt_ids) + list(a.token_ids) + [0] * 8, np.int32)
+        reply[np.arange(len(reply)) % PERIOD == 2] += 1
+
+        def oracle(logits, slot, anchor_position, table=jnp.asarray(reply)):
+            pos = anchor_position[:, None] + 1 + jnp.arange(logits.shape[1])[None, :]
+            return table[jnp.clip(pos, 0, table.shape[0] - 1)]
+
+        monkeypatch.setattr(D, "propose", oracle)
+        e = _engine()
+        try:
+            before = e.stats()
+            got = e.submit(r).result(TIMEOUT)
+            after = e.stats()
+            _same(a, got)
+            acc = after.draft_accepted_total - before.draft_accepted_total
+            assert 0 < acc < after.draft_proposed_total - before.draft_proposed_total
+            _baseline(e)
+        finally:
+            e.shutdown()
+        break  # one engine compile: the greedy request of the first prompt
+
+
+def test_stop_inside_a_window(drafted):
+    e, reqs, replies, _ = drafted
+    full = replies[0]
+    stop = full.token_ids[12]
+    cut = full.token_ids.index(stop) + 1
+    got = e.submit(dataclasses.replace(reqs[0], stop_token_ids=(stop,))).result(TIMEOUT)
+    assert got.token_ids == full.token_ids[:cut] and got.finish_reason == "stop"
+    _baseline(e)
+
+
+def test_drafter_refused_off_the_row_invariant_path():
+    ck = load_checkpoint(CAPTURES / "tiny", dtype=jnp.float32, progress=False)
+    drafter = load_dflash(DRAFTER, target=ck.config.text, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="drafter"):
+        Engine(ck.params, ck.config, None, dtype="float32", max_model_len=128, parallel=2, backend=Backend(),
+               progress=False, drafter=drafter)
