@@ -75,6 +75,11 @@ from qwen_jax.config import ModelConfig
 from qwen_jax.model.forward import kv_dtype_for, text_rope_positions
 
 GRID = 64  # prompt chunks start on this grid of absolute positions (the GDN chunk; attention key blocks)
+# Rows (streams x rows each) a draft window call may have by default: the decode qmm streams a projection's weights
+# once for up to 16 rows, and again for each 16 more, so a window of more rows costs several decode rounds (H100,
+# session 40: 16 streams x 2 rows 1.8 rounds, x 8 rows 4.8; one stream x 16 rows 1.3). The engine drafts fewer rows
+# a stream as more streams draft, and none past 8 streams.
+CHAIN_ROW_BUDGET = 16
 
 
 class Packing(str, enum.Enum):
@@ -120,7 +125,8 @@ class Buckets:
     stream buckets of the decode (and verify) programs; window_rows: verify/commit row buckets for drafting
     (compiled for every decode stream bucket); chain_rows: draft/commit row buckets for copy drafts (likewise);
     logprobs: the top-n every sampling program computes (0 = none); slot_copy: compile the slot copy (a prompt
-    cache).
+    cache); chain_budget: compile a draft program only where streams x rows is at most this (0: every pair), the
+    rows a window call may cost before it costs more than several decode rounds (`CHAIN_ROW_BUDGET`).
     One variant per bucket: computing logprobs only in some rounds would switch a stream between programs."""
     prompt_rows: tuple[int, ...]
     prompt_lanes: tuple[int, ...]
@@ -131,6 +137,7 @@ class Buckets:
     multi_lane_rows: int | None = None
     chain_rows: tuple[int, ...] = ()
     slot_copy: bool = False
+    chain_budget: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "packing", Packing(self.packing))
@@ -169,6 +176,18 @@ class Buckets:
 
     def chain_bucket(self, streams: int, rows: int) -> tuple[int, int]:
         return self.decode_bucket(streams), _fit(self.chain_rows, rows, "chain rows")
+
+    def chain_cap(self, streams: int) -> int:
+        """The most rows a chain window of `streams` streams may have (a compiled bucket; 0: none, or fewer than
+        two rows, which draft nothing)."""
+        s = self.decode_bucket(streams)
+        fits = [r for r in self.chain_rows if not self.chain_budget or s * r <= self.chain_budget]
+        return fits[-1] if fits and fits[-1] >= 2 else 0
+
+
+def chain_row_buckets(rows: int) -> tuple[int, ...]:
+    """Chain window row buckets up to `rows`: the powers of two from 2, and rows."""
+    return tuple(sorted({r for r in pow2_buckets(2, rows) if r <= rows} | {rows}))
 
 
 def _fit(options: tuple[int, ...], n: int, what: str) -> int:
@@ -218,7 +237,7 @@ BATCHED_BY_DEFAULT = True
 
 def default_buckets(params, backend: M.Backend, *, parallel: int, max_chunk: int = 4096, logprobs: int = 0,
                     window_rows: tuple[int, ...] = (), fixed_shapes: bool | None = None,
-                    chain_rows: tuple[int, ...] = (), slot_copy: bool = False) -> Buckets:
+                    chain_rows: tuple[int, ...] = (), slot_copy: bool = False, chain_budget: int = 0) -> Buckets:
     """The engine's default shapes. fixed_shapes (default: unless `BATCHED_BY_DEFAULT` and `row_invariant`):
     prompt lanes mapped through the one-lane forward and a single decode bucket of `parallel` streams, so no
     row's computation changes shape with the load (module docstring); otherwise batched lanes and power-of-two
@@ -229,9 +248,10 @@ def default_buckets(params, backend: M.Backend, *, parallel: int, max_chunk: int
         fixed_shapes = not (BATCHED_BY_DEFAULT and row_invariant(params, backend))
     if not fixed_shapes:
         return Buckets(rows, tuple(sorted({1, min(4, parallel)})), pow2_buckets(1, parallel), window_rows,
-                       Packing.BATCHED, logprobs, multi_lane_rows=256, chain_rows=chain_rows, slot_copy=slot_copy)
+                       Packing.BATCHED, logprobs, multi_lane_rows=256, chain_rows=chain_rows, slot_copy=slot_copy,
+                       chain_budget=chain_budget)
     return Buckets(rows, (min(4, parallel),), (parallel,), window_rows, Packing.MAPPED, logprobs,
-                   chain_rows=chain_rows, slot_copy=slot_copy)
+                   chain_rows=chain_rows, slot_copy=slot_copy, chain_budget=chain_budget)
 
 
 # ---------------------------------------------------------------------------------------------- host batches
@@ -728,7 +748,8 @@ class Programs:
         keys = [("prompt", shape) for shape in b.prompt_shapes]
         keys += [(kind, (s, 1)) for kind in DECODE_KINDS for s in b.decode_streams]
         for s in b.decode_streams:
-            keys += [("verify", (s, r)) for r in b.window_rows] + [("draft", (s, r)) for r in b.chain_rows]
+            keys += [("verify", (s, r)) for r in b.window_rows]
+            keys += [("draft", (s, r)) for r in b.chain_rows if not b.chain_budget or s * r <= b.chain_budget]
             keys += [("commit", (s, r)) for r in b.window_rows]
         if b.slot_copy:
             keys.append(("slot_copy", (1, 1)))

@@ -271,6 +271,16 @@ def test_a_stop_inside_a_window_ends_the_reply_there(eng, monkeypatch):
     _baseline(eng)
 
 
+def test_chain_windows_shrink_as_more_streams_draft():
+    """The default buckets' row budget: a window call of S streams gets at most 16 / S rows a stream (the compiled
+    bucket at or below it), and none past 8 streams; without a budget every compiled row count is open."""
+    assert P.chain_row_buckets(16) == (2, 4, 8, 16) and P.chain_row_buckets(6) == (2, 4, 6)
+    b = P.Buckets((64,), (1,), P.pow2_buckets(1, 16), chain_rows=P.chain_row_buckets(16),
+                  chain_budget=P.CHAIN_ROW_BUDGET)
+    assert [b.chain_cap(n) for n in (1, 2, 3, 4, 5, 8, 9, 16)] == [16, 8, 4, 4, 2, 2, 0, 0]
+    assert dataclasses.replace(b, chain_budget=0).chain_cap(16) == 16
+
+
 def test_copy_drafts_refused_where_rows_are_not_invariant():
     ck = load_checkpoint(CAPTURES / "tiny", dtype=jnp.float32, progress=False)
     with pytest.raises(ValueError, match="copy_drafts"):

@@ -150,7 +150,8 @@ class Engine:
             buckets = P.default_buckets(params, self.backend, parallel=parallel,
                                         max_chunk=min(max_prefill_chunk, P.pages_for(max_model_len, P.GRID) * P.GRID),
                                         logprobs=max_logprobs, fixed_shapes=fixed_shapes,
-                                        chain_rows=(draft_rows,) if drafting else (),
+                                        chain_rows=P.chain_row_buckets(draft_rows) if drafting else (),
+                                        chain_budget=P.CHAIN_ROW_BUDGET,
                                         slot_copy=prompt_cache > 0)
         if drafting and not buckets.chain_rows:
             raise ValueError("copy_drafts / drafter: the buckets compile no chain window (chain_rows is empty)")
@@ -684,12 +685,15 @@ class Engine:
         stands and its last sample is the copy's next token (`Stream.assumed`); when that guess is wrong the
         window still yields its first row's token, as a decode step would. A stream is left out when its copy
         runs out, or when a window of its own in flight is known to have gone another way (its guess is then
-        stale). -> the streams it ran."""
+        stale). A window call's rows are capped by how many streams may draft (`Buckets.chain_cap`: with the default
+        `programs.CHAIN_ROW_BUDGET`, 16 rows for one stream, 8 each for two, ... none past eight, whose windows would
+        cost several decode rounds). -> the streams it ran."""
+        candidates = [s for s in self._running if self._draftable(s) and (not s.inflight or s.drafting)]
+        # Fewer rows a stream as more streams draft (`Buckets.chain_cap`); none when too many do.
+        cap = self.buckets.chain_cap(len(candidates)) if candidates else 0
         tries = []
-        for s in self._running:
-            if not self._draftable(s) or (s.inflight and not s.drafting):
-                continue
-            rows = min(self.draft_rows, s.budget())
+        for s in candidates if cap else ():
+            rows = min(cap, s.budget())
             if s.block_drafts:
                 # Block drafts: the drafter's proposals, on the device where the slot's previous call left them.
                 tries.append((s, [D.FROM_DRAFT] * (rows - 1), None))
