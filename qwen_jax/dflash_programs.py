@@ -15,6 +15,11 @@ step at its position, sampled with the keyed rule and accepted only when it equa
 (drafted ≡ serial whatever the drafter proposes).
 
 Drafts are the drafter's argmax (dflash's greedy proposal; exact-match verification makes any proposal lossless).
+
+Rows a stream commits through the decode program (its last token, or rounds where too many streams draft for a
+window call to pay: `programs.Buckets.chain_cap`) are not fed to the drafter: its context has a gap there until the
+draft cache's window has moved past it, and its drafts after such a round are stale. Both cost acceptance, never
+exactness.
 """
 
 from __future__ import annotations
