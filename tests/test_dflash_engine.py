@@ -180,6 +180,36 @@ def test_stop_inside_a_window(drafted):
     _baseline(e)
 
 
+def test_resumed_with_the_drafter_equals_fresh():
+    """The prompt cache keeps and restores a slot's draft cache and drafts with its GDN state: a prompt resumed from
+    a kept prefix gets the reply it gets with the cache emptied first, and its drafter ends on the same drafts (so
+    its context was the same all along)."""
+    e = _engine(prompt_cache=2)
+    try:
+        rng = np.random.default_rng(9)
+        head = [int(t) for t in rng.integers(0, 500, size=100)]
+        first = _request(head, None, max_tokens=6)
+        follow = _request(head + [int(t) for t in rng.integers(0, 500, size=20)], 3, max_tokens=12)
+        other = _request([int(t) for t in rng.integers(0, 500, size=90)], None, max_tokens=2)
+        runs = []
+        for resume in (False, True):
+            e.clear_prompt_cache()
+            e.submit(first).result(TIMEOUT)  # keeps its state at 64 tokens
+            e.submit(other).result(TIMEOUT)  # its slot's draft cache now holds another prompt
+            if not resume:
+                e.clear_prompt_cache()
+            h = e.submit(follow)
+            reply = h.result(TIMEOUT)
+            assert h.cached_tokens == (64 if resume else 0)
+            runs.append((reply, np.asarray(e.programs.dstate.drafts[1])))
+        _same(runs[0][0], runs[1][0])
+        np.testing.assert_array_equal(runs[0][1], runs[1][1])
+        e.clear_prompt_cache()
+        _baseline(e)
+    finally:
+        e.shutdown()
+
+
 def test_drafter_refused_off_the_row_invariant_path():
     ck = load_checkpoint(CAPTURES / "tiny", dtype=jnp.float32, progress=False)
     drafter = load_dflash(DRAFTER, target=ck.config.text, dtype=jnp.float32)
