@@ -9,8 +9,9 @@ from run to run) and tokens/s (S x forwards/s). Draft windows (`draft_rows`, the
 at `context`, chain windows of R rows (`programs.draft_program`: every row computed as the serial step at its
 position, accepted and committed in the same call), each fetched before the next is built, then again enqueued
 back to back (`draft_windows`) -> ms a window and its ratio to the decode round at the same S (a window of R rows
-pays when it yields more tokens than that ratio; every row accepted yields R). Compile: every program of the run, first against an empty
-persistent cache (cold), then again from that cache (warm).
+pays when it yields more tokens than that ratio; every row accepted yields R). With a drafter, the windows are
+DFlash windows (the drafter run on the device after each). Compile: every program of the run, first against an
+empty persistent cache (cold), then again from that cache (warm).
 
 Cached K/V and GDN states are zeros rather than a real prefix: the cost of a round depends on the context length,
 not on the values.

@@ -4,5 +4,5 @@ from qwen_jax.model.forward import (ModelState, PrefillBatch, VerifyWindow, comm
                                     make_prefill_batch, make_window, prefill, step, verify, window_depth)
 from qwen_jax.model.ops import Backend
 
-__all__ = ["Backend", "ModelState", "PrefillBatch", "VerifyWindow", "commit", "compute_dtype", "init_state", "make_prefill_batch",
-           "make_window", "prefill", "step", "verify", "window_depth"]
+__all__ = ["Backend", "ModelState", "PrefillBatch", "VerifyWindow", "commit", "compute_dtype", "init_state",
+           "make_prefill_batch", "make_window", "prefill", "step", "verify", "window_depth"]
