@@ -4,9 +4,13 @@
   mlx-lm float32 on captures/tiny-mlx-4bit, prompt "short"  vs captures/refs/mlx-tiny-mlx-4bit-f32.npz
   dflash on captures/tiny + captures/tiny-dflash, float32: the direct drafter calls and dflash_generate on "chat"
                                                            vs captures/refs/dflash-tiny-f32.npz
+  HF transformers float32 on captures/tiny with images: processor patches, tower rows, M-RoPE positions, logits and
+  greedy tokens                                            vs captures/refs/hf-tiny-vision-f32.npz
+  transformers' save_pretrained of the image processor settings vs captures/tiny/preprocessor_config.json
 
 Passes when every logits / gen_logits entry is within the tool's tolerance (TOLERANCE), prompt_ids and gen_ids are
-equal (for dflash: every float array within the HF tolerance, every integer array equal). Exit 1 otherwise.
+equal (for dflash and the images: every float array within the HF tolerance, every integer array equal; the
+processor config byte for byte). Exit 1 otherwise.
 Usage: python check.py [CAPTURES_DIR]
 
 Why the HF tolerance is 1e-4 (it was 1e-5 until session 12): torch's float32 CPU kernels sum in an order that depends
@@ -18,11 +22,13 @@ or op moves them by far more); mlx-lm reproduced its capture exactly there, so i
 """
 
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
 import make_dflash
+import make_vision
 import refs_hf
 import refs_mlx
 
@@ -75,6 +81,16 @@ def compare_all(label: str, fresh: dict, committed_path: Path, tolerance: float)
     return ok
 
 
+def check_processor_config(model_dir: Path) -> bool:
+    """make_vision's processor settings, saved again by transformers, give the committed file byte for byte."""
+    with tempfile.TemporaryDirectory() as tmp:
+        make_vision.write_processor_config(tmp)
+        fresh = (Path(tmp) / "preprocessor_config.json").read_bytes()
+    equal = fresh == (model_dir / "preprocessor_config.json").read_bytes()
+    print(f"tiny/preprocessor_config.json: {'equal' if equal else 'DIFFERENT'}")
+    return equal
+
+
 def main(captures_dir: str) -> int:
     root = Path(captures_dir)
     refs = root / "refs"
@@ -85,6 +101,9 @@ def main(captures_dir: str) -> int:
     ok &= compare("mlx-tiny-mlx-4bit-f32", mlx, refs / "mlx-tiny-mlx-4bit-f32.npz", "short", TOLERANCE["mlx"])
     dflash = make_dflash.capture(str(root / "tiny"), str(root / "tiny-dflash"), prompts, "", only=["chat"])
     ok &= compare_all("dflash-tiny-f32", dflash, refs / "dflash-tiny-f32.npz", TOLERANCE["hf"])
+    ok &= check_processor_config(root / "tiny")
+    vision = make_vision.capture(str(root / "tiny"), "")
+    ok &= compare_all("hf-tiny-vision-f32", vision, refs / "hf-tiny-vision-f32.npz", TOLERANCE["hf"])
     print("captures check:", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 

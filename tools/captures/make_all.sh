@@ -47,6 +47,9 @@ mkdir -p "$refs"
 echo "== DFlash drafter and its references (dflash.model on transformers)"
 "$py" make_dflash.py "$cap/tiny" "$cap/tiny-dflash" "$refs/prompts.json" "$refs/dflash-tiny-f32.npz"
 
+echo "== images: tiny/preprocessor_config.json and transformers' image references (processor, tower, whole model)"
+"$py" make_vision.py "$cap/tiny" "$refs/hf-tiny-vision-f32.npz"
+
 echo "== agreement between references"
 "$py" agreement.py "$cap"
 

@@ -58,7 +58,9 @@ def backend(model) -> dict:
 def setup_determinism() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    torch.set_num_interop_threads(1)
+    # torch refuses to set the interop threads a second time in one process (check.py runs several captures).
+    if torch.get_num_interop_threads() != 1:
+        torch.set_num_interop_threads(1)
     torch.use_deterministic_algorithms(True)
 
 
