@@ -20,6 +20,14 @@ conversion with `.scales` / `.biases` is read the same way) gives (norms are pla
      {"input_norm", "post_norm", "mlp": {"gate_up": F(gate, up), "down"},
       "attn": {"q": W, "kv": F(k, v), "o": W, "q_norm": f32[D], "k_norm": f32[D]}}}
 q apart from k|v because the context rows need only k and v (`model.dflash`).
+
+The vision tower (`load_vision`, or `load_checkpoint(..., vision=True)`; HF `model.visual.*` / `visual.*` keys or
+mlx-vlm's `vision_tower.*` with its channels-last patch conv), dense weights only. A linear is {"w": W[out, in],
+"b": f32[out]}, a LayerNorm {"w": f32, "b": f32}; D = hidden_size, I = intermediate_size, M = merge_unit:
+    {"patch_embed": {"w": W[D, C·T·P·P] (the Conv3d kernel flattened in (C, T, P, P) order), "b"},
+     "pos_embed": W[G·G, D],
+     "blocks": tuple of {"norm1", "qkv": [3D, D], "proj": [D, D], "norm2", "fc1": [I, D], "fc2": [D, I]},
+     "merger": {"norm" (over D), "fc1": [M·D, M·D], "fc2": [out_hidden, M·D]}}
 """
 
 from __future__ import annotations
@@ -38,7 +46,8 @@ import ml_dtypes
 import numpy as np
 
 from pallas_kernels.qweight import QuantizedWeight
-from qwen_jax.config import LAYER_GDN, DFlashConfig, ModelConfig, TextConfig, load_config, load_dflash_config
+from qwen_jax.config import (LAYER_GDN, DFlashConfig, ModelConfig, TextConfig, VisionConfig, load_config,
+                             load_dflash_config)
 from qwen_jax.model.ops import fuse
 
 
@@ -133,6 +142,8 @@ class LoadedCheckpoint:
     source_format: str  # "hf" or "mlx"
     # Tensors kept aside for later issues (vision tower, MTP head), by original name -> numpy view.
     aside: dict[str, np.ndarray] = field(default_factory=dict)
+    # The vision tower's params (`load_vision`) when asked for with vision=True, else None.
+    vision: dict[str, Any] | None = None
 
 
 def _canonical(name: str) -> tuple[str, str] | None:
@@ -241,10 +252,11 @@ class _Builder:
         return jnp.asarray(arr)
 
 
-def load_checkpoint(model_dir: str | os.PathLike, *, dtype=jnp.bfloat16, progress: bool | None = None
-                    ) -> LoadedCheckpoint:
+def load_checkpoint(model_dir: str | os.PathLike, *, dtype=jnp.bfloat16, progress: bool | None = None,
+                    vision: bool = False) -> LoadedCheckpoint:
     """Read a checkpoint dir. `dtype` is the compute dtype dense weights are cast to (bfloat16 or float32);
-    packed weights stay packed, norms and GDN scalars stay fp32."""
+    packed weights stay packed, norms and GDN scalars stay fp32. vision: also build the vision tower's params
+    (`load_vision`; a CheckpointError if the checkpoint has no tower); text-only callers read none of its bytes."""
     d = Path(model_dir)
     cfg = load_config(d)
     idx = SafetensorsIndex(d)
@@ -311,7 +323,105 @@ def load_checkpoint(model_dir: str | os.PathLike, *, dtype=jnp.bfloat16, progres
     if unused and not (t.tie_word_embeddings and all(u.startswith("lm_head.") for u in unused)):
         raise CheckpointError(f"checkpoint has tensors the config does not explain: {', '.join(unused[:5])}"
                               + (" ..." if len(unused) > 5 else ""))
-    return LoadedCheckpoint(cfg, params, fmt, aside)
+    tower = load_vision(d, cfg, dtype=dtype, index=idx) if vision else None
+    return LoadedCheckpoint(cfg, params, fmt, aside, tower)
+
+
+_VISION_PREFIXES = (("model.visual.", "hf"), ("visual.", "hf"), ("model.vision_tower.", "mlx"),
+                    ("vision_tower.", "mlx"))
+
+
+def _vision_shapes(v: VisionConfig) -> dict[str, tuple[int, int]]:
+    d, i, m = v.hidden_size, v.intermediate_size, v.merge_unit * v.hidden_size
+    shapes = {"pos_embed": (v.num_position_embeddings, d), "merger.linear_fc1": (m, m),
+              "merger.linear_fc2": (v.out_hidden_size, m)}
+    for b in range(v.depth):
+        shapes.update({f"blocks.{b}.attn.qkv": (3 * d, d), f"blocks.{b}.attn.proj": (d, d),
+                       f"blocks.{b}.mlp.linear_fc1": (i, d), f"blocks.{b}.mlp.linear_fc2": (d, i)})
+    return shapes
+
+
+def load_vision(model_dir: str | os.PathLike, cfg: ModelConfig | None = None, *, dtype=jnp.bfloat16,
+                index: SafetensorsIndex | None = None) -> dict[str, Any]:
+    """The vision tower's params (layout in the module docstring) from a checkpoint dir. `dtype`: the compute dtype
+    matrices are cast to (LayerNorms and biases stay fp32). Raises CheckpointError when the config has no
+    `vision_config`, a tower tensor is missing, quantized, shaped otherwise or unexplained."""
+    d = Path(model_dir)
+    cfg = load_config(d) if cfg is None else cfg
+    v = cfg.vision
+    if v is None:
+        raise CheckpointError(f"{d}: config.json has no `vision_config` (a text-only checkpoint: images need the "
+                              "original multimodal checkpoint, not an mlx-lm or Qwen3_5ForCausalLM one)")
+    idx = SafetensorsIndex(d) if index is None else index
+    names: dict[str, str] = {}
+    formats = set()
+    for name in idx.refs:
+        for prefix, fmt in _VISION_PREFIXES:
+            if name.startswith(prefix):
+                names[name[len(prefix):]] = name
+                formats.add(fmt)
+                break
+    if not names:
+        raise CheckpointError(f"{d}: config.json has a `vision_config` but the checkpoint has no vision tower "
+                              "tensors (model.visual.* or vision_tower.*)")
+    if len(formats) > 1:
+        raise CheckpointError(f"{d}: the checkpoint has vision tower tensors under both HF (model.visual.*) and "
+                              "mlx-vlm (vision_tower.*) names")
+    quantized = sorted(n for k, n in names.items() if k.endswith((".scales", ".biases")))
+    if quantized:
+        raise CheckpointError(f"{d}: quantized vision tower tensors are not supported ({quantized[0]}): use a "
+                              "checkpoint whose tower is stored in floating point")
+    b = _Builder(cfg, idx, names, "hf", jnp.dtype(dtype), None, shapes=_vision_shapes(v))
+    try:
+        params = _vision_params(b, v)
+    except CheckpointError as e:
+        raise CheckpointError(f"{d}: vision tower: {e}") from None
+    unused = sorted(set(names) - b.used)
+    if unused:
+        raise CheckpointError(f"{d}: vision tower tensors the config does not explain: "
+                              f"{', '.join(names[u] for u in unused[:5])}" + (" ..." if len(unused) > 5 else ""))
+    return params
+
+
+def _vision_params(b: _Builder, v: VisionConfig) -> dict[str, Any]:
+    def linear(module: str, bias_size: int) -> dict[str, jnp.ndarray]:
+        return {"w": b.linear(module), "b": b.vector(f"{module}.bias", bias_size)}
+
+    def norm(module: str, size: int) -> dict[str, jnp.ndarray]:
+        return {"w": b.vector(f"{module}.weight", size), "b": b.vector(f"{module}.bias", size)}
+
+    h, inter = v.hidden_size, v.intermediate_size
+    return {
+        "patch_embed": {"w": _patch_kernel(b, v), "b": b.vector("patch_embed.proj.bias", h)},
+        "pos_embed": b.linear("pos_embed"),
+        "blocks": tuple({
+            "norm1": norm(f"blocks.{i}.norm1", h),
+            "qkv": linear(f"blocks.{i}.attn.qkv", 3 * h),
+            "proj": linear(f"blocks.{i}.attn.proj", h),
+            "norm2": norm(f"blocks.{i}.norm2", h),
+            "fc1": linear(f"blocks.{i}.mlp.linear_fc1", inter),
+            "fc2": linear(f"blocks.{i}.mlp.linear_fc2", h),
+        } for i in range(v.depth)),
+        "merger": {"norm": norm("merger.norm", h), "fc1": linear("merger.linear_fc1", v.merge_unit * h),
+                   "fc2": linear("merger.linear_fc2", v.out_hidden_size)},
+    }
+
+
+def _patch_kernel(b: _Builder, v: VisionConfig) -> jnp.ndarray:
+    """The patch Conv3d kernel as a [D, C·T·P·P] matrix: HF stores [D, C, T, P, P], mlx-vlm channels-last
+    [D, T, P, P, C]."""
+    key = "patch_embed.proj.weight"
+    arr = b._raw(key)
+    c, t, p = v.in_channels, v.temporal_patch_size, v.patch_size
+    if arr.shape == (v.hidden_size, c, t, p, p):
+        pass
+    elif arr.shape == (v.hidden_size, t, p, p, c):
+        arr = np.moveaxis(arr, 4, 1)
+    else:
+        raise CheckpointError(f"shape mismatch: `{b.names[key]}` is {list(arr.shape)}, expected "
+                              f"[{v.hidden_size}, {c}, {t}, {p}, {p}] (HF) or [{v.hidden_size}, {t}, {p}, {p}, {c}] "
+                              "(mlx-vlm)")
+    return jnp.asarray(arr.reshape(v.hidden_size, v.patch_dim).astype(np.float32), dtype=b.dtype)
 
 
 @dataclass

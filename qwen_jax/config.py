@@ -3,13 +3,15 @@
 Accepted: HF `Qwen3_5ForConditionalGeneration` (`model_type` `qwen3_5`, fields under `text_config`),
 `Qwen3_5ForCausalLM` (`qwen3_5_text`, fields at the top level), and MLX conversions of either (the same fields
 plus a `quantization` / `quantization_config` block with per-module overrides). Also the config of a z-lab DFlash
-block drafter (`DFlashConfig`, `load_dflash_config`).
+block drafter (`DFlashConfig`, `load_dflash_config`), the vision tower's (`VisionConfig`, from `vision_config`; None
+for checkpoints without a tower) and the image processor's (`ImageProcessorConfig`, from `preprocessor_config.json`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +93,8 @@ class ModelConfig:
     vision_end_token_id: int | None = None
     # The vision tower's config as sorted JSON (hashable); None when the checkpoint has no tower.
     vision_config_json: str | None = None
+    # The same, parsed and checked (`parse_vision_config`); None without a tower (mlx-lm conversions, qwen3_5_text).
+    vision: VisionConfig | None = None
 
     def quant_for(self, module_path: str) -> QuantConfig | None:
         """Quantization params of a module: its per-path override if any, else the global block."""
@@ -238,6 +242,10 @@ def parse_config(raw: dict[str, Any], generation_config: dict[str, Any] | None =
         eos = list(_as_ids(generation_config.get("eos_token_id"))) + eos
     eos_unique = tuple(dict.fromkeys(eos))
     vision = raw.get("vision_config")
+    vision_cfg = None
+    if isinstance(vision, dict):
+        vision_cfg = parse_vision_config(vision, text)
+        _check_vision_tokens(raw, text)
     archs = raw.get("architectures") or []
     return ModelConfig(
         text=text,
@@ -251,6 +259,7 @@ def parse_config(raw: dict[str, Any], generation_config: dict[str, Any] | None =
         vision_start_token_id=raw.get("vision_start_token_id"),
         vision_end_token_id=raw.get("vision_end_token_id"),
         vision_config_json=json.dumps(vision, sort_keys=True) if isinstance(vision, dict) else None,
+        vision=vision_cfg,
     )
 
 
@@ -273,6 +282,202 @@ def load_config(model_dir: str | Path) -> ModelConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{gpath}: not valid JSON ({e})") from None
     return parse_config(raw, gen)
+
+
+# --- Vision tower and image processor (model_spec A.8) --------------------------------------------------------------
+
+VISION_TYPES = ("qwen3_5_vision", "qwen3_5")  # HF writes the former; mlx-vlm conversions may repeat the latter
+# The Qwen3.5 processor's values (its preprocessor_config.json), used where a checkpoint dir has none.
+QWEN35_MIN_PIXELS = 65536
+QWEN35_MAX_PIXELS = 16777216
+BICUBIC = 3  # PIL's resample code, the only filter Qwen's processor uses
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    """The Qwen3.5 ViT: patch embed (a Conv3d with stride = kernel), a learned position table bilinearly resampled
+    to each image's patch grid, `depth` pre-LN blocks with 2-D RoPE over the whole head, and a 2x2 patch merger to
+    the text model's width. Static under jit."""
+    depth: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    out_hidden_size: int
+    num_position_embeddings: int
+    rope_theta: float
+    layer_norm_eps: float = 1e-6  # fixed in HF's modeling code, not a config field
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Values of one flattened patch, in (channel, frame, row, col) order: 3 * 2 * 16 * 16 = 1536."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def grid_side(self) -> int:
+        """Side of the learned square position table (48 for the 27B's 2304 entries)."""
+        return math.isqrt(self.num_position_embeddings)
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches merged into one text-model row (4)."""
+        return self.spatial_merge_size ** 2
+
+    @property
+    def factor(self) -> int:
+        """Image sides are resized to multiples of this (patch_size * spatial_merge_size = 32)."""
+        return self.patch_size * self.spatial_merge_size
+
+
+def parse_vision_config(v: dict[str, Any], text: TextConfig) -> VisionConfig:
+    """A qwen3_5 `vision_config` -> VisionConfig. Raises ConfigError naming the field for what the tower here does
+    not implement (another activation or RoPE type, DeepStack, an output width other than the text model's)."""
+    where = "vision_config"
+    kind = v.get("model_type", "qwen3_5_vision")
+    if kind not in VISION_TYPES:
+        raise ConfigError(f"config.json: `vision_config.model_type` {kind!r} is not supported (expected one of "
+                          f"{VISION_TYPES})")
+    act = v.get("hidden_act", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise ConfigError(f"config.json: `vision_config.hidden_act` {act!r} is not supported (only "
+                          "'gelu_pytorch_tanh')")
+    if v.get("deepstack_visual_indexes"):
+        raise ConfigError(f"config.json: `vision_config.deepstack_visual_indexes` {v['deepstack_visual_indexes']} is "
+                          "not supported (Qwen3.5 has no DeepStack mergers)")
+    rope = v.get("rope_parameters") or {}
+    if not isinstance(rope, dict) or rope.get("rope_type", "axial") != "axial":
+        raise ConfigError(f"config.json: `vision_config.rope_parameters` {rope!r} is not supported (only "
+                          "rope_type 'axial')")
+    heads = _int(v, "num_heads", where)
+    hidden = _int(v, "hidden_size", where)
+    cfg = VisionConfig(
+        depth=_int(v, "depth", where),
+        hidden_size=hidden,
+        num_heads=heads,
+        intermediate_size=_int(v, "intermediate_size", where),
+        in_channels=int(v.get("in_channels", 3)),
+        patch_size=_int(v, "patch_size", where),
+        temporal_patch_size=_int(v, "temporal_patch_size", where),
+        spatial_merge_size=_int(v, "spatial_merge_size", where),
+        out_hidden_size=_int(v, "out_hidden_size", where),
+        num_position_embeddings=_int(v, "num_position_embeddings", where),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+    )
+    if cfg.in_channels != 3:
+        raise ConfigError(f"config.json: `vision_config.in_channels` {cfg.in_channels} is not supported (RGB only)")
+    if hidden % heads or cfg.head_dim % 4:
+        raise ConfigError(f"config.json: `vision_config.hidden_size` {hidden} / `num_heads` {heads} must give a head "
+                          "dim that is a multiple of 4 (the 2-D RoPE splits it into row and column halves, each "
+                          "rotated half-split)")
+    if cfg.grid_side ** 2 != cfg.num_position_embeddings:
+        raise ConfigError(f"config.json: `vision_config.num_position_embeddings` {cfg.num_position_embeddings} is "
+                          "not a square (the learned position table is a square grid)")
+    if cfg.out_hidden_size != text.hidden_size:
+        raise ConfigError(f"config.json: `vision_config.out_hidden_size` {cfg.out_hidden_size} differs from the text "
+                          f"model's hidden_size {text.hidden_size} (image rows replace token embeddings)")
+    return cfg
+
+
+def _check_vision_tokens(raw: dict[str, Any], text: TextConfig) -> None:
+    for key in ("image_token_id", "vision_start_token_id", "vision_end_token_id"):
+        tid = raw.get(key)
+        if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < text.vocab_size:
+            raise ConfigError(f"config.json: `{key}` must be a token id below vocab_size {text.vocab_size} when "
+                              f"`vision_config` is given, got {tid!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageProcessorConfig:
+    """What Qwen's image processor (`Qwen2VLImageProcessor`) does to an RGB image: resize both sides to multiples
+    of patch_size * merge_size with the area in [min_pixels, max_pixels] (bicubic), scale by rescale_factor,
+    normalise per channel, and cut patches of temporal_patch_size repeated frames."""
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    min_pixels: int
+    max_pixels: int
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    rescale_factor: float = 1 / 255
+    do_resize: bool = True
+    do_rescale: bool = True
+    do_normalize: bool = True
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+
+def default_image_processor_config(vision: VisionConfig) -> ImageProcessorConfig:
+    """Qwen3.5's published processor settings for this tower (mean = std = 0.5, 65536..16777216 pixels)."""
+    return ImageProcessorConfig(vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size,
+                                QWEN35_MIN_PIXELS, QWEN35_MAX_PIXELS, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
+
+
+def parse_image_processor_config(raw: dict[str, Any], vision: VisionConfig) -> ImageProcessorConfig:
+    """A `preprocessor_config.json` (transformers' Qwen2VLImageProcessor fields; `size` {shortest_edge,
+    longest_edge} or the older `min_pixels` / `max_pixels`). Raises ConfigError naming the field where it does not
+    fit the tower or asks for something this processor does not do."""
+    where = "preprocessor_config.json"
+    base = default_image_processor_config(vision)
+    size = raw.get("size") or {}
+    if not isinstance(size, dict):
+        raise ConfigError(f"{where}: `size` must be an object, got {size!r}")
+    min_pixels = size.get("shortest_edge", raw.get("min_pixels", base.min_pixels))
+    max_pixels = size.get("longest_edge", raw.get("max_pixels", base.max_pixels))
+    for key, value in (("size.shortest_edge", min_pixels), ("size.longest_edge", max_pixels)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"{where}: `{key}` must be a positive pixel count, got {value!r}")
+    if min_pixels > max_pixels:
+        raise ConfigError(f"{where}: `size.shortest_edge` (min pixels) {min_pixels} exceeds `size.longest_edge` "
+                          f"(max pixels) {max_pixels}")
+    tower = {"patch_size": vision.patch_size, "temporal_patch_size": vision.temporal_patch_size,
+             "merge_size": vision.spatial_merge_size}
+    for key, want in tower.items():
+        got = raw.get(key, want)
+        if got != want:
+            raise ConfigError(f"{where}: `{key}` {got!r} does not match the vision tower's {want} (config.json "
+                              "vision_config)")
+    resample = raw.get("resample", BICUBIC)
+    if resample != BICUBIC:
+        raise ConfigError(f"{where}: `resample` {resample!r} is not supported (only 3, bicubic)")
+    stats = {}
+    for key in ("image_mean", "image_std"):
+        value = raw.get(key, getattr(base, key))
+        if isinstance(value, (int, float)):
+            value = [value] * 3
+        if not isinstance(value, (list, tuple)) or len(value) != 3 or not all(
+                isinstance(x, (int, float)) for x in value):
+            raise ConfigError(f"{where}: `{key}` must be 3 numbers (one per RGB channel), got {value!r}")
+        stats[key] = tuple(float(x) for x in value)
+    if any(s == 0 for s in stats["image_std"]):
+        raise ConfigError(f"{where}: `image_std` {list(stats['image_std'])} has a zero")
+    return ImageProcessorConfig(
+        patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+        merge_size=vision.spatial_merge_size, min_pixels=min_pixels, max_pixels=max_pixels,
+        image_mean=stats["image_mean"], image_std=stats["image_std"],
+        rescale_factor=float(raw.get("rescale_factor", base.rescale_factor)),
+        do_resize=bool(raw.get("do_resize", True)), do_rescale=bool(raw.get("do_rescale", True)),
+        do_normalize=bool(raw.get("do_normalize", True)))
+
+
+def load_image_processor_config(model_dir: str | Path, vision: VisionConfig) -> ImageProcessorConfig:
+    """The checkpoint dir's `preprocessor_config.json`, or Qwen3.5's defaults where the dir has none."""
+    path = Path(model_dir) / "preprocessor_config.json"
+    if not path.is_file():
+        return default_image_processor_config(vision)
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    return parse_image_processor_config(raw, vision)
 
 
 # --- DFlash block drafter (z-lab `DFlashDraftModel`; model_spec Part C) ---------------------------------------------

@@ -169,11 +169,16 @@ def _layers(params, state: ModelState, x, cfg: TextConfig, run_gdn, run_attn, ta
 
 
 def prefill(params, state: ModelState, batch: PrefillBatch, cfg: ModelConfig, backend: Backend, *,
-            all_logits: bool = False, taps: tuple[int, ...] = ()):
+            all_logits: bool = False, taps: tuple[int, ...] = (), embeds: tuple[jax.Array, jax.Array] | None = None):
     """-> (logits, state, taps). logits: [S, T, V] if all_logits else the last real row's [S, V] fp32;
-    taps: residual stream after the listed layers, [S, T, len(taps), H] (or None)."""
+    taps: residual stream after the listed layers, [S, T, len(taps), H] (or None).
+    embeds: (mask [S, T] bool, rows [S, T, H]) puts rows in place of the token embeddings where mask is set (image
+    placeholder rows take the vision tower's output, `model.vision.image_rows`); None leaves the program as it was."""
     t = cfg.text
     x = _embed(params, state, batch.tokens, backend)
+    if embeds is not None:
+        mask, rows = embeds
+        x = jnp.where(mask[..., None], rows.astype(x.dtype), x)
 
     def run_gdn(h, p, rec, conv, _):
         y, rec, conv = gdn_mixer.prompt_pass(h, p, rec, conv, batch, t, backend)
