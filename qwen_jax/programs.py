@@ -97,6 +97,9 @@ class Layout:
     num_slots: int  # GDN state slots, slot 0 the dummy
     dtype: str = "bfloat16"  # compute dtype: bfloat16 or float32
     kv_cache: str = "bf16"  # bf16 (the compute dtype) or fp8 (e4m3 with per-row scales)
+    # rows of the media pool (embeddings prompt rows take in place of their token's: an image's vision tower
+    # output), row 0 the dummy; 0: no pool, and the prompt programs take no embeddings
+    media_rows: int = 0
 
     def __post_init__(self):
         if self.dtype not in ("bfloat16", "float32"):
@@ -107,6 +110,8 @@ class Layout:
             if getattr(self, name) < (2 if name != "pages_per_stream" else 1):
                 raise ValueError(f"{name} is too small: {getattr(self, name)}")
         kv_dtype_for(self.kv_cache, jnp.bfloat16)  # validates the name
+        if self.media_rows < 0 or self.media_rows == 1:
+            raise ValueError(f"media_rows must be 0 (no media pool) or at least 2, got {self.media_rows}")
 
     @property
     def max_len(self) -> int:
@@ -263,6 +268,8 @@ class PromptChunk:
     start: int  # absolute position of its first row (on the GRID unless resuming a cache)
     slot: int
     page_table: np.ndarray  # [pages_per_stream] int32
+    embed_rows: np.ndarray | None = None  # [n] int32: the media pool row each chunk row takes (-1: its token's)
+    rope: np.ndarray | None = None  # [3, n] int32 M-RoPE positions (None: text, start + i)
 
 
 def _text_rope(positions: np.ndarray) -> np.ndarray:
@@ -286,7 +293,23 @@ def prompt_batch(layout: Layout, lanes: int, rows: int, chunks: Sequence[PromptC
         start[i], lengths[i], slot[i] = c.start, n, c.slot
         table[i] = c.page_table
     positions = start[:, None] + np.arange(rows, dtype=np.int32)[None, :]
-    return M.PrefillBatch(tokens, start, lengths, slot, table, _text_rope(positions))
+    rope = _text_rope(positions)
+    for i, c in enumerate(chunks):
+        if c.rope is not None:
+            rope[:, i, :len(c.tokens)] = c.rope
+    return M.PrefillBatch(tokens, start, lengths, slot, table, rope)
+
+
+def prompt_embed_rows(layout: Layout, lanes: int, rows: int, chunks: Sequence[PromptChunk]) -> np.ndarray | None:
+    """[lanes, rows] int32: the media pool row each prompt row takes (-1: its token's embedding); None without a
+    media pool (the prompt programs then take none)."""
+    if not layout.media_rows:
+        return None
+    out = np.full((lanes, rows), -1, np.int32)
+    for i, c in enumerate(chunks):
+        if c.embed_rows is not None:
+            out[i, :len(c.tokens)] = c.embed_rows
+    return out
 
 
 def window_depth_host(parents: np.ndarray) -> np.ndarray:
@@ -301,7 +324,7 @@ def window_depth_host(parents: np.ndarray) -> np.ndarray:
 
 def tree_window(layout: Layout, streams: int, rows: int, tokens: Sequence[Sequence[int]],
                 parents: Sequence[Sequence[int]], cache_len: Sequence[int], slot: Sequence[int],
-                page_table: Sequence[np.ndarray]) -> M.VerifyWindow:
+                page_table: Sequence[np.ndarray], rope_delta: Sequence[int] | None = None) -> M.VerifyWindow:
     """Host arrays for a verify window of `streams` x `rows`; the given streams first, the rest dummies. A stream
     with fewer rows is padded with rows hanging off its root's parent (never read: nothing accepts them)."""
     n = len(tokens)
@@ -321,6 +344,8 @@ def tree_window(layout: Layout, streams: int, rows: int, tokens: Sequence[Sequen
         cl[i], sl[i] = cache_len[i], slot[i]
         pt[i] = page_table[i]
     positions = cl[:, None] + window_depth_host(par) - 1
+    if rope_delta is not None:  # a stream after images: its M-RoPE positions run `delta` from its cache positions
+        positions[:n] += np.asarray(rope_delta, np.int32)[:, None]
     return M.VerifyWindow(tok, par, cl, sl, pt, _text_rope(positions))
 
 
@@ -331,13 +356,14 @@ FROM_LAST = -1  # a decode window token that says: the token this slot's previou
 
 
 def decode_window(layout: Layout, streams: int, tokens: Sequence[int | None], cache_len: Sequence[int],
-                  slot: Sequence[int], page_table: Sequence[np.ndarray]) -> M.VerifyWindow:
+                  slot: Sequence[int], page_table: Sequence[np.ndarray],
+                  rope_delta: Sequence[int] | None = None) -> M.VerifyWindow:
     """One pending token per stream at position cache_len (the decode program's window). A token of None (or
     `FROM_LAST`) is read on the device from what the slot's previous decode call sampled, so a call can be
     dispatched before the previous one's tokens reach the host."""
     tokens = [FROM_LAST if t is None else t for t in tokens]
     return tree_window(layout, streams, 1, [[t] for t in tokens], [[-1]] * len(tokens), cache_len, slot,
-                       page_table)
+                       page_table, rope_delta)
 
 
 def sample_params(requests: Sequence[sampling.RequestSampling], positions: Sequence[int], rows: int):
@@ -366,24 +392,26 @@ def sample_rows(logits: jax.Array, sp: sampling.SampleParams, top_n: int, path: 
 
 
 def _prompt_lanes_batched(params, state, batch: M.PrefillBatch, cfg: ModelConfig, backend: M.Backend,
-                          taps: tuple[int, ...] = ()):
-    return M.prefill(params, state, batch, cfg, backend, taps=taps)
+                          taps: tuple[int, ...] = (), embeds=None):
+    if embeds is None:
+        return M.prefill(params, state, batch, cfg, backend, taps=taps)
+    return M.prefill(params, state, batch, cfg, backend, taps=taps, embeds=embeds)
 
 
 def _prompt_lanes_mapped(params, state, batch: M.PrefillBatch, cfg: ModelConfig, backend: M.Backend,
-                         taps: tuple[int, ...] = ()):
+                         taps: tuple[int, ...] = (), embeds=None):
     """Every lane through the one-lane forward, in order; an empty lane (length 0) is skipped (its taps zeros)."""
     vocab = cfg.text.vocab_size
     lanes = dataclasses.replace(batch, rope_positions=jnp.moveaxis(batch.rope_positions, 1, 0))
     dtype = M.compute_dtype(state)
     tap_shape = (batch.tokens.shape[1], len(taps), cfg.text.hidden_size)
 
-    def lane(state, one):
-        one = jax.tree.map(lambda x: x[None], one)
+    def lane(state, xs):
+        one, emb = jax.tree.map(lambda x: x[None], xs)
         one = dataclasses.replace(one, rope_positions=jnp.moveaxis(one.rope_positions, 0, 1))
 
         def run(state):
-            logits, state, tapped = M.prefill(params, state, one, cfg, backend, taps=taps)
+            logits, state, tapped = _prompt_lanes_batched(params, state, one, cfg, backend, taps, emb)
             return state, (logits[0], tapped[0] if taps else None)
 
         def skip(state):
@@ -391,23 +419,32 @@ def _prompt_lanes_mapped(params, state, batch: M.PrefillBatch, cfg: ModelConfig,
 
         return jax.lax.cond(one.lengths[0] > 0, run, skip, state)
 
-    state, (logits, tapped) = jax.lax.scan(lane, state, lanes)
+    state, (logits, tapped) = jax.lax.scan(lane, state, (lanes, embeds))
     return logits, state, tapped
 
 
 def prompt_lanes(packing: Packing) -> Callable:
-    """The prompt call's forward for a packing: (params, state, batch, cfg, backend, taps=()) -> (logits [S, V] of
-    each lane's last real row, state, taps [S, T, n, H] or None)."""
+    """The prompt call's forward for a packing: (params, state, batch, cfg, backend, taps=(), embeds=None) ->
+    (logits [S, V] of each lane's last real row, state, taps [S, T, n, H] or None)."""
     return _prompt_lanes_batched if packing == Packing.BATCHED else _prompt_lanes_mapped
 
 
+def media_embeds(media: jax.Array | None, embed_rows: jax.Array | None):
+    """The prompt's embedding overrides from the media pool [M, H] and the rows pointing into it [S, T] (-1: none)
+    -> (mask [S, T], rows [S, T, H]) for `model.prefill`, or None without a pool."""
+    if embed_rows is None:
+        return None
+    return embed_rows >= 0, media[jnp.maximum(embed_rows, 0)]
+
+
 def prompt_program(cfg: ModelConfig, backend: M.Backend, packing: Packing, top_n: int) -> Callable:
-    """(params, state, batch [S x T], sample params [S]) -> (state, tokens [S], logprobs or None)."""
+    """(params, state, batch [S x T], sample params [S], media [M, H] or None, embed rows [S, T] or None) -> (state,
+    tokens [S], logprobs or None). Rows with an embed row take that media pool row as their embedding."""
     lanes_fn = prompt_lanes(packing)
 
-    def program(params, state, batch, sp):
+    def program(params, state, batch, sp, media, embed_rows):
         with jax.named_scope("prompt"):
-            logits, state, _ = lanes_fn(params, state, batch, cfg, backend)
+            logits, state, _ = lanes_fn(params, state, batch, cfg, backend, embeds=media_embeds(media, embed_rows))
         tokens, lp = sample_rows(logits, sp, top_n)
         return state, tokens, lp
 
@@ -501,11 +538,15 @@ def chain_window(params, state, last, lens, window: M.VerifyWindow, sp, cfg: Mod
     s, r = window.tokens.shape
     from_dev = window.cache_len < 0
     cache_len = jnp.where(from_dev, lens[window.slot], window.cache_len)
-    pos = cache_len[:, None] + M.window_depth(window.parents) - 1
+    depth = M.window_depth(window.parents)
+    pos = cache_len[:, None] + depth - 1
+    # The host built the rope positions from the cache_len it passed, plus each stream's M-RoPE delta (0 for text):
+    # keep the delta, move the rest to the device's length.
+    delta = window.rope_positions[0] - (window.cache_len[:, None] + depth - 1)
     window = dataclasses.replace(
         window, tokens=jnp.where(window.tokens < 0, last[window.slot][:, None], window.tokens),
         cache_len=cache_len,
-        rope_positions=jnp.where(from_dev[None, :, None], text_rope_positions(pos), window.rope_positions))
+        rope_positions=jnp.where(from_dev[None, :, None], text_rope_positions(pos + delta), window.rope_positions))
     sp = dataclasses.replace(sp, position=jnp.where(jnp.repeat(from_dev, r), (pos + 1).reshape(-1), sp.position))
     with jax.named_scope("draft"):
         logits, kept, tapped, state = M.verify(params, state, window, cfg, backend, taps=taps, chain=True)
@@ -518,6 +559,15 @@ def chain_window(params, state, last, lens, window: M.VerifyWindow, sp, cfg: Mod
     newest = jnp.take_along_axis(tokens, jnp.maximum(took - 1, 0)[:, None], axis=1)[:, 0]
     return ChainWindow(state, last.at[window.slot].set(newest), lens.at[window.slot].set(cache_len + took), tokens,
                        lp, took, cache_len, newest, tapped)
+
+
+def media_put_program() -> Callable:
+    """(media [M, H], rows [N] int32, values [N, H] fp32) -> media with those rows set (rows >= M dropped)."""
+
+    def program(media, rows, values):
+        return media.at[rows].set(values.astype(media.dtype), mode="drop")
+
+    return program
 
 
 def commit_program(cfg: ModelConfig, backend: M.Backend) -> Callable:
@@ -681,6 +731,7 @@ class Programs:
                 drafter.params
         self.state = self.fresh_state()
         self.dstate = self._fresh_dstate()
+        self.media = self._fresh_media()  # [media_rows, H]: embeddings prompt rows take (an image's), or None
         self.last = self._fresh_last()  # [slots] int32: each slot's last sampled token (decode_program)
         self.lens = self._fresh_last()  # [slots] int32: each slot's committed length after a window (draft_program)
         self._exe: dict[tuple, object] = {}
@@ -691,6 +742,7 @@ class Programs:
                for kind, path in DECODE_KINDS.items()},
             "verify": jax.jit(verify_program(cfg, be, top_n)),
             "commit": jax.jit(commit_program(cfg, be), donate_argnums=0),
+            "media_put": jax.jit(media_put_program(), donate_argnums=0),
         }
         if drafter is None:
             self._fns |= {
@@ -715,16 +767,23 @@ class Programs:
         from qwen_jax import dflash_programs as D
         return D.init_draft_state(self.drafter, self.layout.num_slots, self.layout.jnp_dtype)
 
+    def _fresh_media(self):
+        if not self.layout.media_rows:
+            return None
+        return jnp.zeros((self.layout.media_rows, self.cfg.text.hidden_size), self.layout.jnp_dtype)
+
     def _fresh_last(self) -> jax.Array:
         return jnp.zeros((self.layout.num_slots,), jnp.int32)
 
     def state_lost(self) -> bool:
         """True when a failed program consumed the donated pools (callers then `reset_state`)."""
-        return any(x.is_deleted() for x in jax.tree.leaves((self.state, self.dstate, self.last, self.lens)))
+        return any(x.is_deleted() for x in jax.tree.leaves((self.state, self.dstate, self.media, self.last,
+                                                             self.lens)))
 
     def reset_state(self) -> None:
         self.state = self.fresh_state()
         self.dstate = self._fresh_dstate()
+        self.media = self._fresh_media()
         self.last = self._fresh_last()
         self.lens = self._fresh_last()
 
@@ -733,7 +792,7 @@ class Programs:
         lay = self.layout
         s, t = shape
         if kind == "prompt":
-            return (prompt_batch(lay, s, t, []), sample_params([], [], s))
+            return (prompt_batch(lay, s, t, []), sample_params([], [], s), prompt_embed_rows(lay, s, t, []))
         if kind in DECODE_KINDS:
             return (decode_window(lay, s, [], [], [], []), sample_params([], [], s))
         window = tree_window(lay, s, t, [], [], [], [], [])
@@ -753,6 +812,7 @@ class Programs:
             keys += [("commit", (s, r)) for r in b.window_rows]
         if b.slot_copy:
             keys.append(("slot_copy", (1, 1)))
+        keys += [("media_put", (n, 1)) for n in self.media_buckets()]
         return keys
 
     def compile(self, keys: Sequence[tuple[str, tuple[int, int]]] | None = None, *, progress: bool = False,
@@ -784,7 +844,11 @@ class Programs:
             if kind == "draft":
                 return fn.lower(*self._with_drafter(self.state), self.last, self.lens, *_abstract(args))
             if kind == "prompt":
-                return fn.lower(*self._with_drafter(self.state), *_abstract(args))
+                batch, sp, rows = _abstract(args)
+                return fn.lower(*self._with_drafter(self.state), batch, sp, self.media, rows)
+            if kind == "media_put":
+                return fn.lower(self.media, jax.ShapeDtypeStruct((shape[0],), jnp.int32),
+                                jax.ShapeDtypeStruct((shape[0], self.cfg.text.hidden_size), jnp.float32))
             return fn.lower(self.params, self.state, *_abstract(args))
 
         def build(key, lowered, t0):
@@ -841,9 +905,29 @@ class Programs:
         chosen, top_ids, top_lp = lp
         return Sampled(np.asarray(tokens), np.asarray(chosen), np.asarray(top_ids), np.asarray(top_lp))
 
-    def prompt(self, batch: M.PrefillBatch, sp: sampling.SampleParams) -> Sampled:
+    def media_buckets(self) -> tuple[int, ...]:
+        """Row counts the media pool is written in (`media_put`): powers of two from 64 up to the pool."""
+        m = self.layout.media_rows
+        return pow2_buckets(min(64, m), m) if m else ()
+
+    def media_put(self, rows: Sequence[int], values: np.ndarray) -> None:
+        """Media pool rows `rows` take `values` [n, H] (dispatched; ordered before later calls)."""
+        n = len(rows)
+        b = _fit(self.media_buckets(), n, "media rows")
+        idx = np.full(b, self.layout.media_rows, np.int32)  # padding rows point past the pool: dropped
+        idx[:n] = rows
+        vals = np.zeros((b, self.cfg.text.hidden_size), np.float32)
+        vals[:n] = values
+        self.media = self._get(("media_put", (b, 1)))(self.media, idx, vals)
+
+    def prompt(self, batch: M.PrefillBatch, sp: sampling.SampleParams, embed_rows: np.ndarray | None = None
+               ) -> Sampled:
+        """embed_rows [S, T] (`prompt_embed_rows`): the media pool row each row takes; None: none (with a pool, every
+        row its token's)."""
+        if self.media is not None and embed_rows is None:
+            embed_rows = np.full(batch.tokens.shape, -1, np.int32)
         exe = self._get(("prompt", batch.tokens.shape))
-        out = exe(*self._with_drafter(self.state), batch, sp)
+        out = exe(*self._with_drafter(self.state), batch, sp, self.media, embed_rows)
         if self.drafter is None:
             self.state, tokens, lp = out
         else:

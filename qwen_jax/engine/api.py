@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 
 class EngineOverloaded(RuntimeError):
     """The wait queue is full; retry later (HTTP 503 with Retry-After)."""
@@ -29,6 +31,21 @@ class SamplingOptions:
     seed: int | None = None  # None: derived from the prompt (qwen_jax.sampling.derive_seed), so replies reproduce
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class PromptMedia:
+    """Prompt rows whose embeddings are given instead of their tokens' (an image's rows: the vision tower's output in
+    place of the image pad tokens'), and the prompt's M-RoPE positions. The reply's positions continue from the
+    largest prompt position + 1 (`rope_delta`)."""
+    rows: np.ndarray  # [n] int: prompt rows, strictly ascending
+    embeds: np.ndarray  # [n, hidden] float: their embeddings (cast to the compute dtype)
+    rope_positions: np.ndarray  # [3, T] int: (t, h, w) position of every prompt row, T = len(prompt_ids)
+
+    @property
+    def rope_delta(self) -> int:
+        """Where the reply's positions stand against its cache positions: max + 1 - T."""
+        return int(np.max(self.rope_positions)) + 1 - self.rope_positions.shape[1]
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerationRequest:
     prompt_ids: tuple[int, ...]
@@ -41,6 +58,7 @@ class GenerationRequest:
     draft: bool = True  # False: serial decoding (the reference the drafted path must equal)
     request_id: str = ""
     skip_special_tokens: bool = True  # text leaves out the tokenizer's special tokens (token_ids keep them)
+    media: PromptMedia | None = None  # image rows (embeddings given) and M-RoPE positions; None: text only
 
 
 @dataclasses.dataclass(frozen=True)

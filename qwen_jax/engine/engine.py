@@ -99,13 +99,15 @@ class Engine:
                  buckets: P.Buckets | None = None, max_prefill_chunk: int = 4096, prefill_step: int = 1024,
                  max_logprobs: int = 0, seed_salt: str = "", fixed_shapes: bool | None = None,
                  progress: bool = True, copy_drafts: bool = False, draft_rows: int = DRAFT_ROWS,
-                 prompt_cache: int = 0, drafter=None):
+                 prompt_cache: int = 0, drafter=None, media_rows: int = 0):
         from qwen_jax.model import Backend
         for name, v, lo in (("max_model_len", max_model_len, 2), ("parallel", parallel, 1),
                             ("max_queued", max_queued, 0), ("page_size", page_size, 1),
                             ("max_prefill_chunk", max_prefill_chunk, P.GRID), ("prefill_step", prefill_step, P.GRID)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        if isinstance(media_rows, bool) or not isinstance(media_rows, int) or media_rows < 0:
+            raise ValueError(f"media_rows must be an integer >= 0 (image embedding rows), got {media_rows!r}")
         if isinstance(prompt_cache, bool) or not isinstance(prompt_cache, int) or prompt_cache < 0:
             raise ValueError(f"prompt_cache must be an integer >= 0 (kept prompt states), got {prompt_cache!r}")
         if isinstance(draft_rows, bool) or not isinstance(draft_rows, int) or not 2 <= draft_rows <= MAX_DRAFT_ROWS:
@@ -126,7 +128,9 @@ class Engine:
         if num_pages is None:
             num_pages = parallel * pages_per_stream + 1
         # GDN slots: 0 the dummy, 1..parallel the streams', then the prompt cache's kept states
-        self.layout = P.Layout(page_size, pages_per_stream, num_pages, parallel + 1 + prompt_cache, dtype, kv_cache)
+        # media_rows: the pool of embeddings prompt rows take in place of their tokens' (images), row 0 the dummy
+        self.layout = P.Layout(page_size, pages_per_stream, num_pages, parallel + 1 + prompt_cache, dtype, kv_cache,
+                               media_rows=media_rows + 1 if media_rows else 0)
         if buckets is None and fixed_shapes is False and not P.row_invariant(params, self.backend):
             raise ValueError("batched shapes (fixed_shapes=False; the server's --shapes batched): a row's bits "
                              "would depend on the rows beside it with this backend and weights (only the Pallas "
@@ -179,6 +183,7 @@ class Engine:
         self.vocab_size = config.text.vocab_size
         self._pages = IndexPool(num_pages, "KV pages")
         self._slots = IndexPool(parallel + 1, "GDN slots")
+        self._media = IndexPool(media_rows + 1, "media rows") if media_rows else None
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._inbox: list[RequestHandle] = []
@@ -307,6 +312,27 @@ class Engine:
         if any(isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 0 for t in req.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {req.stop_token_ids!r}")
         self._sampling_rule(req)  # ValueError naming the sampling field
+        if req.media is not None:
+            self._validate_media(req)
+
+    def _validate_media(self, req: GenerationRequest) -> None:
+        m, t = req.media, len(req.prompt_ids)
+        if self._media is None:
+            raise ValueError("media: this engine takes no image embeddings (started with media_rows=0)")
+        rows = np.asarray(m.rows)
+        if rows.ndim != 1 or not np.issubdtype(rows.dtype, np.integer) or len(rows) == 0:
+            raise ValueError("media.rows must be a non-empty 1-D integer array of prompt rows")
+        if rows[0] < 0 or rows[-1] >= t or np.any(np.diff(rows) <= 0):
+            raise ValueError(f"media.rows must be strictly ascending prompt rows in [0, {t})")
+        if len(rows) > self._media.total:
+            raise ValueError(f"media: {len(rows)} embedding rows; this engine holds {self._media.total} at once")
+        embeds = np.asarray(m.embeds)
+        if embeds.shape != (len(rows), self.model_config.text.hidden_size) or not np.all(np.isfinite(embeds)):
+            raise ValueError(f"media.embeds must be finite, [{len(rows)}, {self.model_config.text.hidden_size}]; "
+                             f"got {embeds.shape}")
+        rope = np.asarray(m.rope_positions)
+        if rope.shape != (3, t) or not np.issubdtype(rope.dtype, np.integer) or rope.min() < 0:
+            raise ValueError(f"media.rope_positions must be non-negative integers, [3, {t}]; got {rope.shape}")
 
     def submit(self, req: GenerationRequest) -> RequestHandle:
         """Queue a request -> its handle. Raises ValueError / ContextLengthExceeded for a request that can never
@@ -425,12 +451,23 @@ class Engine:
             if slot is None:
                 return
             prompt = np.asarray(req.prompt_ids, np.int32)
+            media_rows = []
+            if req.media is not None:
+                # An image's rows are pad tokens whatever the image: such prompts neither resume nor keep states.
+                with self._lock:
+                    media_rows = self._media.take(len(req.media.rows))
+                if media_rows is None:
+                    self._slots.give_back(slot)
+                    return
             with self._lock:
-                entry = self._cache.lookup(prompt) if self._cache is not None else None
+                cached = self._cache is not None and req.media is None
+                entry = self._cache.lookup(prompt) if cached else None
                 shared = entry.pages if entry is not None else []
                 pages = self._take_pages(self._reserve(req) - len(shared), keep=entry)
                 if pages is None:
                     self._slots.give_back(slot)
+                    if media_rows:
+                        self._media.give_back(media_rows)
                     return
                 self._waiting.popleft()
                 self._n_waiting -= 1
@@ -443,8 +480,10 @@ class Engine:
             try:
                 if entry is not None:
                     self.programs.slot_copy(entry.slot, slot[0])
+                if media_rows:
+                    self.programs.media_put(media_rows, np.asarray(req.media.embeds, np.float32))
             except Exception as e:
-                self._release(slot, pages)
+                self._release(slot, pages, media_rows)
                 self._program_failed([], e)
                 handle._push(TokenEvent((), "", finish_reason="error", error=f"{type(e).__name__}: {e}"))
                 continue
@@ -455,22 +494,30 @@ class Engine:
                                                                           else self.stop_ids),
                                 max_model_len=self.max_model_len, tokenizer=self.tokenizer,
                                 copy_drafts=self.copy_drafts, block_drafts=self.drafter is not None,
-                                resumed=len(entry) if entry is not None else 0)
-                if self._cache is not None:
+                                resumed=len(entry) if entry is not None else 0, media_rows=media_rows)
+                if cached:
                     with self._lock:
                         stream.keep_at = self._cache.keep_points(prompt, after=stream.prefilled)
             except Exception as e:
-                self._release(slot, pages)
+                self._release(slot, pages, media_rows)
                 handle._push(TokenEvent((), "", finish_reason="error", error=f"{type(e).__name__}: {e}"))
                 continue
             handle.cached_tokens = stream.prefilled
             with self._lock:
                 self._running.append(stream)
 
-    def _release(self, slot: list[int], pages: list[int]) -> None:
+    def _release(self, slot: list[int], pages: list[int], media_rows: list[int] = ()) -> None:
         with self._lock:
             self._slots.give_back(slot)
             self._pages.give_back(pages)
+            if media_rows:
+                self._media.give_back(list(media_rows))
+
+    def _release_media(self, stream: Stream) -> None:
+        """(Lock held.) The stream's media pool rows, once its prompt has run (or it ended)."""
+        if stream.media_rows:
+            self._media.give_back(stream.media_rows)
+            stream.media_rows = []
 
     def _take_pages(self, n: int, keep=None) -> list[int] | None:
         """(Lock held.) n free KV pages, evicting prompt cache entries (never `keep`) when that makes them fit; None
@@ -521,6 +568,7 @@ class Engine:
             self._running.remove(stream)
             self._slots.give_back([stream.slot])
             self._pages.give_back(stream.pages)
+            self._release_media(stream)
         stream.handle._push(event)
 
     def _fail(self, stream: Stream, exc: BaseException) -> None:
@@ -581,10 +629,12 @@ class Engine:
             lanes.append((s, start, n))
             rows = max(rows, t)
         n_lanes, rows = self.buckets.prompt_bucket(len(lanes), rows)
-        chunks = [P.PromptChunk(s.prompt[start:start + n], start, s.slot, s.page_table) for s, start, n in lanes]
+        chunks = [P.PromptChunk(s.prompt[start:start + n], start, s.slot, s.page_table,
+                                *s.media_chunk(start, n)) for s, start, n in lanes]
         sp = P.sample_params([s.sampling for s, _, _ in lanes], [start + n for _, start, n in lanes], n_lanes)
         try:
-            out = self.programs.prompt(P.prompt_batch(self.layout, n_lanes, rows, chunks), sp)
+            out = self.programs.prompt(P.prompt_batch(self.layout, n_lanes, rows, chunks), sp,
+                                       P.prompt_embed_rows(self.layout, n_lanes, rows, chunks))
         except Exception as e:
             self._program_failed([s for s, _, _ in lanes], e)
             return
@@ -600,6 +650,8 @@ class Engine:
                     self._program_failed([s], e)
                     continue
             if s.prefilled == s.prompt_len:
+                with self._lock:
+                    self._release_media(s)  # the call has run (its tokens are on the host): the rows are free
                 s.phase = Phase.DECODE
                 s.cache_len = s.prompt_len
                 s.next_input = int(out.tokens[i])
@@ -621,7 +673,8 @@ class Engine:
             return False
         n = self.buckets.decode_bucket(len(streams))
         window = P.decode_window(self.layout, n, [s.next_input for s in streams], [s.cache_len for s in streams],
-                                 [s.slot for s in streams], [s.page_table for s in streams])
+                                 [s.slot for s in streams], [s.page_table for s in streams],
+                                 [s.rope_delta for s in streams])
         sp = P.sample_params([s.sampling for s in streams], [s.cache_len + 1 for s in streams], n)
         try:
             pending = self.programs.decode_async(window, sp)
@@ -721,7 +774,8 @@ class Engine:
             base = 0 if s.inflight else s.cache_len
             positions += [base + min(r, len(d)) + 1 for r in range(rows)]
         window = P.tree_window(self.layout, n, rows, chains, [list(range(-1, len(c) - 1)) for c in chains], lens,
-                               [s.slot for s in streams], [s.page_table for s in streams])
+                               [s.slot for s in streams], [s.page_table for s in streams],
+                               [s.rope_delta for s in streams])
         sp = P.sample_params(reqs, positions, n * rows)
         try:
             pending = self.programs.draft_async(window, sp)

@@ -23,7 +23,8 @@ class Phase(enum.Enum):
 class Stream:
     def __init__(self, handle: RequestHandle, *, slot: int, pages: list[int], pages_per_stream: int,
                  sampling_rule: sampling.RequestSampling, stop_ids: frozenset[int], max_model_len: int, tokenizer,
-                 copy_drafts: bool = False, block_drafts: bool = False, resumed: int = 0):
+                 copy_drafts: bool = False, block_drafts: bool = False, resumed: int = 0,
+                 media_rows: list[int] = ()):
         req: GenerationRequest = handle.request
         self.handle = handle
         self.request = req
@@ -54,6 +55,18 @@ class Stream:
         self.generated: list[int] = []
         self.detok = Detokenizer(tokenizer, skip_special_tokens=req.skip_special_tokens) if tokenizer else None
         self.stops = StopStrings(req.stop)
+        # Images: the media pool rows holding its image rows' embeddings (given back once the prompt has run), each
+        # prompt row's pool row (-1: its token's embedding), its M-RoPE positions, and how far the reply's M-RoPE
+        # positions run from its cache positions
+        self.media_rows = list(media_rows)
+        self.embed_rows: np.ndarray | None = None
+        self.rope: np.ndarray | None = None
+        self.rope_delta = 0
+        if req.media is not None:
+            self.embed_rows = np.full(len(self.prompt), -1, np.int32)
+            self.embed_rows[np.asarray(req.media.rows)] = self.media_rows
+            self.rope = np.asarray(req.media.rope_positions, np.int32)
+            self.rope_delta = req.media.rope_delta
 
     @property
     def prompt_len(self) -> int:
@@ -64,6 +77,12 @@ class Stream:
         chunk but the last ends on the grid and the next one starts on it), ending at the next keep point."""
         end = min(self.prompt_len, self.prefilled + cap, *self.keep_at[:1])
         return self.prefilled, end - self.prefilled
+
+    def media_chunk(self, start: int, n: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The embed rows and M-RoPE positions of prompt rows start..start+n (None, None for text)."""
+        if self.embed_rows is None:
+            return None, None
+        return self.embed_rows[start:start + n], self.rope[:, start:start + n]
 
     def assumed(self) -> list[int]:
         """The tokens the draft windows in flight are guessed to yield, in order."""
