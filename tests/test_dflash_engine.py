@@ -108,6 +108,70 @@ def _same(a, b):
     assert (a.token_ids, a.logprobs, a.finish_reason) == (b.token_ids, b.logprobs, b.finish_reason)
 
 
+# Engines of their own first (one engine alive at a time), then the tests sharing one engine.
+
+
+def test_oracle_drafts_equal_random_ones(monkeypatch):
+    """An engine whose drafts are a reply's own next tokens, one position in PERIOD changed: windows kept whole, in
+    part and not at all; the same reply, bit for bit, as with the random drafter. One engine at a time: the random
+    drafter's reply first, then an engine compiled with the oracle in the drafter's place."""
+    r = _request(_prompts()[0], None, max_tokens=30)
+    e = _engine()
+    try:
+        a = e.submit(r).result(TIMEOUT)
+    finally:
+        e.shutdown()
+    reply = np.asarray(list(r.prompt_ids) + list(a.token_ids) + [0] * 8, np.int32)
+    reply[np.arange(len(reply)) % PERIOD == 2] += 1
+
+    def oracle(logits, slot, anchor_position, table=jnp.asarray(reply)):
+        pos = anchor_position[:, None] + 1 + jnp.arange(logits.shape[1])[None, :]
+        return table[jnp.clip(pos, 0, table.shape[0] - 1)]
+
+    monkeypatch.setattr(D, "propose", oracle)
+    e = _engine()
+    try:
+        before = e.stats()
+        got = e.submit(r).result(TIMEOUT)
+        after = e.stats()
+        _same(a, got)
+        acc = after.draft_accepted_total - before.draft_accepted_total
+        assert 0 < acc < after.draft_proposed_total - before.draft_proposed_total
+        _baseline(e)
+    finally:
+        e.shutdown()
+
+
+def test_resumed_with_the_drafter_equals_fresh():
+    """The prompt cache keeps and restores a slot's draft cache and drafts with its GDN state: a prompt resumed from
+    a kept prefix gets the reply it gets with the cache emptied first, and its drafter ends on the same drafts (so
+    its context was the same all along)."""
+    e = _engine(prompt_cache=2)
+    try:
+        rng = np.random.default_rng(9)
+        head = [int(t) for t in rng.integers(0, 500, size=100)]
+        first = _request(head, None, max_tokens=6)
+        follow = _request(head + [int(t) for t in rng.integers(0, 500, size=20)], 3, max_tokens=12)
+        other = _request([int(t) for t in rng.integers(0, 500, size=90)], None, max_tokens=2)
+        runs = []
+        for resume in (False, True):
+            e.clear_prompt_cache()
+            e.submit(first).result(TIMEOUT)  # keeps its state at 64 tokens
+            e.submit(other).result(TIMEOUT)  # its slot's draft cache now holds another prompt
+            if not resume:
+                e.clear_prompt_cache()
+            h = e.submit(follow)
+            reply = h.result(TIMEOUT)
+            assert h.cached_tokens == (64 if resume else 0)
+            runs.append((reply, np.asarray(e.programs.dstate.drafts[1])))
+        _same(runs[0][0], runs[1][0])
+        np.testing.assert_array_equal(runs[0][1], runs[1][1])
+        e.clear_prompt_cache()
+        _baseline(e)
+    finally:
+        e.shutdown()
+
+
 @pytest.fixture(scope="module")
 def drafted():
     """Replies drafted by the random tiny drafter: each prompt greedy and seeded, alone."""
@@ -143,33 +207,6 @@ def test_concurrent_drafted_equals_solo(drafted):
     _baseline(e)
 
 
-def test_oracle_drafts_equal_random_ones(drafted, monkeypatch):
-    """An engine whose drafts are each reply's own next tokens, one position in PERIOD changed: windows kept whole,
-    in part and not at all; the same replies, bit for bit."""
-    _, reqs, replies, _ = drafted
-    for r, a in zip(reqs, replies):
-        reply = np.asarray(list(r.prompt_ids) + list(a.token_ids) + [0] * 8, np.int32)
-        reply[np.arange(len(reply)) % PERIOD == 2] += 1
-
-        def oracle(logits, slot, anchor_position, table=jnp.asarray(reply)):
-            pos = anchor_position[:, None] + 1 + jnp.arange(logits.shape[1])[None, :]
-            return table[jnp.clip(pos, 0, table.shape[0] - 1)]
-
-        monkeypatch.setattr(D, "propose", oracle)
-        e = _engine()
-        try:
-            before = e.stats()
-            got = e.submit(r).result(TIMEOUT)
-            after = e.stats()
-            _same(a, got)
-            acc = after.draft_accepted_total - before.draft_accepted_total
-            assert 0 < acc < after.draft_proposed_total - before.draft_proposed_total
-            _baseline(e)
-        finally:
-            e.shutdown()
-        break  # one engine compile: the greedy request of the first prompt
-
-
 def test_stop_inside_a_window(drafted):
     e, reqs, replies, _ = drafted
     full = replies[0]
@@ -178,36 +215,6 @@ def test_stop_inside_a_window(drafted):
     got = e.submit(dataclasses.replace(reqs[0], stop_token_ids=(stop,))).result(TIMEOUT)
     assert got.token_ids == full.token_ids[:cut] and got.finish_reason == "stop"
     _baseline(e)
-
-
-def test_resumed_with_the_drafter_equals_fresh():
-    """The prompt cache keeps and restores a slot's draft cache and drafts with its GDN state: a prompt resumed from
-    a kept prefix gets the reply it gets with the cache emptied first, and its drafter ends on the same drafts (so
-    its context was the same all along)."""
-    e = _engine(prompt_cache=2)
-    try:
-        rng = np.random.default_rng(9)
-        head = [int(t) for t in rng.integers(0, 500, size=100)]
-        first = _request(head, None, max_tokens=6)
-        follow = _request(head + [int(t) for t in rng.integers(0, 500, size=20)], 3, max_tokens=12)
-        other = _request([int(t) for t in rng.integers(0, 500, size=90)], None, max_tokens=2)
-        runs = []
-        for resume in (False, True):
-            e.clear_prompt_cache()
-            e.submit(first).result(TIMEOUT)  # keeps its state at 64 tokens
-            e.submit(other).result(TIMEOUT)  # its slot's draft cache now holds another prompt
-            if not resume:
-                e.clear_prompt_cache()
-            h = e.submit(follow)
-            reply = h.result(TIMEOUT)
-            assert h.cached_tokens == (64 if resume else 0)
-            runs.append((reply, np.asarray(e.programs.dstate.drafts[1])))
-        _same(runs[0][0], runs[1][0])
-        np.testing.assert_array_equal(runs[0][1], runs[1][1])
-        e.clear_prompt_cache()
-        _baseline(e)
-    finally:
-        e.shutdown()
 
 
 def test_drafter_refused_off_the_row_invariant_path():
