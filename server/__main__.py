@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--max-logprobs", type=int, default=20, metavar="N",
                    help="most top logprobs a request may ask for (default 20; 0 turns logprobs off and skips "
                         "their computation in every round)")
+    m.add_argument("--no-vision", action="store_true",
+                   help="do not load the checkpoint's vision tower: image_url parts are refused (a checkpoint "
+                        "without a tower, such as an mlx-lm conversion, refuses them anyway)")
     m.add_argument("--no-kernels", action="store_true",
                    help="plain-jnp reference ops instead of the Pallas kernels (the default on CPU anyway)")
     d = m.add_mutually_exclusive_group()
@@ -139,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                               max_model_len=args.max_model_len, parallel=args.parallel, max_queued=args.max_queued,
                               no_kernels=args.no_kernels, max_logprobs=args.max_logprobs,
                               progress=not args.no_progress, shapes=args.shapes, decode_kernel=args.decode_kernel,
-                              copy_drafts=args.copy_drafts, drafter=args.drafter, prompt_cache=args.prompt_cache)
+                              copy_drafts=args.copy_drafts, drafter=args.drafter, prompt_cache=args.prompt_cache,
+                              vision=not args.no_vision)
     except ValueError as e:  # checkpoint and config errors are ValueErrors with a message for the user
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -56,7 +56,7 @@ class Loaded:
 def build_engine(*, model: str | None, synthetic: str | None, dtype: str, kv_cache: str, max_model_len: int,
                  parallel: int, max_queued: int, no_kernels: bool, max_logprobs: int, progress: bool,
                  shapes: str = "auto", decode_kernel: str = "auto", copy_drafts: bool = False,
-                 drafter: str | None = None, prompt_cache: int = 0) -> Loaded:
+                 drafter: str | None = None, prompt_cache: int = 0, vision: bool = True) -> Loaded:
     """Raises ValueError with a message for the user (bad dir, bad config, bad shape name, `--shapes batched`
     where rows are not computed independently of the batch, a decode kernel this machine lacks). shapes: "auto",
     "fixed" or "batched" (SHAPES); decode_kernel: DECODE_KERNELS; drafter: a DFlash drafter dir (block drafts)."""
@@ -80,5 +80,5 @@ def build_engine(*, model: str | None, synthetic: str | None, dtype: str, kv_cac
     if not model_dir.is_dir():
         raise ValueError(f"--model {model_dir}: not a directory")
     defaults = load_generation_defaults(model_dir)
-    engine = Engine.from_checkpoint(str(model_dir), drafter=drafter, **common)
+    engine = Engine.from_checkpoint(str(model_dir), drafter=drafter, vision=vision, **common)
     return Loaded(engine, str(model_dir), defaults)

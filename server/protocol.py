@@ -144,8 +144,12 @@ class ChatMessage(_Strict):
         for i, part in enumerate(value):
             if not isinstance(part, dict) or not isinstance(part.get("type"), str):
                 raise ValueError(f"part {i} must be an object with a string `type`")
-            if part["type"] in ("image_url", "image", "input_image", "video", "video_url", "input_audio"):
-                raise ValueError(f"part {i}: {part['type']} input is not supported by this server (text only)")
+            if part["type"] == "image_url":
+                parts.append(dict(part))  # checked and decoded by server/images.py (a 400 naming the part)
+                continue
+            if part["type"] in ("image", "input_image", "video", "video_url", "input_audio"):
+                raise ValueError(f"part {i}: {part['type']} input is not supported by this server (images go in "
+                                 "image_url parts)")
             parts.append(TextPart.model_validate(part).model_dump())
         return parts
 

@@ -22,10 +22,13 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from qwen_jax.engine.api import (ContextLengthExceeded, EngineOverloaded, GenerationRequest, SamplingOptions,
-                                 TokenEvent, TokenLogprob)
+import numpy as np
+
+from qwen_jax.engine.api import (ContextLengthExceeded, EngineOverloaded, GenerationRequest, PromptMedia,
+                                 SamplingOptions, TokenEvent, TokenLogprob)
 from server import protocol as P
 from server.errors import APIError, bad_request, error_body
+from server.images import ImageLimits, message_images
 from server.metrics import ServerMetrics
 
 # How long a client told "overloaded" should wait; one decode round is milliseconds, admission frees as soon as
@@ -141,7 +144,7 @@ class ClientDisconnected(Exception):
 
 class Serving:
     def __init__(self, engine, *, served_model_name: str, model_root: str, defaults: GenerationDefaults,
-                 default_max_tokens: int | None = None):
+                 default_max_tokens: int | None = None, image_limits: ImageLimits = ImageLimits()):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = served_model_name
@@ -155,10 +158,14 @@ class Serving:
         # Templating and tokenizing a long prompt takes milliseconds to seconds: off the event loop so streams
         # keep flowing, on one thread because a HF tokenizer is not safe to call from two threads at once.
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        # Images: decoded, resized and run through the vision tower off the event loop, a few at once.
+        self.image_limits = image_limits
+        self._image_threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="images")
         self._token_texts: dict[int, str] = {}  # logprob token strings, bounded by the vocabulary
 
     def close(self) -> None:
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        self._image_threads.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------------------------------ small routes
 
@@ -184,6 +191,9 @@ class Serving:
     async def tokenize(self, req: P.TokenizeCompletionRequest | P.TokenizeChatRequest) -> P.TokenizeResponse:
         self.check_model(req.model)
         if isinstance(req, P.TokenizeChatRequest):
+            first = _first_image(req.messages)
+            if first is not None:
+                raise bad_request(f"{first}: /tokenize does not take images", param=first)
             ids = await self._chat_prompt(req.messages, req.chat_template_kwargs, req.add_generation_prompt,
                                           req.add_special_tokens)
         else:
@@ -208,7 +218,10 @@ class Serving:
         """-> ChatCompletionResponse, or an EventStream when req.stream."""
         self.check_model(req.model)
         ids = await self._chat_prompt(req.messages, req.chat_template_kwargs, req.add_generation_prompt, False)
-        run, rid = self._submit(req, ids, req.output_limit, "messages", req.logprobs_count, "chatcmpl")
+        media = None
+        if _first_image(req.messages) is not None:
+            ids, media = await self._image_prompt(req.messages, ids)
+        run, rid = self._submit(req, ids, req.output_limit, "messages", req.logprobs_count, "chatcmpl", media)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._chat_stream(run, rid, include_usage)
@@ -287,8 +300,44 @@ class Serving:
             raise bad_request("messages: the chat template produced an empty prompt", param="messages")
         return ids
 
+    async def _image_prompt(self, messages: list[P.ChatMessage], ids: list[int]) -> tuple[list[int], PromptMedia]:
+        """A chat prompt with images: each image decoded (server/images.py), resized and cut into patches, its one
+        `<|image_pad|>` from the chat template repeated to its row count, its rows from the vision tower, and the
+        prompt's M-RoPE positions. -> (the prompt's ids, its media for the engine)."""
+        from qwen_jax.vision import (expand_image_pads, image_token_rows, mrope_positions, num_image_tokens,
+                                     preprocess_image)
+        vision = getattr(self.engine, "vision", None)
+        if vision is None:
+            first = _first_image(messages)
+            raise bad_request(f"{first}: this model takes no images (its checkpoint has no vision tower, or the "
+                              "server runs with --no-vision)", param=first)
+        conversation = [_template_message(m) for m in messages]
+        merge = vision.cfg.spatial_merge_size
+        cfg = self.engine.model_config
+        loop = asyncio.get_running_loop()
+
+        def prepare():
+            images = message_images(conversation, self.image_limits)
+            return [preprocess_image(im.pixels, vision.processor) for im in images]
+
+        processed = await loop.run_in_executor(self._image_threads, prepare)
+        grids = [p.grid_thw for p in processed]
+        try:
+            ids = expand_image_pads(ids, [num_image_tokens(g, merge) for g in grids], cfg.image_token_id)
+        except ValueError as e:
+            raise bad_request(f"messages: {e} (the chat template places one per image part)",
+                              param="messages") from None
+        self._output_budget(len(ids), None, "messages")  # too long with its images: 400 before the tower runs
+        try:
+            rows = await loop.run_in_executor(self._image_threads, lambda: self.engine.encode_images(processed))
+        except ValueError as e:
+            raise bad_request(f"messages: {e}", param="messages") from None
+        rope, _ = mrope_positions(ids, grids, image_token_id=cfg.image_token_id, merge_size=merge)
+        return ids, PromptMedia(image_token_rows(ids, cfg.image_token_id), np.concatenate(rows), rope)
+
     def _submit(self, req: P.ChatCompletionRequest | P.CompletionRequest, ids: list[int], max_tokens: int | None,
-                prompt_param: str, logprobs: int | None, id_prefix: str) -> tuple[_Run, str]:
+                prompt_param: str, logprobs: int | None, id_prefix: str,
+                media: PromptMedia | None = None) -> tuple[_Run, str]:
         max_tokens = self._output_budget(len(ids), max_tokens, prompt_param)
         d = self.defaults
         top_k = req.top_k if req.top_k is not None else d.top_k
@@ -301,7 +350,7 @@ class Serving:
         rid = f"{id_prefix}-{uuid.uuid4().hex}"
         gen = GenerationRequest(prompt_ids=tuple(ids), max_tokens=max_tokens, sampling=sampling, stop=req.stop,
                                 stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-                                logprobs=logprobs, draft=req.draft, request_id=rid)
+                                logprobs=logprobs, draft=req.draft, request_id=rid, media=media)
         try:
             handle = self.engine.submit(gen)
         except EngineOverloaded as e:
@@ -491,6 +540,16 @@ def _engine_param(message: str, prompt_param: str) -> str | None:
 
 def _client_reason(reason: str | None) -> str | None:
     return reason if reason in ("stop", "length") else None
+
+
+def _first_image(messages: list[P.ChatMessage]) -> str | None:
+    """The param of the first image_url part (`messages[i].content[j]`), or None."""
+    for i, m in enumerate(messages):
+        if isinstance(m.content, list):
+            for j, part in enumerate(m.content):
+                if part.get("type") == "image_url":
+                    return f"messages[{i}].content[{j}]"
+    return None
 
 
 def _template_message(m: P.ChatMessage) -> dict[str, Any]:

@@ -393,7 +393,9 @@ BAD_INPUTS = [
      "messages[0].content", None),
     (CHAT, json.dumps({**OK_CHAT, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}).encode(), 400,
-     "messages[0].content", None),
+     "messages[0].content[0]", None),
+    (CHAT, json.dumps({**OK_CHAT, "messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {}}]}]}).encode(), 400, "messages[0].content", None),
     (CHAT, json.dumps({**OK_CHAT, "n": 2}).encode(), 400, "n", None),
     (CHAT, json.dumps({**OK_CHAT, "temperature": True}).encode(), 400, "temperature", None),
     (CHAT, json.dumps({**OK_CHAT, "max_tokens": True}).encode(), 400, "max_tokens", None),

@@ -190,7 +190,8 @@ def _cli(*args, timeout=60):
 
 def test_help_documents_every_flag():
     out = _cli("--help").stdout
-    for flag in ("--model", "--drafter", "--no-drafts", "--copy-drafts", "--host", "--port", "--max-model-len",
+    for flag in ("--model", "--drafter", "--no-drafts", "--copy-drafts", "--no-vision", "--host", "--port",
+                 "--max-model-len",
                  "--parallel",
                  "--kv-cache", "--dtype", "--api-key", "--max-queued", "--served-model-name", "--max-tokens",
                  "--max-request-bytes", "--synthetic", "--max-logprobs", "--no-kernels", "--shapes", "--decode-kernel",

@@ -76,6 +76,21 @@ log = logging.getLogger(__name__)
 DRAFT_ROWS = 16
 MAX_DRAFT_ROWS = 16
 
+# Image rows the media pool holds at once by default with a vision tower (16384 x hidden in the compute dtype:
+# 168 MB at the 27B's shapes): four images of 4096 rows, the most one image may take.
+MEDIA_ROWS = 16384
+# The most patches an image may have (before the 2x2 merge: 4096 prompt rows), as the seed server allows.
+MAX_IMAGE_PATCHES = 16384
+
+
+@dataclasses.dataclass
+class Vision:
+    """A loaded vision tower: its params (`checkpoint.load_vision`), config, and the image processor's settings."""
+    params: dict
+    cfg: object  # config.VisionConfig
+    processor: object  # config.ImageProcessorConfig
+
+
 DEFAULT_CACHE_DIR = os.environ.get("QWEN_JAX_CACHE_DIR", str(Path.home() / ".cache" / "qwen_jax" / "jax"))
 
 
@@ -99,13 +114,15 @@ class Engine:
                  buckets: P.Buckets | None = None, max_prefill_chunk: int = 4096, prefill_step: int = 1024,
                  max_logprobs: int = 0, seed_salt: str = "", fixed_shapes: bool | None = None,
                  progress: bool = True, copy_drafts: bool = False, draft_rows: int = DRAFT_ROWS,
-                 prompt_cache: int = 0, drafter=None, media_rows: int = 0):
+                 prompt_cache: int = 0, drafter=None, media_rows: int | None = None, vision: Vision | None = None):
         from qwen_jax.model import Backend
         for name, v, lo in (("max_model_len", max_model_len, 2), ("parallel", parallel, 1),
                             ("max_queued", max_queued, 0), ("page_size", page_size, 1),
                             ("max_prefill_chunk", max_prefill_chunk, P.GRID), ("prefill_step", prefill_step, P.GRID)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+        if media_rows is None:
+            media_rows = MEDIA_ROWS if vision is not None else 0
         if isinstance(media_rows, bool) or not isinstance(media_rows, int) or media_rows < 0:
             raise ValueError(f"media_rows must be an integer >= 0 (image embedding rows), got {media_rows!r}")
         if isinstance(prompt_cache, bool) or not isinstance(prompt_cache, int) or prompt_cache < 0:
@@ -184,6 +201,7 @@ class Engine:
         self._pages = IndexPool(num_pages, "KV pages")
         self._slots = IndexPool(parallel + 1, "GDN slots")
         self._media = IndexPool(media_rows + 1, "media rows") if media_rows else None
+        self.vision = vision
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._inbox: list[RequestHandle] = []
@@ -207,10 +225,11 @@ class Engine:
     def from_checkpoint(cls, model_dir: str, *, dtype: str = "bfloat16", kv_cache: str = "bf16",
                         max_model_len: int = 4096, parallel: int = 16, max_queued: int = 64, backend=None,
                         progress: bool = True, compile_cache: str | None = DEFAULT_CACHE_DIR, max_logprobs: int = 20,
-                        drafter: str | None = None, **kwargs) -> "Engine":
+                        drafter: str | None = None, vision: bool = True, **kwargs) -> "Engine":
         """Load a checkpoint dir (weights, tokenizer, generation_config EOS ids) into an engine. compile_cache:
         the persistent compilation cache dir (None: off); default $QWEN_JAX_CACHE_DIR or ~/.cache/qwen_jax/jax.
-        drafter: a DFlash drafter dir (block drafts), checked against the model."""
+        drafter: a DFlash drafter dir (block drafts), checked against the model. vision: load the checkpoint's vision
+        tower where it has one (image prompts), else images are refused."""
         import jax.numpy as jnp
 
         from qwen_jax.checkpoint import load_checkpoint, load_dflash, load_tokenizer
@@ -218,8 +237,13 @@ class Engine:
             raise ValueError(f"dtype must be bfloat16 or float32, got {dtype!r}")
         if compile_cache:
             P.enable_compilation_cache(compile_cache)
+        from qwen_jax.config import load_config, load_image_processor_config
+        cfg = load_config(model_dir)
+        vision = vision and cfg.vision is not None
         ck = load_checkpoint(model_dir, dtype=jnp.float32 if dtype == "float32" else jnp.bfloat16,
-                             progress=progress or None)
+                             progress=progress or None, vision=vision)
+        if vision:
+            kwargs["vision"] = Vision(ck.vision, cfg.vision, load_image_processor_config(model_dir, cfg.vision))
         tokenizer = load_tokenizer(model_dir)
         if drafter is not None:
             kwargs["drafter"] = load_dflash(drafter, target=ck.config.text,
@@ -235,8 +259,40 @@ class Engine:
         if self._thread is not None:
             return
         self.compile_times = self.programs.compile(progress=self.progress)
+        if self.vision is not None:
+            self._compile_vision()
         self._thread = threading.Thread(target=self._run, name="qwen-jax-scheduler", daemon=True)
         self._thread.start()
+
+    def image_buckets(self) -> list[int]:
+        """The tower's compiled patch buckets (`model.vision.patch_bucket`): up to the largest image the processor
+        makes, at most MAX_IMAGE_PATCHES patches."""
+        from qwen_jax.model.vision import patch_bucket
+        p = self.vision.processor
+        most = patch_bucket(min(MAX_IMAGE_PATCHES, p.max_pixels // p.patch_size ** 2))
+        return [b for b in (1 << k for k in range(6, most.bit_length())) if b <= most]
+
+    def _compile_vision(self) -> None:
+        """Run the tower once on an empty image of every bucket, so serving an image compiles nothing."""
+        from qwen_jax.model import vision as V
+        from qwen_jax.vision.processing import ProcessedImage
+        m = self.vision.cfg.spatial_merge_size
+        for b in self.image_buckets():
+            grid = (1, m, max(m, b // m // m * m))
+            empty = ProcessedImage(np.zeros((grid[1] * grid[2], self.vision.cfg.patch_dim), np.float32), grid)
+            V.encode_images(self.vision.params, [empty], self.vision.cfg)
+
+    def encode_images(self, images) -> list[np.ndarray]:
+        """Processed images (`qwen_jax.vision.preprocess_image`) -> each one's prompt rows [n, hidden] fp32 on the
+        host, through the vision tower (callable from any thread; raises ValueError without a tower, or for an image
+        past MAX_IMAGE_PATCHES)."""
+        from qwen_jax.model import vision as V
+        if self.vision is None:
+            raise ValueError("images: this model has no vision tower (or the engine was started without it)")
+        for im in images:
+            if im.patches.shape[0] > MAX_IMAGE_PATCHES:
+                raise ValueError(f"an image of {im.patches.shape[0]} patches exceeds {MAX_IMAGE_PATCHES}")
+        return [np.asarray(r, np.float32) for r in V.encode_images(self.vision.params, images, self.vision.cfg)]
 
     def shutdown(self) -> None:
         """Stop the scheduler; requests still queued or running end with finish_reason "error"."""
