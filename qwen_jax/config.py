@@ -28,6 +28,19 @@ class QuantConfig:
     mode: str = "affine"
 
 
+class QuantLookup:
+    """`quant_for` over a config's `quantization` block and its per-module `quant_overrides`."""
+    quantization: QuantConfig | None
+    quant_overrides: tuple[tuple[str, QuantConfig | None], ...]
+
+    def quant_for(self, module_path: str) -> QuantConfig | None:
+        """Quantization params of a module: its per-path override if any, else the global block."""
+        for path, q in self.quant_overrides:
+            if path == module_path:
+                return q
+        return self.quantization
+
+
 @dataclasses.dataclass(frozen=True)
 class TextConfig:
     vocab_size: int
@@ -79,7 +92,7 @@ class TextConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(QuantLookup):
     text: TextConfig
     model_type: str
     architecture: str
@@ -95,13 +108,6 @@ class ModelConfig:
     vision_config_json: str | None = None
     # The same, parsed and checked (`parse_vision_config`); None without a tower (mlx-lm conversions, qwen3_5_text).
     vision: VisionConfig | None = None
-
-    def quant_for(self, module_path: str) -> QuantConfig | None:
-        """Quantization params of a module: its per-path override if any, else the global block."""
-        for path, q in self.quant_overrides:
-            if path == module_path:
-                return q
-        return self.quantization
 
     @property
     def vision_config(self) -> dict[str, Any] | None:
@@ -486,7 +492,7 @@ DFLASH_ARCH = "DFlashDraftModel"
 
 
 @dataclasses.dataclass(frozen=True)
-class DFlashConfig:
+class DFlashConfig(QuantLookup):
     """A DFlash drafter: a Qwen3 decoder stack over the target's embeddings, conditioned on the target's hidden
     states at `target_layer_ids` and read out through the target's lm_head. Static under jit."""
     hidden_size: int  # = the target's hidden size
@@ -506,12 +512,6 @@ class DFlashConfig:
     final_logit_softcapping: float | None = None  # then cap * tanh(logits / cap) where set
     quantization: QuantConfig | None = None
     quant_overrides: tuple[tuple[str, QuantConfig | None], ...] = ()
-
-    def quant_for(self, module_path: str) -> QuantConfig | None:
-        for path, q in self.quant_overrides:
-            if path == module_path:
-                return q
-        return self.quantization
 
     @property
     def num_taps(self) -> int:
