@@ -158,6 +158,13 @@ case "$stage" in
     gpu_pytest 100 e4m3 6 tests/test_attention_window_mgpu.py -k "e4m3"
     attn_sections 200 window_fp8 e4m3
     ;;
+  hundred-sixty-second)
+    # Prepared in session 40 (~4 min): the engine's gates after the session's program changes (prompt programs take a
+    # media pool and embed rows; draft windows keep the host's M-RoPE delta): batched concurrent = solo, copy and
+    # block drafts = serial, resumed = fresh, bf16.
+    gpu_pytest 300 session40 8 tests/test_engine_gpu.py \
+      -k "(concurrent and bfloat16-False-bf16) or (drafted and bf16) or (resumed and bf16)"
+    ;;
   hundred-sixty-first)
     # Prepared in session 40 (~6 min): DFlash block drafts. The gate (drafted = serial with the tiny random drafter
     # and with an oracle's drafts, bf16 and fp8), then the 27B's block windows with a synthetic bf16 drafter at the
