@@ -161,7 +161,8 @@ def copy_tbs(interpret: bool = False) -> float:
     n = (1 << 20) if interpret else (128 << 20)
     srcs = [(jax.random.normal(jax.random.key(i), (n,), jnp.float32),) for i in range(2)]
     t = device_us(lambda a: a + 1.0, srcs, 2 * 4 * n / 4e12 * 1e6, interpret)
-    return 2 * 4 * n / (t.best * 1e-6) / 1e12
+    # A chain too fast for the clock reads 0 µs (seen in interpret mode on a loaded CI box): no figure, not a crash.
+    return 2 * 4 * n / (t.best * 1e-6) / 1e12 if t.best > 0 else float("nan")
 
 
 # ---------------------------------------------------------------------------------------------------------------
