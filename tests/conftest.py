@@ -67,6 +67,20 @@ if str(ROOT) not in sys.path:
 
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _compiled_programs_go_with_their_module():
+    """Each test file's compiled programs are dropped when it ends (jax's caches, and its engines' executables once
+    collected). A CI worker runs many files, and late in the run XLA:CPU has segfaulted compiling the next engine
+    (three clean-clone runs in session 40, each in a different file); the guess is the process's accumulated
+    compiled code, so none is kept past its file."""
+    yield
+    import gc
+
+    import jax
+    gc.collect()
+    jax.clear_caches()
+
+
 @pytest.fixture(autouse=True)
 def _compilation_cache_stays_in_its_test():
     """A test that turns the persistent compilation cache on (the CLI and the engine do, by default) turns it back
