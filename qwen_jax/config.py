@@ -269,6 +269,13 @@ def parse_config(raw: dict[str, Any], generation_config: dict[str, Any] | None =
     )
 
 
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+
 def load_config(model_dir: str | Path) -> ModelConfig:
     d = Path(model_dir)
     if not d.is_dir():
@@ -276,17 +283,11 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     path = d / "config.json"
     if not path.is_file():
         raise ConfigError(f"{d}: no config.json")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    raw = _read_json(path)
     gen = None
     gpath = d / "generation_config.json"
     if gpath.is_file():
-        try:
-            gen = json.loads(gpath.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{gpath}: not valid JSON ({e})") from None
+        gen = _read_json(gpath)
     return parse_config(raw, gen)
 
 
@@ -479,10 +480,7 @@ def load_image_processor_config(model_dir: str | Path, vision: VisionConfig) -> 
     path = Path(model_dir) / "preprocessor_config.json"
     if not path.is_file():
         return default_image_processor_config(vision)
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    raw = _read_json(path)
     return parse_image_processor_config(raw, vision)
 
 
@@ -639,8 +637,5 @@ def load_dflash_config(model_dir: str | Path, target: TextConfig | None = None) 
     path = d / "config.json"
     if not path.is_file():
         raise ConfigError(f"{d}: no config.json (pass a DFlash drafter dir)")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    raw = _read_json(path)
     return parse_dflash_config(raw, target)
