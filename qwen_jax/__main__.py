@@ -4,6 +4,7 @@
   generate  --model DIR (--prompt TEXT | --token-ids IDS) --max-tokens N [--json]    on the engine
   eval ppl  --model DIR --text FILE                         teacher-forced perplexity (compiled, chunked)
   eval kv   --model DIR [--text FILE]                       fp8 vs bf16 KV cache: top-1 agreement, mean KL
+  eval drafts --model DIR (--drafter DIR | --copy-drafts) --text FILE    drafted vs serial: acceptance, speed-up
   bench     (--model DIR | --synthetic 27b)                 prompt tok/s, decode forwards/s, compile cold/warm
 """
 
@@ -148,8 +149,33 @@ def _eval_tokens(args, tok) -> list[int]:
     return ids
 
 
+def cmd_eval_drafts(args) -> int:
+    """Drafted against serial generation of prompts cut from --text, on one engine."""
+    from qwen_jax.engine import evaluate
+    from qwen_jax.engine.engine import Engine
+    if args.text is None:
+        raise SystemExit("error: eval drafts needs --text FILE (prompts are cut from it)")
+    if (args.drafter is None) == (not args.copy_drafts):
+        raise SystemExit("error: eval drafts needs one of --drafter DIR (block drafts) or --copy-drafts")
+    try:
+        engine = Engine.from_checkpoint(args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                                        parallel=max(args.streams, 1), backend=_backend(args),
+                                        progress=sys.stderr.isatty(), compile_cache=args.compile_cache or None,
+                                        max_logprobs=0, drafter=args.drafter, copy_drafts=args.copy_drafts,
+                                        vision=False)
+        prompts = evaluate.draft_prompts(_eval_tokens(args, engine.tokenizer), args.prompts, args.prompt_tokens)
+        with engine:
+            res = evaluate.draft_speedup(engine, prompts, max_tokens=args.gen_tokens, streams=args.streams)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    print(json.dumps(res.as_dict()) if args.json else res.line())
+    return 0 if res.mismatched == 0 else 1
+
+
 def cmd_eval(args) -> int:
     from qwen_jax.engine import evaluate
+    if args.what == "drafts":
+        return cmd_eval_drafts(args)
     if args.what == "ppl" and args.text is None:
         raise SystemExit("error: eval ppl needs --text FILE")
     if args.what == "ppl" and args.path != "prompt":
@@ -316,8 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object with token_ids and text")
     gen.set_defaults(fn=cmd_generate)
 
-    ev = sub.add_parser("eval", help="teacher-forced evaluation: ppl (perplexity) or kv (fp8 vs bf16 KV cache)")
-    ev.add_argument("what", choices=("ppl", "kv"))
+    ev = sub.add_parser("eval", help="ppl (perplexity), kv (fp8 vs bf16 KV cache), drafts (drafted vs serial)")
+    ev.add_argument("what", choices=("ppl", "kv", "drafts"))
     common(ev)
     cache(ev)
     ev.add_argument("--text", help="UTF-8 text file, tokenized as is (kv: a built-in paragraph when omitted)")
@@ -331,6 +357,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--window-rows", type=int, default=16, help="kv --path decode: rows a verify window (1..16)")
     fp8_window(ev)
     ev.add_argument("--max-tokens", type=int, help="score at most this many tokens of the text")
+    ev.add_argument("--drafter", metavar="DIR", help="drafts: a DFlash drafter dir (block drafts)")
+    ev.add_argument("--copy-drafts", action="store_true", help="drafts: copy drafts (n-gram lookup) instead")
+    ev.add_argument("--prompts", type=int, default=8, help="drafts: prompts cut from --text at even offsets")
+    ev.add_argument("--prompt-tokens", type=int, default=32, help="drafts: tokens a prompt")
+    ev.add_argument("--gen-tokens", type=int, default=128, help="drafts: greedy tokens a reply (EOS ignored)")
+    ev.add_argument("--streams", type=int, default=1, help="drafts: requests in flight at once")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     ev.set_defaults(fn=cmd_eval)
 

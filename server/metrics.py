@@ -57,6 +57,7 @@ class _EngineCollector:
         yield counter("generation_tokens", "Tokens generated.", s.generation_tokens_total)
         yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", s.draft_proposed_total)
         yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.draft_accepted_total)
+        yield counter("spec_decode_num_drafts", "Drafted windows verified (one a stream).", s.draft_windows_total)
         yield counter("prefix_cache_queries", "Prompt tokens of requests started (looked up in the prompt cache).",
                       s.prompt_cache_queried_tokens_total)
         yield counter("prefix_cache_hits", "Prompt tokens resumed from the prompt cache.",

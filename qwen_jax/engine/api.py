@@ -90,6 +90,7 @@ class EngineStats:
     generation_tokens_total: int
     draft_proposed_total: int = 0
     draft_accepted_total: int = 0
+    draft_windows_total: int = 0  # drafted windows landed, one a stream (each gives its accepted drafts + 1 tokens)
     prompt_cache_entries: int = 0  # kept prompt states (each holds a kept GDN slot and shares KV pages)
     prompt_cache_hits_total: int = 0  # requests resumed from a kept prompt state
     prompt_cache_hit_tokens_total: int = 0  # prompt tokens those requests did not run

@@ -1,4 +1,5 @@
-"""Offline teacher-forced evaluation (`python -m qwen_jax eval`): perplexity, and fp8-vs-bf16 KV agreement.
+"""Offline evaluation (`python -m qwen_jax eval`): teacher-forced perplexity and fp8-vs-bf16 KV agreement, and
+drafted against serial generation (acceptance, speed-up, the replies' equality).
 
 A token sequence is cut into windows of `context` tokens, each scored from a fresh state (position 0); a window
 runs as prompt chunks of `chunk` rows (one compiled program) through the same prefill the engine uses. Row i of
@@ -182,3 +183,82 @@ the weeks he had been happiest, and the long autumn gales were the months he had
 written nothing about being ill. When she left at the end of August she took the oldest book with her, and he
 started a new one the next morning, as he always did when a book was full.
 """
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftResult:
+    """Drafted against serial generation of the same prompts on one engine (`draft_speedup`)."""
+    prompts: int
+    streams: int  # requests in flight at once
+    tokens: int  # generated tokens of each pass (the same replies)
+    serial_seconds: float
+    drafted_seconds: float
+    windows: int  # drafted windows verified (one a stream)
+    proposed: int  # draft tokens proposed
+    accepted: int  # draft tokens accepted
+    mismatched: int  # prompts whose drafted reply is not the serial one (an exactness failure: must be 0)
+
+    @property
+    def accepted_per_window(self) -> float:
+        return self.accepted / self.windows if self.windows else 0.0
+
+    @property
+    def speedup(self) -> float:
+        return self.serial_seconds / self.drafted_seconds if self.drafted_seconds else 0.0
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "accepted_per_window": self.accepted_per_window,
+                "tokens_per_window": self.accepted_per_window + 1, "speedup": self.speedup}
+
+    def line(self) -> str:
+        return (f"{self.prompts} prompts, {self.streams} at a time, {self.tokens} tokens: serial "
+                f"{self.tokens / self.serial_seconds:.1f} tok/s, drafted {self.tokens / self.drafted_seconds:.1f} "
+                f"tok/s ({self.speedup:.2f}x); {self.accepted_per_window:.2f} of "
+                f"{self.proposed / max(self.windows, 1):.2f} drafts accepted a window ({self.windows} windows); "
+                f"drafted replies equal serial: {self.prompts - self.mismatched}/{self.prompts}")
+
+
+def draft_prompts(tokens, count: int, length: int) -> list[tuple[int, ...]]:
+    """`count` prompts of `length` tokens cut from tokens at evenly spaced offsets."""
+    tokens = list(tokens)
+    if count < 1 or length < 1:
+        raise ValueError(f"--prompts and --prompt-tokens must be at least 1, got {count} and {length}")
+    if len(tokens) < length:
+        raise ValueError(f"the text has {len(tokens)} tokens, fewer than --prompt-tokens {length}")
+    span = len(tokens) - length
+    return [tuple(tokens[i * span // max(count - 1, 1):][:length]) for i in range(count)]
+
+
+def draft_speedup(engine, prompts, *, max_tokens: int, streams: int = 1) -> DraftResult:
+    """Each prompt's greedy reply of max_tokens (EOS ignored), serially (`draft` False) and drafted, `streams`
+    requests at a time; both passes run once untimed first (the first calls of a program pay for loading it)."""
+    from qwen_jax.engine.api import GenerationRequest
+
+    reqs = [GenerationRequest(tuple(p), max_tokens, ignore_eos=True) for p in prompts]
+    if streams < 1:
+        raise ValueError(f"--streams must be at least 1, got {streams}")
+
+    def run(draft: bool):
+        out = []
+        t0 = time.perf_counter()
+        for i in range(0, len(reqs), streams):
+            handles = [engine.submit(dataclasses.replace(r, draft=draft)) for r in reqs[i:i + streams]]
+            out += [h.result() for h in handles]
+        return out, time.perf_counter() - t0
+
+    for draft in (False, True):
+        engine.submit(dataclasses.replace(reqs[0], max_tokens=min(max_tokens, 8), draft=draft)).result()
+    serial, serial_s = run(False)
+    before = engine.stats()
+    drafted, drafted_s = run(True)
+    after = engine.stats()
+    for r in serial + drafted:
+        if r.finish_reason == "error":
+            raise RuntimeError(f"generation failed: {r.error}")
+    return DraftResult(
+        prompts=len(reqs), streams=min(streams, len(reqs)), tokens=sum(len(r.token_ids) for r in serial),
+        serial_seconds=serial_s, drafted_seconds=drafted_s,
+        windows=after.draft_windows_total - before.draft_windows_total,
+        proposed=after.draft_proposed_total - before.draft_proposed_total,
+        accepted=after.draft_accepted_total - before.draft_accepted_total,
+        mismatched=sum(a.token_ids != b.token_ids for a, b in zip(serial, drafted)))
