@@ -213,9 +213,9 @@ class Engine:
         self._stop = False
         self._thread: threading.Thread | None = None
         # draft_windows: windows dispatched; draft_windows_chained: those enqueued behind a stream's previous
-        # window (its first token and length from the device)
-        self._counters = {"prompt": 0, "generation": 0, "draft_proposed": 0, "draft_accepted": 0, "draft_windows": 0, "cache_queried": 0,
-                          "draft_windows": 0, "draft_windows_chained": 0}
+        # window (its first token and length from the device); draft_landed: windows fetched, one a stream
+        self._counters = {"prompt": 0, "generation": 0, "draft_proposed": 0, "draft_accepted": 0, "cache_queried": 0,
+                          "draft_windows": 0, "draft_windows_chained": 0, "draft_landed": 0}
         # Kept prompt states (qwen_jax.engine.prefix), on grid points that are whole pages
         self._cache = (PrefixCache(range(parallel + 1, parallel + 1 + prompt_cache), max(P.GRID, page_size),
                                    user_marker(tokenizer)) if prompt_cache else None)
@@ -418,7 +418,7 @@ class Engine:
                                generation_tokens_total=self._counters["generation"],
                                draft_proposed_total=self._counters["draft_proposed"],
                                draft_accepted_total=self._counters["draft_accepted"],
-                               draft_windows_total=self._counters["draft_windows"],
+                               draft_windows_total=self._counters["draft_landed"],
                                prompt_cache_entries=len(self._cache.entries) if self._cache else 0,
                                prompt_cache_hits_total=self._cache.hits if self._cache else 0,
                                prompt_cache_hit_tokens_total=self._cache.hit_tokens if self._cache else 0,
@@ -867,7 +867,7 @@ class Engine:
         with self._lock:
             self._counters["draft_proposed"] += sum(n - 1 for n in w.real)
             self._counters["draft_accepted"] += int(took[:len(streams)].sum()) - len(streams)
-            self._counters["draft_windows"] += len(streams)
+            self._counters["draft_landed"] += len(streams)
         for i, s in enumerate(streams):
             if s not in self._running:
                 continue  # ended meanwhile: its window's tokens are dropped
