@@ -103,10 +103,10 @@ def block_weights(dcfg: DFlashConfig, decay: float | None) -> jax.Array:
     return jnp.ones_like(j) if decay is None else jnp.exp(-j / decay)
 
 
-def drafter_loss(dparams, target_params, dcfg: DFlashConfig, features: jax.Array, tokens: jax.Array,
-                 anchors: jax.Array, *, decay: float | None = None) -> jax.Array:
-    """Weighted mean cross entropy of the drafts: features [S, T, n*H] (`drafter_features`) of tokens [S, T];
-    anchors [S, A] positions, each in 1..T - B. Block (s, a) sees the context rows of positions < a."""
+def _anchor_blocks(dparams, target_params, dcfg: DFlashConfig, features: jax.Array, tokens: jax.Array,
+                   anchors: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The drafts' logits of the blocks at anchors [S, A] (block (s, a) sees the context rows of positions < a)
+    -> (logits [S*A, B - 1, V] fp32, the tokens they should propose [S*A, B - 1])."""
     backend = Backend()
     s, t = tokens.shape
     b = dcfg.block_size
@@ -119,11 +119,26 @@ def drafter_loss(dparams, target_params, dcfg: DFlashConfig, features: jax.Array
     ctx_valid = jnp.arange(t, dtype=jnp.int32)[None, :] < anchor[:, None]
     hidden = D.run_block(dparams, target_params, dcfg, block, positions, jnp.ones(block.shape, bool),
                          ctx_k[:, seq], ctx_v[:, seq], ctx_valid, features.dtype, backend)
-    logits = D.logits_of(target_params, dcfg, hidden[:, 1:], backend)
-    labels = tokens[seq[:, None], positions[:, 1:]]
+    return D.logits_of(target_params, dcfg, hidden[:, 1:], backend), tokens[seq[:, None], positions[:, 1:]]
+
+
+def drafter_loss(dparams, target_params, dcfg: DFlashConfig, features: jax.Array, tokens: jax.Array,
+                 anchors: jax.Array, *, decay: float | None = None) -> jax.Array:
+    """Weighted mean cross entropy of the drafts: features [S, T, n*H] (`drafter_features`) of tokens [S, T];
+    anchors [S, A] positions, each in 1..T - B. Block (s, a) sees the context rows of positions < a."""
+    logits, labels = _anchor_blocks(dparams, target_params, dcfg, features, tokens, anchors)
     ce = -jnp.take_along_axis(jax.nn.log_softmax(logits), labels[..., None], axis=-1)[..., 0]
     w = block_weights(dcfg, decay)
     return jnp.sum(ce * w) / (ce.shape[0] * jnp.sum(w))
+
+
+def teacher_forced_acceptance(dparams, target_params, dcfg: DFlashConfig, features: jax.Array, tokens: jax.Array,
+                              anchors: jax.Array) -> float:
+    """Mean leading greedy drafts equal to the tokens, over the blocks at anchors: what a window accepts where the
+    drafter sees the exact context (as after every verified window) and tokens are the target's greedy text."""
+    logits, labels = _anchor_blocks(dparams, target_params, dcfg, features, tokens, anchors)
+    right = jnp.argmax(logits, axis=-1) == labels
+    return float(jnp.mean(jnp.sum(jnp.cumprod(right, axis=1), axis=1)))
 
 
 def adamw(loss: Callable, params, batches, *, steps: int, lr: float, warmup: int = 50, weight_decay: float = 0.01,

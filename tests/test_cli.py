@@ -164,3 +164,16 @@ def test_fp8_window_flag_is_scoped(capsys):
                  "--kv-cache", "fp8", "--no-compile-timing", "--json", "--fp8-window", other] + NO_CACHE) == 0
     assert json.loads(capsys.readouterr().out)["fp8_window"] == other
     assert awm.FP8 == shipped
+
+
+def test_eval_drafts_flags_are_checked(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("some text to cut prompts from", encoding="utf-8")
+    demo = str(CAPTURES.parent / "models" / "demo-mlx-8bit")
+    cases = [([], "needs --text"), (["--text", str(text)], "one of --drafter DIR"),
+             (["--text", str(text), "--copy-drafts", "--drafter", str(CAPTURES / "tiny-dflash")], "one of --drafter"),
+             # this CPU's default backend has no kernels, so no drafted row would have a serial step's bits
+             (["--text", str(text), "--copy-drafts"], "run without drafts")]
+    for flags, match in cases:
+        with pytest.raises(SystemExit, match=match):
+            main(["eval", "drafts", "--model", demo, "--max-model-len", "256"] + NO_CACHE + flags)
