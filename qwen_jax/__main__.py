@@ -153,6 +153,7 @@ def cmd_eval_drafts(args) -> int:
     """Drafted against serial generation of prompts cut from --text, on one engine."""
     from qwen_jax.engine import evaluate
     from qwen_jax.engine.engine import Engine
+    from qwen_jax.engine.policy import DraftPolicy
     if args.text is None:
         raise SystemExit("error: eval drafts needs --text FILE (prompts are cut from it)")
     if (args.drafter is None) == (not args.copy_drafts):
@@ -162,7 +163,7 @@ def cmd_eval_drafts(args) -> int:
                                         parallel=max(args.streams, 1), backend=_backend(args),
                                         progress=sys.stderr.isatty(), compile_cache=args.compile_cache or None,
                                         max_logprobs=0, drafter=args.drafter, copy_drafts=args.copy_drafts,
-                                        vision=False)
+                                        vision=False, draft_policy=DraftPolicy.parse(args.draft_policy))
         prompts = evaluate.draft_prompts(_eval_tokens(args, engine.tokenizer), args.prompts, args.prompt_tokens)
         with engine:
             res = evaluate.draft_speedup(engine, prompts, max_tokens=args.gen_tokens, streams=args.streams)
@@ -363,6 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--prompt-tokens", type=int, default=32, help="drafts: tokens a prompt")
     ev.add_argument("--gen-tokens", type=int, default=128, help="drafts: greedy tokens a reply (EOS ignored)")
     ev.add_argument("--streams", type=int, default=1, help="drafts: requests in flight at once")
+    ev.add_argument("--draft-policy", choices=("adaptive", "always"), default="adaptive",
+                    help="drafts: the rows of each window (qwen_jax/engine/policy.py)")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     ev.set_defaults(fn=cmd_eval)
 

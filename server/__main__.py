@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "27B, see BENCHMARKS.md); needs the row-invariant kernels, so refused with --no-kernels or "
                         "on the CPU")
 
+    m.add_argument("--draft-policy", choices=("adaptive", "always"), default="adaptive",
+                   help="the rows of a drafting stream's windows: 'adaptive' (default) from what its windows kept and "
+                        "what a window costs (copy drafts that do not pay give way to serial rounds, with a short "
+                        "window now and then to check again), 'always' the most the round allows; either way "
+                        "replies equal serial decoding's")
+
     s = p.add_argument_group("scheduling")
     s.add_argument("--parallel", type=_positive, default=16, metavar="N",
                    help="streams decoded together in one round (default 16)")
@@ -143,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                               no_kernels=args.no_kernels, max_logprobs=args.max_logprobs,
                               progress=not args.no_progress, shapes=args.shapes, decode_kernel=args.decode_kernel,
                               copy_drafts=args.copy_drafts, drafter=args.drafter, prompt_cache=args.prompt_cache,
-                              vision=not args.no_vision)
+                              vision=not args.no_vision, draft_policy=args.draft_policy)
     except ValueError as e:  # checkpoint and config errors are ValueErrors with a message for the user
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -6,7 +6,8 @@ The tiny checkpoint's random weights rarely repeat themselves, so the engine tes
 index's place. One proposes tokens the model never picks (every window keeps only its first row); the others
 propose the reply's next tokens with one of them changed, at an offset that moves from round to round, so windows
 are kept whole, in part and not at all. Every token then comes from a chain window, cut differently by each
-oracle, and the replies must be the same bits. That the chain rows are the fused serial step's bits is the
+oracle, and the replies must be the same bits (the engine's draft policy is pinned to "always": the adaptive one
+would decode some rounds serially where windows do not pay, tests/test_draft_policy.py). That the chain rows are the fused serial step's bits is the
 device's gate (`tests/test_engine_gpu.py::test_drafted_equals_serial_on_gpu`): on this CPU the interpreted fused
 GDN step and the one-row window + commit part ways on some inputs, XLA:CPU compiling the interpreted kernels'
 arithmetic differently in the two programs (`tools/step_probe.py`; docs/kernels/attention.md, session 38)."""
@@ -23,6 +24,7 @@ from qwen_jax.engine import stream as stream_mod
 from qwen_jax.engine.api import GenerationRequest, SamplingOptions
 from qwen_jax.engine.drafts import CopyIndex
 from qwen_jax.engine.engine import Engine
+from qwen_jax.engine.policy import DraftPolicy
 from qwen_jax.model import Backend
 from tests.conftest import CAPTURES
 from tests.test_engine import _baseline
@@ -192,7 +194,8 @@ def eng():
     buckets = P.Buckets(prompt_rows=(64,), prompt_lanes=(1,), decode_streams=(2,), chain_rows=(8,),
                         packing=P.Packing.BATCHED, logprobs=2)
     e = Engine(ck.params, ck.config, None, dtype="bfloat16", max_model_len=192, parallel=2, max_queued=8,
-               backend=backend, buckets=buckets, max_logprobs=2, progress=False, copy_drafts=True, draft_rows=8)
+               backend=backend, buckets=buckets, max_logprobs=2, progress=False, copy_drafts=True, draft_rows=8,
+               draft_policy=DraftPolicy(adaptive=False))  # every token from a chain window (the module doc)
     e.start()
     yield e
     e.shutdown()

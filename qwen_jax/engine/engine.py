@@ -65,6 +65,7 @@ from qwen_jax.config import ModelConfig
 from qwen_jax.engine.api import (ContextLengthExceeded, EngineOverloaded, EngineStats, GenerationRequest, TokenEvent,
                                  TokenLogprob)
 from qwen_jax.engine.handle import RequestHandle
+from qwen_jax.engine.policy import DraftPolicy
 from qwen_jax.engine.prefix import PrefixCache, user_marker
 from qwen_jax.engine.state import IndexPool
 from qwen_jax.engine.stream import Phase, Stream
@@ -114,7 +115,8 @@ class Engine:
                  buckets: P.Buckets | None = None, max_prefill_chunk: int = 4096, prefill_step: int = 1024,
                  max_logprobs: int = 0, seed_salt: str = "", fixed_shapes: bool | None = None,
                  progress: bool = True, copy_drafts: bool = False, draft_rows: int = DRAFT_ROWS,
-                 prompt_cache: int = 0, drafter=None, media_rows: int | None = None, vision: Vision | None = None):
+                 prompt_cache: int = 0, drafter=None, media_rows: int | None = None, vision: Vision | None = None,
+                 draft_policy: DraftPolicy | None = None):
         from qwen_jax.model import Backend
         for name, v, lo in (("max_model_len", max_model_len, 2), ("parallel", parallel, 1),
                             ("max_queued", max_queued, 0), ("page_size", page_size, 1),
@@ -184,6 +186,8 @@ class Engine:
             raise ValueError(f"the largest decode bucket ({buckets.decode_streams[-1]}) is below parallel={parallel}")
         self.buckets = buckets
         self.copy_drafts = copy_drafts
+        # the rows of each drafting stream's windows, from what its windows kept (engine.policy)
+        self.draft_policy = DraftPolicy() if draft_policy is None else draft_policy
         self.drafter = None
         if drafter is not None:
             # Its draft cache keeps the newest DRAFT_WINDOW positions of each slot (more where a prompt chunk is
@@ -478,6 +482,9 @@ class Engine:
                     if s not in drafted:
                         s.drafting = False
         dispatched = self._decode_call(skip=drafted)
+        for s in self._running:
+            if s.copies is not None and s not in drafted:
+                s.acceptance.serial_rounds += 1
         # This round's calls stay in flight while there is more to do; older ones are fetched and delivered.
         self._land(keep=int(bool(drafted)) + int(dispatched))
 
@@ -779,11 +786,16 @@ class Engine:
         """Whether a decoding stream that is not drafting may have a copy to verify this round: its history known
         on the host (the pending token included, or not yet when a decode call is in flight) repeats an earlier
         stretch."""
-        if not self._draftable(s):
+        if not self._draftable(s) or not self._window_rows(s, self.draft_rows):
             return False
         if s.inflight:
             return s.copies.may_propose()
         return bool(s.copies.propose(1))
+
+    def _window_rows(self, s: Stream, cap: int) -> int:
+        """The rows of a stream's next window (`DraftPolicy.rows`), at most cap and its budget; 0: a serial round."""
+        return self.draft_policy.rows(s.acceptance, self.buckets.chain_rows, min(cap, s.budget()),
+                                      block=s.block_drafts)
 
     def _window_call(self) -> set:
         """One draft window call (`programs.draft_program`: each row computed as the serial step at its position,
@@ -803,7 +815,9 @@ class Engine:
         cap = self.buckets.chain_cap(len(candidates)) if candidates else 0
         tries = []
         for s in candidates if cap else ():
-            rows = min(cap, s.budget())
+            rows = self._window_rows(s, cap)
+            if rows < 2:
+                continue  # a serial round: its windows have not been paying (copy drafts)
             if s.block_drafts:
                 # Block drafts: the drafter's proposals, on the device where the slot's previous call left them.
                 tries.append((s, [D.FROM_DRAFT] * (rows - 1), None))
@@ -872,6 +886,7 @@ class Engine:
             if s not in self._running:
                 continue  # ended meanwhile: its window's tokens are dropped
             k, n = int(took[i]), w.real[i]
+            s.acceptance.landed(n - 1, k - 1, self.draft_policy.decay)
             s.cache_len -= n - k
             s.sampled -= n - k
             s.finishing = s.budget() <= 0

@@ -11,6 +11,7 @@ import numpy as np
 from qwen_jax import sampling
 from qwen_jax.engine.api import GenerationRequest, TokenEvent, TokenLogprob
 from qwen_jax.engine.drafts import CopyIndex
+from qwen_jax.engine.policy import Acceptance
 from qwen_jax.engine.handle import RequestHandle
 from qwen_jax.engine.text import Detokenizer, StopStrings
 
@@ -52,6 +53,7 @@ class Stream:
         self.copies = CopyIndex(req.prompt_ids) if copy_drafts and req.draft else None
         # drafts from the engine's DFlash drafter, on the device (qwen_jax.dflash_programs)
         self.block_drafts = block_drafts and req.draft
+        self.acceptance = Acceptance()  # what its windows kept, for the rows of the next (engine.policy)
         self.generated: list[int] = []
         self.detok = Detokenizer(tokenizer, skip_special_tokens=req.skip_special_tokens) if tokenizer else None
         self.stops = StopStrings(req.stop)

@@ -1,0 +1,128 @@
+"""The draft policy (qwen_jax.engine.policy): the rows of a stream's next window from what its windows kept.
+
+The choice itself, on numbers: the acceptance estimate, the expected tokens of a window, the row counts picked at
+high and low acceptance, serial rounds and the probe for copy drafts, never for block drafts, "always". Then in the
+engine (captures/tiny-mlx-4bit, kernels interpreted, copy drafts from oracles as in tests/test_drafts.py): drafts
+that are never right stop costing windows, drafts that are always right keep the largest window, and the pools
+come back. That a reply is the same whichever rounds drafted is the device's gate
+(tests/test_engine_gpu.py::test_drafted_equals_serial_on_gpu runs this default policy); on this CPU the interpreted
+fused step and a window part ways on some inputs (tests/test_drafts.py's module doc)."""
+
+import jax.numpy as jnp
+import pytest
+
+from qwen_jax import programs as P
+from qwen_jax.checkpoint import load_checkpoint
+from qwen_jax.engine.engine import Engine
+from qwen_jax.engine.policy import Acceptance, DraftPolicy, expected_tokens
+from qwen_jax.model import Backend
+from tests.conftest import CAPTURES
+from tests.test_drafts import _oracle, _prompts, _request
+from tests.test_engine import _baseline
+
+ROWS = (2, 4, 8, 16)
+
+
+def _acc(stood: float, fell: float) -> Acceptance:
+    return Acceptance(stood=stood, fell=fell)
+
+
+def test_estimate_and_expected_tokens():
+    a = Acceptance()
+    assert a.rate() == 0.5  # the prior: half a draft stood, half fell
+    a.landed(proposed=7, kept=7, decay=1.0)  # all stood: no fall observed
+    assert (a.stood, a.fell) == (7.0, 0.0)
+    a.landed(proposed=7, kept=2, decay=0.5)  # decayed, then 2 stood and the third fell
+    assert (a.stood, a.fell) == (5.5, 1.0) and a.rate() == pytest.approx(6.0 / 7.5)
+    assert expected_tokens(0.0, 16) == 1.0 and expected_tokens(1.0, 4) == 4.0
+    assert expected_tokens(0.5, 3) == 1.75
+
+
+def test_rows_follow_acceptance():
+    p = DraftPolicy()
+    # Drafts that nearly always stand: the window that yields the most tokens a round is the largest.
+    assert p.rows(_acc(60, 1), ROWS, 16, block=False) == 16
+    assert p.rows(_acc(60, 1), ROWS, 16, block=True) == 16
+    # Half of them: a short window (E(4) / 1.19 beats E(16) / 1.32 with the copy costs).
+    assert p.rows(_acc(2, 2), ROWS, 16, block=False) == 4
+    # The round's cap and the stream's budget bound the choice; a bucket past the cap runs at the cap.
+    assert p.rows(_acc(60, 1), ROWS, 8, block=False) == 8
+    assert p.rows(_acc(60, 1), (4, 16), 6, block=True) == 6
+    assert p.rows(_acc(60, 1), ROWS, 1, block=False) == 0
+
+
+def test_copy_drafts_that_do_not_pay_go_serial_then_probe():
+    p = DraftPolicy(probe=3)
+    low = _acc(0, 10)
+    assert p.rows(low, ROWS, 16, block=False) == 0  # no window beats a serial round
+    low.serial_rounds = 3
+    assert p.rows(low, ROWS, 16, block=False) == 2  # the probe: the smallest window
+    low.landed(proposed=1, kept=1, decay=0.9)
+    assert low.serial_rounds == 0
+    # Block drafts never go serial (the drafter would miss those rows): the smallest window instead.
+    assert p.rows(_acc(0, 10), ROWS, 16, block=True) == 2
+    # "always": the largest window whatever the estimate.
+    assert DraftPolicy.parse("always").rows(_acc(0, 10), ROWS, 16, block=False) == 16
+    with pytest.raises(ValueError, match="--draft-policy"):
+        DraftPolicy.parse("sometimes")
+
+
+def test_costs_between_buckets_take_the_next_larger():
+    p = DraftPolicy(copy_costs=((4, 2.0), (16, 2.2)))
+    # 6 rows run in the 16-row bucket's call, at its cost: at rate 41/43, E(6) / 2.2 = 2.45 beats E(4) / 2 = 1.91.
+    assert p.rows(_acc(40, 1), (4, 16), 6, block=False) == 6
+    # At rate 1/3 neither window yields a token a round (E(4) / 2 = 0.74): serial.
+    assert p.rows(_acc(1, 3), (4, 16), 6, block=False) == 0
+
+
+@pytest.fixture(scope="module")
+def ck():
+    return load_checkpoint(CAPTURES / "tiny-mlx-4bit", dtype=jnp.bfloat16, progress=False)
+
+
+def _engine(ck):
+    buckets = P.Buckets(prompt_rows=(64,), prompt_lanes=(1,), decode_streams=(2,), chain_rows=(2, 8),
+                        packing=P.Packing.BATCHED, logprobs=0)
+    e = Engine(ck.params, ck.config, None, dtype="bfloat16", max_model_len=192, parallel=2, max_queued=8,
+               backend=Backend(kernels=True, interpret=True), buckets=buckets, progress=False, copy_drafts=True,
+               draft_rows=8, draft_policy=DraftPolicy(probe=8))
+    e.start()
+    return e
+
+
+def test_engine_stops_paying_for_wrong_drafts_and_keeps_right_ones(ck, monkeypatch):
+    e = _engine(ck)
+    try:
+        reqs = [_request(p, None, max_tokens=40) for p in _prompts()]
+        replies = {}
+        _oracle(monkeypatch, e, replies, 5)  # no replies known: drafts the model never picks
+        adaptive = e.draft_policy
+        e.draft_policy = DraftPolicy.parse("always")  # a window every round, each keeping its first row only
+        before = dict(e._counters)
+        always = [e.submit(r).result(600) for r in reqs]
+        always_windows = e._counters["draft_windows"] - before["draft_windows"]
+        e.draft_policy = adaptive
+        before = dict(e._counters)
+        wrong = [e.submit(r).result(600) for r in reqs]
+        windows = e._counters["draft_windows"] - before["draft_windows"]
+        # Three windows to learn that the drafts fail, then a 2-row probe every 8 serial rounds: ~8 a reply, where
+        # "always" tries whenever no stale guess is in flight.
+        assert 0 < windows <= 2 * 10 < always_windows, (always_windows, windows)
+        assert all(len(r.token_ids) == 40 for r in always + wrong)
+        _baseline(e)
+        # Drafts that stand (the replies of the windows-only run, so every token again from a window; the oracle
+        # changes one draft of each of a reply's first windows): windows of 8 rows the budget allows.
+        for r, a in zip(reqs, always):
+            replies[r.prompt_ids] = a.token_ids
+        _oracle(monkeypatch, e, replies, 10_000)
+        before = e.stats()
+        right = [e.submit(r).result(600) for r in reqs]
+        after = e.stats()
+        assert [r.token_ids for r in right] == [r.token_ids for r in always]
+        proposed = after.draft_proposed_total - before.draft_proposed_total
+        accepted = after.draft_accepted_total - before.draft_accepted_total
+        landed = after.draft_windows_total - before.draft_windows_total
+        assert accepted >= proposed - 2 * 16 and proposed >= 5 * landed, (accepted, proposed, landed)
+        _baseline(e)
+    finally:
+        e.shutdown()
