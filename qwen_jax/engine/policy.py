@@ -18,7 +18,7 @@ copy-drafting stream to serial rounds.
 
 The default costs are the H100's at the 27B's shapes, one stream at 1K of context (BENCHMARKS.md, engine, session
 40; the 2- and 8-row block windows interpolated); a small model's windows cost about one round, which
-`DraftPolicy(costs=...)` can say."""
+`DraftPolicy(copy_costs=..., block_costs=...)` can say."""
 
 from __future__ import annotations
 
