@@ -11,8 +11,8 @@ import numpy as np
 from qwen_jax import sampling
 from qwen_jax.engine.api import GenerationRequest, TokenEvent, TokenLogprob
 from qwen_jax.engine.drafts import CopyIndex
-from qwen_jax.engine.policy import Acceptance
 from qwen_jax.engine.handle import RequestHandle
+from qwen_jax.engine.policy import Acceptance
 from qwen_jax.engine.text import Detokenizer, StopStrings
 
 

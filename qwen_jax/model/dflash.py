@@ -191,7 +191,7 @@ def _block_embeddings(target_params, cfg: DFlashConfig, tokens: jax.Array, dtype
 
 
 def run_block(params, target_params, cfg: DFlashConfig, tokens, positions, block_valid, ctx_k, ctx_v, ctx_valid,
-               dtype, backend: Backend) -> jax.Array:
+              dtype, backend: Backend) -> jax.Array:
     """The block through every layer and the final norm -> hidden [S, B, H]; ctx_k, ctx_v [L, S, W, Hkv, D]."""
     x = _block_embeddings(target_params, cfg, tokens, dtype, backend)
     for i, layer in enumerate(params["layers"]):
@@ -212,7 +212,7 @@ def draft_hidden(params, target_params, cfg: DFlashConfig, cache: DraftCache, ba
     ctx_valid = jnp.arange(w, dtype=jnp.int32)[None, :] < jnp.minimum(ctx_end, w)[:, None]
     block_valid = jnp.arange(b, dtype=jnp.int32)[None, :] < batch.block_len[:, None]
     hidden = run_block(params, target_params, cfg, batch.block, positions, block_valid, cache.k[:, batch.slot],
-                        cache.v[:, batch.slot], ctx_valid, cache.k.dtype, backend)
+                       cache.v[:, batch.slot], ctx_valid, cache.k.dtype, backend)
     return hidden, cache
 
 
@@ -252,4 +252,4 @@ def forward(params, target_params, cfg: DFlashConfig, features: jax.Array, block
     ctx_k, ctx_v = context_kv(params, cfg, features.astype(dtype), ctx_positions, backend)
     positions = jnp.broadcast_to(start + c + jnp.arange(b, dtype=jnp.int32), (s, b))
     return run_block(params, target_params, cfg, block, positions, jnp.ones((s, b), bool), ctx_k, ctx_v,
-                      jnp.ones((s, c), bool), dtype, backend)
+                     jnp.ones((s, c), bool), dtype, backend)
