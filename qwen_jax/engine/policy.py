@@ -5,8 +5,9 @@ it costs `cost(r)` decode rounds (a serial round yields one token). If each draf
 the ones before it stood, a window of r rows yields E(r) = 1 + a + ... + a^(r-1) tokens. The policy estimates a per
 stream and picks the r (of the compiled row buckets, up to the round's cap) with the most tokens a round,
 E(r) / cost(r); for copy drafts, none (a serial round) when no r beats a serial round, with a small window every
-`probe` rounds so the estimate can recover. Block drafts always keep a window: rounds without one leave the
-drafter's context without their rows, which costs acceptance later.
+`probe` rounds so the estimate can recover. Block drafts always keep a window: a serial round's row never reaches
+the drafter's context, and the drafts waiting on the device after it are for an older anchor, so a probe after
+serial rounds would fail whatever the drafter could do.
 
 Every choice is exact: a row's bits are the serial step's whatever the window's length (the chain windows' rule),
 so the policy decides speed only, never a token.
