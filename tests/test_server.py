@@ -335,7 +335,8 @@ def test_metrics(http, model):
         assert metric(m, f"qwen_jax:{name}_count", model_name=model) > metric(before, f"qwen_jax:{name}_count")
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert f"# TYPE qwen_jax:{name} gauge" in m and f'qwen_jax:{name}{{model_name="{model}"}}' in m
-    for name in ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total"):
+    for name in ("spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
+                 "spec_decode_num_drafts_total"):
         assert f'qwen_jax:{name}{{model_name="{model}"}}' in m
     assert metric(m, "qwen_jax:prompt_tokens_total") - metric(before, "qwen_jax:prompt_tokens_total") == len(ids)
     assert metric(m, "qwen_jax:generation_tokens_total") - metric(before, "qwen_jax:generation_tokens_total") == 7
