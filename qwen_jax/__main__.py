@@ -163,7 +163,8 @@ def cmd_eval_drafts(args) -> int:
                                         parallel=max(args.streams, 1), backend=_backend(args),
                                         progress=sys.stderr.isatty(), compile_cache=args.compile_cache or None,
                                         max_logprobs=0, drafter=args.drafter, copy_drafts=args.copy_drafts,
-                                        vision=False, draft_policy=DraftPolicy.parse(args.draft_policy))
+                                        vision=False,
+                                        draft_policy=DraftPolicy.parse(args.draft_policy, args.draft_costs))
         prompts = evaluate.draft_prompts(_eval_tokens(args, engine.tokenizer), args.prompts, args.prompt_tokens)
         with engine:
             res = evaluate.draft_speedup(engine, prompts, max_tokens=args.gen_tokens, streams=args.streams)
@@ -366,6 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--streams", type=int, default=1, help="drafts: requests in flight at once")
     ev.add_argument("--draft-policy", choices=("adaptive", "always"), default="adaptive",
                     help="drafts: the rows of each window (qwen_jax/engine/policy.py)")
+    ev.add_argument("--draft-costs", metavar="JSON", default=None,
+                    help='drafts: window costs in decode rounds for the adaptive policy, {"copy": {"2": 1.1, ...}, '
+                         '"block": {...}}')
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     ev.set_defaults(fn=cmd_eval)
 

@@ -83,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "what a window costs (copy drafts that do not pay give way to serial rounds, with a short "
                         "window now and then to check again), 'always' the most the round allows; either way "
                         "replies equal serial decoding's")
+    m.add_argument("--draft-costs", metavar="JSON", default=None,
+                   help='what a window costs in decode rounds, for --draft-policy adaptive: {"copy": {"2": 1.15, '
+                        '"4": 1.19, ...}, "block": {...}} (default: an H100\'s at the 27B\'s shapes; measure with '
+                        '`python -m qwen_jax bench --draft-rows`)')
 
     s = p.add_argument_group("scheduling")
     s.add_argument("--parallel", type=_positive, default=16, metavar="N",
@@ -149,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                               no_kernels=args.no_kernels, max_logprobs=args.max_logprobs,
                               progress=not args.no_progress, shapes=args.shapes, decode_kernel=args.decode_kernel,
                               copy_drafts=args.copy_drafts, drafter=args.drafter, prompt_cache=args.prompt_cache,
-                              vision=not args.no_vision, draft_policy=args.draft_policy)
+                              vision=not args.no_vision, draft_policy=args.draft_policy,
+                              draft_costs=args.draft_costs)
     except ValueError as e:  # checkpoint and config errors are ValueErrors with a message for the user
         print(f"error: {e}", file=sys.stderr)
         return 2

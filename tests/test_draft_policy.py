@@ -75,6 +75,20 @@ def test_costs_between_buckets_take_the_next_larger():
     assert p.rows(_acc(1, 3), (4, 16), 6, block=False) == 0
 
 
+def test_costs_from_json():
+    p = DraftPolicy.parse("adaptive", '{"block": {"16": 1.0, "4": 1.0}}')
+    assert p.block_costs == ((4, 1.0), (16, 1.0)) and p.copy_costs == DraftPolicy().copy_costs
+    # Windows that cost a round whatever their rows: the longest pays at any acceptance above nothing.
+    assert p.rows(_acc(1, 3), (4, 16), 16, block=True) == 16
+    assert DraftPolicy.parse("always", '{"copy": {"2": 1.5}}').copy_costs == ((2, 1.5),)
+    for bad, match in [("{", "not JSON"), ("[]", "an object"), ('{"tree": {"2": 1}}', "an object"),
+                       ('{"copy": [1, 2]}', "map row counts"), ('{"copy": {"x": 1}}', "map row counts"),
+                       ('{"copy": {"1": 1.0}}', ">= 2"), ('{"block": {"4": 0}}', "rounds > 0"),
+                       ('{"copy": {}}', ">= 2")]:
+        with pytest.raises(ValueError, match=match):
+            DraftPolicy.parse("adaptive", bad)
+
+
 @pytest.fixture(scope="module")
 def ck():
     return load_checkpoint(CAPTURES / "tiny-mlx-4bit", dtype=jnp.bfloat16, progress=False)

@@ -195,7 +195,7 @@ def test_help_documents_every_flag():
                  "--parallel",
                  "--kv-cache", "--dtype", "--api-key", "--max-queued", "--served-model-name", "--max-tokens",
                  "--max-request-bytes", "--synthetic", "--max-logprobs", "--no-kernels", "--shapes", "--decode-kernel",
-                 "QWEN_JAX_API_KEY",
+                 "--draft-policy", "--draft-costs", "QWEN_JAX_API_KEY",
                  "captures/tiny", "gibberish"):
         assert flag in out, flag
     bench = subprocess.run([sys.executable, "-m", "server.bench", "--help"], cwd=REPO_ROOT, capture_output=True,
@@ -228,6 +228,10 @@ def test_cli_refusals():
     assert r.returncode == 2 and "--copy-drafts" in r.stderr, r.stderr
     r = _cli("--copy-drafts", "--no-drafts")
     assert r.returncode == 2 and "not allowed with" in r.stderr
+    r = _cli("--draft-policy", "sometimes")
+    assert r.returncode == 2 and "--draft-policy" in r.stderr
+    r = _cli("--draft-costs", '{"copy": {"1": 1.0}}', "--no-progress")
+    assert r.returncode == 2 and "--draft-costs" in r.stderr, r.stderr
 
 
 def test_decode_kernel_choice(monkeypatch):

@@ -61,12 +61,16 @@ class DraftPolicy:
     probe: int = 16  # copy drafts: serial rounds before a 2-row window tries again
 
     @classmethod
-    def parse(cls, name: str) -> "DraftPolicy":
-        if name == "adaptive":
-            return cls()
-        if name == "always":
-            return cls(adaptive=False)
-        raise ValueError(f"--draft-policy must be adaptive or always, got {name!r}")
+    def parse(cls, name: str, costs: str | None = None) -> "DraftPolicy":
+        """--draft-policy NAME [--draft-costs JSON]: costs as {"copy": {"ROWS": ROUNDS, ...}, "block": {...}}
+        (either part may be left out: it keeps the defaults), e.g. from `python -m qwen_jax bench --draft-rows` on
+        the machine and model being served."""
+        if name not in ("adaptive", "always"):
+            raise ValueError(f"--draft-policy must be adaptive or always, got {name!r}")
+        fields = {"adaptive": name == "adaptive"}
+        if costs:
+            fields.update(_parse_costs(costs))
+        return cls(**fields)
 
     def rows(self, acc: Acceptance, choices: tuple[int, ...], cap: int, *, block: bool) -> int:
         """The rows of a stream's next window, at most cap: one of `choices` (the compiled row buckets; cap where a
@@ -91,3 +95,23 @@ def _cost(costs: dict[int, float], rows: int) -> float:
         return costs[rows]
     larger = [r for r in costs if r >= rows]
     return costs[min(larger)] if larger else costs[max(costs)]
+
+
+def _parse_costs(text: str) -> dict[str, tuple[tuple[int, float], ...]]:
+    import json
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--draft-costs is not JSON: {e}") from None
+    if not isinstance(raw, dict) or not raw or set(raw) - {"copy", "block"}:
+        raise ValueError('--draft-costs must be an object with "copy" and/or "block", each {"ROWS": ROUNDS, ...}')
+    out = {}
+    for kind, table in raw.items():
+        try:
+            pairs = tuple(sorted((int(r), float(c)) for r, c in table.items()))
+        except (AttributeError, TypeError, ValueError):
+            raise ValueError(f'--draft-costs "{kind}" must map row counts to decode rounds, got {table!r}') from None
+        if not pairs or any(r < 2 or not c > 0 for r, c in pairs):
+            raise ValueError(f'--draft-costs "{kind}": row counts must be >= 2 and rounds > 0, got {table!r}')
+        out[f"{kind}_costs"] = pairs
+    return out
