@@ -89,6 +89,18 @@ def test_costs_from_json():
             DraftPolicy.parse("adaptive", bad)
 
 
+def test_bench_prints_costs_the_policy_reads():
+    from qwen_jax.engine.bench import BenchResult
+    res = BenchResult(decode_forwards_per_s={1: 100.0, 16: 50.0}, decode_tokens_per_s={1: 100.0, 16: 800.0},
+                      draft_window_ms={16: {2: 40.0}, 1: {4: 12.0, 16: 9.0}}, draft_pipelined_ms={1: {4: 11.0}},
+                      block_drafts=True)
+    costs = res.draft_costs()  # the fewest streams; pipelined where timed so; in decode rounds (10 ms at 1 stream)
+    assert costs == '{"block": {"4": 1.1, "16": 0.9}}'
+    assert f"--draft-costs '{costs}'" in res.lines()
+    assert DraftPolicy.parse("adaptive", costs).block_costs == ((4, 1.1), (16, 0.9))
+    assert BenchResult(draft_window_ms={1: {4: 1.0}}).draft_costs() is None  # no decode round to compare with
+
+
 @pytest.fixture(scope="module")
 def ck():
     return load_checkpoint(CAPTURES / "tiny-mlx-4bit", dtype=jnp.bfloat16, progress=False)

@@ -69,7 +69,23 @@ class BenchResult:
                     kind = "block " if self.block_drafts else "draft  "
                     out.append(f"{kind}{s:>2} streams x {r:>2} rows @ {self.context} ctx: {v:8.2f} ms a "
                                f"window{ratio}{what}")
+        costs = self.draft_costs()
+        if costs:
+            out.append(f"--draft-costs '{costs}'")
         return out
+
+    def draft_costs(self) -> str | None:
+        """The windows' costs in decode rounds at the fewest streams timed, pipelined where timed so (as the engine
+        runs them), as the server's --draft-costs JSON; None without window and decode figures."""
+        import json
+        for s in sorted(self.draft_window_ms):
+            fps = self.decode_forwards_per_s.get(s)
+            if not fps:
+                continue
+            table = {str(r): round(self.draft_pipelined_ms.get(s, {}).get(r, ms) * fps / 1000, 2)
+                     for r, ms in sorted(self.draft_window_ms[s].items())}
+            return json.dumps({"block" if self.block_drafts else "copy": table})
+        return None
 
 
 def _parse_sizes(text: str, what: str) -> tuple[int, ...]:
