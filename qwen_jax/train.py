@@ -35,13 +35,16 @@ def _pages(t: int) -> int:
     return -(-t // PAGE)
 
 
-def _fresh_state(cfg: TextConfig, streams: int, t: int, dtype) -> tuple[M.ModelState, jax.Array]:
-    """Pools for `streams` sequences of up to t rows (slot 0 and page 0 left unused, as the engine leaves them) and
-    their page table [streams, pages]."""
-    n = _pages(t)
-    state = M.init_state(cfg, num_slots=streams + 1, num_pages=streams * n + 1, page_size=PAGE, dtype=dtype)
-    table = 1 + jnp.arange(streams * n, dtype=jnp.int32).reshape(streams, n)
-    return state, table
+def _fresh(cfg: TextConfig, tokens: jax.Array, capacity: int, dtype) -> tuple[M.ModelState, M.PrefillBatch]:
+    """Pools for S sequences of up to `capacity` rows (slot 0 and page 0 left unused, as the engine leaves them, so
+    sequence i has slot i + 1) and the prompt batch of tokens [S, T] from position 0."""
+    s, t = tokens.shape
+    n = _pages(capacity)
+    state = M.init_state(cfg, num_slots=s + 1, num_pages=s * n + 1, page_size=PAGE, dtype=dtype)
+    table = 1 + jnp.arange(s * n, dtype=jnp.int32).reshape(s, n)
+    batch = M.make_prefill_batch(tokens, jnp.zeros(s, jnp.int32), jnp.full(s, t, jnp.int32),
+                                 jnp.arange(1, s + 1, dtype=jnp.int32), table)
+    return state, batch
 
 
 def prefill_all(params, cfg: ModelConfig, tokens: jax.Array, *, taps: tuple[int, ...] = (),
@@ -49,10 +52,7 @@ def prefill_all(params, cfg: ModelConfig, tokens: jax.Array, *, taps: tuple[int,
     """tokens [S, T] from position 0 -> (logits [S, T, V] fp32, taps [S, T, len(taps), H] or None), computed in
     dtype on a fresh state."""
     backend = Backend() if backend is None else backend
-    s, t = tokens.shape
-    state, table = _fresh_state(cfg.text, s, t, dtype)
-    batch = M.make_prefill_batch(tokens, jnp.zeros(s, jnp.int32), jnp.full(s, t, jnp.int32),
-                                 jnp.arange(1, s + 1, dtype=jnp.int32), table)
+    state, batch = _fresh(cfg.text, tokens, tokens.shape[1], dtype)
     logits, _, tapped = M.prefill(params, state, batch, cfg, backend, all_logits=True, taps=taps)
     return logits, tapped
 
@@ -70,16 +70,14 @@ def generate_greedy(params, cfg: ModelConfig, prompts: jax.Array, n: int, *, bac
     decode step (what the engine runs, on one fixed batch), computed in dtype."""
     backend = Backend() if backend is None else backend
     s, p = prompts.shape
-    state, table = _fresh_state(cfg.text, s, p + n, dtype)
-    slots = jnp.arange(1, s + 1, dtype=jnp.int32)
-    batch = M.make_prefill_batch(prompts, jnp.zeros(s, jnp.int32), jnp.full(s, p, jnp.int32), slots, table)
+    state, batch = _fresh(cfg.text, prompts, p + n, dtype)
     logits, state, _ = M.prefill(params, state, batch, cfg, backend)
     first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def one(carry, i):
         state, tok = carry
         window = M.make_window(tok[:, None], jnp.full((s, 1), -1, jnp.int32), jnp.full(s, p, jnp.int32) + i,
-                               slots, table)
+                               batch.slot, batch.page_table)
         logits, state = M.step(params, state, window, cfg, backend)
         nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
         return (state, nxt), tok
