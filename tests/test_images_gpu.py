@@ -13,10 +13,9 @@ import jax
 import pytest
 
 from qwen_jax.engine.engine import Engine
-from server.app import build_app
 from server.loading import EMBEDDED_MODEL
-from server.serving import GenerationDefaults, Serving
 from tests.test_server_images import _messages, _messages_body, call, calls, ref  # noqa: F401 (ref: a fixture)
+from tests.test_server_inprocess import served
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
               pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (run with -m gpu)")]
@@ -28,11 +27,10 @@ def _served(dtype: str):
                                progress=False, compile_cache=None, max_logprobs=2)
     assert e.backend.kernels and e.vision is not None
     e.start()
-    serving = Serving(e, served_model_name="tiny", model_root="in-process", defaults=GenerationDefaults())
     try:
-        yield e, build_app(serving)
+        with served(e, "tiny") as app:
+            yield e, app
     finally:
-        serving.close()
         e.shutdown()
 
 

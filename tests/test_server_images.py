@@ -17,10 +17,9 @@ import pytest
 from PIL import Image
 
 from qwen_jax.engine.engine import Engine
-from server.app import build_app
 from server.loading import EMBEDDED_MODEL
-from server.serving import GenerationDefaults, Serving
 from tests.conftest import CAPTURES
+from tests.test_server_inprocess import served
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -43,9 +42,8 @@ def engine():
 
 @pytest.fixture(scope="module")
 def app(engine):
-    serving = Serving(engine, served_model_name="tiny", model_root="in-process", defaults=GenerationDefaults())
-    yield build_app(serving)
-    serving.close()
+    with served(engine, "tiny") as a:
+        yield a
 
 
 def call(app, body: dict) -> httpx.Response:

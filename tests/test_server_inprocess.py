@@ -5,6 +5,7 @@ and a server without a tokenizer (what `--synthetic` serves)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import httpx
@@ -38,11 +39,20 @@ def engine():
     e.shutdown()
 
 
+@contextlib.contextmanager
+def served(engine, name: str):
+    """The app over a started engine in this process (closed on exit; the engine stays the caller's)."""
+    serving = Serving(engine, served_model_name=name, model_root="in-process", defaults=GenerationDefaults())
+    try:
+        yield build_app(serving)
+    finally:
+        serving.close()
+
+
 @pytest.fixture(scope="module")
 def app(engine):
-    serving = Serving(engine, served_model_name="faulty", model_root="in-process", defaults=GenerationDefaults())
-    yield build_app(serving)
-    serving.close()
+    with served(engine, "faulty") as a:
+        yield a
 
 
 def call(app, method: str, path: str, **kw) -> httpx.Response:
