@@ -225,8 +225,8 @@ def draft_prompts(tokens, count: int, length: int) -> list[tuple[int, ...]]:
         raise ValueError(f"--prompts and --prompt-tokens must be at least 1, got {count} and {length}")
     if len(tokens) < length:
         raise ValueError(f"the text has {len(tokens)} tokens, fewer than --prompt-tokens {length}")
-    span = len(tokens) - length
-    return [tuple(tokens[i * span // max(count - 1, 1):][:length]) for i in range(count)]
+    offsets = (i * (len(tokens) - length) // max(count - 1, 1) for i in range(count))
+    return [tuple(tokens[o:o + length]) for o in offsets]
 
 
 def draft_speedup(engine, prompts, *, max_tokens: int, streams: int = 1) -> DraftResult:

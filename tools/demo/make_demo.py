@@ -15,9 +15,9 @@ greedy sequences (random licence passages, not among those it learnt from, thoug
 block's drafts in a row equal the greedy tokens.
 
 The committed models/ came from runs on an H100 (2026-12-06): the target from `--steps 3000` (final loss 0.057;
-written then as a Qwen3_5ForCausalLM, re-saved in this layout with the same bits; that run's drafter was
-replaced), the drafter from `--target models/demo` at the defaults above (2.98 of 7 drafts by that figure). GPU training is not bit-reproducible from
-run to run, so a rerun gives a model of the same quality, not the same bytes."""
+written then as a Qwen3_5ForCausalLM, re-saved in this layout with the same bits; that run's drafter was replaced),
+the drafter from `--target models/demo` at the defaults above (2.98 of 7 drafts by that figure). GPU training is not
+bit-reproducible from run to run, so a rerun gives a model of the same quality, not the same bytes."""
 
 from __future__ import annotations
 
