@@ -100,6 +100,9 @@ class Layout:
     # rows of the media pool (embeddings prompt rows take in place of their token's: an image's vision tower
     # output), row 0 the dummy; 0: no pool, and the prompt programs take no embeddings
     media_rows: int = 0
+    # pages past num_pages that tree windows read their rows' ancestors through (`attention.tree_pass`), two a
+    # window row; never handed to a stream
+    tree_pages: int = 0
 
     def __post_init__(self):
         if self.dtype not in ("bfloat16", "float32"):
@@ -112,6 +115,8 @@ class Layout:
         kv_dtype_for(self.kv_cache, jnp.bfloat16)  # validates the name
         if self.media_rows < 0 or self.media_rows == 1:
             raise ValueError(f"media_rows must be 0 (no media pool) or at least 2, got {self.media_rows}")
+        if self.tree_pages < 0:
+            raise ValueError(f"tree_pages must be at least 0, got {self.tree_pages}")
 
     @property
     def max_len(self) -> int:
@@ -494,6 +499,26 @@ def chain_accepted(window: M.VerifyWindow, tokens: jax.Array) -> jax.Array:
     return jnp.where(window.slot == 0, 0, took)
 
 
+def tree_accepted(window: M.VerifyWindow, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The rows of each tree that stand: (path [S, R] root-first row indices (0 past its length), length [S]). Row 0
+    (the pending token) always; then, from the newest row on the path, its child whose token is that row's sample
+    (the lowest-numbered one, should two children hold the same token). A chain's path is `chain_accepted`'s rows.
+    Dummy streams (slot 0): none."""
+    s, r = window.tokens.shape
+    sampled = lambda rows: jnp.take_along_axis(tokens, rows[:, None], axis=1)[:, 0]  # noqa: E731
+    cur = jnp.zeros((s,), jnp.int32)
+    alive = window.slot > 0
+    path, took = [cur], alive.astype(jnp.int32)
+    for _ in range(1, r):
+        hit = (window.parents == cur[:, None]) & (window.tokens == sampled(cur)[:, None])
+        hit = hit & (jnp.arange(r)[None, :] > 0)
+        alive = alive & jnp.any(hit, axis=1)
+        cur = jnp.where(alive, jnp.argmax(hit, axis=1).astype(jnp.int32), 0)
+        path.append(cur)
+        took = took + alive.astype(jnp.int32)
+    return jnp.stack(path, axis=1), took
+
+
 def draft_program(cfg: ModelConfig, backend: M.Backend, top_n: int) -> Callable:
     """(params, state, last [slots], lens [slots], window [S x R] of chains, sample params [S*R]) -> (state with
     the accepted rows committed, last, lens, tokens [S, R], logprobs or None, accepted rows [S]): `verify_program`
@@ -532,29 +557,50 @@ class ChainWindow:
 
 
 def chain_window(params, state, last, lens, window: M.VerifyWindow, sp, cfg: ModelConfig, backend: M.Backend,
-                 top_n: int, taps: tuple[int, ...] = ()) -> ChainWindow:
+                 top_n: int, taps: tuple[int, ...] = (), tree: tuple[jax.Array, jax.Array] | None = None
+                 ) -> ChainWindow:
     """The body of `draft_program` (inside a jitted program): tokens and lengths from the device where the window
-    says so, the chain's rows as serial steps, sampling, acceptance and commit."""
+    says so, the chain's rows as serial steps, sampling, acceptance and commit.
+
+    tree: (parents [S, R] made on the device, scratch [S, R, 2] page ids kept for windows): the window is that tree
+    in place of the host's chain (`model.verify(tree_scratch=)`, `tree_accepted`); every row's position, rope and
+    sampling position then come from the device's depths. The tokens, logprobs and taps handed back are the
+    accepted path's rows first, in order, so a tree window reads as a chain window whose first `took` rows stood."""
     s, r = window.tokens.shape
     from_dev = window.cache_len < 0
     cache_len = jnp.where(from_dev, lens[window.slot], window.cache_len)
     depth = M.window_depth(window.parents)
-    pos = cache_len[:, None] + depth - 1
     # The host built the rope positions from the cache_len it passed, plus each stream's M-RoPE delta (0 for text):
-    # keep the delta, move the rest to the device's length.
+    # keep the delta, move the rest to the device's length (and, for a tree, to the device's depths).
     delta = window.rope_positions[0] - (window.cache_len[:, None] + depth - 1)
+    moved = from_dev
+    if tree is not None:
+        parents, scratch = tree
+        window = dataclasses.replace(window, parents=parents)
+        depth = M.window_depth(parents)
+        delta = delta[:, :1]  # a stream's delta is the same at every row
+        moved = jnp.ones_like(from_dev)
+    pos = cache_len[:, None] + depth - 1
     window = dataclasses.replace(
         window, tokens=jnp.where(window.tokens < 0, last[window.slot][:, None], window.tokens),
         cache_len=cache_len,
-        rope_positions=jnp.where(from_dev[None, :, None], text_rope_positions(pos + delta), window.rope_positions))
-    sp = dataclasses.replace(sp, position=jnp.where(jnp.repeat(from_dev, r), (pos + 1).reshape(-1), sp.position))
+        rope_positions=jnp.where(moved[None, :, None], text_rope_positions(pos + delta), window.rope_positions))
+    sp = dataclasses.replace(sp, position=jnp.where(jnp.repeat(moved, r), (pos + 1).reshape(-1), sp.position))
     with jax.named_scope("draft"):
-        logits, kept, tapped, state = M.verify(params, state, window, cfg, backend, taps=taps, chain=True)
+        logits, kept, tapped, state = M.verify(params, state, window, cfg, backend, taps=taps, chain=tree is None,
+                                               tree_scratch=None if tree is None else tree[1])
     tokens, lp = sample_rows(logits.reshape(s * r, -1), sp, top_n)
     tokens = tokens.reshape(s, r)
-    took = chain_accepted(window, tokens)
-    with jax.named_scope("commit"):
+    if tree is None:
+        took = chain_accepted(window, tokens)
         path = jnp.broadcast_to(jnp.arange(r, dtype=jnp.int32), (s, r))
+    else:
+        path, took = tree_accepted(window, tokens)
+        tokens = jnp.take_along_axis(tokens, path, axis=1)
+        flat = (path + r * jnp.arange(s, dtype=jnp.int32)[:, None]).reshape(-1)
+        lp = None if lp is None else jax.tree.map(lambda a: a[flat], lp)
+        tapped = None if tapped is None else jnp.take_along_axis(tapped, path[:, :, None, None], axis=1)
+    with jax.named_scope("commit"):
         state = M.commit(state, kept, window, path, took, cfg, backend)
     newest = jnp.take_along_axis(tokens, jnp.maximum(took - 1, 0)[:, None], axis=1)[:, 0]
     return ChainWindow(state, last.at[window.slot].set(newest), lens.at[window.slot].set(cache_len + took), tokens,
@@ -696,7 +742,7 @@ def init_pools(cfg: ModelConfig, layout: Layout) -> M.ModelState:
     """Zeroed state pools for `layout`, every leaf its own buffer: init_state may hand one zeros array to two
     fields (an fp8 pool's k and v scales), and a program cannot take the same buffer donated twice."""
     dtype = layout.jnp_dtype
-    state = M.init_state(cfg.text, num_slots=layout.num_slots, num_pages=layout.num_pages,
+    state = M.init_state(cfg.text, num_slots=layout.num_slots, num_pages=layout.num_pages + layout.tree_pages,
                          page_size=layout.page_size, dtype=dtype, kv_dtype=kv_dtype_for(layout.kv_cache, dtype))
     return jax.tree.map(jnp.copy, state)
 
@@ -721,9 +767,16 @@ class Programs:
         self.drafter = drafter
         self.dparams = None
         if drafter is not None:
-            if buckets.chain_rows and buckets.chain_rows[-1] > drafter.cfg.block_size:
-                raise ValueError(f"chain windows of {buckets.chain_rows[-1]} rows exceed the drafter's block of "
-                                 f"{drafter.cfg.block_size}")
+            if buckets.chain_rows and buckets.chain_rows[-1] > drafter.nodes + 1:
+                raise ValueError(f"chain windows of {buckets.chain_rows[-1]} rows exceed the drafter's "
+                                 + (f"tree of {drafter.tree_rows}" if drafter.tree_rows else
+                                    f"block of {drafter.cfg.block_size}"))
+            if drafter.tree_rows:
+                need = 2 * max((s * r for s in buckets.decode_streams for r in buckets.chain_rows
+                                if not buckets.chain_budget or s * r <= buckets.chain_budget), default=0)
+                if layout.tree_pages < need:
+                    raise ValueError(f"tree windows need {need} scratch pages (Layout.tree_pages), got "
+                                     f"{layout.tree_pages}")
             if buckets.prompt_rows[-1] > drafter.window:
                 raise ValueError(f"prompt chunks of {buckets.prompt_rows[-1]} rows exceed the draft window of "
                                  f"{drafter.window}")
@@ -751,10 +804,11 @@ class Programs:
                 "slot_copy": jax.jit(slot_copy_program(), donate_argnums=0),
             }
         else:
-            dc = drafter.cfg
             self._fns |= {
-                "prompt": jax.jit(D.prompt_program(cfg, dc, be, buckets.packing, top_n), donate_argnums=(2, 3)),
-                "draft": jax.jit(D.window_program(cfg, dc, be, top_n), donate_argnums=(2, 3, 4, 5)),
+                "prompt": jax.jit(D.prompt_program(cfg, drafter, be, buckets.packing, top_n),
+                                  donate_argnums=(2, 3)),
+                "draft": jax.jit(D.window_program(cfg, drafter, be, top_n, layout.num_pages),
+                                 donate_argnums=(2, 3, 4, 5)),
                 "slot_copy": jax.jit(D.slot_copy_program(), donate_argnums=(0, 1)),
             }
 

@@ -44,6 +44,10 @@ draft that differs from its predecessor row's sample, so a drafted reply is the 
 provided each row's logits have the bits of the serial step at its position. The draft program computes each row's
 attention as that step's (`model.verify(chain=True)`); the rest holds where every op is row-invariant
 (`programs.row_invariant`: the kernels on quantized weights), and drafting is refused elsewhere.
+With `draft_tree` (a node's most children), a block-drafting stream's window is a tree of the drafter's likeliest
+continuations instead (`dflash_programs.propose_tree`), each row again computed as the serial step at its position
+(`model.verify(tree_scratch=)`) and the path of samples followed from the root; the window hands back that path's
+rows first, so the host lands it as a chain whose first rows stood.
 `GenerationRequest.draft` False keeps a request serial.
 """
 
@@ -116,7 +120,7 @@ class Engine:
                  max_logprobs: int = 0, seed_salt: str = "", fixed_shapes: bool | None = None,
                  progress: bool = True, copy_drafts: bool = False, draft_rows: int = DRAFT_ROWS,
                  prompt_cache: int = 0, drafter=None, media_rows: int | None = None, vision: Vision | None = None,
-                 draft_policy: DraftPolicy | None = None):
+                 draft_policy: DraftPolicy | None = None, draft_tree: int = 0):
         from qwen_jax.model import Backend
         for name, v, lo in (("max_model_len", max_model_len, 2), ("parallel", parallel, 1),
                             ("max_queued", max_queued, 0), ("page_size", page_size, 1),
@@ -148,8 +152,10 @@ class Engine:
             num_pages = parallel * pages_per_stream + 1
         # GDN slots: 0 the dummy, 1..parallel the streams', then the prompt cache's kept states
         # media_rows: the pool of embeddings prompt rows take in place of their tokens' (images), row 0 the dummy
+        # tree windows read their rows' ancestors through scratch pages past the streams' (two a window row)
+        tree_pages = 2 * max(P.CHAIN_ROW_BUDGET, draft_rows) if draft_tree else 0
         self.layout = P.Layout(page_size, pages_per_stream, num_pages, parallel + 1 + prompt_cache, dtype, kv_cache,
-                               media_rows=media_rows + 1 if media_rows else 0)
+                               media_rows=media_rows + 1 if media_rows else 0, tree_pages=tree_pages)
         if buckets is None and fixed_shapes is False and not P.row_invariant(params, self.backend):
             raise ValueError("batched shapes (fixed_shapes=False; the server's --shapes batched): a row's bits "
                              "would depend on the rows beside it with this backend and weights (only the Pallas "
@@ -163,7 +169,12 @@ class Engine:
                                  "alone), so drafted replies could differ from serial ones; run without drafts")
         if copy_drafts and drafter is not None:
             raise ValueError("copy_drafts and drafter: pick one source of drafts")
-        if drafter is not None:
+        if isinstance(draft_tree, bool) or not isinstance(draft_tree, int) or not 0 <= draft_tree <= 8:
+            raise ValueError(f"draft_tree (the server's --draft-tree) must be 0 (chains) or a node's most children, "
+                             f"1 to 8, got {draft_tree!r}")
+        if draft_tree and drafter is None:
+            raise ValueError("draft_tree (--draft-tree): tree windows draft from a DFlash drafter (--drafter)")
+        if drafter is not None and not draft_tree:
             # The window's rows: the pending token and up to block_size - 1 of the drafter's proposals.
             draft_rows = min(draft_rows, drafter.config.block_size)
             if draft_rows < 2:
@@ -193,7 +204,9 @@ class Engine:
             # Its draft cache keeps the newest DRAFT_WINDOW positions of each slot (more where a prompt chunk is
             # longer: a chunk's rows go in together), not more than a context holds.
             window = max(min(D.DRAFT_WINDOW, self.layout.max_len), buckets.prompt_rows[-1])
-            self.drafter = D.Drafter(drafter.params, drafter.config, window)
+            self.drafter = D.Drafter(drafter.params, drafter.config, window,
+                                     tree_rows=buckets.chain_rows[-1] if draft_tree else 0,
+                                     tree_branch=draft_tree or 2)
         self.draft_rows = buckets.chain_rows[-1] if drafting else 1
         # "batched" (power-of-two decode buckets, prompts packed in lanes) or "fixed" (one shape whatever the load)
         self.shape_policy = "batched" if buckets.packing is P.Packing.BATCHED else "fixed"

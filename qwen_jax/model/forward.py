@@ -198,20 +198,25 @@ def prefill(params, state: ModelState, batch: PrefillBatch, cfg: ModelConfig, ba
 
 
 def verify(params, state: ModelState, window: VerifyWindow, cfg: ModelConfig, backend: Backend, *,
-           taps: tuple[int, ...] = (), chain: bool = False):
-    """-> (logits [S, R, V] fp32, kept (per-layer rows for commit), taps [S, R, n, H] or None), and with chain the
-    state. State unchanged, except with chain: each stream's window is a chain (padded with rows off the root's
-    parent), its K/V rows are written at their positions and every row attends as the serial step at its position
-    would (`attention.chain_pass`), so its bits are the serial steps' (drafted ≡ serial); the K/V past the
-    accepted rows are never read (cache_len) and later overwritten. -> (logits, kept, taps, state)."""
+           taps: tuple[int, ...] = (), chain: bool = False, tree_scratch: jax.Array | None = None):
+    """-> (logits [S, R, V] fp32, kept (per-layer rows for commit), taps [S, R, n, H] or None), and with chain or
+    tree_scratch the state. State unchanged, except with chain: each stream's window is a chain (padded with rows
+    off the root's parent), its K/V rows are written at their positions and every row attends as the serial step at
+    its position would (`attention.chain_pass`), so its bits are the serial steps' (drafted ≡ serial); the K/V past
+    the accepted rows are never read (cache_len) and later overwritten. With tree_scratch ([S, R, 2] page ids kept
+    for windows), the same for a tree (`attention.tree_pass`): each row reads its ancestors' K/V through scratch
+    pages of its own, and only those pages are written. -> (logits, kept, taps, state)."""
     t = cfg.text
     x = _embed(params, state, window.tokens, backend)
+    depth = None if tree_scratch is None else window_depth(window.parents)
 
     def run_gdn(h, p, rec, conv, _):
         y, k = gdn_mixer.window_pass(h, p, rec, conv, window, t, backend)
         return y, rec, conv, k
 
     def run_attn(h, p, pool):
+        if tree_scratch is not None:
+            return attn_mixer.tree_pass(h, p, pool, window, tree_scratch, depth, t, backend)
         if chain:
             return attn_mixer.chain_pass(h, p, pool, window, t, backend)
         y, k = attn_mixer.window_pass(h, p, pool, window, t, backend)
@@ -220,7 +225,7 @@ def verify(params, state: ModelState, window: VerifyWindow, cfg: ModelConfig, ba
     x, h, new, kept, tapped = _layers(params, state, x, t, run_gdn, run_attn, taps, backend, False, head=True)
     logits = _head(params, x, t, backend, prompt=False, h=h)
     out = logits, tuple(kept), (jnp.stack(tapped, axis=2) if tapped else None)
-    return out + (new,) if chain else out
+    return out + (new,) if chain or tree_scratch is not None else out
 
 
 def step(params, state: ModelState, window: VerifyWindow, cfg: ModelConfig, backend: Backend):
