@@ -163,7 +163,7 @@ def cmd_eval_drafts(args) -> int:
                                         parallel=max(args.streams, 1), backend=_backend(args),
                                         progress=sys.stderr.isatty(), compile_cache=args.compile_cache or None,
                                         max_logprobs=0, drafter=args.drafter, copy_drafts=args.copy_drafts,
-                                        vision=False,
+                                        vision=False, draft_tree=args.draft_tree,
                                         draft_policy=DraftPolicy.parse(args.draft_policy, args.draft_costs))
         prompts = evaluate.draft_prompts(_eval_tokens(args, engine.tokenizer), args.prompts, args.prompt_tokens)
         with engine:
@@ -282,7 +282,7 @@ def cmd_bench(args) -> int:
                         repeats=args.repeats,
                         max_chunk=args.max_chunk, compile_timing=args.compile_timing, warm=not args.no_warm,
                         logprobs=args.logprobs, progress=sys.stderr.isatty(), draft_rows=draft_rows,
-                        drafter=drafter, log=log)
+                        drafter=drafter, draft_tree=args.draft_tree, log=log)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     finally:
@@ -370,6 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--draft-costs", metavar="JSON", default=None,
                     help='drafts: window costs in decode rounds for the adaptive policy, {"copy": {"2": 1.1, ...}, '
                          '"block": {...}}')
+    ev.add_argument("--draft-tree", type=int, default=0, metavar="K",
+                    help="drafts, with --drafter: windows verify trees of the drafter's likeliest continuations, "
+                         "up to K children a node (0: chains)")
     ev.add_argument("--json", action="store_true", help="print one JSON object")
     ev.set_defaults(fn=cmd_eval)
 
@@ -401,6 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="time --draft-rows as DFlash block-draft windows instead: the drafter's next block made on "
                          "the device after each window (a drafter dir, or 'synthetic': random bf16 weights at the "
                          "27B drafter's shapes)")
+    be.add_argument("--draft-tree", type=int, default=0, metavar="K",
+                    help="with --drafter: time tree windows of the drafter's likeliest continuations (up to K "
+                         "children a node; --draft-rows rows), each row read through its own scratch pages")
     be.add_argument("--no-compile-timing", dest="compile_timing", action="store_false",
                     help="compile once with --compile-cache instead of timing cold and warm compiles")
     be.add_argument("--no-warm", action="store_true", help="time the cold compile only")

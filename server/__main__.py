@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "what a window costs (copy drafts that do not pay give way to serial rounds, with a short "
                         "window now and then to check again), 'always' the most the round allows; either way "
                         "replies equal serial decoding's")
+    m.add_argument("--draft-tree", type=int, default=0, metavar="K",
+                   help="with --drafter: verify each window as a tree of the drafter's likeliest continuations, each "
+                        "node with up to K children (1..8; 0, the default: a chain of its argmax). The tree has as "
+                        "many rows as a window may (--draft-rows's 16 for one stream), each computed as the serial "
+                        "step at its position, so replies equal serial decoding's")
     m.add_argument("--draft-costs", metavar="JSON", default=None,
                    help='what a window costs in decode rounds, for --draft-policy adaptive: {"copy": {"2": 1.15, '
                         '"4": 1.19, ...}, "block": {...}} (default: an H100\'s at the 27B\'s shapes; measure with '
@@ -136,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         if path is not None and not Path(path).is_dir():
             print(f"error: {flag} {path}: not a directory", file=sys.stderr)
             return 2
+    if args.draft_tree and args.drafter is None:
+        print("error: --draft-tree: tree windows draft from a DFlash drafter (--drafter DIR)", file=sys.stderr)
+        return 2
     if args.drafter is not None and args.synthetic is not None:
         print("error: --drafter: a drafter needs a checkpoint's model, not --synthetic", file=sys.stderr)
         return 2
@@ -154,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                               progress=not args.no_progress, shapes=args.shapes, decode_kernel=args.decode_kernel,
                               copy_drafts=args.copy_drafts, drafter=args.drafter, prompt_cache=args.prompt_cache,
                               vision=not args.no_vision, draft_policy=args.draft_policy,
-                              draft_costs=args.draft_costs)
+                              draft_costs=args.draft_costs, draft_tree=args.draft_tree)
     except ValueError as e:  # checkpoint and config errors are ValueErrors with a message for the user
         print(f"error: {e}", file=sys.stderr)
         return 2

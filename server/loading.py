@@ -57,7 +57,7 @@ def build_engine(*, model: str | None, synthetic: str | None, dtype: str, kv_cac
                  parallel: int, max_queued: int, no_kernels: bool, max_logprobs: int, progress: bool,
                  shapes: str = "auto", decode_kernel: str = "auto", copy_drafts: bool = False,
                  drafter: str | None = None, prompt_cache: int = 0, vision: bool = True,
-                 draft_policy: str = "adaptive", draft_costs: str | None = None) -> Loaded:
+                 draft_policy: str = "adaptive", draft_costs: str | None = None, draft_tree: int = 0) -> Loaded:
     """Raises ValueError with a message for the user (bad dir, bad config, bad shape name, `--shapes batched`
     where rows are not computed independently of the batch, a decode kernel this machine lacks). shapes: "auto",
     "fixed" or "batched" (SHAPES); decode_kernel: DECODE_KERNELS; drafter: a DFlash drafter dir (block drafts)."""
@@ -83,5 +83,6 @@ def build_engine(*, model: str | None, synthetic: str | None, dtype: str, kv_cac
     if not model_dir.is_dir():
         raise ValueError(f"--model {model_dir}: not a directory")
     defaults = load_generation_defaults(model_dir)
-    engine = Engine.from_checkpoint(str(model_dir), drafter=drafter, vision=vision, **common)
+    tree = dict(draft_tree=draft_tree) if draft_tree else {}
+    engine = Engine.from_checkpoint(str(model_dir), drafter=drafter, vision=vision, **tree, **common)
     return Loaded(engine, str(model_dir), defaults)

@@ -115,16 +115,18 @@ def test_drafted_equals_serial_on_gpu(kv_cache, monkeypatch):
         e.shutdown()
 
 
-@pytest.mark.parametrize("kv_cache", ["bf16", "fp8"])
-def test_block_drafted_equals_serial_on_gpu(kv_cache, monkeypatch):
+@pytest.mark.parametrize("kv_cache,tree", [("bf16", 0), ("fp8", 0), ("bf16", 3), ("fp8", 3)])
+def test_block_drafted_equals_serial_on_gpu(kv_cache, tree, monkeypatch):
     """DFlash block drafts (`drafter`: captures/tiny-dflash, blocks of 4; drafts made and read on the device)
     against serial decoding, token for token and logprob for logprob, greedy and seeded-sampled, alone and beside a
     serial stream: first with the tiny random drafter's own drafts (windows nearly always cut after their first
     row), then with an oracle's in their place (each stream's serial reply with every 5th position changed, by its
-    slot: windows kept whole, in part and not at all); no compile while serving."""
+    slot: windows kept whole, in part and not at all); no compile while serving. tree: windows are the drafter's
+    trees (`draft_tree`, a node's most children), and the oracle's a ladder kept through second children only."""
     from qwen_jax import dflash_programs as D
     from qwen_jax.checkpoint import load_dflash
     from tests.test_drafts import _prompts, _request
+    from tests.test_tree_drafts import ladder_oracle
     ck = _params("bfloat16")
     drafter = load_dflash(CAPTURES / "tiny-dflash", target=ck.config.text, dtype=jnp.bfloat16)
     reqs = [_request(p, seed, max_tokens=n) for p in _prompts() for seed, n in ((None, 40), (11, 37))]
@@ -136,8 +138,9 @@ def test_block_drafted_equals_serial_on_gpu(kv_cache, monkeypatch):
                 pos = anchor_position[:, None] + 1 + jnp.arange(logits.shape[1])[None, :]
                 return t[slot[:, None], jnp.clip(pos, 0, t.shape[1] - 1)]
             monkeypatch.setattr(D, "propose", propose)
+            monkeypatch.setattr(D, "propose_tree", ladder_oracle(table))
         e = Engine(ck.params, ck.config, None, dtype="bfloat16", kv_cache=kv_cache, max_model_len=512,
-                   parallel=len(reqs), max_logprobs=2, progress=False, drafter=drafter)
+                   parallel=len(reqs), max_logprobs=2, progress=False, drafter=drafter, draft_tree=tree)
         e.start()
         try:
             if serial is None:

@@ -174,18 +174,19 @@ def _engine_no_drafter(**kw):
 PERIOD = 4
 
 
-def _oracle_tree(reply):
-    """propose_tree's place: a ladder whose right continuation (the reply's next token, one position in PERIOD
-    changed) is always the second child, under a wrong first child; windows are kept whole, in part and not at all,
-    and never through a first child. The reply enters the program as a numpy constant (tests/test_dflash_engine.py
-    says why)."""
+def ladder_oracle(table: np.ndarray):
+    """propose_tree's place: a ladder whose right continuation (table [slot, absolute position]: each stream's reply
+    with some positions changed) is always the second child, under a wrong first child; windows are kept whole, in
+    part and not at all, and never through a first child. The table enters the program as a numpy constant
+    (tests/test_dflash_engine.py says why)."""
 
     def oracle(logits, slot, anchor_position, nodes, branch):
         s = logits.shape[0]
         toks, pars = [], []
         for i in range(nodes):
             d = i // 2
-            right = jnp.asarray(reply)[jnp.clip(anchor_position + 1 + d, 0, len(reply) - 1)]
+            pos = jnp.clip(anchor_position + 1 + d, 0, table.shape[1] - 1)
+            right = jnp.asarray(table)[slot, pos]
             toks.append(right + 1 if i % 2 == 0 else right)
             pars.append(jnp.full((s,), 2 * d, jnp.int32))  # the right node one level up is row 2d (the root: 0)
         return jnp.stack(toks, 1).astype(jnp.int32), jnp.stack(pars, 1)
@@ -216,7 +217,8 @@ def test_tree_drafted_replies_equal_chain_drafted(monkeypatch):
     got = replies[0][0]
     reply = np.asarray(list(reqs[0].prompt_ids) + list(got.token_ids) + [0] * 16, np.int32)
     reply[np.arange(len(reply)) % PERIOD == 1] += 1
-    monkeypatch.setattr(D, "propose_tree", _oracle_tree(reply))
+    table = np.stack([reply, reply])  # a lone request decodes on slot 1
+    monkeypatch.setattr(D, "propose_tree", ladder_oracle(table))
     e = _engine(draft_tree=2, draft_policy=DraftPolicy("always"))
     try:
         before = e.stats()

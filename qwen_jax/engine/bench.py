@@ -101,7 +101,7 @@ def _parse_sizes(text: str, what: str) -> tuple[int, ...]:
 def run(params, cfg, *, backend, dtype: str = "bfloat16", kv_cache: str = "bf16", streams=(1, 16),
         prompt_lengths=(4096,), context: int = 1024, rounds: int = 64, repeats: int = 3, max_chunk: int = 4096,
         compile_timing: bool = True, warm: bool = True, logprobs: int = 0, progress: bool = True,
-        draft_rows=(), drafter=None, log=print) -> BenchResult:
+        draft_rows=(), drafter=None, draft_tree: int = 0, log=print) -> BenchResult:
     if max_chunk % P.GRID or max_chunk < P.GRID:
         raise ValueError(f"--max-chunk must be a positive multiple of {P.GRID}, got {max_chunk}")
     if rounds < 1 or context < 1 or repeats < 1:
@@ -112,7 +112,9 @@ def run(params, cfg, *, backend, dtype: str = "bfloat16", kv_cache: str = "bf16"
         raise ValueError(f"--draft-rows must be at most 16, got {','.join(map(str, draft_rows))}")
     if drafter is not None and not draft_rows:
         raise ValueError("--drafter times draft windows: give --draft-rows")
-    if drafter is not None and max(draft_rows) > drafter[1].block_size:
+    if draft_tree and drafter is None:
+        raise ValueError("--draft-tree times DFlash tree windows: give --drafter")
+    if drafter is not None and not draft_tree and max(draft_rows) > drafter[1].block_size:
         raise ValueError(f"--draft-rows: the drafter's block holds {drafter[1].block_size} rows")
     page = 64
     packing = P.Packing.BATCHED if P.row_invariant(params, backend) else P.Packing.MAPPED
@@ -125,7 +127,8 @@ def run(params, cfg, *, backend, dtype: str = "bfloat16", kv_cache: str = "bf16"
         jobs.append(("prompt", lay, P.Buckets(rows, (1,), (1,), packing=packing, logprobs=logprobs)))
     if streams:
         dp = P.pages_for(context + rounds * max((1, *draft_rows)) + 8, page)
-        lay = P.Layout(page, dp, max(streams) * dp + 1, max(streams) + 1, dtype, kv_cache)
+        tree_pages = 2 * max(streams) * max(draft_rows) if draft_tree else 0
+        lay = P.Layout(page, dp, max(streams) * dp + 1, max(streams) + 1, dtype, kv_cache, tree_pages=tree_pages)
         jobs.append(("decode", lay, P.Buckets((P.GRID,), (1,), tuple(streams), packing=packing, logprobs=logprobs,
                                               chain_rows=tuple(draft_rows))))
 
@@ -133,7 +136,8 @@ def run(params, cfg, *, backend, dtype: str = "bfloat16", kv_cache: str = "bf16"
         from qwen_jax import dflash_programs as D
         out = {}
         for kind, lay, b in jobs:
-            block = D.Drafter(*drafter, D.DRAFT_WINDOW) if drafter is not None and kind == "decode" else None
+            block = (D.Drafter(*drafter, D.DRAFT_WINDOW, tree_rows=max(draft_rows) if draft_tree else 0,
+                               tree_branch=draft_tree or 2) if drafter is not None and kind == "decode" else None)
             progs = P.Programs(params, cfg, lay, b, backend, drafter=block)
             keys = [k for k in progs.bucket_keys() if k[0] == kind or (kind == "decode" and k[0] == "draft")]
             out[kind] = (progs, keys)
@@ -214,7 +218,8 @@ def run(params, cfg, *, backend, dtype: str = "bfloat16", kv_cache: str = "bf16"
                                        block=drafter is not None)
                     into.setdefault(s, {})[r] = ms
                     log(f"draft {s} streams x {r} rows{', pipelined' if pipelined else ''}"
-                        f"{', block drafts' if drafter is not None else ''}: {ms:.2f} ms a window "
+                        f"{', block drafts' if drafter is not None else ''}"
+                        f"{f', trees of branch {draft_tree}' if draft_tree else ''}: {ms:.2f} ms a window "
                         f"({ms * fps / 1000:.2f} decode rounds)")
     return result
 
