@@ -208,13 +208,14 @@ def window_program(cfg: ModelConfig, d: Drafter, backend: M.Backend, top_n: int,
 
 
 def slot_copy_program() -> Callable:
-    """(state, dstate, src, dst) -> (state, dstate): `programs.slot_copy_program` and slot src's draft cache rows
-    and drafts copied to slot dst (the prompt cache keeps and restores them with the GDN states)."""
+    """(state, dstate, src, dst) -> (state, dstate): `programs.slot_copy_program` and slot src's draft cache rows,
+    drafts and their parents copied to slot dst (the prompt cache keeps and restores them with the GDN states)."""
     base = P.slot_copy_program()
 
     def program(state, dstate, src, dst):
         cache = dstate.cache
         cache = dflash.DraftCache(cache.k.at[:, dst].set(cache.k[:, src]), cache.v.at[:, dst].set(cache.v[:, src]))
-        return base(state, src, dst), DraftState(cache, dstate.drafts.at[dst].set(dstate.drafts[src]))
+        return base(state, src, dst), DraftState(cache, dstate.drafts.at[dst].set(dstate.drafts[src]),
+                                                 dstate.parents.at[dst].set(dstate.parents[src]))
 
     return program

@@ -144,11 +144,12 @@ def test_oracle_drafts_equal_random_ones(monkeypatch):
         e.shutdown()
 
 
-def test_resumed_with_the_drafter_equals_fresh():
+@pytest.mark.parametrize("tree", [0, 2])
+def test_resumed_with_the_drafter_equals_fresh(tree):
     """The prompt cache keeps and restores a slot's draft cache and drafts with its GDN state: a prompt resumed from
     a kept prefix gets the reply it gets with the cache emptied first, and its drafter ends on the same drafts (so
-    its context was the same all along)."""
-    e = _engine(prompt_cache=2)
+    its context was the same all along). tree: tree windows (`draft_tree`), whose drafts' parents are kept too."""
+    e = _engine(prompt_cache=2, draft_tree=tree)
     try:
         rng = np.random.default_rng(9)
         head = [int(t) for t in rng.integers(0, 500, size=100)]
@@ -165,9 +166,10 @@ def test_resumed_with_the_drafter_equals_fresh():
             h = e.submit(follow)
             reply = h.result(TIMEOUT)
             assert h.cached_tokens == (64 if resume else 0)
-            runs.append((reply, np.asarray(e.programs.dstate.drafts[1])))
+            runs.append((reply, np.asarray(e.programs.dstate.drafts[1]), np.asarray(e.programs.dstate.parents[1])))
         _same(runs[0][0], runs[1][0])
         np.testing.assert_array_equal(runs[0][1], runs[1][1])
+        np.testing.assert_array_equal(runs[0][2], runs[1][2])
         e.clear_prompt_cache()
         _baseline(e)
     finally:
