@@ -503,20 +503,25 @@ def tree_accepted(window: M.VerifyWindow, tokens: jax.Array) -> tuple[jax.Array,
     """The rows of each tree that stand: (path [S, R] root-first row indices (0 past its length), length [S]). Row 0
     (the pending token) always; then, from the newest row on the path, its child whose token is that row's sample
     (the lowest-numbered one, should two children hold the same token). A chain's path is `chain_accepted`'s rows.
-    Dummy streams (slot 0): none."""
+    Dummy streams (slot 0): none. Whole-window array operations, no loop over the rows: a row is a match when its
+    token is its parent's sample and no earlier sibling's token is the same; it stands when it and all its
+    ancestors are matches (the matches then form one path), and the path is the standing rows by depth."""
     s, r = window.tokens.shape
-    sampled = lambda rows: jnp.take_along_axis(tokens, rows[:, None], axis=1)[:, 0]  # noqa: E731
-    cur = jnp.zeros((s,), jnp.int32)
-    alive = window.slot > 0
-    path, took = [cur], alive.astype(jnp.int32)
-    for _ in range(1, r):
-        hit = (window.parents == cur[:, None]) & (window.tokens == sampled(cur)[:, None])
-        hit = hit & (jnp.arange(r)[None, :] > 0)
-        alive = alive & jnp.any(hit, axis=1)
-        cur = jnp.where(alive, jnp.argmax(hit, axis=1).astype(jnp.int32), 0)
-        path.append(cur)
-        took = took + alive.astype(jnp.int32)
-    return jnp.stack(path, axis=1), took
+    anc = M.window_ancestors(window.parents)  # [S, R, R]
+    depth = 1 + jnp.sum(anc, axis=2, dtype=jnp.int32)
+    par = jnp.maximum(window.parents, 0)
+    row = jnp.arange(r)
+    hit = (window.parents >= 0) & (window.tokens == jnp.take_along_axis(tokens, par, axis=1)) & (row[None] > 0)
+    same = ((window.parents[:, :, None] == window.parents[:, None, :])
+            & (window.tokens[:, :, None] == window.tokens[:, None, :]) & (row[None, None, :] < row[None, :, None]))
+    hit = hit & ~jnp.any(same & hit[:, None, :], axis=2)
+    stands = hit & ~jnp.any(anc & ~hit[:, None, :] & (row[None, None, :] > 0), axis=2)
+    stands = stands & (window.slot > 0)[:, None]
+    took = jnp.where(window.slot > 0, 1 + jnp.sum(stands, axis=1, dtype=jnp.int32), 0)
+    # the standing row at depth d + 1 is path entry d (entry 0: the root)
+    at = stands[:, None, :] & (depth[:, None, :] == row[None, 1:, None] + 1)  # [S, R - 1, R]
+    path = jnp.sum(jnp.where(at, row[None, None, :], 0), axis=2, dtype=jnp.int32)
+    return jnp.concatenate([jnp.zeros((s, 1), jnp.int32), path], axis=1), took
 
 
 def draft_program(cfg: ModelConfig, backend: M.Backend, top_n: int) -> Callable:

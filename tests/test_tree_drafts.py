@@ -94,6 +94,40 @@ def test_tree_accepted_follows_the_samples():
     assert int(P.tree_accepted(chain, s)[1][0]) == int(P.chain_accepted(chain, s)[0]) == 3
 
 
+def test_tree_accepted_equals_a_walk_on_random_trees():
+    """On random trees with few distinct tokens (so siblings repeat tokens and samples often match), padding rows
+    and a dummy stream: the path of a walk from the root, taking the lowest-numbered child whose token is the
+    newest row's sample, and the window depths of `model.window_depth`."""
+    rng = np.random.default_rng(3)
+    s, r = 64, 16
+    parents = np.full((s, r), -1, np.int32)
+    for i in range(s):
+        n = rng.integers(1, r + 1)
+        parents[i, 1:n] = [rng.integers(0, j) for j in range(1, n)]
+    tokens = rng.integers(0, 3, size=(s, r)).astype(np.int32)
+    sampled = rng.integers(0, 3, size=(s, r)).astype(np.int32)
+    lay = P.Layout(64, 4, 9, 4)
+    window = P.tree_window(lay, s + 1, r, tokens.tolist(), parents.tolist(), [10] * s, [1] * s,
+                           [np.arange(1, 5, dtype=np.int32)] * s)
+    path, took = P.tree_accepted(window, jnp.asarray(np.concatenate([sampled, np.zeros((1, r), np.int32)])))
+    path, took = np.asarray(path), np.asarray(took)
+    assert took[s] == 0
+    depth = np.asarray(M.window_depth(jnp.asarray(parents)))
+    for i in range(s):
+        walk = [0]
+        while True:
+            kids = [j for j in range(1, r) if parents[i, j] == walk[-1] and tokens[i, j] == sampled[i, walk[-1]]]
+            if not kids:
+                break
+            walk.append(kids[0])
+        assert took[i] == len(walk) and path[i, :len(walk)].tolist() == walk, i
+        for j in range(r):
+            d, k = 1, j
+            while parents[i, k] >= 0:
+                d, k = d + 1, parents[i, k]
+            assert depth[i, j] == d
+
+
 @pytest.mark.parametrize("kv_cache", ["bf16", "fp8"])
 def test_tree_rows_equal_one_row_windows(kv_cache):
     """`verify(tree_scratch=)` over a 7-row tree at cache_len 61 (its deepest rows past the page at 64), beside a

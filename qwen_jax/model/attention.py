@@ -3,6 +3,8 @@ attention (through the ops swap points), sigmoid output gate, o_proj. Letters: s
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -110,60 +112,66 @@ def tree_valid(window):
     return ((window.parents >= 0) | (jnp.arange(r)[None, :] == 0)) & (window.slot[:, None] > 0)
 
 
-def ancestors(parents):
-    """parents [S, R] (parents[s, r] < r, -1 off the committed prefix) -> [S, R, R] bool: [s, i, j] when row j is a
-    proper ancestor of row i."""
-    s, r = parents.shape
-    rows = []
-    for i in range(r):  # rows come after their parents, so a parent's row is built before its children's
-        par = parents[:, i]
-        up = jnp.zeros((s, r), bool) if i == 0 else jnp.stack(rows, axis=1)[jnp.arange(s), jnp.maximum(par, 0)]
-        own = jnp.arange(r)[None, :] == jnp.maximum(par, 0)[:, None]
-        rows.append(jnp.where((par >= 0)[:, None], up | own, False))
-    return jnp.stack(rows, axis=1)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TreeView:
+    """How a tree window's rows read the pool (`tree_pass`), the same in every attention layer: each row's page
+    table [S*R, Pmax], the pages copied into its first scratch page (src, dst [S*R]), its position [S*R] (0 for rows
+    outside the tree) and, per row, which window rows are its ancestors [S*R, R] and at which positions [S*R, R]."""
+    tables: jax.Array
+    src: jax.Array
+    dst: jax.Array
+    positions: jax.Array
+    anc: jax.Array
+    anc_positions: jax.Array
 
 
-def tree_pass(x, p, pool, window, scratch, depth, cfg: TextConfig, backend: Backend):
-    """A tree window's rows as the serial steps they stand for (drafted ≡ serial), `chain_pass` for trees. Row i of
-    a stream at depth d attends as a stream of its own over cache_len + d - 1 committed keys, the last d - 1 of them
-    its ancestors' K/V, with its own key as its one window key: what the serial step at its position reads once its
-    ancestors are committed. Siblings would claim the same positions in the stream's pages, so each row reads
-    through a page table of its own whose pages from the one holding cache_len on are the row's scratch pages
-    (scratch [S, R, 2] page ids the engine keeps for windows; a window of up to page_size + 1 rows spans two): the
-    first a copy of the stream's page there (the committed keys before cache_len), then the ancestors' keys written
-    into them as the serial steps wrote them. The stream's own pages are not written; `commit` writes the accepted
-    path. depth: `forward.window_depth` of the parents. -> (y, pool with the scratch pages written, kept rows for
-    `commit`)."""
-    q, gate, k, v, _ = project(x, p, window.rope_positions, cfg, backend, prompt=False)
-    s, r = q.shape[:2]
-    size = pool.page_size
-    if r > size + 1:
-        raise ValueError(f"a tree window of {r} rows spans more than two pages of {size}")
+def tree_view(window, scratch, page_size: int) -> TreeView:
+    """A tree window's `TreeView` (scratch [S, R, 2]: the page ids kept for its rows; see `tree_pass`)."""
+    from qwen_jax.model.forward import window_ancestors  # forward imports this module
+    s, r = window.parents.shape
+    if r > page_size + 1:
+        raise ValueError(f"a tree window of {r} rows spans more than two pages of {page_size}")
+    anc = window_ancestors(window.parents)
+    depth = 1 + jnp.sum(anc, axis=2, dtype=jnp.int32)
     valid = tree_valid(window)
-    first = window.cache_len // size  # the logical page holding position cache_len
+    first = window.cache_len // page_size  # the logical page holding position cache_len
     width = window.page_table.shape[1]
     logical = jnp.arange(width)[None, None, :]
     f = first[:, None, None]
     tables = jnp.where(logical == f, scratch[..., :1], jnp.where(logical == f + 1, scratch[..., 1:],
                                                                  window.page_table[:, None, :]))  # [S, R, Pmax]
     src = jnp.take_along_axis(window.page_table, jnp.minimum(first, width - 1)[:, None], axis=1)  # [S, 1]
-    dst = scratch[..., 0].reshape(-1)
-    src = jnp.broadcast_to(src, (s, r)).reshape(-1)
+    positions = window.cache_len[:, None] + depth - 1  # [S, R]
+    return TreeView(tables.reshape(s * r, width), jnp.broadcast_to(src, (s, r)).reshape(-1),
+                    scratch[..., 0].reshape(-1), jnp.where(valid, positions, 0).reshape(-1),
+                    (anc & valid[:, :, None]).reshape(s * r, r),
+                    jnp.broadcast_to(positions[:, None], (s, r, r)).reshape(s * r, r))
+
+
+def tree_pass(x, p, pool, window, view: TreeView, cfg: TextConfig, backend: Backend):
+    """A tree window's rows as the serial steps they stand for (drafted ≡ serial), `chain_pass` for trees. Row i of
+    a stream at depth d attends as a stream of its own over cache_len + d - 1 committed keys, the last d - 1 of them
+    its ancestors' K/V, with its own key as its one window key: what the serial step at its position reads once its
+    ancestors are committed. Siblings would claim the same positions in the stream's pages, so each row reads
+    through a page table of its own whose pages from the one holding cache_len on are the row's scratch pages
+    (`tree_view`; two a row, the engine keeps them for windows; a window of up to page_size + 1 rows spans two): the
+    first a copy of the stream's page there (the committed keys before cache_len), then the ancestors' keys written
+    into them as the serial steps wrote them. The stream's own pages are not written; `commit` writes the accepted
+    path. -> (y, pool with the scratch pages written, kept rows for `commit`)."""
+    q, gate, k, v, _ = project(x, p, window.rope_positions, cfg, backend, prompt=False)
+    s, r = q.shape[:2]
 
     def copy(a):
-        return None if a is None else a.at[:, dst].set(a[:, src])
+        return None if a is None else a.at[:, view.dst].set(a[:, view.src])
 
     pool = pool.with_arrays(copy(pool.k), copy(pool.v), copy(pool.k_scale), copy(pool.v_scale))
     # Every row's ancestors, at their positions, through that row's table.
-    anc = ancestors(window.parents) & valid[:, :, None]  # [S, R(row), R(ancestor)]
     rows = lambda a: jnp.broadcast_to(a[:, None], (s, r) + a.shape[1:]).reshape((s * r,) + a.shape[1:])  # noqa
-    positions = window.cache_len[:, None] + depth - 1  # [S, R]
-    pool = ops.kv_write(backend, pool, rows(k), rows(v), tables.reshape(s * r, width), rows(positions),
-                        anc.reshape(s * r, r))
+    pool = ops.kv_write(backend, pool, rows(k), rows(v), view.tables, view.anc_positions, view.anc)
     one = lambda a: a.reshape((s * r, 1) + a.shape[2:])  # noqa: E731
     o = ops.attention_window(backend, one(q), one(k), one(v), jnp.full((s * r, 1), -1, jnp.int32), pool,
-                             tables.reshape(s * r, width), jnp.where(valid, positions, 0).reshape(s * r),
-                             scale=cfg.head_dim ** -0.5)
+                             view.tables, view.positions, scale=cfg.head_dim ** -0.5)
     return finish(o.reshape(q.shape), gate, p, cfg, backend, prompt=False), pool, {"k": k, "v": v}
 
 

@@ -64,15 +64,20 @@ def text_rope_positions(positions: jax.Array) -> jax.Array:
     return jnp.broadcast_to(positions[None], (3,) + positions.shape)
 
 
+def window_ancestors(parents: jax.Array) -> jax.Array:
+    """parents [S, R] (parents[s, r] < r; -1: a child of the committed prefix) -> [S, R, R] bool, [s, i, j] when row
+    j is a proper ancestor of row i. The parent relation closed by squaring: log2(R) small batched matmuls, not a
+    launch or two a row (a window program runs it once, next to ~1000 kernels)."""
+    r = parents.shape[1]
+    anc = (parents[:, :, None] == jnp.arange(r)[None, None, :]).astype(jnp.float32)
+    for _ in range(max(1, (r - 1).bit_length())):  # paths of up to 2, 4, ... steps
+        anc = jnp.minimum(anc + jnp.einsum("sij,sjk->sik", anc, anc), 1.0)
+    return anc > 0
+
+
 def window_depth(parents: jax.Array) -> jax.Array:
     """parents [S, R] -> depth [S, R] (1 for a child of the committed prefix)."""
-    r = parents.shape[1]
-    depth = jnp.zeros(parents.shape, jnp.int32)
-    for i in range(r):
-        par = parents[:, i]
-        d_par = jnp.take_along_axis(depth, jnp.maximum(par, 0)[:, None], axis=1)[:, 0]
-        depth = depth.at[:, i].set(jnp.where(par >= 0, d_par + 1, 1))
-    return depth
+    return 1 + jnp.sum(window_ancestors(parents), axis=2, dtype=jnp.int32)
 
 
 def make_prefill_batch(tokens, start, lengths, slot, page_table) -> PrefillBatch:
@@ -208,7 +213,8 @@ def verify(params, state: ModelState, window: VerifyWindow, cfg: ModelConfig, ba
     pages of its own, and only those pages are written. -> (logits, kept, taps, state)."""
     t = cfg.text
     x = _embed(params, state, window.tokens, backend)
-    depth = None if tree_scratch is None else window_depth(window.parents)
+    # a tree's rows' page tables and ancestors, once for every attention layer
+    tree = None if tree_scratch is None else attn_mixer.tree_view(window, tree_scratch, state.kv[0].page_size)
 
     def run_gdn(h, p, rec, conv, _):
         y, k = gdn_mixer.window_pass(h, p, rec, conv, window, t, backend)
@@ -216,7 +222,7 @@ def verify(params, state: ModelState, window: VerifyWindow, cfg: ModelConfig, ba
 
     def run_attn(h, p, pool):
         if tree_scratch is not None:
-            return attn_mixer.tree_pass(h, p, pool, window, tree_scratch, depth, t, backend)
+            return attn_mixer.tree_pass(h, p, pool, window, tree, t, backend)
         if chain:
             return attn_mixer.chain_pass(h, p, pool, window, t, backend)
         y, k = attn_mixer.window_pass(h, p, pool, window, t, backend)
