@@ -41,6 +41,15 @@ bench_27b() {
     --no-compile-timing --compile-cache "" 2>&1 | tee "$out/bench_27b.log" | tail -"$2"
 }
 
+# The demo model's drafted decoding (eval drafts, policy "always") with chains, then trees of branch 2 and 3.
+demo_tree_evals() {
+  for tree in 0 2 3; do
+    timeout 80 python3 -m qwen_jax eval drafts --model models/demo-mlx-8bit --drafter models/demo-dflash \
+      --text /usr/share/common-licenses/GPL-3 --prompts 8 --gen-tokens 128 --streams 1 --draft-policy always \
+      --draft-tree $tree --compile-cache "" 2>&1 | tail -1
+  done
+}
+
 # The one-stream 27B round (1K context) traced into $out/profile$2.txt. $1: the time limit (s); $2: a flag of
 # decode_profile.py ("" for none); $3: the events to print besides the round's (a grep alternation).
 profile_round() {
@@ -163,22 +172,14 @@ case "$stage" in
     # trees of branch 3 (the random tiny drafter's trees, then an oracle's ladders kept through second children
     # only), bf16 and fp8; then the demo's drafted decoding with chains and with trees of 16 rows.
     gpu_pytest 330 tree_gates 8 tests/test_engine_gpu.py -k "block_drafted"
-    for tree in 0 2 3; do
-      timeout 80 python3 -m qwen_jax eval drafts --model models/demo-mlx-8bit --drafter models/demo-dflash \
-        --text /usr/share/common-licenses/GPL-3 --prompts 8 --gen-tokens 128 --streams 1 --draft-policy always \
-        --draft-tree $tree --compile-cache "" 2>&1 | tail -1
-    done
+    demo_tree_evals
     ;;
   hundred-sixty-seventh)
     # Session 42 (~6 min): hundred-sixty-sixth and -fifth's evals again after the tree's bookkeeping became whole-
     # window array operations (ancestors by squaring, once a window; acceptance without a loop over the rows).
     # hundred-sixty-sixth measured a 16-row tree window at 1.81 decode rounds against a chain's 1.59.
     bash "$0" hundred-sixty-sixth
-    for tree in 0 2 3; do
-      timeout 80 python3 -m qwen_jax eval drafts --model models/demo-mlx-8bit --drafter models/demo-dflash \
-        --text /usr/share/common-licenses/GPL-3 --prompts 8 --gen-tokens 128 --streams 1 --draft-policy always \
-        --draft-tree $tree --compile-cache "" 2>&1 | tail -1
-    done
+    demo_tree_evals
     ;;
   hundred-sixty-sixth)
     # Session 42 (~7 min): what a tree window costs at the 27B's shapes (the synthetic drafter's blocks of 16),
