@@ -62,9 +62,9 @@ class Drafter:
 
     def __post_init__(self):
         if self.tree_rows and not 2 <= self.tree_rows <= TREE_ROWS_MAX:
-            raise ValueError(f"--draft-tree: a tree of 2 to {TREE_ROWS_MAX} rows, got {self.tree_rows}")
+            raise ValueError(f"tree_rows: a tree window of 2 to {TREE_ROWS_MAX} rows, got {self.tree_rows}")
         if self.tree_rows and not 1 <= self.tree_branch <= 8:
-            raise ValueError(f"--draft-tree-branch: 1 to 8 children a node, got {self.tree_branch}")
+            raise ValueError(f"tree_branch (--draft-tree): 1 to 8 children a node, got {self.tree_branch}")
 
     @property
     def nodes(self) -> int:
