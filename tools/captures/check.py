@@ -19,6 +19,14 @@ by 2.8e-5 to 5.5e-5 under five settings of ATEN_CPU_CAPABILITY and MKL_CBWR (non
 order), and HF's own cached and full passes differ by ~7e-5 on one machine (`prompt_stepwise_cached_vs_full_max_abs`
 in the log). 1e-4 against logits of magnitude ~12 still flags any change in the tools or the scripts (a wrong weight
 or op moves them by far more); mlx-lm reproduced its capture exactly there, so it keeps 1e-5.
+
+Why dflash's is 5e-4 (it shared the HF 1e-4 until session 42): on an AMD EPYC with AVX-512 (session 42) the
+regenerated dflash arrays differed from the committed ones by up to 1.6e-4 (direct.call1.logits) and 2.0e-4
+(gen.chat.draft_margin, a difference of two logits), and by 7e-5 to 2.0e-4 under each of ATEN_CPU_CAPABILITY
+avx2 / default / avx512 and MKL_CBWR COMPATIBLE / AVX2 / AVX512; none reproduced the capture machine's order,
+though the same settings reproduce the HF capture exactly (avx512: delta 0). The drafter's logits reach ~9.3, so
+5e-4 is ~5e-5 of them: any change to the tool, the weights or the scripts still moves them by far more. Its integer
+arrays (tokens, drafts) stay exact.
 """
 
 import sys
@@ -32,7 +40,7 @@ import make_vision
 import refs_hf
 import refs_mlx
 
-TOLERANCE = {"hf": 1e-4, "mlx": 1e-5}
+TOLERANCE = {"hf": 1e-4, "mlx": 1e-5, "dflash": 5e-4}
 
 
 def compare(label: str, fresh: dict, committed_path: Path, prompt: str, tolerance: float) -> bool:
@@ -100,7 +108,7 @@ def main(captures_dir: str) -> int:
     mlx = refs_mlx.main(str(root / "tiny-mlx-4bit"), prompts, "", only=["short"])
     ok &= compare("mlx-tiny-mlx-4bit-f32", mlx, refs / "mlx-tiny-mlx-4bit-f32.npz", "short", TOLERANCE["mlx"])
     dflash = make_dflash.capture(str(root / "tiny"), str(root / "tiny-dflash"), prompts, "", only=["chat"])
-    ok &= compare_all("dflash-tiny-f32", dflash, refs / "dflash-tiny-f32.npz", TOLERANCE["hf"])
+    ok &= compare_all("dflash-tiny-f32", dflash, refs / "dflash-tiny-f32.npz", TOLERANCE["dflash"])
     ok &= check_processor_config(root / "tiny")
     vision = make_vision.capture(str(root / "tiny"), "")
     ok &= compare_all("hf-tiny-vision-f32", vision, refs / "hf-tiny-vision-f32.npz", TOLERANCE["hf"])
