@@ -499,16 +499,18 @@ def chain_accepted(window: M.VerifyWindow, tokens: jax.Array) -> jax.Array:
     return jnp.where(window.slot == 0, 0, took)
 
 
-def tree_accepted(window: M.VerifyWindow, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+def tree_accepted(window: M.VerifyWindow, tokens: jax.Array, anc: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
     """The rows of each tree that stand: (path [S, R] root-first row indices (0 past its length), length [S]). Row 0
     (the pending token) always; then, from the newest row on the path, its child whose token is that row's sample
     (the lowest-numbered one, should two children hold the same token). A chain's path is `chain_accepted`'s rows.
     Dummy streams (slot 0): none. Whole-window array operations, no loop over the rows: a row is a match when its
     token is its parent's sample and no earlier sibling's token is the same; it stands when it and all its
-    ancestors are matches (the matches then form one path), and the path is the standing rows by depth."""
+    ancestors are matches (the matches then form one path), and the path is the standing rows by depth. anc: the
+    parents' `model.window_ancestors`, where the caller has them."""
     s, r = window.tokens.shape
-    anc = M.window_ancestors(window.parents)  # [S, R, R]
-    depth = 1 + jnp.sum(anc, axis=2, dtype=jnp.int32)
+    anc = M.window_ancestors(window.parents) if anc is None else anc  # [S, R, R]
+    depth = M.depth_of(anc)
     par = jnp.maximum(window.parents, 0)
     row = jnp.arange(r)
     hit = (window.parents >= 0) & (window.tokens == jnp.take_along_axis(tokens, par, axis=1)) & (row[None] > 0)
@@ -582,7 +584,8 @@ def chain_window(params, state, last, lens, window: M.VerifyWindow, sp, cfg: Mod
     if tree is not None:
         parents, scratch = tree
         window = dataclasses.replace(window, parents=parents)
-        depth = M.window_depth(parents)
+        anc = M.window_ancestors(parents)  # the tree's depths here, its acceptance below
+        depth = M.depth_of(anc)
         delta = delta[:, :1]  # a stream's delta is the same at every row
         moved = jnp.ones_like(from_dev)
     pos = cache_len[:, None] + depth - 1
@@ -600,7 +603,7 @@ def chain_window(params, state, last, lens, window: M.VerifyWindow, sp, cfg: Mod
         took = chain_accepted(window, tokens)
         path = jnp.broadcast_to(jnp.arange(r, dtype=jnp.int32), (s, r))
     else:
-        path, took = tree_accepted(window, tokens)
+        path, took = tree_accepted(window, tokens, anc)
         tokens = jnp.take_along_axis(tokens, path, axis=1)
         flat = (path + r * jnp.arange(s, dtype=jnp.int32)[:, None]).reshape(-1)
         lp = None if lp is None else jax.tree.map(lambda a: a[flat], lp)

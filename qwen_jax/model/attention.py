@@ -128,12 +128,12 @@ class TreeView:
 
 def tree_view(window, scratch, page_size: int) -> TreeView:
     """A tree window's `TreeView` (scratch [S, R, 2]: the page ids kept for its rows; see `tree_pass`)."""
-    from qwen_jax.model.forward import window_ancestors  # forward imports this module
+    from qwen_jax.model.forward import depth_of, window_ancestors  # forward imports this module
     s, r = window.parents.shape
     if r > page_size + 1:
         raise ValueError(f"a tree window of {r} rows spans more than two pages of {page_size}")
     anc = window_ancestors(window.parents)
-    depth = 1 + jnp.sum(anc, axis=2, dtype=jnp.int32)
+    depth = depth_of(anc)
     valid = tree_valid(window)
     first = window.cache_len // page_size  # the logical page holding position cache_len
     width = window.page_table.shape[1]

@@ -75,9 +75,14 @@ def window_ancestors(parents: jax.Array) -> jax.Array:
     return anc > 0
 
 
+def depth_of(ancestors: jax.Array) -> jax.Array:
+    """`window_ancestors` [S, R, R] -> depth [S, R] (1 for a child of the committed prefix)."""
+    return 1 + jnp.sum(ancestors, axis=2, dtype=jnp.int32)
+
+
 def window_depth(parents: jax.Array) -> jax.Array:
     """parents [S, R] -> depth [S, R] (1 for a child of the committed prefix)."""
-    return 1 + jnp.sum(window_ancestors(parents), axis=2, dtype=jnp.int32)
+    return depth_of(window_ancestors(parents))
 
 
 def make_prefill_batch(tokens, start, lengths, slot, page_table) -> PrefillBatch:
