@@ -1,6 +1,8 @@
-"""Where a copy-draft chain window's time goes on the 27B: one stream at --context, chain windows of --rows rows
-(draft + commit, as `python -m qwen_jax bench --draft-rows`), a few traced with jax.profiler and summarized by
-kernel (decode_profile.summarize_trace), beside a traced decode round."""
+"""Where a draft window's time goes on the 27B: one stream at --context, windows of --rows rows (draft + commit, as
+`python -m qwen_jax bench --draft-rows`), a few traced with jax.profiler and summarized by kernel
+(decode_profile.summarize_trace), beside a traced decode round. Copy-draft chains by default; `--drafter synthetic`
+makes them DFlash windows (the drafter run on the device after each) and `--tree 0,2` traces chains and trees of
+branch 2 one after the other in one process (each with its own programs)."""
 
 import argparse
 import os
@@ -16,7 +18,15 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--windows", type=int, default=4, help="traced windows")
     ap.add_argument("--trace", default="/tmp/trace_draft", help="trace dir prefix ('' = no trace)")
+    ap.add_argument("--drafter", choices=("synthetic",), default=None,
+                    help="DFlash windows with the 27B drafter's shapes (random bf16 weights)")
+    ap.add_argument("--tree", default="0", help="with --drafter: branch factors to trace, 0 = chains (e.g. 0,2)")
+    ap.add_argument("--pipelined", action="store_true", help="windows enqueued before the previous one is fetched")
+    ap.add_argument("--dump", action="store_true", help="also write every device event to <trace>_<what>.events.tsv")
     args = ap.parse_args(argv)
+    trees = [int(t) for t in args.tree.split(",")]
+    if any(trees) and args.drafter is None:
+        ap.error("--tree needs --drafter")
     from qwen_jax import programs as P
     from qwen_jax import sampling
     from qwen_jax.engine import bench
@@ -24,34 +34,49 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from decode_profile import summarize_trace
     params, cfg = bench.synthetic_params("27b", dtype="bfloat16")
+    drafter = None
+    if args.drafter:
+        from qwen_jax.synthetic import synthetic_drafter
+        drafter = synthetic_drafter(cfg.text, jax.random.key(1), dtype=jax.numpy.bfloat16)
     dp = P.pages_for(args.context + 64 * args.rows + 64, 64)
-    lay = P.Layout(64, dp, dp + 1, 2, "bfloat16", "bf16")
-    b = P.Buckets((P.GRID,), (1,), (1,), packing=P.Packing.BATCHED, chain_rows=(args.rows,))
-    progs = P.Programs(params, cfg, lay, b, Backend.default())
-    progs.compile([k for k in progs.bucket_keys() if k[0] != "prompt"])
     rule = sampling.RequestSampling(seed=0, temperature=0.0)
     table = np.arange(1, dp + 1, dtype=np.int32)
     rng = np.random.default_rng(0)
     import time
-    for what in ("draft", "decode"):
-        for traced in (False, True) if args.trace else (False,):
-            if traced:
-                jax.profiler.start_trace(f"{args.trace}_{what}", create_perfetto_trace=True)
-            t0 = time.perf_counter()
-            if what == "draft":
-                bench.draft_windows(progs, [table], args.context, rule, args.rows, args.windows, 1, 400, rng)
-            else:
-                bench.pipelined_decode(progs, [table], [args.context], rule, args.windows, first_tokens=[1])
-            jax.block_until_ready(progs.state)
-            if not traced:
-                n = args.windows + (2 if what == "draft" else 0)
-                print(f"{what}: {(time.perf_counter() - t0) * 1e3 / n:.2f} ms a "
-                      f"{'window' if what == 'draft' else 'round'} (untraced, {n})")
-            if traced:
-                jax.profiler.stop_trace()
-        if args.trace:
-            print(f"=== {what} ({args.rows if what == 'draft' else 1} rows), per window / round")
-            summarize_trace(f"{args.trace}_{what}", args.windows + (2 if what == "draft" else 0))
+    for tree in trees:
+        progs = None
+        lay = P.Layout(64, dp, dp + 1, 2, "bfloat16", "bf16", tree_pages=2 * args.rows if tree else 0)
+        b = P.Buckets((P.GRID,), (1,), (1,), packing=P.Packing.BATCHED, chain_rows=(args.rows,))
+        block = None
+        if drafter is not None:
+            from qwen_jax import dflash_programs as D
+            block = D.Drafter(*drafter, D.DRAFT_WINDOW, tree_rows=args.rows if tree else 0, tree_branch=tree or 2)
+        progs = P.Programs(params, cfg, lay, b, Backend.default(), drafter=block)
+        progs.compile([k for k in progs.bucket_keys() if k[0] != "prompt"])
+        label = f"tree{tree}" if tree else "chain"
+        for what in ("draft", "decode") if tree == trees[0] else ("draft",):
+            name = f"{label}_{what}" if what == "draft" else what
+            for traced in (False, True) if args.trace else (False,):
+                if traced:
+                    jax.profiler.start_trace(f"{args.trace}_{name}", create_perfetto_trace=True)
+                t0 = time.perf_counter()
+                if what == "draft":
+                    bench.draft_windows(progs, [table], args.context, rule, args.rows, args.windows, 1, 400, rng,
+                                        pipelined=args.pipelined, block=drafter is not None)
+                else:
+                    bench.pipelined_decode(progs, [table], [args.context], rule, args.windows, first_tokens=[1])
+                jax.block_until_ready(progs.state)
+                if not traced:
+                    n = args.windows + (2 if what == "draft" else 0)
+                    print(f"{name}: {(time.perf_counter() - t0) * 1e3 / n:.2f} ms a "
+                          f"{'window' if what == 'draft' else 'round'} (untraced, {n})")
+                if traced:
+                    jax.profiler.stop_trace()
+            if args.trace:
+                print(f"=== {name} ({args.rows if what == 'draft' else 1} rows), per window / round")
+                summarize_trace(f"{args.trace}_{name}", args.windows + (2 if what == "draft" else 0),
+                                dump=f"{args.trace}_{name}" if args.dump else None)
+        progs.state = None
     return 0
 
 
