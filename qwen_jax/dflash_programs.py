@@ -96,20 +96,6 @@ def propose(logits: jax.Array, slot: jax.Array, anchor_position: jax.Array) -> j
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-def top_k_small(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """`jax.lax.top_k` over the last axis for a small k, as k argmax passes (each masks the one it took): the same
-    values and indices, ties to the lower index, for rows without NaN and with at least k entries above -inf. On a
-    GPU, top_k over a vocabulary-wide row lowers to a sort; k reductions read it k times instead."""
-    cols = jnp.arange(x.shape[-1])
-    vals, idxs = [], []
-    for _ in range(k):
-        i = jnp.argmax(x, axis=-1)
-        vals.append(jnp.take_along_axis(x, i[..., None], axis=-1)[..., 0])
-        idxs.append(i.astype(jnp.int32))
-        x = jnp.where(cols == i[..., None], -jnp.inf, x)
-    return jnp.stack(vals, axis=-1), jnp.stack(idxs, axis=-1)
-
-
 def propose_tree(logits: jax.Array, slot: jax.Array, anchor_position: jax.Array, nodes: int, branch: int
                  ) -> tuple[jax.Array, jax.Array]:
     """The drafter's logits [S, B - 1, V] for the positions after anchor_position [S] of each stream's slot [S]
@@ -123,7 +109,7 @@ def propose_tree(logits: jax.Array, slot: jax.Array, anchor_position: jax.Array,
     del slot, anchor_position
     s, depth_max = logits.shape[:2]
     k = min(branch, logits.shape[-1])
-    top_lp, top_tok = top_k_small(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)  # [S, D, k]
+    top_lp, top_tok = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)  # [S, D, k]
     width = nodes + 1
     neg = jnp.float32(-jnp.inf)
     idx = jnp.arange(s)

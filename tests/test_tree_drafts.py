@@ -74,22 +74,6 @@ def test_propose_tree_is_the_likeliest_continuations(nodes, branch):
             assert all(parents[s, i] < i + 1 for i in range(k))
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 8])
-def test_top_k_small_is_lax_top_k(k):
-    """The tree builder's top-k (k argmax passes) against jax.lax.top_k: values and indices, ties included (a row of
-    repeated values, a row of one value, -inf entries beside k finite ones)."""
-    rng = np.random.default_rng(k)
-    x = rng.normal(size=(4, 5, 300)).astype(np.float32)
-    x[0, 0] = np.round(x[0, 0])  # many ties
-    x[1, 1] = 0.5  # all tied
-    x[2, 2, k:] = -np.inf
-    x[3, 3, :150] = x[3, 3, 150:]  # each value twice
-    got = jax.jit(lambda a: D.top_k_small(a, k))(jnp.asarray(x))
-    want = jax.lax.top_k(jnp.asarray(x), k)
-    for g, w in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-
-
 def test_tree_accepted_follows_the_samples():
     """Row 0 stands; then the child of the newest row on the path whose token is that row's sample; a chain is
     `chain_accepted`'s; padding rows and dummy streams never stand."""

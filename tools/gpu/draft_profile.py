@@ -20,13 +20,12 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", default="/tmp/trace_draft", help="trace dir prefix ('' = no trace)")
     ap.add_argument("--drafter", choices=("synthetic",), default=None,
                     help="DFlash windows with the 27B drafter's shapes (random bf16 weights)")
-    ap.add_argument("--tree", default="0", help="with --drafter: branch factors to trace, 0 = chains (e.g. 0,2); a "
-                    "branch with an L (2L) builds its trees with jax.lax.top_k instead of top_k_small")
+    ap.add_argument("--tree", default="0", help="with --drafter: branch factors to trace, 0 = chains (e.g. 0,2)")
     ap.add_argument("--pipelined", action="store_true", help="windows enqueued before the previous one is fetched")
     ap.add_argument("--dump", action="store_true", help="also write every device event to <trace>_<what>.events.tsv")
     args = ap.parse_args(argv)
-    trees = args.tree.split(",")
-    if any(int(t.rstrip("L")) for t in trees) and args.drafter is None:
+    trees = [int(t) for t in args.tree.split(",")]
+    if any(trees) and args.drafter is None:
         ap.error("--tree needs --drafter")
     from qwen_jax import programs as P
     from qwen_jax import sampling
@@ -44,21 +43,18 @@ def main(argv=None) -> int:
     table = np.arange(1, dp + 1, dtype=np.int32)
     rng = np.random.default_rng(0)
     import time
-    from qwen_jax import dflash_programs as D
-    top_k_small = D.top_k_small
-    for spec in trees:
-        tree = int(spec.rstrip("L"))
-        D.top_k_small = jax.lax.top_k if spec.endswith("L") else top_k_small
+    for tree in trees:
         progs = None
         lay = P.Layout(64, dp, dp + 1, 2, "bfloat16", "bf16", tree_pages=2 * args.rows if tree else 0)
         b = P.Buckets((P.GRID,), (1,), (1,), packing=P.Packing.BATCHED, chain_rows=(args.rows,))
         block = None
         if drafter is not None:
+            from qwen_jax import dflash_programs as D
             block = D.Drafter(*drafter, D.DRAFT_WINDOW, tree_rows=args.rows if tree else 0, tree_branch=tree or 2)
         progs = P.Programs(params, cfg, lay, b, Backend.default(), drafter=block)
         progs.compile([k for k in progs.bucket_keys() if k[0] != "prompt"])
-        label = f"tree{spec}" if tree else "chain"
-        for what in ("draft", "decode") if spec == trees[0] else ("draft",):
+        label = f"tree{tree}" if tree else "chain"
+        for what in ("draft", "decode") if tree == trees[0] else ("draft",):
             name = f"{label}_{what}" if what == "draft" else what
             for traced in (False, True) if args.trace else (False,):
                 if traced:

@@ -179,11 +179,12 @@ case "$stage" in
     nvidia-smi --query-gpu=name --format=csv,noheader
     bench_27b 300 5 ;;
   hundred-sixty-eighth)
-    # Session 43 (~7 min): where a tree window's extra time goes at the 27B's shapes. A 16-row DFlash window with
-    # chains, then trees of branch 2 (top_k_small, then jax.lax.top_k), pipelined, traced kernel by kernel beside a
-    # decode round (hundred-sixty-seventh: 1.60 rounds a chain window, 1.89 a tree window). Every device event goes
-    # to $out.
-    timeout 420 python3 tools/gpu/draft_profile.py --rows 16 --windows 6 --drafter synthetic --tree 0,2,2L \
+    # Session 43 (~4 min): where a tree window's extra time goes at the 27B's shapes. A 16-row DFlash window with
+    # chains, then trees of branch 2, pipelined, traced kernel by kernel beside a decode round (hundred-sixty-
+    # seventh: 1.60 rounds a chain window, 1.89 a tree window). Every device event goes to $out. (It ran at
+    # be8b667 with --tree 0,2,2L: trees built with top_k_small, 3c8ffb6, then with jax.lax.top_k; XLA's TopK kernel
+    # took 51 us a window, so top_k_small was reverted.)
+    timeout 420 python3 tools/gpu/draft_profile.py --rows 16 --windows 6 --drafter synthetic --tree 0,2 \
       --pipelined --dump --trace "$out/trace" > "$out/draft_profile.log" 2>&1
     grep -E "untraced|^===|^trace:|Error|error" "$out/draft_profile.log" | cut -c1-200
     ;;
