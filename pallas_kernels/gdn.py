@@ -150,13 +150,15 @@ def _window_one(q, k, v, g, beta, parents, state):
 
 
 def window_reference(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
-                     parents: jax.Array, rec_pool: jax.Array, slot: jax.Array) -> jax.Array:
+                     parents: jax.Array, rec_pool: jax.Array, slot: jax.Array, leaves: bool = False) -> jax.Array:
     """Every node's output from its parent's state updated by its own row; states read-only.
 
     q, k [S, R, Hk, dk]; v [S, R, Hv, dv]; g, beta [S, R, Hv] fp32
     parents [S, R] int32: -1 = the stream's committed state, else an earlier row (parents[s, r] < r)
     rec_pool [N, Hv, dk, dv] fp32; slot [S] -> o [S, R, Hv, dv] in v.dtype
+    leaves: the kernel's schedule (`window`); the reference's result does not depend on it.
     """
+    del leaves
     out = jax.vmap(_window_one)(q, k, v, g, beta, parents, rec_pool[slot])
     return out.astype(v.dtype)
 
@@ -789,10 +791,11 @@ def _row_output(state, q):
     return jnp.sum(state * q[:, None], axis=0)
 
 
-def _recurrent_kernel(*refs, group, block_v, emit):
-    """Runs a list of steps over one [dk, block_v] state slice per (stream, value head, dv block).
-    q, k [S, R, Hk, dk]; v [S, R, Hv, dv]; g, beta [S, R, Hv]; steps [S, L] codes (row | EMIT | RESTART), padded
-    with two entries; n_steps, slot [S]; pool [N, Hv, dk, dv].
+def _recurrent_kernel(*refs, group, block_v, emit, lists=1):
+    """Runs a list of steps over one [dk, block_v] state slice per (step list, value head, dv block).
+    q, k [S, R, Hk, dk]; v [S, R, Hv, dv]; g, beta [S, R, Hv]; steps [S * lists, L] codes (row | EMIT | RESTART),
+    padded with two entries; n_steps [S * lists]; slot [S]; pool [N, Hv, dk, dv]. Step list i runs stream
+    i // lists (the window's lists run side by side; `_leaf_steps`).
     emit (the window): q is read, a step flagged EMIT writes row `row` of o [S, R, Hv, dv], a step flagged RESTART
     starts again from the committed state, and the pool is only read. Otherwise (the commit): the final state goes
     back to the pool (aliased to pool_out).
@@ -802,7 +805,8 @@ def _recurrent_kernel(*refs, group, block_v, emit):
         q_ref, k_ref, v_ref, g_ref, beta_ref, steps_ref, n_ref, slot_ref, pool_ref, o_ref = refs
     else:
         k_ref, v_ref, g_ref, beta_ref, steps_ref, n_ref, slot_ref, pool_ref, pool_out_ref = refs
-    s, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    i, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    s = i // lists
     cols = pl.ds(j * block_v, block_v)
     slot = slot_ref[s]
 
@@ -812,9 +816,9 @@ def _recurrent_kernel(*refs, group, block_v, emit):
                 g_ref[s, row, h], beta_ref[s, row, h])
         return data + ((q_ref[s, row, h // group, :].astype(_F32),) if emit else ())
 
-    def step(i, carry):
+    def step(n, carry):
         state, code, data, next_code = carry
-        after_next = steps_ref[s, i + 2]
+        after_next = steps_ref[i, n + 2]
         next_data = fetch(next_code)
         if emit:
             state = jax.lax.cond((code // _RESTART) % 2 == 1, lambda: pool_ref[slot, h, :, cols], lambda: state)
@@ -825,12 +829,13 @@ def _recurrent_kernel(*refs, group, block_v, emit):
             pt.store(o_ref.at[s, code % _EMIT, h, cols], out, mask=flag)
         return state, next_code, next_data, after_next
 
-    first = steps_ref[s, 0]
-    # The window's first step always restarts from the committed state (node 0's path starts at the root), which
-    # loads the slice: the carry starts as zeros rather than reading the slice twice. The commit starts from it.
+    first = steps_ref[i, 0]
+    # A window's list always starts by restarting from the committed state (its first node's path starts at the
+    # root), which loads the slice: the carry starts as zeros rather than reading the slice twice. The commit
+    # starts from it.
     state = jnp.zeros((k_ref.shape[-1], block_v), _F32) if emit else pool_ref[slot, h, :, cols]
-    carry = (state, first, fetch(first), steps_ref[s, 1])
-    state = jax.lax.fori_loop(0, n_ref[s], step, carry)[0]
+    carry = (state, first, fetch(first), steps_ref[i, 1])
+    state = jax.lax.fori_loop(0, n_ref[i], step, carry)[0]
     if not emit:
         pool_out_ref[slot, h, :, cols] = state
 
@@ -899,6 +904,33 @@ def _window_steps(parents: jax.Array) -> tuple[jax.Array, jax.Array]:
     steps = jnp.zeros((s, length), jnp.int32).at[jnp.arange(s)[:, None], where].set(
         code.reshape(s, -1).astype(jnp.int32), mode="drop")
     return steps, jnp.sum(count, axis=1).astype(jnp.int32)
+
+
+def _leaf_steps(parents: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """parents [S, R] -> (steps [S * R, R + 2] codes, n_steps [S * R]): one step list per (stream, row), run side by
+    side. The list of a leaf (a row no row hangs off) replays the leaf's path from the committed state; every other
+    list is empty. A row is emitted in the list of its first leaf (follow each row's lowest-numbered child), so
+    exactly once, from the state its own path gives: the serial steps' bits, as in `_window_steps`. A tree's
+    window then takes as long as its deepest path, where `_window_steps` runs its nodes one after another and
+    replays a path at every node that does not hang off the one before it (a best-first tree's order). A chain
+    is one list either way."""
+    s, r = parents.shape
+    idx = jnp.arange(r, dtype=jnp.int32)
+    path, depth, _ = _tree_schedule(parents)
+    parents = jnp.where((parents >= 0) & (parents < idx), parents, -1).astype(jnp.int32)
+    hangs = parents[:, None, :] == idx[None, :, None]  # [S, R (node), R (row)]: row hangs off node
+    first_child = jnp.min(jnp.where(hangs, idx[None, None, :], r), axis=2)  # r: a leaf
+    down = jnp.where(first_child < r, first_child, idx[None, :])  # a leaf stays
+    for _ in range(max(1, (r - 1).bit_length())):  # down^(2^k): every row's first leaf
+        down = jnp.take_along_axis(down, down, axis=1)
+    leaf = first_child == r  # [S, R]
+    j = jnp.arange(r, dtype=jnp.int32)
+    on = j[None, None, :] < depth[..., None]  # [S, R (list), R (step)]
+    mine = jnp.take_along_axis(down, path.reshape(s, -1), axis=1).reshape(s, r, r) == idx[None, :, None]
+    code = path + jnp.where(on & mine, _EMIT, 0) + jnp.where(j[None, None, :] == 0, _RESTART, 0)
+    code = jnp.where(on & leaf[..., None], code, 0)
+    steps = jnp.pad(code, ((0, 0), (0, 0), (0, 2))).reshape(s * r, r + 2).astype(jnp.int32)
+    return steps, jnp.where(leaf, depth, 0).reshape(s * r).astype(jnp.int32)
 
 
 def _is_pow2(n: int) -> bool:
@@ -1084,10 +1116,12 @@ def prompt_output(q, k, gam, h_chunks, v_new, start, lengths, out_dtype, *, tile
 
 def window(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, parents: jax.Array,
            rec_pool: jax.Array, slot: jax.Array, *, interpret: bool = False,
-           tiles: WindowTiles = WindowTiles()) -> jax.Array:
+           tiles: WindowTiles = WindowTiles(), leaves: bool = False) -> jax.Array:
     """Verify window over trees or chains; same contract as `window_reference` (q, k [S, R, Hk, dk];
     v [S, R, Hv, dv]; g, beta [S, R, Hv] fp32; parents [S, R]; rec_pool read-only; slot [S]) -> o [S, R, Hv, dv].
-    Each node's output is bit for bit what `commit` of its ancestors followed by a one-row window gives."""
+    Each node's output is bit for bit what `commit` of its ancestors followed by a one-row window gives.
+    leaves: each stream's leaves' paths side by side (`_leaf_steps`: for trees, R times the programs) instead of
+    its nodes one after another (`_window_steps`: for chains); the same bits either way."""
     _check_rows("window", q, k, v, g, beta, rec_pool, slot)
     s, r, hk, _ = k.shape
     hv, dv = v.shape[2], v.shape[3]
@@ -1097,11 +1131,12 @@ def window(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Arr
     if r > _EMIT:
         raise ValueError(f"gdn.window: at most {_EMIT} rows per stream, got {r}")
     bv = _block_v(tiles.block_v, dv, "window")
-    steps, n_steps = _window_steps(parents)
+    steps, n_steps = _leaf_steps(parents) if leaves else _window_steps(parents)
+    lists = r if leaves else 1
     return pallas_call(
-        functools.partial(_recurrent_kernel, group=hv // hk, block_v=bv, emit=True),
+        functools.partial(_recurrent_kernel, group=hv // hk, block_v=bv, emit=True, lists=lists),
         out_shape=jax.ShapeDtypeStruct(v.shape, v.dtype),
-        grid=(s, hv, dv // bv),
+        grid=(s * lists, hv, dv // bv),
         compiler_params=pt.CompilerParams(num_warps=tiles.num_warps),
         interpret=interpret,
         name="gdn_window",

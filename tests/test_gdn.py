@@ -45,6 +45,7 @@ def _jit(fn, **kw):
 
 prompt_k = _jit(gdn.prompt)
 window_k = _jit(gdn.window)
+leaves_k = _jit(gdn.window, leaves=True)
 commit_k = _jit(gdn.commit)
 step_k = _jit(gdn.step)
 prompt_ref = jax.jit(gdn.prompt_reference)
@@ -306,6 +307,52 @@ def _check_window(shape):
 
 def test_window_trees_match_serial_recurrence():
     _check_window(SMALL)
+
+
+# best-first trees as the tree builder makes them (a node's children after it, siblings interleaved with other
+# nodes' children), and one padded with rows off the committed state
+LEAF_TREES = {
+    "best_first": [-1, 0, 0, 1, 2, 3, 1, 4],
+    "spine": [-1, 0, 1, 2, 1, 3, 4, 2],
+    "padded": [-1, 0, 0, 1, -1, -1, -1, -1],
+    "chain": [-1, 0, 1, 2, 3, 4, 5, 6],
+}
+
+
+def _check_leaves(shape, dtype, trees):
+    """`window(leaves=True)` (each leaf's path its own step list, side by side) gives `window`'s bits (each node in
+    turn, replaying paths), for every stream, alone and among the others."""
+    rng = np.random.default_rng(5)
+    names, rows, parents, pool, slot = _window_case(rng, shape, dtype, trees)
+    o = np.asarray(window_k(*rows, parents, pool, slot))
+    assert np.array_equal(np.asarray(leaves_k(*rows, parents, pool, slot)), o)
+    for s in range(len(names)):
+        one = lambda x: x[s:s + 1]  # noqa: E731
+        assert np.array_equal(np.asarray(leaves_k(*map(one, rows), one(parents), pool, one(slot)))[0], o[s]), names[s]
+
+
+def test_window_leaf_lists_equal_node_order_bitwise():
+    _check_leaves(SMALL, jnp.bfloat16, {**TREES, **LEAF_TREES})
+
+
+def test_leaf_steps_schedule():
+    """Each leaf's list replays its path from the committed state and emits the rows whose first leaf it is; other
+    lists are empty; every row is emitted once."""
+    parents = jnp.asarray([LEAF_TREES["best_first"], TREES["chain"], TREES["fan"]], jnp.int32)
+    steps, n = gdn._leaf_steps(parents)
+    steps, n = np.asarray(steps).reshape(3, 8, 10), np.asarray(n).reshape(3, 8)
+    row, emit, restart = steps % gdn._EMIT, (steps // gdn._EMIT) % 2, (steps // gdn._RESTART) % 2
+    # best_first: leaves 5 (path 0 1 3 5), 6 (0 1 6), 7 (0 2 4 7)
+    assert n[0].tolist() == [0, 0, 0, 0, 0, 4, 3, 4]
+    assert row[0, 5, :4].tolist() == [0, 1, 3, 5] and emit[0, 5, :4].tolist() == [1, 1, 1, 1]
+    assert row[0, 6, :3].tolist() == [0, 1, 6] and emit[0, 6, :3].tolist() == [0, 0, 1]
+    assert row[0, 7, :4].tolist() == [0, 2, 4, 7] and emit[0, 7, :4].tolist() == [0, 1, 1, 1]
+    assert n[1].tolist() == [0] * 7 + [8] and row[1, 7, :8].tolist() == list(range(8)) and emit[1, 7, :8].all()
+    assert n[2].tolist() == [1] * 8 and row[2, :, 0].tolist() == list(range(8)) and emit[2, :, 0].all()
+    for t in range(3):
+        assert restart[t, :, 0][n[t] > 0].all() and not restart[t, :, 1:].any()
+        emitted = sorted(int(row[t, i, j]) for i in range(8) for j in range(n[t, i]) if emit[t, i, j])
+        assert emitted == list(range(8))
 
 
 def _check_commit(shape):
@@ -955,6 +1002,13 @@ def test_gpu_step_other_tiles_27b_heads(block_v, num_warps):
     ref_o, ref_pool = step_ref(q, k, v, g, beta, pool, slot)
     assert _rel(o, ref_o) < BF16_OUT_TOL
     assert _rel(new[slot], ref_pool[slot]) < F32_TOL
+
+
+@pytest.mark.gpu
+def test_gpu_window_leaf_lists_27b_heads():
+    trees = {"best_first": [-1, 0, 0, 1, 2, 1, 3, 4, 5, 6, 2, 7, 8, 9, 11, 3], "chain": list(range(-1, 15)),
+             "fan": [-1] * 16, "padded": [-1, 0, 1, 0, 2, 3] + [-1] * 10}
+    _check_leaves(BIG, jnp.bfloat16, trees)
 
 
 @pytest.mark.gpu

@@ -222,7 +222,7 @@ def verify(params, state: ModelState, window: VerifyWindow, cfg: ModelConfig, ba
     tree = None if tree_scratch is None else attn_mixer.tree_view(window, tree_scratch, state.kv[0].page_size)
 
     def run_gdn(h, p, rec, conv, _):
-        y, k = gdn_mixer.window_pass(h, p, rec, conv, window, t, backend)
+        y, k = gdn_mixer.window_pass(h, p, rec, conv, window, t, backend, tree=tree_scratch is not None)
         return y, rec, conv, k
 
     def run_attn(h, p, pool):

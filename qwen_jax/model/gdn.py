@@ -49,8 +49,9 @@ def prompt_pass(x, p, rec_pool, conv_pool, batch, cfg: TextConfig, backend: Back
     return finish(o, z, p, cfg, backend, prompt=True), rec_pool, conv_pool
 
 
-def window_pass(x, p, rec_pool, conv_pool, window, cfg: TextConfig, backend: Backend):
-    """Verify-window rows (states read-only): x [S, R, H] -> (y, kept) where kept is what commit replays."""
+def window_pass(x, p, rec_pool, conv_pool, window, cfg: TextConfig, backend: Backend, tree: bool = False):
+    """Verify-window rows (states read-only): x [S, R, H] -> (y, kept) where kept is what commit replays. tree:
+    the window is a tree (the recurrence runs its leaves' paths side by side; `gdn.window`)."""
     if ops.decode_prep_applies(backend, p["in_proj"], cfg):
         y = linear(x, p["in_proj"].weight, backend, prompt=False)
         q, k, v, z, g, beta = ops.gdn_decode_prep(backend, y, window.parents, conv_pool, window.slot, p, cfg)
@@ -59,7 +60,7 @@ def window_pass(x, p, rec_pool, conv_pool, window, cfg: TextConfig, backend: Bac
         m, z, beta, g = project(x, p, backend, prompt=False)
         u = ops.conv_window(backend, m, window.parents, conv_pool, window.slot, p["conv"])
         q, k, v = split_qkv(u, cfg, backend)
-    o = ops.gdn_window(backend, q, k, v, g, beta, window.parents, rec_pool, window.slot)
+    o = ops.gdn_window(backend, q, k, v, g, beta, window.parents, rec_pool, window.slot, leaves=tree)
     kept = {"m": m, "k": k, "v": v, "g": g, "beta": beta}
     return finish(o, z, p, cfg, backend, prompt=False), kept
 

@@ -236,8 +236,9 @@ def gdn_prompt(backend: Backend, q, *args):
     return gdn_k.prompt_reference(q, *args)
 
 
-def gdn_window(backend: Backend, *args):
-    return _pick(backend, gdn_k, "window")(*args)
+def gdn_window(backend: Backend, *args, leaves: bool = False):
+    """leaves: a tree window's schedule (`gdn.window`)."""
+    return _pick(backend, gdn_k, "window")(*args, leaves=leaves)
 
 
 def gdn_commit(backend: Backend, *args):
