@@ -154,12 +154,17 @@ def _slots(page_table: jax.Array, positions: jax.Array, valid: jax.Array, page_s
 
 
 def write_reference(pool: KVPool, k_new: jax.Array, v_new: jax.Array, page_table: jax.Array,
-                    positions: jax.Array, valid: jax.Array) -> KVPool:
+                    positions: jax.Array, valid: jax.Array,
+                    prefix: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> KVPool:
     """Write rows in place at their absolute positions.
 
     k_new, v_new [S, T, Hkv, D]; page_table [S, Pmax] int32; positions [S, T] int32; valid [S, T] bool
-    -> pool with those rows stored (fp8 pools: quantized, scales written beside them); invalid rows are skipped
+    -> pool with those rows stored (fp8 pools: quantized, scales written beside them); invalid rows are skipped.
+    prefix (src, dst, rows [S]): first, for each stream, the first `rows` rows of page src copied into page dst,
+    codes and scales as stored (a tree window's scratch page takes its stream's committed keys so).
     """
+    if prefix is not None:
+        pool = _copy_prefix_reference(pool, *prefix)
     page, row = _slots(page_table, positions, valid, pool.page_size, pool.num_pages)
     p, r = page.reshape(-1), row.reshape(-1)
     hkv, d = k_new.shape[2], k_new.shape[3]
@@ -177,6 +182,21 @@ def write_reference(pool: KVPool, k_new: jax.Array, v_new: jax.Array, page_table
              else put(pool.v, vc))
         return pool.with_arrays(put(pool.k, kc), v, put(pool.k_scale, ks), put(pool.v_scale, vs))
     return pool.with_arrays(put(pool.k, kf), put(pool.v, vf))
+
+
+def _copy_prefix_reference(pool: KVPool, src, dst, rows) -> KVPool:
+    src, dst = (jnp.clip(jnp.asarray(a, jnp.int32), 0, pool.num_pages - 1) for a in (src, dst))
+    keep = jnp.arange(pool.page_size)[None, :] < jnp.asarray(rows, jnp.int32)[:, None]  # [S, page]
+
+    def copy(a, axis):  # the page's rows along `axis` of a [Hkv, P, ...] array
+        shape = [1] * a.ndim
+        shape[1], shape[axis] = keep.shape
+        return a.at[:, dst].set(jnp.where(keep.reshape(shape), a[:, src], a[:, dst]))
+
+    if pool.fp8:
+        return pool.with_arrays(copy(pool.k, 2), copy(pool.v, 3 if pool.keys_major else 2), copy(pool.k_scale, 2),
+                                copy(pool.v_scale, 2))
+    return pool.with_arrays(copy(pool.k, 2), copy(pool.v, 2))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -235,15 +255,35 @@ def quantize(x: jax.Array, *, interpret: bool = False) -> tuple[jax.Array, jax.A
 
 
 def _write_kernel(page_table_ref, positions_ref, valid_ref, k_new_ref, v_new_ref, *refs,
-                  page_size: int, num_pages: int, fp8: bool, keys_major: bool, interpret: bool):
+                  page_size: int, num_pages: int, fp8: bool, keys_major: bool, interpret: bool, prefix: bool):
     # page_table_ref [Pmax] (this stream); positions_ref, valid_ref [T] (this stream); k_new_ref, v_new_ref [D]
-    # (this row and KV head). refs: the aliased pool inputs (unread), then the outputs, all [Hkv, P, page(, D)]
-    # (keys_major: v's [Hkv, P, D, page]; the row is a column of its page).
+    # (this row and KV head); with prefix, then copy_ref [3] (this stream: src page, dst page, rows). refs: the
+    # aliased pool inputs (unread), then the outputs, all [Hkv, P, page(, D)] (keys_major: v's [Hkv, P, D, page];
+    # the row is a column of its page).
+    if prefix:
+        copy_ref, *refs = refs
     outs = refs[len(refs) // 2:]
     t, g = pl.program_id(1), pl.program_id(2)
-    pos = positions_ref[t]
+    rows_t = positions_ref.shape[0]
+    if prefix:
+        # The program past the rows copies the first `rows` rows of page src into page dst (its other rows are
+        # the rows' slots, which the other programs write: no slot is written twice).
+        @pl.when(t == rows_t)
+        def _():
+            src, dst = (jnp.clip(copy_ref[i], 0, num_pages - 1) for i in (0, 1))
+            keep = jnp.arange(page_size) < copy_ref[2]
+            for ref, column in zip(outs, (False, keys_major, False, False)):
+                if ref.ndim == 3:  # scales [Hkv, P, page]
+                    plgpu.store(ref.at[g, dst, :], ref[g, src, :], mask=keep)
+                elif column:
+                    plgpu.store(ref.at[g, dst, :, :], ref[g, src, :, :], mask=keep[None, :])
+                else:
+                    plgpu.store(ref.at[g, dst, :, :], ref[g, src, :, :], mask=keep[:, None])
+
+    tc = jnp.minimum(t, rows_t - 1)
+    pos = positions_ref[tc]
     logical = pos // page_size
-    inside = (valid_ref[t] != 0) & (pos >= 0) & (logical < page_table_ref.shape[0])
+    inside = (t < rows_t) & (valid_ref[tc] != 0) & (pos >= 0) & (logical < page_table_ref.shape[0])
 
     @pl.when(inside)
     def _():
@@ -266,32 +306,39 @@ def _write_kernel(page_table_ref, positions_ref, valid_ref, k_new_ref, v_new_ref
 
 
 def write(pool: KVPool, k_new: jax.Array, v_new: jax.Array, page_table: jax.Array, positions: jax.Array,
-          valid: jax.Array, *, interpret: bool = False) -> KVPool:
+          valid: jax.Array, prefix: tuple[jax.Array, jax.Array, jax.Array] | None = None, *,
+          interpret: bool = False) -> KVPool:
     """Same contract as write_reference, as one Pallas kernel that quantizes (fp8) and stores each row in place.
 
     The pool arrays are aliased to the outputs: under jit with the pool donated, nothing but the written rows
-    moves. Two valid rows aimed at the same slot race; the engine never issues that.
+    moves. Two valid rows aimed at the same slot race; the engine never issues that. prefix: as
+    `write_reference`'s, in the same launch (the copied rows and the written slots must not meet).
     """
     s, t, hkv, d = _check_write(pool, k_new, v_new, page_table, positions, valid)
     fp8 = pool.fp8
     pool_arrays = [pool.k, pool.v] + ([pool.k_scale, pool.v_scale] if fp8 else [])
     kernel = functools.partial(_write_kernel, page_size=pool.page_size, num_pages=pool.num_pages, fp8=fp8,
-                               keys_major=pool.keys_major, interpret=interpret)
+                               keys_major=pool.keys_major, interpret=interpret, prefix=prefix is not None)
     whole = [pl.BlockSpec(a.shape, lambda i, j, g, n=a.ndim: (0,) * n) for a in pool_arrays]
-    row_spec = pl.BlockSpec((None, None, None, d), lambda i, j, g: (i, j, g, 0))
+    last = t - 1  # the copy program's row blocks: any row's (it reads none of them)
+    row_spec = pl.BlockSpec((None, None, None, d), lambda i, j, g: (i, jnp.minimum(j, last), g, 0))
     stream_spec = lambda width: pl.BlockSpec((None, width), lambda i, j, g: (i, 0))  # noqa: E731
-    n_in = 5
+    copy = []
+    if prefix is not None:
+        copy = [jnp.stack([jnp.asarray(a, jnp.int32).reshape(s) for a in prefix], axis=1)]  # [S, 3]
+    n_in = 5 + len(copy)
     outs = pallas_call(
         kernel,
-        grid=(s, t, hkv),
-        in_specs=[stream_spec(page_table.shape[1]), stream_spec(t), stream_spec(t), row_spec, row_spec] + whole,
+        grid=(s, t + len(copy), hkv),
+        in_specs=([stream_spec(page_table.shape[1]), stream_spec(t), stream_spec(t), row_spec, row_spec]
+                  + [stream_spec(3)] * len(copy) + whole),
         out_specs=whole,
         out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in pool_arrays],
         input_output_aliases={n_in + i: i for i in range(len(pool_arrays))},
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         name="kv_write_fp8" if fp8 else "kv_write",
-    )(page_table.astype(jnp.int32), positions.astype(jnp.int32), valid.astype(jnp.int32), k_new, v_new,
+    )(page_table.astype(jnp.int32), positions.astype(jnp.int32), valid.astype(jnp.int32), k_new, v_new, *copy,
       *pool_arrays)
     return pool.with_arrays(*outs)
 

@@ -115,6 +115,63 @@ def test_write_into_a_keys_major_v_stores_the_same_bytes():
         kq.write(kq.KVPool(pool.k, pool.v, pool.k_scale, pool.v_scale, "keys"), *args, interpret=True)
 
 
+@functools.partial(jax.jit, static_argnames="interpret")
+def _write_prefix(pool, k_new, v_new, page_table, positions, valid, prefix, interpret):
+    return kq.write(pool, k_new, v_new, page_table, positions, valid, prefix, interpret=interpret)
+
+
+def prefix_case(rng, pool, *, s, t, d, page_size):
+    """A tree window's write (`attention.tree_pass`): each stream's page src's first `rows` rows go to its own page
+    dst, and its rows land at positions from rows on in dst and the page after it."""
+    num_pages = pool.num_pages
+    pages = rng.permutation(np.arange(1, num_pages))
+    src, dst, nxt = pages[:s], pages[s:2 * s], pages[2 * s:3 * s]
+    keep = rng.integers(0, page_size, size=s)
+    keep[0] = 0  # the committed length on a page boundary: nothing to copy
+    table = np.stack([dst, nxt], axis=1)  # the window's logical pages 0 and 1
+    positions = keep[:, None] + np.arange(t)[None, :]
+    valid = rng.random((s, t)) < 0.8
+    hkv = pool.k.shape[0]
+    k_new = jnp.asarray(rng.standard_normal((s, t, hkv, d)), jnp.bfloat16)
+    v_new = jnp.asarray(rng.standard_normal((s, t, hkv, d)), jnp.bfloat16)
+    args = (k_new, v_new, jnp.asarray(table, jnp.int32), jnp.asarray(positions, jnp.int32), jnp.asarray(valid))
+    prefix = tuple(jnp.asarray(a, jnp.int32) for a in (src, dst, keep))
+    return args, prefix
+
+
+def expected_prefix(pool: kq.KVPool, args, prefix, keys_major: bool) -> dict[str, np.ndarray]:
+    """The pool after the copy (rows moved byte for byte) and then the write, in numpy."""
+    src, dst, keep = (np.asarray(a) for a in prefix)
+    rows_v = kq.KVPool(pool.k, jnp.swapaxes(pool.v, 2, 3), pool.k_scale, pool.v_scale) if keys_major else pool
+    copied = {"k": np.array(rows_v.k), "v": np.array(rows_v.v)}
+    if pool.fp8:
+        copied["k_scale"], copied["v_scale"] = np.array(pool.k_scale), np.array(pool.v_scale)
+    for name, a in copied.items():
+        for i in range(len(src)):
+            a[:, dst[i], :keep[i]] = a[:, src[i], :keep[i]]
+    moved = kq.KVPool(*(jnp.asarray(copied[n]) for n in ("k", "v")),
+                      *((jnp.asarray(copied["k_scale"]), jnp.asarray(copied["v_scale"])) if pool.fp8 else ()))
+    want = expected_pool(moved, *args)
+    if keys_major:
+        want["v"] = np.swapaxes(want["v"], 2, 3)
+    return want
+
+
+@pytest.mark.parametrize("dtype,v_layout", [(jnp.bfloat16, "rows"), (kq.FP8, "rows"), (kq.FP8, "keys")],
+                         ids=["bf16", "fp8", "fp8-vkeys"])
+def test_write_with_prefix_copy(dtype, v_layout):
+    """`write(prefix=)`: the first rows of a page copied into another in the write's launch, bytes and scales as
+    stored, beside rows written from the copied rows on; every other slot untouched. Kernel and reference."""
+    rng = np.random.default_rng(8)
+    pool = random_pool(rng, 2, 16, 8, 32, dtype)
+    if v_layout == "keys":
+        pool = kq.with_v_layout(pool, "keys")
+    args, prefix = prefix_case(rng, pool, s=4, t=9, d=32, page_size=8)
+    want = expected_prefix(pool, args, prefix, v_layout == "keys")
+    assert_pool_bits(_write_prefix(pool, *args, prefix, interpret=True), want)
+    assert_pool_bits(kq.write_reference(pool, *args, prefix), want)
+
+
 def test_quantize_reference_equals_numpy():
     rng = np.random.default_rng(2)
     x = rng.standard_normal((64, 256)).astype(np.float32) * rng.uniform(1e-3, 1e3, size=(64, 1)).astype(np.float32)
@@ -150,3 +207,16 @@ def test_write_kernel_gpu_27b_shape(dtype, v_layout):
         pool = kq.with_v_layout(pool, "keys")
         want["v"] = np.swapaxes(want["v"], 2, 3)
     assert_pool_bits(_write(pool, *args, interpret=False), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,v_layout", [(jnp.bfloat16, "rows"), (kq.FP8, "rows"), (kq.FP8, "keys")],
+                         ids=["bf16", "fp8", "fp8-vkeys"])
+def test_write_with_prefix_copy_gpu_27b_shape(dtype, v_layout):
+    rng = np.random.default_rng(9)
+    pool = random_pool(rng, 4, 60, 64, 256, dtype)
+    if v_layout == "keys":
+        pool = kq.with_v_layout(pool, "keys")
+    args, prefix = prefix_case(rng, pool, s=16, t=16, d=256, page_size=64)
+    assert_pool_bits(_write_prefix(pool, *args, prefix, interpret=False),
+                     expected_prefix(pool, args, prefix, v_layout == "keys"))

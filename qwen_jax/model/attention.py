@@ -116,11 +116,13 @@ def tree_valid(window):
 @dataclasses.dataclass(frozen=True)
 class TreeView:
     """How a tree window's rows read the pool (`tree_pass`), the same in every attention layer: each row's page
-    table [S*R, Pmax], the pages copied into its first scratch page (src, dst [S*R]), its position [S*R] (0 for rows
-    outside the tree) and, per row, which window rows are its ancestors [S*R, R] and at which positions [S*R, R]."""
+    table [S*R, Pmax], the page whose first `keep` rows are copied into its first scratch page (src, dst, keep
+    [S*R]), its position [S*R] (0 for rows outside the tree) and, per row, which window rows are its ancestors
+    [S*R, R] and at which positions [S*R, R]."""
     tables: jax.Array
     src: jax.Array
     dst: jax.Array
+    keep: jax.Array
     positions: jax.Array
     anc: jax.Array
     anc_positions: jax.Array
@@ -144,7 +146,9 @@ def tree_view(window, scratch, page_size: int) -> TreeView:
     src = jnp.take_along_axis(window.page_table, jnp.minimum(first, width - 1)[:, None], axis=1)  # [S, 1]
     positions = window.cache_len[:, None] + depth - 1  # [S, R]
     return TreeView(tables.reshape(s * r, width), jnp.broadcast_to(src, (s, r)).reshape(-1),
-                    scratch[..., 0].reshape(-1), jnp.where(valid, positions, 0).reshape(-1),
+                    scratch[..., 0].reshape(-1),
+                    jnp.broadcast_to((window.cache_len % page_size)[:, None], (s, r)).reshape(-1),
+                    jnp.where(valid, positions, 0).reshape(-1),
                     (anc & valid[:, :, None]).reshape(s * r, r),
                     jnp.broadcast_to(positions[:, None], (s, r, r)).reshape(s * r, r))
 
@@ -156,19 +160,16 @@ def tree_pass(x, p, pool, window, view: TreeView, cfg: TextConfig, backend: Back
     ancestors are committed. Siblings would claim the same positions in the stream's pages, so each row reads
     through a page table of its own whose pages from the one holding cache_len on are the row's scratch pages
     (`tree_view`; two a row, the engine keeps them for windows; a window of up to page_size + 1 rows spans two): the
-    first a copy of the stream's page there (the committed keys before cache_len), then the ancestors' keys written
-    into them as the serial steps wrote them. The stream's own pages are not written; `commit` writes the accepted
-    path. -> (y, pool with the scratch pages written, kept rows for `commit`)."""
+    first takes the stream's page there up to cache_len (the committed keys before it), then the ancestors' keys
+    are written into them as the serial steps wrote them, both in one `kv_write` launch. The stream's own pages are
+    not written; `commit` writes the accepted path. -> (y, pool with the scratch pages written, kept rows for
+    `commit`)."""
     q, gate, k, v, _ = project(x, p, window.rope_positions, cfg, backend, prompt=False)
     s, r = q.shape[:2]
-
-    def copy(a):
-        return None if a is None else a.at[:, view.dst].set(a[:, view.src])
-
-    pool = pool.with_arrays(copy(pool.k), copy(pool.v), copy(pool.k_scale), copy(pool.v_scale))
     # Every row's ancestors, at their positions, through that row's table.
     rows = lambda a: jnp.broadcast_to(a[:, None], (s, r) + a.shape[1:]).reshape((s * r,) + a.shape[1:])  # noqa
-    pool = ops.kv_write(backend, pool, rows(k), rows(v), view.tables, view.anc_positions, view.anc)
+    pool = ops.kv_write(backend, pool, rows(k), rows(v), view.tables, view.anc_positions, view.anc,
+                        (view.src, view.dst, view.keep))
     one = lambda a: a.reshape((s * r, 1) + a.shape[2:])  # noqa: E731
     o = ops.attention_window(backend, one(q), one(k), one(v), jnp.full((s * r, 1), -1, jnp.int32), pool,
                              view.tables, view.positions, scale=cfg.head_dim ** -0.5)
