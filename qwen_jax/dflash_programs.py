@@ -202,7 +202,7 @@ def window_program(cfg: ModelConfig, d: Drafter, backend: M.Backend, top_n: int,
                            tree=tree)
         dstate = _draft_next(params, dparams, d, backend, dstate, window.slot, w.cache_len, w.taps, w.took,
                              w.newest)
-        return w.state, dstate, w.last, w.lens, w.tokens, w.logprobs, w.took
+        return w.state, dstate, w.last, w.lens, w.tokens, w.logprobs, w.took, w.ranks
 
     return program
 

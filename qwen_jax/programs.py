@@ -526,6 +526,27 @@ def tree_accepted(window: M.VerifyWindow, tokens: jax.Array, anc: jax.Array | No
     return jnp.concatenate([jnp.zeros((s, 1), jnp.int32), path], axis=1), took
 
 
+# `path_ranks` entries past the accepted rows
+MISSED = -1  # the path's last row has children and the sample matched none of them
+UNSEEN = -2  # nothing was drafted there (the path ended at a leaf), or past that
+
+
+def path_ranks(parents: jax.Array, path: jax.Array, took: jax.Array) -> jax.Array:
+    """What a landed window says about its drafts, for the draft policy (`Acceptance.landed_ranks`): [S, R] whose
+    entry i, for 1 <= i < took, is the sibling rank of the path's row i (0: its parent's first child, which the tree
+    builder finds first, the drafter's likeliest; a chain's drafts are all first children), entry took (when < R)
+    MISSED or UNSEEN, and UNSEEN past it; entry 0 is the root's 0. Siblings are rows with the same parent row."""
+    s, r = parents.shape
+    row = jnp.arange(r)
+    earlier = (parents[:, :, None] == parents[:, None, :]) & (parents >= 0)[:, None, :] & (row[None, None, :]
+                                                                                        < row[None, :, None])
+    ranks = jnp.take_along_axis(jnp.sum(earlier, axis=2, dtype=jnp.int32), path, axis=1)
+    last = jnp.take_along_axis(path, jnp.maximum(took - 1, 0)[:, None], axis=1)  # [S, 1]
+    missed = jnp.any(parents == last, axis=1)[:, None]  # the last row on the path has a child
+    after = jnp.where((row[None] == took[:, None]) & missed, MISSED, UNSEEN)
+    return jnp.where(row[None] < took[:, None], ranks, after).astype(jnp.int32)
+
+
 def draft_program(cfg: ModelConfig, backend: M.Backend, top_n: int) -> Callable:
     """(params, state, last [slots], lens [slots], window [S x R] of chains, sample params [S*R]) -> (state with
     the accepted rows committed, last, lens, tokens [S, R], logprobs or None, accepted rows [S]): `verify_program`
@@ -538,11 +559,11 @@ def draft_program(cfg: ModelConfig, backend: M.Backend, top_n: int) -> Callable:
     the previous decode call's or window's), and a cache_len below 0 reads the slot's `lens` (its committed length
     after the slot's previous window), with the rope positions and the sampling positions (each row draws at its
     position + 1) computed here from it. Every window writes back each slot's committed length and newest sample
-    (dummy streams into slot 0, never read)."""
+    (dummy streams into slot 0, never read). Also hands back `path_ranks` [S, R] for the draft policy."""
 
     def program(params, state, last, lens, window, sp):
         w = chain_window(params, state, last, lens, window, sp, cfg, backend, top_n)
-        return w.state, w.last, w.lens, w.tokens, w.logprobs, w.took
+        return w.state, w.last, w.lens, w.tokens, w.logprobs, w.took, w.ranks
 
     return program
 
@@ -551,7 +572,7 @@ def draft_program(cfg: ModelConfig, backend: M.Backend, top_n: int) -> Callable:
 class ChainWindow:
     """What `chain_window` hands back (traced arrays): the state with the accepted rows committed, the slots' last
     samples and committed lengths, tokens [S, R] and logprobs, accepted rows [S], each stream's committed length
-    before the window [S] and its newest sample [S], and the rows' taps [S, R, n, H] (or None)."""
+    before the window [S] and its newest sample [S], the rows' taps [S, R, n, H] (or None), and `path_ranks`."""
     state: M.ModelState
     last: jax.Array
     lens: jax.Array
@@ -561,6 +582,7 @@ class ChainWindow:
     cache_len: jax.Array
     newest: jax.Array
     taps: jax.Array | None
+    ranks: jax.Array
 
 
 def chain_window(params, state, last, lens, window: M.VerifyWindow, sp, cfg: ModelConfig, backend: M.Backend,
@@ -612,7 +634,7 @@ def chain_window(params, state, last, lens, window: M.VerifyWindow, sp, cfg: Mod
         state = M.commit(state, kept, window, path, took, cfg, backend)
     newest = jnp.take_along_axis(tokens, jnp.maximum(took - 1, 0)[:, None], axis=1)[:, 0]
     return ChainWindow(state, last.at[window.slot].set(newest), lens.at[window.slot].set(cache_len + took), tokens,
-                       lp, took, cache_len, newest, tapped)
+                       lp, took, cache_len, newest, tapped, path_ranks(window.parents, path, took))
 
 
 def media_put_program() -> Callable:
@@ -1031,16 +1053,17 @@ class Programs:
         exe = self._get(("draft", window.tokens.shape))
         out = exe(*self._with_drafter(self.state), self.last, self.lens, window, sp)
         if self.drafter is None:
-            self.state, self.last, self.lens, tokens, lp, took = out
+            self.state, self.last, self.lens, tokens, lp, took, ranks = out
         else:
-            self.state, self.dstate, self.last, self.lens, tokens, lp, took = out
-        for a in jax.tree.leaves((tokens, lp, took)):
+            self.state, self.dstate, self.last, self.lens, tokens, lp, took, ranks = out
+        for a in jax.tree.leaves((tokens, lp, took, ranks)):
             a.copy_to_host_async()
-        return tokens, lp, took
+        return tokens, lp, took, ranks
 
     def fetch_draft(self, pending):
-        tokens, lp, took = pending
-        return self._host(tokens, lp), np.asarray(took)
+        """-> (tokens and logprobs on the host, accepted rows [S], `path_ranks` [S, R])."""
+        tokens, lp, took, ranks = pending
+        return self._host(tokens, lp), np.asarray(took), np.asarray(ranks)
 
     def slot_copy(self, src: int, dst: int) -> None:
         """Slot dst's GDN states and conv windows become slot src's (dispatched; ordered before later calls)."""

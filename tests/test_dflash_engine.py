@@ -65,7 +65,7 @@ def test_windows_draft_what_dflash_drafts():
             first = got[-1] if not steps else P.FROM_LAST
             window = P.tree_window(layout, 1, b, [[first] + [D.FROM_DRAFT] * (b - 1)], [list(range(-1, b - 1))],
                                    [start if not steps else -1], [1], [table])
-            sampled, took = pr.draft(window, P.sample_params([greedy] * b, [start + r + 1 for r in range(b)], b))
+            sampled, took, _ = pr.draft(window, P.sample_params([greedy] * b, [start + r + 1 for r in range(b)], b))
             k = int(took[0])
             steps[start] = drafts.tolist()
             got += sampled.tokens[0, :k].tolist()

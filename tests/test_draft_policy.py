@@ -14,7 +14,7 @@ import pytest
 from qwen_jax import programs as P
 from qwen_jax.checkpoint import load_checkpoint
 from qwen_jax.engine.engine import Engine
-from qwen_jax.engine.policy import Acceptance, DraftPolicy, expected_tokens
+from qwen_jax.engine.policy import Acceptance, DraftPolicy, expected_tokens, expected_tree_tokens
 from qwen_jax.model import Backend
 from tests.conftest import CAPTURES
 from tests.test_drafts import _oracle, _prompts, _request
@@ -81,12 +81,70 @@ def test_costs_from_json():
     # Windows that cost a round whatever their rows: the longest pays at any acceptance above nothing.
     assert p.rows(_acc(1, 3), (4, 16), 16, block=True) == 16
     assert DraftPolicy.parse("always", '{"copy": {"2": 1.5}}').copy_costs == ((2, 1.5),)
-    for bad, match in [("{", "not JSON"), ("[]", "an object"), ('{"tree": {"2": 1}}', "an object"),
+    for bad, match in [("{", "not JSON"), ("[]", "an object"), ('{"trees": {"2": 1}}', "an object"),
                        ('{"copy": [1, 2]}', "map row counts"), ('{"copy": {"x": 1}}', "map row counts"),
                        ('{"copy": {"1": 1.0}}', ">= 2"), ('{"block": {"4": 0}}', "rounds > 0"),
                        ('{"copy": {}}', ">= 2")]:
         with pytest.raises(ValueError, match=match):
             DraftPolicy.parse("adaptive", bad)
+
+
+def test_tree_estimate_and_expected_tokens():
+    """Trees: the later children that stood are counted by sibling rank, q_j over the same total as a; a tree of n
+    nodes yields 1 + its n likeliest paths' probabilities (one child a node: the chain's E)."""
+    a = Acceptance()
+    a.landed_ranks([0, 1, 0, P.MISSED, P.UNSEEN], decay=1.0)  # first child, second child, first child, then a miss
+    assert (a.stood, a.later, a.fell) == (2.0, (1.0,), 1.0)
+    a.landed_ranks([2, P.UNSEEN], decay=0.5)  # a third child, then a leaf: nothing seen fall
+    assert (a.stood, a.later, a.fell) == (1.0, (0.5, 1.0), 0.5)
+    total = 1.0 + 1.5 + 0.5 + 1.0
+    assert a.rates(3) == pytest.approx([1.5 / total, 0.5 / total, 1.0 / total])
+    assert a.rates(1) == [a.rate()] and a.rates(5)[3:] == [0.0, 0.0]
+    chain = Acceptance()
+    chain.landed(proposed=7, kept=2, decay=1.0)
+    assert (chain.stood, chain.later, chain.fell) == (2.0, (), 1.0)
+    for rate in (0.0, 0.3, 0.9):
+        for nodes in (1, 3, 15):
+            assert expected_tree_tokens([rate], nodes) == pytest.approx(expected_tokens(rate, nodes + 1))
+    # q = (0.5, 0.3): the first child 0.5, its sibling 0.3, then the first child's child 0.25
+    assert expected_tree_tokens([0.5, 0.3], 3) == pytest.approx(1 + 0.5 + 0.3 + 0.25)
+    assert expected_tree_tokens([0.9], 5, depth=2) == pytest.approx(1 + 0.9 + 0.81)  # no path past the block
+    assert expected_tree_tokens([0.0, 0.0], 15) == 1.0
+
+
+def test_tree_rows_follow_what_later_children_keep():
+    costs = ((2, 1.0), (4, 1.1), (8, 1.3), (16, 1.6))
+    p = DraftPolicy(tree_costs=costs)
+    chain_model = DraftPolicy(block_costs=costs)
+    # No later child ever stood: the tree is the chain, and so is the choice.
+    assert p.rows(_acc(6, 2), ROWS, 16, block=True, tree=3) == chain_model.rows(_acc(6, 2), ROWS, 16, block=True) == 8
+    # Second and third children that stand (q = 0.43, 0.27, 0.13): the chain model would take 4 rows (its a is
+    # 0.43); the tree of 7 nodes yields 2.33 tokens, 1.80 a round, against 1.72 for 3 nodes.
+    wide = Acceptance(stood=6, fell=2, later=(4.0, 2.0))
+    assert chain_model.rows(wide, ROWS, 16, block=True) == 4 and p.rows(wide, ROWS, 16, block=True, tree=3) == 8
+    # The tree's depth bounds what a long window can yield: drafts 2 deep leave 16 rows nothing over 4.
+    assert p.rows(_acc(60, 1), ROWS, 16, block=True, tree=1, depth=2) == 4
+    assert p.rows(_acc(60, 1), ROWS, 16, block=True, tree=1) == 16
+    # "always" takes the cap whatever the tree's estimate.
+    assert DraftPolicy.parse("always").rows(_acc(0, 10), ROWS, 16, block=True, tree=3) == 16
+    assert DraftPolicy.parse("adaptive", '{"tree": {"16": 1.0}}').tree_costs == ((16, 1.0),)
+
+
+def test_path_ranks():
+    """programs.path_ranks: the accepted rows' sibling ranks, then MISSED where the path's last row had children,
+    else UNSEEN; a chain's drafts are all first children."""
+    tree = [-1, 0, 0, 1, 1, 2, -1, -1]  # rows 6 and 7 pad (off the root's parent)
+    chain = [-1, 0, 1, 2, 3, -1, -1, -1]
+    parents = jnp.asarray([tree, tree, chain, chain], jnp.int32)
+    path = jnp.asarray([[0, 2, 5, 0, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0, 0, 0], [0, 1, 0, 0, 0, 0, 0, 0],
+                        [0, 1, 2, 3, 4, 0, 0, 0]], jnp.int32)
+    took = jnp.asarray([3, 2, 2, 5], jnp.int32)
+    m, u = P.MISSED, P.UNSEEN
+    assert P.path_ranks(parents, path, took).tolist() == [
+        [0, 1, 0, u, u, u, u, u],  # row 2 is the root's second child; row 5 a leaf
+        [0, 0, m, u, u, u, u, u],  # row 1 has children 3 and 4, and neither stood
+        [0, 0, m, u, u, u, u, u],
+        [0, 0, 0, 0, 0, u, u, u]]  # every draft of the chain stood
 
 
 def test_bench_prints_costs_the_policy_reads():

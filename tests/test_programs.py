@@ -159,7 +159,7 @@ def test_draft_windows_from_the_device_equal_the_host_ones(progs):
             cl = -1 if from_device and k else cache_len
             window = P.tree_window(progs.layout, 4, 3, [[row0] + drafts], [[-1, 0, 1]], [cl], [slot], [_table(slot)])
             sp = P.sample_params([SAMPLED] * 3, [cache_len + r + 1 for r in range(3)], 12)
-            out, took = progs.draft(window, sp)
+            out, took, _ = progs.draft(window, sp)
             took = int(took[0])
             got.append((out.tokens[0].tolist(), out.logprob[:3].tolist(), out.top_logprobs[:3].tolist(), took))
             pending, cache_len, done = int(out.tokens[0, took - 1]), cache_len + took, done + took

@@ -16,7 +16,7 @@ from qwen_jax import dflash_programs as D
 from qwen_jax import model as M
 from qwen_jax import programs as P
 from qwen_jax.checkpoint import load_checkpoint
-from qwen_jax.engine.policy import DraftPolicy
+from qwen_jax.engine.policy import Acceptance, DraftPolicy
 from qwen_jax.model import Backend
 from qwen_jax.model.forward import kv_dtype_for
 from tests.conftest import CAPTURES
@@ -253,12 +253,21 @@ def test_tree_drafted_replies_equal_chain_drafted(monkeypatch):
     reply[np.arange(len(reply)) % PERIOD == 1] += 1
     table = np.stack([reply, reply])  # a lone request decodes on slot 1
     monkeypatch.setattr(D, "propose_tree", ladder_oracle(table))
+    # what the windows tell the draft policy (programs.path_ranks): every draft that stood a second child
+    seen = []
+    landed = Acceptance.landed_ranks
+    monkeypatch.setattr(Acceptance, "landed_ranks", lambda self, ranks, decay: (seen.append(list(ranks)),
+                                                                               landed(self, ranks, decay)))
     e = _engine(draft_tree=2, draft_policy=DraftPolicy("always"))
     try:
         before = e.stats()
         out = e.submit(reqs[0]).result(TIMEOUT)
         after = e.stats()
         _same(got, out)
-        assert after.draft_accepted_total - before.draft_accepted_total >= 6
+        accepted = after.draft_accepted_total - before.draft_accepted_total
+        assert accepted >= 6
+        stood = [x for ranks in seen for x in ranks if x >= 0]
+        assert stood == [1] * accepted, seen
+        assert any(P.MISSED in ranks for ranks in seen)  # windows kept in part or not at all
     finally:
         e.shutdown()

@@ -258,7 +258,7 @@ def draft_windows(progs, tables, context: int, rule, rows: int, rounds: int, rep
                 sp = P.sample_params([rule] * (s * rows), positions, s * rows)
             cur = progs.draft_async(window, sp)
             if not pipelined:
-                _, took = progs.fetch_draft(cur)
+                _, took, _ = progs.fetch_draft(cur)
                 cache_len = [c + int(k) for c, k in zip(cache_len, took)]
             elif prev is not None:
                 progs.fetch_draft(prev)

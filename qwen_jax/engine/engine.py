@@ -208,6 +208,9 @@ class Engine:
                                      tree_rows=buckets.chain_rows[-1] if draft_tree else 0,
                                      tree_branch=draft_tree or 2)
         self.draft_rows = buckets.chain_rows[-1] if drafting else 1
+        # tree windows: a node's most children, and how deep a tree reaches (the drafter's block past the anchor)
+        self.draft_tree = draft_tree
+        self._tree_depth = drafter.config.block_size - 1 if drafter is not None else None
         # "batched" (power-of-two decode buckets, prompts packed in lanes) or "fixed" (one shape whatever the load)
         self.shape_policy = "batched" if buckets.packing is P.Packing.BATCHED else "fixed"
         self.chunk_cap = min(buckets.prompt_rows[-1], max_prefill_chunk)
@@ -808,7 +811,7 @@ class Engine:
     def _window_rows(self, s: Stream, cap: int) -> int:
         """The rows of a stream's next window (`DraftPolicy.rows`), at most cap and its budget; 0: a serial round."""
         return self.draft_policy.rows(s.acceptance, self.buckets.chain_rows, min(cap, s.budget()),
-                                      block=s.block_drafts)
+                                      block=s.block_drafts, tree=self.draft_tree, depth=self._tree_depth)
 
     def _window_call(self) -> set:
         """One draft window call (`programs.draft_program`: each row computed as the serial step at its position,
@@ -887,7 +890,7 @@ class Engine:
         for s in streams:
             s.inflight -= 1
         try:
-            out, took = self.programs.fetch_draft(w.pending)
+            out, took, ranks = self.programs.fetch_draft(w.pending)
         except Exception as e:
             self._program_failed([s for s in streams if s in self._running], e)
             return
@@ -899,7 +902,7 @@ class Engine:
             if s not in self._running:
                 continue  # ended meanwhile: its window's tokens are dropped
             k, n = int(took[i]), w.real[i]
-            s.acceptance.landed(n - 1, k - 1, self.draft_policy.decay)
+            s.acceptance.landed_ranks(ranks[i, 1:n], self.draft_policy.decay)
             s.cache_len -= n - k
             s.sampled -= n - k
             s.finishing = s.budget() <= 0

@@ -17,32 +17,76 @@ n - 1, one to those that did not (a draft after a rejected one is never seen). a
 both counts decayed by `decay` a window so the estimate follows the text: three windows that keep nothing take a
 copy-drafting stream to serial rounds.
 
+Trees (`--draft-tree`): a window of r rows verifies the drafter's r - 1 likeliest continuations, and the path
+may go through any child of a node, not just its first. The estimate then keeps, besides the first children that
+stood, the later children that stood by sibling rank (`programs.path_ranks`), and q_j = P(the sample is the node's
+j-th child) is each count over the same total as a. A tree of n nodes is modelled as the n likeliest paths under
+those q's (found best first, the same way the device builds the tree from the drafter's scores), and yields 1 + the
+sum of their probabilities (`expected_tree_tokens`; with one child a node, the chain's E(r)). That is the tree the
+q's would build; the drafter's own tree can rank children differently, so it is an estimate. Later children that
+were never in a window are never counted, so q_j starts at 0 and grows only from windows that held them.
+
 The default costs are the H100's at the 27B's shapes, one stream at 1K of context (BENCHMARKS.md, engine, session
-40; the 2- and 8-row block windows interpolated); a small model's windows cost about one round, which
-`DraftPolicy(copy_costs=..., block_costs=...)` can say."""
+40; the 2- and 8-row block windows interpolated; trees from session 42, their 2 and 4 rows the block chains'); a
+small model's windows cost about one round, which `DraftPolicy(copy_costs=..., block_costs=..., tree_costs=...)`
+can say."""
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
+
+from qwen_jax.programs import MISSED  # a `programs.path_ranks` entry: the path's last row had children, none stood
 
 # decode rounds a window of r rows costs (r: 2, 4, 8, 16)
 COPY_COSTS = {2: 1.15, 4: 1.19, 8: 1.47, 16: 1.32}
 BLOCK_COSTS = {2: 1.40, 4: 1.46, 8: 1.54, 16: 1.61}
+TREE_COSTS = {2: 1.40, 4: 1.46, 8: 1.55, 16: 1.89}
 
 
 @dataclasses.dataclass
 class Acceptance:
-    """A stream's drafts that stood and fell, decayed (see the module doc)."""
+    """A stream's drafts that stood and fell, decayed (see the module doc): stood, its parent's first child (every
+    draft of a chain); later, a tree's later children that stood, by sibling rank (1, 2, ...)."""
     stood: float = 0.0
     fell: float = 0.0
     serial_rounds: int = 0  # rounds decoded serially since its last window (copy drafts)
+    later: tuple[float, ...] = ()
+
+    def _total(self) -> float:
+        return self.stood + sum(self.later) + self.fell + 1.0
 
     def rate(self) -> float:
-        return (self.stood + 0.5) / (self.stood + self.fell + 1.0)
+        """a: the chance a node's first child stands, given the path to the node stood."""
+        return (self.stood + 0.5) / self._total()
+
+    def rates(self, branch: int) -> list[float]:
+        """[q_0 = a, q_1, ..., q_(branch-1)]: the chance the sample is a node's j-th child."""
+        total = self._total()
+        return [self.rate()] + [(self.later[j - 1] if j <= len(self.later) else 0.0) / total
+                                for j in range(1, branch)]
 
     def landed(self, proposed: int, kept: int, decay: float) -> None:
-        self.stood = self.stood * decay + kept
-        self.fell = self.fell * decay + (1.0 if kept < proposed else 0.0)
+        """A chain window of `proposed` drafts kept its first `kept`."""
+        self.landed_ranks([0] * kept + ([MISSED] if kept < proposed else []), decay)
+
+    def landed_ranks(self, ranks, decay: float) -> None:
+        """A window landed: `programs.path_ranks` of its stream past the root (each accepted row's sibling rank,
+        then MISSED or UNSEEN)."""
+        stood, fell, later = 0, 0.0, [0] * len(self.later)
+        for x in (int(x) for x in ranks):
+            if x < 0:
+                fell = 1.0 if x == MISSED else 0.0
+                break
+            if x == 0:
+                stood += 1
+            else:
+                later += [0] * (x - len(later))
+                later[x - 1] += 1
+        old = list(self.later) + [0.0] * (len(later) - len(self.later))
+        self.stood = self.stood * decay + stood
+        self.fell = self.fell * decay + fell
+        self.later = tuple(o * decay + n for o, n in zip(old, later))
         self.serial_rounds = 0
 
 
@@ -51,19 +95,42 @@ def expected_tokens(rate: float, rows: int) -> float:
     return sum(rate ** i for i in range(rows))
 
 
+def expected_tree_tokens(rates: list[float], nodes: int, depth: int | None = None) -> float:
+    """Tokens a tree window of `nodes` drafts yields on average when a node's j-th child holds the sample with
+    probability rates[j]: 1 + the probabilities of the `nodes` likeliest paths of at most `depth` drafts, found best
+    first (a frontier of each found node's first child and the next sibling of each taken one)."""
+    total, found = 1.0, 0
+    frontier = [(-rates[0], 0, 1.0, 0, 1)] if rates and (depth is None or depth >= 1) else []
+    tick = 1  # ties: the earliest entry
+    while frontier and found < nodes:
+        neg, _, base, rank, d = heapq.heappop(frontier)
+        p = -neg
+        if p <= 0.0:
+            break
+        total, found = total + p, found + 1
+        if rank + 1 < len(rates):
+            heapq.heappush(frontier, (-base * rates[rank + 1], tick, base, rank + 1, d))
+            tick += 1
+        if depth is None or d < depth:
+            heapq.heappush(frontier, (-p * rates[0], tick, p, 0, d + 1))
+            tick += 1
+    return total
+
+
 @dataclasses.dataclass(frozen=True)
 class DraftPolicy:
     """adaptive: rows from the stream's acceptance (the module doc); else every window gets the round's cap."""
     adaptive: bool = True
     copy_costs: tuple[tuple[int, float], ...] = tuple(COPY_COSTS.items())
     block_costs: tuple[tuple[int, float], ...] = tuple(BLOCK_COSTS.items())
+    tree_costs: tuple[tuple[int, float], ...] = tuple(TREE_COSTS.items())
     decay: float = 0.9
     probe: int = 16  # copy drafts: serial rounds before a 2-row window tries again
 
     @classmethod
     def parse(cls, name: str, costs: str | None = None) -> "DraftPolicy":
-        """--draft-policy NAME [--draft-costs JSON]: costs as {"copy": {"ROWS": ROUNDS, ...}, "block": {...}}
-        (either part may be left out: it keeps the defaults), e.g. from `python -m qwen_jax bench --draft-rows` on
+        """--draft-policy NAME [--draft-costs JSON]: costs as {"copy": {"ROWS": ROUNDS, ...}, "block": {...},
+        "tree": {...}} (any part may be left out: it keeps the defaults), e.g. from `python -m qwen_jax bench --draft-rows` on
         the machine and model being served."""
         if name not in ("adaptive", "always"):
             raise ValueError(f"--draft-policy must be adaptive or always, got {name!r}")
@@ -72,19 +139,25 @@ class DraftPolicy:
             fields.update(_parse_costs(costs))
         return cls(**fields)
 
-    def rows(self, acc: Acceptance, choices: tuple[int, ...], cap: int, *, block: bool) -> int:
+    def rows(self, acc: Acceptance, choices: tuple[int, ...], cap: int, *, block: bool, tree: int = 0,
+             depth: int | None = None) -> int:
         """The rows of a stream's next window, at most cap: one of `choices` (the compiled row buckets; cap where a
         bucket exceeds it), or 0 for a serial round (copy drafts only: no window beats a serial round, and the
-        stream has not yet gone `probe` serial rounds since its last window)."""
+        stream has not yet gone `probe` serial rounds since its last window). tree: block drafts as trees of up to
+        that many children a node, at most `depth` drafts deep (the drafter's block - 1)."""
         fits = sorted({min(r, cap) for r in choices if min(r, cap) >= 2})
         if not fits:
             return 0
         if not self.adaptive:
             return fits[-1]
-        costs = dict(self.block_costs if block else self.copy_costs)
-        rate = acc.rate()
-        best = max(fits, key=lambda r: (expected_tokens(rate, r) / _cost(costs, r), -r))
-        if block or expected_tokens(rate, best) > _cost(costs, best):
+        if block and tree:
+            costs, rates = dict(self.tree_costs), acc.rates(tree)
+            yields = {r: expected_tree_tokens(rates, r - 1, depth) for r in fits}
+        else:
+            costs, rate = dict(self.block_costs if block else self.copy_costs), acc.rate()
+            yields = {r: expected_tokens(rate, r) for r in fits}
+        best = max(fits, key=lambda r: (yields[r] / _cost(costs, r), -r))
+        if block or yields[best] > _cost(costs, best):
             return best
         return fits[0] if acc.serial_rounds >= self.probe else 0
 
@@ -103,8 +176,9 @@ def _parse_costs(text: str) -> dict[str, tuple[tuple[int, float], ...]]:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"--draft-costs is not JSON: {e}") from None
-    if not isinstance(raw, dict) or not raw or set(raw) - {"copy", "block"}:
-        raise ValueError('--draft-costs must be an object with "copy" and/or "block", each {"ROWS": ROUNDS, ...}')
+    if not isinstance(raw, dict) or not raw or set(raw) - {"copy", "block", "tree"}:
+        raise ValueError('--draft-costs must be an object with any of "copy", "block" and "tree", each '
+                         '{"ROWS": ROUNDS, ...}')
     out = {}
     for kind, table in raw.items():
         try:
