@@ -179,8 +179,8 @@ case "$stage" in
     # GDN window's leaf lists (bits of the node-order schedule at the 27B's heads), the kv write's prefix copy
     # (bf16, fp8, fp8 V key-major), the block-drafted = serial engine gate with trees (bf16-3; the path ranks the
     # policy reads ride along); then the trace again, chains against trees of branch 2.
-    gpu_pytest 170 tree_fixes 8 tests/test_gdn.py tests/test_kv_quant.py tests/test_engine_gpu.py \
-      -k "leaf_lists or prefix_copy or block_drafted_equals_serial_on_gpu[bf16-3]"
+    gpu_pytest 70 tree_units 5 tests/test_gdn.py tests/test_kv_quant.py -k "leaf_lists or prefix_copy"
+    gpu_pytest 130 tree_gate 3 "tests/test_engine_gpu.py::test_block_drafted_equals_serial_on_gpu[bf16-3]"
     timeout 130 python3 tools/gpu/draft_profile.py --rows 16 --windows 6 --drafter synthetic --tree 0,2 \
       --pipelined --trace "$out/trace" > "$out/draft_profile.log" 2>&1
     grep -E "untraced|^===|^trace:|Error|error" "$out/draft_profile.log" | cut -c1-200
