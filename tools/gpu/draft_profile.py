@@ -56,23 +56,25 @@ def main(argv=None) -> int:
         label = f"tree{tree}" if tree else "chain"
         for what in ("draft", "decode") if tree == trees[0] else ("draft",):
             name = f"{label}_{what}" if what == "draft" else what
-            for traced in (False, True) if args.trace else (False,):
-                if traced:
-                    jax.profiler.start_trace(f"{args.trace}_{name}", create_perfetto_trace=True)
+            # untraced: as `python -m qwen_jax bench --draft-rows` times them (after warm-up calls)
+            if what == "draft":
+                ms = bench.draft_windows(progs, [table], args.context, rule, args.rows, 16, 3, 400, rng,
+                                         pipelined=args.pipelined, block=drafter is not None)
+            else:
+                bench.pipelined_decode(progs, [table], [args.context], rule, 3, first_tokens=[1])
                 t0 = time.perf_counter()
+                bench.pipelined_decode(progs, [table], [args.context], rule, 16, first_tokens=[1])
+                ms = (time.perf_counter() - t0) * 1e3 / 16
+            print(f"{name}: {ms:.2f} ms a {'window' if what == 'draft' else 'round'} (untraced)")
+            if args.trace:
+                jax.profiler.start_trace(f"{args.trace}_{name}", create_perfetto_trace=True)
                 if what == "draft":
                     bench.draft_windows(progs, [table], args.context, rule, args.rows, args.windows, 1, 400, rng,
                                         pipelined=args.pipelined, block=drafter is not None)
                 else:
                     bench.pipelined_decode(progs, [table], [args.context], rule, args.windows, first_tokens=[1])
                 jax.block_until_ready(progs.state)
-                if not traced:
-                    n = args.windows + (2 if what == "draft" else 0)
-                    print(f"{name}: {(time.perf_counter() - t0) * 1e3 / n:.2f} ms a "
-                          f"{'window' if what == 'draft' else 'round'} (untraced, {n})")
-                if traced:
-                    jax.profiler.stop_trace()
-            if args.trace:
+                jax.profiler.stop_trace()
                 print(f"=== {name} ({args.rows if what == 'draft' else 1} rows), per window / round")
                 summarize_trace(f"{args.trace}_{name}", args.windows + (2 if what == "draft" else 0),
                                 dump=f"{args.trace}_{name}" if args.dump else None)
