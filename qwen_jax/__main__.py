@@ -369,7 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="drafts: the rows of each window (qwen_jax/engine/policy.py)")
     ev.add_argument("--draft-costs", metavar="JSON", default=None,
                     help='drafts: window costs in decode rounds for the adaptive policy, {"copy": {"2": 1.1, ...}, '
-                         '"block": {...}}')
+                         '"block": {...}, "tree": {...}}')
     ev.add_argument("--draft-tree", type=int, default=0, metavar="K",
                     help="drafts, with --drafter: windows verify trees of the drafter's likeliest continuations, "
                          "up to K children a node (0: chains)")

@@ -90,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "step at its position, so replies equal serial decoding's")
     m.add_argument("--draft-costs", metavar="JSON", default=None,
                    help='what a window costs in decode rounds, for --draft-policy adaptive: {"copy": {"2": 1.15, '
-                        '"4": 1.19, ...}, "block": {...}} (default: an H100\'s at the 27B\'s shapes; measure with '
-                        '`python -m qwen_jax bench --draft-rows`)')
+                        '"4": 1.19, ...}, "block": {...}, "tree": {...}} (default: an H100\'s at the 27B\'s shapes; '
+                        'measure with `python -m qwen_jax bench --draft-rows`)')
 
     s = p.add_argument_group("scheduling")
     s.add_argument("--parallel", type=_positive, default=16, metavar="N",

@@ -157,6 +157,10 @@ def test_bench_prints_costs_the_policy_reads():
     assert f"--draft-costs '{costs}'" in res.lines()
     assert DraftPolicy.parse("adaptive", costs).block_costs == ((4, 1.1), (16, 0.9))
     assert BenchResult(draft_window_ms={1: {4: 1.0}}).draft_costs() is None  # no decode round to compare with
+    trees = BenchResult(decode_forwards_per_s={1: 100.0}, draft_window_ms={1: {16: 19.0}}, block_drafts=True,
+                        tree_drafts=True)
+    assert trees.draft_costs() == '{"tree": {"16": 1.9}}'
+    assert DraftPolicy.parse("adaptive", trees.draft_costs()).tree_costs == ((16, 1.9),)
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,7 @@ class BenchResult:
     draft_window_ms: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)  # streams -> rows -> ms
     draft_pipelined_ms: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)  # likewise
     block_drafts: bool = False  # the windows were DFlash windows (the drafter run after each)
+    tree_drafts: bool = False  # ... trees of the drafter's likeliest continuations (--draft-tree)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -66,7 +67,7 @@ class BenchResult:
                     if v is None:
                         continue
                     ratio = f" = {v * fps / 1000:.2f} decode rounds" if fps else ""
-                    kind = "block " if self.block_drafts else "draft  "
+                    kind = "tree  " if self.tree_drafts else "block " if self.block_drafts else "draft  "
                     out.append(f"{kind}{s:>2} streams x {r:>2} rows @ {self.context} ctx: {v:8.2f} ms a "
                                f"window{ratio}{what}")
         costs = self.draft_costs()
@@ -84,7 +85,8 @@ class BenchResult:
                 continue
             table = {str(r): round(self.draft_pipelined_ms.get(s, {}).get(r, ms) * fps / 1000, 2)
                      for r, ms in sorted(self.draft_window_ms[s].items())}
-            return json.dumps({"block" if self.block_drafts else "copy": table})
+            kind = "tree" if self.tree_drafts else "block" if self.block_drafts else "copy"
+            return json.dumps({kind: table})
         return None
 
 
@@ -119,7 +121,7 @@ def run(params, cfg, *, backend, dtype: str = "bfloat16", kv_cache: str = "bf16"
     page = 64
     packing = P.Packing.BATCHED if P.row_invariant(params, backend) else P.Packing.MAPPED
     rows = tuple(sorted({min(P.pages_for(n, P.GRID) * P.GRID, max_chunk) for n in prompt_lengths}))
-    result = BenchResult(context=context, block_drafts=drafter is not None)
+    result = BenchResult(context=context, block_drafts=drafter is not None, tree_drafts=bool(draft_tree))
     jobs = []
     if prompt_lengths:
         pp = P.pages_for(max(prompt_lengths), page)
