@@ -12,6 +12,11 @@ import pytest
 from pallas_kernels import kv_quant as kq
 
 
+# the pool layouts: bf16, fp8, fp8 with V key-major
+LAYOUTS = pytest.mark.parametrize("dtype,v_layout", [(jnp.bfloat16, "rows"), (kq.FP8, "rows"), (kq.FP8, "keys")],
+                                  ids=["bf16", "fp8", "fp8-vkeys"])
+
+
 def numpy_quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The e4m3 quantizer written out in numpy: scale = amax / 448 in fp32, codes = x / scale rounded to nearest
     even by ml_dtypes; an all-zero row gets scale 0 and zero codes."""
@@ -157,8 +162,7 @@ def expected_prefix(pool: kq.KVPool, args, prefix, keys_major: bool) -> dict[str
     return want
 
 
-@pytest.mark.parametrize("dtype,v_layout", [(jnp.bfloat16, "rows"), (kq.FP8, "rows"), (kq.FP8, "keys")],
-                         ids=["bf16", "fp8", "fp8-vkeys"])
+@LAYOUTS
 def test_write_with_prefix_copy(dtype, v_layout):
     """`write(prefix=)`: the first rows of a page copied into another in the write's launch, bytes and scales as
     stored, beside rows written from the copied rows on; every other slot untouched. Kernel and reference."""
@@ -196,8 +200,7 @@ def test_write_rejects_bad_shapes():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,v_layout", [(jnp.bfloat16, "rows"), (kq.FP8, "rows"), (kq.FP8, "keys")],
-                         ids=["bf16", "fp8", "fp8-vkeys"])
+@LAYOUTS
 def test_write_kernel_gpu_27b_shape(dtype, v_layout):
     rng = np.random.default_rng(4)
     pool = random_pool(rng, 4, 40, 64, 256, dtype)
@@ -210,8 +213,7 @@ def test_write_kernel_gpu_27b_shape(dtype, v_layout):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,v_layout", [(jnp.bfloat16, "rows"), (kq.FP8, "rows"), (kq.FP8, "keys")],
-                         ids=["bf16", "fp8", "fp8-vkeys"])
+@LAYOUTS
 def test_write_with_prefix_copy_gpu_27b_shape(dtype, v_layout):
     rng = np.random.default_rng(9)
     pool = random_pool(rng, 4, 60, 64, 256, dtype)
