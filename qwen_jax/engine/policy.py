@@ -27,7 +27,8 @@ q's would build; the drafter's own tree can rank children differently, so it is 
 were never in a window are never counted, so q_j starts at 0 and grows only from windows that held them.
 
 The default costs are the H100's at the 27B's shapes, one stream at 1K of context (BENCHMARKS.md, engine, session
-40; the 2- and 8-row block windows interpolated; trees from session 42, their 2 and 4 rows the block chains'); a
+40; the 2- and 8-row block windows interpolated; trees: 16 rows from session 43, 8 from session 42 (before
+session 43's fixes made trees cheaper), 2 and 4 the block chains'); a
 small model's windows cost about one round, which `DraftPolicy(copy_costs=..., block_costs=..., tree_costs=...)`
 can say."""
 
@@ -41,7 +42,7 @@ from qwen_jax.programs import MISSED  # a `programs.path_ranks` entry: the path'
 # decode rounds a window of r rows costs (r: 2, 4, 8, 16)
 COPY_COSTS = {2: 1.15, 4: 1.19, 8: 1.47, 16: 1.32}
 BLOCK_COSTS = {2: 1.40, 4: 1.46, 8: 1.54, 16: 1.61}
-TREE_COSTS = {2: 1.40, 4: 1.46, 8: 1.55, 16: 1.89}
+TREE_COSTS = {2: 1.40, 4: 1.46, 8: 1.55, 16: 1.65}
 
 
 @dataclasses.dataclass
