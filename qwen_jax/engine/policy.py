@@ -27,10 +27,9 @@ q's would build; the drafter's own tree can rank children differently, so it is 
 were never in a window are never counted, so q_j starts at 0 and grows only from windows that held them.
 
 The default costs are the H100's at the 27B's shapes, one stream at 1K of context (BENCHMARKS.md, engine, session
-40; the 2- and 8-row block windows interpolated; trees: 16 rows from session 43, 8 from session 42 (before
-session 43's fixes made trees cheaper), 2 and 4 the block chains'); a
-small model's windows cost about one round, which `DraftPolicy(copy_costs=..., block_costs=..., tree_costs=...)`
-can say."""
+40; the 2- and 8-row block windows interpolated; trees: 16 rows from session 43, 8 from session 42, before
+session 43's fixes made trees cheaper, 2 and 4 the block chains'); a small model's windows cost about one round,
+which `DraftPolicy(copy_costs=..., block_costs=..., tree_costs=...)` can say."""
 
 from __future__ import annotations
 
@@ -131,8 +130,8 @@ class DraftPolicy:
     @classmethod
     def parse(cls, name: str, costs: str | None = None) -> "DraftPolicy":
         """--draft-policy NAME [--draft-costs JSON]: costs as {"copy": {"ROWS": ROUNDS, ...}, "block": {...},
-        "tree": {...}} (any part may be left out: it keeps the defaults), e.g. from `python -m qwen_jax bench --draft-rows` on
-        the machine and model being served."""
+        "tree": {...}} (any part may be left out: it keeps the defaults), e.g. from `python -m qwen_jax bench
+        --draft-rows` on the machine and model being served."""
         if name not in ("adaptive", "always"):
             raise ValueError(f"--draft-policy must be adaptive or always, got {name!r}")
         fields = {"adaptive": name == "adaptive"}
