@@ -44,7 +44,6 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     import time
     for tree in trees:
-        progs = None
         lay = P.Layout(64, dp, dp + 1, 2, "bfloat16", "bf16", tree_pages=2 * args.rows if tree else 0)
         b = P.Buckets((P.GRID,), (1,), (1,), packing=P.Packing.BATCHED, chain_rows=(args.rows,))
         block = None
@@ -56,23 +55,23 @@ def main(argv=None) -> int:
         label = f"tree{tree}" if tree else "chain"
         for what in ("draft", "decode") if tree == trees[0] else ("draft",):
             name = f"{label}_{what}" if what == "draft" else what
-            # untraced: as `python -m qwen_jax bench --draft-rows` times them (after warm-up calls)
-            if what == "draft":
-                ms = bench.draft_windows(progs, [table], args.context, rule, args.rows, 16, 3, 400, rng,
-                                         pipelined=args.pipelined, block=drafter is not None)
-            else:
-                bench.pipelined_decode(progs, [table], [args.context], rule, 3, first_tokens=[1])
+
+            def calls(n: int, repeats: int = 1) -> float:
+                """n windows (after two warm-up ones; `repeats` times, the median ms a window) or n decode rounds
+                once (ms a round), as `python -m qwen_jax bench --draft-rows` runs them."""
+                if what == "draft":
+                    return bench.draft_windows(progs, [table], args.context, rule, args.rows, n, repeats, 400, rng,
+                                               pipelined=args.pipelined, block=drafter is not None)
                 t0 = time.perf_counter()
-                bench.pipelined_decode(progs, [table], [args.context], rule, 16, first_tokens=[1])
-                ms = (time.perf_counter() - t0) * 1e3 / 16
-            print(f"{name}: {ms:.2f} ms a {'window' if what == 'draft' else 'round'} (untraced)")
+                bench.pipelined_decode(progs, [table], [args.context], rule, n, first_tokens=[1])
+                return (time.perf_counter() - t0) * 1e3 / n
+
+            if what == "decode":
+                calls(3)  # warm-up
+            print(f"{name}: {calls(16, 3):.2f} ms a {'window' if what == 'draft' else 'round'} (untraced)")
             if args.trace:
                 jax.profiler.start_trace(f"{args.trace}_{name}", create_perfetto_trace=True)
-                if what == "draft":
-                    bench.draft_windows(progs, [table], args.context, rule, args.rows, args.windows, 1, 400, rng,
-                                        pipelined=args.pipelined, block=drafter is not None)
-                else:
-                    bench.pipelined_decode(progs, [table], [args.context], rule, args.windows, first_tokens=[1])
+                calls(args.windows)
                 jax.block_until_ready(progs.state)
                 jax.profiler.stop_trace()
                 print(f"=== {name} ({args.rows if what == 'draft' else 1} rows), per window / round")

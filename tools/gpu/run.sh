@@ -186,7 +186,8 @@ case "$stage" in
     grep -A12 "^=== tree2" "$out/draft_profile.log" | tail -11
     ;;
   hundred-sixty-ninth)
-    # Session 43 (~5 min): the bench at HEAD (#6's figures; on an H200 the last ones are session 39's).
+    # Session 43 (~5 min; prepared, not run: no H200 came): the bench at HEAD (#6's figures; on an H200 the last
+    # ones are session 39's).
     nvidia-smi --query-gpu=name --format=csv,noheader
     bench_27b 300 5 ;;
   hundred-sixty-eighth)
