@@ -155,14 +155,21 @@ def _slots(page_table: jax.Array, positions: jax.Array, valid: jax.Array, page_s
 
 def write_reference(pool: KVPool, k_new: jax.Array, v_new: jax.Array, page_table: jax.Array,
                     positions: jax.Array, valid: jax.Array,
-                    prefix: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> KVPool:
+                    prefix: tuple[jax.Array, jax.Array, jax.Array] | None = None, *, share: int = 1) -> KVPool:
     """Write rows in place at their absolute positions.
 
     k_new, v_new [S, T, Hkv, D]; page_table [S, Pmax] int32; positions [S, T] int32; valid [S, T] bool
     -> pool with those rows stored (fp8 pools: quantized, scales written beside them); invalid rows are skipped.
     prefix (src, dst, rows [S]): first, for each stream, the first `rows` rows of page src copied into page dst,
     codes and scales as stored (a tree window's scratch page takes its stream's committed keys so).
+    share: k_new, v_new are [S / share, T, Hkv, D] and stream i writes the rows of k_new[i // share] (a tree
+    window's rows each write their ancestors' K/V through a table of their own: the window's rows, not copies).
     """
+    if share != 1:
+        if not isinstance(share, int) or share < 1 or k_new.shape[0] * share != page_table.shape[0]:
+            raise ValueError(f"share={share!r}: k_new holds {k_new.shape[0]} streams, page_table "
+                             f"{page_table.shape[0]}")
+        k_new, v_new = (jnp.repeat(a, share, axis=0) for a in (k_new, v_new))
     if prefix is not None:
         pool = _copy_prefix_reference(pool, *prefix)
     page, row = _slots(page_table, positions, valid, pool.page_size, pool.num_pages)
@@ -306,22 +313,23 @@ def _write_kernel(page_table_ref, positions_ref, valid_ref, k_new_ref, v_new_ref
 
 
 def write(pool: KVPool, k_new: jax.Array, v_new: jax.Array, page_table: jax.Array, positions: jax.Array,
-          valid: jax.Array, prefix: tuple[jax.Array, jax.Array, jax.Array] | None = None, *,
+          valid: jax.Array, prefix: tuple[jax.Array, jax.Array, jax.Array] | None = None, *, share: int = 1,
           interpret: bool = False) -> KVPool:
     """Same contract as write_reference, as one Pallas kernel that quantizes (fp8) and stores each row in place.
 
     The pool arrays are aliased to the outputs: under jit with the pool donated, nothing but the written rows
     moves. Two valid rows aimed at the same slot race; the engine never issues that. prefix: as
-    `write_reference`'s, in the same launch (the copied rows and the written slots must not meet).
+    `write_reference`'s, in the same launch (the copied rows and the written slots must not meet). share: as
+    `write_reference`'s; stream i's programs read their rows from k_new[i // share] (no broadcast copy).
     """
-    s, t, hkv, d = _check_write(pool, k_new, v_new, page_table, positions, valid)
+    s, t, hkv, d = _check_write(pool, k_new, v_new, page_table, positions, valid, share)
     fp8 = pool.fp8
     pool_arrays = [pool.k, pool.v] + ([pool.k_scale, pool.v_scale] if fp8 else [])
     kernel = functools.partial(_write_kernel, page_size=pool.page_size, num_pages=pool.num_pages, fp8=fp8,
                                keys_major=pool.keys_major, interpret=interpret, prefix=prefix is not None)
     whole = [pl.BlockSpec(a.shape, lambda i, j, g, n=a.ndim: (0,) * n) for a in pool_arrays]
     last = t - 1  # the copy program's row blocks: any row's (it reads none of them)
-    row_spec = pl.BlockSpec((None, None, None, d), lambda i, j, g: (i, jnp.minimum(j, last), g, 0))
+    row_spec = pl.BlockSpec((None, None, None, d), lambda i, j, g: (i // share, jnp.minimum(j, last), g, 0))
     stream_spec = lambda width: pl.BlockSpec((None, width), lambda i, j, g: (i, 0))  # noqa: E731
     copy = []
     if prefix is not None:
@@ -343,17 +351,23 @@ def write(pool: KVPool, k_new: jax.Array, v_new: jax.Array, page_table: jax.Arra
     return pool.with_arrays(*outs)
 
 
-def _check_write(pool: KVPool, k_new, v_new, page_table, positions, valid) -> tuple[int, int, int, int]:
+def _check_write(pool: KVPool, k_new, v_new, page_table, positions, valid, share: int = 1
+                 ) -> tuple[int, int, int, int]:
+    """-> (S, T, Hkv, D), S page_table's streams (k_new, v_new hold S / share of them)."""
     if k_new.ndim != 4 or k_new.shape != v_new.shape:
         raise ValueError(f"k_new and v_new must both be [S, T, Hkv, D]; got {k_new.shape} and {v_new.shape}")
+    if not isinstance(share, int) or share < 1:
+        raise ValueError(f"share must be a positive int; got {share!r}")
     s, t, hkv, d = k_new.shape
+    s *= share
     if (hkv, d) != (pool.k.shape[0], pool.k.shape[3]):
         raise ValueError(f"rows have Hkv={hkv}, D={d} but the pool holds Hkv={pool.k.shape[0]}, "
                          f"D={pool.k.shape[3]}")
     if d & (d - 1):
         raise ValueError(f"head dim {d} must be a power of two for the kernel")
     if page_table.ndim != 2 or page_table.shape[0] != s:
-        raise ValueError(f"page_table must be [S={s}, Pmax]; got {page_table.shape}")
+        raise ValueError(f"page_table must be [S={s}, Pmax] (k_new's {s // share} streams x share {share}); got "
+                         f"{page_table.shape}")
     if positions.shape != (s, t) or valid.shape != (s, t):
         raise ValueError(f"positions and valid must be [S, T] = {(s, t)}; got {positions.shape}, {valid.shape}")
     if pool.fp8 and (pool.k_scale is None or pool.v_scale is None):

@@ -120,9 +120,16 @@ def test_write_into_a_keys_major_v_stores_the_same_bytes():
         kq.write(kq.KVPool(pool.k, pool.v, pool.k_scale, pool.v_scale, "keys"), *args, interpret=True)
 
 
-@functools.partial(jax.jit, static_argnames="interpret")
-def _write_prefix(pool, k_new, v_new, page_table, positions, valid, prefix, interpret):
-    return kq.write(pool, k_new, v_new, page_table, positions, valid, prefix, interpret=interpret)
+@functools.partial(jax.jit, static_argnames=("interpret", "share"))
+def _write_prefix(pool, k_new, v_new, page_table, positions, valid, prefix, interpret, share=1):
+    return kq.write(pool, k_new, v_new, page_table, positions, valid, prefix, interpret=interpret, share=share)
+
+
+def shared_rows(args, share: int):
+    """prefix_case's args with every group of `share` streams writing the first stream's rows of the group: (the
+    args as `write(share=share)` takes them, the same rows repeated for a write without share)."""
+    k, v = (a[::share] for a in args[:2])
+    return (k, v, *args[2:]), tuple(jnp.repeat(a, share, axis=0) for a in (k, v)) + tuple(args[2:])
 
 
 def prefix_case(rng, pool, *, s, t, d, page_size):
@@ -176,6 +183,25 @@ def test_write_with_prefix_copy(dtype, v_layout):
     assert_pool_bits(kq.write_reference(pool, *args, prefix), want)
 
 
+@LAYOUTS
+def test_write_shared_rows(dtype, v_layout):
+    """`write(share=)`: streams that write the rows of one k_new stream (a tree window's rows, each writing its
+    ancestors through its own table) store what a write of those rows repeated stores. Kernel and reference, with
+    the prefix copy as the tree pass issues them; a k_new whose streams do not match the table's is refused."""
+    rng = np.random.default_rng(10)
+    pool = random_pool(rng, 2, 16, 8, 32, dtype)
+    if v_layout == "keys":
+        pool = kq.with_v_layout(pool, "keys")
+    args, prefix = prefix_case(rng, pool, s=4, t=9, d=32, page_size=8)
+    shared, repeated = shared_rows(args, 2)
+    want = expected_prefix(pool, repeated, prefix, v_layout == "keys")
+    assert_pool_bits(_write_prefix(pool, *shared, prefix, interpret=True, share=2), want)
+    assert_pool_bits(kq.write_reference(pool, *shared, prefix, share=2), want)
+    for write in (functools.partial(kq.write, interpret=True), kq.write_reference):
+        with pytest.raises(ValueError, match="share"):
+            write(pool, *shared, prefix, share=4)
+
+
 def test_quantize_reference_equals_numpy():
     rng = np.random.default_rng(2)
     x = rng.standard_normal((64, 256)).astype(np.float32) * rng.uniform(1e-3, 1e3, size=(64, 1)).astype(np.float32)
@@ -214,11 +240,14 @@ def test_write_kernel_gpu_27b_shape(dtype, v_layout):
 
 @pytest.mark.gpu
 @LAYOUTS
-def test_write_with_prefix_copy_gpu_27b_shape(dtype, v_layout):
+@pytest.mark.parametrize("share", [1, 16])
+def test_write_with_prefix_copy_gpu_27b_shape(dtype, v_layout, share):
+    """share 16: one stream's 16 tree rows, each writing through its own table, as the tree pass issues them."""
     rng = np.random.default_rng(9)
     pool = random_pool(rng, 4, 60, 64, 256, dtype)
     if v_layout == "keys":
         pool = kq.with_v_layout(pool, "keys")
     args, prefix = prefix_case(rng, pool, s=16, t=16, d=256, page_size=64)
-    assert_pool_bits(_write_prefix(pool, *args, prefix, interpret=False),
-                     expected_prefix(pool, args, prefix, v_layout == "keys"))
+    shared, repeated = shared_rows(args, share)
+    assert_pool_bits(_write_prefix(pool, *shared, prefix, interpret=False, share=share),
+                     expected_prefix(pool, repeated, prefix, v_layout == "keys"))

@@ -166,10 +166,10 @@ def tree_pass(x, p, pool, window, view: TreeView, cfg: TextConfig, backend: Back
     `commit`)."""
     q, gate, k, v, _ = project(x, p, window.rope_positions, cfg, backend, prompt=False)
     s, r = q.shape[:2]
-    # Every row's ancestors, at their positions, through that row's table.
-    rows = lambda a: jnp.broadcast_to(a[:, None], (s, r) + a.shape[1:]).reshape((s * r,) + a.shape[1:])  # noqa
-    pool = ops.kv_write(backend, pool, rows(k), rows(v), view.tables, view.anc_positions, view.anc,
-                        (view.src, view.dst, view.keep))
+    # Every row's ancestors, at their positions, through that row's table: the S*R write streams read the window
+    # rows of their stream (share=r), not copies of them.
+    pool = ops.kv_write(backend, pool, k, v, view.tables, view.anc_positions, view.anc,
+                        (view.src, view.dst, view.keep), share=r)
     one = lambda a: a.reshape((s * r, 1) + a.shape[2:])  # noqa: E731
     o = ops.attention_window(backend, one(q), one(k), one(v), jnp.full((s * r, 1), -1, jnp.int32), pool,
                              view.tables, view.positions, scale=cfg.head_dim ** -0.5)

@@ -475,8 +475,9 @@ def l2norm(backend: Backend, x: jax.Array) -> jax.Array:
     return _pick(backend, rownorm_k, "l2norm")(x, gdn_k.QK_NORM_EPS)
 
 
-def kv_write(backend: Backend, *args):
-    return _pick(backend, kv_quant, "write")(*args)
+def kv_write(backend: Backend, *args, share: int = 1):
+    """`kv_quant.write`; share > 1: k, v hold the streams of the table / share (see `kv_quant.write_reference`)."""
+    return _pick(backend, kv_quant, "write")(*args, share=share)
 
 
 def attention_prompt(backend: Backend, *args, scale: float):
