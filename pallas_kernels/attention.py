@@ -503,7 +503,8 @@ def _packed_rows(mrows: int, r: int, hq: int, group: int, g, first=0) -> tuple[j
 def _window_chunk_kernel(cache_len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, fp8: bool, scale: float, r: int,
                          group: int, mrows: int, parts: int, max_keys: int, page_size: int, tiles: WindowTiles, cdt,
                          v_keys: bool = False):
-    # cache_len_ref [S]; pt_ref [Pmax]; q_ref [R*Hq, D] (this stream); k_ref, v_ref [P, page, D] (this KV head;
+    # cache_len_ref [2 S]: the streams' key counts, then the counts that set their chunk size (`window_partials`'
+    # size_len); pt_ref [Pmax]; q_ref [R*Hq, D] (this stream); k_ref, v_ref [P, page, D] (this KV head;
     # v_keys: v_ref [P, D, page]);
     # fp8: ks_ref, vs_ref [P, page]; outputs m_ref, l_ref [MB], acc_ref [MB, D] fp32: this chunk's partial
     # relative to its own max for packed rows part*MB .. part*MB + MB - 1 (mrows = MB; axis 1 of the grid is
@@ -516,7 +517,8 @@ def _window_chunk_kernel(cache_len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, fp8:
     s, gp, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     g, part = gp // parts, gp % parts
     n_keys = jnp.minimum(cache_len_ref[s], max_keys)
-    size, n_chunks = stream_chunking(n_keys, tiles.chunk, tiles.short_chunk)
+    size = stream_chunking(cache_len_ref[cache_len_ref.shape[0] // 2 + s], tiles.chunk, tiles.short_chunk)[0]
+    n_chunks = lax.div(n_keys + size - 1, size)
 
     @pl.when(c < n_chunks)
     def _():
@@ -1194,7 +1196,8 @@ def packed_query_rows(q_shape: tuple[int, ...], q_dtype, pool: KVPool, page_tabl
 
 def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len: jax.Array, *, scale: float,
                     tiles: WindowTiles, interpret: bool = False, pad_chunks_to: int = 1,
-                    q_packed: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    q_packed: jax.Array | None = None, size_len: jax.Array | None = None
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Pass 1 of `window` alone (window calls it; the bench times it apart from the merge): one program per
     (stream, KV head, chunk) writes the chunk's partial for the real packed rows; entries of chunks at or past the
     stream's context and of padding rows are left unwritten. tiles.impl "mgpu" runs it on Mosaic GPU for bf16 calls
@@ -1204,10 +1207,14 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
     (fp32, or bf16 from the Mosaic GPU pass 1 with tiles.partials "bfloat16"),
     NC = the chunk count over the table rounded up to a power of two (and to pad_chunks_to), M packed rows.
     q_packed: q as the Mosaic GPU pass 1 packs it (`packed_query_rows`), which it then reads; other pass 1s read q.
+    size_len [S]: the counts that set each stream's chunk size (`stream_chunking`), already capped; None: the
+    stream's own, min(cache_len, the table's keys). A stream's chunks are then that size from its table's first key
+    on, cut at its cache_len (`window_rows`: a window's rows share the chunks below their stream's position).
     """
     s, r, hq, d = q.shape
     hkv = pool.k.shape[0]
     one = _pass_one(q, pool, page_table, tiles)
+    cache_len = cache_len.astype(jnp.int32)
     rb, parts = one.rows, one.parts
     nc_pad = max(_pow2(one.n_chunks), pad_chunks_to)
     if _mgpu_pass_one(q, pool, tiles, interpret):
@@ -1218,7 +1225,10 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
                                         tiles=awm.WindowMgpuTiles(stages=tiles.num_stages,
                                                                   split_rows=_split_rows(tiles, one, s, hkv),
                                                                   ping_pong=awm.PING_PONG, dequant=awm.DEQUANT),
-                                        partials=tiles.partials, q_packed=q_packed, interpret=interpret)
+                                        partials=tiles.partials, q_packed=q_packed, size_len=size_len,
+                                        interpret=interpret)
+    lens = jnp.concatenate([cache_len, jnp.minimum(cache_len, one.max_keys) if size_len is None
+                            else size_len.astype(jnp.int32)])
 
     with jax.named_scope("attn_window_chunks"):
         kernel = functools.partial(_window_chunk_kernel, fp8=pool.fp8, v_keys=pool.keys_major, scale=scale, r=r,
@@ -1228,7 +1238,7 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
         return pallas_call(
             kernel,
             grid=(s, hkv * parts, one.n_chunks),
-            in_specs=[pl.BlockSpec((s,), lambda i, j, c: (0,)),
+            in_specs=[pl.BlockSpec((2 * s,), lambda i, j, c: (0,)),
                       pl.BlockSpec((None, one.page_table.shape[1]), lambda i, j, c: (i, 0)),
                       pl.BlockSpec((None, r * hq, d), lambda i, j, c: (i, 0, 0)),
                       *one.kv_specs],
@@ -1241,7 +1251,7 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
             interpret=interpret,
             compiler_params=plgpu.CompilerParams(num_warps=one.warps, num_stages=one.stages),
             name="attn_window_chunks",
-        )(cache_len.astype(jnp.int32), one.page_table, q.reshape(s, r * hq, d),  # reshape: free
+        )(lens, one.page_table, q.reshape(s, r * hq, d),  # reshape: free
           *_pool_operands(pool))
 
 
@@ -1268,6 +1278,43 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
     if tiles.tail == "tickets":
         return _window_tickets(q, k_win, v_win, parents, pool, page_table, cache_len, scale=scale, tiles=tiles,
                                interpret=interpret)
+    m, l, acc = window_partials(q, pool, page_table, cache_len, scale=scale, tiles=tiles, interpret=interpret,
+                                pad_chunks_to=_merge_plan(q.shape, pool, page_table, tiles).pad_chunks_to,
+                                q_packed=q_packed)
+    return merge_partials(q, k_win, v_win, parents, pool, page_table, cache_len, (m, l, acc), scale=scale,
+                          tiles=tiles, interpret=interpret)
+
+
+class _MergePlan(NamedTuple):
+    """How a window call's partials are folded (`merge_partials`), from its shapes and tiles alone."""
+    grouped: bool
+    fold_here: bool
+    entries: int
+    bd: int
+    unroll: int
+    pad_chunks_to: int
+
+
+def _merge_plan(q_shape, pool: KVPool, page_table: jax.Array, tiles: WindowTiles) -> _MergePlan:
+    s, r, hq, d = q_shape
+    hkv = pool.k.shape[0]
+    max_keys = page_table.shape[1] * pool.page_size
+    n_table = table_chunks(max_keys, tiles.chunk, tiles.short_chunk)  # fixed for a model and layout
+    grouped = n_table > tiles.fold
+    fold_here = grouped and fold_in_merge(tiles, streams=s, hkv=hkv, chunks=n_table)
+    entries = merge_entries(max_keys=max_keys, chunk=tiles.chunk, short_chunk=tiles.short_chunk,
+                            fold=tiles.fold if grouped else None, fold_here=fold_here)
+    bd, unroll = merge_launch(tiles, streams=s, hkv=hkv, mrows=_padded_rows(r * (hq // hkv)), head_dim=d,
+                              entries=entries)
+    return _MergePlan(grouped, fold_here, entries, bd, unroll, tiles.fold if grouped else unroll)
+
+
+def merge_partials(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array, pool: KVPool,
+                   page_table: jax.Array, cache_len: jax.Array, partials: tuple[jax.Array, jax.Array, jax.Array], *,
+                   scale: float, tiles: WindowTiles, interpret: bool = False) -> jax.Array:
+    """`window`'s pass 2 (and its fold pass) over pass 1's partials (m, l, acc as `window_partials` returns them,
+    padded to `_merge_plan`'s pad_chunks_to): the same arguments as `window`, tiles given."""
+    hkv = pool.k.shape[0]
     s, r, hq, d = q.shape
     group = hq // hkv
     mrows = _padded_rows(r * group)  # as `_pass_one` packs them for pass 1
@@ -1276,14 +1323,8 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
     cdt = _compute_dtype(q.dtype, pool, tiles.fp8_dot)
     max_keys = page_table.shape[1] * pool.page_size
     cache_len = cache_len.astype(jnp.int32)
-    n_table = table_chunks(max_keys, tiles.chunk, tiles.short_chunk)  # fixed for a model and layout
-    grouped = n_table > tiles.fold
-    fold_here = grouped and fold_in_merge(tiles, streams=s, hkv=hkv, chunks=n_table)
-    entries = merge_entries(max_keys=max_keys, chunk=tiles.chunk, short_chunk=tiles.short_chunk,
-                            fold=tiles.fold if grouped else None, fold_here=fold_here)
-    bd, unroll = merge_launch(tiles, streams=s, hkv=hkv, mrows=mrows, head_dim=d, entries=entries)
-    m, l, acc = window_partials(q, pool, page_table, cache_len, scale=scale, tiles=tiles, interpret=interpret,
-                                pad_chunks_to=tiles.fold if grouped else unroll, q_packed=q_packed)
+    grouped, fold_here, entries, bd, unroll, _ = _merge_plan(q.shape, pool, page_table, tiles)
+    m, l, acc = partials
     nc_pad = m.shape[2]
     max_block = min(nc_pad, _pow2_floor(max(1, 4096 // mrows)))
     q_rows = q.reshape(s, r * hq, d)  # free: rows picked inside the kernels
@@ -1342,6 +1383,94 @@ def window(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: jax.Array,
         )(cache_len, parents.astype(jnp.int32), q_rows, kw.reshape(s, r * hkv, d),
           vw.reshape(s, r * hkv, d // bd, bd), m, l, acc, *scales)
     return _unpack_rows(out, r, hq)
+
+
+# Whether `window_rows` shares pass 1 below a window's rows (False: every row its own one-row call, as before
+# session 44; the same bits either way). Read at tracing.
+SHARED_ROWS = True
+
+
+def window_rows(q: jax.Array, k_win: jax.Array, v_win: jax.Array, pool: KVPool, page_table: jax.Array,
+                row_tables: jax.Array, row_len: jax.Array, base: jax.Array, *, scale: float,
+                interpret: bool = False, tiles: WindowTiles | None = None) -> jax.Array:
+    """Every row of a window as a one-row `window` of its own, what a drafted row must be (drafted ≡ serial): row r
+    of stream s attends over row_len[s, r] committed keys through row_tables[s R + r], with its own key as its one
+    window key. Bit for bit those R one-row calls, but pass 1 reads the keys below the rows once: every chunk (of
+    the size all the stream's rows cut their keys into, `stream_chunking`) that ends at or below base[s] is the same
+    for each row, so one R-row pass 1 over the stream's table, cut at F (the start of the chunk holding base),
+    gives those partials; a one-row pass 1 a row over its table from F on gives the one or two chunks after; the
+    one-row merge of each row folds them all in chunk order, as its own call would (docs/drafting.md, "Long
+    contexts"). A call whose rows straddle a chunk-size threshold (once a stream's life at each, `SHORT_CHUNKS`)
+    takes the one-row calls themselves.
+
+    q [S, R, Hq, D]; k_win, v_win [S, R, Hkv, D]; page_table [S, Pmax]: the stream's table, whose pages below base
+    hold what every row's table holds there; row_tables [S R, Pmax]; row_len [S, R]: base[s] or more, or 0 for a
+    row whose output is not read; base [S] -> o [S, R, Hq, D]."""
+    s, r, hq, d = q.shape
+    hkv = pool.k.shape[0]
+    if tiles is None:
+        tiles = model_window_tiles(q.dtype, pool, hq, max_keys=page_table.shape[1] * pool.page_size,
+                                   interpret=interpret)
+    if row_tables.shape != (s * r, page_table.shape[1]) or row_len.shape != (s, r) or base.shape != (s,):
+        raise ValueError(f"window_rows: row_tables [S R, Pmax], row_len [S, R], base [S] for q {q.shape} and "
+                         f"page_table {page_table.shape}; got {row_tables.shape}, {row_len.shape}, {base.shape}")
+    ps = pool.page_size
+    max_keys = page_table.shape[1] * ps
+    one = lambda a: a.reshape((s * r, 1) + a.shape[2:])  # noqa: E731
+    q1, k1, v1 = one(q), one(k_win), one(v_win)
+    parents1 = jnp.full((s * r, 1), -1, jnp.int32)
+    len1 = row_len.reshape(s * r).astype(jnp.int32)
+
+    def per_row():
+        return window(q1, k1, v1, parents1, pool, row_tables, len1, scale=scale, interpret=interpret, tiles=tiles)
+
+    if tiles.tail == "tickets" or r == 1 or not SHARED_ROWS:
+        return per_row().reshape(q.shape)
+    base = jnp.minimum(base.astype(jnp.int32), max_keys)
+    size = stream_chunking(base, tiles.chunk, tiles.short_chunk)[0]  # [S]
+    size_top = stream_chunking(jnp.minimum(jnp.max(row_len, axis=1), max_keys), tiles.chunk, tiles.short_chunk)[0]
+    straddle = jnp.any(size != size_top)
+    cut = (base // size) * size  # F: the first key of the chunk holding base
+    first_chunk = base // size
+
+    def shared():
+        # The chunks below F, once for all the stream's rows.
+        whole = _merge_plan(q.shape, pool, page_table, tiles)
+        ms, ls, accs = window_partials(q, pool, page_table, cut, scale=scale, tiles=tiles, interpret=interpret,
+                                       pad_chunks_to=whole.pad_chunks_to, size_len=base)
+        # Each row's chunks from F on: its table from F's page on, its keys counted from F, its chunk size set by
+        # its own count (the stream's, as the rows do not straddle).
+        pages = 2 * tiles.chunk // ps + 1
+        cols = jnp.clip((cut // ps)[:, None] + jnp.arange(pages)[None, :], 0, page_table.shape[1] - 1)
+        tail_tables = jnp.take_along_axis(row_tables, jnp.repeat(cols, r, axis=0), axis=1)
+        tail_len = jnp.maximum(len1 - jnp.repeat(cut, r), 0)
+        mt, lt, acct = window_partials(q1, pool, tail_tables, tail_len, scale=scale, tiles=tiles,
+                                       interpret=interpret, size_len=jnp.repeat(base, r))
+        # The partials each row's own call would have: the shared chunks' rows of this row, then its tail chunks at
+        # F's chunk and the one after.
+        plan = _merge_plan(q1.shape, pool, row_tables, tiles)
+        group = hq // hkv
+        mrows = _padded_rows(group)
+        n_pad = max(_pow2(table_chunks(max_keys, tiles.chunk, tiles.short_chunk)), plan.pad_chunks_to)
+        c = jnp.arange(n_pad)
+        at = (c[None, :] - jnp.repeat(first_chunk, r)[:, None])  # [S R, NC]: 0 / 1 at the tail's chunks
+
+        def rows(a, tail):
+            # [S, Hkv, NCs, M_R(, D)] -> [S R, Hkv, n_pad, mrows(, D)], the tail's chunks put in
+            extra = a.shape[4:]
+            a = a[:, :, :n_pad, :r * group]
+            nc = a.shape[2]
+            a = jnp.moveaxis(a.reshape((s, hkv, nc, r, group) + extra), 3, 1).reshape((s * r, hkv, nc, group) + extra)
+            a = jnp.pad(a, [(0, 0), (0, 0), (0, n_pad - nc), (0, mrows - group)] + [(0, 0)] * len(extra))
+            sel = at.reshape((s * r, 1, n_pad, 1) + (1,) * len(extra))
+            tail = tail[:, :, :2, :mrows]
+            return jnp.where(sel == 0, tail[:, :, None, 0], jnp.where(sel == 1, tail[:, :, None, 1], a))
+
+        parts = (rows(ms, mt), rows(ls, lt), rows(accs, acct))
+        return merge_partials(q1, k1, v1, parents1, pool, row_tables, len1, parts, scale=scale, tiles=tiles,
+                              interpret=interpret)
+
+    return jax.lax.cond(straddle, per_row, shared).reshape(q.shape)
 
 
 def _window_rows_for_merge(k_win: jax.Array, v_win: jax.Array, pool: KVPool, cdt, interpret: bool):

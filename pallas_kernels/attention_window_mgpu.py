@@ -195,7 +195,8 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """qp [S, Hkv, W 64, D] bf16 (`pack_queries`: real_rows = R G of them real); k, v [Hkv, P, page, D] bf16, or
     e4m3 codes with scales = (k_scale, v_scale) [Hkv, P, page] fp32 (one compute warpgroup a CTA: parts = W);
-    page_table [S, Pmax'] int32 covering n_chunks chunks; cache_len [S] int32 -> m, l [S, Hkv, nc_pad, mrows], acc
+    page_table [S, Pmax'] int32 covering n_chunks chunks; cache_len [2 S] int32 (the key counts, then the counts
+    that set the chunk size, already capped) -> m, l [S, Hkv, nc_pad, mrows], acc
     [S, Hkv, nc_pad, mrows, D] in `partials` (fp32 or bf16; rows past R G rounded up to 8 unwritten). Grid (chunk x
     part, KV head, stream): parts 1, a CTA runs all W warpgroups' rows; parts W, a CTA runs warpgroup `part`'s 64
     rows.
@@ -241,7 +242,7 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
             (k_smem, v_smem), (out_smem, ml_smem) = union
             ks_gmem = vs_gmem = ks_smem = vs_smem = kb_smem = vb_smem = None
         k_ready, v_ready, k_free, v_free, q_ready, drained, written, schedule = bars
-        # len_gmem [S]; pt_gmem [S, Pmax']; q_gmem [S, Hkv, W 64, D]; k_gmem, v_gmem [Hkv, P, page, D]; outputs
+        # len_gmem [2 S]: the streams' key counts, then the counts that set their chunk size; pt_gmem [S, Pmax']; q_gmem [S, Hkv, W 64, D]; k_gmem, v_gmem [Hkv, P, page, D]; outputs
         # m_gmem, l_gmem [S, Hkv, NC, M], acc_gmem [S, Hkv, NC, M, D]. q_smem [wgs, 64, D]; union: the K / V slots
         # [stages, 64, D] bf16, later the CTA's O partials [wgs 64, D] and their (m, l) [2, wgs 64] fp32;
         # interpret: p_smem [wgs, 64, 64] bf16. fp8: ks_gmem, vs_gmem [Hkv, P, page] the scales; the slots hold
@@ -254,7 +255,9 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
         wg = lax.axis_index("wg")
         row0 = part * cta_rows  # the CTA's first packed row
         n_keys = lax.min(len_gmem[s], jnp.int32(max_keys))
-        size = stream_chunking(n_keys, chunk, short_chunk)[0]  # the stream's chunk (`attention.stream_chunking`)
+        # the stream's chunk (`attention.stream_chunking`) from its count that sets it (`attention.window_partials`'
+        # size_len, the keys' count unless given)
+        size = stream_chunking(len_gmem[s_count + s], chunk, short_chunk)[0]
         first = c * size
         n_blocks = lax.clamp(0, _div(lax.max(n_keys - first, 0) + bk - 1, bk), _div(size, bk))
 
@@ -616,15 +619,20 @@ def unsupported(q_dtype, pool: KVPool, group: int, *, chunk: int, stages: int | 
 def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len: jax.Array, *, scale: float,
                          chunk: int, n_chunks: int, nc_pad: int, max_keys: int, tiles: WindowMgpuTiles,
                          short_chunk: int | None = None, q_packed: jax.Array | None = None,
-                         partials: str = "float32", interpret: bool | plgpu.InterpretGPUParams = False):
+                         partials: str = "float32", size_len: jax.Array | None = None,
+                         interpret: bool | plgpu.InterpretGPUParams = False):
     """`attention.window_partials` on Mosaic GPU (the caller checked the model with `unsupported`): q [S, R, Hq, D]
     bf16; page_table [S, Pmax'] covering n_chunks chunks of `chunk` keys; cache_len [S] -> m, l [S, Hkv, nc_pad, M]
     fp32, acc [S, Hkv, nc_pad, M, D] in `partials` ("float32" or "bfloat16"), M = attention._padded_rows(R G).
-    q_packed: `pack_queries(q, Hkv)` made by the caller (`attn_prep` writes it), read in its place."""
+    q_packed: `pack_queries(q, Hkv)` made by the caller (`attn_prep` writes it), read in its place. size_len [S]:
+    the counts that set the streams' chunk size (None: min(cache_len, max_keys), the keys' own)."""
     _, r, hq, _ = q.shape
     hkv = pool.k.shape[0]
     qp = pack_queries(q, hkv) if q_packed is None else check_packed(q_packed, q, hkv)
-    operands = (cache_len.astype(jnp.int32), page_table.astype(jnp.int32), qp, pool.k, pool.v)  # the kernel's order
+    cache_len = cache_len.astype(jnp.int32)
+    size_len = jnp.minimum(cache_len, max_keys) if size_len is None else size_len.astype(jnp.int32)
+    lens = jnp.concatenate([cache_len, size_len])
+    operands = (lens, page_table.astype(jnp.int32), qp, pool.k, pool.v)  # the kernel's order
     if pool.fp8:
         operands += (pool.k_scale, pool.v_scale)
     e4m3 = pool.keys_major  # V key-major: both MMAs on the codes (`_kernel_call`'s dequant "e4m3")

@@ -285,6 +285,78 @@ def test_window_rows_equal_serial_steps():
     assert differ == [], f"rows {differ} of the {r}-row chain differ from their serial steps"
 
 
+def rows_case(rng, *, lens, r, hq, hkv, d, page_size, pmax, dtype, trees=False):
+    """`attention.window_rows`' operands: stream i's rows over lens[i], lens[i] + 1, ... committed keys (a chain;
+    the last stream's last two rows padding, 0 keys), through the stream's table, or with trees through tables of
+    their own from the page holding lens[i] on (other pages drawn for each row, as a tree's scratch pages are)."""
+    s = len(lens)
+    num_pages = s * pmax + s * r * 2 + 1
+    pool = filled_pool(rng, hkv, num_pages, page_size, d, dtype)
+    if jnp.dtype(dtype) == jnp.dtype(kq.FP8):
+        pool = kq.with_v_layout(pool, "keys")
+    pages = rng.permutation(np.arange(1, num_pages))
+    table = pages[:s * pmax].reshape(s, pmax)
+    row_tables = np.repeat(table, r, axis=0)
+    if trees:
+        spare = pages[s * pmax:].reshape(s * r, 2)
+        for i in range(s * r):
+            first = lens[i // r] // page_size
+            row_tables[i, first:first + 2] = spare[i][:min(2, pmax - first)]
+    base = np.asarray(lens, np.int32)
+    row_len = base[:, None] + np.arange(r)[None, :]
+    row_len[-1, -2:] = 0
+    q = jnp.asarray(rng.standard_normal((s, r, hq, d)), jnp.bfloat16)
+    k_win = jnp.asarray(rng.standard_normal((s, r, hkv, d)) * 2, jnp.bfloat16)
+    v_win = jnp.asarray(rng.standard_normal((s, r, hkv, d)), jnp.bfloat16)
+    return (q, k_win, v_win, pool, jnp.asarray(table, jnp.int32), jnp.asarray(row_tables, jnp.int32),
+            jnp.asarray(row_len), jnp.asarray(base))
+
+
+def rows_share_chunks(tiles, row_len, base, max_keys) -> list[bool | None]:
+    """Per stream of a `window_rows` call: None where its rows straddle a chunk-size threshold (the call then runs
+    the one-row windows themselves), else whether they read shared chunks (the chunk holding base starts past key
+    0)."""
+    size = lambda n: int(at.stream_chunking(jnp.int32(min(int(n), max_keys)), tiles.chunk, tiles.short_chunk)[0])
+    sizes = [(size(b), size(max(row))) for b, row in zip(np.asarray(base), np.asarray(row_len))]
+    return [None if lo != hi else int(b) >= lo for (lo, hi), b in zip(sizes, np.asarray(base))]
+
+
+def window_rows_and_one_row_windows(case, *, scale, tiles, interpret):
+    """(`window_rows` of the case, the same rows as one-row windows, streams of their own in one call), as arrays."""
+    q, kw, vw, pool, table, row_tables, row_len, base = case
+    s, r = q.shape[:2]
+    one = lambda a: a.reshape((s * r, 1) + a.shape[2:])  # noqa: E731
+    got = jax.jit(functools.partial(at.window_rows, scale=scale, interpret=interpret, tiles=tiles))(
+        q, kw, vw, pool, table, row_tables, row_len, base)
+    want = run_window(one(q), one(kw), one(vw), jnp.full((s * r, 1), -1, jnp.int32), pool, row_tables,
+                      row_len.reshape(-1), scale=scale, interpret=interpret, tiles=tiles)
+    return np.asarray(got), np.asarray(want).reshape(got.shape)
+
+
+# Short chunks of 32 keys, doubling past 256 and 512 committed keys to 128 (`stream_chunking`).
+ROWS_TILES = at.WindowTiles(block_k=16, chunk=128, short_chunk=32, merge_block_d=16, merge_unroll=2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("trees", [False, True], ids=["chains", "trees"])
+def test_window_rows_are_one_row_windows(dtype, trees):
+    """`window_rows` (a drafted window's rows, pass 1 over the keys below them once) gives every row the bits of
+    its own one-row window: streams inside the first chunk, with 3 shared chunks of 32 keys, 4 of 64 and 4 of 128,
+    padding rows beside them; then a call with a stream whose rows straddle the 256-key threshold (the one-row
+    calls themselves run)."""
+    rng = np.random.default_rng(31)
+    max_keys = 80 * SMALL["page_size"]
+    for lens, paths in (([20, 100, 300, 600], [False, True, True, True]), ([250, 20], [None, False])):
+        r = 8
+        case = rows_case(rng, lens=lens, r=r, **SMALL, pmax=80, dtype=dtype, trees=trees)
+        assert rows_share_chunks(ROWS_TILES, case[6], case[7], max_keys) == paths
+        got, want = window_rows_and_one_row_windows(case, scale=SMALL["d"] ** -0.5, tiles=ROWS_TILES,
+                                                    interpret=True)
+        live = np.asarray(case[6]).reshape(-1) > 0
+        assert np.array_equal(bits(got.reshape(len(lens) * r, -1)[live]),
+                              bits(want.reshape(len(lens) * r, -1)[live])), lens
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
 def test_window_fold_pass_bits(dtype):
     """The fold pass (tables of more than `fold` chunks): right against float64, each row's bits free of other

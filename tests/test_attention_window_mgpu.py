@@ -19,7 +19,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import attention as at
 from pallas_kernels import attention_window_mgpu as awm
 from pallas_kernels import kv_quant as kq
-from tests.test_attention import BIG, CHAIN, TREE, bits, np_window, rel_err, scattered_tables, window_case
+from tests.test_attention import (BIG, CHAIN, TREE, bits, np_window, rel_err, rows_case, rows_share_chunks,
+                                  scattered_tables, window_case, window_rows_and_one_row_windows)
 from tests.test_attention_mgpu import row_invariant_interpreter_wgmma  # noqa: F401 (autouse fixture)
 
 GPU = pytest.mark.gpu
@@ -448,6 +449,40 @@ def _gpu_case(rng, rows, cache_lens, pmax, dtype=jnp.bfloat16):
                        **dict(BIG, s=len(cache_lens), pmax=pmax, num_pages=len(cache_lens) * pmax + 1,
                               cache_lens=cache_lens,
                               parents=([tree16, list(range(-1, 15))] * len(cache_lens))[:len(cache_lens)]))
+
+
+def _rows_bits_equal(case, tiles, interpret) -> None:
+    got, want = window_rows_and_one_row_windows(case, scale=case[0].shape[-1] ** -0.5, tiles=tiles,
+                                                interpret=interpret)
+    live = np.asarray(case[6]).reshape(-1) > 0
+    n = got.shape[0] * got.shape[1]
+    assert np.array_equal(bits(got.reshape(n, -1)[live]), bits(want.reshape(n, -1)[live]))
+
+
+def test_window_rows_are_one_row_windows_mgpu():
+    """`attention.window_rows` on the Mosaic GPU pass 1 (interpreted): the 4-row windows of a tree over 300 keys
+    (two shared 128-key chunks, the fold pass after them) and of a chain inside its first chunk, each row the bits
+    of its own one-row window; a row's partials do not depend on the rows packed beside it."""
+    rng = np.random.default_rng(32)
+    case = rows_case(rng, lens=[300, 70], r=4, **SMALL, pmax=24, dtype=jnp.bfloat16, trees=True)
+    assert rows_share_chunks(TILES, case[6], case[7], 24 * SMALL["page_size"]) == [True, False]
+    _rows_bits_equal(case, TILES, True)
+
+
+@GPU
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("trees", [False, True], ids=["chains", "trees"])
+def test_gpu_27b_window_rows(kv, trees):
+    """`attention.window_rows` at the 27B's shape with the model's tiles (Mosaic GPU pass 1 for bf16, Triton for
+    fp8 key-major): 16-row windows over 5000, 1111 and 300 keys (shared chunks of 1024, 256 and 128 keys), every row
+    the bits of its own one-row window; then a window straddling the 1024-key threshold."""
+    rng = np.random.default_rng(33)
+    dtype = jnp.bfloat16 if kv == "bf16" else kq.FP8
+    for lens, paths in (([5000, 1111, 300], [True, True, True]), ([1020], [None])):
+        case = rows_case(rng, lens=lens, r=16, **BIG, pmax=96, dtype=dtype, trees=trees)
+        tiles = at.model_window_tiles(jnp.bfloat16, case[3], BIG["hq"], max_keys=96 * 64, interpret=False)
+        assert rows_share_chunks(tiles, case[6], case[7], 96 * 64) == paths
+        _rows_bits_equal(case, tiles, False)
 
 
 @GPU

@@ -101,7 +101,8 @@ def test_chain_accepted():
 def test_chain_rows_equal_one_row_windows():
     """`verify(chain=True)` over a chain of 6 rows (padded to 8, beside a dummy stream) gives each row the logits of
     a one-row verify at its position after the rows before it were committed, bit for bit; the chain's commit of
-    its first 4 rows leaves the state those one-row commits leave."""
+    its first 4 rows leaves the state those one-row commits leave. At 150 committed keys the rows share pass 1's
+    first 128-key chunk (`attention.window_rows`)."""
     import jax
 
     from qwen_jax import model as M
@@ -112,20 +113,21 @@ def test_chain_rows_equal_one_row_windows():
     verify = jax.jit(lambda p, s, w, c: M.verify(p, s, w, cfg, be, chain=c), static_argnums=3)
     commit = jax.jit(lambda s, k, w, pa, n: M.commit(s, k, w, pa, n, cfg, be))
     rng = np.random.default_rng(4)
-    toks = rng.integers(0, cfg.text.vocab_size, size=80)
-    table = np.array([[1, 2], [0, 0]], np.int32)
-    state = M.init_state(cfg.text, num_slots=3, num_pages=4, page_size=64, dtype=jnp.bfloat16)
-    _, state = prefill(params, state, M.make_prefill_batch(toks[None, :60], [0], [60], [1], table[:1]))
+    c = 150
+    toks = rng.integers(0, cfg.text.vocab_size, size=c + 20)
+    table = np.array([[1, 2, 3], [0, 0, 0]], np.int32)
+    state = M.init_state(cfg.text, num_slots=3, num_pages=5, page_size=64, dtype=jnp.bfloat16)
+    _, state = prefill(params, state, M.make_prefill_batch(toks[None, :c], [0], [c], [1], table[:1]))
     n, rows, keep = 6, 8, 4
     parents = [list(range(-1, n - 1)) + [-1] * (rows - n), [-1] * rows]
-    chain = M.make_window(np.stack([np.r_[toks[60:60 + n], [0, 0]], np.zeros(rows, np.int64)]), parents, [60, 0],
+    chain = M.make_window(np.stack([np.r_[toks[c:c + n], [0, 0]], np.zeros(rows, np.int64)]), parents, [c, 0],
                           [1, 0], table)
     logits, kept, _, drafted = verify(params, state, chain, True)
     drafted = commit(drafted, kept, chain, jnp.asarray([list(range(keep)) + [0] * (rows - keep), [0] * rows]),
                      jnp.asarray([keep, 0]))
     serial = state
     for r in range(n):
-        one = M.make_window(np.array([[toks[60 + r]], [0]]), [[-1], [-1]], [60 + r, 0], [1, 0], table)
+        one = M.make_window(np.array([[toks[c + r]], [0]]), [[-1], [-1]], [c + r, 0], [1, 0], table)
         lr, kr, _ = verify(params, serial, one, False)
         assert np.array_equal(np.asarray(lr[0, 0]), np.asarray(logits[0, r])), f"row {r}"
         serial = commit(serial, kr, one, jnp.zeros((2, 1), jnp.int32), jnp.asarray([1, 0]))
@@ -134,11 +136,11 @@ def test_chain_rows_equal_one_row_windows():
     for name in ("rec", "conv"):
         for a, b in zip(getattr(drafted, name), getattr(kept_serial, name)):
             assert np.array_equal(np.asarray(a[1]), np.asarray(b[1])), name  # slot 1 (slot 0 is scratch)
-    for a, b in zip(drafted.kv, kept_serial.kv):  # positions 0 .. 63 and 64 .. 60 + keep - 1 (the rest unread)
+    for a, b in zip(drafted.kv, kept_serial.kv):  # positions 0 .. 127 and 128 .. c + keep - 1 (the rest unread)
         for x, y in ((a.k, b.k), (a.v, b.v)):
             x, y = np.asarray(x), np.asarray(y)
-            live = 60 + keep - 64
-            assert np.array_equal(x[:, 1], y[:, 1]) and np.array_equal(x[:, 2, :live], y[:, 2, :live])
+            live = c + keep - 128
+            assert np.array_equal(x[:, 1:3], y[:, 1:3]) and np.array_equal(x[:, 3, :live], y[:, 3, :live])
 
 
 # ------------------------------------------------------------------------------------------------ the engine

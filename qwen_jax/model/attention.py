@@ -90,19 +90,17 @@ def chain_pass(x, p, pool, window, cfg: TextConfig, backend: Backend):
     its position first, then row r of a stream attends as a stream of its own, over cache_len + r committed keys
     with its own key as its one window key, which is what the serial step at that position does (`window_pass`
     over one row). A window of several rows would add its own keys after the committed keys' fold, another order
-    (docs/kernels/attention.md, session 38). The cost: each row reads its whole context. -> (y, pool with the
-    chain's K/V written, kept rows for `commit`)."""
+    (docs/kernels/attention.md, session 38). The kernels read the keys below the window once for all its rows
+    (`attention.window_rows`). -> (y, pool with the chain's K/V written, kept rows for `commit`)."""
     q, gate, k, v, _ = project(x, p, window.rope_positions, cfg, backend, prompt=False)
     s, r = q.shape[:2]
     positions = window.cache_len[:, None] + jnp.arange(r)[None, :]
     valid = chain_valid(window)
     pool = ops.kv_write(backend, pool, k, v, window.page_table, positions, valid)
-    one = lambda a: a.reshape((s * r, 1) + a.shape[2:])
     # Padding rows and dummy streams attend to no committed key (their outputs are never read).
-    o = ops.attention_window(backend, one(q), one(k), one(v), jnp.full((s * r, 1), -1, jnp.int32), pool,
-                             jnp.repeat(window.page_table, r, axis=0), jnp.where(valid, positions, 0).reshape(s * r),
-                             scale=cfg.head_dim ** -0.5)
-    return finish(o.reshape(q.shape), gate, p, cfg, backend, prompt=False), pool, {"k": k, "v": v}
+    o = ops.attention_rows(backend, q, k, v, pool, window.page_table, jnp.repeat(window.page_table, r, axis=0),
+                           jnp.where(valid, positions, 0), window.cache_len, scale=cfg.head_dim ** -0.5)
+    return finish(o, gate, p, cfg, backend, prompt=False), pool, {"k": k, "v": v}
 
 
 def tree_valid(window):
@@ -170,10 +168,9 @@ def tree_pass(x, p, pool, window, view: TreeView, cfg: TextConfig, backend: Back
     # rows of their stream (share=r), not copies of them.
     pool = ops.kv_write(backend, pool, k, v, view.tables, view.anc_positions, view.anc,
                         (view.src, view.dst, view.keep), share=r)
-    one = lambda a: a.reshape((s * r, 1) + a.shape[2:])  # noqa: E731
-    o = ops.attention_window(backend, one(q), one(k), one(v), jnp.full((s * r, 1), -1, jnp.int32), pool,
-                             view.tables, view.positions, scale=cfg.head_dim ** -0.5)
-    return finish(o.reshape(q.shape), gate, p, cfg, backend, prompt=False), pool, {"k": k, "v": v}
+    o = ops.attention_rows(backend, q, k, v, pool, window.page_table, view.tables, view.positions.reshape(s, r),
+                           window.cache_len, scale=cfg.head_dim ** -0.5)
+    return finish(o, gate, p, cfg, backend, prompt=False), pool, {"k": k, "v": v}
 
 
 def commit(kept, pool, window, path, path_len, backend: Backend):

@@ -480,6 +480,20 @@ def kv_write(backend: Backend, *args, share: int = 1):
     return _pick(backend, kv_quant, "write")(*args, share=share)
 
 
+def attention_rows(backend: Backend, q, k, v, pool, page_table, row_tables, row_len, base, *, scale: float):
+    """Each window row as a one-row window of its own (`attention.window_rows`: q [S, R, Hq, D]; k, v [S, R, Hkv, D];
+    row_tables [S R, Pmax]; row_len [S, R]; base [S]). The kernels read the keys below base once; the reference runs
+    the one-row windows as streams of their own."""
+    if backend.kernels:
+        return attn_k.window_rows(q, k, v, pool, page_table, row_tables, row_len, base, scale=scale,
+                                  interpret=backend.interpret)
+    s, r = q.shape[:2]
+    one = lambda a: a.reshape((s * r, 1) + a.shape[2:])  # noqa: E731
+    o = attn_k.window_reference(one(q), one(k), one(v), jnp.full((s * r, 1), -1, jnp.int32), pool, row_tables,
+                                row_len.reshape(s * r), scale=scale)
+    return o.reshape(q.shape)
+
+
 def attention_prompt(backend: Backend, *args, scale: float):
     return _pick(backend, attn_k, "prompt")(*args, scale=scale)
 
