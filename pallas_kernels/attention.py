@@ -502,9 +502,9 @@ def _packed_rows(mrows: int, r: int, hq: int, group: int, g, first=0) -> tuple[j
 
 def _window_chunk_kernel(cache_len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, fp8: bool, scale: float, r: int,
                          group: int, mrows: int, parts: int, max_keys: int, page_size: int, tiles: WindowTiles, cdt,
-                         v_keys: bool = False):
-    # cache_len_ref [2 S]: the streams' key counts, then the counts that set their chunk size (`window_partials`'
-    # size_len); pt_ref [Pmax]; q_ref [R*Hq, D] (this stream); k_ref, v_ref [P, page, D] (this KV head;
+                         v_keys: bool = False, sized: bool = False):
+    # cache_len_ref [S]: the streams' key counts (sized: [2 S], then the counts that set their chunk size,
+    # `window_partials`' size_len); pt_ref [Pmax]; q_ref [R*Hq, D] (this stream); k_ref, v_ref [P, page, D] (this KV head;
     # v_keys: v_ref [P, D, page]);
     # fp8: ks_ref, vs_ref [P, page]; outputs m_ref, l_ref [MB], acc_ref [MB, D] fp32: this chunk's partial
     # relative to its own max for packed rows part*MB .. part*MB + MB - 1 (mrows = MB; axis 1 of the grid is
@@ -517,7 +517,8 @@ def _window_chunk_kernel(cache_len_ref, pt_ref, q_ref, k_ref, v_ref, *refs, fp8:
     s, gp, c = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     g, part = gp // parts, gp % parts
     n_keys = jnp.minimum(cache_len_ref[s], max_keys)
-    size = stream_chunking(cache_len_ref[cache_len_ref.shape[0] // 2 + s], tiles.chunk, tiles.short_chunk)[0]
+    size = stream_chunking(cache_len_ref[cache_len_ref.shape[0] // 2 + s] if sized else n_keys, tiles.chunk,
+                           tiles.short_chunk)[0]
     n_chunks = lax.div(n_keys + size - 1, size)
 
     @pl.when(c < n_chunks)
@@ -1227,18 +1228,17 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
                                                                   ping_pong=awm.PING_PONG, dequant=awm.DEQUANT),
                                         partials=tiles.partials, q_packed=q_packed, size_len=size_len,
                                         interpret=interpret)
-    lens = jnp.concatenate([cache_len, jnp.minimum(cache_len, one.max_keys) if size_len is None
-                            else size_len.astype(jnp.int32)])
+    lens = cache_len if size_len is None else jnp.concatenate([cache_len, size_len.astype(jnp.int32)])
 
     with jax.named_scope("attn_window_chunks"):
         kernel = functools.partial(_window_chunk_kernel, fp8=pool.fp8, v_keys=pool.keys_major, scale=scale, r=r,
                                    group=hq // hkv, mrows=rb,
                                    parts=parts, max_keys=one.max_keys, page_size=pool.page_size, tiles=tiles,
-                                   cdt=one.cdt)
+                                   cdt=one.cdt, sized=size_len is not None)
         return pallas_call(
             kernel,
             grid=(s, hkv * parts, one.n_chunks),
-            in_specs=[pl.BlockSpec((2 * s,), lambda i, j, c: (0,)),
+            in_specs=[pl.BlockSpec(lens.shape, lambda i, j, c: (0,)),
                       pl.BlockSpec((None, one.page_table.shape[1]), lambda i, j, c: (i, 0)),
                       pl.BlockSpec((None, r * hq, d), lambda i, j, c: (i, 0, 0)),
                       *one.kv_specs],
@@ -1386,8 +1386,10 @@ def merge_partials(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: ja
 
 
 # Whether `window_rows` shares pass 1 below a window's rows (False: every row its own one-row call, as before
-# session 44; the same bits either way). Read at tracing.
-SHARED_ROWS = True
+# session 44; the same bits either way). Read at tracing. Off until the device has run its gates
+# (`test_gpu_27b_window_rows`, the engine's drafted == serial ones: `tools/gpu/run.sh hundred-seventy-sixth`); the
+# CPU tests run it on.
+SHARED_ROWS = False
 
 
 def window_rows(q: jax.Array, k_win: jax.Array, v_win: jax.Array, pool: KVPool, page_table: jax.Array,

@@ -191,12 +191,12 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
                  *scales: jax.Array, scale: float, chunk: int, short_chunk: int | None, n_chunks: int,
                  nc_pad: int, real_rows: int,
                  mrows: int, max_keys: int, stages: int, parts: int, ping_pong: bool, partials: str = "float32",
-                 dequant: str = "wgmma", interpret: bool | plgpu.InterpretGPUParams = False
+                 dequant: str = "wgmma", sized: bool = False, interpret: bool | plgpu.InterpretGPUParams = False
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """qp [S, Hkv, W 64, D] bf16 (`pack_queries`: real_rows = R G of them real); k, v [Hkv, P, page, D] bf16, or
     e4m3 codes with scales = (k_scale, v_scale) [Hkv, P, page] fp32 (one compute warpgroup a CTA: parts = W);
-    page_table [S, Pmax'] int32 covering n_chunks chunks; cache_len [2 S] int32 (the key counts, then the counts
-    that set the chunk size, already capped) -> m, l [S, Hkv, nc_pad, mrows], acc
+    page_table [S, Pmax'] int32 covering n_chunks chunks; cache_len [S] int32 (sized: [2 S], the key counts, then
+    the counts that set the chunk size, already capped) -> m, l [S, Hkv, nc_pad, mrows], acc
     [S, Hkv, nc_pad, mrows, D] in `partials` (fp32 or bf16; rows past R G rounded up to 8 unwritten). Grid (chunk x
     part, KV head, stream): parts 1, a CTA runs all W warpgroups' rows; parts W, a CTA runs warpgroup `part`'s 64
     rows.
@@ -242,7 +242,8 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
             (k_smem, v_smem), (out_smem, ml_smem) = union
             ks_gmem = vs_gmem = ks_smem = vs_smem = kb_smem = vb_smem = None
         k_ready, v_ready, k_free, v_free, q_ready, drained, written, schedule = bars
-        # len_gmem [2 S]: the streams' key counts, then the counts that set their chunk size; pt_gmem [S, Pmax']; q_gmem [S, Hkv, W 64, D]; k_gmem, v_gmem [Hkv, P, page, D]; outputs
+        # len_gmem [S] the streams' key counts (sized: [2 S], then the counts that set their chunk size);
+        # pt_gmem [S, Pmax']; q_gmem [S, Hkv, W 64, D]; k_gmem, v_gmem [Hkv, P, page, D]; outputs
         # m_gmem, l_gmem [S, Hkv, NC, M], acc_gmem [S, Hkv, NC, M, D]. q_smem [wgs, 64, D]; union: the K / V slots
         # [stages, 64, D] bf16, later the CTA's O partials [wgs 64, D] and their (m, l) [2, wgs 64] fp32;
         # interpret: p_smem [wgs, 64, 64] bf16. fp8: ks_gmem, vs_gmem [Hkv, P, page] the scales; the slots hold
@@ -255,9 +256,9 @@ def _kernel_call(cache_len: jax.Array, page_table: jax.Array, qp: jax.Array, k: 
         wg = lax.axis_index("wg")
         row0 = part * cta_rows  # the CTA's first packed row
         n_keys = lax.min(len_gmem[s], jnp.int32(max_keys))
-        # the stream's chunk (`attention.stream_chunking`) from its count that sets it (`attention.window_partials`'
-        # size_len, the keys' count unless given)
-        size = stream_chunking(len_gmem[s_count + s], chunk, short_chunk)[0]
+        # the stream's chunk (`attention.stream_chunking`) from the count that sets it: sized, the second half of
+        # len_gmem (`attention.window_partials`' size_len), else its keys' count
+        size = stream_chunking(len_gmem[s_count + s] if sized else n_keys, chunk, short_chunk)[0]
         first = c * size
         n_blocks = lax.clamp(0, _div(lax.max(n_keys - first, 0) + bk - 1, bk), _div(size, bk))
 
@@ -629,9 +630,9 @@ def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cach
     _, r, hq, _ = q.shape
     hkv = pool.k.shape[0]
     qp = pack_queries(q, hkv) if q_packed is None else check_packed(q_packed, q, hkv)
-    cache_len = cache_len.astype(jnp.int32)
-    size_len = jnp.minimum(cache_len, max_keys) if size_len is None else size_len.astype(jnp.int32)
-    lens = jnp.concatenate([cache_len, size_len])
+    lens = cache_len.astype(jnp.int32)
+    if size_len is not None:
+        lens = jnp.concatenate([lens, size_len.astype(jnp.int32)])
     operands = (lens, page_table.astype(jnp.int32), qp, pool.k, pool.v)  # the kernel's order
     if pool.fp8:
         operands += (pool.k_scale, pool.v_scale)
@@ -646,7 +647,7 @@ def window_partials_mgpu(q: jax.Array, pool: KVPool, page_table: jax.Array, cach
                   real_rows=real_rows,
                   mrows=_padded_rows(real_rows), max_keys=max_keys,
                   stages=stages_for(tiles, warpgroups // parts), parts=parts, ping_pong=tiles.ping_pong,
-                  partials=partials, dequant="e4m3" if e4m3 else tiles.dequant)
+                  partials=partials, dequant="e4m3" if e4m3 else tiles.dequant, sized=size_len is not None)
     with jax.named_scope("attn_window_chunks_mgpu"):
         if interpret:
             return _kernel_call(*operands, interpret=interpret, **static)

@@ -339,11 +339,12 @@ ROWS_TILES = at.WindowTiles(block_k=16, chunk=128, short_chunk=32, merge_block_d
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("trees", [False, True], ids=["chains", "trees"])
-def test_window_rows_are_one_row_windows(dtype, trees):
+def test_window_rows_are_one_row_windows(dtype, trees, monkeypatch):
     """`window_rows` (a drafted window's rows, pass 1 over the keys below them once) gives every row the bits of
     its own one-row window: streams inside the first chunk, with 3 shared chunks of 32 keys, 4 of 64 and 4 of 128,
     padding rows beside them; then a call with a stream whose rows straddle the 256-key threshold (the one-row
     calls themselves run)."""
+    monkeypatch.setattr(at, "SHARED_ROWS", True)
     rng = np.random.default_rng(31)
     max_keys = 80 * SMALL["page_size"]
     for lens, paths in (([20, 100, 300, 600], [False, True, True, True]), ([250, 20], [None, False])):

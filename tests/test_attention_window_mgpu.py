@@ -423,6 +423,24 @@ def test_lowers_for_sm90_at_27b_shape(rows, stages, h200_lowering):
     assert _mosaic_calls_at_27b(rows, num_stages=stages) == 1
 
 
+def test_window_rows_lower_for_sm90_at_27b_shape(h200_lowering, monkeypatch):
+    """`attention.window_rows` (16 rows, the model's tiles) lowers for sm_90 on this CPU: the shared R-row pass 1 and
+    the rows' pass 1 from F on (both with the chunk size passed apart, `sized`), and the one-row calls of the
+    straddle branch: three Mosaic GPU calls."""
+    monkeypatch.setattr(at, "SHARED_ROWS", True)
+    sds = jax.ShapeDtypeStruct
+    pages, rows = 577, 16
+    pool = kq.KVPool(sds((4, pages, 64, 256), jnp.bfloat16), sds((4, pages, 64, 256), jnp.bfloat16))
+    tiles = dataclasses.replace(at.window_tiles(page_size=64, max_keys=576 * 64, head_dim=256, fp8=False),
+                                impl="mgpu", chunk=awm.CHUNK, partials=awm.PARTIALS)
+    args = (sds((1, rows, 24, 256), jnp.bfloat16), sds((1, rows, 4, 256), jnp.bfloat16),
+            sds((1, rows, 4, 256), jnp.bfloat16), pool, sds((1, 576), jnp.int32), sds((rows, 576), jnp.int32),
+            sds((1, rows), jnp.int32), sds((1,), jnp.int32))
+    fn = functools.partial(at.window_rows, scale=1 / 16, tiles=tiles)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu") == 3
+
+
 @pytest.mark.parametrize("variant", ["split", "ping_pong", "chunk 2048", "fp32 partials", "bf16 partials",
                                      "bf16 partials split", "bf16 partials 1 row", "fp8", "fp8 1 row",
                                      "fp8 16-key pages", "fp8 fp32 partials", "fp8 8-bit dequant", "fp8 e4m3",
@@ -459,10 +477,11 @@ def _rows_bits_equal(case, tiles, interpret) -> None:
     assert np.array_equal(bits(got.reshape(n, -1)[live]), bits(want.reshape(n, -1)[live]))
 
 
-def test_window_rows_are_one_row_windows_mgpu():
+def test_window_rows_are_one_row_windows_mgpu(monkeypatch):
     """`attention.window_rows` on the Mosaic GPU pass 1 (interpreted): the 4-row windows of a tree over 300 keys
     (two shared 128-key chunks, the fold pass after them) and of a chain inside its first chunk, each row the bits
     of its own one-row window; a row's partials do not depend on the rows packed beside it."""
+    monkeypatch.setattr(at, "SHARED_ROWS", True)
     rng = np.random.default_rng(32)
     case = rows_case(rng, lens=[300, 70], r=4, **SMALL, pmax=24, dtype=jnp.bfloat16, trees=True)
     assert rows_share_chunks(TILES, case[6], case[7], 24 * SMALL["page_size"]) == [True, False]
@@ -472,10 +491,11 @@ def test_window_rows_are_one_row_windows_mgpu():
 @GPU
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
 @pytest.mark.parametrize("trees", [False, True], ids=["chains", "trees"])
-def test_gpu_27b_window_rows(kv, trees):
+def test_gpu_27b_window_rows(kv, trees, monkeypatch):
     """`attention.window_rows` at the 27B's shape with the model's tiles (Mosaic GPU pass 1 for bf16, Triton for
     fp8 key-major): 16-row windows over 5000, 1111 and 300 keys (shared chunks of 1024, 256 and 128 keys), every row
     the bits of its own one-row window; then a window straddling the 1024-key threshold."""
+    monkeypatch.setattr(at, "SHARED_ROWS", True)
     rng = np.random.default_rng(33)
     dtype = jnp.bfloat16 if kv == "bf16" else kq.FP8
     for lens, paths in (([5000, 1111, 300], [True, True, True]), ([1020], [None])):

@@ -65,12 +65,12 @@ def main() -> None:
     for kv in args.kv.split(","):
         for context in (int(c) for c in args.contexts.split(",")):
             operands = case(rng, context, args.rows, kv)
-            res = {}
+            res, default = {}, at.SHARED_ROWS
             for shared in (True, False):
                 at.SHARED_ROWS = shared  # read at tracing: a fresh jit each way
                 fn = jax.jit(lambda *a: at.window_rows(*a, scale=256 ** -0.5, interpret=args.interpret))
                 res[shared] = timed(fn, operands, args.calls)
-            at.SHARED_ROWS = True
+            at.SHARED_ROWS = default
             same = np.array_equal(res[True][1].view(np.uint16), res[False][1].view(np.uint16))
             print(f"{kv:>5} {context:>8} {res[True][0]:10.1f} {res[False][0]:11.1f} "
                   f"{res[False][0] - res[True][0]:9.1f}  {'same' if same else 'DIFFER'}", flush=True)

@@ -188,8 +188,12 @@ case "$stage" in
     # it (attention.SHARED_ROWS False: every row its own one-row call), in decode rounds of the same run.
     nvidia-smi --query-gpu=name --format=csv,noheader
     gpu_pytest 100 window_rows 5 tests/test_attention_window_mgpu.py -k "window_rows"
-    gpu_pytest 200 rows_engine 4 "tests/test_engine_gpu.py::test_drafted_equals_serial_on_gpu[bf16]" \
-      "tests/test_engine_gpu.py::test_block_drafted_equals_serial_on_gpu[bf16-3]"
+    # the engine's gates with the shared pass 1 on (attention.SHARED_ROWS is off by default until these pass)
+    timeout -s INT 200 python3 -c "import sys, pytest; from pallas_kernels import attention; \
+attention.SHARED_ROWS = True; sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v -p no:cacheprovider --tb=short \
+      "tests/test_engine_gpu.py::test_drafted_equals_serial_on_gpu[bf16]" \
+      "tests/test_engine_gpu.py::test_block_drafted_equals_serial_on_gpu[bf16-3]" > "$out/gpu_tests_rows_engine.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_rows_engine.log" | cut -c1-200 | tail -4
     for shared in True False; do
       echo "SHARED_ROWS=$shared"
       timeout 170 python3 -c "import sys, runpy; from pallas_kernels import attention; \
