@@ -1195,6 +1195,11 @@ def packed_query_rows(q_shape: tuple[int, ...], q_dtype, pool: KVPool, page_tabl
     return awm.packed_rows(q_shape, pool.k.shape[0])
 
 
+def _partials_chunks(n_chunks: int, pad_chunks_to: int) -> int:
+    """The chunk entries of `window_partials`' outputs for a table of n_chunks chunk programs."""
+    return max(_pow2(n_chunks), pad_chunks_to)
+
+
 def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len: jax.Array, *, scale: float,
                     tiles: WindowTiles, interpret: bool = False, pad_chunks_to: int = 1,
                     q_packed: jax.Array | None = None, size_len: jax.Array | None = None
@@ -1217,7 +1222,7 @@ def window_partials(q: jax.Array, pool: KVPool, page_table: jax.Array, cache_len
     one = _pass_one(q, pool, page_table, tiles)
     cache_len = cache_len.astype(jnp.int32)
     rb, parts = one.rows, one.parts
-    nc_pad = max(_pow2(one.n_chunks), pad_chunks_to)
+    nc_pad = _partials_chunks(one.n_chunks, pad_chunks_to)
     if _mgpu_pass_one(q, pool, tiles, interpret):
         from pallas_kernels import attention_window_mgpu as awm
         return awm.window_partials_mgpu(q, pool, one.page_table, cache_len, scale=scale, chunk=tiles.chunk,
@@ -1432,8 +1437,8 @@ def window_rows(q: jax.Array, k_win: jax.Array, v_win: jax.Array, pool: KVPool, 
     size = stream_chunking(base, tiles.chunk, tiles.short_chunk)[0]  # [S]
     size_top = stream_chunking(jnp.minimum(jnp.max(row_len, axis=1), max_keys), tiles.chunk, tiles.short_chunk)[0]
     straddle = jnp.any(size != size_top)
-    cut = (base // size) * size  # F: the first key of the chunk holding base
     first_chunk = base // size
+    cut = first_chunk * size  # F: the first key of the chunk holding base
 
     def shared():
         # The chunks below F, once for all the stream's rows.
@@ -1453,7 +1458,7 @@ def window_rows(q: jax.Array, k_win: jax.Array, v_win: jax.Array, pool: KVPool, 
         plan = _merge_plan(q1.shape, pool, row_tables, tiles)
         group = hq // hkv
         mrows = _padded_rows(group)
-        n_pad = max(_pow2(table_chunks(max_keys, tiles.chunk, tiles.short_chunk)), plan.pad_chunks_to)
+        n_pad = _partials_chunks(table_chunks(max_keys, tiles.chunk, tiles.short_chunk), plan.pad_chunks_to)
         c = jnp.arange(n_pad)
         at = (c[None, :] - jnp.repeat(first_chunk, r)[:, None])  # [S R, NC]: 0 / 1 at the tail's chunks
 
@@ -1473,6 +1478,17 @@ def window_rows(q: jax.Array, k_win: jax.Array, v_win: jax.Array, pool: KVPool, 
                               interpret=interpret)
 
     return jax.lax.cond(straddle, per_row, shared).reshape(q.shape)
+
+
+def window_rows_reference(q: jax.Array, k_win: jax.Array, v_win: jax.Array, pool: KVPool, page_table: jax.Array,
+                          row_tables: jax.Array, row_len: jax.Array, base: jax.Array, *, scale: float) -> jax.Array:
+    """Same contract as window_rows: the one-row windows as streams of their own, through window_reference."""
+    del page_table, base  # (the kernel's sharing needs them; each row alone does not)
+    s, r = q.shape[:2]
+    one = lambda a: a.reshape((s * r, 1) + a.shape[2:])  # noqa: E731
+    o = window_reference(one(q), one(k_win), one(v_win), jnp.full((s * r, 1), -1, jnp.int32), pool, row_tables,
+                         row_len.reshape(s * r), scale=scale)
+    return o.reshape(q.shape)
 
 
 def _window_rows_for_merge(k_win: jax.Array, v_win: jax.Array, pool: KVPool, cdt, interpret: bool):

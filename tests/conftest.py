@@ -60,7 +60,6 @@ if CPU_SUITE:
 
     _jax.config.update("jax_cpu_enable_async_dispatch", False)
 
-
 ROOT = Path(__file__).resolve().parents[1]
 CAPTURES = ROOT / "captures"
 if str(ROOT) not in sys.path:

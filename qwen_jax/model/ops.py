@@ -484,14 +484,7 @@ def attention_rows(backend: Backend, q, k, v, pool, page_table, row_tables, row_
     """Each window row as a one-row window of its own (`attention.window_rows`: q [S, R, Hq, D]; k, v [S, R, Hkv, D];
     row_tables [S R, Pmax]; row_len [S, R]; base [S]). The kernels read the keys below base once; the reference runs
     the one-row windows as streams of their own."""
-    if backend.kernels:
-        return attn_k.window_rows(q, k, v, pool, page_table, row_tables, row_len, base, scale=scale,
-                                  interpret=backend.interpret)
-    s, r = q.shape[:2]
-    one = lambda a: a.reshape((s * r, 1) + a.shape[2:])  # noqa: E731
-    o = attn_k.window_reference(one(q), one(k), one(v), jnp.full((s * r, 1), -1, jnp.int32), pool, row_tables,
-                                row_len.reshape(s * r), scale=scale)
-    return o.reshape(q.shape)
+    return _pick(backend, attn_k, "window_rows")(q, k, v, pool, page_table, row_tables, row_len, base, scale=scale)
 
 
 def attention_prompt(backend: Backend, *args, scale: float):
