@@ -167,6 +167,8 @@ def cmd_eval_drafts(args) -> int:
                                         draft_policy=DraftPolicy.parse(args.draft_policy, args.draft_costs))
         prompts = evaluate.draft_prompts(_eval_tokens(args, engine.tokenizer), args.prompts, args.prompt_tokens)
         with engine:
+            if engine.measured_costs:
+                print(f"--draft-costs '{json.dumps(engine.measured_costs)}' (measured)", file=sys.stderr)
             res = evaluate.draft_speedup(engine, prompts, max_tokens=args.gen_tokens, streams=args.streams)
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
@@ -367,9 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--streams", type=int, default=1, help="drafts: requests in flight at once")
     ev.add_argument("--draft-policy", choices=("adaptive", "always"), default="adaptive",
                     help="drafts: the rows of each window (qwen_jax/engine/policy.py)")
-    ev.add_argument("--draft-costs", metavar="JSON", default=None,
+    ev.add_argument("--draft-costs", metavar="JSON|measure", default=None,
                     help='drafts: window costs in decode rounds for the adaptive policy, {"copy": {"2": 1.1, ...}, '
-                         '"block": {...}, "tree": {...}}')
+                         '"block": {...}, "tree": {...}}, or "measure" (the engine times its windows at start)')
     ev.add_argument("--draft-tree", type=int, default=0, metavar="K",
                     help="drafts, with --drafter: windows verify trees of the drafter's likeliest continuations, "
                          "up to K children a node (0: chains)")

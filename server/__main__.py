@@ -88,10 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "node with up to K children (1..8; 0, the default: a chain of its argmax). The tree has as "
                         "many rows as a window may (--draft-rows's 16 for one stream), each computed as the serial "
                         "step at its position, so replies equal serial decoding's")
-    m.add_argument("--draft-costs", metavar="JSON", default=None,
+    m.add_argument("--draft-costs", metavar="JSON|measure", default=None,
                    help='what a window costs in decode rounds, for --draft-policy adaptive: {"copy": {"2": 1.15, '
                         '"4": 1.19, ...}, "block": {...}, "tree": {...}} (default: an H100\'s at the 27B\'s shapes; '
-                        'measure with `python -m qwen_jax bench --draft-rows`)')
+                        'measure with `python -m qwen_jax bench --draft-rows`), or "measure": time this model\'s '
+                        'windows on this machine at start-up (about 100 windows and decode rounds)')
 
     s = p.add_argument_group("scheduling")
     s.add_argument("--parallel", type=_positive, default=16, metavar="N",

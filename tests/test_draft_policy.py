@@ -14,7 +14,7 @@ import pytest
 from qwen_jax import programs as P
 from qwen_jax.checkpoint import load_checkpoint
 from qwen_jax.engine.engine import Engine
-from qwen_jax.engine.policy import Acceptance, DraftPolicy, expected_tokens, expected_tree_tokens
+from qwen_jax.engine.policy import MEASURE_WINDOWS, Acceptance, DraftPolicy, expected_tokens, expected_tree_tokens
 from qwen_jax.model import Backend
 from tests.conftest import CAPTURES
 from tests.test_drafts import _oracle, _prompts, _request
@@ -87,6 +87,14 @@ def test_costs_from_json():
                        ('{"copy": {}}', ">= 2")]:
         with pytest.raises(ValueError, match=match):
             DraftPolicy.parse("adaptive", bad)
+    # measured on the machine: the engine times its windows when it starts (test_engine_measures_... below)
+    m = DraftPolicy.parse("adaptive", "measure")
+    assert m.measure == MEASURE_WINDOWS > 0 and m.block_costs == DraftPolicy().block_costs
+    assert m.with_costs("tree", {16: 1.2, 4: 1.1}).tree_costs == ((4, 1.1), (16, 1.2))
+    with pytest.raises(ValueError, match="only the adaptive"):
+        DraftPolicy.parse("always", "measure")
+    with pytest.raises(ValueError, match="copy, block or tree"):
+        m.with_costs("trees", {2: 1.0})
 
 
 def test_tree_estimate_and_expected_tokens():
@@ -168,19 +176,30 @@ def ck():
     return load_checkpoint(CAPTURES / "tiny-mlx-4bit", dtype=jnp.bfloat16, progress=False)
 
 
-def _engine(ck):
+def _engine(ck, policy: DraftPolicy):
     buckets = P.Buckets(prompt_rows=(64,), prompt_lanes=(1,), decode_streams=(2,), chain_rows=(2, 8),
                         packing=P.Packing.BATCHED, logprobs=0)
     e = Engine(ck.params, ck.config, None, dtype="bfloat16", max_model_len=192, parallel=2, max_queued=8,
                backend=Backend(kernels=True, interpret=True), buckets=buckets, progress=False, copy_drafts=True,
-               draft_rows=8, draft_policy=DraftPolicy(probe=8))
+               draft_rows=8, draft_policy=policy)
     e.start()
     return e
 
 
 def test_engine_stops_paying_for_wrong_drafts_and_keeps_right_ones(ck, monkeypatch):
-    e = _engine(ck)
+    # Started with --draft-costs measure (one window a timing): the copy table is what it timed, a cost for each
+    # row bucket, and the scratch stream's slot and pages are free again. The rest runs on the default tables
+    # (the measured costs of interpreted kernels say nothing of a device).
+    e = _engine(ck, DraftPolicy(probe=8, measure=1))
     try:
+        measured = e.measured_costs["copy"]
+        assert sorted(measured) == [2, 8] and all(c > 0 for c in measured.values()), measured
+        assert e.draft_policy.copy_costs == tuple(sorted(measured.items()))
+        assert e.draft_policy.block_costs == DraftPolicy().block_costs
+        _baseline(e)
+        with pytest.raises(RuntimeError, match="before the scheduler"):
+            e.measure_draft_costs()
+        e.draft_policy = DraftPolicy(probe=8)
         reqs = [_request(p, None, max_tokens=40) for p in _prompts()]
         replies = {}
         _oracle(monkeypatch, e, replies, 5)  # no replies known: drafts the model never picks

@@ -227,17 +227,21 @@ def run(params, cfg, *, backend, dtype: str = "bfloat16", kv_cache: str = "bf16"
 
 
 def draft_windows(progs, tables, context: int, rule, rows: int, rounds: int, repeats: int, vocab: int,
-                  rng, pipelined: bool = False, block: bool = False) -> float:
+                  rng, pipelined: bool = False, block: bool = False, slots: list[int] | None = None,
+                  bucket: int | None = None) -> float:
     """`rounds` chain windows of `rows` rows for streams in slots 1..S from `context` cached tokens, after two
     untimed ones; timed `repeats` times -> ms a window (the median). As the engine's draft round runs them (each
     window's tokens on the host before the next one is built), or `pipelined`: each window after the first takes
     its first token and its streams' lengths from the device (`programs.draft_program`) and is enqueued before the
     previous one is fetched. The drafts are random tokens, so a window mostly keeps its first row only; what it
     costs does not depend on how many it keeps. `block`: DFlash windows (programs with a drafter), whose drafts
-    the drafter made on the device after the previous window (`dflash_programs.FROM_DRAFT`)."""
+    the drafter made on the device after the previous window (`dflash_programs.FROM_DRAFT`). `slots`: the streams'
+    GDN slots (default 1..S); `bucket`: the call's stream bucket (default S)."""
     from qwen_jax import dflash_programs as D
     import jax
     s = len(tables)
+    slots = list(range(1, s + 1)) if slots is None else list(slots)
+    lanes = s if bucket is None else bucket
     chain = list(range(-1, rows - 1))
 
     def windows(n: int) -> None:
@@ -250,14 +254,12 @@ def draft_windows(progs, tables, context: int, rule, rows: int, rounds: int, rep
             if pipelined and k:
                 for t in toks:
                     t[0] = P.FROM_LAST
-                window = P.tree_window(progs.layout, s, rows, toks, [chain] * s, [-1] * s, list(range(1, s + 1)),
-                                       tables)
-                sp = P.sample_params([rule] * (s * rows), [0] * (s * rows), s * rows)
+                window = P.tree_window(progs.layout, lanes, rows, toks, [chain] * s, [-1] * s, slots, tables)
+                sp = P.sample_params([rule] * (s * rows), [0] * (s * rows), lanes * rows)
             else:
-                window = P.tree_window(progs.layout, s, rows, toks, [chain] * s, cache_len, list(range(1, s + 1)),
-                                       tables)
+                window = P.tree_window(progs.layout, lanes, rows, toks, [chain] * s, cache_len, slots, tables)
                 positions = [c + r + 1 for c in cache_len for r in range(rows)]
-                sp = P.sample_params([rule] * (s * rows), positions, s * rows)
+                sp = P.sample_params([rule] * (s * rows), positions, lanes * rows)
             cur = progs.draft_async(window, sp)
             if not pipelined:
                 _, took, _ = progs.fetch_draft(cur)
@@ -278,17 +280,20 @@ def draft_windows(progs, tables, context: int, rule, rows: int, rounds: int, rep
     return float(np.median(reps))
 
 
-def pipelined_decode(progs, tables, cache_len: list[int], rule, rounds: int, first_tokens=None) -> None:
-    """`rounds` decode calls for streams in slots 1..S (page `tables`, one per stream) as the engine runs them:
-    each call dispatched before the previous one is fetched, its input tokens read on the device from the
+def pipelined_decode(progs, tables, cache_len: list[int], rule, rounds: int, first_tokens=None,
+                     slots: list[int] | None = None, bucket: int | None = None) -> None:
+    """`rounds` decode calls for streams in `slots` (default 1..S; page `tables`, one per stream) as the engine runs
+    them: each call dispatched before the previous one is fetched, its input tokens read on the device from the
     previous call's (programs.FROM_LAST; `first_tokens` feeds the first call from the host). Every stream samples
-    with `rule`; cache_len advances in place."""
+    with `rule`; cache_len advances in place. `bucket`: the calls' stream bucket (default S)."""
     s = len(tables)
+    slots = list(range(1, s + 1)) if slots is None else list(slots)
+    n = s if bucket is None else bucket
     prev = None
     for r in range(rounds):
         tokens = first_tokens if r == 0 and first_tokens is not None else [None] * s
-        window = P.decode_window(progs.layout, s, tokens, cache_len, list(range(1, s + 1)), tables)
-        cur = progs.decode_async(window, P.sample_params([rule] * s, [c + 1 for c in cache_len], s))
+        window = P.decode_window(progs.layout, n, tokens, cache_len, slots, tables)
+        cur = progs.decode_async(window, P.sample_params([rule] * s, [c + 1 for c in cache_len], n))
         if prev is not None:
             progs.fetch(prev)
         prev = cur
@@ -296,6 +301,36 @@ def pipelined_decode(progs, tables, cache_len: list[int], rule, rounds: int, fir
             cache_len[i] += 1
     if prev is not None:
         progs.fetch(prev)
+
+
+def window_costs(progs, slot: int, table, context: int, rows: tuple[int, ...], *, block: bool, rounds: int,
+                 repeats: int = 3, seed: int = 0) -> dict[int, float]:
+    """What a lone stream's window of each of `rows` rows costs in decode rounds: the stream in `slot` (page
+    `table`) at `context` cached tokens, in the smallest stream buckets of `progs`, timed as `run` times them and the
+    engine runs them (decode rounds pipelined, each window enqueued behind the previous one) -> {rows: rounds}, the
+    tables `DraftPolicy` decides from. The slot and pages are left holding what the calls wrote."""
+    rng = np.random.default_rng(seed)
+    greedy = sampling.RequestSampling(seed=0, temperature=0.0)
+    vocab = progs.cfg.text.vocab_size
+    first = [int(rng.integers(0, vocab))]
+    n = progs.buckets.decode_bucket(1)
+
+    def decode(k: int) -> None:
+        pipelined_decode(progs, [table], [context], greedy, k, first_tokens=first, slots=[slot], bucket=n)
+
+    decode(3)
+    reps = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        decode(rounds)
+        reps.append((time.perf_counter() - t0) * 1000 / rounds)
+    round_ms = float(np.median(reps))
+    out = {}
+    for r in rows:
+        bucket, width = progs.buckets.chain_bucket(1, r)
+        out[r] = draft_windows(progs, [table], context, greedy, width, rounds, repeats, vocab, rng, pipelined=True,
+                               block=block, slots=[slot], bucket=bucket) / round_ms
+    return out
 
 
 def synthetic_params(name: str, *, dtype: str, seed: int = 0, layers: int | None = None):

@@ -69,7 +69,7 @@ from qwen_jax.config import ModelConfig
 from qwen_jax.engine.api import (ContextLengthExceeded, EngineOverloaded, EngineStats, GenerationRequest, TokenEvent,
                                  TokenLogprob)
 from qwen_jax.engine.handle import RequestHandle
-from qwen_jax.engine.policy import DraftPolicy
+from qwen_jax.engine.policy import MEASURE_WINDOWS, DraftPolicy
 from qwen_jax.engine.prefix import PrefixCache, user_marker
 from qwen_jax.engine.state import IndexPool
 from qwen_jax.engine.stream import Phase, Stream
@@ -240,6 +240,7 @@ class Engine:
         self._cache = (PrefixCache(range(parallel + 1, parallel + 1 + prompt_cache), max(P.GRID, page_size),
                                    user_marker(tokenizer)) if prompt_cache else None)
         self.compile_times: dict = {}
+        self.measured_costs: dict | None = None  # {kind: {rows: decode rounds}} once `measure_draft_costs` ran
 
     @classmethod
     def from_checkpoint(cls, model_dir: str, *, dtype: str = "bfloat16", kv_cache: str = "bf16",
@@ -281,8 +282,53 @@ class Engine:
         self.compile_times = self.programs.compile(progress=self.progress)
         if self.vision is not None:
             self._compile_vision()
+        if self.draft_rows > 1 and self.draft_policy.adaptive and self.draft_policy.measure:
+            self.measure_draft_costs()
         self._thread = threading.Thread(target=self._run, name="qwen-jax-scheduler", daemon=True)
         self._thread.start()
+
+    def draft_kind(self) -> str | None:
+        """Which of the draft policy's cost tables this engine's windows use: "copy", "block", "tree" or None."""
+        if self.drafter is not None:
+            return "tree" if self.draft_tree else "block"
+        return "copy" if self.copy_drafts else None
+
+    def measure_draft_costs(self, windows: int | None = None, repeats: int = 3) -> dict[int, float]:
+        """Time a lone stream's windows of each compiled row bucket against its decode round, on this machine and
+        model (`bench.window_costs`: `windows` calls a timing, the median of `repeats`), and decide from them from
+        now on (the draft policy's table for this engine's kind of drafts) -> {rows: decode rounds}. The stream is
+        a scratch one at up to 1024 cached tokens of whatever the pool holds, in a free slot and free pages that
+        are free again after; call it before serving (`start` does, with --draft-costs measure)."""
+        from qwen_jax.engine import bench
+        kind = self.draft_kind()
+        if kind is None:
+            raise ValueError("measure_draft_costs: this engine drafts nothing (copy_drafts or a drafter)")
+        if self._thread is not None:
+            raise RuntimeError("measure_draft_costs runs before the scheduler starts")
+        windows = windows or self.draft_policy.measure or MEASURE_WINDOWS
+        cap = self.buckets.chain_cap(1)
+        rows = tuple(r for r in self.buckets.chain_rows if 2 <= r <= cap)
+        # each timing starts from `context`; its windows and decode rounds add at most `cap` rows a call
+        room = (windows + 3) * cap + 8
+        context = max(1, min(1024, self.layout.max_len - room))
+        with self._lock:
+            slot = self._slots.take(1)
+            pages = self._pages.take(P.pages_for(min(context + room, self.layout.max_len), self.layout.page_size))
+        if slot is None or pages is None:
+            raise RuntimeError("measure_draft_costs: no free slot or pages (call it before serving)")
+        try:
+            table = np.zeros(self.layout.pages_per_stream, np.int32)
+            table[:len(pages)] = pages
+            costs = bench.window_costs(self.programs, slot[0], table, context, rows, block=self.drafter is not None,
+                                       rounds=windows, repeats=repeats)
+        finally:
+            self._release(slot, pages)
+        costs = {r: round(c, 3) for r, c in costs.items()}
+        self.draft_policy = self.draft_policy.with_costs(kind, costs)
+        self.measured_costs = {kind: costs}
+        log.info("draft costs measured (%s windows, one stream at %d cached tokens, decode rounds): %s", kind,
+                 context, costs)
+        return costs
 
     def image_buckets(self) -> list[int]:
         """The tower's compiled patch buckets (`model.vision.patch_bucket`): up to the largest image the processor

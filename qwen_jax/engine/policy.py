@@ -29,7 +29,8 @@ were never in a window are never counted, so q_j starts at 0 and grows only from
 The default costs are the H100's at the 27B's shapes, one stream at 1K of context (BENCHMARKS.md, engine, session
 40; the 2- and 8-row block windows interpolated; trees: 16 rows from session 43, 8 from session 42, before
 session 43's fixes made trees cheaper, 2 and 4 the block chains'); a small model's windows cost about one round,
-which `DraftPolicy(copy_costs=..., block_costs=..., tree_costs=...)` can say."""
+which `DraftPolicy(copy_costs=..., block_costs=..., tree_costs=...)` can say, or the engine can measure on the
+machine it runs on when it starts (`--draft-costs measure`, `Engine.measure_draft_costs`)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ from qwen_jax.programs import MISSED  # a `programs.path_ranks` entry: the path'
 COPY_COSTS = {2: 1.15, 4: 1.19, 8: 1.47, 16: 1.32}
 BLOCK_COSTS = {2: 1.40, 4: 1.46, 8: 1.54, 16: 1.61}
 TREE_COSTS = {2: 1.40, 4: 1.46, 8: 1.55, 16: 1.65}
+# --draft-costs measure: windows (and decode rounds) a timing, three timings a row bucket
+MEASURE_WINDOWS = 8
 
 
 @dataclasses.dataclass
@@ -126,18 +129,31 @@ class DraftPolicy:
     tree_costs: tuple[tuple[int, float], ...] = tuple(TREE_COSTS.items())
     decay: float = 0.9
     probe: int = 16  # copy drafts: serial rounds before a 2-row window tries again
+    # measure > 0: the engine times its own windows when it starts (`Engine.measure_draft_costs`, that many windows
+    # a timing) and decides from those costs in place of the tables
+    measure: int = 0
 
     @classmethod
     def parse(cls, name: str, costs: str | None = None) -> "DraftPolicy":
-        """--draft-policy NAME [--draft-costs JSON]: costs as {"copy": {"ROWS": ROUNDS, ...}, "block": {...},
-        "tree": {...}} (any part may be left out: it keeps the defaults), e.g. from `python -m qwen_jax bench
-        --draft-rows` on the machine and model being served."""
+        """--draft-policy NAME [--draft-costs JSON|measure]: costs as {"copy": {"ROWS": ROUNDS, ...}, "block":
+        {...}, "tree": {...}} (any part may be left out: it keeps the defaults), e.g. from `python -m qwen_jax bench
+        --draft-rows` on the machine and model being served; or `measure`: the engine times its windows at start."""
         if name not in ("adaptive", "always"):
             raise ValueError(f"--draft-policy must be adaptive or always, got {name!r}")
         fields = {"adaptive": name == "adaptive"}
-        if costs:
+        if costs == "measure":
+            if name != "adaptive":
+                raise ValueError("--draft-costs measure: only the adaptive --draft-policy reads costs")
+            fields["measure"] = MEASURE_WINDOWS
+        elif costs:
             fields.update(_parse_costs(costs))
         return cls(**fields)
+
+    def with_costs(self, kind: str, costs: dict[int, float]) -> "DraftPolicy":
+        """This policy with `kind`'s ("copy", "block" or "tree") table replaced by measured costs."""
+        if kind not in ("copy", "block", "tree"):
+            raise ValueError(f"kind must be copy, block or tree, got {kind!r}")
+        return dataclasses.replace(self, **{f"{kind}_costs": tuple(sorted(costs.items()))})
 
     def rows(self, acc: Acceptance, choices: tuple[int, ...], cap: int, *, block: bool, tree: int = 0,
              depth: int | None = None) -> int:
