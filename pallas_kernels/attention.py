@@ -1391,10 +1391,11 @@ def merge_partials(q: jax.Array, k_win: jax.Array, v_win: jax.Array, parents: ja
 
 
 # Whether `window_rows` shares pass 1 below a window's rows (False: every row its own one-row call, as before
-# session 44; the same bits either way). Read at tracing. Off until the device has run its gates
-# (`test_gpu_27b_window_rows`, the engine's drafted == serial ones: `tools/gpu/run.sh hundred-seventy-sixth`); the
-# CPU tests run it on.
-SHARED_ROWS = False
+# session 44; the same bits either way). Read at tracing. On since session 45: on the H200 the gates passed
+# (`test_gpu_27b_window_rows`, bf16 and fp8, chains and trees; the engine's drafted == serial with copy chains and
+# DFlash trees) and a 16-row DFlash window at 32K of context took 12.04 ms against 15.40 (1K: 10.49 against 10.50;
+# `tools/gpu/run.sh hundred-seventy-sixth`, `hundred-seventy-eighth`).
+SHARED_ROWS = True
 
 
 def window_rows(q: jax.Array, k_win: jax.Array, v_win: jax.Array, pool: KVPool, page_table: jax.Array,

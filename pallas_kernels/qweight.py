@@ -12,6 +12,7 @@ The weight stays packed in memory; nothing here dequantizes a whole matrix excep
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -175,6 +176,30 @@ def dequantize_rows(w: QuantizedWeight, rows: jax.Array, dtype=jnp.float32) -> j
     sub = QuantizedWeight(w.words[rows.reshape(-1)], w.scales[rows.reshape(-1)], w.biases[rows.reshape(-1)],
                           w.bits, w.group_size, lanes=w.lanes)  # lane order is per row: the gathered rows keep it
     return dequantize(sub, dtype).reshape(*rows.shape, w.in_features)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "scale_dtype"))
+def quantize(w: jax.Array, *, bits: int = 4, group_size: int = 64, scale_dtype=jnp.bfloat16) -> QuantizedWeight:
+    """A dense [N, K] weight -> MLX's affine packed form, on the device (a drafter shipped in bf16, quantized at
+    load). Per output row and group: the scale spans the group's range over the 2^bits - 1 levels and the bias is
+    its minimum, both rounded to `scale_dtype`; each value takes the nearest level under those rounded factors
+    (ties to even), clipped to the levels. Every value dequantizes to within one step of itself (half a step but
+    for the factors' rounding)."""
+    n, k = w.shape
+    if bits not in SUPPORTED_BITS or group_size not in SUPPORTED_GROUPS or k % group_size:
+        raise ValueError(f"quantize: {bits} bits, group {group_size} for K={k} (bits {SUPPORTED_BITS}, groups "
+                         f"{SUPPORTED_GROUPS}, K a multiple of the group)")
+    levels = (1 << bits) - 1
+    g = w.astype(jnp.float32).reshape(n, k // group_size, group_size)
+    lo, hi = g.min(-1), g.max(-1)
+    scales = jnp.maximum((hi - lo) / levels, 1e-7).astype(scale_dtype)
+    biases = lo.astype(scale_dtype)
+    s32, b32 = scales.astype(jnp.float32)[..., None], biases.astype(jnp.float32)[..., None]
+    q = jnp.clip(jnp.round((g - b32) / s32), 0, levels).astype(jnp.uint32)
+    per_word = 32 // bits
+    fields = q.reshape(n, k // per_word, per_word) << (jnp.arange(per_word, dtype=jnp.uint32) * bits)
+    words = jax.lax.reduce(fields, jnp.uint32(0), jax.lax.bitwise_or, (2,))
+    return QuantizedWeight(words, scales, biases, bits, group_size)
 
 
 def quantize_numpy(w: np.ndarray, bits: int, group_size: int, scale_dtype=np.float32

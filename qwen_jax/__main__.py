@@ -163,6 +163,7 @@ def cmd_eval_drafts(args) -> int:
                                         parallel=max(args.streams, 1), backend=_backend(args),
                                         progress=sys.stderr.isatty(), compile_cache=args.compile_cache or None,
                                         max_logprobs=0, drafter=args.drafter, copy_drafts=args.copy_drafts,
+                                        drafter_bits=args.drafter_bits,
                                         vision=False, draft_tree=args.draft_tree,
                                         draft_policy=DraftPolicy.parse(args.draft_policy, args.draft_costs))
         prompts = evaluate.draft_prompts(_eval_tokens(args, engine.tokenizer), args.prompts, args.prompt_tokens)
@@ -222,6 +223,8 @@ def cmd_bench(args) -> int:
     from qwen_jax.engine import bench
     if (args.model is None) == (args.synthetic is None):
         raise SystemExit("error: bench needs exactly one of --model DIR or --synthetic 27b")
+    if args.drafter_bits and args.drafter is None:
+        raise SystemExit("error: --drafter-bits quantizes a drafter: give --drafter")
     try:
         if args.streams is None:
             args.streams = "1,16" if args.synthetic else "1,2,4,8,16"
@@ -251,10 +254,13 @@ def cmd_bench(args) -> int:
                 import jax
 
                 from qwen_jax.synthetic import synthetic_drafter
+                from qwen_jax.checkpoint import quantize_drafter
                 drafter = synthetic_drafter(cfg.text, jax.random.key(1), dtype=dtype)
+                if args.drafter_bits:
+                    drafter = (quantize_drafter(drafter[0], args.drafter_bits), drafter[1])
             else:
                 from qwen_jax.checkpoint import load_dflash
-                d = load_dflash(args.drafter, target=cfg.text, dtype=dtype)
+                d = load_dflash(args.drafter, target=cfg.text, dtype=dtype, bits=args.drafter_bits)
                 drafter = (d.params, d.config)
         except ValueError as e:
             raise SystemExit(f"error: --drafter: {e}") from None
@@ -362,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     fp8_window(ev)
     ev.add_argument("--max-tokens", type=int, help="score at most this many tokens of the text")
     ev.add_argument("--drafter", metavar="DIR", help="drafts: a DFlash drafter dir (block drafts)")
+    ev.add_argument("--drafter-bits", type=int, choices=(4, 8), default=None,
+                    help="drafts: the drafter's dense projections quantized at load")
     ev.add_argument("--copy-drafts", action="store_true", help="drafts: copy drafts (n-gram lookup) instead")
     ev.add_argument("--prompts", type=int, default=8, help="drafts: prompts cut from --text at even offsets")
     ev.add_argument("--prompt-tokens", type=int, default=32, help="drafts: tokens a prompt")
@@ -406,6 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="time --draft-rows as DFlash block-draft windows instead: the drafter's next block made on "
                          "the device after each window (a drafter dir, or 'synthetic': random bf16 weights at the "
                          "27B drafter's shapes)")
+    be.add_argument("--drafter-bits", type=int, choices=(4, 8), default=None,
+                    help="with --drafter: its dense projections quantized at load (checkpoint.quantize_drafter)")
     be.add_argument("--draft-tree", type=int, default=0, metavar="K",
                     help="with --drafter: time tree windows of the drafter's likeliest continuations (up to K "
                          "children a node; --draft-rows rows), each row read through its own scratch pages")

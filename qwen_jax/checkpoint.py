@@ -37,7 +37,7 @@ import mmap
 import os
 import struct
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ import numpy as np
 from pallas_kernels.qweight import QuantizedWeight
 from qwen_jax.config import (LAYER_GDN, DFlashConfig, ModelConfig, TextConfig, VisionConfig, load_config,
                              load_dflash_config)
-from qwen_jax.model.ops import fuse
+from qwen_jax.model.ops import Fused, fuse
 
 
 class CheckpointError(ValueError):
@@ -444,10 +444,11 @@ def _dflash_shapes(cfg: DFlashConfig) -> dict[str, tuple[int, int]]:
     return shapes
 
 
-def load_dflash(model_dir: str | os.PathLike, *, target: TextConfig | None = None, dtype=jnp.bfloat16
-                ) -> LoadedDraft:
+def load_dflash(model_dir: str | os.PathLike, *, target: TextConfig | None = None, dtype=jnp.bfloat16,
+                bits: int | None = None) -> LoadedDraft:
     """Read a DFlash drafter dir (config.json + safetensors). With `target`, the config is checked against the
-    target it will run on (`config.check_dflash_fits`). `dtype`: the compute dtype dense weights are cast to."""
+    target it will run on (`config.check_dflash_fits`). `dtype`: the compute dtype dense weights are cast to.
+    `bits` (4 or 8): its dense projections quantized at load (`quantize_drafter`)."""
     d = Path(model_dir)
     if not d.is_dir():
         raise CheckpointError(f"{d}: not a directory (pass a DFlash drafter dir)")
@@ -475,7 +476,36 @@ def load_dflash(model_dir: str | os.PathLike, *, target: TextConfig | None = Non
     if unused:
         raise CheckpointError(f"{d}: drafter checkpoint has tensors a DFlashDraftModel does not have: "
                               f"{', '.join(unused[:5])}" + (" ..." if len(unused) > 5 else ""))
-    return LoadedDraft(cfg, params)
+    return LoadedDraft(cfg, quantize_drafter(params, bits) if bits else params)
+
+
+DRAFTER_GROUP = 64
+
+
+def quantize_drafter(params: dict, bits: int, group_size: int = DRAFTER_GROUP) -> dict:
+    """A drafter's dense projections (fc, q, kv, o, gate_up, down; fused ones as a whole, which quantizes each part
+    as it would alone) -> MLX affine packed weights of `bits` with bf16 factors, so its matmuls take the qmm kernels
+    and read a quarter (4 bits) of the bytes; already packed ones and the norms are kept. The drafts change (its
+    weights do), never a reply: a window keeps only the drafts the target's own samples agree with."""
+    from pallas_kernels.qweight import SUPPORTED_BITS, quantize
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"drafter bits (--drafter-bits) must be one of {SUPPORTED_BITS}, got {bits!r}")
+
+    def one(w):
+        if isinstance(w, Fused):
+            return replace(w, weight=one(w.weight))
+        if isinstance(w, QuantizedWeight) or w.ndim != 2:
+            return w
+        if w.shape[1] % group_size:
+            raise ValueError(f"drafter bits: a projection's input size {w.shape[1]} is not a multiple of the "
+                             f"group size {group_size}")
+        return quantize(w, bits=bits, group_size=group_size)
+
+    layers = tuple({"input_norm": x["input_norm"], "post_norm": x["post_norm"],
+                    "mlp": {k: one(v) for k, v in x["mlp"].items()},
+                    "attn": {k: one(v) if k in ("q", "kv", "o") else v for k, v in x["attn"].items()}}
+                   for x in params["layers"])
+    return {**params, "fc": one(params["fc"]), "layers": layers}
 
 
 def load_tokenizer(model_dir: str | os.PathLike):

@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "node with up to K children (1..8; 0, the default: a chain of its argmax). The tree has as "
                         "many rows as a window may (--draft-rows's 16 for one stream), each computed as the serial "
                         "step at its position, so replies equal serial decoding's")
+    m.add_argument("--drafter-bits", type=int, choices=(4, 8), default=None,
+                   help="with --drafter: quantize the drafter's dense projections at load (MLX affine, group 64, bf16 "
+                        "factors), so its matmuls read a quarter (4) or half (8) of the bytes; changes the drafts, "
+                        "never a reply")
     m.add_argument("--draft-costs", metavar="JSON|measure", default=None,
                    help='what a window costs in decode rounds, for --draft-policy adaptive: {"copy": {"2": 1.15, '
                         '"4": 1.19, ...}, "block": {...}, "tree": {...}} (default: an H100\'s at the 27B\'s shapes; '
@@ -145,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.draft_tree and args.drafter is None:
         print("error: --draft-tree: tree windows draft from a DFlash drafter (--drafter DIR)", file=sys.stderr)
         return 2
+    if args.drafter_bits and args.drafter is None:
+        print("error: --drafter-bits quantizes a drafter: give --drafter DIR", file=sys.stderr)
+        return 2
     if args.drafter is not None and args.synthetic is not None:
         print("error: --drafter: a drafter needs a checkpoint's model, not --synthetic", file=sys.stderr)
         return 2
@@ -163,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
                               progress=not args.no_progress, shapes=args.shapes, decode_kernel=args.decode_kernel,
                               copy_drafts=args.copy_drafts, drafter=args.drafter, prompt_cache=args.prompt_cache,
                               vision=not args.no_vision, draft_policy=args.draft_policy,
-                              draft_costs=args.draft_costs, draft_tree=args.draft_tree)
+                              draft_costs=args.draft_costs, draft_tree=args.draft_tree,
+                              drafter_bits=args.drafter_bits)
     except ValueError as e:  # checkpoint and config errors are ValueErrors with a message for the user
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -57,7 +57,8 @@ def build_engine(*, model: str | None, synthetic: str | None, dtype: str, kv_cac
                  parallel: int, max_queued: int, no_kernels: bool, max_logprobs: int, progress: bool,
                  shapes: str = "auto", decode_kernel: str = "auto", copy_drafts: bool = False,
                  drafter: str | None = None, prompt_cache: int = 0, vision: bool = True,
-                 draft_policy: str = "adaptive", draft_costs: str | None = None, draft_tree: int = 0) -> Loaded:
+                 draft_policy: str = "adaptive", draft_costs: str | None = None, draft_tree: int = 0,
+                 drafter_bits: int | None = None) -> Loaded:
     """Raises ValueError with a message for the user (bad dir, bad config, bad shape name, `--shapes batched`
     where rows are not computed independently of the batch, a decode kernel this machine lacks). shapes: "auto",
     "fixed" or "batched" (SHAPES); decode_kernel: DECODE_KERNELS; drafter: a DFlash drafter dir (block drafts)."""
@@ -84,5 +85,6 @@ def build_engine(*, model: str | None, synthetic: str | None, dtype: str, kv_cac
         raise ValueError(f"--model {model_dir}: not a directory")
     defaults = load_generation_defaults(model_dir)
     tree = dict(draft_tree=draft_tree) if draft_tree else {}
-    engine = Engine.from_checkpoint(str(model_dir), drafter=drafter, vision=vision, **tree, **common)
+    engine = Engine.from_checkpoint(str(model_dir), drafter=drafter, vision=vision, drafter_bits=drafter_bits,
+                                    **tree, **common)
     return Loaded(engine, str(model_dir), defaults)

@@ -76,12 +76,6 @@ if CPU_SUITE:
 
     _programs.enable_compilation_cache(os.environ["QWEN_JAX_CACHE_DIR"])
 
-    # Drafted windows read the keys below their rows once (`attention.window_rows`): on in the CPU suite, where
-    # every drafting test then checks its bits; off by default until the device has run its gates.
-    from pallas_kernels import attention as _attention
-
-    _attention.SHARED_ROWS = True
-
 
 @pytest.fixture(autouse=True, scope="module")
 def _compiled_programs_go_with_their_module():

@@ -124,6 +124,8 @@ def test_bench_draft_windows(capsys):
                  + NO_CACHE)
     with pytest.raises(SystemExit, match="--draft-rows needs --streams"):
         main(["bench", "--model", TINY, "--streams", "", "--prompt-lengths", "64", "--draft-rows", "2"] + NO_CACHE)
+    with pytest.raises(SystemExit, match="--drafter-bits quantizes a drafter"):
+        main(["bench", "--model", TINY, "--streams", "1", "--draft-rows", "2", "--drafter-bits", "4"] + NO_CACHE)
 
 
 @pytest.mark.parametrize("flag,attr,choices", [("--qmm-prompt-impl", "PROMPT_IMPL", ("fused", "dequant")),

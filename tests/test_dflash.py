@@ -437,3 +437,40 @@ def test_greedy_loop_proposes_dflashs_drafts(models, loop):
         assert [a for _, _, a in steps] == z[f"gen.{name}.acceptance_lengths"].tolist(), name
         np.testing.assert_array_equal(np.asarray([blk for _, blk, _ in steps]), z[f"gen.{name}.block_ids"],
                                       err_msg=name)
+
+
+def test_drafter_quantized_at_load(models):
+    """--drafter-bits: a dense drafter's projections packed at load (qweight.quantize, bf16 factors), every value
+    within one step of its dense self, the norms kept; the packed drafter equals one with those values dense, and
+    it runs on the kernels (interpret mode) as on the reference path."""
+    from pallas_kernels.qweight import QuantizedWeight, dequantize, quantize
+    target, drafter, z = models
+    for bits in (4, 8):
+        q = load_dflash(DRAFTER, target=target.config.text, dtype=jnp.float32, bits=bits)
+        a, qa = drafter.params["layers"][1]["attn"], q.params["layers"][1]["attn"]
+        assert isinstance(q.params["fc"], QuantizedWeight) and q.params["fc"].bits == bits
+        assert qa["kv"].sizes == a["kv"].sizes and isinstance(qa["kv"].weight, QuantizedWeight)
+        assert np.array_equal(np.asarray(qa["q_norm"]), np.asarray(a["q_norm"]))
+        for dense, packed in ((drafter.params["fc"], q.params["fc"]), (a["kv"].weight, qa["kv"].weight),
+                              (drafter.params["layers"][0]["mlp"]["down"], q.params["layers"][0]["mlp"]["down"])):
+            assert packed.scales.dtype == jnp.bfloat16 and packed.group_size == 64
+            step = np.repeat(np.asarray(packed.scales, np.float32), 64, axis=1)
+            err = np.abs(np.asarray(dequantize(packed)) - np.asarray(dense))
+            assert (err <= step * 1.01).all() and err.mean() < 0.3 * step.mean(), (bits, err.max())
+    with pytest.raises(ValueError, match="--drafter-bits"):
+        load_dflash(DRAFTER, target=target.config.text, bits=3)
+    # the packing: each field where MLX's layout puts it (qweight's module doc), against the numpy quantizer's words
+    w = np.random.default_rng(0).normal(size=(8, 128)).astype(np.float32)
+    words, _, _ = quantize_numpy(w, 4, 64, np.float32)
+    got = quantize(jnp.asarray(w), bits=4, group_size=64, scale_dtype=jnp.float32)
+    assert np.array_equal(np.asarray(got.words), words)  # (this input has no value at a float32/float64 tie)
+    # the packed drafter is the dense one on its dequantized values, and the kernels agree
+    q = load_dflash(DRAFTER, target=target.config.text, dtype=jnp.float32, bits=4)
+    deq = jax.tree.map(lambda w: dequantize(w) if isinstance(w, QuantizedWeight) else w, q.params,
+                       is_leaf=lambda w: isinstance(w, QuantizedWeight))
+    feats = jnp.asarray(z["direct.call1.context_features"])[None]
+    block = jnp.asarray(z["direct.call1.block_ids"])[None]
+    hq = D.forward(q.params, target.params, q.config, feats, block, BACKEND)
+    hf = D.forward(deq, target.params, q.config, feats, block, BACKEND)
+    hk = D.forward(q.params, target.params, q.config, feats, block, M.Backend(kernels=True, interpret=True))
+    assert float(jnp.abs(hq - hf).max()) <= 1e-4 and float(jnp.abs(hk - hq).max()) <= TOL

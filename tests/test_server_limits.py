@@ -195,7 +195,7 @@ def test_help_documents_every_flag():
                  "--parallel",
                  "--kv-cache", "--dtype", "--api-key", "--max-queued", "--served-model-name", "--max-tokens",
                  "--max-request-bytes", "--synthetic", "--max-logprobs", "--no-kernels", "--shapes", "--decode-kernel",
-                 "--draft-policy", "--draft-costs", "QWEN_JAX_API_KEY",
+                 "--draft-policy", "--draft-costs", "--drafter-bits", "QWEN_JAX_API_KEY",
                  "captures/tiny", "gibberish"):
         assert flag in out, flag
     bench = subprocess.run([sys.executable, "-m", "server.bench", "--help"], cwd=REPO_ROOT, capture_output=True,
@@ -232,6 +232,12 @@ def test_cli_refusals():
     assert r.returncode == 2 and "--draft-policy" in r.stderr
     r = _cli("--draft-costs", '{"copy": {"1": 1.0}}', "--no-progress")
     assert r.returncode == 2 and "--draft-costs" in r.stderr, r.stderr
+    r = _cli("--draft-policy", "always", "--draft-costs", "measure", "--no-progress")
+    assert r.returncode == 2 and "--draft-costs measure" in r.stderr, r.stderr
+    r = _cli("--drafter-bits", "4", "--no-progress")
+    assert r.returncode == 2 and "--drafter-bits" in r.stderr, r.stderr
+    r = _cli("--drafter", "captures/tiny-dflash", "--drafter-bits", "3")
+    assert r.returncode == 2 and "--drafter-bits" in r.stderr, r.stderr
 
 
 def test_decode_kernel_choice(monkeypatch):

@@ -246,10 +246,12 @@ class Engine:
     def from_checkpoint(cls, model_dir: str, *, dtype: str = "bfloat16", kv_cache: str = "bf16",
                         max_model_len: int = 4096, parallel: int = 16, max_queued: int = 64, backend=None,
                         progress: bool = True, compile_cache: str | None = DEFAULT_CACHE_DIR, max_logprobs: int = 20,
-                        drafter: str | None = None, vision: bool = True, **kwargs) -> "Engine":
+                        drafter: str | None = None, vision: bool = True, drafter_bits: int | None = None,
+                        **kwargs) -> "Engine":
         """Load a checkpoint dir (weights, tokenizer, generation_config EOS ids) into an engine. compile_cache:
         the persistent compilation cache dir (None: off); default $QWEN_JAX_CACHE_DIR or ~/.cache/qwen_jax/jax.
-        drafter: a DFlash drafter dir (block drafts), checked against the model. vision: load the checkpoint's vision
+        drafter: a DFlash drafter dir (block drafts), checked against the model; drafter_bits: its dense weights
+        quantized at load (4 or 8; `checkpoint.quantize_drafter`). vision: load the checkpoint's vision
         tower where it has one (image prompts), else images are refused."""
         import jax.numpy as jnp
 
@@ -268,7 +270,10 @@ class Engine:
         tokenizer = load_tokenizer(model_dir)
         if drafter is not None:
             kwargs["drafter"] = load_dflash(drafter, target=ck.config.text,
-                                            dtype=jnp.float32 if dtype == "float32" else jnp.bfloat16)
+                                            dtype=jnp.float32 if dtype == "float32" else jnp.bfloat16,
+                                            bits=drafter_bits)
+        elif drafter_bits:
+            raise ValueError("drafter_bits (--drafter-bits) quantizes a drafter: give --drafter DIR")
         return cls(ck.params, ck.config, tokenizer, model_name=Path(model_dir).resolve().name, dtype=dtype,
                    kv_cache=kv_cache, max_model_len=max_model_len, parallel=parallel, max_queued=max_queued,
                    backend=backend, progress=progress, max_logprobs=max_logprobs, **kwargs)
