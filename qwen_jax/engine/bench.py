@@ -304,31 +304,32 @@ def pipelined_decode(progs, tables, cache_len: list[int], rule, rounds: int, fir
 
 
 def window_costs(progs, slot: int, table, context: int, rows: tuple[int, ...], *, block: bool, rounds: int,
-                 repeats: int = 3, seed: int = 0) -> dict[int, float]:
+                 max_windows: int, repeats: int = 5, seconds: float = 0.05, seed: int = 0) -> dict[int, float]:
     """What a lone stream's window of each of `rows` rows costs in decode rounds: the stream in `slot` (page
     `table`) at `context` cached tokens, in the smallest stream buckets of `progs`, timed as `run` times them and the
     engine runs them (decode rounds pipelined, each window enqueued behind the previous one) -> {rows: rounds}, the
-    tables `DraftPolicy` decides from. The slot and pages are left holding what the calls wrote."""
+    tables `DraftPolicy` decides from. Each timing runs at least `rounds` calls and enough for about `seconds` of
+    decode rounds (a small model's millisecond rounds are host noise in a few calls), at most `max_windows` (the
+    pages `table` holds past `context`); the median of `repeats` timings. The slot and pages are left holding what
+    the calls wrote."""
     rng = np.random.default_rng(seed)
     greedy = sampling.RequestSampling(seed=0, temperature=0.0)
     vocab = progs.cfg.text.vocab_size
     first = [int(rng.integers(0, vocab))]
     n = progs.buckets.decode_bucket(1)
 
-    def decode(k: int) -> None:
-        pipelined_decode(progs, [table], [context], greedy, k, first_tokens=first, slots=[slot], bucket=n)
-
-    decode(3)
-    reps = []
-    for _ in range(repeats):
+    def per_round(k: int) -> float:
         t0 = time.perf_counter()
-        decode(rounds)
-        reps.append((time.perf_counter() - t0) * 1000 / rounds)
-    round_ms = float(np.median(reps))
+        pipelined_decode(progs, [table], [context], greedy, k, first_tokens=first, slots=[slot], bucket=n)
+        return (time.perf_counter() - t0) * 1000 / k
+
+    per_round(3)
+    calls = max(1, min(max_windows, max(rounds, int(seconds * 1000 / per_round(rounds)))))
+    round_ms = float(np.median([per_round(calls) for _ in range(repeats)]))
     out = {}
     for r in rows:
         bucket, width = progs.buckets.chain_bucket(1, r)
-        out[r] = draft_windows(progs, [table], context, greedy, width, rounds, repeats, vocab, rng, pipelined=True,
+        out[r] = draft_windows(progs, [table], context, greedy, width, calls, repeats, vocab, rng, pipelined=True,
                                block=block, slots=[slot], bucket=bucket) / round_ms
     return out
 

@@ -69,7 +69,7 @@ from qwen_jax.config import ModelConfig
 from qwen_jax.engine.api import (ContextLengthExceeded, EngineOverloaded, EngineStats, GenerationRequest, TokenEvent,
                                  TokenLogprob)
 from qwen_jax.engine.handle import RequestHandle
-from qwen_jax.engine.policy import MEASURE_WINDOWS, DraftPolicy
+from qwen_jax.engine.policy import MEASURE_MAX_WINDOWS, MEASURE_WINDOWS, DraftPolicy
 from qwen_jax.engine.prefix import PrefixCache, user_marker
 from qwen_jax.engine.state import IndexPool
 from qwen_jax.engine.stream import Phase, Stream
@@ -298,12 +298,13 @@ class Engine:
             return "tree" if self.draft_tree else "block"
         return "copy" if self.copy_drafts else None
 
-    def measure_draft_costs(self, windows: int | None = None, repeats: int = 3) -> dict[int, float]:
+    def measure_draft_costs(self, windows: int | None = None, repeats: int = 5) -> dict[int, float]:
         """Time a lone stream's windows of each compiled row bucket against its decode round, on this machine and
-        model (`bench.window_costs`: `windows` calls a timing, the median of `repeats`), and decide from them from
-        now on (the draft policy's table for this engine's kind of drafts) -> {rows: decode rounds}. The stream is
-        a scratch one at up to 1024 cached tokens of whatever the pool holds, in a free slot and free pages that
-        are free again after; call it before serving (`start` does, with --draft-costs measure)."""
+        model (`bench.window_costs`: at least `windows` calls a timing and about 50 ms of decode rounds, the median
+        of `repeats`), and decide from them from now on (the draft policy's table for this engine's kind of
+        drafts) -> {rows: decode rounds}. The stream is a scratch one at up to 1024 cached tokens of whatever the
+        pool holds, in a free slot and free pages that are free again after; call it before serving (`start` does,
+        with --draft-costs measure)."""
         from qwen_jax.engine import bench
         kind = self.draft_kind()
         if kind is None:
@@ -313,19 +314,21 @@ class Engine:
         windows = windows or self.draft_policy.measure or MEASURE_WINDOWS
         cap = self.buckets.chain_cap(1)
         rows = tuple(r for r in self.buckets.chain_rows if 2 <= r <= cap)
-        # each timing starts from `context`; its windows and decode rounds add at most `cap` rows a call
-        room = (windows + 3) * cap + 8
-        context = max(1, min(1024, self.layout.max_len - room))
+        # A timing starts from `context`; each of its calls (and the two untimed windows before it) adds at most
+        # `cap` rows. Up to MEASURE_MAX_WINDOWS calls a timing, fewer where the context would not hold them.
+        max_len = self.layout.max_len
+        context = max(1, min(1024, max_len - (MEASURE_MAX_WINDOWS + 3) * cap - 8))
+        most = max(1, min(MEASURE_MAX_WINDOWS, (max_len - context - 8) // cap - 3))
         with self._lock:
             slot = self._slots.take(1)
-            pages = self._pages.take(P.pages_for(min(context + room, self.layout.max_len), self.layout.page_size))
+            pages = self._pages.take(P.pages_for(max_len, self.layout.page_size))
         if slot is None or pages is None:
             raise RuntimeError("measure_draft_costs: no free slot or pages (call it before serving)")
         try:
             table = np.zeros(self.layout.pages_per_stream, np.int32)
             table[:len(pages)] = pages
             costs = bench.window_costs(self.programs, slot[0], table, context, rows, block=self.drafter is not None,
-                                       rounds=windows, repeats=repeats)
+                                       rounds=min(windows, most), max_windows=most, repeats=repeats)
         finally:
             self._release(slot, pages)
         costs = {r: round(c, 3) for r, c in costs.items()}

@@ -43,8 +43,10 @@ from qwen_jax.programs import MISSED  # a `programs.path_ranks` entry: the path'
 COPY_COSTS = {2: 1.15, 4: 1.19, 8: 1.47, 16: 1.32}
 BLOCK_COSTS = {2: 1.40, 4: 1.46, 8: 1.54, 16: 1.61}
 TREE_COSTS = {2: 1.40, 4: 1.46, 8: 1.55, 16: 1.65}
-# --draft-costs measure: windows (and decode rounds) a timing, three timings a row bucket
+# --draft-costs measure: at least this many windows (and decode rounds) a timing, more up to MEASURE_MAX_WINDOWS
+# where the decode round is short (`bench.window_costs`), five timings a row bucket
 MEASURE_WINDOWS = 8
+MEASURE_MAX_WINDOWS = 64
 
 
 @dataclasses.dataclass
