@@ -108,19 +108,17 @@ def _same(a, b):
     assert (a.token_ids, a.logprobs, a.finish_reason) == (b.token_ids, b.logprobs, b.finish_reason)
 
 
-# Engines of their own first (one engine alive at a time), then the tests sharing one engine.
+# Engines of their own first (the oracle's beside the shared one, whose reply it takes), then the tests sharing one
+# engine.
 
 
-def test_oracle_drafts_equal_random_ones(monkeypatch):
+def test_oracle_drafts_equal_random_ones(monkeypatch, drafted):
     """An engine whose drafts are a reply's own next tokens, one position in PERIOD changed: windows kept whole, in
-    part and not at all; the same reply, bit for bit, as with the random drafter. One engine at a time: the random
-    drafter's reply first, then an engine compiled with the oracle in the drafter's place."""
-    r = _request(_prompts()[0], None, max_tokens=30)
-    e = _engine()
-    try:
-        a = e.submit(r).result(TIMEOUT)
-    finally:
-        e.shutdown()
+    part and not at all; the same reply, bit for bit, as with the random drafter (the `drafted` engine's reply to
+    the same request), from an engine compiled with the oracle in the drafter's place."""
+    _, reqs, replies, _ = drafted
+    r, a = reqs[0], replies[0]
+    assert r == _request(_prompts()[0], None, max_tokens=30)
     reply = np.asarray(list(r.prompt_ids) + list(a.token_ids) + [0] * 8, np.int32)
     reply[np.arange(len(reply)) % PERIOD == 2] += 1
 

@@ -229,13 +229,15 @@ def ladder_oracle(table: np.ndarray):
 
 
 def test_tree_drafted_replies_equal_chain_drafted(monkeypatch):
-    """Greedy and seeded replies, two streams at once, drafted as chains, as trees of branch 1 (chains through the
-    tree path), of branch 3, and as an oracle's ladders that keep windows through second children only: the same
-    bits; the pools back to baseline; the oracle's trees accept drafts."""
+    """Greedy and seeded replies, two streams at once, drafted as chains, as trees of branch 3, and as an oracle's
+    ladders that keep windows through second children only: the same bits; the pools back to baseline; the oracle's
+    trees accept drafts. (Until session 45 trees of branch 1, chains through the tree path, ran here too: an engine
+    of their own cost ~35 s of compiling on the CPU suite's machine, and the tree path is the one branch 3 takes;
+    branch 1's tree builder is propose_tree's (9, 1) case above.)"""
     prompts = _prompts()
     reqs = [_request(prompts[0], None, max_tokens=24), _request(prompts[1], 11, max_tokens=24)]
     replies = {}
-    for tree in (0, 1, 3):
+    for tree in (0, 3):
         e = _engine(draft_tree=tree, draft_policy=DraftPolicy("always"))
         try:
             base = _baseline(e)
@@ -244,9 +246,8 @@ def test_tree_drafted_replies_equal_chain_drafted(monkeypatch):
             assert _baseline(e) == base
         finally:
             e.shutdown()
-    for tree in (1, 3):
-        for a, b in zip(replies[0], replies[tree]):
-            _same(a, b)
+    for a, b in zip(replies[0], replies[3]):
+        _same(a, b)
     # the oracle: greedy reply of prompt 0, periodically corrupted
     got = replies[0][0]
     reply = np.asarray(list(reqs[0].prompt_ids) + list(got.token_ids) + [0] * 16, np.int32)
