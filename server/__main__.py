@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--drafter-bits", type=int, choices=(4, 8), default=None,
                    help="with --drafter: quantize the drafter's dense projections at load (MLX affine, group 64, bf16 "
                         "factors), so its matmuls read a quarter (4) or half (8) of the bytes; changes the drafts, "
-                        "never a reply")
+                        "never a reply (on the demo's trained drafter 8 bits kept its acceptance, 4 bits lost two "
+                        "thirds of it: docs/drafting.md)")
     m.add_argument("--draft-costs", metavar="JSON|measure", default=None,
                    help='what a window costs in decode rounds, for --draft-policy adaptive: {"copy": {"2": 1.15, '
                         '"4": 1.19, ...}, "block": {...}, "tree": {...}} (default: an H100\'s at the 27B\'s shapes; '
