@@ -41,6 +41,17 @@ bench_27b() {
     --no-compile-timing --compile-cache "" 2>&1 | tee "$out/bench_27b.log" | tail -"$2"
 }
 
+# The demo's drafted decoding (eval drafts, one stream, 8 prompts of GPL-3) once for each argument, each one line of
+# extra flags, into $out/demo_measure.log; prints the measured costs and the result line of each.
+demo_evals() {
+  for args in "$@"; do
+    echo "$args"
+    timeout 100 python3 -m qwen_jax eval drafts --model models/demo-mlx-8bit --drafter models/demo-dflash \
+      --text /usr/share/common-licenses/GPL-3 --prompts 8 --gen-tokens 128 --streams 1 $args --compile-cache "" \
+      2>&1 | tee -a "$out/demo_measure.log" | grep -E "draft-costs|prompts|rror" | tail -3
+  done
+}
+
 # The demo model's drafted decoding (eval drafts, policy "always") with chains, then trees of branch 2 and 3.
 demo_tree_evals() {
   for tree in 0 2 3; do
@@ -185,12 +196,7 @@ case "$stage" in
         --rounds 16 --draft-rows 2,4,8,16 --drafter synthetic --draft-tree $tree --no-compile-timing \
         --compile-cache "" 2>&1 | tee -a "$out/bench_costs.log" | grep -E "draft-costs|decode  1|rror" | tail -3
     done
-    for args in "--draft-tree 2 --draft-costs measure" "--draft-tree 2 --draft-policy always"; do
-      echo "$args"
-      timeout 100 python3 -m qwen_jax eval drafts --model models/demo-mlx-8bit --drafter models/demo-dflash \
-        --text /usr/share/common-licenses/GPL-3 --prompts 8 --gen-tokens 128 --streams 1 $args --compile-cache "" \
-        2>&1 | tee -a "$out/demo_measure.log" | grep -E "draft-costs|prompts|rror" | tail -3
-    done ;;
+    demo_evals "--draft-tree 2 --draft-costs measure" "--draft-tree 2 --draft-policy always" ;;
   hundred-eighty-second)
     # Session 45 (~3 min, an H200; hundred-eighty-first cut to what the lease had left): issue #5's 1-row decode
     # table alone (bf16 and fp8 pools, 4K / 32K / 128K, traced, against the copy bandwidth).
@@ -214,24 +220,14 @@ case "$stage" in
         --rounds 16 --draft-rows 16 --drafter synthetic $bits --no-compile-timing --compile-cache "" 2>&1 \
         | tee -a "$out/bench_drafter_bits.log" | grep -iE "pipelined|decode  1|error" | tail -3
     done
-    for args in "--draft-tree 2 --draft-costs measure" "--draft-tree 2 --draft-policy always"; do
-      echo "$args"
-      timeout 100 python3 -m qwen_jax eval drafts --model models/demo-mlx-8bit --drafter models/demo-dflash \
-        --text /usr/share/common-licenses/GPL-3 --prompts 8 --gen-tokens 128 --streams 1 $args --compile-cache "" \
-        2>&1 | tee -a "$out/demo_measure.log" | grep -E "draft-costs|prompts|rror" | tail -3
-    done ;;
+    demo_evals "--draft-tree 2 --draft-costs measure" "--draft-tree 2 --draft-policy always" ;;
   hundred-seventy-ninth)
     # Session 45 (~5 min): the demo's drafted decoding with the adaptive policy deciding from costs the engine
     # measured at start (--draft-costs measure; the tables are the 27B's), chains and trees of branch 2, beside
     # "always" trees (session 44: adaptive chains 1.09x, adaptive trees 1.18x, always trees 1.43x).
     nvidia-smi --query-gpu=name --format=csv,noheader
-    for args in "--draft-tree 0 --draft-costs measure" "--draft-tree 2 --draft-costs measure" \
-                "--draft-tree 2 --draft-policy always"; do
-      echo "$args"
-      timeout 100 python3 -m qwen_jax eval drafts --model models/demo-mlx-8bit --drafter models/demo-dflash \
-        --text /usr/share/common-licenses/GPL-3 --prompts 8 --gen-tokens 128 --streams 1 $args --compile-cache "" \
-        2>&1 | grep -E "draft-costs|prompts|rror" | tail -3
-    done ;;
+    demo_evals "--draft-tree 0 --draft-costs measure" "--draft-tree 2 --draft-costs measure" \
+      "--draft-tree 2 --draft-policy always" ;;
   hundred-seventy-eighth)
     # Session 45 (~7 min; after hundred-seventy-sixth): window_rows' calls against the one-row calls (rows_probe), then
     # a 16-row DFlash chain window at 1K of context with the shared pass 1 and without it: at 1K no chunk is shared,
