@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -501,11 +502,7 @@ def quantize_drafter(params: dict, bits: int, group_size: int = DRAFTER_GROUP) -
                              f"group size {group_size}")
         return quantize(w, bits=bits, group_size=group_size)
 
-    layers = tuple({"input_norm": x["input_norm"], "post_norm": x["post_norm"],
-                    "mlp": {k: one(v) for k, v in x["mlp"].items()},
-                    "attn": {k: one(v) if k in ("q", "kv", "o") else v for k, v in x["attn"].items()}}
-                   for x in params["layers"])
-    return {**params, "fc": one(params["fc"]), "layers": layers}
+    return jax.tree.map(one, params, is_leaf=lambda w: isinstance(w, (Fused, QuantizedWeight)))
 
 
 def load_tokenizer(model_dir: str | os.PathLike):

@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help='what a window costs in decode rounds, for --draft-policy adaptive: {"copy": {"2": 1.15, '
                         '"4": 1.19, ...}, "block": {...}, "tree": {...}} (default: an H100\'s at the 27B\'s shapes; '
                         'measure with `python -m qwen_jax bench --draft-rows`), or "measure": time this model\'s '
-                        'windows on this machine at start-up (about 100 windows and decode rounds)')
+                        'windows on this machine at start-up (five timings of each row bucket and of the decode '
+                        'round, each at least 8 calls and ~50 ms)')
 
     s = p.add_argument_group("scheduling")
     s.add_argument("--parallel", type=_positive, default=16, metavar="N",

@@ -1,7 +1,8 @@
 """What quantizing a drafter at load (`--drafter-bits`) costs its acceptance, on the CPU: the demo model and its
-trained drafter (models/), the kernels interpreted, each prompt's greedy reply drafted with the drafter in bf16
-and at each bit width, one engine each -> drafts accepted a window and whether the replies are the same tokens
-(they must be: a window keeps only drafts the target's own samples agree with).
+trained drafter (models/), the kernels interpreted, each prompt's greedy reply drafted (`evaluate.draft_speedup`,
+policy "always") with the drafter in bf16 and at each bit width, one engine each -> drafts accepted a window and
+whether every drafted reply equals the serial one (it must: a window keeps only drafts the target's own samples
+agree with). The speed-up it prints is the interpreted CPU's, not a device's.
 
     python tools/offline/drafter_bits.py [--prompts 4] [--gen-tokens 64] [--bits 8,4] [--draft-tree 0]
 """
@@ -25,16 +26,12 @@ def main() -> int:
     ap.add_argument("--bits", default="8,4")
     ap.add_argument("--draft-tree", type=int, default=0)
     args = ap.parse_args()
-    import dataclasses
-
     from qwen_jax.engine import evaluate
-    from qwen_jax.engine.api import GenerationRequest
     from qwen_jax.engine.engine import Engine
     from qwen_jax.engine.policy import DraftPolicy
     from qwen_jax.model import Backend
 
     text = Path("/usr/share/common-licenses/GPL-3").read_text()
-    replies = None
     for bits in [None] + [int(b) for b in args.bits.split(",") if b]:
         t0 = time.perf_counter()
         e = Engine.from_checkpoint(str(ROOT / "models/demo-mlx-8bit"), drafter=str(ROOT / "models/demo-dflash"),
@@ -44,18 +41,8 @@ def main() -> int:
                                    draft_policy=DraftPolicy.parse("always"))
         prompts = evaluate.draft_prompts(e.tokenizer.encode(text), args.prompts, args.prompt_tokens)
         with e:
-            before = e.stats()
-            got = [e.submit(dataclasses.replace(GenerationRequest(tuple(p), args.gen_tokens, ignore_eos=True)))
-                   .result() for p in prompts]
-            after = e.stats()
-        toks = [r.token_ids for r in got]
-        same = "-" if replies is None else f"{sum(a == b for a, b in zip(replies, toks))}/{len(toks)}"
-        replies = replies or toks
-        windows = after.draft_windows_total - before.draft_windows_total
-        acc = after.draft_accepted_total - before.draft_accepted_total
-        prop = after.draft_proposed_total - before.draft_proposed_total
-        print(f"drafter {bits or 'bf16'}: {acc / windows:.2f} of {prop / windows:.2f} drafts accepted a window "
-              f"({windows} windows); replies equal bf16's: {same}; {time.perf_counter() - t0:.0f} s", flush=True)
+            res = evaluate.draft_speedup(e, prompts, max_tokens=args.gen_tokens)
+        print(f"drafter {bits or 'bf16'}: {res.line()}; {time.perf_counter() - t0:.0f} s", flush=True)
     return 0
 
 
