@@ -119,3 +119,26 @@ def h200_lowering():
         yield
     finally:
         del gpu_info.registry[kind]
+
+
+def first_layers(ck, n: int):
+    """The checkpoint cut to its first `n` decoder layers (embedding, final norm and head kept): a model of its own,
+    for the engine tests whose subject is the engine (scheduling, drafting, windows, state), not the model's numbers.
+    Their test time is mostly XLA:CPU compiling each layer's interpreted kernels; at 4 of captures/tiny-mlx-4bit's 6
+    layers (3 GDN, 1 attention: every kind of layer and state, and the tiny drafter's taps 1 and 3) a DFlash
+    engine starts in ~35 s instead of ~47 (session 46). Tests against peer captures keep the whole checkpoint."""
+    import dataclasses
+    text = ck.config.text
+    if not 0 < n <= text.num_layers:
+        raise ValueError(f"first_layers: n={n} for a model of {text.num_layers} layers")
+    cfg = dataclasses.replace(ck.config, text=dataclasses.replace(text, num_layers=n, layer_types=text.layer_types[:n]))
+    return dataclasses.replace(ck, config=cfg, params=dict(ck.params, layers=ck.params["layers"][:n]))
+
+
+def first_layers_drafter(drafter, n: int):
+    """A drafter made for its whole target (`load_dflash(target=...)` checks that), run on the target's first `n`
+    layers (`first_layers`): its taps must lie below n."""
+    import dataclasses
+    if drafter.config.target_layer_ids[-1] >= n:
+        raise ValueError(f"first_layers_drafter: taps {drafter.config.target_layer_ids} reach past {n} layers")
+    return dataclasses.replace(drafter, config=dataclasses.replace(drafter.config, num_target_layers=n))

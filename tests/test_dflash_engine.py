@@ -1,11 +1,11 @@
-"""DFlash block drafts in the programs and the engine (qwen_jax.dflash_programs): the drafter runs on the device
-after each prompt chunk and each window, and the next window reads its drafts there.
+"""DFlash block drafts in the programs and the engine (qwen_jax.dflash_programs): the drafter runs on the device after
+each prompt chunk and each window, and the next window reads its drafts there.
 
-Programs, on the reference path in float32 against dflash 0.1.0's greedy loop (captures/refs/dflash-tiny-f32.npz,
-the tiny drafter captures/tiny-dflash): the same tokens, and at every step where dflash drafted a whole block, the
-same drafts. The engine, on captures/tiny-mlx-4bit with the kernels in interpret mode (the row-invariant path
-drafting needs): replies drafted by the random tiny drafter (windows nearly always cut after their first row) and
-by an oracle that proposes the reply itself with one token in `PERIOD` wrong (windows kept whole, in part, not at
+Programs, on the reference path in float32 against dflash 0.1.0's greedy loop (captures/refs/dflash-tiny-f32.npz, the
+tiny drafter captures/tiny-dflash): the same tokens, and at every step where dflash drafted a whole block, the same
+drafts. The engine, on captures/tiny-mlx-4bit's first 4 layers with the kernels in interpret mode (the row-invariant
+path drafting needs): replies drafted by the random tiny drafter (windows nearly always cut after their first row)
+and by an oracle that proposes the reply itself with one token in `PERIOD` wrong (windows kept whole, in part, not at
 all) are the same bits, alone and beside other streams, with the pools back to baseline. As in tests/test_drafts.py,
 drafted replies are compared with drafted replies here; that chain rows are the serial step's bits is the device's
 gate (tests/test_engine_gpu.py), the interpreted fused step on this CPU rounding apart from a one-row window."""
@@ -23,7 +23,7 @@ from qwen_jax.checkpoint import load_checkpoint, load_dflash
 from qwen_jax.engine.api import GenerationRequest, SamplingOptions
 from qwen_jax.engine.engine import Engine
 from qwen_jax.model import Backend
-from tests.conftest import CAPTURES
+from tests.conftest import CAPTURES, first_layers, first_layers_drafter
 from tests.test_engine import _baseline
 
 REF = CAPTURES / "refs" / "dflash-tiny-f32.npz"
@@ -81,9 +81,15 @@ def test_windows_draft_what_dflash_drafts():
 # --- the engine ----------------------------------------------------------------------------------------------------
 
 
+# The engine tests below run the tiny model's first 4 layers (tests/conftest.py, first_layers: their time is
+# compiling, per layer); the programs against dflash's loop above run the whole model.
+LAYERS = 4
+
+
 def _engine(**kw):
-    ck = load_checkpoint(MODEL, dtype=jnp.bfloat16, progress=False)
-    drafter = load_dflash(DRAFTER, target=ck.config.text, dtype=jnp.bfloat16)
+    full = load_checkpoint(MODEL, dtype=jnp.bfloat16, progress=False)
+    drafter = first_layers_drafter(load_dflash(DRAFTER, target=full.config.text, dtype=jnp.bfloat16), LAYERS)
+    ck = first_layers(full, LAYERS)
     buckets = P.Buckets(prompt_rows=(64,), prompt_lanes=(1,), decode_streams=(2,), chain_rows=(4,),
                         packing=P.Packing.BATCHED, logprobs=2, slot_copy=kw.get("prompt_cache", 0) > 0)
     e = Engine(ck.params, ck.config, None, dtype="bfloat16", max_model_len=192, parallel=2, max_queued=8,

@@ -16,7 +16,7 @@ from qwen_jax.checkpoint import load_checkpoint
 from qwen_jax.engine.engine import Engine
 from qwen_jax.engine.policy import MEASURE_WINDOWS, Acceptance, DraftPolicy, expected_tokens, expected_tree_tokens
 from qwen_jax.model import Backend
-from tests.conftest import CAPTURES
+from tests.conftest import CAPTURES, first_layers
 from tests.test_drafts import _oracle, _prompts, _request
 from tests.test_engine import _baseline
 
@@ -173,7 +173,8 @@ def test_bench_prints_costs_the_policy_reads():
 
 @pytest.fixture(scope="module")
 def ck():
-    return load_checkpoint(CAPTURES / "tiny-mlx-4bit", dtype=jnp.bfloat16, progress=False)
+    # the first 3 layers (2 GDN, 1 attention; tests/conftest.py, first_layers): the engine's policy is the subject
+    return first_layers(load_checkpoint(CAPTURES / "tiny-mlx-4bit", dtype=jnp.bfloat16, progress=False), 3)
 
 
 def _engine(ck, policy: DraftPolicy):

@@ -1,9 +1,10 @@
-"""DFlash tree drafts (`dflash_programs.propose_tree`, `programs.tree_accepted`, `model.verify(tree_scratch=)`):
-the tree builder against a heap search over every continuation; acceptance along the samples; a tree window's rows
-against one-row windows committed along each row's path, bit for bit (captures/tiny-mlx-4bit, kernels in interpret
-mode, an fp8 and a bf16 pool, a tree that crosses a page); and the engine's tree-drafted replies against its
-chain-drafted ones, with the tiny random drafter and with an oracle tree whose right continuation is never the first
-child. As in tests/test_dflash_engine.py, that window rows are the fused serial step's bits is the device's gate."""
+"""DFlash tree drafts (`dflash_programs.propose_tree`, `programs.tree_accepted`, `model.verify(tree_scratch=)`): the
+tree builder against a heap search over every continuation; acceptance along the samples; a tree window's rows
+against one-row windows committed along each row's path, bit for bit (captures/tiny-mlx-4bit's first layers, kernels
+in interpret mode, an fp8 and a bf16 pool, a tree that crosses a page); and the engine's tree-drafted replies against
+its chain-drafted ones, with the tiny random drafter and with an oracle tree whose right continuation is never the
+first child. As in tests/test_dflash_engine.py, that window rows are the fused serial step's bits is the device's
+gate."""
 
 import heapq
 
@@ -19,7 +20,7 @@ from qwen_jax.checkpoint import load_checkpoint
 from qwen_jax.engine.policy import Acceptance, DraftPolicy
 from qwen_jax.model import Backend
 from qwen_jax.model.forward import kv_dtype_for
-from tests.conftest import CAPTURES
+from tests.conftest import CAPTURES, first_layers
 from tests.test_dflash_engine import TIMEOUT, _engine, _prompts, _request, _same
 from tests.test_engine import _baseline
 
@@ -133,8 +134,9 @@ def test_tree_rows_equal_one_row_windows(kv_cache):
     """`verify(tree_scratch=)` over a 7-row tree at cache_len 61 (its deepest rows past the page at 64), beside a
     dummy stream: each row's logits are those of a one-row verify at its position after its ancestors were
     committed one by one, bit for bit; the commit of a root-to-leaf path leaves those one-row commits' state; the
-    stream's own pages are untouched by the window."""
-    ck = load_checkpoint(MODEL, dtype=jnp.bfloat16, progress=False)
+    stream's own pages are untouched by the window. On the tiny model's first 3 layers (2 GDN, 1 attention: the
+    rows' bits are each layer's; tests/conftest.py, first_layers)."""
+    ck = first_layers(load_checkpoint(MODEL, dtype=jnp.bfloat16, progress=False), 3)
     cfg, params = ck.config, ck.params
     be = Backend(kernels=True, interpret=True)
     prefill = jax.jit(lambda p, s, b: M.prefill(p, s, b, cfg, be)[:2])
