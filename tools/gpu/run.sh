@@ -52,6 +52,19 @@ demo_evals() {
   done
 }
 
+# The synthetic 27B drafter's 16-row DFlash window at 1K of context (bench --draft-rows 16), once for each argument:
+# a drafter flag ("" for bf16, "--drafter-bits N"), into $out/bench_drafter_bits.log. $1: each run's time limit (s).
+drafter_windows() {
+  local limit=$1
+  shift
+  for bits in "$@"; do
+    echo "drafter ${bits:-bf16}"
+    timeout "$limit" python3 -m qwen_jax bench --synthetic 27b --streams 1 --prompt-lengths "" --context 1024 \
+      --rounds 16 --draft-rows 16 --drafter synthetic $bits --no-compile-timing --compile-cache "" 2>&1 \
+      | tee -a "$out/bench_drafter_bits.log" | grep -iE "pipelined|decode  1|error" | tail -3
+  done
+}
+
 # The demo model's drafted decoding (eval drafts, policy "always") with chains, then trees of branch 2 and 3.
 demo_tree_evals() {
   for tree in 0 2 3; do
@@ -121,12 +134,7 @@ case "$stage" in
     # Session 46 (~5 min): the synthetic 27B drafter's 16-row DFlash window at 1K of context in bf16 and quantized
     # at load to 8 bits (--drafter-bits 8, what docs and --help recommend; session 45 timed 4 bits only) and 4.
     nvidia-smi --query-gpu=name --format=csv,noheader
-    for bits in "" "--drafter-bits 8" "--drafter-bits 4"; do
-      echo "drafter ${bits:-bf16}"
-      timeout 95 python3 -m qwen_jax bench --synthetic 27b --streams 1 --prompt-lengths "" --context 1024 \
-        --rounds 16 --draft-rows 16 --drafter synthetic $bits --no-compile-timing --compile-cache "" 2>&1 \
-        | tee -a "$out/bench_drafter_bits.log" | grep -iE "pipelined|decode  1|error" | tail -3
-    done ;;
+    drafter_windows 95 "" "--drafter-bits 8" "--drafter-bits 4" ;;
   hundred-eighty-fourth)
     # Session 46 (~10 min): issue #5's tables at HEAD (the attention kernels alone, 1- and 16-row windows, bf16 and
     # fp8 pools, 1 and 16 streams, traced), then the 27B engine bench at HEAD (decode at 1 and 16 streams, a 4K
@@ -163,12 +171,7 @@ case "$stage" in
     nvidia-smi --query-gpu=name --format=csv,noheader
     gpu_pytest 150 rows_fp8 4 "tests/test_engine_gpu.py::test_drafted_equals_serial_on_gpu[fp8]" \
       "tests/test_engine_gpu.py::test_block_drafted_equals_serial_on_gpu[fp8-3]"
-    for bits in "" "--drafter-bits 4" ""; do
-      echo "drafter ${bits:-bf16}"
-      timeout 100 python3 -m qwen_jax bench --synthetic 27b --streams 1 --prompt-lengths "" --context 1024 \
-        --rounds 16 --draft-rows 16 --drafter synthetic $bits --no-compile-timing --compile-cache "" 2>&1 \
-        | tee -a "$out/bench_drafter_bits.log" | grep -iE "pipelined|decode  1|error" | tail -3
-    done
+    drafter_windows 100 "" "--drafter-bits 4" ""
     demo_evals "--draft-tree 2 --draft-costs measure" "--draft-tree 2 --draft-policy always" ;;
   hundred-seventy-ninth)
     # Session 45 (~5 min): the demo's drafted decoding with the adaptive policy deciding from costs the engine
