@@ -142,6 +142,81 @@ case "$stage" in
     nvidia-smi --query-gpu=name --format=csv,noheader
     attn_sections 320 decode,window tables
     bench_27b 240 8 ;;
+  eighty-seventh)
+    # Session 21, last call (~9 min): the shipped state (f16 window dots for fp8 pools, fp8 prompts on Mosaic GPU):
+    # the engine's gates and the fp8 attention gpu tests, then the 27B engine bench with an fp8 KV cache and with
+    # bf16, one after the other.
+    gpu_pytest 170 engine 9 tests/test_engine_gpu.py
+    gpu_pytest 90 attn_fp8 8 tests/test_attention.py -k "gpu_27b and fp8"
+    for kv in fp8 bf16; do
+      timeout 150 python3 -m qwen_jax bench --synthetic 27b --streams 1,16 --prompt-lengths 4096,32768 --rounds 32 \
+        --kv-cache $kv --no-compile-timing --compile-cache "" 2>&1 | tee "$out/bench_27b_$kv.log" | tail -14
+    done ;;
+  hundred-second)
+    # Prepared in session 25, not run (~9 min): what that session could not time. The window gpu tests (fresh_jit's
+    # ping-pong and 8-bit dequant checks, test_gpu_27b_fp8_pool's step bits with f16 dots and FP8_SPLIT's bits, the
+    # merge row splits, the strict xfail of fp8 bf16 dots), the 16-row tail at the shipped row-split rule, the
+    # issue's tables (fp8 16-row windows in three Triton programs). Then hundred-third: if FP8_SPLIT's 16-row
+    # windows come within 1.3x of a 1-row decode near Triton's, it is the way to ship fp8 pools on Mosaic GPU (a
+    # change of the fp8 bits: the engine's gates).
+    gpu_pytest 240 window 26 tests/test_attention.py tests/test_attention_window_mgpu.py -k "window or gpu_27b"
+    attn_sections 130 merge_variants merge_variants
+    attn_sections 170 decode,window decode_window ;;
+  hundred-fourth)
+    # Session 26 (~8 min): the merge's window-key sum in key order (`attention._window_key_sum`): the merge-splits
+    # probe with it and with the old sum over the columns (bf16 and fp8 16-row windows, three draws), then the window
+    # gpu tests (every merge row and column split now at the shipped bits, fp8 with bf16 dots included) and the
+    # Mosaic GPU fp8 pool test (its 8-bit dequantization check no longer compares the shipped layout with itself;
+    # FP8_SPLIT with bf16 partials).
+    timeout 200 python3 tools/gpu/merge_rows_probe.py --sums 2>&1 | tee "$out/merge_sums_probe.log" | cut -c1-600
+    gpu_pytest 130 window 8 tests/test_attention.py -k "test_window_gpu_27b"
+    gpu_pytest 100 window_mgpu 4 tests/test_attention_window_mgpu.py -k "fp8_pool" ;;
+  hundred-fifteenth)
+    # Session 28 (~8 min): short contexts in short chunks (WindowTiles.short_chunk): the new gpu test, the window
+    # gpu tests, every engine gate, then the windows at 1K-8K keys with short chunks and fixed ones alternated.
+    gpu_pytest 170 short 14 tests/test_attention_window_mgpu.py tests/test_attention.py \
+      -k "short_chunks or gpu_27b_windows or gpu_27b_fp8_pool or window_gpu_27b or fold_in_merge_gpu"
+    gpu_pytest 170 engine 10 tests/test_engine_gpu.py
+    timeout 150 python3 -m pallas_kernels.bench attention --sections short_chunks --budget-s 135 --trace /tmp/trace_sc \
+      --json "$out/attention_short.json" 2>&1 | tee "$out/attention_short.log" | grep -E "^copy|FAILED" ;;
+  hundred-forty-first)
+    # Session 33 (~9 min): the gates of the four prepared changes in one call (sessions 31-32's stages 137-139,
+    # trimmed). Their gpu tests: fp8 V key-major and the chunk max (kv_quant.FP8_V_LAYOUT, attention.FP8_V_MAX), the
+    # serial step's GDN with its norm (ops.STEP_NORM), the residual add's norm on programs of their own
+    # (ops.RESIDUAL_NORM_TAIL "rows", RESIDUAL_NORM_ROWS 16), the tiny model's step with q packed by the attention
+    # prep (ops.PACK_QUERIES) and with each of these apart. Then every engine gate with STEP_NORM, the rows tail and
+    # PACK_QUERIES on together (the fp8-vkeys gates set the V layout and max themselves). Timing is
+    # hundred-forty-second's.
+    gpu_pytest 170 vkeys 14 tests/test_attention.py tests/test_kv_quant.py -k "keys_major or chunk_v_max or write_kernel_gpu"
+    gpu_pytest 130 stepnorm 8 tests/test_gdn.py tests/test_model_consistency.py -k "step_norm or pieces"
+    gpu_pytest 70 rows 6 tests/test_residual.py -k "norm"
+    timeout -s INT 200 python3 -c "import sys, pytest; from qwen_jax.model import ops; ops.STEP_NORM = True; \
+      ops.RESIDUAL_NORM_TAIL = 'rows'; ops.RESIDUAL_NORM_ROWS = 16; ops.PACK_QUERIES = True; sys.exit(pytest.main(sys.argv[1:]))" -m gpu -v \
+      -p no:cacheprovider --tb=short tests/test_engine_gpu.py > "$out/gpu_tests_engine.log" 2>&1
+    grep -hE "(PASSED|FAILED|ERROR)( |$)|^E |passed|failed" "$out/gpu_tests_engine.log" | cut -c1-200 | tail -14 ;;
+  hundred-fifty-first)
+    # Prepared in session 36 (~8 min): the Mosaic GPU pass 1 over an fp8 pool with V key-major, both MMAs on the e4m3
+    # codes (no dequantization; q and P' in two e4m3 parts each; attention_window_mgpu, dequant "e4m3"; off:
+    # FP8 keeps fp8 pools on the Triton pass 1). Its gpu test (27B shape: float64, step bits, stream alone, stages),
+    # then the fp8 pass 1s side by side, traced (window_fp8: Triton as shipped, Mosaic GPU dequantizing V by rows,
+    # and e4m3), 1- and 16-row windows. If e4m3 meets the fp8 targets (1-row >= 80 % of copy at >= 32K, 16-row <=
+    # 1.3x), route fp8 pools to it (awm.FP8 for key-major pools) and run the engine's fp8 gates.
+    gpu_pytest 150 e4m3 6 tests/test_attention_window_mgpu.py -k "e4m3"
+    attn_sections 300 window_fp8 e4m3
+    ;;
+  hundred-fifty-fourth)
+    # Session 38 (~5 min): hundred-fifty-first cut to fit what was left of a lease after a machine's start. The e4m3
+    # pass 1's gpu test, then the fp8 pass 1s side by side (window_fp8, traced) until its budget runs out.
+    gpu_pytest 100 e4m3 6 tests/test_attention_window_mgpu.py -k "e4m3"
+    attn_sections 200 window_fp8 e4m3
+    ;;
+  hundred-sixty-fifth)
+    # Session 42 (~7 min): DFlash tree windows on the device. The block-drafted = serial gates with chains and with
+    # trees of branch 3 (the random tiny drafter's trees, then an oracle's ladders kept through second children
+    # only), bf16 and fp8; then the demo's drafted decoding with chains and with trees of 16 rows.
+    gpu_pytest 330 tree_gates 8 tests/test_engine_gpu.py -k "block_drafted"
+    demo_tree_evals
+    ;;
   hundred-eighty-third)
     # Session 45 (~8 min): the draft policy's tables on this machine. The synthetic 27B's DFlash windows of 2, 4, 8
     # and 16 rows, chains and trees of branch 2, at 1K of context (what the default tables hold, measured on an
