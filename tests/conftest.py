@@ -121,14 +121,17 @@ def h200_lowering():
         del gpu_info.registry[kind]
 
 
-def first_layers(ck, n: int):
+def first_layers(ck, n: int | None = None):
     """The checkpoint cut to its first `n` decoder layers (embedding, final norm and head kept): a model of its own,
     for the engine tests whose subject is the engine (scheduling, drafting, windows, state), not the model's numbers.
     Their test time is mostly XLA:CPU compiling each layer's interpreted kernels; at 4 of captures/tiny-mlx-4bit's 6
-    layers (3 GDN, 1 attention: every kind of layer and state, and the tiny drafter's taps 1 and 3) a DFlash
-    engine starts in ~35 s instead of ~47 (session 46). Tests against peer captures keep the whole checkpoint."""
+    layers (3 GDN, 1 attention, and the tiny drafter's taps 1 and 3) a DFlash engine starts in ~35 s instead of ~47
+    (session 46). n None: the shortest prefix holding a layer of each kind (3 there: 2 GDN, 1 attention), so every
+    kind of layer and state still runs. Tests against peer captures keep the whole checkpoint."""
     import dataclasses
     text = ck.config.text
+    if n is None:
+        n = max(text.layer_types.index(kind) for kind in set(text.layer_types)) + 1
     if not 0 < n <= text.num_layers:
         raise ValueError(f"first_layers: n={n} for a model of {text.num_layers} layers")
     cfg = dataclasses.replace(ck.config, text=dataclasses.replace(text, num_layers=n, layer_types=text.layer_types[:n]))

@@ -173,8 +173,8 @@ def test_bench_prints_costs_the_policy_reads():
 
 @pytest.fixture(scope="module")
 def ck():
-    # the first 3 layers (2 GDN, 1 attention; tests/conftest.py, first_layers): the engine's policy is the subject
-    return first_layers(load_checkpoint(CAPTURES / "tiny-mlx-4bit", dtype=jnp.bfloat16, progress=False), 3)
+    # the first layers (tests/conftest.py, first_layers): the engine's policy is the subject, not the model
+    return first_layers(load_checkpoint(CAPTURES / "tiny-mlx-4bit", dtype=jnp.bfloat16, progress=False))
 
 
 def _engine(ck, policy: DraftPolicy):

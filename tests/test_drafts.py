@@ -1,6 +1,7 @@
 """Copy drafts: the index's proposals (qwen_jax.engine.drafts); the draft program's chain rows ≡ one-row windows bit for
-bit (`model.verify(chain=True)`); and the engine's drafting on captures/tiny-mlx-4bit (its first 3 layers) with the
-Pallas kernels in interpret mode (the row-invariant path drafting needs; the reference path is refused).
+bit (`model.verify(chain=True)`); and the engine's drafting on captures/tiny-mlx-4bit (its first 3 layers,
+`first_layers`) with the Pallas kernels in interpret mode (the row-invariant path drafting needs; the reference path
+is refused).
 
 The tiny checkpoint's random weights rarely repeat themselves, so the engine tests draft with oracles in the index's
 place. One proposes tokens the model never picks (every window keeps only its first row); the others propose the
@@ -30,7 +31,6 @@ from tests.conftest import CAPTURES, first_layers
 from tests.test_engine import _baseline
 
 MODEL = CAPTURES / "tiny-mlx-4bit"
-LAYERS = 3  # the engine tests' model: its first 3 layers (2 GDN, 1 attention; tests/conftest.py, first_layers)
 TIMEOUT = 600
 
 
@@ -103,11 +103,12 @@ def test_chain_rows_equal_one_row_windows():
     """`verify(chain=True)` over a chain of 6 rows (padded to 8, beside a dummy stream) gives each row the logits of
     a one-row verify at its position after the rows before it were committed, bit for bit; the chain's commit of
     its first 4 rows leaves the state those one-row commits leave. At 150 committed keys the rows share pass 1's
-    first 128-key chunk (`attention.window_rows`). On the model's first LAYERS layers, as the engine tests."""
+    first 128-key chunk (`attention.window_rows`). On the model's first layers (`first_layers`), as the engine
+    tests."""
     import jax
 
     from qwen_jax import model as M
-    ck = first_layers(load_checkpoint(MODEL, dtype=jnp.bfloat16, progress=False), LAYERS)
+    ck = first_layers(load_checkpoint(MODEL, dtype=jnp.bfloat16, progress=False))
     cfg, params = ck.config, ck.params
     be = Backend(kernels=True, interpret=True)
     prefill = jax.jit(lambda p, s, b: M.prefill(p, s, b, cfg, be)[:2])
@@ -192,7 +193,7 @@ def _request(prompt, seed, **kw):
 
 @pytest.fixture(scope="module")
 def eng():
-    ck = first_layers(load_checkpoint(MODEL, dtype=jnp.bfloat16, progress=False), LAYERS)
+    ck = first_layers(load_checkpoint(MODEL, dtype=jnp.bfloat16, progress=False))
     backend = Backend(kernels=True, interpret=True)
     buckets = P.Buckets(prompt_rows=(64,), prompt_lanes=(1,), decode_streams=(2,), chain_rows=(8,),
                         packing=P.Packing.BATCHED, logprobs=2)

@@ -136,7 +136,7 @@ def test_tree_rows_equal_one_row_windows(kv_cache):
     committed one by one, bit for bit; the commit of a root-to-leaf path leaves those one-row commits' state; the
     stream's own pages are untouched by the window. On the tiny model's first 3 layers (2 GDN, 1 attention: the
     rows' bits are each layer's; tests/conftest.py, first_layers)."""
-    ck = first_layers(load_checkpoint(MODEL, dtype=jnp.bfloat16, progress=False), 3)
+    ck = first_layers(load_checkpoint(MODEL, dtype=jnp.bfloat16, progress=False))
     cfg, params = ck.config, ck.params
     be = Backend(kernels=True, interpret=True)
     prefill = jax.jit(lambda p, s, b: M.prefill(p, s, b, cfg, be)[:2])
