@@ -201,6 +201,20 @@ def derive_seed(prompt_ids: Sequence[int], salt: str = "") -> int:
     return int.from_bytes(digest[:8], "big")
 
 
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of a reply's choice `index` (OpenAI's `n`) drawn from one request's `seed`: choice 0 keeps it, so
+    its tokens are those of the same request with n=1; choice i > 0 takes the first 8 bytes (big-endian) of SHA-256
+    over "<seed>/<i>" in ASCII. -> int in [0, 2**64)."""
+    seed, index = _integer("seed", seed), _integer("index", index)
+    if not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+    if index < 0:
+        raise ValueError(f"index must be >= 0, got {index}")
+    if index == 0:
+        return seed
+    return int.from_bytes(hashlib.sha256(f"{seed}/{index}".encode("ascii")).digest()[:8], "big")
+
+
 # ------------------------------------------------------------------------------------------------ keyed draw
 
 

@@ -21,6 +21,8 @@ SEED_LIMIT = 2 ** 64
 INT32_MAX = 2 ** 31 - 1
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+# A reply's most choices (`n`); the engine's wait queue (--max-queued) may hold fewer, which the server checks.
+MAX_CHOICES = 128
 
 
 class _Strict(BaseModel):
@@ -80,7 +82,8 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    n: int = 1
+    # Choices of one reply: each its own stream in the engine (seeds: qwen_jax.sampling.choice_seed).
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     # Not an OpenAI field: False asks for serial decoding (the exact reference that drafting must equal).
     draft: bool = True
     # Penalties change the distribution the keyed sampler draws from; the engine has none yet, so only their
@@ -97,8 +100,6 @@ class _SamplingFields(_Strict):
 
     @model_validator(mode="after")
     def _check_common(self):
-        if self.n != 1:
-            raise _FieldError("n", f"only n=1 is supported, got {self.n}")
         if self.stream_options is not None and not self.stream:
             raise _FieldError("stream_options", "stream_options is only allowed when stream is true")
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):

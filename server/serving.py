@@ -10,6 +10,7 @@ if it is still queued, never starts it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import json
 import time
@@ -26,6 +27,7 @@ import numpy as np
 
 from qwen_jax.engine.api import (ContextLengthExceeded, EngineOverloaded, GenerationRequest, PromptMedia,
                                  SamplingOptions, TokenEvent, TokenLogprob)
+from qwen_jax.sampling import choice_seed, derive_seed
 from server import protocol as P
 from server.errors import APIError, bad_request, error_body
 from server.images import ImageLimits, message_images
@@ -124,10 +126,50 @@ class _Run:
         if self.finish_reason in ("stop", "length") and h.finish_time is not None:
             self.metrics.e2e.observe(h.finish_time - h.arrival_time)
 
-    def usage(self) -> dict:
-        p, c = self.handle.prompt_tokens, self.handle.completion_tokens
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-                "prompt_tokens_details": {"cached_tokens": self.handle.cached_tokens}}
+
+
+def _usage(runs: list[_Run]) -> dict:
+    """A reply's usage over its choices: the prompt once (every choice has the same), the completions summed, and
+    the prompt tokens that every choice took from the prompt cache."""
+    p = runs[0].handle.prompt_tokens
+    c = sum(r.handle.completion_tokens for r in runs)
+    cached = min(r.handle.cached_tokens for r in runs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _close_all(runs: list[_Run]) -> Callable[[], None]:
+    def close() -> None:
+        for r in runs:
+            r.close()
+    return close
+
+
+async def _merged(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
+    """The chunks of several choices' streams as they come, each stream's in its own order (when several are ready
+    at once, the lower choice first)."""
+    if len(streams) == 1:
+        async for piece in streams[0]:
+            yield piece
+        return
+    pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.get):
+                i = pending.pop(task)
+                try:
+                    piece = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield piece
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for it in streams:
+            await it.aclose()
 
 
 @dataclass(frozen=True)
@@ -221,20 +263,19 @@ class Serving:
         media = None
         if _first_image(req.messages) is not None:
             ids, media = await self._image_prompt(req.messages, ids)
-        run, rid = self._submit(req, ids, req.output_limit, "messages", req.logprobs_count, "chatcmpl", media)
+        runs, rid = self._submit(req, ids, req.output_limit, "messages", req.logprobs_count, "chatcmpl", media)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._chat_stream(run, rid, include_usage)
-        text, logprobs = await self._until_disconnect(self._collect(run), wait_disconnect)
-        self._raise_if_failed(run)
-        content = None
-        if logprobs is not None:
-            content = [self._chat_logprob(lp) for lp in logprobs]
-        return P.ChatCompletionResponse(
-            id=rid, created=int(time.time()), model=self.model_name,
-            choices=[P.ChatChoice(message=P.AssistantMessage(content=text), finish_reason=run.finish_reason,
-                                  logprobs=None if content is None else P.ChatLogprobs(content=content))],
-            usage=P.Usage(**run.usage()))
+            return self._chat_stream(runs, rid, include_usage)
+        replies = await self._until_disconnect(self._collect_all(runs), wait_disconnect)
+        choices = []
+        for i, (run, (text, logprobs)) in enumerate(zip(runs, replies)):
+            self._raise_if_failed(run)
+            content = None if logprobs is None else P.ChatLogprobs(content=[self._chat_logprob(lp) for lp in logprobs])
+            choices.append(P.ChatChoice(index=i, message=P.AssistantMessage(content=text),
+                                        finish_reason=run.finish_reason, logprobs=content))
+        return P.ChatCompletionResponse(id=rid, created=int(time.time()), model=self.model_name, choices=choices,
+                                        usage=P.Usage(**_usage(runs)))
 
     async def completion(self, req: P.CompletionRequest, wait_disconnect: Callable[[], Awaitable[None]]):
         """-> CompletionResponse, or an EventStream when req.stream."""
@@ -247,17 +288,18 @@ class Serving:
         else:
             ids = req.prompt
             self._check_ids(ids, "prompt")
-        run, rid = self._submit(req, ids, req.max_tokens, "prompt", req.logprobs, "cmpl")
+        runs, rid = self._submit(req, ids, req.max_tokens, "prompt", req.logprobs, "cmpl")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._completion_stream(run, rid, include_usage)
-        text, logprobs = await self._until_disconnect(self._collect(run), wait_disconnect)
-        self._raise_if_failed(run)
-        return P.CompletionResponse(
-            id=rid, created=int(time.time()), model=self.model_name,
-            choices=[P.CompletionChoice(text=text, finish_reason=run.finish_reason,
-                                        logprobs=None if logprobs is None else self._completion_logprobs(logprobs)[0])],
-            usage=P.Usage(**run.usage()))
+            return self._completion_stream(runs, rid, include_usage)
+        replies = await self._until_disconnect(self._collect_all(runs), wait_disconnect)
+        choices = []
+        for i, (run, (text, logprobs)) in enumerate(zip(runs, replies)):
+            self._raise_if_failed(run)
+            lp = None if logprobs is None else self._completion_logprobs(logprobs)[0]
+            choices.append(P.CompletionChoice(index=i, text=text, finish_reason=run.finish_reason, logprobs=lp))
+        return P.CompletionResponse(id=rid, created=int(time.time()), model=self.model_name, choices=choices,
+                                    usage=P.Usage(**_usage(runs)))
 
     # ------------------------------------------------------------------------------------------ prompt side
 
@@ -337,8 +379,12 @@ class Serving:
 
     def _submit(self, req: P.ChatCompletionRequest | P.CompletionRequest, ids: list[int], max_tokens: int | None,
                 prompt_param: str, logprobs: int | None, id_prefix: str,
-                media: PromptMedia | None = None) -> tuple[_Run, str]:
+                media: PromptMedia | None = None) -> tuple[list[_Run], str]:
+        """-> one run a choice (req.n; all queued or none), and the reply's id."""
         max_tokens = self._output_budget(len(ids), max_tokens, prompt_param)
+        if req.n > self.engine.max_queued:
+            raise bad_request(f"n: {req.n} choices wait in the queue together; this server queues at most "
+                              f"{self.engine.max_queued} requests (--max-queued)", param="n")
         d = self.defaults
         top_k = req.top_k if req.top_k is not None else d.top_k
         sampling = SamplingOptions(
@@ -348,11 +394,13 @@ class Serving:
             min_p=req.min_p if req.min_p is not None else d.min_p,
             seed=req.seed)
         rid = f"{id_prefix}-{uuid.uuid4().hex}"
-        gen = GenerationRequest(prompt_ids=tuple(ids), max_tokens=max_tokens, sampling=sampling, stop=req.stop,
-                                stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-                                logprobs=logprobs, draft=req.draft, request_id=rid, media=media)
+        gens = [GenerationRequest(prompt_ids=tuple(ids), max_tokens=max_tokens, sampling=choice, stop=req.stop,
+                                  stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                                  logprobs=logprobs, draft=req.draft, request_id=rid if req.n == 1 else f"{rid}-{i}",
+                                  media=media)
+                for i, choice in enumerate(self._choices(sampling, ids, req.n))]
         try:
-            handle = self.engine.submit(gen)
+            handles = self.engine.submit_all(gens)
         except EngineOverloaded as e:
             self.metrics.rejected("queue_full")
             raise APIError(503, f"The server is overloaded (request queue full): {e}. Retry shortly.",
@@ -362,7 +410,16 @@ class Serving:
             raise bad_request(str(e), param=prompt_param, code="context_length_exceeded") from None
         except ValueError as e:
             raise bad_request(str(e), param=_engine_param(str(e), prompt_param)) from None
-        return _Run(handle, self.metrics), rid
+        return [_Run(h, self.metrics) for h in handles], rid
+
+    def _choices(self, sampling: SamplingOptions, ids: list[int], n: int) -> list[SamplingOptions]:
+        """Each choice's sampling: the request's, with choice i's seed drawn from the request's (or, without one,
+        from the seed the engine derives from the prompt) by `sampling.choice_seed`. Choice 0 is the reply to the
+        same request with n=1."""
+        if n == 1:
+            return [sampling]
+        base = sampling.seed if sampling.seed is not None else derive_seed(ids, self.engine.seed_salt)
+        return [sampling] + [dataclasses.replace(sampling, seed=choice_seed(base, i)) for i in range(1, n)]
 
     def _output_budget(self, n_prompt: int, requested: int | None, param: str) -> int:
         limit = self.max_model_len
@@ -395,6 +452,13 @@ class Serving:
             run.close()
         return "".join(parts), logprobs
 
+    async def _collect_all(self, runs: list[_Run]) -> list[tuple[str, list[TokenLogprob] | None]]:
+        try:
+            return await asyncio.gather(*(self._collect(r) for r in runs))
+        finally:
+            for r in runs:
+                r.close()
+
     async def _until_disconnect(self, work: Awaitable, wait_disconnect: Callable[[], Awaitable[None]]):
         """Await `work` unless the client disconnects first; then cancel it (its finally cancels the request)."""
         task = asyncio.ensure_future(work)
@@ -420,80 +484,87 @@ class Serving:
             raise APIError(503, "The request was cancelled by the server (shutting down?).", type="server_error",
                            code="cancelled", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
-    def _chat_stream(self, run: _Run, rid: str, include_usage: bool) -> EventStream:
+    def _chat_stream(self, runs: list[_Run], rid: str, include_usage: bool) -> EventStream:
         created = int(time.time())
         usage_none = {"usage": None} if include_usage else {}
 
-        def chunk(delta: dict[str, Any], finish_reason: str | None = None, logprobs=None) -> str:
+        def frame(choices: list[dict[str, Any]], **extra) -> str:
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                         "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
-                                      "finish_reason": finish_reason}], **usage_none})
+                         "choices": choices, **extra})
 
-        async def body():
-            yield chunk({"role": "assistant", "content": ""})
+        def chunk(i: int, delta: dict[str, Any], finish_reason: str | None = None, logprobs=None) -> str:
+            return frame([{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+                         **usage_none)
+
+        async def choice(i: int, run: _Run):
+            yield chunk(i, {"role": "assistant", "content": ""})
             async for ev in run.events():
                 reason = _client_reason(ev.finish_reason)
                 if ev.finish_reason in ("error", "cancelled"):
                     if ev.text:
-                        yield chunk({"content": ev.text})
+                        yield chunk(i, {"content": ev.text})
                     return
                 lp = None if ev.logprobs is None else {
                     "content": [self._chat_logprob(x).model_dump() for x in ev.logprobs]}
                 if ev.text or lp is not None or reason is not None:
-                    yield chunk({"content": ev.text} if ev.text else {}, reason, lp)
-            if include_usage:
-                yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                            "model": self.model_name, "choices": [], "usage": run.usage()})
+                    yield chunk(i, {"content": ev.text} if ev.text else {}, reason, lp)
 
-        return EventStream(self._stream(run, body()), run.close)
+        usage = (lambda: frame([], usage=_usage(runs))) if include_usage else None
+        return EventStream(self._stream(runs, [choice(i, r) for i, r in enumerate(runs)], usage), _close_all(runs))
 
-    def _completion_stream(self, run: _Run, rid: str, include_usage: bool) -> EventStream:
+    def _completion_stream(self, runs: list[_Run], rid: str, include_usage: bool) -> EventStream:
         created = int(time.time())
         usage_none = {"usage": None} if include_usage else {}
-        offset = 0
 
-        def chunk(text: str, finish_reason: str | None = None, logprobs=None) -> str:
+        def frame(choices: list[dict[str, Any]], **extra) -> str:
             return _sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                         "choices": [{"index": 0, "text": text, "logprobs": logprobs,
-                                      "finish_reason": finish_reason}], **usage_none})
+                         "choices": choices, **extra})
 
-        async def body():
-            nonlocal offset
+        def chunk(i: int, text: str, finish_reason: str | None = None, logprobs=None) -> str:
+            return frame([{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+                         **usage_none)
+
+        async def choice(i: int, run: _Run):
+            offset = 0
             async for ev in run.events():
                 reason = _client_reason(ev.finish_reason)
                 if ev.finish_reason in ("error", "cancelled"):
                     if ev.text:
-                        yield chunk(ev.text)
+                        yield chunk(i, ev.text)
                     return
                 lp = None
                 if ev.logprobs is not None:
                     lp, offset = self._completion_logprobs(list(ev.logprobs), offset)
                     lp = lp.model_dump()
                 if ev.token_ids or ev.text or reason is not None:
-                    yield chunk(ev.text, reason, lp)
-            if include_usage:
-                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                            "choices": [], "usage": run.usage()})
+                    yield chunk(i, ev.text, reason, lp)
 
-        return EventStream(self._stream(run, body()), run.close)
+        usage = (lambda: frame([], usage=_usage(runs))) if include_usage else None
+        return EventStream(self._stream(runs, [choice(i, r) for i, r in enumerate(runs)], usage), _close_all(runs))
 
-    async def _stream(self, run: _Run, body: AsyncIterator[str]) -> AsyncIterator[str]:
-        """The SSE framing common to both routes: the body's chunks, an error event if generation failed after
-        the 200 went out, then [DONE]. A cancelled stream (client gone) ends here without writing more."""
+    async def _stream(self, runs: list[_Run], choices: list[AsyncIterator[str]],
+                      usage: Callable[[], str] | None) -> AsyncIterator[str]:
+        """The SSE framing common to both routes: the choices' chunks as they come, the usage chunk when asked for
+        and every choice finished, an error event if generation failed after the 200 went out, then [DONE]. A
+        cancelled stream (client gone) ends here without writing more."""
         try:
-            async for piece in body:
+            async for piece in _merged(choices):
                 yield piece
-            if run.finish_reason == "error":
-                yield _sse(error_body(f"Generation failed: {run.error or 'unknown engine error'}",
+            failed = next((r for r in runs if r.finish_reason == "error"), None)
+            if failed is not None:
+                yield _sse(error_body(f"Generation failed: {failed.error or 'unknown engine error'}",
                                       type="server_error", code="generation_failed"))
-            elif run.finish_reason == "cancelled":
+            elif any(r.finish_reason == "cancelled" for r in runs):
                 yield _sse(error_body("The request was cancelled by the server (shutting down?).",
                                       type="server_error", code="cancelled"))
+            elif usage is not None:
+                yield usage()
         except Exception as e:  # noqa: BLE001 - the status line is gone; the error must travel as an event
             yield _sse(error_body(f"Generation failed: {type(e).__name__}: {e}", type="server_error",
                                   code="generation_failed"))
         finally:
-            run.close()
+            for r in runs:
+                r.close()
         yield SSE_DONE
 
     # ---------------------------------------------------------------------------------------------- logprobs

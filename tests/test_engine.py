@@ -311,7 +311,17 @@ def test_admission_errors():
                        (dataclasses.replace(ok, stop=(3,)), "stop")):
         with pytest.raises(ValueError, match=field):
             e.submit(bad)
-    held = [e.submit(ok), e.submit(ok)]
+    # Several at once (a reply's n choices): all queued or none.
+    with pytest.raises(ValueError, match="max_queued"):
+        e.submit_all([ok] * 3)  # more than the queue ever holds
+    with pytest.raises(ValueError, match="max_tokens"):
+        e.submit_all([ok, GenerationRequest((1,), 0)])  # one bad request: none queued
+    assert e.stats().waiting == 0
+    held = [e.submit(ok)]
+    with pytest.raises(EngineOverloaded, match="max_queued=2"):
+        e.submit_all([ok, ok])  # one place left for two
+    assert e.stats().waiting == 1
+    held += e.submit_all([ok])
     with pytest.raises(EngineOverloaded, match="max_queued=2"):
         e.submit(ok)
     assert e.stats().waiting == 2

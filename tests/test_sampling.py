@@ -12,6 +12,7 @@ from scipy import stats
 from qwen_jax.sampling import (
     RequestSampling,
     SampleParams,
+    choice_seed,
     derive_seed,
     keyed_uniform,
     keyed_uniform_numpy,
@@ -443,3 +444,14 @@ def test_derive_seed_follows_its_documented_formula():
     assert len(seeds) == len(prompt) + 3
     assert all(0 <= s < 2**64 for s in seeds)
     RequestSampling(seed=derive_seed(prompt))  # always a valid seed
+
+
+def test_choice_seed_follows_its_documented_formula():
+    assert choice_seed(1234, 0) == 1234 and choice_seed(2**64 - 1, 0) == 2**64 - 1
+    assert choice_seed(1234, 3) == int.from_bytes(hashlib.sha256(b"1234/3").digest()[:8], "big")
+    seeds = {choice_seed(s, i) for s in (0, 1, 12, 2**64 - 1) for i in range(1, 20)}
+    assert len(seeds) == 4 * 19 and all(0 <= s < 2**64 for s in seeds)
+    for bad, field in (((-1, 1), "seed"), ((2**64, 1), "seed"), ((1, -1), "index"), ((1.0, 1), "seed"),
+                       ((1, True), "index")):
+        with pytest.raises(ValueError, match=field):
+            choice_seed(*bad)

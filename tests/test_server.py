@@ -15,9 +15,11 @@ import httpx
 import openai
 import pytest
 
+from qwen_jax.sampling import choice_seed, derive_seed
 from server.launch import ServerProcess
 
 MAX_MODEL_LEN = 512
+MAX_QUEUED = 64
 MAX_BODY = 1 << 20
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
 
@@ -26,7 +28,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess(["--max-model-len", str(MAX_MODEL_LEN), "--parallel", "16", "--max-queued", "64",
+    with ServerProcess(["--max-model-len", str(MAX_MODEL_LEN), "--parallel", "16", "--max-queued", str(MAX_QUEUED),
                         "--max-request-bytes", str(MAX_BODY)]) as srv:
         yield srv
 
@@ -188,6 +190,39 @@ def test_seed_reproducible(client, model):
     d = client.chat.completions.create(**kw).choices[0].message.content
     e = client.chat.completions.create(**kw).choices[0].message.content
     assert d == e
+
+
+def test_n_choices(client, model, http):
+    """n choices: choice i is the n=1 reply with seed sampling.choice_seed(seed, i) (choice 0: the request's own
+    seed; without one, the seed derived from the prompt), logprobs included; usage counts the prompt once and every
+    completion. Streamed, each choice's chunks give its text and finish reason, and the usage chunk comes last."""
+    kw = dict(model=model, messages=MESSAGES, max_tokens=12, temperature=1.0, logprobs=True,
+              extra_body={"ignore_eos": True})
+    ids = http.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    for seed in (1234, None):
+        many = client.chat.completions.create(**kw, n=3, **({} if seed is None else {"seed": seed}))
+        base = derive_seed(ids) if seed is None else seed
+        solo = [client.chat.completions.create(**kw, seed=choice_seed(base, i)).choices[0] for i in range(3)]
+        assert [c.index for c in many.choices] == [0, 1, 2]
+        for c, s in zip(many.choices, solo):
+            assert (c.message.content, c.finish_reason) == (s.message.content, s.finish_reason)
+            assert [t.logprob for t in c.logprobs.content] == [t.logprob for t in s.logprobs.content]
+        assert len({c.message.content for c in many.choices}) == 3
+        assert (many.usage.prompt_tokens, many.usage.completion_tokens) == (len(ids), 36)
+    body = {"prompt": "Once upon a time", "max_tokens": 10, "n": 2, "seed": 7, "temperature": 1.0,
+            "ignore_eos": True}
+    whole = http.post("/v1/completions", json=body).json()
+    with http.stream("POST", "/v1/completions",
+                     json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        events = sse_events(r)
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == [] and events[-2]["usage"] == whole["usage"]
+    texts, reasons = ["", ""], [[], []]
+    for ev in events[:-2]:
+        (c,) = ev["choices"]
+        texts[c["index"]] += c["text"]
+        reasons[c["index"]] += [c["finish_reason"]] if c["finish_reason"] else []
+    assert texts == [c["text"] for c in whole["choices"]] and texts[0] != texts[1]
+    assert reasons == [["length"], ["length"]] and whole["usage"]["completion_tokens"] == 20
 
 
 def test_draft_false_equals_default(client, model):
@@ -397,7 +432,9 @@ BAD_INPUTS = [
      "messages[0].content[0]", None),
     (CHAT, json.dumps({**OK_CHAT, "messages": [{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {}}]}]}).encode(), 400, "messages[0].content", None),
-    (CHAT, json.dumps({**OK_CHAT, "n": 2}).encode(), 400, "n", None),
+    (CHAT, json.dumps({**OK_CHAT, "n": 0}).encode(), 400, "n", None),
+    (CHAT, json.dumps({**OK_CHAT, "n": 129}).encode(), 400, "n", None),
+    (CHAT, json.dumps({**OK_CHAT, "n": 1.5}).encode(), 400, "n", None),
     (CHAT, json.dumps({**OK_CHAT, "temperature": True}).encode(), 400, "temperature", None),
     (CHAT, json.dumps({**OK_CHAT, "max_tokens": True}).encode(), 400, "max_tokens", None),
     (CHAT, json.dumps({**OK_CHAT, "max_tokens": "5"}).encode(), 400, "max_tokens", None),
@@ -442,7 +479,7 @@ BAD_INPUTS = [
     (COMPLETIONS, json.dumps({}).encode(), 400, "prompt", None),
     (COMPLETIONS, json.dumps({"prompt": "a", "logprobs": True}).encode(), 400, "logprobs", None),
     (COMPLETIONS, json.dumps({"prompt": "a", "echo": True}).encode(), 400, "echo", None),
-    (COMPLETIONS, json.dumps({"prompt": "a", "n": 3}).encode(), 400, "n", None),
+    (COMPLETIONS, json.dumps({"prompt": "a", "n": MAX_QUEUED + 1}).encode(), 400, "n", None),  # never fits the queue
     ("/tokenize", json.dumps({"prompt": 5}).encode(), 400, "prompt", None),
     ("/tokenize", json.dumps({"prompt": "a", "extra": 1}).encode(), 400, "extra", None),
     ("/tokenize", json.dumps({"messages": [{"role": "user"}], "add_generation_prompt": 1}).encode(), 400,
@@ -472,7 +509,7 @@ def test_bad_input(http, route, body, status, param, code):
 
 def test_bad_input_via_openai_client(client, model):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, messages=MESSAGES, n=2)
+        client.chat.completions.create(model=model, messages=MESSAGES, n=0)
     assert e.value.status_code == 400 and e.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="missing", messages=MESSAGES)

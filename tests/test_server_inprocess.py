@@ -68,23 +68,34 @@ def sse(text: str) -> list:
             if line.startswith("data: ")]
 
 
-def test_error_after_stream_began(app, engine):
+@pytest.mark.parametrize("n", [1, 2])
+def test_error_after_stream_began(app, engine, n):
+    """Every choice fails at its third token (the same poisoned prompt): each choice's tokens before it, one error
+    event after them, [DONE], and the engine's state back where it was."""
     baseline = call(app, "GET", "/health").json()
     r = call(app, "POST", "/v1/completions", json={"prompt": list(POISON) + [1], "max_tokens": 10, "stream": True,
-                                                   "ignore_eos": True})
+                                                   "ignore_eos": True, "n": n, "temperature": 1.0})
     assert r.status_code == 200
     events = sse(r.text)
     assert events[-1] == "[DONE]"
     err = events[-2]["error"]
     assert err["type"] == "server_error" and err["code"] == "generation_failed" and "injected fault" in err["message"]
     tokens = [e for e in events[:-2] if "choices" in e]
-    assert len(tokens) == FAIL_AT and all(e["choices"][0]["finish_reason"] is None for e in tokens)
+    assert all(e["choices"][0]["finish_reason"] is None for e in tokens)
+    assert sorted(e["choices"][0]["index"] for e in tokens) == sorted(list(range(n)) * FAIL_AT)
     h = call(app, "GET", "/health").json()
     assert {k: h[k] for k in ("running", "waiting", "free_pages", "free_slots")} == \
         {k: baseline[k] for k in ("running", "waiting", "free_pages", "free_slots")}
 
 
+def _errors_counted(app) -> float:
+    line = 'qwen_jax:request_success_total{finished_reason="error",model_name="faulty"} '
+    text = call(app, "GET", "/metrics").text
+    return next((float(x[len(line):]) for x in text.splitlines() if x.startswith(line)), 0.0)
+
+
 def test_error_without_stream_is_500_and_others_unaffected(app):
+    errors = _errors_counted(app)
     async def both():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test",
                                      timeout=60.0) as c:
@@ -95,8 +106,7 @@ def test_error_without_stream_is_500_and_others_unaffected(app):
     assert bad.status_code == 500
     assert bad.json()["error"]["code"] == "generation_failed"
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 10
-    m = call(app, "GET", "/metrics").text
-    assert 'qwen_jax:request_success_total{finished_reason="error",model_name="faulty"} 2.0' in m
+    assert _errors_counted(app) == errors + 1
 
 
 def test_without_tokenizer(app):

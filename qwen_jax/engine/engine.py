@@ -58,6 +58,7 @@ import dataclasses
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -467,17 +468,30 @@ class Engine:
     def submit(self, req: GenerationRequest) -> RequestHandle:
         """Queue a request -> its handle. Raises ValueError / ContextLengthExceeded for a request that can never
         run, EngineOverloaded when max_queued requests are already waiting."""
-        self.validate(req)
-        handle = RequestHandle(req, self._cancel)
+        return self.submit_all([req])[0]
+
+    def submit_all(self, reqs: Sequence[GenerationRequest]) -> list[RequestHandle]:
+        """Queue several requests at once (a reply's `n` choices) -> their handles, in order: all of them or none.
+        Raises ValueError when there are more than max_queued (they could never wait together), and otherwise what
+        `submit` raises; EngineOverloaded when the queue has no room for all of them now."""
+        if not reqs:
+            raise ValueError("submit_all: no requests")
+        if len(reqs) > self.max_queued:
+            raise ValueError(f"submit_all: {len(reqs)} requests can never wait together; this engine queues at most "
+                             f"{self.max_queued} (max_queued)")
+        for req in reqs:
+            self.validate(req)
+        handles = [RequestHandle(req, self._cancel) for req in reqs]
         with self._lock:
             if self._stop:
                 raise RuntimeError("the engine is shut down")
-            if self._n_waiting >= self.max_queued:
-                raise EngineOverloaded(f"{self._n_waiting} requests are already waiting (max_queued={self.max_queued})")
-            self._n_waiting += 1
-            self._inbox.append(handle)
+            if self._n_waiting + len(handles) > self.max_queued:
+                raise EngineOverloaded(f"{self._n_waiting} requests are already waiting (max_queued={self.max_queued})"
+                                       + (f"; {len(handles)} more do not fit" if len(handles) > 1 else ""))
+            self._n_waiting += len(handles)
+            self._inbox.extend(handles)
             self._wake.notify_all()
-        return handle
+        return handles
 
     def _cancel(self, handle: RequestHandle) -> None:
         with self._lock:
