@@ -320,11 +320,13 @@ def test_16_concurrent_streams_equal_solo(server, model):
         assert together[i] == solo[i], f"request {i} differs when run with 15 others"
 
 
-def test_client_disconnect_frees_state(server, http, model):
+@pytest.mark.parametrize("n", [1, 3])
+def test_client_disconnect_frees_state(server, http, model, n):
+    """A client that leaves mid-stream or gives up on a non-streamed reply: every choice of it is cancelled."""
     baseline = wait_idle(http, http.get("/health").json())
     before = http.get("/metrics").text
     body = {"model": model, "messages": MESSAGES, "max_tokens": MAX_MODEL_LEN // 2, "ignore_eos": True,
-            "stream": True}
+            "stream": True, "n": n, "temperature": 1.0}
     with httpx.Client(base_url=server.url, timeout=60.0) as c:
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
             seen = 0
@@ -339,9 +341,9 @@ def test_client_disconnect_frees_state(server, http, model):
     # The request really stopped early: far fewer tokens generated than it asked for.
     m = http.get("/metrics").text
     generated = metric(m, "qwen_jax:generation_tokens_total") - metric(before, "qwen_jax:generation_tokens_total")
-    assert generated < MAX_MODEL_LEN // 2, (generated, mid)
+    assert generated < n * MAX_MODEL_LEN // 2, (generated, mid)
     assert metric(m, "qwen_jax:request_success_total", finished_reason="abort") \
-        == metric(before, "qwen_jax:request_success_total", finished_reason="abort") + 1
+        == metric(before, "qwen_jax:request_success_total", finished_reason="abort") + n
 
     # Non-streamed: the client gives up (timeout) and the server cancels the request.
     with pytest.raises(httpx.TimeoutException):
@@ -351,7 +353,7 @@ def test_client_disconnect_frees_state(server, http, model):
     assert after["free_slots"] == baseline["free_slots"]
     m2 = http.get("/metrics").text
     assert metric(m2, "qwen_jax:request_success_total", finished_reason="abort") \
-        == metric(m, "qwen_jax:request_success_total", finished_reason="abort") + 1
+        == metric(m, "qwen_jax:request_success_total", finished_reason="abort") + n
 
 
 # --------------------------------------------------------------------------------------------------- metrics
