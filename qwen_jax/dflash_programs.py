@@ -157,16 +157,16 @@ def _draft_next(params, dparams, d: Drafter, backend: M.Backend, dstate: DraftSt
 
 def prompt_program(cfg: ModelConfig, d: Drafter, backend: M.Backend, packing: P.Packing,
                    top_n: int) -> Callable:
-    """(params, dparams, state, dstate, batch [S x T], sample params [S], media, embed rows) -> (state, dstate,
-    tokens [S], logprobs or None): `programs.prompt_program`, the chunk's taps appended to the draft cache and a
-    block drafted from each lane's sample (empty lanes: slot 0, nothing appended)."""
+    """(params, dparams, state, dstate, batch [S x T], sample params [S], media, embed rows, penalties [S], history)
+    -> (state, dstate, tokens [S], logprobs or None): `programs.prompt_program`, the chunk's taps appended to the
+    draft cache and a block drafted from each lane's sample (empty lanes: slot 0, nothing appended)."""
     lanes_fn = P.prompt_lanes(packing)
 
-    def program(params, dparams, state, dstate, batch, sp, media, embed_rows):
+    def program(params, dparams, state, dstate, batch, sp, media, embed_rows, pen, hist):
         with jax.named_scope("prompt"):
             logits, state, taps = lanes_fn(params, state, batch, cfg, backend, taps=d.cfg.target_layer_ids,
                                            embeds=P.media_embeds(media, embed_rows))
-        tokens, lp = P.sample_rows(logits, sp, top_n)
+        tokens, lp = P.sample_rows(logits, sp, top_n, penalties=P.prompt_penalties(pen, hist, batch.slot))
         dstate = _draft_next(params, dparams, d, backend, dstate, batch.slot, batch.start, taps, batch.lengths,
                              tokens)
         return state, dstate, tokens, lp

@@ -375,6 +375,10 @@ def sample_params(requests: Sequence[sampling.RequestSampling], positions: Seque
     return sampling.pack_sample_params(list(requests), list(positions), rows)
 
 
+def penalties(rows_penalties: Sequence[tuple[float, float, float] | None], rows: int) -> sampling.Penalties:
+    return sampling.pack_penalties(list(rows_penalties), rows)
+
+
 # ------------------------------------------------------------------------------------------- program bodies
 
 
@@ -388,9 +392,24 @@ class Sampled:
     top_logprobs: np.ndarray | None = None
 
 
-def sample_rows(logits: jax.Array, sp: sampling.SampleParams, top_n: int, path: str | None = None):
-    """logits [N, V] -> tokens [N] (+ (logprob [N], top ids [N, n], top logprobs [N, n]) when top_n > 0)."""
-    tokens = sampling.sample(logits, sp, path)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class History:
+    """What penalties read, per slot: counts [slots, V] int32, how often each token was generated so far (counted
+    as it is fed back into a decode step: every generated token but the newest), and seen [slots, V] bool, the
+    prompt's tokens. A slot's rows are set when a stream with penalties takes it (`history_reset_program`); other
+    slots' rows are stale and never matter (neutral penalties leave a row's logits as they are)."""
+    counts: jax.Array
+    seen: jax.Array
+
+
+def sample_rows(logits: jax.Array, sp: sampling.SampleParams, top_n: int, path: str | None = None,
+                penalties: tuple | None = None):
+    """logits [N, V] -> tokens [N] (+ (logprob [N], top ids [N, n], top logprobs [N, n]) when top_n > 0).
+    penalties: (sampling.Penalties [N], counts [N, V], seen [N, V]) applied before the draw (`sampling.penalize`);
+    logprobs are the raw logits' either way."""
+    drawn = logits if penalties is None else sampling.penalize(logits, *penalties)
+    tokens = sampling.sample(drawn, sp, path)
     if top_n == 0:
         return tokens, None
     return tokens, sampling.logprobs(logits, tokens, top_n)
@@ -442,34 +461,44 @@ def media_embeds(media: jax.Array | None, embed_rows: jax.Array | None):
     return embed_rows >= 0, media[jnp.maximum(embed_rows, 0)]
 
 
+def prompt_penalties(pen: sampling.Penalties, hist: History, slot: jax.Array) -> tuple:
+    """`sample_rows`' penalties for the first token of each lane's stream: nothing generated yet, its prompt seen."""
+    seen = hist.seen[slot]
+    return pen, jnp.zeros(seen.shape, jnp.int32), seen
+
+
 def prompt_program(cfg: ModelConfig, backend: M.Backend, packing: Packing, top_n: int) -> Callable:
-    """(params, state, batch [S x T], sample params [S], media [M, H] or None, embed rows [S, T] or None) -> (state,
-    tokens [S], logprobs or None). Rows with an embed row take that media pool row as their embedding."""
+    """(params, state, batch [S x T], sample params [S], media [M, H] or None, embed rows [S, T] or None, penalties
+    [S], history) -> (state, tokens [S], logprobs or None). Rows with an embed row take that media pool row as their
+    embedding."""
     lanes_fn = prompt_lanes(packing)
 
-    def program(params, state, batch, sp, media, embed_rows):
+    def program(params, state, batch, sp, media, embed_rows, pen, hist):
         with jax.named_scope("prompt"):
             logits, state, _ = lanes_fn(params, state, batch, cfg, backend, embeds=media_embeds(media, embed_rows))
-        tokens, lp = sample_rows(logits, sp, top_n)
+        tokens, lp = sample_rows(logits, sp, top_n, penalties=prompt_penalties(pen, hist, batch.slot))
         return state, tokens, lp
 
     return program
 
 
 def decode_program(cfg: ModelConfig, backend: M.Backend, top_n: int, path: str) -> Callable:
-    """(params, state, last [slots], window [S x 1], sample params [S]) -> (state, last, tokens [S], logprobs or
-    None): one fused serial step (`model.step`: bit for bit verify + commit of the row, GDN states read once).
-    Dummy streams (slot 0) commit nothing. `last` holds each slot's most recently sampled token: a window token
-    of `FROM_LAST` reads it, and every row writes its sampled token back (dummies into slot 0, never read).
+    """(params, state, last [slots], history, window [S x 1], sample params [S], penalties [S]) -> (state, last,
+    history, tokens [S], logprobs or None): one fused serial step (`model.step`: bit for bit verify + commit of the
+    row, GDN states read once). Dummy streams (slot 0) commit nothing. `last` holds each slot's most recently
+    sampled token: a window token of `FROM_LAST` reads it, and every row writes its sampled token back (dummies
+    into slot 0, never read). The token fed in is counted in the slot's history before the penalties read it.
     path: the sampling path, fixed per variant ("decode" plain, "decode_sorted" sorted; the host picks per call),
     so the program has no device-side branch whose predicate the host would have to wait for."""
 
-    def program(params, state, last, window, sp):
+    def program(params, state, last, hist, window, sp, pen):
         fed = jnp.where(window.tokens < 0, last[window.slot][:, None], window.tokens)
+        counts = hist.counts.at[window.slot, fed[:, 0]].add(1)
         with jax.named_scope("step"):
             logits, state = M.step(params, state, dataclasses.replace(window, tokens=fed), cfg, backend)
-        tokens, lp = sample_rows(logits[:, 0], sp, top_n, path)
-        return state, last.at[window.slot].set(tokens), tokens, lp
+        tokens, lp = sample_rows(logits[:, 0], sp, top_n, path,
+                                 penalties=(pen, counts[window.slot], hist.seen[window.slot]))
+        return state, last.at[window.slot].set(tokens), History(counts, hist.seen), tokens, lp
 
     return program
 
@@ -655,6 +684,15 @@ def commit_program(cfg: ModelConfig, backend: M.Backend) -> Callable:
     return program
 
 
+def history_reset_program() -> Callable:
+    """(history, slot, seen [V] bool) -> history with the slot's counts zero and its seen row `seen`."""
+
+    def program(hist, slot, seen):
+        return History(hist.counts.at[slot].set(0), hist.seen.at[slot].set(seen))
+
+    return program
+
+
 def slot_copy_program() -> Callable:
     """(state, src, dst) -> state with slot dst's recurrent states and conv windows set to slot src's."""
 
@@ -817,12 +855,14 @@ class Programs:
         self.media = self._fresh_media()  # [media_rows, H]: embeddings prompt rows take (an image's), or None
         self.last = self._fresh_last()  # [slots] int32: each slot's last sampled token (decode_program)
         self.lens = self._fresh_last()  # [slots] int32: each slot's committed length after a window (draft_program)
+        self.history = self._fresh_history()  # what penalties read (History)
         self._exe: dict[tuple, object] = {}
         top_n = buckets.logprobs
         be = self.backend
         self._fns = {
-            **{kind: jax.jit(decode_program(cfg, be, top_n, path), donate_argnums=(1, 2))
+            **{kind: jax.jit(decode_program(cfg, be, top_n, path), donate_argnums=(1, 2, 3))
                for kind, path in DECODE_KINDS.items()},
+            "history_reset": jax.jit(history_reset_program(), donate_argnums=0),
             "verify": jax.jit(verify_program(cfg, be, top_n)),
             "commit": jax.jit(commit_program(cfg, be), donate_argnums=0),
             "media_put": jax.jit(media_put_program(), donate_argnums=0),
@@ -859,10 +899,14 @@ class Programs:
     def _fresh_last(self) -> jax.Array:
         return jnp.zeros((self.layout.num_slots,), jnp.int32)
 
+    def _fresh_history(self) -> History:
+        shape = (self.layout.num_slots, self.cfg.text.vocab_size)
+        return History(jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.bool_))
+
     def state_lost(self) -> bool:
         """True when a failed program consumed the donated pools (callers then `reset_state`)."""
         return any(x.is_deleted() for x in jax.tree.leaves((self.state, self.dstate, self.media, self.last,
-                                                             self.lens)))
+                                                             self.lens, self.history)))
 
     def reset_state(self) -> None:
         self.state = self.fresh_state()
@@ -870,15 +914,17 @@ class Programs:
         self.media = self._fresh_media()
         self.last = self._fresh_last()
         self.lens = self._fresh_last()
+        self.history = self._fresh_history()
 
     # Example host inputs per bucket: lowering needs only their shapes and dtypes.
     def _example(self, kind: str, shape: tuple[int, int]):
         lay = self.layout
         s, t = shape
         if kind == "prompt":
-            return (prompt_batch(lay, s, t, []), sample_params([], [], s), prompt_embed_rows(lay, s, t, []))
+            return (prompt_batch(lay, s, t, []), sample_params([], [], s), prompt_embed_rows(lay, s, t, []),
+                    penalties([], s))
         if kind in DECODE_KINDS:
-            return (decode_window(lay, s, [], [], [], []), sample_params([], [], s))
+            return (decode_window(lay, s, [], [], [], []), sample_params([], [], s), penalties([], s))
         window = tree_window(lay, s, t, [], [], [], [], [])
         if kind in ("verify", "draft"):
             return (window, sample_params([], [], s * t))
@@ -896,6 +942,7 @@ class Programs:
             keys += [("commit", (s, r)) for r in b.window_rows]
         if b.slot_copy:
             keys.append(("slot_copy", (1, 1)))
+        keys.append(("history_reset", (1, 1)))
         keys += [("media_put", (n, 1)) for n in self.media_buckets()]
         return keys
 
@@ -920,16 +967,20 @@ class Programs:
             fn = self._fns[kind]
             if kind == "slot_copy":
                 return fn.lower(*self._with_draft_state(self.state), np.int32(0), np.int32(0))
+            if kind == "history_reset":
+                seen = jax.ShapeDtypeStruct((self.cfg.text.vocab_size,), jnp.bool_)
+                return fn.lower(self.history, np.int32(0), seen)
             args = self._example(kind, shape)
             if kind == "commit":
                 return fn.lower(self.state, *args)
             if kind in DECODE_KINDS:
-                return fn.lower(self.params, self.state, self.last, *_abstract(args))
+                window, sp, pen = _abstract(args)
+                return fn.lower(self.params, self.state, self.last, self.history, window, sp, pen)
             if kind == "draft":
                 return fn.lower(*self._with_drafter(self.state), self.last, self.lens, *_abstract(args))
             if kind == "prompt":
-                batch, sp, rows = _abstract(args)
-                return fn.lower(*self._with_drafter(self.state), batch, sp, self.media, rows)
+                batch, sp, rows, pen = _abstract(args)
+                return fn.lower(*self._with_drafter(self.state), batch, sp, self.media, rows, pen, self.history)
             if kind == "media_put":
                 return fn.lower(self.media, jax.ShapeDtypeStruct((shape[0],), jnp.int32),
                                 jax.ShapeDtypeStruct((shape[0], self.cfg.text.hidden_size), jnp.float32))
@@ -1004,30 +1055,36 @@ class Programs:
         vals[:n] = values
         self.media = self._get(("media_put", (b, 1)))(self.media, idx, vals)
 
-    def prompt(self, batch: M.PrefillBatch, sp: sampling.SampleParams, embed_rows: np.ndarray | None = None
-               ) -> Sampled:
+    def prompt(self, batch: M.PrefillBatch, sp: sampling.SampleParams, embed_rows: np.ndarray | None = None,
+               pen: sampling.Penalties | None = None) -> Sampled:
         """embed_rows [S, T] (`prompt_embed_rows`): the media pool row each row takes; None: none (with a pool, every
-        row its token's)."""
+        row its token's). pen: each lane's penalties (`penalties`; None: none), over its slot's history."""
         if self.media is not None and embed_rows is None:
             embed_rows = np.full(batch.tokens.shape, -1, np.int32)
+        if pen is None:
+            pen = penalties([], batch.tokens.shape[0])
         exe = self._get(("prompt", batch.tokens.shape))
-        out = exe(*self._with_drafter(self.state), batch, sp, self.media, embed_rows)
+        out = exe(*self._with_drafter(self.state), batch, sp, self.media, embed_rows, pen, self.history)
         if self.drafter is None:
             self.state, tokens, lp = out
         else:
             self.state, self.dstate, tokens, lp = out
         return self._host(tokens, lp)
 
-    def decode(self, window: M.VerifyWindow, sp: sampling.SampleParams) -> Sampled:
-        return self.fetch(self.decode_async(window, sp))
+    def decode(self, window: M.VerifyWindow, sp: sampling.SampleParams, pen: sampling.Penalties | None = None
+               ) -> Sampled:
+        return self.fetch(self.decode_async(window, sp, pen))
 
-    def decode_async(self, window: M.VerifyWindow, sp: sampling.SampleParams):
+    def decode_async(self, window: M.VerifyWindow, sp: sampling.SampleParams, pen: sampling.Penalties | None = None):
         """Dispatch a decode round and return at once: -> an opaque handle for `fetch`, which waits for the round.
         The state advances now (the next call is ordered after this one on the device), so the caller can do host
-        work while the round runs."""
+        work while the round runs. pen: each stream's penalties (`penalties`; None: none)."""
         kind = "decode_sorted" if sampling.sorted_path_needed(sp, self.cfg.text.vocab_size) else "decode"
+        if pen is None:
+            pen = penalties([], window.tokens.shape[0])
         exe = self._get((kind, window.tokens.shape))
-        self.state, self.last, tokens, lp = exe(self.params, self.state, self.last, window, sp)
+        self.state, self.last, self.history, tokens, lp = exe(self.params, self.state, self.last, self.history,
+                                                              window, sp, pen)
         for a in jax.tree.leaves((tokens, lp)):
             a.copy_to_host_async()
         return tokens, lp
@@ -1064,6 +1121,13 @@ class Programs:
         """-> (tokens and logprobs on the host, accepted rows [S], `path_ranks` [S, R])."""
         tokens, lp, took, ranks = pending
         return self._host(tokens, lp), np.asarray(took), np.asarray(ranks)
+
+    def history_reset(self, slot: int, prompt_ids: Sequence[int]) -> None:
+        """A stream with penalties takes `slot`: its counts start at zero and its seen row holds the prompt's
+        tokens (dispatched; ordered before later calls)."""
+        seen = np.zeros(self.cfg.text.vocab_size, np.bool_)
+        seen[np.asarray(prompt_ids, np.int64)] = True
+        self.history = self._get(("history_reset", (1, 1)))(self.history, np.int32(slot), seen)
 
     def slot_copy(self, src: int, dst: int) -> None:
         """Slot dst's GDN states and conv windows become slot src's (dispatched; ordered before later calls)."""

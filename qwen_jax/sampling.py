@@ -186,6 +186,91 @@ def pack_sample_params(requests: Sequence[RequestSampling], positions: Sequence[
     return params
 
 
+# ------------------------------------------------------------------------------------------------ penalties
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["presence", "frequency", "repetition"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Penalties:
+    """Per-row penalties on the tokens already in a stream's context (numpy on the host, jax.Array in programs),
+    applied to the logits before the draw (`penalize`); logprobs stay those of the raw logits.
+
+    presence [n] f32: subtracted once from every token generated so far (OpenAI's presence_penalty; neutral 0).
+    frequency [n] f32: subtracted once per time a token was generated (frequency_penalty; neutral 0).
+    repetition [n] f32: for every token of the prompt or generated so far, a positive logit divided by it and a
+    negative one multiplied (the repetition_penalty of transformers and vLLM; neutral 1)."""
+
+    presence: jax.Array
+    frequency: jax.Array
+    repetition: jax.Array
+
+
+PENALTY_LIMIT = 2.0  # |presence|, |frequency| at most this (OpenAI's range)
+REPETITION_LIMIT = 10.0
+
+
+def check_penalties(presence: float, frequency: float, repetition: float) -> tuple[float, float, float]:
+    """A request's penalties as the device will see them (float32), validated. -> (presence, frequency, repetition)
+    """
+    out = []
+    for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency),
+                        ("repetition_penalty", repetition)):
+        x = _float32(name, value)
+        if name == "repetition_penalty":
+            if not (math.isfinite(x) and 0 < x <= REPETITION_LIMIT):
+                raise ValueError(f"{name} must be in (0, {REPETITION_LIMIT}], got {value!r}")
+        elif not (math.isfinite(x) and abs(x) <= PENALTY_LIMIT):
+            raise ValueError(f"{name} must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}], got {value!r}")
+        out.append(x)
+    return tuple(out)
+
+
+def neutral(presence: float, frequency: float, repetition: float) -> bool:
+    return presence == 0 and frequency == 0 and repetition == 1
+
+
+def pack_penalties(rows_penalties: Sequence[tuple[float, float, float] | None], rows: int) -> Penalties:
+    """Host arrays for one program call: rows_penalties[i] is row i's (presence, frequency, repetition), None for
+    none; rows past the end are neutral. -> Penalties of numpy arrays with `rows` entries."""
+    if len(rows_penalties) > rows:
+        raise ValueError(f"rows ({rows}) is smaller than the number of penalty rows ({len(rows_penalties)})")
+    out = Penalties(np.zeros(rows, np.float32), np.zeros(rows, np.float32), np.ones(rows, np.float32))
+    for i, p in enumerate(rows_penalties):
+        if p is not None:
+            out.presence[i], out.frequency[i], out.repetition[i] = check_penalties(*p)
+    return out
+
+
+def penalize(logits: jax.Array, pen: Penalties, counts: jax.Array, seen: jax.Array) -> jax.Array:
+    """logits [n, v]; pen with [n] fields; counts [n, v] int32 (how often each token was generated so far); seen
+    [n, v] bool (the prompt's tokens) -> float32 logits [n, v]: the repetition penalty on tokens seen or generated,
+    then frequency x count and presence subtracted. A row whose penalties are all neutral is its logits unchanged,
+    bit for bit (widened to float32 exactly, as `sample` does), whatever its counts."""
+    x = logits.astype(jnp.float32)
+    with jax.named_scope("penalties"):
+        generated = counts > 0
+        rep = pen.repetition[:, None]
+        y = jnp.where(seen | generated, jnp.where(x > 0, x / rep, x * rep), x)
+        y = y - pen.frequency[:, None] * counts.astype(jnp.float32) - pen.presence[:, None] * generated
+        active = (pen.presence != 0) | (pen.frequency != 0) | (pen.repetition != 1)
+        return jnp.where(active[:, None], y, x)
+
+
+def penalize_reference(logits: np.ndarray, pen: Penalties, prompts: Sequence[Sequence[int]],
+                       generated: Sequence[Sequence[int]]) -> np.ndarray:
+    """`penalize` in numpy float64 from each row's prompt and generated token lists, one token at a time (the test
+    oracle) -> [n, v] float64."""
+    out = np.array(logits, np.float64)
+    for row in range(out.shape[0]):
+        rep = float(pen.repetition[row])
+        for t in set(prompts[row]) | set(generated[row]):
+            out[row, t] = out[row, t] / rep if out[row, t] > 0 else out[row, t] * rep
+        for t in set(generated[row]):
+            out[row, t] -= float(pen.frequency[row]) * list(generated[row]).count(t) + float(pen.presence[row])
+    return out
+
+
 def derive_seed(prompt_ids: Sequence[int], salt: str = "") -> int:
     """The seed of a request that gave none: first 8 bytes (big-endian) of SHA-256 over the comma-joined decimal
     prompt ids followed by `salt`, UTF-8 encoded. -> int in [0, 2**64)."""

@@ -86,11 +86,10 @@ class _SamplingFields(_Strict):
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     # Not an OpenAI field: False asks for serial decoding (the exact reference that drafting must equal).
     draft: bool = True
-    # Penalties change the distribution the keyed sampler draws from; the engine has none yet, so only their
-    # neutral values are accepted (a silently ignored penalty would be a wrong answer, not a missing feature).
+    # Penalties on tokens already in the context (qwen_jax.sampling.Penalties); a request with any decodes serially.
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None  # None: the checkpoint's default
     user: str | None = None
 
     @field_validator("stop", mode="plain")
@@ -102,9 +101,6 @@ class _SamplingFields(_Strict):
     def _check_common(self):
         if self.stream_options is not None and not self.stream:
             raise _FieldError("stream_options", "stream_options is only allowed when stream is true")
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-            if getattr(self, name) != neutral:
-                raise _FieldError(name, f"{name} is not supported by this server yet (only {neutral} is accepted)")
         return self
 
 

@@ -41,11 +41,12 @@ RETRY_AFTER_SECONDS = 1
 @dataclass(frozen=True)
 class GenerationDefaults:
     """Sampling values for fields a request leaves out. Without a generation_config.json: OpenAI's defaults
-    (temperature 1, no top-p/top-k/min-p cut)."""
+    (temperature 1, no top-p/top-k/min-p cut, no repetition penalty)."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 def load_generation_defaults(model_dir: str | Path | None) -> GenerationDefaults:
@@ -68,8 +69,12 @@ def load_generation_defaults(model_dir: str | Path | None) -> GenerationDefaults
     temperature = pick("temperature", float, base.temperature)
     if gen.get("do_sample") is False:
         temperature = 0.0
+    repetition = pick("repetition_penalty", float, base.repetition_penalty)
+    if not 0 < repetition <= 10:
+        raise ValueError(f"{path}: repetition_penalty must be in (0, 10], got {repetition}")
     return GenerationDefaults(temperature=temperature, top_p=pick("top_p", float, base.top_p),
-                              top_k=max(pick("top_k", int, base.top_k), 0), min_p=pick("min_p", float, base.min_p))
+                              top_k=max(pick("top_k", int, base.top_k), 0), min_p=pick("min_p", float, base.min_p),
+                              repetition_penalty=repetition)
 
 
 # apply_chat_template's own parameters; chat_template_kwargs may only add template variables, not override these.
@@ -392,7 +397,8 @@ class Serving:
             top_p=req.top_p if req.top_p is not None else d.top_p,
             top_k=max(top_k, 0),
             min_p=req.min_p if req.min_p is not None else d.min_p,
-            seed=req.seed)
+            seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=d.repetition_penalty if req.repetition_penalty is None else req.repetition_penalty)
         rid = f"{id_prefix}-{uuid.uuid4().hex}"
         gens = [GenerationRequest(prompt_ids=tuple(ids), max_tokens=max_tokens, sampling=choice, stop=req.stop,
                                   stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
@@ -599,7 +605,8 @@ class Serving:
 # The engine names the GenerationRequest field first in its ValueErrors ("stop: ...", "top_k must be ...").
 _ENGINE_FIELDS = {"prompt_ids": None, "max_tokens": "max_tokens", "stop": "stop", "stop_token_ids": "stop_token_ids",
                   "logprobs": "logprobs", "seed": "seed", "temperature": "temperature", "top_k": "top_k",
-                  "top_p": "top_p", "min_p": "min_p"}
+                  "top_p": "top_p", "min_p": "min_p", "presence_penalty": "presence_penalty",
+                  "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty"}
 
 
 def _engine_param(message: str, prompt_param: str) -> str | None:

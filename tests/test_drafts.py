@@ -249,19 +249,30 @@ def test_drafted_replies_do_not_depend_on_the_drafts(eng, monkeypatch):
 
 
 def test_drafted_streams_beside_a_serial_one(eng, monkeypatch):
-    """Two drafted streams and a serial one (`draft` False) at once: each as it was alone."""
+    """Two drafted streams and a serial one (`draft` False) at once: each as it was alone. A request with penalties
+    (drafts allowed) never drafts, and is the same beside drafted streams as alone."""
     reqs = [_request(p, seed, max_tokens=20) for p, seed in zip(_prompts(), (None, 5))]
     serial_req = dataclasses.replace(_request(_prompts()[1], 9, max_tokens=20), draft=False)
+    penalized = _request(_prompts()[0], 9, max_tokens=20)
+    penalized = dataclasses.replace(penalized, sampling=dataclasses.replace(
+        penalized.sampling, presence_penalty=0.5, repetition_penalty=1.3))
     replies = {}
     _oracle(monkeypatch, eng, replies, 4)
     alone = [eng.submit(r).result(TIMEOUT) for r in reqs]
     for r, a in zip(reqs, alone):
         replies[r.prompt_ids] = a.token_ids
     serial = eng.submit(serial_req).result(TIMEOUT)
+    windows = eng._counters["draft_windows"]
+    pen_alone = eng.submit(penalized).result(TIMEOUT)
+    assert eng._counters["draft_windows"] == windows
     handles = [eng.submit(reqs[0]), eng.submit(serial_req), eng.submit(reqs[1])]
     together = [h.result(TIMEOUT) for h in handles]
     for a, b in zip([alone[0], serial, alone[1]], together):
         _same(a, b)
+    _baseline(eng)
+    handles = [eng.submit(reqs[0]), eng.submit(penalized)]
+    _same(alone[0], handles[0].result(TIMEOUT))
+    _same(pen_alone, handles[1].result(TIMEOUT))
     _baseline(eng)
 
 

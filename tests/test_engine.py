@@ -123,6 +123,53 @@ def test_greedy_matches_hf_transformers(eng):
     _baseline(eng)
 
 
+def _penalized_reference(e: Engine, req: GenerationRequest) -> tuple[int, ...]:
+    """The reply by the serial runner (captures/tiny, fp32, reference ops): each token the sampling rule's draw
+    (`sampling.sample_reference`) from the logits penalized by `sampling.penalize_reference` over the prompt and
+    the tokens before it."""
+    from qwen_jax.runner import Runner
+    ck = load_checkpoint(CAPTURES / "tiny", dtype=jnp.float32, progress=False)
+    runner = Runner(ck.params, ck.config, dtype=jnp.float32, backend=Backend(), max_len=MAX_LEN)
+    s = req.sampling
+    pen = sampling.pack_penalties([(s.presence_penalty, s.frequency_penalty, s.repetition_penalty)], 1)
+    prompt = list(req.prompt_ids)
+    logits, out, pos = runner.prefill(prompt), [], len(prompt)
+    for _ in range(req.max_tokens):
+        z = sampling.penalize_reference(logits[None], pen, [prompt], [out]).astype(np.float32)
+        out.append(int(sampling.sample_reference(z, P.sample_params([e._sampling_rule(req)], [pos], 1))[0]))
+        logits = runner.step(out[-1], pos)
+        pos += 1
+    return tuple(out)
+
+
+def test_penalties_follow_the_serial_reference(eng):
+    """Requests with penalties (greedy and seeded, all three kinds) among requests without, all at once: each
+    penalized reply is the serial reference's (`_penalized_reference`), the others their solo replies; penalties
+    that favour repeats and ones against them both change the greedy reply."""
+    rng = np.random.default_rng(11)
+    prompt = lambda n: tuple(int(t) for t in rng.integers(0, 490, size=n))  # noqa: E731
+    penalized = [
+        GenerationRequest(prompt(30), 16, SamplingOptions(repetition_penalty=1.8), ignore_eos=True),
+        GenerationRequest(prompt(20), 16, SamplingOptions(presence_penalty=-2.0, frequency_penalty=-1.0),
+                          ignore_eos=True),
+        GenerationRequest(prompt(45), 16, SamplingOptions(temperature=0.9, top_k=40, seed=5, presence_penalty=1.0,
+                                                          frequency_penalty=0.5, repetition_penalty=1.2),
+                          ignore_eos=True),
+    ]
+    plain = _requests(0)[:4]
+    solo = _solo(eng, plain)
+    handles = [eng.submit(r) for r in penalized + plain]
+    got = [h.result(TIMEOUT) for h in handles]
+    _check_same(solo, got[len(penalized):])
+    _baseline(eng)
+    for req, reply in zip(penalized, got):
+        assert reply.token_ids == _penalized_reference(eng, req)
+    unpenalized = _solo(eng, [dataclasses.replace(r, sampling=dataclasses.replace(
+        r.sampling, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)) for r in penalized[:2]])
+    assert all(a.token_ids != b.token_ids for a, b in zip(got, unpenalized))
+    assert len(set(got[1].token_ids)) < len(set(unpenalized[1].token_ids))  # favouring repeats: fewer distinct
+
+
 def test_seeded_sampling_reproduces(eng):
     prompt = tuple(range(40, 90))
     opts = SamplingOptions(temperature=1.0, top_p=0.95, seed=123)
@@ -308,7 +355,9 @@ def test_admission_errors():
                        (dataclasses.replace(ok, sampling=SamplingOptions(temperature=-1)), "temperature"),
                        (dataclasses.replace(ok, sampling=SamplingOptions(top_p=0)), "top_p"),
                        (dataclasses.replace(ok, logprobs=4), "logprobs"),
-                       (dataclasses.replace(ok, stop=(3,)), "stop")):
+                       (dataclasses.replace(ok, stop=(3,)), "stop"),
+                       (dataclasses.replace(ok, sampling=SamplingOptions(presence_penalty=2.5)), "presence_penalty"),
+                       (dataclasses.replace(ok, sampling=SamplingOptions(repetition_penalty=0)), "repetition_penalty")):
         with pytest.raises(ValueError, match=field):
             e.submit(bad)
     # Several at once (a reply's n choices): all queued or none.

@@ -10,14 +10,19 @@ from jax.extend.random import threefry_2x32
 from scipy import stats
 
 from qwen_jax.sampling import (
+    Penalties,
     RequestSampling,
     SampleParams,
+    check_penalties,
     choice_seed,
     derive_seed,
     keyed_uniform,
     keyed_uniform_numpy,
     logprobs,
+    pack_penalties,
     pack_sample_params,
+    penalize,
+    penalize_reference,
     sample,
     sample_reference,
     sorted_path_needed,
@@ -455,3 +460,39 @@ def test_choice_seed_follows_its_documented_formula():
                        ((1, True), "index")):
         with pytest.raises(ValueError, match=field):
             choice_seed(*bad)
+
+
+def test_penalize_follows_the_reference_and_leaves_neutral_rows_alone():
+    """`penalize` against its float64 oracle (prompt tokens, generated ones with repeats, logits of both signs), and
+    rows with neutral penalties: their logits bit for bit, whatever their counts hold."""
+    rng = np.random.default_rng(3)
+    n, v = 6, 50
+    logits = rng.normal(0, 3, (n, v)).astype(np.float32)
+    prompts = [rng.integers(0, v, 8).tolist() for _ in range(n)]
+    generated = [rng.integers(0, v, 12).tolist() for _ in range(n)]
+    pen = pack_penalties([(0.5, 0.3, 1.4), (0.0, 0.0, 0.7), (-1.0, 2.0, 1.0), None, (0.0, 0.0, 1.0), (2.0, -2.0, 10.0)],
+                         n)
+    counts = np.zeros((n, v), np.int32)
+    seen = np.zeros((n, v), bool)
+    for i in range(n):
+        np.add.at(counts[i], generated[i], 1)
+        seen[i, prompts[i]] = True
+    got = np.asarray(penalize(jnp.asarray(logits), pen, jnp.asarray(counts), jnp.asarray(seen)))
+    want = penalize_reference(logits, pen, prompts, generated)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+    for i in (3, 4):  # neutral: unchanged bits
+        assert got[i].tobytes() == logits[i].tobytes()
+    assert not np.array_equal(got[0], logits[0]) and not np.array_equal(got[2], logits[2])
+    # bf16 logits are widened exactly, as `sample` widens them
+    half = jnp.asarray(logits, jnp.bfloat16)
+    assert np.asarray(penalize(half, pen, jnp.asarray(counts), jnp.asarray(seen)))[3].tobytes() == \
+        np.asarray(half.astype(jnp.float32))[3].tobytes()
+    assert check_penalties(1, -2, 1) == (1.0, -2.0, 1.0)
+    for bad, field in (((2.5, 0, 1), "presence_penalty"), ((0, -2.01, 1), "frequency_penalty"),
+                       ((0, 0, 0), "repetition_penalty"), ((0, 0, 10.5), "repetition_penalty"),
+                       ((float("nan"), 0, 1), "presence_penalty"), ((0, True, 1), "frequency_penalty")):
+        with pytest.raises(ValueError, match=field):
+            check_penalties(*bad)
+    with pytest.raises(ValueError, match="rows"):
+        pack_penalties([None] * 3, 2)
+    assert isinstance(pen, Penalties)

@@ -225,6 +225,19 @@ def test_n_choices(client, model, http):
     assert reasons == [["length"], ["length"]] and whole["usage"]["completion_tokens"] == 20
 
 
+def test_penalties(client, model):
+    """Penalties reach the engine: greedy replies under penalties that favour repeats, or under a repetition
+    penalty, differ from the plain one and reproduce; with drafting off they are the same (they decode serially)."""
+    kw = dict(model=model, messages=MESSAGES, max_tokens=16, temperature=0.0)
+    reply = lambda **more: client.chat.completions.create(**kw, **more).choices[0].message.content  # noqa: E731
+    plain = reply(extra_body={"ignore_eos": True})
+    favour = dict(presence_penalty=-2.0, frequency_penalty=-1.0)
+    a = reply(**favour, extra_body={"ignore_eos": True})
+    assert a != plain and a == reply(**favour, extra_body={"ignore_eos": True, "draft": False})
+    b = reply(extra_body={"ignore_eos": True, "repetition_penalty": 1.8})
+    assert b != plain and b == reply(extra_body={"ignore_eos": True, "repetition_penalty": 1.8})
+
+
 def test_draft_false_equals_default(client, model):
     for extra in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 99}):
         kw = dict(model=model, messages=MESSAGES, max_tokens=16, logprobs=True, **extra)
@@ -457,7 +470,9 @@ BAD_INPUTS = [
      None),
     (CHAT, json.dumps({**OK_CHAT, "top_logprobs": 3}).encode(), 400, "top_logprobs", None),
     (CHAT, json.dumps({**OK_CHAT, "logprobs": True, "top_logprobs": 50}).encode(), 400, "top_logprobs", None),
-    (CHAT, json.dumps({**OK_CHAT, "presence_penalty": 1.5}).encode(), 400, "presence_penalty", None),
+    (CHAT, json.dumps({**OK_CHAT, "presence_penalty": 2.5}).encode(), 400, "presence_penalty", None),
+    (CHAT, json.dumps({**OK_CHAT, "frequency_penalty": "1"}).encode(), 400, "frequency_penalty", None),
+    (CHAT, json.dumps({**OK_CHAT, "repetition_penalty": 0}).encode(), 400, "repetition_penalty", None),
     (CHAT, json.dumps({**OK_CHAT, "chat_template_kwargs": {"tokenize": True}}).encode(), 400,
      "chat_template_kwargs", None),
     (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"a": NaN}}', 400,

@@ -15,7 +15,7 @@ from qwen_jax.checkpoint import load_checkpoint
 from qwen_jax.engine.engine import Engine
 from server.app import build_app
 from server.loading import EMBEDDED_MODEL
-from server.serving import GenerationDefaults, Serving
+from server.serving import GenerationDefaults, Serving, load_generation_defaults
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -124,3 +124,18 @@ def test_without_tokenizer(app):
         r = call(app, "POST", path, json=body)
         assert r.status_code == 400, (path, r.text)
         assert r.json()["error"]["param"] == param
+
+
+def test_generation_defaults_from_the_checkpoint(tmp_path):
+    """generation_config.json's sampling values, repetition_penalty included (vLLM applies it by default);
+    `do_sample: false` is greedy; a repetition penalty the engine would refuse is refused at start."""
+    assert load_generation_defaults(None) == GenerationDefaults()
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "do_sample": True}))
+    assert load_generation_defaults(tmp_path) == GenerationDefaults(temperature=0.7, top_p=0.8, top_k=20,
+                                                                   repetition_penalty=1.05)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "do_sample": False}))
+    assert load_generation_defaults(tmp_path) == GenerationDefaults(temperature=0.0)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"repetition_penalty": 0}))
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        load_generation_defaults(tmp_path)

@@ -403,6 +403,13 @@ class Engine:
         return sampling.RequestSampling(seed=seed, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                                         min_p=s.min_p)
 
+    @staticmethod
+    def _penalties(req: GenerationRequest) -> tuple[float, float, float] | None:
+        """The request's penalties as the device sees them, or None when all are neutral."""
+        s = req.sampling
+        pen = sampling.check_penalties(s.presence_penalty, s.frequency_penalty, s.repetition_penalty)
+        return None if sampling.neutral(*pen) else pen
+
     def _reserve(self, req: GenerationRequest) -> int:
         """KV pages a request holds while it runs: its prompt and max_tokens, capped at the context."""
         return P.pages_for(min(len(req.prompt_ids) + req.max_tokens, self.max_model_len), self.layout.page_size)
@@ -429,6 +436,7 @@ class Engine:
             raise ContextLengthExceeded(
                 f"The request needs {self._reserve(req)} KV pages (prompt {len(ids)} + max_tokens "
                 f"{req.max_tokens}) but the cache holds {self._pages.total}; lower max_tokens or shorten the prompt.")
+        self._penalties(req)
         if req.logprobs is not None:
             if isinstance(req.logprobs, bool) or not isinstance(req.logprobs, int) or req.logprobs < 0:
                 raise ValueError(f"logprobs must be None or a non-negative integer, got {req.logprobs!r}")
@@ -628,6 +636,8 @@ class Engine:
             try:
                 if entry is not None:
                     self.programs.slot_copy(entry.slot, slot[0])
+                if self._penalties(req) is not None:
+                    self.programs.history_reset(slot[0], req.prompt_ids)
                 if media_rows:
                     self.programs.media_put(media_rows, np.asarray(req.media.embeds, np.float32))
             except Exception as e:
@@ -642,7 +652,8 @@ class Engine:
                                                                           else self.stop_ids),
                                 max_model_len=self.max_model_len, tokenizer=self.tokenizer,
                                 copy_drafts=self.copy_drafts, block_drafts=self.drafter is not None,
-                                resumed=len(entry) if entry is not None else 0, media_rows=media_rows)
+                                resumed=len(entry) if entry is not None else 0, media_rows=media_rows,
+                                penalties=self._penalties(req))
                 if cached:
                     with self._lock:
                         stream.keep_at = self._cache.keep_points(prompt, after=stream.prefilled)
@@ -780,9 +791,10 @@ class Engine:
         chunks = [P.PromptChunk(s.prompt[start:start + n], start, s.slot, s.page_table,
                                 *s.media_chunk(start, n)) for s, start, n in lanes]
         sp = P.sample_params([s.sampling for s, _, _ in lanes], [start + n for _, start, n in lanes], n_lanes)
+        pen = P.penalties([s.penalties for s, _, _ in lanes], n_lanes)
         try:
             out = self.programs.prompt(P.prompt_batch(self.layout, n_lanes, rows, chunks), sp,
-                                       P.prompt_embed_rows(self.layout, n_lanes, rows, chunks))
+                                       P.prompt_embed_rows(self.layout, n_lanes, rows, chunks), pen)
         except Exception as e:
             self._program_failed([s for s, _, _ in lanes], e)
             return
@@ -824,8 +836,9 @@ class Engine:
                                  [s.slot for s in streams], [s.page_table for s in streams],
                                  [s.rope_delta for s in streams])
         sp = P.sample_params([s.sampling for s in streams], [s.cache_len + 1 for s in streams], n)
+        pen = P.penalties([s.penalties for s in streams], n)
         try:
-            pending = self.programs.decode_async(window, sp)
+            pending = self.programs.decode_async(window, sp, pen)
         except Exception as e:
             self._land(keep=0)
             self._program_failed(streams, e)

@@ -25,7 +25,7 @@ class Stream:
     def __init__(self, handle: RequestHandle, *, slot: int, pages: list[int], pages_per_stream: int,
                  sampling_rule: sampling.RequestSampling, stop_ids: frozenset[int], max_model_len: int, tokenizer,
                  copy_drafts: bool = False, block_drafts: bool = False, resumed: int = 0,
-                 media_rows: list[int] = ()):
+                 media_rows: list[int] = (), penalties: tuple[float, float, float] | None = None):
         req: GenerationRequest = handle.request
         self.handle = handle
         self.request = req
@@ -35,6 +35,7 @@ class Stream:
         self.page_table = np.zeros(pages_per_stream, np.int32)
         self.page_table[:len(pages)] = pages
         self.sampling = sampling_rule
+        self.penalties = penalties  # (presence, frequency, repetition) or None (neutral): then it never drafts
         self.stop_ids = stop_ids
         self.max_model_len = max_model_len
         self.phase = Phase.PROMPT
@@ -50,9 +51,10 @@ class Stream:
         # token, and whether that guess still stands (False once an earlier window went another way)
         self.windows: collections.deque[tuple[list[int], bool]] = collections.deque()
         # prompt + decided tokens, indexed for copy drafts (None: this stream decodes serially)
-        self.copies = CopyIndex(req.prompt_ids) if copy_drafts and req.draft else None
+        serial = not req.draft or penalties is not None
+        self.copies = CopyIndex(req.prompt_ids) if copy_drafts and not serial else None
         # drafts from the engine's DFlash drafter, on the device (qwen_jax.dflash_programs)
-        self.block_drafts = block_drafts and req.draft
+        self.block_drafts = block_drafts and not serial
         self.acceptance = Acceptance()  # what its windows kept, for the rows of the next (engine.policy)
         self.generated: list[int] = []
         self.detok = Detokenizer(tokenizer, skip_special_tokens=req.skip_special_tokens) if tokenizer else None
