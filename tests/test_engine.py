@@ -170,6 +170,20 @@ def test_penalties_follow_the_serial_reference(eng):
     assert len(set(got[1].token_ids)) < len(set(unpenalized[1].token_ids))  # favouring repeats: fewer distinct
 
 
+def test_repetition_penalty_matches_hf_transformers(eng):
+    """Greedy under repetition_penalty 1.3: transformers' RepetitionPenaltyLogitsProcessor's continuations
+    (captures/refs/hf-tiny-penalties-f32.npz, tools/captures/refs_penalties.py), token for token."""
+    z = np.load(CAPTURES / "refs" / "hf-tiny-penalties-f32.npz")
+    for name in ("short", "repeat"):
+        want = z[f"{name}.rep1.3.gen_ids"].tolist()
+        req = GenerationRequest(tuple(z[f"{name}.prompt_ids"].tolist()), len(want), ignore_eos=True,
+                                sampling=SamplingOptions(repetition_penalty=1.3))
+        assert eng.submit(req).result(TIMEOUT).token_ids == tuple(want)
+        plain = np.load(CAPTURES / "refs" / "hf-tiny-f32.npz")[f"{name}.gen_ids"].tolist()
+        assert want != plain  # the penalty changes the capture's greedy reply
+    _baseline(eng)
+
+
 def test_seeded_sampling_reproduces(eng):
     prompt = tuple(range(40, 90))
     opts = SamplingOptions(temperature=1.0, top_p=0.95, seed=123)

@@ -41,6 +41,7 @@ mkdir -p "$refs"
 "$py" refs_hf.py "$cap/tiny" float32 "$refs/prompts.json" "$refs/hf-tiny-f32.npz"
 "$py" refs_hf.py "$cap/tiny" bfloat16 "$refs/prompts.json" "$refs/hf-tiny-bf16.npz"
 "$py" refs_hf.py "$cap/tiny-text-tied" float32 "$refs/prompts.json" "$refs/hf-tiny-text-tied-f32.npz"
+"$py" refs_penalties.py "$cap/tiny" "$refs/prompts.json" "$refs/hf-tiny-penalties-f32.npz"
 "$py" refs_mlx.py "$cap/tiny-mlx-4bit" "$refs/prompts.json" "$refs/mlx-tiny-mlx-4bit-f32.npz"
 "$py" refs_mlx.py "$cap/tiny-mlx-8bit" "$refs/prompts.json" "$refs/mlx-tiny-mlx-8bit-f32.npz"
 
