@@ -103,7 +103,11 @@ def _chat(tok, system: str, *turns: str) -> list[int]:
 
 
 def _request(ids, i: int, max_tokens: int = 12) -> GenerationRequest:
+    """i even: greedy; odd: seeded; 2: seeded, with penalties (their prompt history set whatever was resumed)."""
     opts = SamplingOptions() if i % 2 == 0 else SamplingOptions(temperature=0.9, top_k=40, top_p=0.95, seed=77 + i)
+    if i == 2:
+        opts = SamplingOptions(temperature=0.9, seed=79, presence_penalty=0.4, frequency_penalty=0.3,
+                               repetition_penalty=1.2)
     return GenerationRequest(tuple(ids), max_tokens=max_tokens, sampling=opts, ignore_eos=True, logprobs=3,
                              request_id=f"p{i}")
 
@@ -115,14 +119,14 @@ def _same(a, b):
 
 def test_resumed_equals_fresh(engines):
     """A shared system prompt (kept at the user turn's start), the same prompt again (kept at its end) and a
-    follow-up turn (the earlier prompt and reply, then more) each resume from a kept state and give, greedy and
-    seeded, what the engine without a cache gives."""
+    follow-up turn (the earlier prompt and reply, then more) each resume from a kept state and give, greedy,
+    seeded and with penalties, what the engine without a cache gives."""
     cached, plain = engines
     tok = cached.tokenizer
     system = "You are a careful assistant who answers briefly. " * 9
     first = _chat(tok, system, "Tell me about the sea.")
     assert len(first) > 256
-    for i in range(2):  # greedy, then seeded
+    for i in range(3):  # greedy, seeded, seeded with penalties
         cached.clear_prompt_cache()
         base = cached.stats()
         h = cached.submit(_request(first, i))
