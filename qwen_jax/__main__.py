@@ -115,7 +115,10 @@ def cmd_generate(args) -> int:
                         max_queued=1, backend=backend, buckets=buckets, max_prefill_chunk=chunk,
                         progress=sys.stderr.isatty())
         req = GenerationRequest(tuple(ids), args.max_tokens,
-                                SamplingOptions(temperature=args.temperature, seed=args.seed),
+                                SamplingOptions(temperature=args.temperature, seed=args.seed,
+                                                presence_penalty=args.presence_penalty,
+                                                frequency_penalty=args.frequency_penalty,
+                                                repetition_penalty=args.repetition_penalty),
                                 ignore_eos=args.ignore_eos, request_id="cli")
         handle = engine.submit(req)  # validates (and queues) before anything compiles
         with engine:
@@ -348,6 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, required=True)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="transformers'/vLLM's, over prompt and reply, in (0, 10] (1 = off)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--json", action="store_true", help="print one JSON object with token_ids and text")
     gen.set_defaults(fn=cmd_generate)

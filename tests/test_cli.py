@@ -41,13 +41,16 @@ def test_logits_writes_float32_t_by_vocab(tmp_path):
 
 
 def test_generate_json_on_the_engine(capsys):
+    """Greedy under --repetition-penalty 1.3: transformers' continuation under its RepetitionPenaltyLogitsProcessor
+    (captures/refs/hf-tiny-penalties-f32.npz; without the penalty the engine's greedy replies are test_engine's)."""
     ids = _ids("repeat")
-    want = REFS["repeat.gen_ids"].tolist()
+    want = np.load(CAPTURES / "refs" / "hf-tiny-penalties-f32.npz")["repeat.rep1.3.gen_ids"].tolist()
     assert main(["generate", "--model", TINY, "--dtype", "float32", "--token-ids", ",".join(map(str, ids)),
-                 "--max-tokens", str(len(want)), "--ignore-eos", "--json", "--max-model-len", "256"] + NO_CACHE) == 0
+                 "--max-tokens", str(len(want)), "--ignore-eos", "--json", "--max-model-len", "256",
+                 "--repetition-penalty", "1.3"] + NO_CACHE) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["prompt_token_ids"] == ids
-    assert out["token_ids"] == want  # HF transformers' greedy continuation
+    assert out["token_ids"] == want
     from qwen_jax.checkpoint import load_tokenizer
     assert out["text"] == load_tokenizer(TINY).decode(want, skip_special_tokens=False)
 
