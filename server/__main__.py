@@ -125,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="completion budget of a chat request that sets no max_tokens (default: the rest of the "
                         "context). /v1/completions keeps OpenAI's default of 16")
 
+    c = p.add_argument_group("chat")
+    c.add_argument("--reasoning-parser", choices=("auto", "none", "qwen3"), default="auto",
+                   help="split a chat reply's think block into the message's `reasoning_content` and `reasoning` "
+                        "(both names; the answer after `</think>` is `content`): 'qwen3' for Qwen's <think> blocks, "
+                        "'none' leaves the text whole in `content`, 'auto' (default) is qwen3 when the checkpoint's "
+                        "chat template writes think blocks. Tool calls are parsed whenever a request sends `tools`")
+
     h = p.add_argument_group("http")
     h.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 exposes it)")
     h.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -180,13 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     engine = loaded.engine
     engine.start()
     serving = Serving(engine, served_model_name=args.served_model_name or engine.model_name,
-                      model_root=loaded.model_root, defaults=loaded.defaults, default_max_tokens=args.max_tokens)
+                      model_root=loaded.model_root, defaults=loaded.defaults, default_max_tokens=args.max_tokens,
+                      reasoning_parser=args.reasoning_parser)
     app = build_app(serving, api_key=api_key, max_body_bytes=args.max_request_bytes)
     log = logging.getLogger("server")
     from pallas_kernels import qmm
     log.info("serving %s as %r on http://%s:%d (max_model_len %d, parallel %d, %s shapes, decode kernel %s, "
-             "api key %s)", loaded.model_root, serving.model_name, args.host, args.port, serving.max_model_len,
-             args.parallel, engine.shape_policy, qmm.decode_impl() if engine.backend.kernels else "none (jnp)",
+             "reasoning parser %s, api key %s)", loaded.model_root, serving.model_name, args.host, args.port,
+             serving.max_model_len, args.parallel, engine.shape_policy,
+             qmm.decode_impl() if engine.backend.kernels else "none (jnp)", serving.reasoning_parser,
              "required" if api_key else "off")
     try:
         # Streams still open at shutdown are cut after a few seconds; their requests are cancelled as they close.

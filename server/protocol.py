@@ -3,8 +3,8 @@
 Requests are strict: unknown fields are refused (a misspelt `temprature` silently ignored is a worse bug than a
 400), JSON booleans are not numbers, numbers are finite, integers are integers. They are validated from the raw
 body with `model_validate_json`, so NaN/Infinity literals are refused by the same rules as any other bad value.
-Fields that take several shapes (`prompt`, `stop`, message `content`) are checked by hand so the error names the
-field and the accepted shapes instead of listing one failure per union branch.
+Fields that take several shapes (`prompt`, `stop`, message `content`, `tool_choice`) are checked by hand so the error
+names the field and the accepted shapes instead of listing one failure per union branch.
 
 Sampling fields left out (None) take the checkpoint's generation_config.json defaults (see serving.py).
 """
@@ -151,6 +151,35 @@ class ChatMessage(_Strict):
         return parts
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema, rendered into the prompt as given
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _finite_parameters(cls, value):
+        return _finite_json(value, "parameters")
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+def _tool_choice(value: Any) -> Literal["auto", "none"] | None:
+    """Only the choices that leave the model free: forcing a call ("required", a named function) needs constrained
+    decoding, which this server does not do; a 400 beats a reply that silently ignores the constraint."""
+    if value is None or value in ("auto", "none"):
+        return value
+    if value == "required" or isinstance(value, dict) and value.get("type") == "function":
+        what = '"required"' if value == "required" else "a named function"
+        raise ValueError(f'{what} is not supported by this server (it does not constrain decoding); use "auto" or '
+                         '"none"')
+    raise ValueError('must be "auto" or "none"')
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: MaxTokens | None = None
@@ -158,11 +187,25 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    tools: list[ToolDefinition] | None = Field(default=None, min_length=1)
+    tool_choice: Any = None  # None: "auto" with tools
+    # Accepted for clients that send it; how many calls a reply makes is the model's choice here.
+    parallel_tool_calls: bool | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
     def _finite_kwargs(cls, value):
         return _finite_json(value, "chat_template_kwargs")
+
+    @field_validator("tool_choice", mode="plain")
+    @classmethod
+    def _check_tool_choice(cls, value: Any) -> str | None:
+        return _tool_choice(value)
+
+    @property
+    def parse_tools(self) -> bool:
+        """Tools go to the chat template and calls are parsed out of the reply."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @model_validator(mode="after")
     def _check_chat(self):
@@ -237,6 +280,7 @@ class TokenizeChatRequest(_Strict):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = Field(default=None, min_length=1)  # rendered as the chat route does
     return_token_strs: bool = False
 
     @field_validator("chat_template_kwargs")
@@ -288,9 +332,25 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object's text, as OpenAI sends it
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: the reply was all reasoning or tool calls
+    # The think block with --reasoning-parser; under both names, since vLLM renamed `reasoning_content` to
+    # `reasoning` and then dropped the old one, and clients read one or the other.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):

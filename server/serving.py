@@ -32,6 +32,8 @@ from server import protocol as P
 from server.errors import APIError, bad_request, error_body
 from server.images import ImageLimits, message_images
 from server.metrics import ServerMetrics
+from server.parsers import (THINK_END, THINK_START, TOOL_END, TOOL_START, ParsedReply, ReplyDelta, ReplyParser,
+                            parse_reply, prompt_opens_think, resolve_reasoning_parser)
 
 # How long a client told "overloaded" should wait; one decode round is milliseconds, admission frees as soon as
 # any request finishes, so a short retry is right.
@@ -178,6 +180,35 @@ async def _merged(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
 
 
 @dataclass(frozen=True)
+class ReplyMode:
+    """How a chat reply's text is parsed (server/parsers.py): the think block split off (--reasoning-parser),
+    whether the prompt left one open, and tool calls parsed out of the content (a request with tools)."""
+    reasoning: bool = False
+    in_think: bool = False
+    tools: bool = False
+
+    @property
+    def parses(self) -> bool:
+        return self.reasoning or self.tools
+
+    def whole(self, text: str) -> ParsedReply:
+        return parse_reply(text, reasoning=self.reasoning, in_think=self.in_think, tools=self.tools)
+
+    def stream(self) -> ReplyParser:
+        return ReplyParser(reasoning=self.reasoning, in_think=self.in_think, tools=self.tools)
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _finish_reason(reason: str | None, calls: bool) -> str | None:
+    """A reply that made calls and stopped by itself ends in "tool_calls" (OpenAI's); one cut by the budget stays
+    "length", so the client knows a call may be missing."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+@dataclass(frozen=True)
 class EventStream:
     """A streamed reply: SSE strings, and `close` for the HTTP layer to call however the response ended (also
     when the client left before the first chunk was pulled, where the generator's own finally never runs)."""
@@ -190,10 +221,21 @@ class ClientDisconnected(Exception):
 
 
 class Serving:
+    """reasoning_parser: "none" (the default here, so chat content is the reply's text as generated), "qwen3", or
+    "auto" (qwen3 when the chat template writes think blocks; `python -m server`'s default)."""
+
     def __init__(self, engine, *, served_model_name: str, model_root: str, defaults: GenerationDefaults,
-                 default_max_tokens: int | None = None, image_limits: ImageLimits = ImageLimits()):
+                 default_max_tokens: int | None = None, image_limits: ImageLimits = ImageLimits(),
+                 reasoning_parser: str = "none"):
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        template = getattr(self.tokenizer, "chat_template", None) if self.tokenizer is not None else None
+        self.reasoning_parser = resolve_reasoning_parser(reasoning_parser, template)
+        # The parsers read tags out of the text. Qwen's tokenizers keep them as ordinary added tokens, but where a
+        # tokenizer marks one special, skipping special tokens would erase it: those replies keep them (as vLLM's
+        # hermes parser does).
+        special = set(getattr(self.tokenizer, "all_special_tokens", ()) or ())
+        self._tags_special = bool(special & {THINK_START, THINK_END, TOOL_START, TOOL_END})
         self.model_name = served_model_name
         self.model_root = model_root
         self.defaults = defaults
@@ -241,8 +283,9 @@ class Serving:
             first = _first_image(req.messages)
             if first is not None:
                 raise bad_request(f"{first}: /tokenize does not take images", param=first)
-            ids = await self._chat_prompt(req.messages, req.chat_template_kwargs, req.add_generation_prompt,
-                                          req.add_special_tokens)
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            ids, _ = await self._chat_prompt(req.messages, req.chat_template_kwargs, req.add_generation_prompt,
+                                             req.add_special_tokens, tools)
         else:
             tok = self._need_tokenizer("prompt")
             ids = await self._off_loop(lambda: tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
@@ -264,21 +307,32 @@ class Serving:
     async def chat(self, req: P.ChatCompletionRequest, wait_disconnect: Callable[[], Awaitable[None]]):
         """-> ChatCompletionResponse, or an EventStream when req.stream."""
         self.check_model(req.model)
-        ids = await self._chat_prompt(req.messages, req.chat_template_kwargs, req.add_generation_prompt, False)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.parse_tools else None
+        ids, prompt_text = await self._chat_prompt(req.messages, req.chat_template_kwargs, req.add_generation_prompt,
+                                                   False, tools)
+        reasoning = self.reasoning_parser == "qwen3"
+        mode = ReplyMode(reasoning=reasoning, in_think=reasoning and prompt_opens_think(prompt_text),
+                         tools=req.parse_tools)
         media = None
         if _first_image(req.messages) is not None:
             ids, media = await self._image_prompt(req.messages, ids)
-        runs, rid = self._submit(req, ids, req.output_limit, "messages", req.logprobs_count, "chatcmpl", media)
+        runs, rid = self._submit(req, ids, req.output_limit, "messages", req.logprobs_count, "chatcmpl", media,
+                                 skip_special_tokens=not (mode.parses and self._tags_special))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._chat_stream(runs, rid, include_usage)
+            return self._chat_stream(runs, rid, include_usage, mode)
         replies = await self._until_disconnect(self._collect_all(runs), wait_disconnect)
         choices = []
         for i, (run, (text, logprobs)) in enumerate(zip(runs, replies)):
             self._raise_if_failed(run)
             content = None if logprobs is None else P.ChatLogprobs(content=[self._chat_logprob(lp) for lp in logprobs])
-            choices.append(P.ChatChoice(index=i, message=P.AssistantMessage(content=text),
-                                        finish_reason=run.finish_reason, logprobs=content))
+            reply = mode.whole(text)
+            calls = [P.ToolCallOut(id=_call_id(), function=P.FunctionCall(name=c.name, arguments=c.arguments))
+                     for c in reply.tool_calls]
+            message = P.AssistantMessage(content=reply.content, reasoning_content=reply.reasoning,
+                                         reasoning=reply.reasoning, tool_calls=calls or None)
+            choices.append(P.ChatChoice(index=i, message=message, logprobs=content,
+                                        finish_reason=_finish_reason(run.finish_reason, bool(calls))))
         return P.ChatCompletionResponse(id=rid, created=int(time.time()), model=self.model_name, choices=choices,
                                         usage=P.Usage(**_usage(runs)))
 
@@ -324,7 +378,9 @@ class Serving:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn)
 
     async def _chat_prompt(self, messages: list[P.ChatMessage], kwargs: dict[str, Any] | None,
-                           add_generation_prompt: bool, add_special_tokens: bool) -> list[int]:
+                           add_generation_prompt: bool, add_special_tokens: bool,
+                           tools: list[dict[str, Any]] | None = None) -> tuple[list[int], str]:
+        """-> the prompt's ids and its text (where the reply starts: inside a think block or not)."""
         tok = self._need_tokenizer("messages")
         kwargs = dict(kwargs or {})
         clash = sorted(k for k in kwargs if k in _TEMPLATE_PARAMS)
@@ -333,19 +389,19 @@ class Serving:
                               param="chat_template_kwargs")
         conversation = [_template_message(m) for m in messages]
 
-        def render() -> list[int]:
-            text = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           **kwargs)
-            return tok(text, add_special_tokens=add_special_tokens)["input_ids"]
+        def render() -> tuple[list[int], str]:
+            text = tok.apply_chat_template(conversation, tools=tools, tokenize=False,
+                                           add_generation_prompt=add_generation_prompt, **kwargs)
+            return tok(text, add_special_tokens=add_special_tokens)["input_ids"], text
 
         try:
-            ids = await self._off_loop(render)
+            ids, text = await self._off_loop(render)
         except Exception as e:  # noqa: BLE001 - jinja's raise_exception, TypeErrors from odd kwargs: all the client's
             raise bad_request(f"messages: the chat template refused these messages ({type(e).__name__}: {e})",
                               param="messages") from None
         if not ids:
             raise bad_request("messages: the chat template produced an empty prompt", param="messages")
-        return ids
+        return ids, text
 
     async def _image_prompt(self, messages: list[P.ChatMessage], ids: list[int]) -> tuple[list[int], PromptMedia]:
         """A chat prompt with images: each image decoded (server/images.py), resized and cut into patches, its one
@@ -383,8 +439,8 @@ class Serving:
         return ids, PromptMedia(image_token_rows(ids, cfg.image_token_id), np.concatenate(rows), rope)
 
     def _submit(self, req: P.ChatCompletionRequest | P.CompletionRequest, ids: list[int], max_tokens: int | None,
-                prompt_param: str, logprobs: int | None, id_prefix: str,
-                media: PromptMedia | None = None) -> tuple[list[_Run], str]:
+                prompt_param: str, logprobs: int | None, id_prefix: str, media: PromptMedia | None = None, *,
+                skip_special_tokens: bool = True) -> tuple[list[_Run], str]:
         """-> one run a choice (req.n; all queued or none), and the reply's id."""
         max_tokens = self._output_budget(len(ids), max_tokens, prompt_param)
         if req.n > self.engine.max_queued:
@@ -403,7 +459,7 @@ class Serving:
         gens = [GenerationRequest(prompt_ids=tuple(ids), max_tokens=max_tokens, sampling=choice, stop=req.stop,
                                   stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                                   logprobs=logprobs, draft=req.draft, request_id=rid if req.n == 1 else f"{rid}-{i}",
-                                  media=media)
+                                  media=media, skip_special_tokens=skip_special_tokens)
                 for i, choice in enumerate(self._choices(sampling, ids, req.n))]
         try:
             handles = self.engine.submit_all(gens)
@@ -490,7 +546,7 @@ class Serving:
             raise APIError(503, "The request was cancelled by the server (shutting down?).", type="server_error",
                            code="cancelled", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
-    def _chat_stream(self, runs: list[_Run], rid: str, include_usage: bool) -> EventStream:
+    def _chat_stream(self, runs: list[_Run], rid: str, include_usage: bool, mode: ReplyMode) -> EventStream:
         created = int(time.time())
         usage_none = {"usage": None} if include_usage else {}
 
@@ -504,16 +560,41 @@ class Serving:
 
         async def choice(i: int, run: _Run):
             yield chunk(i, {"role": "assistant", "content": ""})
+            parser = mode.stream() if mode.parses else None
+            calls = 0
+
+            def delta_body(delta: ReplyDelta) -> dict[str, Any]:
+                nonlocal calls
+                body: dict[str, Any] = {}
+                if delta.reasoning:
+                    body["reasoning_content"] = body["reasoning"] = delta.reasoning
+                if delta.content:
+                    body["content"] = delta.content
+                if delta.tool_calls:
+                    body["tool_calls"] = [{"index": calls + k, "id": _call_id(), "type": "function",
+                                           "function": {"name": c.name, "arguments": c.arguments}}
+                                          for k, c in enumerate(delta.tool_calls)]
+                    calls += len(delta.tool_calls)
+                return body
+
             async for ev in run.events():
-                reason = _client_reason(ev.finish_reason)
+                if parser is None:
+                    delta = ReplyDelta(content=ev.text)
+                else:
+                    # One chunk per engine event (its logprobs with it), holding what may be part of a tag.
+                    delta = parser.feed(ev.text) if ev.text else ReplyDelta()
+                    if ev.finish_reason is not None:
+                        delta += parser.finish()
+                body = delta_body(delta)
                 if ev.finish_reason in ("error", "cancelled"):
-                    if ev.text:
-                        yield chunk(i, {"content": ev.text})
+                    if body:
+                        yield chunk(i, body)
                     return
+                reason = _finish_reason(_client_reason(ev.finish_reason), calls > 0)
                 lp = None if ev.logprobs is None else {
                     "content": [self._chat_logprob(x).model_dump() for x in ev.logprobs]}
-                if ev.text or lp is not None or reason is not None:
-                    yield chunk(i, {"content": ev.text} if ev.text else {}, reason, lp)
+                if body or lp is not None or reason is not None:
+                    yield chunk(i, body, reason, lp)
 
         usage = (lambda: frame([], usage=_usage(runs))) if include_usage else None
         return EventStream(self._stream(runs, [choice(i, r) for i, r in enumerate(runs)], usage), _close_all(runs))

@@ -28,8 +28,11 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def server():
+    # The tests below compare whole replies as text: the think-block split (the default, --reasoning-parser auto, on
+    # this Qwen template) would put most of the tiny model's into `reasoning`. Parsing is tested in
+    # test_server_inprocess.py over replies whose text is set.
     with ServerProcess(["--max-model-len", str(MAX_MODEL_LEN), "--parallel", "16", "--max-queued", str(MAX_QUEUED),
-                        "--max-request-bytes", str(MAX_BODY)]) as srv:
+                        "--max-request-bytes", str(MAX_BODY), "--reasoning-parser", "none"]) as srv:
         yield srv
 
 
@@ -277,6 +280,29 @@ def test_max_tokens_and_max_completion_tokens(client, model):
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
 
 
+def test_chat_with_tools_renders_them(client, model, http):
+    """`tools` reach the chat template (the prompt grows by their rendering, as /tokenize with the same tools
+    shows; tool_choice "none" leaves them out), and whatever the tiny model says comes back as a message: content
+    and tool_calls as parsed, finish_reason "tool_calls" only with calls."""
+    plain = http.post("/tokenize", json={"messages": MESSAGES}).json()
+    with_tools = http.post("/tokenize", json={"messages": MESSAGES, "tools": TOOLS}).json()
+    assert with_tools["count"] > plain["count"]
+    rendered = http.post("/detokenize", json={"tokens": with_tools["tokens"]}).json()["prompt"]
+    assert "<tools>" in rendered and '"get_weather"' in rendered and "The weather in a city." in rendered
+    for choice, prompt in (("auto", with_tools["count"]), ("none", plain["count"])):
+        r = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, temperature=0.0,
+                                           tools=TOOLS, tool_choice=choice, parallel_tool_calls=False)
+        assert r.usage.prompt_tokens == prompt
+        c = r.choices[0]
+        # The tiny model's gibberish makes no calls: it all stays content.
+        assert c.finish_reason in ("stop", "length") and c.message.tool_calls is None
+        streamed = list(client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8,
+                                                       temperature=0.0, tools=TOOLS, tool_choice=choice,
+                                                       stream=True))
+        assert "".join(s.choices[0].delta.content or "" for s in streamed) == (c.message.content or "")
+        assert streamed[-1].choices[0].finish_reason == c.finish_reason
+
+
 # ----------------------------------------------------------------------------------------------- completions
 
 def test_completions_string_and_token_ids(client, model, http):
@@ -429,6 +455,9 @@ def test_prompt_cache_resumes_a_repeated_prompt(http, model):
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 OK_CHAT = {"messages": MESSAGES, "max_tokens": 2}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
 
 # (route, raw body, status, param, code)
 BAD_INPUTS = [
@@ -497,6 +526,22 @@ BAD_INPUTS = [
     (COMPLETIONS, json.dumps({"prompt": "a", "logprobs": True}).encode(), 400, "logprobs", None),
     (COMPLETIONS, json.dumps({"prompt": "a", "echo": True}).encode(), 400, "echo", None),
     (COMPLETIONS, json.dumps({"prompt": "a", "n": MAX_QUEUED + 1}).encode(), 400, "n", None),  # never fits the queue
+    (CHAT, json.dumps({**OK_CHAT, "tools": [{"type": "function"}]}).encode(), 400, "tools[0].function", None),
+    (CHAT, json.dumps({**OK_CHAT, "tools": [{"type": "retrieval", "function": {"name": "f"}}]}).encode(), 400,
+     "tools[0].type", None),
+    (CHAT, json.dumps({**OK_CHAT, "tools": [{"type": "function", "function": {"name": ""}}]}).encode(), 400,
+     "tools[0].function.name", None),
+    (CHAT, json.dumps({**OK_CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]})
+     .encode(), 400, "tools[0].function.parameters", None),
+    (CHAT, json.dumps({**OK_CHAT, "tools": []}).encode(), 400, "tools", None),
+    (CHAT, json.dumps({**OK_CHAT, "tools": {"name": "f"}}).encode(), 400, "tools", None),
+    (CHAT, json.dumps({**OK_CHAT, "tools": TOOLS, "tool_choice": "required"}).encode(), 400, "tool_choice", None),
+    (CHAT, json.dumps({**OK_CHAT, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}})
+     .encode(), 400, "tool_choice", None),
+    (CHAT, json.dumps({**OK_CHAT, "tool_choice": "sometimes"}).encode(), 400, "tool_choice", None),
+    (CHAT, json.dumps({**OK_CHAT, "parallel_tool_calls": "yes"}).encode(), 400, "parallel_tool_calls", None),
+    ("/tokenize", json.dumps({"messages": MESSAGES, "tools": [{"type": "function"}]}).encode(), 400,
+     "tools[0].function", None),
     ("/tokenize", json.dumps({"prompt": 5}).encode(), 400, "prompt", None),
     ("/tokenize", json.dumps({"prompt": "a", "extra": 1}).encode(), 400, "extra", None),
     ("/tokenize", json.dumps({"messages": [{"role": "user"}], "add_generation_prompt": 1}).encode(), 400,

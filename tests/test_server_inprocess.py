@@ -1,20 +1,27 @@
 """Server paths that need control over the engine, so the app runs in this process over a real engine on the
 embedded model: a request that fails after its stream began (error event, then [DONE]; a 500 when not streamed),
-and a server without a tokenizer (what `--synthetic` serves)."""
+and a server without a tokenizer (what `--synthetic` serves). Reasoning and tool-call parsing run over a scripted
+engine whose replies are set texts."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import re
+import time
+import types
 
 import httpx
+import openai
 import pytest
 
-from qwen_jax.checkpoint import load_checkpoint
+from qwen_jax.checkpoint import load_checkpoint, load_tokenizer
+from qwen_jax.engine.api import EngineStats, GenerationRequest, TokenEvent, TokenLogprob
 from qwen_jax.engine.engine import Engine
 from server.app import build_app
 from server.loading import EMBEDDED_MODEL
+from server.parsers import TOOL_END, TOOL_START
 from server.serving import GenerationDefaults, Serving, load_generation_defaults
 
 pytestmark = pytest.mark.timeout(300)
@@ -139,3 +146,277 @@ def test_generation_defaults_from_the_checkpoint(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"repetition_penalty": 0}))
     with pytest.raises(ValueError, match="repetition_penalty"):
         load_generation_defaults(tmp_path)
+
+
+# ------------------------------------------------------------------------------- reasoning and tool calls
+# The chat route's parsing (server/parsers.py) over replies whose text is set: the tiny model's are gibberish. The
+# scripted engine has the engine's surface that Serving uses; each reply is the tiny checkpoint's tokens of a set
+# text, one token an event as the engine sends them (so tags arrive cut across events), with made-up logprobs.
+
+THINKING = "\nThe user wants the weather.\n</think>\n\n"
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+class ScriptedHandle:
+    def __init__(self, request: GenerationRequest, tokenizer, text: str, reason: str):
+        self.request = request
+        self.request_id = request.request_id
+        self.prompt_tokens = len(request.prompt_ids)
+        self.completion_tokens = self.cached_tokens = 0
+        self.arrival_time = time.monotonic()
+        self.first_token_time = self.finish_time = None
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        texts = [tokenizer.decode(ids[:k]) for k in range(len(ids) + 1)]
+        self.script = [(t, texts[k + 1][len(texts[k]):]) for k, t in enumerate(ids)]
+        if reason == "stop":
+            self.script.append((tokenizer.convert_tokens_to_ids("<|im_end|>"), ""))  # EOS: its text is left out
+        self.reason = reason
+
+    def cancel(self) -> None:
+        pass
+
+    async def __aiter__(self):
+        for k, (token, text) in enumerate(self.script):
+            await asyncio.sleep(0)
+            last = k == len(self.script) - 1
+            lp = None if self.request.logprobs is None else (TokenLogprob(token, -0.5 - k),)
+            self.completion_tokens += 1
+            self.first_token_time = self.first_token_time or time.monotonic()
+            self.finish_time = time.monotonic() if last else None
+            yield TokenEvent((token,), text, lp, self.reason if last else None)
+
+
+class ScriptedEngine:
+    """Replies with `replies` (text, finish reason), one a choice; keeps the requests it was given."""
+    max_model_len = 2048
+    max_queued = 8
+    seed_salt = ""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.model_config = types.SimpleNamespace(text=types.SimpleNamespace(vocab_size=len(tokenizer)))
+        self.replies: list[tuple[str, str]] = []
+        self.requests: list[GenerationRequest] = []
+
+    def stats(self) -> EngineStats:
+        return EngineStats(0, 0, 1, 1, 1, 1, 0, 0)
+
+    def submit_all(self, reqs):
+        self.requests = list(reqs)
+        return [ScriptedHandle(r, self.tokenizer, *self.replies[i]) for i, r in enumerate(reqs)]
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    engine = ScriptedEngine(load_tokenizer(EMBEDDED_MODEL))
+    # "auto", as `python -m server` runs: the tiny template writes think blocks, so qwen3.
+    serving = Serving(engine, served_model_name="scripted", model_root="in-process", defaults=GenerationDefaults(),
+                      reasoning_parser="auto")
+    assert serving.reasoning_parser == "qwen3"
+    try:
+        yield engine, build_app(serving)
+    finally:
+        serving.close()
+
+
+def chat(scripted, replies: list[tuple[str, str]], **body) -> httpx.Response:
+    engine, app = scripted
+    engine.replies = replies
+    return call(app, "POST", "/v1/chat/completions", json={"messages": ASK, "max_tokens": 200, **body})
+
+
+def chat_stream(scripted, replies: list[tuple[str, str]], **body) -> list[dict]:
+    r = chat(scripted, replies, stream=True, **body)
+    assert r.status_code == 200, r.text
+    events = sse(r.text)
+    assert events[-1] == "[DONE]"
+    return events[:-1]
+
+
+def joined(events: list[dict], index: int = 0) -> dict:
+    """A choice's deltas summed: each text field joined ("" when never sent), the tool calls, the logprobs and the
+    finish reasons in order."""
+    out = {"reasoning_content": "", "reasoning": "", "content": "", "tool_calls": [], "logprobs": [], "finish": []}
+    for ev in events:
+        (c,) = ev["choices"]
+        if c["index"] != index:
+            continue
+        for key in ("reasoning_content", "reasoning", "content"):
+            out[key] += c["delta"].get(key) or ""
+        out["tool_calls"] += c["delta"].get("tool_calls", [])
+        out["logprobs"] += (c["logprobs"] or {}).get("content", [])
+        out["finish"] += [c["finish_reason"]] if c["finish_reason"] else []
+    return out
+
+
+def test_reasoning_split_whole_and_streamed(scripted):
+    """Thinking on (the prompt opens the block): reasoning under both names, the answer as content, logprobs one a
+    token as before; streamed, the same sums, reasoning deltas before content ones."""
+    reply = [(THINKING + "Sunny, 21 C.", "stop")]
+    whole = chat(scripted, reply, logprobs=True).json()
+    (choice,) = whole["choices"]
+    assert choice["message"] == {"role": "assistant", "content": "Sunny, 21 C.", "tool_calls": None,
+                                 "reasoning_content": "The user wants the weather.",
+                                 "reasoning": "The user wants the weather."}
+    assert choice["finish_reason"] == "stop"
+    tokens = whole["usage"]["completion_tokens"]
+    assert [lp["logprob"] for lp in choice["logprobs"]["content"]] == [-0.5 - k for k in range(tokens)]
+    events = chat_stream(scripted, reply, logprobs=True)
+    s = joined(events)
+    assert (s["reasoning_content"], s["reasoning"], s["content"]) == ("The user wants the weather.",) * 2 + \
+        ("Sunny, 21 C.",)
+    assert s["logprobs"] == choice["logprobs"]["content"] and s["finish"] == ["stop"]
+    kinds = [k for ev in events for k in ("reasoning", "content") if ev["choices"][0]["delta"].get(k)]
+    assert kinds == sorted(kinds, key=lambda k: k == "content") and kinds[0] == "reasoning"
+    assert all(ev["choices"][0]["delta"].get("reasoning_content") == ev["choices"][0]["delta"].get("reasoning")
+               for ev in events)
+
+
+def test_reasoning_cut_short_and_thinking_off(scripted):
+    cut = [("\nStill thinking about </thi", "length")]
+    whole = chat(scripted, cut).json()["choices"][0]
+    assert whole["message"]["reasoning"] == "Still thinking about </thi" and whole["message"]["content"] is None
+    assert whole["finish_reason"] == "length"
+    s = joined(chat_stream(scripted, cut))
+    assert (s["reasoning"], s["content"], s["finish"]) == ("Still thinking about </thi", "", ["length"])
+    # enable_thinking false: the prompt closes the block, so a reply without `<think>` is all content.
+    off = [("Blue </think> and green.", "stop")]
+    kw = {"chat_template_kwargs": {"enable_thinking": False}}
+    message = chat(scripted, off, **kw).json()["choices"][0]["message"]
+    assert message["content"] == "Blue </think> and green." and message["reasoning"] is None
+    assert joined(chat_stream(scripted, off, **kw))["content"] == "Blue </think> and green."
+
+
+def test_tool_calls_whole_and_streamed(scripted):
+    engine, _ = scripted
+    reply = [(THINKING + "Let me check.\n" + CALL, "stop")]
+    r = chat(scripted, reply, tools=TOOLS)
+    assert r.status_code == 200, r.text
+    prompt = engine.tokenizer.decode(engine.requests[0].prompt_ids)
+    assert "<tools>" in prompt and '"get_weather"' in prompt and "Weather of a city." in prompt
+    assert engine.requests[0].skip_special_tokens  # the tiny tokenizer's tags are not special tokens
+    (choice,) = r.json()["choices"]
+    (tc,) = choice["message"]["tool_calls"]
+    assert re.fullmatch(r"call_[0-9a-f]{24}", tc["id"]) and tc["type"] == "function"
+    assert tc["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert choice["message"]["content"] == "Let me check." and choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["reasoning_content"] == "The user wants the weather."
+
+    events = chat_stream(scripted, reply, tools=TOOLS)
+    s = joined(events)
+    (streamed,) = s["tool_calls"]
+    assert re.fullmatch(r"call_[0-9a-f]{24}", streamed.pop("id"))
+    assert streamed == {"index": 0, "type": "function", "function": tc["function"]}
+    assert (s["content"], s["reasoning"], s["finish"]) == ("Let me check.", "The user wants the weather.",
+                                                            ["tool_calls"])
+    # The call went out whole, in one chunk, after the content.
+    with_calls = [i for i, ev in enumerate(events) if ev["choices"][0]["delta"].get("tool_calls")]
+    with_content = [i for i, ev in enumerate(events) if ev["choices"][0]["delta"].get("content")]
+    assert len(with_calls) == 1 and max(with_content) < with_calls[0]
+    # ... though its tags came cut across events (the tiny tokenizer spells `<tool_call>` in several tokens).
+    pieces = [text for _, text in ScriptedHandle(engine.requests[0], engine.tokenizer, CALL, "stop").script]
+    assert not any(TOOL_START in p or TOOL_END in p for p in pieces) and "".join(pieces) == CALL
+
+    # Two calls; cut by the budget the reason stays "length".
+    two = [(CALL + "\n" + CALL.replace("Paris", "Oslo"), "length")]
+    kw = {"tools": TOOLS, "tool_choice": "auto", "parallel_tool_calls": True,
+          "chat_template_kwargs": {"enable_thinking": False}}
+    choice = chat(scripted, two, **kw).json()["choices"][0]
+    assert [json.loads(c["function"]["arguments"])["city"] for c in choice["message"]["tool_calls"]] == \
+        ["Paris", "Oslo"]
+    assert choice["message"]["content"] is None and choice["finish_reason"] == "length"
+    s = joined(chat_stream(scripted, two, **kw))
+    assert [c["index"] for c in s["tool_calls"]] == [0, 1] and s["finish"] == ["length"]
+
+
+def test_tool_calls_left_as_text(scripted):
+    """A block that is not a call, one never closed, and any block under tool_choice "none" (then the tools are not
+    in the prompt either) stay in the content, streamed or not."""
+    engine, _ = scripted
+    kw = {"tools": TOOLS, "chat_template_kwargs": {"enable_thinking": False}}
+    for text in ("<tool_call>\n{get_weather(Paris)}\n</tool_call>", "Checking: " + CALL[:-4]):
+        choice = chat(scripted, [(text, "stop")], **kw).json()["choices"][0]
+        assert (choice["message"]["content"], choice["message"]["tool_calls"], choice["finish_reason"]) == \
+            (text, None, "stop")
+        s = joined(chat_stream(scripted, [(text, "stop")], **kw))
+        assert (s["content"], s["tool_calls"], s["finish"]) == (text, [], ["stop"])
+    choice = chat(scripted, [(CALL, "stop")], **kw, tool_choice="none").json()["choices"][0]
+    assert choice["message"]["content"] == CALL and choice["finish_reason"] == "stop"
+    assert "<tools>" not in engine.tokenizer.decode(engine.requests[0].prompt_ids)
+
+
+def test_each_choice_parses_its_own(scripted):
+    replies = [(THINKING + CALL, "stop"), (THINKING + "No tool needed.", "stop")]
+    r = chat(scripted, replies, tools=TOOLS, n=2).json()
+    first, second = r["choices"]
+    assert first["finish_reason"] == "tool_calls" and first["message"]["content"] is None
+    assert second["finish_reason"] == "stop" and second["message"]["tool_calls"] is None
+    assert second["message"]["content"] == "No tool needed."
+    events = chat_stream(scripted, replies, tools=TOOLS, n=2)
+    a, b = joined(events, 0), joined(events, 1)
+    assert [c["function"]["name"] for c in a["tool_calls"]] == ["get_weather"] and a["finish"] == ["tool_calls"]
+    assert (b["content"], b["tool_calls"], b["finish"]) == ("No tool needed.", [], ["stop"])
+
+
+def test_a_conversation_with_calls_goes_back_in(scripted):
+    """The assistant turn with its reasoning and tool call, and the tool's answer, sent back as messages: the
+    prompt renders the call and the answer; the next reply parses as any other."""
+    engine, _ = scripted
+    messages = ASK + [
+        {"role": "assistant", "content": None, "reasoning_content": "Need the weather.",
+         "tool_calls": [{"id": "call_0", "type": "function",
+                         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "21 C, sunny"}]
+    r = chat(scripted, [(THINKING + "It is sunny.", "stop")], tools=TOOLS, messages=messages)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == "It is sunny."
+    prompt = engine.tokenizer.decode(engine.requests[0].prompt_ids)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert "<tool_response>\n21 C, sunny\n</tool_response>" in prompt and prompt.endswith("<think>\n")
+
+
+def test_openai_client_reads_reasoning_and_calls(scripted):
+    """The official SDK's types take both forms: the message's tool_calls, and stream deltas it accumulates."""
+    engine, app = scripted
+    engine.replies = [(THINKING + "Checking.\n" + CALL, "stop")]
+
+    async def go():
+        async with openai.AsyncOpenAI(base_url="http://test/v1", api_key="unused", max_retries=0, http_client=(
+                httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test"))) as client:
+            whole = await client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS)
+            stream = await client.chat.completions.create(model="scripted", messages=ASK, tools=TOOLS, stream=True)
+            return whole, [c async for c in stream]
+
+    whole, chunks = asyncio.run(go())
+    message = whole.choices[0].message
+    assert message.tool_calls[0].function.name == "get_weather" and message.content == "Checking."
+    assert message.model_extra["reasoning_content"] == "The user wants the weather."
+    calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(tc.index, tc.function.name, tc.function.arguments) for tc in calls] == \
+        [(0, "get_weather", '{"city": "Paris"}')]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tags_that_are_special_tokens_are_kept(scripted):
+    """A tokenizer that marks the tool tags special (Hermes-style): replies parsed for them keep special tokens in
+    their text, others skip them as usual."""
+    tok = load_tokenizer(EMBEDDED_MODEL)
+    tok.add_special_tokens({"additional_special_tokens": [TOOL_START, TOOL_END]})
+    engine = ScriptedEngine(tok)
+    serving = Serving(engine, served_model_name="scripted", model_root="in-process", defaults=GenerationDefaults())
+    try:
+        app = build_app(serving)
+        assert serving.reasoning_parser == "none"
+        engine.replies = [(CALL, "stop")]
+        body = {"messages": ASK, "max_tokens": 50}
+        r = call(app, "POST", "/v1/chat/completions", json={**body, "tools": TOOLS})
+        assert r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+        assert not engine.requests[0].skip_special_tokens
+        call(app, "POST", "/v1/chat/completions", json=body)
+        assert engine.requests[0].skip_special_tokens
+    finally:
+        serving.close()
