@@ -176,8 +176,9 @@ def prompt_program(cfg: ModelConfig, d: Drafter, backend: M.Backend, packing: P.
 
 def window_program(cfg: ModelConfig, d: Drafter, backend: M.Backend, top_n: int,
                    scratch_pages: int = 0) -> Callable:
-    """(params, dparams, state, dstate, last, lens, window [S x R] of chains, sample params [S*R]) -> (state, dstate,
-    last, lens, tokens [S, R], logprobs or None, accepted rows [S]): `programs.draft_program` with window tokens of
+    """(params, dparams, state, dstate, last, lens, history, window [S x R] of chains, sample params [S*R], penalties
+    [S*R]) -> (state, dstate, last, lens, history, tokens [S, R], logprobs or None, accepted rows [S]):
+    `programs.draft_program` with window tokens of
     `FROM_DRAFT` read from the slot's drafts (R <= the drafts kept + 1), then the accepted rows' taps appended to the
     draft cache and the next block drafted from the newest sample.
 
@@ -187,7 +188,7 @@ def window_program(cfg: ModelConfig, d: Drafter, backend: M.Backend, top_n: int,
     from `scratch_pages` on (`Layout.tree_pages`: two a row), and the tokens handed back are the accepted path's
     first (`programs.chain_window`)."""
 
-    def program(params, dparams, state, dstate, last, lens, window, sp):
+    def program(params, dparams, state, dstate, last, lens, hist, window, sp, pen):
         s, r = window.tokens.shape
         drafted = dstate.drafts[window.slot][:, jnp.maximum(jnp.arange(r) - 1, 0)]
         from_draft = window.tokens == FROM_DRAFT
@@ -199,10 +200,10 @@ def window_program(cfg: ModelConfig, d: Drafter, backend: M.Backend, top_n: int,
             scratch = (scratch_pages + jnp.arange(s * r * 2, dtype=jnp.int32)).reshape(s, r, 2)
             tree = (parents, scratch)
         w = P.chain_window(params, state, last, lens, window, sp, cfg, backend, top_n, taps=d.cfg.target_layer_ids,
-                           tree=tree)
+                           tree=tree, hist=hist, pen=pen)
         dstate = _draft_next(params, dparams, d, backend, dstate, window.slot, w.cache_len, w.taps, w.took,
                              w.newest)
-        return w.state, dstate, w.last, w.lens, w.tokens, w.logprobs, w.took, w.ranks
+        return w.state, dstate, w.last, w.lens, w.hist, w.tokens, w.logprobs, w.took, w.ranks
 
     return program
 

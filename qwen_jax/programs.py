@@ -576,9 +576,31 @@ def path_ranks(parents: jax.Array, path: jax.Array, took: jax.Array) -> jax.Arra
     return jnp.where(row[None] < took[:, None], ranks, after).astype(jnp.int32)
 
 
+def window_penalties(hist: History, window: M.VerifyWindow, anc: jax.Array, pen: sampling.Penalties) -> tuple:
+    """`sample_rows`' penalties for a window's rows [S*R] (window tokens resolved, anc its `model.window_ancestors`):
+    a row's counts are its slot's plus the tokens fed along its path, its ancestors' and its own, as the serial
+    steps up to it would have counted them; its seen row is its slot's."""
+    s, r = window.tokens.shape
+    on_path = (anc | jnp.eye(r, dtype=jnp.bool_)[None]).astype(jnp.int32)  # [S, R (row), R (fed row)]
+    counts = jnp.broadcast_to(hist.counts[window.slot][:, None, :], (s, r, hist.counts.shape[1]))
+    fed = jnp.broadcast_to(window.tokens[:, None, :], (s, r, r))
+    counts = counts.at[jnp.arange(s)[:, None, None], jnp.arange(r)[None, :, None], fed].add(on_path)
+    return pen, counts.reshape(s * r, -1), jnp.repeat(hist.seen[window.slot], r, axis=0)
+
+
+def window_history(hist: History, window: M.VerifyWindow, path: jax.Array, took: jax.Array) -> History:
+    """The slots' counts after a window: the tokens fed at its accepted rows (`path`'s first `took`) counted, as the
+    serial steps would have counted them (dummy streams take none)."""
+    r = window.tokens.shape[1]
+    fed = jnp.take_along_axis(window.tokens, path, axis=1)
+    stood = (jnp.arange(r)[None] < took[:, None]).astype(jnp.int32)
+    return History(hist.counts.at[window.slot[:, None], fed].add(stood), hist.seen)
+
+
 def draft_program(cfg: ModelConfig, backend: M.Backend, top_n: int) -> Callable:
-    """(params, state, last [slots], lens [slots], window [S x R] of chains, sample params [S*R]) -> (state with
-    the accepted rows committed, last, lens, tokens [S, R], logprobs or None, accepted rows [S]): `verify_program`
+    """(params, state, last [slots], lens [slots], history, window [S x R] of chains, sample params [S*R],
+    penalties [S*R]) -> (state with the accepted rows committed, last, lens, history, tokens [S, R], logprobs or
+    None, accepted rows [S]): `verify_program`
     with every row computed as the serial step at its position (`model.verify(chain=True)`), so its tokens and
     logprobs are the serial ones; then each chain's accepted rows (`chain_accepted`) committed. Rows past them
     leave K/V past the committed length, which nothing reads and the next write there replaces.
@@ -588,11 +610,13 @@ def draft_program(cfg: ModelConfig, backend: M.Backend, top_n: int) -> Callable:
     the previous decode call's or window's), and a cache_len below 0 reads the slot's `lens` (its committed length
     after the slot's previous window), with the rope positions and the sampling positions (each row draws at its
     position + 1) computed here from it. Every window writes back each slot's committed length and newest sample
-    (dummy streams into slot 0, never read). Also hands back `path_ranks` [S, R] for the draft policy."""
+    (dummy streams into slot 0, never read). Also hands back `path_ranks` [S, R] for the draft policy. Each row's
+    penalties read its slot's history and the tokens fed along its path (`window_penalties`); the accepted rows'
+    tokens are counted after (`window_history`)."""
 
-    def program(params, state, last, lens, window, sp):
-        w = chain_window(params, state, last, lens, window, sp, cfg, backend, top_n)
-        return w.state, w.last, w.lens, w.tokens, w.logprobs, w.took, w.ranks
+    def program(params, state, last, lens, hist, window, sp, pen):
+        w = chain_window(params, state, last, lens, window, sp, cfg, backend, top_n, hist=hist, pen=pen)
+        return w.state, w.last, w.lens, w.hist, w.tokens, w.logprobs, w.took, w.ranks
 
     return program
 
@@ -612,11 +636,12 @@ class ChainWindow:
     newest: jax.Array
     taps: jax.Array | None
     ranks: jax.Array
+    hist: History
 
 
 def chain_window(params, state, last, lens, window: M.VerifyWindow, sp, cfg: ModelConfig, backend: M.Backend,
-                 top_n: int, taps: tuple[int, ...] = (), tree: tuple[jax.Array, jax.Array] | None = None
-                 ) -> ChainWindow:
+                 top_n: int, taps: tuple[int, ...] = (), tree: tuple[jax.Array, jax.Array] | None = None, *,
+                 hist: History, pen: sampling.Penalties) -> ChainWindow:
     """The body of `draft_program` (inside a jitted program): tokens and lengths from the device where the window
     says so, the chain's rows as serial steps, sampling, acceptance and commit.
 
@@ -627,7 +652,8 @@ def chain_window(params, state, last, lens, window: M.VerifyWindow, sp, cfg: Mod
     s, r = window.tokens.shape
     from_dev = window.cache_len < 0
     cache_len = jnp.where(from_dev, lens[window.slot], window.cache_len)
-    depth = M.window_depth(window.parents)
+    anc = M.window_ancestors(window.parents)
+    depth = M.depth_of(anc)
     # The host built the rope positions from the cache_len it passed, plus each stream's M-RoPE delta (0 for text):
     # keep the delta, move the rest to the device's length (and, for a tree, to the device's depths).
     delta = window.rope_positions[0] - (window.cache_len[:, None] + depth - 1)
@@ -648,7 +674,7 @@ def chain_window(params, state, last, lens, window: M.VerifyWindow, sp, cfg: Mod
     with jax.named_scope("draft"):
         logits, kept, tapped, state = M.verify(params, state, window, cfg, backend, taps=taps, chain=tree is None,
                                                tree_scratch=None if tree is None else tree[1])
-    tokens, lp = sample_rows(logits.reshape(s * r, -1), sp, top_n)
+    tokens, lp = sample_rows(logits.reshape(s * r, -1), sp, top_n, penalties=window_penalties(hist, window, anc, pen))
     tokens = tokens.reshape(s, r)
     if tree is None:
         took = chain_accepted(window, tokens)
@@ -661,9 +687,10 @@ def chain_window(params, state, last, lens, window: M.VerifyWindow, sp, cfg: Mod
         tapped = None if tapped is None else jnp.take_along_axis(tapped, path[:, :, None, None], axis=1)
     with jax.named_scope("commit"):
         state = M.commit(state, kept, window, path, took, cfg, backend)
+        hist = window_history(hist, window, path, took)
     newest = jnp.take_along_axis(tokens, jnp.maximum(took - 1, 0)[:, None], axis=1)[:, 0]
     return ChainWindow(state, last.at[window.slot].set(newest), lens.at[window.slot].set(cache_len + took), tokens,
-                       lp, took, cache_len, newest, tapped, path_ranks(window.parents, path, took))
+                       lp, took, cache_len, newest, tapped, path_ranks(window.parents, path, took), hist)
 
 
 def media_put_program() -> Callable:
@@ -870,7 +897,7 @@ class Programs:
         if drafter is None:
             self._fns |= {
                 "prompt": jax.jit(prompt_program(cfg, be, buckets.packing, top_n), donate_argnums=1),
-                "draft": jax.jit(draft_program(cfg, be, top_n), donate_argnums=(1, 2, 3)),
+                "draft": jax.jit(draft_program(cfg, be, top_n), donate_argnums=(1, 2, 3, 4)),
                 "slot_copy": jax.jit(slot_copy_program(), donate_argnums=0),
             }
         else:
@@ -878,7 +905,7 @@ class Programs:
                 "prompt": jax.jit(D.prompt_program(cfg, drafter, be, buckets.packing, top_n),
                                   donate_argnums=(2, 3)),
                 "draft": jax.jit(D.window_program(cfg, drafter, be, top_n, layout.num_pages),
-                                 donate_argnums=(2, 3, 4, 5)),
+                                 donate_argnums=(2, 3, 4, 5, 6)),
                 "slot_copy": jax.jit(D.slot_copy_program(), donate_argnums=(0, 1)),
             }
 
@@ -926,8 +953,10 @@ class Programs:
         if kind in DECODE_KINDS:
             return (decode_window(lay, s, [], [], [], []), sample_params([], [], s), penalties([], s))
         window = tree_window(lay, s, t, [], [], [], [], [])
-        if kind in ("verify", "draft"):
+        if kind == "verify":
             return (window, sample_params([], [], s * t))
+        if kind == "draft":
+            return (window, sample_params([], [], s * t), penalties([], s * t))
         kept = jax.eval_shape(lambda p, st, w, sp: self._fns["verify"](p, st, w, sp)[2], self.params, self.state,
                               window, sample_params([], [], s * t))
         return (kept, window, np.zeros((s, t), np.int32), np.zeros(s, np.int32))
@@ -977,7 +1006,7 @@ class Programs:
                 window, sp, pen = _abstract(args)
                 return fn.lower(self.params, self.state, self.last, self.history, window, sp, pen)
             if kind == "draft":
-                return fn.lower(*self._with_drafter(self.state), self.last, self.lens, *_abstract(args))
+                return fn.lower(*self._with_drafter(self.state), self.last, self.lens, self.history, *_abstract(args))
             if kind == "prompt":
                 batch, sp, rows, pen = _abstract(args)
                 return fn.lower(*self._with_drafter(self.state), batch, sp, self.media, rows, pen, self.history)
@@ -1099,20 +1128,23 @@ class Programs:
         tokens, lp, kept, _ = exe(self.params, self.state, window, sp)
         return self._host(tokens, lp), kept
 
-    def draft(self, window: M.VerifyWindow, sp: sampling.SampleParams):
+    def draft(self, window: M.VerifyWindow, sp: sampling.SampleParams, pen: sampling.Penalties | None = None):
         """A copy-draft chain window (`draft_program`: sampled, accepted and committed in one call) -> (Sampled with
         tokens [S, R], accepted rows [S] on the host)."""
-        return self.fetch_draft(self.draft_async(window, sp))
+        return self.fetch_draft(self.draft_async(window, sp, pen))
 
-    def draft_async(self, window: M.VerifyWindow, sp: sampling.SampleParams):
+    def draft_async(self, window: M.VerifyWindow, sp: sampling.SampleParams, pen: sampling.Penalties | None = None):
         """Dispatch a draft window and return at once (an opaque handle for `fetch_draft`); its tokens, cache
-        lengths and positions may come from the device (`draft_program`)."""
+        lengths and positions may come from the device (`draft_program`). pen: each row's penalties (`penalties`,
+        a stream's repeated over its rows; None: none)."""
+        if pen is None:
+            pen = penalties([], window.tokens.size)
         exe = self._get(("draft", window.tokens.shape))
-        out = exe(*self._with_drafter(self.state), self.last, self.lens, window, sp)
+        out = exe(*self._with_drafter(self.state), self.last, self.lens, self.history, window, sp, pen)
         if self.drafter is None:
-            self.state, self.last, self.lens, tokens, lp, took, ranks = out
+            self.state, self.last, self.lens, self.history, tokens, lp, took, ranks = out
         else:
-            self.state, self.dstate, self.last, self.lens, tokens, lp, took, ranks = out
+            self.state, self.dstate, self.last, self.lens, self.history, tokens, lp, took, ranks = out
         for a in jax.tree.leaves((tokens, lp, took, ranks)):
             a.copy_to_host_async()
         return tokens, lp, took, ranks

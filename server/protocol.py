@@ -86,7 +86,7 @@ class _SamplingFields(_Strict):
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     # Not an OpenAI field: False asks for serial decoding (the exact reference that drafting must equal).
     draft: bool = True
-    # Penalties on tokens already in the context (qwen_jax.sampling.Penalties); a request with any decodes serially.
+    # Penalties on tokens already in the context (qwen_jax.sampling.Penalties).
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None  # None: the checkpoint's default

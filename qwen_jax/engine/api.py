@@ -29,8 +29,7 @@ class SamplingOptions:
     top_k: int = 0  # 0 = off
     min_p: float = 0.0
     seed: int | None = None  # None: derived from the prompt (qwen_jax.sampling.derive_seed), so replies reproduce
-    # Penalties on tokens already in the context (qwen_jax.sampling.Penalties). A request with any of them away from
-    # its neutral value decodes serially (no drafts): its windows would need each row's path in its counts.
+    # Penalties on tokens already in the context (qwen_jax.sampling.Penalties); drafted windows count each row's path.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0

@@ -931,12 +931,13 @@ class Engine:
             return set()
         streams = [s for s, _, _ in tries]
         n, rows = self.buckets.chain_bucket(len(tries), max(1 + len(d) for _, d, _ in tries))
-        chains, lens, reqs, positions = [], [], [], []
+        chains, lens, reqs, positions, pens = [], [], [], [], []
         for s, d, _ in tries:
             first = P.FROM_LAST if s.inflight else s.generated[-1]
             chains.append([first] + d)
             lens.append(-1 if s.inflight else s.cache_len)
             reqs += [s.sampling] * rows
+            pens += [s.penalties] * rows
             # Row r samples the token at position cache_len + r + 1 (the serial step's rule; with the length on the
             # device, the program computes it); rows past the window repeat the last (never read).
             base = 0 if s.inflight else s.cache_len
@@ -946,7 +947,7 @@ class Engine:
                                [s.rope_delta for s in streams])
         sp = P.sample_params(reqs, positions, n * rows)
         try:
-            pending = self.programs.draft_async(window, sp)
+            pending = self.programs.draft_async(window, sp, P.penalties(pens, n * rows))
         except Exception as e:
             self._land(keep=0)
             self._program_failed(streams, e)

@@ -35,7 +35,7 @@ class Stream:
         self.page_table = np.zeros(pages_per_stream, np.int32)
         self.page_table[:len(pages)] = pages
         self.sampling = sampling_rule
-        self.penalties = penalties  # (presence, frequency, repetition) or None (neutral): then it never drafts
+        self.penalties = penalties  # (presence, frequency, repetition), or None when all are neutral
         self.stop_ids = stop_ids
         self.max_model_len = max_model_len
         self.phase = Phase.PROMPT
@@ -51,10 +51,9 @@ class Stream:
         # token, and whether that guess still stands (False once an earlier window went another way)
         self.windows: collections.deque[tuple[list[int], bool]] = collections.deque()
         # prompt + decided tokens, indexed for copy drafts (None: this stream decodes serially)
-        serial = not req.draft or penalties is not None
-        self.copies = CopyIndex(req.prompt_ids) if copy_drafts and not serial else None
+        self.copies = CopyIndex(req.prompt_ids) if copy_drafts and req.draft else None
         # drafts from the engine's DFlash drafter, on the device (qwen_jax.dflash_programs)
-        self.block_drafts = block_drafts and not serial
+        self.block_drafts = block_drafts and req.draft
         self.acceptance = Acceptance()  # what its windows kept, for the rows of the next (engine.policy)
         self.generated: list[int] = []
         self.detok = Detokenizer(tokenizer, skip_special_tokens=req.skip_special_tokens) if tokenizer else None
