@@ -6,6 +6,7 @@ its chain-drafted ones, with the tiny random drafter and with an oracle tree who
 first child. As in tests/test_dflash_engine.py, that window rows are the fused serial step's bits is the device's
 gate."""
 
+import dataclasses
 import heapq
 
 import jax
@@ -231,13 +232,17 @@ def ladder_oracle(table: np.ndarray):
 
 
 def test_tree_drafted_replies_equal_chain_drafted(monkeypatch):
-    """Greedy and seeded replies, two streams at once, drafted as chains, as trees of branch 3, and as an oracle's
-    ladders that keep windows through second children only: the same bits; the pools back to baseline; the oracle's
+    """Greedy and seeded replies (the seeded one with penalties that favour repeats), two streams at once, drafted as
+    chains, as trees of branch 3 (the penalized one also serially), and the penalized one as an oracle's ladders that
+    keep windows through second children only: the same bits; the pools back to baseline; the oracle's
     trees accept drafts. (Until session 45 trees of branch 1, chains through the tree path, ran here too: an engine
     of their own cost ~35 s of compiling on the CPU suite's machine, and the tree path is the one branch 3 takes;
     branch 1's tree builder is propose_tree's (9, 1) case above.)"""
     prompts = _prompts()
-    reqs = [_request(prompts[0], None, max_tokens=24), _request(prompts[1], 11, max_tokens=24)]
+    penalized = _request(prompts[1], 11, max_tokens=24)
+    penalized = dataclasses.replace(penalized, sampling=dataclasses.replace(
+        penalized.sampling, presence_penalty=-2.0, frequency_penalty=-2.0, repetition_penalty=1.3))
+    reqs = [_request(prompts[0], None, max_tokens=24), penalized]
     replies = {}
     for tree in (0, 3):
         e = _engine(draft_tree=tree, draft_policy=DraftPolicy("always"))
@@ -246,13 +251,15 @@ def test_tree_drafted_replies_equal_chain_drafted(monkeypatch):
             hs = [e.submit(r) for r in reqs]
             replies[tree] = [h.result(TIMEOUT) for h in hs]
             assert _baseline(e) == base
+            if tree:  # the penalized stream's tree windows: its serial reply (its rows count their paths' tokens)
+                _same(e.submit(dataclasses.replace(penalized, draft=False)).result(TIMEOUT), replies[tree][1])
         finally:
             e.shutdown()
     for a, b in zip(replies[0], replies[3]):
         _same(a, b)
-    # the oracle: greedy reply of prompt 0, periodically corrupted
-    got = replies[0][0]
-    reply = np.asarray(list(reqs[0].prompt_ids) + list(got.token_ids) + [0] * 16, np.int32)
+    # the oracle: the penalized seeded reply, periodically corrupted (its rows' penalties count the ladders' paths)
+    got = replies[0][1]
+    reply = np.asarray(list(penalized.prompt_ids) + list(got.token_ids) + [0] * 16, np.int32)
     reply[np.arange(len(reply)) % PERIOD == 1] += 1
     table = np.stack([reply, reply])  # a lone request decodes on slot 1
     monkeypatch.setattr(D, "propose_tree", ladder_oracle(table))
@@ -264,7 +271,7 @@ def test_tree_drafted_replies_equal_chain_drafted(monkeypatch):
     e = _engine(draft_tree=2, draft_policy=DraftPolicy("always"))
     try:
         before = e.stats()
-        out = e.submit(reqs[0]).result(TIMEOUT)
+        out = e.submit(penalized).result(TIMEOUT)
         after = e.stats()
         _same(got, out)
         accepted = after.draft_accepted_total - before.draft_accepted_total
