@@ -9,22 +9,48 @@ does not open one leaves the model free to start its reply with `<think>`. So: t
 A reply cut off (length) before `</think>` is all reasoning. The newlines the template puts around the reasoning and
 before the answer are not part of either, as the template strips them when it renders the turn back.
 
-Tool calls (Qwen's Hermes-style JSON, what the template's tool prompt asks for): each call is a block
-`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` in the content (never in the reasoning: a model that
-drafts a call while thinking has not made it). A block whose body is not such JSON stays in the content, as vLLM's
+Tool calls: each call is a `<tool_call>` ... `</tool_call>` block in the content, and its body decides its form:
+- JSON (Qwen3's Hermes-style form, what the tiny checkpoint's template asks for): `{"name": ..., "arguments": {...}}`.
+- XML (Qwen3.5's form, vLLM's and SGLang's `qwen3_coder`): `<function=NAME>`, then per argument
+  `<parameter=KEY>\\nVALUE\\n</parameter>`, then `</function>`, whitespace between elements. The name and each key
+  are the text up to `>` (not empty, no whitespace or `<`: a `>` left out would otherwise swallow the next line). A
+  value is the text up to the first `</parameter>` that is followed, after whitespace, by the next `<parameter=` or by
+  `</function>` (so code holding `</parameter>` still parses), less one leading and one trailing newline. Values
+  are text; the request's tool schema (tools[i].function.parameters.properties[KEY], its `type` a name, a list, or
+  the types of its `anyOf`/`oneOf` branches as pydantic writes Optional) converts them: `integer`/`number` to a
+  JSON number (JSON's grammar after stripping whitespace, finite; `03106` stays text), `boolean` to true/false
+  (any case), `object`/`array` to that kind of JSON value; `null` (exactly) is null for any typed parameter unless
+  the type is only `string`; whatever does not convert, an unknown key or function, and a type we do not know stay
+  the text. Unlike vLLM: no Python-literal fallback (`ast.literal_eval` gives tuples and sets, not JSON), no
+  repair of a missing `</parameter>` or `</function>`, a bare `<function=` outside a `<tool_call>` block is text,
+  and a block with two `<function=` elements is not a call (Qwen's template writes one call a block).
+A block whose body is neither form, with an empty name, or with elements not closed stays in the content, as vLLM's
 hermes parser leaves it; so does a block the reply never closes. The content left around the calls is stripped.
+NaN, Infinity and numbers too large for a double are refused: clients parse the arguments with strict JSON parsers.
+
+Calls and reasoning: a call block inside a think block that the reply closes is reasoning, not a call (a model
+drafting a call while thinking has not made it; parsing drafts gives phantom duplicate calls). But Qwen3.5 at times
+writes its call without closing the think block first (vLLM #35687 made `<tool_call>` an implicit `</think>` for
+this; lost calls were vLLM #39056's complaint). So with tools parsed, a think block that has no `</think>` ends at
+its first block that is a call: the text before it is the reasoning, the rest is content. A reply cut off mid-thought
+just after a complete call (length) hence makes that call; its finish_reason stays "length".
 
 Both come in two forms that must agree: `parse_reply` over a whole reply (non-streamed responses) and `ReplyParser`
 fed the reply's pieces as the engine decides them (streams). A tag may arrive cut across pieces, so the stream holds
-back any suffix that could still become one; the joined deltas equal `parse_reply` for every way of cutting the text
-(tests/test_parsers.py checks every cut).
+back any suffix that could still become one, and holds each call block until it closes (content or reasoning, the
+call goes out whole). A call block inside a think block is held, with all the reasoning after it, until `</think>`
+(then it was reasoning) or the reply's end (then it was the call). The joined deltas equal `parse_reply` for every
+way of cutting the text (tests/test_parsers.py checks every cut).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
@@ -84,12 +110,21 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not JSON")
 
 
-def parse_tool_call(body: str) -> ToolCall | None:
-    """A block's body -> its call, or None when it is not one (the block then stays in the content). `arguments`
-    may be an object or an object's JSON text (some fine-tunes write the latter); left out, the function takes none.
-    NaN and Infinity are refused: clients parse the arguments with strict JSON parsers."""
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} overflows a double")
+    return value
+
+
+def _loads(text: str) -> Any:
+    """Strict JSON: what `json.dumps` gives back is JSON again (no NaN, no Infinity, no 1e999 turned infinite)."""
+    return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+
+
+def _parse_json_call(body: str) -> ToolCall | None:
     try:
-        call = json.loads(body, parse_constant=_reject_constant)
+        call = _loads(body)
     except ValueError:
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
@@ -97,7 +132,7 @@ def parse_tool_call(body: str) -> ToolCall | None:
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments, parse_constant=_reject_constant)
+            arguments = _loads(arguments)
         except ValueError:
             return None
     if not isinstance(arguments, dict):
@@ -105,11 +140,150 @@ def parse_tool_call(body: str) -> ToolCall | None:
     return ToolCall(call["name"], json.dumps(arguments, ensure_ascii=False))
 
 
+def _parameters_of(function: str, tools: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """The JSON schemas of a function's parameters by name (its tool's `parameters.properties`; the first tool of
+    that name), empty for a function the request did not give."""
+    for tool in tools:
+        spec = tool.get("function") if isinstance(tool, Mapping) else None
+        if isinstance(spec, Mapping) and spec.get("name") == function:
+            parameters = spec.get("parameters")
+            properties = parameters.get("properties") if isinstance(parameters, Mapping) else None
+            return properties if isinstance(properties, Mapping) else {}
+    return {}
+
+
+def _schema_types(schema: Any) -> list[str]:
+    """The JSON types a parameter's schema names, in order: its `type` (a name or a list) and those of its
+    `anyOf`/`oneOf` branches, one level (pydantic writes Optional[int] as anyOf integer, null)."""
+    if not isinstance(schema, Mapping):
+        return []
+    branches = [schema] + [b for key in ("anyOf", "oneOf") if isinstance(schema.get(key), list)
+                           for b in schema[key] if isinstance(b, Mapping)]
+    types: list[str] = []
+    for branch in branches:
+        kind = branch.get("type")
+        if isinstance(kind, str):
+            types.append(kind)
+        elif isinstance(kind, list):
+            types += [t for t in kind if isinstance(t, str)]
+    return types
+
+
+_JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+_JSON_KINDS = {"object": dict, "array": list}
+_NOT_CONVERTED = object()
+
+
+def _as_type(value: str, kind: str) -> Any:
+    """`value` (stripped) as a JSON value of `kind`, or _NOT_CONVERTED."""
+    if kind == "boolean":
+        return value.lower() == "true" if value.lower() in ("true", "false") else _NOT_CONVERTED
+    if kind in ("integer", "number"):
+        if not _JSON_NUMBER.fullmatch(value):
+            return _NOT_CONVERTED
+        want: type | tuple[type, ...] = (int, float)
+    elif kind in _JSON_KINDS:
+        want = _JSON_KINDS[kind]
+    else:
+        return _NOT_CONVERTED
+    try:
+        parsed = _loads(value)  # ValueError too for an integer past Python's 4300-digit limit
+    except ValueError:
+        return _NOT_CONVERTED
+    return parsed if isinstance(parsed, want) else _NOT_CONVERTED
+
+
+def convert_parameter(text: str, schema: Any) -> Any:
+    """An XML call's parameter value (text) as the JSON value its schema asks for; the text when it names no type
+    we convert to or the text does not convert."""
+    types = _schema_types(schema)
+    value = text.strip()
+    if value == "null" and types and types != ["string"]:
+        return None
+    if "string" in types:
+        return text
+    for kind in types:
+        converted = _as_type(value, kind)
+        if converted is not _NOT_CONVERTED:
+            return converted
+    return text
+
+
+FUNCTION_START, FUNCTION_END = "<function=", "</function>"
+PARAMETER_START, PARAMETER_END = "<parameter=", "</parameter>"
+
+
+def _tag_name(text: str, pos: int) -> tuple[str, int] | None:
+    """The NAME of a `<function=NAME>` or `<parameter=NAME>` whose NAME starts at pos, and the index after its `>`."""
+    close = text.find(">", pos)
+    name = text[pos:close] if close >= 0 else ""
+    if not name or "<" in name or any(c.isspace() for c in name):
+        return None
+    return name, close + 1
+
+
+def _skip_space(text: str, pos: int, stop: int) -> int:
+    while pos < stop and text[pos].isspace():
+        pos += 1
+    return pos
+
+
+def _parameter_end(text: str, start: int, stop: int) -> int:
+    """Where a value that starts at `start` ends: its first `</parameter>` followed, after whitespace, by the next
+    `<parameter=` or by the function's end at `stop`; -1 for none."""
+    pos = start
+    while (end := text.find(PARAMETER_END, pos, stop)) >= 0:
+        after = _skip_space(text, end + len(PARAMETER_END), stop)
+        if after == stop or text.startswith(PARAMETER_START, after):
+            return end
+        pos = end + 1
+    return -1
+
+
+def _parse_xml_call(body: str, tools: Sequence[Mapping[str, Any]]) -> ToolCall | None:
+    text = body.strip()
+    if not (text.startswith(FUNCTION_START) and text.endswith(FUNCTION_END)):
+        return None
+    stop = len(text) - len(FUNCTION_END)
+    tag = _tag_name(text, len(FUNCTION_START))
+    if tag is None or tag[1] > stop:
+        return None
+    name, pos = tag
+    schemas = _parameters_of(name, tools)
+    arguments: dict[str, Any] = {}
+    while (pos := _skip_space(text, pos, stop)) < stop:
+        tag = _tag_name(text, pos + len(PARAMETER_START)) if text.startswith(PARAMETER_START, pos) else None
+        if tag is None or tag[1] > stop:
+            return None
+        key, start = tag
+        end = _parameter_end(text, start, stop)
+        if end < 0:
+            return None
+        value = text[start:end]
+        value = value[1:] if value.startswith("\n") else value
+        value = value[:-1] if value.endswith("\n") else value
+        arguments[key] = convert_parameter(value, schemas.get(key))
+        pos = end + len(PARAMETER_END)
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+def parse_tool_call(body: str, tools: Sequence[Mapping[str, Any]] = ()) -> ToolCall | None:
+    """A block's body -> its call, or None when it is not one (the block then stays in the content). A body that
+    starts with `<function=` is an XML call, whose values `tools` (the request's, as OpenAI sends them) type; any
+    other is a JSON call, whose `arguments` may be an object or an object's JSON text (some fine-tunes write the
+    latter) and, left out, mean the function takes none."""
+    if body.lstrip().startswith(FUNCTION_START):
+        return _parse_xml_call(body, tools)
+    return _parse_json_call(body)
+
+
 _TOOL_BLOCK = re.compile(re.escape(TOOL_START) + "(.*?)" + re.escape(TOOL_END), re.DOTALL)
 
 
-def split_reasoning(text: str, in_think: bool) -> tuple[str, str]:
-    """-> (reasoning, content) of a whole reply; in_think: the prompt left a think block open."""
+def split_reasoning(text: str, in_think: bool,
+                    is_call: Callable[[str], bool] | None = None) -> tuple[str, str]:
+    """-> (reasoning, content) of a whole reply; in_think: the prompt left a think block open; is_call (tools
+    parsed): whether a block's body is a call, the first of which ends a think block that has no `</think>`."""
     opened = in_think
     head = text.lstrip()
     if head.startswith(THINK_START):
@@ -117,14 +291,20 @@ def split_reasoning(text: str, in_think: bool) -> tuple[str, str]:
     if not opened:
         return "", text
     reasoning, closed, content = text.partition(THINK_END)
-    return reasoning.strip("\n"), content.lstrip("\n") if closed else ""
+    if closed:
+        return reasoning.strip("\n"), content.lstrip("\n")
+    if is_call is not None:
+        for block in _TOOL_BLOCK.finditer(reasoning):
+            if is_call(block.group(1)):
+                return reasoning[:block.start()].strip("\n"), reasoning[block.start():]
+    return reasoning.strip("\n"), ""
 
 
-def split_tool_calls(content: str) -> tuple[str, tuple[ToolCall, ...]]:
+def split_tool_calls(content: str, tools: Sequence[Mapping[str, Any]] = ()) -> tuple[str, tuple[ToolCall, ...]]:
     """-> (the content without its well-formed call blocks, stripped; the calls in order)."""
     kept, calls, pos = [], [], 0
     for block in _TOOL_BLOCK.finditer(content):
-        call = parse_tool_call(block.group(1))
+        call = parse_tool_call(block.group(1), tools)
         if call is None:
             continue
         kept.append(content[pos:block.start()])
@@ -134,13 +314,16 @@ def split_tool_calls(content: str) -> tuple[str, tuple[ToolCall, ...]]:
     return "".join(kept).strip(), tuple(calls)
 
 
-def parse_reply(text: str, *, reasoning: bool, in_think: bool, tools: bool) -> ParsedReply:
+def parse_reply(text: str, *, reasoning: bool, in_think: bool, tools: bool,
+                tool_schemas: Sequence[Mapping[str, Any]] = ()) -> ParsedReply:
     """A whole reply. reasoning: split the think block (qwen3); in_think: the prompt left one open; tools: parse
-    tool-call blocks out of the content. With either parser on, an empty field is None."""
-    thought, content = split_reasoning(text, in_think) if reasoning else ("", text)
+    tool-call blocks out of the content; tool_schemas: the request's tools (OpenAI's form), which type XML calls'
+    arguments. With either parser on, an empty field is None."""
+    is_call = (lambda body: parse_tool_call(body, tool_schemas) is not None) if tools else None
+    thought, content = split_reasoning(text, in_think, is_call) if reasoning else ("", text)
     calls: tuple[ToolCall, ...] = ()
     if tools:
-        content, calls = split_tool_calls(content)
+        content, calls = split_tool_calls(content, tool_schemas)
     if not (reasoning or tools):
         return ParsedReply(None, content)
     return ParsedReply(thought or None, content or None, calls)
@@ -179,7 +362,8 @@ class _ToolStream:
     """Content in, (content out, calls) out: text streams until a `<tool_call>` opens; the block is held until its
     `</tool_call>` and leaves as one call (or, not a call, as content)."""
 
-    def __init__(self):
+    def __init__(self, tool_schemas: Sequence[Mapping[str, Any]]):
+        self._tool_schemas = tool_schemas
         self._buf = ""
         self._in_call = False
         self._trim = _Trim(None)
@@ -194,7 +378,7 @@ class _ToolStream:
                     break
                 body, self._buf = self._buf[:end], self._buf[end + len(TOOL_END):]
                 self._in_call = False
-                call = parse_tool_call(body)
+                call = parse_tool_call(body, self._tool_schemas)
                 if call is None:
                     out.append(TOOL_START + body + TOOL_END)
                 else:
@@ -221,12 +405,18 @@ class ReplyParser:
     """One streamed reply (one choice): `feed` each piece of text as it comes, `finish` once at the end; each
     returns the delta to send. Same arguments and, joined, the same result as `parse_reply`."""
 
-    def __init__(self, *, reasoning: bool, in_think: bool, tools: bool):
-        self.tools = _ToolStream() if tools else None
+    def __init__(self, *, reasoning: bool, in_think: bool, tools: bool,
+                 tool_schemas: Sequence[Mapping[str, Any]] = ()):
+        self._tool_schemas = tool_schemas
+        self.tools = _ToolStream(tool_schemas) if tools else None
         # Phases: "start" (a reply-opened think block is still possible), "think", "content".
         self._phase = "start" if reasoning else "content"
         self._opened = in_think
         self._buf = ""
+        # In the think phase with tools, what _buf starts with and holds: None (reasoning text), "block" (a
+        # `<tool_call>` not yet closed), "call" (a block that is a call, and all after it: it ends the think block
+        # unless a `</think>` follows).
+        self._held: str | None = None
         self._thought = _Trim("\n")
         self._after_think = False  # the newlines between `</think>` and the answer are dropped
 
@@ -238,10 +428,11 @@ class ReplyParser:
         if self._phase == "start":
             thought, content = (self._buf, "") if self._opened else ("", self._buf)
         elif self._phase == "think":
-            thought, content = self._buf, ""
+            # Never closed: reasoning, unless a call ended it (then the call and all after it are content).
+            thought, content = ("", self._buf) if self._held == "call" else (self._buf, "")
         else:
             thought, content = "", ""
-        self._buf = ""
+        self._buf, self._held = "", None
         delta = self._delta(self._thought.feed(thought) if thought else "", content)
         if self.tools is None:
             return delta
@@ -258,19 +449,48 @@ class ReplyParser:
                 return "", ""  # blank so far, or a `<think>` still arriving
             self._phase = "think" if self._opened else "content"
         if self._phase == "think":
-            end = self._buf.find(THINK_END)
-            if end < 0:
-                keep = _partial_tag(self._buf, THINK_END)
-                thought, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
-                return self._thought.feed(thought), ""
-            thought, self._buf = self._buf[:end], self._buf[end + len(THINK_END):]
-            self._phase, self._after_think = "content", True
+            thought, closed = self._think()
             thought = self._thought.feed(thought)
+            if not closed:
+                return thought, ""
+            self._phase, self._after_think = "content", True
         content, self._buf = self._buf, ""
         if self._after_think:
             content = content.lstrip("\n")
             self._after_think = not content
         return thought, content
+
+    def _think(self) -> tuple[str, bool]:
+        """-> the reasoning _buf settles, and whether `</think>` closed the block (_buf then holds what follows)."""
+        out = []
+        while True:
+            think_end = self._buf.find(THINK_END)
+            if self._held == "block":
+                block_end = self._buf.find(TOOL_END)
+                if block_end >= 0 and (think_end < 0 or block_end < think_end):
+                    body = self._buf[len(TOOL_START):block_end]
+                    if parse_tool_call(body, self._tool_schemas) is not None:
+                        self._held = "call"
+                    else:
+                        out.append(self._buf[:block_end + len(TOOL_END)])
+                        self._buf, self._held = self._buf[block_end + len(TOOL_END):], None
+                    continue
+            elif self._held is None:
+                block = self._buf.find(TOOL_START) if self.tools is not None else -1
+                if block >= 0 and (think_end < 0 or block < think_end):
+                    out.append(self._buf[:block])
+                    self._buf, self._held = self._buf[block:], "block"
+                    continue
+                if think_end < 0:
+                    keep = max(_partial_tag(self._buf, THINK_END),
+                               _partial_tag(self._buf, TOOL_START) if self.tools is not None else 0)
+                    out.append(self._buf[:len(self._buf) - keep])
+                    self._buf = self._buf[len(self._buf) - keep:]
+            if think_end < 0:
+                return "".join(out), False
+            out.append(self._buf[:think_end])
+            self._buf, self._held = self._buf[think_end + len(THINK_END):], None
+            return "".join(out), True
 
     def _delta(self, thought: str, content: str) -> ReplyDelta:
         calls: list[ToolCall] = []

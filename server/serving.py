@@ -182,20 +182,24 @@ async def _merged(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
 @dataclass(frozen=True)
 class ReplyMode:
     """How a chat reply's text is parsed (server/parsers.py): the think block split off (--reasoning-parser),
-    whether the prompt left one open, and tool calls parsed out of the content (a request with tools)."""
+    whether the prompt left one open, and tool calls parsed out of the content (a request with tools, whose schemas
+    type XML calls' arguments)."""
     reasoning: bool = False
     in_think: bool = False
     tools: bool = False
+    tool_schemas: tuple[dict[str, Any], ...] = ()
 
     @property
     def parses(self) -> bool:
         return self.reasoning or self.tools
 
     def whole(self, text: str) -> ParsedReply:
-        return parse_reply(text, reasoning=self.reasoning, in_think=self.in_think, tools=self.tools)
+        return parse_reply(text, reasoning=self.reasoning, in_think=self.in_think, tools=self.tools,
+                           tool_schemas=self.tool_schemas)
 
     def stream(self) -> ReplyParser:
-        return ReplyParser(reasoning=self.reasoning, in_think=self.in_think, tools=self.tools)
+        return ReplyParser(reasoning=self.reasoning, in_think=self.in_think, tools=self.tools,
+                           tool_schemas=self.tool_schemas)
 
 
 def _call_id() -> str:
@@ -312,7 +316,7 @@ class Serving:
                                                    False, tools)
         reasoning = self.reasoning_parser == "qwen3"
         mode = ReplyMode(reasoning=reasoning, in_think=reasoning and prompt_opens_think(prompt_text),
-                         tools=req.parse_tools)
+                         tools=req.parse_tools, tool_schemas=tuple(tools or ()))
         media = None
         if _first_image(req.messages) is not None:
             ids, media = await self._image_prompt(req.messages, ids)

@@ -420,3 +420,38 @@ def test_tags_that_are_special_tokens_are_kept(scripted):
         assert engine.requests[0].skip_special_tokens
     finally:
         serving.close()
+
+
+XML_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                                    "hourly": {"type": "boolean"}}}}}]
+XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n"
+            "</parameter>\n<parameter=hourly>\nfalse\n</parameter>\n</function>\n</tool_call>")
+
+
+def test_xml_tool_calls_whole_and_streamed(scripted):
+    """Qwen3.5's XML call form through the chat route: arguments typed by the request's schema, the streamed call
+    equal to the whole one (its tags cut across events), after the answer's content or in place of a `</think>`
+    the model left out."""
+    engine, _ = scripted
+    arguments = {"city": "New York", "days": 3, "hourly": False}
+    for text, reasoning, content in ((THINKING + "Let me check.\n\n" + XML_CALL, "The user wants the weather.",
+                                      "Let me check."),
+                                     ("\nI need the weather.\n\n" + XML_CALL + "\n", "I need the weather.", None)):
+        whole = chat(scripted, [(text, "stop")], tools=XML_TOOLS)
+        assert whole.status_code == 200, whole.text
+        (choice,) = whole.json()["choices"]
+        (tc,) = choice["message"]["tool_calls"]
+        assert tc["function"]["name"] == "get_weather" and json.loads(tc["function"]["arguments"]) == arguments
+        assert (choice["message"]["content"], choice["message"]["reasoning_content"], choice["finish_reason"]) == \
+            (content, reasoning, "tool_calls")
+
+        events = chat_stream(scripted, [(text, "stop")], tools=XML_TOOLS)
+        s = joined(events)
+        (streamed,) = s["tool_calls"]
+        assert re.fullmatch(r"call_[0-9a-f]{24}", streamed.pop("id"))
+        assert streamed == {"index": 0, "type": "function", "function": tc["function"]}
+        assert (s["content"] or None, s["reasoning_content"], s["finish"]) == (content, reasoning, ["tool_calls"])
+        pieces = [t for _, t in ScriptedHandle(engine.requests[0], engine.tokenizer, XML_CALL, "stop").script]
+        assert not any("<function=get_weather>" in p or "</parameter>" in p for p in pieces)
