@@ -318,9 +318,9 @@ def test_decode_calls_are_pipelined(eng):
     progs = eng.programs
     dispatch, fetch = progs.decode_async, progs.fetch
 
-    def traced_dispatch(window, sp):
+    def traced_dispatch(window, sp, pen=None):
         log.append("dispatch")
-        return dispatch(window, sp)
+        return dispatch(window, sp, pen)
 
     def traced_fetch(pending):
         log.append("fetch")

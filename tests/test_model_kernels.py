@@ -69,8 +69,8 @@ def test_27b_decode_program_launch_budget(h200_lowering):
     pr = P.Programs(params, cfg, lay, P.Buckets((P.GRID,), (1,), (1,)), M.Backend(kernels=True))
     args = P._abstract(pr._example("decode", (1, 1)))
     with calls.sharing(False):  # one Triton custom call a launch in the text (XLA inlines the shared ones)
-        lowered = pr._fns["decode"].trace(params, jax.eval_shape(lambda: pr.state), pr.last, *args).lower(
-            lowering_platforms=("cuda",))
+        lowered = pr._fns["decode"].trace(params, jax.eval_shape(lambda: pr.state), pr.last, pr.history,
+                                          *args).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
     kinds = [n.split('"')[0].split("_")[0] for n in text.split('name = "')[1:]]
     gdn_layer, attn_layer = 4 + 2 + 2, 4 + 2 + 3
@@ -95,7 +95,7 @@ def _decode_program_text(layers: int) -> str:
     pr = P.Programs(params, cfg, P.Layout(64, 4, 5, 2, "bfloat16", "bf16"), P.Buckets((P.GRID,), (1,), (1,)),
                     M.Backend(kernels=True))
     args = P._abstract(pr._example("decode", (1, 1)))
-    return pr._fns["decode"].trace(params, jax.eval_shape(lambda: pr.state), pr.last, *args).lower(
+    return pr._fns["decode"].trace(params, jax.eval_shape(lambda: pr.state), pr.last, pr.history, *args).lower(
         lowering_platforms=("cuda",)).as_text()
 
 
