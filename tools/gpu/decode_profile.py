@@ -134,11 +134,14 @@ def run(args) -> None:
             f.write(hlo)
     w = jax.device_put(P.decode_window(lay, s, tokens, cache, list(range(1, s + 1)), tables))
     sp = jax.device_put(P.sample_params([greedy] * s, [c + 1 for c in cache], s))
-    progs.state, progs.last, tok, _ = exe(progs.params, progs.state, progs.last, w, sp)
+    pen = jax.device_put(P.penalties([], s))
+    progs.state, progs.last, progs.history, tok, _ = exe(progs.params, progs.state, progs.last,
+                                                         progs.history, w, sp, pen)
     jax.block_until_ready(tok)
     t0 = time.perf_counter()
     for _ in range(args.rounds):
-        progs.state, progs.last, tok, _ = exe(progs.params, progs.state, progs.last, w, sp)
+        progs.state, progs.last, progs.history, tok, _ = exe(progs.params, progs.state, progs.last,
+                                                             progs.history, w, sp, pen)
     enq = (time.perf_counter() - t0) * 1e3 / args.rounds
     jax.block_until_ready((progs.state, tok))
     dev = (time.perf_counter() - t0) * 1e3 / args.rounds
@@ -150,7 +153,8 @@ def run(args) -> None:
     for _ in range(8):
         jax.block_until_ready((progs.state, tok))
         t0 = time.perf_counter()
-        progs.state, progs.last, tok, _ = exe(progs.params, progs.state, progs.last, w, sp)
+        progs.state, progs.last, progs.history, tok, _ = exe(progs.params, progs.state, progs.last,
+                                                             progs.history, w, sp, pen)
         idle.append((time.perf_counter() - t0) * 1e3)
     jax.block_until_ready((progs.state, tok))
     print(f"the host's enqueue of a call onto an idle device: {np.median(idle):.2f} ms (median of 8, "
