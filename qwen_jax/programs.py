@@ -375,7 +375,7 @@ def sample_params(requests: Sequence[sampling.RequestSampling], positions: Seque
     return sampling.pack_sample_params(list(requests), list(positions), rows)
 
 
-def penalties(rows_penalties: Sequence[tuple[float, float, float] | None], rows: int) -> sampling.Penalties:
+def penalties(rows_penalties: Sequence[sampling.RequestPenalties | None], rows: int) -> sampling.Penalties:
     return sampling.pack_penalties(list(rows_penalties), rows)
 
 
@@ -396,17 +396,20 @@ class Sampled:
 @dataclasses.dataclass(frozen=True)
 class History:
     """What penalties read, per slot: counts [slots, V] int32, how often each token was generated so far (counted
-    as it is fed back into a decode step: every generated token but the newest), and seen [slots, V] bool, the
-    prompt's tokens. A slot's rows are set when a stream with penalties takes it (`history_reset_program`); other
-    slots' rows are stale and never matter (neutral penalties leave a row's logits as they are)."""
+    as it is fed back into a decode step: every generated token but the newest), seen [slots, V] bool, the prompt's
+    tokens, and bias [slots, V] f32, the request's logit bias. A slot's rows are set when a stream with penalties
+    takes it (`history_reset_program`); other slots' rows are stale and never matter (neutral penalties leave a
+    row's logits as they are)."""
     counts: jax.Array
     seen: jax.Array
+    bias: jax.Array
 
 
 def sample_rows(logits: jax.Array, sp: sampling.SampleParams, top_n: int, path: str | None = None,
                 penalties: tuple | None = None):
     """logits [N, V] -> tokens [N] (+ (logprob [N], top ids [N, n], top logprobs [N, n]) when top_n > 0).
-    penalties: (sampling.Penalties [N], counts [N, V], seen [N, V]) applied before the draw (`sampling.penalize`);
+    penalties: (sampling.Penalties [N], counts [N, V], seen [N, V], bias [N, V]) applied before the draw
+    (`sampling.penalize`);
     logprobs are the raw logits' either way."""
     drawn = logits if penalties is None else sampling.penalize(logits, *penalties)
     tokens = sampling.sample(drawn, sp, path)
@@ -464,7 +467,7 @@ def media_embeds(media: jax.Array | None, embed_rows: jax.Array | None):
 def prompt_penalties(pen: sampling.Penalties, hist: History, slot: jax.Array) -> tuple:
     """`sample_rows`' penalties for the first token of each lane's stream: nothing generated yet, its prompt seen."""
     seen = hist.seen[slot]
-    return pen, jnp.zeros(seen.shape, jnp.int32), seen
+    return pen, jnp.zeros(seen.shape, jnp.int32), seen, hist.bias[slot]
 
 
 def prompt_program(cfg: ModelConfig, backend: M.Backend, packing: Packing, top_n: int) -> Callable:
@@ -497,8 +500,8 @@ def decode_program(cfg: ModelConfig, backend: M.Backend, top_n: int, path: str) 
         with jax.named_scope("step"):
             logits, state = M.step(params, state, dataclasses.replace(window, tokens=fed), cfg, backend)
         tokens, lp = sample_rows(logits[:, 0], sp, top_n, path,
-                                 penalties=(pen, counts[window.slot], hist.seen[window.slot]))
-        return state, last.at[window.slot].set(tokens), History(counts, hist.seen), tokens, lp
+                                 penalties=(pen, counts[window.slot], hist.seen[window.slot], hist.bias[window.slot]))
+        return state, last.at[window.slot].set(tokens), dataclasses.replace(hist, counts=counts), tokens, lp
 
     return program
 
@@ -585,7 +588,8 @@ def window_penalties(hist: History, window: M.VerifyWindow, anc: jax.Array, pen:
     counts = jnp.broadcast_to(hist.counts[window.slot][:, None, :], (s, r, hist.counts.shape[1]))
     fed = jnp.broadcast_to(window.tokens[:, None, :], (s, r, r))
     counts = counts.at[jnp.arange(s)[:, None, None], jnp.arange(r)[None, :, None], fed].add(on_path)
-    return pen, counts.reshape(s * r, -1), jnp.repeat(hist.seen[window.slot], r, axis=0)
+    return (pen, counts.reshape(s * r, -1), jnp.repeat(hist.seen[window.slot], r, axis=0),
+            jnp.repeat(hist.bias[window.slot], r, axis=0))
 
 
 def window_history(hist: History, window: M.VerifyWindow, path: jax.Array, took: jax.Array) -> History:
@@ -594,7 +598,7 @@ def window_history(hist: History, window: M.VerifyWindow, path: jax.Array, took:
     r = window.tokens.shape[1]
     fed = jnp.take_along_axis(window.tokens, path, axis=1)
     stood = (jnp.arange(r)[None] < took[:, None]).astype(jnp.int32)
-    return History(hist.counts.at[window.slot[:, None], fed].add(stood), hist.seen)
+    return dataclasses.replace(hist, counts=hist.counts.at[window.slot[:, None], fed].add(stood))
 
 
 def draft_program(cfg: ModelConfig, backend: M.Backend, top_n: int) -> Callable:
@@ -712,10 +716,11 @@ def commit_program(cfg: ModelConfig, backend: M.Backend) -> Callable:
 
 
 def history_reset_program() -> Callable:
-    """(history, slot, seen [V] bool) -> history with the slot's counts zero and its seen row `seen`."""
+    """(history, slot, seen [V] bool, bias [V] f32) -> history with the slot's counts zero and its seen and bias rows
+    these."""
 
-    def program(hist, slot, seen):
-        return History(hist.counts.at[slot].set(0), hist.seen.at[slot].set(seen))
+    def program(hist, slot, seen, bias):
+        return History(hist.counts.at[slot].set(0), hist.seen.at[slot].set(seen), hist.bias.at[slot].set(bias))
 
     return program
 
@@ -928,7 +933,7 @@ class Programs:
 
     def _fresh_history(self) -> History:
         shape = (self.layout.num_slots, self.cfg.text.vocab_size)
-        return History(jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.bool_))
+        return History(jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.bool_), jnp.zeros(shape, jnp.float32))
 
     def state_lost(self) -> bool:
         """True when a failed program consumed the donated pools (callers then `reset_state`)."""
@@ -997,8 +1002,9 @@ class Programs:
             if kind == "slot_copy":
                 return fn.lower(*self._with_draft_state(self.state), np.int32(0), np.int32(0))
             if kind == "history_reset":
-                seen = jax.ShapeDtypeStruct((self.cfg.text.vocab_size,), jnp.bool_)
-                return fn.lower(self.history, np.int32(0), seen)
+                v = self.cfg.text.vocab_size
+                return fn.lower(self.history, np.int32(0), jax.ShapeDtypeStruct((v,), jnp.bool_),
+                                jax.ShapeDtypeStruct((v,), jnp.float32))
             args = self._example(kind, shape)
             if kind == "commit":
                 return fn.lower(self.state, *args)
@@ -1154,12 +1160,13 @@ class Programs:
         tokens, lp, took, ranks = pending
         return self._host(tokens, lp), np.asarray(took), np.asarray(ranks)
 
-    def history_reset(self, slot: int, prompt_ids: Sequence[int]) -> None:
-        """A stream with penalties takes `slot`: its counts start at zero and its seen row holds the prompt's
-        tokens (dispatched; ordered before later calls)."""
-        seen = np.zeros(self.cfg.text.vocab_size, np.bool_)
+    def history_reset(self, slot: int, prompt_ids: Sequence[int], pen: sampling.RequestPenalties) -> None:
+        """A stream with penalties takes `slot`: its counts start at zero, its seen row holds the prompt's tokens and
+        its bias row the request's logit bias (dispatched; ordered before later calls)."""
+        v = self.cfg.text.vocab_size
+        seen = np.zeros(v, np.bool_)
         seen[np.asarray(prompt_ids, np.int64)] = True
-        self.history = self._get(("history_reset", (1, 1)))(self.history, np.int32(slot), seen)
+        self.history = self._get(("history_reset", (1, 1)))(self.history, np.int32(slot), seen, pen.bias_row(v))
 
     def slot_copy(self, src: int, dst: int) -> None:
         """Slot dst's GDN states and conv windows become slot src's (dispatched; ordered before later calls)."""

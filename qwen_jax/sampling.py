@@ -189,80 +189,120 @@ def pack_sample_params(requests: Sequence[RequestSampling], positions: Sequence[
 # ------------------------------------------------------------------------------------------------ penalties
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["presence", "frequency", "repetition"],
-                   meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["presence", "frequency", "repetition", "biased"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class Penalties:
-    """Per-row penalties on the tokens already in a stream's context (numpy on the host, jax.Array in programs),
-    applied to the logits before the draw (`penalize`); logprobs stay those of the raw logits.
+    """Per-row changes to the logits before the draw (`penalize`; numpy on the host, jax.Array in programs); logprobs
+    stay those of the raw logits.
 
     presence [n] f32: subtracted once from every token generated so far (OpenAI's presence_penalty; neutral 0).
     frequency [n] f32: subtracted once per time a token was generated (frequency_penalty; neutral 0).
     repetition [n] f32: for every token of the prompt or generated so far, a positive logit divided by it and a
-    negative one multiplied (the repetition_penalty of transformers and vLLM; neutral 1)."""
+    negative one multiplied (the repetition_penalty of transformers and vLLM; neutral 1).
+    biased [n] bool: the row's slot's logit_bias row is added first (OpenAI's logit_bias; neutral False)."""
 
     presence: jax.Array
     frequency: jax.Array
     repetition: jax.Array
+    biased: jax.Array
 
 
 PENALTY_LIMIT = 2.0  # |presence|, |frequency| at most this (OpenAI's range)
 REPETITION_LIMIT = 10.0
+BIAS_LIMIT = 100.0  # |logit_bias| values at most this (OpenAI's range)
 
 
-def check_penalties(presence: float, frequency: float, repetition: float) -> tuple[float, float, float]:
-    """A request's penalties as the device will see them (float32), validated. -> (presence, frequency, repetition)
-    """
-    out = []
-    for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency),
-                        ("repetition_penalty", repetition)):
-        x = _float32(name, value)
-        if name == "repetition_penalty":
-            if not (math.isfinite(x) and 0 < x <= REPETITION_LIMIT):
-                raise ValueError(f"{name} must be in (0, {REPETITION_LIMIT}], got {value!r}")
-        elif not (math.isfinite(x) and abs(x) <= PENALTY_LIMIT):
-            raise ValueError(f"{name} must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}], got {value!r}")
-        out.append(x)
-    return tuple(out)
+@dataclasses.dataclass(frozen=True)
+class RequestPenalties:
+    """A request's penalties and logit bias as the device will see them (float32), validated. logit_bias: (token
+    id, bias) pairs, ids distinct and non-negative (the engine checks them against its vocabulary)."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name, value in (("presence_penalty", self.presence), ("frequency_penalty", self.frequency)):
+            x = _float32(name, value)
+            if not (math.isfinite(x) and abs(x) <= PENALTY_LIMIT):
+                raise ValueError(f"{name} must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}], got {value!r}")
+        x = _float32("repetition_penalty", self.repetition)
+        if not (math.isfinite(x) and 0 < x <= REPETITION_LIMIT):
+            raise ValueError(f"repetition_penalty must be in (0, {REPETITION_LIMIT}], got {self.repetition!r}")
+        bias = []
+        for entry in self.logit_bias:
+            if not isinstance(entry, tuple) or len(entry) != 2:
+                raise ValueError(f"logit_bias must be (token id, bias) pairs, got {entry!r}")
+            token = _integer("logit_bias token id", entry[0])
+            value = _float32("logit_bias value", entry[1])
+            if token < 0:
+                raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
+            if not (math.isfinite(value) and abs(value) <= BIAS_LIMIT):
+                raise ValueError(f"logit_bias values must be in [-{BIAS_LIMIT}, {BIAS_LIMIT}], got {entry[1]!r}")
+            bias.append((token, value))
+        if len({t for t, _ in bias}) != len(bias):
+            raise ValueError("logit_bias names a token id twice")
+        for name, value in (("presence", _float32("presence_penalty", self.presence)),
+                            ("frequency", _float32("frequency_penalty", self.frequency)),
+                            ("repetition", x), ("logit_bias", tuple(sorted(bias)))):
+            object.__setattr__(self, name, value)
+
+    @property
+    def neutral(self) -> bool:
+        return self.presence == 0 and self.frequency == 0 and self.repetition == 1 and not self.logit_bias
+
+    def bias_row(self, vocab: int) -> np.ndarray:
+        """The logit bias as a [vocab] float32 row (zeros elsewhere)."""
+        row = np.zeros(vocab, np.float32)
+        for token, value in self.logit_bias:
+            row[token] = value
+        return row
 
 
-def neutral(presence: float, frequency: float, repetition: float) -> bool:
-    return presence == 0 and frequency == 0 and repetition == 1
-
-
-def pack_penalties(rows_penalties: Sequence[tuple[float, float, float] | None], rows: int) -> Penalties:
-    """Host arrays for one program call: rows_penalties[i] is row i's (presence, frequency, repetition), None for
-    none; rows past the end are neutral. -> Penalties of numpy arrays with `rows` entries."""
+def pack_penalties(rows_penalties: Sequence[RequestPenalties | None], rows: int) -> Penalties:
+    """Host arrays for one program call: rows_penalties[i] is row i's, None for none; rows past the end are neutral.
+    -> Penalties of numpy arrays with `rows` entries."""
     if len(rows_penalties) > rows:
         raise ValueError(f"rows ({rows}) is smaller than the number of penalty rows ({len(rows_penalties)})")
-    out = Penalties(np.zeros(rows, np.float32), np.zeros(rows, np.float32), np.ones(rows, np.float32))
+    out = Penalties(np.zeros(rows, np.float32), np.zeros(rows, np.float32), np.ones(rows, np.float32),
+                    np.zeros(rows, np.bool_))
     for i, p in enumerate(rows_penalties):
-        if p is not None:
-            out.presence[i], out.frequency[i], out.repetition[i] = check_penalties(*p)
+        if p is None:
+            continue
+        if not isinstance(p, RequestPenalties):
+            raise ValueError(f"rows_penalties[{i}] must be a RequestPenalties or None, got {type(p).__name__}")
+        out.presence[i], out.frequency[i], out.repetition[i] = p.presence, p.frequency, p.repetition
+        out.biased[i] = bool(p.logit_bias)
     return out
 
 
-def penalize(logits: jax.Array, pen: Penalties, counts: jax.Array, seen: jax.Array) -> jax.Array:
+def penalize(logits: jax.Array, pen: Penalties, counts: jax.Array, seen: jax.Array, bias: jax.Array) -> jax.Array:
     """logits [n, v]; pen with [n] fields; counts [n, v] int32 (how often each token was generated so far); seen
-    [n, v] bool (the prompt's tokens) -> float32 logits [n, v]: the repetition penalty on tokens seen or generated,
-    then frequency x count and presence subtracted. A row whose penalties are all neutral is its logits unchanged,
-    bit for bit (widened to float32 exactly, as `sample` does), whatever its counts."""
+    [n, v] bool (the prompt's tokens); bias [n, v] f32 (the rows' logit bias) -> float32 logits [n, v]: the bias
+    added (vLLM's order: bias, then penalties), the repetition penalty on tokens seen or generated, then frequency x
+    count and presence subtracted. A row whose penalties are all neutral is its logits unchanged, bit for bit
+    (widened to float32 exactly, as `sample` does), whatever its counts and bias rows hold."""
     x = logits.astype(jnp.float32)
     with jax.named_scope("penalties"):
         generated = counts > 0
+        y = jnp.where(pen.biased[:, None], x + bias, x)
         rep = pen.repetition[:, None]
-        y = jnp.where(seen | generated, jnp.where(x > 0, x / rep, x * rep), x)
+        y = jnp.where(seen | generated, jnp.where(y > 0, y / rep, y * rep), y)
         y = y - pen.frequency[:, None] * counts.astype(jnp.float32) - pen.presence[:, None] * generated
-        active = (pen.presence != 0) | (pen.frequency != 0) | (pen.repetition != 1)
+        active = (pen.presence != 0) | (pen.frequency != 0) | (pen.repetition != 1) | pen.biased
         return jnp.where(active[:, None], y, x)
 
 
 def penalize_reference(logits: np.ndarray, pen: Penalties, prompts: Sequence[Sequence[int]],
-                       generated: Sequence[Sequence[int]]) -> np.ndarray:
-    """`penalize` in numpy float64 from each row's prompt and generated token lists, one token at a time (the test
-    oracle) -> [n, v] float64."""
+                       generated: Sequence[Sequence[int]], bias: np.ndarray | None = None) -> np.ndarray:
+    """`penalize` in numpy float64 from each row's prompt and generated token lists and bias row, one token at a
+    time (the test oracle) -> [n, v] float64."""
     out = np.array(logits, np.float64)
     for row in range(out.shape[0]):
+        if bool(pen.biased[row]):
+            out[row] += np.asarray(bias[row], np.float64)
         rep = float(pen.repetition[row])
         for t in set(prompts[row]) | set(generated[row]):
             out[row, t] = out[row, t] / rep if out[row, t] > 0 else out[row, t] * rep

@@ -90,6 +90,8 @@ class _SamplingFields(_Strict):
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None  # None: the checkpoint's default
+    # OpenAI's logit_bias: token id (as a JSON key) -> bias in [-100, 100], added to the logits before penalties.
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     user: str | None = None
 
     @field_validator("stop", mode="plain")
@@ -101,7 +103,15 @@ class _SamplingFields(_Strict):
     def _check_common(self):
         if self.stream_options is not None and not self.stream:
             raise _FieldError("stream_options", "stream_options is only allowed when stream is true")
+        for key in self.logit_bias or {}:
+            if not (key.isascii() and key.isdigit()) or int(key) > INT32_MAX:
+                raise _FieldError("logit_bias", f"logit_bias keys must be token ids (non-negative integers), got "
+                                                f"{key!r}")
         return self
+
+    @property
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), v) for k, v in (self.logit_bias or {}).items())
 
 
 class _FieldError(ValueError):

@@ -458,6 +458,7 @@ class Serving:
             top_k=max(top_k, 0),
             min_p=req.min_p if req.min_p is not None else d.min_p,
             seed=req.seed, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            logit_bias=req.bias_pairs,
             repetition_penalty=d.repetition_penalty if req.repetition_penalty is None else req.repetition_penalty)
         rid = f"{id_prefix}-{uuid.uuid4().hex}"
         gens = [GenerationRequest(prompt_ids=tuple(ids), max_tokens=max_tokens, sampling=choice, stop=req.stop,
@@ -691,7 +692,8 @@ class Serving:
 _ENGINE_FIELDS = {"prompt_ids": None, "max_tokens": "max_tokens", "stop": "stop", "stop_token_ids": "stop_token_ids",
                   "logprobs": "logprobs", "seed": "seed", "temperature": "temperature", "top_k": "top_k",
                   "top_p": "top_p", "min_p": "min_p", "presence_penalty": "presence_penalty",
-                  "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty"}
+                  "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
+                  "logit_bias": "logit_bias"}
 
 
 def _engine_param(message: str, prompt_param: str) -> str | None:

@@ -273,7 +273,8 @@ def test_drafted_penalties_equal_serial(eng, monkeypatch):
     path would change its draw: a window rule that left the path out passed the same test with positive ones.)"""
     req = _request(_prompts()[1][:50], 13, max_tokens=24)
     req = dataclasses.replace(req, sampling=dataclasses.replace(
-        req.sampling, presence_penalty=-2.0, frequency_penalty=-2.0, repetition_penalty=1.3))
+        req.sampling, presence_penalty=-2.0, frequency_penalty=-2.0, repetition_penalty=1.3,
+        logit_bias=((17, 2.0), (211, -1.0))))
     other = _request(_prompts()[0], None, max_tokens=20)
     replies = {}
     _oracle(monkeypatch, eng, replies, 4)

@@ -131,11 +131,12 @@ def _penalized_reference(e: Engine, req: GenerationRequest) -> tuple[int, ...]:
     ck = load_checkpoint(CAPTURES / "tiny", dtype=jnp.float32, progress=False)
     runner = Runner(ck.params, ck.config, dtype=jnp.float32, backend=Backend(), max_len=MAX_LEN)
     s = req.sampling
-    pen = sampling.pack_penalties([(s.presence_penalty, s.frequency_penalty, s.repetition_penalty)], 1)
+    rp = sampling.RequestPenalties(s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.logit_bias)
+    pen, bias = sampling.pack_penalties([rp], 1), rp.bias_row(ck.config.text.vocab_size)[None]
     prompt = list(req.prompt_ids)
     logits, out, pos = runner.prefill(prompt), [], len(prompt)
     for _ in range(req.max_tokens):
-        z = sampling.penalize_reference(logits[None], pen, [prompt], [out]).astype(np.float32)
+        z = sampling.penalize_reference(logits[None], pen, [prompt], [out], bias).astype(np.float32)
         out.append(int(sampling.sample_reference(z, P.sample_params([e._sampling_rule(req)], [pos], 1))[0]))
         logits = runner.step(out[-1], pos)
         pos += 1
@@ -143,9 +144,9 @@ def _penalized_reference(e: Engine, req: GenerationRequest) -> tuple[int, ...]:
 
 
 def test_penalties_follow_the_serial_reference(eng):
-    """Requests with penalties (greedy and seeded, all three kinds) among requests without, all at once: each
-    penalized reply is the serial reference's (`_penalized_reference`), the others their solo replies; penalties
-    that favour repeats and ones against them both change the greedy reply."""
+    """Requests with penalties (greedy and seeded, all three kinds, and a logit bias) among requests without, all at
+    once: each penalized reply is the serial reference's (`_penalized_reference`), the others their solo replies;
+    penalties that favour repeats and ones against them both change the greedy reply; a bias of 100 decides it."""
     rng = np.random.default_rng(11)
     prompt = lambda n: tuple(int(t) for t in rng.integers(0, 490, size=n))  # noqa: E731
     penalized = [
@@ -154,6 +155,9 @@ def test_penalties_follow_the_serial_reference(eng):
                           ignore_eos=True),
         GenerationRequest(prompt(45), 16, SamplingOptions(temperature=0.9, top_k=40, seed=5, presence_penalty=1.0,
                                                           frequency_penalty=0.5, repetition_penalty=1.2),
+                          ignore_eos=True),
+        GenerationRequest(prompt(25), 16, SamplingOptions(temperature=0.8, seed=9, repetition_penalty=1.1,
+                                                          logit_bias=((7, 6.0), (11, 4.0), (300, -3.0))),
                           ignore_eos=True),
     ]
     plain = _requests(0)[:4]
@@ -168,6 +172,10 @@ def test_penalties_follow_the_serial_reference(eng):
         r.sampling, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)) for r in penalized[:2]])
     assert all(a.token_ids != b.token_ids for a, b in zip(got, unpenalized))
     assert len(set(got[1].token_ids)) < len(set(unpenalized[1].token_ids))  # favouring repeats: fewer distinct
+    assert {7, 11} & set(got[3].token_ids)  # the biased tokens come up
+    only = eng.submit(GenerationRequest(prompt(10), 6, SamplingOptions(logit_bias=((42, 100.0),)),
+                                        ignore_eos=True)).result(TIMEOUT)
+    assert only.token_ids == (42,) * 6  # a bias of 100 on one token: greedy picks it every time
 
 
 def test_repetition_penalty_matches_hf_transformers(eng):
@@ -371,7 +379,8 @@ def test_admission_errors():
                        (dataclasses.replace(ok, logprobs=4), "logprobs"),
                        (dataclasses.replace(ok, stop=(3,)), "stop"),
                        (dataclasses.replace(ok, sampling=SamplingOptions(presence_penalty=2.5)), "presence_penalty"),
-                       (dataclasses.replace(ok, sampling=SamplingOptions(repetition_penalty=0)), "repetition_penalty")):
+                       (dataclasses.replace(ok, sampling=SamplingOptions(repetition_penalty=0)), "repetition_penalty"),
+                       (dataclasses.replace(ok, sampling=SamplingOptions(logit_bias=((600, 1.0),))), "logit_bias")):
         with pytest.raises(ValueError, match=field):
             e.submit(bad)
     # Several at once (a reply's n choices): all queued or none.

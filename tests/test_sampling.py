@@ -11,9 +11,9 @@ from scipy import stats
 
 from qwen_jax.sampling import (
     Penalties,
+    RequestPenalties,
     RequestSampling,
     SampleParams,
-    check_penalties,
     choice_seed,
     derive_seed,
     keyed_uniform,
@@ -463,36 +463,48 @@ def test_choice_seed_follows_its_documented_formula():
 
 
 def test_penalize_follows_the_reference_and_leaves_neutral_rows_alone():
-    """`penalize` against its float64 oracle (prompt tokens, generated ones with repeats, logits of both signs), and
-    rows with neutral penalties: their logits bit for bit, whatever their counts hold."""
+    """`penalize` against its float64 oracle (prompt tokens, generated ones with repeats, logits of both signs, a
+    logit bias), and rows with neutral penalties: their logits bit for bit, whatever their counts and bias hold."""
     rng = np.random.default_rng(3)
-    n, v = 6, 50
+    n, v = 7, 50
     logits = rng.normal(0, 3, (n, v)).astype(np.float32)
     prompts = [rng.integers(0, v, 8).tolist() for _ in range(n)]
     generated = [rng.integers(0, v, 12).tolist() for _ in range(n)]
-    pen = pack_penalties([(0.5, 0.3, 1.4), (0.0, 0.0, 0.7), (-1.0, 2.0, 1.0), None, (0.0, 0.0, 1.0), (2.0, -2.0, 10.0)],
-                         n)
+    rows = [RequestPenalties(0.5, 0.3, 1.4), RequestPenalties(0.0, 0.0, 0.7), RequestPenalties(-1.0, 2.0, 1.0),
+            None, RequestPenalties(), RequestPenalties(2.0, -2.0, 10.0),
+            RequestPenalties(0.5, 0.0, 1.2, ((3, 100.0), (generated[6][0], -4.5), (7, 0.25)))]
+    pen = pack_penalties(rows, n)
+    assert pen.biased.tolist() == [False] * 6 + [True]
     counts = np.zeros((n, v), np.int32)
     seen = np.zeros((n, v), bool)
     for i in range(n):
         np.add.at(counts[i], generated[i], 1)
         seen[i, prompts[i]] = True
-    got = np.asarray(penalize(jnp.asarray(logits), pen, jnp.asarray(counts), jnp.asarray(seen)))
-    want = penalize_reference(logits, pen, prompts, generated)
+    bias = rng.normal(0, 5, (n, v)).astype(np.float32)  # stale rows: only a biased row's counts
+    bias[6] = rows[6].bias_row(v)
+    got = np.asarray(penalize(jnp.asarray(logits), pen, jnp.asarray(counts), jnp.asarray(seen), jnp.asarray(bias)))
+    want = penalize_reference(logits, pen, prompts, generated, bias)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
     for i in (3, 4):  # neutral: unchanged bits
         assert got[i].tobytes() == logits[i].tobytes()
     assert not np.array_equal(got[0], logits[0]) and not np.array_equal(got[2], logits[2])
+    assert np.argmax(got[6]) == 3
     # bf16 logits are widened exactly, as `sample` widens them
     half = jnp.asarray(logits, jnp.bfloat16)
-    assert np.asarray(penalize(half, pen, jnp.asarray(counts), jnp.asarray(seen)))[3].tobytes() == \
-        np.asarray(half.astype(jnp.float32))[3].tobytes()
-    assert check_penalties(1, -2, 1) == (1.0, -2.0, 1.0)
-    for bad, field in (((2.5, 0, 1), "presence_penalty"), ((0, -2.01, 1), "frequency_penalty"),
-                       ((0, 0, 0), "repetition_penalty"), ((0, 0, 10.5), "repetition_penalty"),
-                       ((float("nan"), 0, 1), "presence_penalty"), ((0, True, 1), "frequency_penalty")):
+    assert np.asarray(penalize(half, pen, jnp.asarray(counts), jnp.asarray(seen), jnp.asarray(bias)))[3].tobytes() \
+        == np.asarray(half.astype(jnp.float32))[3].tobytes()
+    assert RequestPenalties(1, -2, 1, ((5, 1), (2, -100))).logit_bias == ((2, -100.0), (5, 1.0))
+    assert RequestPenalties().neutral and not RequestPenalties(logit_bias=((1, 0.5),)).neutral
+    for kw, field in ((dict(presence=2.5), "presence_penalty"), (dict(frequency=-2.01), "frequency_penalty"),
+                      (dict(repetition=0), "repetition_penalty"), (dict(repetition=10.5), "repetition_penalty"),
+                      (dict(presence=float("nan")), "presence_penalty"), (dict(frequency=True), "frequency_penalty"),
+                      (dict(logit_bias=((1, 100.5),)), "logit_bias"), (dict(logit_bias=((-1, 1.0),)), "logit_bias"),
+                      (dict(logit_bias=((1, 1.0), (1, 2.0))), "logit_bias"),
+                      (dict(logit_bias=((1.5, 1.0),)), "logit_bias")):
         with pytest.raises(ValueError, match=field):
-            check_penalties(*bad)
+            RequestPenalties(**kw)
     with pytest.raises(ValueError, match="rows"):
         pack_penalties([None] * 3, 2)
+    with pytest.raises(ValueError, match="RequestPenalties"):
+        pack_penalties([(0.0, 0.0, 1.0)], 2)
     assert isinstance(pen, Penalties)

@@ -228,9 +228,10 @@ def test_n_choices(client, model, http):
     assert reasons == [["length"], ["length"]] and whole["usage"]["completion_tokens"] == 20
 
 
-def test_penalties(client, model):
+def test_penalties(client, model, http):
     """Penalties reach the engine: greedy replies under penalties that favour repeats, or under a repetition
-    penalty, differ from the plain one and reproduce; with drafting off they are the same (they decode serially)."""
+    penalty, differ from the plain one and reproduce (with drafting off too); a logit bias of 100 on one token makes
+    the reply that token over and over."""
     kw = dict(model=model, messages=MESSAGES, max_tokens=16, temperature=0.0)
     reply = lambda **more: client.chat.completions.create(**kw, **more).choices[0].message.content  # noqa: E731
     plain = reply(extra_body={"ignore_eos": True})
@@ -239,7 +240,8 @@ def test_penalties(client, model):
     assert a != plain and a == reply(**favour, extra_body={"ignore_eos": True, "draft": False})
     b = reply(extra_body={"ignore_eos": True, "repetition_penalty": 1.8})
     assert b != plain and b == reply(extra_body={"ignore_eos": True, "repetition_penalty": 1.8})
-
+    forced = reply(logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    assert forced == http.post("/detokenize", json={"tokens": [42] * 16}).json()["prompt"]
 
 def test_draft_false_equals_default(client, model):
     for extra in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 99}):
@@ -502,6 +504,10 @@ BAD_INPUTS = [
     (CHAT, json.dumps({**OK_CHAT, "presence_penalty": 2.5}).encode(), 400, "presence_penalty", None),
     (CHAT, json.dumps({**OK_CHAT, "frequency_penalty": "1"}).encode(), 400, "frequency_penalty", None),
     (CHAT, json.dumps({**OK_CHAT, "repetition_penalty": 0}).encode(), 400, "repetition_penalty", None),
+    (CHAT, json.dumps({**OK_CHAT, "logit_bias": {"abc": 1}}).encode(), 400, "logit_bias", None),
+    (CHAT, json.dumps({**OK_CHAT, "logit_bias": {"5": 101}}).encode(), 400, "logit_bias.5", None),
+    (CHAT, json.dumps({**OK_CHAT, "logit_bias": {"-5": 1}}).encode(), 400, "logit_bias", None),
+    (COMPLETIONS, json.dumps({"prompt": "a", "logit_bias": {"999999": 1}}).encode(), 400, "logit_bias", None),
     (CHAT, json.dumps({**OK_CHAT, "chat_template_kwargs": {"tokenize": True}}).encode(), 400,
      "chat_template_kwargs", None),
     (CHAT, b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"a": NaN}}', 400,

@@ -403,12 +403,16 @@ class Engine:
         return sampling.RequestSampling(seed=seed, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                                         min_p=s.min_p)
 
-    @staticmethod
-    def _penalties(req: GenerationRequest) -> tuple[float, float, float] | None:
-        """The request's penalties as the device sees them, or None when all are neutral."""
+    def _penalties(self, req: GenerationRequest) -> sampling.RequestPenalties | None:
+        """The request's penalties and logit bias as the device sees them, or None when all are neutral."""
         s = req.sampling
-        pen = sampling.check_penalties(s.presence_penalty, s.frequency_penalty, s.repetition_penalty)
-        return None if sampling.neutral(*pen) else pen
+        bias = s.logit_bias.items() if isinstance(s.logit_bias, dict) else s.logit_bias
+        pen = sampling.RequestPenalties(s.presence_penalty, s.frequency_penalty, s.repetition_penalty,
+                                        tuple(tuple(x) for x in bias))
+        bad = [t for t, _ in pen.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        return None if pen.neutral else pen
 
     def _reserve(self, req: GenerationRequest) -> int:
         """KV pages a request holds while it runs: its prompt and max_tokens, capped at the context."""
@@ -636,8 +640,9 @@ class Engine:
             try:
                 if entry is not None:
                     self.programs.slot_copy(entry.slot, slot[0])
-                if self._penalties(req) is not None:
-                    self.programs.history_reset(slot[0], req.prompt_ids)
+                pen = self._penalties(req)
+                if pen is not None:
+                    self.programs.history_reset(slot[0], req.prompt_ids, pen)
                 if media_rows:
                     self.programs.media_put(media_rows, np.asarray(req.media.embeds, np.float32))
             except Exception as e:

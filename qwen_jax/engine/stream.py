@@ -25,7 +25,7 @@ class Stream:
     def __init__(self, handle: RequestHandle, *, slot: int, pages: list[int], pages_per_stream: int,
                  sampling_rule: sampling.RequestSampling, stop_ids: frozenset[int], max_model_len: int, tokenizer,
                  copy_drafts: bool = False, block_drafts: bool = False, resumed: int = 0,
-                 media_rows: list[int] = (), penalties: tuple[float, float, float] | None = None):
+                 media_rows: list[int] = (), penalties: sampling.RequestPenalties | None = None):
         req: GenerationRequest = handle.request
         self.handle = handle
         self.request = req
@@ -35,7 +35,7 @@ class Stream:
         self.page_table = np.zeros(pages_per_stream, np.int32)
         self.page_table[:len(pages)] = pages
         self.sampling = sampling_rule
-        self.penalties = penalties  # (presence, frequency, repetition), or None when all are neutral
+        self.penalties = penalties  # None when all are neutral
         self.stop_ids = stop_ids
         self.max_model_len = max_model_len
         self.phase = Phase.PROMPT
