@@ -3,6 +3,8 @@ captures/tiny (reference path, CPU) resumed ≡ fresh: a prompt resumed from a k
 included, that an engine without the cache gives, greedy and seeded, alone and with others; kept states give way
 when a request needs their pages, and the pools return to baseline."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -163,6 +165,24 @@ def test_resumed_streams_together_equal_solo(engines):
     assert [h.cached_tokens for h in handles] == [192] * 6
     for i, p in enumerate(prompts):
         _same(got[i], plain.submit(_request(p, i, max_tokens=10 + i)).result(TIMEOUT))
+    cached.clear_prompt_cache()
+    _baseline(cached)
+
+
+def test_choices_queued_together_prefill_once(engines):
+    """A reply's n choices (the same prompt, queued at once with `submit_all`, seeds per choice): the first runs the
+    prompt, the others wait for its kept state and resume from it; each reply is the engine without a cache's."""
+    cached, plain = engines
+    prompt = [int(t) for t in np.random.default_rng(8).integers(0, 490, size=150)]
+    cached.clear_prompt_cache()
+    reqs = [dataclasses.replace(_request(prompt, 1), sampling=SamplingOptions(temperature=0.9, seed=300 + i))
+            for i in range(3)]
+    handles = cached.submit_all(reqs)
+    got = [h.result(TIMEOUT) for h in handles]
+    assert [h.cached_tokens for h in handles] == [0, 128, 128]
+    for r, g in zip(reqs, got):
+        _same(g, plain.submit(r).result(TIMEOUT))
+    assert len({g.token_ids for g in got}) == 3
     cached.clear_prompt_cache()
     _baseline(cached)
 

@@ -607,6 +607,8 @@ class Engine:
                     return
                 handle = self._waiting[0]
             req = handle.request
+            if self._follows(req):
+                return
             slot = self._slots.take(1)
             if slot is None:
                 return
@@ -669,6 +671,16 @@ class Engine:
             handle.cached_tokens = stream.prefilled
             with self._lock:
                 self._running.append(stream)
+
+    def _follows(self, req: GenerationRequest) -> bool:
+        """Whether the queue's head waits for a running stream with the same prompt whose prompt pass will still keep
+        a state in the prompt cache: it then resumes from that state instead of running the same prompt beside it
+        (a reply's `n` choices, queued together, prefill once). Replies are the same either way (resumed = fresh);
+        the wait ends at the twin's last keep point, or when it ends."""
+        if self._cache is None or req.media is not None:
+            return False
+        return any(s.phase is Phase.PROMPT and s.keep_at and s.request.prompt_ids == req.prompt_ids
+                   for s in self._running)
 
     def _release(self, slot: list[int], pages: list[int], media_rows: list[int] = ()) -> None:
         with self._lock:
