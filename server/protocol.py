@@ -247,8 +247,8 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("prompt", mode="plain")
     @classmethod
-    def _check_prompt(cls, value: Any) -> str | list[int]:
-        return _single_prompt(value)
+    def _check_prompt(cls, value: Any) -> list[str | list[int]]:
+        return _prompt_batch(value)
 
     @model_validator(mode="after")
     def _check_completion(self):
@@ -257,22 +257,29 @@ class CompletionRequest(_SamplingFields):
         return self
 
 
-def _single_prompt(value: Any) -> str | list[int]:
-    """A string or a list of token ids; a one-element batch of either is unwrapped (some clients always send a
-    list), a longer batch is refused because one request yields one choice here."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list) and value and all(isinstance(x, list) or isinstance(x, str) for x in value):
-        raise ValueError(f"one prompt per request (got a batch of {len(value)})")
-    if isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
-        if not value:
-            raise ValueError("the prompt is empty")
-        if any(not 0 <= x <= INT32_MAX for x in value):
-            raise ValueError("token ids must be non-negative integers")
-        return value
-    raise ValueError("must be a string or a list of token ids")
+def _prompt_batch(value: Any) -> list[str | list[int]]:
+    """OpenAI's prompt: a string, a list of token ids, or a batch (a list) of either -> the batch's prompts (at most
+    MAX_CHOICES; a reply's choices are prompt i's choice j at index i * n + j)."""
+    if isinstance(value, str) or (isinstance(value, list) and not any(isinstance(x, (str, list)) for x in value)):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise ValueError("must be a string, a list of token ids, or a non-empty list of either")
+    if len(value) > MAX_CHOICES:
+        raise ValueError(f"at most {MAX_CHOICES} prompts a request, got {len(value)}")
+    out = []
+    for i, p in enumerate(value):
+        where = f"prompt {i}: " if len(value) > 1 else ""
+        if isinstance(p, str):
+            out.append(p)
+            continue
+        if not isinstance(p, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+            raise ValueError(f"{where}must be a string or a list of token ids")
+        if not p:
+            raise ValueError(f"{where}the prompt is empty")
+        if any(not 0 <= x <= INT32_MAX for x in p):
+            raise ValueError(f"{where}token ids must be non-negative integers")
+        out.append(p)
+    return out
 
 
 # ------------------------------------------------------------------------------------------- tokenize routes

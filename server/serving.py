@@ -135,12 +135,14 @@ class _Run:
 
 
 
-def _usage(runs: list[_Run]) -> dict:
-    """A reply's usage over its choices: the prompt once (every choice has the same), the completions summed, and
-    the prompt tokens that every choice took from the prompt cache."""
-    p = runs[0].handle.prompt_tokens
+def _usage(runs: list[_Run], n: int | None = None) -> dict:
+    """A reply's usage over its choices, each n consecutive runs one prompt's (default: all of them): each prompt
+    once, the completions summed, and the prompt tokens that every choice of a prompt took from the prompt cache."""
+    n = n or len(runs)
+    groups = [runs[i:i + n] for i in range(0, len(runs), n)]
+    p = sum(g[0].handle.prompt_tokens for g in groups)
     c = sum(r.handle.completion_tokens for r in runs)
-    cached = min(r.handle.cached_tokens for r in runs)
+    cached = sum(min(r.handle.cached_tokens for r in g) for g in groups)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -343,18 +345,22 @@ class Serving:
     async def completion(self, req: P.CompletionRequest, wait_disconnect: Callable[[], Awaitable[None]]):
         """-> CompletionResponse, or an EventStream when req.stream."""
         self.check_model(req.model)
-        if isinstance(req.prompt, str):
-            tok = self._need_tokenizer("prompt")
-            ids = await self._off_loop(lambda: tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
-            if not ids:
-                raise bad_request("prompt: the prompt is empty", param="prompt")
-        else:
-            ids = req.prompt
-            self._check_ids(ids, "prompt")
-        runs, rid = self._submit(req, ids, req.max_tokens, "prompt", req.logprobs, "cmpl")
+        prompts = []
+        for prompt in req.prompt:
+            if isinstance(prompt, str):
+                tok = self._need_tokenizer("prompt")
+                ids = await self._off_loop(
+                    lambda text=prompt: tok(text, add_special_tokens=req.add_special_tokens)["input_ids"])
+                if not ids:
+                    raise bad_request("prompt: the prompt is empty", param="prompt")
+            else:
+                ids = prompt
+                self._check_ids(ids, "prompt")
+            prompts.append(ids)
+        runs, rid = self._submit(req, prompts, req.max_tokens, "prompt", req.logprobs, "cmpl")
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._completion_stream(runs, rid, include_usage)
+            return self._completion_stream(runs, rid, include_usage, req.n)
         replies = await self._until_disconnect(self._collect_all(runs), wait_disconnect)
         choices = []
         for i, (run, (text, logprobs)) in enumerate(zip(runs, replies)):
@@ -362,7 +368,7 @@ class Serving:
             lp = None if logprobs is None else self._completion_logprobs(logprobs)[0]
             choices.append(P.CompletionChoice(index=i, text=text, finish_reason=run.finish_reason, logprobs=lp))
         return P.CompletionResponse(id=rid, created=int(time.time()), model=self.model_name, choices=choices,
-                                    usage=P.Usage(**_usage(runs)))
+                                    usage=P.Usage(**_usage(runs, req.n)))
 
     # ------------------------------------------------------------------------------------------ prompt side
 
@@ -442,13 +448,16 @@ class Serving:
         rope, _ = mrope_positions(ids, grids, image_token_id=cfg.image_token_id, merge_size=merge)
         return ids, PromptMedia(image_token_rows(ids, cfg.image_token_id), np.concatenate(rows), rope)
 
-    def _submit(self, req: P.ChatCompletionRequest | P.CompletionRequest, ids: list[int], max_tokens: int | None,
-                prompt_param: str, logprobs: int | None, id_prefix: str, media: PromptMedia | None = None, *,
-                skip_special_tokens: bool = True) -> tuple[list[_Run], str]:
-        """-> one run a choice (req.n; all queued or none), and the reply's id."""
-        max_tokens = self._output_budget(len(ids), max_tokens, prompt_param)
-        if req.n > self.engine.max_queued:
-            raise bad_request(f"n: {req.n} choices wait in the queue together; this server queues at most "
+    def _submit(self, req: P.ChatCompletionRequest | P.CompletionRequest, ids: list[int] | list[list[int]],
+                max_tokens: int | None, prompt_param: str, logprobs: int | None, id_prefix: str,
+                media: PromptMedia | None = None, *, skip_special_tokens: bool = True) -> tuple[list[_Run], str]:
+        """ids: one prompt's, or a batch of prompts' (completions) -> one run a choice (req.n a prompt, prompt i's
+        choice j at i * n + j; all queued or none), and the reply's id."""
+        batch = ids if ids and isinstance(ids[0], list) else [ids]
+        budgets = [self._output_budget(len(p), max_tokens, prompt_param) for p in batch]
+        if req.n * len(batch) > self.engine.max_queued:
+            what = f"{req.n} choices" if len(batch) == 1 else f"{len(batch)} prompts x {req.n} choices"
+            raise bad_request(f"n: {what} wait in the queue together; this server queues at most "
                               f"{self.engine.max_queued} requests (--max-queued)", param="n")
         d = self.defaults
         top_k = req.top_k if req.top_k is not None else d.top_k
@@ -461,11 +470,14 @@ class Serving:
             logit_bias=req.bias_pairs,
             repetition_penalty=d.repetition_penalty if req.repetition_penalty is None else req.repetition_penalty)
         rid = f"{id_prefix}-{uuid.uuid4().hex}"
-        gens = [GenerationRequest(prompt_ids=tuple(ids), max_tokens=max_tokens, sampling=choice, stop=req.stop,
+        total = req.n * len(batch)
+        gens = [GenerationRequest(prompt_ids=tuple(p), max_tokens=budget, sampling=choice, stop=req.stop,
                                   stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-                                  logprobs=logprobs, draft=req.draft, request_id=rid if req.n == 1 else f"{rid}-{i}",
+                                  logprobs=logprobs, draft=req.draft,
+                                  request_id=rid if total == 1 else f"{rid}-{k * req.n + i}",
                                   media=media, skip_special_tokens=skip_special_tokens)
-                for i, choice in enumerate(self._choices(sampling, ids, req.n))]
+                for k, (p, budget) in enumerate(zip(batch, budgets))
+                for i, choice in enumerate(self._choices(sampling, p, req.n))]
         try:
             handles = self.engine.submit_all(gens)
         except EngineOverloaded as e:
@@ -604,7 +616,7 @@ class Serving:
         usage = (lambda: frame([], usage=_usage(runs))) if include_usage else None
         return EventStream(self._stream(runs, [choice(i, r) for i, r in enumerate(runs)], usage), _close_all(runs))
 
-    def _completion_stream(self, runs: list[_Run], rid: str, include_usage: bool) -> EventStream:
+    def _completion_stream(self, runs: list[_Run], rid: str, include_usage: bool, n: int = 1) -> EventStream:
         created = int(time.time())
         usage_none = {"usage": None} if include_usage else {}
 
@@ -631,7 +643,7 @@ class Serving:
                 if ev.token_ids or ev.text or reason is not None:
                     yield chunk(i, ev.text, reason, lp)
 
-        usage = (lambda: frame([], usage=_usage(runs))) if include_usage else None
+        usage = (lambda: frame([], usage=_usage(runs, n))) if include_usage else None
         return EventStream(self._stream(runs, [choice(i, r) for i, r in enumerate(runs)], usage), _close_all(runs))
 
     async def _stream(self, runs: list[_Run], choices: list[AsyncIterator[str]],

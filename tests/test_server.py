@@ -228,6 +228,27 @@ def test_n_choices(client, model, http):
     assert reasons == [["length"], ["length"]] and whole["usage"]["completion_tokens"] == 20
 
 
+def test_completions_prompt_batch(http):
+    """A batch of prompts (text and token ids) with n=2: prompt i's choice j at index i * n + j, each the reply to
+    that prompt alone; usage counts every prompt once; streamed the same, with the usage chunk last."""
+    ids = http.post("/tokenize", json={"prompt": "The sea"}).json()["tokens"]
+    body = {"max_tokens": 6, "n": 2, "seed": 3, "temperature": 1.0, "ignore_eos": True}
+    batch = http.post("/v1/completions", json={**body, "prompt": ["Once upon a time", ids]}).json()
+    alone = [http.post("/v1/completions", json={**body, "prompt": p}).json() for p in ("Once upon a time", ids)]
+    assert [c["index"] for c in batch["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in batch["choices"]] == [c["text"] for a in alone for c in a["choices"]]
+    assert batch["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert batch["usage"]["completion_tokens"] == 24
+    with http.stream("POST", "/v1/completions", json={**body, "prompt": ["Once upon a time", ids], "stream": True,
+                                                      "stream_options": {"include_usage": True}}) as r:
+        events = sse_events(r)
+    texts = [""] * 4
+    for ev in events[:-2]:
+        (c,) = ev["choices"]
+        texts[c["index"]] += c["text"]
+    assert texts == [c["text"] for c in batch["choices"]] and events[-2]["usage"] == batch["usage"]
+
+
 def test_penalties(client, model, http):
     """Penalties reach the engine: greedy replies under penalties that favour repeats, or under a repetition
     penalty, differ from the plain one and reproduce (with drafting off too); a logit bias of 100 on one token makes
@@ -526,7 +547,11 @@ BAD_INPUTS = [
     (COMPLETIONS, json.dumps({"prompt": [1, True]}).encode(), 400, "prompt", None),
     (COMPLETIONS, json.dumps({"prompt": []}).encode(), 400, "prompt", None),
     (COMPLETIONS, json.dumps({"prompt": ""}).encode(), 400, "prompt", None),
-    (COMPLETIONS, json.dumps({"prompt": ["a", "b"]}).encode(), 400, "prompt", None),
+    (COMPLETIONS, json.dumps({"prompt": ["a", 5]}).encode(), 400, "prompt", None),
+    (COMPLETIONS, json.dumps({"prompt": [[1, 2], []]}).encode(), 400, "prompt", None),
+    (COMPLETIONS, json.dumps({"prompt": [[1, 2], [3, True]]}).encode(), 400, "prompt", None),
+    (COMPLETIONS, json.dumps({"prompt": ["a"] * 129}).encode(), 400, "prompt", None),
+    (COMPLETIONS, json.dumps({"prompt": ["a"] * 33, "n": 2}).encode(), 400, "n", None),  # 66 > the queue's 64
     (COMPLETIONS, json.dumps({"prompt": {"text": "a"}}).encode(), 400, "prompt", None),
     (COMPLETIONS, json.dumps({}).encode(), 400, "prompt", None),
     (COMPLETIONS, json.dumps({"prompt": "a", "logprobs": True}).encode(), 400, "logprobs", None),
