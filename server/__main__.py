@@ -7,6 +7,7 @@ for smoke tests; it answers quickly on any machine, and its text is gibberish.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -131,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(both names; the answer after `</think>` is `content`): 'qwen3' for Qwen's <think> blocks, "
                         "'none' leaves the text whole in `content`, 'auto' (default) is qwen3 when the checkpoint's "
                         "chat template writes think blocks. Tool calls are parsed whenever a request sends `tools`")
+    c.add_argument("--default-chat-template-kwargs", metavar="JSON", default=None,
+                   help="template variables every chat request gets unless it sets them in its own "
+                        "`chat_template_kwargs`, e.g. '{\"enable_thinking\": false}' (Qwen3.5 without thinking)")
 
     h = p.add_argument_group("http")
     h.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1; 0.0.0.0 exposes it)")
@@ -164,6 +168,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.drafter is not None and args.synthetic is not None:
         print("error: --drafter: a drafter needs a checkpoint's model, not --synthetic", file=sys.stderr)
         return 2
+    template_kwargs = {}
+    if args.default_chat_template_kwargs is not None:
+        from server.serving import check_template_kwargs
+        try:
+            template_kwargs = check_template_kwargs(json.loads(args.default_chat_template_kwargs))
+        except json.JSONDecodeError as e:
+            print(f"error: --default-chat-template-kwargs: not JSON ({e})", file=sys.stderr)
+            return 2
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import uvicorn
@@ -188,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     engine.start()
     serving = Serving(engine, served_model_name=args.served_model_name or engine.model_name,
                       model_root=loaded.model_root, defaults=loaded.defaults, default_max_tokens=args.max_tokens,
-                      reasoning_parser=args.reasoning_parser)
+                      reasoning_parser=args.reasoning_parser, default_template_kwargs=template_kwargs)
     app = build_app(serving, api_key=api_key, max_body_bytes=args.max_request_bytes)
     log = logging.getLogger("server")
     from pallas_kernels import qmm

@@ -84,6 +84,18 @@ _TEMPLATE_PARAMS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_cha
     - {"self", "kwargs"}
 
 
+def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """Server-wide chat template variables: a JSON object whose keys are not apply_chat_template's own parameters.
+    ValueError naming `--default-chat-template-kwargs` otherwise."""
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(f"--default-chat-template-kwargs must be a JSON object, got {kwargs!r}")
+    clash = sorted(k for k in kwargs if k in _TEMPLATE_PARAMS)
+    if clash:
+        raise ValueError(f"--default-chat-template-kwargs: {', '.join(clash)} cannot be set this way "
+                         "(apply_chat_template's own parameters)")
+    return dict(kwargs)
+
+
 def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -232,8 +244,10 @@ class Serving:
 
     def __init__(self, engine, *, served_model_name: str, model_root: str, defaults: GenerationDefaults,
                  default_max_tokens: int | None = None, image_limits: ImageLimits = ImageLimits(),
-                 reasoning_parser: str = "none"):
+                 reasoning_parser: str = "none", default_template_kwargs: dict[str, Any] | None = None):
         self.engine = engine
+        # Template variables every chat request gets unless it sets them itself (`--default-chat-template-kwargs`).
+        self.default_template_kwargs = check_template_kwargs(default_template_kwargs or {})
         self.tokenizer = engine.tokenizer
         template = getattr(self.tokenizer, "chat_template", None) if self.tokenizer is not None else None
         self.reasoning_parser = resolve_reasoning_parser(reasoning_parser, template)
@@ -392,7 +406,7 @@ class Serving:
                            tools: list[dict[str, Any]] | None = None) -> tuple[list[int], str]:
         """-> the prompt's ids and its text (where the reply starts: inside a think block or not)."""
         tok = self._need_tokenizer("messages")
-        kwargs = dict(kwargs or {})
+        kwargs = {**self.default_template_kwargs, **(kwargs or {})}
         clash = sorted(k for k in kwargs if k in _TEMPLATE_PARAMS)
         if clash:
             raise bad_request(f"chat_template_kwargs: {', '.join(clash)} cannot be set here",

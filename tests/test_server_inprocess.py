@@ -455,3 +455,29 @@ def test_xml_tool_calls_whole_and_streamed(scripted):
         assert (s["content"] or None, s["reasoning_content"], s["finish"]) == (content, reasoning, ["tool_calls"])
         pieces = [t for _, t in ScriptedHandle(engine.requests[0], engine.tokenizer, XML_CALL, "stop").script]
         assert not any("<function=get_weather>" in p or "</parameter>" in p for p in pieces)
+
+
+def test_default_chat_template_kwargs():
+    """`--default-chat-template-kwargs`: every chat prompt gets them (here thinking off: the prompt closes its think
+    block and the reply is all content), unless the request sets the variable itself; apply_chat_template's own
+    parameters are refused."""
+    engine = ScriptedEngine(load_tokenizer(EMBEDDED_MODEL))
+    serving = Serving(engine, served_model_name="scripted", model_root="in-process", defaults=GenerationDefaults(),
+                      reasoning_parser="qwen3", default_template_kwargs={"enable_thinking": False})
+    try:
+        app = build_app(serving)
+        tok = engine.tokenizer
+        off = call(app, "POST", "/tokenize", json={"messages": ASK}).json()["tokens"]
+        on = call(app, "POST", "/tokenize", json={"messages": ASK,
+                                                  "chat_template_kwargs": {"enable_thinking": True}}).json()["tokens"]
+        assert tok.decode(off).endswith("<think>\n\n</think>\n\n") and tok.decode(on).endswith("<think>\n")
+        engine.replies = [("The answer.", "stop")]
+        msg = call(app, "POST", "/v1/chat/completions", json={"messages": ASK}).json()["choices"][0]["message"]
+        assert msg["content"] == "The answer." and msg["reasoning_content"] is None
+        assert list(engine.requests[0].prompt_ids) == off
+    finally:
+        serving.close()
+    for bad in ({"tokenize": True}, [1], {1: 2}):
+        with pytest.raises(ValueError, match="--default-chat-template-kwargs"):
+            Serving(engine, served_model_name="x", model_root="x", defaults=GenerationDefaults(),
+                    default_template_kwargs=bad)

@@ -196,6 +196,7 @@ def test_help_documents_every_flag():
                  "--kv-cache", "--dtype", "--api-key", "--max-queued", "--served-model-name", "--max-tokens",
                  "--max-request-bytes", "--synthetic", "--max-logprobs", "--no-kernels", "--shapes", "--decode-kernel",
                  "--draft-policy", "--draft-costs", "--drafter-bits", "QWEN_JAX_API_KEY",
+                 "--default-chat-template-kwargs", "--reasoning-parser",
                  "captures/tiny", "gibberish"):
         assert flag in out, flag
     bench = subprocess.run([sys.executable, "-m", "server.bench", "--help"], cwd=REPO_ROOT, capture_output=True,
@@ -216,6 +217,9 @@ def test_cli_refusals():
     assert r.returncode == 2 and "not a directory" in r.stderr
     r = _cli("--parallel", "0")
     assert r.returncode == 2 and "positive" in r.stderr
+    for bad in ("{not json", "[1]", '{"tokenize": true}'):
+        r = _cli("--default-chat-template-kwargs", bad)
+        assert r.returncode == 2 and "--default-chat-template-kwargs" in r.stderr, r.stderr
     # Batched shapes without the row-invariant kernels would let a reply depend on what else runs: refused.
     r = _cli("--shapes", "batched", "--no-kernels")
     assert r.returncode == 2 and "--shapes batched" in r.stderr, r.stderr
