@@ -603,12 +603,11 @@ class Engine:
     def _admit(self) -> None:
         while True:
             with self._lock:
-                if not self._waiting:
+                # the first waiting request that does not wait for a twin's kept state (`_follows`)
+                handle = next((h for h in self._waiting if not self._follows(h)), None)
+                if handle is None:
                     return
-                handle = self._waiting[0]
             req = handle.request
-            if self._follows(req):
-                return
             slot = self._slots.take(1)
             if slot is None:
                 return
@@ -631,7 +630,7 @@ class Engine:
                     if media_rows:
                         self._media.give_back(media_rows)
                     return
-                self._waiting.popleft()
+                self._waiting.remove(handle)
                 self._n_waiting -= 1
                 if self._cache is not None:
                     self._counters["cache_queried"] += len(prompt)
@@ -672,15 +671,17 @@ class Engine:
             with self._lock:
                 self._running.append(stream)
 
-    def _follows(self, req: GenerationRequest) -> bool:
-        """Whether the queue's head waits for a running stream with the same prompt whose prompt pass will still keep
-        a state in the prompt cache: it then resumes from that state instead of running the same prompt beside it
-        (a reply's `n` choices, queued together, prefill once). Replies are the same either way (resumed = fresh);
-        the wait ends at the twin's last keep point, or when it ends."""
+    def _follows(self, handle: RequestHandle) -> bool:
+        """Whether a waiting request waits for a running stream with the same prompt whose prompt pass will still
+        keep a state in the prompt cache: it then resumes from that state instead of running the same prompt beside
+        it (a reply's `n` choices, queued together, prefill once), while the requests queued behind it are admitted
+        as usual. Replies are the same either way (resumed = fresh); the wait ends at the twin's last keep point,
+        or when it ends."""
+        req = handle.request
         if self._cache is None or req.media is not None:
             return False
-        return any(s.phase is Phase.PROMPT and s.keep_at and s.request.prompt_ids == req.prompt_ids
-                   for s in self._running)
+        return any(s.phase is Phase.PROMPT and s.keep_at and s.handle.prompt_key == handle.prompt_key
+                   and s.request.prompt_ids == req.prompt_ids for s in self._running)
 
     def _release(self, slot: list[int], pages: list[int], media_rows: list[int] = ()) -> None:
         with self._lock:

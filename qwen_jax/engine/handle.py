@@ -28,6 +28,7 @@ class RequestHandle:
         self.request = request
         self.request_id = request.request_id
         self.prompt_tokens = len(request.prompt_ids)
+        self.prompt_key = hash(request.prompt_ids)  # finds requests with the same prompt cheaply (engine._follows)
         self.cached_tokens = 0  # prompt tokens resumed from the prompt cache (set when the request starts)
         self.completion_tokens = 0
         self.arrival_time = time.monotonic()
