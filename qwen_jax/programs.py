@@ -409,8 +409,7 @@ def sample_rows(logits: jax.Array, sp: sampling.SampleParams, top_n: int, path: 
                 penalties: tuple | None = None):
     """logits [N, V] -> tokens [N] (+ (logprob [N], top ids [N, n], top logprobs [N, n]) when top_n > 0).
     penalties: (sampling.Penalties [N], counts [N, V], seen [N, V], bias [N, V]) applied before the draw
-    (`sampling.penalize`);
-    logprobs are the raw logits' either way."""
+    (`sampling.penalize`); logprobs are the raw logits' either way."""
     drawn = logits if penalties is None else sampling.penalize(logits, *penalties)
     tokens = sampling.sample(drawn, sp, path)
     if top_n == 0:
