@@ -224,11 +224,13 @@ class RequestPenalties:
     logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
-        for name, value in (("presence_penalty", self.presence), ("frequency_penalty", self.frequency)):
-            x = _float32(name, value)
+        widened = {}
+        for field, name in (("presence", "presence_penalty"), ("frequency", "frequency_penalty")):
+            value = getattr(self, field)
+            widened[field] = x = _float32(name, value)
             if not (math.isfinite(x) and abs(x) <= PENALTY_LIMIT):
                 raise ValueError(f"{name} must be in [-{PENALTY_LIMIT}, {PENALTY_LIMIT}], got {value!r}")
-        x = _float32("repetition_penalty", self.repetition)
+        widened["repetition"] = x = _float32("repetition_penalty", self.repetition)
         if not (math.isfinite(x) and 0 < x <= REPETITION_LIMIT):
             raise ValueError(f"repetition_penalty must be in (0, {REPETITION_LIMIT}], got {self.repetition!r}")
         bias = []
@@ -244,9 +246,7 @@ class RequestPenalties:
             bias.append((token, value))
         if len({t for t, _ in bias}) != len(bias):
             raise ValueError("logit_bias names a token id twice")
-        for name, value in (("presence", _float32("presence_penalty", self.presence)),
-                            ("frequency", _float32("frequency_penalty", self.frequency)),
-                            ("repetition", x), ("logit_bias", tuple(sorted(bias)))):
+        for name, value in {**widened, "logit_bias": tuple(sorted(bias))}.items():
             object.__setattr__(self, name, value)
 
     @property

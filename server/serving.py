@@ -27,7 +27,7 @@ import numpy as np
 
 from qwen_jax.engine.api import (ContextLengthExceeded, EngineOverloaded, GenerationRequest, PromptMedia,
                                  SamplingOptions, TokenEvent, TokenLogprob)
-from qwen_jax.sampling import choice_seed, derive_seed
+from qwen_jax.sampling import RequestPenalties, choice_seed, derive_seed
 from server import protocol as P
 from server.errors import APIError, bad_request, error_body
 from server.images import ImageLimits, message_images
@@ -72,8 +72,10 @@ def load_generation_defaults(model_dir: str | Path | None) -> GenerationDefaults
     if gen.get("do_sample") is False:
         temperature = 0.0
     repetition = pick("repetition_penalty", float, base.repetition_penalty)
-    if not 0 < repetition <= 10:
-        raise ValueError(f"{path}: repetition_penalty must be in (0, 10], got {repetition}")
+    try:
+        RequestPenalties(repetition=repetition)  # the engine's own check of the value
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     return GenerationDefaults(temperature=temperature, top_p=pick("top_p", float, base.top_p),
                               top_k=max(pick("top_k", int, base.top_k), 0), min_p=pick("min_p", float, base.min_p),
                               repetition_penalty=repetition)
@@ -84,12 +86,17 @@ _TEMPLATE_PARAMS = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_cha
     - {"self", "kwargs"}
 
 
+def _template_clash(kwargs: dict[str, Any]) -> list[str]:
+    """The keys of chat template variables that are apply_chat_template's own parameters (not allowed)."""
+    return sorted(k for k in kwargs if k in _TEMPLATE_PARAMS)
+
+
 def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
     """Server-wide chat template variables: a JSON object whose keys are not apply_chat_template's own parameters.
     ValueError naming `--default-chat-template-kwargs` otherwise."""
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
         raise ValueError(f"--default-chat-template-kwargs must be a JSON object, got {kwargs!r}")
-    clash = sorted(k for k in kwargs if k in _TEMPLATE_PARAMS)
+    clash = _template_clash(kwargs)
     if clash:
         raise ValueError(f"--default-chat-template-kwargs: {', '.join(clash)} cannot be set this way "
                          "(apply_chat_template's own parameters)")
@@ -144,7 +151,6 @@ class _Run:
             self.metrics.ttft.observe(h.first_token_time - h.arrival_time)
         if self.finish_reason in ("stop", "length") and h.finish_time is not None:
             self.metrics.e2e.observe(h.finish_time - h.arrival_time)
-
 
 
 def _usage(runs: list[_Run], n: int | None = None) -> dict:
@@ -336,7 +342,7 @@ class Serving:
         media = None
         if _first_image(req.messages) is not None:
             ids, media = await self._image_prompt(req.messages, ids)
-        runs, rid = self._submit(req, ids, req.output_limit, "messages", req.logprobs_count, "chatcmpl", media,
+        runs, rid = self._submit(req, [ids], req.output_limit, "messages", req.logprobs_count, "chatcmpl", media,
                                  skip_special_tokens=not (mode.parses and self._tags_special))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -407,7 +413,7 @@ class Serving:
         """-> the prompt's ids and its text (where the reply starts: inside a think block or not)."""
         tok = self._need_tokenizer("messages")
         kwargs = {**self.default_template_kwargs, **(kwargs or {})}
-        clash = sorted(k for k in kwargs if k in _TEMPLATE_PARAMS)
+        clash = _template_clash(kwargs)
         if clash:
             raise bad_request(f"chat_template_kwargs: {', '.join(clash)} cannot be set here",
                               param="chat_template_kwargs")
@@ -462,12 +468,11 @@ class Serving:
         rope, _ = mrope_positions(ids, grids, image_token_id=cfg.image_token_id, merge_size=merge)
         return ids, PromptMedia(image_token_rows(ids, cfg.image_token_id), np.concatenate(rows), rope)
 
-    def _submit(self, req: P.ChatCompletionRequest | P.CompletionRequest, ids: list[int] | list[list[int]],
+    def _submit(self, req: P.ChatCompletionRequest | P.CompletionRequest, batch: list[list[int]],
                 max_tokens: int | None, prompt_param: str, logprobs: int | None, id_prefix: str,
                 media: PromptMedia | None = None, *, skip_special_tokens: bool = True) -> tuple[list[_Run], str]:
-        """ids: one prompt's, or a batch of prompts' (completions) -> one run a choice (req.n a prompt, prompt i's
+        """batch: the prompts' ids (chat: one; completions: a batch) -> one run a choice (req.n a prompt, prompt i's
         choice j at i * n + j; all queued or none), and the reply's id."""
-        batch = ids if ids and isinstance(ids[0], list) else [ids]
         budgets = [self._output_budget(len(p), max_tokens, prompt_param) for p in batch]
         if req.n * len(batch) > self.engine.max_queued:
             what = f"{req.n} choices" if len(batch) == 1 else f"{len(batch)} prompts x {req.n} choices"

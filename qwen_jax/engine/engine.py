@@ -638,10 +638,10 @@ class Engine:
                     self._pages.share(shared)
                     self._cache.hit(entry)
             pages = shared + pages
+            pen = self._penalties(req)  # validated at submit: no error here
             try:
                 if entry is not None:
                     self.programs.slot_copy(entry.slot, slot[0])
-                pen = self._penalties(req)
                 if pen is not None:
                     self.programs.history_reset(slot[0], req.prompt_ids, pen)
                 if media_rows:
@@ -659,7 +659,7 @@ class Engine:
                                 max_model_len=self.max_model_len, tokenizer=self.tokenizer,
                                 copy_drafts=self.copy_drafts, block_drafts=self.drafter is not None,
                                 resumed=len(entry) if entry is not None else 0, media_rows=media_rows,
-                                penalties=self._penalties(req))
+                                penalties=pen)
                 if cached:
                     with self._lock:
                         stream.keep_at = self._cache.keep_points(prompt, after=stream.prefilled)
