@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -85,6 +86,27 @@ def cmd_logits(args) -> int:
     return 0
 
 
+def _grammar(args, tok, in_think: bool):
+    """--json-schema: "object" (any JSON object), a schema's JSON text, or a file holding one -> (grammar, the token
+    after which it starts: `</think>` when the prompt opened a think block), or (None, None)."""
+    if args.json_schema is None:
+        return None, None
+    from qwen_jax import structured
+    spec = args.json_schema
+    try:
+        if spec == "object":
+            schema = None
+        elif spec.lstrip().startswith(("{", "true")):
+            schema = json.loads(spec)
+        else:
+            schema = json.loads(Path(spec).read_text())
+        grammar = structured.compile_json_schema(schema)
+    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+        raise SystemExit(f"error: --json-schema: {e}") from None
+    after = tok.convert_tokens_to_ids("</think>") if in_think else None
+    return grammar, after
+
+
 def cmd_generate(args) -> int:
     from qwen_jax import programs as P
     from qwen_jax.engine.api import ContextLengthExceeded, GenerationRequest, SamplingOptions
@@ -92,6 +114,7 @@ def cmd_generate(args) -> int:
     _cache(args)
     ck = _checkpoint(args)
     tok = None
+    in_think = False  # the chat template's generation prompt opened a think block
     if args.prompt is not None:
         tok = _tokenizer(args, required=True)
         if args.raw:
@@ -100,9 +123,11 @@ def cmd_generate(args) -> int:
             text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False,
                                            add_generation_prompt=True)
             ids = tok(text, add_special_tokens=False)["input_ids"]
+            in_think = text.rstrip().endswith("<think>")
     else:
         ids = _ids(args.token_ids)
-        tok = _tokenizer(args, required=False)
+        tok = _tokenizer(args, required=args.json_schema is not None)
+    grammar, after = _grammar(args, tok, in_think)
     _check_vocab(ids, ck.config.text.vocab_size)
     if args.max_tokens < 1:
         raise SystemExit(f"error: --max-tokens must be at least 1, got {args.max_tokens}")
@@ -119,7 +144,7 @@ def cmd_generate(args) -> int:
                                                 presence_penalty=args.presence_penalty,
                                                 frequency_penalty=args.frequency_penalty,
                                                 repetition_penalty=args.repetition_penalty),
-                                ignore_eos=args.ignore_eos, request_id="cli")
+                                ignore_eos=args.ignore_eos, request_id="cli", grammar=grammar, grammar_after=after)
         handle = engine.submit(req)  # validates (and queues) before anything compiles
         with engine:
             done = handle.result()
@@ -356,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--repetition-penalty", type=float, default=1.0,
                      help="transformers'/vLLM's, over prompt and reply, in (0, 10] (1 = off)")
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json-schema", metavar="SCHEMA",
+                     help="structured output: the reply is JSON following SCHEMA (a JSON Schema's text or a file "
+                          "holding one; 'object': any JSON object), after the think block when the template opens one")
     gen.add_argument("--json", action="store_true", help="print one JSON object with token_ids and text")
     gen.set_defaults(fn=cmd_generate)
 

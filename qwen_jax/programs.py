@@ -724,6 +724,17 @@ def history_reset_program() -> Callable:
     return program
 
 
+def bias_put_program() -> Callable:
+    """(history, slot, bias [V] f32) -> history with the slot's bias row this, its counts and seen rows as they were
+    (a structured-output stream's logit bias with its grammar's mask, -inf where a token is forbidden, before each
+    step)."""
+
+    def program(hist, slot, bias):
+        return dataclasses.replace(hist, bias=hist.bias.at[slot].set(bias))
+
+    return program
+
+
 def slot_copy_program() -> Callable:
     """(state, src, dst) -> state with slot dst's recurrent states and conv windows set to slot src's."""
 
@@ -894,6 +905,7 @@ class Programs:
             **{kind: jax.jit(decode_program(cfg, be, top_n, path), donate_argnums=(1, 2, 3))
                for kind, path in DECODE_KINDS.items()},
             "history_reset": jax.jit(history_reset_program(), donate_argnums=0),
+            "bias_put": jax.jit(bias_put_program(), donate_argnums=0),
             "verify": jax.jit(verify_program(cfg, be, top_n)),
             "commit": jax.jit(commit_program(cfg, be), donate_argnums=0),
             "media_put": jax.jit(media_put_program(), donate_argnums=0),
@@ -975,7 +987,7 @@ class Programs:
             keys += [("commit", (s, r)) for r in b.window_rows]
         if b.slot_copy:
             keys.append(("slot_copy", (1, 1)))
-        keys.append(("history_reset", (1, 1)))
+        keys += [("history_reset", (1, 1)), ("bias_put", (1, 1))]
         keys += [("media_put", (n, 1)) for n in self.media_buckets()]
         return keys
 
@@ -1004,6 +1016,9 @@ class Programs:
                 v = self.cfg.text.vocab_size
                 return fn.lower(self.history, np.int32(0), jax.ShapeDtypeStruct((v,), jnp.bool_),
                                 jax.ShapeDtypeStruct((v,), jnp.float32))
+            if kind == "bias_put":
+                return fn.lower(self.history, np.int32(0), jax.ShapeDtypeStruct((self.cfg.text.vocab_size,),
+                                                                                jnp.float32))
             args = self._example(kind, shape)
             if kind == "commit":
                 return fn.lower(self.state, *args)
@@ -1166,6 +1181,11 @@ class Programs:
         seen = np.zeros(v, np.bool_)
         seen[np.asarray(prompt_ids, np.int64)] = True
         self.history = self._get(("history_reset", (1, 1)))(self.history, np.int32(slot), seen, pen.bias_row(v))
+
+    def bias_put(self, slot: int, row: np.ndarray) -> None:
+        """Slot `slot`'s bias row becomes `row` [V] f32 (a grammar's mask with the request's logit bias; dispatched,
+        ordered before later calls)."""
+        self.history = self._get(("bias_put", (1, 1)))(self.history, np.int32(slot), np.asarray(row, np.float32))
 
     def slot_copy(self, src: int, dst: int) -> None:
         """Slot dst's GDN states and conv windows become slot src's (dispatched; ordered before later calls)."""

@@ -216,12 +216,15 @@ BIAS_LIMIT = 100.0  # |logit_bias| values at most this (OpenAI's range)
 @dataclasses.dataclass(frozen=True)
 class RequestPenalties:
     """A request's penalties and logit bias as the device will see them (float32), validated. logit_bias: (token
-    id, bias) pairs, ids distinct and non-negative (the engine checks them against its vocabulary)."""
+    id, bias) pairs, ids distinct and non-negative (the engine checks them against its vocabulary). masked: the
+    slot's bias row also carries a token mask (-inf where a grammar forbids a token: structured outputs), rewritten
+    by the engine before each step, so the row is read even without a logit bias."""
 
     presence: float = 0.0
     frequency: float = 0.0
     repetition: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    masked: bool = False
 
     def __post_init__(self) -> None:
         widened = {}
@@ -246,12 +249,15 @@ class RequestPenalties:
             bias.append((token, value))
         if len({t for t, _ in bias}) != len(bias):
             raise ValueError("logit_bias names a token id twice")
+        if not isinstance(self.masked, bool):
+            raise ValueError(f"masked must be a bool, got {self.masked!r}")
         for name, value in {**widened, "logit_bias": tuple(sorted(bias))}.items():
             object.__setattr__(self, name, value)
 
     @property
     def neutral(self) -> bool:
-        return self.presence == 0 and self.frequency == 0 and self.repetition == 1 and not self.logit_bias
+        return (self.presence == 0 and self.frequency == 0 and self.repetition == 1 and not self.logit_bias
+                and not self.masked)
 
     def bias_row(self, vocab: int) -> np.ndarray:
         """The logit bias as a [vocab] float32 row (zeros elsewhere)."""
@@ -274,7 +280,7 @@ def pack_penalties(rows_penalties: Sequence[RequestPenalties | None], rows: int)
         if not isinstance(p, RequestPenalties):
             raise ValueError(f"rows_penalties[{i}] must be a RequestPenalties or None, got {type(p).__name__}")
         out.presence[i], out.frequency[i], out.repetition[i] = p.presence, p.frequency, p.repetition
-        out.biased[i] = bool(p.logit_bias)
+        out.biased[i] = bool(p.logit_bias) or p.masked
     return out
 
 

@@ -58,7 +58,7 @@ import numpy as np
 
 MAX_WHITESPACE = 16  # consecutive whitespace bytes between two tokens of JSON
 MAX_NUMBER_BYTES = 32
-MASK_CACHE_BYTES = 64 << 20  # per (Grammar, TokenBytes) pair: ~430 masks of a 150K vocabulary
+MASK_CACHE_BYTES = 32 << 20  # per (Grammar, TokenBytes) pair: ~210 masks of a 150K vocabulary
 
 _WHITESPACE = frozenset(b" \n\t\r")
 _QUOTE, _BACKSLASH, _COMMA, _COLON = 0x22, 0x5C, 0x2C, 0x3A

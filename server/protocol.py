@@ -68,6 +68,34 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's response_format.json_schema. `schema` is compiled by qwen_jax.structured (keywords it cannot
+    enforce are a 400); `strict` is accepted either way: the schema is always enforced."""
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    @field_validator("schema_")
+    @classmethod
+    def _finite_schema(cls, value):
+        return _finite_json(value, "schema")
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: "text" (free), "json_object" (a JSON object) or "json_schema" (JSON that follows
+    the given schema), enforced token by token (qwen_jax.structured)."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_format(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with type "json_schema" and only allowed with it')
+        return self
+
+
 class _SamplingFields(_Strict):
     """Fields shared by chat and completions requests."""
     model: str | None = None
@@ -92,6 +120,8 @@ class _SamplingFields(_Strict):
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None  # None: the checkpoint's default
     # OpenAI's logit_bias: token id (as a JSON key) -> bias in [-100, 100], added to the logits before penalties.
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    # Structured outputs: the reply follows a JSON schema, or is a JSON object (enforced while sampling).
+    response_format: ResponseFormat | None = None
     user: str | None = None
 
     @field_validator("stop", mode="plain")
@@ -179,13 +209,14 @@ class ToolDefinition(_Strict):
 
 
 def _tool_choice(value: Any) -> Literal["auto", "none"] | None:
-    """Only the choices that leave the model free: forcing a call ("required", a named function) needs constrained
-    decoding, which this server does not do; a 400 beats a reply that silently ignores the constraint."""
+    """Only the choices that leave the model free: forcing a call ("required", a named function) needs a grammar of
+    the call format, which this server does not build (response_format's grammars are JSON documents); a 400 beats
+    a reply that silently ignores the constraint."""
     if value is None or value in ("auto", "none"):
         return value
     if value == "required" or isinstance(value, dict) and value.get("type") == "function":
         what = '"required"' if value == "required" else "a named function"
-        raise ValueError(f'{what} is not supported by this server (it does not constrain decoding); use "auto" or '
+        raise ValueError(f'{what} is not supported by this server (it does not force calls); use "auto" or '
                          '"none"')
     raise ValueError('must be "auto" or "none"')
 

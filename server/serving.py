@@ -10,6 +10,7 @@ if it is still queued, never starts it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import inspect
 import json
@@ -38,6 +39,8 @@ from server.parsers import (THINK_END, THINK_START, TOOL_END, TOOL_START, Parsed
 # How long a client told "overloaded" should wait; one decode round is milliseconds, admission frees as soon as
 # any request finishes, so a short retry is right.
 RETRY_AFTER_SECONDS = 1
+# Compiled response_format grammars kept (a schema's masks are cached with its grammar, so repeats are cheap).
+GRAMMARS_KEPT = 16
 
 
 @dataclass(frozen=True)
@@ -277,6 +280,7 @@ class Serving:
         self.image_limits = image_limits
         self._image_threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="images")
         self._token_texts: dict[int, str] = {}  # logprob token strings, bounded by the vocabulary
+        self._grammars: collections.OrderedDict[str, Any] = collections.OrderedDict()  # response_format's, by schema
 
     def close(self) -> None:
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
@@ -333,6 +337,7 @@ class Serving:
     async def chat(self, req: P.ChatCompletionRequest, wait_disconnect: Callable[[], Awaitable[None]]):
         """-> ChatCompletionResponse, or an EventStream when req.stream."""
         self.check_model(req.model)
+        grammar = await self._grammar(req.response_format)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.parse_tools else None
         ids, prompt_text = await self._chat_prompt(req.messages, req.chat_template_kwargs, req.add_generation_prompt,
                                                    False, tools)
@@ -343,7 +348,8 @@ class Serving:
         if _first_image(req.messages) is not None:
             ids, media = await self._image_prompt(req.messages, ids)
         runs, rid = self._submit(req, [ids], req.output_limit, "messages", req.logprobs_count, "chatcmpl", media,
-                                 skip_special_tokens=not (mode.parses and self._tags_special))
+                                 skip_special_tokens=not (mode.parses and self._tags_special), grammar=grammar,
+                                 in_think=prompt_opens_think(prompt_text))
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._chat_stream(runs, rid, include_usage, mode)
@@ -365,6 +371,7 @@ class Serving:
     async def completion(self, req: P.CompletionRequest, wait_disconnect: Callable[[], Awaitable[None]]):
         """-> CompletionResponse, or an EventStream when req.stream."""
         self.check_model(req.model)
+        grammar = await self._grammar(req.response_format)
         prompts = []
         for prompt in req.prompt:
             if isinstance(prompt, str):
@@ -377,7 +384,7 @@ class Serving:
                 ids = prompt
                 self._check_ids(ids, "prompt")
             prompts.append(ids)
-        runs, rid = self._submit(req, prompts, req.max_tokens, "prompt", req.logprobs, "cmpl")
+        runs, rid = self._submit(req, prompts, req.max_tokens, "prompt", req.logprobs, "cmpl", grammar=grammar)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._completion_stream(runs, rid, include_usage, req.n)
@@ -470,10 +477,13 @@ class Serving:
 
     def _submit(self, req: P.ChatCompletionRequest | P.CompletionRequest, batch: list[list[int]],
                 max_tokens: int | None, prompt_param: str, logprobs: int | None, id_prefix: str,
-                media: PromptMedia | None = None, *, skip_special_tokens: bool = True) -> tuple[list[_Run], str]:
+                media: PromptMedia | None = None, *, skip_special_tokens: bool = True,
+                grammar=None, in_think: bool = False) -> tuple[list[_Run], str]:
         """batch: the prompts' ids (chat: one; completions: a batch) -> one run a choice (req.n a prompt, prompt i's
-        choice j at i * n + j; all queued or none), and the reply's id."""
+        choice j at i * n + j; all queued or none), and the reply's id. grammar: the response_format's (`_grammar`);
+        in_think: the prompt leaves a think block open, so the grammar starts after the reply's `</think>`."""
         budgets = [self._output_budget(len(p), max_tokens, prompt_param) for p in batch]
+        grammar_after = self._think_end_id() if grammar is not None and in_think else None
         if req.n * len(batch) > self.engine.max_queued:
             what = f"{req.n} choices" if len(batch) == 1 else f"{len(batch)} prompts x {req.n} choices"
             raise bad_request(f"n: {what} wait in the queue together; this server queues at most "
@@ -494,7 +504,8 @@ class Serving:
                                   stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                                   logprobs=logprobs, draft=req.draft,
                                   request_id=rid if total == 1 else f"{rid}-{k * req.n + i}",
-                                  media=media, skip_special_tokens=skip_special_tokens)
+                                  media=media, skip_special_tokens=skip_special_tokens, grammar=grammar,
+                                  grammar_after=grammar_after)
                 for k, (p, budget) in enumerate(zip(batch, budgets))
                 for i, choice in enumerate(self._choices(sampling, p, req.n))]
         try:
@@ -509,6 +520,39 @@ class Serving:
         except ValueError as e:
             raise bad_request(str(e), param=_engine_param(str(e), prompt_param)) from None
         return [_Run(h, self.metrics) for h in handles], rid
+
+    async def _grammar(self, fmt: P.ResponseFormat | None):
+        """A request's response_format compiled (`qwen_jax.structured`; the last GRAMMARS_KEPT are kept by their
+        schema's text), or None for free text. json_object: any JSON object; json_schema without a schema: any JSON
+        value. A schema the compiler cannot enforce is a 400 naming the keyword. The first one also builds the
+        engine's token texts (`Engine.token_bytes`), off the event loop."""
+        if fmt is None or fmt.type == "text":
+            return None
+        from qwen_jax import structured
+        self._need_tokenizer("response_format")
+        await self._off_loop(self.engine.token_bytes)
+        schema = None if fmt.type == "json_object" else fmt.json_schema.schema_ or {}
+        key = "" if schema is None else json.dumps(schema)  # property order matters: the reply keeps it
+        grammar = self._grammars.get(key)
+        if grammar is None:
+            try:
+                grammar = structured.compile_json_schema(schema)
+            except ValueError as e:
+                raise bad_request(f"response_format.json_schema.schema: {e}", param="response_format") from None
+            self._grammars[key] = grammar
+            while len(self._grammars) > GRAMMARS_KEPT:
+                self._grammars.popitem(last=False)
+        self._grammars.move_to_end(key)
+        return grammar
+
+    def _think_end_id(self) -> int:
+        """The `</think>` token's id, where a reply that starts inside a think block leaves it."""
+        ids = self.tokenizer.convert_tokens_to_ids([THINK_END])
+        if not ids or ids[0] is None or ids[0] == self.tokenizer.unk_token_id:
+            raise bad_request(f"response_format: the prompt opens a think block and this tokenizer has no "
+                              f"{THINK_END} token to start the format after; turn thinking off "
+                              f"(chat_template_kwargs.enable_thinking: false)", param="response_format")
+        return int(ids[0])
 
     def _choices(self, sampling: SamplingOptions, ids: list[int], n: int) -> list[SamplingOptions]:
         """Each choice's sampling: the request's, with choice i's seed drawn from the request's (or, without one,
@@ -724,7 +768,7 @@ _ENGINE_FIELDS = {"prompt_ids": None, "max_tokens": "max_tokens", "stop": "stop"
                   "logprobs": "logprobs", "seed": "seed", "temperature": "temperature", "top_k": "top_k",
                   "top_p": "top_p", "min_p": "min_p", "presence_penalty": "presence_penalty",
                   "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
-                  "logit_bias": "logit_bias"}
+                  "logit_bias": "logit_bias", "grammar": "response_format"}
 
 
 def _engine_param(message: str, prompt_param: str) -> str | None:

@@ -4,6 +4,7 @@ lengths, logprobs, cancellation, per-request errors, admission errors, and pools
 
 import asyncio
 import dataclasses
+import json
 import time
 
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from qwen_jax import programs as P
-from qwen_jax import sampling
+from qwen_jax import sampling, structured
 from qwen_jax.checkpoint import load_checkpoint, load_tokenizer
 from qwen_jax.config import QuantConfig
 from qwen_jax.engine.api import ContextLengthExceeded, EngineOverloaded, GenerationRequest, SamplingOptions
@@ -126,18 +127,33 @@ def test_greedy_matches_hf_transformers(eng):
 def _penalized_reference(e: Engine, req: GenerationRequest) -> tuple[int, ...]:
     """The reply by the serial runner (captures/tiny, fp32, reference ops): each token the sampling rule's draw
     (`sampling.sample_reference`) from the logits penalized by `sampling.penalize_reference` over the prompt and
-    the tokens before it."""
+    the tokens before it. With a grammar, a matcher of its own (`structured.Matcher`) sets -inf in the bias row
+    where the grammar forbids a token, from the first token or once `grammar_after` came, and the reply ends where
+    the grammar's document does (or at a stop id, unless ignore_eos)."""
     from qwen_jax.runner import Runner
     ck = load_checkpoint(CAPTURES / "tiny", dtype=jnp.float32, progress=False)
     runner = Runner(ck.params, ck.config, dtype=jnp.float32, backend=Backend(), max_len=MAX_LEN)
     s = req.sampling
-    rp = sampling.RequestPenalties(s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.logit_bias)
-    pen, bias = sampling.pack_penalties([rp], 1), rp.bias_row(ck.config.text.vocab_size)[None]
+    rp = sampling.RequestPenalties(s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.logit_bias,
+                                   masked=req.grammar is not None)
+    pen, base = sampling.pack_penalties([rp], 1), rp.bias_row(ck.config.text.vocab_size)
+    stops = set(req.stop_token_ids) | (set() if req.ignore_eos else set(ck.config.eos_token_ids))
+    matcher = structured.Matcher(req.grammar, e.token_bytes(), stops) if req.grammar is not None else None
+    on = matcher is not None and req.grammar_after is None
     prompt = list(req.prompt_ids)
     logits, out, pos = runner.prefill(prompt), [], len(prompt)
     for _ in range(req.max_tokens):
-        z = sampling.penalize_reference(logits[None], pen, [prompt], [out], bias).astype(np.float32)
+        bias = np.where(matcher.allowed(), base, -np.inf) if on else base
+        z = sampling.penalize_reference(logits[None], pen, [prompt], [out], bias[None]).astype(np.float32)
         out.append(int(sampling.sample_reference(z, P.sample_params([e._sampling_rule(req)], [pos], 1))[0]))
+        if out[-1] in stops:
+            break
+        if on:
+            matcher.advance(out[-1])
+            if matcher.terminated:
+                break
+        elif matcher is not None and out[-1] == req.grammar_after:
+            on = True
         logits = runner.step(out[-1], pos)
         pos += 1
     return tuple(out)
@@ -176,6 +192,85 @@ def test_penalties_follow_the_serial_reference(eng):
     only = eng.submit(GenerationRequest(prompt(10), 6, SamplingOptions(logit_bias=((42, 100.0),)),
                                         ignore_eos=True)).result(TIMEOUT)
     assert only.token_ids == (42,) * 6  # a bias of 100 on one token: greedy picks it every time
+
+
+# A schema of the kinds users send (pydantic-like): required and optional properties, bounded strings and arrays,
+# enums, integers, booleans, a nested object.
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 8},
+                         "count": {"type": "integer"},
+                         "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 2},
+                         "ok": {"type": "boolean"},
+                         "where": {"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}},
+          "required": ["name", "count", "where"], "additionalProperties": False}
+
+
+def _follows_schema(value) -> bool:
+    keys = list(value)
+    return (isinstance(value, dict) and {"name", "count", "where"} <= set(keys)
+            and keys == [k for k in SCHEMA["properties"] if k in value]
+            and isinstance(value["name"], str) and len(value["name"]) <= 8
+            and isinstance(value["count"], int) and not isinstance(value["count"], bool)
+            and all(t in ("red", "green", "blue") for t in value.get("tags", [])) and len(value.get("tags", [])) <= 2
+            and isinstance(value.get("ok", True), bool)
+            and list(value["where"]) == ["x"] and isinstance(value["where"]["x"], (int, float)))
+
+
+def test_structured_outputs_follow_the_grammar(eng):
+    """Structured-output requests (a JSON schema greedy and seeded, any JSON object, a grammar that starts after a
+    given token) beside free ones, all at once: each constrained reply is the serial reference's, masks applied
+    (`_penalized_reference`), and its solo reply; the free ones are their solo replies; a reply that ended by itself
+    is a document of the grammar (json.loads, the schema's rules), one cut by max_tokens a prefix of one."""
+    rng = np.random.default_rng(5)
+    prompt = lambda n: tuple(int(t) for t in rng.integers(0, 490, size=n))  # noqa: E731
+    schema, any_object = structured.compile_json_schema(SCHEMA), structured.compile_json_schema(None)
+    free = GenerationRequest(prompt(25), 60, SamplingOptions(temperature=0.8, seed=4))
+    after = eng.submit(free).result(TIMEOUT).token_ids[2]  # the grammar starts after the free reply's third token
+    # The random model favours whitespace, which JSON allows between tokens (16 bytes a run): a logit bias against
+    # the whitespace tokens (it adds to the grammar's mask) lets the first two replies end within their budget.
+    tb = eng.token_bytes()
+    spaces = tuple((t, -100.0) for t, b in enumerate(tb.token_bytes) if b and not b.strip())
+    constrained = [
+        GenerationRequest(prompt(30), 120, SamplingOptions(logit_bias=spaces), grammar=schema),
+        GenerationRequest(prompt(40), 120, SamplingOptions(temperature=1.0, top_k=50, seed=3, logit_bias=spaces),
+                          grammar=schema),
+        GenerationRequest(prompt(20), 40, SamplingOptions(temperature=0.7, seed=8), grammar=any_object),
+        dataclasses.replace(free, grammar=schema, grammar_after=after),
+    ]
+    plain = _requests(0)[:4]
+    solo_plain, solo = _solo(eng, plain), _solo(eng, constrained)
+    got = [h.result(TIMEOUT) for h in [eng.submit(r) for r in constrained + plain]]
+    _check_same(solo, got[:len(constrained)])
+    _check_same(solo_plain, got[len(constrained):])
+    _baseline(eng)
+    for req, reply in zip(constrained, got):
+        assert reply.token_ids == _penalized_reference(eng, req)
+        ids = list(reply.token_ids)
+        if req.grammar_after is not None:
+            k = ids.index(after) + 1
+            assert ids[:k] == list(eng.submit(free).result(TIMEOUT).token_ids[:k])  # free up to it
+            ids = ids[k:]
+        text = eng.tokenizer.decode(ids, skip_special_tokens=True)
+        if reply.finish_reason == "stop":
+            value = json.loads(text)
+            assert isinstance(value, dict) and (req.grammar is any_object or _follows_schema(value)), text
+        else:
+            m = structured.Matcher(req.grammar, tb, eng.stop_ids)
+            for t in ids:
+                m.advance(t)  # a prefix of a document: every token allowed in turn
+    assert [r.finish_reason for r in got[:2]] == ["stop", "stop"]  # the schema's replies end
+    assert got[3].token_ids != eng.submit(free).result(TIMEOUT).token_ids  # the grammar changed the free reply
+
+
+def test_structured_outputs_refused(eng):
+    ok = GenerationRequest((1, 2, 3), 4)
+    for bad, field in ((dataclasses.replace(ok, grammar={"type": "object"}), "grammar"),
+                       (dataclasses.replace(ok, grammar_after=5), "grammar"),
+                       (dataclasses.replace(ok, grammar=structured.compile_json_schema(None), grammar_after=10 ** 6),
+                        "grammar_after")):
+        with pytest.raises(ValueError, match=field):
+            eng.submit(bad)
+    _baseline(eng)
 
 
 def test_repetition_penalty_matches_hf_transformers(eng):

@@ -80,6 +80,46 @@ def test_concurrent_equals_solo_on_gpu(dtype, fixed, kv_cache, monkeypatch):
         e.shutdown()
 
 
+def test_structured_and_penalized_on_gpu():
+    """Structured outputs (a JSON schema, greedy and seeded; any JSON object) and penalties (all three kinds and a
+    logit bias) with the kernels on, the batched policy: each such reply is the same alone and among plain ones,
+    nothing compiles while serving (the bias row's program included), and a constrained reply is a document of its
+    grammar, or a prefix of one when max_tokens cut it."""
+    from qwen_jax import structured
+    from tests.test_engine import SCHEMA
+    ck = _params("bfloat16")
+    tok = load_tokenizer(MODEL)
+    e = Engine(ck.params, ck.config, tok, dtype="bfloat16", max_model_len=512, parallel=16, prefill_step=64,
+               max_logprobs=3, progress=False)
+    e.start()
+    try:
+        rng = np.random.default_rng(3)
+        prompt = lambda n: tuple(int(t) for t in rng.integers(0, 490, size=n))  # noqa: E731
+        schema, any_object = structured.compile_json_schema(SCHEMA), structured.compile_json_schema(None)
+        special = [GenerationRequest(prompt(30), 60, grammar=schema, logprobs=2),
+                   GenerationRequest(prompt(50), 60, SamplingOptions(temperature=1.0, seed=3), grammar=schema),
+                   GenerationRequest(prompt(20), 40, SamplingOptions(temperature=0.7, seed=8), grammar=any_object),
+                   GenerationRequest(prompt(40), 24, SamplingOptions(temperature=0.9, top_k=40, seed=5,
+                                                                     presence_penalty=1.0, frequency_penalty=0.5,
+                                                                     repetition_penalty=1.2,
+                                                                     logit_bias=((7, 5.0), (300, -3.0))),
+                                     ignore_eos=True, logprobs=3)]
+        reqs = special + _requests(1)[:8]
+        solo = _solo(e, reqs)
+        with P.CompileWatch() as watch:
+            together = [h.result(120) for h in [e.submit(r) for r in reqs]]
+        _check_same(solo, together)
+        _baseline(e)
+        assert (watch.traces, watch.compiles) == (0, 0)
+        for req, reply in zip(special[:3], together):
+            m = structured.Matcher(req.grammar, e.token_bytes(), e.stop_ids)
+            for t in reply.token_ids:
+                m.advance(t)
+            assert m.terminated == (reply.finish_reason == "stop")
+    finally:
+        e.shutdown()
+
+
 @pytest.mark.parametrize("kv_cache", ["bf16", "fp8"])
 def test_drafted_equals_serial_on_gpu(kv_cache, monkeypatch):
     """Copy drafts (`copy_drafts`, the draft program's chain windows of up to 16 rows) against serial decoding

@@ -264,6 +264,48 @@ def test_penalties(client, model, http):
     forced = reply(logit_bias={"42": 100}, extra_body={"ignore_eos": True})
     assert forced == http.post("/detokenize", json={"tokens": [42] * 16}).json()["prompt"]
 
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                        "days": {"type": "array", "items": {"type": "integer"}, "maxItems": 2},
+                                        "metric": {"type": "boolean"}},
+        "required": ["city", "metric"], "additionalProperties": False}
+
+
+def test_response_format(client, model, http):
+    """response_format json_schema and json_object: a reply that ended by itself is JSON that follows the schema
+    (chat, thinking off, greedy and seeded; completions), the streamed reply is the same text, n choices each
+    follow it, and with thinking on the format starts after the reply's </think> (a logit bias of 100 makes it the
+    first token)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+    kw = dict(model=model, messages=MESSAGES, max_tokens=80, extra_body={"chat_template_kwargs":
+                                                                           {"enable_thinking": False}})
+    replies = []
+    for extra in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 7, "n": 2}):
+        r = client.chat.completions.create(**kw, **extra, response_format=fmt)
+        for c in r.choices:
+            replies.append(c.message.content)
+            if c.finish_reason == "stop":
+                value = json.loads(c.message.content)
+                assert list(value)[:1] == ["city"] and "metric" in value and set(value) <= set(CITY["properties"])
+                assert isinstance(value["city"], str) and len(value["city"]) <= 10
+                assert isinstance(value["metric"], bool) and all(isinstance(d, int) for d in value.get("days", []))
+    assert sum(c is not None and c.startswith("{") for c in replies) == 3
+    plain = client.chat.completions.create(**kw, temperature=0.0).choices[0].message.content
+    assert plain != replies[0]
+    streamed = client.chat.completions.create(**kw, temperature=0.0, response_format=fmt, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == replies[0]
+    obj = client.chat.completions.create(**kw, temperature=0.0, response_format={"type": "json_object"})
+    assert obj.choices[0].message.content.startswith("{")
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    done = http.post(COMPLETIONS, json={"prompt": "Weather:", "max_tokens": 80, "response_format": fmt}).json()
+    assert done["choices"][0]["text"].startswith("{")
+    end = http.post("/tokenize", json={"prompt": "</think>", "add_special_tokens": False}).json()["tokens"]
+    think = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=40, temperature=0.0,
+                                           response_format=fmt, logit_bias={str(end[0]): 100})
+    head, _, tail = think.choices[0].message.content.partition("</think>")
+    assert head == "" and tail.startswith("{")
+
+
 def test_draft_false_equals_default(client, model):
     for extra in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 99}):
         kw = dict(model=model, messages=MESSAGES, max_tokens=16, logprobs=True, **extra)
@@ -571,6 +613,13 @@ BAD_INPUTS = [
      .encode(), 400, "tool_choice", None),
     (CHAT, json.dumps({**OK_CHAT, "tool_choice": "sometimes"}).encode(), 400, "tool_choice", None),
     (CHAT, json.dumps({**OK_CHAT, "parallel_tool_calls": "yes"}).encode(), 400, "parallel_tool_calls", None),
+    (CHAT, json.dumps({**OK_CHAT, "response_format": {"type": "xml"}}).encode(), 400, "response_format.type", None),
+    (CHAT, json.dumps({**OK_CHAT, "response_format": {"type": "json_schema"}}).encode(), 400, "response_format",
+     None),
+    (CHAT, json.dumps({**OK_CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": {"type": "string", "pattern": "^a+$"}}}}).encode(), 400, "response_format", None),
+    (COMPLETIONS, json.dumps({"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "a", "schema": {"$ref": "#/$defs/missing"}}}}).encode(), 400, "response_format", None),
     ("/tokenize", json.dumps({"messages": MESSAGES, "tools": [{"type": "function"}]}).encode(), 400,
      "tools[0].function", None),
     ("/tokenize", json.dumps({"prompt": 5}).encode(), 400, "prompt", None),

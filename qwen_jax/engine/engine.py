@@ -49,6 +49,14 @@ continuations instead (`dflash_programs.propose_tree`), each row again computed 
 (`model.verify(tree_scratch=)`) and the path of samples followed from the root; the window hands back that path's
 rows first, so the host lands it as a chain whose first rows stood.
 `GenerationRequest.draft` False keeps a request serial.
+
+Structured outputs (`GenerationRequest.grammar`, qwen_jax.structured): the stream's matcher says which tokens may
+come next; before each of its steps (the prompt call's first token included) the engine writes the slot's bias row
+as the request's logit bias with -inf where the grammar forbids a token (`Programs.bias_put`), which the programs'
+penalties add before the draw, so other rows are untouched and the reply is the same alone or among others. A
+constrained stream decodes serially, and its calls are not pipelined: its next mask needs its last token on the
+host, so a round that has one in flight lands every call first. It ends with "stop" once the grammar's document is
+whole and nothing may follow it.
 """
 
 from __future__ import annotations
@@ -238,6 +246,8 @@ class Engine:
         self._counters = {"prompt": 0, "generation": 0, "draft_proposed": 0, "draft_accepted": 0, "cache_queried": 0,
                           "draft_windows": 0, "draft_windows_chained": 0, "draft_landed": 0}
         # Kept prompt states (qwen_jax.engine.prefix), on grid points that are whole pages
+        self._token_bytes = None  # `token_bytes()`, built at the first structured-output request
+        self._token_bytes_lock = threading.Lock()
         self._cache = (PrefixCache(range(parallel + 1, parallel + 1 + prompt_cache), max(P.GRID, page_size),
                                    user_marker(tokenizer)) if prompt_cache else None)
         self.compile_times: dict = {}
@@ -408,7 +418,7 @@ class Engine:
         s = req.sampling
         bias = s.logit_bias.items() if isinstance(s.logit_bias, dict) else s.logit_bias
         pen = sampling.RequestPenalties(s.presence_penalty, s.frequency_penalty, s.repetition_penalty,
-                                        tuple(tuple(x) for x in bias))
+                                        tuple(tuple(x) for x in bias), masked=req.grammar is not None)
         bad = [t for t, _ in pen.logit_bias if t >= self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
@@ -457,6 +467,40 @@ class Engine:
         self._sampling_rule(req)  # ValueError naming the sampling field
         if req.media is not None:
             self._validate_media(req)
+        if req.grammar is not None or req.grammar_after is not None:
+            self._validate_grammar(req)
+
+    def _validate_grammar(self, req: GenerationRequest) -> None:
+        from qwen_jax import structured
+        if not isinstance(req.grammar, structured.Grammar):
+            raise ValueError(f"grammar must be a qwen_jax.structured.Grammar (grammar_after needs one), got "
+                             f"{type(req.grammar).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("grammar: structured outputs need the tokenizer's token texts; this engine has none")
+        text = [t for t in req.stop_token_ids if t < self.vocab_size and self.token_bytes().is_text[t]]
+        if text:
+            raise ValueError(f"stop_token_ids: {text[:5]} are text tokens, which a grammar's document may hold; with "
+                             f"response_format, stop ids must be special tokens")
+        after = req.grammar_after
+        if after is not None and (isinstance(after, bool) or not isinstance(after, (int, np.integer))
+                                  or not 0 <= after < self.vocab_size):
+            raise ValueError(f"grammar_after must be None or a token id of this model, got {after!r}")
+
+    def token_bytes(self):
+        """Each token id's bytes (`structured.TokenBytes`), what grammars' masks are computed over; built once."""
+        from qwen_jax import structured
+        with self._token_bytes_lock:  # not the scheduler's lock: building takes a while at a real vocabulary
+            if self._token_bytes is None:
+                self._token_bytes = structured.TokenBytes.from_tokenizer(self.tokenizer, self.vocab_size)
+            return self._token_bytes
+
+    def _bias_row(self, stream: Stream) -> np.ndarray:
+        """A structured-output stream's bias row for its next step: its logit bias, -inf where its grammar (when on)
+        forbids a token."""
+        base = stream.penalties.bias_row(self.vocab_size)
+        if not stream.grammar_on:
+            return base
+        return np.where(stream.matcher.allowed(), base, np.float32(-np.inf))
 
     def _validate_media(self, req: GenerationRequest) -> None:
         m, t = req.media, len(req.prompt_ids)
@@ -652,19 +696,26 @@ class Engine:
                 handle._push(TokenEvent((), "", finish_reason="error", error=f"{type(e).__name__}: {e}"))
                 continue
             try:
+                stop_ids = frozenset(req.stop_token_ids) | (frozenset() if req.ignore_eos else self.stop_ids)
+                matcher = None
+                if req.grammar is not None:
+                    from qwen_jax import structured
+                    matcher = structured.Matcher(req.grammar, self.token_bytes(), stop_ids)
                 stream = Stream(handle, slot=slot[0], pages=pages, pages_per_stream=self.layout.pages_per_stream,
-                                sampling_rule=self._sampling_rule(req),
-                                stop_ids=frozenset(req.stop_token_ids) | (frozenset() if req.ignore_eos
-                                                                          else self.stop_ids),
+                                sampling_rule=self._sampling_rule(req), stop_ids=stop_ids,
                                 max_model_len=self.max_model_len, tokenizer=self.tokenizer,
                                 copy_drafts=self.copy_drafts, block_drafts=self.drafter is not None,
                                 resumed=len(entry) if entry is not None else 0, media_rows=media_rows,
-                                penalties=pen)
+                                penalties=pen, matcher=matcher, grammar_after=req.grammar_after)
+                if stream.grammar_on:
+                    self.programs.bias_put(stream.slot, self._bias_row(stream))  # its first token's mask
                 if cached:
                     with self._lock:
                         stream.keep_at = self._cache.keep_points(prompt, after=stream.prefilled)
             except Exception as e:
                 self._release(slot, pages, media_rows)
+                if self.programs.state_lost():
+                    self._program_failed([], e)
                 handle._push(TokenEvent((), "", finish_reason="error", error=f"{type(e).__name__}: {e}"))
                 continue
             handle.cached_tokens = stream.prefilled
@@ -846,7 +897,14 @@ class Engine:
     def _decode_call(self, skip: set | frozenset = frozenset()) -> bool:
         """Dispatch one decode call for every decoding stream not yet at its last token (but those in `skip`, whose
         window this round decided their tokens). -> whether it did."""
-        streams = [s for s in self._running if s.phase is Phase.DECODE and not s.finishing and s not in skip]
+        def decoding():
+            return [s for s in self._running if s.phase is Phase.DECODE and not s.finishing and s not in skip]
+
+        streams = decoding()
+        if any(s.matcher is not None and s.inflight for s in streams):
+            # A structured-output stream's next mask follows from its last token: every call in flight lands first.
+            self._land(keep=0)
+            streams = decoding()
         if not streams:
             return False
         n = self.buckets.decode_bucket(len(streams))
@@ -856,6 +914,9 @@ class Engine:
         sp = P.sample_params([s.sampling for s in streams], [s.cache_len + 1 for s in streams], n)
         pen = P.penalties([s.penalties for s in streams], n)
         try:
+            for s in streams:
+                if s.grammar_on:
+                    self.programs.bias_put(s.slot, self._bias_row(s))
             pending = self.programs.decode_async(window, sp, pen)
         except Exception as e:
             self._land(keep=0)

@@ -25,7 +25,8 @@ class Stream:
     def __init__(self, handle: RequestHandle, *, slot: int, pages: list[int], pages_per_stream: int,
                  sampling_rule: sampling.RequestSampling, stop_ids: frozenset[int], max_model_len: int, tokenizer,
                  copy_drafts: bool = False, block_drafts: bool = False, resumed: int = 0,
-                 media_rows: list[int] = (), penalties: sampling.RequestPenalties | None = None):
+                 media_rows: list[int] = (), penalties: sampling.RequestPenalties | None = None,
+                 matcher=None, grammar_after: int | None = None):
         req: GenerationRequest = handle.request
         self.handle = handle
         self.request = req
@@ -50,10 +51,16 @@ class Stream:
         # per draft window in flight: what it yields if every draft stands and its last sample is the copy's next
         # token, and whether that guess still stands (False once an earlier window went another way)
         self.windows: collections.deque[tuple[list[int], bool]] = collections.deque()
+        # Structured outputs: the grammar's matcher (qwen_jax.structured.Matcher; None: free text), on from the
+        # first token or once `grammar_after` is generated. Such a stream decodes serially, one step at a time.
+        self.matcher = matcher
+        self.grammar_after = grammar_after
+        self.grammar_on = matcher is not None and grammar_after is None
+        draft = req.draft and matcher is None
         # prompt + decided tokens, indexed for copy drafts (None: this stream decodes serially)
-        self.copies = CopyIndex(req.prompt_ids) if copy_drafts and req.draft else None
+        self.copies = CopyIndex(req.prompt_ids) if copy_drafts and draft else None
         # drafts from the engine's DFlash drafter, on the device (qwen_jax.dflash_programs)
-        self.block_drafts = block_drafts and req.draft
+        self.block_drafts = block_drafts and draft
         self.acceptance = Acceptance()  # what its windows kept, for the rows of the next (engine.policy)
         self.generated: list[int] = []
         self.detok = Detokenizer(tokenizer, skip_special_tokens=req.skip_special_tokens) if tokenizer else None
@@ -100,6 +107,11 @@ class Stream:
         self.generated.append(token)
         if self.copies is not None:
             self.copies.append(token)
+        if self.matcher is not None and token not in self.stop_ids:
+            if self.grammar_on:
+                self.matcher.advance(token)  # a token the mask forbade: ValueError, the stream fails
+            elif token == self.grammar_after:
+                self.grammar_on = True
         finish = None
         if token in self.stop_ids:
             finish = "stop"  # the stop token's own text is not part of the reply; what was held back is
@@ -108,6 +120,9 @@ class Stream:
             text, hit = self.stops.feed(self.detok.add(token)) if self.detok is not None else ("", False)
             if hit:
                 finish = "stop"  # the match and anything after it are dropped
+            elif self.grammar_on and self.matcher.terminated:
+                finish = "stop"  # the grammar's document is whole and nothing may follow it
+                text += self._flush()
             elif (len(self.generated) >= self.request.max_tokens
                   or self.prompt_len + len(self.generated) >= self.max_model_len):
                 finish = "length"
