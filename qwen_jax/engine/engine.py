@@ -245,9 +245,9 @@ class Engine:
         # window (its first token and length from the device); draft_landed: windows fetched, one a stream
         self._counters = {"prompt": 0, "generation": 0, "draft_proposed": 0, "draft_accepted": 0, "cache_queried": 0,
                           "draft_windows": 0, "draft_windows_chained": 0, "draft_landed": 0}
-        # Kept prompt states (qwen_jax.engine.prefix), on grid points that are whole pages
         self._token_bytes = None  # `token_bytes()`, built at the first structured-output request
         self._token_bytes_lock = threading.Lock()
+        # Kept prompt states (qwen_jax.engine.prefix), on grid points that are whole pages
         self._cache = (PrefixCache(range(parallel + 1, parallel + 1 + prompt_cache), max(P.GRID, page_size),
                                    user_marker(tokenizer)) if prompt_cache else None)
         self.compile_times: dict = {}
