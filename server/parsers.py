@@ -35,6 +35,11 @@ this; lost calls were vLLM #39056's complaint). So with tools parsed, a think bl
 its first block that is a call: the text before it is the reasoning, the rest is content. A reply cut off mid-thought
 just after a complete call (length) hence makes that call; its finish_reason stays "length".
 
+Forced calls (tool_choice "required" or a named function; `ForcedCalls`): no `<tool_call>` blocks. The content after
+the think block is one JSON document that a grammar enforced while sampling (the arguments of the named function,
+or an array of `{"name", "parameters"}` items), so it is read as JSON, not searched for tags. A reply that is not a
+whole document (cut by max_tokens or a stop string) makes no call and keeps its text as content.
+
 Both come in two forms that must agree: `parse_reply` over a whole reply (non-streamed responses) and `ReplyParser`
 fed the reply's pieces as the engine decides them (streams). A tag may arrive cut across pieces, so the stream holds
 back any suffix that could still become one, and holds each call block until it closes (content or reasoning, the
@@ -497,3 +502,82 @@ class ReplyParser:
         if self.tools is not None and content:
             content, calls = self.tools.feed(content)
         return ReplyDelta(thought, content, tuple(calls))
+
+
+@dataclasses.dataclass(frozen=True)
+class ForcedCalls:
+    """tool_choice forcing calls: the reply's content (after the think block, when the prompt opens one) is one JSON
+    document, which a grammar enforced while it was sampled. function: the function tool_choice names (the document
+    is its arguments), or None for "required" (the document is an array of `{"name": ..., "parameters": ...}`, one
+    item a call, each name one of `names`)."""
+    function: str | None
+    names: tuple[str, ...] = ()
+
+    def calls(self, document: str) -> tuple[ToolCall, ...] | None:
+        """The calls a document makes (a named function's arguments as generated; an array item's parameters
+        re-encoded), or None when the text is not a whole document of that shape: a reply cut by max_tokens or by
+        a stop string."""
+        try:
+            value = _loads(document)
+        except ValueError:
+            return None
+        if self.function is not None:
+            return (ToolCall(self.function, document),)
+        if not isinstance(value, list) or not value:
+            return None
+        calls = []
+        for item in value:
+            if not isinstance(item, dict) or item.get("name") not in self.names or "parameters" not in item:
+                return None
+            calls.append(ToolCall(item["name"], json.dumps(item["parameters"], ensure_ascii=False)))
+        return tuple(calls)
+
+
+class ForcedReplyParser:
+    """A reply under forced calls, fed in pieces like `ReplyParser` (`parse_forced` feeds it whole). The think block
+    the prompt opens streams as now: reasoning with the reasoning parser on; with it off, content up to and with
+    its `</think>` (where the document starts). The document is held, and at the end leaves as its calls, or as
+    content when it is not whole."""
+
+    def __init__(self, forced: ForcedCalls, *, reasoning: bool, in_think: bool):
+        self.forced = forced
+        self._reasoning = ReplyParser(reasoning=True, in_think=in_think, tools=False) if reasoning else None
+        self._raw_think = in_think and not reasoning  # content until `</think>`, then the document
+        self._buf = ""  # with _raw_think: what may be the start of `</think>`
+        self._document = ""
+
+    def feed(self, text: str) -> ReplyDelta:
+        if self._reasoning is not None:
+            delta = self._reasoning.feed(text)
+            self._document += delta.content
+            return ReplyDelta(reasoning=delta.reasoning)
+        if not self._raw_think:
+            self._document += text
+            return ReplyDelta()
+        self._buf += text
+        end = self._buf.find(THINK_END)
+        if end >= 0:
+            head, self._document = self._buf[:end + len(THINK_END)], self._buf[end + len(THINK_END):]
+            self._buf, self._raw_think = "", False
+            return ReplyDelta(content=head)
+        keep = _partial_tag(self._buf, THINK_END)
+        head, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+        return ReplyDelta(content=head)
+
+    def finish(self) -> ReplyDelta:
+        delta = ReplyDelta(content=self._buf)  # a think block never closed: all of it was content
+        self._buf = ""
+        if self._reasoning is not None:
+            rest = self._reasoning.finish()
+            self._document += rest.content
+            delta = ReplyDelta(reasoning=rest.reasoning)
+        document, self._document = self._document, ""
+        calls = self.forced.calls(document) if document else None
+        return delta + (ReplyDelta(content=document) if calls is None else ReplyDelta(tool_calls=calls))
+
+
+def parse_forced(text: str, forced: ForcedCalls, *, reasoning: bool, in_think: bool) -> ParsedReply:
+    """A whole reply under forced calls (`ForcedReplyParser`'s deltas joined); an empty field is None."""
+    parser = ForcedReplyParser(forced, reasoning=reasoning, in_think=in_think)
+    delta = parser.feed(text) + parser.finish()
+    return ParsedReply(delta.reasoning or None, delta.content or None, delta.tool_calls)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # The sampler's limits (qwen_jax.sampling.RequestSampling), checked here so the 400 names the request field.
 SEED_LIMIT = 2 ** 64
@@ -208,17 +208,27 @@ class ToolDefinition(_Strict):
     function: FunctionDefinition
 
 
-def _tool_choice(value: Any) -> Literal["auto", "none"] | None:
-    """Only the choices that leave the model free: forcing a call ("required", a named function) needs a grammar of
-    the call format, which this server does not build (response_format's grammars are JSON documents); a 400 beats
-    a reply that silently ignores the constraint."""
-    if value is None or value in ("auto", "none"):
+class FunctionName(_Strict):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Strict):
+    """tool_choice naming one function: the reply is one call of it."""
+    type: Literal["function"]
+    function: FunctionName
+
+
+def _tool_choice(value: Any) -> Literal["auto", "none", "required"] | NamedToolChoice | None:
+    """"auto" and "none" leave the model free; "required" (at least one call of the tools) and a named function (one
+    call of it) force calls: the reply is a JSON document of the calls, enforced by a grammar (serving.py)."""
+    if value is None or value in ("auto", "none", "required"):
         return value
-    if value == "required" or isinstance(value, dict) and value.get("type") == "function":
-        what = '"required"' if value == "required" else "a named function"
-        raise ValueError(f'{what} is not supported by this server (it does not force calls); use "auto" or '
-                         '"none"')
-    raise ValueError('must be "auto" or "none"')
+    if isinstance(value, dict):
+        try:
+            return NamedToolChoice.model_validate(value)
+        except ValidationError:
+            raise ValueError('a named function must be {"type": "function", "function": {"name": NAME}}') from None
+    raise ValueError('must be "auto", "none", "required" or {"type": "function", "function": {"name": NAME}}')
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -230,7 +240,8 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     tools: list[ToolDefinition] | None = Field(default=None, min_length=1)
     tool_choice: Any = None  # None: "auto" with tools
-    # Accepted for clients that send it; how many calls a reply makes is the model's choice here.
+    # False: at most one call under tool_choice "required" (the grammar's array holds one item); otherwise how many
+    # calls a reply makes is the model's choice.
     parallel_tool_calls: bool | None = None
 
     @field_validator("chat_template_kwargs")
@@ -240,13 +251,23 @@ class ChatCompletionRequest(_SamplingFields):
 
     @field_validator("tool_choice", mode="plain")
     @classmethod
-    def _check_tool_choice(cls, value: Any) -> str | None:
+    def _check_tool_choice(cls, value: Any) -> str | NamedToolChoice | None:
         return _tool_choice(value)
 
     @property
     def parse_tools(self) -> bool:
-        """Tools go to the chat template and calls are parsed out of the reply."""
+        """Tools go to the chat template and calls come out of the reply (parsed, or forced by tool_choice)."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forces_calls(self) -> bool:
+        """tool_choice "required" or a named function: the reply is a document of calls (serving.py)."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+    @property
+    def forced_function(self) -> str | None:
+        """The function tool_choice names, or None."""
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
 
     @model_validator(mode="after")
     def _check_chat(self):
@@ -255,6 +276,18 @@ class ChatCompletionRequest(_SamplingFields):
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise _FieldError("max_completion_tokens", "max_tokens and max_completion_tokens disagree; send one")
+        if self.forces_calls:
+            what = '"required"' if self.forced_function is None else f"function {self.forced_function!r}"
+            if not self.tools:
+                raise _FieldError("tool_choice", f"tool_choice {what} needs tools to call; none were given")
+            names = [t.function.name for t in self.tools]
+            if self.forced_function is not None and self.forced_function not in names:
+                raise _FieldError("tool_choice", f"tool_choice names function {self.forced_function!r}, which is "
+                                                 f"not among tools ({', '.join(names)})")
+            if self.response_format is not None and self.response_format.type != "text":
+                raise _FieldError("response_format", f"response_format {self.response_format.type} cannot be "
+                                                     f"combined with tool_choice {what}: the reply is the call's "
+                                                     "JSON, whose format the tools' parameters set")
         return self
 
     @property

@@ -33,13 +33,15 @@ from server import protocol as P
 from server.errors import APIError, bad_request, error_body
 from server.images import ImageLimits, message_images
 from server.metrics import ServerMetrics
-from server.parsers import (THINK_END, THINK_START, TOOL_END, TOOL_START, ParsedReply, ReplyDelta, ReplyParser,
-                            parse_reply, prompt_opens_think, resolve_reasoning_parser)
+from server.parsers import (THINK_END, THINK_START, TOOL_END, TOOL_START, ForcedCalls, ForcedReplyParser,
+                            ParsedReply, ReplyDelta, ReplyParser, parse_forced, parse_reply, prompt_opens_think,
+                            resolve_reasoning_parser)
 
 # How long a client told "overloaded" should wait; one decode round is milliseconds, admission frees as soon as
 # any request finishes, so a short retry is right.
 RETRY_AFTER_SECONDS = 1
-# Compiled response_format grammars kept (a schema's masks are cached with its grammar, so repeats are cheap).
+# Compiled grammars kept, response_format's and forced tool calls' (a schema's masks are cached with its grammar,
+# so repeats are cheap).
 GRAMMARS_KEPT = 16
 
 
@@ -206,21 +208,26 @@ async def _merged(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
 class ReplyMode:
     """How a chat reply's text is parsed (server/parsers.py): the think block split off (--reasoning-parser),
     whether the prompt left one open, and tool calls parsed out of the content (a request with tools, whose schemas
-    type XML calls' arguments)."""
+    type XML calls' arguments) or, when tool_choice forces calls, read from the content's JSON document."""
     reasoning: bool = False
     in_think: bool = False
     tools: bool = False
     tool_schemas: tuple[dict[str, Any], ...] = ()
+    forced: ForcedCalls | None = None
 
     @property
     def parses(self) -> bool:
-        return self.reasoning or self.tools
+        return self.reasoning or self.tools or self.forced is not None
 
     def whole(self, text: str) -> ParsedReply:
+        if self.forced is not None:
+            return parse_forced(text, self.forced, reasoning=self.reasoning, in_think=self.in_think)
         return parse_reply(text, reasoning=self.reasoning, in_think=self.in_think, tools=self.tools,
                            tool_schemas=self.tool_schemas)
 
-    def stream(self) -> ReplyParser:
+    def stream(self) -> ReplyParser | ForcedReplyParser:
+        if self.forced is not None:
+            return ForcedReplyParser(self.forced, reasoning=self.reasoning, in_think=self.in_think)
         return ReplyParser(reasoning=self.reasoning, in_think=self.in_think, tools=self.tools,
                            tool_schemas=self.tool_schemas)
 
@@ -280,7 +287,7 @@ class Serving:
         self.image_limits = image_limits
         self._image_threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="images")
         self._token_texts: dict[int, str] = {}  # logprob token strings, bounded by the vocabulary
-        self._grammars: collections.OrderedDict[str, Any] = collections.OrderedDict()  # response_format's, by schema
+        self._grammars: collections.OrderedDict[str, Any] = collections.OrderedDict()  # by their schema's text
 
     def close(self) -> None:
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
@@ -337,19 +344,25 @@ class Serving:
     async def chat(self, req: P.ChatCompletionRequest, wait_disconnect: Callable[[], Awaitable[None]]):
         """-> ChatCompletionResponse, or an EventStream when req.stream."""
         self.check_model(req.model)
-        grammar = await self._grammar(req.response_format)
+        if req.forces_calls:
+            grammar, grammar_param = await self._calls_grammar(req), "tool_choice"
+            forced = ForcedCalls(req.forced_function, tuple(t.function.name for t in req.tools))
+        else:
+            grammar, grammar_param = await self._grammar(req.response_format), "response_format"
+            forced = None
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.parse_tools else None
         ids, prompt_text = await self._chat_prompt(req.messages, req.chat_template_kwargs, req.add_generation_prompt,
                                                    False, tools)
-        reasoning = self.reasoning_parser == "qwen3"
-        mode = ReplyMode(reasoning=reasoning, in_think=reasoning and prompt_opens_think(prompt_text),
-                         tools=req.parse_tools, tool_schemas=tuple(tools or ()))
+        in_think = prompt_opens_think(prompt_text)
+        mode = ReplyMode(reasoning=self.reasoning_parser == "qwen3", in_think=in_think,
+                         tools=req.parse_tools and forced is None, tool_schemas=tuple(tools or ()), forced=forced)
         media = None
         if _first_image(req.messages) is not None:
             ids, media = await self._image_prompt(req.messages, ids)
+        grammar_after = self._think_end_id(grammar_param) if grammar is not None and in_think else None
         runs, rid = self._submit(req, [ids], req.output_limit, "messages", req.logprobs_count, "chatcmpl", media,
                                  skip_special_tokens=not (mode.parses and self._tags_special), grammar=grammar,
-                                 in_think=prompt_opens_think(prompt_text))
+                                 grammar_after=grammar_after)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._chat_stream(runs, rid, include_usage, mode)
@@ -478,12 +491,12 @@ class Serving:
     def _submit(self, req: P.ChatCompletionRequest | P.CompletionRequest, batch: list[list[int]],
                 max_tokens: int | None, prompt_param: str, logprobs: int | None, id_prefix: str,
                 media: PromptMedia | None = None, *, skip_special_tokens: bool = True,
-                grammar=None, in_think: bool = False) -> tuple[list[_Run], str]:
+                grammar=None, grammar_after: int | None = None) -> tuple[list[_Run], str]:
         """batch: the prompts' ids (chat: one; completions: a batch) -> one run a choice (req.n a prompt, prompt i's
-        choice j at i * n + j; all queued or none), and the reply's id. grammar: the response_format's (`_grammar`);
-        in_think: the prompt leaves a think block open, so the grammar starts after the reply's `</think>`."""
+        choice j at i * n + j; all queued or none), and the reply's id. grammar: what the replies follow
+        (`_grammar`, `_calls_grammar`); grammar_after: the token after which it starts (`</think>`'s when the prompt
+        leaves a think block open), None: from the first."""
         budgets = [self._output_budget(len(p), max_tokens, prompt_param) for p in batch]
-        grammar_after = self._think_end_id() if grammar is not None and in_think else None
         if req.n * len(batch) > self.engine.max_queued:
             what = f"{req.n} choices" if len(batch) == 1 else f"{len(batch)} prompts x {req.n} choices"
             raise bad_request(f"n: {what} wait in the queue together; this server queues at most "
@@ -522,36 +535,68 @@ class Serving:
         return [_Run(h, self.metrics) for h in handles], rid
 
     async def _grammar(self, fmt: P.ResponseFormat | None):
-        """A request's response_format compiled (`qwen_jax.structured`; the last GRAMMARS_KEPT are kept by their
-        schema's text), or None for free text. json_object: any JSON object; json_schema without a schema: any JSON
-        value. A schema the compiler cannot enforce is a 400 naming the keyword. The first one also builds the
-        engine's token texts (`Engine.token_bytes`), off the event loop."""
+        """A request's response_format compiled (`_compiled`), or None for free text. json_object: any JSON object;
+        json_schema without a schema: any JSON value. A schema the compiler cannot enforce is a 400 naming the
+        keyword."""
         if fmt is None or fmt.type == "text":
             return None
-        from qwen_jax import structured
-        self._need_tokenizer("response_format")
-        await self._off_loop(self.engine.token_bytes)
         schema = None if fmt.type == "json_object" else fmt.json_schema.schema_ or {}
-        key = "" if schema is None else json.dumps(schema)  # property order matters: the reply keeps it
+        try:
+            return await self._compiled(schema, "response_format")
+        except ValueError as e:
+            raise bad_request(f"response_format.json_schema.schema: {e}", param="response_format") from None
+
+    async def _calls_grammar(self, req: P.ChatCompletionRequest):
+        """The grammar of the calls tool_choice forces (`_compiled`). A named function: its parameters' schema (the
+        reply is its arguments). "required": an array of at least one call (at most one with parallel_tool_calls
+        false), each `{"name": NAME, "parameters": ...}` of one of the tools (`calls_schema`). A parameters schema
+        the compiler cannot enforce is a 400 naming the tool and the keyword."""
+        parameters = [_parameters(t) for t in req.tools]
+        if req.forced_function is not None:
+            k = next(i for i, t in enumerate(req.tools) if t.function.name == req.forced_function)
+            try:
+                return await self._compiled(parameters[k], "tool_choice")
+            except ValueError as e:
+                raise bad_request(f"tools[{k}].function.parameters: {e}", param="tools") from None
+        schema = calls_schema([t.function.name for t in req.tools], parameters,
+                              one_call=req.parallel_tool_calls is False)
+        try:
+            return await self._compiled(schema, "tool_choice")
+        except ValueError as e:
+            from qwen_jax import structured
+            for k, tool_parameters in enumerate(parameters):  # which tool: its schema alone names the place in it
+                try:
+                    structured.compile_json_schema(tool_parameters)
+                except ValueError as alone:
+                    raise bad_request(f"tools[{k}].function.parameters: {alone}", param="tools") from None
+            raise bad_request(f"tools: {e}", param="tools") from None
+
+    async def _compiled(self, schema: dict[str, Any] | bool | None, param: str):
+        """A JSON schema compiled (`qwen_jax.structured.compile_json_schema`; None: any JSON object), the last
+        GRAMMARS_KEPT kept by the schema's text; the compiler's ValueError passes through. The first one also builds
+        the engine's token texts (`Engine.token_bytes`), off the event loop. param: the request field that asked
+        for it (the 400 when there is no tokenizer)."""
+        from qwen_jax import structured
+        self._need_tokenizer(param)
+        await self._off_loop(self.engine.token_bytes)
+        key = json.dumps(schema)  # property order matters: the reply keeps it
         grammar = self._grammars.get(key)
         if grammar is None:
-            try:
-                grammar = structured.compile_json_schema(schema)
-            except ValueError as e:
-                raise bad_request(f"response_format.json_schema.schema: {e}", param="response_format") from None
+            grammar = structured.compile_json_schema(schema)
             self._grammars[key] = grammar
             while len(self._grammars) > GRAMMARS_KEPT:
                 self._grammars.popitem(last=False)
         self._grammars.move_to_end(key)
         return grammar
 
-    def _think_end_id(self) -> int:
-        """The `</think>` token's id, where a reply that starts inside a think block leaves it."""
+    def _think_end_id(self, param: str) -> int:
+        """The `</think>` token's id, where a reply that starts inside a think block leaves it (and a grammar that
+        `param` asked for starts)."""
         ids = self.tokenizer.convert_tokens_to_ids([THINK_END])
         if not ids or ids[0] is None or ids[0] == self.tokenizer.unk_token_id:
-            raise bad_request(f"response_format: the prompt opens a think block and this tokenizer has no "
-                              f"{THINK_END} token to start the format after; turn thinking off "
-                              f"(chat_template_kwargs.enable_thinking: false)", param="response_format")
+            raise bad_request(f"{param}: the prompt opens a think block and this tokenizer has no {THINK_END} token "
+                              f"to start the constrained reply after; turn thinking off "
+                              f"(chat_template_kwargs.enable_thinking: false)", param=param)
         return int(ids[0])
 
     def _choices(self, sampling: SamplingOptions, ids: list[int], n: int) -> list[SamplingOptions]:
@@ -673,6 +718,10 @@ class Serving:
                 reason = _finish_reason(_client_reason(ev.finish_reason), calls > 0)
                 lp = None if ev.logprobs is None else {
                     "content": [self._chat_logprob(x).model_dump() for x in ev.logprobs]}
+                if mode.forced is not None and "tool_calls" in body and reason is not None:
+                    # The forced calls, which only the reply's end settles, in their own chunk; then the finish.
+                    yield chunk(i, body, None, lp)
+                    body, lp = {}, None
                 if body or lp is not None or reason is not None:
                     yield chunk(i, body, reason, lp)
 
@@ -800,3 +849,48 @@ def _template_message(m: P.ChatMessage) -> dict[str, Any]:
     if "reasoning" in msg:
         msg.setdefault("reasoning_content", msg.pop("reasoning"))
     return msg
+
+
+def _parameters(tool: P.ToolDefinition) -> dict[str, Any]:
+    """A tool's parameters schema; absent, any JSON object (OpenAI's: a function without parameters)."""
+    return tool.function.parameters if tool.function.parameters is not None else {"type": "object"}
+
+
+def calls_schema(names: list[str], parameters: list[dict[str, Any]], *, one_call: bool = False) -> dict[str, Any]:
+    """The schema of the reply under tool_choice "required": an array of calls (at least one; at most one with
+    one_call), each an object `{"name": NAME, "parameters": ...}` of one of the tools (names[k] with
+    parameters[k]). Each tool's schema moves to `#/items/anyOf/k/properties/parameters`, its local $refs with it
+    (`_moved`)."""
+    calls = [{"type": "object",
+              "properties": {"name": {"const": name},
+                             "parameters": _moved(schema, f"#/items/anyOf/{k}/properties/parameters")},
+              "required": ["name", "parameters"], "additionalProperties": False}
+             for k, (name, schema) in enumerate(zip(names, parameters))]
+    return {"type": "array", "items": {"anyOf": calls}, "minItems": 1, **({"maxItems": 1} if one_call else {})}
+
+
+# The keywords whose values are schemas: maps of them, lists of them, or one (items and additionalProperties).
+_SCHEMA_MAPS = frozenset({"properties", "$defs", "definitions"})
+_SCHEMA_HOLDERS = frozenset({"items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "allOf"})
+
+
+def _moved(schema: Any, place: str) -> Any:
+    """A JSON schema as it reads at `place` (a JSON pointer, "#/...") inside a larger one: its local $refs ("#",
+    "#/...") prefixed with `place`, so each still names the same part of it. Only schema positions are walked;
+    enum, const and annotations are values, left as they are. Anything else (a remote $ref, a malformed keyword) is
+    kept for the compiler to refuse."""
+    if isinstance(schema, list):
+        return [_moved(sub, place) for sub in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = place + value[1:]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _moved(sub, place) for name, sub in value.items()}
+        elif key in _SCHEMA_HOLDERS:
+            out[key] = _moved(value, place)
+        else:
+            out[key] = value
+    return out

@@ -18,7 +18,8 @@ import pytest
 from qwen_jax.sampling import choice_seed, derive_seed
 from server.launch import ServerProcess
 
-MAX_MODEL_LEN = 512
+# Room for prompts with two tools (~660 tokens: the tiny vocabulary spells the template's tool preamble in ~280).
+MAX_MODEL_LEN = 1024
 MAX_QUEUED = 64
 MAX_BODY = 1 << 20
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
@@ -306,6 +307,82 @@ def test_response_format(client, model, http):
     assert head == "" and tail.startswith("{")
 
 
+WEATHER_TOOL = {"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer"}},
+    "required": ["city"]}}}
+# Its `at` is a $ref into its own $defs, which under "required" must move with it to #/items/anyOf/1/....
+ALARM_TOOL = {"type": "function", "function": {"name": "alarm", "parameters": {
+    "type": "object", "properties": {"at": {"$ref": "#/$defs/time"}, "repeat": {"type": "boolean"}},
+    "required": ["at", "repeat"], "$defs": {"time": {"type": "object", "properties": {
+        "hour": {"type": "integer"}, "minute": {"type": "integer"}}, "required": ["hour", "minute"]}}}}}
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def follows_parameters(name: str, args) -> bool:
+    """Whether a call's arguments satisfy its tool's schema above (keys in the declared order, none extra)."""
+    if name == "weather":
+        return isinstance(args, dict) and list(args) in (["city"], ["city", "days"]) \
+            and isinstance(args["city"], str) and len(args["city"]) <= 8 and _integer(args.get("days", 0))
+    if name == "alarm":
+        return isinstance(args, dict) and list(args) == ["at", "repeat"] and isinstance(args["at"], dict) \
+            and list(args["at"]) == ["hour", "minute"] and all(_integer(v) for v in args["at"].values()) \
+            and isinstance(args["repeat"], bool)
+    return False
+
+
+@pytest.fixture(scope="module")
+def no_whitespace():
+    """logit_bias -100 on the tiny vocabulary's whitespace-only tokens: the random model favours them, and JSON
+    allows 16 bytes of them a run, so without this a forced reply rarely ends within its budget."""
+    from qwen_jax.checkpoint import load_tokenizer
+    from qwen_jax.structured import TokenBytes
+    from server.loading import EMBEDDED_MODEL
+    tok = load_tokenizer(EMBEDDED_MODEL)
+    tokens = TokenBytes.from_tokenizer(tok, len(tok))
+    return {str(t): -100 for t, b in enumerate(tokens.token_bytes) if b and not b.strip()}
+
+
+def test_forced_tool_calls(client, model, no_whitespace):
+    """tool_choice a named function, and "required" (over a tool whose parameters hold a $ref into their $defs):
+    the greedy reply is its calls (content null, finish "tool_calls"), each of a declared tool (the named one when
+    named) with arguments that satisfy its schema; streamed, the same calls in one delta, then the finish chunk;
+    seeded n=3, each choice its own calls or, cut by max_tokens, its text as content."""
+    kw = dict(model=model, messages=MESSAGES, max_tokens=120, logit_bias=no_whitespace,
+              tools=[WEATHER_TOOL, ALARM_TOOL], extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    for choice in ({"type": "function", "function": {"name": "weather"}},
+                   {"type": "function", "function": {"name": "alarm"}}, "required"):
+        r = client.chat.completions.create(**kw, tool_choice=choice, temperature=0.0)
+        (c,) = r.choices
+        assert (c.finish_reason, c.message.content) == ("tool_calls", None), c.message
+        calls = [(tc.function.name, tc.function.arguments) for tc in c.message.tool_calls]
+        if choice != "required":
+            assert [name for name, _ in calls] == [choice["function"]["name"]]
+        assert calls and all(follows_parameters(name, json.loads(args)) for name, args in calls), calls
+        chunks = list(client.chat.completions.create(**kw, tool_choice=choice, temperature=0.0, stream=True))
+        deltas = [ch.choices[0] for ch in chunks]
+        streamed = [tc for d in deltas for tc in d.delta.tool_calls or []]
+        assert [(tc.index, tc.function.name, tc.function.arguments) for tc in streamed] == \
+            [(k, name, args) for k, (name, args) in enumerate(calls)]
+        assert not any(d.delta.content for d in deltas)
+        assert [d.finish_reason for d in deltas if d.finish_reason] == ["tool_calls"]
+        assert deltas[-1].delta.tool_calls is None and deltas[-2].delta.tool_calls is not None
+    r = client.chat.completions.create(**kw, tool_choice="required", temperature=1.0, seed=7, n=3)
+    for c in r.choices:
+        if c.finish_reason == "tool_calls":
+            assert c.message.content is None and c.message.tool_calls
+            assert all(follows_parameters(tc.function.name, json.loads(tc.function.arguments))
+                       for tc in c.message.tool_calls)
+        else:
+            assert c.finish_reason == "length" and c.message.tool_calls is None
+            assert c.message.content.startswith("[")
+    assert sum(c.finish_reason == "tool_calls" for c in r.choices) >= 2
+    assert len({(c.message.content, tuple((tc.function.name, tc.function.arguments)
+                                          for tc in c.message.tool_calls or ())) for c in r.choices}) == 3
+
+
 def test_draft_false_equals_default(client, model):
     for extra in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 99}):
         kw = dict(model=model, messages=MESSAGES, max_tokens=16, logprobs=True, **extra)
@@ -523,6 +600,10 @@ OK_CHAT = {"messages": MESSAGES, "max_tokens": 2}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                            "parameters": {"type": "object",
                                                           "properties": {"city": {"type": "string"}}}}}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+# A parameters schema with a keyword the grammar cannot enforce, as the third tool.
+PATTERN_TOOLS = TOOLS + [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in (
+    ("now", None), ("code", {"type": "object", "properties": {"x": {"type": "string", "pattern": "^a+$"}}}))]
 
 # (route, raw body, status, param, code)
 BAD_INPUTS = [
@@ -608,9 +689,22 @@ BAD_INPUTS = [
      .encode(), 400, "tools[0].function.parameters", None),
     (CHAT, json.dumps({**OK_CHAT, "tools": []}).encode(), 400, "tools", None),
     (CHAT, json.dumps({**OK_CHAT, "tools": {"name": "f"}}).encode(), 400, "tools", None),
-    (CHAT, json.dumps({**OK_CHAT, "tools": TOOLS, "tool_choice": "required"}).encode(), 400, "tool_choice", None),
+    (CHAT, json.dumps({**OK_CHAT, "tool_choice": "required"}).encode(), 400, "tool_choice", None),
+    (CHAT, json.dumps({**OK_CHAT, "tool_choice": NAMED}).encode(), 400, "tool_choice", None),
     (CHAT, json.dumps({**OK_CHAT, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}})
      .encode(), 400, "tool_choice", None),
+    (CHAT, json.dumps({**OK_CHAT, "tools": TOOLS, "tool_choice": {"type": "function"}}).encode(), 400,
+     "tool_choice", None),
+    (CHAT, json.dumps({**OK_CHAT, "tools": TOOLS, "tool_choice": {**NAMED, "extra": 1}}).encode(), 400,
+     "tool_choice", None),
+    (CHAT, json.dumps({**OK_CHAT, "tools": TOOLS, "tool_choice": "required",
+                       "response_format": {"type": "json_object"}}).encode(), 400, "response_format", None),
+    (CHAT, json.dumps({**OK_CHAT, "tools": TOOLS, "tool_choice": NAMED, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}}).encode(), 400,
+     "response_format", None),
+    (CHAT, json.dumps({**OK_CHAT, "tools": PATTERN_TOOLS, "tool_choice": "required"}).encode(), 400, "tools", None),
+    (CHAT, json.dumps({**OK_CHAT, "tools": PATTERN_TOOLS, "tool_choice": {
+        "type": "function", "function": {"name": "code"}}}).encode(), 400, "tools", None),
     (CHAT, json.dumps({**OK_CHAT, "tool_choice": "sometimes"}).encode(), 400, "tool_choice", None),
     (CHAT, json.dumps({**OK_CHAT, "parallel_tool_calls": "yes"}).encode(), 400, "parallel_tool_calls", None),
     (CHAT, json.dumps({**OK_CHAT, "response_format": {"type": "xml"}}).encode(), 400, "response_format.type", None),
@@ -647,6 +741,15 @@ def test_bad_input(http, route, body, status, param, code):
     assert err["param"] == param and err["code"] == code
     if code == "context_length_exceeded":
         assert str(MAX_MODEL_LEN) in err["message"]
+
+
+def test_forced_call_schema_refused(http):
+    """A parameters schema the grammar cannot enforce: the 400 names the tool, the keyword and where it is."""
+    for choice in ("required", {"type": "function", "function": {"name": "code"}}):
+        r = http.post(CHAT, json={**OK_CHAT, "tools": PATTERN_TOOLS, "tool_choice": choice})
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == \
+            "tools[2].function.parameters: 'pattern' is not supported (at #/properties/x)"
 
 
 def test_bad_input_via_openai_client(client, model):

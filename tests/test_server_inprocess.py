@@ -16,12 +16,14 @@ import httpx
 import openai
 import pytest
 
+from qwen_jax import structured
 from qwen_jax.checkpoint import load_checkpoint, load_tokenizer
 from qwen_jax.engine.api import EngineStats, GenerationRequest, TokenEvent, TokenLogprob
 from qwen_jax.engine.engine import Engine
 from server.app import build_app
 from server.loading import EMBEDDED_MODEL
-from server.parsers import TOOL_END, TOOL_START
+from server.parsers import (TOOL_END, TOOL_START, ForcedCalls, ForcedReplyParser, ParsedReply, ToolCall,
+                            parse_forced)
 from server.serving import GenerationDefaults, Serving, load_generation_defaults
 
 pytestmark = pytest.mark.timeout(300)
@@ -204,6 +206,9 @@ class ScriptedEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(0, 0, 1, 1, 1, 1, 0, 0)
+
+    def token_bytes(self) -> structured.TokenBytes:
+        return structured.TokenBytes.from_tokenizer(self.tokenizer, len(self.tokenizer))
 
     def submit_all(self, reqs):
         self.requests = list(reqs)
@@ -481,3 +486,194 @@ def test_default_chat_template_kwargs():
         with pytest.raises(ValueError, match="--default-chat-template-kwargs"):
             Serving(engine, served_model_name="x", model_root="x", defaults=GenerationDefaults(),
                     default_template_kwargs=bad)
+
+
+# ------------------------------------------------------------------------------------------------ forced calls
+# tool_choice "required" or a named function: the request carries a grammar of the calls' JSON, and the reply's
+# content is read as that document. The scripted engine does not enforce grammars, so its replies are documents
+# written here, and each request's grammar is checked on its own over a vocabulary of single bytes.
+
+BYTES = structured.TokenBytes([bytes([b]) for b in range(256)])
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "description": "The time now."}}
+ARGS = '{"city": "Paris"}'
+REQUIRED = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]'
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+def named(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
+def is_document(grammar, text: str) -> bool:
+    """Whether `text` is a whole document of `grammar` (fed one byte a token)."""
+    matcher = structured.Matcher(grammar, BYTES, ())
+    try:
+        for byte in text.encode():
+            matcher.advance(byte)
+    except ValueError:
+        return False
+    return matcher.complete
+
+
+def calls_of(message_or_delta: dict) -> list[tuple[str, str]]:
+    return [(c["function"]["name"], c["function"]["arguments"]) for c in message_or_delta["tool_calls"] or []]
+
+
+def check_forced_stream(events: list[dict], calls: list[tuple[str, str]], reasoning: str = "") -> None:
+    """A forced reply streamed: reasoning as usual, no content, the calls whole in one chunk (indexes in order,
+    fresh ids), then a chunk of its own with the finish reason."""
+    s = joined(events)
+    assert (s["reasoning_content"], s["content"], s["finish"]) == (reasoning, "", ["tool_calls"])
+    assert [(c["index"], c["type"]) for c in s["tool_calls"]] == [(k, "function") for k in range(len(calls))]
+    assert calls_of(s) == calls and all(re.fullmatch(r"call_[0-9a-f]{24}", c["id"]) for c in s["tool_calls"])
+    with_calls = [ev for ev in events if ev["choices"][0]["delta"].get("tool_calls")]
+    assert len(with_calls) == 1 and with_calls[0]["choices"][0]["finish_reason"] is None
+    assert events[-1]["choices"][0]["delta"] == {} and events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert events.index(with_calls[0]) == len(events) - 2
+
+
+def test_forced_named_function(scripted):
+    """A named function, thinking on: the grammar is the function's parameters and starts after `</think>`; the
+    reasoning goes out as usual and the document is the call's arguments, as written; content null."""
+    engine, _ = scripted
+    reply = [("\nThe user wants the weather.\n</think>" + ARGS, "stop")]
+    r = chat(scripted, reply, tools=TOOLS + [TIME_TOOL], tool_choice=named("get_weather"))
+    assert r.status_code == 200, r.text
+    (request,) = engine.requests
+    prompt = engine.tokenizer.decode(request.prompt_ids)
+    assert '"get_weather"' in prompt and '"get_time"' in prompt  # every tool is in the prompt, as vLLM renders them
+    assert request.grammar_after == engine.tokenizer.convert_tokens_to_ids("</think>")
+    assert is_document(request.grammar, ARGS) and is_document(request.grammar, "{}")
+    assert not is_document(request.grammar, '{"city": 5}') and not is_document(request.grammar, '{"town": "x"}')
+    (choice,) = r.json()["choices"]
+    message = choice["message"]
+    assert (message["content"], message["reasoning_content"], choice["finish_reason"]) == \
+        (None, "The user wants the weather.", "tool_calls")
+    assert calls_of(message) == [("get_weather", ARGS)] and message["tool_calls"][0]["type"] == "function"
+    assert re.fullmatch(r"call_[0-9a-f]{24}", message["tool_calls"][0]["id"])
+    events = chat_stream(scripted, reply, tools=TOOLS + [TIME_TOOL], tool_choice=named("get_weather"))
+    check_forced_stream(events, [("get_weather", ARGS)], "The user wants the weather.")
+
+    # get_time has no parameters: any JSON object; thinking off, the grammar starts at the reply's first token.
+    r = chat(scripted, [("{}", "stop")], tools=TOOLS + [TIME_TOOL], tool_choice=named("get_time"), **NO_THINKING)
+    assert calls_of(r.json()["choices"][0]["message"]) == [("get_time", "{}")]
+    (request,) = engine.requests
+    assert request.grammar_after is None and is_document(request.grammar, '{"any": [1, {"thing": null}]}')
+    assert not is_document(request.grammar, "[]")
+
+
+def test_forced_required_calls(scripted):
+    """"required": the grammar is an array of at least one {"name", "parameters"} of a declared tool (one at most
+    with parallel_tool_calls false); each item is a call, arguments re-encoded; streamed, the same calls."""
+    engine, _ = scripted
+    tools = TOOLS + [TIME_TOOL]
+    r = chat(scripted, [(REQUIRED, "stop")], tools=tools, tool_choice="required", **NO_THINKING)
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    calls = [("get_weather", ARGS), ("get_time", "{}")]
+    assert calls_of(choice["message"]) == calls
+    assert (choice["message"]["content"], choice["finish_reason"]) == (None, "tool_calls")
+    assert len({c["id"] for c in choice["message"]["tool_calls"]}) == 2
+    grammar = engine.requests[0].grammar
+    assert engine.requests[0].grammar_after is None and is_document(grammar, REQUIRED)
+    for bad in ("[]", "{}", '[{"name": "get_time"}]', '[{"name": "nope", "parameters": {}}]',
+                '[{"name": "get_time", "parameters": {}, "extra": 1}]',
+                '[{"name": "get_weather", "parameters": {"city": 1}}]',
+                '[{"parameters": {}, "name": "get_time"}]'):
+        assert not is_document(grammar, bad), bad
+    check_forced_stream(chat_stream(scripted, [(REQUIRED, "stop")], tools=tools, tool_choice="required",
+                                    **NO_THINKING), calls)
+    one = '[{"name": "get_time", "parameters": {}}]'
+    chat(scripted, [(one, "stop")], tools=tools, tool_choice="required", parallel_tool_calls=False, **NO_THINKING)
+    assert is_document(engine.requests[0].grammar, one) and not is_document(engine.requests[0].grammar, REQUIRED)
+
+
+def test_forced_calls_move_refs(scripted):
+    """Under "required" each tool's parameters sit at #/items/anyOf/K/properties/parameters: their `$ref`s ("#"
+    itself, and into their own $defs) are moved with them, so each names the same schema as in the tool alone."""
+    engine, _ = scripted
+    tree = {"type": "object", "properties": {"value": {"type": "integer"},
+                                            "children": {"type": "array", "items": {"$ref": "#"}}},
+            "required": ["value"]}
+    alarm = {"type": "object", "properties": {"at": {"$ref": "#/$defs/time"}}, "required": ["at"],
+             "$defs": {"time": {"type": "object", "properties": {"hour": {"type": "integer"}},
+                                "required": ["hour"]}}}
+    tools = [TIME_TOOL] + [{"type": "function", "function": {"name": n, "parameters": p}}
+                           for n, p in (("tree", tree), ("alarm", alarm))]
+    text = ('[{"name": "tree", "parameters": {"value": 1, "children": [{"value": 2, "children": []}]}}, '
+            '{"name": "alarm", "parameters": {"at": {"hour": 7}}}]')
+    r = chat(scripted, [(text, "stop")], tools=tools, tool_choice="required", **NO_THINKING)
+    assert r.status_code == 200, r.text
+    assert calls_of(r.json()["choices"][0]["message"]) == [
+        ("tree", '{"value": 1, "children": [{"value": 2, "children": []}]}'), ("alarm", '{"at": {"hour": 7}}')]
+    grammar = engine.requests[0].grammar
+    assert is_document(grammar, text)
+    # "#" left as it was would be the whole array of calls; "#/$defs/time" would not resolve at all.
+    assert not is_document(grammar, '[{"name": "tree", "parameters": {"value": 1, "children": '
+                                    '[[{"name": "get_time", "parameters": {}}]]}}]')
+    assert not is_document(grammar, '[{"name": "alarm", "parameters": {"at": {"minute": 7}}}]')
+
+
+def test_forced_calls_cut_short(scripted):
+    """A reply that is not a whole document (cut by max_tokens, or by a stop string) makes no call: its text is the
+    content, the finish reason its own; each of n choices is read on its own."""
+    cut = REQUIRED[:40]
+    replies = [(REQUIRED, "stop"), (cut, "length"), (ARGS[:9], "stop")]
+    kw = {"tools": TOOLS + [TIME_TOOL], "tool_choice": "required", "n": 3, **NO_THINKING}
+    choices = chat(scripted, replies, **kw).json()["choices"]
+    assert [c["finish_reason"] for c in choices] == ["tool_calls", "length", "stop"]
+    assert [c["message"]["content"] for c in choices] == [None, cut, ARGS[:9]]
+    assert [c["message"]["tool_calls"] is None for c in choices] == [False, True, True]
+    events = chat_stream(scripted, replies, **kw)
+    check_forced_stream([ev for ev in events if ev["choices"][0]["index"] == 0],
+                        [("get_weather", ARGS), ("get_time", "{}")])
+    for k, text, reason in ((1, cut, "length"), (2, ARGS[:9], "stop")):
+        s = joined(events, k)
+        assert (s["content"], s["tool_calls"], s["finish"]) == (text, [], [reason])
+    # A named function's arguments cut short; thinking on, a reply cut inside the think block: all reasoning.
+    for text, reasoning, content in (("\nOK.\n</think>" + ARGS[:12], "OK.", ARGS[:12]),
+                                     ("\nStill thinking", "Still thinking", None)):
+        choice = chat(scripted, [(text, "length")], tools=TOOLS, tool_choice=named("get_weather")).json()["choices"][0]
+        assert (choice["message"]["reasoning"], choice["message"]["content"], choice["message"]["tool_calls"],
+                choice["finish_reason"]) == (reasoning, content, None, "length")
+        s = joined(chat_stream(scripted, [(text, "length")], tools=TOOLS, tool_choice=named("get_weather")))
+        assert (s["reasoning"], s["content"] or None, s["tool_calls"], s["finish"]) == \
+            (reasoning, content, [], ["length"])
+
+
+def test_forced_calls_without_reasoning_parser():
+    """With the reasoning parser off, a think block the prompt opens stays content (up to and with its `</think>`,
+    where the grammar starts) and the document after it is the call."""
+    engine = ScriptedEngine(load_tokenizer(EMBEDDED_MODEL))
+    serving = Serving(engine, served_model_name="scripted", model_root="in-process", defaults=GenerationDefaults(),
+                      reasoning_parser="none")
+    try:
+        app = build_app(serving)
+        engine.replies = [("Hmm, weather.\n</think>" + ARGS, "stop")]
+        body = {"messages": ASK, "max_tokens": 100, "tools": TOOLS, "tool_choice": named("get_weather")}
+        choice = call(app, "POST", "/v1/chat/completions", json=body).json()["choices"][0]
+        assert (choice["message"]["content"], calls_of(choice["message"]), choice["finish_reason"]) == \
+            ("Hmm, weather.\n</think>", [("get_weather", ARGS)], "tool_calls")
+        assert engine.requests[0].grammar_after == engine.tokenizer.convert_tokens_to_ids("</think>")
+        events = sse(call(app, "POST", "/v1/chat/completions", json={**body, "stream": True}).text)[:-1]
+        s = joined(events)
+        assert (s["content"], calls_of(s), s["finish"]) == ("Hmm, weather.\n</think>", [("get_weather", ARGS)],
+                                                            ["tool_calls"])
+    finally:
+        serving.close()
+
+
+def test_forced_reply_parser_any_cut():
+    """The forced-call parser fed a reply in two pieces, cut anywhere (inside `</think>` too), gives the whole
+    reply's result: reasoning or content before the document, then the calls or the document's text."""
+    forced = ForcedCalls("get_weather", ("get_weather",))
+    cases = [(True, "\nHmm.\n</think>" + ARGS, ("Hmm.", None, (ToolCall("get_weather", ARGS),))),
+             (False, "Hmm.\n</think>" + ARGS, (None, "Hmm.\n</think>", (ToolCall("get_weather", ARGS),))),
+             (False, "Hmm.\n</think>" + ARGS[:5], (None, "Hmm.\n</think>" + ARGS[:5], ())),
+             (False, "Hmm, </thi", (None, "Hmm, </thi", ()))]
+    for reasoning, text, (thought, content, calls) in cases:
+        assert parse_forced(text, forced, reasoning=reasoning, in_think=True) == ParsedReply(thought, content, calls)
+        for cut in range(len(text) + 1):
+            parser = ForcedReplyParser(forced, reasoning=reasoning, in_think=True)
+            delta = parser.feed(text[:cut]) + parser.feed(text[cut:]) + parser.finish()
+            assert (delta.reasoning or None, delta.content or None, delta.tool_calls) == (thought, content, calls)
