@@ -177,7 +177,8 @@ def prompt_program(cfg: ModelConfig, d: Drafter, backend: M.Backend, packing: P.
 def window_program(cfg: ModelConfig, d: Drafter, backend: M.Backend, top_n: int,
                    scratch_pages: int = 0) -> Callable:
     """(params, dparams, state, dstate, last, lens, history, window [S x R] of chains, sample params [S*R], penalties
-    [S*R]) -> (state, dstate, last, lens, history, tokens [S, R], logprobs or None, accepted rows [S]):
+    [S*R], grammar masks [S*R, W]) -> (state, dstate, last, lens, history, tokens [S, R], logprobs or None, accepted
+    rows [S]):
     `programs.draft_program` with window tokens of
     `FROM_DRAFT` read from the slot's drafts (R <= the drafts kept + 1), then the accepted rows' taps appended to the
     draft cache and the next block drafted from the newest sample.
@@ -188,7 +189,7 @@ def window_program(cfg: ModelConfig, d: Drafter, backend: M.Backend, top_n: int,
     from `scratch_pages` on (`Layout.tree_pages`: two a row), and the tokens handed back are the accepted path's
     first (`programs.chain_window`)."""
 
-    def program(params, dparams, state, dstate, last, lens, hist, window, sp, pen):
+    def program(params, dparams, state, dstate, last, lens, hist, window, sp, pen, mask):
         s, r = window.tokens.shape
         drafted = dstate.drafts[window.slot][:, jnp.maximum(jnp.arange(r) - 1, 0)]
         from_draft = window.tokens == FROM_DRAFT
@@ -200,7 +201,7 @@ def window_program(cfg: ModelConfig, d: Drafter, backend: M.Backend, top_n: int,
             scratch = (scratch_pages + jnp.arange(s * r * 2, dtype=jnp.int32)).reshape(s, r, 2)
             tree = (parents, scratch)
         w = P.chain_window(params, state, last, lens, window, sp, cfg, backend, top_n, taps=d.cfg.target_layer_ids,
-                           tree=tree, hist=hist, pen=pen)
+                           tree=tree, hist=hist, pen=pen, mask=mask)
         dstate = _draft_next(params, dparams, d, backend, dstate, window.slot, w.cache_len, w.taps, w.took,
                              w.newest)
         return w.state, dstate, w.last, w.lens, w.hist, w.tokens, w.logprobs, w.took, w.ranks

@@ -406,11 +406,14 @@ class History:
 
 
 def sample_rows(logits: jax.Array, sp: sampling.SampleParams, top_n: int, path: str | None = None,
-                penalties: tuple | None = None):
+                penalties: tuple | None = None, allowed: jax.Array | None = None):
     """logits [N, V] -> tokens [N] (+ (logprob [N], top ids [N, n], top logprobs [N, n]) when top_n > 0).
     penalties: (sampling.Penalties [N], counts [N, V], seen [N, V], bias [N, V]) applied before the draw
-    (`sampling.penalize`); logprobs are the raw logits' either way."""
-    drawn = logits if penalties is None else sampling.penalize(logits, *penalties)
+    (`sampling.penalize`); allowed [N, V] bool: a grammar's masks, -inf where False before the penalties (the same
+    values as a bias row holding the mask: -inf + bias is -inf, x + bias where allowed); logprobs are the raw
+    logits' either way."""
+    drawn = logits if allowed is None else jnp.where(allowed, logits, -jnp.inf)
+    drawn = drawn if penalties is None else sampling.penalize(drawn, *penalties)
     tokens = sampling.sample(drawn, sp, path)
     if top_n == 0:
         return tokens, None
@@ -602,7 +605,8 @@ def window_history(hist: History, window: M.VerifyWindow, path: jax.Array, took:
 
 def draft_program(cfg: ModelConfig, backend: M.Backend, top_n: int) -> Callable:
     """(params, state, last [slots], lens [slots], history, window [S x R] of chains, sample params [S*R],
-    penalties [S*R]) -> (state with the accepted rows committed, last, lens, history, tokens [S, R], logprobs or
+    penalties [S*R], masks [S*R, W] uint32 (`sampling.pack_allowed`: a structured-output stream's grammar masks, a
+    row's along its path; all ones elsewhere)) -> (state with the accepted rows committed, last, lens, history, tokens [S, R], logprobs or
     None, accepted rows [S]): `verify_program`
     with every row computed as the serial step at its position (`model.verify(chain=True)`), so its tokens and
     logprobs are the serial ones; then each chain's accepted rows (`chain_accepted`) committed. Rows past them
@@ -617,8 +621,8 @@ def draft_program(cfg: ModelConfig, backend: M.Backend, top_n: int) -> Callable:
     penalties read its slot's history and the tokens fed along its path (`window_penalties`); the accepted rows'
     tokens are counted after (`window_history`)."""
 
-    def program(params, state, last, lens, hist, window, sp, pen):
-        w = chain_window(params, state, last, lens, window, sp, cfg, backend, top_n, hist=hist, pen=pen)
+    def program(params, state, last, lens, hist, window, sp, pen, mask):
+        w = chain_window(params, state, last, lens, window, sp, cfg, backend, top_n, hist=hist, pen=pen, mask=mask)
         return w.state, w.last, w.lens, w.hist, w.tokens, w.logprobs, w.took, w.ranks
 
     return program
@@ -644,7 +648,7 @@ class ChainWindow:
 
 def chain_window(params, state, last, lens, window: M.VerifyWindow, sp, cfg: ModelConfig, backend: M.Backend,
                  top_n: int, taps: tuple[int, ...] = (), tree: tuple[jax.Array, jax.Array] | None = None, *,
-                 hist: History, pen: sampling.Penalties) -> ChainWindow:
+                 hist: History, pen: sampling.Penalties, mask: jax.Array) -> ChainWindow:
     """The body of `draft_program` (inside a jitted program): tokens and lengths from the device where the window
     says so, the chain's rows as serial steps, sampling, acceptance and commit.
 
@@ -677,7 +681,8 @@ def chain_window(params, state, last, lens, window: M.VerifyWindow, sp, cfg: Mod
     with jax.named_scope("draft"):
         logits, kept, tapped, state = M.verify(params, state, window, cfg, backend, taps=taps, chain=tree is None,
                                                tree_scratch=None if tree is None else tree[1])
-    tokens, lp = sample_rows(logits.reshape(s * r, -1), sp, top_n, penalties=window_penalties(hist, window, anc, pen))
+    tokens, lp = sample_rows(logits.reshape(s * r, -1), sp, top_n, penalties=window_penalties(hist, window, anc, pen),
+                             allowed=sampling.allowed_rows(mask, cfg.text.vocab_size))
     tokens = tokens.reshape(s, r)
     if tree is None:
         took = chain_accepted(window, tokens)
@@ -899,6 +904,7 @@ class Programs:
         self.lens = self._fresh_last()  # [slots] int32: each slot's committed length after a window (draft_program)
         self.history = self._fresh_history()  # what penalties read (History)
         self._exe: dict[tuple, object] = {}
+        self._all_allowed: dict[int, jax.Array] = {}  # `draft_async`'s masks of windows no grammar constrains
         top_n = buckets.logprobs
         be = self.backend
         self._fns = {
@@ -972,7 +978,8 @@ class Programs:
         if kind == "verify":
             return (window, sample_params([], [], s * t))
         if kind == "draft":
-            return (window, sample_params([], [], s * t), penalties([], s * t))
+            return (window, sample_params([], [], s * t), penalties([], s * t),
+                    sampling.all_allowed(s * t, self.cfg.text.vocab_size))
         kept = jax.eval_shape(lambda p, st, w, sp: self._fns["verify"](p, st, w, sp)[2], self.params, self.state,
                               window, sample_params([], [], s * t))
         return (kept, window, np.zeros((s, t), np.int32), np.zeros(s, np.int32))
@@ -1148,19 +1155,27 @@ class Programs:
         tokens, lp, kept, _ = exe(self.params, self.state, window, sp)
         return self._host(tokens, lp), kept
 
-    def draft(self, window: M.VerifyWindow, sp: sampling.SampleParams, pen: sampling.Penalties | None = None):
+    def draft(self, window: M.VerifyWindow, sp: sampling.SampleParams, pen: sampling.Penalties | None = None,
+              mask: np.ndarray | None = None):
         """A copy-draft chain window (`draft_program`: sampled, accepted and committed in one call) -> (Sampled with
         tokens [S, R], accepted rows [S] on the host)."""
-        return self.fetch_draft(self.draft_async(window, sp, pen))
+        return self.fetch_draft(self.draft_async(window, sp, pen, mask))
 
-    def draft_async(self, window: M.VerifyWindow, sp: sampling.SampleParams, pen: sampling.Penalties | None = None):
+    def draft_async(self, window: M.VerifyWindow, sp: sampling.SampleParams, pen: sampling.Penalties | None = None,
+                    mask: np.ndarray | None = None):
         """Dispatch a draft window and return at once (an opaque handle for `fetch_draft`); its tokens, cache
         lengths and positions may come from the device (`draft_program`). pen: each row's penalties (`penalties`,
-        a stream's repeated over its rows; None: none)."""
+        a stream's repeated over its rows; None: none); mask: each row's grammar mask [S*R, W] uint32
+        (`sampling.pack_allowed`; None: every token allowed)."""
         if pen is None:
             pen = penalties([], window.tokens.size)
+        if mask is None:  # kept on the device per row count: no upload when no row is constrained
+            rows = window.tokens.size
+            if rows not in self._all_allowed:
+                self._all_allowed[rows] = jnp.asarray(sampling.all_allowed(rows, self.cfg.text.vocab_size))
+            mask = self._all_allowed[rows]
         exe = self._get(("draft", window.tokens.shape))
-        out = exe(*self._with_drafter(self.state), self.last, self.lens, self.history, window, sp, pen)
+        out = exe(*self._with_drafter(self.state), self.last, self.lens, self.history, window, sp, pen, mask)
         if self.drafter is None:
             self.state, self.last, self.lens, self.history, tokens, lp, took, ranks = out
         else:
@@ -1168,6 +1183,11 @@ class Programs:
         for a in jax.tree.leaves((tokens, lp, took, ranks)):
             a.copy_to_host_async()
         return tokens, lp, took, ranks
+
+    def slot_drafts(self, slot: int) -> np.ndarray:
+        """The drafter's next drafts for `slot` (`DraftState.drafts`: made on the device after its last call), on the
+        host; waits for that call. A structured-output stream's window reads them here to mask its rows."""
+        return np.asarray(self.dstate.drafts[slot])
 
     def fetch_draft(self, pending):
         """-> (tokens and logprobs on the host, accepted rows [S], `path_ranks` [S, R])."""

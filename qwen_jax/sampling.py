@@ -284,6 +284,31 @@ def pack_penalties(rows_penalties: Sequence[RequestPenalties | None], rows: int)
     return out
 
 
+def mask_words(vocab: int) -> int:
+    """uint32 words a row of a packed token mask takes (`pack_allowed`)."""
+    return (vocab + 31) // 32
+
+
+def pack_allowed(allowed: np.ndarray, words: int | None = None) -> np.ndarray:
+    """allowed [V] bool -> [words] uint32: token t's bit is bit t % 32 of word t // 32 (bits past V are 0)."""
+    allowed = np.asarray(allowed, np.bool_)
+    words = mask_words(len(allowed)) if words is None else words
+    out = np.zeros(words * 32, np.bool_)
+    out[:len(allowed)] = allowed
+    return np.packbits(out, bitorder="little").view("<u4").astype(np.uint32)
+
+
+def all_allowed(rows: int, vocab: int) -> np.ndarray:
+    """[rows, mask_words(vocab)] uint32 with every bit set: rows no grammar constrains."""
+    return np.full((rows, mask_words(vocab)), 0xFFFFFFFF, np.uint32)
+
+
+def allowed_rows(mask: jax.Array, vocab: int) -> jax.Array:
+    """Packed masks [N, W] uint32 (`pack_allowed`) -> [N, vocab] bool."""
+    ids = jnp.arange(vocab, dtype=jnp.uint32)
+    return ((mask[:, ids >> 5] >> (ids & 31)) & 1).astype(jnp.bool_)
+
+
 def penalize(logits: jax.Array, pen: Penalties, counts: jax.Array, seen: jax.Array, bias: jax.Array) -> jax.Array:
     """logits [n, v]; pen with [n] fields; counts [n, v] int32 (how often each token was generated so far); seen
     [n, v] bool (the prompt's tokens); bias [n, v] f32 (the rows' logit bias) -> float32 logits [n, v]: the bias

@@ -788,6 +788,20 @@ def compile_json_schema(schema) -> Grammar:
     return Grammar(root, description)
 
 
+def compile_choice(choices: Sequence[str]) -> Grammar:
+    """The grammar whose documents are exactly one of `choices` (non-empty strings, written as they are, not as
+    JSON: vLLM's structured_outputs `choice`). A choice that is the start of another is complete where it ends but
+    not terminated (the longer one may follow)."""
+    if isinstance(choices, str) or not isinstance(choices, Sequence) or not choices:
+        raise ValueError("choice must be a non-empty list of strings")
+    for i, c in enumerate(choices):
+        if not isinstance(c, str) or not c:
+            raise ValueError(f"choice[{i}] must be a non-empty string, got {c!r}")
+    root = _Slot([_Literals(tuple(sorted({c.encode() for c in choices})), "#")], "#")
+    _finish(root)
+    return Grammar(root, "choice")
+
+
 # ---- the vocabulary ----------------------------------------------------------------------------------------------
 
 _STRUCTURAL = re.compile(rb'[\x00-\x1f"\\]')

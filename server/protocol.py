@@ -11,6 +11,7 @@ Sampling fields left out (None) take the checkpoint's generation_config.json def
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Annotated, Any, Literal
 
@@ -96,6 +97,38 @@ class ResponseFormat(_Strict):
         return self
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` (extra_body), exactly one of: `json` (a JSON schema, or its text), `json_object`
+    (true: a JSON object), `choice` (the reply is one of these strings, as written). vLLM's `regex`, `grammar` and
+    `structural_tag` are refused (this server compiles JSON schemas and choices only)."""
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, min_length=1)
+    regex: Any = None
+    grammar: Any = None
+    structural_tag: Any = None
+
+    @model_validator(mode="after")
+    def _check_one(self):
+        for name in ("regex", "grammar", "structural_tag"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is not supported by this server (json, json_object and choice are)")
+        if isinstance(self.json_, str):
+            try:
+                self.json_ = json.loads(self.json_)
+            except ValueError as e:
+                raise ValueError(f"json: not a JSON schema's text ({e})") from None
+            if not isinstance(self.json_, dict):
+                raise ValueError("json: the schema must be a JSON object")
+        _finite_json(self.json_, "json")
+        given = [n for n, v in (("json", self.json_), ("json_object", self.json_object or None),
+                                ("choice", self.choice)) if v is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json, json_object (true) and choice, got {given or 'none'}")
+        return self
+
+
 class _SamplingFields(_Strict):
     """Fields shared by chat and completions requests."""
     model: str | None = None
@@ -122,6 +155,8 @@ class _SamplingFields(_Strict):
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     # Structured outputs: the reply follows a JSON schema, or is a JSON object (enforced while sampling).
     response_format: ResponseFormat | None = None
+    # vLLM's spelling of the same (and `choice`); not both.
+    structured_outputs: StructuredOutputs | None = None
     user: str | None = None
 
     @field_validator("stop", mode="plain")
@@ -133,6 +168,9 @@ class _SamplingFields(_Strict):
     def _check_common(self):
         if self.stream_options is not None and not self.stream:
             raise _FieldError("stream_options", "stream_options is only allowed when stream is true")
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise _FieldError("structured_outputs", "structured_outputs and a JSON response_format: send one")
         for key in self.logit_bias or {}:
             if not (key.isascii() and key.isdigit()) or int(key) > INT32_MAX:
                 raise _FieldError("logit_bias", f"logit_bias keys must be token ids (non-negative integers), got "
@@ -288,6 +326,9 @@ class ChatCompletionRequest(_SamplingFields):
                 raise _FieldError("response_format", f"response_format {self.response_format.type} cannot be "
                                                      f"combined with tool_choice {what}: the reply is the call's "
                                                      "JSON, whose format the tools' parameters set")
+            if self.structured_outputs is not None:
+                raise _FieldError("structured_outputs", f"structured_outputs cannot be combined with tool_choice "
+                                                        f"{what}: the reply is the call's JSON")
         return self
 
     @property

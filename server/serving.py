@@ -348,7 +348,8 @@ class Serving:
             grammar, grammar_param = await self._calls_grammar(req), "tool_choice"
             forced = ForcedCalls(req.forced_function, tuple(t.function.name for t in req.tools))
         else:
-            grammar, grammar_param = await self._grammar(req.response_format), "response_format"
+            grammar = await self._grammar(req)
+            grammar_param = "response_format" if req.structured_outputs is None else "structured_outputs"
             forced = None
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.parse_tools else None
         ids, prompt_text = await self._chat_prompt(req.messages, req.chat_template_kwargs, req.add_generation_prompt,
@@ -384,7 +385,7 @@ class Serving:
     async def completion(self, req: P.CompletionRequest, wait_disconnect: Callable[[], Awaitable[None]]):
         """-> CompletionResponse, or an EventStream when req.stream."""
         self.check_model(req.model)
-        grammar = await self._grammar(req.response_format)
+        grammar = await self._grammar(req)
         prompts = []
         for prompt in req.prompt:
             if isinstance(prompt, str):
@@ -534,10 +535,19 @@ class Serving:
             raise bad_request(str(e), param=_engine_param(str(e), prompt_param)) from None
         return [_Run(h, self.metrics) for h in handles], rid
 
-    async def _grammar(self, fmt: P.ResponseFormat | None):
-        """A request's response_format compiled (`_compiled`), or None for free text. json_object: any JSON object;
-        json_schema without a schema: any JSON value. A schema the compiler cannot enforce is a 400 naming the
-        keyword."""
+    async def _grammar(self, req: P.ChatCompletionRequest | P.CompletionRequest):
+        """A request's response_format or structured_outputs compiled (`_compiled`), or None for free text.
+        json_object: any JSON object; json_schema without a schema: any JSON value; choice: one of the strings. A
+        schema the compiler cannot enforce is a 400 naming the keyword."""
+        so = req.structured_outputs
+        if so is not None:
+            try:
+                if so.choice is not None:
+                    return await self._compiled(None, "structured_outputs", choice=so.choice)
+                return await self._compiled(so.json_, "structured_outputs")
+            except ValueError as e:
+                raise bad_request(f"structured_outputs: {e}", param="structured_outputs") from None
+        fmt = req.response_format
         if fmt is None or fmt.type == "text":
             return None
         schema = None if fmt.type == "json_object" else fmt.json_schema.schema_ or {}
@@ -571,18 +581,21 @@ class Serving:
                     raise bad_request(f"tools[{k}].function.parameters: {alone}", param="tools") from None
             raise bad_request(f"tools: {e}", param="tools") from None
 
-    async def _compiled(self, schema: dict[str, Any] | bool | None, param: str):
+    async def _compiled(self, schema: dict[str, Any] | bool | None, param: str, choice: list[str] | None = None):
         """A JSON schema compiled (`qwen_jax.structured.compile_json_schema`; None: any JSON object), the last
         GRAMMARS_KEPT kept by the schema's text; the compiler's ValueError passes through. The first one also builds
         the engine's token texts (`Engine.token_bytes`), off the event loop. param: the request field that asked
-        for it (the 400 when there is no tokenizer)."""
+        for it (the 400 when there is no tokenizer). choice: instead of a schema, the strings one of which the reply
+        is (`structured.compile_choice`)."""
         from qwen_jax import structured
         self._need_tokenizer(param)
         await self._off_loop(self.engine.token_bytes)
-        key = json.dumps(schema)  # property order matters: the reply keeps it
+        # property order matters (the reply keeps it); a choice's key never parses as a schema's text
+        key = json.dumps(schema) if choice is None else "choice " + json.dumps(choice)
         grammar = self._grammars.get(key)
         if grammar is None:
-            grammar = structured.compile_json_schema(schema)
+            grammar = (structured.compile_json_schema(schema) if choice is None
+                       else structured.compile_choice(choice))
             self._grammars[key] = grammar
             while len(self._grammars) > GRAMMARS_KEPT:
                 self._grammars.popitem(last=False)

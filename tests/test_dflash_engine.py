@@ -19,7 +19,8 @@ import pytest
 from qwen_jax import dflash_programs as D
 from qwen_jax import programs as P
 from qwen_jax import sampling
-from qwen_jax.checkpoint import load_checkpoint, load_dflash
+from qwen_jax import structured
+from qwen_jax.checkpoint import load_checkpoint, load_dflash, load_tokenizer
 from qwen_jax.engine.api import GenerationRequest, SamplingOptions
 from qwen_jax.engine.engine import Engine
 from qwen_jax.model import Backend
@@ -92,9 +93,9 @@ def _engine(**kw):
     ck = first_layers(full, LAYERS)
     buckets = P.Buckets(prompt_rows=(64,), prompt_lanes=(1,), decode_streams=(2,), chain_rows=(4,),
                         packing=P.Packing.BATCHED, logprobs=2, slot_copy=kw.get("prompt_cache", 0) > 0)
-    e = Engine(ck.params, ck.config, None, dtype="bfloat16", max_model_len=192, parallel=2, max_queued=8,
-               backend=Backend(kernels=True, interpret=True), buckets=buckets, max_logprobs=2, progress=False,
-               drafter=drafter, **kw)
+    e = Engine(ck.params, ck.config, load_tokenizer(MODEL), dtype="bfloat16", max_model_len=192, parallel=2,
+               max_queued=8, backend=Backend(kernels=True, interpret=True), buckets=buckets, max_logprobs=2,
+               progress=False, drafter=drafter, **kw)
     e.start()
     return e
 
@@ -212,6 +213,35 @@ def test_concurrent_drafted_equals_solo(drafted):
     for a, b in zip(replies, together):
         _same(a, b)
     assert together[-1].finish_reason == "length"
+    _baseline(e)
+
+
+def test_structured_outputs_drafted(drafted):
+    """Structured-output requests (a JSON schema, greedy and seeded) with the drafter's blocks: each window reads the
+    stream's drafts back to the host and cuts them where the grammar refuses one (the random drafter's mostly), its
+    rows masked along them. Each reply is its serial one (`draft` False), alone and beside a drafted free stream, and a
+    document of the grammar, or a prefix of one where max_tokens cut it."""
+    from tests.test_engine import SCHEMA
+    e, reqs, replies, _ = drafted
+    grammar = structured.compile_json_schema(SCHEMA)
+    tb = e.token_bytes()
+    spaces = tuple((t, -100.0) for t, b in enumerate(tb.token_bytes) if b and not b.strip())
+    cons = [dataclasses.replace(r, grammar=grammar, ignore_eos=False, max_tokens=40,
+                                sampling=dataclasses.replace(r.sampling, logit_bias=spaces)) for r in reqs[:2]]
+    serial = [e.submit(dataclasses.replace(r, draft=False)).result(TIMEOUT) for r in cons]
+    before = e.stats()
+    got = [e.submit(r).result(TIMEOUT) for r in cons]
+    assert e.stats().draft_proposed_total > before.draft_proposed_total  # they drafted
+    handles = [e.submit(reqs[3]), e.submit(cons[1])]
+    _same(replies[3], handles[0].result(TIMEOUT))
+    got.append(handles[1].result(TIMEOUT))
+    for a, b in zip(serial + serial[1:], got):
+        _same(a, b)
+    for r, a in zip(cons, serial):
+        m = structured.Matcher(grammar, tb, e.stop_ids)
+        for t in a.token_ids:
+            m.advance(t)
+        assert m.terminated == (a.finish_reason == "stop")
     _baseline(e)
 
 

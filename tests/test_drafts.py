@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from qwen_jax import programs as P
-from qwen_jax.checkpoint import load_checkpoint
+from qwen_jax import structured
+from qwen_jax.checkpoint import load_checkpoint, load_tokenizer
 from qwen_jax.engine import stream as stream_mod
 from qwen_jax.engine.api import GenerationRequest, SamplingOptions
 from qwen_jax.engine.drafts import CopyIndex
@@ -197,8 +198,9 @@ def eng():
     backend = Backend(kernels=True, interpret=True)
     buckets = P.Buckets(prompt_rows=(64,), prompt_lanes=(1,), decode_streams=(2,), chain_rows=(8,),
                         packing=P.Packing.BATCHED, logprobs=2)
-    e = Engine(ck.params, ck.config, None, dtype="bfloat16", max_model_len=192, parallel=2, max_queued=8,
-               backend=backend, buckets=buckets, max_logprobs=2, progress=False, copy_drafts=True, draft_rows=8,
+    e = Engine(ck.params, ck.config, load_tokenizer(MODEL), dtype="bfloat16", max_model_len=192, parallel=2,
+               max_queued=8, backend=backend, buckets=buckets, max_logprobs=2, progress=False, copy_drafts=True,
+               draft_rows=8,
                draft_policy=DraftPolicy(adaptive=False))  # every token from a chain window (the module doc)
     e.start()
     yield e
@@ -292,6 +294,45 @@ def test_drafted_penalties_equal_serial(eng, monkeypatch):
     plain = dataclasses.replace(req, sampling=dataclasses.replace(
         req.sampling, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0), draft=False)
     assert eng.submit(plain).result(TIMEOUT).token_ids != serial.token_ids  # the penalties are in effect
+    _baseline(eng)
+
+
+def test_drafted_structured_outputs_equal_serial(eng, monkeypatch):
+    """Structured-output requests (a JSON schema, greedy and seeded; and one whose grammar starts after a token of
+    its free reply) drafted by the oracle (the serial reply with one token changed every 3rd round: a change the
+    grammar refuses cuts the window's rows there, one it allows is drafted and refused by the row's sample), alone
+    and beside a free drafted stream: their serial replies (`draft` False), logprobs included; windows keep drafts.
+    Each row samples under its grammar's mask after the drafts before it (`Engine._row_masks`)."""
+    from tests.test_engine import SCHEMA
+    grammar = structured.compile_json_schema(SCHEMA)
+    tb = eng.token_bytes()
+    spaces = tuple((t, -100.0) for t, b in enumerate(tb.token_bytes) if b and not b.strip())
+    prompts = _prompts()
+    reqs = [_request(prompts[1][:40], None, max_tokens=90), _request(prompts[0], 21, max_tokens=90)]
+    reqs = [dataclasses.replace(r, grammar=grammar, ignore_eos=False,
+                                sampling=dataclasses.replace(r.sampling, logit_bias=spaces)) for r in reqs]
+    free = _request(prompts[1][5:60], 4, max_tokens=30)
+    later = _request(prompts[1][8:60], 6, max_tokens=40)  # its grammar starts after its free reply's 5th token
+    replies = {}
+    _oracle(monkeypatch, eng, replies, 3)
+    replies[free.prompt_ids] = eng.submit(dataclasses.replace(free, draft=False)).result(TIMEOUT).token_ids
+    after = eng.submit(dataclasses.replace(later, draft=False)).result(TIMEOUT).token_ids[4]
+    reqs.append(dataclasses.replace(later, grammar=grammar, grammar_after=after))
+    serial = [eng.submit(dataclasses.replace(r, draft=False)).result(TIMEOUT) for r in reqs]
+    for r, a in zip(reqs, serial):
+        replies[r.prompt_ids] = a.token_ids
+    before = eng.stats()
+    drafted = [eng.submit(r).result(TIMEOUT) for r in reqs]
+    done = eng.stats()
+    for a, b in zip(serial, drafted):
+        _same(a, b)
+    assert serial[0].finish_reason == "stop"  # a whole document, ended where it closed
+    assert serial[2].token_ids.index(after) < 5  # free up to that token, then the grammar
+    assert 0 < done.draft_accepted_total - before.draft_accepted_total < \
+        done.draft_proposed_total - before.draft_proposed_total
+    handles = [eng.submit(free), eng.submit(reqs[1])]
+    assert handles[0].result(TIMEOUT).token_ids == replies[free.prompt_ids]
+    _same(serial[1], handles[1].result(TIMEOUT))
     _baseline(eng)
 
 

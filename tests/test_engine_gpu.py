@@ -155,6 +155,47 @@ def test_drafted_equals_serial_on_gpu(kv_cache, monkeypatch):
         e.shutdown()
 
 
+def test_drafted_structured_equals_serial_on_gpu(monkeypatch):
+    """Structured-output requests (a JSON schema, greedy and seeded) drafted by copy drafts from an oracle (the serial
+    reply with one token changed every 3rd round): each row masked along the drafts before it, the drafts cut where
+    the grammar refuses one; the serial reply token for token and logprob for logprob, alone and beside a drafted
+    free stream, nothing compiled while serving."""
+    from qwen_jax import structured
+    from qwen_jax.engine import stream as stream_mod
+    from tests.test_drafts import OracleCopies, _prompts, _request
+    from tests.test_engine import SCHEMA
+    ck = _params("bfloat16")
+    e = Engine(ck.params, ck.config, load_tokenizer(MODEL), dtype="bfloat16", max_model_len=512, parallel=4,
+               max_logprobs=2, progress=False, copy_drafts=True)
+    replies = {}
+    monkeypatch.setattr(stream_mod, "CopyIndex", lambda tokens: OracleCopies(tokens, replies, e.vocab_size, 3, 16))
+    e.start()
+    try:
+        grammar = structured.compile_json_schema(SCHEMA)
+        spaces = tuple((t, -100.0) for t, b in enumerate(e.token_bytes().token_bytes) if b and not b.strip())
+        reqs = [dataclasses.replace(_request(p, seed, max_tokens=60), grammar=grammar, ignore_eos=False,
+                                    sampling=dataclasses.replace(_request(p, seed).sampling, logit_bias=spaces))
+                for p in _prompts() for seed in (None, 11)]
+        free = _request(_prompts()[1][3:], 5, max_tokens=40)
+        serial = [e.submit(dataclasses.replace(r, draft=False)).result(120) for r in reqs + [free]]
+        for r, a in zip(reqs + [free], serial):  # a prompt's seeded reply is the oracle's for its greedy one too
+            replies[r.prompt_ids] = a.token_ids
+        before = e.stats()
+        with P.CompileWatch() as watch:
+            drafted = [e.submit(r).result(120) for r in reqs]
+            handles = [e.submit(free), e.submit(reqs[1])]
+            together = [h.result(120) for h in handles]
+        after = e.stats()
+        for a, b in zip(serial + [serial[1]], drafted + together[1:]):
+            assert (a.token_ids, a.logprobs, a.finish_reason) == (b.token_ids, b.logprobs, b.finish_reason)
+        assert together[0].token_ids == replies[free.prompt_ids]
+        assert 0 < after.draft_accepted_total - before.draft_accepted_total
+        assert (watch.traces, watch.compiles) == (0, 0)
+        _baseline(e)
+    finally:
+        e.shutdown()
+
+
 @pytest.mark.parametrize("kv_cache,tree", [("bf16", 0), ("fp8", 0), ("bf16", 3), ("fp8", 3)])
 def test_block_drafted_equals_serial_on_gpu(kv_cache, tree, monkeypatch):
     """DFlash block drafts (`drafter`: captures/tiny-dflash, blocks of 4; drafts made and read on the device)

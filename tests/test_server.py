@@ -383,6 +383,32 @@ def test_forced_tool_calls(client, model, no_whitespace):
                                           for tc in c.message.tool_calls or ())) for c in r.choices}) == 3
 
 
+def test_structured_outputs_extra(client, model, http):
+    """vLLM's structured_outputs (extra_body): `choice` makes the reply one of the strings (one that starts another
+    may end there), greedy and seeded, chat and completions; `json` (a schema or its text) and `json_object` reach
+    the same grammars as response_format: the greedy reply equals response_format's."""
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    kw = dict(model=model, messages=MESSAGES, max_tokens=16)
+    choices = ["red", "green", "blue sky", "blue", "ünï"]
+    for extra in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 5, "n": 4}):
+        r = client.chat.completions.create(**kw, **extra, extra_body={**off, "structured_outputs": {"choice": choices}})
+        for c in r.choices:
+            assert c.message.content in choices and c.finish_reason == "stop"
+    done = http.post(COMPLETIONS, json={"prompt": "Colour:", "max_tokens": 8,
+                                        "structured_outputs": {"choice": choices}}).json()
+    assert done["choices"][0]["text"] in choices
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
+    want = client.chat.completions.create(**kw, temperature=0.0, response_format=fmt, extra_body=off)
+    for spec in (CITY, json.dumps(CITY)):
+        got = client.chat.completions.create(**kw, temperature=0.0,
+                                             extra_body={**off, "structured_outputs": {"json": spec}})
+        assert got.choices[0].message.content == want.choices[0].message.content
+    obj = client.chat.completions.create(**kw, temperature=0.0, extra_body={**off, "structured_outputs":
+                                                                              {"json_object": True}})
+    assert obj.choices[0].message.content == client.chat.completions.create(
+        **kw, temperature=0.0, response_format={"type": "json_object"}, extra_body=off).choices[0].message.content
+
+
 def test_draft_false_equals_default(client, model):
     for extra in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 99}):
         kw = dict(model=model, messages=MESSAGES, max_tokens=16, logprobs=True, **extra)
@@ -712,6 +738,15 @@ BAD_INPUTS = [
      None),
     (CHAT, json.dumps({**OK_CHAT, "response_format": {"type": "json_schema", "json_schema": {
         "name": "a", "schema": {"type": "string", "pattern": "^a+$"}}}}).encode(), 400, "response_format", None),
+    (CHAT, json.dumps({**OK_CHAT, "structured_outputs": {"regex": "a+"}}).encode(), 400, "structured_outputs",
+     None),
+    (CHAT, json.dumps({**OK_CHAT, "structured_outputs": {}}).encode(), 400, "structured_outputs", None),
+    (CHAT, json.dumps({**OK_CHAT, "structured_outputs": {"choice": ["a", ""]}}).encode(), 400,
+     "structured_outputs.choice[1]", None),
+    (CHAT, json.dumps({**OK_CHAT, "structured_outputs": {"json": {"type": "string", "format": "date"}}}).encode(),
+     400, "structured_outputs", None),
+    (CHAT, json.dumps({**OK_CHAT, "structured_outputs": {"choice": ["a"]},
+                       "response_format": {"type": "json_object"}}).encode(), 400, "structured_outputs", None),
     (COMPLETIONS, json.dumps({"prompt": "a", "response_format": {"type": "json_schema", "json_schema": {
         "name": "a", "schema": {"$ref": "#/$defs/missing"}}}}).encode(), 400, "response_format", None),
     ("/tokenize", json.dumps({"messages": MESSAGES, "tools": [{"type": "function"}]}).encode(), 400,

@@ -7,7 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from qwen_jax.structured import MAX_NUMBER_BYTES, MAX_WHITESPACE, Matcher, TokenBytes, compile_json_schema
+from qwen_jax.structured import (MAX_NUMBER_BYTES, MAX_WHITESPACE, Matcher, TokenBytes, compile_choice,
+                                 compile_json_schema)
 
 STOP = 3  # the hand-built vocabulary's stop token (a None entry)
 
@@ -585,3 +586,44 @@ def test_a_large_vocabulary_in_a_string_is_fast():
     assert allowed[vocab.index(b'",')] and not allowed[vocab.index(b'"},')] and not allowed[vocab.index(b"\n")]
     assert allowed.sum() > 0.99 * tokens.is_text.sum()
     assert per_step < 0.02, per_step
+
+
+def test_choice_grammar(tiny):
+    """compile_choice: on the tiny tokenizer every random walk spells one of the strings (multi-byte characters
+    across tokens included); a string that starts another is complete but not terminated there, so the stop ids
+    come up beside the longer string's next bytes; masks equal stepping byte by byte; bad lists are refused."""
+    tok = tiny[1]
+    choices = ["yes", "yes, gladly", "no", "ünïcode ✓"]
+    g = compile_choice(choices)
+    rng = np.random.default_rng(0)
+    seen = set()
+    for _ in range(40):
+        text, done, states = walk(g, tok, [493], rng, steps=40)
+        assert done and text.decode() in choices
+        seen.add(text.decode())
+    assert len(seen) >= 3
+    m = Matcher(g, HAND, [STOP])
+    feed(m, b"yes")
+    allowed = m.allowed()
+    assert m.complete and not m.terminated and allowed[STOP] and allowed[BYTE_ID[b","[0]]]
+    rest = {t for t, data in enumerate(VOCAB) if data and b", gladly".startswith(data)}
+    assert set(np.flatnonzero(allowed)) == rest | {STOP}  # the stop id, or the longer choice's next bytes
+    feed(m, b", gladly")
+    assert m.terminated and np.flatnonzero(m.allowed()).tolist() == [STOP]
+    for state in (Matcher(g, HAND, [STOP]), m):
+        want = np.zeros(HAND.vocab_size, bool)
+        for t, data in enumerate(VOCAB):
+            if data is None:
+                continue
+            c = state.copy()
+            try:
+                for b in data:
+                    c.advance(BYTE_ID[b])
+                want[t] = True
+            except (ValueError, KeyError):
+                pass
+        want[STOP] = state.complete
+        assert (state.allowed() == want).all()
+    for bad in ([], "yes", ["a", ""], ["a", 3]):
+        with pytest.raises(ValueError, match="choice"):
+            compile_choice(bad)

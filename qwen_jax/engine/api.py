@@ -65,8 +65,9 @@ class GenerationRequest:
     skip_special_tokens: bool = True  # text leaves out the tokenizer's special tokens (token_ids keep them)
     media: PromptMedia | None = None  # image rows (embeddings given) and M-RoPE positions; None: text only
     # Structured outputs: the reply's text follows this grammar (a qwen_jax.structured.Grammar; the sampler never
-    # draws a token outside it, and the reply ends where the grammar's document ends). Such a request decodes
-    # serially and its steps are not pipelined (each step's mask needs the token before it on the host).
+    # draws a token outside it, and the reply ends where the grammar's document ends). Such a request's calls are
+    # not pipelined (each step's mask needs the tokens before it on the host); it drafts as others do (chains: a
+    # window's rows masked along its drafts), but for tree windows, where it decodes serially.
     grammar: object | None = None
     # The grammar starts after this token id is generated (the end of a think block); None: from the first token.
     grammar_after: int | None = None

@@ -53,10 +53,13 @@ rows first, so the host lands it as a chain whose first rows stood.
 Structured outputs (`GenerationRequest.grammar`, qwen_jax.structured): the stream's matcher says which tokens may
 come next; before each of its steps (the prompt call's first token included) the engine writes the slot's bias row
 as the request's logit bias with -inf where the grammar forbids a token (`Programs.bias_put`), which the programs'
-penalties add before the draw, so other rows are untouched and the reply is the same alone or among others. A
-constrained stream decodes serially, and its calls are not pipelined: its next mask needs its last token on the
-host, so a round that has one in flight lands every call first. It ends with "stop" once the grammar's document is
-whole and nothing may follow it.
+penalties add before the draw, so other rows are untouched and the reply is the same alone or among others. Its
+calls are not pipelined: its next mask needs its last token on the host, so a round that has one in flight lands
+every call first. A drafting one (copy drafts, or chains of the drafter's blocks, read back to the host) runs chain
+windows whose rows carry their masks (`Engine._row_masks`: the grammar advanced along the drafts before each row,
+the drafts cut at the first one it refuses; the draft program applies each row's mask before the penalties, with the
+slot's bias row back to the plain logit bias), so a drafted constrained reply is its serial one; with tree windows it
+decodes serially. It ends with "stop" once the grammar's document is whole and nothing may follow it.
 """
 
 from __future__ import annotations
@@ -704,7 +707,9 @@ class Engine:
                 stream = Stream(handle, slot=slot[0], pages=pages, pages_per_stream=self.layout.pages_per_stream,
                                 sampling_rule=self._sampling_rule(req), stop_ids=stop_ids,
                                 max_model_len=self.max_model_len, tokenizer=self.tokenizer,
-                                copy_drafts=self.copy_drafts, block_drafts=self.drafter is not None,
+                                copy_drafts=self.copy_drafts,
+                                # a grammar masks a chain's rows along its drafts; a tree's are on the device only
+                                block_drafts=self.drafter is not None and not (matcher and self.draft_tree),
                                 resumed=len(entry) if entry is not None else 0, media_rows=media_rows,
                                 penalties=pen, matcher=matcher, grammar_after=req.grammar_after)
                 if stream.grammar_on:
@@ -987,13 +992,27 @@ class Engine:
         `programs.CHAIN_ROW_BUDGET`, 16 rows for one stream, 8 each for two, ... none past eight, whose windows would
         cost several decode rounds). -> the streams it ran."""
         candidates = [s for s in self._running if self._draftable(s) and (not s.inflight or s.drafting)]
+        if any(s.matcher is not None and s.inflight for s in candidates):
+            # A structured-output stream's window masks its rows along its drafts from where its grammar stands,
+            # which needs its tokens so far on the host: every call in flight lands first.
+            self._land(keep=0)
+            candidates = [s for s in self._running if self._draftable(s) and (not s.inflight or s.drafting)]
         # Fewer rows a stream as more streams draft (`Buckets.chain_cap`); none when too many do.
         cap = self.buckets.chain_cap(len(candidates)) if candidates else 0
-        tries = []
+        tries, masks = [], {}
         for s in candidates if cap else ():
             rows = self._window_rows(s, cap)
             if rows < 2:
                 continue  # a serial round: its windows have not been paying (copy drafts)
+            if s.matcher is not None:
+                # Drafts on the host (a copy, or the drafter's block read back), cut where the grammar refuses one.
+                got = ([int(t) for t in self.programs.slot_drafts(s.slot)[:rows - 1]] if s.block_drafts
+                       else s.copies.propose(rows - 1))
+                if not got and not s.block_drafts:
+                    continue
+                masks[s] = self._row_masks(s, got)
+                tries.append((s, got[:len(masks[s]) - 1], None))
+                continue
             if s.block_drafts:
                 # Block drafts: the drafter's proposals, on the device where the slot's previous call left them.
                 tries.append((s, [D.FROM_DRAFT] * (rows - 1), None))
@@ -1025,8 +1044,18 @@ class Engine:
                                [s.slot for s in streams], [s.page_table for s in streams],
                                [s.rope_delta for s in streams])
         sp = P.sample_params(reqs, positions, n * rows)
+        mask = None
+        if masks:
+            mask = sampling.all_allowed(n * rows, self.vocab_size)
+            for i, s in enumerate(streams):
+                for r, allowed in enumerate(masks.get(s, ())):
+                    if allowed is not None:
+                        mask[i * rows + r] = sampling.pack_allowed(allowed, mask.shape[1])
         try:
-            pending = self.programs.draft_async(window, sp, P.penalties(pens, n * rows))
+            for s in masks:
+                if s.grammar_on:  # the rows carry the masks: the slot's bias row back to the request's logit bias
+                    self.programs.bias_put(s.slot, s.penalties.bias_row(self.vocab_size))
+            pending = self.programs.draft_async(window, sp, P.penalties(pens, n * rows), mask)
         except Exception as e:
             self._land(keep=0)
             self._program_failed(streams, e)
@@ -1044,6 +1073,25 @@ class Engine:
             s.finishing = s.budget() <= 0
         self._inflight.append((streams, _Window(pending, rows, [1 + len(d) for _, d, _ in tries])))
         return set(streams)
+
+    def _row_masks(self, s: Stream, drafts: list[int]) -> list:
+        """A structured-output stream's window rows along `drafts`: row r's mask is its grammar's after the pending
+        token and the first r drafts (None while the grammar has not started: free text), as the serial step at that
+        row would have it. The rows stop at the first draft its row's mask refuses (it could never be accepted) ->
+        the masks, one a row (1 + the drafts that may stand)."""
+        m, on = s.matcher.copy(), s.grammar_on
+        out = []
+        for d in drafts:
+            allowed = m.allowed() if on else None
+            out.append(allowed)
+            if on:
+                if not allowed[d]:
+                    return out
+                m.advance(d)
+            elif d == s.grammar_after and d not in s.stop_ids:
+                on = True
+        out.append(m.allowed() if on else None)
+        return out
 
     def _land_window(self, streams: list[Stream], w: "_Window") -> None:
         """Fetch a draft window and deliver each stream's accepted rows' samples; correct the lengths that its

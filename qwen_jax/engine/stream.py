@@ -52,15 +52,15 @@ class Stream:
         # token, and whether that guess still stands (False once an earlier window went another way)
         self.windows: collections.deque[tuple[list[int], bool]] = collections.deque()
         # Structured outputs: the grammar's matcher (qwen_jax.structured.Matcher; None: free text), on from the
-        # first token or once `grammar_after` is generated. Such a stream decodes serially, one step at a time.
+        # first token or once `grammar_after` is generated. Such a stream's calls are not pipelined (each needs its
+        # tokens so far on the host); its windows mask each row along the drafts (`Engine._row_masks`).
         self.matcher = matcher
         self.grammar_after = grammar_after
         self.grammar_on = matcher is not None and grammar_after is None
-        draft = req.draft and matcher is None
         # prompt + decided tokens, indexed for copy drafts (None: this stream decodes serially)
-        self.copies = CopyIndex(req.prompt_ids) if copy_drafts and draft else None
+        self.copies = CopyIndex(req.prompt_ids) if copy_drafts and req.draft else None
         # drafts from the engine's DFlash drafter, on the device (qwen_jax.dflash_programs)
-        self.block_drafts = block_drafts and draft
+        self.block_drafts = block_drafts and req.draft
         self.acceptance = Acceptance()  # what its windows kept, for the rows of the next (engine.policy)
         self.generated: list[int] = []
         self.detok = Detokenizer(tokenizer, skip_special_tokens=req.skip_special_tokens) if tokenizer else None
