@@ -173,9 +173,9 @@ def test_drafted_structured_equals_serial_on_gpu(monkeypatch):
     try:
         grammar = structured.compile_json_schema(SCHEMA)
         spaces = tuple((t, -100.0) for t, b in enumerate(e.token_bytes().token_bytes) if b and not b.strip())
-        reqs = [dataclasses.replace(_request(p, seed, max_tokens=60), grammar=grammar, ignore_eos=False,
-                                    sampling=dataclasses.replace(_request(p, seed).sampling, logit_bias=spaces))
-                for p in _prompts() for seed in (None, 11)]
+        reqs = [_request(p, seed, max_tokens=60) for p in _prompts() for seed in (None, 11)]
+        reqs = [dataclasses.replace(r, grammar=grammar, ignore_eos=False,
+                                    sampling=dataclasses.replace(r.sampling, logit_bias=spaces)) for r in reqs]
         free = _request(_prompts()[1][3:], 5, max_tokens=40)
         serial = [e.submit(dataclasses.replace(r, draft=False)).result(120) for r in reqs + [free]]
         for r, a in zip(reqs + [free], serial):  # a prompt's seeded reply is the oracle's for its greedy one too
