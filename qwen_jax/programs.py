@@ -1172,7 +1172,8 @@ class Programs:
         if mask is None:  # kept on the device per row count: no upload when no row is constrained
             rows = window.tokens.size
             if rows not in self._all_allowed:
-                self._all_allowed[rows] = jnp.asarray(sampling.all_allowed(rows, self.cfg.text.vocab_size))
+                # device_put: jnp.asarray would compile a conversion while serving
+                self._all_allowed[rows] = jax.device_put(sampling.all_allowed(rows, self.cfg.text.vocab_size))
             mask = self._all_allowed[rows]
         exe = self._get(("draft", window.tokens.shape))
         out = exe(*self._with_drafter(self.state), self.last, self.lens, self.history, window, sp, pen, mask)
@@ -1187,7 +1188,7 @@ class Programs:
     def slot_drafts(self, slot: int) -> np.ndarray:
         """The drafter's next drafts for `slot` (`DraftState.drafts`: made on the device after its last call), on the
         host; waits for that call. A structured-output stream's window reads them here to mask its rows."""
-        return np.asarray(self.dstate.drafts[slot])
+        return np.asarray(self.dstate.drafts)[slot]  # the whole (small) array: indexing on the device compiles
 
     def fetch_draft(self, pending):
         """-> (tokens and logprobs on the host, accepted rows [S], `path_ranks` [S, R])."""
