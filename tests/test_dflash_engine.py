@@ -230,7 +230,9 @@ def test_structured_outputs_drafted(drafted):
                                 sampling=dataclasses.replace(r.sampling, logit_bias=spaces)) for r in reqs[:2]]
     serial = [e.submit(dataclasses.replace(r, draft=False)).result(TIMEOUT) for r in cons]
     before = e.stats()
-    got = [e.submit(r).result(TIMEOUT) for r in cons]
+    with P.CompileWatch() as watch:
+        got = [e.submit(r).result(TIMEOUT) for r in cons]
+    assert (watch.traces, watch.compiles) == (0, 0)  # the drafts read back, the packed masks: nothing compiles
     assert e.stats().draft_proposed_total > before.draft_proposed_total  # they drafted
     handles = [e.submit(reqs[3]), e.submit(cons[1])]
     _same(replies[3], handles[0].result(TIMEOUT))
