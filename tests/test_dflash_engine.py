@@ -221,11 +221,11 @@ def test_structured_outputs_drafted(drafted):
     stream's drafts back to the host and cuts them where the grammar refuses one (the random drafter's mostly), its
     rows masked along them. Each reply is its serial one (`draft` False), alone and beside a drafted free stream, and a
     document of the grammar, or a prefix of one where max_tokens cut it."""
-    from tests.test_engine import SCHEMA
+    from tests.test_engine import SCHEMA, whitespace_bias
     e, reqs, replies, _ = drafted
     grammar = structured.compile_json_schema(SCHEMA)
     tb = e.token_bytes()
-    spaces = tuple((t, -100.0) for t, b in enumerate(tb.token_bytes) if b and not b.strip())
+    spaces = whitespace_bias(tb)
     cons = [dataclasses.replace(r, grammar=grammar, ignore_eos=False, max_tokens=40,
                                 sampling=dataclasses.replace(r.sampling, logit_bias=spaces)) for r in reqs[:2]]
     serial = [e.submit(dataclasses.replace(r, draft=False)).result(TIMEOUT) for r in cons]

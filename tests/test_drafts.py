@@ -303,10 +303,9 @@ def test_drafted_structured_outputs_equal_serial(eng, monkeypatch):
     grammar refuses cuts the window's rows there, one it allows is drafted and refused by the row's sample), alone
     and beside a free drafted stream: their serial replies (`draft` False), logprobs included; windows keep drafts.
     Each row samples under its grammar's mask after the drafts before it (`Engine._row_masks`)."""
-    from tests.test_engine import SCHEMA
+    from tests.test_engine import SCHEMA, whitespace_bias
     grammar = structured.compile_json_schema(SCHEMA)
-    tb = eng.token_bytes()
-    spaces = tuple((t, -100.0) for t, b in enumerate(tb.token_bytes) if b and not b.strip())
+    spaces = whitespace_bias(eng.token_bytes())
     prompts = _prompts()
     reqs = [_request(prompts[1][:40], None, max_tokens=90), _request(prompts[0], 21, max_tokens=90)]
     reqs = [dataclasses.replace(r, grammar=grammar, ignore_eos=False,

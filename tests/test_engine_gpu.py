@@ -163,7 +163,7 @@ def test_drafted_structured_equals_serial_on_gpu(monkeypatch):
     from qwen_jax import structured
     from qwen_jax.engine import stream as stream_mod
     from tests.test_drafts import OracleCopies, _prompts, _request
-    from tests.test_engine import SCHEMA
+    from tests.test_engine import SCHEMA, whitespace_bias
     ck = _params("bfloat16")
     e = Engine(ck.params, ck.config, load_tokenizer(MODEL), dtype="bfloat16", max_model_len=512, parallel=4,
                max_logprobs=2, progress=False, copy_drafts=True)
@@ -172,7 +172,7 @@ def test_drafted_structured_equals_serial_on_gpu(monkeypatch):
     e.start()
     try:
         grammar = structured.compile_json_schema(SCHEMA)
-        spaces = tuple((t, -100.0) for t, b in enumerate(e.token_bytes().token_bytes) if b and not b.strip())
+        spaces = whitespace_bias(e.token_bytes())
         reqs = [_request(p, seed, max_tokens=60) for p in _prompts() for seed in (None, 11)]
         reqs = [dataclasses.replace(r, grammar=grammar, ignore_eos=False,
                                     sampling=dataclasses.replace(r.sampling, logit_bias=spaces)) for r in reqs]
