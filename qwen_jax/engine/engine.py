@@ -497,13 +497,13 @@ class Engine:
                 self._token_bytes = structured.TokenBytes.from_tokenizer(self.tokenizer, self.vocab_size)
             return self._token_bytes
 
-    def _bias_row(self, stream: Stream) -> np.ndarray:
-        """A structured-output stream's bias row for its next step: its logit bias, -inf where its grammar (when on)
-        forbids a token."""
-        base = stream.penalties.bias_row(self.vocab_size)
-        if not stream.grammar_on:
-            return base
-        return np.where(stream.matcher.allowed(), base, np.float32(-np.inf))
+    @staticmethod
+    def _bias_row(stream: Stream, masked: bool = True) -> np.ndarray:
+        """A structured-output stream's bias row for its next step: its logit bias (`Stream.base_bias`), -inf where
+        its grammar (when on, and `masked`) forbids a token."""
+        if not (masked and stream.grammar_on):
+            return stream.base_bias
+        return np.where(stream.matcher.allowed(), stream.base_bias, np.float32(-np.inf))
 
     def _validate_media(self, req: GenerationRequest) -> None:
         m, t = req.media, len(req.prompt_ids)
@@ -712,6 +712,8 @@ class Engine:
                                 block_drafts=self.drafter is not None and not (matcher and self.draft_tree),
                                 resumed=len(entry) if entry is not None else 0, media_rows=media_rows,
                                 penalties=pen, matcher=matcher, grammar_after=req.grammar_after)
+                if matcher is not None:
+                    stream.base_bias = pen.bias_row(self.vocab_size)  # once: every step's row starts from it
                 if stream.grammar_on:
                     self.programs.bias_put(stream.slot, self._bias_row(stream))  # its first token's mask
                 if cached:
@@ -1054,7 +1056,7 @@ class Engine:
         try:
             for s in masks:
                 if s.grammar_on:  # the rows carry the masks: the slot's bias row back to the request's logit bias
-                    self.programs.bias_put(s.slot, s.penalties.bias_row(self.vocab_size))
+                    self.programs.bias_put(s.slot, self._bias_row(s, masked=False))
             pending = self.programs.draft_async(window, sp, P.penalties(pens, n * rows), mask)
         except Exception as e:
             self._land(keep=0)

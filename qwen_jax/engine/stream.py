@@ -57,6 +57,7 @@ class Stream:
         self.matcher = matcher
         self.grammar_after = grammar_after
         self.grammar_on = matcher is not None and grammar_after is None
+        self.base_bias: np.ndarray | None = None  # its logit bias as a [V] row (set by the engine with a matcher)
         # prompt + decided tokens, indexed for copy drafts (None: this stream decodes serially)
         self.copies = CopyIndex(req.prompt_ids) if copy_drafts and req.draft else None
         # drafts from the engine's DFlash drafter, on the device (qwen_jax.dflash_programs)
