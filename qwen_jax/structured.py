@@ -12,11 +12,15 @@ end of a document is plain to see:
   is written.
 
 Schema keywords (`compile_json_schema`): type (a name or a list), enum, const, properties, required,
-additionalProperties, items, prefixItems, minItems, maxItems, minLength, maxLength (code points), anyOf, oneOf
-(read as anyOf), allOf with one subschema, $ref to a local JSON pointer ("#", "#/$defs/NAME", "#/definitions/NAME",
-recursion allowed), $defs, definitions, nullable (OpenAPI: adds "null"). Annotations are ignored (title,
-description, default, examples, $schema, $id, $comment, deprecated, readOnly, writeOnly); any other keyword is a
-ValueError naming it and where it is (a JSON pointer). Choices made where JSON Schema leaves room for a model:
+additionalProperties, items, prefixItems, minItems, maxItems, minLength, maxLength (code points), pattern (a
+regular expression found in the value, as JSON Schema reads it: "^...$" for the whole value; `qwen_jax.regex`'s
+syntax), format (on strings: date, time,
+date-time, duration, uuid, ipv4, ipv6, hostname and email are enforced with `regex.FORMATS`; other formats, and
+formats on other types, are annotations), anyOf, oneOf (read as anyOf), allOf with one subschema, $ref to a local
+JSON pointer ("#", "#/$defs/NAME", "#/definitions/NAME", recursion allowed), $defs, definitions, nullable
+(OpenAPI: adds "null"). Annotations are ignored (title, description, default, examples, $schema, $id, $comment,
+deprecated, readOnly, writeOnly); any other keyword is a ValueError naming it and where it is (a JSON pointer).
+Choices made where JSON Schema leaves room for a model:
 - An object with "properties" writes its keys in the declared order, each at most once; a required one must come,
   an optional one may be left out. additionalProperties absent counts as false (as OpenAI's strict mode has it);
   with true or a schema, other keys may follow the declared ones (they are not checked against the declared
@@ -28,6 +32,8 @@ ValueError naming it and where it is (a JSON pointer). Choices made where JSON S
   object; items/prefixItems/minItems/maxItems: array; minLength/maxLength: string); JSON Schema would let other
   kinds through, which no caller of a model means. No such keyword: any JSON value.
 - $ref, anyOf, oneOf and allOf may stand only beside annotations and $defs (no intersection of schemas).
+- A string with a pattern or an enforced format writes \\u escapes only for control characters (any other
+  character is written as itself), so that its value is read as it is written.
 Every state a matcher can reach can still be completed: parts of a schema that accept nothing (an empty enum,
 minLength above maxLength, a required property no value fits, recursion that never ends) are left out where they
 are optional and make compile_json_schema raise where they are not.
@@ -40,8 +46,10 @@ walked depth first with the stack, pruning at the first byte the grammar refuses
 every token fits, the walk stops: each token's bytes past the node were read once as string content
 (`_Scan`: still inside, closed, or invalid; the code points before the closing quote), so the string's length
 limits are two numpy comparisons, and the bytes after a closing quote (`",`, `"}`, ...) are walked from the state
-after the string, as a small trie of their own. Masks are kept per state in an LRU shared by every Matcher of the
-same (Grammar, TokenBytes) pair.
+after the string, as a small trie of their own. A string with a pattern or format, and a `compile_regex` reply,
+are read by a byte automaton (`qwen_jax.regex`): its table is applied to all of a node's tokens a byte position at
+a time (numpy), and the bytes after a closing quote are walked as above. Masks are kept per state in an LRU shared
+by every Matcher of the same (Grammar, TokenBytes) pair.
 """
 
 from __future__ import annotations
@@ -55,6 +63,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+
+from qwen_jax import regex as _regex
 
 MAX_WHITESPACE = 16  # consecutive whitespace bytes between two tokens of JSON
 MAX_NUMBER_BYTES = 32
@@ -277,6 +287,112 @@ class _Literals:
         return frame[1].end
 
 
+class _Automaton:
+    """Text read by a byte automaton (`qwen_jax.regex`). Frame: (node, state, characters so far). Quoted: a JSON
+    string whose value the automaton checks (`regex.json_string`'s table: the value starts at the opening quote and
+    ends at the closing one, a CLOSE entry), its length in code points held to min_len..max_len (counted as
+    _String counts); else raw text, a whole reply (vLLM's `regex`), which may end wherever the automaton
+    accepts."""
+
+    __slots__ = ("auto", "rows", "starts", "flat_table", "flat_starts", "quoted", "min_len", "max_len", "lengths",
+                 "pointer", "reason")
+
+    def __init__(self, auto: _regex.ByteAutomaton, quoted: bool, pointer: str, reason: str = "", min_len: int = 0,
+                 max_len: int | None = None):
+        self.auto, self.quoted, self.pointer, self.reason = auto, quoted, pointer, reason
+        self.min_len, self.max_len = min_len, max_len
+        self.rows = auto.table.tolist()  # Python ints: a step is two list lookups
+        self.starts = None if auto.starts is None else auto.starts.tolist()
+        # for masks (`_automaton_hits`): state * 256 + byte -> next state, and whether it begins a character
+        self.flat_table = auto.table.reshape(-1).astype(np.int32)
+        self.flat_starts = None if auto.starts is None else auto.starts.reshape(-1).astype(np.int32)
+        limited = quoted and not auto.empty and (min_len or max_len is not None)
+        self.lengths = _Lengths(auto, min_len, max_len) if limited else None
+
+    def start(self, byte, below, out):
+        if not self.quoted:
+            self.step((self, self.auto.start, 0), below, byte, out)
+        elif byte == _QUOTE and not self.auto.empty:
+            out.append(((self, self.auto.start, 0), below))
+
+    def step(self, frame, below, byte, out):
+        _, state, count = frame
+        nxt = self.rows[state][byte]
+        if nxt >= 0:
+            if self.starts is not None and self.starts[state][byte]:
+                if self.max_len is not None:
+                    if count >= self.max_len:
+                        return
+                    count += 1
+                elif count < self.min_len:
+                    count += 1
+            if self.lengths is None or self.lengths.fits(nxt, count):
+                out.append(((self, nxt, count), below))
+        elif nxt == _regex.CLOSE and count >= self.min_len:
+            out.append(below)
+
+    def can_end(self, frame):
+        return not self.quoted and bool(self.auto.accept[frame[1]])
+
+
+MAX_PATTERN_LENGTH = 4096  # the largest minLength / maxLength beside a pattern or an enforced format
+
+
+class _Lengths:
+    """Which (state, characters so far) of a quoted automaton can still close within min_len..max_len characters:
+    `levels[k, s]`, a string of exactly k more characters (k <= max_len) closes from state s, as prefix sums over k;
+    without max_len, `levels[k, s]` is "at least k more"."""
+
+    __slots__ = ("min_len", "max_len", "sums", "levels")
+
+    def __init__(self, auto: _regex.ByteAutomaton, min_len: int, max_len: int | None):
+        if max(min_len, max_len or 0) > MAX_PATTERN_LENGTH:
+            raise ValueError(f"'minLength' / 'maxLength' above {MAX_PATTERN_LENGTH} beside 'pattern' or 'format' "
+                             "is not supported")
+        self.min_len, self.max_len = min_len, max_len
+        both = np.concatenate([auto.table, auto.starts.astype(np.int32)], axis=0)
+        _, cols = np.unique(both.T, axis=0, return_index=True)  # one byte of each class is enough here
+        table, starts = auto.table[:, cols], auto.starts[:, cols]
+        valid = table >= 0
+        counted, kept = valid & starts, valid & ~starts
+        target = np.maximum(table, 0)
+
+        def level(x: np.ndarray) -> np.ndarray:  # states with a counted byte into x, closed under uncounted ones
+            x = (counted & x[target]).any(axis=1)
+            while True:
+                y = x | (kept & x[target]).any(axis=1)
+                if (y == x).all():
+                    return x
+                x = y
+
+        closes = (auto.table == _regex.CLOSE).any(axis=1)
+        first = closes
+        while True:  # zero more characters: close after uncounted bytes only
+            grown = first | (kept & first[target]).any(axis=1)
+            if (grown == first).all():
+                break
+            first = grown
+        levels = [first if max_len is not None else np.ones(len(closes), bool)]
+        for _ in range(max_len if max_len is not None else min_len):
+            levels.append(level(levels[-1]))
+        levels = np.stack(levels)
+        self.levels = levels
+        self.sums = None
+        if max_len is not None:
+            self.sums = np.zeros((len(levels) + 1, len(closes)), np.int32)
+            np.cumsum(levels, axis=0, out=self.sums[1:])
+
+    def fits(self, state, count):
+        """bool (or a bool array for arrays of states and counts): some closing string from `state`, `count`
+        characters written, ends with min_len..max_len characters."""
+        low = np.maximum(self.min_len - np.asarray(count), 0)
+        if self.max_len is None:
+            return self.levels[low, state]
+        high = self.max_len - np.asarray(count)
+        upper, lower = np.maximum(high, -1) + 1, np.clip(np.minimum(low, high + 1), 0, None)
+        return (high >= low) & (self.sums[upper, state] - self.sums[lower, state] > 0)
+
+
 # Phases of an object or array frame: after the opening bracket, after a key (before ':'), after ':', after a
 # value, after ','. Each is a gap where whitespace may come.
 _OPEN, _KEY_DONE, _COLON_DONE, _VALUE_DONE, _COMMA_DONE = range(5)
@@ -444,12 +560,12 @@ _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schem
                           "deprecated", "readOnly", "writeOnly"})
 _CONTAINERS = frozenset({"$defs", "definitions"})
 _KEYWORDS = frozenset({"type", "enum", "const", "properties", "required", "additionalProperties", "items",
-                       "prefixItems", "minItems", "maxItems", "minLength", "maxLength", "anyOf", "oneOf", "allOf",
-                       "$ref", "nullable"})
+                       "prefixItems", "minItems", "maxItems", "minLength", "maxLength", "pattern", "format",
+                       "anyOf", "oneOf", "allOf", "$ref", "nullable"})
 _TYPE_NAMES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _KIND_KEYWORDS = {"object": ("properties", "required", "additionalProperties"),
                   "array": ("items", "prefixItems", "minItems", "maxItems"),
-                  "string": ("minLength", "maxLength")}
+                  "string": ("minLength", "maxLength", "pattern")}
 
 
 def _pointer(base: str, *parts: object) -> str:
@@ -478,6 +594,29 @@ class _Builder:
 
     def string(self, min_len: int, max_len: int | None, pointer: str) -> _String:
         return self.shared.setdefault(("string", min_len, max_len), _String(min_len, max_len, pointer))
+
+    def text(self, pattern: str | None, fmt: str | None, min_len: int, max_len: int | None,
+             pointer: str) -> _Automaton:
+        """A string whose value `pattern` matches (a search, as JSON Schema has it) and that is of the `format`
+        (regex.FORMATS, whole values), with the length limits."""
+        key = ("text", pattern, fmt, min_len, max_len)
+        node = self.shared.get(key)
+        if node is None:
+            try:
+                parts = [] if pattern is None else [_regex.compile_regex(pattern, "'pattern'", search=True)]
+                if fmt is not None:
+                    parts.append(_regex.compile_regex(_regex.FORMATS[fmt], f"'format' {fmt!r}"))
+                auto = parts[0]
+                for other in parts[1:]:
+                    auto = _regex.intersect(auto, other)
+                what = " with ".join(p.description for p in parts)
+                limits = " and the length limits" if min_len or max_len is not None else ""
+                node = _Automaton(_regex.json_string(auto), True, pointer,
+                                  f"{what}{limits} accepts no string (at {pointer})", min_len, max_len)
+            except ValueError as e:
+                raise ValueError(f"{e} (at {pointer})") from None
+            self.shared[key] = node
+        return node
 
     def number(self, integer: bool, pointer: str) -> _Number:
         return self.shared.setdefault(("number", integer), _Number(integer, pointer))
@@ -598,8 +737,16 @@ class _Builder:
 
     def node(self, name: str, schema: dict, pointer: str):
         if name == "string":
-            return self.string(self.count(schema, "minLength", pointer, 0),
-                               self.count(schema, "maxLength", pointer, None), pointer)
+            min_len = self.count(schema, "minLength", pointer, 0)
+            max_len = self.count(schema, "maxLength", pointer, None)
+            pattern, fmt = schema.get("pattern"), schema.get("format")
+            if pattern is not None and not isinstance(pattern, str):
+                raise ValueError(f"'pattern' must be a string (at {pointer})")
+            if fmt not in _regex.FORMATS:
+                fmt = None  # an annotation, as JSON Schema reads formats it does not assert
+            if pattern is None and fmt is None:
+                return self.string(min_len, max_len, pointer)
+            return self.text(pattern, fmt, min_len, max_len, pointer)
         if name in ("number", "integer"):
             return self.number(name == "integer", pointer)
         if name in ("boolean", "null"):
@@ -697,6 +844,8 @@ def _finish(root: _Slot) -> None:
     def can_produce(node) -> bool:
         if isinstance(node, _String):
             return node.max_len is None or node.min_len <= node.max_len
+        if isinstance(node, _Automaton):
+            return not node.auto.empty and (node.lengths is None or node.lengths.fits(node.auto.start, 0))
         if isinstance(node, _Literals):
             return bool(node.values)
         if isinstance(node, _Object):
@@ -733,7 +882,7 @@ def _why_empty(slot: _Slot, concrete: dict, seen: set) -> str:
     seen.add(id(node))
     if isinstance(node, _String):
         return f"'minLength' {node.min_len} is above 'maxLength' {node.max_len} (at {node.pointer})"
-    if isinstance(node, _Literals):
+    if isinstance(node, _Literals | _Automaton):
         return node.reason or f"no value (at {node.pointer})"
     if isinstance(node, _Object):
         for _, sub, required in node.props:
@@ -756,8 +905,8 @@ class Grammar:
     between requests and threads; it carries the mask caches of the vocabularies it was matched against (an LRU
     of MASK_CACHE_BYTES each, dropped with the TokenBytes)."""
 
-    def __init__(self, root: _Slot, description: str):
-        self._initial = frozenset({((_Start(root), 0), None)})
+    def __init__(self, root: _Slot | None, description: str, initial=None):
+        self._initial = frozenset({initial or ((_Start(root), 0), None)})
         self._description = description
         self._caches: weakref.WeakKeyDictionary[TokenBytes, _LRU] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
@@ -800,6 +949,17 @@ def compile_choice(choices: Sequence[str]) -> Grammar:
     root = _Slot([_Literals(tuple(sorted({c.encode() for c in choices})), "#")], "#")
     _finish(root)
     return Grammar(root, "choice")
+
+
+def compile_regex(pattern: str) -> Grammar:
+    """The grammar whose documents are the texts `pattern` matches whole (vLLM's structured_outputs `regex`; the
+    syntax is `qwen_jax.regex`'s). A reply may stop wherever the text so far matches, and ends when nothing may
+    follow. ValueError for syntax outside the supported set, a pattern too large, or one that matches nothing."""
+    auto = _regex.compile_regex(pattern)
+    if auto.empty:
+        raise ValueError(f"the pattern {pattern!r} matches no text")
+    node = _Automaton(auto, False, "#")
+    return Grammar(None, "regex", initial=((node, auto.start, 0), None))
 
 
 # ---- the vocabulary ----------------------------------------------------------------------------------------------
@@ -854,7 +1014,7 @@ class _SortedTrie:
     sharing their first `depth` bytes; its children are found by bisection on first visit and kept, as are the
     string scans of the nodes where a walk meets string content. `ids[k]` is what the k-th string stands for."""
 
-    __slots__ = ("keys", "ids", "root_ends", "_children", "_scans")
+    __slots__ = ("keys", "ids", "root_ends", "_children", "_scans", "_flat")
 
     def __init__(self, entries: list[tuple[bytes, int]]):
         entries = sorted(entries, key=lambda e: e[0])
@@ -863,6 +1023,17 @@ class _SortedTrie:
         self.root_ends = sum(1 for k in self.keys if not k)
         self._children: dict[tuple[int, int], tuple] = {}
         self._scans: dict[tuple[int, int], _Scan] = {}
+        self._flat = None
+
+    def flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(every string's bytes end to end, each one's start there, each one's length), for reading all of a
+        node's strings a byte position at a time."""
+        if self._flat is None:
+            lens = np.fromiter(map(len, self.keys), np.int64, len(self.keys))
+            starts = np.zeros(len(lens), np.int64)
+            np.cumsum(lens[:-1], out=starts[1:])
+            self._flat = (np.frombuffer(b"".join(self.keys), np.uint8), starts, lens)
+        return self._flat
 
     def children(self, lo: int, hi: int, depth: int) -> tuple[tuple[int, int, int, int], ...]:
         """(byte, lo, hi, how many strings end there) per child of the node."""
@@ -984,6 +1155,8 @@ def _walk(trie: _SortedTrie, stacks: list, hits: np.ndarray, cache: _LRU) -> Non
             frame = stack[0]
             if type(frame[0]) is _String and frame[1] == 0:
                 _string_hits(trie, lo, hi, depth, stack, hits, cache)
+            elif type(frame[0]) is _Automaton:
+                _automaton_hits(trie, lo, hi, depth, stack, hits, cache)
             else:
                 stepping.append(stack)
         if not stepping:
@@ -1014,6 +1187,99 @@ def _string_hits(trie: _SortedTrie, lo: int, hi: int, depth: int, stack, hits: n
     window |= ok_open
     if scan.rest is not None:
         window |= ok_close & _rest_ok(scan, below, cache)
+
+
+class _Reading:
+    """A trie node's strings read by an automaton from one state (`_read_all`), whatever the characters so far:
+    `ends`, `states`, `gains`: the strings read to their end in a live state, that state, the characters they
+    began; `closes`, `close_gains`, `rests`: the strings whose closing quote came inside them, the characters
+    before it, and the bytes after it as a trie (None when none has any); `rest_ok`: by the stack below, which of
+    those rests may follow (bool over `closes`)."""
+
+    __slots__ = ("ends", "states", "gains", "closes", "close_gains", "bare", "rests", "rest_ok", "nbytes")
+
+    def __init__(self, ends, states, gains, closes, close_gains, after, keys):
+        self.ends, self.states, self.gains = ends, states, gains
+        self.closes, self.close_gains = closes, close_gains
+        self.bare = np.array([len(keys[k]) == a for k, a in zip(closes.tolist(), after.tolist())], bool)
+        rests = [(keys[k][a:], n) for n, (k, a) in enumerate(zip(closes.tolist(), after.tolist())) if not self.bare[n]]
+        self.rests = _SortedTrie(rests) if rests else None
+        self.rest_ok: dict = {}
+        self.nbytes = sum(a.nbytes for a in (ends, states, gains, closes, close_gains)) + 64 * len(rests)
+
+    def after_quote(self, below, cache: _LRU) -> np.ndarray:
+        """bool over `closes`: the string may end where it closes (its rest empty, or walked from `below`)."""
+        got = self.rest_ok.get(below)
+        if got is None:
+            got = self.bare.copy()
+            if self.rests is not None and below is not None:
+                hits = np.zeros(len(self.rests.keys), bool)
+                _walk(self.rests, [below], hits, cache)
+                got[self.rests.ids[hits]] = True
+            self.rest_ok[below] = got
+        return got
+
+
+def _read_all(trie: _SortedTrie, lo: int, hi: int, depth: int, node: _Automaton, state: int) -> _Reading:
+    """The node's strings from `depth` on, read by the automaton from `state`, all of them a byte position at a time
+    (numpy), the characters they begin counted from zero."""
+    table, begins = node.flat_table, node.flat_starts
+    flat, offsets, lens = trie.flat()
+    ids = np.arange(lo, hi)
+    pos = offsets[lo:hi] + depth
+    end = offsets[lo:hi] + lens[lo:hi]
+    more = pos < end
+    ends, states, gains = [ids[~more]], [np.full(int((~more).sum()), state, np.int32)], [np.zeros(int((~more).sum()), np.int32)]
+    ids, pos, end = ids[more], pos[more], end[more]
+    cur = np.full(len(ids), state, np.int32)
+    counts = np.zeros(len(ids), np.int32)
+    closes, close_gains, afters = [], [], []
+    while ids.size:
+        code = cur * 256 + flat[pos]
+        nxt = table[code]
+        if begins is not None:
+            counts = counts + begins[code]
+        shut = nxt == _regex.CLOSE
+        if shut.any():
+            closes.append(ids[shut])
+            close_gains.append(counts[shut])
+            afters.append(pos[shut] + 1 - offsets[ids[shut]])
+        alive = nxt >= 0
+        pos = pos + 1
+        done = alive & (pos >= end)
+        ends.append(ids[done])
+        states.append(nxt[done])
+        gains.append(counts[done])
+        alive &= ~done
+        ids, pos, end, cur, counts = ids[alive], pos[alive], end[alive], nxt[alive], counts[alive]
+    cat = np.concatenate
+    empty = np.zeros(0, np.int64)
+    return _Reading(cat(ends), cat(states), cat(gains), cat(closes) if closes else empty,
+                    cat(close_gains) if closes else empty.astype(np.int32), cat(afters) if closes else empty,
+                    trie.keys)
+
+
+def _automaton_hits(trie: _SortedTrie, lo: int, hi: int, depth: int, stack, hits: np.ndarray, cache: _LRU) -> None:
+    """hits for the node's strings read from an automaton's frame: the node's `_Reading` from the frame's state
+    (cached), held to the length limits from the frame's count, and the bytes after a closing quote walked from
+    the frame below."""
+    (node, state, count), below = stack
+    key = ("read", id(node), state, lo, depth)
+    reading = cache.get(key)
+    if reading is None:
+        reading = _read_all(trie, lo, hi, depth, node, state)
+        cache.put(key, reading)
+    ends, closes = reading.ends, reading.closes
+    lengths = node.lengths
+    if lengths is not None:
+        ends = ends[lengths.fits(reading.states, count + reading.gains)]
+    hits[ends] = True
+    if closes.size:
+        ok = reading.after_quote(below, cache)
+        if lengths is not None:
+            total = count + reading.close_gains
+            ok = ok & (total >= node.min_len) & (node.max_len is None or total <= node.max_len)
+        hits[closes[ok]] = True
 
 
 def _rest_ok(scan: _Scan, below, cache: _LRU) -> np.ndarray:

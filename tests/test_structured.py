@@ -1,14 +1,18 @@
 """qwen_jax.structured: masks against byte-by-byte stepping, random walks checked by an independent validator, the
 language's limits, schema errors, UTF-8 across tokens, and the shared mask cache."""
 
+import datetime
+import ipaddress
 import json
+import re
 import time
+import uuid
 
 import numpy as np
 import pytest
 
 from qwen_jax.structured import (MAX_NUMBER_BYTES, MAX_WHITESPACE, Matcher, TokenBytes, compile_choice,
-                                 compile_json_schema)
+                                 compile_json_schema, compile_regex)
 
 STOP = 3  # the hand-built vocabulary's stop token (a None entry)
 
@@ -83,8 +87,18 @@ TUPLE = {"type": "array", "prefixItems": [{"type": "string", "maxLength": 3}, {"
          "items": {"type": "boolean"}, "minItems": 2, "maxItems": 4}
 LITERALS = {"enum": [1, 12, 1.5, -3, "x", None, True, [1, 2], {"a": 1}, "中"]}
 SHORT = {"type": "string", "minLength": 2, "maxLength": 4}
+PATTERNS = {"type": "object", "properties": {
+    "code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{2,3}$"},
+    "day": {"type": "string", "format": "date"},
+    "ip": {"anyOf": [{"type": "string", "format": "ipv4"}, {"type": "string", "format": "ipv6"}]},
+    "quote": {"type": "string", "pattern": "^(?:a|\"|\\\\|\\n|é|\\x01)+$", "maxLength": 3},
+    "short": {"type": "string", "pattern": "[a-c]+", "minLength": 2, "maxLength": 3},
+    "id": {"type": "string", "format": "uuid"},
+    "size": {"type": "integer", "format": "int32"},
+    "link": {"type": "string", "format": "uri", "maxLength": 4}},
+    "required": ["code", "quote", "short"]}
 SCHEMAS = {"json_object": None, "person": PERSON, "tree": TREE, "union": UNION, "extra": EXTRA, "tuple": TUPLE,
-           "literals": LITERALS, "short": SHORT, "number": {"type": "number"}, "any": {}}
+           "literals": LITERALS, "short": SHORT, "number": {"type": "number"}, "any": {}, "patterns": PATTERNS}
 
 
 # ---- an independent validator of the documented language ---------------------------------------------------------
@@ -128,6 +142,20 @@ def kind_of(v) -> str:
     return "number" if isinstance(v, float) else "string"
 
 
+def _parses(parse_text):
+    def check(text: str) -> bool:
+        try:
+            parse_text(text)
+            return True
+        except ValueError:
+            return False
+    return check
+
+
+FORMAT_CHECKS = {"date": _parses(datetime.date.fromisoformat), "uuid": _parses(uuid.UUID),
+                 "ipv4": _parses(ipaddress.IPv4Address), "ipv6": _parses(ipaddress.IPv6Address)}
+
+
 def conforms(v, schema, root) -> bool:
     """JSON Schema's meaning of the supported keywords, plus the module's promises: declared keys in order and
     no others unless additionalProperties says so, integers without fraction."""
@@ -154,6 +182,10 @@ def conforms(v, schema, root) -> bool:
             return False
     k = kind_of(v)
     if k == "string":
+        if "pattern" in schema and not re.search(schema["pattern"], v):
+            return False
+        if not FORMAT_CHECKS.get(schema.get("format"), lambda s: True)(v):
+            return False
         return schema.get("minLength", 0) <= len(v) <= schema.get("maxLength", 10**9)
     if k == "array":
         if not schema.get("minItems", 0) <= len(v) <= schema.get("maxItems", 10**9):
@@ -267,7 +299,8 @@ def test_token_bytes_from_the_tiny_tokenizer(tiny):
     assert checked > 300
 
 
-@pytest.mark.parametrize("name", ["json_object", "person", "tree", "union", "extra", "tuple", "literals", "short"])
+@pytest.mark.parametrize("name", ["json_object", "person", "tree", "union", "extra", "tuple", "literals", "short",
+                                  "patterns"])
 def test_allowed_matches_stepping_byte_by_byte(name):
     """At states along random walks: a token is allowed exactly when its bytes, fed one by one, are accepted; and
     a sample of the allowed ones leave a state that still completes."""
@@ -472,8 +505,12 @@ def test_utf8_across_tokens():
 
 def test_schema_errors_name_the_keyword_and_place():
     cases = [
-        ({"type": "object", "properties": {"name": {"type": "string", "pattern": "a+"}}}, "'pattern'",
+        ({"type": "object", "properties": {"name": {"type": "string", "pattern": "(?=a)"}}}, "lookaround",
          "#/properties/name"),
+        ({"type": "string", "pattern": "a+", "maxLength": 0}, "'pattern' and the length limits accepts no", "#"),
+        ({"type": "string", "pattern": 3}, "'pattern' must be a string", "#"),
+        ({"type": "string", "format": "date", "maxLength": 5000}, "above 4096", "#"),
+        ({"type": "string", "format": "date", "minLength": 11}, "'format' 'date' and the length limits", "#"),
         ({"type": "integer", "minimum": 0}, "'minimum'", "at #)"),
         ({"type": "array", "items": {"uniqueItems": True}}, "'uniqueItems'", "#/items"),
         ({"$defs": {"a": {"not": {}}}, "$ref": "#/$defs/a"}, "'not'", "#/$defs/a"),
@@ -494,7 +531,6 @@ def test_schema_errors_name_the_keyword_and_place():
         ({"type": "strin"}, "'type'", "#"),
         ({"type": "string", "maxLength": -1}, "'maxLength'", "#"),
         ({"anyOf": [{}], "type": "string"}, "'anyOf'", "#"),
-        ({"properties": {"a": {"type": "string", "format": "date"}}}, "'format'", "#/properties/a"),
     ]
     for schema, keyword, where in cases:
         with pytest.raises(ValueError) as info:
@@ -627,3 +663,93 @@ def test_choice_grammar(tiny):
     for bad in ([], "yes", ["a", ""], ["a", 3]):
         with pytest.raises(ValueError, match="choice"):
             compile_choice(bad)
+
+
+def test_patterns_and_formats_in_strings():
+    """A pattern is matched against the string's value (its JSON escapes read), the whole of it; formats are
+    enforced on strings and annotations elsewhere; \\u escapes only for control characters."""
+    quoted = {"type": "string", "pattern": '^a"b\\\\c\\n$'}
+    assert accepts(quoted, b'"a\\"b\\\\c\\n"')
+    assert accepts(quoted, b'"a\\"b\\\\c\\u000a"')
+    assert not accepts(quoted, b'"a\\u0022b\\\\c\\n"')  # '"' is written \" (only controls as \u escapes)
+    assert not accepts(quoted, b'"a\\"b\\\\c\\n!"')  # anchored: the whole value
+    assert accepts({"type": "string", "pattern": "[0-9]"}, b'"ab1c"')  # unanchored: a search, as JSON Schema has it
+    assert not accepts({"type": "string", "pattern": "[0-9]"}, b'"abc"')
+    assert accepts({"type": "string", "format": "date"}, b'"2024-02-29"')
+    assert not accepts({"type": "string", "format": "date"}, b'"2023-02-29"')
+    assert accepts({"type": "integer", "format": "int64"}, b"7")  # an annotation on numbers
+    assert accepts({"type": "string", "format": "uri"}, b'"anything at all"')  # not enforced: an annotation
+    assert accepts({"pattern": "^x+$"}, b'"xx"') and not accepts({"pattern": "^x+$"}, b"1")  # pattern: strings
+    both = {"type": "string", "format": "ipv4", "pattern": "^10\\."}
+    assert accepts(both, b'"10.1.2.3"') and not accepts(both, b'"11.1.2.3"') and not accepts(both, b'"10.1"')
+    assert accepts({"type": "string", "pattern": "é{2}", "maxLength": 2}, '"éé"'.encode())
+    # the length limits look ahead: a state is allowed only where the pattern can still close within them
+    m = Matcher(compile_json_schema({"type": "string", "pattern": "^(ab|abcdef)$", "minLength": 4}), HAND, [STOP])
+    feed(m, b'"ab')
+    assert not m.allowed()[BYTE_ID[ord('"')]] and m.allowed()[BYTE_ID[ord("c")]]
+    m = Matcher(compile_json_schema({"type": "string", "pattern": "[a-c]", "maxLength": 3}), HAND, [STOP])
+    feed(m, b'"xy')
+    assert not m.allowed()[BYTE_ID[ord("x")]] and m.allowed()[BYTE_ID[ord("a")]]
+
+
+def test_regex_grammar(tiny):
+    """compile_regex: replies are whole matches; masks equal stepping byte by byte; the reply may stop where the
+    text matches and ends where nothing may follow."""
+    g = compile_regex(r"(yes|no)(, (because|since) [a-z ]{1,12}\.)?")
+    rng = np.random.default_rng(4)
+    py = re.compile(r"(yes|no)(, (because|since) [a-z ]{1,12}\.)?")
+    for tokens, stops in ((HAND, [STOP]), (tiny[1], [493])):
+        done = 0
+        for _ in range(30):
+            text, ended, states = walk(g, tokens, stops, rng, steps=60)
+            if ended:
+                assert py.fullmatch(text.decode()), text
+                done += 1
+            for m in states[::4]:
+                allowed = m.allowed()
+                for i, data in enumerate(tokens.token_bytes):
+                    if data is None:
+                        assert allowed[i] == (i in stops and m.complete)
+                        continue
+                    probe = m.copy()
+                    try:
+                        probe.advance(i)  # the node's own byte steps, not the mask's table reads
+                        fits = True
+                    except ValueError:
+                        fits = False
+                    assert allowed[i] == fits, data
+        assert done >= 20
+    m = Matcher(g, HAND, [STOP])
+    feed(m, b"no")
+    assert m.complete and not m.terminated
+    feed(m, b", since ab.")
+    assert m.terminated and np.flatnonzero(m.allowed()).tolist() == [STOP]
+    assert Matcher(compile_regex("a*"), HAND, [STOP]).complete  # the empty reply matches
+    with pytest.raises(ValueError, match="matches no text"):
+        compile_regex("a^")
+    with pytest.raises(ValueError, match="backreferences"):
+        compile_regex(r"(a)\1")
+
+
+def test_a_large_vocabulary_in_a_pattern_string_is_fast():
+    """A pattern's string with 60K tokens: each step's mask (a new automaton state every step, as the length is
+    counted) is read from the automaton's table over the whole vocabulary at once."""
+    rng = np.random.default_rng(6)
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz ", np.uint8)
+    vocab = [bytes([b]) for b in range(256)] + [None]
+    vocab += list({bytes(rng.choice(letters, size=rng.integers(2, 9))) for _ in range(60000)})
+    vocab += [b'",', b'"}', b'"},', b'":', b'\\n', b'\n']
+    tokens = TokenBytes(vocab)
+    byte_id = {t[0]: i for i, t in enumerate(vocab) if t is not None and len(t) == 1}
+    m = Matcher(compile_json_schema({"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "^[a-z ]+$", "maxLength": 200}}}), tokens, [256])
+    for b in b'{"a": "':
+        m.advance(byte_id[b])
+    start = time.perf_counter()
+    for _ in range(20):
+        m.advance(byte_id[ord("x")])
+        allowed = m.allowed()
+    per_step = (time.perf_counter() - start) / 20
+    assert allowed[vocab.index(b'"}')] and not allowed[vocab.index(b'",')] and not allowed[vocab.index(b"\\n")]
+    assert allowed.sum() > 0.99 * (tokens.is_text.sum() - 256)
+    assert per_step < 0.05, per_step

@@ -70,7 +70,20 @@ TREE = {
 PROBES = [b"{", b'{"', b'{"a"', b'{"a":', b'{"a": "x', b'{"a": "\xe4', b'{"a": "\xe4\xb8', b'{"a": "\\',
           b'{"a": "\\u0', b'{"a": 1', b'{"a": 1.', b'{"a": 1e', b'{"a": t', b'{"a": [', b'{"a": [1,',
           b'{"a": 1,', b'{"a": {}', b'{"a": 1,\n  "b": "x", "c": [null, "y"]']
-SCHEMAS = {"json_object": None, "order (pydantic-like)": ORDER, "tree ($ref recursion)": TREE}
+CONTACT = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Z][a-z]+( [A-Z][a-z]+)*$", "maxLength": 40},
+        "email": {"type": "string", "format": "email"},
+        "id": {"type": "string", "format": "uuid"},
+        "seen": {"type": "string", "format": "date-time"},
+        "ip": {"anyOf": [{"type": "string", "format": "ipv4"}, {"type": "string", "format": "ipv6"}]},
+        "code": {"type": "string", "pattern": "[0-9]{3}"},
+    },
+    "required": ["name", "email", "id", "seen", "ip", "code"],
+}
+SCHEMAS = {"json_object": None, "order (pydantic-like)": ORDER, "tree ($ref recursion)": TREE,
+           "contact (patterns, formats)": CONTACT}
 
 
 def synthetic_vocab(size: int = VOCAB_SIZE, seed: int = 0) -> list[bytes | None]:
