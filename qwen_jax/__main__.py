@@ -87,11 +87,20 @@ def cmd_logits(args) -> int:
 
 
 def _grammar(args, tok, in_think: bool):
-    """--json-schema: "object" (any JSON object), a schema's JSON text, or a file holding one -> (grammar, the token
-    after which it starts: `</think>` when the prompt opened a think block), or (None, None)."""
-    if args.json_schema is None:
+    """--json-schema: "object" (any JSON object), a schema's JSON text, or a file holding one; --regex: a pattern
+    the whole reply matches -> (grammar, the token after which it starts: `</think>` when the prompt opened a think
+    block), or (None, None)."""
+    if args.json_schema is None and args.regex is None:
         return None, None
     from qwen_jax import structured
+    if args.json_schema is not None and args.regex is not None:
+        raise SystemExit("error: give --json-schema or --regex, not both")
+    if args.regex is not None:
+        try:
+            grammar = structured.compile_regex(args.regex)
+        except ValueError as e:
+            raise SystemExit(f"error: --regex: {e}") from None
+        return grammar, tok.convert_tokens_to_ids("</think>") if in_think else None
     spec = args.json_schema
     try:
         if spec == "object":
@@ -126,7 +135,7 @@ def cmd_generate(args) -> int:
             in_think = text.rstrip().endswith("<think>")
     else:
         ids = _ids(args.token_ids)
-        tok = _tokenizer(args, required=args.json_schema is not None)
+        tok = _tokenizer(args, required=args.json_schema is not None or args.regex is not None)
     grammar, after = _grammar(args, tok, in_think)
     _check_vocab(ids, ck.config.text.vocab_size)
     if args.max_tokens < 1:
@@ -384,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json-schema", metavar="SCHEMA",
                      help="structured output: the reply is JSON following SCHEMA (a JSON Schema's text or a file "
                           "holding one; 'object': any JSON object), after the think block when the template opens one")
+    gen.add_argument("--regex", metavar="PATTERN",
+                     help="structured output: the whole reply matches PATTERN (qwen_jax.regex's syntax), after the "
+                          "think block when the template opens one"),
     gen.add_argument("--json", action="store_true", help="print one JSON object with token_ids and text")
     gen.set_defaults(fn=cmd_generate)
 

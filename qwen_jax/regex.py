@@ -25,6 +25,7 @@ behave alike. Sizes are bounded: MAX_NFA_STATES and MAX_DFA_STATES, a ValueError
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -433,14 +434,13 @@ def _determinize(nfa: _Nfa, start: int, final: int, what: str) -> ByteAutomaton:
         states = keys[k]
         accept.append(final in nfa.closure(states, bol=k == 0, eol=True))
         row = np.full(256, DEAD, np.int32)
-        targets: dict[int, set] = {}
-        for s in states:
-            for lo, hi, t in nfa.edges[s]:
-                for b in range(lo, hi + 1):
-                    targets.setdefault(b, set()).add(t)
+        edges = [e for s in states for e in nfa.edges[s]]
+        cuts = sorted({lo for lo, _, _ in edges} | {hi + 1 for _, hi, _ in edges})
         by_set: dict[frozenset, int] = {}
-        for b, ts in targets.items():
-            ts = frozenset(ts)
+        for a, b in zip(cuts, cuts[1:]):  # byte ranges [a, b) that every edge covers whole or not at all
+            ts = frozenset(t for lo, hi, t in edges if lo <= a and b - 1 <= hi)
+            if not ts:
+                continue
             got = by_set.get(ts)
             if got is None:
                 nxt = nfa.closure(ts, bol=False, eol=False)
@@ -451,7 +451,7 @@ def _determinize(nfa: _Nfa, start: int, final: int, what: str) -> ByteAutomaton:
                     got = index[nxt] = len(keys)
                     keys.append(nxt)
                 by_set[ts] = got
-            row[b] = got
+            row[a:b] = got
         rows.append(row)
         k += 1
     return finish(np.stack(rows), np.array(accept), 0, what)
@@ -648,3 +648,9 @@ FORMATS = {
     "hostname": rf"{_LABEL}(?:\.{_LABEL}){{0,3}}",
     "email": rf"[A-Za-z0-9_%+-]{{1,32}}(?:\.[A-Za-z0-9_%+-]{{1,32}}){{0,2}}@{_LABEL}(?:\.{_LABEL}){{1,3}}",
 }
+
+
+@functools.lru_cache(maxsize=None)
+def format_automaton(name: str) -> ByteAutomaton:
+    """FORMATS[name] compiled (once a process: the automata are shared, never changed)."""
+    return compile_regex(FORMATS[name], f"'format' {name!r}")

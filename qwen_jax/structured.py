@@ -605,7 +605,7 @@ class _Builder:
             try:
                 parts = [] if pattern is None else [_regex.compile_regex(pattern, "'pattern'", search=True)]
                 if fmt is not None:
-                    parts.append(_regex.compile_regex(_regex.FORMATS[fmt], f"'format' {fmt!r}"))
+                    parts.append(_regex.format_automaton(fmt))
                 auto = parts[0]
                 for other in parts[1:]:
                     auto = _regex.intersect(auto, other)
@@ -1054,6 +1054,13 @@ class _SortedTrie:
             self._children[(lo, depth)] = got = tuple(found)
         return got
 
+    def ends_at(self, lo: int, hi: int, depth: int) -> int:
+        """How many of the node's strings end at it (they sort first)."""
+        k = lo
+        while k < hi and len(self.keys[k]) == depth:
+            k += 1
+        return k - lo
+
     def scan(self, lo: int, hi: int, depth: int) -> _Scan:
         got = self._scans.get((lo, depth))
         if got is None:
@@ -1142,10 +1149,11 @@ class _LRU:
                 self._bytes -= self._items.popitem(last=False)[1].nbytes
 
 
-def _walk(trie: _SortedTrie, stacks: list, hits: np.ndarray, cache: _LRU) -> None:
+def _walk(trie: _SortedTrie, stacks: list, hits: np.ndarray, cache: _LRU, root=None) -> None:
     """Sets hits[k] for every trie string whose bytes, read from one of the stacks, leave a live state; depth first,
-    a branch dropped at its first refused byte, string content handed to _string_hits."""
-    todo = [(0, len(trie.keys), 0, stacks)]
+    a branch dropped at its first refused byte, string content handed to _string_hits, an automaton's frames to
+    _automaton_hits. root: the trie node (lo, hi, depth) to start from, the whole trie by default."""
+    todo = [(*(root or (0, len(trie.keys), 0)), stacks)]
     while todo:
         lo, hi, depth, stacks = todo.pop()
         stepping = []
@@ -1192,47 +1200,73 @@ def _string_hits(trie: _SortedTrie, lo: int, hi: int, depth: int, stack, hits: n
 class _Reading:
     """A trie node's strings read by an automaton from one state (`_read_all`), whatever the characters so far:
     `ends`, `states`, `gains`: the strings read to their end in a live state, that state, the characters they
-    began; `closes`, `close_gains`, `rests`: the strings whose closing quote came inside them, the characters
-    before it, and the bytes after it as a trie (None when none has any); `rest_ok`: by the stack below, which of
-    those rests may follow (bool over `closes`)."""
+    began; `closes`, `close_gains`: the strings whose closing quote came past their first byte, the characters
+    before it, with the bytes after it as the trie `rests` (None when none has any); `quote`: the child node
+    whose first byte is the closing quote, (lo, hi, depth, strings ending there), or None. `after_quote(below)`
+    says which closing strings may go on from the stack below."""
 
-    __slots__ = ("ends", "states", "gains", "closes", "close_gains", "bare", "rests", "rest_ok", "nbytes")
+    __slots__ = ("ends", "states", "gains", "closes", "close_gains", "bare", "rests", "quote", "_after", "nbytes")
 
-    def __init__(self, ends, states, gains, closes, close_gains, after, keys):
+    def __init__(self, ends, states, gains, closes, close_gains, after, keys, quote):
         self.ends, self.states, self.gains = ends, states, gains
-        self.closes, self.close_gains = closes, close_gains
+        self.closes, self.close_gains, self.quote = closes, close_gains, quote
         self.bare = np.array([len(keys[k]) == a for k, a in zip(closes.tolist(), after.tolist())], bool)
         rests = [(keys[k][a:], n) for n, (k, a) in enumerate(zip(closes.tolist(), after.tolist())) if not self.bare[n]]
         self.rests = _SortedTrie(rests) if rests else None
-        self.rest_ok: dict = {}
+        self._after: dict = {}
         self.nbytes = sum(a.nbytes for a in (ends, states, gains, closes, close_gains)) + 64 * len(rests)
 
-    def after_quote(self, below, cache: _LRU) -> np.ndarray:
-        """bool over `closes`: the string may end where it closes (its rest empty, or walked from `below`)."""
-        got = self.rest_ok.get(below)
+    def after_quote(self, trie: _SortedTrie, below, cache: _LRU) -> tuple[np.ndarray, np.ndarray]:
+        """(bool over `closes`: the string may end where it closes, its rest empty or walked from `below`; the
+        strings under the quote node that may, as ids in the trie), per `below`."""
+        got = self._after.get(below)
         if got is None:
-            got = self.bare.copy()
+            ok = self.bare.copy()
             if self.rests is not None and below is not None:
                 hits = np.zeros(len(self.rests.keys), bool)
                 _walk(self.rests, [below], hits, cache)
-                got[self.rests.ids[hits]] = True
-            self.rest_ok[below] = got
+                ok[self.rests.ids[hits]] = True
+            quoted = np.zeros(0, np.int64)
+            if self.quote is not None:
+                lo, hi, depth, ends = self.quote
+                hits = np.zeros(len(trie.keys) + 1, bool)
+                hits[lo:lo + ends] = True
+                if below is not None:
+                    _walk(trie, [below], hits, cache, root=(lo, hi, depth))
+                quoted = np.flatnonzero(hits)
+            self._after[below] = got = (ok, quoted)
         return got
 
 
 def _read_all(trie: _SortedTrie, lo: int, hi: int, depth: int, node: _Automaton, state: int) -> _Reading:
-    """The node's strings from `depth` on, read by the automaton from `state`, all of them a byte position at a time
-    (numpy), the characters they begin counted from zero."""
+    """The node's strings from `depth` on, read by the automaton from `state`, the characters they begin counted
+    from zero: the first byte by the node's children (a refused child is dropped whole, a closing quote is kept as
+    a node), then all the live children's strings a byte position at a time (numpy)."""
     table, begins = node.flat_table, node.flat_starts
     flat, offsets, lens = trie.flat()
-    ids = np.arange(lo, hi)
-    pos = offsets[lo:hi] + depth
-    end = offsets[lo:hi] + lens[lo:hi]
-    more = pos < end
-    ends, states, gains = [ids[~more]], [np.full(int((~more).sum()), state, np.int32)], [np.zeros(int((~more).sum()), np.int32)]
-    ids, pos, end = ids[more], pos[more], end[more]
-    cur = np.full(len(ids), state, np.int32)
-    counts = np.zeros(len(ids), np.int32)
+    ends = [np.arange(lo, lo + trie.ends_at(lo, hi, depth))]  # strings that end at the node
+    states, gains = [np.full(len(ends[0]), state, np.int32)], [np.zeros(len(ends[0]), np.int32)]
+    quote, spans, firsts, first_gains = None, [], [], []
+    for byte, child_lo, child_hi, child_ends in trie.children(lo, hi, depth):
+        code = state * 256 + byte
+        nxt = int(table[code])
+        if nxt == _regex.CLOSE:
+            quote = (child_lo, child_hi, depth + 1, child_ends)
+        elif nxt >= 0:
+            spans.append(np.arange(child_lo, child_hi))
+            firsts.append(np.full(child_hi - child_lo, nxt, np.int32))
+            first_gains.append(np.full(child_hi - child_lo, 0 if begins is None else begins[code], np.int32))
+    cat = np.concatenate
+    ids = cat(spans) if spans else np.zeros(0, np.int64)
+    cur = cat(firsts) if spans else np.zeros(0, np.int32)
+    counts = cat(first_gains) if spans else np.zeros(0, np.int32)
+    pos = offsets[ids] + depth + 1
+    end = offsets[ids] + lens[ids]
+    done = pos >= end
+    ends.append(ids[done])
+    states.append(cur[done])
+    gains.append(counts[done])
+    ids, pos, end, cur, counts = ids[~done], pos[~done], end[~done], cur[~done], counts[~done]
     closes, close_gains, afters = [], [], []
     while ids.size:
         code = cur * 256 + flat[pos]
@@ -1252,34 +1286,37 @@ def _read_all(trie: _SortedTrie, lo: int, hi: int, depth: int, node: _Automaton,
         gains.append(counts[done])
         alive &= ~done
         ids, pos, end, cur, counts = ids[alive], pos[alive], end[alive], nxt[alive], counts[alive]
-    cat = np.concatenate
     empty = np.zeros(0, np.int64)
     return _Reading(cat(ends), cat(states), cat(gains), cat(closes) if closes else empty,
                     cat(close_gains) if closes else empty.astype(np.int32), cat(afters) if closes else empty,
-                    trie.keys)
+                    trie.keys, quote)
 
 
 def _automaton_hits(trie: _SortedTrie, lo: int, hi: int, depth: int, stack, hits: np.ndarray, cache: _LRU) -> None:
     """hits for the node's strings read from an automaton's frame: the node's `_Reading` from the frame's state
-    (cached), held to the length limits from the frame's count, and the bytes after a closing quote walked from
-    the frame below."""
+    (kept while the frame's count changes, where there are length limits), held to the length limits from the
+    frame's count, and the bytes after a closing quote walked from the frame below."""
     (node, state, count), below = stack
+    lengths = node.lengths
     key = ("read", id(node), state, lo, depth)
-    reading = cache.get(key)
+    reading = cache.get(key) if lengths is not None else None
     if reading is None:
         reading = _read_all(trie, lo, hi, depth, node, state)
-        cache.put(key, reading)
-    ends, closes = reading.ends, reading.closes
-    lengths = node.lengths
+        if lengths is not None:
+            cache.put(key, reading)
+    ends = reading.ends
     if lengths is not None:
         ends = ends[lengths.fits(reading.states, count + reading.gains)]
     hits[ends] = True
-    if closes.size:
-        ok = reading.after_quote(below, cache)
+    if reading.closes.size or reading.quote is not None:
+        ok, quoted = reading.after_quote(trie, below, cache)
         if lengths is not None:
             total = count + reading.close_gains
             ok = ok & (total >= node.min_len) & (node.max_len is None or total <= node.max_len)
-        hits[closes[ok]] = True
+            if count < node.min_len:  # (the quote begins no character: the count is the string's)
+                quoted = quoted[:0]
+        hits[reading.closes[ok]] = True
+        hits[quoted] = True
 
 
 def _rest_ok(scan: _Scan, below, cache: _LRU) -> np.ndarray:

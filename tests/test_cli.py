@@ -2,6 +2,7 @@
 the HF transformers references where one exists."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -65,9 +66,21 @@ def test_generate_json_schema(tmp_path, capsys):
                  "--json", "--json-schema", str(schema)] + NO_CACHE) == 0
     text = json.loads(capsys.readouterr().out.splitlines()[-1])["text"]
     assert "".join(text.split()) in ('{"a":1}', '{"a":2}'), text
-    with pytest.raises(SystemExit, match="'pattern' is not supported"):
+    with pytest.raises(SystemExit, match="'minimum' is not supported"):
         main(["generate", "--model", TINY, "--token-ids", "5", "--max-tokens", "3", "--json-schema",
-              '{"type": "string", "pattern": "a"}'] + NO_CACHE)
+              '{"type": "integer", "minimum": 0}'] + NO_CACHE)
+
+
+def test_generate_regex(capsys):
+    """--regex: the whole reply matches the pattern and stops where nothing may follow; syntax outside the
+    supported set is a clear error naming it."""
+    pattern = r"(red|green|blue)-[0-9]{2}"
+    assert main(["generate", "--model", TINY, "--dtype", "float32", "--token-ids", "5,6,7", "--max-tokens", "20",
+                 "--json", "--regex", pattern] + NO_CACHE) == 0
+    text = json.loads(capsys.readouterr().out.splitlines()[-1])["text"]
+    assert re.fullmatch(pattern, text), text
+    with pytest.raises(SystemExit, match="lookaround"):
+        main(["generate", "--model", TINY, "--token-ids", "5", "--max-tokens", "3", "--regex", "(?=a)b"] + NO_CACHE)
 
 
 def test_generate_prompt_too_long_is_a_clear_error():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -385,8 +386,9 @@ def test_forced_tool_calls(client, model, no_whitespace):
 
 def test_structured_outputs_extra(client, model, http):
     """vLLM's structured_outputs (extra_body): `choice` makes the reply one of the strings (one that starts another
-    may end there), greedy and seeded, chat and completions; `json` (a schema or its text) and `json_object` reach
-    the same grammars as response_format: the greedy reply equals response_format's."""
+    may end there), greedy and seeded, chat and completions; `regex` a whole match, ending as soon as nothing may
+    follow; `json` (a schema or its text) and `json_object` reach the same grammars as response_format: the greedy
+    reply equals response_format's."""
     off = {"chat_template_kwargs": {"enable_thinking": False}}
     kw = dict(model=model, messages=MESSAGES, max_tokens=16)
     choices = ["red", "green", "blue sky", "blue", "ünï"]
@@ -403,6 +405,14 @@ def test_structured_outputs_extra(client, model, http):
         got = client.chat.completions.create(**kw, temperature=0.0,
                                              extra_body={**off, "structured_outputs": {"json": spec}})
         assert got.choices[0].message.content == want.choices[0].message.content
+    pattern = r"(yes|no|maybe)(, [a-z]{1,8}){0,2}\."
+    for extra in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 3, "n": 3}):
+        r = client.chat.completions.create(**kw, **extra, extra_body={**off, "structured_outputs": {"regex": pattern}})
+        for c in r.choices:
+            assert re.fullmatch(pattern, c.message.content) and c.finish_reason == "stop", c.message.content
+    done = http.post(COMPLETIONS, json={"prompt": "Answer:", "max_tokens": 24, "temperature": 0.0,
+                                        "structured_outputs": {"regex": pattern}}).json()
+    assert re.fullmatch(pattern, done["choices"][0]["text"])
     obj = client.chat.completions.create(**kw, temperature=0.0, extra_body={**off, "structured_outputs":
                                                                               {"json_object": True}})
     assert obj.choices[0].message.content == client.chat.completions.create(
@@ -629,7 +639,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 # A parameters schema with a keyword the grammar cannot enforce, as the third tool.
 PATTERN_TOOLS = TOOLS + [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in (
-    ("now", None), ("code", {"type": "object", "properties": {"x": {"type": "string", "pattern": "^a+$"}}}))]
+    ("now", None), ("code", {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0}}}))]
 
 # (route, raw body, status, param, code)
 BAD_INPUTS = [
@@ -737,13 +747,20 @@ BAD_INPUTS = [
     (CHAT, json.dumps({**OK_CHAT, "response_format": {"type": "json_schema"}}).encode(), 400, "response_format",
      None),
     (CHAT, json.dumps({**OK_CHAT, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "a", "schema": {"type": "string", "pattern": "^a+$"}}}}).encode(), 400, "response_format", None),
-    (CHAT, json.dumps({**OK_CHAT, "structured_outputs": {"regex": "a+"}}).encode(), 400, "structured_outputs",
+        "name": "a", "schema": {"type": "string", "pattern": "(?=a)"}}}}).encode(), 400, "response_format", None),
+    (CHAT, json.dumps({**OK_CHAT, "structured_outputs": {"regex": "(a)\\1"}}).encode(), 400, "structured_outputs",
      None),
+    (CHAT, json.dumps({**OK_CHAT, "structured_outputs": {"regex": 5}}).encode(), 400, "structured_outputs.regex",
+     None),
+    (CHAT, json.dumps({**OK_CHAT, "structured_outputs": {"grammar": "root ::= x"}}).encode(), 400,
+     "structured_outputs", None),
+    (CHAT, json.dumps({**OK_CHAT, "structured_outputs": {"regex": "a", "choice": ["a"]}}).encode(), 400,
+     "structured_outputs", None),
     (CHAT, json.dumps({**OK_CHAT, "structured_outputs": {}}).encode(), 400, "structured_outputs", None),
     (CHAT, json.dumps({**OK_CHAT, "structured_outputs": {"choice": ["a", ""]}}).encode(), 400,
      "structured_outputs.choice[1]", None),
-    (CHAT, json.dumps({**OK_CHAT, "structured_outputs": {"json": {"type": "string", "format": "date"}}}).encode(),
+    (CHAT, json.dumps({**OK_CHAT, "structured_outputs": {"json": {"type": "string", "format": "date",
+                                                                  "maxLength": 5000}}}).encode(),
      400, "structured_outputs", None),
     (CHAT, json.dumps({**OK_CHAT, "structured_outputs": {"choice": ["a"]},
                        "response_format": {"type": "json_object"}}).encode(), 400, "structured_outputs", None),
@@ -784,7 +801,7 @@ def test_forced_call_schema_refused(http):
         r = http.post(CHAT, json={**OK_CHAT, "tools": PATTERN_TOOLS, "tool_choice": choice})
         assert r.status_code == 400
         assert r.json()["error"]["message"] == \
-            "tools[2].function.parameters: 'pattern' is not supported (at #/properties/x)"
+            "tools[2].function.parameters: 'minimum' is not supported (at #/properties/x)"
 
 
 def test_bad_input_via_openai_client(client, model):
