@@ -753,3 +753,25 @@ def test_a_large_vocabulary_in_a_pattern_string_is_fast():
     assert allowed[vocab.index(b'"}')] and not allowed[vocab.index(b'",')] and not allowed[vocab.index(b"\\n")]
     assert allowed.sum() > 0.99 * (tokens.is_text.sum() - 256)
     assert per_step < 0.05, per_step
+
+
+def test_masks_dropped_come_back_from_their_packed_copies(monkeypatch):
+    """With room for two masks, a reply's masks are dropped as it goes; replayed, each comes back equal from its
+    bit-packed copy, without a walk of the vocabulary."""
+    from qwen_jax import structured
+    monkeypatch.setattr(structured, "MASK_CACHE_BYTES", 2 * HAND.vocab_size)
+    grammar = compile_json_schema(PERSON)
+    text = b'{"name": "Al", "age": 7, "tags": ["a"], "kind": "person"}'
+    first, masks = Matcher(grammar, HAND, [STOP]), []
+    for b in text:
+        masks.append(first.allowed().copy())
+        first.advance(BYTE_ID[b])
+    walks = []
+    real = structured._walk
+    monkeypatch.setattr(structured, "_walk", lambda *a, **k: walks.append(1) or real(*a, **k))
+    again = Matcher(grammar, HAND, [STOP])
+    for b, want in zip(text, masks):
+        got = again.allowed()
+        assert np.array_equal(got, want) and not got.flags.writeable
+        again.advance(BYTE_ID[b])
+    assert not walks
