@@ -88,19 +88,24 @@ def cmd_logits(args) -> int:
 
 def _grammar(args, tok, in_think: bool):
     """--json-schema: "object" (any JSON object), a schema's JSON text, or a file holding one; --regex: a pattern
-    the whole reply matches -> (grammar, the token after which it starts: `</think>` when the prompt opened a think
-    block), or (None, None)."""
-    if args.json_schema is None and args.regex is None:
+    the whole reply matches; --grammar: a GBNF grammar's text or a file holding one -> (grammar, the token after
+    which it starts: `</think>` when the prompt opened a think block), or (None, None)."""
+    given = [flag for flag, value in (("--json-schema", args.json_schema), ("--regex", args.regex),
+                                      ("--grammar", args.grammar)) if value is not None]
+    if not given:
         return None, None
     from qwen_jax import structured
-    if args.json_schema is not None and args.regex is not None:
-        raise SystemExit("error: give --json-schema or --regex, not both")
-    if args.regex is not None:
+    if len(given) > 1:
+        raise SystemExit(f"error: give one of {', '.join(given)}")
+    after = tok.convert_tokens_to_ids("</think>") if in_think else None
+    if args.regex is not None or args.grammar is not None:
         try:
-            grammar = structured.compile_regex(args.regex)
-        except ValueError as e:
-            raise SystemExit(f"error: --regex: {e}") from None
-        return grammar, tok.convert_tokens_to_ids("</think>") if in_think else None
+            if args.regex is not None:
+                return structured.compile_regex(args.regex), after
+            text = args.grammar if "::=" in args.grammar else Path(args.grammar).read_text()
+            return structured.compile_grammar(text), after
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: {given[0]}: {e}") from None
     spec = args.json_schema
     try:
         if spec == "object":
@@ -112,7 +117,6 @@ def _grammar(args, tok, in_think: bool):
         grammar = structured.compile_json_schema(schema)
     except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
         raise SystemExit(f"error: --json-schema: {e}") from None
-    after = tok.convert_tokens_to_ids("</think>") if in_think else None
     return grammar, after
 
 
@@ -135,7 +139,7 @@ def cmd_generate(args) -> int:
             in_think = text.rstrip().endswith("<think>")
     else:
         ids = _ids(args.token_ids)
-        tok = _tokenizer(args, required=args.json_schema is not None or args.regex is not None)
+        tok = _tokenizer(args, required=any(v is not None for v in (args.json_schema, args.regex, args.grammar)))
     grammar, after = _grammar(args, tok, in_think)
     _check_vocab(ids, ck.config.text.vocab_size)
     if args.max_tokens < 1:
@@ -395,7 +399,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "holding one; 'object': any JSON object), after the think block when the template opens one")
     gen.add_argument("--regex", metavar="PATTERN",
                      help="structured output: the whole reply matches PATTERN (qwen_jax.regex's syntax), after the "
-                          "think block when the template opens one"),
+                          "think block when the template opens one")
+    gen.add_argument("--grammar", metavar="GBNF",
+                     help="structured output: the reply is a text of the GBNF grammar's root rule (its text, or a "
+                          "file holding it; qwen_jax.ebnf's syntax), after the think block when the template opens one")
     gen.add_argument("--json", action="store_true", help="print one JSON object with token_ids and text")
     gen.set_defaults(fn=cmd_generate)
 

@@ -321,18 +321,20 @@ class _Parser:
 # ---- automata ------------------------------------------------------------------------------------------------------
 
 class _Nfa:
-    """States with epsilon edges, start-of-text and end-of-text assertion edges, and byte-range edges."""
+    """States with epsilon edges, start-of-text and end-of-text assertion edges, byte-range edges, and (for a
+    grammar's rules, `qwen_jax.ebnf`) edges that call another rule by name."""
 
     def __init__(self):
         self.eps: list[list[int]] = []
         self.bol: list[list[int]] = []
         self.eol: list[list[int]] = []
         self.edges: list[list[tuple[int, int, int]]] = []
+        self.calls: list[list[tuple[str, int]]] = []
 
     def state(self) -> int:
         if len(self.eps) >= MAX_NFA_STATES:
             raise ValueError(f"the pattern is too large (more than {MAX_NFA_STATES} automaton states)")
-        for table in (self.eps, self.bol, self.eol, self.edges):
+        for table in (self.eps, self.bol, self.eol, self.edges, self.calls):
             table.append([])
         return len(self.eps) - 1
 
@@ -358,6 +360,10 @@ class _Nfa:
                 branch = self.state()
                 self.eps[start].append(branch)
                 self.eps[self.build(item, branch)].append(end)
+            return end
+        if kind == "call":
+            end = self.state()
+            self.calls[start].append((tree[1], end))
             return end
         if kind in ("bol", "eol"):
             end = self.state()
@@ -422,13 +428,32 @@ class ByteAutomaton:
 
 
 def _determinize(nfa: _Nfa, start: int, final: int, what: str) -> ByteAutomaton:
-    """Subset construction (the start state alone may pass start-of-text edges; end-of-text edges count only for
-    acceptance), then dead states pruned and equivalent ones merged."""
+    """Subset construction, then dead states pruned and equivalent ones merged."""
+    table, accept, _ = subsets(nfa, start, final, what)
+    return finish(table, accept, 0, what)
+
+
+def subsets(nfa: _Nfa, start: int, final: int, what: str) -> tuple[np.ndarray, np.ndarray, list[dict[str, int]]]:
+    """Subset construction: (table [states, 256], accept [states], per state its rule calls {name: next state});
+    state 0 is the start. The start state alone may pass start-of-text edges; end-of-text edges count only for
+    acceptance."""
     begin = nfa.closure([start], bol=True, eol=False)
     keys: list[frozenset] = [begin]
     index = {}  # the start's key stays out of the index: later sets equal to it may not pass ^ again
     rows: list[np.ndarray] = []
     accept: list[bool] = []
+    calls: list[dict[str, int]] = []
+
+    def intern(targets: frozenset) -> int:
+        nxt = nfa.closure(targets, bol=False, eol=False)
+        got = index.get(nxt)
+        if got is None:
+            if len(keys) >= MAX_DFA_STATES:
+                raise ValueError(f"{what} is too large (more than {MAX_DFA_STATES} automaton states)")
+            got = index[nxt] = len(keys)
+            keys.append(nxt)
+        return got
+
     k = 0
     while k < len(keys):
         states = keys[k]
@@ -443,18 +468,16 @@ def _determinize(nfa: _Nfa, start: int, final: int, what: str) -> ByteAutomaton:
                 continue
             got = by_set.get(ts)
             if got is None:
-                nxt = nfa.closure(ts, bol=False, eol=False)
-                got = index.get(nxt)
-                if got is None:
-                    if len(keys) >= MAX_DFA_STATES:
-                        raise ValueError(f"{what} is too large (more than {MAX_DFA_STATES} automaton states)")
-                    got = index[nxt] = len(keys)
-                    keys.append(nxt)
-                by_set[ts] = got
+                by_set[ts] = got = intern(ts)
             row[a:b] = got
         rows.append(row)
+        called: dict[str, set] = {}
+        for s in states:
+            for name, t in nfa.calls[s]:
+                called.setdefault(name, set()).add(t)
+        calls.append({name: intern(frozenset(ts)) for name, ts in sorted(called.items())})
         k += 1
-    return finish(np.stack(rows), np.array(accept), 0, what)
+    return np.stack(rows), np.array(accept), calls
 
 
 def finish(table: np.ndarray, accept: np.ndarray, start: int, what: str,

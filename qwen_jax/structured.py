@@ -64,6 +64,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from qwen_jax import ebnf as _ebnf
 from qwen_jax import regex as _regex
 
 MAX_WHITESPACE = 16  # consecutive whitespace bytes between two tokens of JSON
@@ -334,6 +335,49 @@ class _Automaton:
 
     def can_end(self, frame):
         return not self.quoted and bool(self.auto.accept[frame[1]])
+
+
+class _Rule:
+    """A rule of a context-free grammar (`qwen_jax.ebnf`). Frame: (node, state). A byte goes on in the rule, into a
+    rule called from this state (its frame pushed above one that resumes after the call), and, where the rule may
+    end, to the frame below; every way is followed (a state is a set of stacks). Calls always read a byte (ebnf
+    calls the non-empty form of a rule that may be empty), so a step never loops."""
+
+    __slots__ = ("name", "rows", "calls", "accept", "nodes", "flat_table", "calling", "accepting")
+
+    def __init__(self, rule: _ebnf.Rule):
+        self.name, self.rows, self.calls = rule.name, rule.table.tolist(), rule.calls
+        self.accept = rule.accept.tolist()
+        self.nodes: list[_Rule] = []
+        # for masks (`_rule_hits`): state * 256 + byte -> next state; states that call; states that may end
+        self.flat_table = rule.table.reshape(-1).astype(np.int32)
+        self.calling = np.array([bool(c) for c in rule.calls])
+        self.accepting = rule.accept.astype(bool)
+
+    def exits(self, state: int, below) -> list:
+        """The stacks a byte read at `state` may go to other than this rule's own next state: into each rule
+        called here, and (where the rule may end) the frame below."""
+        out = []
+        for callee, after in self.calls[state]:
+            node = self.nodes[callee]
+            out.append(((node, 0), ((self, after), below)))
+        if self.accept[state] and below is not None:
+            out.append(below)
+        return out
+
+    def step(self, frame, below, byte, out):
+        state = frame[1]
+        nxt = self.rows[state][byte]
+        if nxt >= 0:
+            out.append(((self, nxt), below))
+        for callee, after in self.calls[state]:
+            node = self.nodes[callee]
+            node.step((node, 0), ((self, after), below), byte, out)
+        if self.accept[state] and below is not None:
+            _feed(below, byte, out)
+
+    def can_end(self, frame):
+        return self.accept[frame[1]]
 
 
 MAX_PATTERN_LENGTH = 4096  # the largest minLength / maxLength beside a pattern or an enforced format
@@ -963,6 +1007,18 @@ def compile_regex(pattern: str) -> Grammar:
     return Grammar(None, "regex", initial=((node, auto.start, 0), None))
 
 
+def compile_grammar(text: str) -> Grammar:
+    """The grammar whose documents are the texts a GBNF grammar's `root` rule produces (vLLM's structured_outputs
+    `grammar`; the syntax is `qwen_jax.ebnf`'s). A reply may stop wherever the text so far is whole, and ends when
+    nothing may follow. ValueError for syntax outside the supported set, undefined rules, left recursion, or a
+    root that produces nothing."""
+    rules, root = _ebnf.compile_ebnf(text)
+    nodes = [_Rule(rule) for rule in rules]
+    for node in nodes:
+        node.nodes = nodes
+    return Grammar(None, "grammar", initial=((nodes[root], 0), None))
+
+
 # ---- the vocabulary ----------------------------------------------------------------------------------------------
 
 _STRUCTURAL = re.compile(rb'[\x00-\x1f"\\]')
@@ -1191,6 +1247,8 @@ def _walk(trie: _SortedTrie, stacks: list, hits: np.ndarray, cache: _LRU, root=N
                 _string_hits(trie, lo, hi, depth, stack, hits, cache)
             elif type(frame[0]) is _Automaton:
                 _automaton_hits(trie, lo, hi, depth, stack, hits, cache)
+            elif type(frame[0]) is _Rule:
+                _rule_hits(trie, lo, hi, depth, stack, hits, cache)
             else:
                 stepping.append(stack)
         if not stepping:
@@ -1343,6 +1401,77 @@ def _automaton_hits(trie: _SortedTrie, lo: int, hi: int, depth: int, stack, hits
                 quoted = quoted[:0]
         hits[reading.closes[ok]] = True
         hits[quoted] = True
+
+
+def _first_bytes(stacks: list) -> np.ndarray:
+    """bool [256]: the bytes some of the stacks can read next."""
+    got = np.zeros(256, bool)
+    for byte in range(256):
+        out: list = []
+        for stack in stacks:
+            _feed(stack, byte, out)
+            if out:
+                got[byte] = True
+                break
+    return got
+
+
+def _rule_hits(trie: _SortedTrie, lo: int, hi: int, depth: int, stack, hits: np.ndarray, cache: _LRU) -> None:
+    """hits for the node's strings read from a grammar rule's frame. The first byte by the node's children: each
+    child is stepped whole (`_Rule.step`); the ways out of the rule (`_Rule.exits`: into a called rule, or back to
+    the frame below) are walked on in the trie. The strings of the children that stay in the rule are then read
+    by its byte table all at once, a byte position at a time (numpy); where one reaches a state with ways out,
+    its next byte may also leave: those whose next byte some way out can read have their rest walked from there."""
+    (node, state), below = stack
+    table = node.flat_table
+    leaves = node.calling | (node.accepting if below is not None else False)
+    flat, offsets, lens = trie.flat()
+    exits = node.exits(state, below)
+    spans, firsts = [], []
+    for byte, child_lo, child_hi, ends in trie.children(lo, hi, depth):
+        nxt = node.rows[state][byte]
+        if nxt >= 0:
+            hits[child_lo:child_lo + ends] = True
+            spans.append(np.arange(child_lo + ends, child_hi))
+            firsts.append(np.full(child_hi - child_lo - ends, nxt, np.int32))
+        out: list = []
+        for exit_stack in exits:
+            _feed(exit_stack, byte, out)
+        if out:
+            hits[child_lo:child_lo + ends] = True
+            _walk(trie, list(set(out)), hits, cache, root=(child_lo, child_hi, depth + 1))
+    if not spans:
+        return
+    ids = np.concatenate(spans)
+    cur = np.concatenate(firsts)
+    pos = offsets[ids] + depth + 1
+    end = offsets[ids] + lens[ids]
+    leaving: dict[int, list] = {}  # state -> [(ids, positions)] of strings whose next byte may leave there
+    while ids.size:
+        out = leaves[cur]
+        if out.any():
+            for s in np.unique(cur[out]).tolist():
+                at = out & (cur == s)
+                leaving.setdefault(s, []).append((ids[at], pos[at]))
+        nxt = table[cur * 256 + flat[pos]]
+        alive = nxt >= 0
+        pos = pos + 1
+        done = alive & (pos >= end)
+        hits[ids[done]] = True
+        alive &= ~done
+        ids, pos, end, cur = ids[alive], pos[alive], end[alive], nxt[alive]
+    for s, found in leaving.items():
+        exits = node.exits(s, below)
+        can = _first_bytes(exits)
+        ks = np.concatenate([k for k, _ in found])
+        ps = np.concatenate([p for _, p in found])
+        keep = can[flat[ps]]
+        rests = [(trie.keys[k][p - offsets[k]:], k) for k, p in zip(ks[keep].tolist(), ps[keep].tolist())]
+        if rests:
+            rest_trie = _SortedTrie(rests)
+            rest_hits = np.zeros(len(rest_trie.keys), bool)
+            _walk(rest_trie, exits, rest_hits, cache)
+            hits[rest_trie.ids[rest_hits]] = True
 
 
 def _rest_ok(scan: _Scan, below, cache: _LRU) -> np.ndarray:

@@ -100,20 +100,21 @@ class ResponseFormat(_Strict):
 class StructuredOutputs(_Strict):
     """vLLM's `structured_outputs` (extra_body), exactly one of: `json` (a JSON schema, or its text), `json_object`
     (true: a JSON object), `choice` (the reply is one of these strings, as written), `regex` (the whole reply
-    matches it: `qwen_jax.regex`'s syntax). vLLM's `grammar` and `structural_tag` are refused."""
+    matches it: `qwen_jax.regex`'s syntax), `grammar` (GBNF: the reply is a text its `root` rule produces,
+    `qwen_jax.ebnf`'s syntax). vLLM's `structural_tag` is refused."""
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
     json_object: bool | None = None
     choice: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, min_length=1)
     regex: str | None = None
-    grammar: Any = None
+    grammar: str | None = None
     structural_tag: Any = None
 
     @model_validator(mode="after")
     def _check_one(self):
-        for name in ("grammar", "structural_tag"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"{name} is not supported by this server (json, json_object, choice and regex are)")
+        if self.structural_tag is not None:
+            raise ValueError("structural_tag is not supported by this server (json, json_object, choice, regex and "
+                             "grammar are)")
         if isinstance(self.json_, str):
             try:
                 self.json_ = json.loads(self.json_)
@@ -123,9 +124,11 @@ class StructuredOutputs(_Strict):
                 raise ValueError("json: the schema must be a JSON object")
         _finite_json(self.json_, "json")
         given = [n for n, v in (("json", self.json_), ("json_object", self.json_object or None),
-                                ("choice", self.choice), ("regex", self.regex)) if v is not None]
+                                ("choice", self.choice), ("regex", self.regex), ("grammar", self.grammar))
+                 if v is not None]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of json, json_object (true), choice and regex, got {given or 'none'}")
+            raise ValueError("give exactly one of json, json_object (true), choice, regex and grammar, got "
+                             f"{given or 'none'}")
         return self
 
 

@@ -538,8 +538,8 @@ class Serving:
     async def _grammar(self, req: P.ChatCompletionRequest | P.CompletionRequest):
         """A request's response_format or structured_outputs compiled (`_compiled`), or None for free text.
         json_object: any JSON object; json_schema without a schema: any JSON value; choice: one of the strings;
-        regex: a whole match. A schema the compiler cannot enforce is a 400 naming the keyword; a pattern outside the
-        supported syntax, one naming what."""
+        regex: a whole match; grammar: a text of its root rule. A schema the compiler cannot enforce is a 400 naming
+        the keyword; a pattern or grammar outside the supported syntax, one naming what and where."""
         so = req.structured_outputs
         if so is not None:
             try:
@@ -547,6 +547,8 @@ class Serving:
                     return await self._compiled(None, "structured_outputs", choice=so.choice)
                 if so.regex is not None:
                     return await self._compiled(None, "structured_outputs", regex=so.regex)
+                if so.grammar is not None:
+                    return await self._compiled(None, "structured_outputs", ebnf=so.grammar)
                 return await self._compiled(so.json_, "structured_outputs")
             except ValueError as e:
                 raise bad_request(f"structured_outputs: {e}", param="structured_outputs") from None
@@ -585,25 +587,28 @@ class Serving:
             raise bad_request(f"tools: {e}", param="tools") from None
 
     async def _compiled(self, schema: dict[str, Any] | bool | None, param: str, choice: list[str] | None = None,
-                        regex: str | None = None):
+                        regex: str | None = None, ebnf: str | None = None):
         """A JSON schema compiled (`qwen_jax.structured.compile_json_schema`; None: any JSON object), the last
         GRAMMARS_KEPT kept by the schema's text; the compiler's ValueError passes through. The first one also builds
         the engine's token texts (`Engine.token_bytes`), off the event loop. param: the request field that asked
         for it (the 400 when there is no tokenizer). choice: instead of a schema, the strings one of which the reply
         is (`structured.compile_choice`). regex: instead of a schema, a pattern the whole reply matches
-        (`structured.compile_regex`). Compiling runs off the event loop (a pattern's automaton can take a while)."""
+        (`structured.compile_regex`). ebnf: a GBNF grammar's text (`structured.compile_grammar`). Compiling runs
+        off the event loop (a pattern's automaton can take a while)."""
         from qwen_jax import structured
         self._need_tokenizer(param)
         await self._off_loop(self.engine.token_bytes)
         # property order matters (the reply keeps it); a choice's key never parses as a schema's text
         key = ("choice " + json.dumps(choice) if choice is not None else "regex " + json.dumps(regex)
-               if regex is not None else json.dumps(schema))
+               if regex is not None else "grammar " + json.dumps(ebnf) if ebnf is not None else json.dumps(schema))
         grammar = self._grammars.get(key)
         if grammar is None:
             if choice is not None:
                 grammar = structured.compile_choice(choice)
             elif regex is not None:
                 grammar = await self._off_loop(lambda: structured.compile_regex(regex))
+            elif ebnf is not None:
+                grammar = await self._off_loop(lambda: structured.compile_grammar(ebnf))
             else:
                 grammar = await self._off_loop(lambda: structured.compile_json_schema(schema))
             self._grammars[key] = grammar

@@ -83,6 +83,23 @@ def test_generate_regex(capsys):
         main(["generate", "--model", TINY, "--token-ids", "5", "--max-tokens", "3", "--regex", "(?=a)b"] + NO_CACHE)
 
 
+def test_generate_grammar(tmp_path, capsys):
+    """--grammar (a file): the reply is a text of the root rule; a grammar error names what and where."""
+    gbnf = tmp_path / "g.gbnf"
+    gbnf.write_text('root ::= pair ("," pair){0,2}\npair ::= [a-c] "=" [0-9]\n')
+    assert main(["generate", "--model", TINY, "--dtype", "float32", "--token-ids", "5,6,7", "--max-tokens", "20",
+                 "--json", "--grammar", str(gbnf)] + NO_CACHE) == 0
+    text = json.loads(capsys.readouterr().out.splitlines()[-1])["text"]
+    text = re.sub(r"<\|(im_end|endoftext)\|>$", "", text)  # a stop id where the text may end (printed raw)
+    assert re.fullmatch(r"[a-c]=[0-9](,[a-c]=[0-9]){0,2}", text), text
+    with pytest.raises(SystemExit, match="left recursion"):
+        main(["generate", "--model", TINY, "--token-ids", "5", "--max-tokens", "3", "--grammar",
+              'root ::= root "a" | "b"'] + NO_CACHE)
+    with pytest.raises(SystemExit, match="give one of --regex, --grammar"):
+        main(["generate", "--model", TINY, "--token-ids", "5", "--max-tokens", "3", "--regex", "a",
+              "--grammar", 'root ::= "a"'] + NO_CACHE)
+
+
 def test_generate_prompt_too_long_is_a_clear_error():
     with pytest.raises(SystemExit, match="maximum context length is 64"):
         main(["generate", "--model", TINY, "--token-ids", ",".join(["5"] * 64), "--max-tokens", "3",

@@ -387,7 +387,7 @@ def test_forced_tool_calls(client, model, no_whitespace):
 def test_structured_outputs_extra(client, model, http):
     """vLLM's structured_outputs (extra_body): `choice` makes the reply one of the strings (one that starts another
     may end there), greedy and seeded, chat and completions; `regex` a whole match, ending as soon as nothing may
-    follow; `json` (a schema or its text) and `json_object` reach the same grammars as response_format: the greedy
+    follow; `grammar` (GBNF) a text of its root rule, brackets nested by recursion; `json` (a schema or its text) and `json_object` reach the same grammars as response_format: the greedy
     reply equals response_format's."""
     off = {"chat_template_kwargs": {"enable_thinking": False}}
     kw = dict(model=model, messages=MESSAGES, max_tokens=16)
@@ -413,6 +413,16 @@ def test_structured_outputs_extra(client, model, http):
     done = http.post(COMPLETIONS, json={"prompt": "Answer:", "max_tokens": 24, "temperature": 0.0,
                                         "structured_outputs": {"regex": pattern}}).json()
     assert re.fullmatch(pattern, done["choices"][0]["text"])
+    grammar = 'root ::= "(" sum ")"\nsum ::= [0-9] ("+" [0-9] | "+(" sum ")")*'
+    nested = re.compile(r"\(\d(\+\d|\+\(.*\))*\)")
+    for extra in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 4, "n": 3}):
+        r = client.chat.completions.create(**{**kw, "max_tokens": 24}, **extra,
+                                           extra_body={**off, "structured_outputs": {"grammar": grammar}})
+        for c in r.choices:  # a finished reply is a sum in brackets; a cut one, a prefix of one
+            text = c.message.content
+            assert text.count("(") >= text.count(")") and text.startswith("(") and set(text) <= set("()+0123456789")
+            if c.finish_reason == "stop":
+                assert nested.fullmatch(text) and text.count("(") == text.count(")"), text
     obj = client.chat.completions.create(**kw, temperature=0.0, extra_body={**off, "structured_outputs":
                                                                               {"json_object": True}})
     assert obj.choices[0].message.content == client.chat.completions.create(
@@ -753,6 +763,10 @@ BAD_INPUTS = [
     (CHAT, json.dumps({**OK_CHAT, "structured_outputs": {"regex": 5}}).encode(), 400, "structured_outputs.regex",
      None),
     (CHAT, json.dumps({**OK_CHAT, "structured_outputs": {"grammar": "root ::= x"}}).encode(), 400,
+     "structured_outputs", None),
+    (CHAT, json.dumps({**OK_CHAT, "structured_outputs": {"grammar": "root ::= root \"a\" | \"b\""}}).encode(), 400,
+     "structured_outputs", None),
+    (CHAT, json.dumps({**OK_CHAT, "structured_outputs": {"structural_tag": {}}}).encode(), 400,
      "structured_outputs", None),
     (CHAT, json.dumps({**OK_CHAT, "structured_outputs": {"regex": "a", "choice": ["a"]}}).encode(), 400,
      "structured_outputs", None),

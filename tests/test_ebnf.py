@@ -1,0 +1,242 @@
+"""qwen_jax.ebnf and structured.compile_grammar: random replies of GBNF grammars checked by independent
+recognizers (Python's json, a recursive-descent reader, `re`), masks against byte-by-byte stepping on the hand-built
+and the tiny tokenizer's vocabularies, nullable rules and recursion, and the errors."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from qwen_jax.ebnf import compile_ebnf
+from qwen_jax.structured import Matcher, compile_grammar
+from tests.test_structured import BYTE_ID, HAND, STOP, VOCAB, walk
+
+JSON_GBNF = r"""
+# JSON, as llama.cpp's grammars write it
+root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+object ::= "{" ws ( string ":" ws value ("," ws string ":" ws value)* )? "}" ws
+array  ::= "[" ws ( value ("," ws value)* )? "]" ws
+string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4}) )* "\"" ws
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9]{1,3})? ws
+ws ::= | " " | "\n" [ \t]{0,20}
+"""
+ARITH = r"""
+root ::= expr
+expr ::= term (space? [-+] space? term)*
+term ::= factor (space? [*/] space? factor)*
+factor ::= number | "(" space? expr space? ")" | "-" factor
+number ::= [0-9]{1,4}
+space ::= " "
+"""
+# nullable rules called where they may be empty, repeats of nullable groups, a nullable root
+LISTS = r"""
+root ::= (item sep?)*
+item ::= word | "<" root ">"
+word ::= [a-z]* "!"?
+sep ::= "," | ";" " "?
+"""
+CHOICES = """root ::= "yes" | "no" | "yes, " reason
+reason ::= 'because ' [a-z ]{1,10} '.'
+"""
+
+
+def arith_ok(text: str) -> bool:
+    """A recursive-descent reader of ARITH's language (no automata)."""
+    pos = 0
+
+    def peek():
+        return text[pos] if pos < len(text) else ""
+
+    def take(c):
+        nonlocal pos
+        if peek() == c:
+            pos += 1
+            return True
+        return False
+
+    def number():
+        nonlocal pos
+        start = pos
+        while peek().isdigit() and pos - start < 4:
+            pos += 1
+        return pos > start and not peek().isdigit()
+
+    def factor():
+        if take("("):
+            take(" ")
+            if not expr():
+                return False
+            take(" ")
+            return take(")")
+        if take("-"):
+            return factor()
+        return number()
+
+    def chain(item, ops):
+        nonlocal pos
+        if not item():
+            return False
+        while True:
+            save = pos
+            take(" ")
+            if peek() and peek() in ops:
+                pos += 1
+                take(" ")
+                if not item():
+                    return False
+            else:
+                pos = save
+                return True
+
+    def term():
+        return chain(factor, "*/")
+
+    def expr():
+        return chain(term, "-+")
+
+    return expr() and pos == len(text)
+
+
+def lists_ok(text: str) -> bool:
+    """LISTS' language by repeated reduction of innermost <...> groups to a word."""
+    flat = re.compile(r"(?:(?:[a-z]*!?)(?:,|; ?)?)*")
+    while True:
+        inner = re.search(r"<([^<>]*)>", text)
+        if not inner:
+            return flat.fullmatch(text) is not None
+        if not flat.fullmatch(inner.group(1)):
+            return False
+        text = text[:inner.start()] + "x" + text[inner.end():]
+
+
+GRAMMARS = {"json": (JSON_GBNF, lambda t: isinstance(json.loads(t), dict)), "arith": (ARITH, arith_ok),
+            "lists": (LISTS, lists_ok),
+            "choices": (CHOICES, lambda t: re.fullmatch(r"yes|no|yes, because [a-z ]{1,10}\.", t) is not None)}
+
+
+@pytest.fixture(scope="module")
+def tiny_tokens():
+    from qwen_jax.checkpoint import load_tokenizer
+    from qwen_jax.structured import TokenBytes
+    return TokenBytes.from_tokenizer(load_tokenizer("captures/tiny"), 512)
+
+
+@pytest.mark.parametrize("name", list(GRAMMARS))
+def test_random_replies_are_in_the_language(name, tiny_tokens):
+    text, ok = GRAMMARS[name]
+    grammar = compile_grammar(text)
+    rng = np.random.default_rng(11)
+    done = 0
+    for tokens, stops in ((HAND, [STOP]), (tiny_tokens, [493])):
+        for _ in range(20):
+            reply, ended, _ = walk(grammar, tokens, stops, rng, steps=150)
+            if ended:
+                assert ok(reply.decode()), reply
+                done += 1
+    assert done >= 15, done
+
+
+@pytest.mark.parametrize("name", list(GRAMMARS))
+def test_allowed_matches_stepping_byte_by_byte(name, tiny_tokens):
+    """At states along random walks a token is allowed exactly when feeding it (the rules' own steps, not the
+    masks' table reads) is accepted."""
+    grammar = compile_grammar(GRAMMARS[name][0])
+    rng = np.random.default_rng(12)
+    checked = 0
+    for tokens, stops in ((HAND, [STOP]), (tiny_tokens, [493])):
+        for _ in range(2):
+            _, _, states = walk(grammar, tokens, stops, rng, steps=40)
+            for m in states[::max(1, len(states) // 5)]:
+                allowed = m.allowed()
+                for i, data in enumerate(tokens.token_bytes):
+                    if data is None:
+                        assert allowed[i] == (i in stops and m.complete)
+                        continue
+                    probe = m.copy()
+                    try:
+                        probe.advance(i)
+                        fits = True
+                    except ValueError:
+                        fits = False
+                    assert allowed[i] == fits, (name, data)
+                checked += 1
+    assert checked >= 8
+
+
+def feed(m: Matcher, text: bytes) -> None:
+    for b in text:
+        m.advance(BYTE_ID[b])
+
+
+def test_nullable_rules_recursion_and_ends():
+    m = Matcher(compile_grammar(LISTS), HAND, [STOP])
+    assert m.complete  # a nullable root: the empty reply is whole
+    feed(m, b"ab!,<c; <>>")
+    assert m.complete and not m.terminated
+    assert not m.allowed()[BYTE_ID[ord(">")]]  # nothing open to close
+    m = Matcher(compile_grammar(LISTS), HAND, [STOP])
+    feed(m, b"<<a")
+    assert not m.complete and m.allowed()[BYTE_ID[ord(">")]] and not m.allowed()[STOP]
+    m = Matcher(compile_grammar(CHOICES), HAND, [STOP])
+    feed(m, b"yes")
+    assert m.complete and not m.terminated and m.allowed()[BYTE_ID[ord(",")]]
+    feed(m, b", because ab.")
+    assert m.terminated and np.flatnonzero(m.allowed()).tolist() == [STOP]
+    # an empty-only rule called twice, and a rule that produces nothing beside one that does
+    assert Matcher(compile_grammar('root ::= e e "x"\ne ::= ""'), HAND, [STOP]).allowed()[BYTE_ID[ord("x")]]
+    m = Matcher(compile_grammar('root ::= "a" | dead\ndead ::= "b" dead'), HAND, [STOP])
+    assert np.flatnonzero(m.allowed()).tolist() == [VOCAB.index(b"a")]
+
+
+def test_a_large_vocabulary_in_a_grammar_string():
+    """JSON's string content through GBNF rules over 60K tokens: the rule's table reads them all at once."""
+    import time
+    from qwen_jax.structured import TokenBytes
+    rng = np.random.default_rng(5)
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz ", np.uint8)
+    vocab = [bytes([b]) for b in range(256)] + [None]
+    vocab += list({bytes(rng.choice(letters, size=rng.integers(2, 9))) for _ in range(60000)})
+    vocab += [b'",', b'"}', b'"},', b'":', b'\\n', b'\n']
+    tokens = TokenBytes(vocab)
+    m = Matcher(compile_grammar(JSON_GBNF), tokens, [256])
+    for b in b'{"a": "':
+        m.advance(b)
+    start = time.perf_counter()
+    for _ in range(5):
+        m.advance(ord("x"))
+        allowed = m.allowed()
+    per_step = (time.perf_counter() - start) / 5
+    assert allowed[vocab.index(b'",')] and allowed[vocab.index(b'"}')] and allowed[vocab.index(b"\\n")]
+    assert not allowed[vocab.index(b"\n")] and not allowed[vocab.index(b'"},')]
+    assert allowed.sum() > 0.99 * (tokens.is_text.sum() - 256)
+    assert per_step < 0.1, per_step
+
+
+@pytest.mark.parametrize("text,message", [
+    ("root ::= root \"a\" | \"b\"", "left recursion: root -> root"),
+    ("root ::= a\na ::= b\nb ::= a \"x\" | \"y\"", "left recursion: a -> b -> a"),
+    ('root ::= n a "x"\na ::= n root | "y"\nn ::= "z"?', "left recursion"),
+    ("root ::= x", "calls 'x', which is not defined"),
+    ("start ::= \"a\"", "no 'root' rule"),
+    ("root ::= [a", "class is not closed at line 1, column 10"),
+    ("root ::= \"a", "string is not closed"),
+    ("root ::= (\"a\"", "group is not closed"),
+    ("root ::= \"a\"\nroot ::= \"b\"", "defined twice"),
+    ("root ::= b\nb ::= b \"x\" | \"y\"", "left recursion: b -> b"),
+    ("root ::= b\nb ::= \"x\" b", "produces no text"),
+    ("root ::= \"a\"{3,1}", "out of order"),
+    ("root ::= \"\\q\"", "escape \\q"),
+    ("root = \"a\"", "expected '::='"),
+    ("root ::= \"a\" @", "unexpected '@'"),
+])
+def test_errors_say_what_and_where(text, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        compile_grammar(text)
+
+
+def test_rules_are_small_automata():
+    rules, root = compile_ebnf(ARITH)
+    assert rules[root].name == "root" and all(r.table.shape[0] <= 12 for r in rules)
+    assert {r.name for r in rules} == {"root", "expr", "term", "factor", "number", "space"}
