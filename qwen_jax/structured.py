@@ -1231,10 +1231,14 @@ class _Packed:
         self.bits, self.size, self.nbytes = bits, size, bits.nbytes
 
 
+SMALL_NODE = 64  # an automaton's or rule's frame at a trie node of at most this many strings is stepped byte by byte
+
+
 def _walk(trie: _SortedTrie, stacks: list, hits: np.ndarray, cache: _LRU, root=None) -> None:
     """Sets hits[k] for every trie string whose bytes, read from one of the stacks, leave a live state; depth first,
     a branch dropped at its first refused byte, string content handed to _string_hits, an automaton's frames to
-    _automaton_hits. root: the trie node (lo, hi, depth) to start from, the whole trie by default."""
+    _automaton_hits and a rule's to _rule_hits (on nodes of more than SMALL_NODE strings). root: the trie node
+    (lo, hi, depth) to start from, the whole trie by default."""
     todo = [(*(root or (0, len(trie.keys), 0)), stacks)]
     while todo:
         lo, hi, depth, stacks = todo.pop()
@@ -1245,9 +1249,9 @@ def _walk(trie: _SortedTrie, stacks: list, hits: np.ndarray, cache: _LRU, root=N
             frame = stack[0]
             if type(frame[0]) is _String and frame[1] == 0:
                 _string_hits(trie, lo, hi, depth, stack, hits, cache)
-            elif type(frame[0]) is _Automaton:
+            elif type(frame[0]) is _Automaton and hi - lo > SMALL_NODE:
                 _automaton_hits(trie, lo, hi, depth, stack, hits, cache)
-            elif type(frame[0]) is _Rule:
+            elif type(frame[0]) is _Rule and hi - lo > SMALL_NODE:
                 _rule_hits(trie, lo, hi, depth, stack, hits, cache)
             else:
                 stepping.append(stack)

@@ -27,7 +27,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qwen_jax.structured import Matcher, TokenBytes, compile_json_schema  # noqa: E402
+from qwen_jax.structured import (Matcher, TokenBytes, compile_grammar, compile_json_schema,  # noqa: E402
+                                 compile_regex)
 
 VOCAB_SIZE = 150_000
 STOP = 150_001  # one of the special (None) ids past the text tokens
@@ -82,8 +83,20 @@ CONTACT = {
     },
     "required": ["name", "email", "id", "seen", "ip", "code"],
 }
+JSON_GBNF = r"""
+root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+object ::= "{" ws ( string ":" ws value ("," ws string ":" ws value)* )? "}" ws
+array  ::= "[" ws ( value ("," ws value)* )? "]" ws
+string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4}) )* "\"" ws
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9]{1,3})? ws
+ws ::= | " " | "\n" [ \t]{0,20}
+"""
+# name -> a JSON schema (dict or None), or ("regex", pattern), or ("grammar", GBNF text)
 SCHEMAS = {"json_object": None, "order (pydantic-like)": ORDER, "tree ($ref recursion)": TREE,
-           "contact (patterns, formats)": CONTACT}
+           "contact (patterns, formats)": CONTACT,
+           "regex reply": ("regex", r"(Yes|No|Maybe)(, because [a-z ,]{1,60}\.)? Confidence: [0-9]{1,2}%"),
+           "JSON as a GBNF grammar": ("grammar", JSON_GBNF)}
 
 
 def synthetic_vocab(size: int = VOCAB_SIZE, seed: int = 0) -> list[bytes | None]:
@@ -225,7 +238,10 @@ def main() -> int:
     rng = np.random.default_rng(args.seed)
     for name, schema in SCHEMAS.items():
         start = time.perf_counter()
-        grammar = compile_json_schema(schema)
+        if isinstance(schema, tuple):
+            grammar = (compile_regex if schema[0] == "regex" else compile_grammar)(schema[1])
+        else:
+            grammar = compile_json_schema(schema)
         print(f"\n## {name}: compile {1e3 * (time.perf_counter() - start):.1f} ms")
         cold: dict[str, float] = {}
         first: list[float] = []
