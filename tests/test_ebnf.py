@@ -138,7 +138,8 @@ def test_random_replies_are_in_the_language(name, tiny_tokens):
     assert done >= 15, done
 
 
-@pytest.mark.parametrize("name,small", [(name, None) for name in GRAMMARS] + [("json", 0), ("arith", 0), ("choices", 0)])
+@pytest.mark.parametrize("name,small", [(name, None) for name in GRAMMARS]
+                         + [("json", 0), ("arith", 0), ("choices", 0)])
 def test_allowed_matches_stepping_byte_by_byte(name, small, tiny_tokens, monkeypatch):
     """At states along random walks a token is allowed exactly when feeding it (the rules' own steps, not the
     masks' table reads) is accepted; small=0: every trie node read by the rules' tables, none stepped."""
