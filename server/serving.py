@@ -286,12 +286,16 @@ class Serving:
         # Images: decoded, resized and run through the vision tower off the event loop, a few at once.
         self.image_limits = image_limits
         self._image_threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="images")
+        # Grammars: a pattern's or grammar's automata can take a second or two to build; on a thread of their own,
+        # so that tokenizing other requests does not wait behind them.
+        self._grammar_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammars")
         self._token_texts: dict[int, str] = {}  # logprob token strings, bounded by the vocabulary
         self._grammars: collections.OrderedDict[str, Any] = collections.OrderedDict()  # by their schema's text
 
     def close(self) -> None:
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
         self._image_threads.shutdown(wait=False, cancel_futures=True)
+        self._grammar_thread.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------------------------------ small routes
 
@@ -425,8 +429,8 @@ class Serving:
             raise bad_request(f"{param}: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
                               param=param)
 
-    async def _off_loop(self, fn):
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn)
+    async def _off_loop(self, fn, pool: ThreadPoolExecutor | None = None):
+        return await asyncio.get_running_loop().run_in_executor(pool or self._tokenizer_thread, fn)
 
     async def _chat_prompt(self, messages: list[P.ChatMessage], kwargs: dict[str, Any] | None,
                            add_generation_prompt: bool, add_special_tokens: bool,
@@ -594,7 +598,7 @@ class Serving:
         for it (the 400 when there is no tokenizer). choice: instead of a schema, the strings one of which the reply
         is (`structured.compile_choice`). regex: instead of a schema, a pattern the whole reply matches
         (`structured.compile_regex`). ebnf: a GBNF grammar's text (`structured.compile_grammar`). Compiling runs
-        off the event loop (a pattern's automaton can take a while)."""
+        off the event loop, on the grammar thread (a pattern's automaton can take a second or two)."""
         from qwen_jax import structured
         self._need_tokenizer(param)
         await self._off_loop(self.engine.token_bytes)
@@ -606,11 +610,11 @@ class Serving:
             if choice is not None:
                 grammar = structured.compile_choice(choice)
             elif regex is not None:
-                grammar = await self._off_loop(lambda: structured.compile_regex(regex))
+                grammar = await self._off_loop(lambda: structured.compile_regex(regex), self._grammar_thread)
             elif ebnf is not None:
-                grammar = await self._off_loop(lambda: structured.compile_grammar(ebnf))
+                grammar = await self._off_loop(lambda: structured.compile_grammar(ebnf), self._grammar_thread)
             else:
-                grammar = await self._off_loop(lambda: structured.compile_json_schema(schema))
+                grammar = await self._off_loop(lambda: structured.compile_json_schema(schema), self._grammar_thread)
             self._grammars[key] = grammar
             while len(self._grammars) > GRAMMARS_KEPT:
                 self._grammars.popitem(last=False)
