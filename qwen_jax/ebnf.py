@@ -25,6 +25,18 @@ from qwen_jax import regex as _regex
 
 MAX_RULES = 1000
 
+# JSON as a GBNF grammar (an object at the top; whitespace after each value): an example of the syntax, and what
+# the tests and tools/bench_structured.py read through rules to compare with the JSON Schema path.
+JSON_GRAMMAR = r"""
+root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+object ::= "{" ws ( string ":" ws value ("," ws string ":" ws value)* )? "}" ws
+array  ::= "[" ws ( value ("," ws value)* )? "]" ws
+string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4}) )* "\"" ws
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9]{1,3})? ws
+ws ::= | " " | "\n" [ \t]{0,20}
+"""
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Rule:
@@ -331,19 +343,9 @@ def _prune(built: dict[str, tuple]) -> dict[str, tuple]:
         for key in alive:
             table, accept, calls = built[key]
             calls = [{n: t for n, t in c.items() if n in alive} for c in calls]
-            n = len(accept)
-            back: list[set] = [set() for _ in range(n)]
-            for s in range(n):
-                for t in set(table[s][table[s] >= 0].tolist()) | set(calls[s].values()):
-                    back[t].add(s)
-            live = accept.copy()
-            todo = list(np.flatnonzero(live))
-            while todo:
-                t = todo.pop()
-                for s in back[t]:
-                    if not live[s]:
-                        live[s] = True
-                        todo.append(s)
+            edges = [(s, t) for s in range(len(accept))
+                     for t in set(table[s][table[s] >= 0].tolist()) | set(calls[s].values())]
+            live = _regex.live_states(len(accept), np.array(edges, np.int64).reshape(-1, 2), accept)
             if live[0]:
                 table = np.where((table >= 0) & ~live[np.maximum(table, 0)], _regex.DEAD, table).astype(np.int32)
                 out[key] = (table, [{name: t for name, t in c.items() if live[t]} for c in calls])

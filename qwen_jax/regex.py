@@ -433,26 +433,52 @@ def _determinize(nfa: _Nfa, start: int, final: int, what: str) -> ByteAutomaton:
     return finish(table, accept, 0, what)
 
 
+class _Numbering:
+    """Numbers for keys in the order they are first seen (`keys`), at most MAX_DFA_STATES of them."""
+
+    def __init__(self, what: str):
+        self.what, self.index, self.keys = what, {}, []
+
+    def __call__(self, key) -> int:
+        got = self.index.get(key)
+        if got is None:
+            if len(self.keys) >= MAX_DFA_STATES:
+                raise ValueError(f"{self.what} is too large (more than {MAX_DFA_STATES} automaton states)")
+            got = self.index[key] = len(self.keys)
+            self.keys.append(key)
+        return got
+
+
+def live_states(n: int, edges: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """bool [n]: the states from which some path of `edges` ([E, 2] source, target pairs) reaches one that `ends`."""
+    back: list[list[int]] = [[] for _ in range(n)]
+    for s, t in np.unique(edges, axis=0).tolist() if len(edges) else ():
+        back[t].append(s)
+    live = ends.copy()
+    todo = list(np.flatnonzero(live))
+    while todo:
+        t = todo.pop()
+        for s in back[t]:
+            if not live[s]:
+                live[s] = True
+                todo.append(s)
+    return live
+
+
 def subsets(nfa: _Nfa, start: int, final: int, what: str) -> tuple[np.ndarray, np.ndarray, list[dict[str, int]]]:
     """Subset construction: (table [states, 256], accept [states], per state its rule calls {name: next state});
     state 0 is the start. The start state alone may pass start-of-text edges; end-of-text edges count only for
     acceptance."""
-    begin = nfa.closure([start], bol=True, eol=False)
-    keys: list[frozenset] = [begin]
-    index = {}  # the start's key stays out of the index: later sets equal to it may not pass ^ again
+    numbers = _Numbering(what)
+    # the start's set is numbered apart: a later set equal to it may not pass ^ again
+    keys = numbers.keys
+    keys.append(nfa.closure([start], bol=True, eol=False))
     rows: list[np.ndarray] = []
     accept: list[bool] = []
     calls: list[dict[str, int]] = []
 
     def intern(targets: frozenset) -> int:
-        nxt = nfa.closure(targets, bol=False, eol=False)
-        got = index.get(nxt)
-        if got is None:
-            if len(keys) >= MAX_DFA_STATES:
-                raise ValueError(f"{what} is too large (more than {MAX_DFA_STATES} automaton states)")
-            got = index[nxt] = len(keys)
-            keys.append(nxt)
-        return got
+        return numbers(nfa.closure(targets, bol=False, eol=False))
 
     k = 0
     while k < len(keys):
@@ -486,24 +512,10 @@ def finish(table: np.ndarray, accept: np.ndarray, start: int, what: str,
     entries become DEAD) and states that behave alike merged (Moore's partition refinement; with `starts`, only
     states that also count characters alike)."""
     n = table.shape[0]
-    ends = accept | (table == CLOSE).any(axis=1)
-    # live: reverse reachability from the states that can end (over the distinct edges)
     sources = np.repeat(np.arange(n), 256)
     targets = table.reshape(-1)
     real = targets >= 0
-    edges = np.unique(np.stack([targets[real], sources[real]], axis=1), axis=0) if real.any() \
-        else np.zeros((0, 2), np.int64)
-    back: list[list[int]] = [[] for _ in range(n)]
-    for t, s in edges.tolist():
-        back[t].append(s)
-    live = ends.copy()
-    todo = list(np.flatnonzero(live))
-    while todo:
-        t = todo.pop()
-        for s in back[t]:
-            if not live[s]:
-                live[s] = True
-                todo.append(s)
+    live = live_states(n, np.stack([sources[real], targets[real]], axis=1), accept | (table == CLOSE).any(axis=1))
     if not live[start]:
         return ByteAutomaton(np.full((0, 256), DEAD, np.int32), np.zeros(0, bool), DEAD, what,
                              None if starts is None else np.zeros((0, 256), bool))
@@ -576,8 +588,9 @@ def intersect(a: ByteAutomaton, b: ByteAutomaton) -> ByteAutomaton:
     what = f"{a.description} with {b.description}"
     if a.empty or b.empty:
         return finish(np.full((1, 256), DEAD, np.int32), np.zeros(1, bool), 0, what)
-    pairs = {(a.start, b.start): 0}
-    order = [(a.start, b.start)]
+    numbers = _Numbering(what)
+    numbers((a.start, b.start))
+    order = numbers.keys
     rows = []
     k = 0
     while k < len(order):
@@ -585,14 +598,7 @@ def intersect(a: ByteAutomaton, b: ByteAutomaton) -> ByteAutomaton:
         ta, tb = a.table[x], b.table[y]
         row = np.full(256, DEAD, np.int32)
         for byte in np.flatnonzero((ta >= 0) & (tb >= 0)).tolist():
-            pair = (int(ta[byte]), int(tb[byte]))
-            got = pairs.get(pair)
-            if got is None:
-                if len(order) >= MAX_DFA_STATES:
-                    raise ValueError(f"{what} is too large (more than {MAX_DFA_STATES} automaton states)")
-                got = pairs[pair] = len(order)
-                order.append(pair)
-            row[byte] = got
+            row[byte] = numbers((int(ta[byte]), int(tb[byte])))
         rows.append(row)
         k += 1
     accept = np.array([bool(a.accept[x] and b.accept[y]) for x, y in order])

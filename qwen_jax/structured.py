@@ -179,6 +179,14 @@ class _Start:
         return False
 
 
+def _counted(count: int, min_len: int, max_len: int | None) -> int:
+    """A string's count after one more character, -1 past max_len; without max_len it stops at min_len, so that a
+    free string's state does not change as it grows."""
+    if max_len is not None:
+        return count + 1 if count < max_len else -1
+    return count + 1 if count < min_len else count
+
+
 class _String:
     """A string value (or an object key beyond the declared ones). Frame: (node, sub-state, code points so far);
     the count stops at min_len when there is no max_len, so a free string's state does not change as it grows."""
@@ -200,12 +208,9 @@ class _String:
                 out.append(below)
             return
         if sub == 0:
-            if self.max_len is not None:
-                if count >= self.max_len:
-                    return
-                count += 1
-            elif count < self.min_len:
-                count += 1
+            count = _counted(count, self.min_len, self.max_len)
+            if count < 0:
+                return
         out.append(((self, after, count), below))
 
     def can_end(self, frame):
@@ -322,12 +327,9 @@ class _Automaton:
         nxt = self.rows[state][byte]
         if nxt >= 0:
             if self.starts is not None and self.starts[state][byte]:
-                if self.max_len is not None:
-                    if count >= self.max_len:
-                        return
-                    count += 1
-                elif count < self.min_len:
-                    count += 1
+                count = _counted(count, self.min_len, self.max_len)
+                if count < 0:
+                    return
             if self.lengths is None or self.lengths.fits(nxt, count):
                 out.append(((self, nxt, count), below))
         elif nxt == _regex.CLOSE and count >= self.min_len:

@@ -8,20 +8,11 @@ import re
 import numpy as np
 import pytest
 
-from qwen_jax.ebnf import compile_ebnf
+from qwen_jax.ebnf import JSON_GRAMMAR, compile_ebnf
 from qwen_jax.structured import Matcher, compile_grammar
-from tests.test_structured import BYTE_ID, HAND, STOP, VOCAB, walk
+from tests.test_structured import (BYTE_ID, HAND, STOP, VOCAB, assert_masks_match_feeding, letters_vocab,
+                                   timed_steps, walk)
 
-JSON_GBNF = r"""
-# JSON, as llama.cpp's grammars write it
-root   ::= object
-value  ::= object | array | string | number | ("true" | "false" | "null") ws
-object ::= "{" ws ( string ":" ws value ("," ws string ":" ws value)* )? "}" ws
-array  ::= "[" ws ( value ("," ws value)* )? "]" ws
-string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4}) )* "\"" ws
-number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9]{1,3})? ws
-ws ::= | " " | "\n" [ \t]{0,20}
-"""
 ARITH = r"""
 root ::= expr
 expr ::= term (space? [-+] space? term)*
@@ -111,7 +102,7 @@ def lists_ok(text: str) -> bool:
         text = text[:inner.start()] + "x" + text[inner.end():]
 
 
-GRAMMARS = {"json": (JSON_GBNF, lambda t: isinstance(json.loads(t), dict)), "arith": (ARITH, arith_ok),
+GRAMMARS = {"json": (JSON_GRAMMAR, lambda t: isinstance(json.loads(t), dict)), "arith": (ARITH, arith_ok),
             "lists": (LISTS, lists_ok),
             "choices": (CHOICES, lambda t: re.fullmatch(r"yes|no|yes, because [a-z ]{1,10}\.", t) is not None)}
 
@@ -153,18 +144,7 @@ def test_allowed_matches_stepping_byte_by_byte(name, small, tiny_tokens, monkeyp
         for _ in range(2):
             _, _, states = walk(grammar, tokens, stops, rng, steps=40)
             for m in states[::max(1, len(states) // 5)]:
-                allowed = m.allowed()
-                for i, data in enumerate(tokens.token_bytes):
-                    if data is None:
-                        assert allowed[i] == (i in stops and m.complete)
-                        continue
-                    probe = m.copy()
-                    try:
-                        probe.advance(i)
-                        fits = True
-                    except ValueError:
-                        fits = False
-                    assert allowed[i] == fits, (name, data)
+                assert_masks_match_feeding(m, tokens, stops)
                 checked += 1
     assert checked >= 8
 
@@ -196,22 +176,8 @@ def test_nullable_rules_recursion_and_ends():
 
 def test_a_large_vocabulary_in_a_grammar_string():
     """JSON's string content through GBNF rules over 60K tokens: the rule's table reads them all at once."""
-    import time
-    from qwen_jax.structured import TokenBytes
-    rng = np.random.default_rng(5)
-    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz ", np.uint8)
-    vocab = [bytes([b]) for b in range(256)] + [None]
-    vocab += list({bytes(rng.choice(letters, size=rng.integers(2, 9))) for _ in range(60000)})
-    vocab += [b'",', b'"}', b'"},', b'":', b'\\n', b'\n']
-    tokens = TokenBytes(vocab)
-    m = Matcher(compile_grammar(JSON_GBNF), tokens, [256])
-    for b in b'{"a": "':
-        m.advance(b)
-    start = time.perf_counter()
-    for _ in range(5):
-        m.advance(ord("x"))
-        allowed = m.allowed()
-    per_step = (time.perf_counter() - start) / 5
+    vocab, tokens, byte_id = letters_vocab(5)
+    allowed, per_step = timed_steps(Matcher(compile_grammar(JSON_GRAMMAR), tokens, [256]), byte_id, b'{"a": "', 5)
     assert allowed[vocab.index(b'",')] and allowed[vocab.index(b'"}')] and allowed[vocab.index(b"\\n")]
     assert not allowed[vocab.index(b"\n")] and not allowed[vocab.index(b'"},')]
     assert allowed.sum() > 0.99 * (tokens.is_text.sum() - 256)

@@ -276,6 +276,45 @@ def walk(schema_or_grammar, tokens: TokenBytes, stops, rng, steps: int = 300):
     return text, False, states
 
 
+def letters_vocab(seed: int) -> tuple[list, TokenBytes, dict[int, int]]:
+    """A 60K-token vocabulary of random lowercase words (and the single bytes, one special id 256, a few JSON
+    pieces): (token bytes, TokenBytes, byte -> its single-byte id), for timing masks at scale."""
+    rng = np.random.default_rng(seed)
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz ", np.uint8)
+    vocab = [bytes([b]) for b in range(256)] + [None]
+    vocab += list({bytes(rng.choice(letters, size=rng.integers(2, 9))) for _ in range(60000)})
+    vocab += [b'",', b'"}', b'"},', b'":', b'\\n', b'\n']
+    return vocab, TokenBytes(vocab), {t[0]: i for i, t in enumerate(vocab) if t is not None and len(t) == 1}
+
+
+def assert_masks_match_feeding(m: Matcher, tokens: TokenBytes, stops) -> None:
+    """m.allowed() says of each token id what feeding it (the nodes' own byte steps, not the masks' reads) says;
+    stop ids exactly when the text is complete."""
+    allowed = m.allowed()
+    for i, data in enumerate(tokens.token_bytes):
+        if data is None:
+            assert allowed[i] == (i in stops and m.complete)
+            continue
+        probe = m.copy()
+        try:
+            probe.advance(i)
+            fits = True
+        except ValueError:
+            fits = False
+        assert allowed[i] == fits, data
+
+
+def timed_steps(m: Matcher, byte_id: dict[int, int], prefix: bytes, steps: int) -> tuple[np.ndarray, float]:
+    """Feeds `prefix`, then `steps` times an "x" and its mask: (the last mask, seconds a step)."""
+    for b in prefix:
+        m.advance(byte_id[b])
+    start = time.perf_counter()
+    for _ in range(steps):
+        m.advance(byte_id[ord("x")])
+        allowed = m.allowed()
+    return allowed, (time.perf_counter() - start) / steps
+
+
 # ---- tests ---------------------------------------------------------------------------------------------------------
 
 def test_token_bytes_from_the_tiny_tokenizer(tiny):
@@ -608,22 +647,10 @@ def test_masks_are_read_only_and_shared_between_matchers():
 
 def test_a_large_vocabulary_in_a_string_is_fast():
     """Free string content with 60K tokens: the scan makes the mask a few numpy ops, not a walk."""
-    rng = np.random.default_rng(5)
-    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz ", np.uint8)
-    vocab = [bytes([b]) for b in range(256)] + [None]
-    vocab += list({bytes(rng.choice(letters, size=rng.integers(2, 9))) for _ in range(60000)})
-    vocab += [b'",', b'"}', b'"},', b'":', b'\\n', b'\n']
-    tokens = TokenBytes(vocab)
-    byte_id = {t[0]: i for i, t in enumerate(vocab) if t is not None and len(t) == 1}
+    vocab, tokens, byte_id = letters_vocab(5)
     m = Matcher(compile_json_schema({"type": "object", "properties": {"a": {"type": "string", "maxLength": 500},
                                                                       "b": {"type": "string"}}}), tokens, [256])
-    for b in b'{"a": "':
-        m.advance(byte_id[b])
-    start = time.perf_counter()
-    for _ in range(20):
-        m.advance(byte_id[ord("x")])
-        allowed = m.allowed()
-    per_step = (time.perf_counter() - start) / 20
+    allowed, per_step = timed_steps(m, byte_id, b'{"a": "', 20)
     assert allowed[vocab.index(b'",')] and not allowed[vocab.index(b'"},')] and not allowed[vocab.index(b"\n")]
     assert allowed.sum() > 0.99 * tokens.is_text.sum()
     assert per_step < 0.02, per_step
@@ -711,18 +738,7 @@ def test_regex_grammar(tiny):
                 assert py.fullmatch(text.decode()), text
                 done += 1
             for m in states[::4]:
-                allowed = m.allowed()
-                for i, data in enumerate(tokens.token_bytes):
-                    if data is None:
-                        assert allowed[i] == (i in stops and m.complete)
-                        continue
-                    probe = m.copy()
-                    try:
-                        probe.advance(i)  # the node's own byte steps, not the mask's table reads
-                        fits = True
-                    except ValueError:
-                        fits = False
-                    assert allowed[i] == fits, data
+                assert_masks_match_feeding(m, tokens, stops)
         assert done >= 20
     m = Matcher(g, HAND, [STOP])
     feed(m, b"no")
@@ -739,22 +755,10 @@ def test_regex_grammar(tiny):
 def test_a_large_vocabulary_in_a_pattern_string_is_fast():
     """A pattern's string with 60K tokens: each step's mask (a new automaton state every step, as the length is
     counted) is read from the automaton's table over the whole vocabulary at once."""
-    rng = np.random.default_rng(6)
-    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz ", np.uint8)
-    vocab = [bytes([b]) for b in range(256)] + [None]
-    vocab += list({bytes(rng.choice(letters, size=rng.integers(2, 9))) for _ in range(60000)})
-    vocab += [b'",', b'"}', b'"},', b'":', b'\\n', b'\n']
-    tokens = TokenBytes(vocab)
-    byte_id = {t[0]: i for i, t in enumerate(vocab) if t is not None and len(t) == 1}
+    vocab, tokens, byte_id = letters_vocab(6)
     m = Matcher(compile_json_schema({"type": "object", "properties": {
         "a": {"type": "string", "pattern": "^[a-z ]+$", "maxLength": 200}}}), tokens, [256])
-    for b in b'{"a": "':
-        m.advance(byte_id[b])
-    start = time.perf_counter()
-    for _ in range(20):
-        m.advance(byte_id[ord("x")])
-        allowed = m.allowed()
-    per_step = (time.perf_counter() - start) / 20
+    allowed, per_step = timed_steps(m, byte_id, b'{"a": "', 20)
     assert allowed[vocab.index(b'"}')] and not allowed[vocab.index(b'",')] and not allowed[vocab.index(b"\\n")]
     assert allowed.sum() > 0.99 * (tokens.is_text.sum() - 256)
     assert per_step < 0.05, per_step

@@ -27,6 +27,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from qwen_jax.ebnf import JSON_GRAMMAR  # noqa: E402
 from qwen_jax.structured import (Matcher, TokenBytes, compile_grammar, compile_json_schema,  # noqa: E402
                                  compile_regex)
 
@@ -83,20 +84,11 @@ CONTACT = {
     },
     "required": ["name", "email", "id", "seen", "ip", "code"],
 }
-JSON_GBNF = r"""
-root   ::= object
-value  ::= object | array | string | number | ("true" | "false" | "null") ws
-object ::= "{" ws ( string ":" ws value ("," ws string ":" ws value)* )? "}" ws
-array  ::= "[" ws ( value ("," ws value)* )? "]" ws
-string ::= "\"" ( [^"\\\x7F\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4}) )* "\"" ws
-number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9]{1,3})? ws
-ws ::= | " " | "\n" [ \t]{0,20}
-"""
 # name -> a JSON schema (dict or None), or ("regex", pattern), or ("grammar", GBNF text)
 SCHEMAS = {"json_object": None, "order (pydantic-like)": ORDER, "tree ($ref recursion)": TREE,
            "contact (patterns, formats)": CONTACT,
            "regex reply": ("regex", r"(Yes|No|Maybe)(, because [a-z ,]{1,60}\.)? Confidence: [0-9]{1,2}%"),
-           "JSON as a GBNF grammar": ("grammar", JSON_GBNF)}
+           "JSON as a GBNF grammar": ("grammar", JSON_GRAMMAR)}
 
 
 def synthetic_vocab(size: int = VOCAB_SIZE, seed: int = 0) -> list[bytes | None]:
