@@ -448,6 +448,37 @@ def test_decode_calls_are_pipelined(eng):
     _baseline(eng)
 
 
+def test_structured_streams_sit_out_calls_and_others_stay_pipelined(eng):
+    """A structured-output stream beside a free one: while its last call is in flight it sits the next call out
+    (calls alternate between both streams and the free one alone), and no call waits for the one before it to land
+    (each is dispatched with one in flight); both replies are their solo ones."""
+    spaces = whitespace_bias(eng.token_bytes())
+    reqs = [GenerationRequest(tuple(range(30, 50)), 24, SamplingOptions(logit_bias=spaces),
+                              grammar=structured.compile_json_schema(SCHEMA), request_id="json"),
+            GenerationRequest(tuple(range(60, 90)), 40, ignore_eos=True, request_id="free")]
+    solo = _solo(eng, reqs)
+    calls = []
+    progs = eng.programs
+    dispatch = progs.decode_async
+
+    def traced(window, sp, pen=None):
+        lanes = {int(s) for s, n in zip(np.asarray(window.slot), np.asarray(window.cache_len)) if n > 0}
+        calls.append((len(eng._inflight), sorted(s.request.request_id for s in eng._running if s.slot in lanes)))
+        return dispatch(window, sp, pen)
+
+    progs.decode_async = traced
+    try:
+        got = [h.result(TIMEOUT) for h in [eng.submit(r) for r in reqs]]
+    finally:
+        del progs.decode_async
+    _check_same(solo, got)
+    last_free = max(i for i, (_, ids) in enumerate(calls) if "free" in ids)
+    assert all(depth == 1 for depth, _ in calls[1:last_free + 1]), calls  # the free stream's calls pipelined
+    json_calls = [i for i, (_, ids) in enumerate(calls) if "json" in ids]
+    assert len(json_calls) >= 10 and all(b - a == 2 for a, b in zip(json_calls, json_calls[1:]) if b <= last_free)
+    _baseline(eng)
+
+
 def test_an_error_fails_only_its_request(eng):
     reqs = _requests(1)[:6]
     want = _solo(eng, reqs)

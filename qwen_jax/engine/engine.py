@@ -54,8 +54,9 @@ Structured outputs (`GenerationRequest.grammar`, qwen_jax.structured): the strea
 come next; before each of its steps (the prompt call's first token included) the engine writes the slot's bias row
 as the request's logit bias with -inf where the grammar forbids a token (`Programs.bias_put`), which the programs'
 penalties add before the draw, so other rows are untouched and the reply is the same alone or among others. Its
-calls are not pipelined: its next mask needs its last token on the host, so a round that has one in flight lands
-every call first. A drafting one (copy drafts, or chains of the drafter's blocks, read back to the host) runs chain
+own calls are not pipelined: its next mask needs its last token on the host, so while its last call is in flight it
+sits the next one out (the other streams' calls stay pipelined, and its mask is made while that call runs); alone,
+the engine waits for its token. A drafting one (copy drafts, or chains of the drafter's blocks, read back to the host) runs chain
 windows whose rows carry their masks (`Engine._row_masks`: the grammar advanced along the drafts before each row,
 the drafts cut at the first one it refuses; the draft program applies each row's mask before the penalties, with the
 slot's bias row back to the plain logit bias), so a drafted constrained reply is its serial one; with tree windows it
@@ -909,9 +910,13 @@ class Engine:
 
         streams = decoding()
         if any(s.matcher is not None and s.inflight for s in streams):
-            # A structured-output stream's next mask follows from its last token: every call in flight lands first.
-            self._land(keep=0)
-            streams = decoding()
+            # A structured-output stream's next mask follows from its last token, still in flight: it sits this call
+            # out (its token lands at the end of this round, and its mask is made while this call runs), so the
+            # other streams' calls stay pipelined; alone, it waits for its token.
+            streams = [s for s in streams if not (s.matcher is not None and s.inflight)]
+            if not streams:
+                self._land(keep=0)
+                streams = decoding()
         if not streams:
             return False
         n = self.buckets.decode_bucket(len(streams))
