@@ -71,6 +71,7 @@ MAX_WHITESPACE = 16  # consecutive whitespace bytes between two tokens of JSON
 MAX_NUMBER_BYTES = 32
 MASK_CACHE_BYTES = 32 << 20  # per (Grammar, TokenBytes) pair: ~210 masks of a 150K vocabulary, ~135 of 248K
 PACKED_MASK_BYTES = 32 << 20  # the same masks bit-packed, per pair: ~1080 of a 248K vocabulary
+READINGS_BYTES = 32 << 20  # per pair: automata's and rules' readings of trie nodes (`_Reading`, `_RuleReading`)
 
 _WHITESPACE = frozenset(b" \n\t\r")
 _QUOTE, _BACKSLASH, _COMMA, _COLON = 0x22, 0x5C, 0x2C, 0x3A
@@ -965,7 +966,7 @@ class Grammar:
         with self._lock:
             cache = self._caches.get(tokens)
             if cache is None:
-                self._caches[tokens] = cache = _LRU(MASK_CACHE_BYTES, PACKED_MASK_BYTES)
+                self._caches[tokens] = cache = _LRU(MASK_CACHE_BYTES, PACKED_MASK_BYTES, READINGS_BYTES)
             return cache
 
 
@@ -1073,7 +1074,7 @@ class _SortedTrie:
     sharing their first `depth` bytes; its children are found by bisection on first visit and kept, as are the
     string scans of the nodes where a walk meets string content. `ids[k]` is what the k-th string stands for."""
 
-    __slots__ = ("keys", "ids", "root_ends", "_children", "_scans", "_flat")
+    __slots__ = ("keys", "ids", "root_ends", "_children", "_scans", "_flat", "shared")
 
     def __init__(self, entries: list[tuple[bytes, int]]):
         entries = sorted(entries, key=lambda e: e[0])
@@ -1083,6 +1084,9 @@ class _SortedTrie:
         self._children: dict[tuple[int, int], tuple] = {}
         self._scans: dict[tuple[int, int], _Scan] = {}
         self._flat = None
+        # True for a vocabulary's own trie (TokenBytes), whose nodes the caches may name by (lo, depth); never for
+        # the small tries of a walk's rests
+        self.shared = False
 
     def flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(every string's bytes end to end, each one's start there, each one's length), for reading all of a
@@ -1139,6 +1143,7 @@ class TokenBytes:
             raise ValueError("TokenBytes needs at least one token")
         self.is_text = np.array([t is not None for t in self.token_bytes])
         self._trie = _SortedTrie([(t, i) for i, t in enumerate(self.token_bytes) if t is not None])
+        self._trie.shared = True
         # rank[i]: token i's place in the sorted vocabulary (past the end for the non-text ones), so that a mask
         # gathered from the walk's hits is one numpy op
         self._rank = np.full(self.vocab_size, len(self._trie.keys), np.int64)
@@ -1186,10 +1191,13 @@ class _LRU:
     readers from any thread). Masks (`put_mask`) are also kept bit-packed in a second LRU of `packed_bytes`: one
     dropped from the first comes back from its packed copy (one unpack) rather than from a new walk."""
 
-    def __init__(self, max_bytes: int, packed_bytes: int = 0):
+    def __init__(self, max_bytes: int, packed_bytes: int = 0, readings_bytes: int = 0):
         self._items: OrderedDict = OrderedDict()
         self._bytes, self._max = 0, max_bytes
         self._packed = _LRU(packed_bytes) if packed_bytes else None
+        # what an automaton's or a rule's state reads of a trie node, whatever the stack below (`_Reading`,
+        # `_RuleReading`): kept apart, so that these larger arrays do not push masks out
+        self.readings = _LRU(readings_bytes) if readings_bytes else None
         self._lock = threading.Lock()
 
     def get(self, key):
@@ -1389,11 +1397,11 @@ def _automaton_hits(trie: _SortedTrie, lo: int, hi: int, depth: int, stack, hits
     (node, state, count), below = stack
     lengths = node.lengths
     key = ("read", id(node), state, lo, depth)
-    reading = cache.get(key) if lengths is not None else None
+    reading = cache.readings.get(key) if trie.shared else None
     if reading is None:
         reading = _read_all(trie, lo, hi, depth, node, state)
-        if lengths is not None:
-            cache.put(key, reading)
+        if trie.shared:
+            cache.readings.put(key, reading)
     ends = reading.ends
     if lengths is not None:
         ends = ends[lengths.fits(reading.states, count + reading.gains)]
@@ -1422,37 +1430,37 @@ def _first_bytes(stacks: list) -> np.ndarray:
     return got
 
 
-def _rule_hits(trie: _SortedTrie, lo: int, hi: int, depth: int, stack, hits: np.ndarray, cache: _LRU) -> None:
-    """hits for the node's strings read from a grammar rule's frame. The first byte by the node's children: each
-    child is stepped whole (`_Rule.step`); the ways out of the rule (`_Rule.exits`: into a called rule, or back to
-    the frame below) are walked on in the trie. The strings of the children that stay in the rule are then read
-    by its byte table all at once, a byte position at a time (numpy); where one reaches a state with ways out,
-    its next byte may also leave: those whose next byte some way out can read have their rest walked from there."""
-    (node, state), below = stack
+class _RuleReading:
+    """A trie node's strings read by a rule's own byte table from one state (`_read_rule`), whatever the stack
+    below: `ends`, the strings read to their end inside the rule; `leaving`, per state with a way out of the rule,
+    the strings (ids, and the position of their next byte in the trie's flat bytes) that reach it with bytes
+    left."""
+
+    __slots__ = ("ends", "leaving", "nbytes")
+
+    def __init__(self, ends: np.ndarray, leaving: dict):
+        self.ends, self.leaving = ends, leaving
+        self.nbytes = ends.nbytes + sum(k.nbytes + q.nbytes for k, q in leaving.values())
+
+
+def _read_rule(trie: _SortedTrie, lo: int, hi: int, depth: int, node: _Rule, state: int,
+               leaves: np.ndarray) -> _RuleReading:
+    """The node's strings from `depth` on through the rule's table from `state`: the first byte by the node's
+    children, then all the live children's strings a byte position at a time (numpy)."""
     table = node.flat_table
-    leaves = node.calling | (node.accepting if below is not None else False)
     flat, offsets, lens = trie.flat()
-    exits = node.exits(state, below)
-    spans, firsts = [], []
-    for byte, child_lo, child_hi, ends in trie.children(lo, hi, depth):
+    ends, spans, firsts = [], [], []
+    for byte, child_lo, child_hi, child_ends in trie.children(lo, hi, depth):
         nxt = node.rows[state][byte]
         if nxt >= 0:
-            hits[child_lo:child_lo + ends] = True
-            spans.append(np.arange(child_lo + ends, child_hi))
-            firsts.append(np.full(child_hi - child_lo - ends, nxt, np.int32))
-        out: list = []
-        for exit_stack in exits:
-            _feed(exit_stack, byte, out)
-        if out:
-            hits[child_lo:child_lo + ends] = True
-            _walk(trie, list(set(out)), hits, cache, root=(child_lo, child_hi, depth + 1))
-    if not spans:
-        return
-    ids = np.concatenate(spans)
-    cur = np.concatenate(firsts)
+            ends.append(np.arange(child_lo, child_lo + child_ends))
+            spans.append(np.arange(child_lo + child_ends, child_hi))
+            firsts.append(np.full(child_hi - child_lo - child_ends, nxt, np.int32))
+    ids = np.concatenate(spans) if spans else np.zeros(0, np.int64)
+    cur = np.concatenate(firsts) if spans else np.zeros(0, np.int32)
     pos = offsets[ids] + depth + 1
     end = offsets[ids] + lens[ids]
-    leaving: dict[int, list] = {}  # state -> [(ids, positions)] of strings whose next byte may leave there
+    leaving: dict[int, list] = {}
     while ids.size:
         out = leaves[cur]
         if out.any():
@@ -1463,15 +1471,42 @@ def _rule_hits(trie: _SortedTrie, lo: int, hi: int, depth: int, stack, hits: np.
         alive = nxt >= 0
         pos = pos + 1
         done = alive & (pos >= end)
-        hits[ids[done]] = True
+        ends.append(ids[done])
         alive &= ~done
         ids, pos, end, cur = ids[alive], pos[alive], end[alive], nxt[alive]
-    for s, found in leaving.items():
+    return _RuleReading(np.concatenate(ends) if ends else np.zeros(0, np.int64),
+                        {s: (np.concatenate([k for k, _ in got]), np.concatenate([q for _, q in got]))
+                         for s, got in leaving.items()})
+
+
+def _rule_hits(trie: _SortedTrie, lo: int, hi: int, depth: int, stack, hits: np.ndarray, cache: _LRU) -> None:
+    """hits for the node's strings read from a grammar rule's frame. Inside the rule: the node's `_RuleReading`
+    from the frame's state (kept for every stack below). Its ways out (`_Rule.exits`: into a called rule, or back
+    to the frame below): at the first byte, each of the node's children stepped through them and walked on; past
+    it, for the strings that reach a state with a way out and whose next byte some way out can read, their rest
+    walked from there."""
+    (node, state), below = stack
+    leaves = node.calling | (node.accepting if below is not None else False)
+    key = ("rule", id(node), state, lo, depth, below is not None)
+    reading = cache.readings.get(key) if trie.shared else None
+    if reading is None:
+        reading = _read_rule(trie, lo, hi, depth, node, state, leaves)
+        if trie.shared:
+            cache.readings.put(key, reading)
+    hits[reading.ends] = True
+    exits = node.exits(state, below)
+    if exits:
+        for byte, child_lo, child_hi, ends in trie.children(lo, hi, depth):
+            out: list = []
+            for exit_stack in exits:
+                _feed(exit_stack, byte, out)
+            if out:
+                hits[child_lo:child_lo + ends] = True
+                _walk(trie, list(set(out)), hits, cache, root=(child_lo, child_hi, depth + 1))
+    flat, offsets, _ = trie.flat()
+    for s, (ks, ps) in reading.leaving.items():
         exits = node.exits(s, below)
-        can = _first_bytes(exits)
-        ks = np.concatenate([k for k, _ in found])
-        ps = np.concatenate([p for _, p in found])
-        keep = can[flat[ps]]
+        keep = _first_bytes(exits)[flat[ps]]
         rests = [(trie.keys[k][p - offsets[k]:], k) for k, p in zip(ks[keep].tolist(), ps[keep].tolist())]
         if rests:
             rest_trie = _SortedTrie(rests)

@@ -210,3 +210,27 @@ def test_rules_are_small_automata():
     rules, root = compile_ebnf(ARITH)
     assert rules[root].name == "root" and all(r.table.shape[0] <= 12 for r in rules)
     assert {r.name for r in rules} == {"root", "expr", "term", "factor", "number", "space"}
+
+
+def test_readings_are_kept_for_the_vocabulary_not_for_a_walks_rests(monkeypatch):
+    """What a rule's or an automaton's state reads of a trie node is kept per grammar and vocabulary; the small
+    tries of a walk's rests share node names (lo, depth) with the vocabulary's and must not take its readings."""
+    from qwen_jax import structured
+    monkeypatch.setattr(structured, "SMALL_NODE", 0)  # read the small trie by the tables too
+    vocab, tokens, byte_id = letters_vocab(7)
+    small = structured._SortedTrie([(b"ab", 0), (b"b", 1), (b'x"', 2)])
+    for grammar, prefix in ((compile_grammar('root ::= "<" [a-z]* ">"'), b"<"),
+                            (structured.compile_regex(r"<[a-z]*>"), b"<")):
+        m = Matcher(grammar, tokens, [256])
+        for b in prefix:
+            m.advance(byte_id[b])
+        stack = next(iter(m._state))
+        cache = grammar._cache_for(tokens)
+        big = np.zeros(len(tokens._trie.keys) + 1, bool)
+        structured._walk(tokens._trie, [stack], big, cache)  # keeps the reading of (0, N, 0)
+        assert big.sum() > 1000
+        got = np.zeros(len(small.keys), bool)
+        structured._walk(small, [stack], got, cache)  # the rest trie's node (0, 3, 0): its own reading
+        fresh = np.zeros(len(small.keys), bool)
+        structured._walk(small, [stack], fresh, structured._LRU(1 << 20, 0, 1 << 20))
+        assert got.tolist() == fresh.tolist() == [True, True, False]
