@@ -1187,8 +1187,17 @@ class Programs:
 
     def slot_drafts(self, slot: int) -> np.ndarray:
         """The drafter's next drafts for `slot` (`DraftState.drafts`: made on the device after its last call), on the
-        host; waits for that call. A structured-output stream's window reads them here to mask its rows."""
-        return np.asarray(self.dstate.drafts)[slot]  # the whole (small) array: indexing on the device compiles
+        host; waits for that call. A structured-output stream's window reads them here to mask its rows. With tree
+        drafts, the tree's likeliest chain: from the pending token, each node's first child found (its likeliest,
+        `dflash_programs.propose_tree`), which is the block's likeliest token at each depth."""
+        drafts = np.asarray(self.dstate.drafts)[slot]  # the whole (small) array: indexing on the device compiles
+        parents = np.asarray(self.dstate.parents)[slot]  # a chain's: draft i hangs off row i, all of them taken
+        chain, row = [], 0
+        for i, (token, parent) in enumerate(zip(drafts.tolist(), parents.tolist())):
+            if parent == row:
+                chain.append(token)
+                row = i + 1
+        return np.array(chain, drafts.dtype)
 
     def fetch_draft(self, pending):
         """-> (tokens and logprobs on the host, accepted rows [S], `path_ranks` [S, R])."""

@@ -149,12 +149,20 @@ def test_oracle_drafts_equal_random_ones(monkeypatch, drafted):
         e.shutdown()
 
 
+@pytest.fixture(scope="module")
+def tree_engine():
+    """An engine of tree windows (a node's most children: 2), with a prompt cache."""
+    e = _engine(prompt_cache=2, draft_tree=2)
+    yield e
+    e.shutdown()
+
+
 @pytest.mark.parametrize("tree", [0, 2])
-def test_resumed_with_the_drafter_equals_fresh(tree):
+def test_resumed_with_the_drafter_equals_fresh(tree, request):
     """The prompt cache keeps and restores a slot's draft cache and drafts with its GDN state: a prompt resumed from
     a kept prefix gets the reply it gets with the cache emptied first, and its drafter ends on the same drafts (so
     its context was the same all along). tree: tree windows (`draft_tree`), whose drafts' parents are kept too."""
-    e = _engine(prompt_cache=2, draft_tree=tree)
+    e = request.getfixturevalue("tree_engine") if tree else _engine(prompt_cache=2)
     try:
         rng = np.random.default_rng(9)
         head = [int(t) for t in rng.integers(0, 500, size=100)]
@@ -178,7 +186,43 @@ def test_resumed_with_the_drafter_equals_fresh(tree):
         e.clear_prompt_cache()
         _baseline(e)
     finally:
-        e.shutdown()
+        if not tree:
+            e.shutdown()
+
+
+def test_structured_outputs_in_a_tree_engine(tree_engine):
+    """With tree windows, a structured-output stream drafts chains: the tree's likeliest chain read back
+    (`Programs.slot_drafts`), cut where the grammar refuses a draft, its rows masked. Its replies (greedy and seeded)
+    are its serial ones, alone and beside a free stream drafting trees; it drafted; nothing compiles."""
+    from tests.test_engine import SCHEMA, whitespace_bias
+    e = tree_engine
+    grammar = structured.compile_json_schema(SCHEMA)
+    spaces = whitespace_bias(e.token_bytes())
+    cons = []
+    for p, seed in zip(_prompts(), (None, 7)):
+        r = _request(p, seed, max_tokens=40)
+        cons.append(dataclasses.replace(r, grammar=grammar, ignore_eos=False,
+                                        sampling=dataclasses.replace(r.sampling, logit_bias=spaces)))
+    serial = [e.submit(dataclasses.replace(r, draft=False)).result(TIMEOUT) for r in cons]
+    before = e.stats()
+    with P.CompileWatch() as watch:
+        got = [e.submit(r).result(TIMEOUT) for r in cons]
+    assert (watch.traces, watch.compiles) == (0, 0)
+    assert e.stats().draft_proposed_total > before.draft_proposed_total  # they drafted
+    free = _request(_prompts()[0], 3, max_tokens=20)
+    alone = e.submit(free).result(TIMEOUT)
+    handles = [e.submit(free), e.submit(cons[1])]
+    _same(alone, handles[0].result(TIMEOUT))
+    got.append(handles[1].result(TIMEOUT))
+    for a, b in zip(serial + serial[1:], got):
+        _same(a, b)
+    for a in serial:
+        m = structured.Matcher(grammar, e.token_bytes(), e.stop_ids)
+        for t in a.token_ids:
+            m.advance(t)
+        assert m.terminated == (a.finish_reason == "stop")
+    e.clear_prompt_cache()
+    _baseline(e)
 
 
 @pytest.fixture(scope="module")
@@ -263,3 +307,14 @@ def test_drafter_refused_off_the_row_invariant_path():
     with pytest.raises(ValueError, match="drafter"):
         Engine(ck.params, ck.config, None, dtype="float32", max_model_len=128, parallel=2, backend=Backend(),
                progress=False, drafter=drafter)
+
+
+def test_slot_drafts_read_a_trees_likeliest_chain():
+    """`Programs.slot_drafts` with tree drafts: from the pending token, each node's first child (the first found is
+    the likeliest); a chain's drafts whole; padding (parent -1) never."""
+    import types
+    tree = types.SimpleNamespace(dstate=types.SimpleNamespace(
+        drafts=np.array([[5, 6, 7, 8, 9, 0], [1, 2, 3, 4, 5, 6]]), parents=np.array([[0, 0, 1, 3, 2, -1],
+                                                                                 [0, 1, 2, 3, 4, 5]])))
+    assert P.Programs.slot_drafts(tree, 0).tolist() == [5, 7, 8]
+    assert P.Programs.slot_drafts(tree, 1).tolist() == [1, 2, 3, 4, 5, 6]

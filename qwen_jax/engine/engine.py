@@ -60,7 +60,7 @@ the engine waits for its token. A drafting one (copy drafts, or chains of the dr
 windows whose rows carry their masks (`Engine._row_masks`: the grammar advanced along the drafts before each row,
 the drafts cut at the first one it refuses; the draft program applies each row's mask before the penalties, with the
 slot's bias row back to the plain logit bias), so a drafted constrained reply is its serial one; with tree windows it
-decodes serially. It ends with "stop" once the grammar's document is whole and nothing may follow it.
+drafts the tree's likeliest chain (`Programs.slot_drafts`) as a chain window. It ends with "stop" once the grammar's document is whole and nothing may follow it.
 """
 
 from __future__ import annotations
@@ -709,8 +709,7 @@ class Engine:
                                 sampling_rule=self._sampling_rule(req), stop_ids=stop_ids,
                                 max_model_len=self.max_model_len, tokenizer=self.tokenizer,
                                 copy_drafts=self.copy_drafts,
-                                # a grammar masks a chain's rows along its drafts; a tree's are on the device only
-                                block_drafts=self.drafter is not None and not (matcher and self.draft_tree),
+                                block_drafts=self.drafter is not None,
                                 resumed=len(entry) if entry is not None else 0, media_rows=media_rows,
                                 penalties=pen, matcher=matcher, grammar_after=req.grammar_after)
                 if matcher is not None:
@@ -1012,7 +1011,8 @@ class Engine:
             if rows < 2:
                 continue  # a serial round: its windows have not been paying (copy drafts)
             if s.matcher is not None:
-                # Drafts on the host (a copy, or the drafter's block read back), cut where the grammar refuses one.
+                # Drafts on the host (a copy, or the drafter's block read back: with trees, the tree's likeliest
+                # chain), cut where the grammar refuses one; a chain window whatever the engine's windows are.
                 got = ([int(t) for t in self.programs.slot_drafts(s.slot)[:rows - 1]] if s.block_drafts
                        else s.copies.propose(rows - 1))
                 if not got and not s.block_drafts:
