@@ -56,11 +56,12 @@ as the request's logit bias with -inf where the grammar forbids a token (`Progra
 penalties add before the draw, so other rows are untouched and the reply is the same alone or among others. Its
 own calls are not pipelined: its next mask needs its last token on the host, so while its last call is in flight it
 sits the next one out (the other streams' calls stay pipelined, and its mask is made while that call runs); alone,
-the engine waits for its token. A drafting one (copy drafts, or chains of the drafter's blocks, read back to the host) runs chain
-windows whose rows carry their masks (`Engine._row_masks`: the grammar advanced along the drafts before each row,
-the drafts cut at the first one it refuses; the draft program applies each row's mask before the penalties, with the
-slot's bias row back to the plain logit bias), so a drafted constrained reply is its serial one; with tree windows it
-drafts the tree's likeliest chain (`Programs.slot_drafts`) as a chain window. It ends with "stop" once the grammar's document is whole and nothing may follow it.
+the engine waits for its token. A drafting one (copy drafts, or chains of the drafter's blocks, read back to the
+host) runs chain windows whose rows carry their masks (`Engine._row_masks`: the grammar advanced along the drafts
+before each row, the drafts cut at the first one it refuses; the draft program applies each row's mask before the
+penalties, with the slot's bias row back to the plain logit bias), so a drafted constrained reply is its serial one;
+with tree windows it drafts the tree's likeliest chain (`Programs.slot_drafts`) as a chain window. It ends with
+"stop" once the grammar's document is whole and nothing may follow it.
 """
 
 from __future__ import annotations
