@@ -1,10 +1,11 @@
 """What one structured-output stream costs the other streams of the engine, measured through the Engine itself on
 random weights (`--synthetic 27b` on a GPU; `--synthetic tiny` runs on a CPU in about a minute).
 
-A stream with a grammar is never pipelined: before each of its steps the scheduler lands every call in flight,
-computes the stream's mask on the host (`structured.Matcher.allowed`) and puts its bias row, so while it runs the
-other streams' rounds lose their host/device overlap. Per count N of free streams (`--streams`), in one process,
-after warm-up:
+A stream with a grammar is never pipelined itself: before each of its steps its last token must be on the host,
+to compute its mask (`structured.Matcher.allowed`) and put its bias row. Since session 49 it sits out the decode
+call after each of its own, so the other streams' calls stay pipelined (before, every call in flight landed
+first, and the other streams' rounds lost their host/device overlap). Per count N of free streams (`--streams`),
+in one process, after warm-up:
   (a) N free streams alone (greedy, EOS ignored): their forwards/s over `--rounds` tokens each, after `--warmup`;
   (b) the same N free streams beside one structured stream (a JSON schema, seeded sampling, EOS its stop; a new one
       is submitted whenever its document closes, so one always runs, each with a short prompt of its own): the
@@ -13,7 +14,7 @@ after warm-up:
       schema's would;
   (c) (b) again with the same grammar and requests: the same replies (a reply does not depend on the streams
       beside it), so the same parser states, whose masks the grammar's cache now holds (as far as its
-      `structured.MASK_CACHE_BYTES` keeps them: ~130 masks at the 27B's vocabulary);
+      `structured.MASK_CACHE_BYTES` keeps them: ~130 masks at the 27B's vocabulary, and ~1080 more bit-packed);
   (d) the control: the same requests without the grammar (EOS ignored), each as long as its structured reply was,
       so the free streams share their calls with one more stream, whose requests come and go as in (b), but every
       call stays pipelined. (b) and (c) against (d) is what the grammar costs; (d) against (a) what one more
