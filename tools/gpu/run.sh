@@ -124,13 +124,13 @@ profile_by() {
 
 case "$stage" in
   hundred-eighty-ninth)
-    # Session 49 (~6 min): what one structured-output stream costs the other streams, never measured: 1 and 15 free
+    # Session 49 (~6.5 min; run it with timeout_s 420; at 256 rounds it ran 347 s and the table was cut): what one structured-output stream costs the other streams, never measured: 1 and 15 free
     # streams at 1K of context alone, beside one structured stream (a JSON schema) of a new grammar (masks cold),
     # beside the same requests again (masks cached) and beside them as a plain stream (the control), the 27B's shapes
     # with random weights and a synthetic byte-level vocabulary of its size (tools/gpu/structured_cost.py); the
     # log's last lines are a table for BENCHMARKS.md.
     nvidia-smi --query-gpu=name --format=csv,noheader
-    timeout 345 python3 tools/gpu/structured_cost.py --synthetic 27b --streams 1,15 --rounds 256 --repeats 2 2>&1 \
+    timeout 385 python3 tools/gpu/structured_cost.py --synthetic 27b --streams 1,15 --rounds 224 --repeats 2 2>&1 \
       | tee "$out/structured_cost.log" | grep -vE "^(1|15) free streams, repeat" | tail -12 ;;
   hundred-eighty-eighth)
     # Session 48 (~5 min): drafted structured outputs (copy-draft windows whose rows carry grammar masks) against the
