@@ -124,7 +124,8 @@ profile_by() {
 
 case "$stage" in
   hundred-eighty-ninth)
-    # Session 49 (~6.5 min; run it with timeout_s 420; at 256 rounds it ran 347 s and the table was cut): what one structured-output stream costs the other streams, never measured: 1 and 15 free
+    # Session 49 (~6.5 min; run it with timeout_s 420: at 256 rounds it ran 347 s and its table was cut): what one
+    # structured-output stream costs the other streams (first run in session 49, on an H100): 1 and 15 free
     # streams at 1K of context alone, beside one structured stream (a JSON schema) of a new grammar (masks cold),
     # beside the same requests again (masks cached) and beside them as a plain stream (the control), the 27B's shapes
     # with random weights and a synthetic byte-level vocabulary of its size (tools/gpu/structured_cost.py); the
