@@ -200,7 +200,7 @@ def test_structured_outputs_in_a_tree_engine(tree_engine):
     spaces = whitespace_bias(e.token_bytes())
     cons = []
     for p, seed in zip(_prompts(), (None, 7)):
-        r = _request(p, seed, max_tokens=40)
+        r = _request(p, seed, max_tokens=24)
         cons.append(dataclasses.replace(r, grammar=grammar, ignore_eos=False,
                                         sampling=dataclasses.replace(r.sampling, logit_bias=spaces)))
     serial = [e.submit(dataclasses.replace(r, draft=False)).result(TIMEOUT) for r in cons]
