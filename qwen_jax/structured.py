@@ -1321,9 +1321,7 @@ class _Reading:
         if got is None:
             ok = self.bare.copy()
             if self.rests is not None and below is not None:
-                hits = np.zeros(len(self.rests.keys), bool)
-                _walk(self.rests, [below], hits, cache)
-                ok[self.rests.ids[hits]] = True
+                ok[_rest_ids(self.rests, [below], cache)] = True
             quoted = np.zeros(0, np.int64)
             if self.quote is not None:
                 lo, hi, depth, ends = self.quote
@@ -1509,10 +1507,16 @@ def _rule_hits(trie: _SortedTrie, lo: int, hi: int, depth: int, stack, hits: np.
         keep = _first_bytes(exits)[flat[ps]]
         rests = [(trie.keys[k][p - offsets[k]:], k) for k, p in zip(ks[keep].tolist(), ps[keep].tolist())]
         if rests:
-            rest_trie = _SortedTrie(rests)
-            rest_hits = np.zeros(len(rest_trie.keys), bool)
-            _walk(rest_trie, exits, rest_hits, cache)
-            hits[rest_trie.ids[rest_hits]] = True
+            hits[_rest_ids(_SortedTrie(rests), exits, cache)] = True
+
+
+def _rest_ids(rest: _SortedTrie, stacks: list, cache: _LRU) -> np.ndarray:
+    """The `ids` of a rest trie's strings that may follow from the stacks: the empty ones (their token ended where
+    the rest began) and those a walk from the stacks allows."""
+    hits = np.zeros(len(rest.keys), bool)
+    hits[:rest.root_ends] = True
+    _walk(rest, stacks, hits, cache)
+    return rest.ids[hits]
 
 
 def _rest_ok(scan: _Scan, below, cache: _LRU) -> np.ndarray:
@@ -1520,12 +1524,8 @@ def _rest_ok(scan: _Scan, below, cache: _LRU) -> np.ndarray:
     key = ("rest", id(scan), below)
     got = cache.get(key)
     if got is None:
-        rest = scan.rest
-        hits = np.zeros(len(rest.keys), bool)
-        hits[:rest.root_ends] = True  # tokens that end with the quote
-        _walk(rest, [below], hits, cache)
         got = np.zeros(scan.hi - scan.lo, bool)
-        got[rest.ids[hits]] = True
+        got[_rest_ids(scan.rest, [below], cache)] = True
         cache.put(key, got)
     return got
 
