@@ -196,6 +196,43 @@ def test_drafted_structured_equals_serial_on_gpu(monkeypatch):
         e.shutdown()
 
 
+def test_tree_structured_equals_serial_on_gpu():
+    """A tree engine (`draft_tree` 3, captures/tiny-dflash) with the kernels on: structured-output requests (a JSON
+    schema, greedy and seeded) draft the tree's likeliest chain, masked along it; each reply is its serial one token
+    for token and logprob for logprob, alone and beside a free stream drafting trees, and nothing compiles while
+    serving."""
+    from qwen_jax import structured
+    from qwen_jax.checkpoint import load_dflash
+    from tests.test_drafts import _prompts, _request
+    from tests.test_engine import SCHEMA, whitespace_bias
+    ck = _params("bfloat16")
+    drafter = load_dflash(CAPTURES / "tiny-dflash", target=ck.config.text, dtype=jnp.bfloat16)
+    e = Engine(ck.params, ck.config, load_tokenizer(MODEL), dtype="bfloat16", max_model_len=512, parallel=4,
+               max_logprobs=2, progress=False, drafter=drafter, draft_tree=3)
+    e.start()
+    try:
+        grammar = structured.compile_json_schema(SCHEMA)
+        spaces = whitespace_bias(e.token_bytes())
+        reqs = [_request(p, seed, max_tokens=48) for p in _prompts() for seed in (None, 11)]
+        reqs = [dataclasses.replace(r, grammar=grammar, ignore_eos=False,
+                                    sampling=dataclasses.replace(r.sampling, logit_bias=spaces)) for r in reqs]
+        free = _request(_prompts()[1][3:], 5, max_tokens=40)
+        serial = [e.submit(dataclasses.replace(r, draft=False)).result(120) for r in reqs + [free]]
+        before = e.stats()
+        with P.CompileWatch() as watch:
+            drafted = [e.submit(r).result(120) for r in reqs]
+            handles = [e.submit(free), e.submit(reqs[1])]
+            together = [h.result(120) for h in handles]
+        after = e.stats()
+        for a, b in zip(serial + [serial[1]], drafted + together, strict=True):
+            assert (a.token_ids, a.logprobs, a.finish_reason) == (b.token_ids, b.logprobs, b.finish_reason)
+        assert 0 < after.draft_proposed_total - before.draft_proposed_total
+        assert (watch.traces, watch.compiles) == (0, 0)
+        _baseline(e)
+    finally:
+        e.shutdown()
+
+
 @pytest.mark.parametrize("kv_cache,tree", [("bf16", 0), ("fp8", 0), ("bf16", 3), ("fp8", 3)])
 def test_block_drafted_equals_serial_on_gpu(kv_cache, tree, monkeypatch):
     """DFlash block drafts (`drafter`: captures/tiny-dflash, blocks of 4; drafts made and read on the device)
