@@ -264,7 +264,8 @@ def test_structured_outputs_drafted(drafted):
     """Structured-output requests (a JSON schema, greedy and seeded) with the drafter's blocks: each window reads the
     stream's drafts back to the host and cuts them where the grammar refuses one (the random drafter's mostly), its
     rows masked along them. Each reply is its serial one (`draft` False), alone and beside a drafted free stream, and a
-    document of the grammar, or a prefix of one where max_tokens cut it."""
+    document of the grammar, or a prefix of one where max_tokens cut it. Beside the free stream, the structured one
+    sits out every other window call (its last one in flight), and no window waits for the one before it to land."""
     from tests.test_engine import SCHEMA, whitespace_bias
     e, reqs, replies, _ = drafted
     grammar = structured.compile_json_schema(SCHEMA)
@@ -278,11 +279,28 @@ def test_structured_outputs_drafted(drafted):
         got = [e.submit(r).result(TIMEOUT) for r in cons]
     assert (watch.traces, watch.compiles) == (0, 0)  # the drafts read back, the packed masks: nothing compiles
     assert e.stats().draft_proposed_total > before.draft_proposed_total  # they drafted
-    handles = [e.submit(reqs[3]), e.submit(cons[1])]
-    _same(replies[3], handles[0].result(TIMEOUT))
-    got.append(handles[1].result(TIMEOUT))
+    calls = []
+    dispatch = e.programs.draft_async
+
+    def traced(window, sp, pen=None, mask=None):
+        lanes = {int(s) for s, n in zip(np.asarray(window.slot), np.asarray(window.cache_len)) if n != 0}
+        calls.append((len(e._inflight), sorted("json" if s.matcher else "free" for s in e._running
+                                                if s.slot in lanes)))
+        return dispatch(window, sp, pen, mask)
+
+    e.programs.draft_async = traced
+    try:
+        handles = [e.submit(reqs[3]), e.submit(cons[1])]
+        _same(replies[3], handles[0].result(TIMEOUT))
+        got.append(handles[1].result(TIMEOUT))
+    finally:
+        del e.programs.draft_async
     for a, b in zip(serial + serial[1:], got):
         _same(a, b)
+    both = [i for i, (_, ids) in enumerate(calls) if ids == ["free", "json"]]
+    last_free = max(i for i, (_, ids) in enumerate(calls) if "free" in ids)
+    assert len(both) >= 4 and all(b - a == 2 for a, b in zip(both, both[1:]) if b <= last_free), calls
+    assert all(depth == 1 for depth, _ in calls[both[0] + 1:last_free + 1]), calls  # pipelined
     for r, a in zip(cons, serial):
         m = structured.Matcher(grammar, tb, e.stop_ids)
         for t in a.token_ids:

@@ -60,7 +60,8 @@ the engine waits for its token. A drafting one (copy drafts, or chains of the dr
 host) runs chain windows whose rows carry their masks (`Engine._row_masks`: the grammar advanced along the drafts
 before each row, the drafts cut at the first one it refuses; the draft program applies each row's mask before the
 penalties, with the slot's bias row back to the plain logit bias), so a drafted constrained reply is its serial one;
-with tree windows it drafts the tree's likeliest chain (`Programs.slot_drafts`) as a chain window. It ends with
+with tree windows it drafts the tree's likeliest chain (`Programs.slot_drafts`) as a chain window. Its windows sit
+out rounds the same way. It ends with
 "stop" once the grammar's document is whole and nothing may follow it.
 """
 
@@ -616,19 +617,23 @@ class Engine:
             self._land(keep=0)
             self._prompt_call()
         drafted: set[Stream] = set()
+        sitting: set[Stream] = set()
         if self.copy_drafts or self.drafter is not None:
             if self.copy_drafts and any(self._may_draft(s) for s in self._running if not s.drafting):
                 self._land(keep=0)  # a stream starts drafting from its whole history, the pending token included
             drafted = self._window_call()
-            if any(s.drafting and s not in drafted for s in self._running):
+            # Structured-output streams sitting this round out (`_sits_out`) keep drafting next round.
+            sitting = {s for s in self._running if s not in drafted and self._sits_out(s)}
+            if any(s.drafting and s not in drafted and s not in sitting for s in self._running):
                 # A stream whose copy ran out decodes again, from a length the host must know: its windows land.
                 self._land(keep=0)
+                sitting = set()
                 for s in self._running:
                     if s not in drafted:
                         s.drafting = False
         dispatched = self._decode_call(skip=drafted)
         for s in self._running:
-            if s.copies is not None and s not in drafted:
+            if s.copies is not None and s not in drafted and s not in sitting:
                 s.acceptance.serial_rounds += 1
         # This round's calls stay in flight while there is more to do; older ones are fetched and delivered.
         self._land(keep=int(bool(drafted)) + int(dispatched))
@@ -909,12 +914,15 @@ class Engine:
             return [s for s in self._running if s.phase is Phase.DECODE and not s.finishing and s not in skip]
 
         streams = decoding()
-        if any(s.matcher is not None and s.inflight for s in streams):
+        if any(self._sits_out(s) for s in streams):
             # A structured-output stream's next mask follows from its last token, still in flight: it sits this call
             # out (its token lands at the end of this round, and its mask is made while this call runs), so the
-            # other streams' calls stay pipelined; alone, it waits for its token.
-            streams = [s for s in streams if not (s.matcher is not None and s.inflight)]
+            # other streams' calls (this call, or this round's window in `skip`) stay pipelined; alone, it waits
+            # for its token.
+            streams = [s for s in streams if not self._sits_out(s)]
             if not streams:
+                if skip:
+                    return False
                 self._land(keep=0)
                 streams = decoding()
         if not streams:
@@ -942,6 +950,12 @@ class Engine:
             s.finishing = s.budget() <= 0
         self._inflight.append((streams, pending))
         return True
+
+    @staticmethod
+    def _sits_out(s: Stream) -> bool:
+        """A structured-output stream with a call in flight: its next mask (or window's masks) needs that call's
+        tokens on the host, so it sits out this round's calls while other streams run theirs."""
+        return s.matcher is not None and s.inflight > 0
 
     def _land(self, keep: int) -> None:
         """Fetch the oldest calls in flight (decode calls and draft windows), leaving `keep`, and deliver their
@@ -999,11 +1013,16 @@ class Engine:
         `programs.CHAIN_ROW_BUDGET`, 16 rows for one stream, 8 each for two, ... none past eight, whose windows would
         cost several decode rounds). -> the streams it ran."""
         candidates = [s for s in self._running if self._draftable(s) and (not s.inflight or s.drafting)]
-        if any(s.matcher is not None and s.inflight for s in candidates):
+        if any(self._sits_out(s) for s in candidates):
             # A structured-output stream's window masks its rows along its drafts from where its grammar stands,
-            # which needs its tokens so far on the host: every call in flight lands first.
-            self._land(keep=0)
-            candidates = [s for s in self._running if self._draftable(s) and (not s.inflight or s.drafting)]
+            # which needs its tokens so far on the host. While its last call is in flight it sits this round out
+            # (that call lands at the round's end) when another stream runs a call this round; alone, every call
+            # in flight lands first.
+            if any(s.phase is Phase.DECODE and not s.finishing and not self._sits_out(s) for s in self._running):
+                candidates = [s for s in candidates if not self._sits_out(s)]
+            else:
+                self._land(keep=0)
+                candidates = [s for s in self._running if self._draftable(s) and (not s.inflight or s.drafting)]
         # Fewer rows a stream as more streams draft (`Buckets.chain_cap`); none when too many do.
         cap = self.buckets.chain_cap(len(candidates)) if candidates else 0
         tries, masks = [], {}
