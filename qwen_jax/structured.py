@@ -5,7 +5,9 @@ The language is JSON (RFC 8259) read byte by byte, with a few limits so that a m
 end of a document is plain to see:
 - whitespace (space, \\n, \\t, \\r) where JSON allows it, at most `MAX_WHITESPACE` bytes in a row, and none before
   the document's first byte or after its last (a reply ends right after its top-level value closes);
-- a number has at most `MAX_NUMBER_BYTES` bytes; "integer" allows no fraction or exponent;
+- a number has at most `MAX_NUMBER_BYTES` bytes; "integer" allows no fraction or exponent; a number with bounds
+  (minimum, maximum, exclusiveMinimum, exclusiveMaximum) has no exponent and no "-0" either (`qwen_jax.numrange`:
+  its text is in the bounds exactly when its value is);
 - strings: the escapes of RFC 8259, no raw control bytes, bytes >= 0x80 only as well-formed UTF-8 (Unicode's
   table: no overlong forms, surrogates or code points past U+10FFFF), and no \\uXXXX escape of a surrogate
   (D800-DFFF; the character itself is written instead), so a string's length in code points is known while it
@@ -16,7 +18,8 @@ additionalProperties, items, prefixItems, minItems, maxItems, minLength, maxLeng
 regular expression found in the value, as JSON Schema reads it: "^...$" for the whole value; `qwen_jax.regex`'s
 syntax), format (on strings: date, time,
 date-time, duration, uuid, ipv4, ipv6, hostname and email are enforced with `regex.FORMATS`; other formats, and
-formats on other types, are annotations), anyOf, oneOf (read as anyOf), allOf with one subschema, $ref to a local
+formats on other types, are annotations), minimum, maximum, exclusiveMinimum and exclusiveMaximum (numbers
+or, draft 4, true/false beside minimum/maximum; on numbers and integers), anyOf, oneOf (read as anyOf), allOf with one subschema, $ref to a local
 JSON pointer ("#", "#/$defs/NAME", "#/definitions/NAME", recursion allowed), $defs, definitions, nullable
 (OpenAPI: adds "null"). Annotations are ignored (title, description, default, examples, $schema, $id, $comment,
 deprecated, readOnly, writeOnly); any other keyword is a ValueError naming it and where it is (a JSON pointer).
@@ -29,7 +32,8 @@ Choices made where JSON Schema leaves room for a model:
 - enum and const values are written exactly as json.dumps(value, ensure_ascii=False, separators=(",", ":"))
   writes them (no whitespace variants); beside them only type and nullable may stand (they filter the values).
 - A schema without "type" takes only the kinds its keywords belong to (properties/required/additionalProperties:
-  object; items/prefixItems/minItems/maxItems: array; minLength/maxLength: string); JSON Schema would let other
+  object; items/prefixItems/minItems/maxItems: array; minLength/maxLength: string; the numeric bounds: number);
+  JSON Schema would let other
   kinds through, which no caller of a model means. No such keyword: any JSON value.
 - $ref, anyOf, oneOf and allOf may stand only beside annotations and $defs (no intersection of schemas).
 - A string with a pattern or an enforced format writes \\u escapes only for control characters (any other
@@ -65,6 +69,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from qwen_jax import ebnf as _ebnf
+from qwen_jax import numrange as _numrange
 from qwen_jax import regex as _regex
 
 MAX_WHITESPACE = 16  # consecutive whitespace bytes between two tokens of JSON
@@ -243,6 +248,32 @@ class _Number:
 
     def can_end(self, frame):
         return _NUMBER_NEEDS[frame[1]] == 0
+
+
+class _Bounded:
+    """A number held to numeric bounds, read by a byte automaton (`qwen_jax.numrange`). Frame: (node, state). As
+    for _Number, there is no closing byte: where the automaton accepts, a byte that does not continue the number
+    goes to the frame below."""
+
+    __slots__ = ("rows", "accept", "first", "pointer")
+
+    def __init__(self, auto: _regex.ByteAutomaton, pointer: str):
+        self.rows, self.accept, self.first, self.pointer = auto.table.tolist(), auto.accept.tolist(), auto.start, pointer
+
+    def start(self, byte, below, out):
+        after = self.rows[self.first][byte]
+        if after >= 0:
+            out.append(((self, after), below))
+
+    def step(self, frame, below, byte, out):
+        after = self.rows[frame[1]][byte]
+        if after >= 0:
+            out.append(((self, after), below))
+        elif self.accept[frame[1]] and below is not None:
+            _feed(below, byte, out)
+
+    def can_end(self, frame):
+        return self.accept[frame[1]]
 
 
 class _LitNode:
@@ -609,11 +640,13 @@ _ANNOTATIONS = frozenset({"title", "description", "default", "examples", "$schem
 _CONTAINERS = frozenset({"$defs", "definitions"})
 _KEYWORDS = frozenset({"type", "enum", "const", "properties", "required", "additionalProperties", "items",
                        "prefixItems", "minItems", "maxItems", "minLength", "maxLength", "pattern", "format",
-                       "anyOf", "oneOf", "allOf", "$ref", "nullable"})
+                       "anyOf", "oneOf", "allOf", "$ref", "nullable", "minimum", "maximum", "exclusiveMinimum",
+                       "exclusiveMaximum"})
 _TYPE_NAMES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _KIND_KEYWORDS = {"object": ("properties", "required", "additionalProperties"),
                   "array": ("items", "prefixItems", "minItems", "maxItems"),
-                  "string": ("minLength", "maxLength", "pattern")}
+                  "string": ("minLength", "maxLength", "pattern"),
+                  "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")}
 
 
 def _pointer(base: str, *parts: object) -> str:
@@ -668,6 +701,20 @@ class _Builder:
 
     def number(self, integer: bool, pointer: str) -> _Number:
         return self.shared.setdefault(("number", integer), _Number(integer, pointer))
+
+    def bounded(self, integer: bool, bounds: tuple, pointer: str) -> _Bounded | _Literals:
+        """A number (integer: no fraction) within `bounds` (`numrange.bounds`); none (an empty _Literals saying
+        why) when no number of at most MAX_NUMBER_BYTES bytes is."""
+        key = ("bounded", integer, bounds)
+        node = self.shared.get(key)
+        if node is None:
+            auto = _numrange.bounded_number(integer, *bounds, MAX_NUMBER_BYTES)
+            if auto is None:
+                kind = "integer" if integer else "number"
+                return self.literals((), pointer, f"no {kind} of at most {MAX_NUMBER_BYTES} bytes is within the "
+                                                  f"bounds (at {pointer})")
+            self.shared[key] = node = _Bounded(auto, pointer)
+        return node
 
     def literals(self, values: Iterable[bytes], pointer: str, reason: str = "") -> _Literals:
         values = tuple(sorted(set(values)))
@@ -796,7 +843,10 @@ class _Builder:
                 return self.string(min_len, max_len, pointer)
             return self.text(pattern, fmt, min_len, max_len, pointer)
         if name in ("number", "integer"):
-            return self.number(name == "integer", pointer)
+            bounds = _numrange.bounds(schema, pointer)
+            if bounds is None:
+                return self.number(name == "integer", pointer)
+            return self.bounded(name == "integer", bounds, pointer)
         if name in ("boolean", "null"):
             return self.literals((b"true", b"false") if name == "boolean" else (b"null",), pointer)
         if name == "array":

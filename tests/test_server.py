@@ -267,7 +267,8 @@ def test_penalties(client, model, http):
     assert forced == http.post("/detokenize", json={"tokens": [42] * 16}).json()["prompt"]
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
-                                        "days": {"type": "array", "items": {"type": "integer"}, "maxItems": 2},
+                                        "days": {"type": "array", "maxItems": 2,
+                                                 "items": {"type": "integer", "minimum": 1, "maximum": 16}},
                                         "metric": {"type": "boolean"}},
         "required": ["city", "metric"], "additionalProperties": False}
 
@@ -289,7 +290,8 @@ def test_response_format(client, model, http):
                 value = json.loads(c.message.content)
                 assert list(value)[:1] == ["city"] and "metric" in value and set(value) <= set(CITY["properties"])
                 assert isinstance(value["city"], str) and len(value["city"]) <= 10
-                assert isinstance(value["metric"], bool) and all(isinstance(d, int) for d in value.get("days", []))
+                assert isinstance(value["metric"], bool) and all(isinstance(d, int) and 1 <= d <= 16
+                                                                  for d in value.get("days", []))
     assert sum(c is not None and c.startswith("{") for c in replies) == 3
     plain = client.chat.completions.create(**kw, temperature=0.0).choices[0].message.content
     assert plain != replies[0]
@@ -649,7 +651,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 # A parameters schema with a keyword the grammar cannot enforce, as the third tool.
 PATTERN_TOOLS = TOOLS + [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in (
-    ("now", None), ("code", {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0}}}))]
+    ("now", None), ("code", {"type": "object", "properties": {"x": {"type": "integer", "multipleOf": 2}}}))]
 
 # (route, raw body, status, param, code)
 BAD_INPUTS = [
@@ -815,7 +817,7 @@ def test_forced_call_schema_refused(http):
         r = http.post(CHAT, json={**OK_CHAT, "tools": PATTERN_TOOLS, "tool_choice": choice})
         assert r.status_code == 400
         assert r.json()["error"]["message"] == \
-            "tools[2].function.parameters: 'minimum' is not supported (at #/properties/x)"
+            "tools[2].function.parameters: 'multipleOf' is not supported (at #/properties/x)"
 
 
 def test_bad_input_via_openai_client(client, model):

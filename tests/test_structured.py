@@ -7,6 +7,7 @@ import json
 import re
 import time
 import uuid
+from decimal import Decimal
 
 import numpy as np
 import pytest
@@ -97,8 +98,15 @@ PATTERNS = {"type": "object", "properties": {
     "size": {"type": "integer", "format": "int32"},
     "link": {"type": "string", "format": "uri", "maxLength": 4}},
     "required": ["code", "quote", "short"]}
+BOUNDS = {"type": "object", "properties": {
+    "age": {"type": "integer", "minimum": 18, "maximum": 120},
+    "temp": {"type": "number", "exclusiveMinimum": -40.5, "maximum": 60},
+    "share": {"type": "number", "minimum": 0, "exclusiveMaximum": 1},
+    "n": {"type": "integer", "minimum": -3.5, "exclusiveMaximum": 3},
+    "old": {"type": ["number", "null"], "minimum": 1, "exclusiveMinimum": True, "maximum": 9.99}},
+    "required": ["age", "temp", "share"]}
 SCHEMAS = {"json_object": None, "person": PERSON, "tree": TREE, "union": UNION, "extra": EXTRA, "tuple": TUPLE,
-           "literals": LITERALS, "short": SHORT, "number": {"type": "number"}, "any": {}, "patterns": PATTERNS}
+           "literals": LITERALS, "short": SHORT, "number": {"type": "number"}, "any": {}, "patterns": PATTERNS, "bounds": BOUNDS}
 
 
 # ---- an independent validator of the documented language ---------------------------------------------------------
@@ -108,7 +116,8 @@ class Pairs(list):
 
 
 def parse(text: bytes):
-    return json.loads(text.decode("utf-8"), object_pairs_hook=Pairs)
+    """The document, its objects as Pairs and its fractions as exact Decimals (for numeric bounds)."""
+    return json.loads(text.decode("utf-8"), object_pairs_hook=Pairs, parse_float=Decimal)
 
 
 def resolve(ref: str, root):
@@ -124,7 +133,7 @@ def same_json(a, b) -> bool:
             return {k: plain(x) for k, x in v}
         if isinstance(v, list):
             return [plain(x) for x in v]
-        return v
+        return float(v) if isinstance(v, Decimal) else v
     return json.dumps(plain(a), sort_keys=True) == json.dumps(plain(b), sort_keys=True)
 
 
@@ -139,7 +148,7 @@ def kind_of(v) -> str:
         return "null"
     if isinstance(v, int):
         return "integer"
-    return "number" if isinstance(v, float) else "string"
+    return "number" if isinstance(v, float | Decimal) else "string"
 
 
 def _parses(parse_text):
@@ -154,6 +163,19 @@ def _parses(parse_text):
 
 FORMAT_CHECKS = {"date": _parses(datetime.date.fromisoformat), "uuid": _parses(uuid.UUID),
                  "ipv4": _parses(ipaddress.IPv4Address), "ipv6": _parses(ipaddress.IPv6Address)}
+
+
+def within(x: Decimal, schema: dict) -> bool:
+    """JSON Schema's numeric bounds (draft 4's boolean exclusives too), compared exactly."""
+    def bound(key):
+        b = schema.get(key)
+        return None if b is None or isinstance(b, bool) else Decimal(repr(b)) if isinstance(b, float) else Decimal(b)
+
+    checks = [(bound("minimum"), lambda b: x > b if schema.get("exclusiveMinimum") is True else x >= b),
+              (bound("exclusiveMinimum"), lambda b: x > b),
+              (bound("maximum"), lambda b: x < b if schema.get("exclusiveMaximum") is True else x <= b),
+              (bound("exclusiveMaximum"), lambda b: x < b)]
+    return all(b is None or ok(b) for b, ok in checks)
 
 
 def conforms(v, schema, root) -> bool:
@@ -181,6 +203,8 @@ def conforms(v, schema, root) -> bool:
         if not (k in types or (k == "integer" and "number" in types)):
             return False
     k = kind_of(v)
+    if k in ("integer", "number") and not within(Decimal(v), schema):
+        return False
     if k == "string":
         if "pattern" in schema and not re.search(schema["pattern"], v):
             return False
@@ -339,7 +363,7 @@ def test_token_bytes_from_the_tiny_tokenizer(tiny):
 
 
 @pytest.mark.parametrize("name", ["json_object", "person", "tree", "union", "extra", "tuple", "literals", "short",
-                                  "patterns", "patterns, no stepping"])
+                                  "patterns", "patterns, no stepping", "bounds"])
 def test_allowed_matches_stepping_byte_by_byte(name, monkeypatch):
     """At states along random walks: a token is allowed exactly when its bytes, fed one by one, are accepted; and
     a sample of the allowed ones leave a state that still completes. ("no stepping": the patterns' automata read
@@ -461,6 +485,30 @@ def test_documents_accepted_and_refused():
         assert accepts({"type": "number"}, number), number
 
 
+def test_numeric_bounds():
+    """Bounds compared exactly on the number's text, strict or not, integers rounded inward; no exponent or "-0"
+    where there are bounds (a number without them keeps JSON's whole syntax)."""
+    age = {"type": "integer", "minimum": 17.5, "maximum": 120}
+    for text, ok in ((b"18", True), (b"120", True), (b"17", False), (b"121", False), (b"18.0", False),
+                     (b"1e2", False), (b"-18", False), (b"0120", False)):
+        assert accepts(age, text) == ok, text
+    share = {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
+    for text, ok in ((b"0", False), (b"0.000", False), (b"0.0001", True), (b"1", True), (b"1.000", True),
+                     (b"1.0001", False), (b"-0", False), (b"-0.5", False), (b"0.99999999999999999999", True)):
+        assert accepts(share, text) == ok, text
+    low = {"type": "number", "minimum": -2.5}
+    for text, ok in ((b"-2.5", True), (b"-2.50", True), (b"-2.51", False), (b"-2.4999", True), (b"-0", False),
+                     (b"0", True), (b"123456", True), (b"1e3", False)):
+        assert accepts(low, text) == ok, text
+    assert accepts({"type": "number", "maximum": 3, "exclusiveMaximum": True}, b"2.99")
+    assert not accepts({"type": "number", "maximum": 3, "exclusiveMaximum": True}, b"3")
+    tight = {"type": "integer", "minimum": 0, "exclusiveMinimum": 5, "maximum": 7, "exclusiveMaximum": 9}
+    assert [n for n in range(-2, 12) if accepts(tight, str(n).encode())] == [6, 7]
+    assert accepts({"minimum": 2}, b"2.5") and not accepts({"minimum": 2}, b'"x"')  # a number's keyword
+    huge = {"type": "number", "maximum": 1e300}
+    assert accepts(huge, b"9" * MAX_NUMBER_BYTES) and not accepts(huge, b"9" * (MAX_NUMBER_BYTES + 1))
+
+
 def test_string_lengths_count_code_points():
     assert accepts(SHORT, '"中文字😀"'.encode())
     assert not accepts(SHORT, '"中文字😀a"'.encode())
@@ -555,7 +603,10 @@ def test_schema_errors_name_the_keyword_and_place():
         ({"type": "string", "pattern": 3}, "'pattern' must be a string", "#"),
         ({"type": "string", "format": "date", "maxLength": 5000}, "above 4096", "#"),
         ({"type": "string", "format": "date", "minLength": 11}, "'format' 'date' and the length limits", "#"),
-        ({"type": "integer", "minimum": 0}, "'minimum'", "at #)"),
+        ({"type": "integer", "multipleOf": 2}, "'multipleOf'", "at #)"),
+        ({"type": "integer", "minimum": 0, "maximum": 0.5, "exclusiveMinimum": 0}, "no integer", "at #)"),
+        ({"properties": {"x": {"type": "number", "maximum": "9"}}}, "'maximum' must be a number", "#/properties/x"),
+        ({"type": "number", "exclusiveMaximum": False}, "'exclusiveMaximum' true or false needs 'maximum'", "#"),
         ({"type": "array", "items": {"uniqueItems": True}}, "'uniqueItems'", "#/items"),
         ({"$defs": {"a": {"not": {}}}, "$ref": "#/$defs/a"}, "'not'", "#/$defs/a"),
         ({"$ref": "#/$defs/missing"}, "does not resolve", "#"),
