@@ -160,6 +160,12 @@ class _SamplingFields(_Strict):
     response_format: ResponseFormat | None = None
     # vLLM's spelling of the same (and `choice`); not both.
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's older spelling of structured_outputs (guided decoding): at most one, read as structured_outputs.
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored: this server has one
     user: str | None = None
 
     @field_validator("stop", mode="plain")
@@ -171,14 +177,38 @@ class _SamplingFields(_Strict):
     def _check_common(self):
         if self.stream_options is not None and not self.stream:
             raise _FieldError("stream_options", "stream_options is only allowed when stream is true")
+        guided = [(name, value) for name, value in (("json", self.guided_json), ("regex", self.guided_regex),
+                                                    ("choice", self.guided_choice), ("grammar", self.guided_grammar))
+                  if value is not None]
+        if guided:
+            name, value = guided[0]
+            field = f"guided_{name}"
+            if len(guided) > 1:
+                raise _FieldError(f"guided_{guided[1][0]}", f"{field} and guided_{guided[1][0]}: send one")
+            if self.structured_outputs is not None:
+                raise _FieldError(field, f"{field} and structured_outputs: send one")
+            try:
+                self.structured_outputs = StructuredOutputs.model_validate({name: value})
+            except ValidationError as e:
+                raise _FieldError(field, e.errors(include_url=False)[0]["msg"].removeprefix("Value error, ")) \
+                    from None
         if self.structured_outputs is not None and self.response_format is not None \
                 and self.response_format.type != "text":
-            raise _FieldError("structured_outputs", "structured_outputs and a JSON response_format: send one")
+            param = self.structured_param
+            raise _FieldError(param, f"{param} and a JSON response_format: send one")
         for key in self.logit_bias or {}:
             if not (key.isascii() and key.isdigit()) or int(key) > INT32_MAX:
                 raise _FieldError("logit_bias", f"logit_bias keys must be token ids (non-negative integers), got "
                                                 f"{key!r}")
         return self
+
+    @property
+    def structured_param(self) -> str:
+        """The field that asked for structured outputs: structured_outputs or a guided_* one."""
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                return name
+        return "structured_outputs"
 
     @property
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:

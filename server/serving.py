@@ -353,7 +353,7 @@ class Serving:
             forced = ForcedCalls(req.forced_function, tuple(t.function.name for t in req.tools))
         else:
             grammar = await self._grammar(req)
-            grammar_param = "response_format" if req.structured_outputs is None else "structured_outputs"
+            grammar_param = "response_format" if req.structured_outputs is None else req.structured_param
             forced = None
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.parse_tools else None
         ids, prompt_text = await self._chat_prompt(req.messages, req.chat_template_kwargs, req.add_generation_prompt,
@@ -546,16 +546,17 @@ class Serving:
         the keyword; a pattern or grammar outside the supported syntax, one naming what and where."""
         so = req.structured_outputs
         if so is not None:
+            param = req.structured_param
             try:
                 if so.choice is not None:
-                    return await self._compiled(None, "structured_outputs", choice=so.choice)
+                    return await self._compiled(None, param, choice=so.choice)
                 if so.regex is not None:
-                    return await self._compiled(None, "structured_outputs", regex=so.regex)
+                    return await self._compiled(None, param, regex=so.regex)
                 if so.grammar is not None:
-                    return await self._compiled(None, "structured_outputs", ebnf=so.grammar)
-                return await self._compiled(so.json_, "structured_outputs")
+                    return await self._compiled(None, param, ebnf=so.grammar)
+                return await self._compiled(so.json_, param)
             except ValueError as e:
-                raise bad_request(f"structured_outputs: {e}", param="structured_outputs") from None
+                raise bad_request(f"{param}: {e}", param=param) from None
         fmt = req.response_format
         if fmt is None or fmt.type == "text":
             return None

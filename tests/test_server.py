@@ -389,8 +389,9 @@ def test_forced_tool_calls(client, model, no_whitespace):
 def test_structured_outputs_extra(client, model, http):
     """vLLM's structured_outputs (extra_body): `choice` makes the reply one of the strings (one that starts another
     may end there), greedy and seeded, chat and completions; `regex` a whole match, ending as soon as nothing may
-    follow; `grammar` (GBNF) a text of its root rule, brackets nested by recursion; `json` (a schema or its text) and `json_object` reach the same grammars as response_format: the greedy
-    reply equals response_format's."""
+    follow; `grammar` (GBNF) a text of its root rule, brackets nested by recursion; `json` (a schema or its text) and
+    `json_object` reach the same grammars as response_format: the greedy reply equals response_format's. vLLM's
+    older guided_json / guided_regex / guided_choice give the same replies."""
     off = {"chat_template_kwargs": {"enable_thinking": False}}
     kw = dict(model=model, messages=MESSAGES, max_tokens=16)
     choices = ["red", "green", "blue sky", "blue", "ünï"]
@@ -403,9 +404,9 @@ def test_structured_outputs_extra(client, model, http):
     assert done["choices"][0]["text"] in choices
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
     want = client.chat.completions.create(**kw, temperature=0.0, response_format=fmt, extra_body=off)
-    for spec in (CITY, json.dumps(CITY)):
-        got = client.chat.completions.create(**kw, temperature=0.0,
-                                             extra_body={**off, "structured_outputs": {"json": spec}})
+    for extra in ({"structured_outputs": {"json": CITY}}, {"structured_outputs": {"json": json.dumps(CITY)}},
+                  {"guided_json": CITY}):
+        got = client.chat.completions.create(**kw, temperature=0.0, extra_body={**off, **extra})
         assert got.choices[0].message.content == want.choices[0].message.content
     pattern = r"(yes|no|maybe)(, [a-z]{1,8}){0,2}\."
     for extra in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 3, "n": 3}):
@@ -415,6 +416,11 @@ def test_structured_outputs_extra(client, model, http):
     done = http.post(COMPLETIONS, json={"prompt": "Answer:", "max_tokens": 24, "temperature": 0.0,
                                         "structured_outputs": {"regex": pattern}}).json()
     assert re.fullmatch(pattern, done["choices"][0]["text"])
+    guided = http.post(COMPLETIONS, json={"prompt": "Answer:", "max_tokens": 24, "temperature": 0.0,
+                                          "guided_regex": pattern, "guided_decoding_backend": "xgrammar"}).json()
+    assert guided["choices"][0]["text"] == done["choices"][0]["text"]  # vLLM's older spelling, the same grammar
+    guided = http.post(COMPLETIONS, json={"prompt": "Colour:", "max_tokens": 8, "guided_choice": choices}).json()
+    assert guided["choices"][0]["text"] in choices
     grammar = 'root ::= "(" sum ")"\nsum ::= [0-9] ("+" [0-9] | "+(" sum ")")*'
     nested = re.compile(r"\(\d(\+\d|\+\(.*\))*\)")
     for extra in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 4, "n": 3}):
@@ -773,6 +779,14 @@ BAD_INPUTS = [
     (CHAT, json.dumps({**OK_CHAT, "structured_outputs": {"regex": "a", "choice": ["a"]}}).encode(), 400,
      "structured_outputs", None),
     (CHAT, json.dumps({**OK_CHAT, "structured_outputs": {}}).encode(), 400, "structured_outputs", None),
+    (CHAT, json.dumps({**OK_CHAT, "guided_regex": "a", "structured_outputs": {"regex": "a"}}).encode(), 400,
+     "guided_regex", None),
+    (CHAT, json.dumps({**OK_CHAT, "guided_regex": "a", "guided_choice": ["a"]}).encode(), 400, "guided_choice", None),
+    (CHAT, json.dumps({**OK_CHAT, "guided_json": "{not json"}).encode(), 400, "guided_json", None),
+    (CHAT, json.dumps({**OK_CHAT, "guided_regex": "(?=a)a"}).encode(), 400, "guided_regex", None),
+    (CHAT, json.dumps({**OK_CHAT, "guided_choice": ["a", ""]}).encode(), 400, "guided_choice[1]", None),
+    (CHAT, json.dumps({**OK_CHAT, "guided_json": {"type": "integer"},
+                       "response_format": {"type": "json_object"}}).encode(), 400, "guided_json", None),
     (CHAT, json.dumps({**OK_CHAT, "structured_outputs": {"choice": ["a", ""]}}).encode(), 400,
      "structured_outputs.choice[1]", None),
     (CHAT, json.dumps({**OK_CHAT, "structured_outputs": {"json": {"type": "string", "format": "date",
