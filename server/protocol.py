@@ -146,6 +146,9 @@ class _SamplingFields(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    # vLLM's min_tokens: no stop id (EOS, stop_token_ids) among the first min_tokens tokens, and stop strings looked
+    # for only after them; at most max_tokens.
+    min_tokens: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
     # Choices of one reply: each its own stream in the engine (seeds: qwen_jax.sampling.choice_seed).
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     # Not an OpenAI field: False asks for serial decoding (the exact reference that drafting must equal).

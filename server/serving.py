@@ -520,7 +520,7 @@ class Serving:
         total = req.n * len(batch)
         gens = [GenerationRequest(prompt_ids=tuple(p), max_tokens=budget, sampling=choice, stop=req.stop,
                                   stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-                                  logprobs=logprobs, draft=req.draft,
+                                  min_tokens=req.min_tokens, logprobs=logprobs, draft=req.draft,
                                   request_id=rid if total == 1 else f"{rid}-{k * req.n + i}",
                                   media=media, skip_special_tokens=skip_special_tokens, grammar=grammar,
                                   grammar_after=grammar_after)
@@ -850,7 +850,7 @@ _ENGINE_FIELDS = {"prompt_ids": None, "max_tokens": "max_tokens", "stop": "stop"
                   "logprobs": "logprobs", "seed": "seed", "temperature": "temperature", "top_k": "top_k",
                   "top_p": "top_p", "min_p": "min_p", "presence_penalty": "presence_penalty",
                   "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
-                  "logit_bias": "logit_bias", "grammar": "response_format"}
+                  "logit_bias": "logit_bias", "grammar": "response_format", "min_tokens": "min_tokens"}
 
 
 def _engine_param(message: str, prompt_param: str) -> str | None:

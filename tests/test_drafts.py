@@ -272,7 +272,8 @@ def test_drafted_penalties_equal_serial(eng, monkeypatch):
     beside a drafted stream without: its serial reply (`draft` False), windows kept whole and in part. Each row's
     penalties count the tokens fed along its path, and the rows that stand are counted after the window. (Negative
     presence and frequency penalties favour tokens already generated, so a row's count that missed a token on its
-    path would change its draw: a window rule that left the path out passed the same test with positive ones.)"""
+    path would change its draw: a window rule that left the path out passed the same test with positive ones.)
+    Then with min_tokens holding back a stop id: drafted from min_tokens on, its serial reply."""
     req = _request(_prompts()[1][:50], 13, max_tokens=24)
     req = dataclasses.replace(req, sampling=dataclasses.replace(
         req.sampling, presence_penalty=-2.0, frequency_penalty=-2.0, repetition_penalty=1.3,
@@ -291,6 +292,14 @@ def test_drafted_penalties_equal_serial(eng, monkeypatch):
     handles = [eng.submit(other), eng.submit(req)]
     assert handles[0].result(TIMEOUT).token_ids == replies[other.prompt_ids]
     _same(serial, handles[1].result(TIMEOUT))
+    # min_tokens holding back a stop id the serial reply samples: serial rounds until min_tokens, then windows
+    held = dataclasses.replace(req, stop_token_ids=(serial.token_ids[2],), min_tokens=8)
+    held_serial = eng.submit(dataclasses.replace(held, draft=False)).result(TIMEOUT)
+    assert held_serial.token_ids[:2] == serial.token_ids[:2] and held_serial.token_ids[2] != serial.token_ids[2]
+    replies[req.prompt_ids] = held_serial.token_ids
+    before = eng.stats()
+    _same(held_serial, eng.submit(held).result(TIMEOUT))
+    assert eng.stats().draft_accepted_total > before.draft_accepted_total
     plain = dataclasses.replace(req, sampling=dataclasses.replace(
         req.sampling, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0), draft=False)
     assert eng.submit(plain).result(TIMEOUT).token_ids != serial.token_ids  # the penalties are in effect

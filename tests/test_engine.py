@@ -347,6 +347,39 @@ def test_stop_ids_lengths_and_logprobs(eng):
     _baseline(eng)
 
 
+def test_min_tokens_hold_back_stop_ids_and_strings(eng):
+    """min_tokens: no stop id among the reply's first min_tokens tokens (the draw goes to the best other token, the
+    logprobs staying the raw ones), stop strings looked for only in the text after them; the same reply alone and
+    among other streams; bad values refused naming the field."""
+    prompt = tuple(range(200, 260))
+    full = eng.submit(GenerationRequest(prompt, 24, ignore_eos=True, logprobs=3)).result(TIMEOUT)
+    stop_tok = full.token_ids[6]
+    first = full.token_ids.index(stop_tok)
+    held = GenerationRequest(prompt, 24, stop_token_ids=(stop_tok,), ignore_eos=True, logprobs=3,
+                             min_tokens=first + 3)
+    r = eng.submit(held).result(TIMEOUT)
+    assert r.token_ids[:first] == full.token_ids[:first] and stop_tok not in r.token_ids[:first + 3]
+    lp = r.logprobs[first]
+    assert lp.top[0][0] == stop_tok and r.token_ids[first] == lp.top[1][0]  # the best token but the stop id
+    assert r.finish_reason == "length" or (r.finish_reason == "stop" and r.token_ids[-1] == stop_tok)
+    tok = eng.tokenizer
+    early = tok.decode([full.token_ids[0]])  # a stop string in the first token's text: it ends the reply there,
+    assert early  # but nothing before min_tokens
+    plain = GenerationRequest(prompt, 10, ignore_eos=True, stop=(early,))
+    assert len(eng.submit(plain).result(TIMEOUT).token_ids) == 1
+    both = eng.submit(dataclasses.replace(plain, min_tokens=4)).result(TIMEOUT)
+    assert both.token_ids[:4] == full.token_ids[:4] and len(both.token_ids) > 4
+    reqs = [held] + _requests(1)[:5]
+    solo = _solo(eng, reqs)
+    together = [h.result(TIMEOUT) for h in [eng.submit(q) for q in reqs]]
+    _check_same(solo, together)
+    for bad in (dataclasses.replace(held, min_tokens=25), dataclasses.replace(held, min_tokens=-1),
+                dataclasses.replace(held, grammar=structured.compile_json_schema(None))):
+        with pytest.raises(ValueError, match="min_tokens"):
+            eng.submit(bad)
+    _baseline(eng)
+
+
 def test_stop_string_across_token_boundaries(eng):
     tok = eng.tokenizer
     prompt = tuple(tok("Licensed under the Apache License", add_special_tokens=False)["input_ids"])

@@ -468,6 +468,10 @@ def test_stop_strings(client, model, http):
     cr = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 24, "temperature": 0.0,
                                             "ignore_eos": True, "stop": stop}).json()
     assert cr["choices"][0]["text"] == expected and cr["choices"][0]["finish_reason"] == "stop"
+    # vLLM's min_tokens: stop strings count only in the text after the first min_tokens tokens
+    held = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 24, "temperature": 0.0,
+                                              "ignore_eos": True, "stop": stop, "min_tokens": 24}).json()
+    assert held["choices"][0]["text"] == text and held["choices"][0]["finish_reason"] == "length"
 
 
 def test_max_tokens_and_max_completion_tokens(client, model):
@@ -779,6 +783,10 @@ BAD_INPUTS = [
     (CHAT, json.dumps({**OK_CHAT, "structured_outputs": {"regex": "a", "choice": ["a"]}}).encode(), 400,
      "structured_outputs", None),
     (CHAT, json.dumps({**OK_CHAT, "structured_outputs": {}}).encode(), 400, "structured_outputs", None),
+    (CHAT, json.dumps({**OK_CHAT, "min_tokens": 3}).encode(), 400, "min_tokens", None),
+    (CHAT, json.dumps({**OK_CHAT, "min_tokens": -1}).encode(), 400, "min_tokens", None),
+    (CHAT, json.dumps({**OK_CHAT, "min_tokens": 1, "response_format": {"type": "json_object"}}).encode(), 400,
+     "min_tokens", None),
     (CHAT, json.dumps({**OK_CHAT, "guided_regex": "a", "structured_outputs": {"regex": "a"}}).encode(), 400,
      "guided_regex", None),
     (CHAT, json.dumps({**OK_CHAT, "guided_regex": "a", "guided_choice": ["a"]}).encode(), 400, "guided_choice", None),

@@ -59,6 +59,9 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()  # stop strings, matched on the detokenized text; the match is not returned
     stop_token_ids: tuple[int, ...] = ()  # extra stop ids besides the checkpoint's EOS ids
     ignore_eos: bool = False
+    # The reply's first min_tokens tokens are never a stop id (they get -inf before the draw) and stop strings are
+    # looked for only in the text after them (vLLM's min_tokens). At most max_tokens.
+    min_tokens: int = 0
     logprobs: int | None = None  # None: no logprobs; n >= 0: the chosen token's logprob plus the top n
     draft: bool = True  # False: serial decoding (the reference the drafted path must equal)
     request_id: str = ""

@@ -424,7 +424,8 @@ class Engine:
         s = req.sampling
         bias = s.logit_bias.items() if isinstance(s.logit_bias, dict) else s.logit_bias
         pen = sampling.RequestPenalties(s.presence_penalty, s.frequency_penalty, s.repetition_penalty,
-                                        tuple(tuple(x) for x in bias), masked=req.grammar is not None)
+                                        tuple(tuple(x) for x in bias),
+                                        masked=req.grammar is not None or req.min_tokens > 0)
         bad = [t for t, _ in pen.logit_bias if t >= self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
@@ -448,6 +449,13 @@ class Engine:
                              f"(vocabulary 0..{self.vocab_size - 1})")
         if isinstance(req.max_tokens, bool) or not isinstance(req.max_tokens, int) or req.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {req.max_tokens!r}")
+        if isinstance(req.min_tokens, bool) or not isinstance(req.min_tokens, int) or \
+                not 0 <= req.min_tokens <= req.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens = {req.max_tokens}], got "
+                             f"{req.min_tokens!r}")
+        if req.min_tokens and req.grammar is not None:
+            raise ValueError("min_tokens: not supported with structured outputs (the grammar decides where the "
+                             "reply may end)")
         if len(ids) + 1 > self.max_model_len:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {self.max_model_len} tokens; the prompt has {len(ids)} "
@@ -503,7 +511,11 @@ class Engine:
     @staticmethod
     def _bias_row(stream: Stream, masked: bool = True) -> np.ndarray:
         """A structured-output stream's bias row for its next step: its logit bias (`Stream.base_bias`), -inf where
-        its grammar (when on, and `masked`) forbids a token."""
+        its grammar (when on, and `masked`) forbids a token. Below min_tokens: -inf at its stop ids."""
+        if stream.sampled < stream.request.min_tokens:
+            row = stream.base_bias.copy()
+            row[[t for t in stream.stop_ids if t < len(row)]] = -np.inf
+            return row
         if not (masked and stream.grammar_on):
             return stream.base_bias
         return np.where(stream.matcher.allowed(), stream.base_bias, np.float32(-np.inf))
@@ -718,9 +730,9 @@ class Engine:
                                 block_drafts=self.drafter is not None,
                                 resumed=len(entry) if entry is not None else 0, media_rows=media_rows,
                                 penalties=pen, matcher=matcher, grammar_after=req.grammar_after)
-                if matcher is not None:
+                if pen is not None and pen.masked:
                     stream.base_bias = pen.bias_row(self.vocab_size)  # once: every step's row starts from it
-                if stream.grammar_on:
+                if stream.grammar_on or req.min_tokens:
                     self.programs.bias_put(stream.slot, self._bias_row(stream))  # its first token's mask
                 if cached:
                     with self._lock:
@@ -935,7 +947,7 @@ class Engine:
         pen = P.penalties([s.penalties for s in streams], n)
         try:
             for s in streams:
-                if s.grammar_on:
+                if s.grammar_on or s.sampled == s.request.min_tokens > 0:  # (min_tokens: its stop ids back)
                     self.programs.bias_put(s.slot, self._bias_row(s))
             pending = self.programs.decode_async(window, sp, pen)
         except Exception as e:
@@ -982,7 +994,7 @@ class Engine:
     def _draftable(s: Stream) -> bool:
         """A decoding stream with drafts on (copy or block drafts) and room for a window of two rows."""
         return ((s.copies is not None or s.block_drafts) and s.phase is Phase.DECODE and not s.finishing
-                and s.budget() >= 2)
+                and s.budget() >= 2 and s.sampled >= s.request.min_tokens)
 
     def _may_draft(self, s: Stream) -> bool:
         """Whether a decoding stream that is not drafting may have a copy to verify this round: its history known

@@ -118,7 +118,10 @@ class Stream:
             finish = "stop"  # the stop token's own text is not part of the reply; what was held back is
             text = self._flush()
         else:
-            text, hit = self.stops.feed(self.detok.add(token)) if self.detok is not None else ("", False)
+            text = self.detok.add(token) if self.detok is not None else ""
+            hit = False
+            if len(self.generated) > self.request.min_tokens:  # stop strings in the text after min_tokens only
+                text, hit = self.stops.feed(text)
             if hit:
                 finish = "stop"  # the match and anything after it are dropped
             elif self.grammar_on and self.matcher.terminated:
