@@ -155,15 +155,41 @@ def test_drafted_equals_serial_on_gpu(kv_cache, monkeypatch):
         e.shutdown()
 
 
-def test_drafted_structured_equals_serial_on_gpu(monkeypatch):
-    """Structured-output requests (a JSON schema, greedy and seeded) drafted by copy drafts from an oracle (the serial
-    reply with one token changed every 3rd round): each row masked along the drafts before it, the drafts cut where
-    the grammar refuses one; the serial reply token for token and logprob for logprob, alone and beside a drafted
-    free stream, nothing compiled while serving."""
+def _structured_drafts_equal_serial(e: Engine, max_tokens: int, replies: dict | None = None):
+    """Structured-output requests (a JSON schema, greedy and seeded) and a free one, each serial first (their replies
+    into `replies` when given: an oracle's), then drafted alone and the free one beside a structured one: every reply
+    its serial one token for token and logprob for logprob, nothing compiled while serving. -> the engine's stats
+    before and after the drafted runs."""
     from qwen_jax import structured
-    from qwen_jax.engine import stream as stream_mod
-    from tests.test_drafts import OracleCopies, _prompts, _request
+    from tests.test_drafts import _prompts, _request
     from tests.test_engine import SCHEMA, whitespace_bias
+    grammar = structured.compile_json_schema(SCHEMA)
+    spaces = whitespace_bias(e.token_bytes())
+    reqs = [_request(p, seed, max_tokens=max_tokens) for p in _prompts() for seed in (None, 11)]
+    reqs = [dataclasses.replace(r, grammar=grammar, ignore_eos=False,
+                                sampling=dataclasses.replace(r.sampling, logit_bias=spaces)) for r in reqs]
+    free = _request(_prompts()[1][3:], 5, max_tokens=40)
+    serial = [e.submit(dataclasses.replace(r, draft=False)).result(120) for r in reqs + [free]]
+    if replies is not None:  # a prompt's seeded reply is the oracle's for its greedy one too
+        replies.update((r.prompt_ids, a.token_ids) for r, a in zip(reqs + [free], serial))
+    before = e.stats()
+    with P.CompileWatch() as watch:
+        drafted = [e.submit(r).result(120) for r in reqs]
+        together = [h.result(120) for h in [e.submit(free), e.submit(reqs[1])]]
+    after = e.stats()
+    for a, b in zip(serial + [serial[1]], drafted + together, strict=True):
+        assert (a.token_ids, a.logprobs, a.finish_reason) == (b.token_ids, b.logprobs, b.finish_reason)
+    assert (watch.traces, watch.compiles) == (0, 0)
+    _baseline(e)
+    return before, after
+
+
+def test_drafted_structured_equals_serial_on_gpu(monkeypatch):
+    """Structured-output requests drafted by copy drafts from an oracle (the serial reply with one token changed
+    every 3rd round): each row masked along the drafts before it, the drafts cut where the grammar refuses one;
+    `_structured_drafts_equal_serial`, drafts accepted."""
+    from qwen_jax.engine import stream as stream_mod
+    from tests.test_drafts import OracleCopies
     ck = _params("bfloat16")
     e = Engine(ck.params, ck.config, load_tokenizer(MODEL), dtype="bfloat16", max_model_len=512, parallel=4,
                max_logprobs=2, progress=False, copy_drafts=True)
@@ -171,64 +197,25 @@ def test_drafted_structured_equals_serial_on_gpu(monkeypatch):
     monkeypatch.setattr(stream_mod, "CopyIndex", lambda tokens: OracleCopies(tokens, replies, e.vocab_size, 3, 16))
     e.start()
     try:
-        grammar = structured.compile_json_schema(SCHEMA)
-        spaces = whitespace_bias(e.token_bytes())
-        reqs = [_request(p, seed, max_tokens=60) for p in _prompts() for seed in (None, 11)]
-        reqs = [dataclasses.replace(r, grammar=grammar, ignore_eos=False,
-                                    sampling=dataclasses.replace(r.sampling, logit_bias=spaces)) for r in reqs]
-        free = _request(_prompts()[1][3:], 5, max_tokens=40)
-        serial = [e.submit(dataclasses.replace(r, draft=False)).result(120) for r in reqs + [free]]
-        for r, a in zip(reqs + [free], serial):  # a prompt's seeded reply is the oracle's for its greedy one too
-            replies[r.prompt_ids] = a.token_ids
-        before = e.stats()
-        with P.CompileWatch() as watch:
-            drafted = [e.submit(r).result(120) for r in reqs]
-            handles = [e.submit(free), e.submit(reqs[1])]
-            together = [h.result(120) for h in handles]
-        after = e.stats()
-        for a, b in zip(serial[:len(reqs)] + [serial[1]], drafted + together[1:]):
-            assert (a.token_ids, a.logprobs, a.finish_reason) == (b.token_ids, b.logprobs, b.finish_reason)
-        assert together[0].token_ids == replies[free.prompt_ids]
+        before, after = _structured_drafts_equal_serial(e, 60, replies)
         assert 0 < after.draft_accepted_total - before.draft_accepted_total
-        assert (watch.traces, watch.compiles) == (0, 0)
-        _baseline(e)
     finally:
         e.shutdown()
 
 
 def test_tree_structured_equals_serial_on_gpu():
-    """A tree engine (`draft_tree` 3, captures/tiny-dflash) with the kernels on: structured-output requests (a JSON
-    schema, greedy and seeded) draft the tree's likeliest chain, masked along it; each reply is its serial one token
-    for token and logprob for logprob, alone and beside a free stream drafting trees, and nothing compiles while
-    serving."""
-    from qwen_jax import structured
+    """A tree engine (`draft_tree` 3, captures/tiny-dflash) with the kernels on: structured-output requests draft the
+    tree's likeliest chain, masked along it, beside a free stream drafting trees; `_structured_drafts_equal_serial`,
+    drafts proposed."""
     from qwen_jax.checkpoint import load_dflash
-    from tests.test_drafts import _prompts, _request
-    from tests.test_engine import SCHEMA, whitespace_bias
     ck = _params("bfloat16")
     drafter = load_dflash(CAPTURES / "tiny-dflash", target=ck.config.text, dtype=jnp.bfloat16)
     e = Engine(ck.params, ck.config, load_tokenizer(MODEL), dtype="bfloat16", max_model_len=512, parallel=4,
                max_logprobs=2, progress=False, drafter=drafter, draft_tree=3)
     e.start()
     try:
-        grammar = structured.compile_json_schema(SCHEMA)
-        spaces = whitespace_bias(e.token_bytes())
-        reqs = [_request(p, seed, max_tokens=48) for p in _prompts() for seed in (None, 11)]
-        reqs = [dataclasses.replace(r, grammar=grammar, ignore_eos=False,
-                                    sampling=dataclasses.replace(r.sampling, logit_bias=spaces)) for r in reqs]
-        free = _request(_prompts()[1][3:], 5, max_tokens=40)
-        serial = [e.submit(dataclasses.replace(r, draft=False)).result(120) for r in reqs + [free]]
-        before = e.stats()
-        with P.CompileWatch() as watch:
-            drafted = [e.submit(r).result(120) for r in reqs]
-            handles = [e.submit(free), e.submit(reqs[1])]
-            together = [h.result(120) for h in handles]
-        after = e.stats()
-        for a, b in zip(serial + [serial[1]], drafted + together, strict=True):
-            assert (a.token_ids, a.logprobs, a.finish_reason) == (b.token_ids, b.logprobs, b.finish_reason)
+        before, after = _structured_drafts_equal_serial(e, 48)
         assert 0 < after.draft_proposed_total - before.draft_proposed_total
-        assert (watch.traces, watch.compiles) == (0, 0)
-        _baseline(e)
     finally:
         e.shutdown()
 
