@@ -163,6 +163,9 @@ class _SamplingFields(_Strict):
     response_format: ResponseFormat | None = None
     # vLLM's spelling of the same (and `choice`); not both.
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's return_token_ids: the reply's token ids on each choice (`token_ids`, stream chunks too) and the prompt's
+    # (`prompt_token_ids`: chat on the response, completions on each choice).
+    return_token_ids: bool = False
     # vLLM's older spelling of structured_outputs (guided decoding): at most one, read as structured_outputs.
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -511,11 +514,20 @@ class AssistantMessage(BaseModel):
     tool_calls: list[ToolCallOut] | None = None
 
 
+def _absent_if_none(value) -> bool:
+    return value is None
+
+
+# Fields sent only when asked for (return_token_ids), absent otherwise rather than null.
+TokenIds = Annotated[list[int] | None, Field(default=None, exclude_if=_absent_if_none)]
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    token_ids: TokenIds = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -525,6 +537,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: TokenIds = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -539,6 +552,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    prompt_token_ids: TokenIds = None
+    token_ids: TokenIds = None
 
 
 class CompletionResponse(BaseModel):

@@ -124,12 +124,14 @@ class _Run:
         self.metrics = metrics
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.token_ids: list[int] = []  # the reply's ids so far (stop ids included), for return_token_ids
         self._last_token_at: float | None = None
         self._closed = False
 
     async def events(self) -> AsyncIterator[TokenEvent]:
         async for ev in self.handle:
             if ev.token_ids:
+                self.token_ids += ev.token_ids
                 now = time.monotonic()
                 if self._last_token_at is not None:
                     gap = (now - self._last_token_at) / len(ev.token_ids)
@@ -370,7 +372,7 @@ class Serving:
                                  grammar_after=grammar_after)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._chat_stream(runs, rid, include_usage, mode)
+            return self._chat_stream(runs, rid, include_usage, mode, ids if req.return_token_ids else None)
         replies = await self._until_disconnect(self._collect_all(runs), wait_disconnect)
         choices = []
         for i, (run, (text, logprobs)) in enumerate(zip(runs, replies)):
@@ -382,9 +384,11 @@ class Serving:
             message = P.AssistantMessage(content=reply.content, reasoning_content=reply.reasoning,
                                          reasoning=reply.reasoning, tool_calls=calls or None)
             choices.append(P.ChatChoice(index=i, message=message, logprobs=content,
-                                        finish_reason=_finish_reason(run.finish_reason, bool(calls))))
+                                        finish_reason=_finish_reason(run.finish_reason, bool(calls)),
+                                        token_ids=list(run.token_ids) if req.return_token_ids else None))
         return P.ChatCompletionResponse(id=rid, created=int(time.time()), model=self.model_name, choices=choices,
-                                        usage=P.Usage(**_usage(runs)))
+                                        usage=P.Usage(**_usage(runs)),
+                                        prompt_token_ids=list(ids) if req.return_token_ids else None)
 
     async def completion(self, req: P.CompletionRequest, wait_disconnect: Callable[[], Awaitable[None]]):
         """-> CompletionResponse, or an EventStream when req.stream."""
@@ -405,13 +409,17 @@ class Serving:
         runs, rid = self._submit(req, prompts, req.max_tokens, "prompt", req.logprobs, "cmpl", grammar=grammar)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._completion_stream(runs, rid, include_usage, req.n)
+            return self._completion_stream(runs, rid, include_usage, req.n,
+                                           prompts if req.return_token_ids else None)
         replies = await self._until_disconnect(self._collect_all(runs), wait_disconnect)
         choices = []
         for i, (run, (text, logprobs)) in enumerate(zip(runs, replies)):
             self._raise_if_failed(run)
             lp = None if logprobs is None else self._completion_logprobs(logprobs)[0]
-            choices.append(P.CompletionChoice(index=i, text=text, finish_reason=run.finish_reason, logprobs=lp))
+            ids = {"prompt_token_ids": list(prompts[i // req.n]), "token_ids": list(run.token_ids)} \
+                if req.return_token_ids else {}
+            choices.append(P.CompletionChoice(index=i, text=text, finish_reason=run.finish_reason, logprobs=lp,
+                                              **ids))
         return P.CompletionResponse(id=rid, created=int(time.time()), model=self.model_name, choices=choices,
                                     usage=P.Usage(**_usage(runs, req.n)))
 
@@ -704,20 +712,30 @@ class Serving:
             raise APIError(503, "The request was cancelled by the server (shutting down?).", type="server_error",
                            code="cancelled", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
-    def _chat_stream(self, runs: list[_Run], rid: str, include_usage: bool, mode: ReplyMode) -> EventStream:
+    def _chat_stream(self, runs: list[_Run], rid: str, include_usage: bool, mode: ReplyMode,
+                     prompt_ids: list[int] | None = None) -> EventStream:
+        """prompt_ids: given with return_token_ids, sent on each choice's first chunk; each chunk then carries the
+        token ids decided since the one before."""
         created = int(time.time())
         usage_none = {"usage": None} if include_usage else {}
+        with_ids = prompt_ids is not None
 
         def frame(choices: list[dict[str, Any]], **extra) -> str:
             return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
                          "choices": choices, **extra})
 
-        def chunk(i: int, delta: dict[str, Any], finish_reason: str | None = None, logprobs=None) -> str:
-            return frame([{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
-                         **usage_none)
+        def chunk(i: int, delta: dict[str, Any], finish_reason: str | None = None, logprobs=None,
+                  token_ids: list[int] | None = None) -> str:
+            body = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            if with_ids:
+                body["token_ids"] = token_ids or []
+            return frame([body], **usage_none)
 
         async def choice(i: int, run: _Run):
-            yield chunk(i, {"role": "assistant", "content": ""})
+            yield (chunk(i, {"role": "assistant", "content": ""}) if not with_ids else
+                   frame([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                           "finish_reason": None, "token_ids": []}], prompt_token_ids=list(prompt_ids),
+                         **usage_none))
             parser = mode.stream() if mode.parses else None
             calls = 0
 
@@ -751,27 +769,38 @@ class Serving:
                 reason = _finish_reason(_client_reason(ev.finish_reason), calls > 0)
                 lp = None if ev.logprobs is None else {
                     "content": [self._chat_logprob(x).model_dump() for x in ev.logprobs]}
+                ids = list(ev.token_ids)
                 if mode.forced is not None and "tool_calls" in body and reason is not None:
                     # The forced calls, which only the reply's end settles, in their own chunk; then the finish.
-                    yield chunk(i, body, None, lp)
-                    body, lp = {}, None
-                if body or lp is not None or reason is not None:
-                    yield chunk(i, body, reason, lp)
+                    yield chunk(i, body, None, lp, ids)
+                    body, lp, ids = {}, None, []
+                if body or lp is not None or reason is not None or (with_ids and ids):
+                    yield chunk(i, body, reason, lp, ids)
 
         usage = (lambda: frame([], usage=_usage(runs))) if include_usage else None
         return EventStream(self._stream(runs, [choice(i, r) for i, r in enumerate(runs)], usage), _close_all(runs))
 
-    def _completion_stream(self, runs: list[_Run], rid: str, include_usage: bool, n: int = 1) -> EventStream:
+    def _completion_stream(self, runs: list[_Run], rid: str, include_usage: bool, n: int = 1,
+                           prompts: list[list[int]] | None = None) -> EventStream:
+        """prompts: given with return_token_ids: each choice's first chunk carries its prompt's ids, and every chunk
+        the token ids decided since the one before."""
         created = int(time.time())
         usage_none = {"usage": None} if include_usage else {}
+        sent_prompt = set()
 
         def frame(choices: list[dict[str, Any]], **extra) -> str:
             return _sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                          "choices": choices, **extra})
 
-        def chunk(i: int, text: str, finish_reason: str | None = None, logprobs=None) -> str:
-            return frame([{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
-                         **usage_none)
+        def chunk(i: int, text: str, finish_reason: str | None = None, logprobs=None,
+                  token_ids: tuple[int, ...] = ()) -> str:
+            body = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            if prompts is not None:
+                if i not in sent_prompt:
+                    sent_prompt.add(i)
+                    body["prompt_token_ids"] = list(prompts[i // n])
+                body["token_ids"] = list(token_ids)
+            return frame([body], **usage_none)
 
         async def choice(i: int, run: _Run):
             offset = 0
@@ -786,7 +815,7 @@ class Serving:
                     lp, offset = self._completion_logprobs(list(ev.logprobs), offset)
                     lp = lp.model_dump()
                 if ev.token_ids or ev.text or reason is not None:
-                    yield chunk(i, ev.text, reason, lp)
+                    yield chunk(i, ev.text, reason, lp, ev.token_ids)
 
         usage = (lambda: frame([], usage=_usage(runs, n))) if include_usage else None
         return EventStream(self._stream(runs, [choice(i, r) for i, r in enumerate(runs)], usage), _close_all(runs))

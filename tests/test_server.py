@@ -503,6 +503,38 @@ def test_chat_with_tools_renders_them(client, model, http):
         assert streamed[-1].choices[0].finish_reason == c.finish_reason
 
 
+def test_return_token_ids(http):
+    """vLLM's return_token_ids: the reply's ids on each choice and each stream chunk (the chunks' ids together are
+    the whole reply's), the prompt's on a chat response (its first chunk when streamed) and on each completions
+    choice; absent without it."""
+    body = {"messages": MESSAGES, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    prompt = http.post("/tokenize", json={"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}}
+                       ).json()["tokens"]
+    plain = http.post(CHAT, json=body).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    r = http.post(CHAT, json={**body, "return_token_ids": True}).json()
+    reply = r["choices"][0]["token_ids"]
+    assert r["prompt_token_ids"] == prompt and len(reply) == r["usage"]["completion_tokens"] == 6
+    assert http.post("/detokenize", json={"tokens": reply}).json()["prompt"] == plain["choices"][0]["message"][
+        "content"]
+    lines = http.post(CHAT, json={**body, "return_token_ids": True, "stream": True}).text.splitlines()
+    chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert chunks[0]["prompt_token_ids"] == prompt and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == reply
+    pair = [prompt[:5], prompt[5:12]]
+    done = http.post(COMPLETIONS, json={"prompt": pair, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True,
+                                        "return_token_ids": True}).json()
+    assert [c["prompt_token_ids"] for c in done["choices"]] == pair
+    assert all(len(c["token_ids"]) == 4 for c in done["choices"])
+    lines = http.post(COMPLETIONS, json={"prompt": pair, "max_tokens": 4, "temperature": 0.0, "ignore_eos": True,
+                                         "return_token_ids": True, "stream": True}).text.splitlines()
+    chunks = [json.loads(x[6:])["choices"][0] for x in lines if x.startswith("data: {")]
+    for i, c in enumerate(done["choices"]):
+        mine = [x for x in chunks if x["index"] == i]
+        assert mine[0]["prompt_token_ids"] == pair[i] and [t for x in mine for t in x["token_ids"]] == c["token_ids"]
+
+
 # ----------------------------------------------------------------------------------------------- completions
 
 def test_completions_string_and_token_ids(client, model, http):
