@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from server import anthropic
 from server import protocol as P
 from server.errors import APIError, error_body, from_validation_error
 from server.metrics import CONTENT_TYPE
@@ -114,7 +115,9 @@ def build_app(serving: Serving, *, api_key: str | None = None,
         if api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
+            token = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(token.strip().encode(), api_key.encode()):
             raise APIError(401, "Incorrect API key provided. Send it as `Authorization: Bearer <key>`.",
                            code="invalid_api_key")
 
@@ -140,6 +143,35 @@ def build_app(serving: Serving, *, api_key: str | None = None,
     async def completions(request: Request):
         req = _parse(P.CompletionRequest, await request.body())
         return reply(await serving.completion(req, wait_disconnect(request)))
+
+    @app.post("/v1/messages", dependencies=guarded)
+    async def messages(request: Request):
+        try:
+            req = _parse(anthropic.MessagesRequest, await request.body())
+            try:
+                chat = anthropic.to_chat(req)
+            except ValidationError as e:
+                raise from_validation_error(e) from None
+            result = await serving.chat(chat, wait_disconnect(request))
+        except APIError as e:
+            return JSONResponse(anthropic.error_body(e), status_code=e.status, headers=e.headers)
+        if isinstance(result, EventStream):
+            events = anthropic.MessagesStream(result.chunks, serving.model_name).events()
+            return SSEResponse(EventStream(events, result.close))
+        return JSONResponse(anthropic.from_chat(result))
+
+    @app.post("/v1/messages/count_tokens", dependencies=guarded)
+    async def count_tokens(request: Request):
+        try:
+            req = _parse(anthropic.CountTokensRequest, await request.body())
+            try:
+                tokenize = anthropic.tokenize_request(req)
+            except ValidationError as e:
+                raise from_validation_error(e) from None
+            result = await serving.tokenize(tokenize)
+        except APIError as e:
+            return JSONResponse(anthropic.error_body(e), status_code=e.status, headers=e.headers)
+        return JSONResponse({"input_tokens": result.count})
 
     @app.get("/v1/models", dependencies=guarded)
     async def models():
@@ -175,7 +207,8 @@ def build_app(serving: Serving, *, api_key: str | None = None,
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        body = anthropic.error_body(e) if request.url.path.startswith("/v1/messages") else e.body()
+        return JSONResponse(body, status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):

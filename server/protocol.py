@@ -518,8 +518,10 @@ def _absent_if_none(value) -> bool:
     return value is None
 
 
-# Fields sent only when asked for (return_token_ids), absent otherwise rather than null.
+# Fields sent only when asked for (return_token_ids) or when they say something, absent otherwise rather than null.
 TokenIds = Annotated[list[int] | None, Field(default=None, exclude_if=_absent_if_none)]
+# vLLM's stop_reason: the stop string that ended the reply, or the stop_token_ids id (absent: EOS, length, ...).
+StopReason = Annotated[str | int | None, Field(default=None, exclude_if=_absent_if_none)]
 
 
 class ChatChoice(BaseModel):
@@ -527,6 +529,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    stop_reason: StopReason = None
     token_ids: TokenIds = None
 
 
@@ -552,6 +555,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    stop_reason: StopReason = None
     prompt_token_ids: TokenIds = None
     token_ids: TokenIds = None
 

@@ -125,6 +125,7 @@ class _Run:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.token_ids: list[int] = []  # the reply's ids so far (stop ids included), for return_token_ids
+        self.stop_reason: str | int | None = None  # the engine's (TokenEvent.stop_reason)
         self._last_token_at: float | None = None
         self._closed = False
 
@@ -141,6 +142,7 @@ class _Run:
             if ev.finish_reason is not None:
                 self.finish_reason = ev.finish_reason
                 self.error = ev.error
+                self.stop_reason = ev.stop_reason
             yield ev
             if ev.finish_reason is not None:
                 return
@@ -385,6 +387,7 @@ class Serving:
                                          reasoning=reply.reasoning, tool_calls=calls or None)
             choices.append(P.ChatChoice(index=i, message=message, logprobs=content,
                                         finish_reason=_finish_reason(run.finish_reason, bool(calls)),
+                                        stop_reason=run.stop_reason,
                                         token_ids=list(run.token_ids) if req.return_token_ids else None))
         return P.ChatCompletionResponse(id=rid, created=int(time.time()), model=self.model_name, choices=choices,
                                         usage=P.Usage(**_usage(runs)),
@@ -419,7 +422,7 @@ class Serving:
             ids = {"prompt_token_ids": list(prompts[i // req.n]), "token_ids": list(run.token_ids)} \
                 if req.return_token_ids else {}
             choices.append(P.CompletionChoice(index=i, text=text, finish_reason=run.finish_reason, logprobs=lp,
-                                              **ids))
+                                              stop_reason=run.stop_reason, **ids))
         return P.CompletionResponse(id=rid, created=int(time.time()), model=self.model_name, choices=choices,
                                     usage=P.Usage(**_usage(runs, req.n)))
 
@@ -727,6 +730,8 @@ class Serving:
         def chunk(i: int, delta: dict[str, Any], finish_reason: str | None = None, logprobs=None,
                   token_ids: list[int] | None = None) -> str:
             body = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            if finish_reason is not None and runs[i].stop_reason is not None:
+                body["stop_reason"] = runs[i].stop_reason
             if with_ids:
                 body["token_ids"] = token_ids or []
             return frame([body], **usage_none)
@@ -795,6 +800,8 @@ class Serving:
         def chunk(i: int, text: str, finish_reason: str | None = None, logprobs=None,
                   token_ids: tuple[int, ...] = ()) -> str:
             body = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            if finish_reason is not None and runs[i].stop_reason is not None:
+                body["stop_reason"] = runs[i].stop_reason
             if prompts is not None:
                 if i not in sent_prompt:
                     sent_prompt.add(i)

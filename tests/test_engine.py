@@ -338,7 +338,8 @@ def test_stop_ids_lengths_and_logprobs(eng):
     stop_tok = full.token_ids[k]
     first = full.token_ids.index(stop_tok)
     r = eng.submit(GenerationRequest(prompt, 20, stop_token_ids=(stop_tok,))).result(TIMEOUT)
-    assert r.token_ids == full.token_ids[:first + 1] and r.finish_reason == "stop"
+    assert r.token_ids == full.token_ids[:first + 1] and (r.finish_reason, r.stop_reason) == ("stop", stop_tok)
+    assert full.stop_reason is None
     tok = eng.tokenizer
     assert r.text == tok.decode([t for t in full.token_ids[:first] if t < len(tok)], skip_special_tokens=True)
     # the end of the context is a "length" finish, whatever max_tokens says
@@ -393,7 +394,7 @@ def test_stop_string_across_token_boundaries(eng):
     at = text.find(stop)
     r = eng.submit(GenerationRequest(prompt, 30, ignore_eos=True, stop=("never-there", stop),
                                      skip_special_tokens=False)).result(TIMEOUT)
-    assert r.finish_reason == "stop"
+    assert (r.finish_reason, r.stop_reason) == ("stop", stop)
     assert r.text == text[:at]
     # the reply ends on the token that completes the match
     done = next(n for n in range(1, len(full.token_ids) + 1) if stop in tok.decode(list(full.token_ids[:n])))

@@ -459,10 +459,12 @@ def test_stop_strings(client, model, http):
     expected = text[:text.find(stop)]
     r = client.chat.completions.create(**base, stop=[stop, "\u2603never"])
     assert r.choices[0].message.content == expected and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].stop_reason == stop  # vLLM's field: the stop string that matched
     assert r.usage.completion_tokens < 24
     streamed = list(client.chat.completions.create(**base, stop=stop, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == expected
-    assert streamed[-1].choices[0].finish_reason == "stop"
+    assert streamed[-1].choices[0].finish_reason == "stop" and streamed[-1].choices[0].stop_reason == stop
+    assert "stop_reason" not in client.chat.completions.create(**base).choices[0].model_dump(exclude_unset=True)
     # Completions route, same rule.
     ids = http.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
     cr = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 24, "temperature": 0.0,
@@ -533,6 +535,137 @@ def test_return_token_ids(http):
     for i, c in enumerate(done["choices"]):
         mine = [x for x in chunks if x["index"] == i]
         assert mine[0]["prompt_token_ids"] == pair[i] and [t for x in mine for t in x["token_ids"]] == c["token_ids"]
+
+
+# ------------------------------------------------------------------------------------------ Anthropic's API
+
+def _anthropic_events(text: str) -> list[tuple[str, dict]]:
+    """An SSE body's (event, data) pairs; each data's type is its event's."""
+    out = []
+    for block in text.strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines())
+        data = json.loads(lines["data"])
+        assert data["type"] == lines["event"]
+        out.append((lines["event"], data))
+    return out
+
+
+def test_anthropic_messages(http):
+    """/v1/messages: the chat route's reply as a message (text block, usage, stop reasons end_turn / max_tokens /
+    stop_sequence), the same streamed as Anthropic's events; a forced tool as a tool_use block, and a tool_result
+    turn; count_tokens = /tokenize of the same conversation; errors in Anthropic's shape. (Streamed thinking and
+    tool_use blocks: test_anthropic_stream_blocks.)"""
+    system, user = "Answer briefly.", "What colour is the sky?"
+    msg = {"max_tokens": 12, "temperature": 0.0, "system": [{"type": "text", "text": system,
+                                                               "cache_control": {"type": "ephemeral"}}],
+           "messages": [{"role": "user", "content": [{"type": "text", "text": user}]}]}
+    chat = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+            "max_tokens": 12, "temperature": 0.0}
+    want = http.post(CHAT, json=chat).json()
+    r = http.post("/v1/messages", json=msg).json()
+    text = want["choices"][0]["message"]["content"]
+    assert r["type"] == "message" and r["role"] == "assistant" and r["id"].startswith("msg_")
+    assert r["content"] == ([{"type": "text", "text": text}] if text else [])
+    assert r["stop_reason"] == {"stop": "end_turn", "length": "max_tokens"}[want["choices"][0]["finish_reason"]]
+    assert r["usage"]["input_tokens"] + r["usage"]["cache_read_input_tokens"] == want["usage"]["prompt_tokens"]
+    assert r["usage"]["output_tokens"] == want["usage"]["completion_tokens"]
+    events = _anthropic_events(http.post("/v1/messages", json={**msg, "stream": True}).text)
+    kinds = [k for k, _ in events]
+    assert kinds[:2] == ["message_start", "ping"] and kinds[-2:] == ["message_delta", "message_stop"]
+    assert events[0][1]["message"]["usage"]["input_tokens"] == want["usage"]["prompt_tokens"]
+    assert "".join(d["delta"]["text"] for k, d in events if k == "content_block_delta") == text
+    assert events[-2][1]["delta"]["stop_reason"] == r["stop_reason"]
+    assert events[-2][1]["usage"]["output_tokens"] == r["usage"]["output_tokens"]
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    cut = http.post("/v1/messages", json={**msg, "stop_sequences": ["\u2603", stop]}).json()
+    assert (cut["stop_reason"], cut["stop_sequence"]) == ("stop_sequence", stop)
+    assert cut["content"][0]["text"] == text[:text.find(stop)]
+    # tools: forced by name, then offered with a tool_result turn
+    weather = {"name": "weather", "description": "The weather in a city.",
+               "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                                "required": ["city"]}}
+    # (whitespace between JSON tokens is allowed in runs of up to 16 bytes, which the random model favours: room)
+    forced = {**msg, "max_tokens": 120, "tools": [weather], "tool_choice": {"type": "tool", "name": "weather"},
+              "thinking": {"type": "disabled"}}
+    r = http.post("/v1/messages", json=forced).json()
+    call = r["content"][-1]
+    assert r["stop_reason"] == "tool_use" and call["type"] == "tool_use" and call["name"] == "weather"
+    assert isinstance(call["input"]["city"], str) and call["id"]
+    turn = [{"role": "user", "content": user},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "weather",
+                                               "input": {"city": "Oslo"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "Sunny."}]}]
+    chat_turn = [{"role": "user", "content": user},
+                 {"role": "assistant", "content": "", "tool_calls": [{"id": "toolu_1", "type": "function", "function": {
+                     "name": "weather", "arguments": json.dumps({"city": "Oslo"})}}]},
+                 {"role": "tool", "tool_call_id": "toolu_1", "content": "Sunny."}]
+    fn = [{"type": "function", "function": {"name": "weather", "description": weather["description"],
+                                            "parameters": weather["input_schema"]}}]
+    counted = http.post("/v1/messages/count_tokens", json={"messages": turn, "tools": [weather]}).json()
+    assert counted == {"input_tokens": http.post("/tokenize", json={"messages": chat_turn, "tools": fn}).json()["count"]}
+    r = http.post("/v1/messages", json={"max_tokens": 4, "messages": turn, "tools": [weather]})
+    assert r.status_code == 200 and r.json()["usage"]["input_tokens"] + r.json()["usage"][
+        "cache_read_input_tokens"] == counted["input_tokens"]
+    for bad, where in (({"messages": turn}, "max_tokens"),
+                       ({**msg, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
+                        "document"),
+                       ({**msg, "temprature": 1}, "temprature"),
+                       ({**msg, "tool_choice": {"type": "sometimes"}}, "tool_choice")):
+        r = http.post("/v1/messages", json=bad)
+        assert r.status_code == 400
+        body = r.json()
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+        assert where in body["error"]["message"], body
+
+
+def test_anthropic_stream_blocks():
+    """MessagesStream over chat chunks (reasoning, content, a tool call, the finish, usage): thinking, text and
+    tool_use blocks opened and closed in order with their deltas, the stop reason and usage in message_delta; a
+    stop string as stop_sequence; a failure after the start as an error event."""
+    import asyncio
+
+    from server.anthropic import MessagesStream
+    from server.serving import SSE_DONE, _sse
+
+    def run(chunks):
+        async def feed():
+            for c in chunks:
+                yield c if isinstance(c, str) else _sse(c)
+
+        async def collect():
+            return "".join([x async for x in MessagesStream(feed(), "m").events()])
+        return _anthropic_events(asyncio.run(collect()))
+
+    def choice(delta, finish=None, **extra):
+        return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]}
+
+    usage = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}}
+    events = run([{**choice({"role": "assistant", "content": ""}), "prompt_token_ids": [1] * 7},
+                  choice({"reasoning_content": "hm"}), choice({"reasoning_content": "m"}),
+                  choice({"content": "Hi"}), choice({"content": "!"}),
+                  choice({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                          "function": {"name": "f", "arguments": '{"a": 1}'}}]}),
+                  choice({}, "tool_calls"), usage, SSE_DONE])
+    assert [k for k, _ in events] == [
+        "message_start", "ping", "content_block_start", "content_block_delta", "content_block_delta",
+        "content_block_stop", "content_block_start", "content_block_delta", "content_block_delta",
+        "content_block_stop", "content_block_start", "content_block_delta", "content_block_stop",
+        "message_delta", "message_stop"]
+    assert events[0][1]["message"]["usage"]["input_tokens"] == 7
+    blocks = [d for k, d in events if k == "content_block_start"]
+    assert [(b["index"], b["content_block"]["type"]) for b in blocks] == [(0, "thinking"), (1, "text"),
+                                                                          (2, "tool_use")]
+    assert blocks[2]["content_block"] == {"type": "tool_use", "id": "call_1", "name": "f", "input": {}}
+    deltas = [d["delta"] for k, d in events if k == "content_block_delta"]
+    assert deltas == [{"type": "thinking_delta", "thinking": "hm"}, {"type": "thinking_delta", "thinking": "m"},
+                      {"type": "text_delta", "text": "Hi"}, {"type": "text_delta", "text": "!"},
+                      {"type": "input_json_delta", "partial_json": '{"a": 1}'}]
+    assert events[-2][1]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert events[-2][1]["usage"]["output_tokens"] == 5
+    events = run([choice({"content": "a"}), choice({}, "stop", stop_reason="END"), usage, SSE_DONE])
+    assert events[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}
+    events = run([choice({"content": "a"}), {"error": {"message": "boom"}}, SSE_DONE])
+    assert [k for k, _ in events][-2:] == ["content_block_stop", "error"] and events[-1][1]["error"]["message"] == "boom"
 
 
 # ----------------------------------------------------------------------------------------------- completions

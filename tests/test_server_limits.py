@@ -66,6 +66,13 @@ def test_api_key(server, http):
     assert httpx.get(server.url + "/metrics").status_code == 200
     assert http.post("/v1/completions", json=body).status_code == 200
 
+    # Anthropic's clients send the key as x-api-key; a refusal on /v1/messages is in Anthropic's shape
+    msg = {"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(server.url + "/v1/messages", json=msg, headers={"x-api-key": "wrong"}, timeout=30.0)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.post(server.url + "/v1/messages", json=msg, headers={"x-api-key": KEY}, timeout=60.0)
+    assert r.status_code == 200 and r.json()["type"] == "message"
+
     good = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60.0)
     assert good.completions.create(model=good.models.list().data[0].id, prompt="hi", max_tokens=2).usage
     bad = openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0, timeout=60.0)

@@ -90,6 +90,9 @@ class TokenEvent:
     logprobs: tuple[TokenLogprob, ...] | None = None
     finish_reason: str | None = None  # "stop", "length", "cancelled" or "error" on the last event
     error: str | None = None
+    # with finish_reason "stop": the stop string that matched, or the stop id from stop_token_ids (None: EOS or the
+    # grammar's end), as vLLM's stop_reason
+    stop_reason: str | int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

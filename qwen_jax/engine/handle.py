@@ -21,6 +21,7 @@ class Completion:
     finish_reason: str
     logprobs: tuple[TokenLogprob, ...] | None = None
     error: str | None = None
+    stop_reason: str | int | None = None  # TokenEvent.stop_reason
 
 
 class RequestHandle:
@@ -125,4 +126,5 @@ class RequestHandle:
             last = ev
         if last is None:
             raise RuntimeError(f"request {self.request_id!r}: its events were already read")
-        return Completion(tuple(ids), "".join(text), last.finish_reason, tuple(lps) if lps else None, last.error)
+        return Completion(tuple(ids), "".join(text), last.finish_reason, tuple(lps) if lps else None, last.error,
+                          last.stop_reason)

@@ -113,9 +113,10 @@ class Stream:
                 self.matcher.advance(token)  # a token the mask forbade: ValueError, the stream fails
             elif token == self.grammar_after:
                 self.grammar_on = True
-        finish = None
+        finish = reason = None
         if token in self.stop_ids:
             finish = "stop"  # the stop token's own text is not part of the reply; what was held back is
+            reason = token if token in self.request.stop_token_ids else None
             text = self._flush()
         else:
             text = self.detok.add(token) if self.detok is not None else ""
@@ -123,7 +124,7 @@ class Stream:
             if len(self.generated) > self.request.min_tokens:  # stop strings in the text after min_tokens only
                 text, hit = self.stops.feed(text)
             if hit:
-                finish = "stop"  # the match and anything after it are dropped
+                finish, reason = "stop", self.stops.matched  # the match and anything after it are dropped
             elif self.grammar_on and self.matcher.terminated:
                 finish = "stop"  # the grammar's document is whole and nothing may follow it
                 text += self._flush()
@@ -132,7 +133,7 @@ class Stream:
                 finish = "length"
                 text += self._flush()
         lps = (logprob,) if logprob is not None else None
-        return TokenEvent((token,), text, lps, finish)
+        return TokenEvent((token,), text, lps, finish, stop_reason=reason)
 
     def _flush(self) -> str:
         if self.detok is None:

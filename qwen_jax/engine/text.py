@@ -50,16 +50,18 @@ class StopStrings:
     def __init__(self, stops: tuple[str, ...]):
         self.stops = tuple(s for s in stops if s)
         self.held = ""
+        self.matched: str | None = None  # the stop string found (the earliest in the text)
 
     def feed(self, text: str) -> tuple[str, bool]:
         """-> (text safe to release, whether a stop string matched)."""
         if not self.stops:
             return text, False
         buf = self.held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             self.held = ""
-            return buf[:min(hits)], True
+            at, self.matched = min(hits, key=lambda h: h[0])
+            return buf[:at], True
         keep = 0
         for s in self.stops:
             for n in range(min(len(s) - 1, len(buf)), keep, -1):
