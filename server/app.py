@@ -144,17 +144,17 @@ def build_app(serving: Serving, *, api_key: str | None = None,
         req = _parse(P.CompletionRequest, await request.body())
         return reply(await serving.completion(req, wait_disconnect(request)))
 
+    def converted(convert, req):
+        """An Anthropic request as ours (a refusal of the result a 400 like any other)."""
+        try:
+            return convert(req)
+        except ValidationError as e:
+            raise from_validation_error(e) from None
+
     @app.post("/v1/messages", dependencies=guarded)
     async def messages(request: Request):
-        try:
-            req = _parse(anthropic.MessagesRequest, await request.body())
-            try:
-                chat = anthropic.to_chat(req)
-            except ValidationError as e:
-                raise from_validation_error(e) from None
-            result = await serving.chat(chat, wait_disconnect(request))
-        except APIError as e:
-            return JSONResponse(anthropic.error_body(e), status_code=e.status, headers=e.headers)
+        req = _parse(anthropic.MessagesRequest, await request.body())
+        result = await serving.chat(converted(anthropic.to_chat, req), wait_disconnect(request))
         if isinstance(result, EventStream):
             events = anthropic.MessagesStream(result.chunks, serving.model_name).events()
             return SSEResponse(EventStream(events, result.close))
@@ -162,15 +162,8 @@ def build_app(serving: Serving, *, api_key: str | None = None,
 
     @app.post("/v1/messages/count_tokens", dependencies=guarded)
     async def count_tokens(request: Request):
-        try:
-            req = _parse(anthropic.CountTokensRequest, await request.body())
-            try:
-                tokenize = anthropic.tokenize_request(req)
-            except ValidationError as e:
-                raise from_validation_error(e) from None
-            result = await serving.tokenize(tokenize)
-        except APIError as e:
-            return JSONResponse(anthropic.error_body(e), status_code=e.status, headers=e.headers)
+        req = _parse(anthropic.CountTokensRequest, await request.body())
+        result = await serving.tokenize(converted(anthropic.tokenize_request, req))
         return JSONResponse({"input_tokens": result.count})
 
     @app.get("/v1/models", dependencies=guarded)
@@ -207,6 +200,7 @@ def build_app(serving: Serving, *, api_key: str | None = None,
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
+        # Anthropic's routes answer in Anthropic's shape
         body = anthropic.error_body(e) if request.url.path.startswith("/v1/messages") else e.body()
         return JSONResponse(body, status_code=e.status, headers=e.headers)
 
