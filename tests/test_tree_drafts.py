@@ -6,6 +6,7 @@ its chain-drafted ones, with the tiny random drafter and with an oracle tree who
 first child. As in tests/test_dflash_engine.py, that window rows are the fused serial step's bits is the device's
 gate."""
 
+import contextlib
 import dataclasses
 import heapq
 
@@ -13,6 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+# jax defines its `pallas_fuser_disable_nested_fuse` flag, part of every jit's trace context, when this module is
+# first imported, which its first lowering of a Pallas kernel does: a function jitted before that is traced and
+# compiled again at its next call (test_tree_rows_equal_one_row_windows's one-row window program was, ~10 s here).
+with contextlib.suppress(ImportError):
+    import jax.experimental.pallas.fuser  # noqa: F401
 
 from qwen_jax import dflash_programs as D
 from qwen_jax import model as M
@@ -135,12 +142,12 @@ def test_tree_rows_equal_one_row_windows(kv_cache):
     """`verify(tree_scratch=)` over a 7-row tree at cache_len 61 (its deepest rows past the page at 64), beside a
     dummy stream: each row's logits are those of a one-row verify at its position after its ancestors were
     committed one by one, bit for bit; the commit of a root-to-leaf path leaves those one-row commits' state; the
-    stream's own pages are untouched by the window. On the tiny model's first 3 layers (2 GDN, 1 attention: the
-    rows' bits are each layer's; tests/conftest.py, first_layers)."""
+    stream's own pages are untouched by the window. The stream's 61 tokens before it went in as one-row windows
+    too. On the tiny model's first 3 layers (2 GDN, 1 attention: the rows' bits are each layer's;
+    tests/conftest.py, first_layers)."""
     ck = first_layers(load_checkpoint(MODEL, dtype=jnp.bfloat16, progress=False))
     cfg, params = ck.config, ck.params
     be = Backend(kernels=True, interpret=True)
-    prefill = jax.jit(lambda p, s, b: M.prefill(p, s, b, cfg, be)[:2])
     tree_verify = jax.jit(lambda p, s, w, sc: M.verify(p, s, w, cfg, be, tree_scratch=sc))
     verify = jax.jit(lambda p, s, w: M.verify(p, s, w, cfg, be))
     commit = jax.jit(lambda s, k, w, pa, n: M.commit(s, k, w, pa, n, cfg, be))
@@ -153,7 +160,14 @@ def test_tree_rows_equal_one_row_windows(kv_cache):
     state = M.init_state(cfg.text, num_slots=3, num_pages=scratch_base + 2 * 2 * rows, page_size=64,
                          dtype=jnp.bfloat16, kv_dtype=kv)
     start = 61
-    _, state = prefill(params, state, M.make_prefill_batch(toks[None, :start], [0], [start], [1], table[:1]))
+    # The stream's first `start` tokens, decoded one by one (one-row windows, each committed) through the programs
+    # of the reference rows below: a prefill program of its own cost ~9 s of compiling on this CPU (and chain
+    # windows through the tree window's program run ~8x as long as these with an fp8 pool). The properties below
+    # hold from any state.
+    for t in range(start):
+        one = M.make_window(np.array([[toks[t]], [0]]), [[-1], [-1]], [t, 0], [1, 0], table)
+        _, k, _ = verify(params, state, one)
+        state = commit(state, k, one, jnp.zeros((2, 1), jnp.int32), jnp.asarray([1, 0]))
     tree = [-1, 0, 0, 1, 2, 4, 5, -1]  # the last a padding row
     wt = rng.integers(0, cfg.text.vocab_size, size=rows)
     window = M.make_window(np.stack([wt, np.zeros(rows, np.int64)]), [tree, [-1] * rows], [start, 0], [1, 0], table)
@@ -209,13 +223,17 @@ def _engine_no_drafter(**kw):
 
 
 PERIOD = 4
+# The oracle's request starts past every position the other requests here reach (a 70-token prompt and 24 tokens):
+# from this anchor position on, the engine's trees are the oracle's; below it, propose_tree's own.
+ORACLE_FROM = 100
 
 
-def ladder_oracle(table: np.ndarray):
-    """propose_tree's place: a ladder whose right continuation (table [slot, absolute position]: each stream's reply
-    with some positions changed) is always the second child, under a wrong first child; windows are kept whole, in
-    part and not at all, and never through a first child. The table enters the program as a numpy constant
-    (tests/test_dflash_engine.py says why)."""
+def ladder_oracle(table: np.ndarray, propose_tree):
+    """propose_tree's place: from anchor position ORACLE_FROM on, a ladder whose right continuation (table [slot,
+    absolute position]: each stream's reply with some positions changed) is always the second child, under a wrong
+    first child; windows are kept whole, in part and not at all, and never through a first child. Below it, the
+    trees of `propose_tree` (the real one), picked whole by jnp.where: their bits. The table enters the program as
+    a numpy constant (tests/test_dflash_engine.py says why)."""
 
     def oracle(logits, slot, anchor_position, nodes, branch):
         s = logits.shape[0]
@@ -226,52 +244,67 @@ def ladder_oracle(table: np.ndarray):
             right = jnp.asarray(table)[slot, pos]
             toks.append(right + 1 if i % 2 == 0 else right)
             pars.append(jnp.full((s,), 2 * d, jnp.int32))  # the right node one level up is row 2d (the root: 0)
-        return jnp.stack(toks, 1).astype(jnp.int32), jnp.stack(pars, 1)
+        own_toks, own_pars = propose_tree(logits, slot, anchor_position, nodes, branch)
+        ladder = (anchor_position >= ORACLE_FROM)[:, None]
+        return (jnp.where(ladder, jnp.stack(toks, 1).astype(jnp.int32), own_toks),
+                jnp.where(ladder, jnp.stack(pars, 1), own_pars))
 
     return oracle
 
 
 def test_tree_drafted_replies_equal_chain_drafted(monkeypatch):
     """Greedy and seeded replies (the seeded one with penalties that favour repeats), two streams at once, drafted as
-    chains, as trees of branch 3 (the penalized one also serially), and the penalized one as an oracle's ladders that
+    chains, as trees of branch 3 (the penalized one also serially), and a penalized one as an oracle's ladders that
     keep windows through second children only: the same bits; the pools back to baseline; the oracle's
-    trees accept drafts. (Until session 45 trees of branch 1, chains through the tree path, ran here too: an engine
-    of their own cost ~35 s of compiling on the CPU suite's machine, and the tree path is the one branch 3 takes;
-    branch 1's tree builder is propose_tree's (9, 1) case above.)"""
+    trees accept drafts. The oracle's request (a prompt of its own) runs in the branch-3 engine, its trees the
+    oracle's past ORACLE_FROM, where the other requests never reach (its ladders take no branch; an engine of its
+    own, of branch 2, cost ~40 s of compiling on this CPU).
+    (Until session 45 trees of branch 1, chains through the tree path, ran here too: an engine of their own cost
+    ~35 s of compiling on the CPU suite's machine, and the tree path is the one branch 3 takes; branch 1's tree
+    builder is propose_tree's (9, 1) case above.)"""
     prompts = _prompts()
-    penalized = _request(prompts[1], 11, max_tokens=24)
-    penalized = dataclasses.replace(penalized, sampling=dataclasses.replace(
-        penalized.sampling, presence_penalty=-2.0, frequency_penalty=-2.0, repetition_penalty=1.3))
+
+    def penalize(req):
+        return dataclasses.replace(req, sampling=dataclasses.replace(
+            req.sampling, presence_penalty=-2.0, frequency_penalty=-2.0, repetition_penalty=1.3))
+
+    penalized = penalize(_request(prompts[1], 11, max_tokens=24))
     reqs = [_request(prompts[0], None, max_tokens=24), penalized]
+    laddered = penalize(_request(prompts[0] + prompts[1], 11, max_tokens=24))
+    assert max(len(r.prompt_ids) + r.max_tokens for r in reqs) < ORACLE_FROM <= len(laddered.prompt_ids)
     replies = {}
-    for tree in (0, 3):
-        e = _engine(draft_tree=tree, draft_policy=DraftPolicy("always"))
-        try:
-            base = _baseline(e)
-            hs = [e.submit(r) for r in reqs]
-            replies[tree] = [h.result(TIMEOUT) for h in hs]
-            assert _baseline(e) == base
-            if tree:  # the penalized stream's tree windows: its serial reply (its rows count their paths' tokens)
-                _same(e.submit(dataclasses.replace(penalized, draft=False)).result(TIMEOUT), replies[tree][1])
-        finally:
-            e.shutdown()
-    for a, b in zip(replies[0], replies[3]):
-        _same(a, b)
-    # the oracle: the penalized seeded reply, periodically corrupted (its rows' penalties count the ladders' paths)
-    got = replies[0][1]
-    reply = np.asarray(list(penalized.prompt_ids) + list(got.token_ids) + [0] * 16, np.int32)
-    reply[np.arange(len(reply)) % PERIOD == 1] += 1
-    table = np.stack([reply, reply])  # a lone request decodes on slot 1
-    monkeypatch.setattr(D, "propose_tree", ladder_oracle(table))
-    # what the windows tell the draft policy (programs.path_ranks): every draft that stood a second child
-    seen = []
-    landed = Acceptance.landed_ranks
-    monkeypatch.setattr(Acceptance, "landed_ranks", lambda self, ranks, decay: (seen.append(list(ranks)),
-                                                                               landed(self, ranks, decay)))
-    e = _engine(draft_tree=2, draft_policy=DraftPolicy("always"))
+    e = _engine(draft_policy=DraftPolicy("always"))
     try:
+        base = _baseline(e)
+        hs = [e.submit(r) for r in reqs]
+        replies[0] = [h.result(TIMEOUT) for h in hs]
+        got = e.submit(laddered).result(TIMEOUT)  # the oracle's reply, drafted as chains
+        assert _baseline(e) == base
+    finally:
+        e.shutdown()
+    # the oracle: that reply, periodically corrupted (its rows' penalties count the ladders' paths)
+    reply = np.asarray(list(laddered.prompt_ids) + list(got.token_ids) + [0] * 16, np.int32)
+    reply[np.arange(len(reply)) % PERIOD == 1] += 1
+    table = np.stack([reply] * 3)  # a lone request decodes on slot 1
+    monkeypatch.setattr(D, "propose_tree", ladder_oracle(table, D.propose_tree))
+    e = _engine(draft_tree=3, draft_policy=DraftPolicy("always"))
+    try:
+        base = _baseline(e)
+        hs = [e.submit(r) for r in reqs]
+        replies[3] = [h.result(TIMEOUT) for h in hs]
+        assert _baseline(e) == base
+        # the penalized stream's tree windows: its serial reply (its rows count their paths' tokens)
+        _same(e.submit(dataclasses.replace(penalized, draft=False)).result(TIMEOUT), replies[3][1])
+        for a, b in zip(replies[0], replies[3]):
+            _same(a, b)
+        # what the oracle's windows tell the draft policy (programs.path_ranks): every draft that stood a second
+        # child
+        seen = []
+        landed = Acceptance.landed_ranks
+        monkeypatch.setattr(Acceptance, "landed_ranks", lambda self, ranks, decay: (seen.append(list(ranks)),
+                                                                                   landed(self, ranks, decay)))
         before = e.stats()
-        out = e.submit(penalized).result(TIMEOUT)
+        out = e.submit(laddered).result(TIMEOUT)
         after = e.stats()
         _same(got, out)
         accepted = after.draft_accepted_total - before.draft_accepted_total
@@ -279,5 +312,6 @@ def test_tree_drafted_replies_equal_chain_drafted(monkeypatch):
         stood = [x for ranks in seen for x in ranks if x >= 0]
         assert stood == [1] * accepted, seen
         assert any(P.MISSED in ranks for ranks in seen)  # windows kept in part or not at all
+        assert _baseline(e) == base
     finally:
         e.shutdown()
