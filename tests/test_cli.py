@@ -14,6 +14,9 @@ from tests.conftest import CAPTURES
 
 TINY = str(CAPTURES / "tiny")
 NO_CACHE = ["--compile-cache", ""]
+# The generate tests' context: one engine layout, so the decode programs the first of them compiles are the rest's
+# (the run's compilation cache; tests/conftest.py). Each reply fits: at most a 102-token prompt and 80 tokens.
+SHARED = ["--max-model-len", "256"] + NO_CACHE
 REFS = np.load(CAPTURES / "refs" / "hf-tiny-f32.npz")
 PROMPTS = json.loads((CAPTURES / "refs" / "prompts.json").read_text())
 
@@ -47,8 +50,8 @@ def test_generate_json_on_the_engine(capsys):
     ids = _ids("repeat")
     want = np.load(CAPTURES / "refs" / "hf-tiny-penalties-f32.npz")["repeat.rep1.3.gen_ids"].tolist()
     assert main(["generate", "--model", TINY, "--dtype", "float32", "--token-ids", ",".join(map(str, ids)),
-                 "--max-tokens", str(len(want)), "--ignore-eos", "--json", "--max-model-len", "256",
-                 "--repetition-penalty", "1.3"] + NO_CACHE) == 0
+                 "--max-tokens", str(len(want)), "--ignore-eos", "--json", "--repetition-penalty", "1.3"]
+                + SHARED) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["prompt_token_ids"] == ids
     assert out["token_ids"] == want
@@ -63,7 +66,7 @@ def test_generate_json_schema(tmp_path, capsys):
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps({"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]}))
     assert main(["generate", "--model", TINY, "--dtype", "float32", "--token-ids", "5,6,7", "--max-tokens", "80",
-                 "--json", "--json-schema", str(schema)] + NO_CACHE) == 0
+                 "--json", "--json-schema", str(schema)] + SHARED) == 0
     text = json.loads(capsys.readouterr().out.splitlines()[-1])["text"]
     assert "".join(text.split()) in ('{"a":1}', '{"a":2}'), text
     with pytest.raises(SystemExit, match="'multipleOf' is not supported"):
@@ -76,7 +79,7 @@ def test_generate_regex(capsys):
     supported set is a clear error naming it."""
     pattern = r"(red|green|blue)-[0-9]{2}"
     assert main(["generate", "--model", TINY, "--dtype", "float32", "--token-ids", "5,6,7", "--max-tokens", "20",
-                 "--json", "--regex", pattern] + NO_CACHE) == 0
+                 "--json", "--regex", pattern] + SHARED) == 0
     text = json.loads(capsys.readouterr().out.splitlines()[-1])["text"]
     assert re.fullmatch(pattern, text), text
     with pytest.raises(SystemExit, match="lookaround"):
@@ -88,7 +91,7 @@ def test_generate_grammar(tmp_path, capsys):
     gbnf = tmp_path / "g.gbnf"
     gbnf.write_text('root ::= pair ("," pair){0,2}\npair ::= [a-c] "=" [0-9]\n')
     assert main(["generate", "--model", TINY, "--dtype", "float32", "--token-ids", "5,6,7", "--max-tokens", "20",
-                 "--json", "--grammar", str(gbnf)] + NO_CACHE) == 0
+                 "--json", "--grammar", str(gbnf)] + SHARED) == 0
     text = json.loads(capsys.readouterr().out.splitlines()[-1])["text"]
     text = re.sub(r"<\|(im_end|endoftext)\|>$", "", text)  # a stop id where the text may end (printed raw)
     assert re.fullmatch(r"[a-c]=[0-9](,[a-c]=[0-9]){0,2}", text), text
@@ -127,15 +130,18 @@ def test_eval_kv_reports_agreement(capsys):
 
 
 def test_eval_kv_through_decode_windows_matches_hf_logits(tmp_path, capsys):
-    """--path decode: the text as chain verify windows of 16 rows (the last one shorter), each committed before
-    the next. Through the float32 cache the mean NLL is HF transformers' (every row sees its whole prefix at its
-    position), and the fp8 cache read by the decode attention moves the distributions as little as in prompts."""
+    """--path decode: the text as chain verify windows of 3 rows (--window-rows; the last one shorter, one across
+    the page at 64), each committed before the next. Through the float32 cache the mean NLL is HF transformers'
+    (every row sees its whole prefix at its position), and the fp8 cache read by the decode attention moves the
+    distributions as little as in prompts. (The default window, 16 rows, took ~4x as long to compile on this CPU;
+    the flag's bounds are checked below.)"""
     path = tmp_path / "long.txt"
     path.write_text(PROMPTS["long"]["text"], encoding="utf-8")
     ids = _ids("long")
-    assert (len(ids) - 1) % 16
+    rows = 3
+    assert (len(ids) - 1) % rows and 64 % rows
     assert main(["eval", "kv", "--model", TINY, "--dtype", "float32", "--text", str(path), "--path", "decode",
-                 "--json", "--max-model-len", "512"] + NO_CACHE) == 0
+                 "--window-rows", str(rows), "--json", "--max-model-len", "512"] + NO_CACHE) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["path"] == "decode" and res["tokens"] == len(ids) - 1
     assert abs(np.log(res["ppl_bf16"]) - _hf_nll("long")) <= 1e-4
