@@ -183,6 +183,12 @@ def _engine(ck, policy: DraftPolicy):
     e = Engine(ck.params, ck.config, None, dtype="bfloat16", max_model_len=192, parallel=2, max_queued=8,
                backend=Backend(kernels=True, interpret=True), buckets=buckets, progress=False, copy_drafts=True,
                draft_rows=8, draft_policy=policy)
+    # Its requests are greedy: the sorted draw (`decode_sorted`, for top-k / top-p sampling) never runs, and is not
+    # compiled (~9 s on this CPU); a request that needed it would fail (`Programs._get`: not compiled), and this
+    # test too.
+    keys = [k for k in e.programs.bucket_keys() if k[0] != "decode_sorted"]
+    compile_all = e.programs.compile
+    e.programs.compile = lambda progress=False: compile_all(keys, progress=progress)  # what `start` compiles
     e.start()
     return e
 
