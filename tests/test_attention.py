@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import attention as at
 from pallas_kernels import kv_quant as kq
@@ -266,23 +267,25 @@ def _committed(pool: kq.KVPool, table, k_rows, v_rows, start: int) -> kq.KVPool:
 def test_window_rows_equal_serial_steps():
     """What drafting needs of the window (drafted ≡ serial): row r of a chain window over C committed keys has the
     bits of the one-row step at position C + r after rows 0 .. r - 1 were committed (C + r committed keys, the row's
-    own key the only window key). Each row here holds its own random query, key and value."""
+    own key the only window key). Each row here holds its own random query, key and value. Five streams of 7-row
+    chains (SMALL_WINDOW's shapes, so the windows and the steps are the compiled calls of the tests above) over 40,
+    0, 5, 43 and 65 committed keys, every stream's row r checked at the step that commits rows 0 .. r - 1 of all."""
     rng = np.random.default_rng(21)
-    r, c = 8, 40
+    r, lens = 7, [40, 0, 5, 43, 65]
     q, kw, vw, par, pool, table, cache_len = window_case(
-        rng, s=1, r=r, dtype=jnp.bfloat16, pmax=9, num_pages=16, cache_lens=[c], parents=[list(range(-1, r - 1))],
-        **SMALL)
+        rng, r=r, dtype=jnp.bfloat16, **dict(SMALL_WINDOW, cache_lens=lens, parents=[CHAIN] * len(lens)))
     scale = SMALL["d"] ** -0.5
     drafted = np.asarray(run_window(q, kw, vw, par, pool, table, cache_len, scale=scale, interpret=True,
                                     tiles=SMALL_TILES))
     differ = []
     for i in range(r):
-        committed = _committed(pool, table[0], kw[0, :i], vw[0, :i], c)
+        committed = pool
+        for j, c in enumerate(lens):
+            committed = _committed(committed, table[j], kw[j, :i], vw[j, :i], c)
         serial = run_window(q[:, i:i + 1], kw[:, i:i + 1], vw[:, i:i + 1], par[:, :1], committed, table,
                             cache_len + i, scale=scale, interpret=True, tiles=SMALL_TILES)
-        if not np.array_equal(bits(serial[0, 0]), bits(drafted[0, i])):
-            differ.append(i)
-    assert differ == [], f"rows {differ} of the {r}-row chain differ from their serial steps"
+        differ += [(j, i) for j in range(len(lens)) if not np.array_equal(bits(serial[j, 0]), bits(drafted[j, i]))]
+    assert differ == [], f"(stream, row) {differ} of the {r}-row chains differ from their serial steps"
 
 
 def rows_case(rng, *, lens, r, hq, hkv, d, page_size, pmax, dtype, trees=False):
@@ -321,13 +324,19 @@ def rows_share_chunks(tiles, row_len, base, max_keys) -> list[bool | None]:
     return [None if lo != hi else int(b) >= lo for (lo, hi), b in zip(sizes, np.asarray(base))]
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "tiles"))
+def run_window_rows(q, k_win, v_win, pool, table, row_tables, row_len, base, *, scale, interpret, tiles):
+    return at.window_rows(q, k_win, v_win, pool, table, row_tables, row_len, base, scale=scale, interpret=interpret,
+                          tiles=tiles)
+
+
 def window_rows_and_one_row_windows(case, *, scale, tiles, interpret):
     """(`window_rows` of the case, the same rows as one-row windows, streams of their own in one call), as arrays."""
     q, kw, vw, pool, table, row_tables, row_len, base = case
     s, r = q.shape[:2]
     one = lambda a: a.reshape((s * r, 1) + a.shape[2:])  # noqa: E731
-    got = jax.jit(functools.partial(at.window_rows, scale=scale, interpret=interpret, tiles=tiles))(
-        q, kw, vw, pool, table, row_tables, row_len, base)
+    got = run_window_rows(q, kw, vw, pool, table, row_tables, row_len, base, scale=scale, interpret=interpret,
+                          tiles=tiles)
     want = run_window(one(q), one(kw), one(vw), jnp.full((s * r, 1), -1, jnp.int32), pool, row_tables,
                       row_len.reshape(-1), scale=scale, interpret=interpret, tiles=tiles)
     return np.asarray(got), np.asarray(want).reshape(got.shape)
@@ -341,14 +350,17 @@ ROWS_TILES = at.WindowTiles(block_k=16, chunk=128, short_chunk=32, merge_block_d
 @pytest.mark.parametrize("trees", [False, True], ids=["chains", "trees"])
 def test_window_rows_are_one_row_windows(dtype, trees, monkeypatch):
     """`window_rows` (a drafted window's rows, pass 1 over the keys below them once) gives every row the bits of
-    its own one-row window: streams inside the first chunk, with 3 shared chunks of 32 keys, 4 of 64 and 4 of 128,
-    padding rows beside them; then a call with a stream whose rows straddle the 256-key threshold (the one-row
-    calls themselves run)."""
+    its own one-row window: streams inside the first chunk, with 3 shared chunks of 32 keys (its rows running on
+    into the next chunk: both tail chunks), 4 of 64 and 4 of 128, padding rows beside them; then a call with a
+    stream whose rows straddle the 256-key threshold (the one-row calls themselves run, for every stream of the
+    call). Both calls hold 4 streams of 4 rows: one compiled program (`window_rows` picks its path at run time),
+    and the chains' and trees' calls share it too."""
     monkeypatch.setattr(at, "SHARED_ROWS", True)
     rng = np.random.default_rng(31)
     max_keys = 80 * SMALL["page_size"]
-    for lens, paths in (([20, 100, 300, 600], [False, True, True, True]), ([250, 20], [None, False])):
-        r = 8
+    for lens, paths in (([20, 126, 300, 600], [False, True, True, True]),
+                        ([254, 20, 130, 500], [None, False, True, True])):
+        r = 4
         case = rows_case(rng, lens=lens, r=r, **SMALL, pmax=80, dtype=dtype, trees=trees)
         assert rows_share_chunks(ROWS_TILES, case[6], case[7], max_keys) == paths
         got, want = window_rows_and_one_row_windows(case, scale=SMALL["d"] ** -0.5, tiles=ROWS_TILES,
@@ -358,11 +370,16 @@ def test_window_rows_are_one_row_windows(dtype, trees, monkeypatch):
                               bits(want.reshape(len(lens) * r, -1)[live])), lens
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16], ids=["bf16"])
 def test_window_fold_pass_bits(dtype):
     """The fold pass (tables of more than `fold` chunks): right against float64, each row's bits free of other
     streams, the table width and the fold pass's launch split; and a stream whose context fits one group gets the
-    bits of the one-pass merge (a table of at most `fold` chunks skips the pass)."""
+    bits of the one-pass merge (a table of at most `fold` chunks skips the pass). Over a bf16 pool: the fold pass
+    and the merge's fold never read the pool, only pass 1's fp32 partials. Over fp8 pools: the merge after the fold
+    pass or folding the groups itself, the 1-row fp8 steps of test_window_fold_in_merge_bits and
+    test_window_merge_loads_bits; fp8 pass 1's bits free of other streams and the table width,
+    test_window_row_bits_ignore_other_streams_table_width_and_merge_split[fp8]; fp8 folded in groups against
+    float64, the tickets tail of test_fp8_chunk_v_max; compiled, test_window_fold_pass_gpu_27b[fp8]."""
     rng = np.random.default_rng(13)
     case = window_case(rng, r=7, dtype=dtype, **SMALL_WINDOW)  # 9 pages of 8: 3 chunks of 32 -> 2 groups of 2
     q, kw, vw, par, pool, table, cache_len = case
@@ -410,38 +427,44 @@ def test_stream_chunking_follows_the_rule():
             assert at.table_chunks(max_keys, chunk, short) >= np.asarray(count)[live].max(), (chunk, short, max_keys)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16], ids=["bf16"])
 def test_window_short_chunks_are_the_fixed_chunks_they_pick(dtype):
     """WindowTiles.short_chunk: each stream's keys in the chunk its own context picks (16, 32 or 64 keys here, at
-    most SHORT_CHUNKS of them), a row's bits those of that chunk fixed for the whole call; right against float64."""
+    most SHORT_CHUNKS of them), a row's bits those of that chunk fixed for the whole call (the same streams in a
+    call of each fixed chunk size; a row's bits never follow the other streams: the tests above); right against
+    float64. Over a bf16 pool: the chunk a stream picks follows its context alone, whatever the pool. fp8 pools in
+    short chunks: test_fp8_chunk_v_max (the shipped fp8 dots, the chunk picked equal to it fixed, right against
+    float64) and test_window_rows_are_one_row_windows[*-fp8] (chunks of 32, 64 and 128 picked by context)."""
     rng = np.random.default_rng(29)
     tiles = dataclasses.replace(SMALL_TILES, chunk=64, short_chunk=16)
     lens = [0, 5, 100, 200, 300, 384]
     case = window_case(rng, r=7, dtype=dtype, s=len(lens), pmax=48, num_pages=300, cache_lens=lens,
                        parents=[TREE, CHAIN, TREE, CHAIN, TREE, CHAIN], **SMALL)
-    q, kw, vw, par, pool, table, cache_len = case
     scale = SMALL["d"] ** -0.5
     batch = run_window(*case, scale=scale, interpret=True, tiles=tiles)
     assert rel_err(batch, np_window(*case, scale)) < 1e-2
     picks = [picked_chunk(n, 64, 16, at.SHORT_CHUNKS) for n in lens]
     assert picks[1:] == [16, 16, 32, 64, 64]
+    fixed = {size: run_window(*case, scale=scale, interpret=True,
+                              tiles=dataclasses.replace(tiles, chunk=size, short_chunk=None))
+             for size in sorted(set(picks))}
     for i, size in enumerate(picks):
-        one = (q[i:i + 1], kw[i:i + 1], vw[i:i + 1], par[i:i + 1], pool, table[i:i + 1], cache_len[i:i + 1])
-        fixed = run_window(*one, scale=scale, interpret=True, tiles=dataclasses.replace(tiles, chunk=size,
-                                                                                         short_chunk=None))
-        assert np.array_equal(bits(fixed[0]), bits(batch[i])), (lens[i], size)
+        assert np.array_equal(bits(fixed[size][i]), bits(batch[i])), (lens[i], size)
     # the 384-key stream's chunks of 64 are the plain tiles' own: short contexts alone change
-    plain = run_window(*case, scale=scale, interpret=True, tiles=dataclasses.replace(tiles, short_chunk=None))
+    plain = fixed[64]  # (the plain tiles: chunks of 64, no short chunks)
+    assert dataclasses.replace(tiles, short_chunk=None) == dataclasses.replace(tiles, chunk=64, short_chunk=None)
     assert np.array_equal(bits(plain[-1]), bits(batch[-1]))
     assert not np.array_equal(bits(plain[2]), bits(batch[2]))
 
 
 # 16-key chunks folded in pairs over a table of 12 pages of 8 (6 chunks, padded to 4 groups), every context short
 # of it: 70 keys (5 chunks: groups of 2, 2 and a last one of 1), 13 (one chunk), none, 40 (3 chunks: a full group
-# and a last one of 1), 24 (one full group).
+# and a last one of 1), 24 (one full group). Windows of up to 9 rows (18 packed rows at 2 query heads a KV head:
+# more than a 16-row merge program holds), trees and chains; the merge tests below take 9 rows or 1, so the
+# merges they share are compiled once (`window_over_partials`).
 FOLD_TILES = at.WindowTiles(block_k=16, chunk=16, merge_block_d=16, fold=2)
-FOLD_WINDOW = dict(s=5, pmax=12, num_pages=70, cache_lens=[70, 13, 0, 40, 24],
-                   parents=[TREE, CHAIN, TREE, CHAIN, TREE], **SMALL)
+NINE = [TREE + [6, 7], list(range(-1, 8))]
+FOLD_WINDOW = dict(s=5, pmax=12, num_pages=70, cache_lens=[70, 13, 0, 40, 24], parents=NINE * 2 + NINE[:1], **SMALL)
 
 
 def exact_product_partials(rng, cache_len, *, hkv: int, rows: int, group: int, chunk: int, chunks: int, d: int,
@@ -463,11 +486,26 @@ def exact_product_partials(rng, cache_len, *, hkv: int, rows: int, group: int, c
     return jnp.asarray(m, jnp.float32), jnp.asarray(l, jnp.float32), jnp.asarray(acc, acc_dtype)
 
 
-def test_window_fold_in_merge_bits(monkeypatch):
+@functools.partial(jax.jit, static_argnames="tiles")
+def window_over_partials(partials, q, k_win, v_win, parents, pool, table, cache_len, *, tiles):
+    """`attention.window` (interpreted, SMALL's scale) with pass 1 swapped for `partials` (m, l, acc as
+    `window_partials` returns them: `exact_product_partials`), which the program takes as operands: one compile
+    for each (shapes, tiles), shared by the tests that merge such partials."""
+    pass_one = at.window_partials
+    at.window_partials = lambda *args, **kwargs: partials
+    try:
+        return at.window(q, k_win, v_win, parents, pool, table, cache_len, scale=SMALL["d"] ** -0.5, interpret=True,
+                         tiles=tiles)
+    finally:
+        at.window_partials = pass_one
+
+
+def test_window_fold_in_merge_bits():
     """WindowTiles.fold_in_merge=True (the merge folds the groups itself; no fold kernel) has the bits of the fold
-    pass and merge: a 7-row tree over a bf16 pool with fp32 O partials, at merge unrolls that load part of a group
-    (1) and two whole groups (4) a step, and a 1-row step over an fp8 pool with bf16 O partials, the whole table a
-    step (None: 16); rows out in fp32, where a regrouped sum shows (folding in fours instead of pairs does).
+    pass and merge: 9-row trees and chains over a bf16 pool with fp32 O partials, at merge unrolls that load part
+    of a group (1) and two whole groups (4) a step, and a 1-row step over an fp8 pool with bf16 O partials, the
+    whole table a step (None: 16); rows out in fp32, where a regrouped sum shows (folding in fours instead of pairs
+    does).
     Pass 1 is swapped for exact_product_partials: XLA:CPU contracts a*b + c into an FMA where its code for a
     fusion keeps the two in one basic block, which follows its fusions' layout (LLVM tail-merged one row's last add
     out of the FMA in one fusion and not in another here), so on the CPU the fp32 bits of arbitrary partials
@@ -494,53 +532,44 @@ def test_window_fold_in_merge_bits(monkeypatch):
     assert not at.fold_in_merge(FOLD_TILES, streams=2, hkv=4, chunks=bound + 1)
     assert not at.fold_in_merge(FOLD_TILES, streams=3, hkv=4, chunks=8)
 
-    def run(*case, tiles):  # (a trace of its own: pass 1 is swapped)
-        return jax.jit(functools.partial(at.window, scale=scale, interpret=True, tiles=tiles))(*case)
-
     two = dataclasses.replace(FOLD_TILES, fold_in_merge=False)
     fused = dataclasses.replace(FOLD_TILES, fold_in_merge=True)
-    for dtype, rows, acc_dtype, unrolls in ((jnp.bfloat16, 7, jnp.float32, (1, 4)), (kq.FP8, 1, jnp.bfloat16, (None,))):
+    for dtype, rows, acc_dtype, unrolls in ((jnp.bfloat16, 9, jnp.float32, (1, 4)), (kq.FP8, 1, jnp.bfloat16, (None,))):
         case = window_case(rng, r=rows, dtype=dtype, **FOLD_WINDOW)
         case = (case[0].astype(jnp.float32),) + case[1:]
         parts = exact_product_partials(rng, FOLD_WINDOW["cache_lens"], hkv=hkv, rows=rows, group=group,
                                        chunk=FOLD_TILES.chunk, chunks=8, d=SMALL["d"], acc_dtype=acc_dtype)
-        monkeypatch.setattr(at, "window_partials", lambda *args, **kwargs: parts)
-        want = run(*case, tiles=two)
+        want = window_over_partials(parts, *case, tiles=two)
         assert np.isfinite(np.asarray(want)).all()
         for unroll in unrolls:
-            got = run(*case, tiles=dataclasses.replace(fused, merge_unroll=unroll))
+            got = window_over_partials(parts, *case, tiles=dataclasses.replace(fused, merge_unroll=unroll))
             assert np.array_equal(bits(got), bits(want)), (dtype, rows, unroll)
-    fours = run(*case, tiles=dataclasses.replace(fused, fold=4))
+    fours = window_over_partials(parts, *case, tiles=dataclasses.replace(fused, fold=4))
     assert not np.array_equal(bits(fours[0]), bits(want[0]))  # 70 keys: 5 chunks
     assert np.array_equal(bits(fours[1:]), bits(want[1:]))  # at most 3 chunks: the same sums either way
 
 
-def test_window_merge_loads_bits(monkeypatch):
+def test_window_merge_loads_bits():
     """WindowTiles.merge_loads="early" (every load issued first, partials past the context selected away rather
     than skipped) has the loop merge's bits: on a table of
     one group (the merge folds the chunk partials), with the fold pass (group partials) and with the merge folding
-    the groups itself; a 7-row tree over a bf16 pool with fp32
+    the groups itself; 9-row trees and chains over a bf16 pool with fp32
     O partials and a 1-row step over an fp8 pool with bf16 O partials; rows out in fp32; unwritten partials NaN
     (exact_product_partials), so a partial past a stream's context that entered a sum would show. And the rule:
     early where the program's partials fit MERGE_EARLY_ELEMENTS."""
     rng = np.random.default_rng(35)
     hkv, group = SMALL["hkv"], SMALL["hq"] // SMALL["hkv"]
-
-    def run(*case, tiles):  # (a trace of its own: pass 1 is swapped)
-        return jax.jit(functools.partial(at.window, scale=SMALL["d"] ** -0.5, interpret=True, tiles=tiles))(*case)
-
-    for dtype, rows, acc_dtype in ((jnp.bfloat16, 7, jnp.float32), (kq.FP8, 1, jnp.bfloat16)):
+    for dtype, rows, acc_dtype in ((jnp.bfloat16, 9, jnp.float32), (kq.FP8, 1, jnp.bfloat16)):
         case = window_case(rng, r=rows, dtype=dtype, **FOLD_WINDOW)
         case = (case[0].astype(jnp.float32),) + case[1:]
         parts = exact_product_partials(rng, FOLD_WINDOW["cache_lens"], hkv=hkv, rows=rows, group=group,
                                        chunk=FOLD_TILES.chunk, chunks=8, d=SMALL["d"], acc_dtype=acc_dtype)
-        monkeypatch.setattr(at, "window_partials", lambda *args, **kwargs: parts)
         for label, change in (("one group", dict(fold=8)), ("fold pass", dict(fold_in_merge=False)),
                               ("fused", dict(fold_in_merge=True))):
             tiles = dataclasses.replace(FOLD_TILES, **change)
-            want = run(*case, tiles=dataclasses.replace(tiles, merge_loads="loop"))
+            want = window_over_partials(parts, *case, tiles=dataclasses.replace(tiles, merge_loads="loop"))
             assert np.isfinite(np.asarray(want)).all(), label
-            got = run(*case, tiles=dataclasses.replace(tiles, merge_loads="early"))
+            got = window_over_partials(parts, *case, tiles=dataclasses.replace(tiles, merge_loads="early"))
             assert np.array_equal(bits(got), bits(want)), (dtype, label)
     limit = at.MERGE_EARLY_ELEMENTS
     # a 1-stream decode folding the longest table the fused merge takes
@@ -550,10 +579,10 @@ def test_window_merge_loads_bits(monkeypatch):
     assert at.merge_early(dataclasses.replace(FOLD_TILES, merge_loads="early"), entries=512, mrows=128, bd=256)
     assert not at.merge_early(dataclasses.replace(FOLD_TILES, merge_loads="loop"), entries=1, mrows=8, bd=16)
     with pytest.raises(ValueError, match="merge_loads"):
-        run(*case, tiles=dataclasses.replace(FOLD_TILES, merge_loads="eager"))
+        window_over_partials(parts, *case, tiles=dataclasses.replace(FOLD_TILES, merge_loads="eager"))
 
 
-def test_window_merge_rows_bits(monkeypatch):
+def test_window_merge_rows_bits():
     """The merge's rows split over programs (`WindowTiles.merge_block_rows`, a launch choice) keep every row's
     bits: 9-row windows (18 packed rows of 32) over a 5-chunk table, the fold pass or the merge folding the groups
     itself, early or loop loads, in programs of 16 rows (the second holding two real rows) or all 32; rows out in
@@ -562,22 +591,16 @@ def test_window_merge_rows_bits(monkeypatch):
     rng = np.random.default_rng(36)
     hkv, group = SMALL["hkv"], SMALL["hq"] // SMALL["hkv"]
     rows = 9
-
-    def run(*case, tiles):  # (a trace of its own: pass 1 is swapped)
-        return jax.jit(functools.partial(at.window, scale=SMALL["d"] ** -0.5, interpret=True, tiles=tiles))(*case)
-
-    nine = [TREE + [6, 7], list(range(-1, 8))]
-    case = window_case(rng, r=rows, dtype=jnp.bfloat16, **dict(FOLD_WINDOW, parents=nine * 2 + nine[:1]))
+    case = window_case(rng, r=rows, dtype=jnp.bfloat16, **FOLD_WINDOW)
     case = (case[0].astype(jnp.float32),) + case[1:]
     parts = exact_product_partials(rng, FOLD_WINDOW["cache_lens"], hkv=hkv, rows=rows, group=group,
                                    chunk=FOLD_TILES.chunk, chunks=8, d=SMALL["d"], acc_dtype=jnp.float32)
-    monkeypatch.setattr(at, "window_partials", lambda *args, **kwargs: parts)
     for fused in (False, True):
         for loads in ("early", "loop"):
             tiles = dataclasses.replace(FOLD_TILES, fold_in_merge=fused, merge_loads=loads)
-            want = run(*case, tiles=dataclasses.replace(tiles, merge_block_rows=32))
+            want = window_over_partials(parts, *case, tiles=dataclasses.replace(tiles, merge_block_rows=32))
             assert np.isfinite(np.asarray(want)).all()
-            got = run(*case, tiles=dataclasses.replace(tiles, merge_block_rows=16))
+            got = window_over_partials(parts, *case, tiles=dataclasses.replace(tiles, merge_block_rows=16))
             assert np.array_equal(bits(got), bits(want)), (fused, loads)
     few = at.MERGE_SPLIT_MAX_PROGRAMS
     assert at.merge_rows(FOLD_TILES, mrows=16, programs=few) == 16  # a 1-row decode: as before
@@ -585,14 +608,18 @@ def test_window_merge_rows_bits(monkeypatch):
     assert at.merge_rows(FOLD_TILES, mrows=128, programs=few + 1) == 128  # ... where the call has more programs
     assert at.merge_rows(dataclasses.replace(FOLD_TILES, merge_block_rows=64), mrows=32, programs=1) == 32
     with pytest.raises(ValueError, match="merge_block_rows"):
-        run(*case, tiles=dataclasses.replace(FOLD_TILES, merge_block_rows=24))
+        window_over_partials(parts, *case, tiles=dataclasses.replace(FOLD_TILES, merge_block_rows=24))
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, kq.FP8], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16], ids=["bf16"])
 def test_window_tickets_tail(dtype):
     """tail="tickets" (fold and merge in pass 1's tail, by atomic tickets): right against float64, with a stream
     of no committed keys (it runs no chunk) among them; a stream that fits one group has the bits of the two-pass
-    window's one-pass merge; a row's bits free of other streams and of the table width; with row parts too."""
+    window's one-pass merge; a row's bits free of other streams and of the table width; with row parts too. Over a
+    bf16 pool: the tickets, the groups and the row parts never read the pool. fp8 pools through the tickets kernel:
+    test_fp8_chunk_v_max (right against float64, a one-group stream the two-pass merge's bits) and
+    test_fp8_v_keys_major_gives_the_same_bits (V by rows or key-major, pages of 8 and 32); compiled,
+    test_window_tickets_gpu_27b[fp8]."""
     rng = np.random.default_rng(15)
     case = window_case(rng, r=7, dtype=dtype, **SMALL_WINDOW)  # contexts 0 / 5 / 43 / 32 / 72 keys, chunks of 32
     q, kw, vw, par, pool, table, cache_len = case
@@ -786,29 +813,35 @@ def test_page_layouts_give_the_same_bits(dtype):
 def test_fp8_v_keys_major_gives_the_same_bits():
     """An fp8 pool holding v key-major (`KVPool.v_layout` "keys") gives the bits of the same pool by rows: windows
     over both walks, both tails and both fp8 dots, pages smaller than a key block (whole pages gathered) and larger,
-    prompts paged and copied contiguous."""
+    prompts paged and copied contiguous. The layout only changes how pass 1 and the prompt load V (`_v_rows`,
+    `_v_pages`, `KVPool.v_pages` for the copy); so the f16 dots ride with the tickets tail (whose pass 1 is the
+    chunk kernel's `_chunk_partial`, as the two-pass tail's), the page walk runs where a page holds more than a key
+    block (on pages of 8 a block gathers whole pages whatever the walk), and the contiguous copy (the same kernel
+    for any page size) and `window_reference` (which reads V as the copy does) are taken from pages of 8."""
     rng = np.random.default_rng(16)
     layouts = same_keys_two_page_sizes(rng, kq.FP8, s=3, context=96, hkv=2, d=32)
     scale = 32 ** -0.5
     (q, kw, vw, par, cache_len), (qp, start, lengths) = layout_calls(rng)
     base = at.WindowTiles(block_k=16, chunk=64, merge_block_d=16, merge_unroll=2)
-    windows = [base, dataclasses.replace(base, walk="page"), dataclasses.replace(base, fp8_dot="float16"),
-               dataclasses.replace(base, chunk=32, fold=2, tail="tickets")]
-    prompts = [at.PromptTiles(block_q=16, block_k=16, contiguous=c) for c in (False, True)]
+    f16_tickets = dataclasses.replace(base, chunk=32, fold=2, tail="tickets", fp8_dot="float16")
     for pool, table in layouts:  # pages of 8 (a 16-key block gathers two) and of 32
         keys = kq.with_v_layout(pool, "keys")
         assert keys.v.shape == pool.v.shape[:2] + pool.v.shape[:1:-1]
-        for tiles in windows:
+        walks = [dataclasses.replace(base, walk="page")] if pool.page_size > base.block_k else []
+        for tiles in [base, *walks, f16_tickets]:
             rows = run_window(q, kw, vw, par, pool, table, cache_len, scale=scale, interpret=True, tiles=tiles)
             moved = run_window(q, kw, vw, par, keys, table, cache_len, scale=scale, interpret=True, tiles=tiles)
             assert np.array_equal(bits(rows), bits(moved)), (pool.page_size, tiles)
-        for tiles in prompts:
+        contiguous = (False, True) if pool.page_size == 8 else (False,)
+        for tiles in [at.PromptTiles(block_q=16, block_k=16, contiguous=c) for c in contiguous]:
             rows = run_prompt(qp, pool, table, start, lengths, scale=scale, interpret=True, tiles=tiles)
             moved = run_prompt(qp, keys, table, start, lengths, scale=scale, interpret=True, tiles=tiles)
             assert np.array_equal(bits(rows), bits(moved)), (pool.page_size, tiles)
         assert rel_err(moved, np_prompt(qp, pool, table, start, lengths, scale)) < 1e-2
-        ref = window_reference(q, kw, vw, par, keys, table, cache_len, scale=scale)
-        assert np.array_equal(bits(ref), bits(window_reference(q, kw, vw, par, pool, table, cache_len, scale=scale)))
+        if pool.page_size == 8:  # (the reference reads V through `KVPool.v_pages`, as the contiguous copy does)
+            ref = window_reference(q, kw, vw, par, keys, table, cache_len, scale=scale)
+            assert np.array_equal(bits(ref),
+                                  bits(window_reference(q, kw, vw, par, pool, table, cache_len, scale=scale)))
         assert np.array_equal(np_window(q, kw, vw, par, keys, table, cache_len, scale),  # the float64 oracle's
                               np_window(q, kw, vw, par, pool, table, cache_len, scale))  # reading of either layout
     (pool, table), _ = layouts
@@ -845,13 +878,14 @@ def test_fp8_chunk_v_max():
     assert np.array_equal(bits(alone[0]), bits(batch[2]))
     split = run_window(*case, scale=scale, interpret=True, tiles=dataclasses.replace(tiles, merge_block_d=32))
     assert np.array_equal(bits(split), bits(batch))
-    # Short chunks: 70 keys in chunks of 16 (its pick) within a table of 64-key chunks, against 16 fixed.
-    short = dataclasses.replace(tiles, chunk=64, short_chunk=16)
+    # Short chunks: every stream (at most 72 keys) in chunks of 32 (its pick) within a table of 128-key chunks (the
+    # chunk's V max read over a chunk's pages from each short chunk's start), against 32 fixed (the tiles above).
+    short = dataclasses.replace(tiles, chunk=128, short_chunk=32)
     lens = jnp.asarray([70, 43, 0, 9, 72], jnp.int32)
+    assert [picked_chunk(int(n), 128, 32, at.SHORT_CHUNKS) for n in lens] == [tiles.chunk] * 5
     mixed = run_window(q, kw, vw, par, pool, table, lens, scale=scale, interpret=True, tiles=short)
-    fixed = run_window(q[:1], kw[:1], vw[:1], par[:1], pool, table[:1], lens[:1], scale=scale, interpret=True,
-                       tiles=dataclasses.replace(short, chunk=16, short_chunk=None))
-    assert np.array_equal(bits(fixed[0]), bits(mixed[0]))
+    fixed = run_window(q, kw, vw, par, pool, table, lens, scale=scale, interpret=True, tiles=tiles)
+    assert np.array_equal(bits(fixed), bits(mixed))
     assert rel_err(mixed, np_window(q, kw, vw, par, pool, table, lens, scale)) < 1e-2
     tickets = run_window(*case, scale=scale, interpret=True, tiles=dataclasses.replace(tiles, fold=2, tail="tickets"))
     assert rel_err(tickets, np_window(*case, scale)) < 1e-2
@@ -870,19 +904,22 @@ def test_fp8_chunk_v_max():
 
 
 def test_fp8_f16_dot_keeps_rows_of_mixed_magnitude():
+    """Keys and values of sizes 10^-3 .. 10^3 (a value row's scale) side by side in the pages, window values of 10^-3:
+    both fp8 dots right against float64. At SMALL_WINDOW's shapes (contexts of a whole table, off the page grid,
+    inside the first page and none), so the calls are the compiled windows of the tests above."""
     rng = np.random.default_rng(14)
-    hkv, pages, ps, d = 2, 24, 8, 32
+    hkv, pages, ps, d = SMALL["hkv"], SMALL_WINDOW["num_pages"], SMALL["page_size"], SMALL["d"]
     sizes = 10.0 ** rng.uniform(-3, 3, size=(hkv, pages, ps, 1))
     (kc, ks), (vc, vs) = (kq.quantize_reference(jnp.asarray(rng.standard_normal((hkv, pages, ps, d)) * f, jnp.float32))
                           for f in (1.0, sizes))
     pool = kq.KVPool(kc, vc, ks, vs)
-    s, r = 2, 3
-    table = scattered_tables(rng, s, 10, pages)
-    q = jnp.asarray(rng.standard_normal((s, r, 4, d)), jnp.bfloat16)
+    s, r = SMALL_WINDOW["s"], 7
+    table = scattered_tables(rng, s, SMALL_WINDOW["pmax"], pages)
+    q = jnp.asarray(rng.standard_normal((s, r, SMALL["hq"], d)), jnp.bfloat16)
     kw = jnp.asarray(rng.standard_normal((s, r, hkv, d)), jnp.bfloat16)
     vw = jnp.asarray(rng.standard_normal((s, r, hkv, d)) * 1e-3, jnp.bfloat16)
-    par = jnp.asarray([CHAIN[:r], TREE[:r]], jnp.int32)
-    cache_len = jnp.asarray([80, 37], jnp.int32)
+    par = jnp.asarray([CHAIN, TREE, CHAIN, TREE, CHAIN], jnp.int32)
+    cache_len = jnp.asarray([72, 37, 43, 5, 0], jnp.int32)
     scale = d ** -0.5
     want = np_window(q, kw, vw, par, pool, table, cache_len, scale)
     for fp8_dot in ("bfloat16", "float16"):
@@ -957,35 +994,85 @@ def triton_calls(fn, *args) -> int:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("__gpu$xla.gpu.triton")
 
 
+def pallas_calls(jaxpr) -> list:
+    """The Pallas calls of a traced program, at any depth of its nested programs (not inside the kernels)."""
+    from jax.extend import core as jex_core
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found.append(eqn)
+            continue
+        for sub in jex_core.jaxprs_in_params(eqn.params):
+            found += pallas_calls(sub)
+    return found
+
+
+def triton_kernel_names(jaxpr) -> list[str]:
+    """The names of the Pallas calls in a traced program that go to the Triton lowering on a GPU (their compiler
+    params are Triton's; the Mosaic GPU kernels carry their own)."""
+    return [eqn.params["name"] for eqn in pallas_calls(jaxpr)
+            if isinstance(eqn.params["compiler_params"], plgpu.CompilerParams)]
+
+
+def lower_together(calls: list) -> tuple[list, str]:
+    """calls [(label, fn, args)] traced as one program, each call a jitted program of its own inside it, and that
+    program lowered for CUDA (on any host) -> (each call's traced program, the lowered text). A kernel that several
+    calls share (the same kernel, parameters and shapes: `calls.pallas_call`) is lowered to Triton once for the
+    module rather than once per call; every call's kernels are still lowered. A lowering that fails is retried
+    call by call, so the error names its call."""
+    fns = [jax.jit(fn) for _, fn, _ in calls]
+    traced = jax.jit(lambda *arg_lists: [f(*a) for f, a in zip(fns, arg_lists)]).trace(
+        *[args for _, _, args in calls])
+    programs = [eqn.params["jaxpr"].jaxpr for eqn in traced.jaxpr.eqns]
+    assert len(programs) == len(calls)
+    try:
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    except Exception:
+        for label, fn, args in calls:
+            try:
+                triton_calls(fn, *args)
+            except Exception as e:
+                raise AssertionError(f"{label} does not lower for CUDA") from e
+        raise
+    return programs, text
+
+
 def test_kernels_lower_to_triton_at_27b_shape(h200_lowering):
     """Lowers the shipped tiles and the bench's candidates (window, prompt) and the KV write to Triton IR for an
     H200, on the CPU (jax's own lowering, no Triton compile): an op the Triton lowering lacks fails here rather
     than in a device run. Shared memory and register limits are only found by the compile (see the test above).
-    fp8 pools in both V layouts (`KVPool.v_layout`)."""
+    fp8 pools in both V layouts (`KVPool.v_layout`). The calls are lowered as one program (`lower_together`: every
+    call's kernels lowered, a kernel that calls share, such as a merge over either V layout, once rather than once
+    a call), each call's own program checked to hold Triton kernels; over the bf16 pool, configurations that differ
+    only in the fp8 fields (the same lowered text, checked when this was written) are lowered once."""
     sds = jax.ShapeDtypeStruct
+    calls, fused_programs = [], []  # fused_programs: (index into calls, whether the merge folds the groups itself)
     for kv, v_layout in ((jnp.bfloat16, "rows"), (kq.FP8, "rows"), (kq.FP8, "keys")):
         v_shape = (4, 300, 256, 64) if v_layout == "keys" else (4, 300, 64, 256)
         pool = kq.KVPool(sds((4, 300, 64, 256), kv), sds(v_shape, kv),
                          *((sds((4, 300, 64), jnp.float32),) * 2 if kv == kq.FP8 else ()), v_layout=v_layout)
-        for tiles in [None] + list(dict.fromkeys(gpu_window_configs())):
+        pool_name = f"{jnp.dtype(kv).name} pool, V by {v_layout}"
+        configs = gpu_window_configs()
+        if kv != kq.FP8:  # fp8_dot and fp8_v_max are read over fp8 pools only: configs apart in those alone lower alike
+            configs = [dataclasses.replace(tiles, fp8_dot="bfloat16", fp8_v_max="block") for tiles in configs]
+        for tiles in [None] + list(dict.fromkeys(configs)):
             for s, r, pmax in ((1, 1, 2048), (4, 16, 40)):
                 fn = functools.partial(at.window, scale=1 / 16, tiles=tiles)
                 args = (sds((s, r, 24, 256), jnp.bfloat16), sds((s, r, 4, 256), jnp.bfloat16),
                         sds((s, r, 4, 256), jnp.bfloat16), sds((s, r), jnp.int32), pool, sds((s, pmax), jnp.int32),
                         sds((s,), jnp.int32))
-                assert triton_calls(fn, *args)
+                calls.append((f"window, {pool_name}, S={s} R={r} Pmax={pmax}, {tiles}", fn, args))
         # 1 stream over a 32K-key table, the model's tiles (test_window_fold_in_merge_gpu_27b): the merge folding
         # the groups itself (two a step; half a group a step, fp32 queries) and the fold pass with the merge.
         model = at.model_window_tiles(jnp.bfloat16, pool, 24, max_keys=512 * 64, interpret=False)
         for q_dtype, fused, unroll, loads in ((jnp.bfloat16, True, None, None), (jnp.float32, True, 4, "loop"),
                                               (jnp.float32, False, None, "early"), (jnp.bfloat16, False, None, "loop")):
-            fn = functools.partial(at.window, scale=1 / 16,
-                                   tiles=dataclasses.replace(model, fold_in_merge=fused, merge_unroll=unroll,
-                                                             merge_loads=loads))
+            tiles = dataclasses.replace(model, fold_in_merge=fused, merge_unroll=unroll, merge_loads=loads)
+            fn = functools.partial(at.window, scale=1 / 16, tiles=tiles)
             args = (sds((1, 1, 24, 256), q_dtype), sds((1, 1, 4, 256), jnp.bfloat16), sds((1, 1, 4, 256), jnp.bfloat16),
                     sds((1, 1), jnp.int32), pool, sds((1, 512), jnp.int32), sds((1,), jnp.int32))
-            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-            assert ("attn_window_fold" in text) != fused and "__gpu$xla.gpu.triton" in text
+            fused_programs.append((len(calls), fused))
+            calls.append((f"window, {pool_name}, {jnp.dtype(q_dtype).name} queries, {tiles}", fn, args))
         for tiles in [None] + gpu_prompt_configs():
             fn = functools.partial(at.prompt, scale=1 / 16, tiles=tiles)
             args = (sds((1, 512, 24, 256), jnp.bfloat16), pool, sds((1, 24), jnp.int32), sds((1,), jnp.int32),
@@ -994,21 +1081,30 @@ def test_kernels_lower_to_triton_at_27b_shape(h200_lowering):
                 text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
                 assert "mosaic_gpu" in text and "__gpu$xla.gpu.triton" not in text
             else:
-                assert triton_calls(fn, *args)
+                calls.append((f"prompt, {pool_name}, {tiles}", fn, args))
         rows = sds((4, 37, 4, 256), jnp.bfloat16)
-        assert triton_calls(kq.write, pool, rows, rows, sds((4, 9), jnp.int32), sds((4, 37), jnp.int32),
-                            sds((4, 37), jnp.bool_))
+        calls.append((f"KV write, {pool_name}", kq.write,
+                      (pool, rows, rows, sds((4, 9), jnp.int32), sds((4, 37), jnp.int32), sds((4, 37), jnp.bool_))))
     # V key-major over pages smaller than a key block (two 16-key pages a 32-key block, `attention._v_pages`).
     small = kq.KVPool(sds((4, 300, 16, 256), kq.FP8), sds((4, 300, 256, 16), kq.FP8),
                       *(sds((4, 300, 16), jnp.float32),) * 2, v_layout="keys")
     tiles = at.WindowTiles(block_k=32, chunk=512, fp8_dot="float16", fp8_v_max="chunk")
-    assert triton_calls(functools.partial(at.window, scale=1 / 16, tiles=tiles), sds((1, 1, 24, 256), jnp.bfloat16),
-                        sds((1, 1, 4, 256), jnp.bfloat16), sds((1, 1, 4, 256), jnp.bfloat16), sds((1, 1), jnp.int32),
-                        small, sds((1, 64), jnp.int32), sds((1,), jnp.int32))
+    calls.append(("window, fp8 pool of 16-key pages, V by keys",
+                  functools.partial(at.window, scale=1 / 16, tiles=tiles),
+                  (sds((1, 1, 24, 256), jnp.bfloat16), sds((1, 1, 4, 256), jnp.bfloat16),
+                   sds((1, 1, 4, 256), jnp.bfloat16), sds((1, 1), jnp.int32), small, sds((1, 64), jnp.int32),
+                   sds((1,), jnp.int32))))
     prompt_tiles = at.PromptTiles(block_q=64, block_k=32, contiguous=False, fp8_dot="float16")
-    assert triton_calls(functools.partial(at.prompt, scale=1 / 16, tiles=prompt_tiles),
-                        sds((1, 128, 24, 256), jnp.bfloat16), small, sds((1, 24), jnp.int32), sds((1,), jnp.int32),
-                        sds((1,), jnp.int32))
+    calls.append(("prompt, fp8 pool of 16-key pages, V by keys",
+                  functools.partial(at.prompt, scale=1 / 16, tiles=prompt_tiles),
+                  (sds((1, 128, 24, 256), jnp.bfloat16), small, sds((1, 24), jnp.int32), sds((1,), jnp.int32),
+                   sds((1,), jnp.int32))))
+    programs, text = lower_together(calls)
+    assert "__gpu$xla.gpu.triton" in text and "attn_window_fold" in text
+    for (label, _, _), program in zip(calls, programs):
+        assert triton_kernel_names(program), label
+    for i, fused in fused_programs:
+        assert ("attn_window_fold" in triton_kernel_names(programs[i])) != fused, calls[i][0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
