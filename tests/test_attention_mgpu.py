@@ -56,23 +56,32 @@ class _NumpyWithRowInvariantMatmul:
         return getattr(np, name)
 
 
-@pytest.fixture(autouse=True)
-def row_invariant_interpreter_wgmma(monkeypatch):
+@pytest.fixture(autouse=True, scope="module")
+def row_invariant_interpreter_wgmma():
     """The interpreter's wgmma is numpy's matmul, which (OpenBLAS) rounds a row differently at different rows of
     the tile: a row moved from row 63 of a warpgroup's tile to row 50 (a chunk cut) came out 1 ulp off in float32.
     The wgmma rounds a row the same wherever it sits (a fixed datapath for every element; the gpu tests below
     check the kernel's rows there), so the interpreter gets a fixed-order sum instead, and the CPU tests see the
-    kernel's own row independence. Fails, rather than skips, if a jax upgrade moves the interpreter."""
+    kernel's own row independence. Fails, rather than skips, if a jax upgrade moves the interpreter. Module-scoped,
+    so the module's shared calls (`bf16_whole`) run under it too."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     assert gpu_callbacks.np is np, "jax's GPU interpreter no longer calls numpy as expected"
-    monkeypatch.setattr(gpu_callbacks, "np", _NumpyWithRowInvariantMatmul())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gpu_callbacks, "np", _NumpyWithRowInvariantMatmul())
+        yield
 
 
-def test_matches_reference_and_float64():
-    rng = np.random.default_rng(40)
-    case = prompt_case(rng, dtype=jnp.bfloat16, **CASE)
+@pytest.fixture(scope="module")
+def bf16_whole():
+    """CASE over a bf16 pool and the kernel's output for it: the whole call that the reference, chunk-cut, poison
+    and routing tests compare against (one interpreted call of ~3 s, made once for them)."""
+    case = prompt_case(np.random.default_rng(40), dtype=jnp.bfloat16, **CASE)
+    return case, run(*case, scale=SMALL["d"] ** -0.5)
+
+
+def test_matches_reference_and_float64(bf16_whole):
+    case, got = bf16_whole
     scale = SMALL["d"] ** -0.5
-    got = run(*case, scale=scale)
     want = np_prompt(*case, scale)
     ref = prompt_reference(*case, scale=scale)
     assert rel_err(got, want) < 1e-2
@@ -81,17 +90,16 @@ def test_matches_reference_and_float64():
     assert not np.asarray(got[2, 9:].astype(jnp.float32)).any()
 
 
-def test_row_bits_ignore_chunk_cuts_tiles_and_streams():
-    rng = np.random.default_rng(41)
-    q, pool, table, start, lengths = prompt_case(rng, dtype=jnp.bfloat16, **CASE)
+def test_row_bits_ignore_chunk_cuts_tiles_and_streams(bf16_whole):
+    (q, pool, table, start, lengths), whole = bf16_whole
     scale = SMALL["d"] ** -0.5
-    whole = run(q, pool, table, start, lengths, scale=scale)
     # Stream 1 (rows at 37..236) resumed in chunks cut off the tile, block and page grids: rows [0, 13), [13, 150),
-    # [150, 200), each a call of its own with another stream beside it and padded rows.
+    # [150, 200), each a call of its own with other streams beside it and padded rows (the whole call's shapes, so
+    # its program; stream 0 holds stream 2's queries and, like stream 2, 9 rows, so the streams beside are short).
     pieces = []
     for a, b in ((0, 13), (13, 150), (150, 200)):
         qc = jnp.zeros_like(q).at[1, : b - a].set(q[1, a:b]).at[0].set(q[2])
-        out = run(qc, pool, table, start.at[1].add(a), lengths.at[1].set(b - a), scale=scale)
+        out = run(qc, pool, table, start.at[1].add(a), lengths.at[1].set(b - a).at[0].set(lengths[2]), scale=scale)
         pieces.append(out[1, : b - a])
     assert np.array_equal(bits(jnp.concatenate(pieces)), bits(whole[1]))
     # Alone in its call: the same bits.
@@ -131,14 +139,12 @@ def test_pipeline_has_no_races(tiles):
     assert rel_err(got, np_prompt(*case, scale)) < 1e-2
 
 
-def test_poison_outside_the_rows_and_the_table_never_leaks():
+def test_poison_outside_the_rows_and_the_table_never_leaks(bf16_whole):
     """NaN queries in rows past a stream's length and NaN keys in pages no table holds (page 0, the dummy page
     that pads the table to whole key blocks, excepted: masked keys there meet P = 0) change no real row and leave
     the padded rows zero."""
-    rng = np.random.default_rng(43)
-    q, pool, table, start, lengths = prompt_case(rng, dtype=jnp.bfloat16, **CASE)
+    (q, pool, table, start, lengths), clean = bf16_whole
     scale = SMALL["d"] ** -0.5
-    clean = run(q, pool, table, start, lengths, scale=scale)
     unused = np.setdiff1d(np.arange(1, pool.num_pages), np.asarray(table).ravel())
     poison = lambda x: x.at[:, unused].set(jnp.nan)
     dirty_pool = kq.KVPool(poison(pool.k), poison(pool.v))
@@ -158,7 +164,7 @@ def dequantized_pool(pool: kq.KVPool) -> kq.KVPool:
 def test_fp8_pool_runs_the_bf16_kernel_over_its_dequantized_values():
     """An fp8 pool's call is, bit for bit, the call over a bf16 pool holding bf16(code x scale) computed by numpy;
     right against float64 over the fp8 pool's exact values; a stream cut into two chunks off every grid gives the
-    same bits; attention.prompt(impl="mgpu") routes fp8 pools here."""
+    same bits; attention.prompt(impl="mgpu") routes fp8 pools here (checked on the first chunk's call)."""
     rng = np.random.default_rng(48)
     q, pool, table, start, lengths = prompt_case(rng, dtype=kq.FP8, **CASE)
     scale = SMALL["d"] ** -0.5
@@ -168,8 +174,9 @@ def test_fp8_pool_runs_the_bf16_kernel_over_its_dequantized_values():
     head = run(q[1:2, :77], pool, table[1:2], start[1:2], jnp.asarray([77], jnp.int32), scale=scale)
     tail = run(q[1:2, 77:], pool, table[1:2], start[1:2] + 77, jnp.asarray([123], jnp.int32), scale=scale)
     assert np.array_equal(bits(jnp.concatenate([head[0], tail[0]])), bits(got[1]))
-    routed = at.prompt(q, pool, table, start, lengths, scale=scale, interpret=True, tiles=at.PromptTiles(impl="mgpu"))
-    assert np.array_equal(bits(routed), bits(got))
+    routed = at.prompt(q[1:2, :77], pool, table[1:2], start[1:2], jnp.asarray([77], jnp.int32), scale=scale,
+                       interpret=True, tiles=at.PromptTiles(impl="mgpu"))
+    assert np.array_equal(bits(routed), bits(head))
 
 
 def test_fp8_pool_with_v_keys_major_copies_the_same_rows():
@@ -183,12 +190,11 @@ def test_fp8_pool_with_v_keys_major_copies_the_same_rows():
         assert a.shape == b.shape and np.array_equal(bits(a), bits(b))
 
 
-def test_prompt_routes_bf16_and_fp8_to_mgpu_and_fp32_to_triton():
-    rng = np.random.default_rng(44)
-    case = prompt_case(rng, dtype=jnp.bfloat16, **CASE)
+def test_prompt_routes_bf16_and_fp8_to_mgpu_and_fp32_to_triton(bf16_whole):
+    case, whole = bf16_whole
     scale = SMALL["d"] ** -0.5
     routed = at.prompt(*case, scale=scale, interpret=True, tiles=at.PromptTiles(impl="mgpu"))
-    assert np.array_equal(bits(routed), bits(run(*case, scale=scale)))
+    assert np.array_equal(bits(routed), bits(whole))
     wide = prompt_case(np.random.default_rng(45), dtype=jnp.float32, **dict(CASE, t=40, lengths=[40, 40, 9]))
     tiles = at.PromptTiles(block_q=16, block_k=16)
     assert np.array_equal(bits(at.prompt(*wide, scale=scale, interpret=True,

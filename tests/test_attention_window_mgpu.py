@@ -34,14 +34,73 @@ TILES = at.WindowTiles(chunk=128, fold=2, impl="mgpu", partials=awm.PARTIALS)
 SCALE = SMALL["d"] ** -0.5
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
-def run(q, kw, vw, par, pool, table, cache_len, *, tiles=TILES, interpret=True):
+def window_call(q, kw, vw, par, pool, table, cache_len, *, tiles=TILES, interpret=True):
     return at.window(q, kw, vw, par, pool, table, cache_len, scale=SCALE, interpret=interpret, tiles=tiles)
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
-def partials(q, pool, table, cache_len, *, tiles=TILES, interpret=True):
+def partials_call(q, pool, table, cache_len, *, tiles=TILES, interpret=True):
     return at.window_partials(q, pool, table, cache_len, scale=SCALE, tiles=tiles, interpret=interpret)
+
+
+_run = jax.jit(window_call, static_argnames=("tiles", "interpret"))
+_partials = jax.jit(partials_call, static_argnames=("tiles", "interpret"))
+
+
+# `run` and `partials` pass tiles and interpret on by keyword always: jax.jit keys its programs by the arguments as
+# passed, so a call leaving tiles at the default and one naming the same tiles would trace and compile twice.
+def run(q, kw, vw, par, pool, table, cache_len, *, tiles=TILES, interpret=True):
+    return _run(q, kw, vw, par, pool, table, cache_len, tiles=tiles, interpret=interpret)
+
+
+def partials(q, pool, table, cache_len, *, tiles=TILES, interpret=True):
+    return _partials(q, pool, table, cache_len, tiles=tiles, interpret=interpret)
+
+
+class Shared:
+    """A case's operands and the calls made over them so far (`run` and `partials` at given tiles), so tests making
+    the same call over the same case read its result rather than interpret the kernel again (module fixtures)."""
+
+    def __init__(self, case):
+        self.case = case
+        self._out = {}
+
+    def run(self, tiles=TILES):
+        if ("run", tiles) not in self._out:
+            self._out["run", tiles] = run(*self.case, tiles=tiles)
+        return self._out["run", tiles]
+
+    def partials(self, tiles=TILES):
+        if ("partials", tiles) not in self._out:
+            q, _, _, _, pool, table, cache_len = self.case
+            self._out["partials", tiles] = partials(q, pool, table, cache_len, tiles=tiles)
+        return self._out["partials", tiles]
+
+
+# The 9-row windows of 16 query heads (72 packed rows: two compute warpgroups) over 300 and 70 keys, a tree and a
+# chain.
+TWO = dict(hq=16, s=2, cache_lens=[300, 70], parents=[TREE + [6, 7], list(range(-1, 8))])
+
+
+@pytest.fixture(scope="module")
+def bf16_case():
+    """CASE's 7-row bf16 window (28 packed rows, one compute warpgroup), its calls shared by the tests below."""
+    return Shared(window_case(np.random.default_rng(60), r=7, dtype=jnp.bfloat16, **CASE))
+
+
+@pytest.fixture(scope="module")
+def bf16_two():
+    """TWO's bf16 window (two compute warpgroups), its calls shared by the tests below."""
+    return Shared(window_case(np.random.default_rng(62), r=9, dtype=jnp.bfloat16, **dict(CASE, **TWO)))
+
+
+PAGES64 = dict(page_size=64, pmax=6, num_pages=40)  # 384-key tables, as CASE's 320 three 128-key chunks
+
+
+@pytest.fixture(scope="module")
+def fp8_two64():
+    """TWO's window over an fp8 pool of 64-key pages, V by rows (the pass 1 that dequantizes): the fp8 tests below
+    share its window call."""
+    return Shared(window_case(np.random.default_rng(68), r=9, dtype=kq.FP8, **dict(CASE, **PAGES64, **TWO)))
 
 
 def fresh_jit(fn, static=("scale", "interpret", "tiles")):
@@ -62,10 +121,9 @@ def _live_rows(part, cache_len, chunk, rows):
     return out
 
 
-def test_matches_reference_and_float64():
-    rng = np.random.default_rng(60)
-    case = window_case(rng, r=7, dtype=jnp.bfloat16, **CASE)
-    got = run(*case)
+def test_matches_reference_and_float64(bf16_case):
+    case = bf16_case.case
+    got = bf16_case.run()
     want = np_window(*case, SCALE)
     assert got.shape == case[0].shape and got.dtype == case[0].dtype
     assert rel_err(got, want) < 1e-2
@@ -75,25 +133,22 @@ def test_matches_reference_and_float64():
     assert rel_err(triton, want) < 1e-2
 
 
-def test_bf16_partials_are_the_fp32_partials_rounded_once():
+def test_bf16_partials_are_the_fp32_partials_rounded_once(bf16_case, bf16_two):
     """WindowTiles.partials "bfloat16": each stored O partial is the fp32 one rounded to bf16 (the same sums, one
     rounding), m and l are the fp32 run's bits, and the window stays right against float64 (one and two compute
     warpgroups, the fold pass included)."""
-    rng = np.random.default_rng(66)
     t16 = dataclasses.replace(TILES, partials="bfloat16")
     t32 = dataclasses.replace(TILES, partials="float32")
-    two = dict(hq=16, s=2, cache_lens=[300, 70], parents=[TREE + [6, 7], list(range(-1, 8))])
-    for r, heads in ((7, {}), (9, two)):  # 28 packed rows; 72 (two compute warpgroups)
-        case = window_case(rng, r=r, dtype=jnp.bfloat16, **dict(CASE, **heads))
+    for r, shared in ((7, bf16_case), (9, bf16_two)):  # 28 packed rows; 72 (two compute warpgroups)
+        case = shared.case
         q, kw, vw, par, pool, table, cache_len = case
-        rows = r * (heads.get("hq", SMALL["hq"]) // SMALL["hkv"])
-        (m32, l32, a32), (m16, l16, a16) = partials(q, pool, table, cache_len, tiles=t32), partials(
-            q, pool, table, cache_len, tiles=t16)
+        rows = r * (q.shape[2] // SMALL["hkv"])
+        (m32, l32, a32), (m16, l16, a16) = shared.partials(t32), shared.partials(t16)
         assert a32.dtype == jnp.float32 and a16.dtype == jnp.bfloat16
         for got, want in ((m16, m32), (l16, l32), (a16, a32.astype(jnp.bfloat16))):
             for a, b in zip(_live_rows(got, cache_len, 128, rows), _live_rows(want, cache_len, 128, rows)):
                 assert np.array_equal(bits(a), bits(b)), r
-        assert rel_err(run(*case, tiles=t16), np_window(*case, SCALE)) < 1e-2
+        assert rel_err(shared.run(t16), np_window(*case, SCALE)) < 1e-2
     with pytest.raises(ValueError, match="partials"):
         run(*case, tiles=dataclasses.replace(t16, impl="triton"))
     with pytest.raises(ValueError, match="partials"):
@@ -106,23 +161,25 @@ def dequantized_pool(pool: kq.KVPool) -> kq.KVPool:
     return kq.KVPool(deq(pool.k, pool.k_scale), deq(pool.v, pool.v_scale))
 
 
-def test_fp8_pool_partials_are_the_bf16_pass_over_its_dequantized_keys():
+def test_fp8_pool_partials_are_the_bf16_pass_over_its_dequantized_keys(fp8_two64):
     """An fp8 pool on the Mosaic GPU pass 1 (one compute warpgroup a CTA; a 72-row window in two CTAs): each key
     block's codes dequantized to bf16(code x scale) in shared memory, so the partials are bit for bit those of the
     bf16 pass 1 over a pool holding those values (rows split the same way, a launch choice there); the window is
-    right against float64, a stream alone has its bits among others, and the 1-row step has row 0's bits."""
-    rng = np.random.default_rng(68)
-    two = dict(hq=16, s=2, cache_lens=[300, 70], parents=[TREE + [6, 7], list(range(-1, 8))])
-    for r, heads in ((7, {}), (9, two)):
-        case = window_case(rng, r=r, dtype=kq.FP8, **dict(CASE, **heads))
+    right against float64, a stream alone has its bits among others, and the 1-row step has row 0's bits. The
+    7-row window on 16-key pages (four copies a block, the scales' too), the 72-row one on 64-key pages (one)."""
+    for r, shared in ((7, Shared(window_case(np.random.default_rng(68), r=7, dtype=kq.FP8, **CASE))),
+                      (9, fp8_two64)):
+        case = shared.case
         q, kw, vw, par, pool, table, cache_len = case
-        rows = r * (heads.get("hq", SMALL["hq"]) // SMALL["hkv"])
-        got = partials(q, pool, table, cache_len)
-        want = partials(q, dequantized_pool(pool), table, cache_len, tiles=dataclasses.replace(TILES, row_block=64))
+        rows = r * (q.shape[2] // SMALL["hkv"])
+        got = shared.partials()
+        # (28 rows are one warpgroup's, in one CTA either way: the shipped tiles, the program the bf16 tests run)
+        split = dataclasses.replace(TILES, row_block=64) if rows > 64 else TILES
+        want = partials(q, dequantized_pool(pool), table, cache_len, tiles=split)
         for a_all, b_all in zip(got, want):
             for a, b in zip(_live_rows(a_all, cache_len, 128, rows), _live_rows(b_all, cache_len, 128, rows)):
                 assert np.array_equal(bits(a), bits(b)), r
-        batch = run(*case)
+        batch = shared.run()
         assert rel_err(batch, np_window(*case, SCALE)) < 1e-2
         alone = run(q[1:2], kw[1:2], vw[1:2], par[1:2], pool, table[1:2], cache_len[1:2])
         assert np.array_equal(bits(alone[0]), bits(batch[1]))
@@ -171,30 +228,30 @@ def test_split_queries_are_exact_scalings_of_each_row():
     assert all(np.array_equal(bits(a[0, 0]), bits(b[2, 1])) for a, b in zip(alone, (hi, lo, inv)))
 
 
-def test_fp8_keys_major_pool_runs_both_mmas_on_the_codes():
+def test_fp8_keys_major_pool_runs_both_mmas_on_the_codes(fp8_two64):
     """An fp8 pool with v key-major (`KVPool.v_layout` "keys", 64-key pages) on the Mosaic GPU pass 1: no
     dequantization, q and P' each in two e4m3 parts (its own order). Right against float64 (as close as the pass 1
     over V by rows, which dequantizes), a stream alone has its bits among others and with its table widened, the
     1-row step row 0's bits, and K/V stages change nothing; a 72-row window's two warpgroups in one CTA or two
-    (split_rows) give the same bits."""
+    (split_rows) give the same bits. The stream alone runs with its table widened and at 1 K/V stage, against the
+    batch at the default 3: a row's bits moved by either (the other streams and the table's width, or the stages)
+    fail it, in one call rather than two (alone at the default stages, then alone at 1)."""
     rng = np.random.default_rng(91)
-    pages64 = dict(CASE, page_size=64, pmax=6, num_pages=40)
-    two = dict(hq=16, s=2, cache_lens=[300, 70], parents=[TREE + [6, 7], list(range(-1, 8))])
-    for r, heads in ((7, {}), (9, two)):
-        case = window_case(rng, r=r, dtype=kq.FP8, **dict(pages64, **heads))
+    for r, shared in ((7, Shared(window_case(rng, r=7, dtype=kq.FP8, **dict(CASE, **PAGES64)))), (9, fp8_two64)):
+        case = shared.case
         q, kw, vw, par, pool, table, cache_len = case
         keys = kq.with_v_layout(pool, "keys")
         assert awm.unsupported(jnp.bfloat16, keys, q.shape[2] // 2, chunk=128) is None
         batch = run(q, kw, vw, par, keys, table, cache_len)
         want = np_window(*case, SCALE)
         assert rel_err(batch, want) < 1e-2
-        assert rel_err(batch, want) < 2 * rel_err(run(*case), want)  # the dequantizing pass 1 over V by rows
+        assert rel_err(batch, want) < 2 * rel_err(shared.run(), want)  # the dequantizing pass 1 over V by rows
         s = len(cache_len) - 1
         wide = jnp.concatenate([table[s:s + 1], scattered_tables(rng, 1, 4, 40)], axis=1)
-        for stages in (None, 1):
-            alone = run(q[s:], kw[s:], vw[s:], par[s:], keys, wide, cache_len[s:],
-                        tiles=dataclasses.replace(TILES, num_stages=stages))
-            assert np.array_equal(bits(alone[0]), bits(batch[s])), (r, stages)
+        assert awm.stages_for(awm.WindowMgpuTiles(), 1) == 3  # the batch's stages (one warpgroup a CTA here)
+        alone = run(q[s:], kw[s:], vw[s:], par[s:], keys, wide, cache_len[s:],
+                    tiles=dataclasses.replace(TILES, num_stages=1))
+        assert np.array_equal(bits(alone[0]), bits(batch[s])), r
         step = run(q[:, :1], kw[:, :1], vw[:, :1], par[:, :1], keys, table, cache_len)
         assert np.array_equal(bits(step[:, 0]), bits(batch[:, 0])), r
         if r == 9:  # 72 rows: both warpgroups in one CTA or each in its own (split_rows, as this small grid runs)
@@ -204,13 +261,15 @@ def test_fp8_keys_major_pool_runs_both_mmas_on_the_codes():
     assert "multiple of 64" in awm.unsupported(jnp.bfloat16, small, 2, chunk=128)
 
 
-def test_row_bits_ignore_window_streams_table_width_and_stages():
+def test_row_bits_ignore_window_streams_table_width_and_stages(bf16_case):
     rng = np.random.default_rng(61)
-    q, kw, vw, par, pool, table, cache_len = window_case(rng, r=7, dtype=jnp.bfloat16, **CASE)
-    batch = run(q, kw, vw, par, pool, table, cache_len)
-    # Stream 3 alone, its table widened by 12 pages it never reaches (more chunk CTAs), 1 or 3 K/V stages.
+    q, kw, vw, par, pool, table, cache_len = bf16_case.case
+    batch = bf16_case.run()
+    # Stream 3 alone, its table widened by 12 pages it never reaches (more chunk CTAs), 3 K/V stages (the default
+    # with one compute warpgroup, the batch's) or 1.
+    assert awm.stages_for(awm.WindowMgpuTiles(), 1) == 3
     wide = jnp.concatenate([table[3:4], scattered_tables(rng, 1, 12, 90)], axis=1)
-    for stages in (None, 1, 3):
+    for stages in (None, 1):
         alone = run(q[3:4], kw[3:4], vw[3:4], par[3:4], pool, wide, cache_len[3:4],
                     tiles=dataclasses.replace(TILES, num_stages=stages))
         assert np.array_equal(bits(alone[0]), bits(batch[3])), stages
@@ -231,7 +290,7 @@ def test_short_chunks_are_the_fixed_chunks_they_pick(monkeypatch):
     rng = np.random.default_rng(67)
     q, kw, vw, par, pool, table, cache_len = window_case(rng, r=7, dtype=jnp.bfloat16, **CASE)
     tiles = dataclasses.replace(TILES, chunk=256, short_chunk=64)
-    go = fresh_jit(run, static=("tiles", "interpret"))
+    go = fresh_jit(window_call, static=("tiles", "interpret"))
     batch = go(q, kw, vw, par, pool, table, cache_len, tiles=tiles)
     assert rel_err(batch, np_window(q, kw, vw, par, pool, table, cache_len, SCALE)) < 1e-2
     for i, size in ((1, 64), (2, 64), (3, 256)):
@@ -240,17 +299,14 @@ def test_short_chunks_are_the_fixed_chunks_they_pick(monkeypatch):
         assert np.array_equal(bits(alone[0]), bits(batch[i])), size
 
 
-def test_two_compute_warpgroups_give_a_row_the_bits_of_one(monkeypatch):
+def test_two_compute_warpgroups_give_a_row_the_bits_of_one(bf16_two, monkeypatch):
     """72 packed rows (9 window rows x 8 query heads a KV head) run two compute warpgroups; each row's chunk
     partials have the bits the same query gets alone in a 1-row window (one warpgroup), and the window is right."""
-    rng = np.random.default_rng(62)
-    heads = dict(SMALL, hq=16)
-    case = window_case(rng, r=9, dtype=jnp.bfloat16, **dict(CASE, **heads, s=2, cache_lens=[300, 70],
-                                                             parents=[TREE + [6, 7], list(range(-1, 8))]))
+    case = bf16_two.case
     q, kw, vw, par, pool, table, cache_len = case
-    assert awm.compute_warpgroups(9 * 8) == 2 and awm.compute_warpgroups(8) == 1
-    assert rel_err(run(*case), np_window(*case, SCALE)) < 1e-2
-    m9, l9, acc9 = partials(q, pool, table, cache_len)
+    assert q.shape[1:3] == (9, 16) and awm.compute_warpgroups(9 * 8) == 2 and awm.compute_warpgroups(8) == 1
+    assert rel_err(bf16_two.run(), np_window(*case, SCALE)) < 1e-2
+    m9, l9, acc9 = bf16_two.partials()
     for r in (0, 8):  # rows 0-7 (warpgroup 0) and 64-71 (warpgroup 1)
         m1, l1, acc1 = partials(q[:, r:r + 1], pool, table, cache_len)
         for nine, one in ((m9, m1), (l9, l1), (acc9, acc1)):
@@ -291,12 +347,11 @@ def test_pipeline_has_no_races(monkeypatch):
             assert np.array_equal(bits(a), bits(b))
 
 
-def test_poison_outside_the_tables_never_leaks():
+def test_poison_outside_the_tables_never_leaks(bf16_case):
     """NaN keys and values in every page no table holds, the dummy page 0 included (blocks past a stream's
     context are never fetched), change no output bit."""
-    rng = np.random.default_rng(64)
-    q, kw, vw, par, pool, table, cache_len = window_case(rng, r=4, dtype=jnp.bfloat16, **CASE)
-    clean = run(q, kw, vw, par, pool, table, cache_len)
+    q, kw, vw, par, pool, table, cache_len = bf16_case.case
+    clean = bf16_case.run()
     live = np.concatenate([np.asarray(table[s, : -(-int(n) // 16)]) for s, n in enumerate(np.asarray(cache_len))])
     unused = np.setdiff1d(np.arange(pool.num_pages), live)
     poison = lambda x: x.at[:, unused].set(jnp.nan)
