@@ -29,19 +29,26 @@ def _pt(first_page):
     return np.arange(first_page, first_page + 10, dtype=np.int32)[None]
 
 
+# Window widths of test_prompt_then_window_steps_equal_one_prompt_pass, from 70 to 150 keys: serial steps (1), 2
+# rows (a commit keeps one conv row of the state before it) and 6 (wider than the conv kernel), starting at every
+# offset in a page, windows of 2 and 6 straddling page boundaries. Each width is a verify and a commit program of its
+# own (the reference path's compile time grows with the rows: ~13 s of CPU for a 16-row verify); 1, 2 and 6 are the
+# widths the other tests here run (the streams test's 2-row window, the tree and commit tests' 6 nodes), so each
+# compiles once in the module.
+WIDTHS = [2, 1, 6] * 8 + [6, 2]
+
+
 def test_prompt_then_window_steps_equal_one_prompt_pass(setup):
     cfg, params, toks, prefill, verify, commit, state = setup
     n = len(toks)
     full, _ = prefill(params, state, M.make_prefill_batch(toks[None], [0], [n], [1], _pt(1)), True)
     full = np.asarray(full[0])
-    split = 70
+    split = 70  # two GDN prompt chunks before the windows
     last, st = prefill(params, state, M.make_prefill_batch(toks[None, :split], [0], [split], [1], _pt(1)), False)
     np.testing.assert_allclose(np.asarray(last[0]), full[split - 1], atol=TOL, rtol=0)
-    pos, widths = split, [1, 3, 16, 1, 5, 2, 16, 8]
-    for r in widths * 3:
-        if pos >= n:
-            break
-        r = min(r, n - pos)
+    assert split + sum(WIDTHS) == n
+    pos = split
+    for r in WIDTHS:
         w = M.make_window(toks[None, pos:pos + r], [list(range(-1, r - 1))], [pos], [1], _pt(1))
         logits, kept = verify(params, st, w)
         np.testing.assert_allclose(np.asarray(logits[0]), full[pos:pos + r], atol=TOL, rtol=0)
@@ -79,21 +86,21 @@ def test_tree_nodes_equal_serial_steps_along_their_paths(setup):
 
 def test_commit_of_a_tree_path_equals_serial_commits(setup):
     cfg, params, toks, prefill, verify, commit, state = setup
-    p0 = 33
+    p0 = 40  # mid-page, as the tree test's prompt (the same prefill program)
     _, st = prefill(params, state, M.make_prefill_batch(toks[None, :p0], [0], [p0], [1], _pt(1)), False)
-    parents = [-1, 0, 0, 2, 3]
-    tree_toks = toks[p0:p0 + 5]
+    parents = [-1, 0, 0, 2, 3, 1]  # 6 nodes, as the tree test's window (the same verify program)
+    tree_toks = toks[p0:p0 + 6]
     w = M.make_window(tree_toks[None], [parents], [p0], [1], _pt(1))
     _, kept = verify(params, st, w)
-    accepted = [0, 2, 3, 4]
-    st_tree = commit(st, kept, w, jnp.asarray([accepted + [0]]), jnp.asarray([len(accepted)]))
+    accepted = [0, 2, 3, 4]  # nodes 1 and 5 (a branch off the path) not accepted
+    st_tree = commit(st, kept, w, jnp.asarray([accepted + [0, 0]]), jnp.asarray([len(accepted)]))
     s, pos = st, p0
     for nd in accepted:
         w1 = M.make_window(tree_toks[None, [nd]], [[-1]], [pos], [1], _pt(1))
         _, k1 = verify(params, s, w1)
         s = commit(s, k1, w1, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32))
         pos += 1
-    nxt = toks[p0 + 5]
+    nxt = toks[p0 + 6]
     probe = M.make_window([[nxt]], [[-1]], [pos], [1], _pt(1))
     a, _ = verify(params, st_tree, probe)
     b, _ = verify(params, s, probe)
@@ -101,7 +108,7 @@ def test_commit_of_a_tree_path_equals_serial_commits(setup):
     for x, y in zip(st_tree.rec, s.rec):
         np.testing.assert_allclose(np.asarray(x[1]), np.asarray(y[1]), atol=TOL, rtol=0)
     # The reference path's matmuls are not row-invariant across window sizes, so the conv rows (projections of
-    # hidden states computed in a 5-row window vs 1-row windows) agree to rounding; bitwise equality is the
+    # hidden states computed in a 6-row window vs 1-row windows) agree to rounding; bitwise equality is the
     # kernels' property, tested with them.
     for x, y in zip(st_tree.conv, s.conv):
         np.testing.assert_allclose(np.asarray(x[1]), np.asarray(y[1]), atol=TOL, rtol=0)
@@ -112,7 +119,7 @@ def test_streams_batched_equal_streams_alone(setup):
     lens = [50, 17, 64]
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, cfg.text.vocab_size, size=n) for n in lens]
-    t = 64
+    t = 70  # (a stream alone is then the prefill program of the window-steps test's prompt)
     padded = np.zeros((3, t), np.int32)
     for i, p in enumerate(prompts):
         padded[i, :len(p)] = p
@@ -162,7 +169,8 @@ def test_fused_step_equals_verify_then_commit_bitwise(setup, dtype, kernels, ste
     """The decode program's fused step ≡ a one-row verify + commit of the row, bit for bit (logits and every
     pool), for two live streams beside a dummy one (slot 0), over several steps. kernels=True runs the Pallas
     kernels in interpret mode (the fused GDN step launch; with step_norm, the step and its output norm in one
-    launch, `gdn.step_norm`, checked to be taken); the reference path is verify + commit itself."""
+    launch, `gdn.step_norm`, checked to be taken); the reference path is verify + commit itself. The prompts go in
+    by the reference prefill in every variant (the state the steps start from: one prefill program a dtype)."""
     from pallas_kernels import gdn
     from qwen_jax.model import ops
     cfg, params, toks, _, _, _, _ = setup
@@ -171,7 +179,7 @@ def test_fused_step_equals_verify_then_commit_bitwise(setup, dtype, kernels, ste
     taken = []
     fused = gdn.step_norm
     monkeypatch.setattr(gdn, "step_norm", lambda *a, **k: taken.append(1) or fused(*a, **k))
-    _fused_step_equals_verify_then_commit(cfg, params, toks, dtype, kernels)
+    _fused_step_equals_verify_then_commit(cfg, params, toks, dtype, kernels, prefill_backend=M.Backend())
     assert bool(taken) == step_norm
 
 
@@ -215,9 +223,11 @@ def test_gpu_fused_step_on_the_decode_qmm_pieces_equals_verify_then_commit_bitwi
         monkeypatch.setattr(ops, switch, True)
 
 
-def _fused_step_equals_verify_then_commit(cfg, params, toks, dtype, kernels: bool, interpret: bool | None = None):
+def _fused_step_equals_verify_then_commit(cfg, params, toks, dtype, kernels: bool, interpret: bool | None = None,
+                                          prefill_backend: M.Backend | None = None):
+    """prefill_backend: the backend whose prefill writes the prompts into the state (None: the steps' own)."""
     BE = M.Backend(kernels=kernels, interpret=kernels if interpret is None else interpret)
-    prefill = jax.jit(lambda p, s, b: M.prefill(p, s, b, cfg, BE)[:2])
+    prefill = jax.jit(lambda p, s, b: M.prefill(p, s, b, cfg, prefill_backend or BE)[:2])
     verify = jax.jit(lambda p, s, w: M.verify(p, s, w, cfg, BE)[:2])
     commit = jax.jit(lambda s, k, w, pa, n: M.commit(s, k, w, pa, n, cfg, BE))
     step = jax.jit(lambda p, s, w: M.step(p, s, w, cfg, BE))
@@ -225,9 +235,9 @@ def _fused_step_equals_verify_then_commit(cfg, params, toks, dtype, kernels: boo
     state = M.init_state(cfg.text, num_slots=4, num_pages=40, page_size=16, dtype=dtype)
     tables = np.stack([_pt(1)[0], _pt(11)[0], np.zeros(10, np.int32)])
     lens = [30, 47]
-    for i, n in enumerate(lens):
-        batch = M.make_prefill_batch(toks[None, :n], [0], [n], [i + 1], tables[i:i + 1])
-        _, state = prefill(p, state, batch)
+    # Both streams' prompts in one prefill call (one program to compile; the steps below start from its state).
+    prompts = np.stack([np.pad(toks[:lens[0]], (0, lens[1] - lens[0])), toks[:lens[1]]])
+    _, state = prefill(p, state, M.make_prefill_batch(prompts, [0, 0], lens, [1, 2], tables[:2]))
     a = b = state
     cache = np.array(lens + [0])
     slots = [1, 2, 0]
