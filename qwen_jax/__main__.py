@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -37,7 +38,15 @@ def _jnp_dtype(name: str):
 
 def _backend(args):
     from qwen_jax.model import Backend
-    return Backend(kernels=False) if args.no_kernels else Backend.default()
+    from qwen_jax.model.parallel import TensorParallel
+    backend = Backend(kernels=False) if args.no_kernels else Backend.default()
+    size = getattr(args, "tensor_parallel_size", 1)
+    if size == 1:
+        return backend
+    try:
+        return dataclasses.replace(backend, parallel=TensorParallel.over(size))
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def _checkpoint(args):
@@ -369,6 +378,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "codes, for V key-major (V by rows keeps Triton); the two differ in the last bits of "
                              "decode rows")
 
+    def tensor_parallel(sp):
+        sp.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                        help="split the text model's layers by head over the first N devices (model/parallel.py)")
+
     def cache(sp):
         sp.add_argument("--compile-cache", default=DEFAULT_CACHE_DIR,
                         help="persistent compilation cache dir ('' = off; env QWEN_JAX_CACHE_DIR)")
@@ -381,6 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate a continuation (on the engine)")
     common(gen)
+    tensor_parallel(gen)
     cache(gen)
     src = gen.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text (through the checkpoint's chat template unless --raw)")
@@ -442,6 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     be = sub.add_parser("bench", help="prompt tok/s, decode forwards/s at 1..16 streams, compile time cold/warm")
     common(be, model_required=False, context=False)
+    tensor_parallel(be)
     cache(be)
     be.add_argument("--synthetic", choices=("27b",), help="the model's shapes with random 4-bit weights built on "
                     "the device (no checkpoint)")

@@ -72,6 +72,7 @@ from pallas_kernels.qweight import QuantizedWeight
 from qwen_jax import model as M
 from qwen_jax import sampling
 from qwen_jax.config import ModelConfig
+from qwen_jax.model import parallel
 from qwen_jax.model.forward import kv_dtype_for, text_rope_positions
 
 GRID = 64  # prompt chunks start on this grid of absolute positions (the GDN chunk; attention key blocks)
@@ -876,8 +877,13 @@ class Programs:
         and state too, `dflash_programs`), or None."""
         from qwen_jax import dflash_programs as D  # it builds on this module
         self.backend = backend or M.Backend.default()
+        tp = self.backend.parallel
+        if tp is not None:  # each device's heads contiguous (the weights still whole; placed below)
+            params = parallel.shard_layout(params, cfg, tp.size)
         if self.backend.kernels:  # the Mosaic GPU decode kernel's scale layout, where it is on (same bits)
             params = qmm.decode_layout(params, layout.jnp_dtype)
+        if tp is not None:
+            params = parallel.place(params, parallel.param_specs(params), tp)
         self.params, self.cfg, self.layout, self.buckets = params, cfg, layout, buckets
         self.drafter = drafter
         self.dparams = None
@@ -897,6 +903,8 @@ class Programs:
                                  f"{drafter.window}")
             self.dparams = qmm.decode_layout(drafter.params, layout.jnp_dtype) if self.backend.kernels else \
                 drafter.params
+            if tp is not None:  # the drafter runs whole on every device
+                self.dparams = parallel.replicate(self.dparams, tp)
         self.state = self.fresh_state()
         self.dstate = self._fresh_dstate()
         self.media = self._fresh_media()  # [media_rows, H]: embeddings prompt rows take (an image's), or None
@@ -931,26 +939,35 @@ class Programs:
                 "slot_copy": jax.jit(D.slot_copy_program(), donate_argnums=(0, 1)),
             }
 
+    def _whole(self, tree):
+        """tree on the devices every program runs on: as it is on one device, whole on each of a tensor-parallel
+        mesh's devices."""
+        tp = self.backend.parallel
+        return tree if tp is None or tree is None else parallel.replicate(tree, tp)
+
     def fresh_state(self) -> M.ModelState:
-        return init_pools(self.cfg, self.layout)
+        state = init_pools(self.cfg, self.layout)
+        tp = self.backend.parallel
+        return state if tp is None else parallel.place(state, parallel.state_specs(state), tp)
 
     def _fresh_dstate(self):
         if self.drafter is None:
             return None
         from qwen_jax import dflash_programs as D
-        return D.init_draft_state(self.drafter, self.layout.num_slots, self.layout.jnp_dtype)
+        return self._whole(D.init_draft_state(self.drafter, self.layout.num_slots, self.layout.jnp_dtype))
 
     def _fresh_media(self):
         if not self.layout.media_rows:
             return None
-        return jnp.zeros((self.layout.media_rows, self.cfg.text.hidden_size), self.layout.jnp_dtype)
+        return self._whole(jnp.zeros((self.layout.media_rows, self.cfg.text.hidden_size), self.layout.jnp_dtype))
 
     def _fresh_last(self) -> jax.Array:
-        return jnp.zeros((self.layout.num_slots,), jnp.int32)
+        return self._whole(jnp.zeros((self.layout.num_slots,), jnp.int32))
 
     def _fresh_history(self) -> History:
         shape = (self.layout.num_slots, self.cfg.text.vocab_size)
-        return History(jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.bool_), jnp.zeros(shape, jnp.float32))
+        return self._whole(History(jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.bool_),
+                                   jnp.zeros(shape, jnp.float32)))
 
     def state_lost(self) -> bool:
         """True when a failed program consumed the donated pools (callers then `reset_state`)."""

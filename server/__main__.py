@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "without a tower, such as an mlx-lm conversion, refuses them anyway)")
     m.add_argument("--no-kernels", action="store_true",
                    help="plain-jnp reference ops instead of the Pallas kernels (the default on CPU anyway)")
+    m.add_argument("--tensor-parallel-size", "-tp", type=_positive, default=1, metavar="N",
+                   help="split the text model's layers by head over the first N devices (default 1): each device "
+                        "holds 1/N of every layer's weights and KV / GDN state; replies are exact under N (concurrent "
+                        "= solo, drafted = serial) and may differ from one device's where two tokens nearly tie")
     d = m.add_mutually_exclusive_group()
     d.add_argument("--drafter", metavar="DIR", default=None,
                    help="a DFlash block drafter checkpoint dir for the model (z-lab DFlashDraftModel; bf16 or MLX "
@@ -195,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                               copy_drafts=args.copy_drafts, drafter=args.drafter, prompt_cache=args.prompt_cache,
                               vision=not args.no_vision, draft_policy=args.draft_policy,
                               draft_costs=args.draft_costs, draft_tree=args.draft_tree,
-                              drafter_bits=args.drafter_bits)
+                              drafter_bits=args.drafter_bits, tensor_parallel=args.tensor_parallel_size)
     except ValueError as e:  # checkpoint and config errors are ValueErrors with a message for the user
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -59,6 +59,10 @@ if CPU_SUITE:
     import jax as _jax
 
     _jax.config.update("jax_cpu_enable_async_dispatch", False)
+    # Several CPU devices for the tensor-parallel cases (tests/test_parallel.py runs them in a pytest of their own
+    # with this set; the suite's workers keep one device).
+    if os.environ.get("QWEN_JAX_TEST_CPU_DEVICES"):
+        _jax.config.update("jax_num_cpu_devices", int(os.environ["QWEN_JAX_TEST_CPU_DEVICES"]))
 
 ROOT = Path(__file__).resolve().parents[1]
 CAPTURES = ROOT / "captures"

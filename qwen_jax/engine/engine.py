@@ -135,8 +135,9 @@ class Engine:
                  max_logprobs: int = 0, seed_salt: str = "", fixed_shapes: bool | None = None,
                  progress: bool = True, copy_drafts: bool = False, draft_rows: int = DRAFT_ROWS,
                  prompt_cache: int = 0, drafter=None, media_rows: int | None = None, vision: Vision | None = None,
-                 draft_policy: DraftPolicy | None = None, draft_tree: int = 0):
+                 draft_policy: DraftPolicy | None = None, draft_tree: int = 0, tensor_parallel: int = 1):
         from qwen_jax.model import Backend
+        from qwen_jax.model import parallel as tp_
         for name, v, lo in (("max_model_len", max_model_len, 2), ("parallel", parallel, 1),
                             ("max_queued", max_queued, 0), ("page_size", page_size, 1),
                             ("max_prefill_chunk", max_prefill_chunk, P.GRID), ("prefill_step", prefill_step, P.GRID)):
@@ -162,6 +163,12 @@ class Engine:
         self.seed_salt = seed_salt
         self.progress = progress
         self.backend = backend or Backend.default()
+        if isinstance(tensor_parallel, bool) or not isinstance(tensor_parallel, int) or tensor_parallel < 1:
+            raise ValueError(f"tensor_parallel (--tensor-parallel-size) must be an integer >= 1, "
+                             f"got {tensor_parallel!r}")
+        if tensor_parallel > 1:  # the text model's heads split over that many devices (model/parallel.py)
+            tp_.check(config, tensor_parallel)
+            self.backend = dataclasses.replace(self.backend, parallel=tp_.TensorParallel.over(tensor_parallel))
         pages_per_stream = P.pages_for(max_model_len, page_size)
         if num_pages is None:
             num_pages = parallel * pages_per_stream + 1

@@ -23,6 +23,7 @@ from qwen_jax.config import LAYER_GDN, ModelConfig, TextConfig
 from qwen_jax.model import attention as attn_mixer
 from qwen_jax.model import gdn as gdn_mixer
 from qwen_jax.model import ops
+from qwen_jax.model import parallel as tp_
 from qwen_jax.model.layers import mlp
 from qwen_jax.model.ops import Backend, embed, linear
 
@@ -178,12 +179,34 @@ def _layers(params, state: ModelState, x, cfg: TextConfig, run_gdn, run_attn, ta
     return x, h, ModelState(tuple(kv), tuple(rec), tuple(conv)), kept, tapped
 
 
+def _split(backend: Backend) -> bool:
+    """Whether this call runs its body under shard_map over the backend's tensor-parallel mesh (not yet inside)."""
+    return backend.parallel is not None and not backend.sharded
+
+
+def _on_shards(fn, cfg: ModelConfig, backend: Backend, in_specs: tuple, out_specs, *args):
+    """fn(*args, local config, inner backend) under shard_map: each device runs its 1/N of the layers' heads
+    (`parallel`)."""
+    local = tp_.local_config(cfg, backend.parallel.size)
+    inner = dataclasses.replace(backend, sharded=True)
+    return tp_.run(lambda *a: fn(*a, local, inner), backend.parallel, in_specs, out_specs, *args)
+
+
+def _whole(tree):
+    return jax.tree.map(lambda _: tp_.P(), tree)
+
+
 def prefill(params, state: ModelState, batch: PrefillBatch, cfg: ModelConfig, backend: Backend, *,
             all_logits: bool = False, taps: tuple[int, ...] = (), embeds: tuple[jax.Array, jax.Array] | None = None):
     """-> (logits, state, taps). logits: [S, T, V] if all_logits else the last real row's [S, V] fp32;
     taps: residual stream after the listed layers, [S, T, len(taps), H] (or None).
     embeds: (mask [S, T] bool, rows [S, T, H]) puts rows in place of the token embeddings where mask is set (image
     placeholder rows take the vision tower's output, `model.vision.image_rows`); None leaves the program as it was."""
+    if _split(backend):
+        body = lambda p, st, b, e, c, be: prefill(p, st, b, c, be, all_logits=all_logits, taps=taps, embeds=e)
+        specs = tp_.state_specs(state)
+        return _on_shards(body, cfg, backend, (tp_.param_specs(params), specs, _whole(batch), _whole(embeds)),
+                          (tp_.P(), specs, tp_.P()), params, state, batch, embeds)
     t = cfg.text
     x = _embed(params, state, batch.tokens, backend)
     if embeds is not None:
@@ -216,6 +239,12 @@ def verify(params, state: ModelState, window: VerifyWindow, cfg: ModelConfig, ba
     the accepted rows are never read (cache_len) and later overwritten. With tree_scratch ([S, R, 2] page ids kept
     for windows), the same for a tree (`attention.tree_pass`): each row reads its ancestors' K/V through scratch
     pages of its own, and only those pages are written. -> (logits, kept, taps, state)."""
+    if _split(backend):
+        body = lambda p, st, w, ts, c, be: verify(p, st, w, c, be, taps=taps, chain=chain, tree_scratch=ts)
+        specs = tp_.state_specs(state)
+        out = (tp_.P(), tp_.KEPT, tp_.P()) + ((specs,) if chain or tree_scratch is not None else ())
+        return _on_shards(body, cfg, backend, (tp_.param_specs(params), specs, _whole(window), _whole(tree_scratch)),
+                          out, params, state, window, tree_scratch)
     t = cfg.text
     x = _embed(params, state, window.tokens, backend)
     # a tree's rows' page tables and ancestors, once for every attention layer
@@ -247,6 +276,10 @@ def step(params, state: ModelState, window: VerifyWindow, cfg: ModelConfig, back
 
     On the reference path (no kernels) it is literally verify then commit: XLA:CPU's rounding of the same math
     can change with the program around it, and drafted ≡ serial needs the serial step to be the same program."""
+    if _split(backend):
+        specs = tp_.state_specs(state)
+        return _on_shards(step, cfg, backend, (tp_.param_specs(params), specs, _whole(window)), (tp_.P(), specs),
+                          params, state, window)
     t = cfg.text
     s = window.tokens.shape[0]
     path = jnp.zeros((s, 1), jnp.int32)
@@ -276,6 +309,10 @@ def step(params, state: ModelState, window: VerifyWindow, cfg: ModelConfig, back
 def commit(state: ModelState, kept, window: VerifyWindow, path: jax.Array, path_len: jax.Array, cfg: ModelConfig,
            backend: Backend) -> ModelState:
     """Write each stream's accepted path (node indices root-first, path_len of them) into its state."""
+    if _split(backend):
+        specs = tp_.state_specs(state)
+        return _on_shards(commit, cfg, backend, (specs, tp_.KEPT, _whole(window), tp_.P(), tp_.P()), specs,
+                          state, kept, window, path, path_len)
     t = cfg.text
     rec, conv, kv = list(state.rec), list(state.conv), list(state.kv)
     gi = ai = 0

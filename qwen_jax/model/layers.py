@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import swiglu as swiglu_k
 from qwen_jax.config import TextConfig
-from qwen_jax.model import ops
+from qwen_jax.model import ops, parallel
 from qwen_jax.model.ops import Backend, linear, linear_split
 
 
@@ -16,7 +16,8 @@ def mlp(x: jax.Array, p: dict, backend: Backend, *, prompt: bool) -> jax.Array:
     if ops.swiglu_applies(backend, x, p["gate_up"], prompt=prompt):  # decode rows: the activation in one kernel
         return ops.project(ops.swiglu(backend, x, p["gate_up"]), p["down"], backend, prompt=prompt)
     gate, up = linear_split(x, p["gate_up"], backend, prompt=prompt)
-    return linear(swiglu_k.activation(gate, up, x.dtype), p["down"], backend, prompt=prompt)
+    y = linear(swiglu_k.activation(gate, up, x.dtype), p["down"], backend, prompt=prompt)
+    return parallel.reduce(y) if backend.sharded else y
 
 
 def rope_angles(positions: jax.Array, cfg: TextConfig) -> jax.Array:

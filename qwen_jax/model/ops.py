@@ -23,15 +23,20 @@ from pallas_kernels import residual as residual_k
 from pallas_kernels import rownorm as rownorm_k
 from pallas_kernels import swiglu as swiglu_k
 from pallas_kernels.qweight import QuantizedWeight
+from qwen_jax.model import parallel
 
 _HI = jax.lax.Precision.HIGHEST
 
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
-    """Static under jit. kernels: use the Pallas kernels; interpret: run them in interpret mode (CPU tests)."""
+    """Static under jit. kernels: use the Pallas kernels; interpret: run them in interpret mode (CPU tests).
+    parallel: split the text model's layers over a mesh's devices (`parallel.TensorParallel`): the entry points run
+    their body under shard_map; sharded: set inside that body (the output projections' partial sums are reduced)."""
     kernels: bool = False
     interpret: bool = False
+    parallel: typing.Any = None  # parallel.TensorParallel | None
+    sharded: bool = False
 
     @staticmethod
     def default() -> "Backend":
@@ -339,7 +344,10 @@ class Deferred(typing.NamedTuple):
 def project(h, w, backend: Backend, *, prompt: bool):
     """An output projection whose result only the residual add reads: `Deferred` where `add_residual` can take
     the decode qmm's pieces itself (RESIDUAL, kernels on, a decode call of bf16 rows that the Mosaic GPU decode qmm
-    takes whole, w one packed weight), else `linear(h, w)`."""
+    takes whole, w one packed weight), else `linear(h, w)`; inside tensor-parallel shards, the devices' partial
+    products summed (`parallel.reduce`)."""
+    if backend.sharded:  # each device holds a slice of the inputs: the partial sums are added across devices
+        return parallel.reduce(linear(h, w, backend, prompt=prompt))
     rows, _ = rows_of(h)
     if (RESIDUAL and backend.kernels and not prompt and isinstance(w, QuantizedWeight) and rows.shape[0] > 0
             and rows.dtype == jnp.bfloat16 and qmm_k.decode_on_mgpu(rows, w, backend.interpret)):
