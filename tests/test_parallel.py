@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU: tests/parallel_cases.py in a pytest of its own over two CPU devices (the suite's
 workers hold one device each, fixed when jax starts), and what needs no second device."""
 
+import json
 import os
 import subprocess
 import sys
@@ -35,6 +36,10 @@ def test_layout_errors_name_the_flag():
         parallel.TensorParallel.over(0)
     with pytest.raises(ValueError, match=r"--tensor-parallel-size 2 needs 2 devices; jax sees 1"):
         parallel.TensorParallel.over(2)
+    from server.loading import build_engine  # the server's flag: refused before anything compiles
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 3: the model's 4 attention heads do not split"):
+        build_engine(model=str(CAPTURES / "tiny"), synthetic=None, dtype="float32", kv_cache="bf16", max_model_len=256,
+                     parallel=2, max_queued=2, no_kernels=True, max_logprobs=0, progress=False, tensor_parallel=3)
 
 
 def test_permutation_puts_each_device_pieces_together():
@@ -42,3 +47,19 @@ def test_permutation_puts_each_device_pieces_together():
     assert idx.tolist() == [0, 1, 4, 6, 7, 8, 2, 3, 5, 9, 10, 11]
     assert sorted(parallel._permutation((8, 8, 4, 4), 4).tolist()) == list(range(24))
     assert jnp.asarray(idx).shape == (12,)
+
+
+def test_cli_generate_over_two_devices():
+    """`generate -tp 2` over two CPU devices gives the one-device greedy reply (fp32, captures/tiny); -tp 2 over one
+    device is an error naming the flag."""
+    args = [sys.executable, "-m", "qwen_jax", "generate", "--model", str(CAPTURES / "tiny"), "--token-ids",
+            "5,17,300,42,7", "--max-tokens", "6", "--dtype", "float32", "--json", "--compile-cache", ""]
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+    runs = [subprocess.Popen(args + extra, cwd=ROOT, env=dict(env, **more), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+            for extra, more in (([], {}), (["-tp", "2"], {"JAX_NUM_CPU_DEVICES": "2"}), (["-tp", "2"], {}))]
+    (one, _), (two, err2), (_, refused) = (r.communicate(timeout=600) for r in runs)
+    assert runs[1].returncode == 0, err2[-3000:]
+    ids = [json.loads(out)["token_ids"] for out in (one, two)]
+    assert len(ids[0]) == 6 and ids[0] == ids[1]
+    assert runs[2].returncode != 0 and "--tensor-parallel-size 2 needs 2 devices; jax sees 1" in refused

@@ -53,7 +53,7 @@ class TensorParallel:
         if size < 1:
             raise ValueError(f"--tensor-parallel-size must be at least 1, got {size}")
         if len(devices) < size:
-            hint = (" (on a CPU host, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N devices)"
+            hint = (" (on a CPU host, JAX_NUM_CPU_DEVICES=N makes N devices)"
                     if devices and devices[0].platform == "cpu" else "")
             raise ValueError(f"--tensor-parallel-size {size} needs {size} devices; jax sees {len(devices)}{hint}")
         return TensorParallel(Mesh(np.array(devices[:size]), (AXIS,)))
