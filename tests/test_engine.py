@@ -100,16 +100,23 @@ def _check_same(solo, together):
         assert a.logprobs == b.logprobs  # float equality: the same bits
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_concurrent_equals_solo(dtype, eng, eng_bf16):
-    e = eng if dtype == "float32" else eng_bf16
-    reqs = _requests(0)
+def concurrent_equals_solo(e: Engine, reqs) -> list:
+    """Each request alone, then all of them with half arriving while the others decode: the same replies, the
+    pools back to baseline, nothing traced or compiled in the steady state. -> the solo replies."""
     solo = _solo(e, reqs)
     with P.CompileWatch() as watch:
         together = _concurrent(e, reqs)
     _check_same(solo, together)
     _baseline(e)
     assert (watch.traces, watch.compiles) == (0, 0)  # steady state: nothing traced or compiled
+    return solo
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_concurrent_equals_solo(dtype, eng, eng_bf16):
+    e = eng if dtype == "float32" else eng_bf16
+    reqs = _requests(0)
+    solo = concurrent_equals_solo(e, reqs)
     # the odd requests sampled: their replies are not the greedy ones
     greedy = _solo(e, [dataclasses.replace(r, sampling=SamplingOptions()) for r in reqs[1:7:2]])
     assert all(s.token_ids != g.token_ids for s, g in zip(solo[1:7:2], greedy))

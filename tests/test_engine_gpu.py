@@ -19,7 +19,7 @@ from qwen_jax.engine.api import GenerationRequest, SamplingOptions
 from qwen_jax.engine.engine import Engine
 from qwen_jax.model import Backend
 from tests.conftest import CAPTURES
-from tests.test_engine import _baseline, _check_same, _concurrent, _requests, _solo
+from tests.test_engine import _baseline, _check_same, _requests, _solo, concurrent_equals_solo
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU (run with -m gpu)")]
@@ -69,13 +69,8 @@ def test_concurrent_equals_solo_on_gpu(dtype, fixed, kv_cache, monkeypatch):
             tiles = attention.model_window_tiles(jnp.bfloat16, pool, ck.config.text.num_heads,
                                                  max_keys=512, interpret=False)
             assert tiles.impl == "mgpu" and pool.keys_major, tiles
-        reqs = _requests(0)
-        solo = _solo(e, reqs)  # one stream: the smallest lane and decode buckets
-        with P.CompileWatch() as watch:
-            together = _concurrent(e, reqs)  # lanes packed, decode buckets up to 16, prompts re-cut
-        _check_same(solo, together)
-        _baseline(e)
-        assert (watch.traces, watch.compiles) == (0, 0)
+        # alone: the smallest lane and decode buckets; together: lanes packed, decode buckets up to 16, prompts re-cut
+        concurrent_equals_solo(e, _requests(0))
     finally:
         e.shutdown()
 
@@ -127,11 +122,17 @@ def test_drafted_equals_serial_on_gpu(kv_cache, monkeypatch):
     alone and two drafted streams beside a serial one; drafts from an oracle in the index's place (the serial
     reply with one token changed every 5th round, tests/test_drafts.py), so windows are kept whole, in part and
     not at all; no compile while serving."""
-    from qwen_jax.engine import stream as stream_mod
-    from tests.test_drafts import OracleCopies, _prompts, _request
     ck = _params("bfloat16")
     e = Engine(ck.params, ck.config, None, dtype="bfloat16", kv_cache=kv_cache, max_model_len=512, parallel=4,
                max_logprobs=2, progress=False, copy_drafts=True)
+    copy_drafts_equal_serial(e, monkeypatch)
+
+
+def copy_drafts_equal_serial(e: Engine, monkeypatch):
+    """e (copy drafts on, not started): each request serial, then drafted alone and two drafted beside a serial one,
+    drafts from the oracle over the serial replies; the same replies, drafts kept, nothing compiled."""
+    from qwen_jax.engine import stream as stream_mod
+    from tests.test_drafts import OracleCopies, _prompts, _request
     replies = {}
     monkeypatch.setattr(stream_mod, "CopyIndex", lambda tokens: OracleCopies(tokens, replies, e.vocab_size, 5, 16))
     e.start()
