@@ -133,7 +133,8 @@ def _head(params, x: jax.Array, cfg: TextConfig, backend: Backend, *, prompt: bo
     w = _head_weight(params)
     if h is None:
         h = ops.rms_norm(backend, x, params["norm"], cfg.rms_norm_eps, then=w, prompt=prompt)
-    return linear(h, w, backend, prompt=prompt).astype(jnp.float32)
+    logits = linear(h, w, backend, prompt=prompt).astype(jnp.float32)
+    return tp_.head_logits(logits, cfg.vocab_size) if backend.sharded else logits
 
 
 def _in_proj(layer, cfg: TextConfig, i: int):

@@ -3,8 +3,9 @@
 Each device holds 1/N of every layer's heads and of the MLP's intermediate columns: the in-projections (GDN's
 q|k|v, z, b, a; attention's q|gate, k, v; the MLP's gate|up) split along their outputs, the output projections
 (GDN's out, attention's o, the MLP's down) along their inputs, the GDN conv taps, A_log and dt_bias with their
-channels and heads, and the state pools (KV pages, GDN states, conv windows) by head. The embedding, the lm_head
-and the norms are whole on every device. The model's entry points (`forward.prefill`, `verify`, `step`,
+channels and heads, the state pools (KV pages, GDN states, conv windows) by head, and an untied lm_head by
+vocabulary rows (each device's logits gathered after it). The embedding (and a tied lm_head) and the norms are
+whole on every device. The model's entry points (`forward.prefill`, `verify`, `step`,
 `commit`) run their body under `jax.shard_map` with the config's head counts divided by N (`local_config`), so
 every kernel sees the shapes of a model 1/N as wide; each output projection's partial sums are gathered and added
 in device order (`reduce`), which makes every device hold the same residual stream.
@@ -64,6 +65,8 @@ def check(cfg, size: int) -> None:
     t = cfg.text
     counts = {"attention heads": t.num_heads, "KV heads": t.num_kv_heads, "GDN key heads": t.linear_num_key_heads,
               "GDN value heads": t.linear_num_value_heads, "MLP columns": t.intermediate_size}
+    if not t.tie_word_embeddings:
+        counts["vocabulary rows (the lm_head)"] = t.vocab_size
     for what, n in counts.items():
         if n % size:
             raise ValueError(f"--tensor-parallel-size {size}: the model's {n} {what} do not split in {size}")
@@ -175,8 +178,18 @@ def param_specs(params: dict) -> dict:
             s["attn"] = {"qkv": _weight_specs(a["qkv"], True), "o": _weight_specs(a["o"], False),
                          "q_norm": P(), "k_norm": P()}
         layers.append(s)
-    return {"embed": _whole(params["embed"]), "norm": P(), "lm_head": _whole(params["lm_head"]),
+    head = params["lm_head"]
+    return {"embed": _whole(params["embed"]), "norm": P(),
+            "lm_head": None if head is None else _weight_specs(head, True),  # by vocabulary rows (`check`)
             "layers": tuple(layers)}
+
+
+def head_logits(logits, vocab: int):
+    """The whole vocabulary's logits from each device's slice of them (inside the shards), where the lm_head is split
+    by rows (its local width below the vocabulary); else logits as they are."""
+    if logits.shape[-1] == vocab:
+        return logits
+    return jax.lax.all_gather(logits, AXIS, axis=logits.ndim - 1, tiled=True)
 
 
 def state_specs(state):
