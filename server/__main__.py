@@ -37,8 +37,10 @@ _non_negative = _int_at_least(0, "non-negative")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m server", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Routes: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /tokenize, "
-               "POST /detokenize, GET /health, GET /metrics, GET /version. Sampling fields a request leaves out "
+        epilog="Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (OpenAI's Responses "
+               "API), POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API), GET /v1/models, "
+               "POST /tokenize, POST /detokenize, POST /reset_prefix_cache, GET /health, GET /metrics, "
+               "GET /version. Sampling fields a request leaves out "
                "take the checkpoint's generation_config.json values (else temperature 1.0, top_p 1, no top_k).")
     m = p.add_argument_group("model")
     src = m.add_mutually_exclusive_group()

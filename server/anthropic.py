@@ -9,9 +9,9 @@ drafting, the prompt cache, forced tool calls by grammar, images. The reply is r
 (`from_chat`, `MessagesStream`): reasoning (with `--reasoning-parser qwen3`) as a thinking block, the text as a text
 block, each tool call as a tool_use block; finish reasons as stop reasons (stop: end_turn, or stop_sequence with
 the string that matched; length: max_tokens; tool calls: tool_use). `cache_control` marks are accepted and
-ignored (the prompt cache is automatic), as are `metadata` and `service_tier`. `thinking.budget_tokens` is
-accepted but not enforced: the model decides when its thinking ends. Errors keep their HTTP status and take
-Anthropic's body, {"type": "error", "error": {"type": ..., "message": ...}}.
+ignored (the prompt cache is automatic), as are `metadata` and `service_tier`. `thinking.budget_tokens` is the
+chat route's `thinking_budget`: a think block still open after that many tokens is closed there. Errors keep their
+HTTP status and take Anthropic's body, {"type": "error", "error": {"type": ..., "message": ...}}.
 """
 
 from __future__ import annotations
@@ -171,6 +171,8 @@ def _tools(req: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
         if kind not in ("enabled", "disabled"):
             raise bad_request(f"thinking.type must be enabled or disabled, got {kind!r}", param="thinking")
         body["chat_template_kwargs"] = {"enable_thinking": kind == "enabled"}
+        if kind == "enabled" and thinking.get("budget_tokens") is not None:
+            body["thinking_budget"] = thinking["budget_tokens"]
     return body
 
 
@@ -190,8 +192,8 @@ def to_chat(req: MessagesRequest) -> P.ChatCompletionRequest:
 
 def tokenize_request(req: CountTokensRequest) -> P.TokenizeChatRequest:
     body = {"model": req.model, "messages": _messages(req), **_tools(req)}
-    body.pop("tool_choice", None)
-    body.pop("parallel_tool_calls", None)
+    for name in ("tool_choice", "parallel_tool_calls", "thinking_budget"):
+        body.pop(name, None)
     return P.TokenizeChatRequest.model_validate(body)
 
 

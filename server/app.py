@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from server import anthropic
+from server import anthropic, responses
 from server import protocol as P
 from server.errors import APIError, error_body, from_validation_error
 from server.metrics import CONTENT_TYPE
@@ -145,7 +145,7 @@ def build_app(serving: Serving, *, api_key: str | None = None,
         return reply(await serving.completion(req, wait_disconnect(request)))
 
     def converted(convert, req):
-        """An Anthropic request as ours (a refusal of the result a 400 like any other)."""
+        """An Anthropic or Responses API request as a chat request (a refusal of the result a 400 like any other)."""
         try:
             return convert(req)
         except ValidationError as e:
@@ -165,6 +165,19 @@ def build_app(serving: Serving, *, api_key: str | None = None,
         req = _parse(anthropic.CountTokensRequest, await request.body())
         result = await serving.tokenize(converted(anthropic.tokenize_request, req))
         return JSONResponse({"input_tokens": result.count})
+
+    tok = serving.tokenizer
+    think_end = None if tok is None else tok.convert_tokens_to_ids("</think>")
+    think_end = think_end if isinstance(think_end, int) and think_end != getattr(tok, "unk_token_id", None) else None
+
+    @app.post("/v1/responses", dependencies=guarded)
+    async def create_response(request: Request):
+        req = _parse(responses.ResponsesRequest, await request.body())
+        result = await serving.chat(converted(responses.to_chat, req), wait_disconnect(request))
+        if isinstance(result, EventStream):
+            events = responses.ResponsesStream(result.chunks, req, serving.model_name, think_end).events()
+            return SSEResponse(EventStream(events, result.close))
+        return JSONResponse(responses.from_chat(req, result, think_end))
 
     @app.get("/v1/models", dependencies=guarded)
     async def models():

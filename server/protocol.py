@@ -320,6 +320,10 @@ class ChatCompletionRequest(_SamplingFields):
     # False: at most one call under tool_choice "required" (the grammar's array holds one item); otherwise how many
     # calls a reply makes is the model's choice.
     parallel_tool_calls: bool | None = None
+    # Qwen's thinking_budget: where the prompt leaves a think block open (thinking on), the reply's first
+    # thinking_budget tokens may think; if the block is still open then, its next token closes it (</think>).
+    # Ignored with thinking off.
+    thinking_budget: Annotated[int, Field(ge=0, le=INT32_MAX)] | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod

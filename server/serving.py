@@ -369,9 +369,12 @@ class Serving:
         if _first_image(req.messages) is not None:
             ids, media = await self._image_prompt(req.messages, ids)
         grammar_after = self._think_end_id(grammar_param) if grammar is not None and in_think else None
+        thinking = None
+        if req.thinking_budget is not None and in_think:
+            thinking = (req.thinking_budget, self._think_end_id("thinking_budget"))
         runs, rid = self._submit(req, [ids], req.output_limit, "messages", req.logprobs_count, "chatcmpl", media,
                                  skip_special_tokens=not (mode.parses and self._tags_special), grammar=grammar,
-                                 grammar_after=grammar_after)
+                                 grammar_after=grammar_after, thinking=thinking)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._chat_stream(runs, rid, include_usage, mode, ids if req.return_token_ids else None)
@@ -507,11 +510,12 @@ class Serving:
     def _submit(self, req: P.ChatCompletionRequest | P.CompletionRequest, batch: list[list[int]],
                 max_tokens: int | None, prompt_param: str, logprobs: int | None, id_prefix: str,
                 media: PromptMedia | None = None, *, skip_special_tokens: bool = True,
-                grammar=None, grammar_after: int | None = None) -> tuple[list[_Run], str]:
+                grammar=None, grammar_after: int | None = None,
+                thinking: tuple[int, int] | None = None) -> tuple[list[_Run], str]:
         """batch: the prompts' ids (chat: one; completions: a batch) -> one run a choice (req.n a prompt, prompt i's
         choice j at i * n + j; all queued or none), and the reply's id. grammar: what the replies follow
         (`_grammar`, `_calls_grammar`); grammar_after: the token after which it starts (`</think>`'s when the prompt
-        leaves a think block open), None: from the first."""
+        leaves a think block open), None: from the first. thinking: (the thinking budget, the think block's end id)."""
         budgets = [self._output_budget(len(p), max_tokens, prompt_param) for p in batch]
         if req.n * len(batch) > self.engine.max_queued:
             what = f"{req.n} choices" if len(batch) == 1 else f"{len(batch)} prompts x {req.n} choices"
@@ -534,7 +538,8 @@ class Serving:
                                   min_tokens=req.min_tokens, logprobs=logprobs, draft=req.draft,
                                   request_id=rid if total == 1 else f"{rid}-{k * req.n + i}",
                                   media=media, skip_special_tokens=skip_special_tokens, grammar=grammar,
-                                  grammar_after=grammar_after)
+                                  grammar_after=grammar_after, thinking_budget=thinking and thinking[0],
+                                  think_end=thinking and thinking[1])
                 for k, (p, budget) in enumerate(zip(batch, budgets))
                 for i, choice in enumerate(self._choices(sampling, p, req.n))]
         try:

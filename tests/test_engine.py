@@ -136,13 +136,14 @@ def _penalized_reference(e: Engine, req: GenerationRequest) -> tuple[int, ...]:
     (`sampling.sample_reference`) from the logits penalized by `sampling.penalize_reference` over the prompt and
     the tokens before it. With a grammar, a matcher of its own (`structured.Matcher`) sets -inf in the bias row
     where the grammar forbids a token, from the first token or once `grammar_after` came, and the reply ends where
-    the grammar's document does (or at a stop id, unless ignore_eos)."""
+    the grammar's document does (or at a stop id, unless ignore_eos). With a thinking budget, the token at that index
+    is the think block's end unless an earlier one was."""
     from qwen_jax.runner import Runner
     ck = load_checkpoint(CAPTURES / "tiny", dtype=jnp.float32, progress=False)
     runner = Runner(ck.params, ck.config, dtype=jnp.float32, backend=Backend(), max_len=MAX_LEN)
     s = req.sampling
     rp = sampling.RequestPenalties(s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.logit_bias,
-                                   masked=req.grammar is not None)
+                                   masked=req.grammar is not None or req.thinking_budget is not None)
     pen, base = sampling.pack_penalties([rp], 1), rp.bias_row(ck.config.text.vocab_size)
     stops = set(req.stop_token_ids) | (set() if req.ignore_eos else set(ck.config.eos_token_ids))
     matcher = structured.Matcher(req.grammar, e.token_bytes(), stops) if req.grammar is not None else None
@@ -151,6 +152,8 @@ def _penalized_reference(e: Engine, req: GenerationRequest) -> tuple[int, ...]:
     logits, out, pos = runner.prefill(prompt), [], len(prompt)
     for _ in range(req.max_tokens):
         bias = np.where(matcher.allowed(), base, -np.inf) if on else base
+        if len(out) == req.thinking_budget and req.think_end not in out:
+            bias = np.where(np.arange(len(base)) == req.think_end, 0.0, -np.inf)
         z = sampling.penalize_reference(logits[None], pen, [prompt], [out], bias[None]).astype(np.float32)
         out.append(int(sampling.sample_reference(z, P.sample_params([e._sampling_rule(req)], [pos], 1))[0]))
         if out[-1] in stops:
@@ -164,6 +167,38 @@ def _penalized_reference(e: Engine, req: GenerationRequest) -> tuple[int, ...]:
         logits = runner.step(out[-1], pos)
         pos += 1
     return tuple(out)
+
+
+def test_thinking_budget_closes_the_think_block(eng):
+    """A thinking budget (with `think_end` some token id): the reply's token at the budget's index is think_end unless
+    an earlier token was, then it goes on as the serial reference with that token forced does
+    (`_penalized_reference`), greedy and seeded; budget 0 forces the first token (the prompt pass's draw); a reply
+    that closed the block itself is the one without a budget; all at once beside other requests, as alone; the slot's
+    bias row is every id's again after the forced token (the next request in the slot is its solo reply)."""
+    rng = np.random.default_rng(13)
+    prompt = tuple(int(t) for t in rng.integers(0, 490, size=40))
+    free = eng.submit(GenerationRequest(prompt, 20, ignore_eos=True)).result(TIMEOUT).token_ids
+    end = next(t for t in range(480, 0, -1) if t not in free)
+    early = next(i for i in range(2, 8) if free[i] not in free[:i])
+    seeded = SamplingOptions(temperature=0.9, top_k=40, seed=21)
+    reqs = [GenerationRequest(prompt, 20, ignore_eos=True, thinking_budget=6, think_end=end),
+            GenerationRequest(prompt, 20, seeded, ignore_eos=True, thinking_budget=3, think_end=end),
+            GenerationRequest(prompt, 12, ignore_eos=True, thinking_budget=0, think_end=end),
+            GenerationRequest(prompt, 20, ignore_eos=True, thinking_budget=10, think_end=free[early])]
+    others = _requests(4)[:6]
+    solo = [eng.submit(r).result(TIMEOUT).token_ids for r in reqs]
+    for req, got in zip(reqs, solo):
+        assert got == _penalized_reference(eng, req)
+    assert solo[0][6] == end and solo[0][:6] == free[:6] and solo[1][3] == end and solo[2][0] == end
+    assert solo[3] == free  # closed at `early` < 10 by the model: nothing forced
+    together = [h.result(TIMEOUT) for h in [eng.submit(r) for r in reqs + others]]
+    assert [r.token_ids for r in together[:4]] == solo
+    _check_same([eng.submit(r).result(TIMEOUT) for r in others], together[4:])
+    _baseline(eng)
+    for bad in (dict(thinking_budget=-1, think_end=end), dict(thinking_budget=2, think_end=None),
+                dict(thinking_budget=2, think_end=10 ** 6)):
+        with pytest.raises(ValueError, match="thinking_budget"):
+            eng.submit(GenerationRequest(prompt, 4, **bad))
 
 
 def test_penalties_follow_the_serial_reference(eng):

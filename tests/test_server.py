@@ -668,6 +668,162 @@ def test_anthropic_stream_blocks():
     assert [k for k, _ in events][-2:] == ["content_block_stop", "error"] and events[-1][1]["error"]["message"] == "boom"
 
 
+def test_thinking_budget(http):
+    """Chat's thinking_budget: with thinking on, the reply's token at the budget's index is </think> and the reply
+    goes on from there; with thinking off it changes nothing; Anthropic's thinking.budget_tokens is the same field."""
+    [end] = http.post("/tokenize", json={"prompt": "</think>", "add_special_tokens": False}).json()["tokens"]
+    body = {"messages": MESSAGES, "max_tokens": 10, "temperature": 0.0, "return_token_ids": True,
+            "chat_template_kwargs": {"enable_thinking": True}}
+    free = http.post(CHAT, json=body).json()["choices"][0]["token_ids"]
+    assert end not in free[:3]
+    r = http.post(CHAT, json={**body, "thinking_budget": 2}).json()["choices"][0]
+    assert r["token_ids"][:3] == free[:2] + [end] and len(r["token_ids"]) > 3
+    off = {**body, "chat_template_kwargs": {"enable_thinking": False}}
+    assert http.post(CHAT, json={**off, "thinking_budget": 2}).json()["choices"][0]["token_ids"] == \
+        http.post(CHAT, json=off).json()["choices"][0]["token_ids"]
+    msg = {"max_tokens": 10, "temperature": 0.0, "messages": MESSAGES,
+           "thinking": {"type": "enabled", "budget_tokens": 2}}
+    text = http.post("/v1/messages", json=msg).json()["content"]
+    assert "".join(b.get("text", "") + b.get("thinking", "") for b in text) == r["message"]["content"]
+    assert http.post(CHAT, json={**body, "thinking_budget": -1}).status_code == 400
+
+
+def test_responses_api(http, client, model):
+    """/v1/responses: the chat route's reply as a response (a message item, usage, completed / incomplete), through
+    the official client too (`output_text`); streamed as typed events in sequence whose deltas are the text;
+    text.format json_schema; a forced function call as a function_call item, and a turn of function_call +
+    function_call_output items counted as /tokenize counts the same chat; errors in OpenAI's shape naming the
+    field. (Reasoning items and streamed calls: test_responses_stream_items.)"""
+    instructions, user = "Answer briefly.", "What colour is the sky?"
+    chat = {"messages": [{"role": "system", "content": instructions}, {"role": "user", "content": user}],
+            "max_tokens": 12, "temperature": 0.0}
+    want = http.post(CHAT, json=chat).json()
+    text, finish = want["choices"][0]["message"]["content"], want["choices"][0]["finish_reason"]
+    req = {"model": model, "instructions": instructions, "input": user, "max_output_tokens": 12, "temperature": 0.0}
+    r = http.post("/v1/responses", json=req).json()
+    assert r["object"] == "response" and r["id"].startswith("resp_") and r["model"] == model
+    assert r["status"] == {"stop": "completed", "length": "incomplete"}[finish]
+    assert r["incomplete_details"] == ({"reason": "max_output_tokens"} if finish == "length" else None)
+    [item] = r["output"]
+    assert item["type"] == "message" and item["role"] == "assistant" and item["content"][0]["text"] == text
+    u = r["usage"]
+    assert (u["input_tokens"], u["output_tokens"]) == (want["usage"]["prompt_tokens"],
+                                                       want["usage"]["completion_tokens"])
+    assert u["total_tokens"] == u["input_tokens"] + u["output_tokens"] and u["output_tokens_details"] == {
+        "reasoning_tokens": 0}
+    sdk = client.responses.create(model=model, instructions=instructions, input=[
+        {"role": "user", "content": [{"type": "input_text", "text": user}]}], max_output_tokens=12, temperature=0.0)
+    assert sdk.output_text == text and sdk.usage.input_tokens == u["input_tokens"]
+    events = list(client.responses.create(model=model, instructions=instructions, input=user, max_output_tokens=12,
+                                          temperature=0.0, stream=True))
+    kinds = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed" if finish == "stop" else "response.incomplete"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
+    assert events[-1].response.output[0].content[0].text == text and events[-1].response.usage.output_tokens == \
+        u["output_tokens"]
+    # structured output: one of three words, as JSON
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"],
+              "additionalProperties": False}
+    r = http.post("/v1/responses", json={**req, "max_output_tokens": 120, "reasoning": {"effort": "none"},
+                                         "text": {"format": {"type": "json_schema", "name": "colour",
+                                                             "schema": schema, "strict": True}}}).json()
+    assert r["status"] == "completed" and json.loads(r["output"][0]["content"][0]["text"])["colour"] in (
+        "red", "green", "blue")
+    # tools: forced by name, then a turn of the call and its output
+    weather = {"type": "function", "name": "weather", "description": "The weather in a city.",
+               "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                              "required": ["city"]}}
+    forced = {**req, "max_output_tokens": 120, "tools": [weather], "tool_choice": {"type": "function",
+                                                                                    "name": "weather"},
+              "reasoning": {"effort": "none"}}
+    r = http.post("/v1/responses", json=forced).json()
+    call = r["output"][-1]
+    assert r["status"] == "completed" and call["type"] == "function_call" and call["name"] == "weather"
+    assert isinstance(json.loads(call["arguments"])["city"], str) and call["call_id"] and call["id"].startswith("fc_")
+    turn = [{"role": "user", "content": user},
+            {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": '{"city": "Oslo"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "Sunny."}]
+    chat_turn = [{"role": "user", "content": user},
+                 {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                     "name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+                 {"role": "tool", "tool_call_id": "call_1", "content": "Sunny."}]
+    fn = [{"type": "function", "function": {k: weather[k] for k in ("name", "description", "parameters")}}]
+    counted = http.post("/tokenize", json={"messages": chat_turn, "tools": fn}).json()["count"]
+    r = http.post("/v1/responses", json={"input": turn, "tools": [weather], "max_output_tokens": 4}).json()
+    assert r["usage"]["input_tokens"] == counted
+    for bad, where in (({"input": user, "previous_response_id": "resp_1"}, "previous_response_id"),
+                       ({"input": user, "tools": [{"type": "web_search"}]}, "tools[0]"),
+                       ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
+                       ({"input": user, "max_output_tokens": 0}, "max_output_tokens"),
+                       ({"input": user, "temprature": 1}, "temprature"),
+                       ({"input": user, "text": {"format": {"type": "yaml"}}}, "text.format")):
+        r = http.post("/v1/responses", json=bad)
+        assert r.status_code == 400
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and where in err["message"] + str(err.get("param")), err
+
+
+def test_responses_stream_items():
+    """ResponsesStream over chat chunks (reasoning, content, a tool call, the finish, usage, token ids): a
+    reasoning item, a message item and a function_call item opened and closed in order with their deltas and done
+    events, the whole response last with the reasoning tokens counted up to the think block's end; a reply cut by
+    length as response.incomplete; a failure after the start as an error event."""
+    import asyncio
+
+    from server.responses import ResponsesRequest, ResponsesStream
+    from server.serving import SSE_DONE, _sse
+
+    def run(chunks):
+        async def feed():
+            for c in chunks:
+                yield c if isinstance(c, str) else _sse(c)
+
+        async def collect():
+            req = ResponsesRequest(input="hi")
+            return "".join([x async for x in ResponsesStream(feed(), req, "m", think_end=9).events()])
+        return _anthropic_events(asyncio.run(collect()))
+
+    def choice(delta, finish=None, ids=()):
+        return {"choices": [{"index": 0, "delta": delta, "finish_reason": finish, "token_ids": list(ids)}]}
+
+    usage = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 6, "total_tokens": 13}}
+    events = run([choice({"role": "assistant", "content": ""}), choice({"reasoning_content": "hm"}, ids=[3, 4]),
+                  choice({"content": "Hi"}, ids=[9, 5]), choice({"content": "!"}, ids=[6]),
+                  choice({"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                          "function": {"name": "f", "arguments": '{"a": 1}'}}]}, ids=[7]),
+                  choice({}, "tool_calls"), usage, SSE_DONE])
+    assert [k for k, _ in events] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.reasoning_text.delta", "response.reasoning_text.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.done", "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert [d["sequence_number"] for _, d in events] == list(range(len(events)))
+    added = [d["item"] for k, d in events if k == "response.output_item.added"]
+    assert [a["type"] for a in added] == ["reasoning", "message", "function_call"] and added[2]["arguments"] == ""
+    final = events[-1][1]["response"]
+    assert final["status"] == "completed" and [o["type"] for o in final["output"]] == [
+        "reasoning", "message", "function_call"]
+    assert final["output"][0]["content"][0]["text"] == "hm" and final["output"][1]["content"][0]["text"] == "Hi!"
+    assert (final["output"][2]["call_id"], final["output"][2]["arguments"]) == ("call_1", '{"a": 1}')
+    assert final["usage"]["output_tokens_details"] == {"reasoning_tokens": 3}  # 3, 4 and the think block's end (9)
+    assert [d["output_index"] for k, d in events if k == "response.output_item.done"] == [0, 1, 2]
+    events = run([choice({"content": "a"}), choice({}, "length"), usage, SSE_DONE])
+    assert events[-1][0] == "response.incomplete" and events[-1][1]["response"]["incomplete_details"] == {
+        "reason": "max_output_tokens"}
+    assert events[-1][1]["response"]["output"][0]["status"] == "incomplete"
+    events = run([choice({"content": "a"}), {"error": {"message": "boom"}}, SSE_DONE])
+    assert [k for k, _ in events][-2:] == ["response.output_item.done", "error"]
+    assert events[-1][1]["message"] == "boom"
+
+
 # ----------------------------------------------------------------------------------------------- completions
 
 def test_completions_string_and_token_ids(client, model, http):

@@ -74,6 +74,12 @@ class GenerationRequest:
     grammar: object | None = None
     # The grammar starts after this token id is generated (the end of a think block); None: from the first token.
     grammar_after: int | None = None
+    # A thinking budget: the prompt leaves a think block open and `think_end` is the token that closes it; if the
+    # reply has not produced think_end among its first thinking_budget tokens, its next token is think_end (-inf
+    # at every other id before that draw). None: no budget. While its think block is open such a stream decodes
+    # serially (no drafts), and the call that may force the token waits for the tokens before it on the host.
+    thinking_budget: int | None = None
+    think_end: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

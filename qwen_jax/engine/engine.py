@@ -432,7 +432,8 @@ class Engine:
         bias = s.logit_bias.items() if isinstance(s.logit_bias, dict) else s.logit_bias
         pen = sampling.RequestPenalties(s.presence_penalty, s.frequency_penalty, s.repetition_penalty,
                                         tuple(tuple(x) for x in bias),
-                                        masked=req.grammar is not None or req.min_tokens > 0)
+                                        masked=req.grammar is not None or req.min_tokens > 0
+                                        or req.thinking_budget is not None)
         bad = [t for t, _ in pen.logit_bias if t >= self.vocab_size]
         if bad:
             raise ValueError(f"logit_bias: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
@@ -460,6 +461,14 @@ class Engine:
                 not 0 <= req.min_tokens <= req.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens = {req.max_tokens}], got "
                              f"{req.min_tokens!r}")
+        budget = req.thinking_budget
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+                raise ValueError(f"thinking_budget must be None or an integer >= 0, got {budget!r}")
+            end = req.think_end
+            if isinstance(end, bool) or not isinstance(end, (int, np.integer)) or not 0 <= end < self.vocab_size:
+                raise ValueError(f"thinking_budget: think_end must be the token id that closes a think block, got "
+                                 f"{end!r}")
         if req.min_tokens and req.grammar is not None:
             raise ValueError("min_tokens: not supported with structured outputs (the grammar decides where the "
                              "reply may end)")
@@ -518,7 +527,12 @@ class Engine:
     @staticmethod
     def _bias_row(stream: Stream, masked: bool = True) -> np.ndarray:
         """A structured-output stream's bias row for its next step: its logit bias (`Stream.base_bias`), -inf where
-        its grammar (when on, and `masked`) forbids a token. Below min_tokens: -inf at its stop ids."""
+        its grammar (when on, and `masked`) forbids a token. Below min_tokens: -inf at its stop ids. Where a thinking
+        budget comes due with the think block open: -inf everywhere but the block's end."""
+        if stream.think_due():
+            row = np.full_like(stream.base_bias, -np.inf)
+            row[stream.request.think_end] = 0.0
+            return row
         if stream.sampled < stream.request.min_tokens:
             row = stream.base_bias.copy()
             row[[t for t in stream.stop_ids if t < len(row)]] = -np.inf
@@ -739,8 +753,8 @@ class Engine:
                                 penalties=pen, matcher=matcher, grammar_after=req.grammar_after)
                 if pen is not None and pen.masked:
                     stream.base_bias = pen.bias_row(self.vocab_size)  # once: every step's row starts from it
-                if stream.grammar_on or req.min_tokens:
-                    self.programs.bias_put(stream.slot, self._bias_row(stream))  # its first token's mask
+                if stream.grammar_on or req.min_tokens or stream.think_due():
+                    self._put_bias(stream)  # its first token's mask
                 if cached:
                     with self._lock:
                         stream.keep_at = self._cache.keep_points(prompt, after=stream.prefilled)
@@ -954,8 +968,9 @@ class Engine:
         pen = P.penalties([s.penalties for s in streams], n)
         try:
             for s in streams:
-                if s.grammar_on or s.sampled == s.request.min_tokens > 0:  # (min_tokens: its stop ids back)
-                    self.programs.bias_put(s.slot, self._bias_row(s))
+                # (min_tokens: its stop ids back; a thinking budget: its end forced, then every id back)
+                if s.grammar_on or s.sampled == s.request.min_tokens > 0 or s.think_due() or s.think_forced:
+                    self._put_bias(s)
             pending = self.programs.decode_async(window, sp, pen)
         except Exception as e:
             self._land(keep=0)
@@ -970,11 +985,17 @@ class Engine:
         self._inflight.append((streams, pending))
         return True
 
+    def _put_bias(self, s: Stream) -> None:
+        """Write the stream's bias row for its next token (`_bias_row`) to its slot on the device."""
+        self.programs.bias_put(s.slot, self._bias_row(s))
+        s.think_forced = s.think_due()
+
     @staticmethod
     def _sits_out(s: Stream) -> bool:
         """A structured-output stream with a call in flight: its next mask (or window's masks) needs that call's
-        tokens on the host, so it sits out this round's calls while other streams run theirs."""
-        return s.matcher is not None and s.inflight > 0
+        tokens on the host, so it sits out this round's calls while other streams run theirs. So does a stream whose
+        thinking budget comes due: whether its end is forced depends on the tokens in flight."""
+        return s.inflight > 0 and (s.matcher is not None or s.think_due())
 
     def _land(self, keep: int) -> None:
         """Fetch the oldest calls in flight (decode calls and draft windows), leaving `keep`, and deliver their
@@ -1001,7 +1022,7 @@ class Engine:
     def _draftable(s: Stream) -> bool:
         """A decoding stream with drafts on (copy or block drafts) and room for a window of two rows."""
         return ((s.copies is not None or s.block_drafts) and s.phase is Phase.DECODE and not s.finishing
-                and s.budget() >= 2 and s.sampled >= s.request.min_tokens)
+                and s.budget() >= 2 and s.sampled >= s.request.min_tokens and not (s.think_open or s.think_forced))
 
     def _may_draft(self, s: Stream) -> bool:
         """Whether a decoding stream that is not drafting may have a copy to verify this round: its history known

@@ -57,6 +57,10 @@ class Stream:
         self.matcher = matcher
         self.grammar_after = grammar_after
         self.grammar_on = matcher is not None and grammar_after is None
+        # A thinking budget (`GenerationRequest.thinking_budget`): whether the think block is still open as far as
+        # the host knows (its tokens landed), and whether the bias row on the device forces its end now.
+        self.think_open = req.thinking_budget is not None
+        self.think_forced = False
         self.base_bias: np.ndarray | None = None  # its logit bias as a [V] row (set by the engine with a matcher)
         # prompt + decided tokens, indexed for copy drafts (None: this stream decodes serially)
         self.copies = CopyIndex(req.prompt_ids) if copy_drafts and req.draft else None
@@ -99,6 +103,11 @@ class Stream:
         """The tokens the draft windows in flight are guessed to yield, in order."""
         return [t for yielded, _ in self.windows for t in yielded]
 
+    def think_due(self) -> bool:
+        """Whether the next token sampled is the one a thinking budget forces, should the think block still be
+        open (the tokens before it landed: `think_open`)."""
+        return self.think_open and self.sampled == self.request.thinking_budget
+
     def budget(self) -> int:
         """Tokens this stream may still sample (max_tokens and the context end)."""
         return min(self.request.max_tokens - self.sampled, self.max_model_len - self.prompt_len - self.sampled)
@@ -106,6 +115,8 @@ class Stream:
     def token_event(self, token: int, logprob: TokenLogprob | None) -> TokenEvent:
         """Record a decided token and return its event (finish_reason set when this token ends the reply)."""
         self.generated.append(token)
+        if token == self.request.think_end:
+            self.think_open = False
         if self.copies is not None:
             self.copies.append(token)
         if self.matcher is not None and token not in self.stop_ids:
