@@ -273,7 +273,8 @@ def test_drafted_penalties_equal_serial(eng, monkeypatch):
     penalties count the tokens fed along its path, and the rows that stand are counted after the window. (Negative
     presence and frequency penalties favour tokens already generated, so a row's count that missed a token on its
     path would change its draw: a window rule that left the path out passed the same test with positive ones.)
-    Then with min_tokens holding back a stop id: drafted from min_tokens on, its serial reply."""
+    Then with min_tokens holding back a stop id: drafted from min_tokens on, its serial reply; and with a thinking
+    budget forcing the think block's end: drafted once the block is closed, its serial reply."""
     req = _request(_prompts()[1][:50], 13, max_tokens=24)
     req = dataclasses.replace(req, sampling=dataclasses.replace(
         req.sampling, presence_penalty=-2.0, frequency_penalty=-2.0, repetition_penalty=1.3,
@@ -299,6 +300,17 @@ def test_drafted_penalties_equal_serial(eng, monkeypatch):
     replies[req.prompt_ids] = held_serial.token_ids
     before = eng.stats()
     _same(held_serial, eng.submit(held).result(TIMEOUT))
+    assert eng.stats().draft_accepted_total > before.draft_accepted_total
+    # a thinking budget closing the block at token 5: serial rounds while it thinks, then windows; beside another
+    end = next(t for t in range(480, 0, -1) if t not in serial.token_ids)
+    budget = dataclasses.replace(req, thinking_budget=5, think_end=end)
+    budget_serial = eng.submit(dataclasses.replace(budget, draft=False)).result(TIMEOUT)
+    assert budget_serial.token_ids[:6] == serial.token_ids[:5] + (end,)
+    replies[req.prompt_ids] = budget_serial.token_ids
+    before = eng.stats()
+    handles = [eng.submit(other), eng.submit(budget)]
+    assert handles[0].result(TIMEOUT).token_ids == replies[other.prompt_ids]
+    _same(budget_serial, handles[1].result(TIMEOUT))
     assert eng.stats().draft_accepted_total > before.draft_accepted_total
     plain = dataclasses.replace(req, sampling=dataclasses.replace(
         req.sampling, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0), draft=False)
