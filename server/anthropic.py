@@ -25,6 +25,7 @@ from pydantic import Field
 
 from server import protocol as P
 from server.errors import APIError, bad_request
+from server.serving import sse_payloads
 
 # HTTP status -> Anthropic's error type
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -275,11 +276,7 @@ class MessagesStream:
     async def events(self) -> AsyncIterator[str]:
         reason = sequence = None
         started = False
-        async for raw in self.chunks:
-            data = raw[len("data: "):].strip() if raw.startswith("data: ") else ""
-            if not data or data == "[DONE]":
-                continue
-            chunk = json.loads(data)
+        async for chunk in sse_payloads(self.chunks):
             if "error" in chunk:
                 for piece in self._close():
                     yield piece

@@ -26,6 +26,7 @@ from pydantic import Field
 
 from server import protocol as P
 from server.errors import bad_request
+from server.serving import sse_payloads
 
 
 class ResponsesRequest(P._Strict):
@@ -351,11 +352,7 @@ class ResponsesStream:
         finish = None
         yield self._event("response.created", {"response": dict(self.response)})
         yield self._event("response.in_progress", {"response": dict(self.response)})
-        async for raw in self.chunks:
-            data = raw[len("data: "):].strip() if raw.startswith("data: ") else ""
-            if not data or data == "[DONE]":
-                continue
-            chunk = json.loads(data)
+        async for chunk in sse_payloads(self.chunks):
             if "error" in chunk:
                 for piece in self._close("incomplete"):
                     yield piece

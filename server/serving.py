@@ -115,6 +115,15 @@ def _sse(payload: dict[str, Any]) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+async def sse_payloads(chunks: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
+    """The decoded payloads of an SSE stream of ours (`_sse` pieces), [DONE] left out: what the routes that rewrite
+    the chat stream in another API's events read."""
+    async for raw in chunks:
+        data = raw[len("data: "):].strip() if raw.startswith("data: ") else ""
+        if data and data != "[DONE]":
+            yield json.loads(data)
+
+
 class _Run:
     """One submitted request's bookkeeping: latency metrics as events arrive, and a close that runs exactly once
     (finish reason counted, handle cancelled if the engine had not finished it)."""
