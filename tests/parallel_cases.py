@@ -1,7 +1,8 @@
 """Tensor parallelism over two CPU devices (run by tests/test_parallel.py in a pytest of its own, with
 QWEN_JAX_TEST_CPU_DEVICES=2; not collected by the suite itself): the model's entry points against one device's
 (numerically: the output projections' sums are split), and the engine's exactness under two devices, token for
-token: concurrent = solo, greedy and seeded, and a prompt resumed from the prompt cache = fresh."""
+token: concurrent = solo, greedy and seeded, a prompt resumed from the prompt cache = fresh, and a DFlash drafter's
+windows with the kernels on (interpreted) = serial decoding."""
 
 import dataclasses
 
@@ -145,3 +146,33 @@ def test_engine_concurrent_equals_solo_and_the_prompt_cache_resumes_exactly():
             [s.token_ids for s, r in zip(solo, reqs) if r.sampling.temperature == 0]
     finally:
         ref.shutdown()
+
+
+def test_block_drafts_equal_serial_with_the_kernels():
+    """A DFlash drafter's windows under two devices, the Pallas kernels on (interpreted; the 4-bit checkpoint's first
+    layers and the drafter's, as tests/test_dflash_engine.py runs them): drafted replies = serial ones, greedy and
+    seeded, ids and logprobs."""
+    from qwen_jax.checkpoint import load_dflash
+    from tests.conftest import first_layers, first_layers_drafter
+    from tests.test_dflash_engine import LAYERS, _prompts, _request
+    full = load_checkpoint(CAPTURES / "tiny-mlx-4bit", dtype=jnp.bfloat16, progress=False)
+    drafter = first_layers_drafter(load_dflash(CAPTURES / "tiny-dflash", target=full.config.text,
+                                               dtype=jnp.bfloat16), LAYERS)
+    ck = first_layers(full, LAYERS)
+    buckets = P.Buckets(prompt_rows=(64,), prompt_lanes=(1,), decode_streams=(2,), chain_rows=(4,),
+                        packing=P.Packing.BATCHED, logprobs=2)
+    e = Engine(ck.params, ck.config, load_tokenizer(CAPTURES / "tiny-mlx-4bit"), dtype="bfloat16",
+               max_model_len=192, parallel=2, max_queued=8, backend=M.Backend(kernels=True, interpret=True),
+               buckets=buckets, max_logprobs=2, progress=False, drafter=drafter, tensor_parallel=2)
+    e.start()
+    try:
+        reqs = [_request(p, seed, max_tokens=16) for p, seed in zip(_prompts(), (None, 7))]
+        serial = [e.submit(dataclasses.replace(r, draft=False)).result(TIMEOUT) for r in reqs]
+        before = e.stats()
+        drafted = [h.result(TIMEOUT) for h in [e.submit(r) for r in reqs]]
+        assert e.stats().draft_proposed_total > before.draft_proposed_total
+        for a, b in zip(serial, drafted):
+            assert (a.token_ids, a.logprobs) == (b.token_ids, b.logprobs)
+        _baseline(e)
+    finally:
+        e.shutdown()
