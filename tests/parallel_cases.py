@@ -1,8 +1,8 @@
 """Tensor parallelism over two CPU devices (run by tests/test_parallel.py in a pytest of its own, with
 QWEN_JAX_TEST_CPU_DEVICES=2; not collected by the suite itself): the model's entry points against one device's
 (numerically: the output projections' sums are split), and the engine's exactness under two devices, token for
-token: concurrent = solo, greedy and seeded, a prompt resumed from the prompt cache = fresh, and a DFlash drafter's
-windows with the kernels on (interpreted) = serial decoding."""
+token: concurrent = solo, greedy and seeded, an image's rows among them, a prompt resumed from the prompt cache =
+fresh, and a DFlash drafter's windows with the kernels on (interpreted) = serial decoding."""
 
 import dataclasses
 
@@ -86,7 +86,7 @@ def _engine(tensor_parallel: int, **kw) -> Engine:
                         slot_copy=kw.get("prompt_cache", 0) > 0)
     return Engine(ck.params, ck.config, load_tokenizer(CAPTURES / "tiny"), dtype="float32", max_model_len=256,
                   parallel=8, backend=M.Backend(), buckets=buckets, prefill_step=64, max_logprobs=2, progress=False,
-                  tensor_parallel=tensor_parallel, **kw)
+                  media_rows=48, tensor_parallel=tensor_parallel, **kw)
 
 
 def _requests() -> list[GenerationRequest]:
@@ -97,6 +97,9 @@ def _requests() -> list[GenerationRequest]:
                                                                      seed=500 + i)
         reqs.append(GenerationRequest(tuple(int(t) for t in rng.integers(0, 490, size=n)), max_tokens=12,
                                       sampling=opts, ignore_eos=True, logprobs=[None, 2][i % 2], request_id=f"r{i}"))
+    # an image's rows (given embeddings, M-RoPE positions), as the vision tower hands them to the engine
+    from tests.test_media import _image_prompt
+    reqs.append(dataclasses.replace(_image_prompt(rng, 50, (4, 5), 30, 128), request_id="image"))
     return reqs
 
 
