@@ -423,6 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="ppl (perplexity), kv (fp8 vs bf16 KV cache), drafts (drafted vs serial)")
     ev.add_argument("what", choices=("ppl", "kv", "drafts"))
     common(ev)
+    tensor_parallel(ev)
     cache(ev)
     ev.add_argument("--text", help="UTF-8 text file, tokenized as is (kv: a built-in paragraph when omitted)")
     ev.add_argument("--context", type=int, default=0,

@@ -878,12 +878,9 @@ class Programs:
         from qwen_jax import dflash_programs as D  # it builds on this module
         self.backend = backend or M.Backend.default()
         tp = self.backend.parallel
-        if tp is not None:  # each device's heads contiguous (the weights still whole; placed below)
-            params = parallel.shard_layout(params, cfg, tp.size)
-        if self.backend.kernels:  # the Mosaic GPU decode kernel's scale layout, where it is on (same bits)
-            params = qmm.decode_layout(params, layout.jnp_dtype)
-        if tp is not None:
-            params = parallel.place(params, parallel.param_specs(params), tp)
+        # the Mosaic GPU decode kernel's scale layout, where it is on (same bits); split over a tensor-parallel mesh
+        params = parallel.prepare(params, cfg, self.backend, layout=(
+            lambda p: qmm.decode_layout(p, layout.jnp_dtype)) if self.backend.kernels else None)
         self.params, self.cfg, self.layout, self.buckets = params, cfg, layout, buckets
         self.drafter = drafter
         self.dparams = None
@@ -946,9 +943,7 @@ class Programs:
         return tree if tp is None or tree is None else parallel.replicate(tree, tp)
 
     def fresh_state(self) -> M.ModelState:
-        state = init_pools(self.cfg, self.layout)
-        tp = self.backend.parallel
-        return state if tp is None else parallel.place(state, parallel.state_specs(state), tp)
+        return parallel.place_state(init_pools(self.cfg, self.layout), self.backend)
 
     def _fresh_dstate(self):
         if self.drafter is None:

@@ -179,3 +179,18 @@ def test_block_drafts_equal_serial_with_the_kernels():
         _baseline(e)
     finally:
         e.shutdown()
+
+
+def test_eval_over_two_devices():
+    """`eval ppl` and `eval kv` (teacher-forced, compiled chunks) over two devices: one device's figures to fp32
+    rounding on captures/tiny."""
+    from qwen_jax.engine import evaluate
+    ck = load_checkpoint(CAPTURES / "tiny", dtype=jnp.float32, progress=False)
+    tokens = np.random.default_rng(3).integers(0, 490, size=300)
+    two = M.Backend(parallel=parallel.TensorParallel.over(2))
+    kw = dict(dtype="float32", context=256, chunk=128)
+    a, b = (evaluate.perplexity(ck.params, ck.config, tokens, backend=be, **kw) for be in (M.Backend(), two))
+    assert a.tokens == b.tokens and abs(a.nll - b.nll) < 1e-5, (a, b)
+    a, b = (evaluate.kv_agreement(ck.params, ck.config, tokens, backend=be, **kw) for be in (M.Backend(), two))
+    assert abs(a.top1_agreement - b.top1_agreement) <= 1 / a.tokens
+    assert abs(a.mean_kl - b.mean_kl) < 1e-3 * a.mean_kl + 1e-7, (a, b)

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from qwen_jax import programs as P
+from qwen_jax.model import parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +83,8 @@ def _layout(context: int, dtype: str, kv_cache: str) -> P.Layout:
     return P.Layout(page, pages, pages + 1, 2, dtype, kv_cache)
 
 
-def _state(cfg, layout: P.Layout):
-    return P.init_pools(cfg, layout)
+def _state(cfg, layout: P.Layout, backend):
+    return parallel.place_state(P.init_pools(cfg, layout), backend)
 
 
 def perplexity(params, cfg, tokens, *, backend, dtype: str = "bfloat16", kv_cache: str = "bf16",
@@ -91,7 +92,8 @@ def perplexity(params, cfg, tokens, *, backend, dtype: str = "bfloat16", kv_cach
     tokens = np.asarray(tokens, np.int32)
     _check(tokens, context, chunk)
     layout = _layout(context, dtype, kv_cache)
-    state = _state(cfg, layout)
+    state = _state(cfg, layout, backend)
+    params = parallel.prepare(params, cfg, backend)
     page_table = np.arange(1, layout.pages_per_stream + 1, dtype=np.int32)
     fn = jax.jit(P.score_program(cfg, backend), donate_argnums=1)
     example = next(_chunks(tokens[:2], chunk, page_table, layout))
@@ -139,7 +141,8 @@ def kv_agreement(params, cfg, tokens, *, backend, dtype: str = "bfloat16", conte
     _check(tokens, context, chunk)
     ref_layout = _layout(context, dtype, "bf16")
     test_layout = _layout(context, dtype, "fp8")
-    ref, test = _state(cfg, ref_layout), _state(cfg, test_layout)
+    ref, test = _state(cfg, ref_layout, backend), _state(cfg, test_layout, backend)
+    params = parallel.prepare(params, cfg, backend)
     page_table = np.arange(1, ref_layout.pages_per_stream + 1, dtype=np.int32)
     if path == "prompt":
         fn = jax.jit(P.kv_compare_program(cfg, backend), donate_argnums=(1, 2))
@@ -152,7 +155,7 @@ def kv_agreement(params, cfg, tokens, *, backend, dtype: str = "bfloat16", conte
     kls, agree, nll_ref, nll_test = [], [], 0.0, 0.0
     for i, window in enumerate(_windows(tokens, context)):
         if path == "decode" and i:  # (a chain window reads its slot's GDN state: each window from zeros)
-            ref, test = _state(cfg, ref_layout), _state(cfg, test_layout)
+            ref, test = _state(cfg, ref_layout, backend), _state(cfg, test_layout, backend)
         for args, n in runs(window):
             ref, test, kl, ag, lp_ref, lp_test = exe(params, ref, test, *args)
             kls.append(np.asarray(kl, np.float64)[:n])

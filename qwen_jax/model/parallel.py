@@ -210,6 +210,23 @@ def place(tree, specs, tp: TensorParallel):
     return jax.device_put(tree, shardings)
 
 
+def prepare(params: dict, cfg, backend, layout=None) -> dict:
+    """The text params as a backend's programs take them: as they are without tensor parallelism; else in its
+    layout (`shard_layout`), passed through `layout` (e.g. the decode kernel's `qmm.decode_layout`, which works on
+    whole weights), and split over its mesh."""
+    tp = backend.parallel
+    if tp is None:
+        return params if layout is None else layout(params)
+    laid = shard_layout(params, cfg, tp.size)
+    laid = laid if layout is None else layout(laid)
+    return place(laid, param_specs(laid), tp)
+
+
+def place_state(state, backend):
+    """Model state pools as a backend's programs take them: split by head over its mesh, if it has one."""
+    return state if backend.parallel is None else place(state, state_specs(state), backend.parallel)
+
+
 def replicate(tree, tp: TensorParallel):
     """tree's arrays whole on every device of tp's mesh."""
     return jax.device_put(tree, NamedSharding(tp.mesh, P()))
