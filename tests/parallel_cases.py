@@ -130,14 +130,13 @@ def test_engine_concurrent_equals_solo_and_the_prompt_cache_resumes_exactly():
         _baseline(e)
         # the prompt cache: a prompt extending request 1's resumes from its kept state
         long = dataclasses.replace(reqs[1], prompt_ids=reqs[1].prompt_ids + (5, 6, 7), request_id="resumed")
-        resumed = e.submit(long).result(TIMEOUT)
-        assert e.stats().prompt_cache_hits_total >= 1
-        fresh_engine = _engine(2)
-        fresh_engine.start()
-        try:
-            fresh = fresh_engine.submit(long).result(TIMEOUT)
-        finally:
-            fresh_engine.shutdown()
+        hits = e.stats().prompt_cache_hits_total
+        handle = e.submit(long)
+        resumed = handle.result(TIMEOUT)
+        assert e.stats().prompt_cache_hits_total == hits + 1 and handle.cached_tokens == 128
+        e.clear_prompt_cache()
+        fresh = e.submit(long).result(TIMEOUT)
+        assert e.stats().prompt_cache_hits_total == hits + 1
         assert (resumed.token_ids, resumed.logprobs) == (fresh.token_ids, fresh.logprobs)
     finally:
         e.shutdown()
