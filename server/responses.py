@@ -12,6 +12,8 @@ by grammar, structured outputs, images. The reply is rewritten back (`from_chat`
 function_call item; a reply cut by max_output_tokens is "incomplete". Nothing is stored: `previous_response_id`
 and `background` are refused (send the whole conversation in `input`), `store` is accepted and echoed false.
 Streams are the API's typed events (response.created ... response.completed), each with its sequence_number.
+`top_logprobs` (or `include` naming the text's logprobs) asks the chat route for logprobs, returned on the message's
+text part.
 """
 
 from __future__ import annotations
@@ -50,10 +52,16 @@ class ResponsesRequest(P._Strict):
     previous_response_id: str | None = None
     background: bool | None = None
     include: list[str] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=P.MAX_TOP_LOGPROBS)] | None = None
     truncation: Literal["disabled"] | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+
+
+# `include` asking for the message's logprobs (as top_logprobs does): each reply token's logprob and its top ones,
+# the reasoning's tokens too, on the message's output_text part (streamed on its deltas).
+LOGPROBS = "message.output_text.logprobs"
 
 
 def _new_id(prefix: str) -> str:
@@ -206,6 +214,8 @@ def to_chat(req: ResponsesRequest) -> P.ChatCompletionRequest:
             raise bad_request(f"reasoning.effort must be none, minimal, low, medium or high, got {effort!r}",
                               param="reasoning.effort")
         body["chat_template_kwargs"] = {"enable_thinking": effort != "none"}
+    if req.top_logprobs is not None or LOGPROBS in (req.include or ()):
+        body["logprobs"], body["top_logprobs"] = True, req.top_logprobs or 0
     if req.stream:
         body["stream_options"] = {"include_usage": True}
     return P.ChatCompletionRequest.model_validate(body)
@@ -271,6 +281,8 @@ def from_chat(req: ResponsesRequest, r: P.ChatCompletionResponse, think_end: int
     status = "incomplete" if c.finish_reason == "length" else "completed"
     if m.content or not m.tool_calls:
         output.append(_message_item(_new_id("msg"), m.content or "", status))
+        if c.logprobs is not None:
+            output[-1]["content"][0]["logprobs"] = [t.model_dump() for t in c.logprobs.content]
     for call in m.tool_calls or ():
         output.append(_call_item(_new_id("fc"), call.id, call.function.name, call.function.arguments))
     cached = r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else 0
@@ -293,6 +305,7 @@ class ResponsesStream:
         self.seq = 0
         self.item: dict[str, Any] | None = None  # the open item (its text gathered in place)
         self.ids: list[int] = []
+        self.logprobs: list[dict[str, Any]] = []  # tokens' logprobs not yet on a text delta
 
     def _event(self, kind: str, payload: dict[str, Any]) -> str:
         body = {"type": kind, "sequence_number": self.seq, **payload}
@@ -326,8 +339,10 @@ class ResponsesStream:
                                                                      "text": item["content"][0]["text"]}))
         elif item["type"] == "message":
             part = item["content"][0]
+            part["logprobs"] += self.logprobs  # (tokens after the last text: a stop id's)
+            self.logprobs = []
             out.append(self._event("response.output_text.done", {**where, "content_index": 0, "text": part["text"],
-                                                                  "logprobs": []}))
+                                                                  "logprobs": part["logprobs"]}))
             out.append(self._event("response.content_part.done", {**where, "content_index": 0, "part": part}))
             item["status"] = status
         else:
@@ -344,9 +359,13 @@ class ResponsesStream:
                              else _message_item(_new_id("msg"), "", "in_progress"))
         part = self.item["content"][0]
         part["text"] += text
-        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
-        return out + [self._event(name, {**self._where(), "content_index": 0, "delta": text, **extra})]
+        if kind == "reasoning":
+            return out + [self._event("response.reasoning_text.delta", {**self._where(), "content_index": 0,
+                                                                         "delta": text})]
+        logprobs, self.logprobs = self.logprobs, []
+        part["logprobs"] += logprobs
+        return out + [self._event("response.output_text.delta", {**self._where(), "content_index": 0, "delta": text,
+                                                                  "logprobs": logprobs})]
 
     async def events(self) -> AsyncIterator[str]:
         finish = None
@@ -376,6 +395,7 @@ class ResponsesStream:
                 return
             for choice in chunk.get("choices", ()):
                 self.ids += choice.get("token_ids") or ()
+                self.logprobs += (choice.get("logprobs") or {}).get("content") or ()
                 delta = choice.get("delta") or {}
                 pieces: list[str] = []
                 if delta.get("reasoning_content"):

@@ -692,8 +692,9 @@ def test_responses_api(http, client, model):
     """/v1/responses: the chat route's reply as a response (a message item, usage, completed / incomplete), through
     the official client too (`output_text`); streamed as typed events in sequence whose deltas are the text;
     text.format json_schema; a forced function call as a function_call item, and a turn of function_call +
-    function_call_output items counted as /tokenize counts the same chat; errors in OpenAI's shape naming the
-    field. (Reasoning items and streamed calls: test_responses_stream_items.)"""
+    function_call_output items counted as /tokenize counts the same chat; logprobs (top_logprobs, include) as the
+    chat route's; errors in OpenAI's shape naming the field. (Reasoning items and streamed calls:
+    test_responses_stream_items.)"""
     instructions, user = "Answer briefly.", "What colour is the sky?"
     chat = {"messages": [{"role": "system", "content": instructions}, {"role": "user", "content": user}],
             "max_tokens": 12, "temperature": 0.0}
@@ -725,6 +726,15 @@ def test_responses_api(http, client, model):
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
     assert events[-1].response.output[0].content[0].text == text and events[-1].response.usage.output_tokens == \
         u["output_tokens"]
+    # logprobs: the chat route's, on the message's text part, streamed on its deltas
+    lp = http.post(CHAT, json={**chat, "logprobs": True, "top_logprobs": 2}).json()["choices"][0]["logprobs"]["content"]
+    r = http.post("/v1/responses", json={**req, "top_logprobs": 2}).json()
+    assert r["output"][0]["content"][0]["logprobs"] == lp and len(lp[0]["top_logprobs"]) == 2
+    events = _anthropic_events(http.post("/v1/responses", json={
+        **req, "include": ["message.output_text.logprobs"], "stream": True}).text)
+    deltas = [lp for k, d in events if k == "response.output_text.delta" for lp in d["logprobs"]]
+    assert events[-1][1]["response"]["output"][0]["content"][0]["logprobs"] == [
+        {**t, "top_logprobs": []} for t in lp] and deltas == [{**t, "top_logprobs": []} for t in lp][:len(deltas)]
     # structured output: one of three words, as JSON
     schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"],
               "additionalProperties": False}
