@@ -877,7 +877,6 @@ class Programs:
         and state too, `dflash_programs`), or None."""
         from qwen_jax import dflash_programs as D  # it builds on this module
         self.backend = backend or M.Backend.default()
-        tp = self.backend.parallel
         # the Mosaic GPU decode kernel's scale layout, where it is on (same bits); split over a tensor-parallel mesh
         params = parallel.prepare(params, cfg, self.backend, layout=(
             lambda p: qmm.decode_layout(p, layout.jnp_dtype)) if self.backend.kernels else None)
@@ -900,8 +899,7 @@ class Programs:
                                  f"{drafter.window}")
             self.dparams = qmm.decode_layout(drafter.params, layout.jnp_dtype) if self.backend.kernels else \
                 drafter.params
-            if tp is not None:  # the drafter runs whole on every device
-                self.dparams = parallel.replicate(self.dparams, tp)
+            self.dparams = self._whole(self.dparams)  # (under tensor parallelism, whole on every device)
         self.state = self.fresh_state()
         self.dstate = self._fresh_dstate()
         self.media = self._fresh_media()  # [media_rows, H]: embeddings prompt rows take (an image's), or None

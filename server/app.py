@@ -166,9 +166,7 @@ def build_app(serving: Serving, *, api_key: str | None = None,
         result = await serving.tokenize(converted(anthropic.tokenize_request, req))
         return JSONResponse({"input_tokens": result.count})
 
-    tok = serving.tokenizer
-    think_end = None if tok is None else tok.convert_tokens_to_ids("</think>")
-    think_end = think_end if isinstance(think_end, int) and think_end != getattr(tok, "unk_token_id", None) else None
+    think_end = serving.think_end  # where the reasoning tokens a response counts end
 
     @app.post("/v1/responses", dependencies=guarded)
     async def create_response(request: Request):

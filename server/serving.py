@@ -647,15 +647,23 @@ class Serving:
         self._grammars.move_to_end(key)
         return grammar
 
+    @property
+    def think_end(self) -> int | None:
+        """The `</think>` token's id, or None where the tokenizer (or a model without one) has no such token."""
+        if self.tokenizer is None:
+            return None
+        ids = self.tokenizer.convert_tokens_to_ids([THINK_END])
+        return None if not ids or ids[0] is None or ids[0] == self.tokenizer.unk_token_id else int(ids[0])
+
     def _think_end_id(self, param: str) -> int:
         """The `</think>` token's id, where a reply that starts inside a think block leaves it (and a grammar that
         `param` asked for starts)."""
-        ids = self.tokenizer.convert_tokens_to_ids([THINK_END])
-        if not ids or ids[0] is None or ids[0] == self.tokenizer.unk_token_id:
+        end = self.think_end
+        if end is None:
             raise bad_request(f"{param}: the prompt opens a think block and this tokenizer has no {THINK_END} token "
                               f"to start the constrained reply after; turn thinking off "
                               f"(chat_template_kwargs.enable_thinking: false)", param=param)
-        return int(ids[0])
+        return end
 
     def _choices(self, sampling: SamplingOptions, ids: list[int], n: int) -> list[SamplingOptions]:
         """Each choice's sampling: the request's, with choice i's seed drawn from the request's (or, without one,

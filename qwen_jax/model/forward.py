@@ -193,10 +193,6 @@ def _on_shards(fn, cfg: ModelConfig, backend: Backend, in_specs: tuple, out_spec
     return tp_.run(lambda *a: fn(*a, local, inner), backend.parallel, in_specs, out_specs, *args)
 
 
-def _whole(tree):
-    return jax.tree.map(lambda _: tp_.P(), tree)
-
-
 def prefill(params, state: ModelState, batch: PrefillBatch, cfg: ModelConfig, backend: Backend, *,
             all_logits: bool = False, taps: tuple[int, ...] = (), embeds: tuple[jax.Array, jax.Array] | None = None):
     """-> (logits, state, taps). logits: [S, T, V] if all_logits else the last real row's [S, V] fp32;
@@ -206,7 +202,7 @@ def prefill(params, state: ModelState, batch: PrefillBatch, cfg: ModelConfig, ba
     if _split(backend):
         body = lambda p, st, b, e, c, be: prefill(p, st, b, c, be, all_logits=all_logits, taps=taps, embeds=e)
         specs = tp_.state_specs(state)
-        return _on_shards(body, cfg, backend, (tp_.param_specs(params), specs, _whole(batch), _whole(embeds)),
+        return _on_shards(body, cfg, backend, (tp_.param_specs(params), specs, tp_.whole(batch), tp_.whole(embeds)),
                           (tp_.P(), specs, tp_.P()), params, state, batch, embeds)
     t = cfg.text
     x = _embed(params, state, batch.tokens, backend)
@@ -244,8 +240,9 @@ def verify(params, state: ModelState, window: VerifyWindow, cfg: ModelConfig, ba
         body = lambda p, st, w, ts, c, be: verify(p, st, w, c, be, taps=taps, chain=chain, tree_scratch=ts)
         specs = tp_.state_specs(state)
         out = (tp_.P(), tp_.KEPT, tp_.P()) + ((specs,) if chain or tree_scratch is not None else ())
-        return _on_shards(body, cfg, backend, (tp_.param_specs(params), specs, _whole(window), _whole(tree_scratch)),
-                          out, params, state, window, tree_scratch)
+        return _on_shards(body, cfg, backend,
+                          (tp_.param_specs(params), specs, tp_.whole(window), tp_.whole(tree_scratch)), out,
+                          params, state, window, tree_scratch)
     t = cfg.text
     x = _embed(params, state, window.tokens, backend)
     # a tree's rows' page tables and ancestors, once for every attention layer
@@ -279,7 +276,7 @@ def step(params, state: ModelState, window: VerifyWindow, cfg: ModelConfig, back
     can change with the program around it, and drafted ≡ serial needs the serial step to be the same program."""
     if _split(backend):
         specs = tp_.state_specs(state)
-        return _on_shards(step, cfg, backend, (tp_.param_specs(params), specs, _whole(window)), (tp_.P(), specs),
+        return _on_shards(step, cfg, backend, (tp_.param_specs(params), specs, tp_.whole(window)), (tp_.P(), specs),
                           params, state, window)
     t = cfg.text
     s = window.tokens.shape[0]
@@ -312,7 +309,7 @@ def commit(state: ModelState, kept, window: VerifyWindow, path: jax.Array, path_
     """Write each stream's accepted path (node indices root-first, path_len of them) into its state."""
     if _split(backend):
         specs = tp_.state_specs(state)
-        return _on_shards(commit, cfg, backend, (specs, tp_.KEPT, _whole(window), tp_.P(), tp_.P()), specs,
+        return _on_shards(commit, cfg, backend, (specs, tp_.KEPT, tp_.whole(window), tp_.P(), tp_.P()), specs,
                           state, kept, window, path, path_len)
     t = cfg.text
     rec, conv, kv = list(state.rec), list(state.conv), list(state.kv)

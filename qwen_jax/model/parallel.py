@@ -61,7 +61,7 @@ class TensorParallel:
 
 
 def check(cfg, size: int) -> None:
-    """A ValueError naming --tensor-parallel where the text model's heads or columns do not split in `size`."""
+    """A ValueError naming --tensor-parallel-size where the text model's heads or columns do not split in `size`."""
     t = cfg.text
     counts = {"attention heads": t.num_heads, "KV heads": t.num_kv_heads, "GDN key heads": t.linear_num_key_heads,
               "GDN value heads": t.linear_num_value_heads, "MLP columns": t.intermediate_size}
@@ -158,7 +158,8 @@ def _weight_specs(w, out: bool):
     return P(AXIS, None) if out else P(None, AXIS)
 
 
-def _whole(tree):
+def whole(tree):
+    """Specs of a tree whose arrays are whole on every device."""
     return jax.tree.map(lambda _: P(), tree)
 
 
@@ -179,7 +180,7 @@ def param_specs(params: dict) -> dict:
                          "q_norm": P(), "k_norm": P()}
         layers.append(s)
     head = params["lm_head"]
-    return {"embed": _whole(params["embed"]), "norm": P(),
+    return {"embed": whole(params["embed"]), "norm": P(),
             "lm_head": None if head is None else _weight_specs(head, True),  # by vocabulary rows (`check`)
             "layers": tuple(layers)}
 
