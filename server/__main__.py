@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="quantized matmul kernel for decode rows: 'auto' (default) is the Mosaic GPU kernel on a GPU "
                         "(fastest decode; compiled again at every start), 'triton' the Triton kernel (starts faster "
                         "from the compilation cache), 'mgpu' the Mosaic GPU kernel (GPU only)")
+    s.add_argument("--chunked-prefill-size", type=_positive, default=4096, metavar="N",
+                   help="the largest prompt chunk: rows of one prompt in one call (default 4096; a multiple of 64). "
+                        "Smaller compiles fewer prompt programs and bounds a call's activations")
     s.add_argument("--prompt-cache", type=_non_negative, default=4, metavar="N",
                    help="prompt states kept for reuse (default 4; 0 = off): a prompt that extends a kept one (a "
                         "shared system prompt, an earlier turn) runs only its rest, with the same reply bits as run "
@@ -150,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "unset = open). /health, /metrics and /version stay open for probes and scrapers")
     h.add_argument("--max-request-bytes", type=_positive, default=32 * 1024 * 1024, metavar="N",
                    help="largest request body accepted, checked before parsing (default 32 MiB); larger gets 413")
+    h.add_argument("--responses-store", type=_non_negative, default=256, metavar="N",
+                   help="how many /v1/responses replies to keep in memory for GET, input_items and "
+                        "previous_response_id (default 256; the oldest goes first; 0 stores none)")
     h.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
     h.add_argument("--no-progress", action="store_true", help="no progress bars while loading and compiling")
     return p
@@ -201,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                               copy_drafts=args.copy_drafts, drafter=args.drafter, prompt_cache=args.prompt_cache,
                               vision=not args.no_vision, draft_policy=args.draft_policy,
                               draft_costs=args.draft_costs, draft_tree=args.draft_tree,
-                              drafter_bits=args.drafter_bits, tensor_parallel=args.tensor_parallel_size)
+                              drafter_bits=args.drafter_bits, tensor_parallel=args.tensor_parallel_size,
+                              chunked_prefill_size=args.chunked_prefill_size)
     except ValueError as e:  # checkpoint and config errors are ValueErrors with a message for the user
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -210,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     serving = Serving(engine, served_model_name=args.served_model_name or engine.model_name,
                       model_root=loaded.model_root, defaults=loaded.defaults, default_max_tokens=args.max_tokens,
                       reasoning_parser=args.reasoning_parser, default_template_kwargs=template_kwargs)
-    app = build_app(serving, api_key=api_key, max_body_bytes=args.max_request_bytes)
+    app = build_app(serving, api_key=api_key, max_body_bytes=args.max_request_bytes,
+                    responses_store=args.responses_store)
     log = logging.getLogger("server")
     from pallas_kernels import qmm
     log.info("serving %s as %r on http://%s:%d (max_model_len %d, parallel %d, %s shapes, decode kernel %s, "

@@ -8,6 +8,7 @@ Prometheus scrapers rely on). Keys are compared with `hmac.compare_digest`.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 
@@ -106,8 +107,8 @@ def _parse_tokenize(body: bytes) -> P.TokenizeCompletionRequest | P.TokenizeChat
         raise from_validation_error(e) from None
 
 
-def build_app(serving: Serving, *, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def build_app(serving: Serving, *, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              responses_store: int = responses.DEFAULT_STORE) -> FastAPI:
     app = FastAPI(title="qwen-jax", summary="OpenAI-compatible server for Qwen3.5 hybrid models",
                   docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -167,15 +168,36 @@ def build_app(serving: Serving, *, api_key: str | None = None,
         return JSONResponse({"input_tokens": result.count})
 
     think_end = serving.think_end  # where the reasoning tokens a response counts end
+    store = responses.ResponseStore(responses_store)
 
     @app.post("/v1/responses", dependencies=guarded)
     async def create_response(request: Request):
         req = _parse(responses.ResponsesRequest, await request.body())
-        result = await serving.chat(converted(responses.to_chat, req), wait_disconnect(request))
+        history = store.history(req)
+        result = await serving.chat(converted(functools.partial(responses.to_chat, history=history), req),
+                                    wait_disconnect(request))
+        stored = store.stores(req)
+        keep = functools.partial(store.keep, req, history) if stored else None
         if isinstance(result, EventStream):
-            events = responses.ResponsesStream(result.chunks, req, serving.model_name, think_end).events()
-            return SSEResponse(EventStream(events, result.close))
-        return JSONResponse(responses.from_chat(req, result, think_end))
+            events = responses.ResponsesStream(result.chunks, req, serving.model_name, think_end, stored, keep)
+            return SSEResponse(EventStream(events.events(), result.close))
+        obj = responses.from_chat(req, result, think_end, stored)
+        if keep is not None:
+            keep(obj)
+        return JSONResponse(obj)
+
+    @app.get("/v1/responses/{response_id}", dependencies=guarded)
+    async def get_response(response_id: str):
+        return JSONResponse(store.get(response_id).response)
+
+    @app.delete("/v1/responses/{response_id}", dependencies=guarded)
+    async def delete_response(response_id: str):
+        return JSONResponse(store.delete(response_id))
+
+    @app.get("/v1/responses/{response_id}/input_items", dependencies=guarded)
+    async def response_input_items(response_id: str, request: Request):
+        q = request.query_params
+        return JSONResponse(store.input_items(response_id, q.get("limit"), q.get("order"), q.get("after")))
 
     @app.get("/v1/models", dependencies=guarded)
     async def models():

@@ -58,10 +58,16 @@ def build_engine(*, model: str | None, synthetic: str | None, dtype: str, kv_cac
                  shapes: str = "auto", decode_kernel: str = "auto", copy_drafts: bool = False,
                  drafter: str | None = None, prompt_cache: int = 0, vision: bool = True,
                  draft_policy: str = "adaptive", draft_costs: str | None = None, draft_tree: int = 0,
-                 drafter_bits: int | None = None, tensor_parallel: int = 1) -> Loaded:
+                 drafter_bits: int | None = None, tensor_parallel: int = 1,
+                 chunked_prefill_size: int = 4096) -> Loaded:
     """Raises ValueError with a message for the user (bad dir, bad config, bad shape name, `--shapes batched`
     where rows are not computed independently of the batch, a decode kernel this machine lacks). shapes: "auto",
-    "fixed" or "batched" (SHAPES); decode_kernel: DECODE_KERNELS; drafter: a DFlash drafter dir (block drafts)."""
+    "fixed" or "batched" (SHAPES); decode_kernel: DECODE_KERNELS; drafter: a DFlash drafter dir (block drafts);
+    chunked_prefill_size: the largest prompt chunk (rows of one prompt in one call; a multiple of 64)."""
+    if isinstance(chunked_prefill_size, bool) or not isinstance(chunked_prefill_size, int) \
+            or chunked_prefill_size < 64 or chunked_prefill_size % 64:
+        raise ValueError(f"--chunked-prefill-size {chunked_prefill_size}: must be a multiple of 64 (the prompt "
+                         "chunks' grid of positions), at least 64")
     set_decode_kernel(decode_kernel)
     from qwen_jax.engine.engine import DEFAULT_CACHE_DIR, Engine
     from qwen_jax.model import Backend
@@ -71,7 +77,8 @@ def build_engine(*, model: str | None, synthetic: str | None, dtype: str, kv_cac
     common = dict(dtype=dtype, kv_cache=kv_cache, max_model_len=max_model_len, parallel=parallel,
                   max_queued=max_queued, backend=backend, progress=progress, max_logprobs=max_logprobs,
                   fixed_shapes=fixed_shapes(shapes), copy_drafts=copy_drafts, prompt_cache=prompt_cache,
-                  draft_policy=DraftPolicy.parse(draft_policy, draft_costs), tensor_parallel=tensor_parallel)
+                  draft_policy=DraftPolicy.parse(draft_policy, draft_costs), tensor_parallel=tensor_parallel,
+                  max_prefill_chunk=chunked_prefill_size)
     if synthetic is not None:
         from qwen_jax import programs
         from qwen_jax.engine.bench import synthetic_params

@@ -9,8 +9,12 @@ as response_format, `reasoning.effort` "none" as thinking off (any other effort:
 max_tokens. So everything the chat route does holds here: sampling, drafting, the prompt cache, tool calls forced
 by grammar, structured outputs, images. The reply is rewritten back (`from_chat`, `ResponsesStream`): reasoning
 (with `--reasoning-parser qwen3`) as a reasoning item, the text as a message item, each tool call as a
-function_call item; a reply cut by max_output_tokens is "incomplete". Nothing is stored: `previous_response_id`
-and `background` are refused (send the whole conversation in `input`), `store` is accepted and echoed false.
+function_call item; a reply cut by max_output_tokens is "incomplete".
+Responses are stored (`store`, true unless the request says false) in memory, the last `--responses-store N` of
+them (`ResponseStore`): `GET /v1/responses/{id}`, `GET /v1/responses/{id}/input_items`, `DELETE
+/v1/responses/{id}`, and `previous_response_id`, which answers the stored conversation (that response's history,
+its input and its output items) followed by the new input, as if the whole of it had been sent as `input` (the
+earlier instructions are not carried over, as in OpenAI's API). `background` is refused.
 Streams are the API's typed events (response.created ... response.completed), each with its sequence_number.
 `top_logprobs` (or `include` naming the text's logprobs) asks the chat route for logprobs, returned on the message's
 text part.
@@ -18,16 +22,18 @@ text part.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
 from server import protocol as P
-from server.errors import bad_request
+from server.errors import APIError, bad_request
 from server.serving import sse_payloads
 
 
@@ -92,12 +98,17 @@ def _joined(parts: str | list[dict[str, Any]]) -> str:
     return parts if isinstance(parts, str) else "".join(p["text"] for p in parts)
 
 
-def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as items (a string: one user message)."""
+    return [{"role": "user", "content": req.input}] if isinstance(req.input, str) else list(req.input)
+
+
+def _messages(instructions: str | None, items: list[dict[str, Any]], first: int = 0) -> list[dict[str, Any]]:
+    """The chat messages of `items` (a stored history, then the request's input, which starts at `first`: errors
+    name input[i - first])."""
     out: list[dict[str, Any]] = []
-    if req.instructions is not None:
-        out.append({"role": "system", "content": req.instructions})
-    if isinstance(req.input, str):
-        return out + [{"role": "user", "content": req.input}]
+    if instructions is not None:
+        out.append({"role": "system", "content": instructions})
     reasoning: list[str] = []  # reasoning items waiting for the assistant turn they precede
 
     def assistant() -> dict[str, Any]:
@@ -111,8 +122,8 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         out.append(msg)
         return msg
 
-    for i, item in enumerate(req.input):
-        where = f"input[{i}]"
+    for i, item in enumerate(items):
+        where = f"input[{i - first}]" if i >= first else f"previous_response_id (its item {i})"
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             role = item.get("role")
@@ -146,7 +157,8 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             reasoning.append("".join(texts))
         else:
             raise bad_request(f"{where}: {kind!r} items are not supported by this server (message, function_call, "
-                              "function_call_output and reasoning are; it stores no items to reference)", param=where)
+                              "function_call_output and reasoning are; earlier turns come with previous_response_id)",
+                              param=where)
     if not any(m["role"] != "system" for m in out):
         raise bad_request("input holds no message to answer", param="input")
     return out
@@ -192,13 +204,15 @@ def _format(req: ResponsesRequest) -> dict[str, Any] | None:
                       param="text.format")
 
 
-def to_chat(req: ResponsesRequest) -> P.ChatCompletionRequest:
-    if req.previous_response_id is not None:
-        raise bad_request("previous_response_id: this server stores no responses; send the whole conversation in "
-                          "input", param="previous_response_id")
+def to_chat(req: ResponsesRequest, history: list[dict[str, Any]] | None = None) -> P.ChatCompletionRequest:
+    """The chat request answering `req`, after the conversation `history` (a stored response's items, for
+    previous_response_id)."""
     if req.background:
-        raise bad_request("background responses are not supported (nothing is stored)", param="background")
-    body: dict[str, Any] = {"model": req.model, "messages": _messages(req), "stream": req.stream,
+        raise bad_request("background responses are not supported (send the request and wait for its reply)",
+                          param="background")
+    history = history or []
+    messages = _messages(req.instructions, history + input_items(req), first=len(history))
+    body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream,
                             "return_token_ids": True, **_tools(req)}
     for name in ("temperature", "top_p", "top_k", "seed"):
         if getattr(req, name) is not None:
@@ -221,13 +235,15 @@ def to_chat(req: ResponsesRequest) -> P.ChatCompletionRequest:
     return P.ChatCompletionRequest.model_validate(body)
 
 
-def _base(req: ResponsesRequest, model: str, rid: str, created: int) -> dict[str, Any]:
-    """The response object's fields that echo the request."""
+def _base(req: ResponsesRequest, model: str, stored: bool) -> dict[str, Any]:
+    """A new response object: the fields that echo the request."""
+    rid, created = _new_id("resp"), int(time.time())
     return {"id": rid, "object": "response", "created_at": created, "model": model, "status": "in_progress",
             "error": None, "incomplete_details": None, "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {}, "output": [],
-            "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
-            "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None}, "store": False,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": req.previous_response_id,
+            "reasoning": {"effort": (req.reasoning or {}).get("effort"), "summary": None}, "store": stored,
             "temperature": req.temperature, "text": req.text or {"format": {"type": "text"}},
             "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "top_p": req.top_p,
             "truncation": "disabled", "user": req.user, "usage": None}
@@ -272,7 +288,8 @@ def _finish(obj: dict[str, Any], finish: str | None) -> dict[str, Any]:
     return obj
 
 
-def from_chat(req: ResponsesRequest, r: P.ChatCompletionResponse, think_end: int | None) -> dict[str, Any]:
+def from_chat(req: ResponsesRequest, r: P.ChatCompletionResponse, think_end: int | None,
+              stored: bool = False) -> dict[str, Any]:
     c = r.choices[0]
     m = c.message
     output: list[dict[str, Any]] = []
@@ -286,7 +303,7 @@ def from_chat(req: ResponsesRequest, r: P.ChatCompletionResponse, think_end: int
     for call in m.tool_calls or ():
         output.append(_call_item(_new_id("fc"), call.id, call.function.name, call.function.arguments))
     cached = r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else 0
-    obj = _base(req, r.model, _new_id("resp"), int(time.time()))
+    obj = _base(req, r.model, stored)
     obj["output"] = output
     obj["usage"] = _usage(r.usage.prompt_tokens, r.usage.completion_tokens, cached,
                           _reasoning_tokens(c.token_ids, think_end, bool(m.reasoning_content)))
@@ -297,11 +314,13 @@ class ResponsesStream:
     """The chat route's stream (one choice, with usage and token ids) rewritten as the Responses API's events:
     response.created and .in_progress; per output item output_item.added, its deltas (reasoning_text,
     output_text with its content part, function_call_arguments) and .done events, output_item.done; then
-    response.completed (or response.incomplete) with the whole response; a failure as an error event."""
+    response.completed (or response.incomplete) with the whole response, which goes to `keep` (to store it); a
+    failure as an error event."""
 
-    def __init__(self, chunks: AsyncIterator[str], req: ResponsesRequest, model: str, think_end: int | None):
-        self.chunks, self.req, self.think_end = chunks, req, think_end
-        self.response = _base(req, model, _new_id("resp"), int(time.time()))
+    def __init__(self, chunks: AsyncIterator[str], req: ResponsesRequest, model: str, think_end: int | None,
+                 stored: bool = False, keep: Callable[[dict[str, Any]], None] | None = None):
+        self.chunks, self.req, self.think_end, self.keep = chunks, req, think_end, keep
+        self.response = _base(req, model, stored)
         self.seq = 0
         self.item: dict[str, Any] | None = None  # the open item (its text gathered in place)
         self.ids: list[int] = []
@@ -391,6 +410,8 @@ class ResponsesStream:
                                                 _reasoning_tokens(self.ids, self.think_end, reasoned))
                 _finish(self.response, finish)
                 kind = "response.incomplete" if finish == "length" else "response.completed"
+                if self.keep is not None:
+                    self.keep(self.response)
                 yield self._event(kind, {"response": self.response})
                 return
             for choice in chunk.get("choices", ()):
@@ -411,3 +432,101 @@ class ResponsesStream:
                     finish = choice["finish_reason"]
                 for piece in pieces:
                     yield piece
+
+
+# How many responses the server keeps by default (`--responses-store`). Each holds its whole conversation (earlier
+# turns shared with the response it continues, not copied), images included as sent.
+DEFAULT_STORE = 256
+
+_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def _listed(item: dict[str, Any]) -> dict[str, Any]:
+    """An input item as the input_items listing shows it: typed, a string content as one text part."""
+    out = {"type": item.get("type", "message"), **item}
+    if out["type"] == "message" and isinstance(out.get("content"), str):
+        kind = "output_text" if out.get("role") == "assistant" else "input_text"
+        out["content"] = [{"type": kind, "text": out["content"]}]
+    return out
+
+
+@dataclasses.dataclass
+class Stored:
+    response: dict[str, Any]  # the response object as it was returned
+    inputs: list[dict[str, Any]]  # the request's input items, each with an id
+    history: list[dict[str, Any]]  # the conversation before the response's output: earlier turns, then inputs
+
+
+class ResponseStore:
+    """The last `capacity` stored responses, in memory (a restart forgets them); past that the oldest goes. A
+    response keeps its conversation with it, so previous_response_id reads a chain back whole even after responses
+    earlier in it were deleted or dropped. Used from the event loop only (no locking)."""
+
+    def __init__(self, capacity: int = DEFAULT_STORE):
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"--responses-store must be an integer >= 0, got {capacity!r}")
+        self.capacity = capacity
+        self._kept: OrderedDict[str, Stored] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def stores(self, req: ResponsesRequest) -> bool:
+        return self.capacity > 0 and req.store is not False
+
+    def history(self, req: ResponsesRequest) -> list[dict[str, Any]] | None:
+        """The conversation previous_response_id continues: its history and its output items (None without one)."""
+        rid = req.previous_response_id
+        if rid is None:
+            return None
+        if not self.capacity:
+            raise bad_request("previous_response_id: this server stores no responses (--responses-store 0); send "
+                              "the whole conversation in input", param="previous_response_id")
+        prev = self._kept.get(rid)
+        if prev is None:
+            raise bad_request(f"Previous response with id {rid!r} not found: never stored (store false), deleted, "
+                              f"or dropped (this server keeps the last {self.capacity})",
+                              param="previous_response_id", code="previous_response_not_found")
+        return prev.history + prev.response["output"]
+
+    def keep(self, req: ResponsesRequest, history: list[dict[str, Any]] | None, response: dict[str, Any]) -> None:
+        inputs = [item if "id" in item else {"id": _new_id(_ID_PREFIX.get(item.get("type", "message"), "item")),
+                                             **item} for item in input_items(req)]
+        self._kept[response["id"]] = Stored(response, inputs, (history or []) + inputs)
+        while len(self._kept) > self.capacity:
+            self._kept.popitem(last=False)
+
+    def get(self, rid: str) -> Stored:
+        stored = self._kept.get(rid)
+        if stored is None:
+            raise APIError(404, f"No response found with id {rid!r}", param="response_id", code="not_found")
+        return stored
+
+    def delete(self, rid: str) -> dict[str, Any]:
+        self.get(rid)
+        del self._kept[rid]
+        return {"id": rid, "object": "response", "deleted": True}
+
+    def input_items(self, rid: str, limit: str | None = None, order: str | None = None,
+                    after: str | None = None) -> dict[str, Any]:
+        """A page of a response's input items (OpenAI's list: newest first unless order=asc, 20 unless limit
+        says 1-100, starting after the item `after`)."""
+        items = [_listed(item) for item in self.get(rid).inputs]
+        try:
+            n = 20 if limit is None else int(limit)
+        except ValueError:
+            n = 0
+        if not 1 <= n <= 100:
+            raise bad_request(f"limit must be an integer from 1 to 100, got {limit!r}", param="limit")
+        if order not in (None, "asc", "desc"):
+            raise bad_request(f"order must be asc or desc, got {order!r}", param="order")
+        if order != "asc":
+            items.reverse()
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise bad_request(f"after: response {rid!r} has no input item {after!r}", param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:n]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > n}

@@ -834,6 +834,93 @@ def test_responses_stream_items():
     assert events[-1][1]["message"] == "boom"
 
 
+def test_responses_stored(http, client, model):
+    """Stored responses: GET returns the response as it was returned (whole or streamed); previous_response_id
+    answers as the whole conversation sent as input does (the earlier output items, then the new input), token for
+    token, through the official client too; input_items lists the request's items with ids, newest first, paged
+    by limit / order / after; store false keeps nothing; DELETE removes one (then 404, and previous_response_id
+    naming it a 400 in OpenAI's shape)."""
+    first = {"model": model, "instructions": "Answer briefly.", "input": "What colour is the sky?",
+             "max_output_tokens": 10, "temperature": 0.0}
+    r1 = http.post("/v1/responses", json=first).json()
+    assert r1["store"] is True and r1["previous_response_id"] is None
+    assert http.get(f"/v1/responses/{r1['id']}").json() == r1
+    follow = [{"role": "user", "content": "And at night?"}]
+    r2 = http.post("/v1/responses", json={**first, "input": follow, "previous_response_id": r1["id"]}).json()
+    assert r2["previous_response_id"] == r1["id"]
+    whole = http.post("/v1/responses", json={**first, "store": False, "input": [
+        {"role": "user", "content": first["input"]}, *r1["output"], *follow]}).json()
+    assert whole["store"] is False and http.get(f"/v1/responses/{whole['id']}").status_code == 404
+    assert r2["output"][0]["content"][0]["text"] == whole["output"][0]["content"][0]["text"]
+    assert r2["usage"]["input_tokens"] == whole["usage"]["input_tokens"] > r1["usage"]["input_tokens"]
+    sdk = client.responses.create(model=model, instructions="Answer briefly.", input=follow,
+                                  previous_response_id=r1["id"], max_output_tokens=10, temperature=0.0)
+    assert sdk.output_text == r2["output"][0]["content"][0]["text"] and client.responses.retrieve(sdk.id).id == sdk.id
+    # streamed: the stored response is the one response.completed carried
+    final = _anthropic_events(http.post("/v1/responses", json={**first, "stream": True}).text)[-1][1]["response"]
+    assert final["store"] is True and http.get(f"/v1/responses/{final['id']}").json() == final
+    # input items: ids given, newest first, pages
+    turn = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Bye."}]}]
+    r3 = http.post("/v1/responses", json={**first, "input": turn}).json()
+    listed = http.get(f"/v1/responses/{r3['id']}/input_items").json()
+    assert listed["object"] == "list" and listed["has_more"] is False
+    assert [(i["role"], i["content"][0]["type"], i["content"][0]["text"]) for i in listed["data"]] == [
+        ("user", "input_text", "Bye."), ("assistant", "output_text", "Hello."), ("user", "input_text", "Hi.")]
+    assert all(i["id"].startswith("msg_") and i["type"] == "message" for i in listed["data"])
+    ids = [i["id"] for i in listed["data"]][::-1]
+    page = http.get(f"/v1/responses/{r3['id']}/input_items", params={"order": "asc", "limit": 2}).json()
+    assert [i["id"] for i in page["data"]] == ids[:2] and page["has_more"] and page["last_id"] == ids[1]
+    page = http.get(f"/v1/responses/{r3['id']}/input_items", params={"order": "asc", "after": ids[1]}).json()
+    assert [i["id"] for i in page["data"]] == ids[2:] and not page["has_more"]
+    assert [i.id for i in client.responses.input_items.list(r3["id"])] == ids[::-1]
+    for query, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "msg_x"}, "after")):
+        r = http.get(f"/v1/responses/{r3['id']}/input_items", params=query)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+    # deleted: gone from GET, DELETE and previous_response_id
+    assert http.delete(f"/v1/responses/{r1['id']}").json() == {"id": r1["id"], "object": "response", "deleted": True}
+    for r in (http.get(f"/v1/responses/{r1['id']}"), http.delete(f"/v1/responses/{r1['id']}"),
+              http.get(f"/v1/responses/{r1['id']}/input_items")):
+        assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+    r = http.post("/v1/responses", json={**first, "previous_response_id": r1["id"]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "previous_response_not_found"
+    # r2's conversation went with it: continuing r2 still works after r1 is gone
+    r4 = http.post("/v1/responses", json={**first, "input": "Thanks.", "previous_response_id": r2["id"]})
+    assert r4.status_code == 200 and r4.json()["usage"]["input_tokens"] > r2["usage"]["input_tokens"]
+
+
+def test_response_store():
+    """ResponseStore alone: the oldest dropped past its capacity; capacity 0 stores nothing and refuses
+    previous_response_id; a continued conversation's messages carry the stored reasoning into the assistant turn
+    and leave the earlier instructions out; the flag's value checked."""
+    from server.errors import APIError
+    from server.responses import ResponsesRequest, ResponseStore, to_chat
+
+    store = ResponseStore(2)
+    out = [{"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+           {"type": "message", "id": "msg_1", "role": "assistant", "content": [{"type": "output_text", "text": "A"}]}]
+    for k in range(3):
+        req = ResponsesRequest(input=f"q{k}", instructions="old", previous_response_id=f"resp_{k - 1}" if k else None)
+        history = store.history(req)
+        store.keep(req, history, {"id": f"resp_{k}", "output": out})
+    assert len(store) == 2 and [k for k in store._kept] == ["resp_1", "resp_2"]
+    with pytest.raises(APIError) as e:
+        store.get("resp_0")
+    assert e.value.status == 404
+    req = ResponsesRequest(input="q3", instructions="new", previous_response_id="resp_2")
+    msgs = [m.model_dump(exclude_none=True) for m in to_chat(req, store.history(req)).messages]
+    assert [(m["role"], m.get("content"), m.get("reasoning_content")) for m in msgs] == [
+        ("system", "new", None), ("user", "q0", None), ("assistant", "A", "hm"), ("user", "q1", None),
+        ("assistant", "A", "hm"), ("user", "q2", None), ("assistant", "A", "hm"), ("user", "q3", None)]
+    none = ResponseStore(0)
+    assert not none.stores(ResponsesRequest(input="q"))
+    with pytest.raises(APIError) as e:
+        none.history(req)
+    assert e.value.status == 400 and "--responses-store" in e.value.message
+    with pytest.raises(ValueError, match="--responses-store"):
+        ResponseStore(-1)
+
+
 # ----------------------------------------------------------------------------------------------- completions
 
 def test_completions_string_and_token_ids(client, model, http):

@@ -26,7 +26,10 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def server():
     # The key through the environment, as a deployment would pass it.
-    with ServerProcess(["--max-model-len", str(MAX_MODEL_LEN), "--parallel", "1", "--max-queued", "1"],
+    # Prompt chunks of at most 256 rows: the prompts here are short, and the 512...4096-row programs cost ~12 s to
+    # compile.
+    with ServerProcess(["--max-model-len", str(MAX_MODEL_LEN), "--parallel", "1", "--max-queued", "1",
+                        "--chunked-prefill-size", "256"],
                        env={"QWEN_JAX_API_KEY": KEY}) as srv:
         yield srv
 
@@ -203,7 +206,8 @@ def test_help_documents_every_flag():
                  "--kv-cache", "--dtype", "--api-key", "--max-queued", "--served-model-name", "--max-tokens",
                  "--max-request-bytes", "--synthetic", "--max-logprobs", "--no-kernels", "--shapes", "--decode-kernel",
                  "--draft-policy", "--draft-costs", "--drafter-bits", "QWEN_JAX_API_KEY",
-                 "--default-chat-template-kwargs", "--reasoning-parser",
+                 "--default-chat-template-kwargs", "--reasoning-parser", "--chunked-prefill-size",
+                 "--responses-store", "--tensor-parallel-size", "--prompt-cache",
                  "captures/tiny", "gibberish"):
         assert flag in out, flag
     bench = subprocess.run([sys.executable, "-m", "server.bench", "--help"], cwd=REPO_ROOT, capture_output=True,
@@ -249,6 +253,10 @@ def test_cli_refusals():
     assert r.returncode == 2 and "--drafter-bits" in r.stderr, r.stderr
     r = _cli("--drafter", "captures/tiny-dflash", "--drafter-bits", "3")
     assert r.returncode == 2 and "--drafter-bits" in r.stderr, r.stderr
+    r = _cli("--chunked-prefill-size", "100", "--no-progress")
+    assert r.returncode == 2 and "--chunked-prefill-size 100: must be a multiple of 64" in r.stderr, r.stderr
+    r = _cli("--responses-store", "-1")
+    assert r.returncode == 2 and "--responses-store" in r.stderr, r.stderr
 
 
 def test_decode_kernel_choice(monkeypatch):
