@@ -37,10 +37,9 @@ def _entry_points(params, cfg, be, state, toks) -> list[np.ndarray]:
     tree, kept, _ = jax.jit(lambda p, s, w: M.verify(p, s, w, cfg, be))(params, st, w)
     path = jnp.asarray([[0, 1, 3, 0, 0]], jnp.int32)
     st = jax.jit(lambda s, k, w, a, n: M.commit(s, k, w, a, n, cfg, be))(st, kept, w, path, jnp.asarray([3]))
-    steps = []
+    steps, step = [], jax.jit(lambda p, s, w: M.step(p, s, w, cfg, be))  # (one jit: each new lambda compiles anew)
     for i, t in enumerate(toks[0, 55:58]):
-        lg, st = jax.jit(lambda p, s, w: M.step(p, s, w, cfg, be))(
-            params, st, M.make_window([[t]], [[-1]], [53 + i], [1], _pt(1)))
+        lg, st = step(params, st, M.make_window([[t]], [[-1]], [53 + i], [1], _pt(1)))
         steps.append(lg[:, 0])
     if be.parallel is not None:  # the pools split by head
         assert st.kv[0].k.sharding.spec == parallel.P(parallel.AXIS)

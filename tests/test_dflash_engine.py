@@ -111,6 +111,12 @@ def _request(prompt, seed, **kw):
     return GenerationRequest(tuple(prompt), sampling=opts, ignore_eos=True, logprobs=2 if sampled else None, **kw)
 
 
+def _idle(e):
+    """The engine at rest once its prompt cache is emptied: every page and slot free."""
+    e.clear_prompt_cache()
+    _baseline(e)
+
+
 def _same(a, b):
     assert (a.token_ids, a.logprobs, a.finish_reason) == (b.token_ids, b.logprobs, b.finish_reason)
 
@@ -161,33 +167,28 @@ def tree_engine():
 def test_resumed_with_the_drafter_equals_fresh(tree, request):
     """The prompt cache keeps and restores a slot's draft cache and drafts with its GDN state: a prompt resumed from
     a kept prefix gets the reply it gets with the cache emptied first, and its drafter ends on the same drafts (so
-    its context was the same all along). tree: tree windows (`draft_tree`), whose drafts' parents are kept too."""
-    e = request.getfixturevalue("tree_engine") if tree else _engine(prompt_cache=2)
-    try:
-        rng = np.random.default_rng(9)
-        head = [int(t) for t in rng.integers(0, 500, size=100)]
-        first = _request(head, None, max_tokens=6)
-        follow = _request(head + [int(t) for t in rng.integers(0, 500, size=20)], 3, max_tokens=12)
-        other = _request([int(t) for t in rng.integers(0, 500, size=90)], None, max_tokens=2)
-        runs = []
-        for resume in (False, True):
-            e.clear_prompt_cache()
-            e.submit(first).result(TIMEOUT)  # keeps its state at 64 tokens
-            e.submit(other).result(TIMEOUT)  # its slot's draft cache now holds another prompt
-            if not resume:
-                e.clear_prompt_cache()
-            h = e.submit(follow)
-            reply = h.result(TIMEOUT)
-            assert h.cached_tokens == (64 if resume else 0)
-            runs.append((reply, np.asarray(e.programs.dstate.drafts[1]), np.asarray(e.programs.dstate.parents[1])))
-        _same(runs[0][0], runs[1][0])
-        np.testing.assert_array_equal(runs[0][1], runs[1][1])
-        np.testing.assert_array_equal(runs[0][2], runs[1][2])
+    its context was the same all along). tree: tree windows (`draft_tree`), whose drafts' parents are kept too; 0: chains, on the `drafted` engine."""
+    e = request.getfixturevalue("tree_engine") if tree else request.getfixturevalue("drafted")[0]
+    rng = np.random.default_rng(9)
+    head = [int(t) for t in rng.integers(0, 500, size=100)]
+    first = _request(head, None, max_tokens=6)
+    follow = _request(head + [int(t) for t in rng.integers(0, 500, size=20)], 3, max_tokens=12)
+    other = _request([int(t) for t in rng.integers(0, 500, size=90)], None, max_tokens=2)
+    runs = []
+    for resume in (False, True):
         e.clear_prompt_cache()
-        _baseline(e)
-    finally:
-        if not tree:
-            e.shutdown()
+        e.submit(first).result(TIMEOUT)  # keeps its state at 64 tokens
+        e.submit(other).result(TIMEOUT)  # its slot's draft cache now holds another prompt
+        if not resume:
+            e.clear_prompt_cache()
+        h = e.submit(follow)
+        reply = h.result(TIMEOUT)
+        assert h.cached_tokens == (64 if resume else 0)
+        runs.append((reply, np.asarray(e.programs.dstate.drafts[1]), np.asarray(e.programs.dstate.parents[1])))
+    _same(runs[0][0], runs[1][0])
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+    np.testing.assert_array_equal(runs[0][2], runs[1][2])
+    _idle(e)
 
 
 def test_structured_outputs_in_a_tree_engine(tree_engine):
@@ -227,8 +228,10 @@ def test_structured_outputs_in_a_tree_engine(tree_engine):
 
 @pytest.fixture(scope="module")
 def drafted():
-    """Replies drafted by the random tiny drafter: each prompt greedy and seeded, alone."""
-    e = _engine()
+    """Replies drafted by the random tiny drafter: each prompt greedy and seeded, alone. The engine keeps prompt
+    states (test_resumed_with_the_drafter_equals_fresh[0] resumes from them; for the others, a seeded prompt may
+    resume from its greedy twin's state, which gives the fresh reply)."""
+    e = _engine(prompt_cache=2)
     reqs = [_request(p, seed, max_tokens=n) for p in _prompts() for seed, n in ((None, 30), (7, 27))]
     before = e.stats()
     replies = [e.submit(r).result(TIMEOUT) for r in reqs]
@@ -245,7 +248,7 @@ def test_random_drafts_run_every_token_through_windows(drafted):
         assert a.finish_reason == "length" and len(a.token_ids) == r.max_tokens
     assert proposed > 0 and accepted < proposed
     assert counters["draft_windows_chained"] > 0  # windows enqueued behind the previous one
-    _baseline(e)
+    _idle(e)
 
 
 def test_concurrent_drafted_equals_solo(drafted):
@@ -257,7 +260,7 @@ def test_concurrent_drafted_equals_solo(drafted):
     for a, b in zip(replies, together):
         _same(a, b)
     assert together[-1].finish_reason == "length"
-    _baseline(e)
+    _idle(e)
 
 
 def test_structured_outputs_drafted(drafted):
@@ -306,7 +309,7 @@ def test_structured_outputs_drafted(drafted):
         for t in a.token_ids:
             m.advance(t)
         assert m.terminated == (a.finish_reason == "stop")
-    _baseline(e)
+    _idle(e)
 
 
 def test_stop_inside_a_window(drafted):
@@ -316,7 +319,7 @@ def test_stop_inside_a_window(drafted):
     cut = full.token_ids.index(stop) + 1
     got = e.submit(dataclasses.replace(reqs[0], stop_token_ids=(stop,))).result(TIMEOUT)
     assert got.token_ids == full.token_ids[:cut] and got.finish_reason == "stop"
-    _baseline(e)
+    _idle(e)
 
 
 def test_drafter_refused_off_the_row_invariant_path():

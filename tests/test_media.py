@@ -34,11 +34,20 @@ def ck():
 def _engine(ck, **kw):
     buckets = P.Buckets(prompt_rows=(64, 128), prompt_lanes=(2,), decode_streams=(4,), logprobs=1)
     args = dict(dtype="float32", max_model_len=256, parallel=4, max_queued=8, backend=Backend(), buckets=buckets,
-                prefill_step=64, progress=False, media_rows=48, max_logprobs=1)
+                prefill_step=64, progress=False, media_rows=30, max_logprobs=1)
     args.update(kw)
     e = Engine(ck.params, ck.config, load_tokenizer(CAPTURES / "tiny"), **args)
     e.start()
     return e
+
+
+@pytest.fixture(scope="module")
+def engine(ck):
+    """One engine for the module (its programs compiled once): a media pool of 30 rows, room for the two images
+    that run together below (20 + 9 rows) and for one of two 25-row images at a time."""
+    e = _engine(ck)
+    yield e
+    e.shutdown()
 
 
 def _image_prompt(rng, before: int, grid: tuple[int, int], after: int, hidden: int) -> GenerationRequest:
@@ -99,64 +108,58 @@ def _media_free(e: Engine) -> bool:
     return e._media.free == e._media.total
 
 
-def test_image_rows_reply_as_the_model_does(ck):
+def test_image_rows_reply_as_the_model_does(ck, engine):
     rng = np.random.default_rng(4)
     h = ck.config.text.hidden_size
     req = _image_prompt(rng, 50, (4, 5), 30, h)  # the image spans the 64-row chunk boundary
     assert req.media.rope_delta < 0
     want, want_lp = _direct(ck, req)
-    e = _engine(ck)
-    try:
-        got = e.submit(dataclasses.replace(req, logprobs=0)).result(TIMEOUT)
-        assert list(got.token_ids) == want
-        # Other programs, so float32 noise apart (the engine's decode call runs 4 streams); a reply at the wrong
-        # M-RoPE positions (the decode rows without the delta) is 0.15 away.
-        np.testing.assert_allclose([lp.logprob for lp in got.logprobs], want_lp, atol=2e-5, rtol=0)
-        # the embeddings and positions are used: the same ids as text give another reply
-        text = e.submit(dataclasses.replace(req, media=None)).result(TIMEOUT)
-        assert list(text.token_ids) != want
-        # beside text requests and another image request, in the same prompt and decode calls
-        other = _image_prompt(rng, 10, (3, 3), 5, h)
-        texts = [GenerationRequest(tuple(int(t) for t in rng.integers(0, 490, size=n)), max_tokens=8,
-                                   sampling=SamplingOptions(temperature=0.8, seed=n), ignore_eos=True)
-                 for n in (70, 20)]
-        alone = [e.submit(r).result(TIMEOUT) for r in [other] + texts]
-        handles = [e.submit(r) for r in [req, texts[0], other, texts[1]]]
-        together = [h.result(TIMEOUT) for h in handles]
-        assert [r.token_ids for r in together] == [got.token_ids, alone[1].token_ids, alone[0].token_ids,
-                                                   alone[2].token_ids]
-        _baseline(e)
-        assert _media_free(e)
-    finally:
-        e.shutdown()
+    e = engine
+    got = e.submit(dataclasses.replace(req, logprobs=0)).result(TIMEOUT)
+    assert list(got.token_ids) == want
+    # Other programs, so float32 noise apart (the engine's decode call runs 4 streams); a reply at the wrong
+    # M-RoPE positions (the decode rows without the delta) is 0.15 away.
+    np.testing.assert_allclose([lp.logprob for lp in got.logprobs], want_lp, atol=2e-5, rtol=0)
+    # the embeddings and positions are used: the same ids as text give another reply
+    text = e.submit(dataclasses.replace(req, media=None)).result(TIMEOUT)
+    assert list(text.token_ids) != want
+    # beside text requests and another image request, in the same prompt and decode calls
+    other = _image_prompt(rng, 10, (3, 3), 5, h)
+    texts = [GenerationRequest(tuple(int(t) for t in rng.integers(0, 490, size=n)), max_tokens=8,
+                               sampling=SamplingOptions(temperature=0.8, seed=n), ignore_eos=True)
+             for n in (70, 20)]
+    alone = [e.submit(r).result(TIMEOUT) for r in [other] + texts]
+    handles = [e.submit(r) for r in [req, texts[0], other, texts[1]]]
+    together = [h.result(TIMEOUT) for h in handles]
+    assert [r.token_ids for r in together] == [got.token_ids, alone[1].token_ids, alone[0].token_ids,
+                                               alone[2].token_ids]
+    _baseline(e)
+    assert _media_free(e)
 
 
-def test_media_rows_wait_free_and_refusals(ck):
+def test_media_rows_wait_free_and_refusals(ck, engine):
     rng = np.random.default_rng(8)
     h = ck.config.text.hidden_size
-    e = _engine(ck, media_rows=30)
-    try:
-        big = [_image_prompt(rng, 5, (5, 5), 5, h) for _ in range(2)]  # 25 rows each: one at a time
-        handles = [e.submit(r) for r in big]
-        assert all(x.result(TIMEOUT).finish_reason == "length" for x in handles)
-        assert _media_free(e)
-        h0 = e.submit(dataclasses.replace(big[0], max_tokens=200))
-        next(iter(h0.events()))
-        h0.cancel()
-        assert h0.result(TIMEOUT).finish_reason == "cancelled"
-        _baseline(e)
-        assert _media_free(e)
-        m = big[0].media
-        bad = [(PromptMedia(m.rows[::-1], m.embeds, m.rope_positions), "strictly ascending"),
-               (PromptMedia(m.rows, m.embeds[:, :5], m.rope_positions), "media.embeds"),
-               (PromptMedia(m.rows, m.embeds * np.nan, m.rope_positions), "media.embeds"),
-               (PromptMedia(m.rows, m.embeds, m.rope_positions[:2]), "media.rope_positions"),
-               (PromptMedia(np.arange(31), np.zeros((31, h)), m.rope_positions), "holds 30")]
-        for media, match in bad:
-            with pytest.raises(ValueError, match=match):
-                e.submit(dataclasses.replace(big[0], media=media))
-    finally:
-        e.shutdown()
+    e = engine
+    big = [_image_prompt(rng, 5, (5, 5), 5, h) for _ in range(2)]  # 25 rows each: one at a time
+    handles = [e.submit(r) for r in big]
+    assert all(x.result(TIMEOUT).finish_reason == "length" for x in handles)
+    assert _media_free(e)
+    h0 = e.submit(dataclasses.replace(big[0], max_tokens=200))
+    next(iter(h0.events()))
+    h0.cancel()
+    assert h0.result(TIMEOUT).finish_reason == "cancelled"
+    _baseline(e)
+    assert _media_free(e)
+    m = big[0].media
+    bad = [(PromptMedia(m.rows[::-1], m.embeds, m.rope_positions), "strictly ascending"),
+           (PromptMedia(m.rows, m.embeds[:, :5], m.rope_positions), "media.embeds"),
+           (PromptMedia(m.rows, m.embeds * np.nan, m.rope_positions), "media.embeds"),
+           (PromptMedia(m.rows, m.embeds, m.rope_positions[:2]), "media.rope_positions"),
+           (PromptMedia(np.arange(31), np.zeros((31, h)), m.rope_positions), "holds 30")]
+    for media, match in bad:
+        with pytest.raises(ValueError, match=match):
+            e.submit(dataclasses.replace(big[0], media=media))
     plain = Engine(ck.params, ck.config, None, dtype="float32", max_model_len=128, parallel=2, backend=Backend(),
                    progress=False)
     with pytest.raises(ValueError, match="media_rows=0"):
