@@ -8,6 +8,7 @@ Prometheus scrapers rely on). Keys are compared with `hmac.compare_digest`.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hmac
 import logging
@@ -174,9 +175,11 @@ def build_app(serving: Serving, *, api_key: str | None = None, max_body_bytes: i
     async def create_response(request: Request):
         req = _parse(responses.ResponsesRequest, await request.body())
         history = store.history(req)
+        stored = store.stores(req)
+        if req.background:
+            return JSONResponse(background(req, history))
         result = await serving.chat(converted(functools.partial(responses.to_chat, history=history), req),
                                     wait_disconnect(request))
-        stored = store.stores(req)
         keep = functools.partial(store.keep, req, history) if stored else None
         if isinstance(result, EventStream):
             events = responses.ResponsesStream(result.chunks, req, serving.model_name, think_end, stored, keep)
@@ -185,6 +188,42 @@ def build_app(serving: Serving, *, api_key: str | None = None, max_body_bytes: i
         if keep is not None:
             keep(obj)
         return JSONResponse(obj)
+
+    def background(req: responses.ResponsesRequest, history) -> dict:
+        """Store the response queued, run its chat request in a task of its own and store the result: completed /
+        incomplete, failed with the error (a 400 or 503 the request would have got, a server error), or cancelled
+        (`POST /v1/responses/{id}/cancel` sets the event the chat call watches as it would a disconnect)."""
+        chat = converted(functools.partial(responses.to_chat, history=history), req)
+        serving.check_model(chat.model)  # (the chat call's other refusals come back as the response's error)
+        obj, cancel = responses.queued(req, serving.model_name), asyncio.Event()
+        store.keep(req, history, obj, cancel=cancel)
+
+        async def work() -> None:
+            store.finish(obj["id"], {**obj, "status": "in_progress"})
+            try:
+                result = await serving.chat(chat, cancel.wait)
+            except ClientDisconnected:
+                return  # cancelled: the store already says so
+            except APIError as e:
+                error = {"code": e.code or e.type, "message": e.message}
+            except Exception as e:  # noqa: BLE001 - the client reads it as the response's error
+                log.exception("background response %s failed", obj["id"])
+                error = {"code": "server_error", "message": f"Internal server error ({type(e).__name__})."}
+            else:
+                store.finish(obj["id"], responses.from_chat(req, result, think_end, True, base=obj))
+                return
+            store.finish(obj["id"], {**obj, "status": "failed", "error": error})
+
+        task = asyncio.ensure_future(work())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        return obj
+
+    tasks: set[asyncio.Future] = set()  # the background responses' work, referenced until done
+
+    @app.post("/v1/responses/{response_id}/cancel", dependencies=guarded)
+    async def cancel_response(response_id: str):
+        return JSONResponse(store.cancel(response_id))
 
     @app.get("/v1/responses/{response_id}", dependencies=guarded)
     async def get_response(response_id: str):

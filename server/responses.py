@@ -14,7 +14,9 @@ Responses are stored (`store`, true unless the request says false) in memory, th
 them (`ResponseStore`): `GET /v1/responses/{id}`, `GET /v1/responses/{id}/input_items`, `DELETE
 /v1/responses/{id}`, and `previous_response_id`, which answers the stored conversation (that response's history,
 its input and its output items) followed by the new input, as if the whole of it had been sent as `input` (the
-earlier instructions are not carried over, as in OpenAI's API). `background` is refused.
+earlier instructions are not carried over, as in OpenAI's API). `background` responses return at once, queued,
+and run on the server (`GET` shows their status and then their output; `POST /v1/responses/{id}/cancel` stops one,
+its request cancelled in the engine); a failure leaves status "failed" with the error.
 Streams are the API's typed events (response.created ... response.completed), each with its sequence_number.
 `top_logprobs` (or `include` naming the text's logprobs) asks the chat route for logprobs, returned on the message's
 text part.
@@ -22,6 +24,7 @@ text part.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -207,9 +210,6 @@ def _format(req: ResponsesRequest) -> dict[str, Any] | None:
 def to_chat(req: ResponsesRequest, history: list[dict[str, Any]] | None = None) -> P.ChatCompletionRequest:
     """The chat request answering `req`, after the conversation `history` (a stored response's items, for
     previous_response_id)."""
-    if req.background:
-        raise bad_request("background responses are not supported (send the request and wait for its reply)",
-                          param="background")
     history = history or []
     messages = _messages(req.instructions, history + input_items(req), first=len(history))
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream,
@@ -239,7 +239,7 @@ def _base(req: ResponsesRequest, model: str, stored: bool) -> dict[str, Any]:
     """A new response object: the fields that echo the request."""
     rid, created = _new_id("resp"), int(time.time())
     return {"id": rid, "object": "response", "created_at": created, "model": model, "status": "in_progress",
-            "error": None, "incomplete_details": None, "instructions": req.instructions,
+            "background": bool(req.background), "error": None, "incomplete_details": None, "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {}, "output": [],
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,
@@ -288,8 +288,15 @@ def _finish(obj: dict[str, Any], finish: str | None) -> dict[str, Any]:
     return obj
 
 
+def queued(req: ResponsesRequest, model: str) -> dict[str, Any]:
+    """A background response as its request returns it: stored, queued, no output yet."""
+    return {**_base(req, model, True), "status": "queued"}
+
+
 def from_chat(req: ResponsesRequest, r: P.ChatCompletionResponse, think_end: int | None,
-              stored: bool = False) -> dict[str, Any]:
+              stored: bool = False, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The response answering req from the chat route's reply r; base: the response object to fill (a background
+    response's, keeping its id and creation time), else a new one."""
     c = r.choices[0]
     m = c.message
     output: list[dict[str, Any]] = []
@@ -303,7 +310,7 @@ def from_chat(req: ResponsesRequest, r: P.ChatCompletionResponse, think_end: int
     for call in m.tool_calls or ():
         output.append(_call_item(_new_id("fc"), call.id, call.function.name, call.function.arguments))
     cached = r.usage.prompt_tokens_details.cached_tokens if r.usage.prompt_tokens_details else 0
-    obj = _base(req, r.model, stored)
+    obj = dict(base) if base is not None else _base(req, r.model, stored)
     obj["output"] = output
     obj["usage"] = _usage(r.usage.prompt_tokens, r.usage.completion_tokens, cached,
                           _reasoning_tokens(c.token_ids, think_end, bool(m.reasoning_content)))
@@ -452,15 +459,21 @@ def _listed(item: dict[str, Any]) -> dict[str, Any]:
 
 @dataclasses.dataclass
 class Stored:
-    response: dict[str, Any]  # the response object as it was returned
+    response: dict[str, Any]  # the response object as it was returned (a background one: as it stands now)
     inputs: list[dict[str, Any]]  # the request's input items, each with an id
     history: list[dict[str, Any]]  # the conversation before the response's output: earlier turns, then inputs
+    cancel: asyncio.Event | None = None  # a background response's, set to stop its work
+
+    @property
+    def running(self) -> bool:
+        return self.response["status"] in ("queued", "in_progress")
 
 
 class ResponseStore:
-    """The last `capacity` stored responses, in memory (a restart forgets them); past that the oldest goes. A
-    response keeps its conversation with it, so previous_response_id reads a chain back whole even after responses
-    earlier in it were deleted or dropped. Used from the event loop only (no locking)."""
+    """The last `capacity` stored responses, in memory (a restart forgets them); past that the oldest goes (a
+    background one still running is cancelled as it goes). A response keeps its conversation with it, so
+    previous_response_id reads a chain back whole even after responses earlier in it were deleted or dropped.
+    Used from the event loop only (no locking)."""
 
     def __init__(self, capacity: int = DEFAULT_STORE):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
@@ -472,6 +485,16 @@ class ResponseStore:
         return len(self._kept)
 
     def stores(self, req: ResponsesRequest) -> bool:
+        """Whether req's response is kept; raises the 400s of a background request that cannot be."""
+        if req.background:
+            if req.store is False or not self.capacity:
+                raise bad_request("background responses are stored (their result is read back with GET); this "
+                                  "request has store false" if req.store is False else
+                                  "background responses need the response store (--responses-store 0 here)",
+                                  param="background")
+            if req.stream:
+                raise bad_request("background responses are not streamed here: send stream false and read the "
+                                  "result with GET /v1/responses/{id}", param="stream")
         return self.capacity > 0 and req.store is not False
 
     def history(self, req: ResponsesRequest) -> list[dict[str, Any]] | None:
@@ -487,14 +510,26 @@ class ResponseStore:
             raise bad_request(f"Previous response with id {rid!r} not found: never stored (store false), deleted, "
                               f"or dropped (this server keeps the last {self.capacity})",
                               param="previous_response_id", code="previous_response_not_found")
+        if prev.response["status"] not in ("completed", "incomplete"):
+            raise bad_request(f"previous_response_id: response {rid!r} is {prev.response['status']}; only a "
+                              "completed or incomplete response can be continued", param="previous_response_id")
         return prev.history + prev.response["output"]
 
-    def keep(self, req: ResponsesRequest, history: list[dict[str, Any]] | None, response: dict[str, Any]) -> None:
+    def keep(self, req: ResponsesRequest, history: list[dict[str, Any]] | None, response: dict[str, Any], *,
+             cancel: asyncio.Event | None = None) -> None:
         inputs = [item if "id" in item else {"id": _new_id(_ID_PREFIX.get(item.get("type", "message"), "item")),
                                              **item} for item in input_items(req)]
-        self._kept[response["id"]] = Stored(response, inputs, (history or []) + inputs)
+        self._kept[response["id"]] = Stored(response, inputs, (history or []) + inputs, cancel)
         while len(self._kept) > self.capacity:
-            self._kept.popitem(last=False)
+            _, old = self._kept.popitem(last=False)
+            self._stop(old)
+
+    def finish(self, rid: str, response: dict[str, Any]) -> None:
+        """A background response's final object (completed, incomplete, failed); nothing if it was cancelled,
+        deleted or dropped meanwhile."""
+        stored = self._kept.get(rid)
+        if stored is not None and stored.running:
+            stored.response = response
 
     def get(self, rid: str) -> Stored:
         stored = self._kept.get(rid)
@@ -502,8 +537,24 @@ class ResponseStore:
             raise APIError(404, f"No response found with id {rid!r}", param="response_id", code="not_found")
         return stored
 
+    @staticmethod
+    def _stop(stored: Stored) -> None:
+        if stored.cancel is not None and stored.running:
+            stored.cancel.set()
+            stored.response = {**stored.response, "status": "cancelled"}
+
+    def cancel(self, rid: str) -> dict[str, Any]:
+        """Stop a background response (its request is cancelled in the engine); one already finished is returned
+        as it is."""
+        stored = self.get(rid)
+        if stored.cancel is None:
+            raise bad_request(f"response {rid!r} was not created with background true; only background responses "
+                              "can be cancelled", param="response_id")
+        self._stop(stored)
+        return stored.response
+
     def delete(self, rid: str) -> dict[str, Any]:
-        self.get(rid)
+        self._stop(self.get(rid))
         del self._kept[rid]
         return {"id": rid, "object": "response", "deleted": True}
 

@@ -834,12 +834,24 @@ def test_responses_stream_items():
     assert events[-1][1]["message"] == "boom"
 
 
+def _settled(http: httpx.Client, rid: str, timeout: float = 60.0) -> dict:
+    """A background response once it has left queued / in_progress (bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = http.get(f"/v1/responses/{rid}").json()
+        if r["status"] not in ("queued", "in_progress") or time.monotonic() > deadline:
+            return r
+        time.sleep(0.05)
+
+
 def test_responses_stored(http, client, model):
     """Stored responses: GET returns the response as it was returned (whole or streamed); previous_response_id
     answers as the whole conversation sent as input does (the earlier output items, then the new input), token for
     token, through the official client too; input_items lists the request's items with ids, newest first, paged
     by limit / order / after; store false keeps nothing; DELETE removes one (then 404, and previous_response_id
-    naming it a 400 in OpenAI's shape)."""
+    naming it a 400 in OpenAI's shape). Background responses: queued at once, then the foreground reply; cancelled
+    mid-reply, their request gone from the engine; the 400s of background with store false or streamed, and of
+    cancelling a response that is not background."""
     first = {"model": model, "instructions": "Answer briefly.", "input": "What colour is the sky?",
              "max_output_tokens": 10, "temperature": 0.0}
     r1 = http.post("/v1/responses", json=first).json()
@@ -877,6 +889,28 @@ def test_responses_stored(http, client, model):
     for query, param in (({"limit": 0}, "limit"), ({"order": "up"}, "order"), ({"after": "msg_x"}, "after")):
         r = http.get(f"/v1/responses/{r3['id']}/input_items", params=query)
         assert r.status_code == 400 and r.json()["error"]["param"] == param
+    # background: queued at once, then the reply the same request gets in the foreground
+    bg = http.post("/v1/responses", json={**first, "background": True}).json()
+    assert (bg["status"], bg["background"], bg["output"]) == ("queued", True, [])
+    done = _settled(http, bg["id"])
+    assert (done["id"], done["status"], done["output"][0]["content"][0]["text"]) == (
+        bg["id"], r1["status"], r1["output"][0]["content"][0]["text"])
+    # ... and cancelled mid-reply: its request leaves the engine (a seeded reply that runs 200 tokens without an
+    # end, asked for 800, cancelled as soon as it is queued)
+    baseline = http.get("/health").json()
+    long = {**first, "temperature": 1.0, "seed": 5, "store": False}
+    assert http.post("/v1/responses", json={**long, "max_output_tokens": 200}).json()["status"] == "incomplete"
+    bg = http.post("/v1/responses", json={**long, "max_output_tokens": 800, "store": True,
+                                          "background": True}).json()
+    assert http.post(f"/v1/responses/{bg['id']}/cancel").json()["status"] == "cancelled"
+    assert wait_idle(http, baseline)["running"] == baseline["running"]
+    assert _settled(http, bg["id"])["status"] == "cancelled"
+    for body, param in (({**first, "background": True, "store": False}, "background"),
+                        ({**first, "background": True, "stream": True}, "stream")):
+        r = http.post("/v1/responses", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+    r = http.post(f"/v1/responses/{r2['id']}/cancel")
+    assert r.status_code == 400 and "background" in r.json()["error"]["message"]
     # deleted: gone from GET, DELETE and previous_response_id
     assert http.delete(f"/v1/responses/{r1['id']}").json() == {"id": r1["id"], "object": "response", "deleted": True}
     for r in (http.get(f"/v1/responses/{r1['id']}"), http.delete(f"/v1/responses/{r1['id']}"),
@@ -890,8 +924,9 @@ def test_responses_stored(http, client, model):
 
 
 def test_response_store():
-    """ResponseStore alone: the oldest dropped past its capacity; capacity 0 stores nothing and refuses
-    previous_response_id; a continued conversation's messages carry the stored reasoning into the assistant turn
+    """ResponseStore alone: the oldest dropped past its capacity (a running background response cancelled as it
+    goes); a background response not continued while it runs, its result kept once; capacity 0 stores nothing and
+    refuses previous_response_id; a continued conversation's messages carry the stored reasoning into the assistant turn
     and leave the earlier instructions out; the flag's value checked."""
     from server.errors import APIError
     from server.responses import ResponsesRequest, ResponseStore, to_chat
@@ -902,7 +937,7 @@ def test_response_store():
     for k in range(3):
         req = ResponsesRequest(input=f"q{k}", instructions="old", previous_response_id=f"resp_{k - 1}" if k else None)
         history = store.history(req)
-        store.keep(req, history, {"id": f"resp_{k}", "output": out})
+        store.keep(req, history, {"id": f"resp_{k}", "status": "completed", "output": out})
     assert len(store) == 2 and [k for k in store._kept] == ["resp_1", "resp_2"]
     with pytest.raises(APIError) as e:
         store.get("resp_0")
@@ -912,6 +947,20 @@ def test_response_store():
     assert [(m["role"], m.get("content"), m.get("reasoning_content")) for m in msgs] == [
         ("system", "new", None), ("user", "q0", None), ("assistant", "A", "hm"), ("user", "q1", None),
         ("assistant", "A", "hm"), ("user", "q2", None), ("assistant", "A", "hm"), ("user", "q3", None)]
+    # a background response: not continued while it runs; finished once; dropped while running, its work stopped
+    import asyncio
+    store, stop = ResponseStore(1), asyncio.Event()
+    store.keep(ResponsesRequest(input="q", background=True), None, {"id": "resp_bg", "status": "queued",
+                                                                    "output": []}, cancel=stop)
+    with pytest.raises(APIError, match="is queued"):
+        store.history(ResponsesRequest(input="x", previous_response_id="resp_bg"))
+    store.finish("resp_bg", {"id": "resp_bg", "status": "completed", "output": out})
+    store.finish("resp_bg", {"id": "resp_bg", "status": "failed", "output": []})
+    assert store.get("resp_bg").response["status"] == "completed" and not stop.is_set()
+    store.keep(ResponsesRequest(input="q", background=True), None, {"id": "resp_bg2", "status": "in_progress",
+                                                                    "output": []}, cancel=stop)
+    store.keep(ResponsesRequest(input="y"), None, {"id": "resp_next", "status": "completed", "output": []})
+    assert stop.is_set() and len(store) == 1
     none = ResponseStore(0)
     assert not none.stores(ResponsesRequest(input="q"))
     with pytest.raises(APIError) as e:
