@@ -2,7 +2,7 @@
 QWEN_JAX_TEST_CPU_DEVICES=2; not collected by the suite itself): the model's entry points against one device's
 (numerically: the output projections' sums are split), and the engine's exactness under two devices, token for
 token: concurrent = solo, greedy and seeded, an image's rows among them, a prompt resumed from the prompt cache =
-fresh, and a DFlash drafter's windows with the kernels on (interpreted) = serial decoding."""
+fresh (an fp8 KV cache), and a DFlash drafter's windows with the kernels on (interpreted) = serial decoding."""
 
 import dataclasses
 
@@ -83,9 +83,9 @@ def _engine(tensor_parallel: int, **kw) -> Engine:
     ck = load_checkpoint(CAPTURES / "tiny", dtype=jnp.float32, progress=False)
     buckets = P.Buckets(prompt_rows=(64, 128), prompt_lanes=(4,), decode_streams=(8,), logprobs=2,
                         slot_copy=kw.get("prompt_cache", 0) > 0)
-    return Engine(ck.params, ck.config, load_tokenizer(CAPTURES / "tiny"), dtype="float32", max_model_len=256,
-                  parallel=8, backend=M.Backend(), buckets=buckets, prefill_step=64, max_logprobs=2, progress=False,
-                  media_rows=48, tensor_parallel=tensor_parallel, **kw)
+    return Engine(ck.params, ck.config, load_tokenizer(CAPTURES / "tiny"), dtype="float32", kv_cache="fp8",
+                  max_model_len=256, parallel=8, backend=M.Backend(), buckets=buckets, prefill_step=64,
+                  max_logprobs=2, progress=False, media_rows=48, tensor_parallel=tensor_parallel, **kw)
 
 
 def _requests() -> list[GenerationRequest]:
@@ -110,10 +110,10 @@ def _baseline(e: Engine):
 
 
 def test_engine_concurrent_equals_solo_and_the_prompt_cache_resumes_exactly():
-    """Under two devices: 8 requests of different lengths, greedy and seeded, together = each alone (ids and
-    logprobs, bit for bit), steady state compiles nothing, pools back to baseline; a prompt resumed from the prompt
-    cache = the same prompt fresh; the greedy replies = one device's (the tiny model's top tokens are not near
-    ties at fp32)."""
+    """Under two devices, an fp8 KV cache (its codes and scales split by head with the pages): 8 requests of
+    different lengths, greedy and seeded, and an image's rows, together = each alone (ids and logprobs, bit for
+    bit), steady state compiles nothing, pools back to baseline; a prompt resumed from the prompt cache = the same
+    prompt fresh; the greedy replies = one device's (the tiny model's top tokens are not near ties at fp32)."""
     e = _engine(2, prompt_cache=2)
     assert e.backend.parallel is not None and e.backend.parallel.size == 2
     e.start()
