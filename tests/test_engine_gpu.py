@@ -128,6 +128,40 @@ def test_drafted_equals_serial_on_gpu(kv_cache, monkeypatch):
     copy_drafts_equal_serial(e, monkeypatch)
 
 
+def test_thinking_budget_drafted_equals_serial_on_gpu(monkeypatch):
+    """A thinking budget with the kernels on: a seeded reply whose think block is forced shut after 5 tokens is the
+    serial reply with `think_end` at token 6; drafted by copy drafts (the oracle over that reply), it decodes
+    serially while it thinks and in windows after, alone and beside a drafted greedy stream: the serial replies,
+    token for token and logprob for logprob, drafts kept, nothing compiled while serving."""
+    from qwen_jax.engine import stream as stream_mod
+    from tests.test_drafts import OracleCopies, _prompts, _request
+    ck = _params("bfloat16")
+    e = Engine(ck.params, ck.config, None, dtype="bfloat16", max_model_len=512, parallel=4, max_logprobs=2,
+               progress=False, copy_drafts=True)
+    replies = {}
+    monkeypatch.setattr(stream_mod, "CopyIndex", lambda tokens: OracleCopies(tokens, replies, e.vocab_size, 5, 16))
+    e.start()
+    try:
+        req, other = _request(_prompts()[1], 11, max_tokens=40), _request(_prompts()[0], None, max_tokens=30)
+        free = e.submit(dataclasses.replace(req, draft=False)).result(120)
+        end = next(t for t in range(480, 0, -1) if t not in free.token_ids)
+        budget = dataclasses.replace(req, thinking_budget=5, think_end=end)
+        serial = [e.submit(dataclasses.replace(r, draft=False)).result(120) for r in (budget, other)]
+        assert serial[0].token_ids[:6] == free.token_ids[:5] + (end,)
+        replies.update({budget.prompt_ids: serial[0].token_ids, other.prompt_ids: serial[1].token_ids})
+        before = e.stats()
+        with P.CompileWatch() as watch:
+            alone = e.submit(budget).result(120)
+            together = [h.result(120) for h in [e.submit(budget), e.submit(other)]]
+        for a, b in zip(serial[:1] + serial, [alone] + together):
+            assert (a.token_ids, a.logprobs, a.finish_reason) == (b.token_ids, b.logprobs, b.finish_reason)
+        assert e.stats().draft_accepted_total > before.draft_accepted_total
+        assert (watch.traces, watch.compiles) == (0, 0)
+        _baseline(e)
+    finally:
+        e.shutdown()
+
+
 def copy_drafts_equal_serial(e: Engine, monkeypatch):
     """e (copy drafts on, not started): each request serial, then drafted alone and two drafted beside a serial one,
     drafts from the oracle over the serial replies; the same replies, drafts kept, nothing compiled."""
