@@ -239,7 +239,8 @@ def _base(req: ResponsesRequest, model: str, stored: bool) -> dict[str, Any]:
     """A new response object: the fields that echo the request."""
     rid, created = _new_id("resp"), int(time.time())
     return {"id": rid, "object": "response", "created_at": created, "model": model, "status": "in_progress",
-            "background": bool(req.background), "error": None, "incomplete_details": None, "instructions": req.instructions,
+            "background": bool(req.background), "error": None, "incomplete_details": None,
+            "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {}, "output": [],
             "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": req.previous_response_id,

@@ -167,7 +167,8 @@ def tree_engine():
 def test_resumed_with_the_drafter_equals_fresh(tree, request):
     """The prompt cache keeps and restores a slot's draft cache and drafts with its GDN state: a prompt resumed from
     a kept prefix gets the reply it gets with the cache emptied first, and its drafter ends on the same drafts (so
-    its context was the same all along). tree: tree windows (`draft_tree`), whose drafts' parents are kept too; 0: chains, on the `drafted` engine."""
+    its context was the same all along). tree: tree windows (`draft_tree`), whose drafts' parents are kept too; 0:
+    chains, on the `drafted` engine."""
     e = request.getfixturevalue("tree_engine") if tree else request.getfixturevalue("drafted")[0]
     rng = np.random.default_rng(9)
     head = [int(t) for t in rng.integers(0, 500, size=100)]
