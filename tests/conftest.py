@@ -81,20 +81,6 @@ if CPU_SUITE:
     _programs.enable_compilation_cache(os.environ["QWEN_JAX_CACHE_DIR"])
 
 
-# The suite's longest files (seconds of work each on the CI machine, session 52's durations), run first: the
-# workers take whole files (`--dist loadfile`) in collection order, so with the long ones first the run does not end
-# with one worker in a long file while the other sits idle. A file not named keeps its place after these.
-LONG_FILES = ("test_parallel.py", "test_dflash_engine.py", "test_attention.py", "test_attention_window_mgpu.py",
-              "test_engine.py", "test_tree_drafts.py", "test_server.py", "test_model_consistency.py", "test_drafts.py",
-              "test_model_kernels.py", "test_peer_captures.py", "test_train.py", "test_qmm_mgpu.py",
-              "test_prompt_cache.py", "test_server_limits.py", "test_cli.py")
-
-
-def pytest_collection_modifyitems(session, config, items):
-    rank = {name: i for i, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: a file's own order stays
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _compiled_programs_go_with_their_module():
     """Each test file's compiled programs are dropped when it ends (jax's caches, and its engines' executables once
