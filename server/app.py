@@ -176,10 +176,10 @@ def build_app(serving: Serving, *, api_key: str | None = None, max_body_bytes: i
         req = _parse(responses.ResponsesRequest, await request.body())
         history = store.history(req)
         stored = store.stores(req)
+        chat = converted(functools.partial(responses.to_chat, history=history), req)
         if req.background:
-            return JSONResponse(background(req, history))
-        result = await serving.chat(converted(functools.partial(responses.to_chat, history=history), req),
-                                    wait_disconnect(request))
+            return JSONResponse(background(req, history, chat))
+        result = await serving.chat(chat, wait_disconnect(request))
         keep = functools.partial(store.keep, req, history) if stored else None
         if isinstance(result, EventStream):
             events = responses.ResponsesStream(result.chunks, req, serving.model_name, think_end, stored, keep)
@@ -189,11 +189,10 @@ def build_app(serving: Serving, *, api_key: str | None = None, max_body_bytes: i
             keep(obj)
         return JSONResponse(obj)
 
-    def background(req: responses.ResponsesRequest, history) -> dict:
+    def background(req: responses.ResponsesRequest, history, chat: P.ChatCompletionRequest) -> dict:
         """Store the response queued, run its chat request in a task of its own and store the result: completed /
         incomplete, failed with the error (a 400 or 503 the request would have got, a server error), or cancelled
         (`POST /v1/responses/{id}/cancel` sets the event the chat call watches as it would a disconnect)."""
-        chat = converted(functools.partial(responses.to_chat, history=history), req)
         serving.check_model(chat.model)  # (the chat call's other refusals come back as the response's error)
         obj, cancel = responses.queued(req, serving.model_name), asyncio.Event()
         store.keep(req, history, obj, cancel=cancel)
